@@ -1,0 +1,38 @@
+"""neutrain: memory-efficient full fine-tuning of large language models.
+
+The top-level package stays light: importing ``neutrain`` imports neither
+Triton nor any kernel. Heavy entry points are resolved lazily on first use.
+
+Example:
+    >>> import neutrain
+    >>> neutrain.__version__
+    '0.1.0'
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> "module:attribute", resolved on first access (PEP 562).
+_LAZY = {
+    "NeuTrainer": "neutrain.trainer:NeuTrainer",
+    "load_recipe": "neutrain.config:load_recipe",
+    "compress_model": "neutrain.nn:compress_model",
+    "load_compressed": "neutrain.nn:load_compressed",
+}
+
+
+def __getattr__(name: str):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'neutrain' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,42 @@
+"""Shared pytest setup.
+
+Why this file sets environment variables at import time: Triton reads
+``TRITON_INTERPRET`` once, when it is first imported, and the Hugging Face
+libraries read their offline switches on import. Nothing in the test suite may
+touch the network, and kernels must run through Triton's CPU interpreter when
+no GPU is present.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DISABLE_TQDM", "1")
+
+import torch  # noqa: E402  (after the environment is set)
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Kernels fall back to Triton's CPU interpreter; must be set before triton import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip GPU-marked tests on machines without CUDA (they run on the device machine)."""
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    """Every test starts from a fixed seed so failures reproduce."""
+    torch.manual_seed(0)
+    yield
