@@ -1,0 +1,382 @@
+"""ShadowKV (arXiv 2410.21465): low-rank pre-RoPE keys, offloaded values, sparse decode.
+
+Prefill is exact. Afterwards each layer keeps, on the device: a rank-``r`` SVD of
+the pre-RoPE keys (``U`` shared across heads, ``SV`` per head), one landmark per
+chunk of ``chunk_size`` tokens (mean of its post-RoPE keys), the exact K/V of the
+``outliers`` chunks whose keys agree least with their landmark, and a local
+window plus every generated token. Values go to pinned CPU memory (plain CPU
+memory without CUDA, or the device with ``offload_values=False``).
+
+Each decode step scores the landmarks with the query (softmax, summed over query
+positions, max over the GQA group; Algorithm 2), takes the top-k chunks within the
+budget, rebuilds their keys (``U[pos] @ SV``, then RoPE at the original
+positions), gathers their values, and attends over
+``[outliers | selected | local + generated]``. The selection needs the query,
+which a ``Cache.update`` never sees, so the decode runs inside an attention
+implementation registered as ``"shadowkv"``.
+
+Defaults follow the paper: chunk 8, rank 160, budget 1.56% of the prompt (2048 of
+128K), 48 outlier chunks, 4 local chunks, sparse only for prompts >= 4096 tokens.
+
+Example:
+    >>> import torch, transformers
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                                num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
+    >>> _ = enable_shadowkv(model, budget=16, rank=32, outliers=2, min_prefill=64)
+    >>> cache = ShadowKVCache.for_model(model)
+    >>> _ = model(torch.randint(0, 100, (1, 96)), past_key_values=cache, use_cache=True)
+    >>> _ = model(torch.randint(0, 100, (1, 1)), past_key_values=cache, use_cache=True)
+    >>> cache.counters["sparse_steps"] > 0
+    True
+    >>> disable_shadowkv(model)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ... import compat
+
+ATTN_NAME = "shadowkv"
+
+
+@dataclass
+class ShadowKVOptions:
+    """ShadowKV knobs. ``budget`` < 1 is a fraction of the prompt, >= 1 a token count."""
+
+    budget: float = 0.0156
+    rank: int = 160
+    chunk_size: int = 8
+    outliers: int = 48
+    local_chunks: int = 4
+    min_prefill: int = 4096
+    offload_values: bool = True
+
+
+# ---------------------------------------------------------------- references
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama RoPE, ``x * cos + rotate_half(x) * sin`` (cos/sin broadcast to x)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`apply_rope`: rotate back and divide by cos^2 + sin^2 (the rope scaling squared)."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def low_rank_keys(pre_rope_keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD of ``[b, h, n, d]`` keys flattened over heads: ``U`` [b, n, r] (shared), ``SV`` [b, h, r, d].
+
+    The decomposition runs in fp32, as in the paper; ``U @ SV`` per head gives the keys back.
+    """
+    b, h, n, d = pre_rope_keys.shape
+    flat = pre_rope_keys.permute(0, 2, 1, 3).reshape(b, n, h * d).float()
+    u, s, vh = torch.linalg.svd(flat, full_matrices=False)
+    r = min(rank, s.shape[-1])
+    sv = (s[..., :r, None] * vh[..., :r, :]).view(b, r, h, d).permute(0, 2, 1, 3)
+    return u[..., :r].to(pre_rope_keys.dtype).contiguous(), sv.to(pre_rope_keys.dtype).contiguous()
+
+
+def select_chunks(query: torch.Tensor, landmarks: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
+    """Top-``k`` landmark indices per KV head (Algorithm 2): softmax(qL^T), sum over queries, max over group.
+
+    Args:
+        query: [b, hq, m, d].
+        landmarks: [b, h, C, d] with hq a multiple of h.
+    Returns:
+        [b, h, k] indices into the landmark axis.
+    """
+    b, hq, m, d = query.shape
+    h = landmarks.shape[1]
+    q = query.view(b, h, hq // h, m, d).float()
+    probs = torch.softmax(torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks.float()) * scaling, dim=-1)
+    scores = probs.sum(dim=3).amax(dim=2)
+    return scores.topk(k, dim=-1).indices
+
+
+def chunk_tokens(chunk_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[..., k] chunk ids -> [..., k * chunk_size] token indices."""
+    offs = torch.arange(chunk_size, device=chunk_ids.device)
+    return (chunk_ids[..., None] * chunk_size + offs).flatten(-2)
+
+
+def rebuild_keys(u: torch.Tensor, sv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys of ``tokens`` ([b, h, t]) from ``U`` [b, n, r] and ``SV`` [b, h, r, d]: [b, h, t, d]."""
+    b, h, t = tokens.shape
+    rows = u[torch.arange(b, device=u.device)[:, None, None], tokens]  # [b, h, t, r]
+    return torch.matmul(rows, sv)
+
+
+# ---------------------------------------------------------------- cache
+class ShadowKVLayer(DynamicLayer):
+    """One layer: dense until the attention function compresses the prefill, sparse after."""
+
+    def __init__(self, owner: "ShadowKVCache"):
+        super().__init__()
+        self.owner = owner
+        self.mode = "empty"  # -> "dense" after the first update -> "sparse" after compression
+        self.seen = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        if self.mode == "sparse":
+            self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
+            self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
+            return key_states, value_states
+        self.mode = "dense"
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def crop(self, *args, **kwargs):
+        raise NotImplementedError("ShadowKV caches are built per request")
+
+    # -- prefill compression
+    def compress(self, rotary, position_ids: torch.Tensor | None) -> bool:
+        """Build the shadow state from the exact prefill K/V; False (stay dense) if the prompt is too short."""
+        opt = self.owner.options
+        keys, values = self.keys, self.values
+        b, h, n, d = keys.shape
+        cs = opt.chunk_size
+        num_chunks = (n - opt.local_chunks * cs) // cs
+        if n < opt.min_prefill or num_chunks <= opt.outliers:
+            return False
+        ctx = num_chunks * cs
+        positions = position_ids if position_ids is not None else torch.arange(n, device=keys.device)[None]
+        self.pos0 = positions.reshape(-1, positions.shape[-1])[:, :1].to(keys.device)  # [1 or b, 1]
+        cos, sin = rotary(keys, positions.expand(b, n) if positions.shape[0] == 1 else positions)
+        pre = invert_rope(keys.float(), cos[:, None].float(), sin[:, None].float())
+        u, sv = low_rank_keys(pre, opt.rank)
+        self.u, self.sv = u.to(keys.dtype), sv.to(keys.dtype)
+
+        chunked = keys[:, :, :ctx].reshape(b, h, num_chunks, cs, d)
+        landmarks = chunked.float().mean(dim=3)
+        agreement = F.cosine_similarity(chunked.float(), landmarks[:, :, :, None], dim=-1).amin(dim=-1)
+        outlier_ids = agreement.topk(opt.outliers, dim=-1, largest=False).indices.sort(dim=-1).values
+        keep = torch.ones(b, h, num_chunks, dtype=torch.bool, device=keys.device)
+        keep.scatter_(-1, outlier_ids, False)
+        self.landmark_chunk = keep.nonzero()[:, 2].view(b, h, num_chunks - opt.outliers)
+        self.landmarks = landmarks.gather(2, self.landmark_chunk[..., None].expand(-1, -1, -1, d)).to(keys.dtype)
+        out_tok = chunk_tokens(outlier_ids, cs)[..., None].expand(-1, -1, -1, d)
+        self.outlier_k, self.outlier_v = keys.gather(2, out_tok), values.gather(2, out_tok)
+        self.tail_k, self.tail_v = keys[:, :, ctx:].clone(), values[:, :, ctx:].clone()
+
+        self.offloaded = opt.offload_values
+        ctx_values = values[:, :, :ctx]
+        if self.offloaded:
+            # Chunk-major rows so one gathered row is one chunk (the paper's CPU layout).
+            rows = ctx_values.reshape(b, h, num_chunks, cs * d)
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+            host.copy_(rows)
+            self.v_store = host
+        else:
+            self.v_store = ctx_values.clone()
+        self.num_chunks, self.context = num_chunks, ctx
+        self.select = max(1, min(self.owner.budget_tokens(n) // cs, num_chunks - opt.outliers))
+        self.keys = self.values = keys.new_empty(0)
+        self.mode = "sparse"
+        return True
+
+    # -- decode
+    def gather_values(self, chunk_ids: torch.Tensor, device) -> torch.Tensor:
+        """Values of the selected chunks, [b, h, k * chunk, d] on ``device``."""
+        b, h, k = chunk_ids.shape
+        cs, d = self.owner.options.chunk_size, self.tail_v.shape[-1]
+        if not self.offloaded:
+            tok = chunk_tokens(chunk_ids, cs)[..., None].expand(-1, -1, -1, d)
+            return self.v_store.gather(2, tok)
+        ids = chunk_ids.to("cpu")
+        rows = self.v_store.gather(2, ids[..., None].expand(-1, -1, -1, cs * d))
+        if device.type == "cuda":
+            stream = self.owner.copy_stream(device)
+            with torch.cuda.stream(stream):
+                moved = rows.pin_memory().to(device, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            moved.record_stream(torch.cuda.current_stream(device))
+        else:
+            moved = rows.to(device)
+        return moved.view(b, h, k * cs, d)
+
+    def sparse_attention(self, module, query: torch.Tensor, rotary) -> torch.Tensor:
+        """Attention of ``query`` [b, hq, m, d] over outliers + selected chunks + local/generated tokens."""
+        b, hq, m, d = query.shape
+        h = self.tail_k.shape[1]
+        cs = self.owner.options.chunk_size
+        picked = select_chunks(query, self.landmarks, self.select, module.scaling)
+        chunk_ids = self.landmark_chunk.gather(-1, picked)
+        tokens = chunk_tokens(chunk_ids, cs)
+        # Launch the key rebuild before the host-side value gather so the two overlap on CUDA.
+        pre = rebuild_keys(self.u, self.sv, tokens)
+        cos, sin = rotary(pre, tokens + self.pos0[:, :, None])
+        keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
+        values_sel = self.gather_values(chunk_ids, query.device)
+        keys = torch.cat([self.outlier_k, keys_sel, self.tail_k], dim=2)
+        values = torch.cat([self.outlier_v, values_sel, self.tail_v], dim=2)
+        mask = None
+        if m > 1:  # new tokens see each other causally; everything older is visible to all
+            total = keys.shape[2]
+            q_pos = torch.arange(m, device=query.device)[:, None] + (total - m)
+            mask = torch.arange(total, device=query.device)[None, :] <= q_pos
+        self.owner.counters["sparse_steps"] += 1
+        self.owner.counters["selected_chunks"] += int(chunk_ids.numel())
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=module.scaling, enable_gqa=hq != h
+        )
+        return out.transpose(1, 2).contiguous()
+
+    # -- accounting
+    def device_bytes(self) -> int:
+        if self.mode != "sparse":
+            return _nbytes(self.keys, self.values)
+        parts = [self.u, self.sv, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
+                 self.tail_k, self.tail_v]
+        return _nbytes(*parts) + (0 if self.offloaded else _nbytes(self.v_store))
+
+    def host_bytes(self) -> int:
+        return _nbytes(self.v_store) if self.mode == "sparse" and self.offloaded else 0
+
+    def full_bytes(self) -> int:
+        ref = self.tail_k if self.mode == "sparse" else self.keys
+        b, h, _, d = ref.shape
+        return 2 * b * h * self.seen * d * ref.element_size()
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class ShadowKVCache(Cache):
+    """A transformers ``Cache`` for models switched to ShadowKV with :func:`enable_shadowkv`.
+
+    Attributes:
+        counters: ``compressed_layers`` (prefills turned sparse), ``sparse_steps``
+            (decode attentions on the sparse path), ``selected_chunks``, ``dense_prefill``
+            (prompts left dense because they were too short) and ``dense_steps``.
+    """
+
+    def __init__(self, config, **options):
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.options = ShadowKVOptions(**options)
+        self.counters = dict.fromkeys(
+            ("compressed_layers", "sparse_steps", "selected_chunks", "dense_prefill", "dense_steps"), 0
+        )
+        self._copy_streams: dict = {}
+        super().__init__(layers=[ShadowKVLayer(self) for _ in range(cfg.num_hidden_layers)])
+
+    @classmethod
+    def for_model(cls, model) -> "ShadowKVCache":
+        """A cache with the options given to :func:`enable_shadowkv` for ``model``."""
+        return cls(model.config, **getattr(model, "_shadowkv_options", {}))
+
+    def budget_tokens(self, prompt_len: int) -> int:
+        budget = self.options.budget
+        return int(round(budget * prompt_len)) if budget < 1 else int(budget)
+
+    def copy_stream(self, device):
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        return self._copy_streams[device]
+
+    def stats(self) -> dict:
+        """Counters, device/host bytes and the measured compression ratio of device KV."""
+        dev = sum(layer.device_bytes() for layer in self.layers if layer.is_initialized)
+        host = sum(layer.host_bytes() for layer in self.layers if layer.is_initialized)
+        full = sum(layer.full_bytes() for layer in self.layers if layer.is_initialized)
+        return {**self.counters, "device_bytes": dev, "host_bytes": host, "full_bytes": full,
+                "compression_ratio": full / dev if dev else float("nan")}
+
+
+# ---------------------------------------------------------------- attention hook-up
+def shadowkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention implementation ``"shadowkv"``: exact prefill + compression, sparse decode."""
+    cache = getattr(module, "_shadowkv_cache", None)
+    sdpa = compat.sdpa_attention()
+    if not isinstance(cache, ShadowKVCache):
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
+    if layer.mode == "sparse":
+        return layer.sparse_attention(module, query, module._shadowkv_rotary), None
+    out = sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    is_prefill = key.shape[2] == query.shape[2]
+    if is_prefill and layer.compress(module._shadowkv_rotary, kwargs.get("position_ids")):
+        cache.counters["compressed_layers"] += 1
+    elif is_prefill:
+        cache.counters["dense_prefill"] += 1
+    else:
+        cache.counters["dense_steps"] += 1
+    return out
+
+
+def _capture_cache(module, args, kwargs):
+    module._shadowkv_cache = compat.cache_from_module_kwargs(kwargs)
+
+
+def _find_rotary(model):
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            return mod
+    raise ValueError("ShadowKV needs a model with a rotary embedding module")
+
+
+def enable_shadowkv(model, budget: float = 0.0156, rank: int = 160, chunk_size: int = 8, outliers: int = 48,
+                    **options):
+    """Switch ``model`` to ShadowKV attention; decode with ``ShadowKVCache.for_model(model)``.
+
+    Args:
+        budget: Selected tokens per step: a fraction of the prompt (< 1) or a count.
+        rank: SVD rank of the pre-RoPE keys.
+        chunk_size: Tokens per chunk/landmark.
+        outliers: Chunks kept exact on the device.
+        **options: ``local_chunks``, ``min_prefill``, ``offload_values`` (see :class:`ShadowKVOptions`).
+
+    Returns:
+        The model (modified in place).
+    """
+    opts = asdict(ShadowKVOptions(budget=budget, rank=rank, chunk_size=chunk_size, outliers=outliers, **options))
+    compat.register_attention_with_sdpa_mask(ATTN_NAME, shadowkv_attention)
+    if not hasattr(model, "_shadowkv_previous_attn"):
+        model._shadowkv_previous_attn = model.config._attn_implementation
+    model._shadowkv_options = opts
+    rotary = _find_rotary(model)
+    handles = []
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and hasattr(mod, "scaling") and hasattr(mod, "num_key_value_groups"):
+            mod._shadowkv_rotary = rotary
+            handles.append(mod.register_forward_pre_hook(_capture_cache, with_kwargs=True))
+    for handle in getattr(model, "_shadowkv_hooks", []):
+        handle.remove()
+    model._shadowkv_hooks = handles
+    compat.set_attn_implementation(model, ATTN_NAME)
+    return model
+
+
+def disable_shadowkv(model) -> None:
+    """Undo :func:`enable_shadowkv`: remove hooks and restore the previous attention implementation."""
+    for handle in getattr(model, "_shadowkv_hooks", []):
+        handle.remove()
+    for mod in model.modules():
+        for attr in ("_shadowkv_rotary", "_shadowkv_cache"):
+            if hasattr(mod, attr):
+                delattr(mod, attr)
+    if hasattr(model, "_shadowkv_previous_attn"):
+        compat.set_attn_implementation(model, model._shadowkv_previous_attn)
+        del model._shadowkv_previous_attn
+    for attr in ("_shadowkv_hooks", "_shadowkv_options"):
+        if hasattr(model, attr):
+            delattr(model, attr)
