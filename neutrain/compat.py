@@ -1,0 +1,68 @@
+"""Every place where transformers or torch versions differ, in one module.
+
+neutrain supports the GPU image's transformers 5.17 / torch 2.11 and the newest
+5.x / torch on PyPI. Library code never branches on versions itself; it calls
+the adapters here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+# --- KV cache API (eval) ---
+# Drift handled here (see shared/reference/kvcache.md §3.2): the forward keyword
+# for the cache is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (the old
+# name only warns there); model outputs carry ``past_key_values`` or ``cache``;
+# attention modules receive the cache as ``past_key_values=`` or ``cache=``.
+
+
+def cache_forward_kwarg(model: Any) -> str:
+    """Name of the keyword a model's ``forward`` takes its KV cache under.
+
+    Example:
+        >>> # model(input_ids, **{cache_forward_kwarg(model): cache}, use_cache=True)
+    """
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(outputs: Any) -> Any:
+    """The cache object a forward pass returned, whatever the attribute is called."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+def cache_from_module_kwargs(kwargs: dict) -> Any:
+    """The cache an attention module was called with (``cache=`` or ``past_key_values=``)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def register_attention_with_sdpa_mask(name: str, attention_fn: Any) -> None:
+    """Register ``attention_fn`` as attention implementation ``name``, masked like SDPA.
+
+    Without the mask registration transformers passes ``attention_mask=None`` to
+    custom implementations, which would silently drop causality in prefill.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def sdpa_attention() -> Any:
+    """transformers' SDPA attention function (same import path in every 5.x)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def set_attn_implementation(model: Any, name: str) -> None:
+    """Switch a loaded model's attention implementation (method in 5.x, config attribute before)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - old transformers
+        model.config._attn_implementation = name
