@@ -1,0 +1,478 @@
+"""The fused-update optimizer base: apply each gradient the moment it exists.
+
+LOMO's idea (trainer.md §1, §3, §7): instead of keeping every gradient until
+``optimizer.step()``, update each weight inside backward and free its gradient
+at once, so at most a layer's gradient is alive. This base class holds what all
+fused rules share; subclasses (:class:`~neutrain.optim.LOMO`,
+:class:`~neutrain.optim.AdaLomo`, :class:`~neutrain.optim.AdamWInBackward`) only
+write the per-tensor arithmetic.
+
+Two ways a gradient reaches the optimizer, one code path:
+
+* dense trainable parameters: :meth:`FusedOptimizer.bind` registers
+  ``register_post_accumulate_grad_hook`` (fires once per backward, after all
+  contributions, tied uses included, are summed into ``.grad``);
+* compressed weights (``neutrain.nn``) never get a ``.grad``: their backward
+  calls :meth:`FusedOptimizer.consume_grad_` with a *weight I/O* object that
+  decodes the weight and re-encodes it after the update.
+
+The optimizer is a real ``torch.optim.Optimizer``: ``param_groups`` hold ``lr``
+and ``weight_decay`` and are read live at every update, so Hugging Face and torch
+schedulers work; ``state`` is keyed by parameter and survives
+``state_dict()``/``load_state_dict()``. ``step()`` does only end-of-step
+bookkeeping (norms, counters, non-finite report); it never touches weights.
+
+Memory: every update runs on row chunks of at most ``chunk_numel`` elements, so
+the fp32 temporaries of one update are bounded (64 MiB each by default) whatever
+the tensor size (a Llama-3 lm_head has 525 M elements).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from typing import Iterable, Protocol
+
+import torch
+
+from neutrain.optim.clipping import ClipMode, as_rows, clip_coefficient, squared_norm
+from neutrain.optim.rounding import SeededGenerators, round_to_bf16
+
+logger = logging.getLogger(__name__)
+
+# Attribute set on placeholder parameters that stand for compressed weights (see neutrain.nn).
+COMPRESSED_KEY_ATTR = "_neutrain_compressed_key"
+
+
+class WeightIO(Protocol):
+    """Access to the storage of one weight, for an update.
+
+    ``read()`` returns a contiguous tensor that the optimizer updates in place;
+    ``write_(t)`` stores it back (a no-op for dense parameters, a re-encode for
+    compressed ones).
+    """
+
+    def read(self) -> torch.Tensor: ...
+
+    def write_(self, weight: torch.Tensor) -> None: ...
+
+
+class DenseWeightIO:
+    """Weight I/O for an ordinary parameter: updates land in ``param.data`` directly."""
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+
+    def read(self) -> torch.Tensor:
+        return self.param.data
+
+    def write_(self, weight: torch.Tensor) -> None:
+        if weight.data_ptr() != self.param.data.data_ptr():
+            self.param.data.copy_(weight)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class of optimizers whose update runs inside backward.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer. Pass
+            ``model.parameters()``: placeholders of compressed weights are
+            parameters too, so they get param groups, lr schedules and state.
+        defaults: per-group hyperparameters (must contain ``lr`` and ``weight_decay``).
+        clip_mode: ``"none"``, ``"per_tensor"``, ``"global_stale"`` or
+            ``"global_exact"`` (see :mod:`neutrain.optim.clipping`).
+        max_grad_norm: clipping threshold; ``None`` or ``<= 0`` disables clipping.
+        stochastic_rounding: round updated bf16 weights stochastically (fp32 weights
+            are written exactly).
+        seed: seed of the stochastic rounding (per tensor and step, see
+            :mod:`neutrain.optim.rounding`).
+        gradient_accumulation_steps: must be 1. A fused update consumes each
+            gradient at once; accumulating would need a persistent gradient buffer
+            per tensor, exactly the memory fused updates exist to avoid.
+        chunk_numel: elements per row chunk of an update (bounds fp32 temporaries).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        *,
+        clip_mode: ClipMode | str | None = None,
+        max_grad_norm: float | None = None,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+        gradient_accumulation_steps: int = 1,
+        chunk_numel: int = 1 << 24,
+    ):
+        if gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps} is not supported by fused "
+                "updates: each gradient is applied and freed inside backward, so accumulating over "
+                "micro-batches would need a full-size gradient buffer per tensor (the memory these "
+                "optimizers exist to save) and updating every micro-batch would silently change the "
+                "algorithm. Use gradient_accumulation_steps=1 with a larger per-device batch, or a "
+                "non-fused optimizer (e.g. 'adamw')."
+            )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype == torch.float16:
+                    raise ValueError(
+                        "fp16 parameters are not supported by fused updates: fp16 needs a dynamic loss "
+                        "scaler and a second backward to detect overflow before any weight changes. "
+                        "Train in bf16 (fp16=False, bf16=True)."
+                    )
+        self.clip_mode = ClipMode.parse(clip_mode, max_grad_norm)
+        self.max_grad_norm = float(max_grad_norm) if self.clip_mode is not ClipMode.NONE else None
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(seed)
+        self.chunk_numel = int(chunk_numel)
+        self._generators = SeededGenerators(self.seed)
+        self._hooks: list = []
+        self._names: dict[torch.Tensor, str] = {}
+        self._tied: set[torch.Tensor] = set()
+        self._tied_pending: dict[torch.Tensor, list] = {}
+        self._callback_queued = False
+        self._in_norm_pass = False
+        self._norm_pass_sumsq: dict[torch.device, torch.Tensor] = {}
+        self._exact_coef: torch.Tensor | None = None
+        self._step_sumsq: dict[torch.device, torch.Tensor] = {}
+        self._step_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prev_grad_norm: torch.Tensor | None = None
+        self.steps_done = 0
+        self.nonfinite_skips = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_skipped: list[str] = []
+        self._reindex()
+
+    # ------------------------------------------------------------------ wiring
+
+    def _reindex(self) -> None:
+        self._group_of: dict[torch.Tensor, dict] = {}
+        self._index_of: dict[torch.Tensor, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._index_of[p] = len(self._index_of)
+                self._group_of[p] = group
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_group_of"):
+            self._reindex()
+
+    def bind(self, model: torch.nn.Module) -> "FusedOptimizer":
+        """Connect the optimizer to ``model``'s backward.
+
+        Registers a post-accumulate-grad hook on every dense trainable parameter
+        of the param groups and hands the optimizer to every module that exposes
+        ``bind_fused_optimizer`` (compressed modules). A compressed weight used by
+        two modules (tied embedding and lm_head) is marked tied: its gradient
+        contributions are summed and applied once, at the end of backward.
+
+        Returns ``self``. Call again after the model's parameters were replaced
+        (e.g. by a distributed wrapper); :meth:`unbind` removes the hooks.
+        """
+        self.unbind()
+        self._names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        users: dict[torch.Tensor, int] = {}
+        for module in model.modules():
+            if hasattr(module, "bind_fused_optimizer"):
+                for key in module.bind_fused_optimizer(self):
+                    users[key] = users.get(key, 0) + 1
+        self._tied = {key for key, count in users.items() if count > 1}
+        for p in self._group_of:
+            if p.requires_grad and not getattr(p, COMPRESSED_KEY_ATTR, False):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._dense_hook))
+        return self
+
+    def unbind(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _dense_hook(self, param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        if grad is not None:
+            with torch.no_grad():
+                self.consume_grad_(param, grad, DenseWeightIO(param))
+
+    # ------------------------------------------------------------ gradients in
+
+    def consume_grad_(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
+        """Take one gradient of the weight behind ``key`` and act on it now.
+
+        Called by the dense hooks and by compressed modules' backward. In a norm
+        pass it only adds ``||grad||^2`` to the pass total; for a tied weight it
+        sums the contribution and defers the update to the end of backward;
+        otherwise it reads the weight, updates it and writes it back.
+
+        Args:
+            key: the parameter in ``param_groups`` that stands for the weight.
+            grad: the gradient (any float dtype, same shape as the weight).
+            io: access to the weight's storage.
+        """
+        if key not in self._group_of:
+            raise KeyError("gradient for a parameter that is not in this optimizer's param_groups")
+        if key in self._tied:
+            pending = self._tied_pending.get(key)
+            if pending is None:
+                self._tied_pending[key] = [grad, io]
+            else:
+                pending[0] = pending[0] + grad
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush_tied)
+            return
+        self._consume_now(key, grad, io)
+
+    def _flush_tied(self) -> None:
+        self._callback_queued = False
+        pending, self._tied_pending = self._tied_pending, {}
+        with torch.no_grad():
+            for key, (grad, io) in pending.items():
+                self._consume_now(key, grad, io)
+
+    def _consume_now(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
+        chunk_rows = self._chunk_rows(grad)
+        sumsq = squared_norm(grad, chunk_rows)
+        if self._in_norm_pass:
+            _add_on_device(self._norm_pass_sumsq, sumsq)
+            return
+        ok = torch.isfinite(sumsq)
+        _add_on_device(self._step_sumsq, torch.where(ok, sumsq, torch.zeros_like(sumsq)))
+        self._step_flags.append((key, ok))
+        weight = io.read()
+        self.update_(key, weight, grad, _ok=ok, _sumsq=sumsq)
+        io.write_(weight)
+
+    def _clip_coef(self, sumsq: torch.Tensor) -> torch.Tensor | None:
+        mode = self.clip_mode
+        if mode is ClipMode.NONE:
+            return None
+        if mode is ClipMode.GLOBAL_EXACT:
+            if self._exact_coef is None:
+                raise RuntimeError(
+                    "clip_mode='global_exact' needs the two-pass backward: call optimizer.backward(loss), "
+                    "or run loss.backward(retain_graph=True) inside `with optimizer.norm_pass():` first."
+                )
+            return self._exact_coef.to(sumsq.device)
+        if mode is ClipMode.GLOBAL_STALE and self._prev_grad_norm is not None:
+            return clip_coefficient(self._prev_grad_norm, self.max_grad_norm).to(sumsq.device)
+        # per_tensor, and the first step of global_stale (no previous norm yet)
+        return clip_coefficient(sumsq.sqrt(), self.max_grad_norm)
+
+    # ----------------------------------------------------------------- update
+
+    @torch.no_grad()
+    def update_(
+        self,
+        key: torch.Tensor,
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        *,
+        _ok: torch.Tensor | None = None,
+        _sumsq: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Apply this optimizer's rule to ``weight`` in place and return it.
+
+        The arithmetic is fp32; a bf16 weight is written back with stochastic
+        rounding (if enabled), an fp32 weight exactly. A non-finite gradient
+        leaves the weight and the optimizer state untouched, and no element of
+        the weight ever becomes non-finite. Clipping follows ``clip_mode``.
+
+        Args:
+            key: the parameter in ``param_groups`` standing for the weight (its
+                group's ``lr``/``weight_decay`` are read now; state lives in
+                ``self.state[key]``).
+            weight: contiguous tensor holding the current weight (bf16 or fp32).
+            grad: gradient of the same shape.
+
+        Returns:
+            ``weight``, updated.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.ones(2, 2))
+            >>> from neutrain.optim import LOMO
+            >>> opt = LOMO([w], lr=0.5)
+            >>> opt.update_(w, w.data, torch.ones(2, 2)).tolist()
+            [[0.5, 0.5], [0.5, 0.5]]
+        """
+        if not weight.is_contiguous():
+            raise ValueError("fused updates need a contiguous weight tensor")
+        if grad.shape != weight.shape:
+            raise ValueError(f"gradient shape {tuple(grad.shape)} != weight shape {tuple(weight.shape)}")
+        sumsq = squared_norm(grad, self._chunk_rows(grad)) if _sumsq is None else _sumsq
+        ok = torch.isfinite(sumsq) if _ok is None else _ok
+        coef = self._clip_coef(sumsq)
+        group = self._group_of[key]
+        generator = None
+        if self.stochastic_rounding and weight.dtype == torch.bfloat16:
+            generator = self._generators.for_update(weight.device, self._index_of[key], self.steps_done)
+        self._update_tensor(weight, grad, self.state[key], group, ok, coef, generator)
+        return weight
+
+    def _chunk_rows(self, t: torch.Tensor) -> int:
+        row_numel = max(1, as_rows(t).shape[1])
+        return max(1, self.chunk_numel // row_numel)
+
+    def _row_chunks(self, t: torch.Tensor) -> Iterable[slice]:
+        rows, step = as_rows(t).shape[0], self._chunk_rows(t)
+        return (slice(start, start + step) for start in range(0, rows, step))
+
+    def _update_tensor(self, weight, grad, state, group, ok, coef, generator) -> None:
+        """Default element-wise driver: per row chunk, ``_rule_chunk`` then write back."""
+        scalars = self._begin_tensor(weight, state, group, ok)
+        w_rows, g_rows = as_rows(weight), as_rows(grad)
+        for rows in self._row_chunks(weight):
+            p32 = w_rows[rows].float()
+            g32 = _scaled(g_rows[rows], coef)
+            new32 = self._rule_chunk(p32, g32, state, group, rows, ok, scalars)
+            self._write_rows(w_rows[rows], new32, ok, generator)
+
+    def _begin_tensor(self, weight, state, group, ok):
+        """Per-tensor prologue (state init, step counters); returns scalars for the chunks."""
+        return None
+
+    def _rule_chunk(self, p32, g32, state, group, rows, ok, scalars) -> torch.Tensor:
+        """Return the new fp32 values of weight rows ``rows`` (must not modify ``p32``)."""
+        raise NotImplementedError
+
+    def _write_rows(self, dst: torch.Tensor, new32: torch.Tensor, ok: torch.Tensor, generator) -> None:
+        keep_new = ok & torch.isfinite(new32)
+        if dst.dtype == torch.bfloat16:
+            new = round_to_bf16(new32, generator, generator is not None)
+        else:
+            new = new32.to(dst.dtype)
+        dst.copy_(torch.where(keep_new, new, dst))
+
+    # ------------------------------------------------------- passes and steps
+
+    @contextlib.contextmanager
+    def norm_pass(self):
+        """First pass of ``global_exact`` clipping: gradients are only measured.
+
+        Inside the context, every gradient is reduced to its squared norm and
+        dropped; on exit the global clip coefficient for the next (real) backward
+        is computed. Run the loss backward with ``retain_graph=True`` inside.
+        """
+        self._in_norm_pass = True
+        self._norm_pass_sumsq = {}
+        try:
+            yield self
+        finally:
+            self._in_norm_pass = False
+        total = _sum_devices(self._norm_pass_sumsq)
+        self._exact_coef = clip_coefficient(total.sqrt(), self.max_grad_norm or math.inf)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run the backward pass(es) this optimizer's clip mode needs; updates happen inside.
+
+        One ``loss.backward()``, or two for ``global_exact`` (the first only
+        measures the global norm). Call :meth:`step` afterwards.
+        """
+        if self.clip_mode is ClipMode.GLOBAL_EXACT:
+            with self.norm_pass():
+                loss.backward(retain_graph=True)
+        loss.backward()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """End-of-step bookkeeping; the weights were already updated during backward.
+
+        Applies any tied-weight update still pending, computes the step's global
+        gradient norm (for logging and for ``global_stale`` clipping), counts and
+        logs tensors skipped for non-finite gradients. One host sync, only when a
+        tensor was updated.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._tied_pending:
+            self._flush_tied()
+        self.last_skipped = []
+        if self._step_flags:
+            keys, flags = zip(*self._step_flags)
+            flags = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
+            self.last_skipped = [self._names.get(k, f"param#{self._index_of[k]}") for k, f in zip(keys, flags) if not f]
+            if self.last_skipped:
+                self.nonfinite_skips += len(self.last_skipped)
+                logger.warning(
+                    "step %d: non-finite gradient, update skipped for %d tensor(s): %s",
+                    self.steps_done, len(self.last_skipped), ", ".join(self.last_skipped[:8]),
+                )
+            self.last_grad_norm = _sum_devices(self._step_sumsq).sqrt()
+            self._prev_grad_norm = self.last_grad_norm
+        self._step_sumsq, self._step_flags = {}, []
+        self._exact_coef = None
+        self.steps_done += 1
+        return loss
+
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (pre-clip, over every tensor updated), or None."""
+        return None if self.last_grad_norm is None else float(self.last_grad_norm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Safe no-op: fused updates already freed every gradient; stray ``.grad`` are dropped."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Torch's optimizer state plus the fused bookkeeping (step count, last norm)."""
+        sd = super().state_dict()
+        sd["fused"] = {
+            "steps_done": self.steps_done,
+            "nonfinite_skips": self.nonfinite_skips,
+            "seed": self.seed,
+            "prev_grad_norm": None if self._prev_grad_norm is None else float(self._prev_grad_norm),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        fused = state_dict.pop("fused", None)
+        super().load_state_dict(state_dict)
+        # Torch casts loaded state to each parameter's dtype; fused state is fp32 by design
+        # (bf16 second moments underflow), so reload it keeping dtypes, only moving devices.
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for saved_id, param in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if saved is not None:
+                self.state[param] = {
+                    k: v.to(param.device, copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+                    for k, v in saved.items()
+                }
+        self._reindex()
+        if fused is not None:
+            self.steps_done = int(fused["steps_done"])
+            self.nonfinite_skips = int(fused["nonfinite_skips"])
+            self.seed = int(fused["seed"])
+            self._generators = SeededGenerators(self.seed)
+            prev = fused["prev_grad_norm"]
+            self._prev_grad_norm = None if prev is None else torch.tensor(prev, dtype=torch.float32)
+
+
+def _scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    g32 = g.float()
+    return g32 if coef is None else g32 * coef
+
+
+def _add_on_device(totals: dict, value: torch.Tensor) -> None:
+    current = totals.get(value.device)
+    totals[value.device] = value.clone() if current is None else current + value
+
+
+def _sum_devices(totals: dict) -> torch.Tensor:
+    if not totals:
+        return torch.zeros((), dtype=torch.float32)
+    values = list(totals.values())
+    total = values[0]
+    for v in values[1:]:
+        total = total + v.to(total.device)
+    return total
