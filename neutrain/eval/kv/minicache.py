@@ -233,7 +233,9 @@ class MiniCache(Cache):
         quant_group: KIVI group size (tokens per block; channels per group for values).
 
     Attributes:
-        merges: Number of merged blocks (per stream); > 0 proves the merge path ran.
+        merges: Number of merged blocks (one per pair and flush); > 0 proves the merge path ran.
+        merged_tokens: Token positions merged, summed over pairs.
+        retained_tokens: Token rows kept exactly, summed over pairs and over keys/values.
     """
 
     def __init__(self, config, start_layer: int | None = None, t: float = 0.6, gamma: float = 0.05,
@@ -258,10 +260,9 @@ class MiniCache(Cache):
         super().__init__(layers=layers)
 
     def _merge(self, pair: _LayerPair) -> None:
+        self.merged_tokens += pair.keys.residual_length()
         for stream in (pair.keys, pair.values):
-            block = stream.residual_length()
             self.retained_tokens += stream.merge(self.t, self.gamma, self.retain)
-            self.merged_tokens += block
         self.merges += 1
 
     def stored_bytes(self) -> int:

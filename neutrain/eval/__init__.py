@@ -1,0 +1,93 @@
+"""Long-context evaluation with full, MiniCache or ShadowKV KV caches.
+
+``evaluate`` is what ``NeuTrainer.evaluate`` and ``neutrain eval`` call. It works
+on CPU at small lengths (tiny models, a few hundred tokens) as well as on GPU at
+long ones. ShadowKV only compresses prompts of at least ``min_prefill`` tokens
+(paper: 4096); pass a smaller ``min_prefill`` (and ``outliers``) for short
+prompts, otherwise the result's ``counters["dense_prefill"]`` shows the fallback.
+
+Example:
+    >>> import transformers
+    >>> from neutrain.eval import evaluate
+    >>> from neutrain.eval.tasks import char_tokenizer
+    >>> tok = char_tokenizer()
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    ...                                num_key_value_heads=2, intermediate_size=128, vocab_size=len(tok))
+    >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
+    >>> res = evaluate(model, tok, ["niah_single"], kv="minicache", length=256, num_samples=1)
+    >>> sorted(res["tasks"]) == ["niah_single"] and res["overall"]["counters"]["merges"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from .loop import KV_KINDS, format_table, kv_cache_factory, perplexity, run_tasks, write_json
+from .tasks import TASKS, Sample, char_tokenizer, generate_task
+
+__all__ = ["evaluate", "TASKS", "Sample", "generate_task", "char_tokenizer", "format_table", "perplexity"]
+
+
+def _samples(tasks, tokenizer, length: int, num_samples: int, seed: int) -> dict[str, list[Sample]]:
+    if isinstance(tasks, str):
+        tasks = [tasks]
+    if isinstance(tasks, dict):
+        return {name: list(samples) for name, samples in tasks.items()}
+    out: dict[str, list[Sample]] = {}
+    for task in tasks:
+        if isinstance(task, Sample):
+            out.setdefault(task.task, []).append(task)
+        else:
+            out[task] = generate_task(task, tokenizer, length, num_samples, seed)
+    return out
+
+
+def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | str = ("niah_single",),
+             kv: str = "full", *, length: int = 4096, num_samples: int = 4, seed: int = 42,
+             ppl_texts: Iterable[str] | None = None, ppl_max_length: int = 1024, fidelity: bool = False,
+             output_json: str | Path | None = None, **kv_options) -> dict[str, Any]:
+    """Evaluate ``model`` on long-context tasks with the KV cache ``kv``.
+
+    Args:
+        model: A causal LM (any device; samples run one at a time, batch 1).
+        tokenizer: Its tokenizer; task lengths are counted in its tokens.
+        tasks: Task names from :data:`TASKS`, ``Sample`` objects, or ``{name: [Sample, ...]}``.
+        kv: ``"full"`` (``DynamicCache``), ``"minicache"`` or ``"shadowkv"``.
+        length: Total tokens per sample (prompt + answer budget) for generated tasks.
+        num_samples: Samples per generated task.
+        seed: Generator seed (RULER default 42).
+        ppl_texts: Held-out texts for perplexity (full attention, teacher forced).
+        ppl_max_length: Truncation for perplexity texts.
+        fidelity: Also decode with the full cache and report next-token KL and top-1
+            agreement of ``kv`` against it, teacher-forced on the full cache's tokens.
+        output_json: Write the results there (tensors dropped).
+        **kv_options: Passed to ``MiniCache(...)`` or ``enable_shadowkv(...)``.
+
+    Returns:
+        ``{"kv", "options", "tasks": {task: metrics}, "overall": metrics, "perplexity", "table", "per_sample"}``;
+        metrics hold ``accuracy`` (exact match, %), ``partial`` (RULER string_match_all, %),
+        ``tokens_per_s``, ``kv_device_bytes``, ``kv_host_bytes``, ``compression_ratio``
+        (full bytes / device bytes, measured), ``peak_gpu_bytes`` and the cache ``counters``.
+    """
+    if kv not in KV_KINDS:
+        raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+    was_training = model.training
+    model.eval()
+    try:
+        samples = _samples(tasks, tokenizer, length, num_samples, seed)
+        reference = None
+        if fidelity and kv != "full":
+            with kv_cache_factory(model, "full") as make_full:
+                reference = run_tasks(model, tokenizer, samples, make_full, keep_logits=True)["per_sample"]
+        with kv_cache_factory(model, kv, **kv_options) as make_cache:
+            results = run_tasks(model, tokenizer, samples, make_cache, reference=reference)
+        results["perplexity"] = perplexity(model, tokenizer, ppl_texts, ppl_max_length) if ppl_texts else None
+    finally:
+        model.train(was_training)
+    results = {"kv": kv, "options": dict(kv_options), **results}
+    results["table"] = format_table(results)
+    if output_json is not None:
+        write_json(results, output_json)
+    return results

@@ -1,0 +1,157 @@
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from neutrain.eval.kv import MiniCache
+from neutrain.eval.kv.minicache import retention_mask, slerp_merge
+from neutrain.eval.kv.quant import QuantizedTokenStore, pack_nibbles, unpack_nibbles
+
+from eval_helpers import decode_logits, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model4():
+    return tiny_llama(layers=4)
+
+
+def _greedy(model, ids, steps, cache):
+    from neutrain.eval.loop import greedy_decode
+
+    return greedy_decode(model, ids, steps, cache)["tokens"]
+
+
+def test_retain_every_token_matches_dynamic_cache(model4):
+    """gamma=1 keeps every pair exactly: same logits and tokens as DynamicCache, merges ran in prefill and decode."""
+    ids = torch.randint(0, 97, (2, 60))
+    ref = decode_logits(model4, ids, 40, DynamicCache(config=model4.config))
+    cache = MiniCache(model4.config, gamma=1.0, merge_every=5)
+    out = decode_logits(model4, ids, 40, cache)
+    assert cache.merges >= 5 and cache.merged_tokens == 60  # prefill block + 4 decode blocks of 5
+    assert cache.get_seq_length() == 60
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    prompt = ids[:1, :40]
+    greedy_cache = MiniCache(model4.config, gamma=1.0, merge_every=4)
+    assert torch.equal(_greedy(model4, prompt, 16, greedy_cache), _greedy(model4, prompt, 16, DynamicCache(config=model4.config)))
+    assert greedy_cache.merges > 1
+
+
+def test_merging_without_retention_changes_outputs(model4):
+    """Guard: the merge is real (gamma=0 on unrelated layers perturbs logits)."""
+    ids = torch.randint(0, 97, (1, 48))
+    ref = decode_logits(model4, ids, 40, DynamicCache(config=model4.config))
+    cache = MiniCache(model4.config, gamma=0.0, merge_every=4)
+    out = decode_logits(model4, ids, 40, cache)
+    assert cache.merges > 0 and cache.retained_tokens == 0
+    assert (out[:, 40:] - ref[:, 40:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("t", [0.6, 0.3])
+def test_gamma_zero_exact_for_proportional_layers(t):
+    """Every pair merged (gamma=0): exact when layer l = alpha_token * layer l-1 (same directions)."""
+    model = tiny_llama(layers=2)
+    cache = MiniCache(model.config, start_layer=0, gamma=0.0, t=t, merge_every=3)
+    k0, v0 = torch.randn(2, 2, 20, 16), torch.randn(2, 2, 20, 16)
+    alpha = torch.rand(2, 1, 20, 1) * 3 + 0.1  # per-token positive scale
+    cache.update(k0, v0, 0)
+    cache.update(k0 * alpha, v0 * alpha * 2, 1)
+    assert cache.merges == 1 and cache.retained_tokens == 0
+    for step in range(6):  # decode tokens merge in blocks of 3
+        k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+        cache.update(k, v, 0)
+        k1, v1 = cache.update(k * 0.5, v * 4.0, 1)
+        k0, v0 = torch.cat([k0, k], 2), torch.cat([v0, v], 2)
+    assert cache.merges == 3 and cache.merged_tokens == 26
+    assert cache.layers[0].pair.keys.residual_length() == 0
+    pair = cache.layers[0].pair
+    torch.testing.assert_close(pair.keys.read(0), k0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pair.values.read(0), v0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pair.keys.read(1)[:, :, 20:], k0[:, :, 20:] * 0.5, atol=1e-5, rtol=1e-5)
+
+
+def test_slerp_geometry_and_norms():
+    """Eq. 3: e is a unit vector at angle t*Omega from layer l-1; restore keeps each layer's per-token norm."""
+    a, c = torch.randn(3, 50, 32), torch.randn(3, 50, 32)
+    e, n_prev, n_next, omega = slerp_merge(a, c, t=0.6)
+    torch.testing.assert_close(e.norm(dim=-1), torch.ones(3, 50), atol=1e-5, rtol=0)
+    angle_prev = torch.arccos(((e * a).sum(-1) / a.norm(dim=-1)).clamp(-1, 1))
+    torch.testing.assert_close(angle_prev, 0.6 * omega, atol=1e-4, rtol=0)
+    torch.testing.assert_close(n_prev, a.norm(dim=-1))
+    model = tiny_llama(layers=2)
+    cache = MiniCache(model.config, start_layer=0, gamma=0.0)
+    x0, x1 = torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+    cache.update(x0, x0, 0)
+    cache.update(x1, x1, 1)
+    pair = cache.layers[0].pair
+    for side, x in enumerate((x0, x1)):
+        restored = pair.keys.read(side)
+        norms = restored.permute(0, 2, 1, 3).flatten(2).norm(dim=-1)
+        torch.testing.assert_close(norms, x.permute(0, 2, 1, 3).flatten(2).norm(dim=-1), atol=1e-4, rtol=1e-5)
+        assert (restored - x).abs().max() > 1e-2  # directions did change: the merge ran
+
+
+def test_distinct_retention_is_what_the_method_intends():
+    """Eq. 4 as printed keeps the most *similar* pairs; the intended rule keeps the most *distinct* ones.
+
+    Pairs 0..9 of 200 point in opposite directions, the rest nearly agree. The distinct
+    rule retains exactly those ten and reconstructs far better than the literal rule.
+    """
+    model = tiny_llama(layers=2)
+    x0 = torch.randn(1, 2, 200, 16)
+    x1 = x0 * 1.5 + 0.01 * torch.randn_like(x0)
+    x1[:, :, :10] = -x0[:, :, :10] + 0.01 * torch.randn(1, 2, 10, 16)
+    errors = {}
+    for rule in ("distinct", "literal"):
+        cache = MiniCache(model.config, start_layer=0, gamma=0.05, retain=rule)
+        cache.update(x0, x0, 0)
+        cache.update(x1, x1, 1)
+        pair = cache.layers[0].pair
+        errors[rule] = sum(((pair.keys.read(s) - x) ** 2).sum().item() for s, x in enumerate((x0, x1)))
+        kept = torch.cat(pair.keys.retained_index, -1)[1].sort().values
+        if rule == "distinct":
+            assert kept.tolist() == list(range(10))
+        else:
+            assert not set(kept.tolist()) & set(range(10))
+    assert errors["distinct"] < 0.05 * errors["literal"]
+
+
+def test_retention_mask_rules():
+    omega = torch.tensor([[0.0, 0.5, 1.0, 2.0, 3.0]])
+    assert retention_mask(omega, 0.0).sum() == 0
+    assert retention_mask(omega, 1.0).all()
+    assert retention_mask(omega, 0.1).tolist() == [[False, False, False, False, True]]
+    assert retention_mask(omega, 0.1, "literal").tolist() == [[True, False, False, False, False]]
+
+
+def test_quantized_store_roundtrip_and_packing():
+    codes = torch.randint(0, 16, (3, 5, 8), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    for axis in ("channel", "token"):
+        x = torch.randn(2, 2, 37, 16)
+        store = QuantizedTokenStore(axis=axis, bits=4, group=8)
+        store.append(x[:, :, :20])
+        store.append(x[:, :, 20:])
+        out = store.read()
+        assert store.num_quantized == 32 and len(store) == 37
+        torch.testing.assert_close(out[:, :, 32:], x[:, :, 32:])  # residual stays exact
+        dims = 2 if axis == "channel" else 3
+        blocks = x[:, :, :32].reshape(2, 2, 4, 8, 16)
+        span = (blocks.amax(dims + (1 if dims == 2 else 1)) - blocks.amin(dims + 1)).amax()
+        assert (out[:, :, :32] - x[:, :, :32]).abs().max() <= span / 15 / 2 + 1e-5
+        assert (out[:, :, :32] - x[:, :, :32]).abs().max() > 0
+
+
+def test_measured_ratios_merge_and_quantized(model4):
+    """Ratios are measured from stored tensors; 4-bit on top of merging compresses further."""
+    ids = torch.randint(0, 97, (1, 128))
+    merged = MiniCache(model4.config, gamma=0.05)
+    quant = MiniCache(model4.config, gamma=0.05, quant_bits=4, quant_group=32)
+    exact_only = MiniCache(model4.config, start_layer=99)
+    for cache in (merged, quant, exact_only):
+        decode_logits(model4, ids, 128, cache)
+    assert exact_only.merges == 0 and math.isclose(exact_only.stats()["compression_ratio"], 1.0)
+    r_merge, r_quant = merged.stats()["compression_ratio"], quant.stats()["compression_ratio"]
+    assert merged.merges > 0 and quant.merges > 0
+    assert 1.0 < r_merge < 4 / 3  # half the layers merged: at most 4/3 before retention costs
+    assert r_quant > 2.5 * r_merge

@@ -1,0 +1,169 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eval_helpers import decode_logits, tiny_llama
+from neutrain import compat
+from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
+from neutrain.eval.kv.shadowkv import (
+    apply_rope,
+    chunk_tokens,
+    invert_rope,
+    low_rank_keys,
+    rebuild_keys,
+    select_chunks,
+)
+from neutrain.eval.loop import greedy_decode
+
+# Lowered thresholds so a 136-token prompt takes the sparse path: 16 chunks of 8 after
+# 4 local chunks, 2 outliers, 14 selectable.
+SMALL = dict(chunk_size=8, outliers=2, min_prefill=64)
+FULL = dict(budget=10_000, rank=10_000, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=3)
+
+
+def _run(model, ids, prompt_len, **options):
+    enable_shadowkv(model, **options)
+    try:
+        cache = ShadowKVCache.for_model(model)
+        logits = decode_logits(model, ids, prompt_len, cache)
+    finally:
+        disable_shadowkv(model)
+    return logits, cache
+
+
+def _assert_sparse(cache, layers):
+    c = cache.counters
+    assert c["compressed_layers"] == layers and c["sparse_steps"] > 0 and c["selected_chunks"] > 0
+    assert c["dense_prefill"] == 0 and c["dense_steps"] == 0
+
+
+def test_full_rank_full_budget_matches_dynamic_cache(model):
+    """Compression turned off (rank = h*d, every chunk selected): same logits and greedy tokens."""
+    ids = torch.randint(0, 97, (1, 166))
+    ref = decode_logits(model, ids, 136, DynamicCache(config=model.config))
+    out, cache = _run(model, ids, 136, **FULL)
+    _assert_sparse(cache, 3)
+    assert cache.counters["sparse_steps"] == 30 * 3
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    enable_shadowkv(model, **FULL)
+    try:
+        skv = ShadowKVCache.for_model(model)
+        tokens = greedy_decode(model, ids[:, :136], 24, skv)["tokens"]
+    finally:
+        disable_shadowkv(model)
+    _assert_sparse(skv, 3)
+    assert torch.equal(tokens, greedy_decode(model, ids[:, :136], 24, DynamicCache(config=model.config))["tokens"])
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_sparse_budget_selects_budget_and_tracks_positions(model):
+    """Small budget and rank: k chunks per head per step, logical length and positions stay right."""
+    ids = torch.randint(0, 97, (2, 176))
+    steps = 40
+    out, cache = _run(model, ids, 136, budget=24, rank=8, **SMALL)
+    _assert_sparse(cache, 3)
+    heads, k = 2, 24 // 8
+    assert cache.counters["selected_chunks"] == 3 * steps * 2 * heads * k
+    assert cache.get_seq_length() == 176
+    layer = cache.layers[0]
+    assert layer.tail_k.shape[2] == 176 - layer.context and layer.select == k
+    assert (out - decode_logits(model, ids, 136, DynamicCache(config=model.config))).abs().max() > 1e-4
+
+
+def test_multi_token_append_after_prefill(model):
+    """Several tokens at once after prefill (q_len > 1) stay causal among themselves."""
+    ids = torch.randint(0, 97, (1, 150))
+    ref = model(ids).logits
+    enable_shadowkv(model, **FULL)
+    try:
+        cache = ShadowKVCache.for_model(model)
+        out = decode_logits(model, ids[:, :136], 136, cache)
+        with torch.no_grad():
+            out = model(input_ids=ids[:, 136:], use_cache=True, **{compat.cache_forward_kwarg(model): cache}).logits
+    finally:
+        disable_shadowkv(model)
+    _assert_sparse(cache, 3)
+    torch.testing.assert_close(out, ref[:, 136:], atol=2e-5, rtol=1e-5)
+
+
+def test_offload_path_equals_on_device_path(model):
+    """Values gathered chunk-wise from (pinned) CPU memory == gathered token-wise on the device."""
+    ids = torch.randint(0, 97, (2, 156))
+    off, c_off = _run(model, ids, 136, budget=16, rank=12, offload_values=True, **SMALL)
+    dev, c_dev = _run(model, ids, 136, budget=16, rank=12, offload_values=False, **SMALL)
+    _assert_sparse(c_off, 3)
+    assert c_off.stats()["host_bytes"] > 0 and c_dev.stats()["host_bytes"] == 0
+    torch.testing.assert_close(off, dev, atol=0, rtol=0)
+
+
+def test_short_prompt_falls_back_to_dense_and_is_counted(model):
+    ids = torch.randint(0, 97, (1, 50))
+    out, cache = _run(model, ids, 40, **FULL)
+    assert cache.counters["dense_prefill"] == 3 and cache.counters["sparse_steps"] == 0
+    torch.testing.assert_close(out, decode_logits(model, ids, 40, DynamicCache(config=model.config)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", [1.0, 1.3])
+def test_unrope_then_rope_is_identity(model, scaling):
+    rotary = model.model.rotary_emb
+    x = torch.randn(2, 3, 57, 16)
+    pos = torch.randint(0, 4000, (2, 57))
+    cos, sin = rotary(x, pos)
+    cos, sin = cos[:, None] * scaling, sin[:, None] * scaling
+    torch.testing.assert_close(apply_rope(invert_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(invert_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
+    assert (apply_rope(x, cos, sin) - x).abs().max() > 0.1
+
+
+def test_svd_full_rank_reproduces_keys_and_low_rank_is_optimal():
+    keys = torch.randn(2, 4, 90, 16)
+    u, sv = low_rank_keys(keys, rank=64)
+    assert u.shape == (2, 90, 64) and sv.shape == (2, 4, 64, 16)
+    all_tokens = torch.arange(90).expand(2, 4, 90)
+    assert (rebuild_keys(u, sv, all_tokens) - keys).abs().max() < 1e-5
+    u8, sv8 = low_rank_keys(keys, rank=8)
+    err8 = torch.linalg.matrix_norm(rebuild_keys(u8, sv8, all_tokens).permute(0, 2, 1, 3).reshape(2, 90, 64)
+                                    - keys.permute(0, 2, 1, 3).reshape(2, 90, 64))
+    s = torch.linalg.svdvals(keys.permute(0, 2, 1, 3).reshape(2, 90, 64))
+    torch.testing.assert_close(err8, s[:, 8:].norm(dim=-1), atol=1e-4, rtol=1e-4)  # Eckart-Young
+    tokens = torch.randint(0, 90, (2, 4, 7))
+    picked = rebuild_keys(u, sv, tokens)
+    torch.testing.assert_close(picked, torch.stack([torch.stack([keys[b, h, tokens[b, h]] for h in range(4)]) for b in range(2)]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_selection_equals_brute_force():
+    b, h, g, m, d, c, k = 2, 2, 3, 2, 16, 20, 5
+    query, landmarks = torch.randn(b, h * g, m, d), torch.randn(b, h, c, d)
+    got = select_chunks(query, landmarks, k, scaling=d**-0.5)
+    for bi in range(b):
+        for hi in range(h):
+            best = torch.full((c,), -1.0)
+            for gi in range(g):
+                qh = query[bi, hi * g + gi]
+                probs = torch.softmax(qh @ landmarks[bi, hi].T * d**-0.5, dim=-1).sum(0)
+                best = torch.maximum(best, probs)
+            assert set(got[bi, hi].tolist()) == set(best.topk(k).indices.tolist())
+    assert chunk_tokens(torch.tensor([[3, 0]]), 4).tolist() == [[12, 13, 14, 15, 0, 1, 2, 3]]
+
+
+def test_outliers_are_the_least_coherent_chunks(model):
+    """Outlier chunks = lowest min-cosine(key, chunk mean) per head, stored exactly; the rest get landmarks."""
+    ids = torch.randint(0, 97, (1, 136))
+    dense = DynamicCache(config=model.config)
+    decode_logits(model, ids, 136, dense)
+    _, cache = _run(model, ids, 136, budget=16, rank=8, **SMALL)
+    layer, keys = cache.layers[1], dense.layers[1].keys
+    chunks = keys[:, :, : layer.context].reshape(1, 2, layer.num_chunks, 8, 16)
+    mean = chunks.mean(3, keepdim=True)
+    agreement = torch.nn.functional.cosine_similarity(chunks, mean, dim=-1).amin(-1)
+    for head in range(2):
+        worst = agreement[0, head].topk(2, largest=False).indices.sort().values
+        assert set(layer.landmark_chunk[0, head].tolist()) == set(range(layer.num_chunks)) - set(worst.tolist())
+        torch.testing.assert_close(layer.outlier_k[0, head], chunks[0, head, worst].reshape(16, 16))
+        torch.testing.assert_close(layer.landmarks[0, head], mean[0, head, layer.landmark_chunk[0, head], 0])
