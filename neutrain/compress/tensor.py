@@ -1,0 +1,338 @@
+"""``CompressedTensor``: a weight kept NeuZip-compressed, and :func:`compress`.
+
+Everything the hot path needs (code tables, tile tables, buffers) is built at
+encode time, so ``decompress(out=buf)`` on a GPU is one kernel launch: no
+allocation and no host synchronisation. ``recompress_`` reuses every buffer
+whose size is fixed by the shape (tails, lane counts, tile table) and the
+stream while it fits; it reads one pair of integers back to the host (the new
+stream length and coded size) because the stream's size depends on the data.
+
+Backends: ``"triton"`` (kernels in :mod:`neutrain.kernels.codec`; bf16 only),
+``"reference"`` (pure PyTorch, any device and dtype) and ``"auto"`` (Triton for
+bf16 on CUDA, else the reference). Both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from neutrain.compress import codec, format as fmt, huffman
+from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
+from neutrain.compress.layout import unpack_tails
+
+DEFAULT_STEPS = 256
+"""Steps per lane. 256 keeps lane padding and counts at ~0.09 bit/weight (codec.md section 6)."""
+DEFAULT_LANES = 256
+"""Lanes per tile (one per GPU thread at 8 warps)."""
+REBUILD_GROWTH = 0.01
+"""Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
+_STREAM_HEADROOM = 1 / 64
+
+
+def _use_kernel(layout: Layout, device: torch.device, backend: str) -> bool:
+    if backend == "reference":
+        return False
+    eligible = layout.dtype == torch.bfloat16 and layout.tail_bits <= 8
+    if backend == "triton":
+        if not eligible:
+            raise ValueError(f"the Triton codec handles bf16 only, not {layout.dtype}")
+        return True
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
+    from neutrain.kernels import triton_available
+
+    return eligible and device.type == "cuda" and triton_available()
+
+
+def _lanes_for(numel: int, steps: int, lanes: int, tail_bits: int) -> int:
+    """Fewer lanes for small tensors, so a bias vector does not carry 256 lane counts."""
+    needed = 1 << max(0, math.ceil(math.log2(max(1, -(-numel // steps)))))
+    return max(16, min(lanes, needed))
+
+
+class CompressedTensor:
+    """A float tensor stored as entropy-coded exponents plus raw sign/mantissa bits.
+
+    Build one with :func:`compress` or :meth:`from_state_dict`.
+
+    Example:
+        >>> w = torch.randn(256, 256).bfloat16()
+        >>> ct = compress(w)
+        >>> torch.equal(ct.decompress().view(torch.int16), w.view(torch.int16))
+        True
+        >>> ct.bits_per_weight < 16
+        True
+    """
+
+    def __init__(self, layout: Layout, shape, device, steps: int, lanes: int, code_lengths: np.ndarray, name=None):
+        self.layout = layout
+        self.shape = torch.Size(shape)
+        self.numel = math.prod(self.shape)
+        self.steps, self.lanes = steps, lanes
+        self.tiles = codec.num_tiles(self.numel, steps, lanes)
+        self.name = name
+        device = torch.device(device)
+        self.lane_words = torch.zeros(self.tiles * lanes, dtype=torch.uint8, device=device)
+        self.tile_base = torch.zeros(self.tiles + 1, dtype=torch.int64, device=device)
+        self.tails = torch.zeros(tail_nbytes(self.numel, layout.tail_bits), dtype=torch.uint8, device=device)
+        self.stream = torch.zeros(codec.STREAM_PAD_WORDS, dtype=torch.int32, device=device)
+        self.stream_words = codec.STREAM_PAD_WORDS  # used words, padding included
+        self._tile_scratch = torch.zeros(2, self.tiles, dtype=torch.int64, device=device)
+        self._set_code(code_lengths)
+        self.rebuilds = 0
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.stream.device
+
+    @property
+    def mantissa_bits(self) -> int | None:
+        return self.layout.mantissa_bits
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device: streams, tables and code tables (capacity, not just use)."""
+        buffers = (self.stream, self.tails, self.lane_words, self.tile_base, self.enc_table, self.lut)
+        return sum(b.numel() * b.element_size() for b in buffers) + self.code_lengths.size
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / max(self.numel, 1)
+
+    def __repr__(self) -> str:
+        mode = "lossless" if self.layout.lossless else f"{self.layout.kept} mantissa bits"
+        return (f"CompressedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {mode}, "
+                f"{self.bits_per_weight:.2f} bits/weight, device={self.device})")
+
+    # ------------------------------------------------------------------- encoding
+    def _set_code(self, lengths: np.ndarray) -> None:
+        device = self.stream.device
+        self.code_lengths = np.asarray(lengths, dtype=np.uint8)
+        self.enc_table = huffman.encode_table(self.code_lengths).to(device)
+        self.lut = huffman.decode_lut(self.code_lengths).to(device)
+
+    def _symbols(self, x: torch.Tensor) -> torch.Tensor:
+        return split(to_bits(x), self.layout)[0]
+
+    def _rebuild_code(self, x: torch.Tensor) -> None:
+        self._set_code(huffman.build_code(huffman.histogram(self._symbols(x))))
+        self.rebuilds += 1
+
+    def _count(self, x: torch.Tensor, kernel: bool) -> tuple[int, int]:
+        """Pass 1; returns (stream words incl. padding, coded exponent bits): the one host read."""
+        if kernel:
+            from neutrain.kernels import codec as kcodec
+
+            tile_words, tile_bits = self._tile_scratch
+            kcodec.count(x, self.enc_table, self.tails, self.lane_words, tile_words, tile_bits,
+                         self.steps, self.lanes, self.layout.kept)
+            torch.cumsum(tile_words, dim=0, out=self.tile_base[1:])
+            coded = tile_bits.sum()
+        else:
+            symbols, tails = split(to_bits(x), self.layout)
+            self.tails.copy_(pack_tails(tails, self.layout.tail_bits))
+            lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes)
+            self.lane_words.copy_(lane_words)
+            self.tile_base.copy_(tile_base)
+        words, coded_bits = torch.stack([self.tile_base[-1], coded.to(torch.int64)]).tolist()
+        return words + codec.STREAM_PAD_WORDS, coded_bits
+
+    def _encode(self, x: torch.Tensor, backend: str, fresh_code: bool) -> None:
+        x = x.detach()
+        if x.shape != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"expected a {self.dtype} tensor of shape {tuple(self.shape)}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        x = x.to(self.device).contiguous()
+        kernel = _use_kernel(self.layout, self.device, backend)
+        words, coded_bits = self._count(x, kernel)
+        if not fresh_code and coded_bits > (1 + REBUILD_GROWTH) * self._coded_bits_at_build:
+            # Weights drifted: the old code still encodes everything (escapes), but worse.
+            self._rebuild_code(x)
+            words, coded_bits = self._count(x, kernel)
+            fresh_code = True
+        if fresh_code:
+            self._coded_bits_at_build = max(coded_bits, 1)
+        if words > self.stream.numel():
+            capacity = words if fresh_code and self.stream_words <= codec.STREAM_PAD_WORDS else (
+                words + int(words * _STREAM_HEADROOM) + 64)
+            self.stream = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        self.stream_words = words
+        self.stream[words - codec.STREAM_PAD_WORDS : words].zero_()
+        if kernel:
+            from neutrain.kernels import codec as kcodec
+
+            kcodec.pack(x, self.enc_table, self.lane_words, self.tile_base, self.stream,
+                        self.steps, self.lanes, self.layout.kept)
+        else:
+            codec.pack_lanes(self._symbols(x), self.enc_table, self.lane_words, self.tile_base, self.stream,
+                             self.steps, self.lanes)
+
+    def recompress_(self, t: torch.Tensor, *, backend: str = "auto") -> "CompressedTensor":
+        """Re-encode new values of the same shape and dtype in place.
+
+        Reuses all buffers while the stream fits (growing it with 1/64 headroom
+        otherwise) and the current code while the exponent stream stays within
+        :data:`REBUILD_GROWTH` of its size when the code was built.
+
+        Example:
+            >>> ct = compress(torch.randn(8, 8).bfloat16())
+            >>> w = torch.randn(8, 8).bfloat16()
+            >>> torch.equal(ct.recompress_(w).decompress(), w)
+            True
+        """
+        self._encode(t, backend, fresh_code=False)
+        return self
+
+    # ------------------------------------------------------------------- decoding
+    def decompress(self, out: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+        """Decode into ``out`` (contiguous, same shape, dtype and device) or a new tensor.
+
+        On CUDA with bf16 this is one kernel launch: no allocation when ``out`` is
+        given and never a host synchronisation.
+        """
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(f"out must be {self.dtype} {tuple(self.shape)} on {self.device}, "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        elif not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if _use_kernel(self.layout, self.device, backend):
+            from neutrain.kernels import codec as kcodec
+
+            kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, out,
+                          self.numel, self.steps, self.lanes, self.layout.kept)
+            return out
+        if self.numel:
+            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut,
+                                         self.numel, self.steps, self.lanes)[: self.numel]
+            index = torch.arange(self.numel, device=self.device)
+            bits = merge(symbols, unpack_tails(self.tails, self.layout.tail_bits, index), self.layout)
+            out.view(-1).copy_(from_bits(bits, self.dtype))
+        return out
+
+    def decompress_rows(self, index: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+        """Decode only rows ``index`` of dimension 0 (for embeddings): ``index.shape + shape[1:]``.
+
+        Decodes the few tiles that hold those rows (or everything, when that is less work).
+        """
+        if not self.shape:
+            raise ValueError("decompress_rows needs a tensor with at least one dimension")
+        index = torch.as_tensor(index, device=self.device).to(torch.int64)
+        row_len = math.prod(self.shape[1:])
+        tile_len = self.steps * self.lanes
+        span = -(-row_len // tile_len) + 1  # tiles one row can touch
+        if index.numel() * span >= self.tiles or row_len == 0:
+            return self.decompress(backend=backend)[index]
+        flat = index.reshape(-1)
+        first = flat * row_len
+        first_tile = first // tile_len
+        tile_ids = (first_tile[:, None] + torch.arange(span, device=self.device)).clamp(max=self.tiles - 1)
+        tile_ids = tile_ids.reshape(-1)
+        pick = (torch.arange(flat.numel(), device=self.device)[:, None] * (span * tile_len)
+                + (first - first_tile * tile_len)[:, None] + torch.arange(row_len, device=self.device))
+        if _use_kernel(self.layout, self.device, backend):
+            from neutrain.kernels import codec as kcodec
+
+            scratch = torch.empty(tile_ids.numel() * tile_len, dtype=self.dtype, device=self.device)
+            kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, scratch,
+                          self.numel, self.steps, self.lanes, self.layout.kept, tile_ids=tile_ids)
+            rows = scratch[pick]
+        else:
+            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut,
+                                         self.numel, self.steps, self.lanes, tiles=tile_ids)[pick]
+            elements = first[:, None] + torch.arange(row_len, device=self.device)
+            bits = merge(symbols, unpack_tails(self.tails, self.layout.tail_bits, elements), self.layout)
+            rows = from_bits(bits.reshape(-1), self.dtype)
+        return rows.reshape(*index.shape, *self.shape[1:])
+
+    # ------------------------------------------------------------ moving, saving
+    def _blobs(self) -> dict[str, torch.Tensor]:
+        return {
+            "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes),
+            "code_lengths": torch.from_numpy(self.code_lengths.copy()),
+            "lane_words": self.lane_words,
+            "tile_base": self.tile_base,
+            "stream": self.stream[: self.stream_words],
+            "tails": self.tails,
+        }
+
+    def to(self, device) -> "CompressedTensor":
+        """A copy on ``device`` (self when already there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return CompressedTensor._from_blobs(self._blobs(), self.name, device, self._coded_bits_at_build)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Plain tensors (contiguous, safetensors-ready) with a checksum; see :mod:`neutrain.compress.format`."""
+        blobs = {key: value.detach().contiguous().clone() for key, value in self._blobs().items()}
+        return fmt.seal(blobs, self.name)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], name: str | None = None, device=None):
+        """Rebuild from :meth:`state_dict`, verifying the checksum first.
+
+        Raises:
+            CorruptTensorError: naming the tensor (``name``, else the stored name).
+        """
+        label, layout, shape, steps, lanes, lengths = fmt.open_sealed(state, name)
+        blobs = dict(state)
+        blobs["code_lengths"] = torch.from_numpy(lengths)
+        target = torch.device(device) if device is not None else state["stream"].device
+        ct = cls._from_blobs(blobs, label, target, None, layout=layout, shape=shape, steps=steps, lanes=lanes)
+        return ct
+
+    @classmethod
+    def _from_blobs(cls, blobs, name, device, coded_bits, layout=None, shape=None, steps=None, lanes=None):
+        if layout is None:
+            header = blobs["header"].tolist()
+            kept = header[2]
+            layout = layout_for(fmt.DTYPES_BY_CODE[header[1]], None if kept < 0 else kept)
+            steps, lanes, shape = header[3], header[4], header[7:]
+        ct = cls(layout, shape, device, steps, lanes, blobs["code_lengths"].cpu().numpy(), name=name)
+        ct.lane_words.copy_(blobs["lane_words"])
+        ct.tile_base.copy_(blobs["tile_base"])
+        ct.tails.copy_(blobs["tails"])
+        ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
+        ct.stream_words = ct.stream.numel()
+        if coded_bits is None:
+            lane_bits_upper = int(ct.tile_base[-1]) * 32  # padded size: a safe drift reference
+            coded_bits = max(lane_bits_upper, 1)
+        ct._coded_bits_at_build = coded_bits
+        return ct
+
+
+def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int = DEFAULT_STEPS,
+             lanes: int = DEFAULT_LANES, backend: str = "auto", name: str | None = None) -> CompressedTensor:
+    """Compress a bf16, fp16 or fp32 tensor.
+
+    Args:
+        t: The tensor (any shape and strides; it stays on its device).
+        mantissa_bits: None for lossless; 0, 1, 3 (or 7 for fp16/fp32) to keep
+            that many mantissa bits, rounding to nearest even.
+        steps, lanes: Tile geometry (``lanes`` shrinks for small tensors).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        name: Name used in error messages and saved with the state dict.
+
+    Example:
+        >>> ct = compress(torch.randn(4, 5).bfloat16(), mantissa_bits=3)
+        >>> ct.decompress().shape
+        torch.Size([4, 5])
+    """
+    layout = layout_for(t.dtype, mantissa_bits)
+    numel = t.numel()
+    lanes = _lanes_for(numel, steps, lanes, layout.tail_bits)
+    ct = CompressedTensor(layout, t.shape, t.device, steps, lanes, huffman.build_code(np.zeros(1)), name=name)
+    ct._rebuild_code(t.detach())
+    ct.rebuilds = 0
+    ct._encode(t, backend, fresh_code=True)
+    return ct

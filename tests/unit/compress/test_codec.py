@@ -1,0 +1,103 @@
+"""Lossless exactness of the reference codec: every bf16 pattern, random shapes, the format in use."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from neutrain.compress import compress
+from neutrain.compress import codec, huffman
+from neutrain.compress.layout import layout_for, split, to_bits
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(_INT_VIEW[a.dtype]),
+                                              b.contiguous().view(_INT_VIEW[b.dtype]))
+
+
+def test_all_65536_bf16_patterns_roundtrip_bit_exactly():
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = patterns[torch.randperm(patterns.numel())].view(torch.bfloat16)  # NaN payloads, ±Inf, ±0, subnormals
+    ct = compress(x, backend="reference")
+    assert _bits_equal(ct.decompress(backend="reference"), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_all_16bit_patterns_roundtrip_for_other_dtypes(dtype):
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)
+    if dtype == torch.float16:
+        x = patterns.to(torch.int16).view(torch.float16)
+    else:  # every high half, with random low halves: all exponents, NaN payloads, subnormals
+        x = ((patterns << 16) | torch.randint(0, 1 << 16, patterns.shape, dtype=torch.int32)).view(torch.float32)
+    assert _bits_equal(compress(x).decompress(), x)
+
+
+@st.composite
+def _tensors(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(0, 40), min_size=0, max_size=3))
+    numel = 1
+    for size in shape:
+        numel *= size
+    raw = torch.randint(-(2**31), 2**31 - 1, (max(numel, 1) * 2,), generator=torch.Generator().manual_seed(
+        draw(st.integers(0, 2**30))), dtype=torch.int64).to(torch.int32)
+    scale = draw(st.sampled_from(["bits", "normal"]))
+    if scale == "bits":
+        flat = raw.view(torch.int16 if dtype != torch.float32 else torch.int32)[: max(numel, 1)]
+        x = flat.view(dtype)[:numel].reshape(shape).clone()
+    else:
+        x = (torch.randn(shape) * 0.02).to(dtype)
+    if draw(st.booleans()) and x.dim() >= 2:
+        x = x.transpose(0, 1)  # non-contiguous
+    elif draw(st.booleans()) and x.dim() >= 1 and x.shape[0] > 1:
+        x = x[::2]
+    return x
+
+
+@settings(max_examples=40, deadline=None)
+@given(_tensors(), st.sampled_from([(4, 16), (8, 32), (256, 256)]))
+def test_random_tensors_roundtrip_bit_exactly(x, geometry):
+    steps, lanes = geometry
+    ct = compress(x, steps=steps, lanes=lanes, backend="reference")
+    out = ct.decompress(backend="reference")
+    assert out.is_contiguous() and _bits_equal(out, x)
+
+
+def test_every_tensor_takes_the_entropy_coded_path():
+    for x in [torch.randn(3).bfloat16(), torch.zeros(0, dtype=torch.bfloat16), torch.randn(1000, 70).bfloat16()]:
+        ct = compress(x)
+        assert ct.lut.numel() == 1 << huffman.MAX_CODE_BITS and ct.enc_table.numel() == huffman.NUM_SYMBOLS
+        assert ct.tails.numel() == x.numel()  # one sign|mantissa byte per bf16 weight
+        # The stream holds exactly the Huffman bits of the exponents, lane by lane.
+        symbols = split(to_bits(x), layout_for(x.dtype))[0]
+        lane_words, tile_base, coded = codec.count_lanes(symbols, ct.enc_table, ct.steps, ct.lanes)
+        assert torch.equal(tile_base, ct.tile_base) and torch.equal(lane_words, ct.lane_words)
+        assert ct.stream_words == int(tile_base[-1]) + codec.STREAM_PAD_WORDS
+        decoded = codec.decode_tiles(ct.stream, ct.lane_words, ct.tile_base, ct.lut, x.numel(), ct.steps, ct.lanes)
+        assert torch.equal(decoded[: x.numel()], symbols)
+
+
+def test_lossless_size_on_random_init_is_below_target():
+    x = torch.randn(1024, 1024).mul(0.02).bfloat16()
+    ct = compress(x)
+    assert 10.4 < ct.bits_per_weight <= 10.9
+
+
+@pytest.mark.parametrize("kept", [0, 1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossy_relative_error_and_specials(kept, dtype):
+    x = torch.randn(3000, dtype=torch.float64).mul(torch.rand(3000, dtype=torch.float64).mul(20).exp2()).to(dtype)
+    x[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).max, -torch.finfo(dtype).max])
+    ct = compress(x, kept)
+    assert ct.mantissa_bits == kept and ct.tails.numel() == -(-3000 * (kept + 1) // 8)
+    y = ct.decompress()
+    assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == -float("inf")
+    finite = torch.isfinite(x)
+    assert torch.isfinite(y[finite]).all()  # saturates, never overflows to Inf
+    assert torch.equal(torch.isinf(y), torch.isinf(x)) and torch.equal(torch.isnan(y), torch.isnan(x))
+    normal = finite & (x.abs() >= torch.finfo(dtype).tiny)
+    rel = ((y.double() - x.double()).abs() / x.double().abs())[normal]
+    assert rel.max() <= 2.0 ** -(kept + 1)
+    assert rel.max() > 2.0 ** -(kept + 3)  # really lossy: bits were dropped

@@ -1,0 +1,127 @@
+"""CompressedTensor API: out buffers, recompress_, rows, moving, saving and corruption."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from neutrain.compress import CompressedTensor, CorruptTensorError, compress
+from neutrain.compress.format import BLOB_KEYS
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_metadata_and_size_accounting():
+    x = torch.randn(300, 500).mul(0.02).bfloat16()
+    ct = compress(x, name="layer.w")
+    assert ct.shape == x.shape and ct.dtype == torch.bfloat16 and ct.device == x.device
+    assert ct.nbytes == sum(t.numel() * t.element_size() for t in
+                            (ct.stream, ct.tails, ct.lane_words, ct.tile_base, ct.enc_table, ct.lut)) + 258
+    assert ct.bits_per_weight == pytest.approx(8 * ct.nbytes / x.numel())
+    assert "layer" not in repr(ct) and "bits/weight" in repr(ct)
+
+
+def test_decompress_into_out_and_out_validation():
+    x = torch.randn(64, 48).bfloat16()
+    ct = compress(x)
+    out = torch.full_like(x, float("nan"))
+    assert ct.decompress(out=out) is out and _same_bits(out, x)
+    with pytest.raises(ValueError):
+        ct.decompress(out=torch.empty(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        ct.decompress(out=torch.empty(64, 48, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        ct.decompress(out=torch.empty(48, 64, dtype=torch.bfloat16).t())
+
+
+def test_recompress_reuses_buffers_and_grows_when_needed():
+    x = torch.randn(200, 300).mul(0.02).bfloat16()
+    ct = compress(x)
+    ptrs = {name: getattr(ct, name).data_ptr() for name in ("tails", "lane_words", "tile_base")}
+    y = (x.float() * 0.999).bfloat16()  # same distribution: fits or nearly fits
+    ct.recompress_(y)
+    assert _same_bits(ct.decompress(), y)
+    assert all(getattr(ct, name).data_ptr() == ptr for name, ptr in ptrs.items())
+    stream_ptr, capacity = ct.stream.data_ptr(), ct.stream.numel()
+    z = (x.float() * 1.001).bfloat16()
+    ct.recompress_(z)
+    assert _same_bits(ct.decompress(), z)
+    if ct.stream_words <= capacity:
+        assert ct.stream.data_ptr() == stream_ptr
+    wide = torch.randn(200, 300).mul(torch.randn(200, 300).mul(6).exp2()).bfloat16()  # many more exponents
+    ct.recompress_(wide)
+    assert ct.stream.numel() >= ct.stream_words > capacity  # grew
+    assert _same_bits(ct.decompress(), wide)
+
+
+def test_recompress_rebuilds_code_on_drift_only():
+    x = torch.randn(256, 256).mul(0.02).bfloat16()
+    ct = compress(x)
+    ct.recompress_((x.float() + 1e-4 * torch.randn_like(x.float())).bfloat16())
+    assert ct.rebuilds == 0
+    drifted = torch.randn(256, 256).mul(3.0).bfloat16()  # exponents the code never saw: escapes
+    before = ct.code_lengths.copy()
+    ct.recompress_(drifted)
+    assert ct.rebuilds == 1 and (ct.code_lengths != before).any()
+    assert _same_bits(ct.decompress(), drifted)
+    fresh = compress(drifted)
+    assert ct.stream_words == fresh.stream_words  # same code as a fresh compress
+
+
+def test_recompress_rejects_other_shapes():
+    ct = compress(torch.randn(4, 4).bfloat16())
+    with pytest.raises(ValueError):
+        ct.recompress_(torch.randn(4, 5).bfloat16())
+
+
+@pytest.mark.parametrize("shape", [(97, 33), (5, 7, 11), (3000, 40)])
+def test_decompress_rows_matches_full_decode(shape):
+    x = torch.randn(*shape).bfloat16()
+    ct = compress(x, steps=8, lanes=16)
+    index = torch.tensor([[0, shape[0] - 1], [shape[0] // 2, 1]])
+    rows = ct.decompress_rows(index)
+    assert rows.shape == (2, 2, *shape[1:]) and _same_bits(rows, x[index])
+
+
+def test_to_same_device_and_copy():
+    ct = compress(torch.randn(10, 10).bfloat16())
+    assert ct.to("cpu") is ct
+
+
+@pytest.mark.parametrize("kept", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_state_dict_roundtrip_through_safetensors(tmp_path, kept, dtype):
+    x = torch.randn(123, 45).to(dtype)
+    ct = compress(x, kept, name="model.layers.0.mlp.up_proj.weight")
+    path = tmp_path / "w.safetensors"
+    save_file(ct.state_dict(), str(path))
+    again = CompressedTensor.from_state_dict(load_file(str(path)))
+    assert again.name == "model.layers.0.mlp.up_proj.weight" and again.mantissa_bits == ct.mantissa_bits
+    assert torch.equal(again.decompress(), ct.decompress())
+    again.recompress_(x)  # a loaded tensor stays updatable
+    assert torch.equal(again.decompress(), ct.decompress())
+
+
+@pytest.mark.parametrize("key", BLOB_KEYS + ("checksum",))
+def test_any_flipped_byte_is_detected_and_names_the_tensor(key):
+    ct = compress(torch.randn(70, 90).mul(0.02).bfloat16(), name="blocks.3.attn.q")
+    state = ct.state_dict()
+    generator = torch.Generator().manual_seed(len(key))
+    for _ in range(3):
+        corrupt = {k: v.clone() for k, v in state.items()}
+        raw = corrupt[key].view(-1).view(torch.uint8)
+        pos = int(torch.randint(0, raw.numel(), (1,), generator=generator))
+        raw[pos] ^= int(torch.randint(1, 256, (1,), generator=generator))
+        with pytest.raises(CorruptTensorError, match="blocks.3.attn.q"):
+            CompressedTensor.from_state_dict(corrupt)
+        with pytest.raises(CorruptTensorError, match="given_name"):
+            CompressedTensor.from_state_dict(corrupt, name="given_name")
+    CompressedTensor.from_state_dict(state)  # the untouched state still loads
+
+
+def test_missing_entry_is_reported():
+    state = compress(torch.randn(8, 8).bfloat16(), name="w").state_dict()
+    del state["tails"]
+    with pytest.raises(CorruptTensorError, match="missing"):
+        CompressedTensor.from_state_dict(state)
