@@ -22,24 +22,47 @@ def spectr_beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
 def spectr_rho(p: torch.Tensor, q: torch.Tensor, num_drafts: int, iters: int = 200) -> float:
     """Solve ``1 - (1 - beta(rho))^K = rho * beta(rho)`` for ``rho`` in ``[1, K]``.
 
+    ``beta`` is piecewise ``A + B/rho`` between the sorted ratios ``p/q``, so the
+    gap is evaluated at every breakpoint in one vectorised pass (no per-step
+    device syncs on GPU), and a scalar bisection finishes inside the bracketing
+    piece.
+
     Example:
         >>> p = torch.tensor([0.5, 0.5], dtype=torch.float64)
         >>> spectr_rho(p, p, 1)
         1.0
     """
+    k = num_drafts
+    safe_q = torch.where(q > 0, q, torch.ones_like(q))
+    ratio = torch.where(q > 0, p / safe_q, torch.full_like(p, float("inf")))
+    order = torch.sort(ratio).indices
+    r, ps, qs = ratio[order], p[order], q[order]
+    zero = torch.zeros(1, dtype=p.dtype, device=p.device)
+    # Piece j (rho between r[j-1] and r[j]): tokens < j contribute p/rho, tokens >= j contribute q.
+    below_p = torch.cat([zero, torch.cumsum(ps, 0)])
+    above_q = q.sum() - torch.cat([zero, torch.cumsum(qs, 0)])
+    points = torch.cat([torch.tensor([1.0, float(k)], dtype=p.dtype, device=p.device), r.clamp(1.0, float(k))])
+    points = torch.unique(points)  # sorted
+    piece = torch.searchsorted(r, points, right=False)  # tokens with ratio < rho
+    beta = above_q[piece] + below_p[piece] / points
+    gap = 1 - (1 - beta) ** k - points * beta
+    nonpositive = (gap <= 0).nonzero()
+    first = int(nonpositive[0]) if nonpositive.numel() else points.numel() - 1
+    if first == 0:
+        return float(points[0])
+    lo, hi = float(points[first - 1]), float(points[first])
+    j = int(torch.searchsorted(r, torch.tensor([0.5 * (lo + hi)], dtype=r.dtype, device=r.device)))
+    a_const, b_const = float(above_q[j]), float(below_p[j])
 
-    def gap(rho: float) -> float:
-        beta = spectr_beta(p, q, rho)
-        return 1 - (1 - beta) ** num_drafts - rho * beta
+    def gap_at(rho: float) -> float:
+        b = a_const + b_const / rho
+        return 1 - (1 - b) ** k - rho * b
 
-    lo, hi = 1.0, float(num_drafts)
-    if gap(lo) <= 0:
-        return lo
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         if mid in (lo, hi):
             break
-        if gap(mid) > 0:
+        if gap_at(mid) > 0:
             lo = mid
         else:
             hi = mid

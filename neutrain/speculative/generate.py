@@ -1,0 +1,275 @@
+"""Speculative generation with one or several drafts, verified in one target forward.
+
+Each round:
+
+1. **Draft.** A single draft model proposes K continuations of ``draft_len``
+   tokens as K independent samples (its cache is repeated K times along the
+   batch); a list of K draft models proposes one each. At temperature 0 the K
+   drafts start from the draft's K most likely first tokens and continue greedily.
+2. **Verify.** The K drafts are merged into a :class:`TokenTree` and the target
+   scores all nodes in one forward (4D additive mask, explicit position ids).
+3. **Walk.** From the root, the token-level scheme (:func:`verify_step`) is run
+   on the next tokens of the drafts that still match the committed prefix. Its
+   output ``y`` is committed; drafts whose token equals ``y`` survive (also when
+   ``y`` came from the residual -- their continuations are still i.i.d. draft
+   samples given the prefix, specdec.md 2.3). With no survivor the round ends;
+   after a full draft a bonus token is drawn from the target at the leaf.
+4. **Compact.** The target cache keeps the prefix plus the accepted path; each
+   draft cache keeps the row and prefix that match the committed tokens.
+
+Invariant: the target cache holds every committed token but the last, which is
+the next tree's root. Temperature 0 commits the target's argmax at every node,
+which is the target's greedy decode token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from neutrain.speculative._cache import (
+    cache_crop,
+    cache_forward_kwargs,
+    cache_keep_positions,
+    cache_repeat_batch,
+    cache_select_batch,
+    output_cache,
+)
+from neutrain.speculative.tree import TokenTree, tree_forward
+from neutrain.speculative.verify import sample_from, verify_step
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one :func:`generate` call.
+
+    ``block_efficiency`` is tokens committed per target verification call;
+    ``acceptance`` is the fraction of verified positions whose output was an
+    accepted draft token.
+    """
+
+    target_calls: int = 0
+    draft_calls: int = 0
+    committed_tokens: int = 0
+    verified_positions: int = 0
+    accepted_positions: int = 0
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.committed_tokens / max(self.target_calls, 1)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_positions / max(self.verified_positions, 1)
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "block_efficiency": self.block_efficiency, "acceptance": self.acceptance}
+
+
+@dataclass
+class SpeculativeOutput:
+    sequences: torch.Tensor
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+
+
+def warp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sampling distribution in float64 (softmax of ``logits / temperature``)."""
+    return torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache):
+    out = model(input_ids=tokens, position_ids=positions, use_cache=True, **cache_forward_kwargs(model, cache))
+    return out.logits, output_cache(out)
+
+
+class _DraftState:
+    """A draft model, its cache and how many committed tokens that cache holds."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.length = model, None, 0
+
+    def propose(self, seq: list[int], rows: int, steps: int, temperature: float, generator):
+        """Sample ``rows`` continuations of ``steps`` tokens; returns tokens ``[rows, steps]`` and q's."""
+        device = _device(self.model)
+        new = torch.tensor(seq[self.length :], device=device)[None]
+        positions = torch.arange(self.length, len(seq), device=device)[None]
+        logits, self.cache = _forward(self.model, new, positions, self.cache)
+        logits = logits[:, -1]
+        tokens, dists = [], []
+        for step in range(steps):
+            if step == 0:
+                if temperature == 0:
+                    token = torch.topk(logits[0], rows).indices  # K distinct greedy branches
+                    dist = None
+                else:
+                    dist = warp(logits[0], temperature).expand(rows, -1)
+                    token = torch.multinomial(dist, 1, replacement=True, generator=generator)[:, 0]
+                if rows > 1:
+                    cache_repeat_batch(self.cache, rows)
+            else:
+                pos = torch.full((rows, 1), len(seq) + step - 1, device=device)
+                logits, self.cache = _forward(self.model, tokens[-1][:, None], pos, self.cache)
+                logits = logits[:, -1]
+                if temperature == 0:
+                    token, dist = logits.argmax(-1), None
+                else:
+                    dist = warp(logits, temperature)
+                    token = torch.multinomial(dist, 1, generator=generator)[:, 0]
+            tokens.append(token)
+            dists.append(dist)
+        self.length = len(seq) + steps - 1
+        return torch.stack(tokens, 1).tolist(), dists
+
+    def keep(self, row: int, seq_before: int, matched: int, steps: int) -> None:
+        """Keep cache row ``row`` up to the committed tokens it holds."""
+        if self.cache.get_seq_length() and self.cache_batch() > 1:
+            cache_select_batch(self.cache, row)
+        self.length = seq_before + min(matched, steps - 1)
+        cache_crop(self.cache, self.length)
+
+    def cache_batch(self) -> int:
+        layer = self.cache.layers[0] if hasattr(self.cache, "layers") else None
+        return layer.keys.shape[0] if layer is not None else 1
+
+
+def _matched(tokens: list[int], committed: list[int]) -> int:
+    n = 0
+    while n < min(len(tokens), len(committed)) and tokens[n] == committed[n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def generate(
+    target,
+    drafts_or_draft,
+    input_ids: torch.Tensor,
+    num_drafts: int | None = None,
+    draft_len: int = 4,
+    scheme: str | None = None,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    draft_temperature: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    top_s: int = 5,
+) -> SpeculativeOutput:
+    """Exact speculative sampling from ``target`` with one or several drafts (batch 1).
+
+    Args:
+        target: a transformers causal LM (its cache must be a ``DynamicCache``).
+        drafts_or_draft: one draft model (its K drafts are i.i.d. samples), or a
+            list of K draft models (one draft each; only ``"specinfer"``).
+        input_ids: prompt, ``[1, n]``.
+        num_drafts: K; defaults to the number of draft models.
+        draft_len: tokens per draft (gamma).
+        scheme: ``"sd"``, ``"specinfer"``, ``"spectr"`` or ``"importance"``;
+            defaults to ``"sd"`` for K = 1 and ``"specinfer"`` otherwise.
+        temperature: target sampling temperature; 0 gives the target's greedy decode.
+        max_new_tokens: tokens to generate.
+        draft_temperature: drafts' temperature (defaults to ``temperature``);
+            verification uses the exact distribution each draft sampled from.
+        eos_token_id: stop after this token.
+        generator: optional ``torch.Generator`` on the target's device.
+        top_s: tokens in the truncated K = 2 optimal selection (``"importance"``).
+
+    Returns:
+        :class:`SpeculativeOutput` with ``sequences`` (prompt + new tokens) and stats.
+
+    Example:
+        >>> out = generate(target, draft, prompt, num_drafts=2, draft_len=4,
+        ...                scheme="importance", max_new_tokens=64)  # doctest: +SKIP
+        >>> out.stats.block_efficiency  # doctest: +SKIP
+    """
+    models = list(drafts_or_draft) if isinstance(drafts_or_draft, (list, tuple)) else [drafts_or_draft]
+    k_drafts = num_drafts if num_drafts is not None else len(models)
+    scheme = scheme or ("sd" if k_drafts == 1 else "specinfer")
+    if len(models) > 1 and len(models) != k_drafts:
+        raise ValueError(f"{len(models)} draft models given for num_drafts={k_drafts}")
+    if len(models) > 1 and scheme in ("spectr", "importance"):
+        raise ValueError(f"scheme {scheme!r} assumes identical drafts; several draft models need 'specinfer'")
+    if scheme == "sd" and k_drafts != 1:
+        raise ValueError("scheme 'sd' is single-draft; use num_drafts=1")
+    if input_ids.shape[0] != 1:
+        raise ValueError("speculative generate decodes one sequence at a time (batch 1)")
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if (temperature == 0) != (draft_temperature == 0):
+        raise ValueError("temperature 0 (greedy) needs greedy drafts too")
+
+    device = _device(target)
+    seq = input_ids[0].tolist()
+    prompt_len = len(seq)
+    stats = SpeculativeStats()
+    target_cache = None
+    if len(seq) > 1:  # the target cache holds all committed tokens but the last
+        _, target_cache = _forward(
+            target, torch.tensor(seq[:-1], device=device)[None], torch.arange(len(seq) - 1, device=device)[None], None
+        )
+    states = [_DraftState(m) for m in models]
+    while len(seq) - prompt_len < max_new_tokens and not (eos_token_id is not None and seq[-1] == eos_token_id and len(seq) > prompt_len):
+        n = len(seq)
+        drafts, dists = [], []  # drafts[k] = token list; dists[k][t] = q row draft k sampled token t from
+        for state in states:
+            rows = k_drafts if len(states) == 1 else 1
+            tokens, q = state.propose(seq, rows, draft_len, draft_temperature, generator)
+            stats.draft_calls += draft_len
+            for r in range(rows):
+                drafts.append(tokens[r])
+                dists.append([None if d is None else d[r] for d in q])
+        tree = TokenTree(seq[-1])
+        paths = [tree.add_path(d) for d in drafts]
+        past = n - 1
+        if target_cache is None:
+            from transformers import DynamicCache
+
+            target_cache = DynamicCache()
+        logits = tree_forward(target, tree, target_cache, past)
+        stats.target_calls += 1
+
+        committed, accepted_nodes, node, depth = [], [], 0, 0
+        survivors = list(range(len(drafts)))
+        while True:
+            if depth >= draft_len:  # a full draft was accepted: bonus token from the leaf
+                y = int(logits[node].argmax()) if temperature == 0 else sample_from(warp(logits[node], temperature), generator)
+                committed.append(y)
+                break
+            offered = [drafts[k][depth] for k in survivors]
+            if temperature == 0:
+                y = int(logits[node].argmax())
+                index = offered.index(y) if y in offered else None
+            else:
+                p = warp(logits[node], temperature)
+                if len(states) == 1:  # identical drafts: one q per tree node
+                    q = dists[survivors[0]][depth].expand(len(survivors), -1)
+                else:
+                    q = torch.stack([dists[k][depth] for k in survivors])
+                step_scheme = "sd" if len(survivors) == 1 and scheme != "specinfer" else scheme
+                y, index = verify_step(step_scheme, p, q, offered, generator, top_s)
+            stats.verified_positions += 1
+            stats.accepted_positions += index is not None
+            committed.append(y)
+            survivors = [k for k in survivors if drafts[k][depth] == y]
+            if not survivors:
+                break
+            node = paths[survivors[0]][depth]
+            accepted_nodes.append(node)
+            depth += 1
+
+        keep = torch.cat([torch.arange(past), past + torch.tensor([0] + accepted_nodes)]).to(device)
+        cache_keep_positions(target_cache, keep)
+        for i, state in enumerate(states):
+            rows = range(len(drafts)) if len(states) == 1 else [i]
+            matched = {r: _matched(drafts[r], committed) for r in rows}
+            best = max(matched, key=matched.get)
+            state.keep(best if len(states) == 1 else 0, n, matched[best], draft_len)
+        if eos_token_id is not None and eos_token_id in committed:
+            committed = committed[: committed.index(eos_token_id) + 1]
+        seq.extend(committed)
+        stats.committed_tokens += len(committed)
+    seq = seq[: prompt_len + max_new_tokens]
+    return SpeculativeOutput(torch.tensor(seq, device=input_ids.device)[None], stats)
