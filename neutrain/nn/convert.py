@@ -1,0 +1,202 @@
+"""``compress_model``: turn a causal LM's weights into compressed modules, in place.
+
+Every ``nn.Linear`` (attention and MLP projections, the lm_head) becomes a
+:class:`CompressedLinear` and the input embedding a :class:`CompressedEmbedding`;
+norms and biases stay dense. A tied embedding/lm_head pair becomes one
+:class:`CompressedWeight` shared by both modules. Each dense weight is dropped as
+soon as it is encoded, so no dense copy survives and the peak during conversion
+is the dense model plus one compressed tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import torch
+
+from neutrain.nn.embedding import CompressedEmbedding
+from neutrain.nn.linear import CompressedLinear
+from neutrain.nn.weight import CompressedWeight
+
+WEIGHT_MODES = ("neuzip-lossless", "dense")
+
+
+@dataclasses.dataclass
+class CompressionReport:
+    """Bytes held by a model's tensors before and after :func:`compress_model`.
+
+    ``bytes_before``/``bytes_after`` count every parameter and buffer of the
+    model (compressed tensors by their codec bytes, shared tensors once);
+    ``weight_bytes_before``/``weight_bytes_after`` only the converted weights.
+    """
+
+    weights: str
+    converted: int
+    bytes_before: int
+    bytes_after: int
+    weight_bytes_before: int
+    weight_bytes_after: int
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_after / max(1, self.bytes_before)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Codec bits per converted weight element (16 means no saving for bf16)."""
+        return 16.0 * self.weight_bytes_after / max(1, self.weight_bytes_before) if self.converted else 16.0
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        return (f"{self.weights}: {self.converted} weights converted, model {self.bytes_before / gib:.3f} GiB -> "
+                f"{self.bytes_after / gib:.3f} GiB ({100 * self.ratio:.1f} %)")
+
+
+def model_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter, buffer and compressed weight of ``model``."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.numel() and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    for weight in compressed_weights(model):
+        total += weight.nbytes
+    return total
+
+
+def compressed_weights(model: torch.nn.Module) -> list[CompressedWeight]:
+    """The distinct compressed weights of ``model`` (a tied pair counts once)."""
+    found: dict[int, CompressedWeight] = {}
+    for module in model.modules():
+        weight = getattr(module, "compressed", None)
+        if isinstance(weight, CompressedWeight):
+            found.setdefault(id(weight), weight)
+    return list(found.values())
+
+
+def default_targets(model: torch.nn.Module) -> list[str]:
+    """Names of the modules :func:`compress_model` converts by default."""
+    targets = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None:
+            name = next((n for n, m in model.named_modules() if m is module), None)
+            if name is not None and name not in targets and isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+                targets.append(name)
+    return targets
+
+
+def compress_model(
+    model: torch.nn.Module,
+    weights: str = "neuzip-lossless",
+    *,
+    mantissa_bits: int | None = None,
+    targets: Callable[[str, torch.nn.Module], bool] | None = None,
+    progress: bool = True,
+    codec_options: dict | None = None,
+) -> CompressionReport:
+    """Convert ``model``'s linear and embedding weights to compressed modules, in place.
+
+    Args:
+        model: a transformers causal LM (or any module with ``nn.Linear``/``nn.Embedding``).
+        weights: ``"neuzip-lossless"`` (trainable, bit-exact) or ``"dense"`` (no change).
+        mantissa_bits: lossy mode for frozen weights (trainable weights must stay lossless:
+            a lossy weight would round small updates away).
+        targets: optional filter ``(name, module) -> bool`` over the default targets.
+        progress: show a tqdm bar (also silenced by ``DISABLE_TQDM=1``).
+        codec_options: extra keyword arguments for ``neutrain.compress.compress``.
+
+    Returns:
+        A :class:`CompressionReport`.
+
+    Example:
+        >>> from transformers import LlamaConfig, AutoModelForCausalLM
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        >>> report = compress_model(model, progress=False)
+        >>> report.converted, type(model.lm_head).__name__
+        (9, 'CompressedLinear')
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {weights!r}")
+    before = model_nbytes(model)
+    if weights == "dense":
+        return CompressionReport(weights, 0, before, before, 0, 0)
+    from neutrain.compress import compress
+
+    names = [n for n in default_targets(model) if targets is None or targets(n, model.get_submodule(n))]
+    shared: dict[int, CompressedWeight] = {}
+    weight_before = weight_after = 0
+    for name in _progress(names, progress, "compressing weights"):
+        module = model.get_submodule(name)
+        dense = module.weight
+        if mantissa_bits is not None and dense.requires_grad:
+            raise ValueError(f"{name}: lossy compression (mantissa_bits={mantissa_bits}) is for frozen weights only")
+        compressed = shared.get(id(dense))
+        if compressed is None:
+            ct = compress(dense.detach(), mantissa_bits, name=f"{name}.weight", **(codec_options or {}))
+            compressed = CompressedWeight(ct, requires_grad=dense.requires_grad, name=f"{name}.weight")
+            shared[id(dense)] = compressed
+            weight_before += dense.numel() * dense.element_size()
+            weight_after += compressed.nbytes
+        replacement = build_module(module, compressed)
+        _set_submodule(model, name, replacement)
+        module._parameters["weight"] = None  # drop our reference to the dense weight now
+        del dense, module
+    return CompressionReport(weights, len(shared), before, model_nbytes(model), weight_before, weight_after)
+
+
+def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight) -> torch.nn.Module:
+    """The compressed counterpart of an ``nn.Linear`` or ``nn.Embedding``."""
+    if isinstance(dense_module, torch.nn.Embedding):
+        return CompressedEmbedding(compressed, padding_idx=dense_module.padding_idx)
+    if isinstance(dense_module, torch.nn.Linear):
+        return CompressedLinear(compressed, bias=dense_module.bias)
+    raise TypeError(f"cannot compress a {type(dense_module).__name__}")
+
+
+def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every compressed weight decoded under its dense name.
+
+    Values are exactly the bytes the model computes with (lossless weights are
+    bit-identical to the trained bf16 weights). Decodes one weight at a time.
+
+    Example:
+        >>> lin = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False).bfloat16())
+        >>> w = lin[0].weight.detach().clone()
+        >>> _ = compress_model(lin, progress=False)
+        >>> torch.equal(decompressed_state_dict(lin)["0.weight"], w)
+        True
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, (CompressedLinear, CompressedEmbedding)):
+            out[prefix + "weight"] = module.compressed.dense()
+            if getattr(module, "bias", None) is not None:
+                out[prefix + "bias"] = module.bias.detach()
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            out[prefix + pname] = p.detach()
+        for bname, b in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                out[prefix + bname] = b.detach()
+    return out
+
+
+def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled or os.environ.get("DISABLE_TQDM", "0") == "1":
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="tensor")

@@ -1,0 +1,83 @@
+"""``CompressedEmbedding``: an embedding table that decodes only the rows a batch uses.
+
+Forward decodes the looked-up rows with ``ct.decompress_rows`` (a few tiles, not
+the table). Backward builds the dense table gradient with the same op autograd
+uses for ``nn.Embedding`` (``embedding_dense_backward``, so gradients are
+bit-identical to the dense twin) and hands it to the fused optimizer. When the
+table is tied to the lm_head, both modules share one :class:`CompressedWeight`
+and the optimizer sums the two contributions and updates once, at the end of
+backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neutrain.nn.state import load_compressed_state, save_compressed_state
+from neutrain.nn.weight import CompressedWeight
+
+
+class _CompressedEmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, key, weight: CompressedWeight, padding_idx: int | None):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        ctx.padding_idx = -1 if padding_idx is None else padding_idx
+        return weight.decode_rows(ids)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        weight: CompressedWeight = ctx.weight
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.ops.aten.embedding_dense_backward(
+                grad_out, ids, weight.shape[0], ctx.padding_idx, False
+            )
+            weight.apply_grad(grad_w)
+        return None, None, None, None
+
+
+class CompressedEmbedding(torch.nn.Module):
+    """``nn.Embedding`` with a compressed table.
+
+    Args:
+        weight: the :class:`CompressedWeight` (shared with a tied lm_head, if any).
+        padding_idx: as ``nn.Embedding``: that row receives no gradient.
+
+    Example:
+        >>> from neutrain.compress import compress
+        >>> dense = torch.nn.Embedding(16, 4).bfloat16()
+        >>> emb = CompressedEmbedding(CompressedWeight(compress(dense.weight.detach())))
+        >>> ids = torch.tensor([[1, 5, 5]])
+        >>> torch.equal(emb(ids), dense(ids))
+        True
+    """
+
+    def __init__(self, weight: CompressedWeight, padding_idx: int | None = None):
+        super().__init__()
+        self.compressed = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx
+        self.weight_key = weight.key
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A fresh, detached dense copy of the table (for inspection and export)."""
+        return self.compressed.dense()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _CompressedEmbeddingFunction.apply(ids, self.weight_key, self.compressed, self.padding_idx)
+
+    def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:
+        """Called by ``FusedOptimizer.bind``; returns the keys this module feeds."""
+        self.compressed.optimizer = optimizer
+        return [self.weight_key]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, {self.compressed.ct!r}"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        save_compressed_state(self, destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        load_compressed_state(self, state_dict, prefix, *args)

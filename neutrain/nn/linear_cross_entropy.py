@@ -1,0 +1,176 @@
+"""Chunked lm_head + cross-entropy: the loss without ever materialising full logits.
+
+``linear_cross_entropy(hidden, lm_head, labels)`` equals
+``F.cross_entropy(lm_head(hidden).float(), labels)`` but walks the vocabulary in
+chunks: forward keeps a running max and sum of exponentials per token (online
+log-sum-exp) and saves only the per-token ``lse``; backward recomputes each
+chunk's logits, forms ``softmax - onehot`` and produces that chunk's slice of
+the weight gradient with one matrix product over all tokens, plus its
+contribution to the hidden-state gradient. Peak extra memory is one
+``tokens x chunk`` fp32 block (256 MiB by default) instead of
+``tokens x vocab`` logits and their gradient (Llama-3: 128,256 columns; 1 GiB
+per 2,048 tokens in fp32, as much again for the gradient; trainer.md §5).
+
+Chunking over the vocabulary (not over tokens) matters for fused updates: each
+weight-gradient row block is complete after one product, so the full gradient
+is assembled without an fp32 accumulator the size of the lm_head.
+
+The lm_head may be a compressed :class:`~neutrain.nn.CompressedLinear` (the
+gradient goes to the fused optimizer, tied embedding included) or a plain
+``nn.Linear`` (the gradient flows to its parameter as usual, and from there to
+a fused optimizer's hook or to ``.grad``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neutrain.nn.linear import CompressedLinear
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
+    return max(1, min(vocab, chunk_bytes // max(1, 4 * tokens)))
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index):
+        w = compressed.decode() if compressed is not None else dense_weight
+        tokens, vocab = hidden.shape[0], w.shape[0]
+        chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, 0)
+        running_max = torch.full((tokens,), -float("inf"), dtype=torch.float32, device=hidden.device)
+        running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+        for start in range(0, vocab, chunk):
+            logits = hidden.mm(w[start : start + chunk].t()).float()
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+            running_max = new_max
+            in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
+            picked = logits.gather(1, (safe_labels - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+            target_logit = torch.where(in_chunk, picked, target_logit)
+        lse = running_max + running_sum.log()
+        losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+        loss = losses.sum() / normaliser
+        ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight)
+        ctx.compressed, ctx.chunk = compressed, chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, labels, valid, lse, normaliser, dense_weight = ctx.saved_tensors
+        compressed = ctx.compressed
+        w = compressed.decode() if compressed is not None else dense_weight
+        vocab, chunk = w.shape[0], ctx.chunk
+        row_scale = torch.where(valid, grad_loss / normaliser, torch.zeros_like(lse))[:, None]
+        need_hidden = ctx.needs_input_grad[0]
+        need_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_weight else None
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        for start in range(0, vocab, chunk):
+            w_chunk = w[start : start + chunk]
+            logits = hidden.mm(w_chunk.t()).float()
+            grad_logits = torch.exp(logits - lse[:, None])
+            in_chunk = (labels >= start) & (labels < start + logits.shape[1])
+            local = (labels - start).clamp(0, logits.shape[1] - 1)
+            grad_logits[rows, local] -= in_chunk.to(grad_logits.dtype)
+            grad_logits = (grad_logits * row_scale).to(hidden.dtype)
+            if need_hidden:
+                grad_hidden += grad_logits.mm(w_chunk).float()
+            if need_weight:
+                torch.mm(grad_logits.t(), hidden, out=grad_w[start : start + chunk])
+        if need_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        grad_dense = None
+        if need_weight and compressed is not None:
+            compressed.apply_grad(grad_w)
+        elif need_weight:
+            grad_dense = grad_w
+        return grad_hidden, grad_dense, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """Mean token cross-entropy of ``lm_head(hidden)`` against ``labels``, in vocabulary chunks.
+
+    Args:
+        hidden: ``(..., hidden_size)`` final hidden states.
+        lm_head: a :class:`CompressedLinear` or bias-free ``nn.Linear``.
+        labels: integer targets with the shape of ``hidden[..., 0]``; ``ignore_index`` masks.
+        num_items_in_batch: if given, divide the summed loss by it (Hugging Face's
+            convention for token-normalised losses); else by the number of valid labels.
+        ignore_index: label that contributes nothing.
+        chunk_bytes: fp32 logits budget per chunk.
+
+    Returns:
+        A 0-dim fp32 loss.
+
+    Example:
+        >>> head = torch.nn.Linear(8, 50, bias=False)
+        >>> h, y = torch.randn(6, 8), torch.randint(0, 50, (6,))
+        >>> ref = torch.nn.functional.cross_entropy(head(h), y)
+        >>> bool(torch.allclose(linear_cross_entropy(h, head, y, chunk_bytes=6 * 4 * 7), ref, atol=1e-6))
+        True
+    """
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("linear_cross_entropy supports bias-free lm_heads only")
+    hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    labels1 = labels.reshape(-1).to(hidden2.device)
+    if num_items_in_batch is None:
+        normaliser = (labels1 != ignore_index).sum().clamp(min=1).to(torch.float32)
+    else:
+        normaliser = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden2.device)
+    if isinstance(lm_head, CompressedLinear):
+        compressed, key, dense_weight = lm_head.compressed, lm_head.weight_key, None
+    else:
+        compressed, key, dense_weight = None, None, lm_head.weight
+    return _LinearCrossEntropyFunction.apply(
+        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index
+    )
+
+
+def causal_lm_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    **model_kwargs,
+) -> torch.Tensor:
+    """Next-token loss of a Hugging Face causal LM through the chunked lm_head.
+
+    Runs the decoder (``model.get_decoder()``), shifts labels left by one (as
+    transformers' ``ForCausalLMLoss``) and applies :func:`linear_cross_entropy`
+    with ``model.get_output_embeddings()``.
+
+    Example:
+        >>> from transformers import LlamaConfig, AutoModelForCausalLM
+        >>> cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=40)
+        >>> model = AutoModelForCausalLM.from_config(cfg)
+        >>> ids = torch.randint(0, 40, (2, 5))
+        >>> ref = model(input_ids=ids, labels=ids).loss
+        >>> bool(torch.allclose(causal_lm_loss(model, ids, ids), ref, atol=1e-5))
+        True
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return linear_cross_entropy(
+        hidden, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes
+    )

@@ -1,0 +1,224 @@
+"""Build a causal LM straight into compressed form, one tensor at a time.
+
+``load_compressed`` reads a Hugging Face checkpoint (safetensors); ``init_compressed``
+draws a random initialisation (shape-only runs and benchmarks). Both build the
+model skeleton with parameters on the meta device (buffers such as rotary
+frequencies are real), then materialise each tensor on the target device: a
+target weight is encoded immediately and its dense tensor dropped, so peak
+memory is the compressed model plus one dense tensor, never the dense model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from neutrain.nn.convert import (
+    WEIGHT_MODES,
+    CompressionReport,
+    _progress,
+    _set_submodule,
+    build_module,
+    default_targets,
+    model_nbytes,
+)
+from neutrain.nn.weight import CompressedWeight
+
+
+def load_compressed(
+    path_or_id: str | os.PathLike,
+    weights: str = "neuzip-lossless",
+    device: str | torch.device = "cuda",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+    codec_options: dict | None = None,
+    config_overrides: dict | None = None,
+):
+    """Load a Hugging Face causal LM checkpoint into compressed modules on ``device``.
+
+    Args:
+        path_or_id: a local directory with ``config.json`` and ``*.safetensors``, or
+            a hub id already in the local cache (no download is attempted when offline).
+        weights: ``"neuzip-lossless"`` or ``"dense"``.
+        device: where the model lives.
+        dtype: dtype of floating weights (bf16 for training).
+        progress: show a tqdm bar.
+        codec_options: extra arguments for ``neutrain.compress.compress``.
+        config_overrides: attributes set on the config before building (e.g. ``attn_implementation``).
+
+    Returns:
+        ``(model, report)``: the model (train mode) and a :class:`CompressionReport`
+        (``bytes_before`` is the dense size the checkpoint would take).
+
+    Example:
+        >>> model, report = load_compressed("path/to/llama", device="cuda")  # doctest: +SKIP
+    """
+    from safetensors import safe_open
+
+    directory = _resolve(path_or_id)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    files = _safetensors_files(directory)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(torch.device(device))) as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+
+    return _build(config, weights, device, dtype, tensors(), progress, codec_options)
+
+
+def init_compressed(
+    config,
+    weights: str = "neuzip-lossless",
+    device: str | torch.device = "cuda",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    progress: bool = True,
+    codec_options: dict | None = None,
+):
+    """A randomly initialised causal LM built tensor by tensor into compressed form.
+
+    Matrices are drawn from ``N(0, config.initializer_range)`` (transformers'
+    default for Llama-style models), norm weights are ones and biases zeros.
+
+    Returns:
+        ``(model, report)`` as :func:`load_compressed`.
+    """
+    skeleton = _skeleton(config, dtype)
+    std = float(getattr(config, "initializer_range", 0.02))
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+    tied_head = _tied_head_weight_name(skeleton, config)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in skeleton.named_parameters():
+            if name == tied_head:
+                continue  # shared with the embedding after loading
+            if param.dim() >= 2:
+                t = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+            elif name.endswith("bias"):
+                t = torch.zeros(param.shape, dtype=torch.float32, device=device)
+            else:
+                t = torch.ones(param.shape, dtype=torch.float32, device=device)
+            yield name, t.to(dtype)
+
+    return _build(config, weights, device, dtype, tensors(), progress, codec_options, model=skeleton)
+
+
+def _skeleton(config, dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _build(config, weights, device, dtype, tensors, progress, codec_options, model=None):
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {weights!r}")
+    from neutrain.compress import compress
+
+    device = torch.device(device)
+    model = model if model is not None else _skeleton(config, dtype)
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    targets = set(default_targets(model)) if weights != "dense" else set()
+    param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    dense_bytes = compressed_bytes = converted = 0
+    for name, tensor in _progress(tensors, progress, "loading weights"):
+        name = _match_name(name, param_names)
+        if name is None:
+            continue
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        meta = module._parameters[pname]
+        tensor = tensor.to(device=device, dtype=meta.dtype if meta.is_floating_point() else tensor.dtype)
+        dense_bytes += tensor.numel() * tensor.element_size()
+        if module_name in targets and pname == "weight":
+            ct = compress(tensor, name=name, **(codec_options or {}))
+            compressed = CompressedWeight(ct, name=name)
+            _set_submodule(model, module_name, build_module(module, compressed))
+            compressed_bytes += compressed.nbytes
+            converted += 1
+        else:
+            module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
+        del tensor
+    _tie_if_configured(model, config)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ValueError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
+    model.train()
+    report = CompressionReport(weights, converted, dense_bytes + _buffer_bytes(model), model_nbytes(model),
+                               dense_bytes, compressed_bytes)
+    return model, report
+
+
+def _tie_if_configured(model, config) -> None:
+    """Share the embedding with the lm_head when the config ties them and the checkpoint omits it."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None:
+        return
+    head_weight = getattr(head, "compressed", None)
+    if head_weight is None and not head.weight.is_meta:
+        return  # checkpoint carried its own lm_head
+    name = next(n for n, m in model.named_modules() if m is head)
+    if isinstance(getattr(embedding, "compressed", None), CompressedWeight):
+        if head_weight is None:
+            _set_submodule(model, name, build_module(head, embedding.compressed))
+    else:
+        head.weight = embedding.weight
+
+
+def _tied_head_weight_name(model, config) -> str | None:
+    head = model.get_output_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or head is None:
+        return None
+    return next(n for n, m in model.named_modules() if m is head) + ".weight"
+
+
+def _match_name(name: str, param_names: set[str]) -> str | None:
+    if name in param_names:
+        return name
+    for candidate in (f"model.{name}", name.removeprefix("model.")):
+        if candidate in param_names:
+            return candidate
+    return None
+
+
+def _buffer_bytes(model) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _resolve(path_or_id) -> Path:
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors"]))
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return files

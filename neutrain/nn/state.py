@@ -1,0 +1,46 @@
+"""State-dict hooks shared by compressed modules.
+
+A compressed module saves its weight as the codec's blobs under
+``<prefix>weight.<blob>`` (plain tensors with a checksum, safetensors-ready), so
+``model.state_dict()`` / ``load_state_dict()`` round-trip the compressed weights
+bit-exactly without ever materialising a dense copy. Dense export goes through
+:func:`neutrain.nn.decompressed_state_dict` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def save_compressed_state(module, destination, prefix, keep_vars):
+    """``_save_to_state_dict`` for compressed modules: the codec's blobs under ``weight.*``."""
+    for name, blob in module.compressed.ct.state_dict().items():
+        destination[f"{prefix}weight.{name}"] = blob
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        destination[prefix + "bias"] = bias if keep_vars else bias.detach()
+
+
+def load_compressed_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    """``_load_from_state_dict`` for compressed modules (inverse of :func:`save_compressed_state`)."""
+    from neutrain.compress import CompressedTensor
+
+    weight_prefix = prefix + "weight."
+    blobs = {k[len(weight_prefix):]: v for k, v in state_dict.items() if k.startswith(weight_prefix)}
+    if blobs:
+        try:
+            ct = CompressedTensor.from_state_dict(blobs, name=prefix + "weight", device=module.compressed.device)
+            module.compressed.replace_(ct)
+        except Exception as exc:  # report like torch does, all errors at once
+            error_msgs.append(f"{prefix}weight: {exc}")
+    else:
+        missing_keys.append(prefix + "weight")
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        if prefix + "bias" in state_dict:
+            with torch.no_grad():
+                bias.copy_(state_dict[prefix + "bias"])
+        else:
+            missing_keys.append(prefix + "bias")
+
