@@ -220,3 +220,41 @@ def accuracy_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
         "max_abs": float(diff.abs().max()),
         "finite": bool(torch.isfinite(o).all()),
     }
+
+
+#: Input families of the accuracy suite: plain Gaussian and three outlier cases.
+INPUT_KINDS = ("random", "k_offset", "sink", "heavy_q")
+
+
+def make_attention_inputs(
+    b: int,
+    hq: int,
+    hk: int,
+    n: int,
+    d: int,
+    kind: str = "random",
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    generator: torch.Generator | None = None,
+):
+    """Fresh random q [b,hq,n,d], k, v [b,hk,n,d] of one :data:`INPUT_KINDS` family.
+
+    ``k_offset``: every key shifted by a large per-channel vector (what smooth-K removes);
+    ``sink``: queries share a direction that key 0 aligns with, so token 0 draws most
+    of the attention (the FP8-P underflow case); ``heavy_q``: heavy-tailed queries.
+    """
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    q, k, v = randn(b, hq, n, d), randn(b, hk, n, d), randn(b, hk, n, d)
+    if kind == "k_offset":
+        k = k + 8.0 * randn(1, hk, 1, d)
+    elif kind == "sink":
+        u = randn(d)
+        q = q + 0.5 * u
+        k[:, :, 0] = 2.0 * u
+    elif kind == "heavy_q":
+        q = q / torch.rand(b, hq, n, 1, device=device, generator=generator).clamp_min(0.1)
+    elif kind != "random":
+        raise ValueError(f"unknown input kind {kind!r}; expected one of {INPUT_KINDS}")
+    return q.to(dtype), k.to(dtype), v.to(dtype)

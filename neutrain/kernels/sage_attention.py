@@ -53,7 +53,7 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
         s = qk.to(tl.float32) * q_scale[:, None] * k_scale[None, :]
         if SMOOTH_Q:
-            s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k, EMULATE_BF16))) * k_scale[None, :]
+            s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k.to(tl.float32), EMULATE_BF16))) * k_scale[None, :]
         if APPLY_MASK:
             allowed = offs_n[None, :] < N_CTX
             if IS_CAUSAL:
@@ -194,7 +194,7 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
             q_hat = q.to(tl.float32) * q_scale[:, None]
             if SMOOTH_Q:
                 q_mean = tl.load(QM + q_off)
-                s_t += tl.dot(_bf16(k, EMULATE_BF16), tl.trans(_bf16(q_mean, EMULATE_BF16))) * k_scale[:, None]
+                s_t += tl.dot(_bf16(k.to(tl.float32), EMULATE_BF16), tl.trans(_bf16(q_mean, EMULATE_BF16))) * k_scale[:, None]
                 q_hat += q_mean.to(tl.float32)
             if NEED_MASK:
                 allowed = offs_n[:, None] < N_CTX
@@ -274,7 +274,7 @@ def _sage_bwd_dq_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DELTA
         k_scale = tl.load(KS + (b * HK + hk) * N_PAD + offs_n)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
         if SMOOTH_Q:
-            s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k, EMULATE_BF16))) * k_scale[None, :]
+            s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k.to(tl.float32), EMULATE_BF16))) * k_scale[None, :]
         if NEED_MASK:
             allowed = offs_n[None, :] < N_CTX
             if IS_CAUSAL:

@@ -1,0 +1,159 @@
+"""SageAttention Triton kernels against the pure-PyTorch quantized reference (tight on GPU,
+through the CPU interpreter with tolerances), against exact fp32 attention, in a tiny
+Llama fine-tune, and in the compiled machine code (IGMMA + QGMMA)."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neutrain.attention import counters, exact_attention, register, reset_counters, sage_attention
+from neutrain.attention.reference import accuracy_metrics, make_attention_inputs
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# CPU interpreter truncates fp32->fp8/bf16 casts, so only the GPU comparison is tight.
+FWD_COS, GRAD_COS = (0.9999, 0.9995) if ON_GPU else (0.998, 0.997)
+
+CASES = {
+    "plain": dict(b=1, hq=2, hk=2, n=150, kw={}),
+    "gqa_segments_padding": dict(b=2, hq=4, hk=2, n=140, kw={}, segments=True),
+    "smooth_q": dict(b=1, hq=2, hk=1, n=130, kw={"smooth_q": True}),
+    "int4": dict(b=1, hq=2, hk=2, n=100, kw={"qk_bits": 4}),
+    "plain_sa2_no_v_residual": dict(b=1, hq=2, hk=1, n=129, kw={"v_residual": False}),
+}
+PARAMS = [("plain", 64, False), ("plain", 128, True), ("gqa_segments_padding", 64, True),
+          ("smooth_q", 128, False), ("int4", 64, True), ("plain_sa2_no_v_residual", 128, True)]
+if ON_GPU:  # larger shapes, every case at both head dims
+    PARAMS = [(c, d, causal) for c in CASES for d in (64, 128) for causal in (False, True)]
+
+
+def _segments(b, n):
+    seg = torch.zeros(b, n, dtype=torch.int32, device=DEVICE)
+    seg[:, n // 3:] = 1
+    seg[-1, 2 * n // 3:] = 2
+    pad = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    pad[0, -7:] = False
+    return seg, pad
+
+
+def _fwd_bwd(q, k, v, causal, backend, grad, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = sage_attention(q, k, v, causal=causal, backend=backend, **kw)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("case,head_dim,causal", PARAMS)
+def test_kernel_matches_quantized_reference(case, head_dim, causal):
+    spec = CASES[case]
+    n = spec["n"] * (8 if ON_GPU else 1)
+    q, k, v = make_attention_inputs(spec["b"], spec["hq"], spec["hk"], n, head_dim, "random", torch.bfloat16, DEVICE)
+    kw = dict(spec["kw"])
+    if spec.get("segments"):
+        kw["segment_ids"], kw["key_padding_mask"] = _segments(spec["b"], n)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
+    reset_counters()
+    kern = _fwd_bwd(q, k, v, causal, "triton", grad, **kw)
+    ref = _fwd_bwd(q, k, v, causal, "reference", grad, **kw)
+    assert counters["kernel"] == 1 and counters["kernel_backward"] == 1 and counters["fallback"] == 0
+    metrics = [accuracy_metrics(a, b) for a, b in zip(kern, ref)]
+    print(case, head_dim, causal, [round(m["cos"], 6) for m in metrics])
+    assert all(m["finite"] for m in metrics)
+    assert metrics[0]["cos"] >= FWD_COS, metrics[0]
+    for m in metrics[1:]:
+        assert m["cos"] >= GRAD_COS, metrics
+    if ON_GPU:
+        torch.testing.assert_close(kern[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "k_offset", "sink", "heavy_q"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_against_exact_fp32(kind, head_dim, causal, record_property):
+    q, k, v = make_attention_inputs(2, 8, 2, 1000, head_dim, kind, torch.bfloat16, DEVICE)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
+    reset_counters()
+    out, dq, dk, dv = _fwd_bwd(q, k, v, causal, "triton", grad)
+    assert counters["kernel"] == 1 and counters["fallback"] == 0
+    qe, ke, ve = (t.detach().float().requires_grad_() for t in (q, k, v))
+    exact = exact_attention(qe, ke, ve, causal)
+    exact.backward(grad.float())
+    groups = q.shape[1] // k.shape[1]
+    floor = accuracy_metrics(F.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=causal), exact)
+    fwd = accuracy_metrics(out, exact)
+    grads = [accuracy_metrics(a, b.grad) for a, b in ((dq, qe), (dk, ke), (dv, ve))]
+    record_property("fwd", fwd)
+    record_property("grads_cos", [g["cos"] for g in grads])
+    record_property("bf16_sdpa_floor", floor)
+    print(kind, head_dim, causal, "fwd", fwd, "grads", [round(g["cos"], 5) for g in grads], "floor", floor)
+    if kind == "random":
+        assert fwd["cos"] >= 0.999 and fwd["rel_l1"] <= 0.03
+        assert all(g["cos"] >= 0.998 for g in grads)
+    else:
+        assert fwd["cos"] >= 0.995
+        assert all(g["cos"] >= 0.99 for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tiny_llama_finetune_matches_sdpa(head_dim):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    register()
+    cfg = LlamaConfig(hidden_size=4 * head_dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    data = torch.randint(0, 512, (20, 4, 512), device=DEVICE)
+    losses = {}
+    for name in ("sdpa", "neutrain_sage"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name).to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        reset_counters()
+        losses[name] = []
+        for batch in data:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+        if name == "neutrain_sage":
+            assert counters["kernel"] == 2 * len(data) and counters["kernel_backward"] == 2 * len(data)
+            assert counters["fallback"] == 0
+    rel = [abs(a - b) / b for a, b in zip(losses["neutrain_sage"], losses["sdpa"])]
+    print(head_dim, "sdpa", losses["sdpa"][::5], "sage", losses["neutrain_sage"][::5], "max rel", max(rel))
+    assert losses["sdpa"][-1] < losses["sdpa"][0] - 0.1  # it actually trains
+    assert max(rel) <= 0.01
+
+
+def _sass(asm: dict) -> str:
+    try:
+        return asm["sass"]
+    except Exception:
+        tool = shutil.which("cuobjdump")
+        assert tool, "no SASS from Triton and no cuobjdump"
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(asm["cubin"])
+        try:
+            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_sass_uses_int8_and_fp8_wgmma(head_dim):
+    from neutrain.kernels.sage_attention import compiled_forward_asm
+
+    sass = _sass(compiled_forward_asm(head_dim))
+    igmma = sum("IGMMA" in line for line in sass.splitlines())
+    qgmma = sum("QGMMA" in line for line in sass.splitlines())
+    print(f"d={head_dim}: {igmma} IGMMA, {qgmma} QGMMA, {sass.count('HGMMA')} HGMMA lines")
+    assert igmma > 0 and qgmma > 0
