@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.nn.state import load_compressed_state, save_compressed_state
+from neutrain.nn.state import CompressedModuleMixin
 from neutrain.nn.weight import CompressedWeight
 
 
@@ -37,7 +37,7 @@ class _CompressedEmbeddingFunction(torch.autograd.Function):
         return None, None, None, None
 
 
-class CompressedEmbedding(torch.nn.Module):
+class CompressedEmbedding(CompressedModuleMixin, torch.nn.Module):
     """``nn.Embedding`` with a compressed table.
 
     Args:
@@ -60,24 +60,8 @@ class CompressedEmbedding(torch.nn.Module):
         self.padding_idx = padding_idx
         self.weight_key = weight.key
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A fresh, detached dense copy of the table (for inspection and export)."""
-        return self.compressed.dense()
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return _CompressedEmbeddingFunction.apply(ids, self.weight_key, self.compressed, self.padding_idx)
 
-    def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:
-        """Called by ``FusedOptimizer.bind``; returns the keys this module feeds."""
-        self.compressed.optimizer = optimizer
-        return [self.weight_key]
-
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, {self.compressed.ct!r}"
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        save_compressed_state(self, destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        load_compressed_state(self, state_dict, prefix, *args)

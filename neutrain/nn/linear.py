@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.nn.state import load_compressed_state, save_compressed_state
+from neutrain.nn.state import CompressedModuleMixin
 from neutrain.nn.weight import CompressedWeight
 
 
@@ -50,7 +50,7 @@ class _CompressedLinearFunction(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
-class CompressedLinear(torch.nn.Module):
+class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
     """``y = x W^T + b`` with ``W`` compressed; trained by a fused optimizer.
 
     Args:
@@ -73,25 +73,9 @@ class CompressedLinear(torch.nn.Module):
         self.weight_key = weight.key
         self.bias = bias
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A fresh, detached dense copy of the weight (read-only view for inspection and export)."""
-        return self.compressed.dense()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _CompressedLinearFunction.apply(x, self.weight_key, self.bias, self.compressed)
-
-    def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:
-        """Called by ``FusedOptimizer.bind``; returns the keys this module feeds."""
-        self.compressed.optimizer = optimizer
-        return [self.weight_key]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.compressed.ct!r}")
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        save_compressed_state(self, destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        load_compressed_state(self, state_dict, prefix, *args)

@@ -1,4 +1,4 @@
-"""State-dict hooks shared by compressed modules.
+"""What every compressed module shares: state-dict hooks, optimizer binding, dense view.
 
 A compressed module saves its weight as the codec's blobs under
 ``<prefix>weight.<blob>`` (plain tensors with a checksum, safetensors-ready), so
@@ -44,3 +44,24 @@ def load_compressed_state(module, state_dict, prefix, local_metadata, strict, mi
         else:
             missing_keys.append(prefix + "bias")
 
+
+
+class CompressedModuleMixin:
+    """Shared by :class:`CompressedLinear` and :class:`CompressedEmbedding` (which set
+    ``self.compressed`` and ``self.weight_key``)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A fresh, detached dense copy of the weight (for inspection and export; never trained)."""
+        return self.compressed.dense()
+
+    def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:
+        """Called by ``FusedOptimizer.bind``; returns the keys this module feeds."""
+        self.compressed.optimizer = optimizer
+        return [self.weight_key]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        save_compressed_state(self, destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        load_compressed_state(self, state_dict, prefix, *args)
