@@ -1,5 +1,8 @@
 """KV-cache surgery for speculative decoding (DynamicCache, transformers 5.x).
 
+The forward-keyword and output drift (``past_key_values`` vs ``cache``) is
+handled by :mod:`neutrain.compat`; this module only re-indexes cache tensors.
+
 transformers 5.x stores a ``DynamicCache`` as ``cache.layers[l].keys/.values``
 (``[B, H, S, D]``); 4.x kept ``key_cache``/``value_cache`` lists. These helpers
 touch only those tensors, so tree compaction works on both layouts.
@@ -8,10 +11,11 @@ touch only those tensors, so tree compaction works on both layouts.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Callable
 
 import torch
+
+from neutrain.compat import cache_forward_kwarg, output_cache  # noqa: F401  (re-exported for generate)
 
 
 def _map_cache(cache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -55,23 +59,11 @@ def cache_length(cache) -> int:
 
 
 def cache_forward_kwargs(model, cache) -> dict:
-    """``{"past_key_values": cache}`` or ``{"cache": cache}``, whichever ``model.forward`` names.
-
-    transformers 5.2x renamed the forward argument ``past_key_values`` to ``cache``
-    (the old name still works there, with a deprecation warning); 5.17 knows only
-    ``past_key_values``.
-    """
-    name = _cache_argument(type(model))
-    return {name: cache}
+    """``{name: cache}`` for the keyword ``model.forward`` takes its cache under (memoised per class)."""
+    return {_cache_argument(type(model)): cache}
 
 
 @functools.lru_cache(maxsize=None)
 def _cache_argument(model_class) -> str:
-    names = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
-
-
-def output_cache(output):
-    """The cache returned by a forward (``.cache`` on newer 5.x, ``.past_key_values`` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+    # compat inspects ``forward``'s signature; the unbound class method has the same parameters.
+    return cache_forward_kwarg(model_class)
