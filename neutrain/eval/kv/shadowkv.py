@@ -99,8 +99,10 @@ def select_chunks(query: torch.Tensor, landmarks: torch.Tensor, k: int, scaling:
     """
     b, hq, m, d = query.shape
     h = landmarks.shape[1]
-    q = query.view(b, h, hq // h, m, d).float()
-    probs = torch.softmax(torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks.float()) * scaling, dim=-1)
+    q = query.view(b, h, hq // h, m, d).to(landmarks.dtype)
+    # Scores in the storage dtype (bf16 on GPU: reading landmarks dominates), softmax in fp32.
+    logits = torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks).float()
+    probs = torch.softmax(logits * scaling, dim=-1)
     scores = probs.sum(dim=3).amax(dim=2)
     return scores.topk(k, dim=-1).indices
 
@@ -194,24 +196,34 @@ class ShadowKVLayer(DynamicLayer):
         return True
 
     # -- decode
-    def gather_values(self, chunk_ids: torch.Tensor, device) -> torch.Tensor:
-        """Values of the selected chunks, [b, h, k * chunk, d] on ``device``."""
+    def gather_values(self, chunk_ids: torch.Tensor, device):
+        """Start gathering the selected chunks' values, [b, h, k * chunk, d] on ``device``.
+
+        Returns ``(values, stream)``: on CUDA with offloaded values the gather runs on a
+        side stream (the Triton kernel reading pinned host memory directly), and the
+        caller makes its stream wait on ``stream`` after launching the key rebuild, so
+        the PCIe reads overlap the rebuild. ``stream`` is None when nothing is pending.
+        """
         b, h, k = chunk_ids.shape
         cs, d = self.owner.options.chunk_size, self.tail_v.shape[-1]
         if not self.offloaded:
             tok = chunk_tokens(chunk_ids, cs)[..., None].expand(-1, -1, -1, d)
-            return self.v_store.gather(2, tok)
-        ids = chunk_ids.to("cpu")
-        rows = self.v_store.gather(2, ids[..., None].expand(-1, -1, -1, cs * d))
-        if device.type == "cuda":
-            stream = self.owner.copy_stream(device)
-            with torch.cuda.stream(stream):
-                moved = rows.pin_memory().to(device, non_blocking=True)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            moved.record_stream(torch.cuda.current_stream(device))
-        else:
-            moved = rows.to(device)
-        return moved.view(b, h, k * cs, d)
+            return self.v_store.gather(2, tok), None
+        if device.type == "cuda" and not self.owner.uva_failed:
+            try:
+                from ...kernels.shadowkv import gather_chunks
+
+                main, stream = torch.cuda.current_stream(device), self.owner.copy_stream(device)
+                stream.wait_stream(main)  # the chunk ids are ready on the main stream
+                with torch.cuda.stream(stream):
+                    rows = gather_chunks(self.v_store, chunk_ids)
+                rows.record_stream(main)
+                self.owner.counters["uva_gathers"] += 1
+                return rows.view(b, h, k * cs, d), stream
+            except Exception:  # pragma: no cover - no UVA / no Triton: host-side gather below
+                self.owner.uva_failed = True
+        rows = self.v_store.gather(2, chunk_ids.to("cpu")[..., None].expand(-1, -1, -1, cs * d))
+        return rows.to(device, non_blocking=False).view(b, h, k * cs, d), None
 
     def sparse_attention(self, module, query: torch.Tensor, rotary) -> torch.Tensor:
         """Attention of ``query`` [b, hq, m, d] over outliers + selected chunks + local/generated tokens."""
@@ -221,11 +233,12 @@ class ShadowKVLayer(DynamicLayer):
         picked = select_chunks(query, self.landmarks, self.select, module.scaling)
         chunk_ids = self.landmark_chunk.gather(-1, picked)
         tokens = chunk_tokens(chunk_ids, cs)
-        # Launch the key rebuild before the host-side value gather so the two overlap on CUDA.
+        values_sel, pending = self.gather_values(chunk_ids, query.device)
         pre = rebuild_keys(self.u, self.sv, tokens)
         cos, sin = rotary(pre, tokens + self.pos0[:, :, None])
         keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
-        values_sel = self.gather_values(chunk_ids, query.device)
+        if pending is not None:
+            torch.cuda.current_stream(query.device).wait_stream(pending)
         keys = torch.cat([self.outlier_k, keys_sel, self.tail_k], dim=2)
         values = torch.cat([self.outlier_v, values_sel, self.tail_v], dim=2)
         mask = None
@@ -267,15 +280,17 @@ class ShadowKVCache(Cache):
     Attributes:
         counters: ``compressed_layers`` (prefills turned sparse), ``sparse_steps``
             (decode attentions on the sparse path), ``selected_chunks``, ``dense_prefill``
-            (prompts left dense because they were too short) and ``dense_steps``.
+            (prompts left dense because they were too short), ``dense_steps`` and
+            ``uva_gathers`` (value gathers by the Triton kernel from pinned host memory).
     """
 
     def __init__(self, config, **options):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.options = ShadowKVOptions(**options)
         self.counters = dict.fromkeys(
-            ("compressed_layers", "sparse_steps", "selected_chunks", "dense_prefill", "dense_steps"), 0
+            ("compressed_layers", "sparse_steps", "selected_chunks", "dense_prefill", "dense_steps", "uva_gathers"), 0
         )
+        self.uva_failed = False
         self._copy_streams: dict = {}
         super().__init__(layers=[ShadowKVLayer(self) for _ in range(cfg.num_hidden_layers)])
 
