@@ -10,6 +10,46 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+# --- Trainer internals (trainer) ---
+
+
+def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
+    """Delete old ``checkpoint-N`` directories beyond ``save_total_limit``.
+
+    transformers >= 5.2x has a module-level ``trainer_utils.rotate_checkpoints``;
+    older 5.x releases have the ``Trainer._rotate_checkpoints`` method.
+    """
+    try:
+        from transformers.trainer_utils import rotate_checkpoints as _rotate
+    except ImportError:
+        _rotate = None
+    if _rotate is not None:
+        _rotate(
+            output_dir=run_dir,
+            save_total_limit=trainer.args.save_total_limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=False,
+        )
+    else:  # pragma: no cover - exercised on older transformers only
+        trainer._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
+
+
+def trainer_accepts(name: str) -> bool:
+    """Whether ``transformers.Trainer.__init__`` takes a keyword (e.g. ``processing_class``)."""
+    from transformers import Trainer
+
+    return name in inspect.signature(Trainer.__init__).parameters
+
+
+def checkpointing_kwargs() -> dict:
+    """Keyword arguments for non-reentrant activation checkpointing.
+
+    Non-reentrant checkpointing is required for compressed weights and fused updates:
+    the reentrant variant runs backward hooks in a nested graph and reads weights that
+    the fused update has already changed.
+    """
+    return {"use_reentrant": False}
+
 
 # --- KV cache API (eval) ---
 # Drift handled here (see shared/reference/kvcache.md §3.2): the forward keyword

@@ -1,0 +1,162 @@
+"""The ``neutrain`` command line.
+
+    neutrain recipes/default.yaml [section.key=value ...]      # same as `neutrain train ...`
+    neutrain train  <recipe> [overrides]                        # train, evaluate, export
+    neutrain eval   <recipe | checkpoint> [overrides]           # held-out perplexity (+ long-context tasks)
+    neutrain export <checkpoint> --format hf [--output DIR]     # inference export
+    neutrain recipes                                            # list shipped recipes
+
+Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
+file or value and exits with code 2; there is no traceback for user errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from neutrain.config.errors import UserInputError
+
+EXIT_USER_ERROR = 2
+
+
+def _keys_help() -> str:
+    from neutrain.config.schema import SCHEMA
+
+    lines = ["recipe keys (override any with section.key=value):"]
+    for section, keys in SCHEMA.items():
+        lines.append(f"  {section}:")
+        for name, key in keys.items():
+            default = "required" if key.default is not None and key.default.__class__ is object else repr(key.default)
+            lines.append(textwrap.fill(f"{name} (default {default}): {key.help}", width=100, initial_indent="    ", subsequent_indent="        "))
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="neutrain",
+        description="neutrain: full fine-tuning of LLMs in far less memory (NeuZip-compressed weights, fused updates).",
+        epilog="Run `neutrain train --help` for every recipe key. Launch on GPUs with "
+        "`accelerate launch -m neutrain recipes/<name>.yaml` (configs in launch/).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,export,recipes}")
+    t = sub.add_parser("train", help="train with a recipe (default when the first argument is a YAML file)",
+                       description="Train, evaluate held-out perplexity, export and print a summary.",
+                       epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (see `neutrain recipes`)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=1e-5 train.max_steps=100")
+    e = sub.add_parser("eval", help="evaluate a recipe's model or a checkpoint",
+                       description="Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks.")
+    e.add_argument("target", help="recipe YAML (evaluates its output_dir's last checkpoint) or a checkpoint/export directory")
+    e.add_argument("overrides", nargs="*", help="dotted overrides")
+    e.add_argument("--recipe", help="recipe that supplies data and eval settings when TARGET is a checkpoint")
+    x = sub.add_parser("export", help="export a checkpoint for inference",
+                       description="Write a checkpoint as an inference model directory.")
+    x.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint)")
+    x.add_argument("--format", default="hf", help="hf (dense safetensors)")
+    x.add_argument("--output", help="target directory (default: <checkpoint>/../export)")
+    x.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    x.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
+    sub.add_parser("recipes", help="list the shipped recipes", description="List shipped recipes, one line each.")
+    return p
+
+
+def _argv_with_default_command(argv: list[str]) -> list[str]:
+    commands = {"train", "eval", "export", "recipes", "-h", "--help"}
+    if argv and argv[0] not in commands and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
+        return ["train", *argv]
+    return argv
+
+
+def cmd_recipes() -> int:
+    import yaml
+
+    from neutrain.config import recipe_dirs
+
+    found = False
+    for d in recipe_dirs():
+        for path in sorted(d.glob("*.yaml")):
+            found = True
+            description = ""
+            for line in path.read_text().splitlines()[1:6]:
+                if line.startswith("#") and line.strip("# "):
+                    description = line.lstrip("# ").strip()
+                    break
+            print(f"{path.stem:<22} {description}  ({path})")
+    if not found:
+        print("no recipes found (looked in: ./recipes and $NEUTRAIN_RECIPES)")
+    del yaml
+    return 0
+
+
+def cmd_train(args) -> int:
+    from neutrain.config import load_recipe
+    from neutrain.run import train_from_recipe
+
+    train_from_recipe(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
+def _last_checkpoint(path: Path) -> Path:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if (path / "config.json").exists():
+        return path
+    if path.is_dir():
+        last = get_last_checkpoint(str(path))
+        if last:
+            return Path(last)
+    raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
+
+
+def cmd_export(args) -> int:
+    from neutrain.export import export_model, load_checkpoint_model
+
+    ckpt = _last_checkpoint(Path(args.checkpoint))
+    model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+    out = args.output or str(ckpt.parent / "export")
+    path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size, info={"checkpoint": str(ckpt)})
+    print(f"exported {ckpt} -> {path} (format {args.format})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from neutrain.evaluate_cli import run_eval
+
+    return run_eval(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
+    argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USER_ERROR
+    logging.basicConfig(level=os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        if args.command == "recipes":
+            return cmd_recipes()
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "eval":
+            return cmd_eval(args)
+    except UserInputError as exc:
+        print(f"neutrain: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("neutrain: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

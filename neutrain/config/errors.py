@@ -1,0 +1,25 @@
+"""Errors for bad user input: recipes, data files, checkpoints and command lines.
+
+Why a dedicated type: the CLI turns every :class:`UserInputError` into one
+clear line on stderr and exit code 2, never a traceback. Library code raises it
+whenever the fault lies with what the user gave, naming the key, file or value
+and what was expected.
+"""
+
+from __future__ import annotations
+
+
+class UserInputError(ValueError):
+    """Bad input from the user. The message names the culprit and what was expected."""
+
+
+class RecipeError(UserInputError):
+    """A recipe key is unknown, has the wrong type, is out of range, or names a missing path."""
+
+
+class DataError(UserInputError):
+    """A data file is missing, unreadable, or has a malformed row (message names file and row)."""
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint is missing, incomplete or corrupted."""

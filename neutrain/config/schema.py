@@ -1,0 +1,151 @@
+"""The recipe schema: six sections of typed, documented keys.
+
+A recipe is YAML with the sections ``model``, ``data``, ``train``, ``memory``,
+``eval`` and ``export``. Key names follow Hugging Face and axolotl usage where
+one exists (``base_model``, ``datasets``, ``sequence_len``,
+``micro_batch_size``, ``gradient_accumulation_steps``, ``learning_rate``,
+``output_dir``). Every key is declared here once, with its type, default,
+allowed range and help text; :mod:`neutrain.config.validate` enforces it and the
+CLI prints the help from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key.
+
+    Args:
+        type: Python type(s) accepted (``float`` also accepts ints).
+        default: Value when the recipe omits the key (``REQUIRED`` if mandatory).
+        help: One line shown by ``neutrain train --help``.
+        choices: Allowed values, if a closed set.
+        min / max: Inclusive numeric bounds.
+        path: ``"file"``, ``"dir"`` or ``"any"`` if the value is a path that must exist.
+        nullable: Whether ``null`` is accepted.
+    """
+
+    type: Any
+    default: Any
+    help: str
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    path: str | None = None
+    nullable: bool = False
+
+
+REQUIRED = object()
+
+_OPTIMIZERS = ("adamw", "sgd", "lomo", "adalomo", "adamw-in-backward")
+_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
+_WEIGHTS = ("dense", "neuzip-lossless", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "model": {
+        "base_model": Key(str, None, "Local Hugging Face model directory or hub id (read from the local cache only).", nullable=True),
+        "init": Key(str, "pretrained", "'pretrained' loads base_model's weights; 'random' builds from `config` for shape-only runs.", choices=("pretrained", "random")),
+        "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path.", nullable=True),
+        "tokenizer": Key(str, None, "Tokenizer: a local path/hub id, 'byte' (byte-level, no download), or 'train-bpe' (trained on the training data). Defaults to base_model.", nullable=True),
+        "tokenizer_vocab_size": Key(int, 8192, "Vocabulary size when tokenizer is 'train-bpe'.", min=300, max=1_000_000),
+        "dtype": Key(str, "auto", "Weight dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", choices=("auto", "float32", "bfloat16", "float16")),
+        "attn_implementation": Key(str, "sdpa", "Attention: sdpa, eager, or neutrain_sage (INT8/FP8 SageAttention2; falls back on CPU).", choices=("sdpa", "eager", "neutrain_sage", "flash_attention_2")),
+        "trust_remote_code": Key(bool, False, "Allow model code from the checkpoint directory."),
+    },
+    "data": {
+        "datasets": Key(list, REQUIRED, "List of {path, type, ...}. path: a json/jsonl/csv/parquet/txt file or directory, or 'python-stdlib'. type: text | completion | messages."),
+        "sequence_len": Key(int, 512, "Maximum tokens per training row.", min=8, max=1_048_576),
+        "sample_packing": Key(bool, False, "Pack several examples per row (position ids restart per document)."),
+        "val_set_size": Key(float, 0.0, "Fraction of the training data held out for evaluation (0 = none, unless a dataset has split: validation).", min=0.0, max=0.5),
+        "train_on_inputs": Key(bool, False, "Also train on prompt / non-assistant tokens (otherwise their labels are -100)."),
+        "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format)."),
+        "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
+        "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
+        "shuffle_seed": Key(int, 42, "Seed for shuffling and the held-out split."),
+        "num_proc": Key(int, None, "Worker processes for tokenisation.", min=1, nullable=True),
+    },
+    "train": {
+        "output_dir": Key(str, "outputs/run", "Where checkpoints, logs, plots and exports go."),
+        "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1),
+        "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1),
+        "learning_rate": Key(float, 2e-5, "Peak learning rate.", min=0.0, max=10.0),
+        "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=_OPTIMIZERS),
+        "weight_decay": Key(float, 0.0, "Decoupled weight decay.", min=0.0, max=1.0),
+        "adam_beta1": Key(float, 0.9, "AdamW beta1.", min=0.0, max=1.0),
+        "adam_beta2": Key(float, 0.999, "AdamW beta2.", min=0.0, max=1.0),
+        "lr_scheduler": Key(str, "cosine", "Learning-rate schedule.", choices=_SCHEDULERS),
+        "warmup_steps": Key(int, 0, "Linear warm-up steps.", min=0),
+        "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", min=0.0),
+        "max_steps": Key(int, -1, "Total optimizer steps (-1: derived from num_epochs).", min=-1),
+        "max_grad_norm": Key(float, 1.0, "Gradient clipping threshold (0 disables).", min=0.0),
+        "logging_steps": Key(int, 1, "Log loss, learning rate, tokens/s and peak memory every N steps.", min=1),
+        "save_steps": Key(int, 500, "Write checkpoint-N every N steps.", min=1),
+        "save_total_limit": Key(int, 2, "Keep at most this many checkpoints.", min=1, nullable=True),
+        "eval_steps": Key(int, None, "Evaluate held-out loss every N steps (null: only at the end).", min=1, nullable=True),
+        "seed": Key(int, 42, "Random seed."),
+        "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
+        "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", nullable=True),
+        "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
+        "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
+        "deepspeed": Key(str, None, "DeepSpeed JSON config path (see launch/).", path="file", nullable=True),
+        "fsdp": Key(str, None, "FSDP options, as TrainingArguments.fsdp (e.g. 'full_shard auto_wrap').", nullable=True),
+        "fsdp_config": Key((dict, str), None, "FSDP config mapping or JSON path (fsdp_version: 2 recommended).", nullable=True),
+    },
+    "memory": {
+        "weights": Key(str, "dense", "Weight storage: dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
+        "gradient_checkpointing": Key(bool, False, "Recompute activations in backward (decoding compressed weights again)."),
+        "stochastic_rounding": Key(bool, True, "Fused updates: round fp32 updates to bf16 stochastically so small steps survive."),
+        "clip_mode": Key(str, "per-tensor", "Fused updates' clipping: per-tensor, stale-global (previous step's norm), exact-global (two-pass backward).", choices=("per-tensor", "stale-global", "exact-global")),
+        "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),
+        "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
+        "lora_r": Key(int, 16, "LoRA rank.", min=1),
+        "lora_alpha": Key(int, 32, "LoRA alpha.", min=1),
+        "lora_dropout": Key(float, 0.0, "LoRA dropout.", min=0.0, max=1.0),
+        "lora_target_modules": Key((list, str), "all-linear", "LoRA target modules (peft syntax)."),
+    },
+    "eval": {
+        "perplexity": Key(bool, True, "Report held-out loss and perplexity after training."),
+        "micro_batch_size": Key(int, None, "Rows per device when evaluating (default: train.micro_batch_size).", min=1, nullable=True),
+        "max_eval_samples": Key(int, None, "Evaluate on at most this many held-out rows.", min=1, nullable=True),
+        "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (see neutrain.eval.tasks)."),
+        "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16),
+        "num_samples": Key(int, 4, "Samples per long-context task.", min=1),
+        "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv."),
+    },
+    "export": {
+        "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3", "none")),
+        "output_dir": Key(str, None, "Export directory (default: <train.output_dir>/export).", nullable=True),
+        "max_shard_size": Key(str, "5GB", "Largest safetensors shard, e.g. '500MB' or '5GB'."),
+        "dtype": Key(str, "auto", "Dtype of exported dense weights (auto: the trained weights' own dtype, so logits match exactly).", choices=("auto", "bfloat16", "float32", "float16")),
+    },
+}
+
+SECTIONS = tuple(SCHEMA)
+
+
+@dataclass
+class Recipe:
+    """A validated recipe: one plain dict per section, with every default filled in.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> r = load_recipe("recipes/default.yaml", overrides=["train.learning_rate=1e-3"])
+        >>> r.train["learning_rate"]
+        0.001
+    """
+
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    eval: dict[str, Any] = field(default_factory=dict)
+    export: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The recipe as nested plain data (what gets saved beside checkpoints)."""
+        return {s: dict(getattr(self, s)) for s in SECTIONS}

@@ -1,0 +1,137 @@
+"""Data: local files -> tokenised, masked, optionally packed training rows.
+
+Example:
+    >>> from neutrain.config import load_recipe
+    >>> from neutrain.data import build_datasets
+    >>> recipe = load_recipe("recipes/default.yaml")
+    >>> train, heldout = build_datasets(recipe.data, tokenizer, cache_dir="outputs/.cache")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neutrain.data.formats import IGNORE_INDEX, tokenize_row
+from neutrain.data.packing import Collator, pack_rows
+from neutrain.data.sources import load_rows, python_stdlib_corpus
+from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX", "Collator", "build_datasets", "byte_tokenizer", "iter_training_texts", "load_rows",
+    "pack_rows", "python_stdlib_corpus", "train_bpe_tokenizer",
+]
+
+_TOKEN_COLUMNS = ("input_ids", "labels")
+
+
+def _source_name(entry: dict) -> str:
+    return entry["path"]
+
+
+def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
+    source = _source_name(entry)
+
+    def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "heldout": []}
+        keys = list(batch)
+        for j, index in enumerate(indices):
+            row = {k: batch[k][j] for k in keys}
+            heldout = bool(row.get("heldout", False))
+            for r in tokenize_row(row, tokenizer, entry, data_cfg, source, index):
+                out["input_ids"].append(r["input_ids"])
+                out["labels"].append(r["labels"])
+                out["heldout"].append(heldout)
+        return out
+
+    import datasets
+
+    columns = list(ds.column_names) if ds.column_names is not None else None
+    extra = {"desc": f"tokenising {source}"} if isinstance(ds, datasets.Dataset) else {}  # progress bar
+    return ds.map(fn, batched=True, with_indices=True, remove_columns=columns, **extra)
+
+
+def iter_training_texts(data_cfg: dict, cache_dir: str, limit_chars: int = 20_000_000):
+    """Yield raw training text (for training a tokenizer on the recipe's own data)."""
+    seen = 0
+    for entry in data_cfg["datasets"]:
+        if entry["split"] != "train":
+            continue
+        for row in load_rows(entry, streaming=True, cache_dir=cache_dir):
+            if row.get("heldout"):
+                continue
+            if entry["type"] == "text":
+                texts = [row.get(entry["text_field"]) or ""]
+            elif entry["type"] == "completion":
+                texts = [row.get(entry["prompt_field"]) or "", row.get(entry["completion_field"]) or ""]
+            else:
+                texts = [m.get("content", "") for m in row.get(entry["messages_field"]) or [] if isinstance(m, dict)]
+            for t in texts:
+                if isinstance(t, str) and t:
+                    seen += len(t)
+                    yield t
+            if seen >= limit_chars:
+                return
+
+
+def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
+    """Build the training and held-out datasets described by a recipe's ``data`` section.
+
+    Args:
+        data_cfg: The validated ``data`` section.
+        tokenizer: A Hugging Face tokenizer (with ``eos_token_id``; ``pad_token_id`` for packing).
+        cache_dir: Where generated corpora are written.
+
+    Returns:
+        ``(train, heldout)``: ``datasets`` objects whose rows have ``input_ids``, ``labels``
+        (and ``position_ids`` when packed). ``heldout`` is ``None`` when there is none.
+    """
+    import datasets
+
+    seed = data_cfg["shuffle_seed"]
+    streaming = data_cfg["streaming"]
+    train_parts, eval_parts = [], []
+    for entry in data_cfg["datasets"]:
+        ds = _tokenize(load_rows(entry, streaming=streaming, cache_dir=cache_dir), entry, tokenizer, data_cfg)
+        if streaming:
+            ds = ds.shuffle(seed=seed, buffer_size=10_000)
+            if data_cfg["max_samples"]:
+                ds = ds.take(data_cfg["max_samples"])
+            (eval_parts if entry["split"] == "validation" else train_parts).append(ds.filter(lambda r: not r["heldout"]))
+            continue
+        if entry["split"] == "validation":
+            eval_parts.append(ds)
+            continue
+        held = ds.filter(lambda r: r["heldout"])
+        ds = ds.filter(lambda r: not r["heldout"])
+        if len(held):
+            eval_parts.append(held)
+        ds = ds.shuffle(seed=seed)
+        if data_cfg["max_samples"]:
+            ds = ds.select(range(min(len(ds), data_cfg["max_samples"])))
+        train_parts.append(ds)
+    if not train_parts:
+        from neutrain.config.errors import RecipeError
+
+        raise RecipeError("data.datasets: no dataset with split 'train'")
+    concat = datasets.interleave_datasets if streaming else datasets.concatenate_datasets
+    train = concat(train_parts) if len(train_parts) > 1 else train_parts[0]
+    heldout = concat(eval_parts) if len(eval_parts) > 1 else (eval_parts[0] if eval_parts else None)
+    if heldout is None and data_cfg["val_set_size"] > 0 and not streaming:
+        split = train.train_test_split(test_size=data_cfg["val_set_size"], seed=seed)
+        train, heldout = split["train"], split["test"]
+    train = _finish(train, data_cfg, tokenizer, streaming)
+    heldout = _finish(heldout, data_cfg, tokenizer, streaming) if heldout is not None else None
+    return train, heldout
+
+
+def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
+    ds = ds.remove_columns("heldout")
+    if not data_cfg["sample_packing"]:
+        return ds
+    import datasets
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n = data_cfg["sequence_len"]
+    if streaming:
+        return datasets.IterableDataset.from_generator(lambda: pack_rows(iter(ds), n, pad))
+    return datasets.Dataset.from_list(list(pack_rows(ds, n, pad)))

@@ -1,0 +1,95 @@
+"""Turning raw rows into ``input_ids`` and ``labels``, per data format.
+
+Formats (``data.datasets[i].type``):
+
+* ``text``: every token is trained; long documents are cut into rows of
+  ``sequence_len`` rather than truncated, so no text is wasted.
+* ``completion``: a prompt and a completion; prompt labels are -100 unless
+  ``train_on_inputs``.
+* ``messages``: a list of ``{role, content}`` rendered with the tokenizer's chat
+  template; only the roles in ``roles_to_train`` (default: assistant) are
+  trained, found from character offsets so any template works.
+
+A malformed row raises :class:`DataError` naming the file and the row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neutrain.config.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+def _field(row: dict, name: str, kind: type, source: str, index: int) -> Any:
+    if name not in row or row[name] is None:
+        raise DataError(f"{source}: row {index}: missing field '{name}' (columns present: {', '.join(map(str, row)) or 'none'})")
+    value = row[name]
+    if not isinstance(value, kind):
+        raise DataError(f"{source}: row {index}: field '{name}' should be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def tokenize_text(row: dict, tokenizer, entry: dict, sequence_len: int, source: str, index: int) -> list[dict]:
+    """One document -> one or more rows of at most ``sequence_len`` tokens, EOS-terminated."""
+    text = _field(row, entry["text_field"], str, source, index)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    rows = []
+    for start in range(0, len(ids), sequence_len):
+        chunk = ids[start : start + sequence_len]
+        if len(chunk) >= 2:  # a 1-token row trains nothing
+            rows.append({"input_ids": chunk, "labels": list(chunk)})
+    return rows
+
+
+def tokenize_completion(row: dict, tokenizer, entry: dict, sequence_len: int, train_on_inputs: bool, source: str, index: int) -> list[dict]:
+    """Prompt + completion -> one row; the prompt is masked unless ``train_on_inputs``."""
+    prompt = _field(row, entry["prompt_field"], str, source, index)
+    completion = _field(row, entry["completion_field"], str, source, index)
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) else []
+    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        c_ids = c_ids + [tokenizer.eos_token_id]
+    ids = (bos + p_ids + c_ids)[:sequence_len]
+    n_prompt = len(bos) + len(p_ids)
+    labels = list(ids) if train_on_inputs else [IGNORE_INDEX] * min(n_prompt, len(ids)) + ids[n_prompt:]
+    return [{"input_ids": ids, "labels": labels}]
+
+
+def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, train_on_inputs: bool, roles_to_train: list, source: str, index: int) -> list[dict]:
+    """A conversation -> one row; tokens of untrained roles get label -100."""
+    messages = _field(row, entry["messages_field"], list, source, index)
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{source}: row {index}: message {j} should be {{role: str, content: str}}, got {m!r:.80}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template")
+    # Character span of each message in the rendered conversation, from rendered prefixes.
+    spans, prev = [], ""
+    for j in range(len(messages)):
+        text_j = tokenizer.apply_chat_template(messages[: j + 1], tokenize=False)
+        if not text_j.startswith(prev):
+            raise DataError(f"{source}: row {index}: the chat template is not prefix-stable; cannot locate message {j}")
+        spans.append((len(prev), len(text_j), messages[j]["role"]))
+        prev = text_j
+    enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"][:sequence_len], enc["offset_mapping"][:sequence_len]
+    labels = []
+    for tok, (start, _end) in zip(ids, offsets):
+        role = next((r for a, b, r in spans if a <= start < b), None)
+        labels.append(tok if train_on_inputs or role in roles_to_train else IGNORE_INDEX)
+    return [{"input_ids": ids, "labels": labels}]
+
+
+def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> list[dict]:
+    """Dispatch on ``entry['type']``; returns zero or more tokenised rows."""
+    kind, n = entry["type"], data_cfg["sequence_len"]
+    if kind == "text":
+        return tokenize_text(row, tokenizer, entry, n, source, index)
+    if kind == "completion":
+        return tokenize_completion(row, tokenizer, entry, n, data_cfg["train_on_inputs"], source, index)
+    return tokenize_messages(row, tokenizer, entry, n, data_cfg["train_on_inputs"], data_cfg["roles_to_train"], source, index)

@@ -1,0 +1,131 @@
+"""Reading raw examples from local files, offline, through ``datasets``.
+
+Supported: json, jsonl, csv, parquet and plain text files (or a directory of
+them), plus the built-in ``python-stdlib`` corpus: the Python standard
+library's own source files, which every machine with Python has. That corpus
+is how the default recipe trains on real text with no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from neutrain.config.errors import DataError
+
+_EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
+
+
+def _ds_type(path: Path, declared: str | None) -> str:
+    if declared:
+        return "json" if declared == "jsonl" else declared
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    kinds = {_EXT_TO_TYPE.get(f.suffix.lower()) for f in files if f.is_file()}
+    kinds.discard(None)
+    if len(kinds) != 1:
+        raise DataError(f"{path}: cannot tell the file type from the extension (expected one of {', '.join(sorted(_EXT_TO_TYPE))}); set ds_type")
+    return kinds.pop()
+
+
+def _files(path: Path) -> list[str]:
+    if path.is_dir():
+        files = [str(f) for f in sorted(path.rglob("*")) if f.is_file() and f.suffix.lower() in _EXT_TO_TYPE]
+        if not files:
+            raise DataError(f"{path}: directory holds no json, jsonl, csv, parquet or txt files")
+        return files
+    return [str(path)]
+
+
+def _locate_bad_json_row(files: list[str]) -> str | None:
+    """Find the first unparsable line of a jsonl file, to name it in the error."""
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            first = fh.read(1)
+            if first == "[":  # a JSON array file: report it whole
+                fh.seek(0)
+                try:
+                    json.load(fh)
+                except json.JSONDecodeError as exc:
+                    return f"{f}: invalid JSON at line {exc.lineno} ({exc.msg})"
+                continue
+            fh.seek(0)
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"{f}: row {i} (line {i + 1}) is not valid JSON ({exc.msg})"
+                if not isinstance(row, dict):
+                    return f"{f}: row {i} (line {i + 1}) is a {type(row).__name__}, expected a JSON object"
+    return None
+
+
+def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | None = None):
+    """Load one dataset entry of a recipe as a ``datasets`` (Iterable)Dataset.
+
+    Args:
+        entry: A validated ``data.datasets[i]`` mapping.
+        streaming: Return an ``IterableDataset`` that reads lazily.
+        cache_dir: Where generated corpora (python-stdlib) are written.
+
+    Raises:
+        DataError: naming the file and, where possible, the row.
+    """
+    import datasets
+
+    if entry["path"] == "python-stdlib":
+        path = Path(python_stdlib_corpus(cache_dir or os.path.join("outputs", ".cache"), max_files=entry.get("max_files")))
+        ds_type = "json"
+    else:
+        path = Path(entry["path"])
+        ds_type = _ds_type(path, entry.get("ds_type"))
+    files = _files(path)
+    kwargs: dict[str, Any] = {}
+    if ds_type == "text":
+        kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
+    try:
+        return datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
+    except Exception as exc:  # datasets raises many types; name the file either way
+        detail = _locate_bad_json_row(files) if ds_type == "json" else None
+        raise DataError(detail or f"{', '.join(files)}: could not be read as {ds_type} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
+    """Write the standard library's ``.py`` sources to ``<cache_dir>/python-stdlib.jsonl``.
+
+    Each row is ``{"text": source, "file": relative path, "heldout": bool}``. The
+    held-out flag comes from a hash of the path (about 5% of files), so the split
+    is the same on every machine and every run.
+
+    Example:
+        >>> path = python_stdlib_corpus("/tmp/neutrain-cache", max_files=50)
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "pydoc_data"}
+    files = sorted(
+        p for p in root.rglob("*.py")
+        if not (set(p.relative_to(root).parts[:-1]) & skip) and 2_000 <= p.stat().st_size <= 200_000
+    )
+    if max_files:
+        # Spread the pick over the whole library rather than the alphabetically first modules.
+        step = max(1, len(files) // max_files)
+        files = files[::step][:max_files]
+    digest = hashlib.sha1("\n".join(str(f.relative_to(root)) for f in files).encode()).hexdigest()[:12]
+    out = Path(cache_dir) / f"python-stdlib-{digest}.jsonl"
+    if out.exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for f in files:
+            rel = str(f.relative_to(root))
+            text = f.read_text(encoding="utf-8", errors="replace")
+            heldout = int(hashlib.md5(rel.encode()).hexdigest(), 16) % 20 == 0
+            fh.write(json.dumps({"text": text, "file": rel, "heldout": heldout}) + "\n")
+    os.replace(tmp, out)
+    return str(out)

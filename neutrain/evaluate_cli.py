@@ -1,0 +1,62 @@
+"""``neutrain eval``: held-out perplexity of a checkpoint, plus the recipe's long-context tasks.
+
+The target is a recipe (its ``output_dir``'s last checkpoint is evaluated) or a
+checkpoint/export directory, with ``--recipe`` supplying data and eval settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from neutrain.config.errors import UserInputError
+
+
+def run_eval(args) -> int:
+    """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
+    from transformers import TrainingArguments
+
+    from neutrain.cli import _last_checkpoint
+    from neutrain.config import load_recipe
+    from neutrain.data import Collator, build_datasets
+    from neutrain.export import load_checkpoint_model
+    from neutrain.trainer import NeuTrainer
+
+    target = Path(args.target)
+    if target.suffix in (".yaml", ".yml") or not target.is_dir():
+        recipe = load_recipe(args.target, args.overrides)
+        ckpt = _last_checkpoint(Path(recipe.train["output_dir"]))
+    else:
+        if not args.recipe:
+            raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
+        recipe = load_recipe(args.recipe, args.overrides)
+        ckpt = _last_checkpoint(target)
+    model, tokenizer = load_checkpoint_model(ckpt)
+    if tokenizer is None:
+        raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
+    out = os.path.join(recipe.train["output_dir"], "eval")
+    results = {"checkpoint": str(ckpt)}
+    if recipe.eval["perplexity"]:
+        _, heldout = build_datasets(recipe.data, tokenizer, os.path.join(recipe.train["output_dir"], ".cache"))
+        if heldout is None:
+            raise UserInputError("data: no held-out data (set data.val_set_size or a dataset with split: validation)")
+        if recipe.eval["max_eval_samples"]:
+            heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval["micro_batch_size"] or recipe.train["micro_batch_size"],
+                                  report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False)
+        trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad), processing_class=tokenizer)
+        metrics = trainer.evaluate()
+        results["heldout_loss"] = metrics["eval_loss"]
+        results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
+        print(f"held-out loss {results['heldout_loss']:.4f}  perplexity {results['heldout_perplexity']:.2f}  ({len(heldout)} rows, {ckpt})")
+    if recipe.eval["long_context_tasks"]:
+        from neutrain.eval import evaluate
+
+        results["long_context"] = evaluate(model, tokenizer, recipe.eval["long_context_tasks"], kv=recipe.eval["kv_caches"],
+                                           context_len=recipe.eval["context_len"], num_samples=recipe.eval["num_samples"], output_dir=out)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "eval_results.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0

@@ -1,0 +1,120 @@
+"""Building the model and tokenizer a recipe's ``model`` section describes.
+
+The model comes from a local Hugging Face directory or a hub id (read from the
+local cache only, never downloaded at run time), or is built from a config
+with random weights (``init: random``) for shape-only runs and for the default
+recipe, which has no weights at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neutrain.config.errors import RecipeError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, use_cpu: bool = False) -> torch.dtype:
+    """``auto`` is bf16 on a GPU and fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and not use_cpu else torch.float32
+    return _DTYPES[name]
+
+
+def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_dir: str, cache_dir: str):
+    """Load or build the tokenizer, and save it under ``<output_dir>/tokenizer``.
+
+    A tokenizer already saved there is reused, so a resumed run sees exactly the
+    vocabulary it started with.
+    """
+    from transformers import AutoTokenizer
+
+    from neutrain.data import byte_tokenizer, iter_training_texts, train_bpe_tokenizer
+
+    saved = Path(output_dir) / "tokenizer"
+    name = model_cfg["tokenizer"] or model_cfg["base_model"]
+    if name in ("byte", "train-bpe") and (saved / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(saved))
+    if name == "byte":
+        tok = byte_tokenizer()
+    elif name == "train-bpe":
+        tok = train_bpe_tokenizer(iter_training_texts(data_cfg, cache_dir), vocab_size=model_cfg["tokenizer_vocab_size"])
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg["trust_remote_code"])
+        except Exception as exc:
+            raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache ({type(exc).__name__})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if name in ("byte", "train-bpe"):
+        tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        if not saved.exists():
+            os.replace(tmp, saved)
+    return tok
+
+
+def _model_config(model_cfg: dict[str, Any], tokenizer):
+    from transformers import AutoConfig
+
+    cfg = model_cfg["config"]
+    if cfg is None:
+        config = AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
+    else:
+        if isinstance(cfg, str):
+            cfg = json.loads(Path(cfg).read_text())
+        cfg = dict(cfg)
+        model_type = cfg.pop("model_type", None)
+        if not model_type:
+            raise RecipeError("model.config: needs a 'model_type' (e.g. llama)")
+        try:
+            config = AutoConfig.for_model(model_type, **cfg)
+        except ValueError as exc:
+            raise RecipeError(f"model.config.model_type: {exc}") from None
+    if model_cfg["tokenizer"] in ("byte", "train-bpe"):
+        config.vocab_size = len(tokenizer)
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            setattr(config, attr, value)
+    return config
+
+
+def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42):
+    """Build the causal LM described by ``model_cfg``.
+
+    Example:
+        >>> model = build_model({"base_model": None, "init": "random", "config": {"model_type": "llama", ...}, ...}, tok)
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
+    attn = model_cfg["attn_implementation"]
+    if attn == "neutrain_sage":
+        from neutrain.attention import register
+
+        attn = register()
+    if model_cfg["init"] == "random":
+        config = _model_config(model_cfg, tokenizer)
+        torch.manual_seed(seed)  # the same random weights on every process and every resume
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_cfg["base_model"], dtype=dtype, attn_implementation=attn,
+                trust_remote_code=model_cfg["trust_remote_code"],
+            )
+        except OSError as exc:
+            raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' from a local path or the hub cache ({str(exc).splitlines()[0]})") from None
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("model: %s, %.1fM parameters, %s, attention %s", type(model).__name__, n / 1e6, dtype, attn)
+    return model

@@ -1,0 +1,200 @@
+"""The default run: recipe -> model, data -> NeuTrainer -> evaluation -> export -> summary.
+
+``neutrain train`` and ``accelerate launch -m neutrain`` call :func:`train_from_recipe`.
+A run goes left to right and nothing reaches back (see the README's
+architecture section).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from neutrain.config.schema import Recipe
+
+logger = logging.getLogger("neutrain")
+
+
+def training_arguments(recipe: Recipe, has_eval: bool):
+    """Map the recipe's ``train`` (and ``memory``) sections onto ``TrainingArguments``."""
+    from transformers import TrainingArguments
+
+    t, m = recipe.train, recipe.memory
+    optim = {"adamw": "adamw_torch", "sgd": "sgd"}.get(t["optimizer"], "adamw_torch")
+    kwargs: dict[str, Any] = dict(
+        output_dir=t["output_dir"],
+        per_device_train_batch_size=t["micro_batch_size"],
+        per_device_eval_batch_size=recipe.eval["micro_batch_size"] or t["micro_batch_size"],
+        gradient_accumulation_steps=t["gradient_accumulation_steps"],
+        learning_rate=t["learning_rate"],
+        weight_decay=t["weight_decay"],
+        adam_beta1=t["adam_beta1"],
+        adam_beta2=t["adam_beta2"],
+        lr_scheduler_type=t["lr_scheduler"],
+        warmup_steps=t["warmup_steps"],
+        num_train_epochs=t["num_epochs"],
+        max_steps=t["max_steps"],
+        max_grad_norm=t["max_grad_norm"],
+        logging_steps=t["logging_steps"],
+        save_strategy="steps",
+        save_steps=t["save_steps"],
+        save_total_limit=t["save_total_limit"],
+        eval_strategy="steps" if (has_eval and t["eval_steps"]) else "no",
+        eval_steps=t["eval_steps"],
+        seed=t["seed"],
+        data_seed=t["seed"],
+        report_to=t["report_to"],
+        dataloader_num_workers=t["dataloader_num_workers"],
+        use_cpu=t["use_cpu"],
+        optim=optim,
+        gradient_checkpointing=m["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False} if m["gradient_checkpointing"] else None,
+        remove_unused_columns=False,
+        disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
+        deepspeed=t["deepspeed"],
+        fsdp=t["fsdp"] or "",
+        fsdp_config=t["fsdp_config"],
+        save_safetensors=True,
+    )
+    from transformers import TrainingArguments as _TA
+    import inspect
+
+    accepted = inspect.signature(_TA.__init__).parameters
+    return TrainingArguments(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _save_recipe(recipe: Recipe, output_dir: str) -> None:
+    path = Path(output_dir) / "recipe.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+
+
+class RunContext:
+    """What :func:`build_trainer` assembles: the trainer, tokenizer, held-out data and process state."""
+
+    def __init__(self, recipe: Recipe, trainer, tokenizer, heldout, state):
+        self.recipe, self.trainer, self.tokenizer, self.heldout, self.state = recipe, trainer, tokenizer, heldout, state
+
+
+def build_trainer(recipe: Recipe) -> RunContext:
+    """Build tokenizer, data, model and :class:`~neutrain.trainer.NeuTrainer` from a recipe, without training.
+
+    Example:
+        >>> ctx = build_trainer(load_recipe("default", ["train.max_steps=4"]))
+        >>> ctx.trainer.train()
+    """
+    from accelerate import PartialState
+
+    from neutrain.data import Collator, build_datasets
+    from neutrain.modeling import build_model, build_tokenizer
+    from neutrain.trainer import NeuTrainer
+
+    t = recipe.train
+    out = t["output_dir"]
+    state = PartialState(cpu=t["use_cpu"])
+    cache_dir = os.path.join(out, ".cache")
+    with state.main_process_first():
+        if state.is_main_process:
+            _save_recipe(recipe, out)
+        tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
+        train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
+    if heldout is not None and recipe.eval["max_eval_samples"]:
+        heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
+    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"])
+    args = training_arguments(recipe, has_eval=heldout is not None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = NeuTrainer(
+        model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad),
+        processing_class=tokenizer, memory=recipe.memory,
+    )
+    return RunContext(recipe, trainer, tokenizer, heldout, state)
+
+
+def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train, evaluate and export as the recipe says; print and return a summary.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))
+    """
+    from neutrain.trainer import peak_memory_stats
+
+    started = time.perf_counter()
+    ctx = build_trainer(recipe)
+    trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
+    out = recipe.train["output_dir"]
+    resume = recipe.train["resume_from_checkpoint"]
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
+    result = trainer.train(resume_from_checkpoint=resume or None)
+    summary: dict[str, Any] = {
+        "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
+        "train_runtime_s": result.metrics.get("train_runtime"),
+    }
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if losses:
+        summary["loss_first"], summary["loss_last"] = losses[0], losses[-1]
+    tps = [h["tokens_per_second"] for h in trainer.state.log_history if "tokens_per_second" in h]
+    if tps:
+        summary["tokens_per_second"] = sum(tps) / len(tps)
+    summary.update(peak_memory_stats())
+    if recipe.eval["perplexity"] and heldout is not None:
+        metrics = trainer.evaluate()
+        summary["heldout_loss"] = metrics["eval_loss"]
+        summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
+    if recipe.eval["long_context_tasks"] and state.is_main_process:
+        from neutrain.eval import evaluate
+
+        summary["long_context"] = evaluate(
+            trainer.model, tokenizer, recipe.eval["long_context_tasks"], kv=recipe.eval["kv_caches"],
+            context_len=recipe.eval["context_len"], num_samples=recipe.eval["num_samples"],
+            output_dir=os.path.join(out, "eval"),
+        )
+    if recipe.export["format"] != "none" and state.is_main_process:
+        from neutrain.export import export_model
+
+        summary["export_dir"] = export_model(
+            trainer.model, recipe.export["output_dir"] or os.path.join(out, "export"), recipe.export["format"],
+            tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=recipe.export["dtype"],
+            info={"base_model": recipe.model["base_model"] or "random init", "recipe": recipe.source,
+                  "steps": summary["steps"], "final_loss": summary.get("loss_last"),
+                  "heldout_perplexity": summary.get("heldout_perplexity")},
+        )
+    summary["wall_time_s"] = time.perf_counter() - started
+    if state.is_main_process:
+        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        echo(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The short human summary printed at the end of a run."""
+    lines = ["", "=== neutrain run summary ==="]
+    if "loss_first" in s:
+        lines.append(f"loss            {s['loss_first']:.4f} -> {s['loss_last']:.4f} over {s['steps']} steps")
+    if "heldout_perplexity" in s:
+        lines.append(f"held-out        loss {s['heldout_loss']:.4f}, perplexity {s['heldout_perplexity']:.2f}")
+    if "peak_memory_gib" in s:
+        lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")
+    elif "peak_rss_gib" in s:
+        lines.append(f"peak memory     {s['peak_rss_gib']:.2f} GiB process RSS (CPU)")
+    if "tokens_per_second" in s:
+        lines.append(f"throughput      {s['tokens_per_second']:.0f} tokens/s (training)")
+    for task_line in s.get("long_context_lines", []):
+        lines.append(task_line)
+    lines.append(f"outputs         {s['output_dir']} (checkpoints, metrics.jsonl, training_curves.png)")
+    if s.get("export_dir"):
+        lines.append(f"export          {s['export_dir']}")
+    lines.append(f"wall time       {s['wall_time_s']:.0f} s")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Tiny recipes and models shared by tests (kept small: CI has 2 cores)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+TINY_RECIPE = {
+    "model": {"init": "random", "tokenizer": "byte", "config": TINY_LLAMA, "dtype": "float32"},
+    "data": {"datasets": [{"path": "python-stdlib", "type": "text", "max_files": 6}], "sequence_len": 64, "sample_packing": True},
+    "train": {
+        "output_dir": "OUT", "micro_batch_size": 4, "learning_rate": 3e-3, "max_steps": 4, "save_steps": 2,
+        "logging_steps": 1, "lr_scheduler": "linear", "warmup_steps": 1, "use_cpu": True, "save_total_limit": 3,
+    },
+    "memory": {"weights": "dense"},
+    "eval": {"perplexity": True, "max_eval_samples": 8},
+    "export": {"format": "hf"},
+}
+
+
+def write_recipe(tmp_path: Path, name: str = "tiny.yaml", **sections) -> Path:
+    """Write TINY_RECIPE with section overrides, output_dir inside tmp_path; returns the file."""
+    raw = copy.deepcopy(TINY_RECIPE)
+    raw["train"]["output_dir"] = str(tmp_path / "out")
+    for section, values in sections.items():
+        if values is None:
+            raw.pop(section, None)
+        else:
+            raw.setdefault(section, {}).update(values)
+    path = tmp_path / name
+    path.write_text("#!/usr/bin/env neutrain\n" + yaml.safe_dump(raw, sort_keys=False))
+    path.chmod(0o755)
+    return path

@@ -1,0 +1,73 @@
+"""The command line: user errors are one line with exit code 2, and --help explains."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neutrain.cli import main
+from tests.helpers import write_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "neutrain", *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _assert_one_line_error(res, pattern):
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{res.stderr}"
+    assert "Traceback" not in res.stderr
+    assert lines[0].startswith("neutrain: error: ")
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_unknown_key_exits_2_with_one_line(tmp_path):
+    recipe = write_recipe(tmp_path, train={"learning_rat": 1e-3})
+    _assert_one_line_error(_run(recipe), r"train: unknown key 'learning_rat'\. Did you mean 'learning_rate'\?")
+
+
+def test_wrong_type_exits_2_with_one_line(tmp_path):
+    recipe = write_recipe(tmp_path, train={"max_steps": "many"})
+    _assert_one_line_error(_run(recipe), r"train\.max_steps: expected an integer, got str 'many'")
+
+
+def test_missing_data_file_exits_2_with_one_line(tmp_path):
+    recipe = write_recipe(tmp_path, data={"datasets": [{"path": str(tmp_path / "missing.jsonl"), "type": "completion"}]})
+    _assert_one_line_error(_run("train", recipe), r"data\.datasets\[0\]\.path: data file '.*missing\.jsonl' does not exist")
+
+
+def test_bad_override_and_missing_recipe_and_checkpoint(tmp_path):
+    recipe = write_recipe(tmp_path)
+    _assert_one_line_error(_run(recipe, "train.micro_batch_size=-3"), r"train\.micro_batch_size: -3 is below the minimum 1")
+    _assert_one_line_error(_run("train", tmp_path / "nope.yaml"), r"recipe file '.*nope\.yaml' does not exist")
+    _assert_one_line_error(_run("export", tmp_path), r"checkpoint '.*': no config\.json and no checkpoint-N inside")
+
+
+def test_help_lists_commands_and_recipe_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("train", "eval", "export", "recipes", "accelerate launch -m neutrain"):
+        assert word in text
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "sequence_len", "base_model", "weights"):
+        assert key in text
+
+
+def test_recipes_lists_shipped_recipes(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("default")
+    assert "recipes/default.yaml" in out
