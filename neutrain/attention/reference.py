@@ -100,12 +100,12 @@ def sage_reference_forward(
         p448 = torch.exp2(s - (m_tile_safe - LOG2_FP8_MAX)[..., None])
         alpha = torch.exp2(m_i - m_new_safe)
         beta = torch.exp2(m_tile - m_new_safe)
-        l_i = l_i * alpha + p448.sum(-1) * (beta / FP8_MAX)
+        l_i = l_i * alpha + p448.sum(-1) * (beta * (1.0 / FP8_MAX))
         p_fp8 = p448.to(torch.float8_e4m3fn).float()
         pv = p_fp8 @ v_t[..., lo:hi].float().transpose(-1, -2)  # fresh accumulator per tile
         if v_res_t is not None:
             pv = pv + (p_fp8 @ v_res_t[..., lo:hi].float().transpose(-1, -2)) * (1.0 / V_RESIDUAL_GAIN)
-        acc = acc * alpha[..., None] + pv * (beta / FP8_MAX)[..., None]
+        acc = acc * alpha[..., None] + pv * (beta * (1.0 / FP8_MAX))[..., None]
         m_i = m_new
     empty = l_i == 0
     l_safe = torch.where(empty, 1.0, l_i)

@@ -28,6 +28,13 @@ import triton.language as tl
 from neutrain.attention.quant import FP8_MAX, LN2, LOG2_FP8_MAX, TILE, V_RESIDUAL_GAIN, QuantizedAttentionInputs
 from neutrain.kernels import interpreting
 
+# Triton kernels may read module globals only when they are constexpr.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
+_LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
+_LN2 = tl.constexpr(LN2)
+_INV_V_RESIDUAL_GAIN = tl.constexpr(1.0 / V_RESIDUAL_GAIN)
+
 
 @triton.jit
 def _bf16(x, EMULATE: tl.constexpr):
@@ -48,12 +55,12 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
+        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
         k_scale = tl.load(ks_base + offs_n)
-        qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+        qk = tl.dot(q, k_t, out_dtype=tl.int32)
         s = qk.to(tl.float32) * q_scale[:, None] * k_scale[None, :]
         if SMOOTH_Q:
-            s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k.to(tl.float32), EMULATE_BF16))) * k_scale[None, :]
+            s += tl.dot(_bf16(q_mean, EMULATE_BF16), _bf16(k_t.to(tl.float32), EMULATE_BF16)) * k_scale[None, :]
         if APPLY_MASK:
             allowed = offs_n[None, :] < N_CTX
             if IS_CAUSAL:
@@ -71,18 +78,21 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
         else:
             m_tile_safe = m_tile
             m_new_safe = m_new
-        p448 = tl.math.exp2(s - (m_tile_safe - LOG2_FP8_MAX)[:, None])
+        p448 = tl.math.exp2(s - (m_tile_safe - _LOG2_FP8_MAX)[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         beta = tl.math.exp2(m_tile - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p448, 1) * (beta / FP8_MAX)
+        l_i = l_i * alpha + tl.sum(p448, 1) * (beta * _INV_FP8_MAX)
         p_fp8 = p448.to(tl.float8e4nv)
-        v_off = offs_d[:, None] * stride_vd + offs_n[None, :]
-        v_t = tl.load(vt_base + v_off)
-        pv = tl.dot(p_fp8, tl.trans(v_t))  # fresh fp32 accumulator: first level
+        v_off = offs_d[None, :] * stride_vd + offs_n[:, None]  # [BLOCK_N, D] view of V^T
+        v = tl.load(vt_base + v_off)
         if V_RESIDUAL:
-            v_res = tl.load(vr_base + v_off)
-            pv += tl.dot(p_fp8, tl.trans(v_res)) * (1.0 / V_RESIDUAL_GAIN)
-        acc = acc * alpha[:, None] + pv * (beta / FP8_MAX)[:, None]  # second level, fp32
+            # The residual's product seeds the tile accumulator; within one tile the FP8
+            # wgmma accumulator (~22 bits) keeps it far below FP8's own rounding.
+            pv = tl.dot(p_fp8, tl.load(vr_base + v_off)) * _INV_V_RESIDUAL_GAIN
+            pv = tl.dot(p_fp8, v, pv)
+        else:
+            pv = tl.dot(p_fp8, v)  # fresh fp32 accumulator: first level
+        acc = acc * alpha[:, None] + pv * (beta * _INV_FP8_MAX)[:, None]  # second level, fp32
         m_i = m_new
     return acc, l_i, m_i
 
@@ -171,7 +181,7 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
     v_off = b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd + offs_n[:, None]
     v = tl.load(VT + v_off).to(tl.float32)
     if V_RESIDUAL:
-        v += tl.load(VR + v_off).to(tl.float32) * (1.0 / V_RESIDUAL_GAIN)
+        v += tl.load(VR + v_off).to(tl.float32) * _INV_V_RESIDUAL_GAIN
     v = _bf16(v, EMULATE_BF16)
     v_scale = tl.load(VS + (b * HK + hk) * HEAD_DIM + offs_d)
     seg_k = offs_n
@@ -209,8 +219,8 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
             # The forward's FP8 P: quantized against this KV tile's row max, then renormalized.
             m_tile = tl.max(s_t, 0)
             m_tile = tl.where(m_tile == float("-inf"), 0.0, m_tile)
-            p_fp8 = tl.math.exp2(s_t - (m_tile - LOG2_FP8_MAX)[None, :]).to(tl.float8e4nv)
-            renorm = tl.math.exp2(m_tile - lse) * (1.0 / FP8_MAX)
+            p_fp8 = tl.math.exp2(s_t - (m_tile - _LOG2_FP8_MAX)[None, :]).to(tl.float8e4nv)
+            renorm = tl.math.exp2(m_tile - lse) * _INV_FP8_MAX
             p_hat_t = _bf16(p_fp8.to(tl.float32) * renorm[None, :], EMULATE_BF16)
             do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
                          mask=offs_m[:, None] < N_CTX, other=0.0)
@@ -222,7 +232,7 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
             dk += tl.dot(_bf16(ds_t, EMULATE_BF16), _bf16(q_hat, EMULATE_BF16))
     g_off = b * stride_gb + hk * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
     keep = offs_n[:, None] < N_CTX
-    tl.store(DK + g_off, (dk * LN2).to(DK.dtype.element_ty), mask=keep)
+    tl.store(DK + g_off, (dk * _LN2).to(DK.dtype.element_ty), mask=keep)
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=keep)
 
 
@@ -287,7 +297,7 @@ def _sage_bwd_dq_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DELTA
         v_off = offs_d[:, None] * stride_vd + offs_n[None, :]
         v_t = tl.load(vt_base + v_off).to(tl.float32)
         if V_RESIDUAL:
-            v_t += tl.load(vr_base + v_off).to(tl.float32) * (1.0 / V_RESIDUAL_GAIN)
+            v_t += tl.load(vr_base + v_off).to(tl.float32) * _INV_V_RESIDUAL_GAIN
         v_t = _bf16(v_t, EMULATE_BF16)
         dp = tl.dot(do_scaled, v_t)
         ds = p * (dp - delta[:, None])
