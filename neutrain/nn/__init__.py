@@ -25,7 +25,9 @@ from neutrain.nn.convert import (
 from neutrain.nn.embedding import CompressedEmbedding
 from neutrain.nn.linear import CompressedLinear
 from neutrain.nn.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
-from neutrain.nn.weight import DECODE_BUFFERS, CompressedWeight
+from neutrain.nn.buffers import DECODE_BUFFERS
+from neutrain.nn.prefetch import PREFETCHER
+from neutrain.nn.weight import CompressedWeight
 
 __all__ = [
     "CompressedEmbedding",
@@ -33,6 +35,7 @@ __all__ = [
     "CompressedWeight",
     "CompressionReport",
     "DECODE_BUFFERS",
+    "PREFETCHER",
     "causal_lm_loss",
     "compress_model",
     "compressed_weights",

@@ -147,7 +147,17 @@ def compress_model(
         _set_submodule(model, name, replacement)
         module._parameters["weight"] = None  # drop our reference to the dense weight now
         del dense, module
+    mark_large_weights(model)
     return CompressionReport(weights, len(shared), before, model_nbytes(model), weight_before, weight_after)
+
+
+def mark_large_weights(model: torch.nn.Module) -> None:
+    """Flag embedding and lm_head weights: they use the large decode buffer and are never prefetched."""
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        weight = getattr(module, "compressed", None)
+        if isinstance(weight, CompressedWeight):
+            weight.large = True
 
 
 def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight) -> torch.nn.Module:

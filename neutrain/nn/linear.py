@@ -10,6 +10,9 @@ The matrix products are exactly the ones autograd runs for ``nn.Linear`` on a
 contiguous input (``mm`` / ``addmm`` on the flattened tokens), so a compressed
 model computes bit-identical gradients to its dense twin.
 
+On CUDA the next weight is decoded on a side stream meanwhile
+(:mod:`neutrain.nn.prefetch`).
+
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) composes:
 the recompute calls forward again, which decodes again; nothing decoded is
 saved for backward.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.prefetch import PREFETCHER
 from neutrain.nn.state import CompressedModuleMixin
 from neutrain.nn.weight import CompressedWeight
 
@@ -27,6 +31,7 @@ class _CompressedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, key, bias, weight: CompressedWeight):
         w = weight.decode()
+        PREFETCHER.after_forward_decode(weight)
         x2 = x.reshape(-1, x.shape[-1])
         # addmm with the bias, as F.linear does for flattened inputs (same rounding as nn.Linear).
         out = torch.addmm(bias, x2, w.t()) if bias is not None else x2.mm(w.t())
@@ -41,6 +46,7 @@ class _CompressedLinearFunction(torch.autograd.Function):
         weight: CompressedWeight = ctx.weight
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         w = weight.decode()
+        PREFETCHER.after_backward_decode(weight)
         grad_x = g2.mm(w).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:

@@ -24,6 +24,7 @@ from neutrain.nn.convert import (
     _set_submodule,
     build_module,
     default_targets,
+    mark_large_weights,
     model_nbytes,
 )
 from neutrain.nn.weight import CompressedWeight
@@ -157,6 +158,7 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
             module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
         del tensor
     _tie_if_configured(model, config)
+    mark_large_weights(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ValueError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")

@@ -9,8 +9,9 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
   ``optimizer.state`` work as for any parameter) and, passed as an input to the
   module's autograd function, guarantees that the backward runs even when the
   module's input needs no gradient,
-* the decode path: ``decode()`` writes the weight into a per-device buffer that
-  is shared by all layers (decoded weights never outlive their use).
+* the decode path: ``decode()`` writes the weight into per-device buffers that
+  are shared by all layers (:mod:`neutrain.nn.buffers`; decoded weights never
+  outlive their use).
 
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
@@ -21,54 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.buffers import DECODE_BUFFERS
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
-
-
-class DecodeBuffers:
-    """Reusable flat decode buffers, per (device, dtype) and slot, tagged with their content.
-
-    One buffer per slot, grown to the largest weight decoded into it. A tag
-    ``(weight id, version)`` records what a buffer holds, so a weight decoded in
-    backward right after it was decoded for the update is not decoded twice,
-    and a stale buffer is never mistaken for current data.
-    """
-
-    def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._tags: dict[tuple, tuple] = {}
-
-    def view(self, weight: "CompressedWeight", slot: int = 0) -> torch.Tensor:
-        key = (weight.device, weight.dtype, slot)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < weight.numel:
-            self._buffers.pop(key, None)  # free the old one before allocating the larger
-            buffer = torch.empty(weight.numel, dtype=weight.dtype, device=weight.device)
-            self._buffers[key] = buffer
-        self._tags[key] = (id(weight), weight.version)
-        return buffer[: weight.numel].view(weight.shape)
-
-    def cached(self, weight: "CompressedWeight") -> torch.Tensor | None:
-        for key, tag in self._tags.items():
-            if tag == (id(weight), weight.version):
-                return self._buffers[key][: weight.numel].view(weight.shape)
-        return None
-
-    def invalidate(self, weight: "CompressedWeight") -> None:
-        for key, tag in list(self._tags.items()):
-            if tag[0] == id(weight):
-                del self._tags[key]
-
-    def clear(self) -> None:
-        """Free every buffer (e.g. before measuring memory)."""
-        self._buffers.clear()
-        self._tags.clear()
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-DECODE_BUFFERS = DecodeBuffers()
-"""The process-wide decode buffers shared by every compressed module."""
 
 
 class CompressedWeight:
@@ -93,6 +48,7 @@ class CompressedWeight:
         self.version = 0
         self.decodes = 0  # full decodes run (cache hits excluded): lets tests see recomputes decode again
         self.optimizer = None
+        self.large = False  # embedding / lm_head: decoded into the large buffer, never prefetched
         key = torch.nn.Parameter(torch.empty(0, dtype=ct.dtype, device=ct.device), requires_grad=requires_grad)
         setattr(key, COMPRESSED_KEY_ATTR, True)
         self.key = key
@@ -123,13 +79,13 @@ class CompressedWeight:
         return self.key.requires_grad
 
     # ---------------------------------------------------------------- decode
-    def decode(self, slot: int = 0) -> torch.Tensor:
-        """The dense weight, in a shared buffer valid until the next decode into ``slot``."""
+    def decode(self) -> torch.Tensor:
+        """The dense weight, in a shared decode buffer (valid until two more layer decodes)."""
         cached = DECODE_BUFFERS.cached(self)
         if cached is not None:
             return cached
         self.decodes += 1
-        return self.ct.decompress(out=DECODE_BUFFERS.view(self, slot))
+        return self.ct.decompress(out=DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self)))
 
     def decode_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the weight (a fresh tensor of shape ``index.shape + shape[1:]``)."""

@@ -88,9 +88,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             are written exactly).
         seed: seed of the stochastic rounding (per tensor and step, see
             :mod:`neutrain.optim.rounding`).
-        gradient_accumulation_steps: must be 1. A fused update consumes each
-            gradient at once; accumulating would need a persistent gradient buffer
-            per tensor, exactly the memory fused updates exist to avoid.
+        gradient_accumulation_steps: micro-batches per optimizer step. With 1
+            (the point of fused updates) every gradient is applied and freed at
+            once. With ``k > 1`` the gradients of the first ``k - 1`` micro-batches
+            are summed into one fp32 buffer per trainable tensor (4 bytes per
+            parameter: twice the bf16 weights, allocated only then) and the update
+            runs in the ``k``-th backward with the summed gradient, so the result
+            equals ordinary accumulation. Micro-batches must go through
+            :meth:`backward`; the loss scaling over micro-batches is the caller's.
         chunk_numel: elements per row chunk of an update (bounds fp32 temporaries).
     """
 
@@ -106,15 +111,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         gradient_accumulation_steps: int = 1,
         chunk_numel: int = 1 << 24,
     ):
-        if gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={gradient_accumulation_steps} is not supported by fused "
-                "updates: each gradient is applied and freed inside backward, so accumulating over "
-                "micro-batches would need a full-size gradient buffer per tensor (the memory these "
-                "optimizers exist to save) and updating every micro-batch would silently change the "
-                "algorithm. Use gradient_accumulation_steps=1 with a larger per-device batch, or a "
-                "non-fused optimizer (e.g. 'adamw')."
-            )
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -136,6 +134,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._tied_pending: dict[torch.Tensor, list] = {}
         self._callback_queued = False
         self._in_norm_pass = False
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+        self._micro_batches = 0  # backward passes since the last step()
+        self._accumulating = False
+        self._inside_backward = False
+        self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}
         self._norm_pass_sumsq: dict[torch.device, torch.Tensor] = {}
         self._exact_coef: torch.Tensor | None = None
         self._step_sumsq: dict[torch.device, torch.Tensor] = {}
@@ -235,6 +238,25 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._consume_now(key, grad, io)
 
     def _consume_now(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
+        if self.gradient_accumulation_steps > 1 and not self._inside_backward:
+            raise RuntimeError(
+                "with gradient_accumulation_steps > 1, run every micro-batch through optimizer.backward(loss) "
+                "(a bare loss.backward() cannot tell an early micro-batch from the last)"
+            )
+        if self._accumulating:  # an early micro-batch: sum, update later
+            if self._in_norm_pass:
+                return
+            total = self._grad_sums.get(key)
+            if total is None:
+                self._grad_sums[key] = grad.to(torch.float32, copy=True)
+            else:
+                total.add_(grad)
+            return
+        earlier = self._grad_sums.get(key)
+        if earlier is not None:
+            grad = earlier + grad
+            if not self._in_norm_pass:
+                del self._grad_sums[key]
         chunk_rows = self._chunk_rows(grad)
         sumsq = squared_norm(grad, chunk_rows)
         if self._in_norm_pass:
@@ -370,12 +392,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Run the backward pass(es) this optimizer's clip mode needs; updates happen inside.
 
         One ``loss.backward()``, or two for ``global_exact`` (the first only
-        measures the global norm). Call :meth:`step` afterwards.
+        measures the global norm; with accumulation, only on the last
+        micro-batch). Call :meth:`step` after ``gradient_accumulation_steps`` calls.
         """
-        if self.clip_mode is ClipMode.GLOBAL_EXACT:
-            with self.norm_pass():
-                loss.backward(retain_graph=True)
-        loss.backward()
+        k = self.gradient_accumulation_steps
+        if self._micro_batches >= k:
+            raise RuntimeError(
+                f"{self._micro_batches} backward passes since the last optimizer.step(), but "
+                f"gradient_accumulation_steps={k}: call step() after every {k} micro-batch(es)"
+            )
+        self._micro_batches += 1
+        self._accumulating = self._micro_batches < k
+        self._inside_backward = True
+        try:
+            if self.clip_mode is ClipMode.GLOBAL_EXACT and not self._accumulating:
+                with self.norm_pass():
+                    loss.backward(retain_graph=True)
+            loss.backward()
+        finally:
+            self._accumulating = self._inside_backward = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -386,6 +421,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         logs tensors skipped for non-finite gradients. One host sync, only when a
         tensor was updated.
         """
+        if self.gradient_accumulation_steps > 1 and self._micro_batches != self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"step() after {self._micro_batches} micro-batch(es), expected gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} calls of optimizer.backward(loss)"
+            )
+        self._micro_batches = 0
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,0 +1,101 @@
+"""Reusable decode buffers, shared by every compressed module.
+
+Decoded weights never get their own allocation: they are written into a few
+per-device buffers, each grown to the largest weight decoded into it.
+
+* Two *layer* slots alternate, so that while one holds the weight being used,
+  the other can receive the next weight, decoded ahead on a side stream
+  (:mod:`neutrain.nn.prefetch`).
+* One *large* slot holds the embedding/lm_head matrix (decoded for the chunked
+  loss and for their updates), so the layer slots stay layer-sized.
+
+Each slot carries a tag ``(weight id, version)`` naming what it holds, and,
+after a prefetch, the CUDA event that marks the decode complete. A weight
+decoded again while its tag is current (e.g. read by the optimizer right after
+backward decoded it) is served from the buffer; an updated weight bumps its
+version, so a stale buffer is never mistaken for current data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYER_SLOTS = ("layer0", "layer1")
+LARGE_SLOT = "large"
+
+
+class DecodeBuffers:
+    """Tagged decode buffers per (device, dtype, slot)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._tags: dict[tuple, tuple] = {}
+        self._events: dict[tuple, torch.cuda.Event] = {}
+        self._recent: dict[tuple, str] = {}
+        self.prefetch_hits = 0
+
+    def slot_for(self, weight) -> str:
+        """Where a fresh decode of ``weight`` goes: the large slot, or the layer slot used less recently."""
+        if weight.large:
+            return LARGE_SLOT
+        recent = self._recent.get((weight.device, weight.dtype))
+        return LAYER_SLOTS[1] if recent == LAYER_SLOTS[0] else LAYER_SLOTS[0]
+
+    def view(self, weight, slot: str) -> torch.Tensor:
+        """A buffer view shaped like ``weight`` in ``slot``, now tagged as holding it."""
+        key = (weight.device, weight.dtype, slot)
+        self._wait(key)  # a pending prefetch must finish before its buffer is reused or freed
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < weight.numel:
+            self._buffers.pop(key, None)  # free the old buffer before allocating the larger one
+            buffer = torch.empty(weight.numel, dtype=weight.dtype, device=weight.device)
+            self._buffers[key] = buffer
+        self._tags[key] = (id(weight), weight.version)
+        self._touch(key)
+        return buffer[: weight.numel].view(weight.shape)
+
+    def cached(self, weight) -> torch.Tensor | None:
+        """The buffer holding the current version of ``weight``, or None (waits for a prefetch)."""
+        for key, tag in self._tags.items():
+            if tag == (id(weight), weight.version):
+                if key in self._events:
+                    self.prefetch_hits += 1
+                    self._wait(key)
+                self._touch(key)
+                return self._buffers[key][: weight.numel].view(weight.shape)
+        return None
+
+    def holds(self, weight) -> bool:
+        return (id(weight), weight.version) in self._tags.values()
+
+    def set_event(self, weight, slot: str, event) -> None:
+        self._events[(weight.device, weight.dtype, slot)] = event
+
+    def invalidate(self, weight) -> None:
+        for key, tag in list(self._tags.items()):
+            if tag[0] == id(weight):
+                del self._tags[key]
+
+    def clear(self) -> None:
+        """Free every buffer (e.g. before measuring memory)."""
+        for key in list(self._events):
+            self._wait(key)
+        self._buffers.clear()
+        self._tags.clear()
+        self._recent.clear()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def _touch(self, key: tuple) -> None:
+        if key[2] in LAYER_SLOTS:
+            self._recent[key[:2]] = key[2]
+
+    def _wait(self, key: tuple) -> None:
+        event = self._events.pop(key, None)
+        if event is not None:
+            torch.cuda.current_stream(key[0]).wait_event(event)
+
+
+DECODE_BUFFERS = DecodeBuffers()
+"""The process-wide decode buffers."""

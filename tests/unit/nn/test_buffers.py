@@ -1,0 +1,37 @@
+"""Decode buffers: layer slots alternate, large weights stay apart, tags follow versions."""
+
+import torch
+from nn_helpers import CODEC
+
+from neutrain.compress import compress
+from neutrain.nn import CompressedWeight
+from neutrain.nn.buffers import LARGE_SLOT, LAYER_SLOTS, DecodeBuffers
+
+
+def _weights(n, rows=8):
+    return [CompressedWeight(compress(torch.randn(rows, 4).bfloat16(), **CODEC), name=f"w{i}") for i in range(n)]
+
+
+def test_layer_slots_alternate_and_large_slot_is_separate():
+    buffers = DecodeBuffers()
+    a, b, c, big = _weights(3) + _weights(1, rows=64)
+    big.large = True
+    slots = []
+    for w in (a, b, c):
+        slot = buffers.slot_for(w)
+        buffers.view(w, slot)
+        slots.append(slot)
+    assert slots == [LAYER_SLOTS[0], LAYER_SLOTS[1], LAYER_SLOTS[0]]
+    assert buffers.slot_for(big) == LARGE_SLOT
+    buffers.view(big, LARGE_SLOT)
+    assert buffers.nbytes() == 2 * 8 * 4 * 2 + 64 * 4 * 2  # layer buffers stay layer-sized
+    assert buffers.cached(a) is None and buffers.cached(b) is not None and buffers.cached(c) is not None
+
+
+def test_decode_reuses_current_buffer_and_never_serves_stale_data():
+    (w,) = _weights(1)
+    first = w.decode()
+    assert w.decode().data_ptr() == first.data_ptr() and w.decodes == 1  # served from the buffer
+    new = torch.randn(8, 4).bfloat16()
+    w.write_(new)
+    assert torch.equal(w.decode(), new) and w.decodes == 2  # version bump forced a fresh decode

@@ -1,0 +1,54 @@
+"""GPU checks: Triton codec path parity with prefetching, and device memory after conversion."""
+
+import copy
+
+import pytest
+import torch
+from nn_helpers import token_batches, train, weights
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from neutrain.nn import DECODE_BUFFERS, PREFETCHER, compress_model, compressed_weights
+from neutrain.optim import LOMO
+
+pytestmark = pytest.mark.gpu
+
+
+def _llama(hidden, layers, vocab, tie=False):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, tie_word_embeddings=tie)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_gpu_compressed_matches_dense_with_prefetch(tie):
+    dense = _llama(256, 3, 512, tie)
+    compressed = copy.deepcopy(dense)
+    compress_model(compressed, progress=False)
+    start = weights(dense)
+    data = [ids.cuda() for ids in token_batches(3, batch=4, length=64)]
+    train(dense, LOMO(dense.parameters(), lr=5e-2, seed=2), data)
+    hits, launched = DECODE_BUFFERS.prefetch_hits, PREFETCHER.launched
+    train(compressed, LOMO(compressed.parameters(), lr=5e-2, seed=2), data)
+    torch.cuda.synchronize()
+    assert PREFETCHER.launched > launched and DECODE_BUFFERS.prefetch_hits > hits, "prefetch never used"
+    a, b = weights(dense), weights(compressed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    changed = sum(int((a[n] != start[n]).sum()) for n in a)
+    assert changed >= sum(v.numel() for v in a.values()) / 2
+
+
+def test_gpu_memory_after_conversion_is_the_compressed_total():
+    DECODE_BUFFERS.clear()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = _llama(1024, 4, 8192)
+    dense_bytes = torch.cuda.memory_allocated() - base
+    report = compress_model(model, progress=False)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated() - base
+    compressed = sum(w.nbytes for w in compressed_weights(model))
+    assert report.bytes_after == pytest.approx(after, rel=0.02, abs=1 << 20), (report.bytes_after, after)
+    assert after < 0.8 * dense_bytes, (after, dense_bytes)
+    assert compressed < 0.75 * report.weight_bytes_before

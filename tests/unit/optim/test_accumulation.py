@@ -1,0 +1,44 @@
+"""Gradient accumulation: the update runs once per step with the summed micro-batch gradients."""
+
+import pytest
+import torch
+from optim_helpers import batches, loss_fn, make_mlp, twin
+
+from neutrain.optim import LOMO, AdaLomo
+
+
+def test_accumulated_lomo_equals_sgd_on_summed_gradients():
+    ref = make_mlp()
+    fused = twin(ref)
+    data = batches(6)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for i in range(0, 6, 3):
+        sgd.zero_grad()
+        for batch in data[i : i + 3]:
+            loss_fn(ref, batch).backward()
+        sgd.step()
+    opt = LOMO(fused.parameters(), lr=0.05, gradient_accumulation_steps=3, clip_mode="global_exact",
+               max_grad_norm=1e9).bind(fused)
+    start = [p.detach().clone() for p in fused.parameters()]
+    for i, batch in enumerate(data):
+        opt.backward(loss_fn(fused, batch))
+        if i % 3 < 2:  # early micro-batches leave the weights alone
+            assert all(torch.equal(p, s) for p, s in zip(fused.parameters(), start))
+        else:
+            opt.step()
+            start = [p.detach().clone() for p in fused.parameters()]
+    for pa, pb in zip(ref.parameters(), fused.parameters()):
+        assert torch.equal(pa, pb)
+    assert not opt._grad_sums
+
+
+def test_accumulation_misuse_is_refused():
+    model = make_mlp()
+    opt = AdaLomo(model.parameters(), lr=1e-2, gradient_accumulation_steps=2).bind(model)
+    with pytest.raises(RuntimeError, match="optimizer.backward"):
+        loss_fn(model, batches(1)[0]).backward()
+    opt.backward(loss_fn(model, batches(1)[0]))
+    with pytest.raises(RuntimeError, match="expected gradient_accumulation_steps"):
+        opt.step()
+    with pytest.raises(ValueError, match=">= 1"):
+        LOMO(model.parameters(), lr=0.1, gradient_accumulation_steps=0)
