@@ -15,10 +15,9 @@ from neutrain.optim.adalomo import AdaLomo
 from neutrain.optim.adamw import AdamWInBackward
 from neutrain.optim.clipping import ClipMode
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR, DenseWeightIO, FusedOptimizer, WeightIO
+from neutrain.optim.factory import OPTIMIZERS, build_fused_optimizer, fused_param_groups
 from neutrain.optim.lomo import LOMO
 from neutrain.optim.rounding import stochastic_round_to_bf16
-
-OPTIMIZERS = {"lomo": LOMO, "adalomo": AdaLomo, "adamw-in-backward": AdamWInBackward}
 
 __all__ = [
     "AdaLomo",
@@ -30,5 +29,7 @@ __all__ = [
     "LOMO",
     "OPTIMIZERS",
     "WeightIO",
+    "build_fused_optimizer",
+    "fused_param_groups",
     "stochastic_round_to_bf16",
 ]

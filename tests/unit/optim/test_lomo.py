@@ -75,3 +75,22 @@ def test_chunked_update_equals_whole_tensor_update():
 def test_refuses_fp16():
     with pytest.raises(ValueError, match="fp16"):
         LOMO(make_mlp(torch.float16).parameters(), lr=0.1)
+
+
+def test_build_fused_optimizer_groups_and_binds():
+    from neutrain.optim import AdaLomo, build_fused_optimizer
+
+    model = make_mlp()
+    model[2].requires_grad_(False)
+    opt = build_fused_optimizer(model, "adalomo", lr=1e-2, weight_decay=0.1)
+    assert isinstance(opt, AdaLomo)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.dim() == 1 for p in plain["params"])
+    assert len(opt._hooks) == 4  # frozen layer excluded
+    frozen = model[2].weight.detach().clone()
+    opt.backward(loss_fn(model, batches(1)[0]))
+    opt.step()
+    assert torch.equal(model[2].weight, frozen) and model[2].weight.grad is None
+    with pytest.raises(ValueError, match="unknown fused optimizer"):
+        build_fused_optimizer(model, "sgdx", lr=0.1)

@@ -1,0 +1,57 @@
+"""Build a bound fused optimizer from a model and recipe-style hyperparameters.
+
+The trainer's single entry point: it groups parameters (no weight decay for
+vectors such as norms and biases, as Hugging Face's Trainer does), picks the
+rule by name and binds the optimizer to the model's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neutrain.optim.adalomo import AdaLomo
+from neutrain.optim.adamw import AdamWInBackward
+from neutrain.optim.fused import COMPRESSED_KEY_ATTR, FusedOptimizer
+from neutrain.optim.lomo import LOMO
+
+OPTIMIZERS: dict[str, type[FusedOptimizer]] = {"lomo": LOMO, "adalomo": AdaLomo, "adamw-in-backward": AdamWInBackward}
+
+
+def fused_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters split into a decayed group (matrices, compressed weights) and a non-decayed one."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_matrix = getattr(param, COMPRESSED_KEY_ATTR, False) or param.dim() >= 2
+        (decay if is_matrix else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_fused_optimizer(
+    model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.0, **options
+) -> FusedOptimizer:
+    """Create the fused optimizer ``name`` over ``model`` and bind it (hooks registered).
+
+    Args:
+        model: the model (dense, compressed by ``neutrain.nn.compress_model``, or mixed).
+        name: ``"lomo"``, ``"adalomo"`` or ``"adamw-in-backward"``.
+        lr: learning rate (schedulers change ``param_groups[i]["lr"]`` live).
+        weight_decay: for matrices; vectors get none.
+        **options: rule hyperparameters (``betas``, ``eps``, ...) and fused options
+            (``clip_mode``, ``max_grad_norm``, ``stochastic_rounding``, ``seed``,
+            ``gradient_accumulation_steps``, ``chunk_numel``).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        >>> opt = build_fused_optimizer(model, "adalomo", lr=1e-3, weight_decay=0.1,
+        ...                             clip_mode="global_stale", max_grad_norm=1.0)
+        >>> [g["weight_decay"] for g in opt.param_groups], len(opt._hooks)
+        ([0.1, 0.0], 4)
+    """
+    try:
+        cls = OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown fused optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
+    return cls(fused_param_groups(model, weight_decay), lr=lr, **options).bind(model)
