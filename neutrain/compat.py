@@ -106,3 +106,53 @@ def set_attn_implementation(model: Any, name: str) -> None:
         model.set_attn_implementation(name)
     else:  # pragma: no cover - old transformers
         model.config._attn_implementation = name
+
+
+# --- KV cache surgery (speculative) ---
+# Drift handled here: transformers 5.x keeps a DynamicCache as
+# ``cache.layers[l].keys/.values`` ([B, H, S, D]); 4.x kept ``key_cache`` and
+# ``value_cache`` lists. Speculative decoding re-indexes these tensors to keep the
+# accepted path of a token tree, pick one draft row, or crop rejected drafts.
+
+
+def _map_cache_tensors(cache: Any, fn: Any) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.numel() == 0:
+                continue
+            layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+        return
+    for name in ("key_cache", "value_cache"):  # pragma: no cover - transformers 4.x layout
+        tensors = getattr(cache, name)
+        for i, t in enumerate(tensors):
+            if t is not None and t.numel():
+                tensors[i] = fn(t)
+
+
+def cache_keep_positions(cache: Any, positions: Any) -> None:
+    """Keep only sequence ``positions`` (a sorted LongTensor) in every layer, in place."""
+    _map_cache_tensors(cache, lambda t: t.index_select(-2, positions.to(t.device)))
+
+
+def cache_crop_to(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of every layer, in place."""
+    _map_cache_tensors(cache, lambda t: t[..., :length, :])
+
+
+def cache_select_row(cache: Any, row: int) -> None:
+    """Keep batch row ``row`` only (the batch becomes 1), in place."""
+    _map_cache_tensors(cache, lambda t: t[row : row + 1])
+
+
+def cache_repeat_rows(cache: Any, repeats: int) -> None:
+    """Repeat a batch-1 cache ``repeats`` times along the batch dimension, in place."""
+    _map_cache_tensors(cache, lambda t: t.expand(repeats, *t.shape[1:]).contiguous())
+
+
+def cache_batch_size(cache: Any) -> int:
+    """Batch size of a cache's tensors (1 when empty)."""
+    sizes: list[int] = []
+    _map_cache_tensors(cache, lambda t: sizes.append(t.shape[0]) or t)
+    return sizes[0] if sizes else 1

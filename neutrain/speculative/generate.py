@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neutrain.speculative._cache import (
-    cache_crop,
-    cache_forward_kwargs,
+from neutrain.compat import (
+    cache_batch_size,
+    cache_crop_to,
     cache_keep_positions,
-    cache_repeat_batch,
-    cache_select_batch,
+    cache_repeat_rows,
+    cache_select_row,
     output_cache,
 )
-from neutrain.speculative.tree import TokenTree, tree_forward
+from neutrain.speculative.tree import TokenTree, cache_kwargs, tree_forward
 from neutrain.speculative.verify import sample_from, verify_step
 
 
@@ -83,7 +83,7 @@ def _device(model) -> torch.device:
 
 
 def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache):
-    out = model(input_ids=tokens, position_ids=positions, use_cache=True, **cache_forward_kwargs(model, cache))
+    out = model(input_ids=tokens, position_ids=positions, use_cache=True, **cache_kwargs(model, cache))
     return out.logits, output_cache(out)
 
 
@@ -110,7 +110,7 @@ class _DraftState:
                     dist = warp(logits[0], temperature).expand(rows, -1)
                     token = torch.multinomial(dist, 1, replacement=True, generator=generator)[:, 0]
                 if rows > 1:
-                    cache_repeat_batch(self.cache, rows)
+                    cache_repeat_rows(self.cache, rows)
             else:
                 pos = torch.full((rows, 1), len(seq) + step - 1, device=device)
                 logits, self.cache = _forward(self.model, tokens[-1][:, None], pos, self.cache)
@@ -127,14 +127,10 @@ class _DraftState:
 
     def keep(self, row: int, seq_before: int, matched: int, steps: int) -> None:
         """Keep cache row ``row`` up to the committed tokens it holds."""
-        if self.cache.get_seq_length() and self.cache_batch() > 1:
-            cache_select_batch(self.cache, row)
+        if cache_batch_size(self.cache) > 1:
+            cache_select_row(self.cache, row)
         self.length = seq_before + min(matched, steps - 1)
-        cache_crop(self.cache, self.length)
-
-    def cache_batch(self) -> int:
-        layer = self.cache.layers[0] if hasattr(self.cache, "layers") else None
-        return layer.keys.shape[0] if layer is not None else 1
+        cache_crop_to(self.cache, self.length)
 
 
 def _matched(tokens: list[int], committed: list[int]) -> int:

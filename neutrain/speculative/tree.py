@@ -17,9 +17,11 @@ node ``i``: it verifies ``i``'s children, and at a leaf it gives the bonus token
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from neutrain.speculative._cache import cache_forward_kwargs
+from neutrain.compat import cache_forward_kwarg
 
 
 class TokenTree:
@@ -92,6 +94,17 @@ def tree_forward(model, tree: TokenTree, cache, past_length: int):
         attention_mask=tree.attention_mask(past_length, dtype if dtype.is_floating_point else torch.float32, device),
         position_ids=tree.position_ids(past_length, device),
         use_cache=True,
-        **cache_forward_kwargs(model, cache),
+        **cache_kwargs(model, cache),
     )
     return out.logits[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class) -> str:
+    # compat inspects ``forward``'s signature; the class's unbound method has the same parameters.
+    return cache_forward_kwarg(model_class)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` for ``model.forward`` (``past_key_values`` or ``cache``), memoised per class."""
+    return {_cache_keyword(type(model)): cache}

@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from _markov_lm import MarkovLM
 from neutrain.speculative import generate
-from neutrain.speculative._cache import cache_forward_kwargs
-from neutrain.speculative.tree import TokenTree, tree_forward
+from neutrain.speculative.tree import TokenTree, cache_kwargs, tree_forward
 
 
 def tiny_llama(seed, layers=2, hidden=64, attn="eager", vocab=48):
@@ -54,7 +53,7 @@ def test_tree_logits_equal_sequential(attn):
     tree.add_path([5, 6, 9])  # shared prefix -> branching node
     with torch.no_grad():
         cache = DynamicCache()
-        model(input_ids=torch.tensor([prefix[:-1]]), use_cache=True, **cache_forward_kwargs(model, cache))
+        model(input_ids=torch.tensor([prefix[:-1]]), use_cache=True, **cache_kwargs(model, cache))
         logits = tree_forward(model, tree, cache, len(prefix) - 1)
         worst = 0.0
         for node in range(len(tree)):
