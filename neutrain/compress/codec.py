@@ -15,8 +15,8 @@ codes its own ``S`` symbols one after the other:
   ``tile_base[tile] + sum(lane_words[tile, :l])``: the decoder finds it with one
   in-tile prefix sum, so no per-lane offset table is stored (8 bits per lane
   instead of 32: 0.03 instead of 0.125 bit/weight at S = 256);
-* the stream (``int32``) carries two zero words after the last one, so a decoder
-  may always read two words ahead.
+* the stream (``int32``) carries three zero words after the last one, so a
+  decoder may always read three words ahead.
 
 Elements past the end of the tensor in the last tile are not coded.
 
@@ -32,8 +32,8 @@ import torch
 
 from neutrain.compress.huffman import ESCAPE, LITERAL_BITS, MAX_CODE_BITS
 
-STREAM_PAD_WORDS = 2
-"""Zero words after the last lane, so two-word look-ahead reads stay in bounds."""
+STREAM_PAD_WORDS = 3
+"""Zero words after the last lane, so a decoder reading three words ahead stays in bounds."""
 
 _LEN_SHIFT_ENC = 24
 _CODE_MASK = (1 << _LEN_SHIFT_ENC) - 1

@@ -11,7 +11,7 @@ key            dtype / shape             content
 ``code_lengths`` uint8[258]              Huffman lengths (0: escaped), escape last
 ``lane_words`` uint8[tiles * lanes]      words per lane
 ``tile_base``  int64[tiles + 1]          word prefix sums per tile
-``stream``     int32[words + 2]          lane bitstreams (+ two zero words)
+``stream``     int32[words + 3]          lane bitstreams (+ three zero words)
 ``tails``      uint8[...]                packed sign and mantissa bits
 ``checksum``   int64[2]                  :func:`~neutrain.compress.checksum.checksum`
                                          of the six blobs above, in that order
