@@ -60,7 +60,7 @@ def _scores(qi: QuantizedAttentionInputs, k_lo: int, k_hi: int) -> torch.Tensor:
     k_scale = _expand_kv(qi.k_scale[:, :, k_lo:k_hi], groups)
     # Integer dot products are exact in fp32 (|sum| <= 127*127*D < 2**24).
     qk = qi.q_int.float() @ k_int.transpose(-1, -2)
-    s = qk * qi.q_scale[..., None] * k_scale[..., None, :]
+    s = qk * k_scale[..., None, :] * qi.q_scale[..., None]  # the kernel's rounding order
     if qi.q_mean is not None:
         s = s + (qi.q_mean.float() @ k_int.transpose(-1, -2)) * k_scale[..., None, :]
     return s

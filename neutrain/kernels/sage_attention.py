@@ -58,8 +58,12 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
         k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
         k_scale = tl.load(ks_base + offs_n)
         qk = tl.dot(q, k_t, out_dtype=tl.int32)
-        s = qk.to(tl.float32) * q_scale[:, None] * k_scale[None, :]
+        # The Q scale is a positive per-row factor, so it commutes with the row max and
+        # fuses into the exponent's FMA: one multiply per score saved. Order (qk*ks)*qs
+        # is the reference's and the backward's.
+        s = qk.to(tl.float32) * k_scale[None, :]
         if SMOOTH_Q:
+            s = s * q_scale[:, None]
             s += tl.dot(_bf16(q_mean, EMULATE_BF16), _bf16(k_t.to(tl.float32), EMULATE_BF16)) * k_scale[None, :]
         if APPLY_MASK:
             allowed = offs_n[None, :] < N_CTX
@@ -69,7 +73,10 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
                 seg_k = tl.load(segk_base + offs_n, mask=offs_n < N_CTX, other=-2)
                 allowed = allowed & (seg_q[:, None] == seg_k[None, :])
             s = tl.where(allowed, s, float("-inf"))
-        m_tile = tl.max(s, 1)
+        if SMOOTH_Q:
+            m_tile = tl.max(s, 1)
+        else:
+            m_tile = tl.max(s, 1) * q_scale
         m_new = tl.maximum(m_i, m_tile)
         if APPLY_MASK:
             # Rows with no allowed key in this tile (or so far) must give 0, not NaN.
@@ -78,7 +85,10 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
         else:
             m_tile_safe = m_tile
             m_new_safe = m_new
-        p448 = tl.math.exp2(s - (m_tile_safe - _LOG2_FP8_MAX)[:, None])
+        if SMOOTH_Q:
+            p448 = tl.math.exp2(s - (m_tile_safe - _LOG2_FP8_MAX)[:, None])
+        else:
+            p448 = tl.math.exp2(s * q_scale[:, None] - (m_tile_safe - _LOG2_FP8_MAX)[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         beta = tl.math.exp2(m_tile - m_new_safe)
         l_i = l_i * alpha + tl.sum(p448, 1) * (beta * _INV_FP8_MAX)
@@ -200,7 +210,7 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
             q = tl.load(Q + q_off)
             q_scale = tl.load(QS + (b * H + h) * N_PAD + offs_m)
             qk_t = tl.dot(k, tl.trans(q), out_dtype=tl.int32)
-            s_t = qk_t.to(tl.float32) * q_scale[None, :] * k_scale[:, None]  # same rounding order as forward
+            s_t = qk_t.to(tl.float32) * k_scale[:, None] * q_scale[None, :]  # same rounding order as forward
             q_hat = q.to(tl.float32) * q_scale[:, None]
             if SMOOTH_Q:
                 q_mean = tl.load(QM + q_off)
@@ -282,7 +292,7 @@ def _sage_bwd_dq_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DELTA
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
         k_scale = tl.load(KS + (b * HK + hk) * N_PAD + offs_n)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_scale[:, None] * k_scale[None, :]
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :] * q_scale[:, None]
         if SMOOTH_Q:
             s += tl.dot(_bf16(q_mean, EMULATE_BF16), tl.trans(_bf16(k.to(tl.float32), EMULATE_BF16))) * k_scale[None, :]
         if NEED_MASK:
