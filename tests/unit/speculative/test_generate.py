@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from _markov_lm import MarkovLM
+from tests.unit.speculative._markov_lm import MarkovLM
 from neutrain.speculative import generate
 from neutrain.speculative.tree import TokenTree, cache_kwargs, tree_forward
 
