@@ -41,14 +41,20 @@ def trainer_accepts(name: str) -> bool:
     return name in inspect.signature(Trainer.__init__).parameters
 
 
-def checkpointing_kwargs() -> dict:
-    """Keyword arguments for non-reentrant activation checkpointing.
+def checkpointing_training_args(enabled: bool) -> dict:
+    """``TrainingArguments`` keywords that turn non-reentrant activation checkpointing on or off.
 
-    Non-reentrant checkpointing is required for compressed weights and fused updates:
-    the reentrant variant runs backward hooks in a nested graph and reads weights that
-    the fused update has already changed.
+    transformers 5.2x renamed ``gradient_checkpointing[_kwargs]`` to
+    ``activation_checkpointing[_kwargs]`` (the old names warn); 5.17 knows only the
+    old ones. Non-reentrant checkpointing is required for compressed weights and
+    fused updates: the reentrant variant runs backward in a nested graph and can
+    read weights that the fused update has already changed.
     """
-    return {"use_reentrant": False}
+    from transformers import TrainingArguments
+
+    params = inspect.signature(TrainingArguments.__init__).parameters
+    prefix = "activation_checkpointing" if "activation_checkpointing" in params else "gradient_checkpointing"
+    return {prefix: enabled, f"{prefix}_kwargs": {"use_reentrant": False} if enabled else None}
 
 
 # --- KV cache API (eval) ---

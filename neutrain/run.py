@@ -7,6 +7,7 @@ architecture section).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from typing import Any, Callable
 
 import yaml
 
+from neutrain import compat
 from neutrain.config.schema import Recipe
 
 logger = logging.getLogger("neutrain")
@@ -54,19 +56,16 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         dataloader_num_workers=t["dataloader_num_workers"],
         use_cpu=t["use_cpu"],
         optim=optim,
-        gradient_checkpointing=m["gradient_checkpointing"],
-        gradient_checkpointing_kwargs={"use_reentrant": False} if m["gradient_checkpointing"] else None,
         remove_unused_columns=False,
         disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
         deepspeed=t["deepspeed"],
         fsdp=t["fsdp"] or "",
         fsdp_config=t["fsdp_config"],
         save_safetensors=True,
+        **compat.checkpointing_training_args(m["gradient_checkpointing"]),
     )
-    from transformers import TrainingArguments as _TA
-    import inspect
-
-    accepted = inspect.signature(_TA.__init__).parameters
+    # Keys a given transformers release does not know (save_safetensors left in 5.2x) are dropped.
+    accepted = inspect.signature(TrainingArguments.__init__).parameters
     return TrainingArguments(**{k: v for k, v in kwargs.items() if k in accepted})
 
 

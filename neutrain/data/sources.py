@@ -111,10 +111,16 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
         p for p in root.rglob("*.py")
         if not (set(p.relative_to(root).parts[:-1]) & skip) and 2_000 <= p.stat().st_size <= 200_000
     )
+    def is_heldout(f: Path) -> bool:
+        return int(hashlib.md5(str(f.relative_to(root)).encode()).hexdigest(), 16) % 20 == 0
+
     if max_files:
-        # Spread the pick over the whole library rather than the alphabetically first modules.
-        step = max(1, len(files) // max_files)
-        files = files[::step][:max_files]
+        # Spread the pick over the whole library, and keep about 5% (at least one) held-out file.
+        held = [f for f in files if is_heldout(f)]
+        train = [f for f in files if not is_heldout(f)]
+        n_held = max(1, round(max_files * len(held) / len(files)))
+        n_train = max(1, max_files - n_held)
+        files = sorted(train[:: max(1, len(train) // n_train)][:n_train] + held[:: max(1, len(held) // n_held)][:n_held])
     digest = hashlib.sha1("\n".join(str(f.relative_to(root)) for f in files).encode()).hexdigest()[:12]
     out = Path(cache_dir) / f"python-stdlib-{digest}.jsonl"
     if out.exists():
@@ -125,7 +131,6 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
         for f in files:
             rel = str(f.relative_to(root))
             text = f.read_text(encoding="utf-8", errors="replace")
-            heldout = int(hashlib.md5(rel.encode()).hexdigest(), 16) % 20 == 0
-            fh.write(json.dumps({"text": text, "file": rel, "heldout": heldout}) + "\n")
+            fh.write(json.dumps({"text": text, "file": rel, "heldout": is_heldout(f)}) + "\n")
     os.replace(tmp, out)
     return str(out)

@@ -38,7 +38,7 @@ def test_train_checkpoint_export_from_pretrained(tmp_path):
 
     from neutrain.run import build_trainer
 
-    recipe_path = write_recipe(tmp_path, export={"max_shard_size": "40KB"})
+    recipe_path = write_recipe(tmp_path, export={"max_shard_size": "40KB"}, train={"report_to": "tensorboard"})
     recipe = load_recipe(recipe_path)
     ctx = build_trainer(recipe)
     ctx.trainer.train()
@@ -49,6 +49,13 @@ def test_train_checkpoint_export_from_pretrained(tmp_path):
     logged = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert all({"learning_rate", "tokens_per_second", "peak_rss_gib"} <= set(r) for r in logged)
+    _assert_tensorboard_has(out, "train/tokens_per_second")
+
+    # `neutrain eval` on the recipe evaluates the last checkpoint's held-out perplexity.
+    res = _neutrain("eval", recipe_path)
+    assert res.returncode == 0, res.stderr
+    ev = json.loads((out / "eval" / "eval_results.json").read_text())
+    assert ev["checkpoint"].endswith("checkpoint-4") and 1.0 < ev["heldout_perplexity"] < 1000.0
 
     # Export through the CLI from the final checkpoint, sharded, and load with plain transformers.
     export_dir = tmp_path / "export"
@@ -62,6 +69,16 @@ def test_train_checkpoint_export_from_pretrained(tmp_path):
     ids = torch.randint(0, trained.config.vocab_size, (2, 17))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, trained(ids).logits)
+
+
+def _assert_tensorboard_has(out: Path, tag: str) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events, "report_to=tensorboard wrote no event file"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert tag in acc.Tags()["scalars"], acc.Tags()["scalars"]
 
 
 def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):

@@ -130,3 +130,11 @@ def test_python_stdlib_split_is_deterministic(tmp_path):
     rows = [json.loads(line) for line in open(a)]
     held = sum(r["heldout"] for r in rows)
     assert len(rows) > 200 and 0.01 < held / len(rows) < 0.15  # about 5% of files held out
+
+
+def test_python_stdlib_small_pick_keeps_a_heldout_file(tmp_path):
+    from neutrain.data import python_stdlib_corpus
+
+    rows = [json.loads(line) for line in open(python_stdlib_corpus(str(tmp_path), max_files=6))]
+    assert len(rows) == 6 and sum(r["heldout"] for r in rows) == 1
+    assert len({r["file"].split("/")[0] for r in rows}) > 3, "the pick should spread over the library"
