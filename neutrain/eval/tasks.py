@@ -147,8 +147,9 @@ def _insert(filler: list[str], items: list[str], rng: random.Random) -> list[str
     return out
 
 
-def _niah(tokenizer, length: int, rng: random.Random, num_keys: int, num_values: int, task: str) -> Sample:
-    keys = []
+def _niah_builder(rng: random.Random, num_keys: int, num_values: int):
+    """Draw keys/values and return ``(build(n) -> prompt with n noise sentences, answers, keys)``."""
+    keys: list[str] = []
     while len(keys) < num_keys:
         k = _key(rng)
         if k not in keys:
@@ -162,15 +163,29 @@ def _niah(tokenizer, length: int, rng: random.Random, num_keys: int, num_values:
         f" The special magic numbers for {query} mentioned in the provided text are:"
     )
     state = rng.getstate()
-    max_new = 12 * num_values
 
     def build(n: int) -> str:
         rng.setstate(state)  # same depths for every candidate n: length is the only variable
         body = _insert(_noise(n), needles, rng)
         return "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n" + " ".join(body) + question
 
+    return build, values[query], keys
+
+
+def _niah(tokenizer, length: int, rng: random.Random, num_keys: int, num_values: int, task: str) -> Sample:
+    build, answers, keys = _niah_builder(rng, num_keys, num_values)
+    max_new = 12 * num_values
     n, prompt = fit_by_binary_search(build, tokenizer, length - max_new, upper=max(1, length // 2))
-    return Sample(task, prompt, values[query], max_new, meta={"haystack_sentences": n, "keys": keys})
+    return Sample(task, prompt, answers, max_new, meta={"haystack_sentences": n, "keys": keys})
+
+
+def niah_training_sample(rng: random.Random, sentences: int, num_keys: int = 1, num_values: int = 1) -> Sample:
+    """A NIAH sample with a fixed number of noise sentences (no tokenizer, no search): fast, for training.
+
+    Same format as the ``niah_*`` tasks, so a model trained on these is evaluated in-distribution.
+    """
+    build, answers, keys = _niah_builder(rng, num_keys, num_values)
+    return Sample(f"niah_k{num_keys}_v{num_values}", build(sentences), answers, 12 * num_values, meta={"keys": keys})
 
 
 def _variable_tracking(tokenizer, length: int, rng: random.Random, hops: int = 4) -> Sample:

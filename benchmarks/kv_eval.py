@@ -1,0 +1,404 @@
+"""KV-cache benchmark: fidelity on a trained retrieval model, and long-context decode throughput.
+
+Part ``fidelity`` (issue 6, point 6): train a small Llama from scratch (character
+tokenizer, plain torch loop) on generated NIAH retrieval prompts until its
+full-cache exact-match accuracy on held-out prompts is >= 90%, then evaluate the
+same RULER-style samples with the full cache, MiniCache (merge only, and merge +
+4-bit KIVI) and ShadowKV, reporting accuracy, measured compression, next-token KL
+and top-1 agreement against the full cache (teacher-forced on its tokens).
+
+Part ``throughput`` (point 7): Llama-3-8B architecture, random bf16 weights,
+contexts 32K and 64K. Decode tokens/s at the largest batch that fits for the full
+cache (preallocated, in-place writes: the fair baseline; transformers'
+DynamicCache would re-copy the whole cache each step), ShadowKV (values in pinned
+host memory, whose size also bounds the batch) and MiniCache (merge only). The
+caches are filled with random states of the target length instead of running a
+64K prefill per sequence: decode cost does not depend on the values, and the
+prefill of 8B x 64K x batch would not fit the run's time limit.
+
+Usage:
+    PYTHONPATH=. python benchmarks/kv_eval.py --part all          # GPU
+    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, tiny shapes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.cache_utils import Cache, DynamicLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_result  # noqa: E402
+
+from neutrain import compat  # noqa: E402
+from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv  # noqa: E402
+from neutrain.eval.loop import format_table, kv_cache_factory, run_tasks  # noqa: E402
+from neutrain.eval.tasks import char_tokenizer, generate_task, niah_training_sample  # noqa: E402
+
+# ============================================================ part 1: fidelity
+TRAIN_TASKS = {"niah_single": (1, 1), "niah_multikey": (4, 1)}  # name -> (keys, values)
+
+
+def small_model(tok, layers: int, hidden: int, device):
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
+        head_dim=64, intermediate_size=4 * hidden, vocab_size=len(tok), max_position_embeddings=8192,
+        rope_theta=10000.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+    )
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(device)
+
+
+def training_batch(rng, tok, lut, batch: int, max_len: int, device):
+    """Token ids, loss weights (answer tokens x5) for ``batch`` NIAH prompts of random length <= max_len."""
+    rows, weights = [], []
+    for _ in range(batch):
+        name = rng.choice(list(TRAIN_TASKS))
+        keys, values = TRAIN_TASKS[name]
+        budget = rng.randint(max_len // 4, max_len)
+        sentences = max(1, (budget - 350 - 60 * keys) // 20)  # ~20 chars per noise sentence
+        sample = niah_training_sample(rng, sentences, keys, values)
+        answer = " " + ", ".join(sample.answers) + "."
+        ids = [lut.get(c, tok.unk_token_id) for c in sample.prompt + answer] + [tok.eos_token_id]
+        ids = ids[-max_len:]
+        w = [1.0] * len(ids)
+        for j in range(len(ids) - len(answer) - 1, len(ids)):
+            w[j] = 5.0
+        rows.append(ids)
+        weights.append(w)
+    width = max(map(len, rows))
+    x = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
+    wt = torch.zeros(batch, width)
+    for i, (ids, w) in enumerate(zip(rows, weights)):
+        x[i, : len(ids)] = torch.tensor(ids)  # right padding: causal attention never sees it
+        wt[i, : len(ids)] = torch.tensor(w)
+    return x.to(device), wt.to(device)
+
+
+@torch.no_grad()
+def forced_accuracy(model, x, w) -> float:
+    """Greedy exact match via teacher forcing: every answer token is the argmax."""
+    logits = model(input_ids=x[:, :-1]).logits
+    hit = (logits.argmax(-1) == x[:, 1:]) | (w[:, 1:] < 2)
+    return hit.all(-1).float().mean().item()
+
+
+def train(model, tok, args, device, log):
+    lut = {tok.convert_ids_to_tokens(i): i for i in range(len(tok))}
+    rng = random.Random(1234)
+    held = [training_batch(random.Random(99 + i), tok, lut, 32, args.train_len, device) for i in range(2)]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
+    model.train()
+    start, step, acc, history = time.time(), 0, 0.0, []
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    while time.time() - start < args.train_seconds and step < args.max_steps:
+        x, w = training_batch(rng, tok, lut, args.batch, args.train_len, device)
+        with amp:
+            logits = model(input_ids=x[:, :-1]).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
+        loss = (nll * w[:, 1:].reshape(-1)).sum() / w[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        if step % args.eval_every == 0:
+            model.eval()
+            with amp:
+                acc = sum(forced_accuracy(model, *b) for b in held) / len(held)
+            model.train()
+            history.append({"step": step, "seconds": round(time.time() - start, 1), "loss": loss.item(), "heldout_acc": acc})
+            log(f"step {step} loss {loss.item():.3f} held-out forced acc {acc:.3f} ({time.time() - start:.0f}s)")
+            if acc >= args.stop_acc:
+                break
+    model.eval()
+    return {"steps": step, "seconds": time.time() - start, "final_heldout_forced_acc": acc, "history": history}
+
+
+def fidelity_part(args, device, log):
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    model = small_model(tok, args.layers, args.hidden, device)
+    training = train(model, tok, args, device, log)
+    samples = {name: generate_task(name, tok, args.eval_len, args.samples, seed=42) for name in TRAIN_TASKS}
+    with kv_cache_factory(model, "full") as make:
+        reference = run_tasks(model, tok, samples, make, keep_logits=True)
+    results = {"full": _summarise(reference, "full", {})}
+    log(format_table(results["full"]))
+    ctx = args.eval_len
+    configs = {
+        "minicache_merge": ("minicache", dict(gamma=0.05, t=0.6)),
+        "minicache_merge_4bit": ("minicache", dict(gamma=0.05, t=0.6, quant_bits=4, quant_group=64)),
+        # Paper budget scaled to the context (1.56%); rank 160/1024 of the K width scaled the same way;
+        # outlier chunks scaled from 48 at 128K (>= 2), local window 4 chunks as in the paper.
+        "shadowkv_paper_scaled": ("shadowkv", dict(budget=0.0156, rank=max(8, round(160 / 1024 * 128)),
+                                                   outliers=max(2, round(48 * ctx / 131072)), min_prefill=ctx // 2)),
+        "shadowkv_budget_6pct": ("shadowkv", dict(budget=0.0625, rank=32, outliers=2, min_prefill=ctx // 2)),
+    }
+    for label, (kind, options) in configs.items():
+        with kv_cache_factory(model, kind, **options) as make:
+            res = run_tasks(model, tok, samples, make, reference=reference["per_sample"])
+        results[label] = _summarise(res, label, options)
+        log(format_table(results[label]))
+    full_acc = results["full"]["overall"]["accuracy"]
+    return {
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 64, "kv_heads": 2, "head_dim": 64,
+                  "params": sum(p.numel() for p in model.parameters()), "tokenizer": "char (100 symbols)"},
+        "training": training,
+        "eval": {"length_tokens": args.eval_len, "samples_per_task": args.samples, "tasks": list(TRAIN_TASKS)},
+        "full_cache_accuracy": full_acc,
+        "gate_full_accuracy_ge_90": full_acc >= 90.0,
+        "caches": results,
+    }
+
+
+def _summarise(res, label, options):
+    out = {"kv": label, "options": options, "tasks": res["tasks"], "overall": res["overall"]}
+    out["table"] = format_table(out)
+    return out
+
+
+# ============================================================ part 2: throughput
+def llama3_8b_config():
+    return transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+
+
+class PreallocatedLayer(DynamicLayer):
+    """Full-cache baseline: one buffer per layer, new tokens written in place (no per-step re-copy)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.buf_k, self.buf_v, self.length = keys, values, length
+        self.keys, self.values, self.is_initialized, self.device = keys[:, :, :0], values[:, :, :0], True, keys.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = key_states.shape[-2]
+        self.buf_k[:, :, self.length : self.length + n] = key_states
+        self.buf_v[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        return self.buf_k[:, :, : self.length], self.buf_v[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _decode_rate(model, cache, batch, steps, warmup=2):
+    kwarg = compat.cache_forward_kwarg(model)
+    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        _sync()
+    dt = time.perf_counter() - t0
+    return batch * steps / dt, dt / steps * 1e3
+
+
+def _full_cache(cfg, batch, ctx, extra, device):
+    d = cfg.hidden_size // cfg.num_attention_heads
+    layers = []
+    for _ in range(cfg.num_hidden_layers):
+        k = torch.empty(batch, cfg.num_key_value_heads, ctx + extra, d, dtype=torch.bfloat16, device=device).normal_()
+        v = torch.empty_like(k).normal_()
+        layers.append(PreallocatedLayer(k, v, ctx))
+    return Cache(layers=layers)
+
+
+def _shadowkv_cache(model, cfg, batch, ctx, host_values, device):
+    """A ShadowKV cache in its post-prefill state for ``batch`` x ``ctx`` (random contents, real shapes)."""
+    cache = ShadowKVCache.for_model(model)
+    o = cache.options
+    h, d, cs = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, o.chunk_size
+    local = o.local_chunks * cs
+    chunks = (ctx - local) // cs
+    kept = chunks - o.outliers
+    dev = torch.device(device)
+    per_layer = batch * h * chunks * cs * d
+    for i, layer in enumerate(cache.layers):
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        layer.lazy_initialization(torch.empty(1, **bf), torch.empty(1, **bf))
+        layer.u = torch.randn(batch, ctx, o.rank, **bf) / math.sqrt(ctx)
+        layer.sv = torch.randn(batch, h, o.rank, d, **bf)
+        layer.landmarks = torch.randn(batch, h, kept, d, **bf)
+        layer.landmark_chunk = torch.arange(o.outliers, chunks, device=dev).expand(batch, h, kept).contiguous()
+        layer.outlier_k = torch.randn(batch, h, o.outliers * cs, d, **bf)
+        layer.outlier_v = torch.randn(batch, h, o.outliers * cs, d, **bf)
+        layer.tail_k = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
+        layer.tail_v = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
+        layer.v_store = host_values[i * per_layer : (i + 1) * per_layer].view(batch, h, chunks, cs * d)
+        layer.offloaded, layer.pos0 = True, torch.zeros(1, 1, dtype=torch.long, device=dev)
+        layer.num_chunks, layer.context = chunks, chunks * cs
+        layer.select = max(1, min(cache.budget_tokens(ctx) // cs, kept))
+        layer.seen, layer.mode = ctx, "sparse"
+    return cache
+
+
+def _minicache(model, cfg, batch, ctx, device, **options):
+    """A MiniCache after a ``ctx``-token prefill of random states (merges run for real)."""
+    cache = MiniCache(cfg, **options)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    shape = (batch, cfg.num_key_value_heads, ctx, d)
+    with torch.inference_mode():
+        for i in range(cfg.num_hidden_layers):
+            k = torch.randn(shape, dtype=torch.bfloat16, device=device)
+            cache.update(k, torch.randn_like(k), i)
+            del k
+    return cache
+
+
+def throughput_part(args, log, device):
+    from neutrain.kernels import shadowkv as skv_kernels
+
+    if args.smoke:  # tiny stand-in on CPU: exercises the code, numbers mean nothing
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=128)
+        total = 3 * 2**30
+    else:
+        cfg = llama3_8b_config()
+        total = torch.cuda.get_device_properties(0).total_memory
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    d = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * 2
+    v_host_per_token = kv_per_token // 2
+    host_bytes = int(args.host_gib * 2**30)
+    t0 = time.perf_counter()
+    # Page-locking faults every page in (zero-filled by the OS): no fill needed, and decode cost ignores values.
+    host_values = torch.empty(host_bytes // 2, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    log(f"pinned {args.host_gib} GiB host buffer in {time.perf_counter() - t0:.1f}s")
+    results = {"weights_gib": weights / 2**30, "card_gib": total / 2**30, "host_pinned_gib": args.host_gib, "contexts": {}}
+    headroom = total - weights - int(args.margin_gib * 2**30)
+
+    def full(ctx):
+        # Largest batch whose K+V (+ decode steps) fits beside the weights.
+        b = max(1, headroom // (kv_per_token * (ctx + 16)))
+        cache = _full_cache(cfg, b, ctx, 16, device)
+        tps, ms = _decode_rate(model, cache, b, args.steps)
+        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms,
+                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / 2**30, "host_gib": 0.0}
+
+    def shadowkv(ctx):
+        # Batch bounded by pinned host memory for V and by GPU memory for U, landmarks and buffers (x2 slack).
+        enable_shadowkv(model, budget=0.0156, rank=160 if not args.smoke else 16, chunk_size=8,
+                        outliers=48 if not args.smoke else 2)
+        try:
+            per_seq_gpu = cfg.num_hidden_layers * 2 * (ctx * 160 + ctx // 8 * cfg.num_key_value_heads * d
+                                                       + (48 * 8 + 64 + 2 * 1024) * 2 * cfg.num_key_value_heads * d)
+            b = int(min(host_bytes // (v_host_per_token * ctx), headroom // (per_seq_gpu * 2)))
+            before = skv_kernels.COUNTERS["gather_chunks"]
+            cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            tps, ms = _decode_rate(model, cache, b, args.steps)
+            stats = cache.stats()
+        finally:
+            disable_shadowkv(model)
+        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
+                "host_gib": stats["host_bytes"] / 2**30, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
+                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"],
+                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+
+    def minicache(ctx, b):
+        cache = _minicache(model, cfg, b, ctx, device, gamma=0.05, merge_every=64)
+        stats = cache.stats()
+        tps, ms = _decode_rate(model, cache, b, args.steps)
+        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "gpu_kv_gib": stats["stored_bytes"] / 2**30,
+                "compression_ratio": stats["compression_ratio"], "merges": stats["merges"]}
+
+    def guarded(label, fn, *a):
+        try:
+            out = fn(*a)
+        except Exception as exc:  # noqa: BLE001 - record and go on: one OOM must not lose the other numbers
+            out = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"{label}: {out}")
+        return out
+
+    for ctx in args.contexts:
+        row = results["contexts"][str(ctx)] = {}
+        row["full"] = guarded(f"ctx {ctx} full", full, ctx)
+        row["shadowkv"] = guarded(f"ctx {ctx} shadowkv", shadowkv, ctx)
+        if "tokens_per_s" in row["full"] and "tokens_per_s" in row["shadowkv"]:
+            row["shadowkv"]["speedup_vs_full"] = row["shadowkv"]["tokens_per_s"] / row["full"]["tokens_per_s"]
+        # MiniCache (merge only) at the full cache's batch; restore-on-read temporaries may not fit: halve then.
+        b_full = row["full"].get("batch", 1)
+        row["minicache_merge"] = guarded(f"ctx {ctx} minicache", minicache, ctx, b_full)
+        if "error" in row["minicache_merge"]:
+            row["minicache_merge"] = guarded(f"ctx {ctx} minicache (half batch)", minicache, ctx, max(1, b_full // 2))
+        if "tokens_per_s" in row["full"] and "tokens_per_s" in row["minicache_merge"]:
+            row["minicache_merge"]["speedup_vs_full"] = row["minicache_merge"]["tokens_per_s"] / row["full"]["tokens_per_s"]
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["fidelity", "throughput", "all"], default="all")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run that exercises every code path")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--train-len", type=int, default=1024)
+    p.add_argument("--eval-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-seconds", type=float, default=150)
+    p.add_argument("--max-steps", type=int, default=100_000)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--stop-acc", type=float, default=0.97)
+    p.add_argument("--samples", type=int, default=25)
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--host-gib", type=float, default=72.0)
+    p.add_argument("--margin-gib", type=float, default=6.0)
+    p.add_argument("--name", default="kv_eval")
+    args = p.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.train_len, args.eval_len = 4, 128, 700, 700
+        args.batch, args.train_seconds, args.eval_every, args.samples = 4, 5, 2, 1
+        args.contexts, args.host_gib, args.margin_gib, args.steps = [600], 0.05, 0.5, 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    settings = vars(args).copy()
+    results = {}
+    if args.part in ("fidelity", "all"):
+        results["fidelity"] = fidelity_part(args, device, log)
+        if args.part == "all":  # keep the fidelity numbers even if the throughput part dies
+            write_result(args.name + "_fidelity" + ("_smoke" if args.smoke else ""), settings, results,
+                         out_dir="/tmp" if args.smoke else None)
+    if args.part in ("throughput", "all"):
+        if device.type != "cuda" and not args.smoke:
+            log("throughput part needs CUDA; skipped")
+        else:
+            results["throughput"] = throughput_part(args, log, device)
+    path = write_result(args.name + ("_smoke" if args.smoke else ""), settings, results,
+                        out_dir="/tmp" if args.smoke else None)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
