@@ -17,8 +17,9 @@ Everything is trained inside this one run, because GPU hosts start bare:
    schemes with the same draft. Reported: acceptance, block efficiency (tokens
    per target call) and wall-clock tokens/s.
 
-Run: ``PYTHONPATH=. python benchmarks/speculative.py`` (GPU); ``--quick`` is a
-CPU smoke test with tiny sizes.
+Run: ``NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) PYTHONPATH=. python
+benchmarks/speculative.py`` on the GPU host (it has no ``.git``, so the commit
+comes from the environment); ``--quick`` is a CPU smoke test with tiny sizes.
 """
 
 from __future__ import annotations
@@ -206,6 +207,19 @@ def decode_benchmarks(target, draft, prompts, args, device):
     return results
 
 
+def headline(results: dict) -> str:
+    """The numbers that matter, for the README table (computed from ``results`` only)."""
+    t1, t0, alpha = results["targets"]["T1"], results["targets"]["T0"], results["alpha"]
+    be = t1["block_efficiency_k4_over_sd"]
+    best_be = max(be, key=be.get)
+    return (
+        f"T=1: K=4 {best_be.removeprefix('neutrain_')} {be[best_be]:.2f}x SD tokens/call, "
+        f"{t1['best_speedup_over_hf_assisted']:.2f}x HF assisted, {t1['best_speedup_over_autoregressive']:.2f}x AR; "
+        f"T=0: {t0['best_speedup_over_hf_assisted']:.2f}x HF assisted, {t0['best_speedup_over_autoregressive']:.2f}x AR; "
+        f"alpha distilled {alpha['distilled_T1']:.3f} vs control {alpha['control_T1']:.3f}"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
@@ -219,7 +233,7 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--divergence", default="fkl")
-    parser.add_argument("--on-policy-every", type=int, default=4)
+    parser.add_argument("--on-policy-every", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -258,7 +272,7 @@ def main():
     gen_c, gen_d = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)  # same batches for both
     _, tokens_c, loss_c = train(control, batches(train_ids, args.batch, args.seq, gen_c), steps=args.draft_steps,
                                 lr=2e-3, device=device, label="control")
-    loss_fn = distill_loss_fn(target, args.divergence, args.on_policy_every, args.seq // 4)
+    loss_fn = distill_loss_fn(target, args.divergence, args.on_policy_every, args.seq // 2)
     _, tokens_d, loss_d = train(distilled, batches(train_ids, args.batch, args.seq, gen_d), steps=args.draft_steps,
                                 lr=2e-3, device=device, loss_fn=loss_fn, label="distill")
     for model in (target, control, distilled):
@@ -302,7 +316,9 @@ def main():
                 "draft_final_loss": {"control_ce": loss_c, f"distilled_{args.divergence}": loss_d},
                 "decode_dtype": "float32 (TF32 off)", "train_dtype": "bf16 autocast, fp32 master weights",
                 "total_seconds": time.time() - t0}
-    path = write_result(args.name, settings, {"alpha": alpha, "decode": decode, "targets": targets})
+    results = {"alpha": alpha, "decode": decode, "targets": targets}
+    results["headline"] = headline(results)
+    path = write_result(args.name, settings, results)
     log("wrote", path)
     log(json.dumps(targets, indent=1))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from neutrain.compat import (
     cache_batch_size,
@@ -123,6 +124,8 @@ class _DraftState:
             tokens.append(token)
             dists.append(dist)
         self.length = len(seq) + steps - 1
+        if temperature != 0:  # one transfer per round: verification runs on the host (see generate)
+            dists = list(torch.stack([d.expand(rows, -1) for d in dists]).cpu().unbind(0))
         return torch.stack(tokens, 1).tolist(), dists
 
     def keep(self, row: int, seq_before: int, matched: int, steps: int) -> None:
@@ -131,6 +134,14 @@ class _DraftState:
             cache_select_row(self.cache, row)
         self.length = seq_before + min(matched, steps - 1)
         cache_crop_to(self.cache, self.length)
+
+
+def _host_generator(generator: torch.Generator | None) -> torch.Generator | None:
+    """A CPU generator for the verification coins, seeded from ``generator`` (reproducible runs)."""
+    if generator is None or generator.device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator().manual_seed(seed)
 
 
 def _matched(tokens: list[int], committed: list[int]) -> int:
@@ -207,7 +218,14 @@ def generate(
             target, torch.tensor(seq[:-1], device=device)[None], torch.arange(len(seq) - 1, device=device)[None], None
         )
     states = [_DraftState(m) for m in models]
-    while len(seq) - prompt_len < max_new_tokens and not (eos_token_id is not None and seq[-1] == eos_token_id and len(seq) > prompt_len):
+    # Verification is a chain of small, data-dependent steps; on the host they cost
+    # microseconds each, where on a GPU every step would be a launch plus a sync.
+    host_generator = _host_generator(generator)
+    def finished() -> bool:
+        ended = eos_token_id is not None and len(seq) > prompt_len and seq[-1] == eos_token_id
+        return ended or len(seq) - prompt_len >= max_new_tokens
+
+    while not finished():
         n = len(seq)
         drafts, dists = [], []  # drafts[k] = token list; dists[k][t] = q row draft k sampled token t from
         for state in states:
@@ -220,32 +238,34 @@ def generate(
         tree = TokenTree(seq[-1])
         paths = [tree.add_path(d) for d in drafts]
         past = n - 1
-        if target_cache is None:
-            from transformers import DynamicCache
-
+        if target_cache is None:  # one-token prompt: nothing was prefilled
             target_cache = DynamicCache()
         logits = tree_forward(target, tree, target_cache, past)
         stats.target_calls += 1
+        if temperature == 0:
+            greedy = logits.argmax(-1).tolist()
+        else:
+            p_rows = warp(logits, temperature).cpu()
 
         committed, accepted_nodes, node, depth = [], [], 0, 0
         survivors = list(range(len(drafts)))
         while True:
             if depth >= draft_len:  # a full draft was accepted: bonus token from the leaf
-                y = int(logits[node].argmax()) if temperature == 0 else sample_from(warp(logits[node], temperature), generator)
+                y = greedy[node] if temperature == 0 else sample_from(p_rows[node], host_generator)
                 committed.append(y)
                 break
             offered = [drafts[k][depth] for k in survivors]
             if temperature == 0:
-                y = int(logits[node].argmax())
+                y = greedy[node]
                 index = offered.index(y) if y in offered else None
             else:
-                p = warp(logits[node], temperature)
+                p = p_rows[node]
                 if len(states) == 1:  # identical drafts: one q per tree node
                     q = dists[survivors[0]][depth].expand(len(survivors), -1)
                 else:
                     q = torch.stack([dists[k][depth] for k in survivors])
                 step_scheme = "sd" if len(survivors) == 1 and scheme != "specinfer" else scheme
-                y, index = verify_step(step_scheme, p, q, offered, generator, top_s)
+                y, index = verify_step(step_scheme, p, q, offered, host_generator, top_s)
             stats.verified_positions += 1
             stats.accepted_positions += index is not None
             committed.append(y)

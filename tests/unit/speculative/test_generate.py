@@ -155,3 +155,27 @@ def test_chi_square_catches_a_residual_bug(monkeypatch):
     counts, _ = sample_counts(target, draft, 1, "sd", 1.0, 1.0, [1, 2], 3, 800)
     stat, dof = chi_square(counts, target.sequence_probs([1, 2], 3), 800)
     assert stat > chi_square_threshold(dof), (stat, dof)
+
+
+def test_one_token_prompt_and_eos_stop():
+    target, draft = tiny_llama(0), tiny_llama(1, layers=1, hidden=32)
+    prompt = torch.tensor([[5]])
+    with torch.no_grad():
+        reference = target.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10)
+    assert torch.equal(out.sequences, reference)
+    stop = int(reference[0, 4])  # the 4th new token
+    first = reference[0, 1:].tolist().index(stop) + 1
+    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10, eos_token_id=stop)
+    assert torch.equal(out.sequences, reference[:, : first + 1])
+
+
+def test_generate_argument_errors():
+    target, draft = MarkovLM(4, 0), MarkovLM(4, 1)
+    prompt = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="identical drafts"):
+        generate(target, [draft, MarkovLM(4, 2)], prompt, scheme="spectr")
+    with pytest.raises(ValueError, match="single-draft"):
+        generate(target, draft, prompt, num_drafts=2, scheme="sd")
+    with pytest.raises(ValueError, match="batch 1"):
+        generate(target, draft, torch.tensor([[1, 2], [2, 3]]))
