@@ -30,9 +30,11 @@ class DecodeBuffers:
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._tags: dict[tuple, tuple] = {}
-        self._events: dict[tuple, torch.cuda.Event] = {}
+        self._events: dict[tuple, torch.cuda.Event] = {}  # prefetch into the slot done
+        self._released: dict[tuple, torch.cuda.Event] = {}  # main stream done with the slot's last content
         self._recent: dict[tuple, str] = {}
         self.prefetch_hits = 0
+        self.allocated = False
 
     def slot_for(self, weight) -> str:
         """Where a fresh decode of ``weight`` goes: the large slot, or the layer slot used less recently."""
@@ -41,17 +43,23 @@ class DecodeBuffers:
         recent = self._recent.get((weight.device, weight.dtype))
         return LAYER_SLOTS[1] if recent == LAYER_SLOTS[0] else LAYER_SLOTS[0]
 
-    def view(self, weight, slot: str) -> torch.Tensor:
-        """A buffer view shaped like ``weight`` in ``slot``, now tagged as holding it."""
+    def view(self, weight, slot: str, *, for_main_stream: bool = True) -> torch.Tensor:
+        """A buffer view shaped like ``weight`` in ``slot``, now tagged as holding it.
+
+        ``for_main_stream=False`` (prefetch) does not count as a use by the main
+        stream. ``self.allocated`` tells whether the call allocated a new buffer.
+        """
         key = (weight.device, weight.dtype, slot)
         self._wait(key)  # a pending prefetch must finish before its buffer is reused or freed
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < weight.numel:
+        self.allocated = buffer is None or buffer.numel() < weight.numel
+        if self.allocated:
             self._buffers.pop(key, None)  # free the old buffer before allocating the larger one
             buffer = torch.empty(weight.numel, dtype=weight.dtype, device=weight.device)
             self._buffers[key] = buffer
         self._tags[key] = (id(weight), weight.version)
-        self._touch(key)
+        if for_main_stream:
+            self._touch(key)
         return buffer[: weight.numel].view(weight.shape)
 
     def cached(self, weight) -> torch.Tensor | None:
@@ -87,9 +95,22 @@ class DecodeBuffers:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def released_event(self, weight, slot: str):
+        """CUDA event after which the main stream no longer reads ``slot`` (None: not recorded)."""
+        return self._released.get((weight.device, weight.dtype, slot))
+
     def _touch(self, key: tuple) -> None:
-        if key[2] in LAYER_SLOTS:
-            self._recent[key[:2]] = key[2]
+        if key[2] not in LAYER_SLOTS:
+            return
+        self._recent[key[:2]] = key[2]
+        if key[0].type == "cuda":
+            # The main stream now moves to this slot's weight: everything it enqueued so far
+            # (the previous layer, the other slot's user) precedes this event, so a prefetch
+            # into the other slot need only wait for it, not for the current layer's work.
+            other = LAYER_SLOTS[1] if key[2] == LAYER_SLOTS[0] else LAYER_SLOTS[0]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(key[0]))
+            self._released[(*key[:2], other)] = event
 
     def _wait(self, key: tuple) -> None:
         event = self._events.pop(key, None)

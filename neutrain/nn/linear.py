@@ -10,8 +10,8 @@ The matrix products are exactly the ones autograd runs for ``nn.Linear`` on a
 contiguous input (``mm`` / ``addmm`` on the flattened tokens), so a compressed
 model computes bit-identical gradients to its dense twin.
 
-On CUDA the next weight is decoded on a side stream meanwhile
-(:mod:`neutrain.nn.prefetch`).
+On CUDA the next weight can be decoded on a side stream meanwhile
+(:mod:`neutrain.nn.prefetch`, opt-in).
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) composes:
 the recompute calls forward again, which decodes again; nothing decoded is

@@ -9,6 +9,14 @@ the weight's version, so a prefetch that turns out useless (a weight updated in
 between, a different call order, checkpoint recompute) is simply not used; the
 consumer waits on the prefetch's CUDA event, so it never reads a half-written
 buffer. CPU tensors are never prefetched.
+
+Off by default: measured on an H200 (Llama shape, hidden 2048, 8 layers,
+4 x 1024 tokens, activation checkpointing, LOMO), steps took 0.181 s with
+prefetching against 0.161 s without (dense: 0.102 s). The codec's re-encode
+reads its stream size back to the host once per updated tensor, which drains
+the GPU queue in every layer's backward, so there is little left to overlap;
+the decode kernel also fills the GPU on its own. Enable it
+(``PREFETCHER.enabled = True``) to re-measure once re-encoding no longer syncs.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ class Prefetcher:
     """
 
     def __init__(self):
-        self.enabled = True
+        self.enabled = False
         self.launched = 0
         self._next: dict[int, object] = {}
         self._prev: dict[int, object] = {}
@@ -56,8 +64,15 @@ class Prefetcher:
         if side is None:
             side = self._streams[target.device] = torch.cuda.Stream(target.device)
         slot = DECODE_BUFFERS.slot_for(target)
-        out = DECODE_BUFFERS.view(target, slot)  # allocated on the main stream, tagged now
-        side.wait_stream(main)  # earlier users of this buffer must be done before it is overwritten
+        released = DECODE_BUFFERS.released_event(target, slot)
+        out = DECODE_BUFFERS.view(target, slot, for_main_stream=False)  # allocated on the main stream
+        # The slot's previous reader must be done before it is overwritten. Waiting for that
+        # reader only (not for all main-stream work) lets this decode overlap the current GEMM.
+        # A freshly allocated buffer may reuse memory main-stream work still touches: wait for all.
+        if released is None or DECODE_BUFFERS.allocated:
+            side.wait_stream(main)
+        else:
+            side.wait_event(released)
         with torch.cuda.stream(side):
             target.ct.decompress(out=out)
             event = torch.cuda.Event()

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from neutrain.optim.clipping import as_rows
-from neutrain.optim.fused import FusedOptimizer
+from neutrain.optim.fused import FusedOptimizer, _scaled
 
 
 class AdamWInBackward(FusedOptimizer):
@@ -63,7 +63,8 @@ class AdamWInBackward(FusedOptimizer):
         step = state["step"].clamp(min=1.0)
         return 1.0 - beta1**step, (1.0 - beta2**step).sqrt()
 
-    def _rule_chunk(self, p32, g32, state, group, rows, ok, scalars) -> torch.Tensor:
+    def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
+        g32 = _scaled(grad, coef)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         bias_correction1, bias_correction2_sqrt = scalars
@@ -74,7 +75,7 @@ class AdamWInBackward(FusedOptimizer):
         exp_avg.copy_(torch.where(ok, new_avg, exp_avg))
         exp_avg_sq.copy_(torch.where(ok, new_avg_sq, exp_avg_sq))
         if wd:
-            p32 = p32 * (1.0 - lr * wd)
+            p32.mul_(1.0 - lr * wd)
         denom = (new_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         step_size = lr / bias_correction1  # a device tensor: no host sync for the bias correction
-        return p32 - (new_avg / denom) * step_size
+        return p32.sub_((new_avg / denom).mul_(step_size))

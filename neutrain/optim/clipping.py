@@ -68,7 +68,8 @@ def squared_norm(grad: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     rows = as_rows(grad)
     total = torch.zeros((), dtype=torch.float32, device=grad.device)
     for start in range(0, rows.shape[0], chunk_rows):
-        total += rows[start : start + chunk_rows].float().square().sum()
+        # One fused reduction reading the gradient once (upcast inside the kernel).
+        total += torch.linalg.vector_norm(rows[start : start + chunk_rows], dtype=torch.float32).square()
     return total
 
 

@@ -38,7 +38,7 @@ from typing import Iterable, Protocol
 import torch
 
 from neutrain.optim.clipping import ClipMode, as_rows, clip_coefficient, squared_norm
-from neutrain.optim.rounding import SeededGenerators, round_to_bf16
+from neutrain.optim.rounding import SeededGenerators, stochastic_round_to_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -348,26 +348,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         scalars = self._begin_tensor(weight, state, group, ok)
         w_rows, g_rows = as_rows(weight), as_rows(grad)
         for rows in self._row_chunks(weight):
-            p32 = w_rows[rows].float()
-            g32 = _scaled(g_rows[rows], coef)
-            new32 = self._rule_chunk(p32, g32, state, group, rows, ok, scalars)
+            p32 = w_rows[rows].to(torch.float32, copy=True)
+            new32 = self._rule_chunk(p32, g_rows[rows], coef, state, group, rows, ok, scalars)
             self._write_rows(w_rows[rows], new32, ok, generator)
 
     def _begin_tensor(self, weight, state, group, ok):
         """Per-tensor prologue (state init, step counters); returns scalars for the chunks."""
         return None
 
-    def _rule_chunk(self, p32, g32, state, group, rows, ok, scalars) -> torch.Tensor:
-        """Return the new fp32 values of weight rows ``rows`` (must not modify ``p32``)."""
+    def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
+        """Return the new fp32 values of weight rows ``rows``.
+
+        ``p32`` is a private fp32 copy of the rows (update it in place); ``grad`` the
+        raw gradient rows, to be scaled by the clip coefficient ``coef`` (None: 1).
+        """
         raise NotImplementedError
 
     def _write_rows(self, dst: torch.Tensor, new32: torch.Tensor, ok: torch.Tensor, generator) -> None:
-        keep_new = ok & torch.isfinite(new32)
-        if dst.dtype == torch.bfloat16:
-            new = round_to_bf16(new32, generator, generator is not None)
+        if dst.dtype == torch.bfloat16 and generator is not None:
+            new = stochastic_round_to_bf16(new32, generator, saturate=False)
         else:
             new = new32.to(dst.dtype)
-        dst.copy_(torch.where(keep_new, new, dst))
+        # Keep the old value wherever the gradient was non-finite or the result is not finite
+        # (overflow, or rounding that carried into inf): no weight ever becomes non-finite.
+        keep_new = torch.isfinite(new).logical_and_(ok)
+        torch.where(keep_new, new, dst, out=dst)
 
     # ------------------------------------------------------- passes and steps
 
@@ -452,8 +457,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def grad_norm(self) -> float | None:
-        """The last step's global gradient norm (pre-clip, over every tensor updated), or None."""
+        """The last completed step's global gradient norm (pre-clip, over every tensor updated), or None."""
         return None if self.last_grad_norm is None else float(self.last_grad_norm)
+
+    def pending_grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of the step in progress (after its backward, before :meth:`step`).
+
+        For trainers that log the norm before calling ``step()`` (Hugging Face's
+        ``_clip_grad_norm``); a device tensor, so reading it syncs only if converted.
+        """
+        return _sum_devices(self._step_sumsq).sqrt()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Safe no-op: fused updates already freed every gradient; stray ``.grad`` are dropped."""
@@ -500,6 +513,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 
 def _scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    """The gradient in fp32, times the clip coefficient (a fresh tensor unless g is fp32 and unclipped)."""
     g32 = g.float()
     return g32 if coef is None else g32 * coef
 

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from neutrain.optim.fused import FusedOptimizer
+from neutrain.optim.fused import FusedOptimizer, _scaled
 
 
 class LOMO(FusedOptimizer):
@@ -38,8 +38,9 @@ class LOMO(FusedOptimizer):
             raise ValueError(f"invalid learning rate {lr}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), **kwargs)
 
-    def _rule_chunk(self, p32, g32, state, group, rows, ok, scalars) -> torch.Tensor:
+    def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
         lr, wd = group["lr"], group["weight_decay"]
         if wd:
-            p32 = p32 * (1.0 - lr * wd)
-        return p32.add(g32, alpha=-lr)
+            p32.mul_(1.0 - lr * wd)
+        # Unclipped, the bf16 gradient is upcast inside the add: no fp32 copy of it is made.
+        return p32.add_(grad if coef is None else _scaled(grad, coef), alpha=-lr)

@@ -28,15 +28,19 @@ _MIX_A = 0x9E3779B1  # golden-ratio constants keep nearby (index, step) seeds ap
 _MIX_B = 0x85EBCA77
 
 
-def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round_to_bf16(
+    x: torch.Tensor, generator: torch.Generator | None = None, *, saturate: bool = True
+) -> torch.Tensor:
     """Round an fp32 tensor to bf16, up or down with probability given by the remainder.
 
-    Finite inputs never produce infinities: values beyond the largest finite
-    bf16 saturate to it. NaN stays NaN (callers mask non-finite updates out).
+    NaN stays NaN and infinities stay infinite (callers mask non-finite updates out).
 
     Args:
         x: fp32 tensor (any shape, any device).
         generator: random source on ``x.device``; ``None`` uses the global one.
+        saturate: clamp finite values to the largest finite bf16 first, so finite
+            inputs never produce infinities. The fused optimizers pass False and
+            instead reject non-finite results (two fewer passes over the data).
 
     Returns:
         A bf16 tensor of the same shape.
@@ -49,14 +53,15 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     """
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_to_bf16 expects fp32, got {x.dtype}")
-    # Saturate finite values at the largest bf16 (bit pattern 0x7F7F0000): adding at most
-    # 0xFFFF to that pattern cannot carry into the exponent of inf. NaN and inf pass through.
-    x = torch.where(torch.isfinite(x), x.clamp(-_BF16_MAX, _BF16_MAX), x)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = x.view(torch.int32) + noise
-    # Arithmetic shift keeps the sign half; int16 truncation then yields the bf16 pattern.
-    rounded = (bits >> 16).to(torch.int16).view(torch.bfloat16)
-    return rounded
+    if saturate:
+        # The largest bf16 has bit pattern 0x7F7F0000: adding at most 0xFFFF to it cannot
+        # carry into the exponent of inf. NaN and inf pass through.
+        x = torch.where(torch.isfinite(x), x.clamp(-_BF16_MAX, _BF16_MAX), x)
+    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits.add_(x.contiguous().view(torch.int32))
+    # Truncating to the high 16 bits of each word yields the bf16 pattern (for either sign,
+    # since floats are sign-magnitude). Arithmetic shift then int16 narrowing keeps them.
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def round_to_bf16(x: torch.Tensor, generator: torch.Generator | None, stochastic: bool) -> torch.Tensor:

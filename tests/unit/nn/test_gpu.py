@@ -29,8 +29,12 @@ def test_gpu_compressed_matches_dense_with_prefetch(tie):
     data = [ids.cuda() for ids in token_batches(3, batch=4, length=64)]
     train(dense, LOMO(dense.parameters(), lr=5e-2, seed=2), data)
     hits, launched = DECODE_BUFFERS.prefetch_hits, PREFETCHER.launched
-    train(compressed, LOMO(compressed.parameters(), lr=5e-2, seed=2), data)
-    torch.cuda.synchronize()
+    PREFETCHER.enabled = True
+    try:
+        train(compressed, LOMO(compressed.parameters(), lr=5e-2, seed=2), data)
+        torch.cuda.synchronize()
+    finally:
+        PREFETCHER.enabled = False
     assert PREFETCHER.launched > launched and DECODE_BUFFERS.prefetch_hits > hits, "prefetch never used"
     a, b = weights(dense), weights(compressed)
     for name in a:
