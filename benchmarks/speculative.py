@@ -278,7 +278,13 @@ def main():
     for model in (target, control, distilled):
         model.float()
 
-    held_batches = list(batches(held_ids, 8, args.seq, torch.Generator().manual_seed(2)).__next__() for _ in range(4))
+    held_iter = batches(held_ids, 8, args.seq, torch.Generator().manual_seed(2))
+    held_batches = [next(held_iter) for _ in range(4)]
+    held_loss = {}
+    with torch.no_grad():  # held-out cross-entropy: shows how far the target generalises beyond its training text
+        for name, model in (("target", target), ("control", control), ("distilled", distilled)):
+            held_loss[name] = sum(float(model(input_ids=b.to(device), labels=b.to(device)).loss) for b in held_batches) / 4
+    log("held-out loss", held_loss)
     alpha = {}
     for name, model in (("control", control), ("distilled", distilled)):
         for temperature in (1.0, 0.0):
@@ -316,7 +322,7 @@ def main():
                 "draft_final_loss": {"control_ce": loss_c, f"distilled_{args.divergence}": loss_d},
                 "decode_dtype": "float32 (TF32 off)", "train_dtype": "bf16 autocast, fp32 master weights",
                 "total_seconds": time.time() - t0}
-    results = {"alpha": alpha, "decode": decode, "targets": targets}
+    results = {"alpha": alpha, "held_out_loss": held_loss, "decode": decode, "targets": targets}
     results["headline"] = headline(results)
     path = write_result(args.name, settings, results)
     log("wrote", path)
