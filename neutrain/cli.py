@@ -4,6 +4,7 @@
     neutrain train  <recipe> [overrides]                        # train, evaluate, export
     neutrain eval   <recipe | checkpoint> [overrides]           # held-out perplexity (+ long-context tasks)
     neutrain export <checkpoint> --format hf [--output DIR]     # inference export
+    neutrain estimate <recipe> [overrides]                      # predict peak GPU memory, loading nothing
     neutrain recipes                                            # list shipped recipes
 
 Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         "`accelerate launch -m neutrain recipes/<name>.yaml` (configs in launch/).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,export,recipes}")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,export,estimate,recipes}")
     t = sub.add_parser("train", help="train with a recipe (default when the first argument is a YAML file)",
                        description="Train, evaluate held-out perplexity, export and print a summary.",
                        epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,12 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--output", help="target directory (default: <checkpoint>/../export)")
     x.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     x.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
+    s = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
+                       description="Predict peak GPU memory from the model config and the recipe (no weights are loaded).")
+    s.add_argument("recipe", help="recipe YAML file or shipped recipe name")
+    s.add_argument("overrides", nargs="*", help="dotted overrides")
     sub.add_parser("recipes", help="list the shipped recipes", description="List shipped recipes, one line each.")
     return p
 
 
 def _argv_with_default_command(argv: list[str]) -> list[str]:
-    commands = {"train", "eval", "export", "recipes", "-h", "--help"}
+    commands = {"train", "eval", "export", "estimate", "recipes", "-h", "--help"}
     if argv and argv[0] not in commands and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
         return ["train", *argv]
     return argv
@@ -125,6 +130,19 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_estimate(args) -> int:
+    from neutrain.config import load_recipe
+    from neutrain.planner import estimate_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    est = estimate_recipe(recipe)
+    st = est.settings
+    print(f"{recipe.source}: {st['params'] / 1e9:.2f}B parameters, batch {st['batch']} x {st['seq']} tokens, "
+          f"weights {st['weights']}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
+    print(est.table())
+    return 0
+
+
 def cmd_eval(args) -> int:
     from neutrain.evaluate_cli import run_eval
 
@@ -149,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "estimate":
+            return cmd_estimate(args)
     except UserInputError as exc:
         print(f"neutrain: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -80,13 +80,30 @@ def _model_config(model_cfg: dict[str, Any], tokenizer):
             config = AutoConfig.for_model(model_type, **cfg)
         except ValueError as exc:
             raise RecipeError(f"model.config.model_type: {exc}") from None
-    if model_cfg["tokenizer"] in ("byte", "train-bpe"):
+    explicit_vocab = isinstance(model_cfg["config"], dict) and "vocab_size" in model_cfg["config"]
+    if model_cfg["tokenizer"] in ("byte", "train-bpe") and not explicit_vocab:
         config.vocab_size = len(tokenizer)
+    if config.vocab_size < len(tokenizer):
+        raise RecipeError(f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)
         if value is not None:
             setattr(config, attr, value)
     return config
+
+
+def config_only(model_cfg: dict[str, Any]):
+    """The model config a recipe describes, without loading weights or a tokenizer (for the planner)."""
+    from transformers import AutoConfig
+
+    if model_cfg["config"] is None:
+        return AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
+
+    class _Vocab:  # stands in for a tokenizer built at train time
+        def __len__(self):
+            return 259 if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
+
+    return _model_config(model_cfg, _Vocab())
 
 
 def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42):

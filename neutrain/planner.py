@@ -1,0 +1,175 @@
+"""The memory planner: predict peak GPU memory of a training run before loading anything.
+
+``neutrain estimate recipes/<x>.yaml`` reads only the model config and the
+recipe. The estimate is a sum of named terms, each one a buffer the run really
+allocates, so a gap between estimate and measurement points at the term that is
+off (``benchmarks/train_memory.py`` reports both side by side).
+
+Terms (bytes):
+
+* ``weights``: dense ``P x dtype``; NeuZip ``matrix params x bits/8`` plus dense norms.
+* ``gradients``: a full gradient per parameter for optimizers that step after
+  backward; fused updates keep only the largest single gradient alive (the
+  embedding's dense gradient, or the lm_head's, assembled once).
+* ``optimizer_state``: AdamW two moments; AdaLomo factored row/column moments; LOMO none.
+* ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
+* ``decode_buffers``: two layer-sized slots (prefetch) plus one slot for the
+  embedding/lm_head matrix.
+* ``activations``: with checkpointing, each decoder layer keeps its input
+  hidden state and one layer is recomputed at a time; without it, every layer
+  keeps its intermediates.
+* ``logits``: the chunked loss keeps one ``tokens x chunk`` fp32 block; the
+  unchunked Hugging Face loss keeps bf16 logits, their fp32 upcast and gradient.
+
+Example:
+    >>> from neutrain.planner import estimate_recipe
+    >>> est = estimate_recipe(load_recipe("recipes/llama3_8b.yaml"))
+    >>> print(est.table())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 2**30
+NEUZIP_BITS = 10.8  # measured on Llama-3-8B shapes at N(0, 0.02) init; see benchmarks/results/codec.json
+FUSED = ("lomo", "adalomo", "adamw-in-backward")
+
+
+@dataclass
+class ModelShape:
+    """The numbers of a decoder-only transformer that memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        heads = config.num_attention_heads
+        return cls(
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
+
+    def matrices(self) -> list[tuple[str, int, int]]:
+        """(name, rows, cols) of every weight matrix; norms are not matrices."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        layer = [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
+                 ("gate_proj", self.intermediate, h), ("up_proj", self.intermediate, h), ("down_proj", h, self.intermediate)]
+        mats = [("embed_tokens", self.vocab, h)]
+        for i in range(self.layers):
+            mats += [(f"layers.{i}.{n}", r, c) for n, r, c in layer]
+        if not self.tied:
+            mats.append(("lm_head", self.vocab, h))
+        return mats
+
+    def matrix_params(self) -> int:
+        return sum(r * c for _, r, c in self.matrices())
+
+    def norm_params(self) -> int:
+        return self.hidden * (2 * self.layers + 1)
+
+    def params(self) -> int:
+        return self.matrix_params() + self.norm_params()
+
+    def largest_layer_matrix(self) -> int:
+        return max(r * c for n, r, c in self.matrices() if n.startswith("layers."))
+
+
+@dataclass
+class Estimate:
+    """A peak-memory estimate as named terms (bytes)."""
+
+    terms: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    def table(self) -> str:
+        lines = [f"{'term':<22}{'GiB':>10}"]
+        lines += [f"{k:<22}{v / GIB:>10.2f}" for k, v in self.terms.items()]
+        lines.append(f"{'total (peak)':<22}{self.total_gib:>10.2f}")
+        return "\n".join(lines)
+
+
+def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
+             checkpointing: bool = True, dtype_bytes: int = 2, chunked_loss: bool | None = None,
+             bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
+    """Predict peak allocated bytes of one training step.
+
+    Args:
+        shape: The model's shape.
+        batch, seq: Micro-batch rows and tokens per row.
+        weights: ``dense`` or ``neuzip-*``.
+        optimizer: ``adamw``, ``sgd``, ``lomo``, ``adalomo`` or ``adamw-in-backward``.
+        checkpointing: Activation checkpointing per decoder layer.
+        dtype_bytes: Bytes per weight/activation element (bf16: 2).
+        chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
+    """
+    compressed = weights.startswith("neuzip")
+    fused = optimizer in FUSED
+    if chunked_loss is None:
+        chunked_loss = compressed
+    tokens = batch * seq
+    h, i_, v = shape.hidden, shape.intermediate, shape.vocab
+    kv = shape.kv_heads * shape.head_dim
+    t: dict[str, float] = {}
+    if compressed:
+        # Lossy k keeps sign + k mantissa bits raw beside the ~2.65-bit entropy-coded exponent.
+        bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
+        t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
+        t["decode_buffers"] = (2 * shape.largest_layer_matrix() + v * h) * dtype_bytes
+    else:
+        t["weights"] = shape.params() * dtype_bytes
+    if fused:
+        # The largest single gradient alive at once: the embedding's dense gradient (or lm_head's).
+        t["gradients"] = v * h * dtype_bytes
+        t["update_temporaries"] = 3 * chunk_numel * 4
+    else:
+        t["gradients"] = shape.params() * dtype_bytes
+    if optimizer in ("adamw", "adamw-in-backward"):
+        t["optimizer_state"] = 2 * shape.params() * dtype_bytes
+    elif optimizer == "adalomo":
+        t["optimizer_state"] = sum((r + c) * 4 for _, r, c in shape.matrices()) + shape.norm_params() * 4
+    layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
+    if checkpointing:
+        t["activations"] = shape.layers * tokens * h * dtype_bytes + 2 * layer_live
+    else:
+        t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
+    if chunked_loss:
+        t["logits"] = min(loss_chunk_bytes, tokens * v * 4) + tokens * h * 4
+    else:
+        t["logits"] = tokens * v * (dtype_bytes + 4 + 4)
+    settings = dict(batch=batch, seq=seq, weights=weights, optimizer=optimizer, checkpointing=checkpointing,
+                    chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes)
+    return Estimate(t, settings)
+
+
+def estimate_recipe(recipe) -> Estimate:
+    """Estimate a recipe's peak GPU memory from its model config, without building the model."""
+    from neutrain.modeling import config_only
+
+    config = config_only(recipe.model)
+    m, t = recipe.memory, recipe.train
+    dtype_bytes = 4 if recipe.model["dtype"] == "float32" else 2
+    return estimate(
+        ModelShape.from_config(config), batch=t["micro_batch_size"], seq=recipe.data["sequence_len"],
+        weights=m["weights"], optimizer=t["optimizer"], checkpointing=m["gradient_checkpointing"],
+        dtype_bytes=dtype_bytes, chunked_loss=(m["loss_chunk_size"] > 0) or None,
+    )

@@ -1,0 +1,38 @@
+"""The memory planner counts parameters like the real model and adds up its terms consistently."""
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from neutrain.config import load_recipe
+from neutrain.planner import GIB, ModelShape, estimate, estimate_recipe
+
+
+def _llama(tied: bool):
+    return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=300, tie_word_embeddings=tied)
+
+
+def test_parameter_count_matches_transformers():
+    for tied in (False, True):
+        cfg = _llama(tied)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        assert ModelShape.from_config(cfg).params() == sum(p.numel() for p in model.parameters())
+
+
+def test_llama3_8b_shape_and_ordering():
+    est = {w + o: estimate_recipe(load_recipe("recipes/llama3_8b.yaml", [f"memory.weights={w}", f"train.optimizer={o}"]))
+           for w, o in [("dense", "sgd"), ("dense", "lomo"), ("neuzip-lossless", "lomo"), ("dense", "adamw")]}
+    assert abs(est["denselomo"].settings["params"] - 8.03e9) < 0.01e9
+    # Full gradients cost a model's worth of bf16; compressed weights save ~1/3 of the weights.
+    assert est["densesgd"].total > est["denselomo"].total + 13 * GIB
+    assert est["denselomo"].total - est["neuzip-losslesslomo"].total > 3.5 * GIB
+    assert est["denseadamw"].total > est["densesgd"].total + 29 * GIB
+    assert 12 * GIB < est["neuzip-losslesslomo"].total < 16 * GIB
+
+
+def test_checkpointing_and_chunked_loss_reduce_estimate():
+    shape = ModelShape.from_config(_llama(False))
+    base = dict(batch=4, seq=512, weights="dense", optimizer="lomo")
+    assert estimate(shape, checkpointing=True, **base).terms["activations"] < estimate(shape, checkpointing=False, **base).terms["activations"]
+    assert estimate(shape, chunked_loss=True, **base).terms["logits"] <= estimate(shape, chunked_loss=False, **base).terms["logits"]
