@@ -209,7 +209,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         Called by the dense hooks and by compressed modules' backward. In a norm
         pass it only adds ``||grad||^2`` to the pass total; for a tied weight it
         sums the contribution and defers the update to the end of backward;
-        otherwise it reads the weight, updates it and writes it back.
+        otherwise (or when called outside backward) it reads the weight, updates
+        it and writes it back.
 
         Args:
             key: the parameter in ``param_groups`` that stands for the weight.
@@ -218,7 +219,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if key not in self._group_of:
             raise KeyError("gradient for a parameter that is not in this optimizer's param_groups")
-        if key in self._tied:
+        if key in self._tied and torch._C._current_graph_task_id() != -1:
             pending = self._tied_pending.get(key)
             if pending is None:
                 self._tied_pending[key] = [grad, io]
