@@ -71,6 +71,25 @@ def sweep_forward_configs(q, k, v, causal, candidates):
     return times
 
 
+def sweep_backward_configs(q, k, v, causal, candidates):
+    """Time the backward kernels (dK/dV + dQ) under each config pair; return {config: ms}."""
+    from neutrain.kernels import sage_attention as kernels
+
+    qi = quantize_attention_inputs(q, k, v, q.shape[-1] ** -0.5)
+    out, lse = kernels.sage_attention_forward(qi, causal)
+    grad = torch.randn_like(out)
+    times = {}
+    for cfg in candidates:
+        kernels.BACKWARD_CONFIG_OVERRIDE = cfg
+        try:
+            times[cfg] = cuda_time_ms(lambda: kernels.sage_attention_backward(qi, out, lse, grad, causal),
+                                      warmup=2, iters=5)
+        except Exception as exc:
+            print(f"backward config {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
+    kernels.BACKWARD_CONFIG_OVERRIDE = None
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="4096,8192,16384,32768")
@@ -89,14 +108,20 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # Pick the forward tile/warps/stages per causal mode at 8K (kept for all sizes).
-    candidates = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
-    best, sweep = {}, {}
+    candidates = [(128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3)]
+    bwd_candidates = [((32, 8, 2), (128, 64, 8, 2)), ((32, 8, 3), (128, 64, 8, 2)), ((32, 8, 2), (128, 64, 8, 3)),
+                      ((32, 8, 3), (128, 64, 8, 3)), ((32, 8, 2), (64, 64, 4, 2))]
+    best, best_bwd, sweep, sweep_bwd = {}, {}, {}, {}
     qs, ks, vs = (torch.randn(b, h, 8192, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     for causal in (False, True):
         times = sweep_forward_configs(qs, ks, vs, causal, candidates)
         sweep[str(causal)] = {str(c): t for c, t in times.items()}
         best[causal] = min(times, key=times.get)
         print(f"causal={causal} forward config sweep (ms): {times} -> {best[causal]}")
+        times = sweep_backward_configs(qs, ks, vs, causal, bwd_candidates)
+        sweep_bwd[str(causal)] = {str(c): t for c, t in times.items()}
+        best_bwd[causal] = min(times, key=times.get)
+        print(f"causal={causal} backward config sweep (ms): {times} -> {best_bwd[causal]}")
     del qs, ks, vs
 
     for n in sizes:
@@ -109,6 +134,7 @@ def main():
         warm, iters = (1, 3) if heavy else (3, 10)
         for causal in (False, True):
             kernels.FORWARD_CONFIG_OVERRIDE = best[causal]
+            kernels.BACKWARD_CONFIG_OVERRIDE = best_bwd[causal]
             exact = None
             if n <= args.accuracy_max_n:
                 exact = exact_attention(q[:1, :4], k[:1, :4], v[:1, :4], causal)
@@ -117,7 +143,8 @@ def main():
             kernel_ms = cuda_time_ms(lambda: kernels.sage_attention_forward(qi, causal), warmup=warm, iters=iters)
             del qi
             row = {"n": n, "causal": causal, "method": "sage_kernel", "fwd_ms": kernel_ms,
-                   "fwd_tops": fwd_flops / kernel_ms / 1e9, "forward_config": list(best[causal])}
+                   "fwd_tops": fwd_flops / kernel_ms / 1e9, "forward_config": list(best[causal]),
+                   "backward_config": [list(c) for c in best_bwd[causal]]}
             results.append(row)
             print(row)
             for name, fn in METHODS.items():
@@ -143,9 +170,9 @@ def main():
                 print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()})
         del q, k, v, grad
         torch.cuda.empty_cache()
-    kernels.FORWARD_CONFIG_OVERRIDE = None
+    kernels.FORWARD_CONFIG_OVERRIDE = kernels.BACKWARD_CONFIG_OVERRIDE = None
     settings = {"batch": b, "heads": h, "head_dim": d, "sizes": sizes, "skipped_sizes_for_time": skipped,
-                "forward_config_sweep_8k_ms": sweep, "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
+                "forward_config_sweep_8k_ms": sweep, "backward_config_sweep_8k_ms": sweep_bwd, "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
                 "accuracy": "batch 0, heads 0-3 vs exact fp32 attention, N <= %d" % args.accuracy_max_n}
     path = write_result("attention", settings, results)
     print("wrote", path)

@@ -154,6 +154,8 @@ def quantize_attention_inputs(
     n = q.shape[2]
     n_pad = round_up(n, TILE)
     fold = softmax_scale * LOG2E
+    if q.is_cuda and not smooth_q:
+        return _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad)
     with torch.no_grad():
         # Smooth K with a detached mean: exact for the softmax, so no gradient flows through it.
         k_mean = k.float().mean(dim=2, keepdim=True)
@@ -185,3 +187,20 @@ def quantize_attention_inputs(
         seq_len=n,
         softmax_scale=float(softmax_scale),
     )
+
+
+def _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad):
+    """The same quantization through fused Triton kernels: one read of each input instead of ~10."""
+    from neutrain.kernels.sage_attention import quantize_qk_int, quantize_v_fp8
+
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    with torch.no_grad():
+        k_mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)
+        q_int, q_scale = quantize_qk_int(q, q_group, qk_bits, n_pad, softmax_scale * LOG2E)
+        k_int, k_scale = quantize_qk_int(k, k_group, qk_bits, n_pad, mean=k_mean)
+        v_fp8_t, v_residual_t, v_scale = quantize_v_fp8(v, n_pad, v_residual)
+    return QuantizedAttentionInputs(
+        q_int=q_int, q_scale=q_scale, q_mean=None, k_int=k_int, k_scale=k_scale, k_mean=k_mean,
+        v_fp8_t=v_fp8_t, v_residual_t=v_residual_t, v_scale=v_scale, seq_len=q.shape[2],
+        softmax_scale=float(softmax_scale))

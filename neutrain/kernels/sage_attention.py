@@ -34,6 +34,7 @@ _INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 _LOG2_FP8_MAX = tl.constexpr(LOG2_FP8_MAX)
 _LN2 = tl.constexpr(LN2)
 _INV_V_RESIDUAL_GAIN = tl.constexpr(1.0 / V_RESIDUAL_GAIN)
+_V_RESIDUAL_GAIN = tl.constexpr(V_RESIDUAL_GAIN)
 
 
 @triton.jit
@@ -44,6 +45,13 @@ def _bf16(x, EMULATE: tl.constexpr):
     if EMULATE:
         y = y.to(tl.float32)
     return y
+
+
+@triton.jit
+def _int32_to_f32(x):
+    """Exact int32 -> fp32 for |x| < 2**22 (|q.k| <= 127*127*128 < 2**21): an integer add and a
+    float subtract run at full rate, where the I2F conversion runs at a quarter of it."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
@@ -61,7 +69,7 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
         # The Q scale is a positive per-row factor, so it commutes with the row max and
         # fuses into the exponent's FMA: one multiply per score saved. Order (qk*ks)*qs
         # is the reference's and the backward's.
-        s = qk.to(tl.float32) * k_scale[None, :]
+        s = _int32_to_f32(qk) * k_scale[None, :]
         if SMOOTH_Q:
             s = s * q_scale[:, None]
             s += tl.dot(_bf16(q_mean, EMULATE_BF16), _bf16(k_t.to(tl.float32), EMULATE_BF16)) * k_scale[None, :]
@@ -317,6 +325,72 @@ def _sage_bwd_dq_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DELTA
     tl.store(DQ + g_off, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < N_CTX)
 
 
+@triton.jit
+def _quant_int_kernel(X, MEAN, X_INT, SCALE, stride_xb, stride_xh, stride_xn, H, N_CTX, N_PAD, fold, qmax,
+                      HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    """One program per GROUP tokens of one head: symmetric integer quantization (Q or smoothed K)."""
+    start = tl.program_id(0) * GROUP
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = start + tl.arange(0, GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keep = offs_n[:, None] < N_CTX
+    x = tl.load(X + b * stride_xb + h * stride_xh + offs_n[:, None] * stride_xn + offs_d[None, :], mask=keep,
+                other=0.0).to(tl.float32)
+    if SUBTRACT_MEAN:
+        x = tl.where(keep, x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :], 0.0)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-6) / qmax
+    x_int = tl.extra.cuda.libdevice.rint(x / scale)  # round half to even, like torch.round
+    x_int = tl.minimum(tl.maximum(x_int, -qmax), qmax)
+    tl.store(X_INT + (bh * N_PAD + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], x_int.to(tl.int8))
+    tl.store(SCALE + bh * N_PAD + offs_n, tl.zeros([GROUP], tl.float32) + scale * fold)
+
+
+@triton.jit
+def _quant_v_kernel(V, SCALE, V_T, V_RES_T, stride_vb, stride_vh, stride_vn, H, N_CTX, N_PAD,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Per-channel FP8 V (and its rounding residual), written transposed as [D, N_PAD]."""
+    start = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=offs_n[:, None] < N_CTX, other=0.0).to(tl.float32)
+    x = tl.trans(v / tl.load(SCALE + bh * HEAD_DIM + offs_d)[None, :])
+    hi = x.to(tl.float8e4nv)
+    out = (bh * HEAD_DIM + offs_d[:, None]) * N_PAD + offs_n[None, :]
+    tl.store(V_T + out, hi)
+    if RESIDUAL:
+        tl.store(V_RES_T + out, ((x - hi.to(tl.float32)) * _V_RESIDUAL_GAIN).to(tl.float8e4nv))
+
+
+def quantize_qk_int(x: torch.Tensor, group: int, bits: int, n_pad: int, fold: float = 1.0, mean=None):
+    """CUDA twin of :func:`neutrain.attention.quant.quantize_int_per_group` (optionally minus ``mean``)."""
+    b, h, n, d = x.shape
+    x_int = torch.empty((b, h, n_pad, d), dtype=torch.int8, device=x.device)
+    scale = torch.empty((b, h, n_pad), dtype=torch.float32, device=x.device)
+    mean_arg = mean.reshape(b * h, d).contiguous() if mean is not None else scale
+    _quant_int_kernel[(n_pad // group, b * h)](
+        x, mean_arg, x_int, scale, x.stride(0), x.stride(1), x.stride(2), h, n, n_pad, fold,
+        127.0 if bits == 8 else 7.0, HEAD_DIM=d, GROUP=group, SUBTRACT_MEAN=mean is not None, num_warps=2)
+    return x_int, scale
+
+
+def quantize_v_fp8(v: torch.Tensor, n_pad: int, residual: bool = True):
+    """CUDA twin of :func:`neutrain.attention.quant.quantize_v_fp8_transposed`."""
+    b, h, n, d = v.shape
+    scale = (v.abs().amax(dim=2).float().clamp_min(1e-6) / FP8_MAX).contiguous()
+    v_t = torch.empty((b, h, d, n_pad), dtype=torch.float8_e4m3fn, device=v.device)
+    v_res = torch.empty_like(v_t) if residual else None
+    _quant_v_kernel[(n_pad // TILE, b * h)](
+        v, scale, v_t, v_res if residual else v_t, v.stride(0), v.stride(1), v.stride(2), h, n, n_pad,
+        HEAD_DIM=d, BLOCK_N=TILE, RESIDUAL=residual, num_warps=4)
+    return v_t, v_res, scale
+
+
 def _forward_config(head_dim: int, causal: bool):
     """(BLOCK_M, num_warps, num_stages) of the forward; the interpreter gets a small tile."""
     if interpreting():
@@ -324,6 +398,19 @@ def _forward_config(head_dim: int, causal: bool):
     if FORWARD_CONFIG_OVERRIDE is not None:
         return FORWARD_CONFIG_OVERRIDE
     return (128, 8, 3) if head_dim == 128 else (128, 8, 4)
+
+
+#: Benchmarks may set ((BLOCK_M, warps, stages) of dK/dV, (BLOCK_M, BLOCK_N, warps, stages) of dQ).
+BACKWARD_CONFIG_OVERRIDE: tuple | None = None
+
+
+def _backward_config():
+    if interpreting():
+        return (16, 4, 1), (32, 32, 4, 1)
+    if BACKWARD_CONFIG_OVERRIDE is not None:
+        return BACKWARD_CONFIG_OVERRIDE
+    # 8 warps: dK and dV accumulate [128, D] fp32 each; BLOCK_M=64 spills at D=128.
+    return (32, 8, 2), (128, 64, 8, 2)
 
 
 #: The compiled kernel of the latest launch, for machine-code checks.
@@ -384,10 +471,7 @@ def sage_attention_backward(qi: QuantizedAttentionInputs, out, lse, grad_out, ca
     seg_q, seg_k, has_seg = _segments(segment_q, segment_k, qi.q_int)
     need_mask = causal or has_seg or n % TILE != 0
     q_mean = qi.q_mean if qi.q_mean is not None else qi.q_int
-    if interpreting():
-        (bm_kv, w_kv, st_kv), (bm_q, bn_q, w_q, st_q) = (16, 4, 1), (32, 32, 4, 1)
-    else:
-        (bm_kv, w_kv, st_kv), (bm_q, bn_q, w_q, st_q) = (32, 8, 2), (128, 64, 8, 2)
+    (bm_kv, w_kv, st_kv), (bm_q, bn_q, w_q, st_q) = _backward_config()
     v_res = qi.v_residual_t if qi.v_residual_t is not None else qi.v_fp8_t
     common = (qi.q_int, qi.q_scale, q_mean, qi.k_int, qi.k_scale, qi.v_fp8_t, v_res, qi.v_scale, seg_q, seg_k,
               grad_out, lse, delta)

@@ -109,12 +109,17 @@ def test_tiny_llama_finetune_matches_sdpa(head_dim):
     register()
     cfg = LlamaConfig(hidden_size=4 * head_dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
-    data = torch.randint(0, 512, (20, 4, 512), device=DEVICE)
+    # Sequences that follow a fixed random permutation: learnable within a few dozen steps.
+    perm = torch.randperm(512, device=DEVICE)
+    tokens = [torch.randint(0, 512, (30, 4, 1), device=DEVICE)]
+    for _ in range(511):
+        tokens.append(perm[tokens[-1]])
+    data = torch.cat(tokens, -1)
     losses = {}
     for name in ("sdpa", "neutrain_sage"):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name).to(DEVICE)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         reset_counters()
         losses[name] = []
         for batch in data:
@@ -129,7 +134,7 @@ def test_tiny_llama_finetune_matches_sdpa(head_dim):
             assert counters["fallback"] == 0
     rel = [abs(a - b) / b for a, b in zip(losses["neutrain_sage"], losses["sdpa"])]
     print(head_dim, "sdpa", losses["sdpa"][::5], "sage", losses["neutrain_sage"][::5], "max rel", max(rel))
-    assert losses["sdpa"][-1] < losses["sdpa"][0] - 0.1  # it actually trains
+    assert losses["sdpa"][-1] < 0.8 * losses["sdpa"][0]  # it actually trains
     assert max(rel) <= 0.01
 
 
@@ -157,3 +162,21 @@ def test_forward_sass_uses_int8_and_fp8_wgmma(head_dim):
     qgmma = sum("QGMMA" in line for line in sass.splitlines())
     print(f"d={head_dim}: {igmma} IGMMA, {qgmma} QGMMA, {sass.count('HGMMA')} HGMMA lines")
     assert igmma > 0 and qgmma > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_quantizers_match_torch_quantizers(head_dim):
+    from neutrain.attention.quant import quantize_attention_inputs
+
+    q, k, v = make_attention_inputs(2, 4, 2, 300, head_dim, "k_offset", torch.bfloat16, DEVICE)
+    fused = quantize_attention_inputs(q, k, v, head_dim ** -0.5)  # CUDA: Triton kernels
+    ref = quantize_attention_inputs(q.cpu(), k.cpu(), v.cpu(), head_dim ** -0.5)  # CPU: torch ops
+    for name in ("q_int", "k_int"):
+        a, b = getattr(fused, name).cpu().int(), getattr(ref, name).int()
+        assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3, name  # rounding ties only
+    for name in ("q_scale", "k_scale", "v_scale", "k_mean"):
+        torch.testing.assert_close(getattr(fused, name).cpu(), getattr(ref, name), rtol=1e-5, atol=1e-7)
+    for name in ("v_fp8_t", "v_residual_t"):
+        a, b = getattr(fused, name).cpu().float(), getattr(ref, name).float()
+        assert a.shape == b.shape and (a != b).float().mean() < 1e-3, name
