@@ -98,6 +98,8 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new sizes after this")
     parser.add_argument("--accuracy-max-n", type=int, default=8192)
+    parser.add_argument("--no-sweep", action="store_true", help="use the library's default kernel configs")
+    parser.add_argument("--name", default="attention", help="result file benchmarks/results/<name>.json")
     args = parser.parse_args()
     from neutrain.kernels import sage_attention as kernels
 
@@ -113,6 +115,8 @@ def main():
                       ((32, 8, 3), (128, 64, 8, 3)), ((32, 8, 2), (64, 64, 4, 2))]
     best, best_bwd, sweep, sweep_bwd = {}, {}, {}, {}
     qs, ks, vs = (torch.randn(b, h, 8192, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    if args.no_sweep:
+        candidates, bwd_candidates = [kernels._forward_config(d, False)], [kernels._backward_config()]
     for causal in (False, True):
         times = sweep_forward_configs(qs, ks, vs, causal, candidates)
         sweep[str(causal)] = {str(c): t for c, t in times.items()}
@@ -174,7 +178,7 @@ def main():
     settings = {"batch": b, "heads": h, "head_dim": d, "sizes": sizes, "skipped_sizes_for_time": skipped,
                 "forward_config_sweep_8k_ms": sweep, "backward_config_sweep_8k_ms": sweep_bwd, "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
                 "accuracy": "batch 0, heads 0-3 vs exact fp32 attention, N <= %d" % args.accuracy_max_n}
-    path = write_result("attention", settings, results)
+    path = write_result(args.name, settings, results)
     print("wrote", path)
     print(f"{'N':>6} {'causal':>6} {'method':>12} {'fwd TOPS':>9} {'f+b TOPS':>9} {'cos':>8} {'relL1':>7}")
     for r in results:
