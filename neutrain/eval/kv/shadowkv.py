@@ -70,6 +70,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def rope_cos_sin(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for integer ``positions`` of any shape ([..., head_dim]), from a model's rotary module.
+
+    Same arithmetic as transformers' Llama rotary forward (fp32 angles, times
+    ``attention_scaling``, cast to ``dtype``), but elementwise: that forward only
+    takes [batch, seq] positions in 5.17, while selected chunks have one position
+    per (batch, head, token).
+    """
+    inv_freq = rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo :func:`apply_rope`: rotate back and divide by cos^2 + sin^2 (the rope scaling squared)."""
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
@@ -162,7 +177,7 @@ class ShadowKVLayer(DynamicLayer):
         ctx = num_chunks * cs
         positions = position_ids if position_ids is not None else torch.arange(n, device=keys.device)[None]
         self.pos0 = positions.reshape(-1, positions.shape[-1])[:, :1].to(keys.device)  # [1 or b, 1]
-        cos, sin = rotary(keys, positions.expand(b, n) if positions.shape[0] == 1 else positions)
+        cos, sin = rope_cos_sin(rotary, positions.expand(b, n) if positions.shape[0] == 1 else positions, keys.dtype)
         pre = invert_rope(keys.float(), cos[:, None].float(), sin[:, None].float())
         u, sv = low_rank_keys(pre, opt.rank)
         self.u, self.sv = u.to(keys.dtype), sv.to(keys.dtype)
@@ -235,7 +250,7 @@ class ShadowKVLayer(DynamicLayer):
         tokens = chunk_tokens(chunk_ids, cs)
         values_sel, pending = self.gather_values(chunk_ids, query.device)
         pre = rebuild_keys(self.u, self.sv, tokens)
-        cos, sin = rotary(pre, tokens + self.pos0[:, :, None])
+        cos, sin = rope_cos_sin(rotary, tokens + self.pos0[:, :, None], pre.dtype)
         keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
         if pending is not None:
             torch.cuda.current_stream(query.device).wait_stream(pending)

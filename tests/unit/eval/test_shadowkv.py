@@ -10,6 +10,7 @@ from neutrain.eval.kv.shadowkv import (
     chunk_tokens,
     invert_rope,
     low_rank_keys,
+    rope_cos_sin,
     rebuild_keys,
     select_chunks,
 )
@@ -114,6 +115,10 @@ def test_unrope_then_rope_is_identity(model, scaling):
     x = torch.randn(2, 3, 57, 16)
     pos = torch.randint(0, 4000, (2, 57))
     cos, sin = rotary(x, pos)
+    # Our per-(batch, head, token) cos/sin equal the model's own [batch, seq] ones.
+    mine = rope_cos_sin(rotary, pos[:, None].expand(2, 3, 57), x.dtype)
+    torch.testing.assert_close(mine[0], cos[:, None].expand(2, 3, 57, 16), atol=0, rtol=0)
+    torch.testing.assert_close(mine[1], sin[:, None].expand(2, 3, 57, 16), atol=0, rtol=0)
     cos, sin = cos[:, None] * scaling, sin[:, None] * scaling
     torch.testing.assert_close(apply_rope(invert_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(invert_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
