@@ -106,8 +106,31 @@ def config_only(model_cfg: dict[str, Any]):
     return _model_config(model_cfg, _Vocab())
 
 
-def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42):
-    """Build the causal LM described by ``model_cfg``.
+def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed):
+    """Build straight into NeuZip form, one tensor at a time, on the training device.
+
+    The dense model is never materialised: random init draws each tensor and encodes
+    it at once; a checkpoint is read tensor by tensor from safetensors.
+    """
+    from neutrain.nn.load import init_compressed, load_compressed
+
+    device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
+    if model_cfg["init"] == "random":
+        config = _model_config(model_cfg, tokenizer)
+        config._attn_implementation = attn
+        model, report = init_compressed(config, weights, device, dtype=dtype, seed=seed)
+    else:
+        try:
+            model, report = load_compressed(model_cfg["base_model"], weights, device, dtype=dtype,
+                                            config_overrides={"_attn_implementation": attn})
+        except OSError as exc:
+            raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' ({str(exc).splitlines()[0]})") from None
+    logger.info("compressed model: %s", report)
+    return model
+
+
+def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense"):
+    """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``).
 
     Example:
         >>> model = build_model({"base_model": None, "init": "random", "config": {"model_type": "llama", ...}, ...}, tok)
@@ -120,6 +143,8 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         from neutrain.attention import register
 
         attn = register()
+    if weights != "dense":
+        return _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
     if model_cfg["init"] == "random":
         config = _model_config(model_cfg, tokenizer)
         torch.manual_seed(seed)  # the same random weights on every process and every resume

@@ -108,12 +108,12 @@ def build_trainer(recipe: Recipe) -> RunContext:
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"])
+    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=recipe.memory["weights"])
     args = training_arguments(recipe, has_eval=heldout is not None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad),
-        processing_class=tokenizer, memory=recipe.memory,
+        processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"]},
     )
     return RunContext(recipe, trainer, tokenizer, heldout, state)
 

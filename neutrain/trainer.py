@@ -35,8 +35,21 @@ from transformers import Trainer
 
 from neutrain import compat
 from neutrain.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.config.errors import UserInputError
 
 TMP_PREFIX = ".tmp-"
+FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _has_compressed_head(model) -> bool:
+    from neutrain.nn import CompressedLinear
+
+    head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
+    return isinstance(head, CompressedLinear)
 
 
 def peak_memory_stats() -> dict[str, float]:
@@ -53,30 +66,121 @@ def peak_memory_stats() -> dict[str, float]:
 class NeuTrainer(Trainer):
     """A ``transformers.Trainer`` with neutrain's logging, plots and atomic checkpoints.
 
+    Fused updates: with ``memory={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
+    weight is updated inside backward (``neutrain.optim``), compressed weights included; the
+    optimizer's ``step()`` is bookkeeping only, ``max_grad_norm`` clips per the ``clip_mode``, and the
+    logged ``grad_norm`` is the real global norm the optimizer measured.
+
     Args:
         *args: As for ``transformers.Trainer``.
-        memory: The recipe's ``memory`` section (weights, fused-update options); ``None`` means dense defaults.
+        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer``; ``None`` means
+            dense weights and the ordinary optimizer step.
         **kwargs: As for ``transformers.Trainer``.
     """
 
+    # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
+    loss_is_scaled_for_ga = None
+
     def __init__(self, *args, memory: dict[str, Any] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
         self.memory = dict(memory or {})
+        self.fused = self.memory.get("optimizer") in FUSED_OPTIMIZERS
+        super().__init__(*args, **kwargs)
+        if self.fused:
+            if self.args.fp16:
+                raise UserInputError("train: fp16 is not supported with fused updates (they need bf16 or fp32 weights)")
+            # The fused optimizer clips inside backward; Hugging Face's clip after backward would see no gradients.
+            self._fused_max_grad_norm, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
         self.add_callback(MetricsFileCallback())
         self.add_callback(PlotCallback())
 
-    # ---- logging -------------------------------------------------------------------------
+    # ---- fused updates and compressed weights ---------------------------------------------
+
+    def create_optimizer(self, model=None):
+        if not self.fused:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.optimizer is None:
+            from neutrain.optim import OPTIMIZERS
+
+            target = self.model if model is None else model
+            cls = OPTIMIZERS[self.memory["optimizer"]]
+            kwargs = dict(
+                lr=self.args.learning_rate, weight_decay=self.args.weight_decay,
+                clip_mode=self.memory.get("clip_mode", "per_tensor"), max_grad_norm=self._fused_max_grad_norm or None,
+                stochastic_rounding=self.memory.get("stochastic_rounding", True), seed=self.args.seed,
+                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            )
+            if self.memory["optimizer"] == "adamw-in-backward":
+                kwargs["betas"] = (self.args.adam_beta1, self.args.adam_beta2)
+                kwargs["eps"] = self.args.adam_epsilon
+            params = [p for p in target.parameters() if p.requires_grad]
+            self.optimizer = cls(params, **kwargs).bind(target)
+        return self.optimizer
+
+    @property
+    def fused_optimizer(self):
+        """The unwrapped fused optimizer (Accelerate wraps it), or None."""
+        opt = self.optimizer
+        return getattr(opt, "optimizer", opt) if self.fused else None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.memory.get("loss_chunk_size", 0) <= 0 and not _has_compressed_head(model):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # The chunked lm_head + cross-entropy never materialises the full logits.
+        from neutrain.nn import causal_lm_loss
+
+        kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "attention_mask")}
+        loss = causal_lm_loss(
+            _unwrap(model), inputs["input_ids"], inputs["labels"], attention_mask=inputs.get("attention_mask"),
+            num_items_in_batch=num_items_in_batch, **kwargs,
+        )
+        return (loss, None) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._count_tokens(inputs)
+        if not self.fused:
+            return super().training_step(model, inputs, num_items_in_batch)
+        # Same loss semantics as Trainer.training_step, but backward goes through the fused optimizer
+        # (updates happen inside it) rather than accelerator.backward, which has DeepSpeed/GradScaler
+        # branches that bypass fused updates.
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None and self.args.gradient_accumulation_steps > 1:
+            loss = loss / self.args.gradient_accumulation_steps
+        self.fused_optimizer.backward(loss)
+        return loss.detach()
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        from neutrain.nn_checkpoint import is_compressed, save_compressed_checkpoint
+
+        model = _unwrap(self.model)
+        if not is_compressed(model):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir or self.args.output_dir
+        save_compressed_checkpoint(model, output_dir, self.memory.get("weights", "neuzip-lossless"))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from neutrain.nn_checkpoint import MARKER, load_compressed_state
+
+        if not os.path.exists(os.path.join(resume_from_checkpoint, MARKER)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_compressed_state(_unwrap(model if model is not None else self.model), resume_from_checkpoint)
+
+    # ---- logging -------------------------------------------------------------------------
+
+    def _count_tokens(self, inputs) -> None:
         if self._last_log_time is None:
             self._last_log_time = time.perf_counter()
         ids = inputs.get("input_ids")
         if ids is not None:
             mask = inputs.get("attention_mask")
             self._tokens_since_log += int(mask.sum()) if mask is not None else ids.numel()
-        return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:
@@ -86,6 +190,12 @@ class NeuTrainer(Trainer):
                 logs["tokens_per_second"] = self._tokens_since_log * self.args.world_size / (now - self._last_log_time)
             self._tokens_since_log, self._last_log_time = 0, now
             logs.update(peak_memory_stats())
+            opt = self.fused_optimizer
+            if opt is not None:
+                norm = opt.grad_norm()
+                if norm is not None:
+                    logs["grad_norm"] = norm
+                logs["nonfinite_skips"] = opt.nonfinite_skips
         super().log(logs, *args, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------

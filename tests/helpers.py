@@ -40,6 +40,7 @@ def write_recipe(tmp_path: Path, name: str = "tiny.yaml", **sections) -> Path:
             raw.pop(section, None)
         else:
             raw.setdefault(section, {}).update(values)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / name
     path.write_text("#!/usr/bin/env neutrain\n" + yaml.safe_dump(raw, sort_keys=False))
     path.chmod(0o755)

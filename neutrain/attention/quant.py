@@ -22,6 +22,10 @@ Scheme (SageAttention2, see ``shared/reference/attention.md`` sections 1.2, 5.1)
   rounding error, which on zero-mean random V adds up to ~3.6% relative L1 in O;
   the residual removes V's share for one more FP8 ``wgmma`` per tile.
 
+On CUDA (without Q smoothing) the same quantization runs as fused Triton kernels
+(``neutrain.kernels.sage_attention.quantize_qk_int`` / ``quantize_v_fp8``);
+``NEUTRAIN_SAGE_FUSED_QUANT=0`` selects these torch ops instead.
+
 All token dimensions are padded to a multiple of :data:`TILE` with zeros so the
 kernel's inner loops never need bounds checks.
 """
@@ -29,6 +33,7 @@ kernel's inner loops never need bounds checks.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +159,7 @@ def quantize_attention_inputs(
     n = q.shape[2]
     n_pad = round_up(n, TILE)
     fold = softmax_scale * LOG2E
-    if q.is_cuda and not smooth_q:
+    if q.is_cuda and not smooth_q and os.environ.get("NEUTRAIN_SAGE_FUSED_QUANT", "1") != "0":
         return _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad)
     with torch.no_grad():
         # Smooth K with a detached mean: exact for the softmax, so no gradient flows through it.

@@ -1,14 +1,17 @@
 """Reference (pure PyTorch) lane-interleaved Huffman codec: the specification.
 
 Layout ("LIH", codec.md sections 6 and 8). The flat tensor is cut into tiles of
-``steps * lanes`` elements; element ``tile * S * L + s * L + l`` belongs to lane
-``l`` of that tile, at step ``s``. So at every step the lanes of a tile touch
-``L`` consecutive elements (coalesced loads and stores on a GPU), while each lane
-codes its own ``S`` symbols one after the other:
+``S * L * E`` elements (steps, lanes, elements per lane and step); element
+``tile * S*L*E + s * L*E + l * E + e`` belongs to lane ``l`` of that tile, which
+codes the symbols of its elements in the order ``(s, e)``. So at every step the
+lanes of a tile touch ``L * E`` consecutive elements (coalesced loads and stores
+on a GPU, ``E`` of them per thread), while each lane codes its own ``S * E``
+symbols one after the other. ``E > 1`` amortises a step's bookkeeping (offsets,
+masks, a vector load and store) over several symbols:
 
 * each lane writes an MSB-first bitstream of 32-bit words, padded with zero bits
   to a whole word. A code never exceeds 21 bits (12-bit code + 9-bit escape
-  literal), so a lane of 256 steps fits 168 words and its count fits a byte;
+  literal), so a lane of 256 symbols fits 168 words and its count fits a byte;
 * ``lane_words`` (``uint8[tiles * lanes]``) holds each lane's word count;
 * ``tile_base`` (``int64[tiles + 1]``) is the exclusive prefix sum of the tiles'
   word counts, its last entry the total. A lane's first word is
@@ -39,27 +42,27 @@ _LEN_SHIFT_ENC = 24
 _CODE_MASK = (1 << _LEN_SHIFT_ENC) - 1
 
 
-def num_tiles(numel: int, steps: int, lanes: int) -> int:
+def num_tiles(numel: int, steps: int, lanes: int, elems: int = 1) -> int:
     """Tiles needed for ``numel`` elements."""
-    return -(-numel // (steps * lanes))
+    return -(-numel // (steps * lanes * elems))
 
 
-def _lane_view(symbols: torch.Tensor, steps: int, lanes: int, fill: int) -> torch.Tensor:
-    """Pad flat symbols to whole tiles and view them as ``[tiles, steps, lanes]``."""
-    tiles = num_tiles(symbols.numel(), steps, lanes)
-    padded = torch.full((tiles * steps * lanes,), fill, dtype=torch.int64, device=symbols.device)
+def _lane_view(symbols: torch.Tensor, steps: int, lanes: int, elems: int, fill: int) -> torch.Tensor:
+    """Pad flat symbols to whole tiles and view them in coding order: ``[tiles, steps * elems, lanes]``."""
+    tiles = num_tiles(symbols.numel(), steps, lanes, elems)
+    padded = torch.full((tiles * steps * lanes * elems,), fill, dtype=torch.int64, device=symbols.device)
     padded[: symbols.numel()] = symbols
-    return padded.view(tiles, steps, lanes)
+    return padded.view(tiles, steps, lanes, elems).transpose(2, 3).reshape(tiles, steps * elems, lanes)
 
 
-def _codes_and_lengths(symbols, enc_table, steps, lanes):
-    """Per-element (code, length) as ``[tiles, steps, lanes]``; padding has length 0."""
+def _codes_and_lengths(symbols, enc_table, steps, lanes, elems):
+    """Per-element (code, length) as ``[tiles, steps * elems, lanes]``; padding has length 0."""
     table = torch.cat([enc_table.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=enc_table.device)])
-    entries = table[_lane_view(symbols, steps, lanes, fill=table.numel() - 1)]
+    entries = table[_lane_view(symbols, steps, lanes, elems, fill=table.numel() - 1)]
     return entries & _CODE_MASK, entries >> _LEN_SHIFT_ENC
 
 
-def count_lanes(symbols: torch.Tensor, enc_table: torch.Tensor, steps: int, lanes: int):
+def count_lanes(symbols: torch.Tensor, enc_table: torch.Tensor, steps: int, lanes: int, elems: int = 1):
     """Pass 1: each lane's word count and the tiles' word prefix sums.
 
     Args:
@@ -67,11 +70,12 @@ def count_lanes(symbols: torch.Tensor, enc_table: torch.Tensor, steps: int, lane
         enc_table: ``int32[NUM_SYMBOLS]`` from :func:`~neutrain.compress.huffman.encode_table`.
         steps: Steps per lane (S).
         lanes: Lanes per tile (L).
+        elems: Elements per lane and step (E).
 
     Returns:
         ``(lane_words uint8[tiles * lanes], tile_base int64[tiles + 1], coded_bits int64 scalar)``.
     """
-    _, lengths = _codes_and_lengths(symbols, enc_table, steps, lanes)
+    _, lengths = _codes_and_lengths(symbols, enc_table, steps, lanes, elems)
     lane_bits = lengths.sum(dim=1)
     lane_words = (lane_bits + 31) // 32
     tile_base = torch.zeros(lane_words.shape[0] + 1, dtype=torch.int64, device=symbols.device)
@@ -93,12 +97,13 @@ def pack_lanes(
     stream: torch.Tensor,
     steps: int,
     lanes: int,
+    elems: int = 1,
 ) -> None:
     """Pass 2: write the lanes' bits into ``stream`` (``int32``, at least ``tile_base[-1] + 2`` words).
 
     Codes never overlap, so each code's one or two word pieces are summed into place.
     """
-    codes, lengths = _codes_and_lengths(symbols, enc_table, steps, lanes)
+    codes, lengths = _codes_and_lengths(symbols, enc_table, steps, lanes, elems)
     tiles = torch.arange(codes.shape[0], device=symbols.device)
     start_bit = lane_starts(lane_words, tile_base, tiles, lanes)[:, None, :] * 32
     bit = start_bit + torch.cumsum(lengths, dim=1) - lengths
@@ -122,23 +127,25 @@ def decode_tiles(
     steps: int,
     lanes: int,
     tiles: torch.Tensor | None = None,
+    elems: int = 1,
 ) -> torch.Tensor:
-    """Decode the symbols of ``tiles`` (default: all) as ``int64[len(tiles) * S * L]``.
+    """Decode the symbols of ``tiles`` (default: all) as ``int64[len(tiles) * S * L * E]``, in element order.
 
     Positions past ``numel`` hold 0. One Python step decodes one symbol of every
     lane at once, so the cost is ``S`` vectorised steps, not one per element.
     """
     device = stream.device
     if tiles is None:
-        tiles = torch.arange(num_tiles(numel, steps, lanes), device=device)
+        tiles = torch.arange(num_tiles(numel, steps, lanes, elems), device=device)
     tiles = tiles.to(device=device, dtype=torch.int64)
     words = stream.to(torch.int64) & 0xFFFFFFFF
     lut64 = lut.to(torch.int64)
     bit = lane_starts(lane_words, tile_base, tiles, lanes) * 32
-    first_index = tiles[:, None] * (steps * lanes) + torch.arange(lanes, device=device)
-    out = torch.zeros(tiles.numel(), steps, lanes, dtype=torch.int64, device=device)
-    for step in range(steps):
-        valid = (first_index + step * lanes) < numel
+    first_index = tiles[:, None] * (steps * lanes * elems) + torch.arange(lanes, device=device) * elems
+    out = torch.zeros(tiles.numel(), steps * elems, lanes, dtype=torch.int64, device=device)
+    for step in range(steps * elems):
+        # Coding order (s, e) -> element s * L * E + l * E + e of the tile.
+        valid = (first_index + (step // elems) * lanes * elems + step % elems) < numel
         offset = bit & 31
         w0, w1 = words[bit >> 5], words[(bit >> 5) + 1]
         window = ((w0 << offset) | (w1 >> (32 - offset))) & 0xFFFFFFFF  # next 32 stream bits
@@ -150,4 +157,4 @@ def decode_tiles(
         length = length + LITERAL_BITS * escaped
         out[:, step, :] = torch.where(valid, symbol, 0)
         bit = bit + torch.where(valid, length, 0)
-    return out.reshape(-1)
+    return out.view(tiles.numel(), steps, elems, lanes).transpose(2, 3).reshape(-1)

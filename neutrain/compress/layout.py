@@ -152,6 +152,11 @@ def tail_nbytes(numel: int, tail_bits: int) -> int:
     return (numel * tail_bits + 7) // 8
 
 
+def tails_capacity(numel: int, tail_bits: int) -> int:
+    """Allocated tail bytes: :func:`tail_nbytes` rounded up to whole 32-bit words (zero padding)."""
+    return -(-tail_nbytes(numel, tail_bits) // 4) * 4
+
+
 def pack_tails(tails: torch.Tensor, tail_bits: int) -> torch.Tensor:
     """Pack ``int64`` tails into a ``uint8`` stream (LSB-first below 8 bits, little-endian above)."""
     numel = tails.numel()

@@ -21,24 +21,29 @@ import torch
 
 from neutrain.compress import codec, format as fmt, huffman
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
-from neutrain.compress.layout import unpack_tails
+from neutrain.compress.layout import tails_capacity, unpack_tails
 
-DEFAULT_STEPS = 256
-"""Steps per lane. 256 keeps lane padding and counts at ~0.09 bit/weight (codec.md section 6)."""
+DEFAULT_STEPS = 64
+"""Steps per lane. With 4 elements per step a lane codes 256 symbols, which keeps
+lane padding and word counts at ~0.09 bit/weight (codec.md section 6)."""
 DEFAULT_LANES = 256
 """Lanes per tile (one per GPU thread at 8 warps)."""
+DEFAULT_ELEMS = 4
+"""Elements per lane and step for lossless tensors (lossy ones use 1: their
+sub-byte tails are packed across neighbouring lanes)."""
 REBUILD_GROWTH = 0.01
 """Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
 _STREAM_HEADROOM = 1 / 64
 
 
-def _use_kernel(layout: Layout, device: torch.device, backend: str) -> bool:
+def _use_kernel(layout: Layout, elems: int, device: torch.device, backend: str) -> bool:
     if backend == "reference":
         return False
-    eligible = layout.dtype == torch.bfloat16 and layout.tail_bits <= 8
+    eligible = layout.dtype == torch.bfloat16 and (elems in (1, 2, 4) if layout.lossless else elems == 1)
     if backend == "triton":
         if not eligible:
-            raise ValueError(f"the Triton codec handles bf16 only, not {layout.dtype}")
+            raise ValueError(f"the Triton codec handles bf16 (lossy: one element per lane and step), "
+                             f"not {layout.dtype} with {elems} elements per step")
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
@@ -47,9 +52,9 @@ def _use_kernel(layout: Layout, device: torch.device, backend: str) -> bool:
     return eligible and device.type == "cuda" and triton_available()
 
 
-def _lanes_for(numel: int, steps: int, lanes: int, tail_bits: int) -> int:
+def _lanes_for(numel: int, steps: int, lanes: int, elems: int) -> int:
     """Fewer lanes for small tensors, so a bias vector does not carry 256 lane counts."""
-    needed = 1 << max(0, math.ceil(math.log2(max(1, -(-numel // steps)))))
+    needed = 1 << max(0, math.ceil(math.log2(max(1, -(-numel // (steps * elems))))))
     return max(16, min(lanes, needed))
 
 
@@ -67,17 +72,20 @@ class CompressedTensor:
         True
     """
 
-    def __init__(self, layout: Layout, shape, device, steps: int, lanes: int, code_lengths: np.ndarray, name=None):
+    def __init__(self, layout: Layout, shape, device, steps: int, lanes: int, elems: int, code_lengths: np.ndarray,
+                 name=None):
         self.layout = layout
         self.shape = torch.Size(shape)
         self.numel = math.prod(self.shape)
-        self.steps, self.lanes = steps, lanes
-        self.tiles = codec.num_tiles(self.numel, steps, lanes)
+        self.steps, self.lanes, self.elems = steps, lanes, elems
+        self.tiles = codec.num_tiles(self.numel, steps, lanes, elems)
         self.name = name
         device = torch.device(device)
         self.lane_words = torch.zeros(self.tiles * lanes, dtype=torch.uint8, device=device)
         self.tile_base = torch.zeros(self.tiles + 1, dtype=torch.int64, device=device)
-        self.tails = torch.zeros(tail_nbytes(self.numel, layout.tail_bits), dtype=torch.uint8, device=device)
+        # Rounded up to whole 32-bit words so kernels may load a lane's 4 tail bytes at once.
+        self.tails = torch.zeros(tails_capacity(self.numel, layout.tail_bits), dtype=torch.uint8, device=device)
+        self._tails_used = tail_nbytes(self.numel, layout.tail_bits)
         self.stream = torch.zeros(codec.STREAM_PAD_WORDS, dtype=torch.int32, device=device)
         self.stream_words = codec.STREAM_PAD_WORDS  # used words, padding included
         self._tile_scratch = torch.zeros(2, self.tiles, dtype=torch.int64, device=device)
@@ -133,13 +141,14 @@ class CompressedTensor:
 
             tile_words, tile_bits = self._tile_scratch
             kcodec.count(x, self.enc_table, self.tails, self.lane_words, tile_words, tile_bits,
-                         self.steps, self.lanes, self.layout.kept)
+                         self.steps, self.lanes, self.layout.kept, self.elems)
             torch.cumsum(tile_words, dim=0, out=self.tile_base[1:])
             coded = tile_bits.sum()
         else:
             symbols, tails = split(to_bits(x), self.layout)
-            self.tails.copy_(pack_tails(tails, self.layout.tail_bits))
-            lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes)
+            self.tails[: self._tails_used].copy_(pack_tails(tails, self.layout.tail_bits))
+            lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes,
+                                                             self.elems)
             self.lane_words.copy_(lane_words)
             self.tile_base.copy_(tile_base)
         words, coded_bits = torch.stack([self.tile_base[-1], coded.to(torch.int64)]).tolist()
@@ -151,7 +160,7 @@ class CompressedTensor:
             raise ValueError(f"expected a {self.dtype} tensor of shape {tuple(self.shape)}, "
                              f"got {x.dtype} {tuple(x.shape)}")
         x = x.to(self.device).contiguous()
-        kernel = _use_kernel(self.layout, self.device, backend)
+        kernel = _use_kernel(self.layout, self.elems, self.device, backend)
         words, coded_bits = self._count(x, kernel)
         if not fresh_code and coded_bits > (1 + REBUILD_GROWTH) * self._coded_bits_at_build:
             # Weights drifted: the old code still encodes everything (escapes), but worse.
@@ -170,10 +179,10 @@ class CompressedTensor:
             from neutrain.kernels import codec as kcodec
 
             kcodec.pack(x, self.enc_table, self.lane_words, self.tile_base, self.stream,
-                        self.steps, self.lanes, self.layout.kept)
+                        self.steps, self.lanes, self.layout.kept, self.elems)
         else:
             codec.pack_lanes(self._symbols(x), self.enc_table, self.lane_words, self.tile_base, self.stream,
-                             self.steps, self.lanes)
+                             self.steps, self.lanes, self.elems)
 
     def recompress_(self, t: torch.Tensor, *, backend: str = "auto") -> "CompressedTensor":
         """Re-encode new values of the same shape and dtype in place.
@@ -205,17 +214,17 @@ class CompressedTensor:
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         elif not out.is_contiguous():
             raise ValueError("out must be contiguous")
-        if _use_kernel(self.layout, self.device, backend):
+        if _use_kernel(self.layout, self.elems, self.device, backend):
             from neutrain.kernels import codec as kcodec
 
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, out,
-                          self.numel, self.steps, self.lanes, self.layout.kept)
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
             return out
         if self.numel:
             symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut,
-                                         self.numel, self.steps, self.lanes)[: self.numel]
+                                         self.numel, self.steps, self.lanes, elems=self.elems)[: self.numel]
             index = torch.arange(self.numel, device=self.device)
-            bits = merge(symbols, unpack_tails(self.tails, self.layout.tail_bits, index), self.layout)
+            bits = merge(symbols, unpack_tails(self._tails_view(), self.layout.tail_bits, index), self.layout)
             out.view(-1).copy_(from_bits(bits, self.dtype))
         return out
 
@@ -228,7 +237,7 @@ class CompressedTensor:
             raise ValueError("decompress_rows needs a tensor with at least one dimension")
         index = torch.as_tensor(index, device=self.device).to(torch.int64)
         row_len = math.prod(self.shape[1:])
-        tile_len = self.steps * self.lanes
+        tile_len = self.steps * self.lanes * self.elems
         span = -(-row_len // tile_len) + 1  # tiles one row can touch
         if index.numel() * span >= self.tiles or row_len == 0:
             return self.decompress(backend=backend)[index]
@@ -239,30 +248,33 @@ class CompressedTensor:
         tile_ids = tile_ids.reshape(-1)
         pick = (torch.arange(flat.numel(), device=self.device)[:, None] * (span * tile_len)
                 + (first - first_tile * tile_len)[:, None] + torch.arange(row_len, device=self.device))
-        if _use_kernel(self.layout, self.device, backend):
+        if _use_kernel(self.layout, self.elems, self.device, backend):
             from neutrain.kernels import codec as kcodec
 
             scratch = torch.empty(tile_ids.numel() * tile_len, dtype=self.dtype, device=self.device)
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, scratch,
-                          self.numel, self.steps, self.lanes, self.layout.kept, tile_ids=tile_ids)
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids)
             rows = scratch[pick]
         else:
-            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut,
-                                         self.numel, self.steps, self.lanes, tiles=tile_ids)[pick]
+            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
+                                         self.steps, self.lanes, tiles=tile_ids, elems=self.elems)[pick]
             elements = first[:, None] + torch.arange(row_len, device=self.device)
-            bits = merge(symbols, unpack_tails(self.tails, self.layout.tail_bits, elements), self.layout)
+            bits = merge(symbols, unpack_tails(self._tails_view(), self.layout.tail_bits, elements), self.layout)
             rows = from_bits(bits.reshape(-1), self.dtype)
         return rows.reshape(*index.shape, *self.shape[1:])
 
     # ------------------------------------------------------------ moving, saving
+    def _tails_view(self) -> torch.Tensor:
+        return self.tails[: self._tails_used]
+
     def _blobs(self) -> dict[str, torch.Tensor]:
         return {
-            "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes),
+            "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes, self.elems),
             "code_lengths": torch.from_numpy(self.code_lengths.copy()),
             "lane_words": self.lane_words,
             "tile_base": self.tile_base,
             "stream": self.stream[: self.stream_words],
-            "tails": self.tails,
+            "tails": self._tails_view(),
         }
 
     def to(self, device) -> "CompressedTensor":
@@ -270,7 +282,8 @@ class CompressedTensor:
         device = torch.device(device)
         if device == self.device:
             return self
-        return CompressedTensor._from_blobs(self._blobs(), self.name, device, self._coded_bits_at_build)
+        return CompressedTensor._from_blobs(self._blobs(), self.name, device, self._coded_bits_at_build, self.layout,
+                                            self.shape, (self.steps, self.lanes, self.elems))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain tensors (contiguous, safetensors-ready) with a checksum; see :mod:`neutrain.compress.format`."""
@@ -284,24 +297,18 @@ class CompressedTensor:
         Raises:
             CorruptTensorError: naming the tensor (``name``, else the stored name).
         """
-        label, layout, shape, steps, lanes, lengths = fmt.open_sealed(state, name)
+        label, layout, shape, (steps, lanes, elems), lengths = fmt.open_sealed(state, name)
         blobs = dict(state)
         blobs["code_lengths"] = torch.from_numpy(lengths)
         target = torch.device(device) if device is not None else state["stream"].device
-        ct = cls._from_blobs(blobs, label, target, None, layout=layout, shape=shape, steps=steps, lanes=lanes)
-        return ct
+        return cls._from_blobs(blobs, label, target, None, layout, shape, (steps, lanes, elems))
 
     @classmethod
-    def _from_blobs(cls, blobs, name, device, coded_bits, layout=None, shape=None, steps=None, lanes=None):
-        if layout is None:
-            header = blobs["header"].tolist()
-            kept = header[2]
-            layout = layout_for(fmt.DTYPES_BY_CODE[header[1]], None if kept < 0 else kept)
-            steps, lanes, shape = header[3], header[4], header[7:]
-        ct = cls(layout, shape, device, steps, lanes, blobs["code_lengths"].cpu().numpy(), name=name)
+    def _from_blobs(cls, blobs, name, device, coded_bits, layout, shape, geometry):
+        ct = cls(layout, shape, device, *geometry, blobs["code_lengths"].cpu().numpy(), name=name)
         ct.lane_words.copy_(blobs["lane_words"])
         ct.tile_base.copy_(blobs["tile_base"])
-        ct.tails.copy_(blobs["tails"])
+        ct._tails_view().copy_(blobs["tails"])
         ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
         ct.stream_words = ct.stream.numel()
         if coded_bits is None:
@@ -311,15 +318,18 @@ class CompressedTensor:
         return ct
 
 
-def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int = DEFAULT_STEPS,
-             lanes: int = DEFAULT_LANES, backend: str = "auto", name: str | None = None) -> CompressedTensor:
+def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int | None = None,
+             lanes: int = DEFAULT_LANES, elems: int | None = None, backend: str = "auto",
+             name: str | None = None) -> CompressedTensor:
     """Compress a bf16, fp16 or fp32 tensor.
 
     Args:
         t: The tensor (any shape and strides; it stays on its device).
         mantissa_bits: None for lossless; 0, 1, 3 (or 7 for fp16/fp32) to keep
             that many mantissa bits, rounding to nearest even.
-        steps, lanes: Tile geometry (``lanes`` shrinks for small tensors).
+        steps, lanes, elems: Tile geometry: steps per lane, lanes per tile (shrinks
+            for small tensors), elements per lane and step (default 4 lossless,
+            1 lossy; default steps make 256 symbols per lane).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         name: Name used in error messages and saved with the state dict.
 
@@ -329,9 +339,14 @@ def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int = 
         torch.Size([4, 5])
     """
     layout = layout_for(t.dtype, mantissa_bits)
-    numel = t.numel()
-    lanes = _lanes_for(numel, steps, lanes, layout.tail_bits)
-    ct = CompressedTensor(layout, t.shape, t.device, steps, lanes, huffman.build_code(np.zeros(1)), name=name)
+    if elems is None:
+        elems = DEFAULT_ELEMS if layout.lossless else 1
+    if steps is None:
+        steps = DEFAULT_STEPS * DEFAULT_ELEMS // elems
+    if min(steps, lanes, elems) < 1 or lanes & (lanes - 1) or elems & (elems - 1):
+        raise ValueError(f"bad geometry steps={steps} lanes={lanes} elems={elems} (lanes, elems: powers of two)")
+    lanes = _lanes_for(t.numel(), steps, lanes, elems)
+    ct = CompressedTensor(layout, t.shape, t.device, steps, lanes, elems, huffman.build_code(np.zeros(1)), name=name)
     ct._rebuild_code(t.detach())
     ct.rebuilds = 0
     ct._encode(t, backend, fresh_code=True)

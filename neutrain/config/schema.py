@@ -99,7 +99,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "weights": Key(str, "dense", "Weight storage: dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
         "gradient_checkpointing": Key(bool, False, "Recompute activations in backward (decoding compressed weights again)."),
         "stochastic_rounding": Key(bool, True, "Fused updates: round fp32 updates to bf16 stochastically so small steps survive."),
-        "clip_mode": Key(str, "per-tensor", "Fused updates' clipping: per-tensor, stale-global (previous step's norm), exact-global (two-pass backward).", choices=("per-tensor", "stale-global", "exact-global")),
+        "clip_mode": Key(str, "per_tensor", "Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm), global_exact (two-pass backward, 2x backward cost).", choices=("per_tensor", "global_stale", "global_exact")),
         "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),
         "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
         "lora_r": Key(int, 16, "LoRA rank.", min=1),

@@ -169,6 +169,12 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")
     if data["streaming"] and train["max_steps"] <= 0:
         raise RecipeError("train.max_steps: must be > 0 when data.streaming is true (a stream has no known length)")
+    mem = v["memory"]
+    fused = train["optimizer"] in ("lomo", "adalomo", "adamw-in-backward")
+    if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
+        raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
+    if mem["weights"] == "neuzip-lossless" and mem["adapter"] is None and not fused:
+        raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use lomo, adalomo or adamw-in-backward, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
         if cache not in ("full", "minicache", "shadowkv"):
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of full, minicache, shadowkv.{_suggest(str(cache), ('full', 'minicache', 'shadowkv'))}")

@@ -14,7 +14,7 @@ Example:
     >>> cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
     ...                                num_key_value_heads=2, intermediate_size=128, vocab_size=len(tok))
     >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
-    >>> res = evaluate(model, tok, ["niah_single"], kv="minicache", length=256, num_samples=1)
+    >>> res = evaluate(model, tok, ["niah_single"], kv="minicache", length=512, num_samples=1)
     >>> sorted(res["tasks"]) == ["niah_single"] and res["overall"]["counters"]["merges"] > 0
     True
 """

@@ -36,16 +36,75 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
+    from neutrain.nn_checkpoint import MARKER
+
+    if (path / MARKER).exists():
+        return _load_compressed_checkpoint(path), _load_tokenizer(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype])
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    tokenizer = None
+    return model, _load_tokenizer(path)
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
     for cand in (path, path.parent / "tokenizer"):
         if (cand / "tokenizer_config.json").exists():
-            tokenizer = AutoTokenizer.from_pretrained(str(cand))
-            break
-    return model, tokenizer
+            return AutoTokenizer.from_pretrained(str(cand))
+    return None
+
+
+def _load_compressed_checkpoint(path: Path):
+    """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from neutrain.nn.load import init_compressed
+    from neutrain.nn_checkpoint import MARKER, load_compressed_state
+
+    info = json.loads((path / MARKER).read_text())
+    config = AutoConfig.from_pretrained(str(path))
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.bfloat16)
+    # A small random model of the right structure receives the saved blobs (replaced wholesale).
+    model, _ = init_compressed(config, info["weights"], "cpu", dtype=dtype, progress=False)
+    load_compressed_state(model, path)
+    return model.eval()
+
+
+def densify(model):
+    """A dense copy of a NeuZip-compressed model (on the CPU), bit-identical to the decoded weights.
+
+    A dense model is returned as it is.
+    """
+    from neutrain.nn_checkpoint import is_compressed
+
+    if not is_compressed(model):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.nn import decompressed_state_dict
+
+    state = {k: v.detach().cpu() for k, v in decompressed_state_dict(model).items()}
+    dtype = next(v.dtype for k, v in state.items() if k.endswith(".weight") and v.is_floating_point())
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    dense.load_state_dict(state, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        dense.tie_weights()
+    missing = [n for n, p in dense.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"densify: no decoded value for {missing[:4]}")
+    for name, buf in model.named_buffers():  # rotary frequencies etc.
+        parent, _, leaf = name.rpartition(".")
+        getattr(dense.get_submodule(parent) if parent else dense, "_buffers")[leaf] = buf.detach().cpu()
+    if getattr(model, "generation_config", None) is not None:
+        dense.generation_config = model.generation_config
+    return dense.eval()
 
 
 def _model_card(model, info: dict[str, Any]) -> str:
@@ -97,6 +156,7 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
     """
     from transformers import GenerationConfig
 
+    model = densify(model)
     out = Path(output_dir)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -3,13 +3,18 @@
 The format and its pure-PyTorch reference live in :mod:`neutrain.compress.codec`
 and :mod:`neutrain.compress.layout`; these kernels produce and read the same
 bytes (the tests compare them bit for bit). One program handles one tile of
-``S * L`` elements; its ``L`` lanes run side by side and walk the ``S`` steps in
-a loop, so every load and store of weights, tails and outputs is coalesced,
-while each lane reads or writes its own bitstream.
+``S * L * E`` elements; its ``L`` lanes run side by side and walk the ``S``
+steps in a loop, so every load and store of weights, tails and outputs is
+coalesced, while each lane reads or writes its own bitstream.
 
-Lanes are held as a ``[L // P, P]`` block, ``P = 8 // tail_bits`` being the tails
-per byte: a row of ``P`` neighbouring lanes shares one tail byte, which the
-encoder assembles with a row sum and the decoder splits with shifts.
+Lossless tensors use ``E = 4`` elements per lane and step (``_count_wide_kernel``,
+``_decode_wide_kernel``): one 4-byte tail load and one 8-byte store per lane and
+step, the step's bookkeeping shared by 4 symbols (on an H200 this took 58.7M-
+element decodes from 606 to 657 GB/s and 525M from 820 to 1004 GB/s; see
+benchmarks/notes_codec.md). Lossy tensors use ``E = 1`` with lanes held as a
+``[L // P, P]`` block, ``P = 8 // tail_bits`` being the tails per byte: a row of
+``P`` neighbouring lanes shares one tail byte, which the encoder assembles with a
+row sum and the decoder splits with shifts.
 
 * :func:`count` (pass 1): split each weight, write its tail, sum code lengths per
   lane; write lane word counts and per-tile word and bit totals.
@@ -123,55 +128,191 @@ def _count_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, til
 
 
 @triton.jit
+def _count_wide_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, tile_bits_ptr, N,
+                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+    """Pass 1 for lossless bf16 with E elements per lane and step (one tail byte per element)."""
+    tile = tl.program_id(0).to(tl.int64)
+    step = tl.arange(0, BS)[:, None, None]
+    lane = tl.arange(0, L)[None, :, None]
+    elem = tl.arange(0, E)[None, None, :]
+    base = tile * (S * L * E)
+    x_tile = x_ptr + base
+    tails_tile = tails_ptr + base
+    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
+    lane_bits = tl.zeros([L], dtype=tl.int32)
+    for s0 in range(0, S, BS):
+        offset = (s0 + step) * (L * E) + lane * E + elem
+        valid = offset < remaining
+        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32) & 0xFFFF
+        sym, tail = _split_bf16(x, 7)
+        entry = tl.load(enc_ptr + sym, mask=valid, other=0)
+        lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
+        tl.store(tails_tile + offset, tail.to(tl.uint8), mask=valid)
+    words = (lane_bits + 31) // 32
+    tl.store(lane_words_ptr + tile * L + tl.arange(0, L), words.to(tl.uint8))
+    tl.store(tile_words_ptr + tile, tl.sum(words, axis=0).to(tl.int64))
+    tl.store(tile_bits_ptr + tile, tl.sum(lane_bits, axis=0).to(tl.int64))
+
+
+@triton.jit
+def _put_code(acc, filled, rel, entry, stream_tile):
+    """Append one code (``entry`` = code | length << 24) to each lane's 32-bit accumulator.
+
+    ``acc`` holds ``filled`` (< 32) bits, MSB-aligned: a code (<= 21 bits) either
+    fits, or completes a word (stored) and leaves its low ``over`` bits behind.
+    """
+    code = (entry & 0xFFFFFF).to(tl.uint32)
+    total = filled + (entry >> 24)
+    over = total - 32
+    emit = over >= 0
+    head = tl.where(emit, code >> tl.maximum(over, 0).to(tl.uint32),
+                    code << tl.minimum(32 - total, 31).to(tl.uint32))
+    word = acc | head
+    tl.store(stream_tile + rel, word.to(tl.int32, bitcast=True), mask=emit)
+    rest = tl.where(over > 0, code << tl.minimum(32 - over, 31).to(tl.uint32), 0)
+    acc = tl.where(emit, rest, word)
+    filled = tl.where(emit, over, total)
+    return acc, filled, rel + emit.to(tl.int32)
+
+
+@triton.jit
 def _pack_kernel(x_ptr, enc_ptr, lane_words_ptr, tile_base_ptr, stream_ptr, N,
-                 S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+                 S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                 PREFETCH: tl.constexpr, PF: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, L)
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     rel = tl.cumsum(count, axis=0) - count  # lane start, in words from the tile's first word
     stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    base = tile * (S * L)
+    base = tile * (S * L * E)
     x_tile = x_ptr + base
-    remaining = tl.minimum(N - base, S * L).to(tl.int32)
-    # 32-bit accumulator holding `filled` (< 32) bits, MSB-aligned: a code (<= 21
-    # bits) either fits, or completes a word and leaves its low `over` bits behind.
+    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
     acc = tl.zeros([L], dtype=tl.uint32)
     filled = tl.zeros([L], dtype=tl.int32)
     for s in range(S):
-        offset = s * L + lane
-        valid = offset < remaining
+        first = s * (L * E) + lane * E
         if PREFETCH:
-            ahead = offset + PF * L
+            ahead = first + PF * (L * E)
             _prefetch_l1(x_tile + tl.where(ahead < remaining, ahead, 0))
-        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32) & 0xFFFF
-        sym, _ = _split_bf16(x, K)
-        entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-        code = (entry & 0xFFFFFF).to(tl.uint32)
-        total = filled + (entry >> 24)
-        over = total - 32
-        emit = over >= 0
-        head = tl.where(emit, code >> tl.maximum(over, 0).to(tl.uint32),
-                        code << tl.minimum(32 - total, 31).to(tl.uint32))
-        word = acc | head
-        tl.store(stream_tile + rel, word.to(tl.int32, bitcast=True), mask=emit)
-        rest = tl.where(over > 0, code << tl.minimum(32 - over, 31).to(tl.uint32), 0)
-        acc = tl.where(emit, rest, word)
-        filled = tl.where(emit, over, total)
-        rel += emit.to(tl.int32)
+        for e in tl.static_range(E):
+            valid = first + e < remaining
+            x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32) & 0xFFFF
+            sym, _ = _split_bf16(x, K)
+            entry = tl.load(enc_ptr + sym, mask=valid, other=0)
+            acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
     tl.store(stream_tile + rel, acc.to(tl.int32, bitcast=True), mask=filled > 0)
 
 
 @triton.jit
-def _decode_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
-                   S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr,
-                   PREFETCH: tl.constexpr, PF: tl.constexpr):
-    P: tl.constexpr = 8 // (K + 1)
-    R: tl.constexpr = L // P
+def _tile_of(tile_ids_ptr, HAS_IDS: tl.constexpr):
+    """(program id, tile it decodes): tile ids come from a list when decoding chosen rows."""
     pid = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
         tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
     else:
         tile = pid
+    return pid, tile
+
+
+@triton.jit
+def _open_lanes(stream_ptr, tile_base_ptr, tile, rel):
+    """Each lane's first three words (``rel``: lane start in words from the tile's first)."""
+    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
+    w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
+    w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
+    w2 = tl.load(stream_tile + rel + 2).to(tl.uint32, bitcast=True)
+    return stream_tile, w0, w1, w2, rel + 3
+
+
+@triton.jit
+def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
+    """Decode one symbol per lane and move the lane's window along.
+
+    w0:w1 hold the bits being read (from bit ``pos`` of w0); w2 is the next word,
+    loaded one word ahead so that no load sits on the decode dependency chain.
+    """
+    # The next 32 stream bits (funnel shift; the split shift stays defined at pos = 0).
+    shift = pos.to(tl.uint32)
+    window = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
+    entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
+    sym = entry & 0x1FF
+    length = entry >> 9
+    literal = ((window << length.to(tl.uint32)) >> 23).to(tl.int32)
+    escaped = sym == 257
+    sym = tl.where(escaped, literal, sym)
+    pos += tl.where(escaped, length + 9, length)
+    # A symbol takes at most 21 bits, so at most one word is crossed per symbol.
+    crossed = pos >= 32
+    pos = tl.where(crossed, pos - 32, pos)
+    advance = crossed & valid  # lanes past the tensor's end stop reading
+    ahead = tl.load(stream_tile + rel, mask=advance, other=0).to(tl.uint32, bitcast=True)
+    w0 = tl.where(advance, w1, w0)
+    w1 = tl.where(advance, w2, w1)
+    w2 = tl.where(advance, ahead, w2)
+    return sym, w0, w1, w2, pos, rel + advance.to(tl.int32)
+
+
+@triton.jit
+def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
+                        S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HAS_IDS: tl.constexpr,
+                        PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Lossless bf16 decode, E elements per lane and step: one E-byte tail load and
+    one 2E-byte store per lane and step."""
+    pid, tile = _tile_of(tile_ids_ptr, HAS_IDS)
+    lane = tl.arange(0, L)
+    count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
+    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, tile_base_ptr, tile, tl.cumsum(count, axis=0) - count)
+    pos = tl.zeros([L], dtype=tl.int32)
+    base = tile * (S * L * E)
+    out_tile = out_ptr + pid * (S * L * E)
+    if E == 4:
+        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int32))
+    elif E == 2:
+        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int16))
+    else:
+        tails_words = tails_ptr + base
+    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
+    for s in range(S):
+        first = s * (L * E) + lane * E
+        if PREFETCH:
+            ahead = s * L + PF * L + lane
+            _prefetch_l1(tails_words + tl.where(ahead * E < remaining, ahead, 0))
+        # The tail buffer is padded to whole words, so a lane's E tail bytes load at once.
+        tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0).to(tl.int32)
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first < remaining, lut_ptr, stream_tile)
+        vals = ((tails & 0x80) << 8) | (sym << 7) | (tails & 0x7F)
+        if E >= 2:
+            sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 1 < remaining, lut_ptr,
+                                                     stream_tile)
+            t1 = tails >> 8
+            v1 = ((t1 & 0x80) << 8) | (sym << 7) | (t1 & 0x7F)
+            if E == 4:
+                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 2 < remaining, lut_ptr,
+                                                         stream_tile)
+                t2 = tails >> 16
+                v2 = ((t2 & 0x80) << 8) | (sym << 7) | (t2 & 0x7F)
+                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 3 < remaining, lut_ptr,
+                                                         stream_tile)
+                t3 = tails >> 24
+                v3 = ((t3 & 0x80) << 8) | (sym << 7) | (t3 & 0x7F)
+                # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
+                vals = tl.reshape(tl.join(tl.join(vals, v2), tl.join(v1, v3)), [L, 4])
+            else:
+                vals = tl.join(vals, v1)
+        else:
+            vals = vals[:, None]
+        offset = first[:, None] + tl.arange(0, E)[None, :]
+        tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
+
+
+@triton.jit
+def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
+                          S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr,
+                          PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Lossy bf16 decode (one element per lane and step, P = 8 // (K+1) lanes per tail byte)."""
+    P: tl.constexpr = 8 // (K + 1)
+    R: tl.constexpr = L // P
+    pid, tile = _tile_of(tile_ids_ptr, HAS_IDS)
     row = tl.arange(0, R)
     col = tl.arange(0, P)
     lane = row[:, None] * P + col[None, :]
@@ -179,22 +320,7 @@ def _decode_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     row_total = tl.sum(count, axis=1)
     rel = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(count, axis=1) - count
-    first_word = tl.load(tile_base_ptr + tile)
-    stream_tile = stream_ptr + first_word
-    if PREFETCH:
-        # The tile's whole stream (~22 KiB at S = L = 256) into L1, one 128-byte line
-        # per thread: refills then hit L1 instead of waiting on DRAM mid-chain.
-        tile_words = (tl.load(tile_base_ptr + tile + 1) - first_word).to(tl.int32)
-        line = tl.arange(0, L) * 32
-        for i in range(0, tl.cdiv(tile_words, 32 * L)):
-            word = i * (32 * L) + line
-            _prefetch_l1(stream_tile + tl.where(word < tile_words, word, 0))
-    # Three words per lane: w0:w1 hold the bits being read (from bit `pos` of w0),
-    # w2 is loaded one word ahead, so no load sits on the decode dependency chain.
-    w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
-    w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
-    w2 = tl.load(stream_tile + rel + 2).to(tl.uint32, bitcast=True)
-    rel += 3
+    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, tile_base_ptr, tile, rel)
     pos = tl.zeros([R, P], dtype=tl.int32)
     base = tile * (S * L)
     out_tile = out_ptr + pid * (S * L)
@@ -203,32 +329,13 @@ def _decode_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr
     for s in range(S):
         offset = s * L + lane
         valid = offset < remaining
-        # The next 32 stream bits (funnel shift; the split shift stays defined at pos = 0).
-        shift = pos.to(tl.uint32)
-        window = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
-        entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
-        sym = entry & 0x1FF
-        length = entry >> 9
-        literal = ((window << length.to(tl.uint32)) >> 23).to(tl.int32)
-        escaped = sym == 257
-        sym = tl.where(escaped, literal, sym)
-        pos += tl.where(escaped, length + 9, length)
-        # A symbol takes at most 21 bits, so at most one word is crossed per step.
-        crossed = pos >= 32
-        pos = tl.where(crossed, pos - 32, pos)
-        advance = crossed & valid  # lanes past the tensor's end stop reading
-        ahead = tl.load(stream_tile + rel, mask=advance, other=0).to(tl.uint32, bitcast=True)
-        w0 = tl.where(advance, w1, w0)
-        w1 = tl.where(advance, w2, w1)
-        w2 = tl.where(advance, ahead, w2)
-        rel += advance.to(tl.int32)
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile)
         if PREFETCH:
             ahead = (s + PF) * R + row
             _prefetch_l1(tails_tile + tl.where(ahead * P < remaining, ahead, 0))
         tail_byte = tl.load(tails_tile + s * R + row, mask=(s * L + row * P) < remaining, other=0).to(tl.int32)
         tail = (tail_byte[:, None] >> (col[None, :] * (K + 1))) & ((1 << (K + 1)) - 1)
-        bits = _merge_bf16(sym, tail, K)
-        tl.store(out_tile + offset, bits.to(tl.int16), mask=valid)
+        tl.store(out_tile + offset, _merge_bf16(sym, tail, K).to(tl.int16), mask=valid)
 
 
 PREFETCH_STATUS = {"broken": None}
@@ -262,43 +369,54 @@ def _num_warps(lanes: int, num_warps: int | None) -> int:
     return num_warps or max(1, min(16, lanes // 32))
 
 
-def _block_steps(steps: int, lanes: int) -> int:
+def _block_steps(steps: int, per_step: int) -> int:
     """Steps per count iteration: ~4096 elements, and a power of two dividing ``steps``."""
     block = 1
-    while block * 2 * lanes <= 4096 and steps % (block * 2) == 0:
+    while block * 2 * per_step <= 4096 and steps % (block * 2) == 0:
         block *= 2
     return block
 
 
-def count(x: torch.Tensor, enc_table, tails, lane_words, tile_words, tile_bits, steps, lanes, kept, num_warps=None):
+def count(x: torch.Tensor, enc_table, tails, lane_words, tile_words, tile_bits, steps, lanes, kept, elems=1,
+          num_warps=None):
     """Pass 1 on a contiguous bf16 tensor ``x``; fills ``tails``, ``lane_words``, ``tile_words``, ``tile_bits``."""
     tiles = tile_words.numel()
     if tiles:
-        block = _block_steps(steps, lanes)
-        COMPILED["count"] = _count_kernel[(tiles,)](
-            x.view(torch.int16), enc_table, tails, lane_words, tile_words, tile_bits, x.numel(),
-            S=steps, L=lanes, K=kept, BS=block, num_warps=_num_warps(lanes, num_warps))
+        block = _block_steps(steps, lanes * elems)
+        args = (x.view(torch.int16), enc_table, tails, lane_words, tile_words, tile_bits, x.numel())
+        if kept == 7:
+            COMPILED["count"] = _count_wide_kernel[(tiles,)](*args, S=steps, L=lanes, E=elems, BS=block,
+                                                              num_warps=_num_warps(lanes, num_warps))
+        else:
+            assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
+            COMPILED["count"] = _count_kernel[(tiles,)](*args, S=steps, L=lanes, K=kept, BS=block,
+                                                         num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
-def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes, kept, num_warps=None,
+def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes, kept, elems=1, num_warps=None,
          prefetch=None):
     """Pass 2: write the lanes' codes into ``stream`` (``int32``)."""
     tiles = tile_base.numel() - 1
     if tiles:
         _launch("pack", _pack_kernel, (tiles,), x.view(torch.int16), enc_table, lane_words, tile_base, stream,
-                x.numel(), S=steps, L=lanes, K=kept, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
+                x.numel(), S=steps, L=lanes, E=elems, K=kept, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
                 num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
 
 
-def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, steps, lanes, kept,
+def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, steps, lanes, kept, elems=1,
            tile_ids: torch.Tensor | None = None, num_warps=None, prefetch=None):
-    """Decode all tiles (or ``tile_ids``, each into its own ``S * L`` slot of ``out``) into bf16 ``out``."""
+    """Decode all tiles (or ``tile_ids``, each into its own ``S * L * E`` slot of ``out``) into bf16 ``out``."""
     programs = tile_base.numel() - 1 if tile_ids is None else tile_ids.numel()
     if programs:
         ids = tile_base if tile_ids is None else tile_ids  # any pointer will do when unused
-        _launch("decode", _decode_kernel, (programs,), stream, lane_words, tile_base, tails, lut, ids,
-                out.view(torch.int16), numel, S=steps, L=lanes, K=kept, HAS_IDS=tile_ids is not None,
-                PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS, num_warps=_num_warps(lanes, num_warps))
+        args = (stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel)
+        meta = dict(S=steps, L=lanes, HAS_IDS=tile_ids is not None, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
+                    num_warps=_num_warps(lanes, num_warps))
+        if kept == 7:
+            _launch("decode", _decode_wide_kernel, (programs,), *args, E=elems, **meta)
+        else:
+            assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
+            _launch("decode", _decode_packed_kernel, (programs,), *args, K=kept, **meta)
     COUNTERS["decode"] += 1

@@ -341,7 +341,9 @@ def _quant_int_kernel(X, MEAN, X_INT, SCALE, stride_xb, stride_xh, stride_xn, H,
     if SUBTRACT_MEAN:
         x = tl.where(keep, x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-6) / qmax
-    x_int = tl.extra.cuda.libdevice.rint(x / scale)  # round half to even, like torch.round
+    # Round half to even like torch.round: adding 1.5 * 2**23 leaves no fraction bits
+    # (|x / scale| <= 127), and the CPU interpreter computes it the same way.
+    x_int = (x / scale + 12582912.0) - 12582912.0
     x_int = tl.minimum(tl.maximum(x_int, -qmax), qmax)
     tl.store(X_INT + (bh * N_PAD + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], x_int.to(tl.int8))
     tl.store(SCALE + bh * N_PAD + offs_n, tl.zeros([GROUP], tl.float32) + scale * fold)
@@ -364,7 +366,10 @@ def _quant_v_kernel(V, SCALE, V_T, V_RES_T, stride_vb, stride_vh, stride_vn, H, 
     out = (bh * HEAD_DIM + offs_d[:, None]) * N_PAD + offs_n[None, :]
     tl.store(V_T + out, hi)
     if RESIDUAL:
-        tl.store(V_RES_T + out, ((x - hi.to(tl.float32)) * _V_RESIDUAL_GAIN).to(tl.float8e4nv))
+        # |residual| <= 16 * 16 = 256 with round-to-nearest; the clamp only matters for the CPU
+        # interpreter, whose truncating FP8 cast leaves up to a whole step.
+        res = tl.minimum(tl.maximum((x - hi.to(tl.float32)) * _V_RESIDUAL_GAIN, -_FP8_MAX), _FP8_MAX)
+        tl.store(V_RES_T + out, res.to(tl.float8e4nv))
 
 
 def quantize_qk_int(x: torch.Tensor, group: int, bits: int, n_pad: int, fold: float = 1.0, mean=None):

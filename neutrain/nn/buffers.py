@@ -7,7 +7,10 @@ per-device buffers, each grown to the largest weight decoded into it.
   the other can receive the next weight, decoded ahead on a side stream
   (:mod:`neutrain.nn.prefetch`).
 * One *large* slot holds the embedding/lm_head matrix (decoded for the chunked
-  loss and for their updates), so the layer slots stay layer-sized.
+  loss and for their updates), so the layer slots stay layer-sized. It is freed
+  after each use (:meth:`DecodeBuffers.release_large`): a vocabulary-sized
+  matrix (1 GiB for Llama-3-8B) must not stay allocated through the decoder's
+  forward and backward.
 
 Each slot carries a tag ``(weight id, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight
@@ -83,6 +86,15 @@ class DecodeBuffers:
         for key, tag in list(self._tags.items()):
             if tag[0] == id(weight):
                 del self._tags[key]
+
+    def release_large(self, weight) -> None:
+        """Free the large buffer if it holds ``weight`` (a vocab-sized matrix must not sit idle)."""
+        key = (weight.device, weight.dtype, LARGE_SLOT)
+        tag = self._tags.get(key)
+        if tag is not None and tag[0] == id(weight):
+            self._wait(key)
+            del self._tags[key]
+            self._buffers.pop(key, None)
 
     def clear(self) -> None:
         """Free every buffer (e.g. before measuring memory)."""

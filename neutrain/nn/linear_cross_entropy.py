@@ -54,6 +54,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
             picked = logits.gather(1, (safe_labels - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
             target_logit = torch.where(in_chunk, picked, target_logit)
+        if compressed is not None:
+            compressed.release()
         lse = running_max + running_sum.log()
         losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
         loss = losses.sum() / normaliser
@@ -89,7 +91,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = grad_hidden.to(hidden.dtype)
         grad_dense = None
         if need_weight and compressed is not None:
-            compressed.apply_grad(grad_w)
+            compressed.apply_grad(grad_w)  # untied: updates now (reusing the buffer), then frees it
+        if compressed is not None:
+            compressed.release()
         elif need_weight:
             grad_dense = grad_w
         return grad_hidden, grad_dense, None, None, None, None, None, None

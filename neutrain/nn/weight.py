@@ -101,8 +101,14 @@ class CompressedWeight:
 
     def write_(self, weight: torch.Tensor) -> None:
         self.ct.recompress_(weight)
+        self.release()
         self.version += 1
         DECODE_BUFFERS.invalidate(self)
+
+    def release(self) -> None:
+        """Free the decode buffer of a large (embedding/lm_head) weight after use; no-op otherwise."""
+        if self.large:
+            DECODE_BUFFERS.release_large(self)
 
     def replace_(self, ct) -> None:
         """Swap in another compressed tensor of the same shape (checkpoint loading)."""

@@ -72,13 +72,17 @@ class PriorityRule:
         q: draft probabilities ``[V]`` (all K drafts identical).
         num_drafts: K.
         scores: priority per token (higher wins); defaults to ``p/q``.
+        order: token ids in ascending priority, if already sorted (overrides ``scores``).
     """
 
     name = "priority"
 
-    def __init__(self, p: torch.Tensor, q: torch.Tensor, num_drafts: int, scores: torch.Tensor | None = None):
-        scores = ratio_scores(p, q) if scores is None else scores
-        order = ascending_order(scores)
+    def __init__(
+        self, p: torch.Tensor, q: torch.Tensor, num_drafts: int, scores: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+    ):
+        if order is None:
+            order = ascending_order(ratio_scores(p, q) if scores is None else scores)
         # rank[token] = position in ascending priority; the larger rank wins.
         self.rank = torch.empty_like(order)
         self.rank[order] = torch.arange(order.numel(), device=order.device)
@@ -109,8 +113,8 @@ class SequentialRule:
 
     name = "sequential"
 
-    def __init__(self, p: torch.Tensor, q: torch.Tensor, num_drafts: int):
-        self.rho = spectr_rho(p, q, num_drafts)
+    def __init__(self, p: torch.Tensor, q: torch.Tensor, num_drafts: int, order: torch.Tensor | None = None):
+        self.rho = spectr_rho(p, q, num_drafts, order=order)
         self.coin = torch.where(q > 0, torch.clamp(p / (self.rho * torch.where(q > 0, q, 1.0)), max=1.0), 1.0)
         m = torch.minimum(q, p / self.rho)
         beta = float(m.sum())
@@ -178,10 +182,11 @@ class PairFlowRule:
 
     name = "pair_flow"
 
-    def __init__(self, p: torch.Tensor, q: torch.Tensor, top_s: int = 5):
-        self.priority = PriorityRule(p, q, 2)
+    def __init__(self, p: torch.Tensor, q: torch.Tensor, top_s: int = 5, order: torch.Tensor | None = None):
+        self.priority = PriorityRule(p, q, 2, order=order)
         s = min(top_s, int((q > 0).sum()))
-        top = torch.sort(-q, stable=True).indices[:s].tolist()
+        # topk is O(V); ties resolve deterministically for given (p, q), which is all exactness needs.
+        top = torch.topk(q, s).indices.tolist()
         self.top = top
         qv = q[top].tolist()
         fixed = self.priority.q_beta.clone()
@@ -245,8 +250,9 @@ def choose_rule(p: torch.Tensor, q: torch.Tensor, num_drafts: int, top_s: int = 
         >>> round(float(rule.q_beta.sum()), 12)
         1.0
     """
-    first = PairFlowRule(p, q, top_s) if num_drafts == 2 else PriorityRule(p, q, num_drafts)
-    second = SequentialRule(p, q, num_drafts)
+    order = ascending_order(ratio_scores(p, q))  # one sort serves both candidates
+    first = PairFlowRule(p, q, top_s, order) if num_drafts == 2 else PriorityRule(p, q, num_drafts, order=order)
+    second = SequentialRule(p, q, num_drafts, order)
     if two_step_acceptance(p, second.q_beta) > two_step_acceptance(p, first.q_beta):
         return second
     return first

@@ -19,7 +19,7 @@ def spectr_beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
     return float(torch.minimum(q, p / rho).sum())
 
 
-def spectr_rho(p: torch.Tensor, q: torch.Tensor, num_drafts: int, iters: int = 200) -> float:
+def spectr_rho(p: torch.Tensor, q: torch.Tensor, num_drafts: int, iters: int = 200, order: torch.Tensor | None = None) -> float:
     """Solve ``1 - (1 - beta(rho))^K = rho * beta(rho)`` for ``rho`` in ``[1, K]``.
 
     ``beta`` is piecewise ``A + B/rho`` between the sorted ratios ``p/q``, so the
@@ -35,14 +35,14 @@ def spectr_rho(p: torch.Tensor, q: torch.Tensor, num_drafts: int, iters: int = 2
     k = num_drafts
     safe_q = torch.where(q > 0, q, torch.ones_like(q))
     ratio = torch.where(q > 0, p / safe_q, torch.full_like(p, float("inf")))
-    order = torch.sort(ratio).indices
+    order = torch.sort(ratio).indices if order is None else order
     r, ps, qs = ratio[order], p[order], q[order]
     zero = torch.zeros(1, dtype=p.dtype, device=p.device)
     # Piece j (rho between r[j-1] and r[j]): tokens < j contribute p/rho, tokens >= j contribute q.
     below_p = torch.cat([zero, torch.cumsum(ps, 0)])
     above_q = q.sum() - torch.cat([zero, torch.cumsum(qs, 0)])
-    points = torch.cat([torch.tensor([1.0, float(k)], dtype=p.dtype, device=p.device), r.clamp(1.0, float(k))])
-    points = torch.unique(points)  # sorted
+    ends = torch.tensor([1.0, float(k)], dtype=p.dtype, device=p.device)
+    points = torch.cat([ends[:1], r.clamp(1.0, float(k)), ends[1:]])  # sorted, since r is
     piece = torch.searchsorted(r, points, right=False)  # tokens with ratio < rho
     beta = above_q[piece] + below_p[piece] / points
     gap = 1 - (1 - beta) ** k - points * beta

@@ -88,7 +88,9 @@ class TokenTree:
 def tree_forward(model, tree: TokenTree, cache, past_length: int):
     """One forward of ``model`` over ``tree`` on top of ``cache``; returns logits ``[N, V]``."""
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    # The mask must match the activations' dtype for SDPA; ``model.dtype`` (transformers) is the
+    # compute dtype even when the first parameter is a compressed integer buffer.
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
     out = model(
         input_ids=tree.input_ids(device),
         attention_mask=tree.attention_mask(past_length, dtype if dtype.is_floating_point else torch.float32, device),

@@ -136,22 +136,28 @@ class _MergedStream:
         return int(batch_idx.numel())
 
     def read(self, side: int) -> torch.Tensor:
-        """Restore this side's states: direction x (norm / |direction|), retained rows, then residual."""
-        parts = []
-        if self.merged_tokens:
-            e = self.direction.read()
-            heads = e.shape[1]
-            flat = per_token(e).float()
-            norm = torch.cat(self.norms[side], dim=-1)
-            scale = norm / flat.norm(dim=-1).clamp_min(1e-30)
-            restored = from_per_token((flat * scale[..., None]).to(e.dtype), heads).clone()
-            index = torch.cat(self.retained_index, dim=-1).long()
-            if index.numel():
-                restored[index[0], :, index[1], :] = torch.cat(self.retained_rows[side])
-            parts.append(restored)
-        if self.residual[side] is not None:
-            parts.append(self.residual[side])
-        return torch.cat(parts, dim=-2)
+        """Restore this side's states: direction x (norm / |direction|), retained rows, then residual.
+
+        Written into one preallocated output: one pass over the merged prefix to get
+        the per-token norms of the direction, one to write the rescaled states, plus
+        the (small) residual and retained rows; decode calls this every step.
+        """
+        residual = self.residual[side]
+        if not self.merged_tokens:
+            return residual
+        e = self.direction.read()
+        b, h, s, d = e.shape
+        extra = 0 if residual is None else residual.shape[-2]
+        out = torch.empty(b, h, s + extra, d, dtype=e.dtype, device=e.device)
+        e_norm = torch.linalg.vector_norm(e, dim=(1, 3), dtype=torch.float32)  # [b, s]
+        scale = torch.cat(self.norms[side], dim=-1) / e_norm.clamp_min(1e-30)
+        torch.mul(e, scale[:, None, :, None].to(e.dtype), out=out[:, :, :s])
+        index = torch.cat(self.retained_index, dim=-1).long()
+        if index.numel():
+            out[index[0], :, index[1], :] = torch.cat(self.retained_rows[side])
+        if extra:
+            out[:, :, s:] = residual
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,78 @@
+"""Checkpoints of compressed models: the NeuZip blobs as they are, in one safetensors file.
+
+Why not ``save_pretrained``: a compressed model's state dict holds the codec's
+blobs (plain tensors with checksums), not dense weights, and transformers'
+saving machinery would try to treat them as weights (tying, conversion). Here
+the blobs are saved as they are, tied weights once (``aliases`` in the file's
+metadata), beside ``config.json`` and a ``neutrain_weights.json`` marker, so
+that a resumed run restores the exact compressed bytes and continues bit for
+bit. ``neutrain export`` turns such a checkpoint into a dense model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+MARKER = "neutrain_weights.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def is_compressed(model: torch.nn.Module) -> bool:
+    """True when ``model`` holds NeuZip-compressed modules."""
+    from neutrain.nn import CompressedEmbedding, CompressedLinear
+
+    return any(isinstance(m, (CompressedLinear, CompressedEmbedding)) for m in model.modules())
+
+
+def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.PathLike, weights: str) -> None:
+    """Write the model's compressed state dict, config and marker into ``output_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype, tuple(tensor.shape)) if tensor.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]  # tied weights share storage: save once
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = tensor.detach().contiguous().cpu()
+    save_file(unique, str(out / WEIGHTS_FILE), metadata={"aliases": json.dumps(aliases), "format": "neuzip-blobs"})
+    model.config.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(out))
+    (out / MARKER).write_text(json.dumps({"weights": weights, "format": "neuzip-blobs"}))
+
+
+def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
+    """Load a checkpoint written by :func:`save_compressed_checkpoint` into a compressed ``model``.
+
+    Every blob's checksum is verified; a corrupted file raises an error naming the tensor.
+    """
+    from safetensors import safe_open
+
+    from neutrain.config.errors import CheckpointError
+
+    path = Path(checkpoint_dir) / WEIGHTS_FILE
+    if not path.exists():
+        raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no {WEIGHTS_FILE}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
+        state = {k: fh.get_tensor(k) for k in fh.keys()}
+    for alias, source in aliases.items():
+        state[alias] = state[source]
+    try:
+        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint '{checkpoint_dir}': {str(exc).splitlines()[0]}") from None
+    del result
