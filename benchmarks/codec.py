@@ -60,30 +60,31 @@ def _encode_kernels_only(ct: CompressedTensor, x: torch.Tensor, num_warps=None, 
 
     tile_words, tile_bits = ct._tile_scratch
     kcodec.count(x, ct.enc_table, ct.tails, ct.lane_words, tile_words, tile_bits, ct.steps, ct.lanes,
-                 ct.layout.kept, num_warps=num_warps)
+                 ct.layout.kept, ct.elems, num_warps=num_warps)
     torch.cumsum(tile_words, dim=0, out=ct.tile_base[1:])
     kcodec.pack(x, ct.enc_table, ct.lane_words, ct.tile_base, ct.stream, ct.steps, ct.lanes, ct.layout.kept,
-                num_warps=num_warps, prefetch=prefetch)
+                ct.elems, num_warps=num_warps, prefetch=prefetch)
 
 
 def _gbs(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
 
-def measure_shape(shape, mantissa_bits=None, steps=256, lanes=256, warps=(None,), prefetch=(None,)) -> dict:
+def measure_shape(shape, mantissa_bits=None, steps=None, lanes=256, elems=None, warps=(None,),
+                  prefetch=(None,)) -> dict:
     from neutrain.kernels import codec as kcodec
 
     x = torch.randn(shape, device="cuda").mul_(0.02).bfloat16()
     out = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
-    ct = compress(x, mantissa_bits, steps=steps, lanes=lanes)
+    ct = compress(x, mantissa_bits, steps=steps, lanes=lanes, elems=elems)
     ct.decompress(out=out)
     if mantissa_bits is None:
         assert torch.equal(out.view(torch.int16), x.view(torch.int16)), f"decode not bit-exact for {shape}"
     copy_ms = cuda_time_ms(lambda: out.copy_(x))
     row = {
-        "shape": list(shape), "numel": x.numel(), "mantissa_bits": mantissa_bits, "steps": steps,
-        "lanes": ct.lanes, "bits_per_weight": ct.bits_per_weight,
+        "shape": list(shape), "numel": x.numel(), "mantissa_bits": mantissa_bits, "steps": ct.steps,
+        "lanes": ct.lanes, "elems": ct.elems, "bits_per_weight": ct.bits_per_weight,
         "stored_bits_per_weight": 8 * stored_bytes(ct) / x.numel(),
         "entropy_bound_bits": 8 + exponent_entropy(x) if mantissa_bits is None else None,
         "copy_ms": copy_ms, "copy_GBps_out": _gbs(nbytes, copy_ms),
@@ -91,8 +92,8 @@ def measure_shape(shape, mantissa_bits=None, steps=256, lanes=256, warps=(None,)
     for nw, pf in [(nw, pf) for nw in warps for pf in prefetch]:
         tag = ("" if nw is None else f"_w{nw}") + ("" if pf is None else f"_prefetch{int(pf)}")
         dec_ms = cuda_time_ms(lambda: kcodec.decode(ct.stream, ct.lane_words, ct.tile_base, ct.tails, ct.lut, out,
-                                                    ct.numel, ct.steps, ct.lanes, ct.layout.kept, num_warps=nw,
-                                                    prefetch=pf))
+                                                    ct.numel, ct.steps, ct.lanes, ct.layout.kept, ct.elems,
+                                                    num_warps=nw, prefetch=pf))
         enc_ms = cuda_time_ms(lambda: _encode_kernels_only(ct, x, num_warps=nw, prefetch=pf))
         row[f"decode_ms{tag}"], row[f"decode_GBps_out{tag}"] = dec_ms, _gbs(nbytes, dec_ms)
         row[f"encode_kernels_ms{tag}"], row[f"encode_kernels_GBps_in{tag}"] = enc_ms, _gbs(nbytes, enc_ms)
@@ -143,7 +144,7 @@ def run_gpu() -> None:
     rows, model = [], {"numel": 0, "bytes": 0.0, "entropy_bits": 0.0, "decode_ms": 0.0, "encode_ms": 0.0,
                        "recompress_ms": 0.0, "copy_ms": 0.0}
     for name, shape, count in LLAMA3_8B:
-        row = {"name": name, "count": count, **measure_shape(shape, prefetch=(None, False))}
+        row = {"name": name, "count": count, **measure_shape(shape, prefetch=(None, True))}
         rows.append(row)
         numel = row["numel"] * count
         model["numel"] += numel
@@ -155,8 +156,8 @@ def run_gpu() -> None:
         print(f"{name:22s} {str(shape):16s} {row['bits_per_weight']:.3f} b/w (bound {row['entropy_bound_bits']:.3f})"
               f"  decode {row['decode_GBps_out']:.0f} GB/s  encode {row['encode_kernels_GBps_in']:.0f} GB/s"
               f" (recompress_ {row['recompress_api_GBps_in']:.0f})  copy {row['copy_GBps_out']:.0f} GB/s"
-              f"  [no prefetch: decode {row['decode_GBps_out_prefetch0']:.0f}, encode"
-              f" {row['encode_kernels_GBps_in_prefetch0']:.0f}]", flush=True)
+              f"  [prefetch: decode {row['decode_GBps_out_prefetch1']:.0f}, encode"
+              f" {row['encode_kernels_GBps_in_prefetch1']:.0f}]", flush=True)
     bf16_bytes = 2 * model["numel"]
     summary = {
         "bits_per_weight": 8 * model["bytes"] / model["numel"],
@@ -175,21 +176,22 @@ def run_gpu() -> None:
 
     sweep = []
     for shape in ((4096, 14336), (4096, 4096)):
-        for steps, lanes in ((256, 256), (256, 512), (128, 512), (64, 1024)):
-            row = measure_shape(shape, steps=steps, lanes=lanes, warps=(4, 8, 16))
+        for steps, lanes, elems in ((32, 256, 4), (256, 256, 1)):
+            row = measure_shape(shape, steps=steps, lanes=lanes, elems=elems, warps=(4, 8))
             sweep.append(row)
-            print(f"sweep {shape} S={steps} L={lanes}: {row['bits_per_weight']:.3f} b/w, decode GB/s w4/8/16 = "
-                  + "/".join(f"{row[f'decode_GBps_out_w{w}']:.0f}" for w in (4, 8, 16))
-                  + ", encode GB/s = " + "/".join(f"{row[f'encode_kernels_GBps_in_w{w}']:.0f}" for w in (4, 8, 16)),
+            print(f"sweep {shape} S={steps} L={lanes} E={elems}: {row['bits_per_weight']:.3f} b/w, decode GB/s w4/8 = "
+                  + "/".join(f"{row[f'decode_GBps_out_w{w}']:.0f}" for w in (4, 8))
+                  + ", encode GB/s = " + "/".join(f"{row[f'encode_kernels_GBps_in_w{w}']:.0f}" for w in (4, 8)),
                   flush=True)
-    lossy = [measure_shape((4096, 14336), mantissa_bits=k) for k in (0, 1, 3)]
+    lossy = [measure_shape((4096, 14336), mantissa_bits=k) for k in (0, 3)]
     for row in lossy:
         print(f"lossy k={row['mantissa_bits']}: {row['bits_per_weight']:.3f} b/w, decode {row['decode_GBps_out']:.0f}"
               f" GB/s, encode {row['encode_kernels_GBps_in']:.0f} GB/s", flush=True)
     resources = kernel_resources()
     resources["prefetch_broken"] = kcodec_status()
     print("kernel resources:", resources, flush=True)
-    settings = {"inputs": "Llama-3-8B weight shapes, N(0, 0.02) bf16", "default_steps": 256, "default_lanes": 256,
+    settings = {"inputs": "Llama-3-8B weight shapes, N(0, 0.02) bf16", "default_steps": 64, "default_lanes": 256,
+                "default_elems": 4,
                 "timing": "CUDA events, median of 30 after 5 warm-ups; recompress_: median of 10",
                 "GBps": "bf16 bytes of output (decode, copy) or input (encode) per second"}
     write_result("codec", settings, {"summary": summary, "shapes": rows, "geometry_sweep": sweep, "lossy": lossy,

@@ -33,10 +33,11 @@ def _sample(shape, device=DEVICE):
     return x
 
 
-def _check(x, kept, steps, lanes):
+def _check(x, kept, steps, lanes, elems=None):
     before = dict(kcodec.COUNTERS)
-    ref = compress(x, kept, steps=steps, lanes=lanes, backend="reference")
-    fast = compress(x, kept, steps=steps, lanes=lanes, backend="triton")
+    ref = compress(x, kept, steps=steps, lanes=lanes, elems=elems, backend="reference")
+    fast = compress(x, kept, steps=steps, lanes=lanes, elems=elems, backend="triton")
+    assert fast.elems == (elems or (4 if kept is None else 1))
     assert kcodec.COUNTERS["count"] > before["count"] and kcodec.COUNTERS["pack"] > before["pack"]
     _assert_same_format(ref, fast)
     want = ref.decompress(backend="reference")
@@ -52,6 +53,11 @@ def _check(x, kept, steps, lanes):
 @pytest.mark.parametrize("shape", [(37,), (5, 29)])
 def test_kernels_match_reference_in_interpreter(kept, shape):
     _check(_sample(shape), kept, steps=4, lanes=16)
+
+
+@pytest.mark.parametrize("elems", [1, 2])
+def test_lossless_kernels_other_elems_in_interpreter(elems):
+    _check(_sample((7, 23)), None, steps=4, lanes=16, elems=elems)
 
 
 def test_kernel_rows_and_recompress_in_interpreter():
@@ -78,7 +84,13 @@ def test_empty_tensor_through_kernels():
 @pytest.mark.parametrize("kept", [None, 0, 1, 3])
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 999), (3, 5)])
 def test_kernels_match_reference_on_gpu(kept, shape):
-    _check(_sample(shape), kept, steps=256, lanes=256)
+    _check(_sample(shape), kept, steps=None, lanes=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elems", [1, 2])
+def test_lossless_kernels_other_elems_on_gpu(elems):
+    _check(_sample((1000, 999)), None, steps=None, lanes=256, elems=elems)
 
 
 @pytest.mark.gpu
@@ -86,7 +98,7 @@ def test_kernels_match_reference_on_gpu(kept, shape):
 def test_all_bf16_patterns_on_gpu(kept):
     patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device="cuda").to(torch.int16)
     x = patterns[torch.randperm(patterns.numel(), device="cuda")].view(torch.bfloat16)
-    _check(x, kept, steps=256, lanes=256)
+    _check(x, kept, steps=None, lanes=256)
 
 
 @pytest.mark.gpu
