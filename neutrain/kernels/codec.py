@@ -204,19 +204,10 @@ def _pack_kernel(x_ptr, enc_ptr, lane_words_ptr, tile_base_ptr, stream_ptr, N,
 
 
 @triton.jit
-def _tile_of(tile_ids_ptr, HAS_IDS: tl.constexpr):
-    """(program id, tile it decodes): tile ids come from a list when decoding chosen rows."""
-    pid = tl.program_id(0).to(tl.int64)
-    if HAS_IDS:
-        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
-    else:
-        tile = pid
-    return pid, tile
-
-
-@triton.jit
-def _open_lanes(stream_ptr, tile_base_ptr, tile, rel):
-    """Each lane's first three words (``rel``: lane start in words from the tile's first)."""
+def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr):
+    """Each lane's first three words and the offset of the next (1D lanes)."""
+    count = tl.load(lane_words_ptr + tile * L + tl.arange(0, L)).to(tl.int32)
+    rel = tl.cumsum(count, axis=0) - count
     stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
     w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
     w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
@@ -258,10 +249,13 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
                         PREFETCH: tl.constexpr, PF: tl.constexpr):
     """Lossless bf16 decode, E elements per lane and step: one E-byte tail load and
     one 2E-byte store per lane and step."""
-    pid, tile = _tile_of(tile_ids_ptr, HAS_IDS)
+    pid = tl.program_id(0).to(tl.int64)
+    if HAS_IDS:
+        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
+    else:
+        tile = pid
     lane = tl.arange(0, L)
-    count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
-    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, tile_base_ptr, tile, tl.cumsum(count, axis=0) - count)
+    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L)
     pos = tl.zeros([L], dtype=tl.int32)
     base = tile * (S * L * E)
     out_tile = out_ptr + pid * (S * L * E)
@@ -312,7 +306,11 @@ def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, 
     """Lossy bf16 decode (one element per lane and step, P = 8 // (K+1) lanes per tail byte)."""
     P: tl.constexpr = 8 // (K + 1)
     R: tl.constexpr = L // P
-    pid, tile = _tile_of(tile_ids_ptr, HAS_IDS)
+    pid = tl.program_id(0).to(tl.int64)
+    if HAS_IDS:
+        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
+    else:
+        tile = pid
     row = tl.arange(0, R)
     col = tl.arange(0, P)
     lane = row[:, None] * P + col[None, :]
@@ -320,7 +318,12 @@ def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, 
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     row_total = tl.sum(count, axis=1)
     rel = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(count, axis=1) - count
-    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, tile_base_ptr, tile, rel)
+    # As in _open_lanes, but on the 2D [R, P] lane block.
+    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
+    w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
+    w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
+    w2 = tl.load(stream_tile + rel + 2).to(tl.uint32, bitcast=True)
+    rel += 3
     pos = tl.zeros([R, P], dtype=tl.int32)
     base = tile * (S * L)
     out_tile = out_ptr + pid * (S * L)
