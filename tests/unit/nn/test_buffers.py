@@ -35,3 +35,18 @@ def test_decode_reuses_current_buffer_and_never_serves_stale_data():
     new = torch.randn(8, 4).bfloat16()
     w.write_(new)
     assert torch.equal(w.decode(), new) and w.decodes == 2  # version bump forced a fresh decode
+
+
+def test_large_buffer_is_freed_after_use():
+    (w,) = _weights(1, rows=64)
+    w.large = True
+    from neutrain.nn import DECODE_BUFFERS
+
+    DECODE_BUFFERS.clear()
+    w.decode()
+    assert DECODE_BUFFERS.nbytes() == 64 * 4 * 2
+    w.write_(torch.randn(64, 4).bfloat16())
+    assert DECODE_BUFFERS.nbytes() == 0
+    w.decode()
+    w.release()
+    assert DECODE_BUFFERS.nbytes() == 0
