@@ -316,7 +316,7 @@ def main():
         }
     targets["alpha_gain_points_T1"] = 100 * (alpha["distilled_T1"] - alpha["control_T1"])
     targets["alpha_gain_points_T0"] = 100 * (alpha["distilled_T0"] - alpha["control_T0"])
-    settings = {**vars(args), "target_params": target_params, "draft_params": draft_params,
+    settings = {**vars(args), "on_policy_tokens": args.seq // 2, "target_params": target_params, "draft_params": draft_params,
                 "target_train_steps": steps_t, "target_train_tokens": tokens_t, "target_final_loss": loss_t,
                 "draft_train_tokens": {"control": tokens_c, "distilled": tokens_d},
                 "draft_final_loss": {"control_ce": loss_c, f"distilled_{args.divergence}": loss_d},
