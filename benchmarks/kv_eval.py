@@ -16,9 +16,10 @@ caches are filled with random states of the target length instead of running a
 64K prefill per sequence: decode cost does not depend on the values, and the
 prefill of 8B x 64K x batch would not fit the run's time limit.
 
-Usage:
-    PYTHONPATH=. python benchmarks/kv_eval.py --part all          # GPU
-    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, tiny shapes, seconds
+Usage (one 10-minute device call per part; pinning 64 GiB of host memory alone took 39 s on the H200 host):
+    PYTHONPATH=. python benchmarks/kv_eval.py --part fidelity --name kv_eval_fidelity      # ~300 s training + eval
+    PYTHONPATH=. python benchmarks/kv_eval.py --part throughput --name kv_eval_throughput  # ~150 s
+    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, tiny shapes: exercises every code path
 """
 
 from __future__ import annotations
