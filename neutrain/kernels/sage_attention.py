@@ -340,10 +340,10 @@ def _quant_int_kernel(X, MEAN, X_INT, SCALE, stride_xb, stride_xh, stride_xn, H,
                 other=0.0).to(tl.float32)
     if SUBTRACT_MEAN:
         x = tl.where(keep, x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :], 0.0)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-6) / qmax
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-6), qmax)
     # Round half to even like torch.round: adding 1.5 * 2**23 leaves no fraction bits
     # (|x / scale| <= 127), and the CPU interpreter computes it the same way.
-    x_int = (x / scale + 12582912.0) - 12582912.0
+    x_int = (tl.math.div_rn(x, scale) + 12582912.0) - 12582912.0
     x_int = tl.minimum(tl.maximum(x_int, -qmax), qmax)
     tl.store(X_INT + (bh * N_PAD + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], x_int.to(tl.int8))
     tl.store(SCALE + bh * N_PAD + offs_n, tl.zeros([GROUP], tl.float32) + scale * fold)
@@ -361,7 +361,7 @@ def _quant_v_kernel(V, SCALE, V_T, V_RES_T, stride_vb, stride_vh, stride_vn, H, 
     offs_d = tl.arange(0, HEAD_DIM)
     v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=offs_n[:, None] < N_CTX, other=0.0).to(tl.float32)
-    x = tl.trans(v / tl.load(SCALE + bh * HEAD_DIM + offs_d)[None, :])
+    x = tl.trans(tl.math.div_rn(v, tl.load(SCALE + bh * HEAD_DIM + offs_d)[None, :]))  # IEEE, like torch
     hi = x.to(tl.float8e4nv)
     out = (bh * HEAD_DIM + offs_d[:, None]) * N_PAD + offs_n[None, :]
     tl.store(V_T + out, hi)
