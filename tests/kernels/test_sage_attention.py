@@ -219,4 +219,5 @@ def test_fused_quantization_feeds_the_same_attention():
     plain = quantize_attention_inputs(q.cpu(), k.cpu(), v.cpu(), 0.125)
     out_fused, _ = sage_reference_forward(fused, causal=True)
     out_plain, _ = sage_reference_forward(plain, causal=True)
-    assert accuracy_metrics(out_fused.cpu(), out_plain)["cos"] >= 0.9999
+    # CPU: the interpreter's carry-dropping FP8 cast perturbs a few V elements.
+    assert accuracy_metrics(out_fused.cpu(), out_plain)["cos"] >= (0.99999 if ON_GPU else 0.999)
