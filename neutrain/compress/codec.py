@@ -58,7 +58,7 @@ def _lane_view(symbols: torch.Tensor, steps: int, lanes: int, elems: int, fill: 
 def _codes_and_lengths(symbols, enc_table, steps, lanes, elems):
     """Per-element (code, length) as ``[tiles, steps * elems, lanes]``; padding has length 0."""
     table = torch.cat([enc_table.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=enc_table.device)])
-    entries = table[_lane_view(symbols, steps, lanes, elems, fill=table.numel() - 1)]
+    entries = _take(table, _lane_view(symbols, steps, lanes, elems, fill=table.numel() - 1))
     return entries & _CODE_MASK, entries >> _LEN_SHIFT_ENC
 
 
@@ -118,6 +118,12 @@ def pack_lanes(
     stream[:used].copy_(signed.to(torch.int32))
 
 
+def _take(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` through ``index_select``: on CPU ~80x faster than advanced
+    indexing with a 2D index, and this runs once per symbol step."""
+    return source.index_select(0, index.reshape(-1)).view(index.shape)
+
+
 def decode_tiles(
     stream: torch.Tensor,
     lane_words: torch.Tensor,
@@ -147,9 +153,9 @@ def decode_tiles(
         # Coding order (s, e) -> element s * L * E + l * E + e of the tile.
         valid = (first_index + (step // elems) * lanes * elems + step % elems) < numel
         offset = bit & 31
-        w0, w1 = words[bit >> 5], words[(bit >> 5) + 1]
+        w0, w1 = _take(words, bit >> 5), _take(words, (bit >> 5) + 1)
         window = ((w0 << offset) | (w1 >> (32 - offset))) & 0xFFFFFFFF  # next 32 stream bits
-        entry = lut64[window >> (32 - MAX_CODE_BITS)]
+        entry = _take(lut64, window >> (32 - MAX_CODE_BITS))
         symbol, length = entry & 0x1FF, entry >> 9
         escaped = symbol == ESCAPE
         literal = (window >> (32 - LITERAL_BITS - length)) & ((1 << LITERAL_BITS) - 1)

@@ -175,8 +175,9 @@ def unpack_tails(stream: torch.Tensor, tail_bits: int, index: torch.Tensor) -> t
     """The ``int64`` tails of elements ``index`` (any shape) from a packed ``uint8`` stream."""
     if tail_bits >= 8:
         per = tail_bits // 8
-        raw = stream.view(-1, per)[index].to(torch.int64)
+        raw = stream.view(-1, per).index_select(0, index.reshape(-1)).to(torch.int64)
+        raw = raw.view(*index.shape, per)
         return (raw << (torch.arange(per, device=stream.device) * 8)).sum(dim=-1)
     per_byte = 8 // tail_bits
-    raw = stream[index // per_byte].to(torch.int64)
+    raw = stream.index_select(0, (index // per_byte).reshape(-1)).view(index.shape).to(torch.int64)
     return (raw >> ((index % per_byte) * tail_bits)) & ((1 << tail_bits) - 1)

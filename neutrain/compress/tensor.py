@@ -34,6 +34,7 @@ sub-byte tails are packed across neighbouring lanes)."""
 REBUILD_GROWTH = 0.01
 """Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
 _STREAM_HEADROOM = 1 / 64
+_HISTOGRAM_CHUNK = 1 << 24
 
 
 def _use_kernel(layout: Layout, elems: int, device: torch.device, backend: str) -> bool:
@@ -91,6 +92,7 @@ class CompressedTensor:
         self._tile_scratch = torch.zeros(2, self.tiles, dtype=torch.int64, device=device)
         self._set_code(code_lengths)
         self.rebuilds = 0
+        self._pending_symbols = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -131,7 +133,11 @@ class CompressedTensor:
         return split(to_bits(x), self.layout)[0]
 
     def _rebuild_code(self, x: torch.Tensor) -> None:
-        self._set_code(huffman.build_code(huffman.histogram(self._symbols(x))))
+        # In chunks: the int64 temporaries of a whole 0.5 G-element embedding would take ~20 GB.
+        flat = x.reshape(-1)
+        hist = sum((huffman.histogram(self._symbols(chunk)) for chunk in flat.split(_HISTOGRAM_CHUNK)),
+                   np.zeros(huffman.NUM_SYMBOLS, dtype=np.int64))
+        self._set_code(huffman.build_code(hist))
         self.rebuilds += 1
 
     def _count(self, x: torch.Tensor, kernel: bool) -> tuple[int, int]:
@@ -146,6 +152,7 @@ class CompressedTensor:
             coded = tile_bits.sum()
         else:
             symbols, tails = split(to_bits(x), self.layout)
+            self._pending_symbols = symbols  # reused by pass 2 of the same encode
             self.tails[: self._tails_used].copy_(pack_tails(tails, self.layout.tail_bits))
             lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes,
                                                              self.elems)
@@ -181,7 +188,8 @@ class CompressedTensor:
             kcodec.pack(x, self.enc_table, self.lane_words, self.tile_base, self.stream,
                         self.steps, self.lanes, self.layout.kept, self.elems)
         else:
-            codec.pack_lanes(self._symbols(x), self.enc_table, self.lane_words, self.tile_base, self.stream,
+            symbols, self._pending_symbols = self._pending_symbols, None
+            codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
                              self.steps, self.lanes, self.elems)
 
     def recompress_(self, t: torch.Tensor, *, backend: str = "auto") -> "CompressedTensor":

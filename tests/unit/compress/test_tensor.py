@@ -125,3 +125,14 @@ def test_missing_entry_is_reported():
     del state["tails"]
     with pytest.raises(CorruptTensorError, match="missing"):
         CompressedTensor.from_state_dict(state)
+
+
+def test_histogram_is_built_in_chunks_with_the_same_result(monkeypatch):
+    import neutrain.compress.tensor as tensor_module
+
+    x = torch.randn(50, 97).mul(0.02).bfloat16()
+    whole = compress(x)
+    monkeypatch.setattr(tensor_module, "_HISTOGRAM_CHUNK", 1000)
+    chunked = compress(x)
+    assert (chunked.code_lengths == whole.code_lengths).all()
+    assert torch.equal(chunked.stream[: chunked.stream_words], whole.stream[: whole.stream_words])
