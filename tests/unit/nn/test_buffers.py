@@ -1,11 +1,12 @@
 """Decode buffers: layer slots alternate, large weights stay apart, tags follow versions."""
 
 import torch
-from nn_helpers import CODEC
 
 from neutrain.compress import compress
 from neutrain.nn import CompressedWeight
 from neutrain.nn.buffers import LARGE_SLOT, LAYER_SLOTS, DecodeBuffers
+
+from .nn_helpers import CODEC
 
 
 def _weights(n, rows=8):

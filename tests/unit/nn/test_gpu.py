@@ -4,11 +4,12 @@ import copy
 
 import pytest
 import torch
-from nn_helpers import token_batches, train, weights
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from neutrain.nn import DECODE_BUFFERS, PREFETCHER, compress_model, compressed_weights
 from neutrain.optim import LOMO
+
+from .nn_helpers import token_batches, train, weights
 
 pytestmark = pytest.mark.gpu
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from nn_helpers import CODEC, tiny_llama, token_batches
 
 from neutrain.compress import compress
 from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight, causal_lm_loss, linear_cross_entropy
+
+from .nn_helpers import CODEC, tiny_llama, token_batches
 
 
 class GradCapture:

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from nn_helpers import dense_and_compressed, enable_checkpointing, token_batches, train, weights
 
 from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weights
 from neutrain.optim import LOMO, AdaLomo
+
+from .nn_helpers import dense_and_compressed, enable_checkpointing, token_batches, train, weights
 
 
 def _assert_identical_and_trained(dense, compressed, start):

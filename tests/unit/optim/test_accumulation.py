@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from optim_helpers import batches, loss_fn, make_mlp, twin
 
 from neutrain.optim import LOMO, AdaLomo
+
+from .optim_helpers import batches, loss_fn, make_mlp, twin
 
 
 def test_accumulated_lomo_equals_sgd_on_summed_gradients():

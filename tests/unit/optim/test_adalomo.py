@@ -3,9 +3,10 @@
 import math
 
 import torch
-from optim_helpers import batches, loss_fn, make_mlp, train_fused, twin
 
 from neutrain.optim import AdaLomo
+
+from .optim_helpers import batches, loss_fn, make_mlp, train_fused, twin
 
 
 class ReferenceAdaLomo:

@@ -1,9 +1,10 @@
 """AdamWInBackward against torch.optim.AdamW."""
 
 import torch
-from optim_helpers import batches, make_mlp, train_fused, train_reference, twin
 
 from neutrain.optim import AdamWInBackward
+
+from .optim_helpers import batches, make_mlp, train_fused, train_reference, twin
 
 
 def test_adamw_in_backward_matches_torch_adamw():

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from optim_helpers import batches, loss_fn, make_mlp, train_fused, train_reference, twin
 
 from neutrain.optim import LOMO
+
+from .optim_helpers import batches, loss_fn, make_mlp, train_fused, train_reference, twin
 
 
 def _clip_each(max_norm):

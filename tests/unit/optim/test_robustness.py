@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
-from optim_helpers import batches, loss_fn, make_mlp, train_fused, train_reference, twin
 
 from neutrain.optim import LOMO, AdaLomo, AdamWInBackward
+
+from .optim_helpers import batches, loss_fn, make_mlp, train_fused, train_reference
 
 
 def test_nonfinite_gradient_skips_only_that_tensor(caplog):
