@@ -7,7 +7,7 @@ log-sum-exp) and saves only the per-token ``lse``; backward recomputes each
 chunk's logits, forms ``softmax - onehot`` and produces that chunk's slice of
 the weight gradient with one matrix product over all tokens, plus its
 contribution to the hidden-state gradient. Peak extra memory is one
-``tokens x chunk`` fp32 block (256 MiB by default) instead of
+``tokens x chunk`` fp32 block (64 MiB by default) instead of
 ``tokens x vocab`` logits and their gradient (Llama-3: 128,256 columns; 1 GiB
 per 2,048 tokens in fp32, as much again for the gradient; trainer.md §5).
 
@@ -28,7 +28,7 @@ import torch
 from neutrain.nn.linear import CompressedLinear
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
@@ -48,12 +48,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         for start in range(0, vocab, chunk):
             logits = hidden.mm(w[start : start + chunk].t()).float()
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
-            running_max = new_max
             in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
             picked = logits.gather(1, (safe_labels - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
             target_logit = torch.where(in_chunk, picked, target_logit)
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            # in place: one fp32 chunk buffer is the only tokens x chunk temporary
+            chunk_sum = logits.sub_(new_max[:, None]).exp_().sum(1)
+            running_sum = running_sum * torch.exp(running_max - new_max) + chunk_sum
+            running_max = new_max
         if compressed is not None:
             compressed.release()
         lse = running_max + running_sum.log()
@@ -77,12 +79,11 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         for start in range(0, vocab, chunk):
             w_chunk = w[start : start + chunk]
-            logits = hidden.mm(w_chunk.t()).float()
-            grad_logits = torch.exp(logits - lse[:, None])
-            in_chunk = (labels >= start) & (labels < start + logits.shape[1])
-            local = (labels - start).clamp(0, logits.shape[1] - 1)
+            grad_logits = hidden.mm(w_chunk.t()).float().sub_(lse[:, None]).exp_()  # softmax, in place
+            in_chunk = (labels >= start) & (labels < start + grad_logits.shape[1])
+            local = (labels - start).clamp(0, grad_logits.shape[1] - 1)
             grad_logits[rows, local] -= in_chunk.to(grad_logits.dtype)
-            grad_logits = (grad_logits * row_scale).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(row_scale).to(hidden.dtype)
             if need_hidden:
                 grad_hidden += grad_logits.mm(w_chunk).float()
             if need_weight:
@@ -90,12 +91,12 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         grad_dense = None
-        if need_weight and compressed is not None:
-            compressed.apply_grad(grad_w)  # untied: updates now (reusing the buffer), then frees it
-        if compressed is not None:
+        if compressed is None:
+            grad_dense = grad_w  # dense lm_head: autograd delivers it (to a hook or .grad)
+        else:
+            if need_weight:
+                compressed.apply_grad(grad_w)  # untied: updated now (reusing the buffer)
             compressed.release()
-        elif need_weight:
-            grad_dense = grad_w
         return grad_hidden, grad_dense, None, None, None, None, None, None
 
 
