@@ -41,15 +41,16 @@ __all__ = [
     "compressed_weights",
     "decompressed_state_dict",
     "linear_cross_entropy",
+    "init_compressed",
     "load_compressed",
     "model_nbytes",
 ]
 
 
 def __getattr__(name):
-    # load_compressed pulls in safetensors/transformers loading machinery: import on first use.
-    if name == "load_compressed":
-        from neutrain.nn.load import load_compressed
+    # load_compressed/init_compressed pull in safetensors/transformers loading machinery: import on first use.
+    if name in ("load_compressed", "init_compressed"):
+        from neutrain.nn import load
 
-        return load_compressed
+        return getattr(load, name)
     raise AttributeError(f"module 'neutrain.nn' has no attribute {name!r}")
