@@ -116,21 +116,16 @@ def _fwd_tiles(acc, l_i, m_i, q, q_scale, q_mean, offs_m, seg_q,
 
 
 @triton.jit
-def _sage_fwd_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, O, LSE,
-                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vd, stride_ob, stride_oh, stride_on,
-                     H, N_CTX, N_PAD, GROUPS,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, SMOOTH_Q: tl.constexpr,
-                     V_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _query_block(Q, QS, QM, SEGQ, stride_qb, stride_qh, stride_qn, H, N_CTX, N_PAD, GROUPS,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HAS_SEG: tl.constexpr, SMOOTH_Q: tl.constexpr):
+    """This program's query block: indices, INT8 Q, its scales, Q mean and segment ids."""
     start_m = tl.program_id(0)
     if IS_CAUSAL:  # heaviest query blocks first: a shorter tail
         start_m = tl.num_programs(0) - 1 - start_m
     off_bh = tl.program_id(1)
     b = off_bh // H
     h = off_bh % H
-    hk = h // GROUPS
-    HK = H // GROUPS
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_off = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
@@ -142,6 +137,22 @@ def _sage_fwd_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, O, LSE,
     seg_q = offs_m
     if HAS_SEG:
         seg_q = tl.load(SEGQ + b * N_CTX + offs_m, mask=offs_m < N_CTX, other=-1)
+    return start_m, b, h, h // GROUPS, offs_m, q, q_scale, q_mean, seg_q
+
+
+@triton.jit
+def _sage_fwd_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, O, LSE,
+                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vd, stride_ob, stride_oh, stride_on,
+                     H, N_CTX, N_PAD, GROUPS,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IS_CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                     V_RESIDUAL: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    start_m, b, h, hk, offs_m, q, q_scale, q_mean, seg_q = _query_block(
+        Q, QS, QM, SEGQ, stride_qb, stride_qh, stride_qn, H, N_CTX, N_PAD, GROUPS,
+        HEAD_DIM, BLOCK_M, IS_CAUSAL, HAS_SEG, SMOOTH_Q)
+    HK = H // GROUPS
+    offs_d = tl.arange(0, HEAD_DIM)
     k_base = K + b * stride_kb + hk * stride_kh
     ks_base = KS + (b * HK + hk) * N_PAD
     vt_base = VT + b * stride_vb + hk * stride_vh
@@ -185,7 +196,7 @@ def _sage_bwd_dkdv_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DEL
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           IS_CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, SMOOTH_Q: tl.constexpr,
                           NEED_MASK: tl.constexpr, V_RESIDUAL: tl.constexpr,
-                          EMULATE_BF16: tl.constexpr):
+                        EMULATE_BF16: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     HK = H // GROUPS
@@ -263,26 +274,12 @@ def _sage_bwd_dq_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, DO, LSE, DELTA
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, SMOOTH_Q: tl.constexpr,
                         NEED_MASK: tl.constexpr, V_RESIDUAL: tl.constexpr,
-                          EMULATE_BF16: tl.constexpr):
-    start_m = tl.program_id(0)
-    if IS_CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
-    off_bh = tl.program_id(1)
-    b = off_bh // H
-    h = off_bh % H
-    hk = h // GROUPS
+                        EMULATE_BF16: tl.constexpr):
+    start_m, b, h, hk, offs_m, q, q_scale, q_mean, seg_q = _query_block(
+        Q, QS, QM, SEGQ, stride_qb, stride_qh, stride_qn, H, N_CTX, N_PAD, GROUPS,
+        HEAD_DIM, BLOCK_M, IS_CAUSAL, HAS_SEG, SMOOTH_Q)
     HK = H // GROUPS
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_off = b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
-    q = tl.load(Q + q_off)
-    q_scale = tl.load(QS + (b * H + h) * N_PAD + offs_m)
-    q_mean = q_scale
-    if SMOOTH_Q:
-        q_mean = tl.load(QM + q_off)
-    seg_q = offs_m
-    if HAS_SEG:
-        seg_q = tl.load(SEGQ + b * N_CTX + offs_m, mask=offs_m < N_CTX, other=-1)
     lse = tl.load(LSE + (b * H + h) * N_PAD + offs_m)
     delta = tl.load(DELTA + (b * H + h) * N_PAD + offs_m)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
