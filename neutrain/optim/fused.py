@@ -96,6 +96,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             runs in the ``k``-th backward with the summed gradient, so the result
             equals ordinary accumulation. Micro-batches must go through
             :meth:`backward`; the loss scaling over micro-batches is the caller's.
+            A ``step()`` after fewer micro-batches (an epoch's short last window)
+            applies the sums accumulated so far.
         chunk_numel: elements per row chunk of an update (bounds fp32 temporaries).
     """
 
@@ -138,7 +140,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._micro_batches = 0  # backward passes since the last step()
         self._accumulating = False
         self._inside_backward = False
-        self._grad_sums: dict[torch.Tensor, torch.Tensor] = {}
+        self._grad_sums: dict[torch.Tensor, list] = {}  # key -> [fp32 sum, weight io]
         self._norm_pass_sumsq: dict[torch.device, torch.Tensor] = {}
         self._exact_coef: torch.Tensor | None = None
         self._step_sumsq: dict[torch.device, torch.Tensor] = {}
@@ -247,17 +249,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self._accumulating:  # an early micro-batch: sum, update later
             if self._in_norm_pass:
                 return
-            total = self._grad_sums.get(key)
-            if total is None:
-                self._grad_sums[key] = grad.to(torch.float32, copy=True)
+            pending = self._grad_sums.get(key)
+            if pending is None:
+                self._grad_sums[key] = [grad.to(torch.float32, copy=True), io]
             else:
-                total.add_(grad)
+                pending[0].add_(grad)
             return
-        earlier = self._grad_sums.get(key)
-        if earlier is not None:
-            grad = earlier + grad
+        pending = self._grad_sums.get(key)
+        if pending is not None:
+            grad = pending[0] + grad
             if not self._in_norm_pass:
                 del self._grad_sums[key]
+        self._apply(key, grad, io)
+
+    def _apply(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
         chunk_rows = self._chunk_rows(grad)
         sumsq = squared_norm(grad, chunk_rows)
         if self._in_norm_pass:
@@ -422,16 +427,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """End-of-step bookkeeping; the weights were already updated during backward.
 
-        Applies any tied-weight update still pending, computes the step's global
+        Applies any tied-weight update still pending (and gradients summed over a
+        short accumulation window), computes the step's global
         gradient norm (for logging and for ``global_stale`` clipping), counts and
         logs tensors skipped for non-finite gradients. One host sync, only when a
         tensor was updated.
         """
-        if self.gradient_accumulation_steps > 1 and self._micro_batches != self.gradient_accumulation_steps:
-            raise RuntimeError(
-                f"step() after {self._micro_batches} micro-batch(es), expected gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} calls of optimizer.backward(loss)"
-            )
+        if self._grad_sums:
+            self._apply_short_window()
         self._micro_batches = 0
         loss = None
         if closure is not None:
@@ -456,6 +459,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._exact_coef = None
         self.steps_done += 1
         return loss
+
+    def _apply_short_window(self) -> None:
+        """Apply gradients summed over fewer micro-batches than ``gradient_accumulation_steps``.
+
+        Hugging Face's loop steps early at the end of an epoch whose batch count
+        is not a multiple of the accumulation; the sums are applied here, once.
+        """
+        pending, self._grad_sums = self._grad_sums, {}
+        if self.clip_mode is ClipMode.GLOBAL_EXACT:
+            total = {}
+            for grad, _ in pending.values():
+                _add_on_device(total, squared_norm(grad, self._chunk_rows(grad)))
+            self._exact_coef = clip_coefficient(_sum_devices(total).sqrt(), self.max_grad_norm)
+        for key, (grad, io) in pending.items():
+            self._apply(key, grad, io)
 
     def grad_norm(self) -> float | None:
         """The last completed step's global gradient norm (pre-clip, over every tensor updated), or None."""
