@@ -6,9 +6,11 @@ store it next to ordinary weights:
 ============== ========================= =============================================
 key            dtype / shape             content
 ============== ========================= =============================================
-``header``     int64[8 + ndim]           version, dtype code, kept mantissa bits (-1:
-                                         lossless), steps, lanes, elems, numel, ndim,
-                                         shape
+``header``     int64[9 + ndim]           version, dtype code, kept mantissa bits (-1:
+                                         lossless), steps, lanes, elems, numel, coded
+                                         exponent bits when the code was built (the
+                                         rebuild reference, so a resumed run rebuilds
+                                         exactly when the original would), ndim, shape
 ``code_lengths`` uint8[258]              Huffman lengths (0: escaped), escape last
 ``lane_words`` uint8[tiles * lanes]      words per lane
 ``tile_base``  int64[tiles + 1]          word prefix sums per tile
@@ -41,11 +43,13 @@ class CorruptTensorError(ValueError):
     """A stored compressed tensor failed its checksum or a consistency check."""
 
 
-def make_header(layout: Layout, shape: torch.Size, steps: int, lanes: int, elems: int) -> torch.Tensor:
+def make_header(layout: Layout, shape: torch.Size, steps: int, lanes: int, elems: int,
+                coded_bits_at_build: int) -> torch.Tensor:
     """The ``int64`` header tensor."""
     kept = -1 if layout.lossless else layout.kept
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-    values = [FORMAT_VERSION, DTYPE_CODES[layout.dtype], kept, steps, lanes, elems, numel, len(shape), *shape]
+    values = [FORMAT_VERSION, DTYPE_CODES[layout.dtype], kept, steps, lanes, elems, numel, int(coded_bits_at_build),
+              len(shape), *shape]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -71,7 +75,7 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     """Verify a state dict and parse its header.
 
     Returns:
-        ``(label, layout, shape, (steps, lanes, elems), code_lengths)``.
+        ``(label, layout, shape, (steps, lanes, elems), code_lengths, coded_bits_at_build)``.
 
     Raises:
         CorruptTensorError: missing keys, checksum mismatch or inconsistent sizes,
@@ -89,15 +93,16 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     if stored.numel() != 2 or not torch.equal(stored, checksum(state[key] for key in BLOB_KEYS)):
         raise fail("checksum mismatch (a stored byte changed after saving)")
     header = state["header"].cpu().tolist()
-    if len(header) < 8 or header[0] != FORMAT_VERSION:
-        raise fail(f"unknown header {header[:8]}")
-    _, dtype_code, kept, steps, lanes, elems, numel, ndim = header[:8]
-    shape = torch.Size(header[8:])
+    if len(header) < 9 or header[0] != FORMAT_VERSION:
+        raise fail(f"unknown header {header[:9]}")
+    _, dtype_code, kept, steps, lanes, elems, numel, coded_bits_at_build, ndim = header[:9]
+    shape = torch.Size(header[9:])
     if dtype_code not in DTYPES_BY_CODE or len(shape) != ndim or (int(np.prod(shape)) if ndim else 1) != numel:
         raise fail(f"bad header {header}")
     layout = layout_for(DTYPES_BY_CODE[dtype_code], None if kept < 0 else kept)
     per_byte = 8 // layout.tail_bits if layout.tail_bits < 8 else 1
-    if steps < 1 or lanes < per_byte or lanes & (lanes - 1) or elems < 1 or elems & (elems - 1):
+    if steps < 1 or lanes < per_byte or lanes & (lanes - 1) or elems < 1 or elems & (elems - 1) or \
+            coded_bits_at_build < 1:
         raise fail(f"bad tile geometry steps={steps} lanes={lanes}")
     tiles = num_tiles(numel, steps, lanes, elems)
     lengths = state["code_lengths"].cpu().numpy().astype(np.int64)
@@ -121,4 +126,4 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     lane_totals = state["lane_words"].view(tiles, lanes).to(torch.int64).sum(dim=1)
     if not torch.equal(lane_totals.cpu(), (tile_base[1:] - tile_base[:-1]).cpu()):
         raise fail("lane word counts disagree with the tile table")
-    return label, layout, shape, (steps, lanes, elems), lengths.astype(np.uint8)
+    return label, layout, shape, (steps, lanes, elems), lengths.astype(np.uint8), coded_bits_at_build

@@ -277,7 +277,8 @@ class CompressedTensor:
 
     def _blobs(self) -> dict[str, torch.Tensor]:
         return {
-            "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes, self.elems),
+            "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes, self.elems,
+                                      self._coded_bits_at_build),
             "code_lengths": torch.from_numpy(self.code_lengths.copy()),
             "lane_words": self.lane_words,
             "tile_base": self.tile_base,
@@ -305,11 +306,11 @@ class CompressedTensor:
         Raises:
             CorruptTensorError: naming the tensor (``name``, else the stored name).
         """
-        label, layout, shape, (steps, lanes, elems), lengths = fmt.open_sealed(state, name)
+        label, layout, shape, (steps, lanes, elems), lengths, coded_bits = fmt.open_sealed(state, name)
         blobs = dict(state)
         blobs["code_lengths"] = torch.from_numpy(lengths)
         target = torch.device(device) if device is not None else state["stream"].device
-        return cls._from_blobs(blobs, label, target, None, layout, shape, (steps, lanes, elems))
+        return cls._from_blobs(blobs, label, target, coded_bits, layout, shape, (steps, lanes, elems))
 
     @classmethod
     def _from_blobs(cls, blobs, name, device, coded_bits, layout, shape, geometry):
@@ -319,9 +320,6 @@ class CompressedTensor:
         ct._tails_view().copy_(blobs["tails"])
         ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
         ct.stream_words = ct.stream.numel()
-        if coded_bits is None:
-            lane_bits_upper = int(ct.tile_base[-1]) * 32  # padded size: a safe drift reference
-            coded_bits = max(lane_bits_upper, 1)
         ct._coded_bits_at_build = coded_bits
         return ct
 
