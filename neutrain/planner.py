@@ -12,6 +12,7 @@ Terms (bytes):
   backward; fused updates keep only the largest single gradient alive (the
   embedding's dense gradient, or the lm_head's, assembled once).
 * ``optimizer_state``: AdamW two moments; AdaLomo factored row/column moments; LOMO none.
+* ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
 * ``decode_buffers``: two layer-sized slots (prefetch) plus one slot for the
   embedding/lm_head matrix.
@@ -145,11 +146,15 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         t["gradients"] = shape.params() * dtype_bytes
     if optimizer in ("adamw", "adamw-in-backward"):
         t["optimizer_state"] = 2 * shape.params() * dtype_bytes
+    if optimizer == "adamw":
+        # torch's foreach AdamW (the CUDA default) builds model-sized temporaries in its step.
+        t["optimizer_temporaries"] = shape.params() * dtype_bytes
     elif optimizer == "adalomo":
         t["optimizer_state"] = sum((r + c) * 4 for _, r, c in shape.matrices()) + shape.norm_params() * 4
     layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
     if checkpointing:
-        t["activations"] = shape.layers * tokens * h * dtype_bytes + 2 * layer_live
+        # Saved layer inputs plus one layer's recompute working set (fitted on an H200, see train_memory.json).
+        t["activations"] = shape.layers * tokens * h * dtype_bytes + layer_live
     else:
         t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
     if chunked_loss:
