@@ -26,13 +26,16 @@ from __future__ import annotations
 import torch
 
 from neutrain.nn.linear import CompressedLinear
+from neutrain.optim.clipping import add_squared_norm_
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
-    return max(1, min(vocab, chunk_bytes // max(1, 4 * tokens)))
+    """Vocabulary rows per chunk: a power of two (so it tiles the optimizer's row blocks), or the vocab."""
+    rows = max(1, chunk_bytes // max(1, 4 * tokens))
+    return vocab if rows >= vocab else 1 << (rows.bit_length() - 1)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
@@ -75,29 +78,89 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         need_hidden = ctx.needs_input_grad[0]
         need_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        token_rows = torch.arange(hidden.shape[0], device=hidden.device)
+
+        def grad_logits_of(start: int, stop: int) -> torch.Tensor:
+            """(softmax - onehot) * scale for vocabulary rows [start, stop), in the hidden dtype."""
+            grad_logits = hidden.mm(w[start:stop].t()).float().sub_(lse[:, None]).exp_()  # softmax, in place
+            in_chunk = (labels >= start) & (labels < stop)
+            local = (labels - start).clamp(0, stop - start - 1)
+            grad_logits[token_rows, local] -= in_chunk.to(grad_logits.dtype)
+            return grad_logits.mul_(row_scale).to(hidden.dtype)
+
+        stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight else None
+        if stream_rows and (stream_rows % chunk == 0 or chunk % stream_rows == 0):
+            _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk, stream_rows)
+            compressed.release()
+            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None
+
         grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_weight else None
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
         for start in range(0, vocab, chunk):
-            w_chunk = w[start : start + chunk]
-            grad_logits = hidden.mm(w_chunk.t()).float().sub_(lse[:, None]).exp_()  # softmax, in place
-            in_chunk = (labels >= start) & (labels < start + grad_logits.shape[1])
-            local = (labels - start).clamp(0, grad_logits.shape[1] - 1)
-            grad_logits[rows, local] -= in_chunk.to(grad_logits.dtype)
-            grad_logits = grad_logits.mul_(row_scale).to(hidden.dtype)
+            stop = min(vocab, start + chunk)
+            grad_logits = grad_logits_of(start, stop)
             if need_hidden:
-                grad_hidden += grad_logits.mm(w_chunk).float()
+                grad_hidden += grad_logits.mm(w[start:stop]).float()
             if need_weight:
-                torch.mm(grad_logits.t(), hidden, out=grad_w[start : start + chunk])
-        if need_hidden:
-            grad_hidden = grad_hidden.to(hidden.dtype)
+                torch.mm(grad_logits.t(), hidden, out=grad_w[start:stop])
         grad_dense = None
         if compressed is None:
             grad_dense = grad_w  # dense lm_head: autograd delivers it (to a hook or .grad)
         else:
             if need_weight:
-                compressed.apply_grad(grad_w)  # untied: updated now (reusing the buffer)
+                compressed.apply_grad(grad_w)  # tied, or a rule needing whole-tensor statistics
             compressed.release()
-        return grad_hidden, grad_dense, None, None, None, None, None, None
+        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None
+
+
+def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk: int, block: int) -> None:
+    """Update the lm_head from recomputed weight-gradient blocks; the full gradient never exists.
+
+    The optimizer updates rows in blocks of ``block``; the loss computes vocabulary
+    chunks of ``chunk`` (one divides the other). Work goes by *units* of
+    ``max(block, chunk)`` rows, each filled chunk by chunk with the same products
+    the full-gradient path runs, so every value (gradient rows, the hidden-state
+    gradient, the norm summed block by block) is bit-identical to it.
+
+    Pass 1 accumulates the hidden-state gradient and the weight gradient's squared
+    norm; pass 2 (driven by the optimizer, blocks in order) recomputes each unit
+    once and updates its rows. A block's weight rows are still unchanged when its
+    gradient is recomputed, since logits of a chunk only involve that chunk's rows.
+    Costs two extra lm_head products and a ``unit x hidden`` buffer instead of a
+    ``vocab x hidden`` gradient.
+    """
+    vocab = w.shape[0]
+    unit = max(block, chunk)
+    buffer = torch.empty((min(unit, vocab), w.shape[1]), dtype=w.dtype, device=w.device)
+
+    def fill(unit_start: int, with_hidden_grad: bool) -> torch.Tensor:
+        unit_stop = min(vocab, unit_start + unit)
+        for start in range(unit_start, unit_stop, chunk):
+            stop = min(unit_stop, start + chunk)
+            grad_logits = grad_logits_of(start, stop)
+            if with_hidden_grad and grad_hidden is not None:
+                grad_hidden.add_(grad_logits.mm(w[start:stop]).float())
+            torch.mm(grad_logits.t(), hidden, out=buffer[start - unit_start : stop - unit_start])
+        return buffer[: unit_stop - unit_start]
+
+    sumsq = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for unit_start in range(0, vocab, unit):
+        filled = fill(unit_start, with_hidden_grad=True)
+        for start in range(0, filled.shape[0], block):
+            add_squared_norm_(sumsq, filled[start : start + block])
+    current = {"unit": None}
+
+    def grad_rows(rows: slice) -> torch.Tensor:
+        unit_start = rows.start - rows.start % unit
+        if current["unit"] != unit_start:
+            fill(unit_start, with_hidden_grad=False)
+            current["unit"] = unit_start
+        return buffer[rows.start - unit_start : min(rows.stop, vocab) - unit_start]
+
+    compressed.apply_streamed_grad(grad_rows, sumsq)
+
+
+def _finish(grad_hidden: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
+    return None if grad_hidden is None else grad_hidden.to(hidden.dtype)
 
 
 def linear_cross_entropy(

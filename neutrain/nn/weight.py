@@ -118,6 +118,15 @@ class CompressedWeight:
         self.version += 1
         DECODE_BUFFERS.invalidate(self)
 
+    def streamed_chunk_rows(self) -> int | None:
+        """Rows per chunk if the bound optimizer takes this weight's gradient row chunk by row chunk."""
+        rows_of = getattr(self.optimizer, "streamed_chunk_rows", None)
+        return rows_of(self.key, self.shape) if rows_of is not None else None
+
+    def apply_streamed_grad(self, grad_rows, sumsq: torch.Tensor) -> None:
+        """Hand the optimizer a gradient as recomputable row chunks (see ``FusedOptimizer.apply_streamed_``)."""
+        self.optimizer.apply_streamed_(self.key, self, grad_rows, sumsq)
+
     def apply_grad(self, grad: torch.Tensor) -> None:
         """Hand a weight gradient to the bound fused optimizer (which updates and re-encodes)."""
         if self.optimizer is None:

@@ -39,6 +39,8 @@ class AdamWInBackward(FusedOptimizer):
         ['exp_avg', 'exp_avg_sq', 'step']
     """
 
+    elementwise = True
+
     def __init__(
         self,
         params: Iterable,

@@ -68,9 +68,18 @@ def squared_norm(grad: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     rows = as_rows(grad)
     total = torch.zeros((), dtype=torch.float32, device=grad.device)
     for start in range(0, rows.shape[0], chunk_rows):
-        # One fused reduction reading the gradient once (upcast inside the kernel).
-        total += torch.linalg.vector_norm(rows[start : start + chunk_rows], dtype=torch.float32).square()
+        add_squared_norm_(total, rows[start : start + chunk_rows])
     return total
+
+
+def add_squared_norm_(total: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """``total += ||chunk||^2`` in fp32: the one accumulation step every norm here uses.
+
+    Callers that produce a gradient chunk by chunk (the streamed lm_head update)
+    use it over the same chunks, in order, to get the bit-identical total.
+    """
+    # One fused reduction reading the chunk once (upcast inside the kernel).
+    return total.add_(torch.linalg.vector_norm(chunk, dtype=torch.float32).square())
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

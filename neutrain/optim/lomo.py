@@ -33,6 +33,8 @@ class LOMO(FusedOptimizer):
         True
     """
 
+    elementwise = True
+
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs):
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")

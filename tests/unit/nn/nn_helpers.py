@@ -39,11 +39,11 @@ def token_batches(n, seed=0, batch=2, length=12):
     return [torch.randint(0, VOCAB, (batch, length), generator=g) for _ in range(n)]
 
 
-def train(model, opt, data):
+def train(model, opt, data, **loss_options):
     opt.bind(model)
     norms = []
     for ids in data:
-        opt.backward(causal_lm_loss(model, ids, ids))
+        opt.backward(causal_lm_loss(model, ids, ids, **loss_options))
         opt.step()
         norms.append(opt.grad_norm())
     return norms

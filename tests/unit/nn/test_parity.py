@@ -67,3 +67,26 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
     assert shared.version == 3  # one update per step, from the summed gradient
     assert opt._tied == {shared.key}
     _assert_identical_and_trained(dense, compressed, start)
+
+
+@pytest.mark.parametrize(
+    "block_rows, chunk_rows, stochastic_rounding",
+    [(40, 8, False), (4, 8, True), (40, 8, True)],
+    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic"],
+)
+def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding):
+    # The lm_head (256 x 64) is updated in row blocks, each from a recomputed gradient block;
+    # the dense twin gets the full gradient through autograd. Loss chunks: chunk_rows rows.
+    dense, compressed = dense_and_compressed()
+    start = weights(dense)
+    data = token_batches(2, seed=11)
+    loss_options = {"chunk_bytes": 4 * data[0].numel() * chunk_rows}
+
+    def make(params):
+        return LOMO(params, lr=0.1, stochastic_rounding=stochastic_rounding, seed=4, chunk_numel=64 * block_rows)
+
+    train(dense, make(dense.parameters()), data, **loss_options)
+    opt = make(compressed.parameters())
+    train(compressed, opt, data, **loss_options)
+    assert opt.streamed_updates == len(data)  # the lm_head, once per step
+    _assert_identical_and_trained(dense, compressed, start)
