@@ -70,11 +70,11 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
 
 
 @pytest.mark.parametrize(
-    "block_rows, chunk_rows, stochastic_rounding",
-    [(40, 8, False), (4, 8, True), (40, 8, True)],
-    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic"],
+    "block_rows, chunk_rows, stochastic_rounding, clip",
+    [(40, 8, False, {}), (4, 8, True, {}), (40, 8, True, {"clip_mode": "global_exact", "max_grad_norm": 1.5})],
+    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic-exact-clip"],
 )
-def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding):
+def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding, clip):
     # The lm_head (256 x 64) is updated in row blocks, each from a recomputed gradient block;
     # the dense twin gets the full gradient through autograd. Loss chunks: chunk_rows rows.
     dense, compressed = dense_and_compressed()
@@ -83,10 +83,13 @@ def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, s
     loss_options = {"chunk_bytes": 4 * data[0].numel() * chunk_rows}
 
     def make(params):
-        return LOMO(params, lr=0.1, stochastic_rounding=stochastic_rounding, seed=4, chunk_numel=64 * block_rows)
+        return LOMO(params, lr=0.1, stochastic_rounding=stochastic_rounding, seed=4, chunk_numel=64 * block_rows,
+                    **clip)
 
     train(dense, make(dense.parameters()), data, **loss_options)
     opt = make(compressed.parameters())
-    train(compressed, opt, data, **loss_options)
+    norms = train(compressed, opt, data, **loss_options)
     assert opt.streamed_updates == len(data)  # the lm_head, once per step
+    if clip:
+        assert min(norms) > clip["max_grad_norm"], "the exact global clip must engage"
     _assert_identical_and_trained(dense, compressed, start)
