@@ -21,12 +21,46 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
+def _attention(res) -> str | None:
+    """Forward TOPS range per method, from the benchmark's rows."""
+    if not isinstance(res, list):
+        return None
+    by: dict[str, list[float]] = {}
+    for row in res:
+        if isinstance(row, dict) and "fwd_tops" in row:
+            by.setdefault(row["method"], []).append(row["fwd_tops"])
+    if not by:
+        return None
+    return "fwd TOPS " + ", ".join(f"{m} {min(v):.0f}-{max(v):.0f}" for m, v in sorted(by.items()))
+
+
+def _kv_eval(res) -> str | None:
+    ctxs = (res or {}).get("throughput", {}).get("contexts") if isinstance(res, dict) else None
+    if not ctxs:
+        return None
+    parts = []
+    for n, caches in ctxs.items():
+        for cache, row in caches.items():
+            if "tokens_per_s" in row:
+                parts.append(f"{int(n) // 1024}K {cache}: {row['tokens_per_s']:.0f} tok/s (batch {row['batch']})")
+            elif "error" in row:
+                parts.append(f"{int(n) // 1024}K {cache}: failed")
+    return "; ".join(parts)
+
+
+SUMMARIZERS = [_attention, _kv_eval]
+
+
 def _headline(data: dict) -> str:
     res = data.get("results")
     if isinstance(res, dict) and isinstance(res.get("headline"), str):
         return res["headline"]
     if isinstance(data.get("headline"), str):
         return data["headline"]
+    for summarize in SUMMARIZERS:
+        text = summarize(res)
+        if text:
+            return text
     return "see JSON"
 
 

@@ -37,6 +37,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 VARIANTS = {
     "a": ("dense", "adamw-hf"), "b": ("dense", "sgd"), "c": ("dense", "lomo"),
     "d": ("neuzip-lossless", "lomo"), "e": ("neuzip-lossless", "adalomo"),
+    "h": ("dense", "lomo-hf"),  # Hugging Face's own optim="lomo" (pip lomo-optim), the comparison the issue names
 }
 
 
@@ -87,8 +88,8 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
 
         opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
     result: dict = {"variant": key, "weights": weights, "optimizer": opt_name, "build_s": round(build_s, 1)}
-    if opt_name == "adamw-hf":
-        return {**result, **_run_hf_trainer(model, config, seq, steps)}
+    if opt_name in ("adamw-hf", "lomo-hf"):
+        return {**result, **_run_hf_trainer(model, config, seq, steps, optim=opt_name[:-3])}
 
     def step(batch: int):
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
@@ -138,8 +139,8 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
     return result
 
 
-def _run_hf_trainer(model, config, seq: int, steps: int) -> dict:
-    """Variant (a): the ordinary Hugging Face Trainer with AdamW, batch 1."""
+def _run_hf_trainer(model, config, seq: int, steps: int, optim: str = "adamw") -> dict:
+    """Variants (a) and (h): the ordinary Hugging Face Trainer with AdamW or its own LOMO, batch 1."""
     import tempfile
 
     import torch
@@ -154,7 +155,7 @@ def _run_hf_trainer(model, config, seq: int, steps: int) -> dict:
             ids = torch.randint(0, config.vocab_size, (seq,))
             return {"input_ids": ids, "labels": ids}
 
-    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=steps, optim="adamw_torch",
+    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=steps, optim="adamw_torch" if optim == "adamw" else optim,
                              bf16=True, logging_steps=1, report_to="none", save_strategy="no", learning_rate=1e-5,
                              **__import__("neutrain.compat", fromlist=["x"]).checkpointing_training_args(True))
     torch.cuda.reset_peak_memory_stats()
@@ -168,7 +169,7 @@ def _run_hf_trainer(model, config, seq: int, steps: int) -> dict:
                device_used_gib=_device_used_gib())
     from neutrain.planner import ModelShape, estimate
 
-    row["planner_gib"] = estimate(ModelShape.from_config(config), batch=1, seq=seq, optimizer="adamw", checkpointing=True,
+    row["planner_gib"] = estimate(ModelShape.from_config(config), batch=1, seq=seq, optimizer=optim, checkpointing=True,
                                   chunked_loss=False).total_gib
     return {"batch1": row}
 
@@ -216,6 +217,8 @@ def _write(args, rows) -> None:
             headline += f"; {d8['tokens_per_s']:.0f} tok/s at batch 8 = {d8['tokens_per_s'] / by['c']['batch8']['tokens_per_s']:.2f}x of (c)"
         if "c" in by and "peak_allocated_gib" in by["c"].get("batch1", {}):
             headline += f"; (c) dense+LOMO {by['c']['batch1']['peak_allocated_gib']:.2f} GiB"
+    if "h" in by and "peak_allocated_gib" in by["h"].get("batch1", {}):
+        headline += f"; HF optim=lomo {by['h']['batch1']['peak_allocated_gib']:.2f} GiB"
     write_result(args.name, {"seq": args.seq, "steps": args.steps, "tiny": args.tiny, "model": "tiny" if args.tiny else "llama3-8b",
                              "activation_checkpointing": True, "dtype": "bfloat16"}, {"variants": rows, "headline": headline})
 

@@ -101,21 +101,18 @@ class NeuTrainer(Trainer):
         if not self.fused:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.optimizer is None:
-            from neutrain.optim import OPTIMIZERS
+            from neutrain.optim.factory import build_fused_optimizer
 
-            target = self.model if model is None else model
-            cls = OPTIMIZERS[self.memory["optimizer"]]
-            kwargs = dict(
-                lr=self.args.learning_rate, weight_decay=self.args.weight_decay,
+            options = dict(
                 clip_mode=self.memory.get("clip_mode", "per_tensor"), max_grad_norm=self._fused_max_grad_norm or None,
                 stochastic_rounding=self.memory.get("stochastic_rounding", True), seed=self.args.seed,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             )
             if self.memory["optimizer"] == "adamw-in-backward":
-                kwargs["betas"] = (self.args.adam_beta1, self.args.adam_beta2)
-                kwargs["eps"] = self.args.adam_epsilon
-            params = [p for p in target.parameters() if p.requires_grad]
-            self.optimizer = cls(params, **kwargs).bind(target)
+                options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+            # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
+            self.optimizer = build_fused_optimizer(self.model if model is None else model, self.memory["optimizer"],
+                                                   lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)
         return self.optimizer
 
     @property
