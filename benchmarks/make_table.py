@@ -82,13 +82,46 @@ def table() -> str:
     return "\n".join(rows)
 
 
+TM_BEGIN, TM_END = "<!-- train_memory:begin -->", "<!-- train_memory:end -->"
+TM_LABELS = {
+    "a": "(a) dense + AdamW, Hugging Face Trainer", "b": "(b) dense + SGD, full gradients", "c": "(c) dense + fused LOMO",
+    "d": "(d) NeuZip lossless + fused LOMO", "e": "(e) NeuZip lossless + AdaLomo", "h": "Hugging Face Trainer, optim=\"lomo\"",
+}
+
+
+def train_memory_table() -> str | None:
+    """The per-variant table of benchmarks/results/train_memory.json (README's memory section)."""
+    path = RESULTS / "train_memory.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    rows = [f"Measured on an {data['device']} (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B architecture, sequence 1024, activation checkpointing:", "",
+            "| variant | peak allocated, batch 1 | planner estimate | tokens/s, batch 8 |", "|---|---|---|---|"]
+    base = next((r for r in data["results"]["variants"] if r["variant"] == "c"), {}).get("batch8", {}).get("tokens_per_s")
+    for r in data["results"]["variants"]:
+        b1, b8 = r.get("batch1", {}), r.get("batch8", {})
+        mem = "OOM" if b1.get("oom") else (f"{b1['peak_allocated_gib']:.2f} GiB" if "peak_allocated_gib" in b1 else "failed")
+        tps = f"{b8['tokens_per_s']:,.0f}" if "tokens_per_s" in b8 else "-"
+        if base and "tokens_per_s" in b8 and r["variant"] in ("d", "e"):
+            tps += f" ({b8['tokens_per_s'] / base:.2f}x of c)"
+        plan = f"{b1['planner_gib']:.2f} GiB" if "planner_gib" in b1 else "-"
+        rows.append(f"| {TM_LABELS.get(r['variant'], r['variant'])} | {mem} | {plan} | {tps} |")
+    return "\n".join(rows)
+
+
+def _replace(text: str, begin: str, end: str, body: str | None) -> str:
+    if body is None or begin not in text:
+        return text
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    new = text[:start] + "\n" + table() + "\n" + text[end:]
+    new = _replace(_replace(text, BEGIN, END, table()), TM_BEGIN, TM_END, train_memory_table())
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)

@@ -132,7 +132,8 @@ class NeuTrainer(Trainer):
             _unwrap(model), inputs["input_ids"], inputs["labels"], attention_mask=inputs.get("attention_mask"),
             num_items_in_batch=num_items_in_batch, **kwargs,
         )
-        return (loss, None) if return_outputs else loss
+        # prediction_step reads logits from the outputs; the chunked loss has none to give.
+        return (loss, {"loss": loss}) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._count_tokens(inputs)

@@ -45,6 +45,10 @@ def test_compressed_fused_training_resumes_bit_exactly_and_exports(tmp_path, opt
     assert changed > total // 2, f"only {changed}/{total} weights changed"
     assert json.loads((out / "checkpoint-2" / "neutrain_weights.json").read_text())["weights"] == "neuzip-lossless"
 
+    # Held-out evaluation goes through the chunked loss too.
+    eval_loss = ctx.trainer.evaluate()["eval_loss"]
+    assert 0.0 < eval_loss < 20.0
+
     # Resume from checkpoint-2 in a fresh trainer: the last two losses and final weights match exactly.
     ctx2 = build_trainer(recipe)
     ctx2.trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
