@@ -5,6 +5,8 @@
     neutrain eval   <recipe | checkpoint> [overrides]           # held-out perplexity (+ long-context tasks)
     neutrain export <checkpoint> --format hf [--output DIR]     # inference export
     neutrain estimate <recipe> [overrides]                      # predict peak GPU memory, loading nothing
+    neutrain distill  <recipe> [overrides]                      # distil a draft from the trained target
+    neutrain generate <model> --prompt TEXT [--draft DIR]       # (speculative) sampling
     neutrain recipes                                            # list shipped recipes
 
 Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
@@ -45,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         "`accelerate launch -m neutrain recipes/<name>.yaml` (configs in launch/).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,eval,export,estimate,recipes}")
+    sub = p.add_subparsers(dest="command", metavar="{train,eval,export,estimate,distill,generate,recipes}")
     t = sub.add_parser("train", help="train with a recipe (default when the first argument is a YAML file)",
                        description="Train, evaluate held-out perplexity, export and print a summary.",
                        epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,12 +69,28 @@ def _parser() -> argparse.ArgumentParser:
                        description="Predict peak GPU memory from the model config and the recipe (no weights are loaded).")
     s.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     s.add_argument("overrides", nargs="*", help="dotted overrides")
+    d = sub.add_parser("distill", help="distil a small draft from a trained target (recipe's distill section)",
+                       description="Distil a draft from distill.target (default <train.output_dir>/export), report alpha, "
+                       "export it to <train.output_dir>/draft and decode speculatively with it.")
+    d.add_argument("recipe", help="recipe YAML file or shipped recipe name")
+    d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.max_steps=200")
+    g = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
+                       description="Sample from MODEL; with --draft, exact (multi-draft) speculative sampling.")
+    g.add_argument("model", help="model directory (an export or checkpoint)")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--draft", help="draft model directory (same tokenizer)")
+    g.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
+    g.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
+    g.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
     sub.add_parser("recipes", help="list the shipped recipes", description="List shipped recipes, one line each.")
     return p
 
 
 def _argv_with_default_command(argv: list[str]) -> list[str]:
-    commands = {"train", "eval", "export", "estimate", "recipes", "-h", "--help"}
+    commands = {"train", "eval", "export", "estimate", "distill", "generate", "recipes", "-h", "--help"}
     if argv and argv[0] not in commands and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
         return ["train", *argv]
     return argv
@@ -143,6 +161,41 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_distill(args) -> int:
+    from neutrain.config import load_recipe
+    from neutrain.distill_run import distill_from_recipe
+
+    distill_from_recipe(load_recipe(args.recipe, args.overrides))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from neutrain.export import load_checkpoint_model
+    from neutrain.speculative import generate
+
+    model, tokenizer = load_checkpoint_model(_last_checkpoint(Path(args.model)))
+    if tokenizer is None:
+        raise UserInputError(f"model '{args.model}' has no tokenizer files")
+    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    torch.manual_seed(args.seed)
+    if args.draft:
+        draft, _ = load_checkpoint_model(_last_checkpoint(Path(args.draft)))
+        scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
+        res = generate(model.eval(), draft.eval(), ids, num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                       generator=torch.Generator().manual_seed(args.seed))
+        out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
+    else:
+        kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
+        out, note = model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs), ""
+    print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    if note:
+        print(note, file=sys.stderr)
+    return 0
+
+
 def cmd_eval(args) -> int:
     from neutrain.evaluate_cli import run_eval
 
@@ -169,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "estimate":
             return cmd_estimate(args)
+        if args.command == "distill":
+            return cmd_distill(args)
+        if args.command == "generate":
+            return cmd_generate(args)
     except UserInputError as exc:
         print(f"neutrain: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

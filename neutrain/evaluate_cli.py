@@ -53,10 +53,11 @@ def run_eval(args) -> int:
         results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
         print(f"held-out loss {results['heldout_loss']:.4f}  perplexity {results['heldout_perplexity']:.2f}  ({len(heldout)} rows, {ckpt})")
     if recipe.eval["long_context_tasks"]:
-        from neutrain.eval import evaluate
+        from neutrain.run import long_context_eval
 
-        results["long_context"] = evaluate(model, tokenizer, recipe.eval["long_context_tasks"], kv=recipe.eval["kv_caches"],
-                                           context_len=recipe.eval["context_len"], num_samples=recipe.eval["num_samples"], output_dir=out)
+        results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)
+        for cache, m in results["long_context"].items():
+            print(f"long context {cache}: accuracy {m.get('accuracy', float('nan')):.1f}%, KV compression {m.get('compression_ratio', float('nan')):.2f}x")
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "eval_results.json").write_text(json.dumps(results, indent=2, default=str))
     return 0

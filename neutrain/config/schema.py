@@ -1,7 +1,8 @@
 """The recipe schema: six sections of typed, documented keys.
 
 A recipe is YAML with the sections ``model``, ``data``, ``train``, ``memory``,
-``eval`` and ``export``. Key names follow Hugging Face and axolotl usage where
+``eval`` and ``export``, plus the optional ``distill`` (draft distillation and
+speculative decoding after training). Key names follow Hugging Face and axolotl usage where
 one exists (``base_model``, ``datasets``, ``sequence_len``,
 ``micro_batch_size``, ``gradient_accumulation_steps``, ``learning_rate``,
 ``output_dir``). Every key is declared here once, with its type, default,
@@ -122,6 +123,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_shard_size": Key(str, "5GB", "Largest safetensors shard, e.g. '500MB' or '5GB'."),
         "dtype": Key(str, "auto", "Dtype of exported dense weights (auto: the trained weights' own dtype, so logits match exactly).", choices=("auto", "bfloat16", "float32", "float16")),
     },
+    "distill": {
+        "enabled": Key(bool, False, "After training, distil a small draft from the trained model and decode speculatively with it."),
+        "target": Key(str, None, "For `neutrain distill`: the target model directory (default: <train.output_dir>/export).", nullable=True),
+        "draft_config": Key(dict, None, "Draft model config overrides (default: the target's config with a quarter of its layers).", nullable=True),
+        "divergence": Key(str, "fkl", "Distillation loss: fkl, rkl, tvd or jsd.", choices=("fkl", "rkl", "tvd", "jsd")),
+        "max_steps": Key(int, 20, "Draft training steps.", min=1),
+        "learning_rate": Key(float, 2e-3, "Draft learning rate (AdamW).", min=0.0, max=10.0),
+        "on_policy_every": Key(int, 4, "Every n-th step trains on a tail sampled from the draft itself (0: never).", min=0),
+        "num_drafts": Key(int, 2, "Drafts verified per target call (K).", min=1, max=16),
+        "draft_len": Key(int, 4, "Tokens per draft (gamma).", min=1, max=64),
+        "scheme": Key(str, "importance", "Verification: sd (K=1), specinfer, spectr or importance.", choices=("sd", "specinfer", "spectr", "importance")),
+        "temperature": Key(float, 1.0, "Sampling temperature of the speculative decode (0: greedy).", min=0.0),
+        "max_new_tokens": Key(int, 32, "Tokens generated in the speculative decoding demo.", min=1),
+    },
 }
 
 SECTIONS = tuple(SCHEMA)
@@ -144,6 +159,7 @@ class Recipe:
     memory: dict[str, Any] = field(default_factory=dict)
     eval: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
+    distill: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

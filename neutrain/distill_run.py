@@ -1,0 +1,101 @@
+"""Draft distillation and a speculative-decoding check, as a recipe's ``distill`` section asks.
+
+After a target is trained (or loaded from ``distill.target``), a small draft is
+built from its config (a quarter of its layers unless ``distill.draft_config``
+says otherwise), distilled on the recipe's training data with
+:class:`~neutrain.speculative.distill.DistillationTrainer` (on-policy tails
+included), evaluated for its acceptance rate alpha on the held-out data, and
+exported beside the target. A speculative decode of a held-out prompt then
+reports block efficiency (tokens per target call).
+
+Example:
+    >>> from neutrain.config import load_recipe
+    >>> from neutrain.distill_run import distill_from_recipe
+    >>> report = distill_from_recipe(load_recipe("default"))  # target: outputs/default/export
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neutrain.config.errors import UserInputError
+from neutrain.config.schema import Recipe
+
+
+def draft_config(target_config, overrides: dict | None):
+    """The draft's config: the target's, with a quarter of its layers, then ``overrides``."""
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = max(1, target_config.num_hidden_layers // 4)
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _load_target(recipe: Recipe):
+    from neutrain.export import load_checkpoint_model
+
+    path = recipe.distill["target"] or os.path.join(recipe.train["output_dir"], "export")
+    if not Path(path).is_dir():
+        raise UserInputError(f"distill.target: '{path}' does not exist (train first, or set distill.target)")
+    model, tokenizer = load_checkpoint_model(path)
+    if tokenizer is None:
+        raise UserInputError(f"distill.target: '{path}' has no tokenizer files")
+    return model, tokenizer
+
+
+def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print) -> dict[str, Any]:
+    """Distil a draft from ``target`` (or the recipe's target directory); returns alpha and decode stats."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from neutrain.data import Collator, build_datasets
+    from neutrain.export import export_hf
+    from neutrain.export.hf import densify
+    from neutrain.speculative import generate
+    from neutrain.speculative.distill import DistillationTrainer
+
+    d, t = recipe.distill, recipe.train
+    if target is None:
+        target, tokenizer = _load_target(recipe)
+    target = densify(target).eval()
+    out = os.path.join(t["output_dir"], "draft")
+    train_ds, heldout = build_datasets(recipe.data, tokenizer, os.path.join(t["output_dir"], ".cache"))
+    if heldout is not None and recipe.eval["max_eval_samples"]:
+        heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
+    torch.manual_seed(t["seed"])
+    draft = AutoModelForCausalLM.from_config(draft_config(target.config, d["draft_config"]), dtype=target.dtype)
+    draft.to(next(target.parameters()).device)
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
+        learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
+        logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
+        use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = DistillationTrainer(
+        model=draft, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad),
+        processing_class=tokenizer, teacher_model=target, divergence=d["divergence"],
+        on_policy_every=d["on_policy_every"], on_policy_tokens=min(32, recipe.data["sequence_len"] // 4),
+    )
+    alpha_before = trainer.evaluate()["eval_acceptance"] if heldout is not None else None
+    trainer.train()
+    report: dict[str, Any] = {"draft_dir": export_hf(trainer.model, out, tokenizer=tokenizer, info={"name": "neutrain draft"}),
+                              "draft_parameters": sum(p.numel() for p in draft.parameters())}
+    if heldout is not None:
+        report["alpha_before"] = alpha_before
+        report["alpha"] = trainer.evaluate()["eval_acceptance"]
+        prompt = torch.tensor([heldout[0]["input_ids"][:32]], device=next(target.parameters()).device)
+        gen = torch.Generator(device="cpu").manual_seed(t["seed"])
+        res = generate(target, trainer.model.eval(), prompt, num_drafts=d["num_drafts"], draft_len=d["draft_len"],
+                       scheme=d["scheme"] if d["num_drafts"] > 1 or d["scheme"] == "sd" else "sd",
+                       temperature=d["temperature"], max_new_tokens=d["max_new_tokens"], generator=gen)
+        report.update(block_efficiency=res.stats.block_efficiency, token_acceptance=res.stats.acceptance,
+                      sample=tokenizer.decode(res.sequences[0, prompt.shape[1]:]))
+        echo(f"draft: {report['draft_parameters'] / 1e6:.1f}M parameters, alpha {alpha_before:.3f} -> {report['alpha']:.3f} "
+             f"after {d['max_steps']} distillation steps; speculative decode ({d['scheme']}, K={d['num_drafts']}, "
+             f"gamma={d['draft_len']}): {report['block_efficiency']:.2f} tokens per target call")
+    return report

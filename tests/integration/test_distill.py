@@ -1,0 +1,59 @@
+"""Draft distillation after training, speculative decoding with it, and the distill/generate commands."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from neutrain.config import load_recipe
+from neutrain.run import train_from_recipe
+from tests.helpers import write_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_default_flow_distils_a_draft_and_decodes_speculatively(tmp_path, capsys):
+    recipe = load_recipe(write_recipe(
+        tmp_path, train={"max_steps": 3, "save_steps": 3},
+        distill={"enabled": True, "max_steps": 4, "num_drafts": 2, "draft_len": 3, "max_new_tokens": 12, "on_policy_every": 2},
+    ))
+    summary = train_from_recipe(recipe)
+    d = summary["distill"]
+    assert 0.0 < d["alpha_before"] < 1.0 and 0.0 < d["alpha"] < 1.0
+    assert 1.0 <= d["block_efficiency"] <= 4.0  # at most gamma + 1 tokens per target call
+    assert (Path(d["draft_dir"]) / "config.json").exists()
+    draft_cfg = json.loads((Path(d["draft_dir"]) / "config.json").read_text())
+    assert draft_cfg["num_hidden_layers"] == 1  # a quarter of the target's 2 layers, at least one
+    out = capsys.readouterr().out
+    assert "alpha" in out and "tokens per target call" in out
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", NEUTRAIN_LOG_LEVEL="WARNING")
+    res = subprocess.run([sys.executable, "-m", "neutrain", "generate", summary["export_dir"], "--draft", d["draft_dir"],
+                          "--prompt", "def main(", "--max-new-tokens", "8", "--num-drafts", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "tokens per target call" in res.stderr
+
+    # `neutrain distill` on its own reads the exported target.
+    res = subprocess.run([sys.executable, "-m", "neutrain", "distill", str(recipe.source), "distill.max_steps=2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "alpha" in res.stdout
+
+
+def test_long_context_eval_runs_each_cache_compressed(tmp_path):
+    from neutrain.run import build_trainer, long_context_eval
+
+    from tests.helpers import TINY_LLAMA
+
+    # MiniCache merges layer pairs from L/2 up, so the model needs 4 layers for a merge.
+    recipe = load_recipe(write_recipe(tmp_path, train={"max_steps": 1}, model={"config": {**TINY_LLAMA, "num_hidden_layers": 4}}))
+    ctx = build_trainer(recipe)
+    cfg = {**recipe.eval, "long_context_tasks": ["niah_single"], "kv_caches": ["full", "minicache", "shadowkv"],
+           "context_len": 512, "num_samples": 1}
+    res = long_context_eval(ctx.trainer.model, ctx.tokenizer, cfg, str(tmp_path / "eval"))
+    assert set(res) == {"full", "minicache", "shadowkv"}
+    assert res["minicache"]["compression_ratio"] > 1.0 and res["shadowkv"]["compression_ratio"] > 1.0
+    for cache in res:
+        assert (tmp_path / "eval" / f"long_context_{cache}.json").exists()
