@@ -40,9 +40,11 @@ BASE = {
 SWEEP = {
     ("adamw", "dense"): [3e-4, 1e-3, 3e-3],
     ("lomo", "dense"): [3e-2, 1e-1, 3e-1],
-    ("lomo", "neuzip-lossless"): [3e-2, 1e-1, 3e-1],
+    # Compressed + fused runs are bit-identical to dense + fused with rounding off (tests/unit/nn/test_parity.py);
+    # one rate each confirms it with stochastic rounding on, at a fraction of the CPU time.
+    ("lomo", "neuzip-lossless"): [1e-1],
     ("adalomo", "dense"): [1e-3, 3e-3, 1e-2],
-    ("adalomo", "neuzip-lossless"): [1e-3, 3e-3, 1e-2],
+    ("adalomo", "neuzip-lossless"): [3e-3],
 }
 
 
