@@ -97,8 +97,6 @@ def _argv_with_default_command(argv: list[str]) -> list[str]:
 
 
 def cmd_recipes() -> int:
-    import yaml
-
     from neutrain.config import recipe_dirs
 
     found = False
@@ -113,7 +111,6 @@ def cmd_recipes() -> int:
             print(f"{path.stem:<22} {description}  ({path})")
     if not found:
         print("no recipes found (looked in: ./recipes and $NEUTRAIN_RECIPES)")
-    del yaml
     return 0
 
 

@@ -34,13 +34,6 @@ def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
         trainer._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
 
 
-def trainer_accepts(name: str) -> bool:
-    """Whether ``transformers.Trainer.__init__`` takes a keyword (e.g. ``processing_class``)."""
-    from transformers import Trainer
-
-    return name in inspect.signature(Trainer.__init__).parameters
-
-
 def checkpointing_training_args(enabled: bool) -> dict:
     """``TrainingArguments`` keywords that turn non-reentrant activation checkpointing on or off.
 

@@ -52,7 +52,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     """Distil a draft from ``target`` (or the recipe's target directory); returns alpha and decode stats."""
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from neutrain.data import Collator, build_datasets
+    from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.export import export_hf
     from neutrain.export.hf import densify
     from neutrain.speculative import generate
@@ -75,9 +75,8 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
         logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
         use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = DistillationTrainer(
-        model=draft, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad),
+        model=draft, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
         processing_class=tokenizer, teacher_model=target, divergence=d["divergence"],
         on_policy_every=d["on_policy_every"], on_policy_tokens=min(32, recipe.data["sequence_len"] // 4),
     )

@@ -20,7 +20,7 @@ def run_eval(args) -> int:
 
     from neutrain.cli import _last_checkpoint
     from neutrain.config import load_recipe
-    from neutrain.data import Collator, build_datasets
+    from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.export import load_checkpoint_model
     from neutrain.trainer import NeuTrainer
 
@@ -44,10 +44,9 @@ def run_eval(args) -> int:
             raise UserInputError("data: no held-out data (set data.val_set_size or a dataset with split: validation)")
         if recipe.eval["max_eval_samples"]:
             heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval["micro_batch_size"] or recipe.train["micro_batch_size"],
                                   report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False)
-        trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad), processing_class=tokenizer)
+        trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
         metrics = trainer.evaluate()
         results["heldout_loss"] = metrics["eval_loss"]
         results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))

@@ -93,7 +93,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
     """
     from accelerate import PartialState
 
-    from neutrain.data import Collator, build_datasets
+    from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.modeling import build_model, build_tokenizer
     from neutrain.trainer import NeuTrainer
 
@@ -110,9 +110,8 @@ def build_trainer(recipe: Recipe) -> RunContext:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
     model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=recipe.memory["weights"])
     args = training_arguments(recipe, has_eval=heldout is not None)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = NeuTrainer(
-        model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad),
+        model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
         processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"]},
     )
     return RunContext(recipe, trainer, tokenizer, heldout, state)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from neutrain.data.formats import IGNORE_INDEX, tokenize_row
-from neutrain.data.packing import Collator, pack_rows
+from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
 
 __all__ = [
     "IGNORE_INDEX", "Collator", "build_datasets", "byte_tokenizer", "iter_training_texts", "load_rows",
-    "pack_rows", "python_stdlib_corpus", "train_bpe_tokenizer",
+    "pack_rows", "pad_token_id", "python_stdlib_corpus", "train_bpe_tokenizer",
 ]
 
 _TOKEN_COLUMNS = ("input_ids", "labels")
@@ -130,7 +130,7 @@ def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
         return ds
     import datasets
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     n = data_cfg["sequence_len"]
     if streaming:
         return datasets.IterableDataset.from_generator(lambda: pack_rows(iter(ds), n, pad))

@@ -18,6 +18,11 @@ import torch
 from neutrain.data.formats import IGNORE_INDEX
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, or its EOS id when it has none (padding is never trained)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def pack_rows(rows: Iterable[dict], sequence_len: int, pad_token_id: int) -> Iterator[dict]:
     """Greedily pack tokenised rows into rows of exactly ``sequence_len`` tokens.
 
