@@ -72,11 +72,15 @@ class AdaLomo(FusedOptimizer):
         super().__init__(params, defaults, **kwargs)
 
     def _update_tensor(self, weight, grad, state, group, ok, coef, generator) -> None:
+        key = self._updating_key
         eps_sq, eps_scale = group["eps"]
         factored = weight.dim() >= 2
         w_rows, g_rows = as_rows(weight), as_rows(grad)
         n_rows, n_cols = w_rows.shape
         device = weight.device
+        # Under FSDP2 ``weight`` is this rank's row shard: whole-tensor sums go through shard_sum_.
+        numel = self.full_numel(key, weight)
+        total_rows = numel // max(1, n_cols)
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
             if factored:
@@ -101,12 +105,18 @@ class AdaLomo(FusedOptimizer):
             else:
                 new_v = state["exp_avg_sq"].mul(beta).add_(sq.view(weight.shape) * (1.0 - beta))
             weight_sumsq += w_rows[rows].float().square().sum()
+        self.shard_sum_(key, weight_sumsq)
         if factored:
+            self.shard_sum_(key, col_sum)
             new_row = state["exp_avg_sq_row"].mul(beta).add_(row_mean * (1.0 - beta))
-            new_col = state["exp_avg_sq_col"].mul(beta).add_((col_sum / n_rows) * (1.0 - beta))
+            new_col = state["exp_avg_sq_col"].mul(beta).add_((col_sum / total_rows) * (1.0 - beta))
             _masked_copy(state["exp_avg_sq_row"], new_row, ok)
             _masked_copy(state["exp_avg_sq_col"], new_col, ok)
-            row_scale = (new_row / new_row.mean()).rsqrt_()
+            if key in self._shard_groups:
+                row_mean_all = self.shard_sum_(key, new_row.sum()) / total_rows
+            else:
+                row_mean_all = new_row.mean()
+            row_scale = (new_row / row_mean_all).rsqrt_()
             col_scale = new_col.rsqrt()
         else:
             _masked_copy(state["exp_avg_sq"], new_v, ok)
@@ -122,7 +132,7 @@ class AdaLomo(FusedOptimizer):
         update_sumsq = torch.zeros((), dtype=torch.float32, device=device)
         for rows in self._row_chunks(weight):
             update_sumsq += preconditioned(rows).square().sum()
-        numel = weight.numel()
+        self.shard_sum_(key, update_sumsq)
         update_rms = (update_sumsq / numel).sqrt()
         update_scale = 1.0 / (update_rms / group["clip_threshold"]).clamp(min=1.0)
         weight_rms = (weight_sumsq / numel).sqrt()

@@ -160,6 +160,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.nonfinite_skips = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.last_skipped: list[str] = []
+        # Distributed hooks (neutrain.distributed): an all-reduce of every gradient before its
+        # update (replicated data parallel), and per-parameter process groups over which a
+        # sharded (FSDP2) tensor's whole-tensor statistics are summed.
+        self.grad_sync = None
+        self._shard_groups: dict[torch.Tensor, object] = {}
+        self._updating_key: torch.Tensor | None = None
         self._reindex()
 
     # ------------------------------------------------------------------ wiring
@@ -197,6 +203,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for key in module.bind_fused_optimizer(self):
                     users[key] = users.get(key, 0) + 1
         self._tied = {key for key, count in users.items() if count > 1}
+        from neutrain.distributed.fsdp import shard_groups  # lazy: torch.distributed only when used
+
+        self._shard_groups = shard_groups(self._group_of)
         for p in self._group_of:
             if p.requires_grad and not getattr(p, COMPRESSED_KEY_ATTR, False):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._dense_hook))
@@ -211,7 +220,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad, param.grad = param.grad, None
         if grad is not None:
             with torch.no_grad():
-                self.consume_grad_(param, grad, DenseWeightIO(param))
+                if param in self._shard_groups:  # FSDP2: update this rank's shard (plain local tensors)
+                    self.consume_grad_(param, grad.to_local(), DenseWeightIO(param.to_local()))
+                else:
+                    self.consume_grad_(param, grad, DenseWeightIO(param))
 
     # ------------------------------------------------------------ gradients in
 
@@ -249,6 +261,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for key, (grad, io) in pending.items():
                 self._consume_now(key, grad, io)
+            if self.grad_sync is not None:
+                self.grad_sync.drain()
 
     def _consume_now(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
         if self.gradient_accumulation_steps > 1 and not self._inside_backward:
@@ -273,7 +287,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._apply(key, grad, io)
 
     def _apply(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
-        sumsq = squared_norm(grad, self._chunk_rows(grad))
+        if self.grad_sync is not None:
+            # Replicated data parallel: average the gradient over the replicas first (asynchronously;
+            # the update runs when the all-reduce completes), so norms, clipping and the rule see it.
+            self.grad_sync.submit(grad, lambda reduced: self._apply_reduced(key, reduced, io))
+        else:
+            self._apply_reduced(key, grad, io)
+
+    def _apply_reduced(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
+        sumsq = self.shard_sum_(key, squared_norm(grad, self._chunk_rows(grad)))
         ok = self._account(key, sumsq)
         if ok is None:
             return
@@ -350,6 +372,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         sumsq = squared_norm(grad, self._chunk_rows(grad)) if _sumsq is None else _sumsq
         ok = torch.isfinite(sumsq) if _ok is None else _ok
         coef = self._clip_coef(sumsq)
+        self._updating_key = key  # rules with whole-tensor statistics sum them over shards (shard_sum_)
         self._update_tensor(weight, grad, self.state[key], self._group_of[key], ok, coef, self._generator(key, weight))
         return weight
 
@@ -367,7 +390,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         accumulation. The caller (the chunked lm_head loss) then never builds the
         full gradient: see :meth:`apply_streamed_`.
         """
-        if not (self.allow_streaming and self.elementwise) or key in self._tied or self.gradient_accumulation_steps > 1:
+        if (not (self.allow_streaming and self.elementwise) or key in self._tied or self.gradient_accumulation_steps > 1
+                or self.grad_sync is not None or key in self._shard_groups):  # distributed: the full gradient is reduced
             return None
         row_numel = max(1, math.prod(weight_shape[1:]))
         return max(1, self.chunk_numel // row_numel)
@@ -396,6 +420,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._update_rows(weight, grad_rows, state, group, ok, coef, self._generator(key, weight))
         io.write_(weight)
         self.streamed_updates += 1
+
+    def shard_sum_(self, key: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` in place over the ranks holding shards of ``key`` (FSDP2); identity for whole tensors.
+
+        Rules call it on every whole-tensor statistic (squared norms, AdaLomo's column
+        sums and RMS), so that a sharded update equals the unsharded one.
+        """
+        group = self._shard_groups.get(key)
+        if group is not None:
+            torch.distributed.all_reduce(t, group=group)
+        return t
+
+    def full_numel(self, key: torch.Tensor, weight: torch.Tensor) -> int:
+        """Elements of the whole tensor behind ``key`` (``weight`` may be this rank's shard)."""
+        return key.numel() if key in self._shard_groups else weight.numel()
 
     def _chunk_rows(self, t: torch.Tensor) -> int:
         row_numel = max(1, as_rows(t).shape[1])
@@ -496,6 +535,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if self._grad_sums:
             self._apply_short_window()
+        if self.grad_sync is not None:
+            self.grad_sync.drain()
         self._micro_batches = 0
         loss = None
         if closure is not None:
@@ -528,6 +569,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         is not a multiple of the accumulation; the sums are applied here, once.
         """
         pending, self._grad_sums = self._grad_sums, {}
+        if self.grad_sync is not None:  # reduce now: the exact norm below needs the averaged sums
+            for entry in pending.values():
+                entry[0] = self.grad_sync.reduce_now(entry[0])
+            sync, self.grad_sync = self.grad_sync, None
+            try:
+                return self._apply_window(pending)
+            finally:
+                self.grad_sync = sync
+        self._apply_window(pending)
+
+    def _apply_window(self, pending: dict) -> None:
         if self.clip_mode is ClipMode.GLOBAL_EXACT:
             total = {}
             for grad, _ in pending.values():

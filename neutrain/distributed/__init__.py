@@ -1,0 +1,55 @@
+"""Fused-update training on several processes, on the engines users already run.
+
+neutrain has no distributed runtime of its own: ``accelerate launch`` starts the
+processes and picks the engine (``launch/``), and this package makes fused
+updates correct under each of them (trainer.md §2, §4):
+
+* :mod:`~neutrain.distributed.data_parallel`: replicated weights without DDP;
+  every gradient is averaged by its own asynchronous all-reduce inside the
+  update (no gradient buckets);
+* :mod:`~neutrain.distributed.fsdp`: FSDP2 (``fully_shard``); the update runs
+  on each rank's shard in post-accumulate-grad hooks bound after Accelerate
+  shards the model;
+* :mod:`~neutrain.distributed.deepspeed`: DeepSpeed ZeRO-3 with the engine built
+  without an optimizer.
+
+:func:`fused_mode` names the mode of a prepared ``Accelerator``.
+"""
+
+from __future__ import annotations
+
+MODES = ("single", "replicated", "fsdp2", "deepspeed")
+
+
+def fused_mode(accelerator) -> str:
+    """Which fused-update mode an ``Accelerator`` implies.
+
+    Returns one of :data:`MODES`: ``"deepspeed"`` under DeepSpeed, ``"fsdp2"``
+    under FSDP with ``fsdp_version: 2``, ``"replicated"`` for any other
+    multi-process run (Accelerate's MULTI_GPU / MULTI_CPU, which would wrap the
+    model in DDP), else ``"single"``.
+
+    Raises:
+        ValueError: for FSDP1, whose flat parameters are not the unit a fused
+            update works on.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> fused_mode(Accelerator(cpu=True))
+        'single'
+    """
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    if kind == DistributedType.FSDP:
+        if getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                "fused updates need FSDP2 (fsdp_version: 2): FSDP1 flattens parameters, so no hook sees a "
+                "whole parameter's shard. Use launch/fsdp2.yaml."
+            )
+        return "fsdp2"
+    if accelerator.num_processes > 1:
+        return "replicated"
+    return "single"

@@ -1,0 +1,133 @@
+"""Two gloo processes on the CPU against one process, for the fused-update distributed modes.
+
+``run_cases(mode, cases)`` trains a tiny fp32 Llama for a few fused steps once in
+this process (the reference, whole batch) and once in 2 spawned gloo processes
+(half the batch each), and returns both final weights per case plus what the
+distributed run recorded (world size, counters of the reduction path).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+VOCAB, STEPS, BATCH, LENGTH = 128, 3, 4, 16
+CODEC = {"steps": 16}
+
+
+def tiny_model(compressed: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    if compressed:
+        from neutrain.nn import compress_model
+
+        compress_model(model, progress=False, codec_options=CODEC)
+    return model
+
+
+def batches(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g) for _ in range(STEPS)]
+
+
+def build_optimizer(model, case: dict):
+    from neutrain.optim import build_fused_optimizer
+
+    return build_fused_optimizer(model, case["optimizer"], lr=case.get("lr", 1e-2), weight_decay=0.01,
+                                 clip_mode=case.get("clip_mode"), max_grad_norm=case.get("max_grad_norm"),
+                                 stochastic_rounding=False)
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    from neutrain.nn import decompressed_state_dict
+
+    out = {}
+    for name, t in decompressed_state_dict(model).items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name] = t.detach().clone().float()
+    return out
+
+
+def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") -> dict:
+    """Train one case; in ``mode`` replicated/fsdp2 this process sees rows ``rank::world`` of each batch."""
+    model = tiny_model(case.get("compressed", False))
+    info = {}
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = build_optimizer(model, case)
+    if mode == "replicated":
+        from neutrain.distributed.data_parallel import attach
+
+        sync = attach(opt, model)
+    norms = []
+    for ids in batches():
+        local = ids[rank::world]
+        # The model's own forward (FSDP2 unshards the root's parameters in its forward hook).
+        opt.backward(model(input_ids=local, labels=local).loss)
+        opt.step()
+        norms.append(opt.grad_norm())
+    info["norms"] = norms
+    if mode == "replicated":
+        info["submitted"], info["completed"] = sync.submitted, sync.completed
+    info["sharded"] = len(opt._shard_groups)
+    info["weights"] = full_weights(model)
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = []
+        for case in cases:
+            info = train_case(case, rank, world, mode)
+            info["world_size"] = dist.get_world_size()
+            results.append(info)
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, "results.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(mode: str, cases: list[dict]) -> list[tuple[dict, dict]]:
+    """``[(single-process info, 2-process info)]`` per case."""
+    torch.set_num_threads(1)
+    singles = [train_case(case) for case in cases]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(2, _free_port(), mode, cases, tmp), nprocs=2, join=True, start_method="spawn")
+        doubles = torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
+    return list(zip(singles, doubles))
+
+
+def assert_same_training(single: dict, double: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """Same final weights (rtol), same gradient norms, and the weights moved."""
+    assert double["world_size"] == 2
+    w1, w2 = single["weights"], double["weights"]
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=rtol, atol=atol, msg=name)
+    torch.testing.assert_close(torch.tensor(double["norms"]), torch.tensor(single["norms"]), rtol=1e-4, atol=0)
+    initial = full_weights(tiny_model(False))
+    moved = [name for name in w1 if name in initial and not torch.equal(initial[name], w1[name])]
+    assert len(moved) == len(initial), "every weight must have been updated"
