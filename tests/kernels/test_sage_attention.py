@@ -109,11 +109,14 @@ def test_tiny_llama_finetune_matches_sdpa(head_dim):
     register()
     cfg = LlamaConfig(hidden_size=4 * head_dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
-    # Sequences that follow a fixed random permutation: learnable within a few dozen steps.
+    # Sequences that follow a fixed random permutation 3 times in 4, else a random token: learnable
+    # within a few dozen steps, with an entropy floor (~2.1 nats) that keeps the loss away from 0,
+    # where relative differences would measure nothing but the noise of two training runs.
     perm = torch.randperm(512, device=DEVICE)
     tokens = [torch.randint(0, 512, (30, 4, 1), device=DEVICE)]
     for _ in range(511):
-        tokens.append(perm[tokens[-1]])
+        follow = torch.rand(tokens[-1].shape, device=DEVICE) < 0.75
+        tokens.append(torch.where(follow, perm[tokens[-1]], torch.randint_like(tokens[-1], 512)))
     data = torch.cat(tokens, -1)
     losses = {}
     for name in ("sdpa", "neutrain_sage"):
@@ -177,9 +180,9 @@ def test_fused_quantizers_match_torch_quantizers(head_dim):
         assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3, name  # rounding ties only
     for name in ("q_scale", "k_scale", "v_scale", "k_mean"):
         torch.testing.assert_close(getattr(fused, name).cpu(), getattr(ref, name), rtol=1e-5, atol=1e-7)
-    for name in ("v_fp8_t", "v_residual_t"):
+    for name in ("v_fp8_t", "v_residual_t"):  # FP8 rounding shared in integer arithmetic: bit-exact
         a, b = getattr(fused, name).cpu().float(), getattr(ref, name).float()
-        assert a.shape == b.shape and (a != b).float().mean() < 1e-3, name
+        assert a.shape == b.shape and torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -200,10 +203,10 @@ def test_fused_quantizer_kernels_match_torch_quantizers_interpreted(head_dim):
     ref_t, ref_res, ref_scale = quantize_v_fp8_transposed(v, 256)
     torch.testing.assert_close(v_scale, ref_scale, rtol=1e-6, atol=0)
     assert v_t.shape == ref_t.shape == (1, 2, head_dim, 256) and float(v_t[..., 150:].float().abs().max()) == 0
-    # The interpreter's FP8 cast drops the carry when rounding up crosses a power of two,
-    # so on CPU only most elements can agree; on GPU both sides round to nearest.
-    same = (v_t.float() == ref_t.float()).float().mean()
-    assert same >= (0.999 if ON_GPU else 0.95)
+    # The kernel rounds to the FP8 grid in integer arithmetic before casting, so even the
+    # interpreter (whose own FP8 cast drops carries) agrees with torch bit for bit.
+    assert torch.equal(v_t.float(), ref_t.float())
+    assert torch.equal(v_res.float(), ref_res.float())
     if ON_GPU:
         v_hat = (v_t.float() + v_res.float() / 16) * v_scale[..., None]
         assert accuracy_metrics(v_hat[..., :150].transpose(2, 3), v.float())["rel_l2"] < 5e-3
