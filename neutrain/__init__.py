@@ -24,6 +24,17 @@ _LAZY = {
 }
 
 
+def _register_neuzip_quantizer() -> None:
+    # `from_pretrained` of a NeuZip export needs quant_method "neuzip" registered; this only installs
+    # an import hook (standard library), so importing neutrain still imports neither torch nor transformers.
+    from neutrain.export.registration import install
+
+    install()
+
+
+_register_neuzip_quantizer()
+
+
 def __getattr__(name: str):
     target = _LAZY.get(name)
     if target is None:

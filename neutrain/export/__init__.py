@@ -1,23 +1,57 @@
-"""Export for inference: dense Hugging Face folders (and NeuZip formats as they land).
+"""Export for inference: dense Hugging Face folders and NeuZip-compressed ones.
+
+Formats: ``hf`` (dense safetensors, loads anywhere), ``neuzip`` (lossless
+NeuZip, bit-exact) and ``neuzip-lossy-<k>`` (k mantissa bits). NeuZip exports
+load compressed through ``AutoModelForCausalLM.from_pretrained`` after
+``import neutrain`` (:mod:`neutrain.export.quantizer`). A PEFT model is merged
+first (:func:`neutrain.lora.merge_lora`).
+
+Submodules are imported on first use, so that ``import neutrain`` (which
+imports :mod:`neutrain.export.registration`) stays light.
 
 Example:
     >>> from neutrain.export import export_model
-    >>> export_model(model, "outputs/run/export", "hf", tokenizer=tokenizer)
+    >>> export_model(model, "outputs/run/export", "neuzip-lossy-3", tokenizer=tokenizer)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from neutrain.config.errors import UserInputError
-from neutrain.export.hf import export_hf, load_checkpoint_model
+import re
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "neuzip", "neuzip-lossless", "neuzip-lossy-<k>")
 
 
 def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -> str:
     """Export ``model`` in format ``fmt`` (see :data:`FORMATS`); returns the directory."""
+    if fmt != "hf" and not re.match(r"^neuzip(-lossless|-lossy-\d+)?$", fmt or ""):
+        from neutrain.config.errors import UserInputError
+
+        raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
+    from neutrain.lora import is_peft_model, merge_lora
+
+    if is_peft_model(model):
+        # Merged densely: the NeuZip export below compresses the merged weights at its own k.
+        model = merge_lora(model, "dense")
     if fmt == "hf":
+        from neutrain.export.hf import export_hf
+
         return export_hf(model, output_dir, tokenizer=tokenizer, **kwargs)
-    raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
+    from neutrain.export.neuzip import export_neuzip, parse_format
+
+    kwargs.pop("dtype", None)  # NeuZip keeps the weights' own dtype
+    return export_neuzip(model, output_dir, mantissa_bits=parse_format(fmt), tokenizer=tokenizer, **kwargs)
 
 
-__all__ = ["FORMATS", "export_hf", "export_model", "load_checkpoint_model"]
+def __getattr__(name):
+    if name in ("export_hf", "load_checkpoint_model", "densify"):
+        from neutrain.export import hf
+
+        return getattr(hf, name)
+    if name == "export_neuzip":
+        from neutrain.export.neuzip import export_neuzip
+
+        return export_neuzip
+    raise AttributeError(f"module 'neutrain.export' has no attribute {name!r}")
+
+
+__all__ = ["FORMATS", "export_hf", "export_model", "export_neuzip", "load_checkpoint_model"]

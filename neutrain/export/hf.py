@@ -169,6 +169,11 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
         tokenizer.save_pretrained(str(tmp))
     (tmp / "README.md").write_text(_model_card(model, info or {}))
     (tmp / "neutrain_export.json").write_text(json.dumps({"format": "hf", **(info or {})}, indent=2, default=str))
+    return move_into_place(tmp, out)
+
+
+def move_into_place(tmp: Path, out: Path) -> str:
+    """Rename the finished ``tmp`` directory to ``out``, replacing an old ``out`` only once ``tmp`` is complete."""
     if out.exists():
         old = out.with_name(f".tmp-old-{out.name}-{os.getpid()}")
         os.replace(out, old)

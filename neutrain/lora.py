@@ -1,0 +1,244 @@
+"""LoRA adapters (peft) over a frozen NeuZip base, and merging them back.
+
+The base model's matrices stay compressed and frozen (``neuzip-lossless`` or
+``neuzip-lossy-<k>``); peft's LoRA layers wrap the
+:class:`~neutrain.nn.CompressedLinear` modules and add ``B A x`` to their output.
+Only the adapters train, with an ordinary optimizer (AdamW over the adapter
+parameters), so a lossy base is fine: nothing is ever written back into it.
+Compared with QLoRA, the frozen base is entropy-coded bf16 (lossless) or
+rounded to k mantissa bits (lossy), not NF4.
+
+* :func:`apply_lora` wraps a model (dense or compressed) with peft LoRA.
+* :func:`merge_lora` folds the adapters into the weights and returns a plain
+  transformers model, dense or compressed (``weights``).
+
+Example:
+    >>> model = compress_model_for_adapters(model, "neuzip-lossy-3")          # doctest: +SKIP
+    >>> model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16})           # doctest: +SKIP
+    >>> ...train the adapters...
+    >>> merged = merge_lora(model, "neuzip-lossless")                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+LOSSY = re.compile(r"^neuzip-lossy-(\d+)$")
+
+
+def mantissa_bits_of(weights: str) -> int | None:
+    """``neuzip-lossy-3`` -> 3; ``neuzip-lossless``/``dense`` -> None.
+
+    Example:
+        >>> mantissa_bits_of("neuzip-lossy-1"), mantissa_bits_of("neuzip-lossless")
+        (1, None)
+    """
+    match = LOSSY.match(weights or "")
+    return int(match.group(1)) if match else None
+
+
+def build_weights_for(weights: str) -> str:
+    """The weights mode a model is built with before :func:`compress_model_for_adapters` (lossy: lossless first)."""
+    return "neuzip-lossless" if mantissa_bits_of(weights) is not None else weights
+
+
+def is_peft_model(model) -> bool:
+    """True for a peft ``PeftModel`` (checked without importing peft)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def compress_model_for_adapters(model: torch.nn.Module, weights: str, codec_options: dict | None = None) -> torch.nn.Module:
+    """Make ``model`` a frozen base in ``weights`` form, in place; returns it.
+
+    A dense model is compressed (``neuzip-*``); a lossless compressed model is
+    re-rounded to k mantissa bits (``neuzip-lossy-<k>``), one matrix at a time.
+    Every parameter is frozen. ``codec_options`` go to :func:`neutrain.compress.compress`.
+    """
+    from neutrain.compress import compress
+    from neutrain.nn import compress_model, compressed_weights
+
+    model.requires_grad_(False)
+    k = mantissa_bits_of(weights)
+    if weights == "dense":
+        return model
+    if not compressed_weights(model):
+        compress_model(model, "neuzip-lossless", mantissa_bits=k, progress=False, codec_options=codec_options)
+    elif k is not None:
+        for weight in compressed_weights(model):
+            if weight.ct.layout.lossless:
+                weight.replace_(compress(weight.dense(), k, name=weight.name, **(codec_options or {})))
+    for weight in compressed_weights(model):
+        weight.key.requires_grad_(False)
+    return model
+
+
+def lora_target_modules(model: torch.nn.Module, target: str | list[str]) -> list[str] | str:
+    """peft target modules; ``all-linear`` means every linear layer but the output head, compressed ones included.
+
+    peft's own ``all-linear`` only recognises ``nn.Linear``, so it is expanded here to module-name suffixes.
+    """
+    if target != "all-linear":
+        return target
+    from neutrain.nn import CompressedLinear
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rpartition(".")[2] for name, m in model.named_modules()
+             if isinstance(m, (torch.nn.Linear, CompressedLinear)) and m is not head}
+    return sorted(names)
+
+
+def _compressed_lora_linear():
+    """peft's LoRA ``Linear`` for a :class:`CompressedLinear` base (built lazily: peft is imported on use)."""
+    from peft.tuners.lora.layer import Linear
+
+    class CompressedLoraLinear(Linear):
+        """LoRA over a compressed linear: device and dtype come from the codec, never from a decoded copy."""
+
+        def _get_base_layer_device_and_dtype(self, base_layer):
+            return base_layer.compressed.device, base_layer.compressed.dtype
+
+    return CompressedLoraLinear
+
+
+def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
+    """Wrap ``model`` with peft LoRA adapters as the recipe's ``memory`` section says; returns the ``PeftModel``.
+
+    Args:
+        model: A causal LM, dense or with (frozen) compressed modules.
+        memory: ``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules`` (defaults as the schema).
+
+    Example:
+        >>> peft_model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16, "lora_target_modules": "all-linear"})  # doctest: +SKIP
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from neutrain.nn import CompressedLinear
+
+    config = LoraConfig(
+        r=memory.get("lora_r", 16), lora_alpha=memory.get("lora_alpha", 32),
+        lora_dropout=memory.get("lora_dropout", 0.0), task_type="CAUSAL_LM",
+        target_modules=lora_target_modules(model, memory.get("lora_target_modules", "all-linear")),
+    )
+    config._register_custom_module({CompressedLinear: _compressed_lora_linear()})
+    with warnings.catch_warnings():
+        # peft warns about any layer type it does not know; CompressedLinear is handled above.
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        return get_peft_model(model, config)
+
+
+def _merged_weight(layer) -> torch.Tensor:
+    """Base weight plus the active adapters' deltas, added in fp32 and rounded once to the weight's dtype."""
+    base = layer.get_base_layer()
+    dense = base.compressed.dense() if hasattr(base, "compressed") else base.weight.detach()
+    total = dense.float()
+    for name in layer.active_adapters:
+        if name in layer.lora_A:
+            total += layer.get_delta_weight(name).float().to(total.device)
+    return total.to(dense.dtype)
+
+
+def merge_lora(model, weights: str = "dense", codec_options: dict | None = None) -> torch.nn.Module:
+    """Fold the LoRA adapters of a ``PeftModel`` into its base; returns the plain transformers model.
+
+    Args:
+        model: A ``PeftModel`` from :func:`apply_lora` (or peft's loading).
+        weights: ``dense`` (every weight decoded, a plain bf16/fp32 model), ``neuzip-lossless`` (merged
+            matrices compressed bit-exactly, other compressed modules kept as they are) or
+            ``neuzip-lossy-<k>`` (merged matrices rounded to k mantissa bits).
+        codec_options: Extra arguments for :func:`neutrain.compress.compress`.
+
+    Example:
+        >>> merged = merge_lora(peft_model, "neuzip-lossless")  # doctest: +SKIP
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from neutrain.compress import compress
+    from neutrain.nn import CompressedLinear, CompressedWeight
+    from neutrain.nn.convert import _set_submodule
+
+    if weights != "dense" and not weights.startswith("neuzip"):
+        raise ValueError(f"weights must be dense, neuzip-lossless or neuzip-lossy-<k>, not {weights!r}")
+    k = mantissa_bits_of(weights)
+    base_model = model.get_base_model()
+    for name, layer in list(base_model.named_modules()):
+        if not isinstance(layer, LoraLayer):
+            continue
+        if getattr(layer, "use_dora", {}) and any(layer.use_dora.values()):
+            raise ValueError("merge_lora: DoRA adapters are not supported")
+        base = layer.get_base_layer()
+        merged = _merged_weight(layer)
+        bias = base.bias
+        if weights == "dense":
+            new = torch.nn.Linear(merged.shape[1], merged.shape[0], bias=bias is not None, device="meta")
+            new.weight = torch.nn.Parameter(merged, requires_grad=False)
+            if bias is not None:
+                new.bias = bias
+        else:
+            ct = compress(merged, k, name=f"{name}.weight", **(codec_options or {}))
+            new = CompressedLinear(CompressedWeight(ct, requires_grad=False, name=f"{name}.weight"), bias=bias)
+        _set_submodule(base_model, name, new)
+        del merged
+    if weights == "dense":
+        from neutrain.export.hf import densify
+
+        base_model = densify(base_model)
+    return base_model.eval()
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    """The trainable (adapter) parameters of a ``PeftModel`` by state-dict name, for ``save_pretrained``.
+
+    Why not ``model.state_dict()``: with a compressed base that would clone every codec blob only for
+    peft to keep the ``lora_`` entries.
+    """
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_adapters(base_model: torch.nn.Module, adapter_dir, is_trainable: bool = False):
+    """Attach LoRA adapters saved by ``save_pretrained`` (or a neutrain checkpoint) to ``base_model``.
+
+    Works for compressed bases too (peft alone would refuse :class:`CompressedLinear` targets).
+
+    Example:
+        >>> peft_model = load_adapters(base, "outputs/run/checkpoint-100")  # doctest: +SKIP
+    """
+    from peft import LoraConfig, PeftModel
+
+    from neutrain.nn import CompressedLinear
+
+    config = LoraConfig.from_pretrained(str(adapter_dir))
+    config._register_custom_module({CompressedLinear: _compressed_lora_linear()})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        return PeftModel.from_pretrained(base_model, str(adapter_dir), config=config, is_trainable=is_trainable)
+
+
+def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
+    """``(peft_model, tokenizer)`` for an adapter checkpoint: its base (``base`` or the adapter config's) plus adapters.
+
+    Raises:
+        CheckpointError: when no base model directory is known.
+    """
+    import json
+    from pathlib import Path
+
+    from neutrain.config.errors import CheckpointError
+    from neutrain.export.hf import load_checkpoint_model
+
+    path = Path(path)
+    base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
+                              f"({base!r}); pass --base DIR")
+    model, tokenizer = load_checkpoint_model(base, dtype=dtype)
+    if tokenizer is None and (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return load_adapters(model, path), tokenizer

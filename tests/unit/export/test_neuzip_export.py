@@ -1,0 +1,159 @@
+"""NeuZip export and the ``neuzip`` quantizer: round trips, from_pretrained, loud failures."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import neutrain  # noqa: F401  (registers the quantizer)
+from neutrain.config.errors import UserInputError
+from neutrain.export.neuzip import export_neuzip, parse_format, parse_size
+
+REPO = Path(__file__).resolve().parents[3]
+FAST = {"steps": 8}  # short lanes: the CPU reference decoder's cost grows with steps
+
+
+def _tiny(tie=False, dtype=torch.bfloat16, vocab=96):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms and weights: nothing equal by accident
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _load(path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+def test_format_and_size_parsing():
+    assert parse_format("neuzip") is None and parse_format("neuzip-lossless") is None
+    assert [parse_format(f"neuzip-lossy-{k}") for k in (0, 1, 3, 7)] == [0, 1, 3, 7]
+    for bad in ("neuzip-lossy-2", "neuzip-lossy", "hf", "zip"):
+        with pytest.raises(UserInputError):
+            parse_format(bad)
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("100KB") == 10**5 and parse_size("2MiB") == 2 << 20
+    with pytest.raises(UserInputError):
+        parse_size("lots")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_lossless_export_from_pretrained_is_compressed_and_bit_exact(tmp_path, tie):
+    from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weights, decompressed_state_dict
+
+    model = _tiny(tie=tie)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        ref = model(ids).logits
+    out = export_neuzip(model, tmp_path / "nz", max_shard_size="20KB", codec_options=FAST)
+    files = os.listdir(out)
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    qc = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "neuzip" and qc["mantissa_bits"] is None and "lm_head" in qc["modules"]
+
+    loaded = _load(out)
+    assert type(loaded.model.layers[1].mlp.down_proj) is CompressedLinear
+    assert type(loaded.model.embed_tokens) is CompressedEmbedding and type(loaded.lm_head) is CompressedLinear
+    assert loaded.is_quantized and loaded.config.quantization_config.quant_method == "neuzip"
+    assert all(not w.trainable for w in compressed_weights(loaded))
+    # A tied pair is written twice but shares one compressed tensor after loading.
+    assert (loaded.lm_head.compressed is loaded.model.embed_tokens.compressed) == tie
+    decoded = decompressed_state_dict(loaded)
+    for name, value in dense.items():
+        assert torch.equal(decoded[name].view(torch.int16), value.view(torch.int16)), name
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    gen = loaded.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        expected = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen, expected)
+
+
+def test_lossy_export_takes_k_and_rounds_like_the_codec(tmp_path):
+    from neutrain.compress import compress
+    from neutrain.nn import decompressed_state_dict
+
+    model = _tiny()
+    w = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    out = export_neuzip(model, tmp_path / "lossy", mantissa_bits=1, codec_options=FAST)
+    loaded = _load(out)
+    assert loaded.config.quantization_config.mantissa_bits == 1
+    got = decompressed_state_dict(loaded)["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(got, compress(w, 1).decompress())
+    assert not torch.equal(got, w)
+    assert (got.view(torch.int16) & 0x3F).eq(0).all()  # only 1 of 7 mantissa bits survives
+    # The lossy export is smaller on disk than the lossless one.
+    lossless = export_neuzip(model, tmp_path / "lossless", codec_options=FAST)
+    size = lambda d: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))  # noqa: E731
+    assert size(out) < size(lossless)
+
+
+def test_corrupted_blob_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = Path(export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST))
+    state = load_file(str(out / "model.safetensors"))
+    key = "model.layers.1.mlp.up_proj.weight.stream"
+    state[key] = state[key].clone()
+    state[key][3] ^= 1
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        _load(out)
+
+
+def _run(code, cwd):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_neutrain_stays_light_and_registers_lazily(tmp_path):
+    res = _run("import sys, neutrain; heavy = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
+               "print(heavy)\n"
+               "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as M; print('neuzip' in M)", tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["[]", "True"], res.stdout
+
+
+def test_loading_without_neutrain_fails_loudly(tmp_path):
+    out = export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST)
+    res = _run(f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(out)!r})",
+               tmp_path)
+    assert res.returncode != 0, "a NeuZip export loaded as a dense model without neutrain"
+    assert "ignore_mismatched_sizes" in res.stderr
+    assert "Unknown quantization type, got neuzip" in res.stderr
+
+
+def test_quantizer_refuses_quantizing_a_dense_model_on_load(tmp_path):
+    from neutrain.export.quantizer import NeuZipConfig
+
+    model = _tiny()
+    model.save_pretrained(str(tmp_path / "dense"))
+    with pytest.raises(ValueError, match="pre-quantized"):
+        _load(tmp_path / "dense", quantization_config=NeuZipConfig())
+
+
+@pytest.mark.gpu
+def test_from_pretrained_loads_onto_the_gpu_with_the_kernels(tmp_path):
+    from neutrain.nn import compress_model
+
+    model = _tiny().cuda()
+    compress_model(model, progress=False)
+    ids = torch.randint(0, 96, (2, 7), device="cuda")
+    with torch.no_grad():
+        ref = model.eval()(ids).logits
+    out = export_neuzip(model, tmp_path / "nz")
+    loaded = _load(out)
+    assert loaded.lm_head.compressed.device.type == "cuda"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    assert loaded.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 11)
