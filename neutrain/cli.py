@@ -3,7 +3,7 @@
     neutrain recipes/default.yaml [section.key=value ...]      # same as `neutrain train ...`
     neutrain train  <recipe> [overrides]                        # train, evaluate, export
     neutrain eval   <recipe | checkpoint> [overrides]           # held-out perplexity (+ long-context tasks)
-    neutrain export <checkpoint> --format hf [--output DIR]     # inference export
+    neutrain export <checkpoint> --format hf|neuzip|neuzip-lossy-<k> [--output DIR]  # inference export
     neutrain estimate <recipe> [overrides]                      # predict peak GPU memory, loading nothing
     neutrain distill  <recipe> [overrides]                      # distil a draft from the trained target
     neutrain generate <model> --prompt TEXT [--draft DIR]       # (speculative) sampling
@@ -60,8 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--recipe", help="recipe that supplies data and eval settings when TARGET is a checkpoint")
     x = sub.add_parser("export", help="export a checkpoint for inference",
                        description="Write a checkpoint as an inference model directory.")
-    x.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint)")
-    x.add_argument("--format", default="hf", help="hf (dense safetensors)")
+    x.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint); "
+                   "a LoRA adapter checkpoint is merged into its base first")
+    x.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "
+                   "with from_pretrained after `import neutrain`) or neuzip-lossy-<k> (k = 0, 1, 3, 7 mantissa bits)")
+    x.add_argument("--base", help="base model directory of a LoRA adapter checkpoint (default: its adapter_config.json's)")
     x.add_argument("--output", help="target directory (default: <checkpoint>/../export)")
     x.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     x.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
@@ -125,7 +128,7 @@ def cmd_train(args) -> int:
 def _last_checkpoint(path: Path) -> Path:
     from transformers.trainer_utils import get_last_checkpoint
 
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if path.is_dir():
         last = get_last_checkpoint(str(path))
@@ -138,7 +141,12 @@ def cmd_export(args) -> int:
     from neutrain.export import export_model, load_checkpoint_model
 
     ckpt = _last_checkpoint(Path(args.checkpoint))
-    model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+    if (ckpt / "adapter_config.json").exists():
+        from neutrain.lora import load_adapter_checkpoint
+
+        model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
+    else:
+        model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
     out = args.output or str(ckpt.parent / "export")
     path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size, info={"checkpoint": str(ckpt)})
     print(f"exported {ckpt} -> {path} (format {args.format})")

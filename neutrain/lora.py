@@ -184,6 +184,8 @@ def merge_lora(model, weights: str = "dense", codec_options: dict | None = None)
             new = CompressedLinear(CompressedWeight(ct, requires_grad=False, name=f"{name}.weight"), bias=bias)
         _set_submodule(base_model, name, new)
         del merged
+    if "peft_config" in base_model.__dict__:
+        del base_model.peft_config  # a plain transformers model again
     if weights == "dense":
         from neutrain.export.hf import densify
 

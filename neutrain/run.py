@@ -108,7 +108,16 @@ def build_trainer(recipe: Recipe) -> RunContext:
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=recipe.memory["weights"])
+    weights, adapter = recipe.memory["weights"], recipe.memory["adapter"]
+    if adapter:
+        from neutrain.lora import build_weights_for
+
+        weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
+    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights)
+    if adapter:
+        from neutrain.lora import apply_lora, compress_model_for_adapters
+
+        model = apply_lora(compress_model_for_adapters(model, recipe.memory["weights"]), recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),

@@ -154,7 +154,12 @@ class NeuTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None):
         from neutrain.nn_checkpoint import is_compressed, save_compressed_checkpoint
 
+        from neutrain.lora import adapter_state_dict, is_peft_model
+
         model = _unwrap(self.model)
+        if is_peft_model(model):
+            # Adapters only (the frozen base is not saved); skips cloning a compressed base's blobs.
+            return super()._save(output_dir, adapter_state_dict(model) if state_dict is None else state_dict)
         if not is_compressed(model):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir

@@ -173,6 +173,8 @@ def _cross_checks(v: dict) -> None:
     fused = train["optimizer"] in ("lomo", "adalomo", "adamw-in-backward")
     if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
+    if mem["adapter"] is not None and fused:
+        raise RecipeError(f"train.optimizer: LoRA adapters train with adamw or sgd (the frozen base gets no update), not {train['optimizer']}")
     if mem["weights"] == "neuzip-lossless" and mem["adapter"] is None and not fused:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use lomo, adalomo or adamw-in-backward, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
