@@ -147,6 +147,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     result = trainer.train(resume_from_checkpoint=resume or None)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
+        "distributed_mode": getattr(trainer, "distributed_mode", None),
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -162,7 +163,13 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     if recipe.eval["long_context_tasks"] and state.is_main_process:
         summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
-    if recipe.export["format"] != "none" and state.is_main_process:
+    export_format = recipe.export["format"]
+    if export_format != "none" and summary["distributed_mode"] == "fsdp2":
+        # Export runs on the main process alone; FSDP2 leaves it only its shards. The checkpoints hold the model.
+        logger.warning("export skipped under FSDP2: merge the last checkpoint's pytorch_model_fsdp_0 with "
+                       "torch.distributed.checkpoint.format_utils.dcp_to_torch_save, then export on one process")
+        export_format = "none"
+    if export_format != "none" and state.is_main_process:
         from neutrain.export import export_model
 
         summary["export_dir"] = export_model(

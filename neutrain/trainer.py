@@ -90,6 +90,7 @@ class NeuTrainer(Trainer):
                 raise UserInputError("train: fp16 is not supported with fused updates (they need bf16 or fp32 weights)")
             # The fused optimizer clips inside backward; Hugging Face's clip after backward would see no gradients.
             self._fused_max_grad_norm, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
+        self.distributed_mode = self._setup_distributed() if self.fused else None
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
         self.add_callback(MetricsFileCallback())
@@ -113,7 +114,34 @@ class NeuTrainer(Trainer):
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
             self.optimizer = build_fused_optimizer(self.model if model is None else model, self.memory["optimizer"],
                                                    lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)
+            if self.distributed_mode == "replicated":
+                from neutrain.distributed import data_parallel
+
+                data_parallel.attach(self.optimizer, _unwrap(self.model if model is None else model))
         return self.optimizer
+
+    def _setup_distributed(self) -> str:
+        """Name the fused-update mode (neutrain.distributed) and keep Accelerate's DDP away from it."""
+        from neutrain.distributed import fused_mode
+
+        mode = fused_mode(self.accelerator)
+        if mode == "fsdp2" and self.memory.get("loss_chunk_size", 0) > 0:
+            # The chunked loss calls the decoder and lm_head directly, past FSDP2's root unshard hook.
+            raise UserInputError("memory.loss_chunk_size is not supported with FSDP2; set it to 0")
+        if mode == "replicated":
+            from neutrain.distributed.data_parallel import skip_ddp_wrapping
+
+            skip_ddp_wrapping(self.accelerator)  # gradients are averaged inside the fused update instead
+        self._bound_after_prepare = mode not in ("fsdp2", "deepspeed")
+        return mode
+
+    def _bind_after_prepare(self, model) -> None:
+        """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
+        if self.distributed_mode == "fsdp2":
+            from neutrain.distributed.fsdp import bind_after_prepare
+
+            bind_after_prepare(self.fused_optimizer, _unwrap(model))
+        self._bound_after_prepare = True
 
     @property
     def fused_optimizer(self):
@@ -132,6 +160,10 @@ class NeuTrainer(Trainer):
             _unwrap(model), inputs["input_ids"], inputs["labels"], attention_mask=inputs.get("attention_mask"),
             num_items_in_batch=num_items_in_batch, **kwargs,
         )
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.accelerator.num_processes > 1:
+            # num_items_in_batch counts every process's tokens and gradients are averaged over processes,
+            # so scale back up, as Trainer.compute_loss does for models that take loss kwargs.
+            loss = loss * self.accelerator.num_processes
         # prediction_step reads logits from the outputs; the chunked loss has none to give.
         return (loss, {"loss": loss}) if return_outputs else loss
 
@@ -143,6 +175,8 @@ class NeuTrainer(Trainer):
         # (updates happen inside it) rather than accelerator.backward, which has DeepSpeed/GradScaler
         # branches that bypass fused updates.
         model.train()
+        if not self._bound_after_prepare:
+            self._bind_after_prepare(model)
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
@@ -150,6 +184,27 @@ class NeuTrainer(Trainer):
             loss = loss / self.args.gradient_accumulation_steps
         self.fused_optimizer.backward(loss)
         return loss.detach()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if getattr(self, "distributed_mode", None) != "fsdp2":
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # FSDP2 + fused: the model through Accelerate (sharded or full state dict), the optimizer per rank.
+        from accelerate.utils import save_fsdp_model
+
+        from neutrain.distributed.fsdp import save_optimizer_shard
+
+        save_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, output_dir)
+        save_optimizer_shard(self.fused_optimizer, output_dir, self.args.process_index, self.args.world_size)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or getattr(self, "distributed_mode", None) != "fsdp2":
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from neutrain.distributed.fsdp import load_optimizer_shard
+
+        load_optimizer_shard(self.fused_optimizer, checkpoint, self.args.process_index, self.args.world_size)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         from neutrain.nn_checkpoint import is_compressed, save_compressed_checkpoint

@@ -69,3 +69,35 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
     if not optimizer._shard_groups:
         raise RuntimeError("FSDP2 mode but no parameter of the optimizer is sharded: was the model prepared?")
     return optimizer
+
+
+def optimizer_shard_file(directory: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its optimizer shard in a checkpoint directory."""
+    import os
+
+    return os.path.join(directory, f"optimizer.rank{rank}-of-{world_size}.pt")
+
+
+def save_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> str:
+    """Write this rank's fused-optimizer state (its shards' moments, the step bookkeeping).
+
+    Why not ``torch.distributed.checkpoint``'s optimizer state dict: it initialises
+    an empty state by running ``optimizer.step()`` on zero gradients, which for a
+    fused optimizer is end-of-step bookkeeping (it would count a step). A checkpoint
+    written with N processes resumes with N processes (the shards line up).
+    """
+    path = optimizer_shard_file(directory, rank, world_size)
+    torch.save(optimizer.state_dict(), path)
+    return path
+
+
+def load_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> None:
+    """Load what :func:`save_optimizer_shard` wrote for this rank (same number of processes required)."""
+    import os
+
+    path = optimizer_shard_file(directory, rank, world_size)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} not found: an FSDP2 checkpoint resumes with the number of processes that wrote it"
+        )
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
