@@ -119,6 +119,19 @@ def quantize_int_per_group(x: torch.Tensor, group: int, bits: int, n_pad: int, f
     return x_int.view(b, h, n_pad, d), scale_tok.contiguous()
 
 
+def fp8_channel_scale(v: torch.Tensor) -> torch.Tensor:
+    """Per-channel FP8 scale of V [B, H, N, D]: ``amax over tokens / 448`` as [B, H, D], in fp32.
+
+    Why a 0-dim tensor divisor: on CUDA, ``tensor / python_float`` multiplies by the
+    rounded reciprocal, which differs from CPU's true division in the last bit for about
+    half of the channels. V in bf16 over such a scale lands exactly on FP8 rounding ties
+    often (short mantissas), so that last bit flipped ~0.1% of FP8 values between devices.
+    A tensor divisor is a true IEEE division everywhere.
+    """
+    amax = v.abs().amax(dim=2).float().clamp_min(_MIN_AMAX)
+    return amax / amax.new_full((), FP8_MAX)
+
+
 def quantize_v_fp8_transposed(v: torch.Tensor, n_pad: int, residual: bool = True):
     """Per-channel FP8 E4M3 V, transposed to [B, H, D, n_pad].
 
@@ -127,7 +140,7 @@ def quantize_v_fp8_transposed(v: torch.Tensor, n_pad: int, residual: bool = True
         ``V ~= scale * (v_fp8 + v_residual / V_RESIDUAL_GAIN)``.
     """
     vf = v.float()
-    scale = vf.abs().amax(dim=2).clamp_min(_MIN_AMAX) / FP8_MAX
+    scale = fp8_channel_scale(v)
     scaled = F.pad(vf / scale[:, :, None, :], (0, 0, 0, n_pad - v.shape[2])).transpose(2, 3).contiguous()
     v_fp8_t = scaled.to(torch.float8_e4m3fn)
     v_residual_t = None

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from neutrain.attention.quant import FP8_MAX, LN2, LOG2_FP8_MAX, TILE, V_RESIDUAL_GAIN, QuantizedAttentionInputs
+from neutrain.attention.quant import FP8_MAX, LN2, LOG2_FP8_MAX, TILE, V_RESIDUAL_GAIN, QuantizedAttentionInputs, fp8_channel_scale
 from neutrain.kernels import interpreting
 
 # Triton kernels may read module globals only when they are constexpr.
@@ -402,7 +402,7 @@ def quantize_qk_int(x: torch.Tensor, group: int, bits: int, n_pad: int, fold: fl
 def quantize_v_fp8(v: torch.Tensor, n_pad: int, residual: bool = True):
     """CUDA twin of :func:`neutrain.attention.quant.quantize_v_fp8_transposed`."""
     b, h, n, d = v.shape
-    scale = (v.abs().amax(dim=2).float().clamp_min(1e-6) / FP8_MAX).contiguous()
+    scale = fp8_channel_scale(v).contiguous()
     v_t = torch.empty((b, h, d, n_pad), dtype=torch.float8_e4m3fn, device=v.device)
     v_res = torch.empty_like(v_t) if residual else None
     _quant_v_kernel[(n_pad // TILE, b * h)](
