@@ -21,6 +21,8 @@ two lifecycle hooks are used, not the version-specific weight-conversion API):
 2. After loading, the blobs are read from the checkpoint files, their checksums
    verified, and each pending module becomes a frozen compressed module on the
    model's device. Identical tensors (a tied embedding/lm_head pair) are shared.
+   The output head decodes in row blocks at inference
+   (:mod:`neutrain.export.inference`).
 
 Without the registration, transformers logs "Unknown quantization type, got
 neuzip ... we will skip the quantization" and tries a dense load: the marker
@@ -190,6 +192,9 @@ class NeuZipHfQuantizer(HfQuantizer):
         tensors = [t for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta]
         device = tensors[0].device if tensors else torch.device("cpu")
         load_neuzip_modules(model, _checkpoint_files(model, self._files), device)
+        from neutrain.export.inference import chunk_output_head
+
+        chunk_output_head(model)  # inference: the vocabulary-sized head never needs a whole decode buffer
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -21,6 +21,21 @@ def _tiny(dtype=torch.float32):
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
+def _train_adapters(peft_model, ids, steps):
+    """AdamW over the adapter parameters on one fixed batch; returns the losses."""
+    from neutrain.nn import causal_lm_loss
+
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-2)
+    losses = []
+    for _ in range(steps):
+        loss = causal_lm_loss(peft_model, ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _base_bits(model):
     from neutrain.nn import compressed_weights
 
@@ -29,7 +44,7 @@ def _base_bits(model):
 
 @pytest.mark.parametrize("weights", ["neuzip-lossless", "neuzip-lossy-3"])
 def test_lora_trains_on_frozen_compressed_base_saves_loads_and_merges(tmp_path, weights):
-    from neutrain.nn import CompressedLinear, causal_lm_loss, compressed_weights
+    from neutrain.nn import CompressedLinear, compressed_weights
 
     model = compress_model_for_adapters(_tiny(), weights, codec_options=FAST)
     lossy = weights != "neuzip-lossless"
@@ -43,14 +58,7 @@ def test_lora_trains_on_frozen_compressed_base_saves_loads_and_merges(tmp_path, 
     assert trainable and all(p.numel() for p in trainable)
 
     ids = torch.randint(0, 64, (4, 16))
-    opt = torch.optim.AdamW(trainable, lr=2e-2)
-    losses = []
-    for _ in range(8):
-        loss = causal_lm_loss(peft_model, ids, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train_adapters(peft_model, ids, 8)
     assert losses[-1] < losses[0] - 0.05, losses
     after = _base_bits(peft_model.get_base_model())
     assert base.keys() == after.keys() and all(torch.equal(base[k], after[k]) for k in base)  # base untouched
@@ -130,3 +138,24 @@ def test_lora_with_a_fused_optimizer_is_refused(tmp_path):
     with pytest.raises(RecipeError, match=r"train\.optimizer: LoRA adapters train with adamw or sgd"):
         load_recipe(write_recipe(tmp_path, memory={"weights": "neuzip-lossless", "adapter": "lora"},
                                  train={"optimizer": "lomo"}))
+
+
+@pytest.mark.gpu
+def test_lora_on_a_lossy_base_on_the_gpu_uses_the_decode_kernel():
+    from neutrain.kernels.codec import COUNTERS
+
+    model = compress_model_for_adapters(_tiny(torch.bfloat16).cuda(), "neuzip-lossy-3")
+    base = _base_bits(model)
+    peft_model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16})
+    ids = torch.randint(0, 64, (4, 32), device="cuda")
+    decodes = COUNTERS["decode"]
+    losses = _train_adapters(peft_model, ids, 10)
+    assert COUNTERS["decode"] > decodes  # the Triton decoder ran
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(torch.equal(base[k], v) for k, v in _base_bits(peft_model.get_base_model()).items())
+    peft_model.eval()
+    with torch.no_grad():
+        ref = peft_model(ids).logits.float()
+        merged = merge_lora(peft_model, "neuzip-lossless")
+        out = merged(ids).logits.float()
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # bf16: the merged weight is rounded once

@@ -48,6 +48,7 @@ def test_format_and_size_parsing():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_lossless_export_from_pretrained_is_compressed_and_bit_exact(tmp_path, tie):
+    from neutrain.export.inference import ChunkedHeadLinear
     from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weights, decompressed_state_dict
 
     model = _tiny(tie=tie)
@@ -63,7 +64,7 @@ def test_lossless_export_from_pretrained_is_compressed_and_bit_exact(tmp_path, t
 
     loaded = _load(out)
     assert type(loaded.model.layers[1].mlp.down_proj) is CompressedLinear
-    assert type(loaded.model.embed_tokens) is CompressedEmbedding and type(loaded.lm_head) is CompressedLinear
+    assert type(loaded.model.embed_tokens) is CompressedEmbedding and type(loaded.lm_head) is ChunkedHeadLinear
     assert loaded.is_quantized and loaded.config.quantization_config.quant_method == "neuzip"
     assert all(not w.trainable for w in compressed_weights(loaded))
     # A tied pair is written twice but shares one compressed tensor after loading.
@@ -142,18 +143,44 @@ def test_quantizer_refuses_quantizing_a_dense_model_on_load(tmp_path):
         _load(tmp_path / "dense", quantization_config=NeuZipConfig())
 
 
+def test_chunked_head_rows_end_on_tile_boundaries():
+    from neutrain.compress import compress
+    from neutrain.export.inference import aligned_rows
+
+    ct = compress(torch.randn(300, 96).bfloat16(), steps=8)
+    tile = ct.steps * ct.lanes * ct.elems
+    rows = aligned_rows(ct, 96, target=4 * tile)
+    assert rows and rows * 96 % tile == 0 and rows * 96 <= 4 * tile
+    assert aligned_rows(ct, 96, target=tile // 4) is None  # one aligned unit is already too big
+
+
 @pytest.mark.gpu
-def test_from_pretrained_loads_onto_the_gpu_with_the_kernels(tmp_path):
+@pytest.mark.parametrize("mantissa_bits", [None, 3])
+def test_from_pretrained_on_the_gpu_decodes_the_head_in_chunks(tmp_path, mantissa_bits):
+    from neutrain.export import inference
     from neutrain.nn import compress_model
 
-    model = _tiny().cuda()
-    compress_model(model, progress=False)
-    ids = torch.randint(0, 96, (2, 7), device="cuda")
+    model = _tiny(vocab=3000).cuda()
+    compress_model(model.requires_grad_(False), progress=False, mantissa_bits=mantissa_bits)
+    ids = torch.randint(0, 3000, (2, 7), device="cuda")
     with torch.no_grad():
         ref = model.eval()(ids).logits
-    out = export_neuzip(model, tmp_path / "nz")
+    out = export_neuzip(model, tmp_path / "nz", mantissa_bits=mantissa_bits)
     loaded = _load(out)
     assert loaded.lm_head.compressed.device.type == "cuda"
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, ref)
+    old = inference.CHUNK_ELEMENTS
+    inference.CHUNK_ELEMENTS = 1 << 16  # several blocks for this small head
+    try:
+        before = inference.COUNTERS["chunked_head"]
+        with torch.no_grad():
+            got = loaded(ids).logits
+        assert inference.COUNTERS["chunked_head"] > before
+    finally:
+        inference.CHUNK_ELEMENTS = old
+    assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=1e-2)
+    # The head's blocks are exactly the rows of the full decode.
+    head = loaded.lm_head
+    rows = inference.aligned_rows(head.compressed.ct, 32, target=1 << 16)
+    block = inference.decode_rows_block(head.compressed.ct, rows, head.out_features, 32)
+    assert torch.equal(block, head.compressed.dense()[rows:])
     assert loaded.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 11)
