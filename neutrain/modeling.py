@@ -110,19 +110,22 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
     """Build straight into NeuZip form, one tensor at a time, on the training device.
 
     The dense model is never materialised: random init draws each tensor and encodes
-    it at once; a checkpoint is read tensor by tensor from safetensors.
+    it at once; a checkpoint is read tensor by tensor from safetensors. With ``dtype: auto``
+    on CPU the weights are stored bf16 (what NeuZip compresses well) and computed in fp32
+    (bf16 matrix products are ~12x slower there).
     """
     from neutrain.nn.load import init_compressed, load_compressed
 
     device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
+    storage = torch.bfloat16 if model_cfg["dtype"] == "auto" and dtype == torch.float32 else None
     if model_cfg["init"] == "random":
         config = _model_config(model_cfg, tokenizer)
         config._attn_implementation = attn
-        model, report = init_compressed(config, weights, device, dtype=dtype, seed=seed)
+        model, report = init_compressed(config, weights, device, dtype=dtype, seed=seed, storage_dtype=storage)
     else:
         try:
             model, report = load_compressed(model_cfg["base_model"], weights, device, dtype=dtype,
-                                            config_overrides={"_attn_implementation": attn})
+                                            config_overrides={"_attn_implementation": attn}, storage_dtype=storage)
         except OSError as exc:
             raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' ({str(exc).splitlines()[0]})") from None
     logger.info("compressed model: %s", report)
@@ -139,7 +142,12 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
 
     dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
     attn = model_cfg["attn_implementation"]
-    if attn == "neutrain_sage":
+    if attn == "neutrain_sage" and (use_cpu or not torch.cuda.is_available()):
+        # The INT8/FP8 kernels need a CUDA GPU; on CPU the quantized torch reference would only
+        # be slower than SDPA, so a recipe that asks for SageAttention trains with SDPA there.
+        logger.warning("model.attn_implementation: neutrain_sage needs a CUDA GPU; using sdpa on CPU")
+        attn = "sdpa"
+    elif attn == "neutrain_sage":
         from neutrain.attention import register
 
         attn = register()

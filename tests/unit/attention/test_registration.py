@@ -101,3 +101,24 @@ def test_fallbacks_are_counted_and_match_sdpa_math(case):
         allowed &= qpos - kpos < 8
     ref = (torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_recipe_asking_for_sage_gets_sdpa_on_cpu_and_the_kernel_on_gpu(caplog):
+    """The default recipe names neutrain_sage: on CPU the model is built with SDPA, with one warning."""
+    from neutrain.config import validate_recipe
+    from neutrain.data import byte_tokenizer
+    from neutrain.modeling import build_model
+
+    recipe = validate_recipe({
+        "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "neutrain_sage",
+                  "config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}},
+        "data": {"datasets": [{"path": "python-stdlib", "type": "text"}]},
+    })
+    model_cfg, tok = recipe.model, byte_tokenizer()
+    with caplog.at_level("WARNING", logger="neutrain.modeling"):
+        model = build_model(model_cfg, tok, use_cpu=True)
+    assert model.config._attn_implementation == "sdpa"
+    assert any("neutrain_sage needs a CUDA GPU" in r.getMessage() for r in caplog.records)
+    if torch.cuda.is_available():
+        assert build_model(model_cfg, tok, use_cpu=False).config._attn_implementation == "neutrain_sage"
