@@ -21,7 +21,8 @@ import torch
 
 from neutrain.compress import codec, format as fmt, huffman
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
-from neutrain.compress.layout import tails_capacity, unpack_tails
+from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
+from neutrain.compress.layout import unpack_tails
 
 DEFAULT_STEPS = 64
 """Steps per lane. With 4 elements per step a lane codes 256 symbols, which keeps
@@ -151,9 +152,13 @@ class CompressedTensor:
             torch.cumsum(tile_words, dim=0, out=self.tile_base[1:])
             coded = tile_bits.sum()
         else:
-            symbols, tails = split(to_bits(x), self.layout)
+            if splits_bytewise(self.layout, self.device):
+                symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
+            else:
+                symbols, tails = split(to_bits(x), self.layout)
+                tails = pack_tails(tails, self.layout.tail_bits)
             self._pending_symbols = symbols  # reused by pass 2 of the same encode
-            self.tails[: self._tails_used].copy_(pack_tails(tails, self.layout.tail_bits))
+            self.tails[: self._tails_used].copy_(tails)
             lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes,
                                                              self.elems)
             self.lane_words.copy_(lane_words)
@@ -229,11 +234,13 @@ class CompressedTensor:
                           self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
             return out
         if self.numel:
-            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut,
-                                         self.numel, self.steps, self.lanes, elems=self.elems)[: self.numel]
+            symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
+                                                 self.numel, self.steps, self.lanes, elems=self.elems)[: self.numel]
+            if splits_bytewise(self.layout, self.device):
+                return merge_bf16_bytes(symbols, self._tails_view(), out)
             index = torch.arange(self.numel, device=self.device)
-            bits = merge(symbols, unpack_tails(self._tails_view(), self.layout.tail_bits, index), self.layout)
-            out.view(-1).copy_(from_bits(bits, self.dtype))
+            tails = unpack_tails(self._tails_view(), self.layout.tail_bits, index)
+            out.view(-1).copy_(from_bits(merge(symbols.long(), tails, self.layout), self.dtype))
         return out
 
     def decompress_rows(self, index: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -264,10 +271,11 @@ class CompressedTensor:
                           self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids)
             rows = scratch[pick]
         else:
-            symbols = codec.decode_tiles(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
-                                         self.steps, self.lanes, tiles=tile_ids, elems=self.elems)[pick]
+            symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
+                                                 self.steps, self.lanes, tiles=tile_ids, elems=self.elems)[pick]
             elements = first[:, None] + torch.arange(row_len, device=self.device)
-            bits = merge(symbols, unpack_tails(self._tails_view(), self.layout.tail_bits, elements), self.layout)
+            tails = unpack_tails(self._tails_view(), self.layout.tail_bits, elements)
+            bits = merge(symbols.long(), tails, self.layout)
             rows = from_bits(bits.reshape(-1), self.dtype)
         return rows.reshape(*index.shape, *self.shape[1:])
 

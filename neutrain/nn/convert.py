@@ -97,6 +97,7 @@ def compress_model(
     targets: Callable[[str, torch.nn.Module], bool] | None = None,
     progress: bool = True,
     codec_options: dict | None = None,
+    storage_dtype: torch.dtype | None = None,
 ) -> CompressionReport:
     """Convert ``model``'s linear and embedding weights to compressed modules, in place.
 
@@ -108,6 +109,8 @@ def compress_model(
         targets: optional filter ``(name, module) -> bool`` over the default targets.
         progress: show a tqdm bar (also silenced by ``DISABLE_TQDM=1``).
         codec_options: extra keyword arguments for ``neutrain.compress.compress``.
+        storage_dtype: store the weights in this dtype (e.g. bf16 for an fp32 model on CPU,
+            which then computes in fp32 on upcast weights); default: each weight's own dtype.
 
     Returns:
         A :class:`CompressionReport`.
@@ -138,10 +141,13 @@ def compress_model(
             raise ValueError(f"{name}: lossy compression (mantissa_bits={mantissa_bits}) is for frozen weights only")
         compressed = shared.get(id(dense))
         if compressed is None:
-            ct = compress(dense.detach(), mantissa_bits, name=f"{name}.weight", **(codec_options or {}))
-            compressed = CompressedWeight(ct, requires_grad=dense.requires_grad, name=f"{name}.weight")
+            stored = dense.detach().to(storage_dtype or dense.dtype)
+            ct = compress(stored, mantissa_bits, name=f"{name}.weight", **(codec_options or {}))
+            compressed = CompressedWeight(ct, requires_grad=dense.requires_grad, name=f"{name}.weight",
+                                          compute_dtype=dense.dtype)
             shared[id(dense)] = compressed
-            weight_before += dense.numel() * dense.element_size()
+            weight_before += stored.numel() * stored.element_size()
+            del stored
             weight_after += compressed.nbytes
         replacement = build_module(module, compressed)
         _set_submodule(model, name, replacement)

@@ -8,7 +8,9 @@ gradient is never stored as ``.grad`` and no decoded weight outlives the call.
 
 The matrix products are exactly the ones autograd runs for ``nn.Linear`` on a
 contiguous input (``mm`` / ``addmm`` on the flattened tokens), so a compressed
-model computes bit-identical gradients to its dense twin.
+model computes bit-identical gradients to its dense twin. With a compute dtype
+wider than the stored one (fp32 over bf16 on CPU) the products run on the
+upcast weight, as ``nn.Linear`` would with that weight in fp32.
 
 On CUDA the next weight can be decoded on a side stream meanwhile
 (:mod:`neutrain.nn.prefetch`, opt-in).
@@ -30,7 +32,7 @@ from neutrain.nn.weight import CompressedWeight
 class _CompressedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, key, bias, weight: CompressedWeight):
-        w = weight.decode()
+        w = weight.decode_for_compute()
         PREFETCHER.after_forward_decode(weight)
         x2 = x.reshape(-1, x.shape[-1])
         # addmm with the bias, as F.linear does for flattened inputs (same rounding as nn.Linear).
@@ -45,7 +47,7 @@ class _CompressedLinearFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight: CompressedWeight = ctx.weight
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        w = weight.decode()
+        w = weight.decode_for_compute()
         PREFETCHER.after_backward_decode(weight)
         grad_x = g2.mm(w).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -41,7 +41,7 @@ def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index):
-        w = compressed.decode() if compressed is not None else dense_weight
+        w = compressed.decode_for_compute() if compressed is not None else dense_weight
         tokens, vocab = hidden.shape[0], w.shape[0]
         chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
         valid = labels != ignore_index
@@ -72,7 +72,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, labels, valid, lse, normaliser, dense_weight = ctx.saved_tensors
         compressed = ctx.compressed
-        w = compressed.decode() if compressed is not None else dense_weight
+        w = compressed.decode_for_compute() if compressed is not None else dense_weight
         vocab, chunk = w.shape[0], ctx.chunk
         row_scale = torch.where(valid, grad_loss / normaliser, torch.zeros_like(lse))[:, None]
         need_hidden = ctx.needs_input_grad[0]

@@ -39,6 +39,7 @@ def load_compressed(
     progress: bool = True,
     codec_options: dict | None = None,
     config_overrides: dict | None = None,
+    storage_dtype: torch.dtype | None = None,
 ):
     """Load a Hugging Face causal LM checkpoint into compressed modules on ``device``.
 
@@ -51,6 +52,8 @@ def load_compressed(
         progress: show a tqdm bar.
         codec_options: extra arguments for ``neutrain.compress.compress``.
         config_overrides: attributes set on the config before building (e.g. ``attn_implementation``).
+        storage_dtype: dtype of the compressed weights when it differs from ``dtype``, which
+            then is the compute dtype (bf16 storage with fp32 compute is the CPU setting).
 
     Returns:
         ``(model, report)``: the model (train mode) and a :class:`CompressionReport`
@@ -75,7 +78,7 @@ def load_compressed(
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
 
-    return _build(config, weights, device, dtype, tensors(), progress, codec_options)
+    return _build(config, weights, device, dtype, tensors(), progress, codec_options, storage_dtype=storage_dtype)
 
 
 def init_compressed(
@@ -87,11 +90,13 @@ def init_compressed(
     seed: int = 0,
     progress: bool = True,
     codec_options: dict | None = None,
+    storage_dtype: torch.dtype | None = None,
 ):
     """A randomly initialised causal LM built tensor by tensor into compressed form.
 
     Matrices are drawn from ``N(0, config.initializer_range)`` (transformers'
     default for Llama-style models), norm weights are ones and biases zeros.
+    ``storage_dtype`` as for :func:`load_compressed`.
 
     Returns:
         ``(model, report)`` as :func:`load_compressed`.
@@ -114,7 +119,8 @@ def init_compressed(
                 t = torch.ones(param.shape, dtype=torch.float32, device=device)
             yield name, t.to(dtype)
 
-    return _build(config, weights, device, dtype, tensors(), progress, codec_options, model=skeleton)
+    return _build(config, weights, device, dtype, tensors(), progress, codec_options, model=skeleton,
+                  storage_dtype=storage_dtype)
 
 
 def _skeleton(config, dtype: torch.dtype):
@@ -125,7 +131,7 @@ def _skeleton(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _build(config, weights, device, dtype, tensors, progress, codec_options, model=None):
+def _build(config, weights, device, dtype, tensors, progress, codec_options, model=None, storage_dtype=None):
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {weights!r}")
     from neutrain.compress import compress
@@ -146,11 +152,13 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
         module_name, _, pname = name.rpartition(".")
         module = model.get_submodule(module_name)
         meta = module._parameters[pname]
-        tensor = tensor.to(device=device, dtype=meta.dtype if meta.is_floating_point() else tensor.dtype)
+        target = module_name in targets and pname == "weight"
+        cast = storage_dtype if target and storage_dtype is not None else meta.dtype
+        tensor = tensor.to(device=device, dtype=cast if meta.is_floating_point() else tensor.dtype)
         dense_bytes += tensor.numel() * tensor.element_size()
-        if module_name in targets and pname == "weight":
+        if target:
             ct = compress(tensor, name=name, **(codec_options or {}))
-            compressed = CompressedWeight(ct, name=name)
+            compressed = CompressedWeight(ct, name=name, compute_dtype=meta.dtype)
             _set_submodule(model, module_name, build_module(module, compressed))
             compressed_bytes += compressed.nbytes
             converted += 1

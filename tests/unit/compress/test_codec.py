@@ -102,3 +102,59 @@ def test_lossy_relative_error_and_specials(kept, dtype):
     rel = ((y.double() - x.double()).abs() / x.double().abs())[normal]
     assert rel.max() <= 2.0 ** -(kept + 1)
     assert rel.max() > 2.0 ** -(kept + 3)  # really lossy: bits were dropped
+
+
+# ----------------------------------------------------------------------------- the pointer-jumping decoder
+def _decode_both(ct, tiles=None):
+    args = (ct.stream, ct.lane_words, ct.tile_base, ct.lut, ct.numel, ct.steps, ct.lanes)
+    spec = codec.decode_tiles(*args, tiles=tiles, elems=ct.elems)
+    fast = codec.decode_tiles_jumping(*args, tiles=tiles, elems=ct.elems)
+    return spec, fast
+
+
+@pytest.mark.parametrize("rounds", ["model", 0, 9])
+def test_jumping_decoder_equals_the_step_by_step_specification(monkeypatch, rounds):
+    if rounds != "model":  # both extremes: a walk of every step, and jumping all the way
+        monkeypatch.setattr(codec, "_jump_rounds", lambda *args: rounds)
+    monkeypatch.setattr(codec, "JUMP_CHUNK_BITS", 1 << 13)  # several chunks per tensor
+    g = torch.Generator().manual_seed(11)
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    cases = [
+        (patterns[torch.randperm(patterns.numel(), generator=g)], {}),  # every bf16 pattern: escapes, NaN, Inf
+        ((torch.randn(40_003, generator=g) * 0.02).bfloat16(), {}),  # odd size: a partial last tile
+        ((torch.randn(777, generator=g) * 3).bfloat16(), {"steps": 3, "lanes": 16, "elems": 2}),
+        ((torch.randn(5000, generator=g)).to(torch.float32), {"steps": 5, "lanes": 32, "elems": 1}),
+        ((torch.randn(3001, generator=g)).to(torch.float16), {"mantissa_bits": 0}),  # lossy: NaN symbol 256
+    ]
+    for x, options in cases:
+        mantissa_bits = options.pop("mantissa_bits", None)
+        ct = compress(x, mantissa_bits, backend="reference", **options)
+        spec, fast = _decode_both(ct)
+        assert fast.dtype == torch.int32 and torch.equal(spec, fast.long())
+        if ct.tiles > 1:  # tile subsets as the embedding asks for them: repeats, any order, the partial tile
+            subset = torch.randint(0, ct.tiles, (7,), generator=g)
+            subset[0] = ct.tiles - 1
+            spec, fast = _decode_both(ct, torch.cat([subset, subset[:2]]))
+            assert torch.equal(spec, fast.long())
+
+
+def test_decompress_runs_the_jumping_decoder_on_cpu():
+    x = (torch.randn(300, 70) * 0.05).bfloat16()
+    ct = compress(x, backend="reference")
+    before = codec.jumping_decodes
+    assert _bits_equal(ct.decompress(backend="reference"), x)
+    rows = torch.tensor([[5, 299], [0, 5]])
+    assert _bits_equal(ct.decompress_rows(rows, backend="reference"), x[rows])
+    assert codec.jumping_decodes == before + 2
+
+
+def test_bytewise_bf16_split_and_merge_equal_the_integer_formulas():
+    from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes
+
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    symbols, tails = split(to_bits(x), layout_for(torch.bfloat16))
+    byte_symbols, byte_tails = split_bf16_bytes(x)
+    assert byte_symbols.dtype == torch.uint8 and torch.equal(byte_symbols.long(), symbols)
+    assert torch.equal(byte_tails.long(), tails)
+    out = merge_bf16_bytes(symbols.to(torch.int32), byte_tails, torch.empty_like(x))
+    assert _bits_equal(out, x)

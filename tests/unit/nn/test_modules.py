@@ -6,17 +6,7 @@ import torch
 from neutrain.compress import compress
 from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight, causal_lm_loss, linear_cross_entropy
 
-from .nn_helpers import CODEC, tiny_llama, token_batches
-
-
-class GradCapture:
-    """Stands in for a fused optimizer: records the weight gradients handed to it."""
-
-    def __init__(self):
-        self.grads = {}
-
-    def consume_grad_(self, key, grad, io):
-        self.grads[key] = self.grads.get(key, 0) + grad
+from .nn_helpers import CODEC, GradCapture, tiny_llama, token_batches
 
 
 def _compressed_twin(dense_weight):
