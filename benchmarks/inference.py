@@ -92,7 +92,12 @@ def dense_model(cfg: dict, device: str, seed: int = 0):
 def bnb_quantize_(model, kind: str):
     """Replace every linear layer but the lm_head by bitsandbytes NF4 or INT8, in place (what
     ``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))`` builds, without a disk round trip)."""
+    import logging
+
     import bitsandbytes as bnb
+
+    # LLM.int8() logs a bf16 -> fp16 input cast on every call; once is enough to know.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
     from neutrain.nn.convert import _set_submodule
 
@@ -160,8 +165,23 @@ def decode_rate(model, batch: int, prompt: int, new_tokens: int, warmup: int = 3
     sync()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    return {"tokens_per_s": batch * new_tokens / seconds, "ms_per_step": 1e3 * seconds / new_tokens,
-            "peak_gib": gib(peak)}
+    row = {"tokens_per_s": batch * new_tokens / seconds, "ms_per_step": 1e3 * seconds / new_tokens,
+           "peak_gib": gib(peak)}
+    if torch.cuda.is_available():
+        # GPU busy time per step (kernels summed): what the step costs once the host loop is no bottleneck.
+        from torch.profiler import ProfilerActivity, profile
+
+        steps = 3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                out = model(input_ids=token, **{key: cache}, use_cache=True)
+                cache = compat.output_cache(out)
+                token = out.logits[:, -1:].argmax(-1)
+            sync()
+        busy_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+        row["gpu_ms_per_step"] = busy_us / 1e3 / steps
+        row["gpu_bound_tokens_per_s"] = batch * 1e3 / row["gpu_ms_per_step"]
+    return row
 
 
 def decode_all_weights_ms(model) -> float | None:
@@ -202,9 +222,12 @@ def decode_section(args, clock, results, save):
         started = time.perf_counter()
         try:
             model = make_variant(variant, cfg, args.device)
-            row = {"build_s": time.perf_counter() - started, "weights_gib": gib(allocated() - base)}
+            row = {"build_s": time.perf_counter() - started, "weights_gib": gib(allocated() - base),
+                   "base_gib": gib(base)}
             for batch in (1, 16):
-                row[f"batch{batch}"] = decode_rate(model, batch, args.prompt, args.new_tokens)
+                rate = decode_rate(model, batch, args.prompt, args.new_tokens)
+                rate["peak_gib"] -= gib(base)  # this model's own peak (nothing else should be left)
+                row[f"batch{batch}"] = rate
             if variant.startswith("neuzip"):
                 row["profile_decode_all_weights_ms"] = decode_all_weights_ms(model)
             if variant in ("neuzip-lossy-3", "bnb-nf4"):
@@ -369,13 +392,21 @@ def lora_section(args, data, trained, results):
 
     _, lora_data, heldout = data
     rows = {}
-    for base in ("bf16", "neuzip-lossy-3", "bnb-nf4"):
+    for base in ("bf16", "neuzip-lossy-3", "neuzip-lossy-3-layers", "bnb-nf4"):
         if base == "bnb-nf4" and not torch.cuda.is_available():
             rows[base] = {"skipped": "bitsandbytes needs CUDA"}
             continue
         free()
         model = densify(trained).to(args.device)
-        if base.startswith("neuzip"):
+        if base == "neuzip-lossy-3-layers":
+            # As QLoRA keeps embeddings and lm_head in bf16: those stay lossless, decoder matrices lossy-3.
+            from neutrain.compress import compress
+
+            compress_model_for_adapters(model, "neuzip-lossless")
+            for w in _weights(model):
+                if not w.large:
+                    w.replace_(compress(w.dense(), 3, name=w.name))
+        elif base.startswith("neuzip"):
             compress_model_for_adapters(model, base)
         elif base == "bnb-nf4":
             bnb_quantize_(model, "nf4")
@@ -405,7 +436,13 @@ def headline(results: dict) -> str:
                      f"{dense['batch1']['peak_gib']:.2f} GiB "
                      f"({lossless['batch1']['peak_gib'] / dense['batch1']['peak_gib']:.2f}x), decode "
                      f"{lossless['batch1']['tokens_per_s'] / dense['batch1']['tokens_per_s']:.2f}x bf16 at batch 1, "
-                     f"{lossless['batch16']['tokens_per_s'] / dense['batch16']['tokens_per_s']:.2f}x at 16")
+                     f"{lossless['batch16']['tokens_per_s'] / dense['batch16']['tokens_per_s']:.2f}x at 16 "
+                     f"(eager loop)")
+        if "gpu_ms_per_step" in lossless["batch1"]:
+            parts.append(f"GPU time per step {lossless['batch1']['gpu_ms_per_step']:.1f} vs "
+                         f"{dense['batch1']['gpu_ms_per_step']:.1f} ms "
+                         f"({dense['batch1']['gpu_ms_per_step'] / lossless['batch1']['gpu_ms_per_step']:.2f}x when "
+                         f"GPU-bound)")
     ppl = results.get("perplexity", {}).get("rows", {})
     if "neuzip-lossy-3" in ppl:
         parts.append(f"lossy-3 perplexity {ppl['neuzip-lossy-3']['perplexity_change_pct']:+.2f}% vs lossless")

@@ -21,6 +21,8 @@ the decode kernel also fills the GPU on its own. Enable it
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from neutrain.nn.buffers import DECODE_BUFFERS
@@ -37,24 +39,26 @@ class Prefetcher:
     def __init__(self):
         self.enabled = False
         self.launched = 0
-        self._next: dict[int, object] = {}
-        self._prev: dict[int, object] = {}
-        self._last = None
+        # Weak on both sides: this process-wide object must not keep a dropped model's weights alive.
+        self._next: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weight -> ref(next weight)
+        self._prev: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weight -> ref(previous weight)
+        self._last = None  # ref(last weight decoded in forward)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def after_forward_decode(self, weight) -> None:
         if torch._C._current_graph_task_id() == -1:  # a real forward, not a checkpoint recompute
-            last = self._last
+            last = self._last() if self._last is not None else None
             if last is not None and last is not weight:
-                self._next[id(last)] = weight
-                self._prev[id(weight)] = last
-            self._last = weight
-        self._launch(self._next.get(id(weight)))
+                self._next[last] = weakref.ref(weight)
+                self._prev[weight] = weakref.ref(last)
+            self._last = weakref.ref(weight)
+        self._launch(self._next.get(weight))
 
     def after_backward_decode(self, weight) -> None:
-        self._launch(self._prev.get(id(weight)))
+        self._launch(self._prev.get(weight))
 
-    def _launch(self, target) -> None:
+    def _launch(self, target_ref) -> None:
+        target = target_ref() if target_ref is not None else None
         if not self.enabled or target is None or target.device.type != "cuda" or target.large:
             return
         if DECODE_BUFFERS.holds(target):

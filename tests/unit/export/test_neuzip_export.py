@@ -99,6 +99,21 @@ def test_lossy_export_takes_k_and_rounds_like_the_codec(tmp_path):
     assert size(out) < size(lossless)
 
 
+def test_a_dropped_model_is_freed(tmp_path):
+    import gc
+    import weakref
+
+    from neutrain.nn import compressed_weights
+
+    loaded = _load(export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST))
+    with torch.no_grad():
+        loaded(torch.randint(0, 96, (1, 5)))  # decode buffers and the prefetcher have seen every weight
+    streams = [weakref.ref(w.ct.stream) for w in compressed_weights(loaded)]
+    del loaded
+    gc.collect()
+    assert streams and all(ref() is None for ref in streams), "process-wide state keeps a dropped model alive"
+
+
 def test_corrupted_blob_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
