@@ -33,28 +33,6 @@ from __future__ import annotations
 import torch
 
 
-def shard_groups(params) -> dict:
-    """``{param: process group}`` for the parameters that are FSDP2 shards (``DTensor`` with a ``Shard`` placement).
-
-    The group is the mesh dimension the parameter is sharded over (for HSDP,
-    the shard dimension; the replicate dimension is reduced by FSDP itself).
-    """
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return {}
-    groups = {}
-    for p in params:
-        if not isinstance(p, DTensor):
-            continue
-        dims = [i for i, placement in enumerate(p.placements) if isinstance(placement, Shard)]
-        if len(dims) > 1:
-            raise ValueError("fused updates support parameters sharded over one mesh dimension (FSDP2/HSDP)")
-        if dims:
-            groups[p] = p.device_mesh.get_group(mesh_dim=dims[0])
-    return groups
-
-
 def bind_after_prepare(optimizer, model: torch.nn.Module):
     """Re-index and re-bind a fused optimizer after Accelerate applied ``fully_shard``.
 

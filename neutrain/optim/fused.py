@@ -203,7 +203,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for key in module.bind_fused_optimizer(self):
                     users[key] = users.get(key, 0) + 1
         self._tied = {key for key, count in users.items() if count > 1}
-        from neutrain.distributed.fsdp import shard_groups  # lazy: torch.distributed only when used
+        from neutrain.distributed.shards import shard_groups  # lazy: torch.distributed only when used
 
         self._shard_groups = shard_groups(self._group_of)
         for p in self._group_of:
@@ -220,8 +220,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad, param.grad = param.grad, None
         if grad is not None:
             with torch.no_grad():
-                if param in self._shard_groups:  # FSDP2: update this rank's shard (plain local tensors)
-                    self.consume_grad_(param, grad.to_local(), DenseWeightIO(param.to_local()))
+                if param in self._shard_groups:  # FSDP2 / ZeRO-3: update this rank's shard
+                    from neutrain.distributed.shards import local_shard
+
+                    self.consume_grad_(param, *local_shard(param, grad, self._shard_groups[param]))
                 else:
                     self.consume_grad_(param, grad, DenseWeightIO(param))
 
@@ -434,7 +436,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def full_numel(self, key: torch.Tensor, weight: torch.Tensor) -> int:
         """Elements of the whole tensor behind ``key`` (``weight`` may be this rank's shard)."""
-        return key.numel() if key in self._shard_groups else weight.numel()
+        if key not in self._shard_groups:
+            return weight.numel()
+        from neutrain.distributed.shards import full_numel
+
+        return full_numel(key)
 
     def _chunk_rows(self, t: torch.Tensor) -> int:
         row_numel = max(1, as_rows(t).shape[1])

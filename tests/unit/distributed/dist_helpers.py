@@ -57,6 +57,16 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def gathered_zero3_weights(model, world: int) -> dict[str, torch.Tensor]:
+    """Full weights of a ZeRO-3 model, from every rank's flat partition (``ds_tensor``)."""
+    out = {}
+    for name, p in model.named_parameters():
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(world)]
+        dist.all_gather(parts, p.ds_tensor.contiguous())
+        out[name] = torch.cat(parts)[: p.ds_numel].view(p.ds_shape).detach().clone().float()
+    return out
+
+
 def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") -> dict:
     """Train one case; in ``mode`` replicated/fsdp2 this process sees rows ``rank::world`` of each batch."""
     model = tiny_model(case.get("compressed", False))
@@ -68,6 +78,12 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") 
             fully_shard(layer)
         fully_shard(model)
     opt = build_optimizer(model, case)
+    engine = None
+    if mode == "zero3":
+        from neutrain.distributed.deepspeed import initialize_zero3
+
+        engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": BATCH // world,
+                                               "zero_optimization": {"stage": 3}})
     if mode == "replicated":
         from neutrain.distributed.data_parallel import attach
 
@@ -76,14 +92,19 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") 
     for ids in batches():
         local = ids[rank::world]
         # The model's own forward (FSDP2 unshards the root's parameters in its forward hook).
-        opt.backward(model(input_ids=local, labels=local).loss)
+        if engine is not None:  # ZeRO-3: forward through engine.module, plain autograd backward
+            from neutrain.distributed.deepspeed import backward
+
+            backward(engine, opt, engine.module(input_ids=local, labels=local).loss)
+        else:
+            opt.backward(model(input_ids=local, labels=local).loss)
         opt.step()
         norms.append(opt.grad_norm())
     info["norms"] = norms
     if mode == "replicated":
         info["submitted"], info["completed"] = sync.submitted, sync.completed
     info["sharded"] = len(opt._shard_groups)
-    info["weights"] = full_weights(model)
+    info["weights"] = gathered_zero3_weights(model, world) if engine is not None else full_weights(model)
     return info
 
 
@@ -95,6 +116,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # What torchrun would set (DeepSpeed reads them).
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO-3 with fused updates: the engine partitions parameters, neutrain updates them.
+
+For users who already run DeepSpeed (trainer.md §4). Handing a fused optimizer to
+DeepSpeed makes it a ZeRO "client optimizer": DeepSpeed then keeps fp32 gradient
+partitions for a ``step()`` that must do the work, the opposite of fusion. So,
+as LOMO does, the engine is built **without an optimizer**
+(:func:`initialize_zero3`): ZeRO-3 only partitions the parameters and gathers them
+around each module's forward and backward (``DeepSpeedZeRoOffload``).
+
+The gradient path:
+
+* backward does **not** go through ``engine.backward`` (it needs an optimizer;
+  DeepSpeed 0.19's ``loss.backward()`` on the engine's output raises "Direct
+  calls to tensor.backward() are not supported"). The forward runs through
+  ``engine.module`` (ZeRO-3's gather hooks live on the modules themselves) and
+  :func:`backward` calls ``optimizer.backward(loss)``, plain autograd, then
+  resets ZeRO-3's parameter coordinator for the next step;
+* each parameter's post-accumulate-grad hook (the hook ZeRO-3 itself uses) gets
+  the full gradient of this rank's micro-batch; :func:`partition_grad`
+  reduce-scatters it (NCCL; all-reduce and slice on gloo) into this rank's
+  partition of the averaged gradient, and the fused rule updates the
+  partition ``param.ds_tensor`` in place.
+
+Per-tensor squared norms are summed over the partitions, so clipping and the
+global norm match one process. The partition is a flat slice that cuts across
+rows, so only element-wise rules apply (LOMO, AdamW-in-backward); AdaLomo's
+factored statistics need whole rows: use FSDP2, whose shards are row blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """True for a parameter partitioned by ZeRO-3 (it carries ``ds_tensor``)."""
+    return hasattr(p, "ds_tensor") and hasattr(p, "ds_numel")
+
+
+class PartitionIO:
+    """Weight I/O over this rank's valid slice of a ZeRO-3 partition (updated in place)."""
+
+    def __init__(self, partition: torch.Tensor):
+        self.partition = partition
+
+    def read(self) -> torch.Tensor:
+        return self.partition
+
+    def write_(self, weight: torch.Tensor) -> None:
+        if weight.data_ptr() != self.partition.data_ptr():
+            self.partition.copy_(weight)
+
+
+def _valid_range(p: torch.Tensor, rank: int) -> tuple[int, int]:
+    size = p.ds_tensor.numel()
+    start = size * rank
+    return start, max(0, min(size, p.ds_numel - start))
+
+
+def partition_grad(p: torch.Tensor, grad: torch.Tensor, group=None) -> tuple[torch.Tensor, PartitionIO]:
+    """This rank's slice of the gradient averaged over ``group``, and I/O for the matching weight slice.
+
+    Args:
+        p: a ZeRO-3 parameter.
+        grad: its full gradient from this rank's micro-batch.
+        group: the data-parallel group (default: the world).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = p.ds_tensor.numel()
+    start, valid = _valid_range(p, rank)
+    flat = grad.reshape(-1)
+    if dist.get_backend(group) == "nccl":
+        padded = flat if flat.numel() == size * world else torch.nn.functional.pad(flat, (0, size * world - flat.numel()))
+        part = torch.empty(size, dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(part, padded.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        part = part[:valid]
+    else:  # gloo has no reduce-scatter of flat tensors
+        flat = flat.contiguous()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        part = flat[start : start + valid]
+    part = part.div_(world)
+    return part, PartitionIO(p.ds_tensor.data.view(-1)[:valid])
+
+
+def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
+    """Build a ZeRO-3 engine without an optimizer and bind ``optimizer`` to its partitions.
+
+    Args:
+        model: the model (parameters are partitioned in place).
+        optimizer: a fused optimizer over ``model.parameters()`` with an element-wise rule.
+        config: a DeepSpeed config dict with ``zero_optimization.stage == 3``; no
+            ``optimizer``/``scheduler`` sections (the fused optimizer and any torch
+            scheduler on it take their place).
+
+    Returns:
+        The DeepSpeed engine. Run ``loss = engine.module(**batch).loss`` and
+        :func:`backward`, then ``optimizer.step()``.
+
+    Example:
+        >>> opt = build_fused_optimizer(model, "lomo", lr=1e-4)
+        >>> engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": 1,
+        ...                                         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+        >>> backward(engine, opt, engine.module(input_ids=ids, labels=ids).loss); opt.step()
+    """
+    import deepspeed
+
+    stage = config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise ValueError(f"fused updates under DeepSpeed need ZeRO stage 3 (parameter partitioning), got {stage}")
+    if "optimizer" in config:
+        raise ValueError("remove the DeepSpeed 'optimizer' section: the fused optimizer updates the partitions")
+    if not optimizer.elementwise:
+        raise ValueError(
+            f"{type(optimizer).__name__} needs whole-row statistics; ZeRO-3 partitions are flat slices. "
+            "Use an element-wise rule (lomo, adamw-in-backward) or FSDP2."
+        )
+    # Persistent parameters (small ones, kept whole on every rank) would be read from their full copy,
+    # not from the partition the update writes: partition every parameter.
+    zero = dict(config["zero_optimization"], stage3_param_persistence_threshold=0, model_persistence_threshold=0)
+    config = {"zero_allow_untested_optimizer": True, **config, "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    optimizer._reindex()
+    optimizer.bind(engine.module)
+    if not optimizer._shard_groups:
+        raise RuntimeError("no ZeRO-3 partitioned parameter found after deepspeed.initialize")
+    return engine
+
+
+def backward(engine, optimizer, loss: torch.Tensor) -> None:
+    """Backward with fused updates on ZeRO-3 partitions (the forward ran through ``engine.module``)."""
+    optimizer.backward(loss)
+    offload = engine.optimizer  # DeepSpeedZeRoOffload: partitioning only
+    offload.get_param_coordinator().reset_step()
+    # Parameters still gathered after backward (the embedding, prefetched ones) hold pre-update copies:
+    # release them so that the next forward gathers the updated partitions.
+    offload.empty_partition_cache()

@@ -1,0 +1,15 @@
+"""DeepSpeed ZeRO-3 (engine without optimizer) with fused LOMO on partitions: 2 gloo processes == 1 process."""
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from tests.unit.distributed.dist_helpers import assert_same_training, run_cases  # noqa: E402
+
+CASES = [{"optimizer": "lomo", "clip_mode": "per_tensor", "max_grad_norm": 0.5}]
+
+
+def test_zero3_partition_updates_match_one_process():
+    (single, double), = run_cases("zero3", CASES)
+    assert double["sharded"] > 0, "no parameter was a ZeRO-3 partition"
+    assert_same_training(single, double)
