@@ -109,6 +109,47 @@ def train_memory_table() -> str | None:
     return "\n".join(rows)
 
 
+INF_BEGIN, INF_END = "<!-- inference:begin -->", "<!-- inference:end -->"
+
+
+def inference_table() -> str | None:
+    """Decode rows of benchmarks/results/inference.json (README's inference section)."""
+    path = RESULTS / "inference.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    res = data["results"]
+    dense = res.get("decode", {}).get("dense-bf16", {})
+    rows = [f"Measured on an {data['device']} (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B architecture, "
+            "random init, greedy decode after a 64-token prompt, transformers `DynamicCache`, eager (no CUDA graphs):",
+            "", "| weights | weight memory | peak, batch 16 | tokens/s, batch 1 | tokens/s, batch 16 | GPU ms/step, batch 1 |",
+            "|---|---|---|---|---|---|"]
+    for name, row in res.get("decode", {}).items():
+        if "batch1" not in row:
+            rows.append(f"| {name} | {row.get('skipped') or row.get('error', 'failed')} | | | | |")
+            continue
+        ratio = f" ({row['weights_gib'] / dense['weights_gib']:.2f}x)" if dense.get("weights_gib") else ""
+        gpu = row["batch1"].get("gpu_ms_per_step")
+        rows.append(f"| {name} | {row['weights_gib']:.2f} GiB{ratio} | {row['batch16']['peak_gib']:.2f} GiB | "
+                    f"{row['batch1']['tokens_per_s']:.1f} | {row['batch16']['tokens_per_s']:.0f} | "
+                    f"{'-' if gpu is None else f'{gpu:.1f}'} |")
+    ppl = res.get("perplexity", {}).get("rows", {})
+    if ppl:
+        rows += ["", "Perplexity (held-out Python sources, small Llama trained by neutrain): " + ", ".join(
+            f"{k} {v['perplexity']:.3f}" + (f" ({v['perplexity_change_pct']:+.2f}%)" if "perplexity_change_pct" in v else "")
+            for k, v in ppl.items())]
+    lora = res.get("lora_small", {}).get("rows", {})
+    if lora:
+        rows += ["", f"LoRA (r {res['lora_small']['settings']['lora_r']}, {res['lora_small']['settings']['steps']} steps, "
+                 "same data) on that model, train loss over the last 10 steps / held-out loss after: " + ", ".join(
+                     f"{k} {v['loss_last10']:.4f} / {v['heldout_loss_after']:.4f}" for k, v in lora.items() if "loss_last10" in v)]
+    big = res.get("lora_8b", {})
+    if big:
+        rows += ["", "LoRA on the 8B architecture (batch 2 x 512, peak memory, tokens/s): " + ", ".join(
+            f"{k} {v['peak_gib']:.2f} GiB, {v['tokens_per_s']:.0f} tok/s" for k, v in big.items() if "peak_gib" in v)]
+    return "\n".join(rows)
+
+
 def _replace(text: str, begin: str, end: str, body: str | None) -> str:
     if body is None or begin not in text:
         return text
@@ -122,6 +163,7 @@ def main() -> int:
     args = ap.parse_args()
     text = README.read_text()
     new = _replace(_replace(text, BEGIN, END, table()), TM_BEGIN, TM_END, train_memory_table())
+    new = _replace(new, INF_BEGIN, INF_END, inference_table())
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)
