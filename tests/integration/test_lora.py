@@ -75,6 +75,20 @@ def test_lora_trains_on_frozen_compressed_base_saves_loads_and_merges(tmp_path, 
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, ref)
 
+    if weights == "neuzip-lossless":
+        # The CLI merges an adapter checkpoint into a given base (here the bit-identical dense base).
+        from transformers import AutoModelForCausalLM
+
+        from neutrain.cli import main
+        from neutrain.export import export_hf
+
+        export_hf(merge_lora_free_base(copy.deepcopy(peft_model.get_base_model())), tmp_path / "base")
+        assert main(["export", str(tmp_path / "adapters"), "--base", str(tmp_path / "base"), "--format", "hf",
+                     "--output", str(tmp_path / "merged")]) == 0
+        with torch.no_grad():
+            cli_out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))(ids).logits
+        assert (cli_out - ref).abs().max() < 1e-4
+
     merged_weights = {}
     for target in ("dense", "neuzip-lossless", "neuzip-lossy-7"):
         merged = merge_lora(copy.deepcopy(peft_model), target, codec_options=FAST)

@@ -80,6 +80,15 @@ def test_lossless_export_from_pretrained_is_compressed_and_bit_exact(tmp_path, t
     assert torch.equal(gen, expected)
 
 
+def test_dequantize_gives_the_dense_model(tmp_path):
+    model = _tiny()
+    loaded = _load(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
+    dense = loaded.dequantize()
+    assert type(dense.lm_head) is torch.nn.Linear and not getattr(dense, "is_quantized", False)
+    for name, value in model.state_dict().items():
+        assert torch.equal(dense.state_dict()[name], value), name
+
+
 def test_lossy_export_takes_k_and_rounds_like_the_codec(tmp_path):
     from neutrain.compress import compress
     from neutrain.nn import decompressed_state_dict
