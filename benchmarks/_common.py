@@ -24,12 +24,14 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _git_commit() -> str:
+    if os.environ.get("NEUTRAIN_GIT_COMMIT"):  # device copies: their .git, if any, may be stale
+        return os.environ["NEUTRAIN_GIT_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL
         ).decode().strip()
     except Exception:
-        return os.environ.get("NEUTRAIN_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict[str, Any]:
