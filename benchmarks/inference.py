@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -35,12 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import benchmarks._common as _common  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
-
-if os.environ.get("NEUTRAIN_GIT_COMMIT"):
-    # The device machine's copy may carry a stale .git: the commit given by the caller wins.
-    _common._git_commit = lambda: os.environ["NEUTRAIN_GIT_COMMIT"]
 
 from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_BIG  # noqa: E402  (the same 8B architecture)
 
