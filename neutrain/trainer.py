@@ -128,6 +128,14 @@ class NeuTrainer(Trainer):
         if mode == "fsdp2" and self.memory.get("loss_chunk_size", 0) > 0:
             # The chunked loss calls the decoder and lm_head directly, past FSDP2's root unshard hook.
             raise UserInputError("memory.loss_chunk_size is not supported with FSDP2; set it to 0")
+        if mode == "deepspeed":
+            # The Trainer's DeepSpeed path hands the optimizer to the engine as a ZeRO client optimizer
+            # (gradient partitions kept for step()), which undoes fused updates.
+            raise UserInputError(
+                "train.deepspeed with a fused optimizer: the Trainer would build the DeepSpeed engine around the "
+                "optimizer. Use FSDP2 (launch/fsdp2.yaml), or neutrain.distributed.deepspeed.initialize_zero3 in "
+                "your own loop (engine without an optimizer)."
+            )
         if mode == "replicated":
             from neutrain.distributed.data_parallel import skip_ddp_wrapping
 

@@ -21,11 +21,11 @@ VOCAB, STEPS, BATCH, LENGTH = 128, 3, 4, 16
 CODEC = {"steps": 16}
 
 
-def tiny_model(compressed: bool, seed: int = 0):
+def tiny_model(compressed: bool, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=64)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
     if compressed:
         from neutrain.nn import compress_model
 
@@ -53,7 +53,7 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     for name, t in decompressed_state_dict(model).items():
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        out[name] = t.detach().clone().float()
+        out[name] = t.detach().float().cpu().clone()
     return out
 
 
@@ -63,13 +63,13 @@ def gathered_zero3_weights(model, world: int) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         parts = [torch.empty_like(p.ds_tensor) for _ in range(world)]
         dist.all_gather(parts, p.ds_tensor.contiguous())
-        out[name] = torch.cat(parts)[: p.ds_numel].view(p.ds_shape).detach().clone().float()
+        out[name] = torch.cat(parts)[: p.ds_numel].view(p.ds_shape).detach().float().cpu().clone()
     return out
 
 
-def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") -> dict:
-    """Train one case; in ``mode`` replicated/fsdp2 this process sees rows ``rank::world`` of each batch."""
-    model = tiny_model(case.get("compressed", False))
+def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", device: str = "cpu") -> dict:
+    """Train one case; in ``mode`` replicated/fsdp2/zero3 this process sees rows ``rank::world`` of each batch."""
+    model = tiny_model(case.get("compressed", False), device=device)
     info = {}
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -90,7 +90,7 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single") 
         sync = attach(opt, model)
     norms = []
     for ids in batches():
-        local = ids[rank::world]
+        local = ids[rank::world].to(device)
         # The model's own forward (FSDP2 unshards the root's parameters in its forward hook).
         if engine is not None:  # ZeRO-3: forward through engine.module, plain autograd backward
             from neutrain.distributed.deepspeed import backward
@@ -114,17 +114,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: str, device: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # What torchrun would set (DeepSpeed reads them).
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = "gloo"
+    if device == "cuda":  # one GPU per process, NCCL
+        torch.cuda.set_device(rank)
+        device, backend = f"cuda:{rank}", "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = []
         for case in cases:
-            info = train_case(case, rank, world, mode)
+            info = train_case(case, rank, world, mode, device)
             info["world_size"] = dist.get_world_size()
             results.append(info)
         if rank == 0:
@@ -134,12 +138,13 @@ def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: s
         dist.destroy_process_group()
 
 
-def run_cases(mode: str, cases: list[dict]) -> list[tuple[dict, dict]]:
-    """``[(single-process info, 2-process info)]`` per case."""
+def run_cases(mode: str, cases: list[dict], device: str = "cpu") -> list[tuple[dict, dict]]:
+    """``[(single-process info, 2-process info)]`` per case (``device="cuda"``: 2 GPUs, NCCL)."""
     torch.set_num_threads(1)
-    singles = [train_case(case) for case in cases]
+    singles = [train_case(case, device="cuda:0" if device == "cuda" else "cpu") for case in cases]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, _free_port(), mode, cases, tmp), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(2, _free_port(), mode, cases, tmp, device), nprocs=2, join=True,
+                           start_method="spawn")
         doubles = torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
     return list(zip(singles, doubles))
 

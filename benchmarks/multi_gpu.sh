@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One call on one 4-GPU machine: install the carried wheels, run the GPU distributed tests
+# (junit XML), then benchmark fused LOMO on the Llama-3-8B architecture for 1, 2 and 4 GPUs
+# in every mode. Each run writes its JSON into $OUT as soon as it ends; a failing or slow
+# mode is logged and skipped, the others go on. A time budget (BUDGET seconds, default 530)
+# keeps the whole call under the device's 10-minute limit.
+#
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/multi_gpu.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/benchmarks/results}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-530}
+export PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0          # NVLink multicast stays off on the lent machines
+export NEUTRAIN_GIT_COMMIT=${NEUTRAIN_GIT_COMMIT:-unknown}
+
+# --- carried wheels, only for what the image lacks (never shadow its own packages) ---------------
+SITE=/tmp/site
+wheels=()
+have() { python3 -c "import $1" 2>/dev/null; }
+add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
+have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
+if ! have deepspeed; then
+  add .whl/deepspeed/deepspeed-*.whl
+  have einops || add .whl/deepspeed/einops-*.whl
+  have hjson || add .whl/deepspeed/hjson-*.whl
+  have msgpack || add .whl/deepspeed/msgpack-*.whl
+  have ninja || add .whl/deepspeed/ninja-*.whl
+  have cpuinfo || add .whl/deepspeed/py_cpuinfo-*.whl
+  have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
+                       .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
+fi
+if [ ${#wheels[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}" \
+    || echo "WARNING: wheel install failed"
+fi
+export PYTHONPATH=$SITE:$PWD
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+
+left() { echo $(( BUDGET - SECONDS )); }
+
+# --- GPU tests ------------------------------------------------------------------------------------
+timeout 170 python3 -m pytest -q -m gpu tests/unit/distributed/test_gpu.py --junitxml="$OUT/junit_multi_gpu.xml" \
+  > "$OUT/junit_multi_gpu.log" 2>&1
+echo "tests rc=$? ($(left)s left)"; tail -n 15 "$OUT/junit_multi_gpu.log"
+
+# --- benchmark: 1 GPU, then 2 and 4 GPUs per mode ----------------------------------------------------
+NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+BENCH_ARGS=${BENCH_ARGS:-}   # CPU dry run: NGPU=2 BENCH_ARGS=--tiny bash benchmarks/multi_gpu.sh
+port=29650
+bench() {  # bench <gpus> <mode>
+  local n=$1 mode=$2 limit=110 rest
+  rest=$(left)
+  if [ "$n" -gt "$NGPU" ]; then echo "skip $mode x$n: $NGPU GPUs"; return; fi
+  if [ "$rest" -lt 45 ]; then echo "skip $mode x$n: time budget spent"; return; fi
+  [ "$limit" -gt $(( rest - 15 )) ] && limit=$(( rest - 15 ))
+  port=$((port + 1))
+  timeout -k 5 "$limit" python3 -m torch.distributed.run --nproc_per_node "$n" --master_port "$port" \
+    benchmarks/multi_gpu.py --mode "$mode" --results-dir "$OUT" $BENCH_ARGS > "$OUT/multi_gpu_${mode}_${n}gpu.log" 2>&1
+  echo "bench $mode x$n rc=$? ($(left)s left)"
+  grep -E '"(tokens_per_s_per_gpu|peak_allocated_gib_per_gpu|step_time_s)"' "$OUT/multi_gpu_${mode}_${n}gpu.log" \
+    || tail -n 8 "$OUT/multi_gpu_${mode}_${n}gpu.log"
+}
+bench 1 single
+for mode in fsdp2 replicated zero3; do
+  bench 2 "$mode"
+  bench 4 "$mode"
+done
+python3 benchmarks/multi_gpu.py --summarize --results-dir "$OUT" $BENCH_ARGS 2>&1 | grep -v WARNING | tail -n 12
+echo "done in ${SECONDS}s"
