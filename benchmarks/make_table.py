@@ -48,7 +48,21 @@ def _kv_eval(res) -> str | None:
     return "; ".join(parts)
 
 
-SUMMARIZERS = [_attention, _kv_eval]
+def _kv_fidelity(res) -> str | None:
+    """Accuracy (and measured compression) of each cache on the trained retrieval model."""
+    caches = (res or {}).get("fidelity", {}).get("caches") if isinstance(res, dict) else None
+    if not caches:
+        return None
+    parts = []
+    for label, summary in caches.items():
+        overall = summary.get("overall", {})
+        if "accuracy" in overall:
+            ratio = overall.get("compression_ratio")
+            parts.append(f"{label} {overall['accuracy']:.0f}%" + (f" ({ratio:.2f}x)" if ratio and label != "full" else ""))
+    return "exact match: " + ", ".join(parts) if parts else None
+
+
+SUMMARIZERS = [_attention, _kv_eval, _kv_fidelity]
 
 
 def _headline(data: dict) -> str:
