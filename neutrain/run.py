@@ -58,15 +58,41 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         optim=optim,
         remove_unused_columns=False,
         disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
-        deepspeed=t["deepspeed"],
-        fsdp=t["fsdp"] or "",
-        fsdp_config=t["fsdp_config"],
+        **distributed_arguments(t),
         save_safetensors=True,
         **compat.checkpointing_training_args(m["gradient_checkpointing"]),
     )
     # Keys a given transformers release does not know (save_safetensors left in 5.2x) are dropped.
     accepted = inspect.signature(TrainingArguments.__init__).parameters
     return TrainingArguments(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+# FSDP2 defaults for ``train.distributed: fsdp2``: one fully_shard unit per decoder layer (the model's
+# _no_split_modules), sharded checkpoints (each rank writes its shards; resume needs the same process count).
+FSDP2_DEFAULTS = {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                  "cpu_ram_efficient_loading": False}
+
+
+def distributed_arguments(t: dict) -> dict[str, Any]:
+    """``deepspeed``/``fsdp``/``fsdp_config`` for ``TrainingArguments`` from the recipe's ``train`` section."""
+    from neutrain.config.errors import UserInputError
+
+    mode = t.get("distributed", "auto")
+    fsdp, fsdp_config, deepspeed = t["fsdp"] or "", t["fsdp_config"], t["deepspeed"]
+    if mode == "replicated" and (fsdp or deepspeed):
+        raise UserInputError("train.distributed: replicated contradicts train.fsdp / train.deepspeed")
+    if mode == "deepspeed" and not deepspeed:
+        raise UserInputError("train.distributed: deepspeed needs train.deepspeed (e.g. launch/deepspeed_zero3.json)")
+    if mode == "fsdp2":
+        if deepspeed:
+            raise UserInputError("train.distributed: fsdp2 contradicts train.deepspeed")
+        if isinstance(fsdp_config, str):
+            fsdp_config = json.loads(Path(fsdp_config).read_text())
+        fsdp = fsdp or "full_shard auto_wrap"
+        fsdp_config = {**FSDP2_DEFAULTS, **(fsdp_config or {})}
+        if fsdp_config["fsdp_version"] != 2:
+            raise UserInputError("train.distributed: fsdp2 with fsdp_config.fsdp_version != 2")
+    return {"deepspeed": deepspeed, "fsdp": fsdp, "fsdp_config": fsdp_config}
 
 
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:

@@ -92,6 +92,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", nullable=True),
         "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
+        "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),
         "deepspeed": Key(str, None, "DeepSpeed JSON config path (see launch/).", path="file", nullable=True),
         "fsdp": Key(str, None, "FSDP options, as TrainingArguments.fsdp (e.g. 'full_shard auto_wrap').", nullable=True),
         "fsdp_config": Key((dict, str), None, "FSDP config mapping or JSON path (fsdp_version: 2 recommended).", nullable=True),

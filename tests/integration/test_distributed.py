@@ -25,10 +25,7 @@ MODES = {
     "replicated": {"train": {"optimizer": "adalomo", "learning_rate": 1e-2, "max_grad_norm": 1.0},
                    "memory": {"weights": "dense", "clip_mode": "global_stale", "loss_chunk_size": 64}},
     # LOMO on FSDP2 shards (dense weights), one fully_shard unit per decoder layer.
-    "fsdp2": {"train": {"optimizer": "lomo", "learning_rate": 1e-2, "max_grad_norm": 1.0,
-                        "fsdp": "full_shard auto_wrap",
-                        "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                        "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}},
+    "fsdp2": {"train": {"optimizer": "lomo", "learning_rate": 1e-2, "max_grad_norm": 1.0, "distributed": "fsdp2"},
               "memory": {"weights": "dense", "clip_mode": "per_tensor"}},
 }
 
@@ -37,7 +34,7 @@ def _launch(directory: Path, mode: str, processes: int, port: int, **train):
     spec = MODES[mode]
     train_section = {**STEPS, **spec["train"], **train}
     if processes == 1:
-        train_section = {k: v for k, v in train_section.items() if k not in ("fsdp", "fsdp_config")}
+        train_section = {k: v for k, v in train_section.items() if k != "distributed"}
     recipe = write_recipe(directory, train=train_section, memory=spec["memory"], export={"format": "none"}, **NO_EVAL)
     if processes == 1:
         cmd = [sys.executable, "-m", "neutrain", recipe]
