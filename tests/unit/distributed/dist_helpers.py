@@ -8,9 +8,11 @@ distributed run recorded (world size, counters of the reduction path).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 VOCAB, STEPS, BATCH, LENGTH = 128, 3, 4, 16
+LAUNCH = Path(__file__).resolve().parents[3] / "launch"
 CODEC = {"steps": 16}
 
 
@@ -82,8 +85,10 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", 
     if mode == "zero3":
         from neutrain.distributed.deepspeed import initialize_zero3
 
-        engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": BATCH // world,
-                                               "zero_optimization": {"stage": 3}})
+        # The shipped config, with this test's micro-batch and fp32 weights.
+        config = json.loads((LAUNCH / "deepspeed_zero3_fused.json").read_text())
+        config.update(train_micro_batch_size_per_gpu=BATCH // world, bf16={"enabled": False})
+        engine = initialize_zero3(model, opt, config)
     if mode == "replicated":
         from neutrain.distributed.data_parallel import attach
 
