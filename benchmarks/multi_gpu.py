@@ -278,7 +278,19 @@ def summarize(results_dir: str, tiny: bool = False) -> Path | None:
     path = write_result("multi_gpu" + suffix, settings, rows, out_dir=results_dir)
     for row in rows:
         print(json.dumps(row))
+    print(markdown_table(rows))
     return path
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The README rows: one per mode and GPU count."""
+    lines = ["| mode | GPUs | tokens/s per GPU | scaling vs 1 GPU | peak allocated GiB per GPU | vs 1 GPU | step s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:.0f} | "
+                     f"{100 * r.get('scaling_efficiency', float('nan')):.0f} % | {r['peak_allocated_gib_per_gpu']:.2f} | "
+                     f"{r.get('memory_vs_1gpu', float('nan')):.2f}x | {r['step_time_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None):

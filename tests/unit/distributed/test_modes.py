@@ -1,0 +1,79 @@
+"""Mode selection, the recipe's train.distributed mapping, DDP bypass and the all-reduce queue (one process)."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from neutrain.config.errors import UserInputError
+from neutrain.distributed.data_parallel import GradientAllReduce, skip_ddp_wrapping
+from neutrain.run import FSDP2_DEFAULTS, distributed_arguments
+
+TRAIN = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
+
+
+def test_fsdp2_key_fills_fsdp2_defaults_and_keeps_user_values():
+    args = distributed_arguments({**TRAIN, "distributed": "fsdp2", "fsdp_config": {"reshard_after_forward": False}})
+    assert args["fsdp"] == "full_shard auto_wrap" and args["deepspeed"] is None
+    assert args["fsdp_config"] == {**FSDP2_DEFAULTS, "reshard_after_forward": False}
+    assert distributed_arguments({**TRAIN, "distributed": "auto"}) == {"deepspeed": None, "fsdp": "", "fsdp_config": None}
+
+
+@pytest.mark.parametrize("train", [
+    {"distributed": "replicated", "fsdp": "full_shard"},
+    {"distributed": "deepspeed"},
+    {"distributed": "fsdp2", "fsdp_config": {"fsdp_version": 1}},
+])
+def test_contradictory_distributed_keys_are_refused(train):
+    with pytest.raises(UserInputError):
+        distributed_arguments({**TRAIN, **train})
+
+
+def test_single_process_accelerator_is_single():
+    from accelerate import Accelerator
+
+    from neutrain.distributed import fused_mode
+
+    assert fused_mode(Accelerator(cpu=True)) == "single"
+
+
+def test_skip_ddp_wrapping_forces_evaluation_mode():
+    calls = []
+
+    class FakeAccelerator:
+        def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+            calls.append(evaluation_mode)
+            return model
+
+    acc = FakeAccelerator()
+    skip_ddp_wrapping(acc)
+    skip_ddp_wrapping(acc)  # idempotent
+    model = torch.nn.Linear(2, 2)
+    assert acc.prepare_model(model) is model and calls == [True]
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_all_reduce_queue_bounds_inflight_and_drains_at_end_of_backward(one_process_group):
+    sync = GradientAllReduce(max_inflight=1)
+    finished = []
+    layers = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(3)])
+    def hook(p):
+        grad, p.grad = p.grad, None
+        sync.submit(grad, finished.append)
+
+    for p in layers.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    layers(torch.randn(4, 3)).sum().backward()
+    # 6 tensors: each submit beyond the first finishes the oldest; the end-of-backward callback finishes the last.
+    assert sync.submitted == sync.completed == len(finished) == 6
+    assert not sync._pending
