@@ -174,6 +174,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": getattr(trainer, "distributed_mode", None),
+        "model_wrapper": type(trainer.model_wrapped).__name__,
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -48,6 +48,7 @@ def _launch(directory: Path, mode: str, processes: int, port: int, **train):
     summary = json.loads((directory / "out" / "summary.json").read_text())
     assert summary["world_size"] == processes, "the run did not use the expected number of processes"
     assert summary["distributed_mode"] == (mode if processes > 1 else "single")
+    assert summary["model_wrapper"] != "DistributedDataParallel"  # fused updates reduce gradients themselves
     return directory / "out"
 
 
