@@ -179,7 +179,8 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every compressed weight decoded under its dense name.
 
     Values are exactly the bytes the model computes with (lossless weights are
-    bit-identical to the trained bf16 weights). Decodes one weight at a time.
+    bit-identical to the trained bf16 weights; bf16 storage under fp32 compute gives
+    them upcast to fp32, as the modules use them). Decodes one weight at a time.
 
     Example:
         >>> lin = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False).bfloat16())
@@ -192,7 +193,7 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, (CompressedLinear, CompressedEmbedding)):
-            out[prefix + "weight"] = module.compressed.dense()
+            out[prefix + "weight"] = module.compressed.dense().to(module.compressed.compute_dtype)
             if getattr(module, "bias", None) is not None:
                 out[prefix + "bias"] = module.bias.detach()
             continue

@@ -126,8 +126,12 @@ class CompressedWeight:
             DECODE_BUFFERS.release_large(self)
 
     def replace_(self, ct) -> None:
-        """Swap in another compressed tensor of the same shape (checkpoint loading)."""
-        if tuple(ct.shape) != tuple(self.shape) or ct.dtype != self.dtype:
+        """Swap in another compressed tensor of the same shape (checkpoint loading).
+
+        The stored dtype may differ (a bf16-stored checkpoint loaded into a model built in
+        fp32); the module keeps computing in :attr:`compute_dtype`.
+        """
+        if tuple(ct.shape) != tuple(self.shape):
             raise ValueError(f"{self.name}: loaded {ct.dtype} {tuple(ct.shape)} for {self.dtype} {tuple(self.shape)}")
         self.ct = ct
         self.version += 1
