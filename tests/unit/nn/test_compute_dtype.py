@@ -101,3 +101,22 @@ def test_fused_training_rounds_updates_back_to_bf16_storage():
         now = weight.dense()
         assert now.dtype == torch.bfloat16 and torch.isfinite(now).all()
         assert (now != start[weight.name]).float().mean() > 0.5, weight.name
+
+
+def test_bf16_stored_state_loads_into_a_model_built_in_fp32():
+    # What loading a CPU run's checkpoint does: the skeleton is fp32, the saved blobs are bf16.
+    from transformers import AutoModelForCausalLM
+
+    _, compressed, _ = _fp32_twins(tie=False)
+    torch.manual_seed(1)
+    fresh = AutoModelForCausalLM.from_config(tiny_config(False), dtype=torch.float32).train()
+    compress_model(fresh, progress=False, codec_options=CODEC)
+    assert all(w.ct.dtype == torch.float32 for w in compressed_weights(fresh))
+    fresh.load_state_dict(compressed.state_dict())
+    assert all(w.ct.dtype == torch.bfloat16 and w.compute_dtype == torch.float32 for w in compressed_weights(fresh))
+    ids = token_batches(1, seed=6)[0]
+    with torch.no_grad():
+        assert torch.equal(causal_lm_loss(fresh, ids, ids), causal_lm_loss(compressed, ids, ids))
+    state = decompressed_state_dict(fresh)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert torch.equal(state["lm_head.weight"], compressed.lm_head.compressed.dense().float())
