@@ -2,19 +2,25 @@
 
 Each optimizer is swept over a few learning rates (fused SGD wants a far larger rate
 than AdamW), with everything else fixed: the same small Llama from random init, the
-same Python-stdlib corpus and token budget, the same seed. The README's learning-rate
-guidance comes from this file's results. Runs on CPU in minutes (no GPU needed):
+same Python-stdlib corpus, tokenizer and token budget, the same seed. The README's
+learning-rate guidance comes from this file's results. The model dtype is ``auto``,
+the default recipe's CPU setting: dense runs keep fp32 weights; compressed runs store
+bf16 NeuZip weights (stochastic rounding on) and compute in fp32. Runs on CPU (no GPU needed):
 
     python benchmarks/convergence.py                 # writes benchmarks/results/convergence.json
     python benchmarks/convergence.py --steps 40      # quicker
+    python benchmarks/convergence.py --only adalomo:neuzip-lossless --merge   # re-run one sweep, keep the rest
+    python benchmarks/convergence.py --only lomo:dense --lrs 1.0 --merge      # add one rate
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,7 +32,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DISABLE_TQDM", "1")
 
 BASE = {
-    "model": {"init": "random", "tokenizer": "train-bpe", "tokenizer_vocab_size": 2048, "dtype": "bfloat16",
+    "model": {"init": "random", "tokenizer": "train-bpe", "tokenizer_vocab_size": 2048, "dtype": "auto",
               "config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
                          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
                          "tie_word_embeddings": False}},
@@ -38,13 +44,13 @@ BASE = {
     "export": {"format": "none"},
 }
 SWEEP = {
-    ("adamw", "dense"): [3e-4, 1e-3, 3e-3],
-    ("lomo", "dense"): [3e-2, 1e-1, 3e-1],
-    # Compressed + fused runs are bit-identical to dense + fused with rounding off (tests/unit/nn/test_parity.py);
-    # one rate each confirms it with stochastic rounding on, at a fraction of the CPU time.
-    ("lomo", "neuzip-lossless"): [1e-1],
-    ("adalomo", "dense"): [1e-3, 3e-3, 1e-2],
-    ("adalomo", "neuzip-lossless"): [3e-3],
+    ("adamw", "dense"): [3e-4, 1e-3, 3e-3, 1e-2],
+    ("lomo", "dense"): [3e-2, 1e-1, 3e-1, 1.0],
+    # AdaLomo scales its step by each tensor's RMS (~0.02 for matrices at init): rates ~50x AdamW's.
+    ("adalomo", "dense"): [3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+    # Compressed runs hold bf16 weights (dense ones fp32 here): two rates each show where they land.
+    ("lomo", "neuzip-lossless"): [1e-1, 3e-1],
+    ("adalomo", "neuzip-lossless"): [3e-2, 1e-1],
 }
 
 
@@ -53,10 +59,15 @@ def run_one(optimizer: str, weights: str, lr: float, steps: int, workdir: str) -
     from neutrain.run import build_trainer
 
     raw = copy.deepcopy(BASE)
-    raw["train"].update(optimizer=optimizer, learning_rate=lr, max_steps=steps,
-                        output_dir=os.path.join(workdir, f"{optimizer}-{weights}-{lr:g}"))
+    out = os.path.join(workdir, f"{optimizer}-{weights}-{lr:g}")
+    raw["train"].update(optimizer=optimizer, learning_rate=lr, max_steps=steps, output_dir=out)
     raw["memory"]["weights"] = weights
+    shared = os.path.join(workdir, "tokenizer")
+    if os.path.isdir(shared):  # one tokenizer for every run (a run reuses <output_dir>/tokenizer)
+        shutil.copytree(shared, os.path.join(out, "tokenizer"))
     ctx = build_trainer(validate_recipe(raw))
+    if not os.path.isdir(shared):
+        shutil.copytree(os.path.join(out, "tokenizer"), shared)
     t = time.perf_counter()
     ctx.trainer.train()
     curve = [(h["step"], h["loss"]) for h in ctx.trainer.state.log_history if "loss" in h]
@@ -65,10 +76,29 @@ def run_one(optimizer: str, weights: str, lr: float, steps: int, workdir: str) -
             "heldout_ppl": math.exp(min(held, 50)), "seconds": time.perf_counter() - t}
 
 
+def _merged(runs: list[dict], steps: int) -> list[dict]:
+    """``runs`` plus the earlier runs (same step count) of the results file that ``runs`` did not redo."""
+    from benchmarks._common import RESULTS_DIR
+
+    path = RESULTS_DIR / "convergence.json"
+    if not path.exists():
+        return runs
+    old = json.loads(path.read_text())
+    if old["settings"]["steps"] != steps:
+        raise SystemExit(f"--merge: {path} holds {old['settings']['steps']}-step runs, not {steps}")
+    redone = {(r["optimizer"], r["weights"], r["lr"]) for r in runs}
+    kept = [r for r in old["results"]["runs"] if (r["optimizer"], r["weights"], r["lr"]) not in redone]
+    order = {key: i for i, key in enumerate(SWEEP)}
+    return sorted(kept + runs, key=lambda r: (order.get((r["optimizer"], r["weights"]), len(order)), r["lr"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--only", help="comma-separated optimizer:weights pairs, e.g. lomo:dense")
+    ap.add_argument("--lrs", help="comma-separated rates to run from the selected sweeps (default: all)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the runs of other sweeps from an existing results file with the same --steps")
     args = ap.parse_args()
     keys = list(SWEEP)
     if args.only:
@@ -77,10 +107,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         for key in keys:
             for lr in SWEEP[key]:
+                if args.lrs and lr not in {float(x) for x in args.lrs.split(",")}:
+                    continue
                 r = run_one(key[0], key[1], lr, args.steps, work)
                 runs.append(r)
                 print(f"{r['optimizer']:>8} {r['weights']:>16} lr={lr:<7g} held-out loss {r['heldout_loss']:.3f} "
                       f"final train loss {r['curve'][-1][1]:.3f} ({r['seconds']:.0f} s)", flush=True)
+    if args.merge:
+        runs = _merged(runs, args.steps)
     best = {}
     for r in runs:
         k = f"{r['optimizer']}/{r['weights']}"

@@ -173,6 +173,31 @@ def inference_table() -> str | None:
     return "\n".join(rows)
 
 
+CONV_BEGIN, CONV_END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
+
+
+def convergence_table() -> str | None:
+    """Held-out loss per optimizer and learning rate, from benchmarks/results/convergence.json."""
+    path = RESULTS / "convergence.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    settings, runs = data["settings"], data["results"]["runs"]
+    model = settings["model"]
+    by: dict[str, dict[float, float]] = {}
+    for r in runs:
+        by.setdefault(f"{r['optimizer']}, {r['weights']}", {})[r["lr"]] = r["heldout_loss"]
+    rows = [f"Measured on {data['device']} (commit {str(data.get('git_commit'))[:8]}): a {model['num_hidden_layers']}-layer, "
+            f"{model['hidden_size']}-wide Llama from random init, {settings['steps']} steps, {settings['tokens']:,} tokens of "
+            "Python stdlib source, cosine schedule, clipping 1.0; held-out loss after training (best rate in bold):", "",
+            "| optimizer, weights | held-out loss at learning rate |", "|---|---|"]
+    for label, losses in by.items():
+        best = min(losses, key=losses.get)
+        cells = [f"{lr:g}: " + (f"**{loss:.2f}**" if lr == best else f"{loss:.2f}") for lr, loss in sorted(losses.items())]
+        rows.append(f"| {label} | {', '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def _replace(text: str, begin: str, end: str, body: str | None) -> str:
     if body is None or begin not in text:
         return text
@@ -187,6 +212,7 @@ def main() -> int:
     text = README.read_text()
     new = _replace(_replace(text, BEGIN, END, table()), TM_BEGIN, TM_END, train_memory_table())
     new = _replace(new, INF_BEGIN, INF_END, inference_table())
+    new = _replace(new, CONV_BEGIN, CONV_END, convergence_table())
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)
