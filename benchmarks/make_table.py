@@ -62,7 +62,17 @@ def _kv_fidelity(res) -> str | None:
     return "exact match: " + ", ".join(parts) if parts else None
 
 
-SUMMARIZERS = [_attention, _kv_eval, _kv_fidelity]
+def _multi_gpu(res) -> str | None:
+    """Tokens/s and peak memory per GPU of each (mode, GPUs) run of benchmarks/multi_gpu.py."""
+    rows = res if isinstance(res, list) else [res] if isinstance(res, dict) else []
+    rows = [r for r in rows if isinstance(r, dict) and "mode" in r and "tokens_per_s_per_gpu" in r]
+    if not rows:
+        return None
+    return "; ".join(f"{r['mode']} x{r['gpus']}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
+                     f"{r['peak_allocated_gib_per_gpu']:.2f} GiB/GPU" for r in rows)
+
+
+SUMMARIZERS = [_attention, _kv_eval, _kv_fidelity, _multi_gpu]
 
 
 def _headline(data: dict) -> str:
@@ -198,6 +208,26 @@ def convergence_table() -> str | None:
     return "\n".join(rows)
 
 
+MG_BEGIN, MG_END = "<!-- multi_gpu:begin -->", "<!-- multi_gpu:end -->"
+
+
+def multi_gpu_table() -> str | None:
+    """Per-mode scaling rows of benchmarks/results/multi_gpu.json (README's launching section)."""
+    path = RESULTS / "multi_gpu.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    rows = [f"Measured on {data['device']} GPUs of one host (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B "
+            "architecture, random init, bf16, fused LOMO, activation checkpointing, sequence "
+            f"{data['settings']['seq']} x micro-batch {data['settings']['micro_batch']} per GPU, median of "
+            f"{data['settings']['steps']} steps after {data['settings']['warmup']} warm-up:", "",
+            "| mode | GPUs | tokens/s per GPU | scaling vs 1 GPU | peak allocated per GPU | vs 1 GPU |", "|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        rows.append(f"| {r['mode']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['scaling_efficiency']:.0f}% | "
+                    f"{r['peak_allocated_gib_per_gpu']:.2f} GiB | {r['memory_vs_1gpu']:.2f}x |")
+    return "\n".join(rows)
+
+
 def _replace(text: str, begin: str, end: str, body: str | None) -> str:
     if body is None or begin not in text:
         return text
@@ -213,6 +243,7 @@ def main() -> int:
     new = _replace(_replace(text, BEGIN, END, table()), TM_BEGIN, TM_END, train_memory_table())
     new = _replace(new, INF_BEGIN, INF_END, inference_table())
     new = _replace(new, CONV_BEGIN, CONV_END, convergence_table())
+    new = _replace(new, MG_BEGIN, MG_END, multi_gpu_table())
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)
