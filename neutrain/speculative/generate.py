@@ -136,6 +136,18 @@ class _DraftState:
         cache_crop_to(self.cache, self.length)
 
 
+def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """``generator`` if it lives on ``device``, else one there seeded from it (drafts sample on the model's device).
+
+    Why: callers (the CLI, the recipe's distill step) seed a CPU generator whatever the device, and
+    ``torch.multinomial`` refuses a generator on another device than its input.
+    """
+    if generator is None or generator.device.type == device.type:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _host_generator(generator: torch.Generator | None) -> torch.Generator | None:
     """A CPU generator for the verification coins, seeded from ``generator`` (reproducible runs)."""
     if generator is None or generator.device.type == "cpu":
@@ -221,6 +233,8 @@ def generate(
     # Verification is a chain of small, data-dependent steps; on the host they cost
     # microseconds each, where on a GPU every step would be a launch plus a sync.
     host_generator = _host_generator(generator)
+    generator = _device_generator(generator, torch.device(device))
+
     def finished() -> bool:
         ended = eos_token_id is not None and len(seq) > prompt_len and seq[-1] == eos_token_id
         return ended or len(seq) - prompt_len >= max_new_tokens

@@ -179,3 +179,20 @@ def test_generate_argument_errors():
         generate(target, draft, prompt, num_drafts=2, scheme="sd")
     with pytest.raises(ValueError, match="batch 1"):
         generate(target, draft, torch.tensor([[1, 2], [2, 3]]))
+
+
+@pytest.mark.gpu
+def test_cpu_generator_with_models_on_gpu():
+    """The CLI and the recipe's distill step seed a CPU generator; models on a GPU must still sample."""
+    target, draft = tiny_llama(0).cuda(), tiny_llama(1).cuda()
+    prompt = torch.tensor([[1, 2, 3]], device="cuda")
+    runs = [generate(target, draft, prompt, num_drafts=2, draft_len=3, scheme="specinfer", temperature=1.0,
+                     max_new_tokens=12, generator=torch.Generator().manual_seed(5)).sequences for _ in range(2)]
+    assert runs[0].shape == (1, 15) and torch.equal(runs[0], runs[1])  # seeded: reproducible
+
+
+def test_generator_on_the_models_device_is_used_as_is():
+    from neutrain.speculative.generate import _device_generator
+
+    gen = torch.Generator().manual_seed(0)
+    assert _device_generator(gen, torch.device("cpu")) is gen and _device_generator(None, torch.device("cpu")) is None
