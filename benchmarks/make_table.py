@@ -106,6 +106,12 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def _result(name: str) -> dict | None:
+    """``benchmarks/results/<name>.json``, or None when that benchmark has not run."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 TM_BEGIN, TM_END = "<!-- train_memory:begin -->", "<!-- train_memory:end -->"
 TM_LABELS = {
     "a": "(a) dense + AdamW, Hugging Face Trainer", "b": "(b) dense + SGD, full gradients", "c": "(c) dense + fused LOMO",
@@ -115,10 +121,9 @@ TM_LABELS = {
 
 def train_memory_table() -> str | None:
     """The per-variant table of benchmarks/results/train_memory.json (README's memory section)."""
-    path = RESULTS / "train_memory.json"
-    if not path.exists():
+    data = _result("train_memory")
+    if data is None:
         return None
-    data = json.loads(path.read_text())
     rows = [f"Measured on an {data['device']} (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B architecture, sequence 1024, activation checkpointing:", "",
             "| variant | peak allocated, batch 1 | planner estimate | tokens/s, batch 8 |", "|---|---|---|---|"]
     base = next((r for r in data["results"]["variants"] if r["variant"] == "c"), {}).get("batch8", {}).get("tokens_per_s")
@@ -138,10 +143,9 @@ INF_BEGIN, INF_END = "<!-- inference:begin -->", "<!-- inference:end -->"
 
 def inference_table() -> str | None:
     """Decode rows of benchmarks/results/inference.json (README's inference section)."""
-    path = RESULTS / "inference.json"
-    if not path.exists():
+    data = _result("inference")
+    if data is None:
         return None
-    data = json.loads(path.read_text())
     res = data["results"]
     dense = res.get("decode", {}).get("dense-bf16", {})
     rows = [f"Measured on an {data['device']} (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B architecture, "
@@ -188,10 +192,9 @@ CONV_BEGIN, CONV_END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
 
 def convergence_table() -> str | None:
     """Held-out loss per optimizer and learning rate, from benchmarks/results/convergence.json."""
-    path = RESULTS / "convergence.json"
-    if not path.exists():
+    data = _result("convergence")
+    if data is None:
         return None
-    data = json.loads(path.read_text())
     settings, runs = data["settings"], data["results"]["runs"]
     model = settings["model"]
     by: dict[str, dict[float, float]] = {}
@@ -213,10 +216,9 @@ MG_BEGIN, MG_END = "<!-- multi_gpu:begin -->", "<!-- multi_gpu:end -->"
 
 def multi_gpu_table() -> str | None:
     """Per-mode scaling rows of benchmarks/results/multi_gpu.json (README's launching section)."""
-    path = RESULTS / "multi_gpu.json"
-    if not path.exists():
+    data = _result("multi_gpu")
+    if data is None:
         return None
-    data = json.loads(path.read_text())
     rows = [f"Measured on {data['device']} GPUs of one host (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B "
             "architecture, random init, bf16, fused LOMO, activation checkpointing, sequence "
             f"{data['settings']['seq']} x micro-batch {data['settings']['micro_batch']} per GPU, median of "

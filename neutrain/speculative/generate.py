@@ -136,24 +136,16 @@ class _DraftState:
         cache_crop_to(self.cache, self.length)
 
 
-def _device_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
-    """``generator`` if it lives on ``device``, else one there seeded from it (drafts sample on the model's device).
+def _generator_on(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """``generator`` if it lives on ``device``'s type, else one there seeded from it (reproducible runs).
 
-    Why: callers (the CLI, the recipe's distill step) seed a CPU generator whatever the device, and
-    ``torch.multinomial`` refuses a generator on another device than its input.
+    Drafts sample on the models' device, where ``torch.multinomial`` refuses a generator of another
+    device (the CLI and the recipe's distill step seed a CPU one); verification coins are drawn on the host.
     """
     if generator is None or generator.device.type == device.type:
         return generator
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
     return torch.Generator(device=device).manual_seed(seed)
-
-
-def _host_generator(generator: torch.Generator | None) -> torch.Generator | None:
-    """A CPU generator for the verification coins, seeded from ``generator`` (reproducible runs)."""
-    if generator is None or generator.device.type == "cpu":
-        return generator
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-    return torch.Generator().manual_seed(seed)
 
 
 def _matched(tokens: list[int], committed: list[int]) -> int:
@@ -232,8 +224,8 @@ def generate(
     states = [_DraftState(m) for m in models]
     # Verification is a chain of small, data-dependent steps; on the host they cost
     # microseconds each, where on a GPU every step would be a launch plus a sync.
-    host_generator = _host_generator(generator)
-    generator = _device_generator(generator, torch.device(device))
+    host_generator = _generator_on(generator, torch.device("cpu"))
+    generator = _generator_on(generator, torch.device(device))
 
     def finished() -> bool:
         ended = eos_token_id is not None and len(seq) > prompt_len and seq[-1] == eos_token_id

@@ -192,7 +192,7 @@ def test_cpu_generator_with_models_on_gpu():
 
 
 def test_generator_on_the_models_device_is_used_as_is():
-    from neutrain.speculative.generate import _device_generator
+    from neutrain.speculative.generate import _generator_on
 
     gen = torch.Generator().manual_seed(0)
-    assert _device_generator(gen, torch.device("cpu")) is gen and _device_generator(None, torch.device("cpu")) is None
+    assert _generator_on(gen, torch.device("cpu")) is gen and _generator_on(None, torch.device("cpu")) is None
