@@ -188,25 +188,36 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
         summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-    if recipe.eval["long_context_tasks"] and state.is_main_process:
+    mode = summary["distributed_mode"]
+    # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
+    # ZeRO-3 holds only its shards of the model.
+    sharded = mode in ("fsdp2", "deepspeed")
+    if recipe.eval["long_context_tasks"] and sharded:
+        logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
+                       "process with `neutrain evaluate`", mode)
+    elif recipe.eval["long_context_tasks"] and state.is_main_process:
         summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     export_format = recipe.export["format"]
-    if export_format != "none" and summary["distributed_mode"] == "fsdp2":
-        # Export runs on the main process alone; FSDP2 leaves it only its shards. The checkpoints hold the model.
+    if export_format != "none" and mode == "fsdp2":
+        # The checkpoints hold the model.
         logger.warning("export skipped under FSDP2: merge the last checkpoint's pytorch_model_fsdp_0 with "
                        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save, then export on one process")
         export_format = "none"
-    if export_format != "none" and state.is_main_process:
-        from neutrain.export import export_model
+    if export_format != "none":
+        with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
+            if state.is_main_process:
+                from neutrain.export import export_model
 
-        summary["export_dir"] = export_model(
-            trainer.model, recipe.export["output_dir"] or os.path.join(out, "export"), recipe.export["format"],
-            tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=recipe.export["dtype"],
-            info={"base_model": recipe.model["base_model"] or "random init", "recipe": recipe.source,
-                  "steps": summary["steps"], "final_loss": summary.get("loss_last"),
-                  "heldout_perplexity": summary.get("heldout_perplexity")},
-        )
-    if recipe.distill["enabled"] and state.is_main_process:
+                summary["export_dir"] = export_model(
+                    trainer.model, recipe.export["output_dir"] or os.path.join(out, "export"), recipe.export["format"],
+                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=recipe.export["dtype"],
+                    info={"base_model": recipe.model["base_model"] or "random init", "recipe": recipe.source,
+                          "steps": summary["steps"], "final_loss": summary.get("loss_last"),
+                          "heldout_perplexity": summary.get("heldout_perplexity")},
+                )
+    if recipe.distill["enabled"] and sharded:
+        logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode)
+    elif recipe.distill["enabled"] and state.is_main_process:
         from neutrain.distill_run import distill_from_recipe
 
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
@@ -215,6 +226,17 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
     return summary
+
+
+def _gathered_weights(trainer, mode: str | None):
+    """A context in which ``trainer.model`` holds its whole weights (ZeRO-3 gathers its partitions)."""
+    import contextlib
+
+    if mode != "deepspeed":
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(trainer.model.parameters()))
 
 
 def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:

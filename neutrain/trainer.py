@@ -125,17 +125,13 @@ class NeuTrainer(Trainer):
         from neutrain.distributed import fused_mode
 
         mode = fused_mode(self.accelerator)
-        if mode == "fsdp2" and self.memory.get("loss_chunk_size", 0) > 0:
-            # The chunked loss calls the decoder and lm_head directly, past FSDP2's root unshard hook.
-            raise UserInputError("memory.loss_chunk_size is not supported with FSDP2; set it to 0")
-        if mode == "deepspeed":
-            # The Trainer's DeepSpeed path hands the optimizer to the engine as a ZeRO client optimizer
-            # (gradient partitions kept for step()), which undoes fused updates.
-            raise UserInputError(
-                "train.deepspeed with a fused optimizer: the Trainer would build the DeepSpeed engine around the "
-                "optimizer. Use FSDP2 (launch/fsdp2.yaml), or neutrain.distributed.deepspeed.initialize_zero3 in "
-                "your own loop (engine without an optimizer)."
-            )
+        engine = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(mode)
+        if engine and self.memory.get("loss_chunk_size", 0) > 0:
+            # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
+            # ZeRO-3's per-module gather.
+            raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
+        if mode == "deepspeed" and any(getattr(p, "_neutrain_compressed_key", False) for p in self.model.parameters()):
+            raise UserInputError("DeepSpeed ZeRO-3 partitions dense weights only: set memory.weights: dense")
         if mode == "replicated":
             from neutrain.distributed.data_parallel import skip_ddp_wrapping
 
@@ -150,6 +146,17 @@ class NeuTrainer(Trainer):
 
             bind_after_prepare(self.fused_optimizer, _unwrap(model))
         self._bound_after_prepare = True
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if getattr(self, "distributed_mode", None) != "deepspeed":
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # The Trainer would hand the fused optimizer to DeepSpeed as a ZeRO client optimizer: build the engine
+        # without one instead (neutrain.distributed.deepspeed_trainer).
+        from neutrain.distributed.deepspeed_trainer import prepare_for_training
+
+        model, train_dataloader = prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint)
+        self._bound_after_prepare = True
+        return model, train_dataloader
 
     @property
     def fused_optimizer(self):
@@ -186,15 +193,28 @@ class NeuTrainer(Trainer):
         if not self._bound_after_prepare:
             self._bind_after_prepare(model)
         inputs = self._prepare_inputs(inputs)
+        zero3 = self.distributed_mode == "deepspeed"
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            # ZeRO-3: forward through engine.module (its gather hooks live on the modules); the engine's own
+            # forward/backward pair needs an optimizer.
+            loss = self.compute_loss(model.module if zero3 else model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None and self.args.gradient_accumulation_steps > 1:
             loss = loss / self.args.gradient_accumulation_steps
-        self.fused_optimizer.backward(loss)
+        if zero3:
+            from neutrain.distributed.deepspeed import backward
+
+            backward(model, self.fused_optimizer, loss)
+        else:
+            self.fused_optimizer.backward(loss)
         return loss.detach()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if getattr(self, "distributed_mode", None) != "fsdp2":
+        mode = getattr(self, "distributed_mode", None)
+        if mode == "deepspeed":  # every rank's partitions and optimizer state (model.safetensors is whole)
+            from neutrain.distributed.deepspeed_trainer import save_zero3_state
+
+            return save_zero3_state(self, output_dir)
+        if mode != "fsdp2":
             return super()._save_optimizer_and_scheduler(output_dir)
         # FSDP2 + fused: the model through Accelerate (sharded or full state dict), the optimizer per rank.
         from accelerate.utils import save_fsdp_model
@@ -207,6 +227,7 @@ class NeuTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        # (DeepSpeed ZeRO-3 loads partitions and optimizer together, in deepspeed_trainer.prepare_for_training.)
         if checkpoint is None or getattr(self, "distributed_mode", None) != "fsdp2":
             return super()._load_optimizer_and_scheduler(checkpoint)
         from neutrain.distributed.fsdp import load_optimizer_shard

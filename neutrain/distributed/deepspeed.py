@@ -83,6 +83,20 @@ def partition_grad(p: torch.Tensor, grad: torch.Tensor, group=None) -> tuple[tor
     return part, PartitionIO(p.ds_tensor.data.view(-1)[:valid])
 
 
+def zero3_config(config: dict, dtype: torch.dtype) -> dict:
+    """The config keys fused updates need on top of a user's ZeRO-3 config (merge them in).
+
+    Persistent parameters (small ones, kept whole on every rank) would be read
+    from their full copy, not from the partition the update writes: every
+    parameter is partitioned. The weights are updated in the dtype they are
+    stored in (there is no fp32 master copy), so ``bf16.enabled`` follows the
+    model's ``dtype`` and DeepSpeed never casts it.
+    """
+    zero = dict(config["zero_optimization"], stage3_param_persistence_threshold=0, model_persistence_threshold=0)
+    return {"zero_allow_untested_optimizer": True, "zero_optimization": zero,
+            "bf16": {**config.get("bf16", {}), "enabled": dtype == torch.bfloat16}}
+
+
 def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
     """Build a ZeRO-3 engine without an optimizer and bind ``optimizer`` to its partitions.
 
@@ -115,11 +129,14 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
             f"{type(optimizer).__name__} needs whole-row statistics; ZeRO-3 partitions are flat slices. "
             "Use an element-wise rule (lomo, adamw-in-backward) or FSDP2."
         )
-    # Persistent parameters (small ones, kept whole on every rank) would be read from their full copy,
-    # not from the partition the update writes: partition every parameter.
-    zero = dict(config["zero_optimization"], stage3_param_persistence_threshold=0, model_persistence_threshold=0)
-    config = {"zero_allow_untested_optimizer": True, **config, "zero_optimization": zero}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    if config.get("fp16", {}).get("enabled") is True:
+        raise ValueError("fp16 is not supported with fused updates (bf16 or fp32 weights)")
+    if not isinstance(config.get("train_micro_batch_size_per_gpu"), int):
+        raise ValueError("set train_micro_batch_size_per_gpu to an integer (the Trainer fills 'auto'; a user loop must)")
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    # 'auto' batch keys (the shipped config is the Trainer's): DeepSpeed derives them from the micro-batch.
+    config = {k: v for k, v in config.items() if k != "fp16" and v != "auto"}
+    engine, *_ = deepspeed.initialize(model=model, config={**config, **zero3_config(config, dtype)})
     optimizer._reindex()
     optimizer.bind(engine.module)
     if not optimizer._shard_groups:

@@ -8,7 +8,8 @@ import pytest
 LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 
 
-@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu_ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu_ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3",
+                                  "deepspeed_zero3_fused"])
 def test_accelerate_config_loads(name):
     from accelerate.commands.config.config_args import ClusterConfig
 
@@ -17,7 +18,7 @@ def test_accelerate_config_loads(name):
     if name.startswith("deepspeed"):
         ds_file = Path(cfg.deepspeed_config["deepspeed_config_file"])
         stage = json.loads((LAUNCH.parent / ds_file).read_text())["zero_optimization"]["stage"]
-        assert stage == int(name[-1])
+        assert stage == int(name.split("_")[1][-1])
     if name == "fsdp2":
         assert cfg.fsdp_config["fsdp_version"] == 2
 

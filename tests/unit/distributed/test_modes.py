@@ -30,6 +30,29 @@ def test_contradictory_distributed_keys_are_refused(train):
         distributed_arguments({**TRAIN, **train})
 
 
+@pytest.mark.parametrize("config,named", [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}, "'optimizer'"),
+    ({"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR"}}, "'scheduler'"),
+    ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fp16.enabled"),
+])
+def test_deepspeed_configs_fused_updates_cannot_use_are_refused_by_key(config, named):
+    from neutrain.distributed.deepspeed_trainer import check_fused_config
+
+    with pytest.raises(UserInputError, match=named.replace(".", r"\.")):
+        check_fused_config(config)
+    check_fused_config({"zero_optimization": {"stage": 3}, "fp16": {"enabled": "auto"}})  # the good one passes
+
+
+def test_shipped_fused_deepspeed_config_passes_the_check():
+    import json
+    from pathlib import Path
+
+    from neutrain.distributed.deepspeed_trainer import check_fused_config
+
+    check_fused_config(json.loads((Path(__file__).parents[3] / "launch" / "deepspeed_zero3_fused.json").read_text()))
+
+
 def test_single_process_accelerator_is_single():
     from accelerate import Accelerator
 

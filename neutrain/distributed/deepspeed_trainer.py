@@ -1,0 +1,157 @@
+"""``NeuTrainer`` under DeepSpeed ZeRO-3: the engine built without an optimizer, fused updates on partitions.
+
+``transformers.Trainer`` hands its optimizer to ``deepspeed.initialize`` as a ZeRO
+"client optimizer" (``deepspeed_init`` then ``accelerator.prepare(model,
+optimizer)``); DeepSpeed then keeps fp32 gradient partitions for a ``step()`` that
+must do the work, and Accelerate's ``backward`` goes through ``engine.backward``:
+the fused path would be bypassed (trainer.md §4). :func:`prepare_for_training`
+replaces that part of the Trainer's preparation for fused optimizers:
+
+1. the DeepSpeed config is finalised from the ``TrainingArguments`` as the
+   Trainer does (``auto`` values), and checked: stage 3, no ``optimizer`` or
+   ``scheduler`` section (the fused optimizer and the Trainer's scheduler take
+   their place);
+2. the fused optimizer is built over the whole parameters, then
+   ``accelerator.prepare(model)`` alone builds the engine: **no optimizer**, so
+   ZeRO-3 only partitions parameters and gathers them around each module
+   (``DeepSpeedZeRoOffload``);
+3. the optimizer is re-bound to the partitioned parameters
+   (:func:`neutrain.distributed.deepspeed.initialize_zero3` does the same for
+   user loops), and the Trainer's scheduler is created on it.
+
+Training steps run the forward through ``engine.module`` and backward through
+:func:`neutrain.distributed.deepspeed.backward`.
+
+Checkpoints: the Trainer's ``save_model`` writes the full consolidated weights
+(``model.safetensors``, via ``stage3_gather_16bit_weights_on_model_save``), and
+every rank writes its own partitions and optimizer state
+(:func:`save_zero3_state`). Resume loads them back (:func:`load_zero3_state`),
+so a checkpoint written with N processes resumes with N processes, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from neutrain.config.errors import UserInputError
+
+
+def partition_file(directory: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its ZeRO-3 parameter partitions in a checkpoint."""
+    return os.path.join(directory, f"zero3_partitions.rank{rank}-of-{world_size}.pt")
+
+
+def check_fused_config(config: dict) -> None:
+    """Refuse DeepSpeed configs a fused optimizer cannot run under, naming the key."""
+    stage = config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise UserInputError(
+            f"train.deepspeed: fused optimizers need zero_optimization.stage 3 (parameter partitioning), got {stage}. "
+            "Use launch/deepspeed_zero3_fused.json, or FSDP2 (train.distributed: fsdp2)."
+        )
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            raise UserInputError(
+                f"train.deepspeed: remove the '{key}' section: with a fused optimizer (train.optimizer) neutrain "
+                "updates the partitions inside backward and the Trainer's lr_scheduler drives it "
+                "(launch/deepspeed_zero3_fused.json has neither)."
+            )
+    if config.get("fp16", {}).get("enabled") is True:
+        raise UserInputError("train.deepspeed: fp16.enabled is not supported with fused updates (use bf16 or fp32)")
+
+
+def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_checkpoint):
+    """``Trainer._prepare_for_training`` for a fused optimizer under DeepSpeed ZeRO-3.
+
+    Args:
+        trainer: the :class:`~neutrain.trainer.NeuTrainer` (``distributed_mode == "deepspeed"``).
+        max_steps: optimizer steps of the run (for the scheduler and the config's ``auto`` values).
+        train_dataloader: the prepared training dataloader (returned unchanged).
+        resume_from_checkpoint: a checkpoint directory written by this mode, or None.
+
+    Returns:
+        ``(engine, train_dataloader)``, as the Trainer's own preparation does.
+    """
+    from neutrain.distributed.deepspeed import zero3_config
+
+    accelerator, args = trainer.accelerator, trainer.args
+    hf_config = accelerator.state.deepspeed_plugin.hf_ds_config
+    hf_config.trainer_config_finalize(args, trainer.model, max_steps)
+    check_fused_config(hf_config.config)
+    dtype = next(p.dtype for p in trainer.model.parameters() if p.is_floating_point())
+    hf_config.config.update(zero3_config(hf_config.config, dtype))
+    hf_config.config.pop("fp16", None)
+
+    if trainer.lr_scheduler is not None and getattr(trainer, "_created_lr_scheduler", False):
+        trainer.lr_scheduler, trainer._created_lr_scheduler = None, False
+    trainer.create_optimizer()
+    optimizer = trainer.fused_optimizer
+    if not optimizer.elementwise:
+        raise UserInputError(
+            f"train.optimizer: {type(optimizer).__name__} needs whole-row statistics, but ZeRO-3 partitions are flat "
+            "slices. Use lomo or adamw-in-backward under DeepSpeed, or train.distributed: fsdp2 for adalomo."
+        )
+    engine = accelerator.prepare(trainer.model)  # the model alone: an engine without an optimizer
+    optimizer._reindex()
+    optimizer.bind(engine.module)
+    if not optimizer._shard_groups:
+        raise RuntimeError("DeepSpeed mode but no parameter was partitioned by ZeRO-3 after accelerator.prepare")
+    trainer.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+    trainer.model_wrapped = trainer.deepspeed = engine
+    if resume_from_checkpoint is not None:
+        load_zero3_state(trainer, resume_from_checkpoint)
+    for attr in ("model", "optimizer", "lr_scheduler"):
+        setattr(trainer.callback_handler, attr, getattr(trainer, attr))
+    trainer.callback_handler.train_dataloader = train_dataloader
+    return engine, train_dataloader
+
+
+def save_zero3_state(trainer, output_dir: str) -> None:
+    """Write this rank's partitions and fused-optimizer state, and (main process) the scheduler."""
+    from neutrain.distributed.fsdp import save_optimizer_shard
+
+    rank, world = trainer.args.process_index, trainer.args.world_size
+    os.makedirs(output_dir, exist_ok=True)  # the main process may not have created it yet
+    engine = trainer.model_wrapped
+    partitions = {name: p.ds_tensor.detach().cpu().clone() for name, p in engine.module.named_parameters()}
+    _atomic_save(partitions, partition_file(output_dir, rank, world))
+    save_optimizer_shard(trainer.fused_optimizer, output_dir, rank, world)
+    if trainer.args.should_save:
+        _atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+
+@torch.no_grad()
+def load_zero3_state(trainer, checkpoint: str) -> None:
+    """Load what :func:`save_zero3_state` wrote, into the engine's partitions (same process count)."""
+    from neutrain.distributed.fsdp import load_optimizer_shard
+
+    rank, world = trainer.args.process_index, trainer.args.world_size
+    path = partition_file(checkpoint, rank, world)
+    if not os.path.isfile(path):
+        raise UserInputError(
+            f"train.resume_from_checkpoint: {path} not found. A DeepSpeed ZeRO-3 checkpoint resumes with the number "
+            f"of processes that wrote it (this run has {world}); its model.safetensors holds the full weights."
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    engine = trainer.model_wrapped
+    params = dict(engine.module.named_parameters())
+    if saved.keys() != params.keys():
+        missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
+        raise UserInputError(f"{path}: partitions do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    for name, p in params.items():
+        if saved[name].shape != p.ds_tensor.shape:
+            raise UserInputError(f"{path}: partition of {name} has shape {tuple(saved[name].shape)}, "
+                                 f"expected {tuple(p.ds_tensor.shape)}")
+        p.ds_tensor.copy_(saved[name])
+    # Gathered copies (prefetched or persistent) predate the load: drop them.
+    engine.optimizer.empty_partition_cache()
+    load_optimizer_shard(trainer.fused_optimizer, checkpoint, rank, world)
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
