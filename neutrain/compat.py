@@ -155,3 +155,17 @@ def cache_batch_size(cache: Any) -> int:
     sizes: list[int] = []
     _map_cache_tensors(cache, lambda t: sizes.append(t.shape[0]) or t)
     return sizes[0] if sizes else 1
+
+
+def use_one_gpu_per_process(args) -> bool:
+    """Stop ``Trainer`` from wrapping the model in ``nn.DataParallel`` on a multi-GPU host; True if it would have.
+
+    A single process that sees several GPUs gets ``args.n_gpu > 1`` and the Trainer's
+    ``DataParallel`` wrap. Fused updates need one process per GPU (``accelerate launch
+    --num_processes N``). ``TrainingArguments`` has no public switch; ``_n_gpu`` is the value
+    ``n_gpu`` reports in every 4.x/5.x release.
+    """
+    if args.n_gpu <= 1:
+        return False
+    args._n_gpu = 1
+    return True

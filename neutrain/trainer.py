@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import shutil
@@ -37,6 +38,7 @@ from neutrain import compat
 from neutrain.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.config.errors import UserInputError
 
+logger = logging.getLogger("neutrain")
 TMP_PREFIX = ".tmp-"
 FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")
 
@@ -90,6 +92,12 @@ class NeuTrainer(Trainer):
                 raise UserInputError("train: fp16 is not supported with fused updates (they need bf16 or fp32 weights)")
             # The fused optimizer clips inside backward; Hugging Face's clip after backward would see no gradients.
             self._fused_max_grad_norm, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
+            if compat.use_one_gpu_per_process(self.args):
+                # nn.DataParallel would replicate the model per forward and hand back one loss per GPU;
+                # fused updates need one process per GPU instead.
+                logger.warning("fused updates train on one GPU per process; this process uses cuda:0 only. "
+                               "For all GPUs: accelerate launch --num_processes %d -m neutrain <recipe>",
+                               torch.cuda.device_count())
         self.distributed_mode = self._setup_distributed() if self.fused else None
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
