@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="lomo", choices=("lomo", "adamw-in-backward", "adalomo"))
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--max-inflight", type=int, default=2,
+                   help="zero3: reduce-scatters in flight while backward goes on (0: each one before backward continues; "
+                        "written as an ablation file, outside the summary)")
     p.add_argument("--summarize", action="store_true", help="merge multi_gpu_*.json into multi_gpu.json")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or str(RESULTS_DIR))
     args = p.parse_args(argv)
@@ -158,7 +161,7 @@ def build(args, mode: str, device: torch.device, world: int):
 
         ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "zero_optimization": {"stage": 3},
                      "bf16": {"enabled": device.type == "cuda"}}
-        engine = initialize_zero3(model, opt, ds_config)
+        engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight)
     if mode in ("fsdp2", "zero3"):
         assert opt._shard_groups, f"{mode}: no parameter of the optimizer is a shard"
 
@@ -237,11 +240,15 @@ def run(args) -> dict:
     }
     if "sync" in counters:
         result["all_reduces"] = counters["sync"].completed
+    if opt.partition_sync is not None:
+        result["async_reduce_scatters"] = opt.partition_sync.completed
     if rank == 0:
-        settings = {k: getattr(args, k) for k in ("tiny", "seq", "micro_batch", "warmup", "steps", "optimizer", "lr")}
+        settings = {k: getattr(args, k) for k in ("tiny", "seq", "micro_batch", "warmup", "steps", "optimizer", "lr",
+                                                  "max_inflight")}
         settings.update(model="tiny-llama" if args.tiny else "Llama-3-8B architecture (random init)", dtype="bfloat16",
                         activation_checkpointing=not args.no_checkpointing, backend=dist.get_backend())
-        name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "")
+        ablation = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
+        name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + ablation
         path = write_result(name, settings, result, out_dir=args.results_dir)
         print(json.dumps(result, indent=2))
         print(f"wrote {path}")

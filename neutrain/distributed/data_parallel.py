@@ -65,8 +65,15 @@ class GradientAllReduce:
         """
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._pending.append((work, grad, finish))
+        self.enqueue(dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True), grad, finish)
+
+    def enqueue(self, work, reduced: torch.Tensor, finish: Callable[[torch.Tensor], None]) -> None:
+        """Queue a collective already started (``async_op=True``) that sums into ``reduced``.
+
+        ``finish(reduced / world_size)`` runs once ``work`` is done, in submission
+        order (ZeRO-3's reduce-scatters use this queue too).
+        """
+        self._pending.append((work, reduced, finish))
         self.submitted += 1
         if torch._C._current_graph_task_id() != -1 and not self._drain_queued:
             self._drain_queued = True

@@ -97,7 +97,36 @@ def zero3_config(config: dict, dtype: torch.dtype) -> dict:
             "bf16": {**config.get("bf16", {}), "enabled": dtype == torch.bfloat16}}
 
 
-def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
+def submit_partition_grad(queue, p: torch.Tensor, grad: torch.Tensor, finish, group=None) -> bool:
+    """Start reduce-scattering ``grad`` asynchronously; ``finish(partition_grad, io)`` runs when it is done.
+
+    The asynchronous form of :func:`partition_grad`: backward goes on computing
+    the next gradients while this one is on the wire, and ``queue`` (a
+    :class:`~neutrain.distributed.data_parallel.GradientAllReduce`) bounds how
+    many wait and finishes them in order, at the latest at the end of backward.
+    NCCL only (gloo has no reduce-scatter of flat tensors): returns False, and
+    does nothing, for other backends.
+    """
+    if dist.get_backend(group) != "nccl":
+        return False
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = p.ds_tensor.numel()
+    _, valid = _valid_range(p, rank)
+    flat = grad.reshape(-1)
+    padded = flat if flat.numel() == size * world else torch.nn.functional.pad(flat, (0, size * world - flat.numel()))
+    padded = padded.contiguous()
+    part = torch.empty(size, dtype=grad.dtype, device=grad.device)
+    work = dist.reduce_scatter_tensor(part, padded, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    io = PartitionIO(p.ds_tensor.data.view(-1)[:valid])
+
+    def done(averaged: torch.Tensor, _keep=padded) -> None:  # _keep: the input lives until the collective ends
+        finish(averaged[:valid], io)
+
+    queue.enqueue(work, part, done)
+    return True
+
+
+def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflight: int = 2):
     """Build a ZeRO-3 engine without an optimizer and bind ``optimizer`` to its partitions.
 
     Args:
@@ -106,6 +135,8 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
         config: a DeepSpeed config dict with ``zero_optimization.stage == 3``; no
             ``optimizer``/``scheduler`` sections (the fused optimizer and any torch
             scheduler on it take their place).
+        max_inflight: gradients whose reduce-scatter may be in flight while backward
+            goes on (NCCL); 0 reduces each one before backward continues.
 
     Returns:
         The DeepSpeed engine. Run ``loss = engine.module(**batch).loss`` and
@@ -137,11 +168,23 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict):
     # 'auto' batch keys (the shipped config is the Trainer's): DeepSpeed derives them from the micro-batch.
     config = {k: v for k, v in config.items() if k != "fp16" and v != "auto"}
     engine, *_ = deepspeed.initialize(model=model, config={**config, **zero3_config(config, dtype)})
+    bind_partitions(optimizer, engine, max_inflight)
+    return engine
+
+
+def bind_partitions(optimizer, engine, max_inflight: int = 2) -> None:
+    """Re-index and re-bind a fused optimizer to a ZeRO-3 engine's partitioned parameters.
+
+    ``max_inflight`` reduce-scatters may be in flight at once (NCCL; 0: each
+    gradient is reduced before backward goes on).
+    """
+    from neutrain.distributed.data_parallel import GradientAllReduce
+
     optimizer._reindex()
     optimizer.bind(engine.module)
     if not optimizer._shard_groups:
         raise RuntimeError("no ZeRO-3 partitioned parameter found after deepspeed.initialize")
-    return engine
+    optimizer.partition_sync = GradientAllReduce(max_inflight=max_inflight) if max_inflight > 0 else None
 
 
 def backward(engine, optimizer, loss: torch.Tensor) -> None:

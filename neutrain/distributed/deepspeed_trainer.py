@@ -74,7 +74,7 @@ def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_
     Returns:
         ``(engine, train_dataloader)``, as the Trainer's own preparation does.
     """
-    from neutrain.distributed.deepspeed import zero3_config
+    from neutrain.distributed.deepspeed import bind_partitions, zero3_config
 
     accelerator, args = trainer.accelerator, trainer.args
     hf_config = accelerator.state.deepspeed_plugin.hf_ds_config
@@ -94,10 +94,7 @@ def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_
             "slices. Use lomo or adamw-in-backward under DeepSpeed, or train.distributed: fsdp2 for adalomo."
         )
     engine = accelerator.prepare(trainer.model)  # the model alone: an engine without an optimizer
-    optimizer._reindex()
-    optimizer.bind(engine.module)
-    if not optimizer._shard_groups:
-        raise RuntimeError("DeepSpeed mode but no parameter was partitioned by ZeRO-3 after accelerator.prepare")
+    bind_partitions(optimizer, engine)
     trainer.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
     trainer.model_wrapped = trainer.deepspeed = engine
     if resume_from_checkpoint is not None:

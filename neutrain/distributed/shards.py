@@ -56,6 +56,19 @@ def local_shard(param: torch.Tensor, grad: torch.Tensor, group):
     return grad.to_local(), DenseWeightIO(param.to_local())
 
 
+def submit_local_shard(queue, param: torch.Tensor, grad: torch.Tensor, group, finish) -> bool:
+    """Reduce ``grad`` into this rank's shard asynchronously, calling ``finish(local grad, io)`` when done.
+
+    Returns False (nothing started) where the reduction has to be synchronous:
+    no queue, not a ZeRO-3 parameter (FSDP2 already reduced), or not NCCL.
+    """
+    if queue is None or not is_zero3_param(param):
+        return False
+    from neutrain.distributed.deepspeed import submit_partition_grad
+
+    return submit_partition_grad(queue, param, grad, finish, group)
+
+
 def full_numel(param: torch.Tensor) -> int:
     """Elements of the whole tensor a shard belongs to."""
     return int(param.ds_numel) if is_zero3_param(param) else param.numel()

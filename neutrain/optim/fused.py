@@ -164,6 +164,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         # update (replicated data parallel), and per-parameter process groups over which a
         # sharded (FSDP2) tensor's whole-tensor statistics are summed.
         self.grad_sync = None
+        # ZeRO-3: the queue of asynchronous reduce-scatters (neutrain.distributed.deepspeed); and the group
+        # over which this step's squared norms are still partial (summed once, in step()).
+        self.partition_sync = None
+        self._partial_norm_group = self._common_shard_group = None
         self._shard_groups: dict[torch.Tensor, object] = {}
         self._updating_key: torch.Tensor | None = None
         self._reindex()
@@ -206,6 +210,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         from neutrain.distributed.shards import shard_groups  # lazy: torch.distributed only when used
 
         self._shard_groups = shard_groups(self._group_of)
+        # Norms may stay partial until step() only if every tensor is a shard over one and the same group
+        # (a whole tensor's norm would be counted once per rank).
+        groups = set(self._shard_groups.values())
+        self._common_shard_group = groups.pop() if len(groups) == 1 and len(self._shard_groups) == len(self._group_of) else None
         for p in self._group_of:
             if p.requires_grad and not getattr(p, COMPRESSED_KEY_ATTR, False):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._dense_hook))
@@ -221,9 +229,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if grad is not None:
             with torch.no_grad():
                 if param in self._shard_groups:  # FSDP2 / ZeRO-3: update this rank's shard
-                    from neutrain.distributed.shards import local_shard
+                    from neutrain.distributed.shards import local_shard, submit_local_shard
 
-                    self.consume_grad_(param, *local_shard(param, grad, self._shard_groups[param]))
+                    group = self._shard_groups[param]
+                    if not submit_local_shard(self.partition_sync, param, grad, group,
+                                              lambda g, io: self.consume_grad_(param, g, io)):
+                        self.consume_grad_(param, *local_shard(param, grad, group))
                 else:
                     self.consume_grad_(param, grad, DenseWeightIO(param))
 
@@ -297,13 +308,26 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._apply_reduced(key, grad, io)
 
     def _apply_reduced(self, key: torch.Tensor, grad: torch.Tensor, io: WeightIO) -> None:
-        sumsq = self.shard_sum_(key, squared_norm(grad, self._chunk_rows(grad)))
+        sumsq = squared_norm(grad, self._chunk_rows(grad))
+        if self._norm_can_stay_partial(key):
+            # One collective per tensor would stall backward behind every reduce-scatter in flight;
+            # the update does not need the whole tensor's norm, so step() sums the partial norms once.
+            self._partial_norm_group = self._common_shard_group
+        else:
+            sumsq = self.shard_sum_(key, sumsq)
         ok = self._account(key, sumsq)
         if ok is None:
             return
         weight = io.read()
         self.update_(key, weight, grad, _ok=ok, _sumsq=sumsq)
         io.write_(weight)
+
+    def _norm_can_stay_partial(self, key: torch.Tensor) -> bool:
+        """True for a shard whose update needs no whole-tensor statistic (element-wise rule, no per-tensor clip)."""
+        if self._common_shard_group is None or not self.elementwise or self._in_norm_pass:
+            return False
+        mode = self.clip_mode
+        return mode is ClipMode.NONE or (mode is ClipMode.GLOBAL_STALE and self._prev_grad_norm is not None)
 
     def _account(self, key: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor | None:
         """Record a gradient's squared norm; returns its finiteness flag, or None in a norm pass (no update)."""
@@ -541,8 +565,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if self._grad_sums:
             self._apply_short_window()
-        if self.grad_sync is not None:
-            self.grad_sync.drain()
+        for sync in (self.grad_sync, self.partition_sync):
+            if sync is not None:
+                sync.drain()
         self._micro_batches = 0
         loss = None
         if closure is not None:
@@ -553,7 +578,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.last_skipped = []
         if self._step_flags:
             keys, flags = zip(*self._step_flags)
-            flags = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
+            flags = torch.stack([f.to(flags[0].device) for f in flags])
+            if self._partial_norm_group is not None:
+                flags = self._sum_partial_norms(flags)
+            flags = flags.cpu().tolist()
             self.last_skipped = [self._names.get(k, f"param#{self._index_of[k]}") for k, f in zip(keys, flags) if not f]
             if self.last_skipped:
                 self.nonfinite_skips += len(self.last_skipped)
@@ -564,9 +592,24 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = _sum_devices(self._step_sumsq).sqrt()
             self._prev_grad_norm = self.last_grad_norm
         self._step_sumsq, self._step_flags = {}, []
+        self._partial_norm_group = None
         self._exact_coef = None
         self.steps_done += 1
         return loss
+
+    def _sum_partial_norms(self, flags: torch.Tensor) -> torch.Tensor:
+        """Sum this step's partial squared norms over the shard group (one collective); agree on the flags.
+
+        A tensor counts as skipped when any rank's shard of its gradient was
+        non-finite (those ranks left their shard unchanged).
+        """
+        import torch.distributed as dist
+
+        total = _sum_devices(self._step_sumsq).to(flags.device, torch.float32)
+        packed = torch.cat([total.reshape(1), (~flags).to(torch.float32)])
+        dist.all_reduce(packed, group=self._partial_norm_group)
+        self._step_sumsq = {packed.device: packed[0]}
+        return packed[1:] == 0
 
     def _apply_short_window(self) -> None:
         """Apply gradients summed over fewer micro-batches than ``gradient_accumulation_steps``.

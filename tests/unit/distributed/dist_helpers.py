@@ -109,6 +109,9 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", 
     if mode == "replicated":
         info["submitted"], info["completed"] = sync.submitted, sync.completed
     info["sharded"] = len(opt._shard_groups)
+    info["partial_norms"] = opt._common_shard_group is not None  # every tensor a shard of one group
+    if opt.partition_sync is not None:  # ZeRO-3 asynchronous reduce-scatters started (NCCL only)
+        info["partition_submitted"] = opt.partition_sync.submitted
     info["weights"] = gathered_zero3_weights(model, world) if engine is not None else full_weights(model)
     return info
 
