@@ -70,6 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--max-inflight", type=int, default=2,
                    help="zero3: reduce-scatters in flight while backward goes on (0: each one before backward continues; "
                         "written as an ablation file, outside the summary)")
+    p.add_argument("--tensor-norms", action="store_true",
+                   help="zero3/fsdp2 ablation: sum every tensor's squared norm over the shards at once (one collective "
+                        "per tensor), as clipping per tensor needs, instead of once per step")
+    p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps (torch.profiler); "
+                   "rank 0 writes the top CUDA kernels to <result>_profile.txt")
     p.add_argument("--summarize", action="store_true", help="merge multi_gpu_*.json into multi_gpu.json")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or str(RESULTS_DIR))
     args = p.parse_args(argv)
@@ -164,6 +169,8 @@ def build(args, mode: str, device: torch.device, world: int):
         engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight)
     if mode in ("fsdp2", "zero3"):
         assert opt._shard_groups, f"{mode}: no parameter of the optimizer is a shard"
+        if args.tensor_norms:
+            opt._common_shard_group = None  # ablation: never defer the per-tensor norm collectives
 
     def train_step(ids):
         if engine is not None:
@@ -242,12 +249,15 @@ def run(args) -> dict:
         result["all_reduces"] = counters["sync"].completed
     if opt.partition_sync is not None:
         result["async_reduce_scatters"] = opt.partition_sync.completed
+    if args.profile:
+        result["profile_file"] = _profile(args, train_step, batch, device, rank, mode, world)
     if rank == 0:
         settings = {k: getattr(args, k) for k in ("tiny", "seq", "micro_batch", "warmup", "steps", "optimizer", "lr",
-                                                  "max_inflight")}
+                                                  "max_inflight", "tensor_norms")}
         settings.update(model="tiny-llama" if args.tiny else "Llama-3-8B architecture (random init)", dtype="bfloat16",
                         activation_checkpointing=not args.no_checkpointing, backend=dist.get_backend())
         ablation = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
+        ablation += "_tensornorms" if args.tensor_norms else ""
         name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + ablation
         path = write_result(name, settings, result, out_dir=args.results_dir)
         print(json.dumps(result, indent=2))
@@ -255,6 +265,34 @@ def run(args) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) -> str | None:
+    """Profile ``args.profile`` steps on every rank; rank 0 writes its top CUDA kernels and the NCCL share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile):
+            train_step(batch())
+        _sync(device)
+    if rank != 0:
+        return None
+    events = prof.key_averages()
+    attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    kernels = [e for e in events if getattr(e, attr, 0) > 0 and getattr(e, "device_type", None) is not None
+               and "cuda" in str(e.device_type).lower()]
+    total = sum(getattr(e, attr) for e in kernels) or 1.0
+    nccl = sum(getattr(e, attr) for e in kernels if "nccl" in e.key.lower())
+    lines = [f"{mode} x{world}: {args.profile} steps; CUDA kernel time {total / 1e3:.1f} ms, NCCL {nccl / 1e3:.1f} ms "
+             f"({100 * nccl / total:.0f} %) (kernel time sums concurrent streams)", ""]
+    for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:25]:
+        lines.append(f"{getattr(e, attr) / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
+    path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{'_inflight0' if args.max_inflight == 0 else ''}" \
+        f"{'_tensornorms' if args.tensor_norms else ''}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:12]))
+    return path.name
 
 
 # ----------------------------------------------------------------------------- summary
