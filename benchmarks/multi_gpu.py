@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--tensor-norms", action="store_true",
                    help="zero3/fsdp2 ablation: sum every tensor's squared norm over the shards at once (one collective "
                         "per tensor), as clipping per tensor needs, instead of once per step")
+    p.add_argument("--zero3-options", default="{}", help="zero3: JSON merged into zero_optimization "
+                   "(e.g. '{\"stage3_prefetch_bucket_size\": 5e8}'); a non-empty value is written as an ablation file")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps (torch.profiler); "
                    "rank 0 writes the top CUDA kernels to <result>_profile.txt")
     p.add_argument("--summarize", action="store_true", help="merge multi_gpu_*.json into multi_gpu.json")
@@ -164,7 +166,8 @@ def build(args, mode: str, device: torch.device, world: int):
     if mode == "zero3":
         from neutrain.distributed.deepspeed import initialize_zero3
 
-        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "zero_optimization": {"stage": 3},
+        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch,
+                     "zero_optimization": {"stage": 3, **json.loads(args.zero3_options)},
                      "bf16": {"enabled": device.type == "cuda"}}
         engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight)
     if mode in ("fsdp2", "zero3"):
@@ -253,11 +256,12 @@ def run(args) -> dict:
         result["profile_file"] = _profile(args, train_step, batch, device, rank, mode, world)
     if rank == 0:
         settings = {k: getattr(args, k) for k in ("tiny", "seq", "micro_batch", "warmup", "steps", "optimizer", "lr",
-                                                  "max_inflight", "tensor_norms")}
+                                                  "max_inflight", "tensor_norms", "zero3_options")}
         settings.update(model="tiny-llama" if args.tiny else "Llama-3-8B architecture (random init)", dtype="bfloat16",
                         activation_checkpointing=not args.no_checkpointing, backend=dist.get_backend())
         ablation = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
         ablation += "_tensornorms" if args.tensor_norms else ""
+        ablation += "_zero3options" if json.loads(args.zero3_options) else ""
         name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + ablation
         path = write_result(name, settings, result, out_dir=args.results_dir)
         print(json.dumps(result, indent=2))
@@ -289,7 +293,7 @@ def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) 
     for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:25]:
         lines.append(f"{getattr(e, attr) / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
     path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{'_inflight0' if args.max_inflight == 0 else ''}" \
-        f"{'_tensornorms' if args.tensor_norms else ''}.txt"
+        f"{'_tensornorms' if args.tensor_norms else ''}{'_zero3options' if json.loads(args.zero3_options) else ''}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
     return path.name
