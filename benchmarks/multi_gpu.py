@@ -70,8 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--max-inflight", type=int, default=2,
                    help="zero3: reduce-scatters in flight while backward goes on (0: each one before backward continues; "
                         "written as an ablation file, outside the summary)")
-    p.add_argument("--world-group", action="store_true",
-                   help="zero3 ablation: the asynchronous reduce-scatters share the world communicator with ZeRO-3's gathers")
     p.add_argument("--tensor-norms", action="store_true",
                    help="zero3/fsdp2 ablation: sum every tensor's squared norm over the shards at once (one collective "
                         "per tensor), as clipping per tensor needs, instead of once per step")
@@ -171,7 +169,7 @@ def build(args, mode: str, device: torch.device, world: int):
         ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch,
                      "zero_optimization": {"stage": 3, **json.loads(args.zero3_options)},
                      "bf16": {"enabled": device.type == "cuda"}}
-        engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight, own_group=not args.world_group)
+        engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight)
     if mode in ("fsdp2", "zero3"):
         assert opt._shard_groups, f"{mode}: no parameter of the optimizer is a shard"
         if args.tensor_norms:
@@ -258,12 +256,11 @@ def run(args) -> dict:
         result["profile_file"] = _profile(args, train_step, batch, device, rank, mode, world)
     if rank == 0:
         settings = {k: getattr(args, k) for k in ("tiny", "seq", "micro_batch", "warmup", "steps", "optimizer", "lr",
-                                                  "max_inflight", "tensor_norms", "zero3_options", "world_group")}
+                                                  "max_inflight", "tensor_norms", "zero3_options")}
         settings.update(model="tiny-llama" if args.tiny else "Llama-3-8B architecture (random init)", dtype="bfloat16",
                         activation_checkpointing=not args.no_checkpointing, backend=dist.get_backend())
         ablation = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
         ablation += "_tensornorms" if args.tensor_norms else ""
-        ablation += "_worldgroup" if args.world_group else ""
         ablation += "_zero3options" if json.loads(args.zero3_options) else ""
         name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + ablation
         path = write_result(name, settings, result, out_dir=args.results_dir)
@@ -296,8 +293,7 @@ def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) 
     for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:25]:
         lines.append(f"{getattr(e, attr) / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
     path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{'_inflight0' if args.max_inflight == 0 else ''}" \
-        f"{'_tensornorms' if args.tensor_norms else ''}{'_zero3options' if json.loads(args.zero3_options) else ''}" \
-        f"{'_worldgroup' if args.world_group else ''}.txt"
+        f"{'_tensornorms' if args.tensor_norms else ''}{'_zero3options' if json.loads(args.zero3_options) else ''}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
     return path.name

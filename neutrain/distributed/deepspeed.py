@@ -126,7 +126,7 @@ def submit_partition_grad(queue, p: torch.Tensor, grad: torch.Tensor, finish, gr
     return True
 
 
-def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflight: int = 2, own_group: bool = True):
+def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflight: int = 2):
     """Build a ZeRO-3 engine without an optimizer and bind ``optimizer`` to its partitions.
 
     Args:
@@ -137,7 +137,6 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflig
             scheduler on it take their place).
         max_inflight: gradients whose reduce-scatter may be in flight while backward
             goes on (NCCL); 0 reduces each one before backward continues.
-        own_group: run those reduce-scatters on a communicator of their own (see :func:`bind_partitions`).
 
     Returns:
         The DeepSpeed engine. Run ``loss = engine.module(**batch).loss`` and
@@ -169,18 +168,15 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflig
     # 'auto' batch keys (the shipped config is the Trainer's): DeepSpeed derives them from the micro-batch.
     config = {k: v for k, v in config.items() if k != "fp16" and v != "auto"}
     engine, *_ = deepspeed.initialize(model=model, config={**config, **zero3_config(config, dtype)})
-    bind_partitions(optimizer, engine, max_inflight, own_group)
+    bind_partitions(optimizer, engine, max_inflight)
     return engine
 
 
-def bind_partitions(optimizer, engine, max_inflight: int = 2, own_group: bool = True) -> None:
+def bind_partitions(optimizer, engine, max_inflight: int = 2) -> None:
     """Re-index and re-bind a fused optimizer to a ZeRO-3 engine's partitioned parameters.
 
     ``max_inflight`` reduce-scatters may be in flight at once (NCCL; 0: each
-    gradient is reduced before backward goes on). With ``own_group`` they run
-    on a communicator of their own (the same ranks), so that they do not queue
-    behind ZeRO-3's all-gathers on the world communicator's stream. Every rank
-    must call this (creating a group is collective).
+    gradient is reduced before backward goes on).
     """
     from neutrain.distributed.data_parallel import GradientAllReduce
 
@@ -188,10 +184,7 @@ def bind_partitions(optimizer, engine, max_inflight: int = 2, own_group: bool = 
     optimizer.bind(engine.module)
     if not optimizer._shard_groups:
         raise RuntimeError("no ZeRO-3 partitioned parameter found after deepspeed.initialize")
-    optimizer.partition_sync = None
-    if max_inflight > 0 and dist.get_backend() == "nccl":
-        group = dist.new_group(backend="nccl") if own_group else None
-        optimizer.partition_sync = GradientAllReduce(group=group, max_inflight=max_inflight)
+    optimizer.partition_sync = GradientAllReduce(max_inflight=max_inflight) if max_inflight > 0 else None
 
 
 def backward(engine, optimizer, loss: torch.Tensor) -> None:

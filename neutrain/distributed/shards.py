@@ -66,7 +66,7 @@ def submit_local_shard(queue, param: torch.Tensor, grad: torch.Tensor, group, fi
         return False
     from neutrain.distributed.deepspeed import submit_partition_grad
 
-    return submit_partition_grad(queue, param, grad, finish, queue.group if queue.group is not None else group)
+    return submit_partition_grad(queue, param, grad, finish, group)
 
 
 def full_numel(param: torch.Tensor) -> int:
