@@ -124,3 +124,14 @@ def test_deepspeed_launch_config_runs_lomo_and_refuses_adalomo(tmp_path):
     res = launch(tmp_path / "adalomo", "adalomo")
     assert res.returncode != 0
     assert "train.optimizer" in res.stderr and "ZeRO-3 partitions are flat" in res.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_gradient_accumulation_matches_one_process(tmp_path):
+    """ZeRO-3 with 2 micro-batches per step: partition gradients are summed locally, then applied once."""
+    one = _launch(tmp_path / "one", "deepspeed", 1, 29581, micro_batch_size=2, gradient_accumulation_steps=2)
+    two = _launch(tmp_path / "two", "deepspeed", 2, 29582, micro_batch_size=1, gradient_accumulation_steps=2)
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)
+    w1, w2 = _final_weights(one), _final_weights(two)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-7, msg=name)
