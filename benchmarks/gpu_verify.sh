@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels the image lacks, then run the GPU-marked tests named in
+# One device call: install the carried wheels the image lacks (install_carried_wheels.sh), then run the GPU-marked tests named in
 # TESTS ("name=path[,path...] ...": one junit_<name>.xml per group into $OUT) and, if RECIPE_STEPS is
 # set, the default recipe on the GPU for that many steps.
 #   TESTS="launch=tests/integration/test_distributed_gpu.py" OUT=/tmp/out bash benchmarks/gpu_verify.sh
@@ -9,25 +9,7 @@ OUT=${OUT:-/tmp/neutrain-gpu-verify}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0
-SITE=/tmp/site
-wheels=()
-have() { python3 -c "import $1" 2>/dev/null; }
-add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
-have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
-if ! have deepspeed; then
-  add .whl/deepspeed/deepspeed-*.whl
-  have einops || add .whl/deepspeed/einops-*.whl
-  have hjson || add .whl/deepspeed/hjson-*.whl
-  have msgpack || add .whl/deepspeed/msgpack-*.whl
-  have ninja || add .whl/deepspeed/ninja-*.whl
-  have cpuinfo || add .whl/deepspeed/py_cpuinfo-*.whl
-  have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
-                       .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
-fi
-if [ ${#wheels[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}"
-fi
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/install_carried_wheels.sh
 python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 for spec in ${TESTS:-}; do
   name=${spec%%=*}

@@ -16,27 +16,7 @@ export NCCL_NVLS_ENABLE=0          # NVLink multicast stays off on the lent mach
 export NEUTRAIN_GIT_COMMIT=${NEUTRAIN_GIT_COMMIT:-unknown}
 
 # --- carried wheels, only for what the image lacks (never shadow its own packages) ---------------
-SITE=/tmp/site
-wheels=()
-have() { python3 -c "import $1" 2>/dev/null; }
-add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
-have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
-if ! have deepspeed; then
-  add .whl/deepspeed/deepspeed-*.whl
-  have einops || add .whl/deepspeed/einops-*.whl
-  have hjson || add .whl/deepspeed/hjson-*.whl
-  have msgpack || add .whl/deepspeed/msgpack-*.whl
-  have ninja || add .whl/deepspeed/ninja-*.whl
-  have cpuinfo || add .whl/deepspeed/py_cpuinfo-*.whl
-  have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
-                       .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
-fi
-if [ ${#wheels[@]} -gt 0 ]; then
-  pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$@"; }
-  # All at once; if one wheel does not fit this Python, one by one so that the others still land.
-  pipi "${wheels[@]}" || for w in "${wheels[@]}"; do pipi "$w" || echo "WARNING: could not install $w"; done
-fi
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/install_carried_wheels.sh
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 

@@ -1,0 +1,24 @@
+# Sourced by the device scripts (run from the repository root): install the wheels carried in .whl/
+# for what the GPU image lacks (never shadowing its own packages) into /tmp/site, and put that and the
+# repository on PYTHONPATH.
+SITE=/tmp/site
+wheels=()
+have() { python3 -c "import $1" 2>/dev/null; }
+add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
+have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
+if ! have deepspeed; then
+  add .whl/deepspeed/deepspeed-*.whl
+  have einops || add .whl/deepspeed/einops-*.whl
+  have hjson || add .whl/deepspeed/hjson-*.whl
+  have msgpack || add .whl/deepspeed/msgpack-*.whl
+  have ninja || add .whl/deepspeed/ninja-*.whl
+  have cpuinfo || add .whl/deepspeed/py_cpuinfo-*.whl
+  have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
+                       .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
+fi
+if [ ${#wheels[@]} -gt 0 ]; then
+  pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$@"; }
+  # All at once; if one wheel does not fit this Python, one by one so that the others still land.
+  pipi "${wheels[@]}" || for w in "${wheels[@]}"; do pipi "$w" || echo "WARNING: could not install $w"; done
+fi
+export PYTHONPATH=$SITE:$PWD
