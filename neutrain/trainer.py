@@ -138,7 +138,9 @@ class NeuTrainer(Trainer):
             # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
             # ZeRO-3's per-module gather.
             raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
-        if mode == "deepspeed" and any(getattr(p, "_neutrain_compressed_key", False) for p in self.model.parameters()):
+        from neutrain.nn_checkpoint import is_compressed
+
+        if mode == "deepspeed" and is_compressed(self.model):
             raise UserInputError("DeepSpeed ZeRO-3 partitions dense weights only: set memory.weights: dense")
         if mode == "replicated":
             from neutrain.distributed.data_parallel import skip_ddp_wrapping

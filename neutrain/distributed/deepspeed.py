@@ -58,6 +58,18 @@ def _valid_range(p: torch.Tensor, rank: int) -> tuple[int, int]:
     return start, max(0, min(size, p.ds_numel - start))
 
 
+def _partition_io(p: torch.Tensor, valid: int) -> PartitionIO:
+    return PartitionIO(p.ds_tensor.data.view(-1)[:valid])
+
+
+def _reduce_scatter_buffers(p: torch.Tensor, grad: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input, output)`` of a reduce-scatter of ``grad`` into ``p``'s partitions (input padded to world x size)."""
+    size = p.ds_tensor.numel()
+    flat = grad.reshape(-1)
+    padded = flat if flat.numel() == size * world else torch.nn.functional.pad(flat, (0, size * world - flat.numel()))
+    return padded.contiguous(), torch.empty(size, dtype=grad.dtype, device=grad.device)
+
+
 def partition_grad(p: torch.Tensor, grad: torch.Tensor, group=None) -> tuple[torch.Tensor, PartitionIO]:
     """This rank's slice of the gradient averaged over ``group``, and I/O for the matching weight slice.
 
@@ -67,33 +79,61 @@ def partition_grad(p: torch.Tensor, grad: torch.Tensor, group=None) -> tuple[tor
         group: the data-parallel group (default: the world).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    size = p.ds_tensor.numel()
     start, valid = _valid_range(p, rank)
-    flat = grad.reshape(-1)
     if dist.get_backend(group) == "nccl":
-        padded = flat if flat.numel() == size * world else torch.nn.functional.pad(flat, (0, size * world - flat.numel()))
-        part = torch.empty(size, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(part, padded.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        padded, part = _reduce_scatter_buffers(p, grad, world)
+        dist.reduce_scatter_tensor(part, padded, op=dist.ReduceOp.SUM, group=group)
         part = part[:valid]
     else:  # gloo has no reduce-scatter of flat tensors
-        flat = flat.contiguous()
+        flat = grad.reshape(-1).contiguous()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         part = flat[start : start + valid]
-    part = part.div_(world)
-    return part, PartitionIO(p.ds_tensor.data.view(-1)[:valid])
+    return part.div_(world), _partition_io(p, valid)
 
 
-def zero3_config(config: dict, dtype: torch.dtype) -> dict:
+def check_fused_config(config: dict, optimizer, source: str = "DeepSpeed config") -> None:
+    """Refuse a DeepSpeed config (or optimizer) fused updates cannot run under, naming the key.
+
+    Raises:
+        UserInputError (a ``ValueError``): ``source`` names where the config came
+            from (``train.deepspeed`` for recipes).
+    """
+    from neutrain.config.errors import UserInputError
+
+    stage = config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise UserInputError(
+            f"{source}: fused optimizers need zero_optimization.stage 3 (parameter partitioning), got {stage}. "
+            "Use launch/deepspeed_zero3_fused.json, or FSDP2 (train.distributed: fsdp2)."
+        )
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            raise UserInputError(
+                f"{source}: remove the '{key}' section: a fused optimizer updates the partitions inside backward "
+                "and a torch scheduler on it (the recipe's lr_scheduler) drives it "
+                "(launch/deepspeed_zero3_fused.json has neither)."
+            )
+    if config.get("fp16", {}).get("enabled") is True:
+        raise UserInputError(f"{source}: fp16.enabled is not supported with fused updates (use bf16 or fp32)")
+    if optimizer is not None and not optimizer.elementwise:
+        raise UserInputError(
+            f"train.optimizer: {type(optimizer).__name__} needs whole-row statistics, but ZeRO-3 partitions are flat "
+            "slices. Use lomo or adamw-in-backward under DeepSpeed, or train.distributed: fsdp2 for adalomo."
+        )
+
+
+def zero3_config(config: dict, model: torch.nn.Module) -> dict:
     """The config keys fused updates need on top of a user's ZeRO-3 config (merge them in).
 
     Persistent parameters (small ones, kept whole on every rank) would be read
     from their full copy, not from the partition the update writes: every
     parameter is partitioned. The weights are updated in the dtype they are
     stored in (there is no fp32 master copy), so ``bf16.enabled`` follows the
-    model's ``dtype`` and DeepSpeed never casts it.
+    model's dtype and DeepSpeed never casts it (fp16 is off).
     """
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     zero = dict(config["zero_optimization"], stage3_param_persistence_threshold=0, model_persistence_threshold=0)
-    return {"zero_allow_untested_optimizer": True, "zero_optimization": zero,
+    return {"zero_allow_untested_optimizer": True, "zero_optimization": zero, "fp16": {"enabled": False},
             "bf16": {**config.get("bf16", {}), "enabled": dtype == torch.bfloat16}}
 
 
@@ -110,14 +150,10 @@ def submit_partition_grad(queue, p: torch.Tensor, grad: torch.Tensor, finish, gr
     if dist.get_backend(group) != "nccl":
         return False
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    size = p.ds_tensor.numel()
     _, valid = _valid_range(p, rank)
-    flat = grad.reshape(-1)
-    padded = flat if flat.numel() == size * world else torch.nn.functional.pad(flat, (0, size * world - flat.numel()))
-    padded = padded.contiguous()
-    part = torch.empty(size, dtype=grad.dtype, device=grad.device)
+    padded, part = _reduce_scatter_buffers(p, grad, world)
     work = dist.reduce_scatter_tensor(part, padded, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    io = PartitionIO(p.ds_tensor.data.view(-1)[:valid])
+    io = _partition_io(p, valid)
 
     def done(averaged: torch.Tensor, _keep=padded) -> None:  # _keep: the input lives until the collective ends
         finish(averaged[:valid], io)
@@ -150,24 +186,12 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflig
     """
     import deepspeed
 
-    stage = config.get("zero_optimization", {}).get("stage")
-    if stage != 3:
-        raise ValueError(f"fused updates under DeepSpeed need ZeRO stage 3 (parameter partitioning), got {stage}")
-    if "optimizer" in config:
-        raise ValueError("remove the DeepSpeed 'optimizer' section: the fused optimizer updates the partitions")
-    if not optimizer.elementwise:
-        raise ValueError(
-            f"{type(optimizer).__name__} needs whole-row statistics; ZeRO-3 partitions are flat slices. "
-            "Use an element-wise rule (lomo, adamw-in-backward) or FSDP2."
-        )
-    if config.get("fp16", {}).get("enabled") is True:
-        raise ValueError("fp16 is not supported with fused updates (bf16 or fp32 weights)")
+    check_fused_config(config, optimizer)
     if not isinstance(config.get("train_micro_batch_size_per_gpu"), int):
         raise ValueError("set train_micro_batch_size_per_gpu to an integer (the Trainer fills 'auto'; a user loop must)")
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     # 'auto' batch keys (the shipped config is the Trainer's): DeepSpeed derives them from the micro-batch.
-    config = {k: v for k, v in config.items() if k != "fp16" and v != "auto"}
-    engine, *_ = deepspeed.initialize(model=model, config={**config, **zero3_config(config, dtype)})
+    config = {k: v for k, v in config.items() if v != "auto"}
+    engine, *_ = deepspeed.initialize(model=model, config={**config, **zero3_config(config, model)})
     bind_partitions(optimizer, engine, max_inflight)
     return engine
 

@@ -43,25 +43,6 @@ def partition_file(directory: str, rank: int, world_size: int) -> str:
     return os.path.join(directory, f"zero3_partitions.rank{rank}-of-{world_size}.pt")
 
 
-def check_fused_config(config: dict) -> None:
-    """Refuse DeepSpeed configs a fused optimizer cannot run under, naming the key."""
-    stage = config.get("zero_optimization", {}).get("stage")
-    if stage != 3:
-        raise UserInputError(
-            f"train.deepspeed: fused optimizers need zero_optimization.stage 3 (parameter partitioning), got {stage}. "
-            "Use launch/deepspeed_zero3_fused.json, or FSDP2 (train.distributed: fsdp2)."
-        )
-    for key in ("optimizer", "scheduler"):
-        if key in config:
-            raise UserInputError(
-                f"train.deepspeed: remove the '{key}' section: with a fused optimizer (train.optimizer) neutrain "
-                "updates the partitions inside backward and the Trainer's lr_scheduler drives it "
-                "(launch/deepspeed_zero3_fused.json has neither)."
-            )
-    if config.get("fp16", {}).get("enabled") is True:
-        raise UserInputError("train.deepspeed: fp16.enabled is not supported with fused updates (use bf16 or fp32)")
-
-
 def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_checkpoint):
     """``Trainer._prepare_for_training`` for a fused optimizer under DeepSpeed ZeRO-3.
 
@@ -74,25 +55,17 @@ def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_
     Returns:
         ``(engine, train_dataloader)``, as the Trainer's own preparation does.
     """
-    from neutrain.distributed.deepspeed import bind_partitions, zero3_config
+    from neutrain.distributed.deepspeed import bind_partitions, check_fused_config, zero3_config
 
     accelerator, args = trainer.accelerator, trainer.args
     hf_config = accelerator.state.deepspeed_plugin.hf_ds_config
     hf_config.trainer_config_finalize(args, trainer.model, max_steps)
-    check_fused_config(hf_config.config)
-    dtype = next(p.dtype for p in trainer.model.parameters() if p.is_floating_point())
-    hf_config.config.update(zero3_config(hf_config.config, dtype))
-    hf_config.config.pop("fp16", None)
-
     if trainer.lr_scheduler is not None and getattr(trainer, "_created_lr_scheduler", False):
         trainer.lr_scheduler, trainer._created_lr_scheduler = None, False
     trainer.create_optimizer()
     optimizer = trainer.fused_optimizer
-    if not optimizer.elementwise:
-        raise UserInputError(
-            f"train.optimizer: {type(optimizer).__name__} needs whole-row statistics, but ZeRO-3 partitions are flat "
-            "slices. Use lomo or adamw-in-backward under DeepSpeed, or train.distributed: fsdp2 for adalomo."
-        )
+    check_fused_config(hf_config.config, optimizer, "train.deepspeed")
+    hf_config.config.update(zero3_config(hf_config.config, trainer.model))
     engine = accelerator.prepare(trainer.model)  # the model alone: an engine without an optimizer
     bind_partitions(optimizer, engine)
     trainer.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
@@ -106,17 +79,20 @@ def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_
 
 
 def save_zero3_state(trainer, output_dir: str) -> None:
-    """Write this rank's partitions and fused-optimizer state, and (main process) the scheduler."""
+    """Write this rank's partitions and fused-optimizer state, and (main process) the scheduler.
+
+    Plain writes: ``NeuTrainer`` writes the whole checkpoint into a temporary directory and renames it.
+    """
     from neutrain.distributed.fsdp import save_optimizer_shard
 
     rank, world = trainer.args.process_index, trainer.args.world_size
     os.makedirs(output_dir, exist_ok=True)  # the main process may not have created it yet
     engine = trainer.model_wrapped
     partitions = {name: p.ds_tensor.detach().cpu().clone() for name, p in engine.module.named_parameters()}
-    _atomic_save(partitions, partition_file(output_dir, rank, world))
+    torch.save(partitions, partition_file(output_dir, rank, world))
     save_optimizer_shard(trainer.fused_optimizer, output_dir, rank, world)
     if trainer.args.should_save:
-        _atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
 
 @torch.no_grad()
@@ -146,9 +122,3 @@ def load_zero3_state(trainer, checkpoint: str) -> None:
     engine.optimizer.empty_partition_cache()
     load_optimizer_shard(trainer.fused_optimizer, checkpoint, rank, world)
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
-
-
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

@@ -40,7 +40,9 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
     ones; the hooks registered before are on parameters that no longer exist.
     Returns the optimizer. Idempotent.
     """
-    if any(getattr(p, "_neutrain_compressed_key", False) for p in model.parameters()):
+    from neutrain.nn_checkpoint import is_compressed
+
+    if is_compressed(model):
         raise ValueError("FSDP2 shards dense weights only: set memory.weights: dense (see neutrain.distributed.fsdp)")
     optimizer._reindex()
     optimizer.bind(model)

@@ -37,20 +37,31 @@ def test_contradictory_distributed_keys_are_refused(train):
     ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fp16.enabled"),
 ])
 def test_deepspeed_configs_fused_updates_cannot_use_are_refused_by_key(config, named):
-    from neutrain.distributed.deepspeed_trainer import check_fused_config
+    from neutrain.distributed.deepspeed import check_fused_config
 
     with pytest.raises(UserInputError, match=named.replace(".", r"\.")):
-        check_fused_config(config)
-    check_fused_config({"zero_optimization": {"stage": 3}, "fp16": {"enabled": "auto"}})  # the good one passes
+        check_fused_config(config, None, "train.deepspeed")
+    check_fused_config({"zero_optimization": {"stage": 3}, "fp16": {"enabled": "auto"}}, None)  # the good one passes
+
+
+def test_deepspeed_refuses_optimizers_that_need_whole_rows():
+    from types import SimpleNamespace
+
+    from neutrain.distributed.deepspeed import check_fused_config
+
+    good = {"zero_optimization": {"stage": 3}}
+    check_fused_config(good, SimpleNamespace(elementwise=True))
+    with pytest.raises(UserInputError, match="train.optimizer: SimpleNamespace needs whole-row statistics"):
+        check_fused_config(good, SimpleNamespace(elementwise=False))
 
 
 def test_shipped_fused_deepspeed_config_passes_the_check():
     import json
     from pathlib import Path
 
-    from neutrain.distributed.deepspeed_trainer import check_fused_config
+    from neutrain.distributed.deepspeed import check_fused_config
 
-    check_fused_config(json.loads((Path(__file__).parents[3] / "launch" / "deepspeed_zero3_fused.json").read_text()))
+    check_fused_config(json.loads((Path(__file__).parents[3] / "launch" / "deepspeed_zero3_fused.json").read_text()), None)
 
 
 def test_single_process_accelerator_is_single():
