@@ -259,16 +259,20 @@ def run(args) -> dict:
                                                   "max_inflight", "tensor_norms", "zero3_options")}
         settings.update(model="tiny-llama" if args.tiny else "Llama-3-8B architecture (random init)", dtype="bfloat16",
                         activation_checkpointing=not args.no_checkpointing, backend=dist.get_backend())
-        ablation = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
-        ablation += "_tensornorms" if args.tensor_norms else ""
-        ablation += "_zero3options" if json.loads(args.zero3_options) else ""
-        name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + ablation
+        name = f"multi_gpu_{mode}_{world}gpu" + ("_tiny" if args.tiny else "") + _ablation_suffix(args, mode)
         path = write_result(name, settings, result, out_dir=args.results_dir)
         print(json.dumps(result, indent=2))
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _ablation_suffix(args, mode: str) -> str:
+    """File-name suffix of a run with non-default ablation settings ("" for the summarized runs)."""
+    suffix = f"_inflight{args.max_inflight}" if mode == "zero3" and args.max_inflight != 2 else ""
+    suffix += "_tensornorms" if args.tensor_norms else ""
+    return suffix + ("_zero3options" if json.loads(args.zero3_options) else "")
 
 
 def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) -> str | None:
@@ -284,16 +288,19 @@ def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) 
         return None
     events = prof.key_averages()
     attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    # Device-side rows are kernels plus annotations that span them (``nccl:_all_gather_base`` covers its
+    # ncclDevKernel exactly): counting both would count communication twice.
     kernels = [e for e in events if getattr(e, attr, 0) > 0 and getattr(e, "device_type", None) is not None
-               and "cuda" in str(e.device_type).lower()]
+               and "cuda" in str(e.device_type).lower() and not getattr(e, "is_user_annotation", False)
+               and not e.key.startswith("nccl:")]
     total = sum(getattr(e, attr) for e in kernels) or 1.0
     nccl = sum(getattr(e, attr) for e in kernels if "nccl" in e.key.lower())
     lines = [f"{mode} x{world}: {args.profile} steps; CUDA kernel time {total / 1e3:.1f} ms, NCCL {nccl / 1e3:.1f} ms "
              f"({100 * nccl / total:.0f} %) (kernel time sums concurrent streams)", ""]
     for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:25]:
         lines.append(f"{getattr(e, attr) / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
-    path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{'_inflight0' if args.max_inflight == 0 else ''}" \
-        f"{'_tensornorms' if args.tensor_norms else ''}{'_zero3options' if json.loads(args.zero3_options) else ''}.txt"
+    path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{_ablation_suffix(args, mode)}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
     return path.name
