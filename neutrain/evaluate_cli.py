@@ -13,6 +13,30 @@ from pathlib import Path
 
 from neutrain.config.errors import UserInputError
 
+# Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
+_DATA_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".text", ".md")
+
+
+def _not_evaluable(target: Path) -> str | None:
+    """Why ``target`` is neither a recipe nor a checkpoint, export or run directory; None when it may be one.
+
+    Example:
+        >>> _not_evaluable(Path("data/train.jsonl"))
+        "eval: 'data/train.jsonl' is a data file; expected a recipe YAML or a checkpoint directory (data comes from the recipe's data.datasets)"
+    """
+    if target.suffix.lower() in _DATA_SUFFIXES and not target.is_dir():
+        return f"eval: '{target}' is a data file; expected a recipe YAML or a checkpoint directory (data comes from the recipe's data.datasets)"
+    if not target.is_dir() or (target / "config.json").exists() or (target / "adapter_config.json").exists():
+        return None
+    if any(p.is_dir() and p.name.startswith("checkpoint-") for p in target.iterdir()):
+        return None
+    names = sorted(p.name for p in target.iterdir())
+    data = [n for n in names if Path(n).suffix.lower() in (*_DATA_SUFFIXES, ".json")]
+    listed = lambda xs: ", ".join(xs[:3]) + (", ..." if len(xs) > 3 else "")  # noqa: E731
+    found = (f"{len(data)} data file(s) ({listed(data)})" if data else f"{len(names)} other entries ({listed(names)})") if names else "nothing"
+    return (f"eval: '{target}' is not a checkpoint: it holds {found} and no config.json, adapter_config.json or checkpoint-N; "
+            f"expected a checkpoint, an export or a run's output_dir (give data through --recipe <recipe.yaml>)")
+
 
 def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
@@ -25,6 +49,8 @@ def run_eval(args) -> int:
     from neutrain.trainer import NeuTrainer
 
     target = Path(args.target)
+    if problem := _not_evaluable(target):
+        raise UserInputError(problem)
     if target.suffix in (".yaml", ".yml") or not target.is_dir():
         recipe = load_recipe(args.target, args.overrides)
         ckpt = _last_checkpoint(Path(recipe.train["output_dir"]))

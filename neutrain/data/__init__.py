@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from neutrain.data.formats import IGNORE_INDEX, tokenize_row
+from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
+from neutrain.data.formats import IGNORE_INDEX
 from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
@@ -32,15 +33,20 @@ def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
     source = _source_name(entry)
 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "heldout": []}
+        out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "heldout", *STAT_COLUMNS)}
         keys = list(batch)
         for j, index in enumerate(indices):
             row = {k: batch[k][j] for k in keys}
             heldout = bool(row.get("heldout", False))
-            for r in tokenize_row(row, tokenizer, entry, data_cfg, source, index):
+            rows, tokens, cut = tokenize_counted(row, tokenizer, entry, data_cfg, source, index)
+            for k, r in enumerate(rows):
                 out["input_ids"].append(r["input_ids"])
                 out["labels"].append(r["labels"])
                 out["heldout"].append(heldout)
+                # What the raw row trains, for checks.counts_of (carried by its first tokenised row).
+                out["_first"].append(k == 0)
+                out["_row_tokens"].append(tokens)
+                out["_cut"].append(cut)
         return out
 
     import datasets
@@ -91,7 +97,12 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     streaming = data_cfg["streaming"]
     train_parts, eval_parts = [], []
     for entry in data_cfg["datasets"]:
-        ds = _tokenize(load_rows(entry, streaming=streaming, cache_dir=cache_dir), entry, tokenizer, data_cfg)
+        raw = load_rows(entry, streaming=streaming, cache_dir=cache_dir)
+        if streaming:
+            check_stream(raw, tokenizer, entry, data_cfg, _source_name(entry))
+        ds = _tokenize(raw, entry, tokenizer, data_cfg)
+        if not streaming:
+            check_counts(counts_of(ds, len(raw)), raw, tokenizer, entry, data_cfg, _source_name(entry))
         if streaming:
             ds = ds.shuffle(seed=seed, buffer_size=10_000)
             if data_cfg["max_samples"]:
@@ -117,15 +128,19 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     train = concat(train_parts) if len(train_parts) > 1 else train_parts[0]
     heldout = concat(eval_parts) if len(eval_parts) > 1 else (eval_parts[0] if eval_parts else None)
     if heldout is None and data_cfg["val_set_size"] > 0 and not streaming:
+        check_split(len(train), data_cfg["val_set_size"])
         split = train.train_test_split(test_size=data_cfg["val_set_size"], seed=seed)
         train, heldout = split["train"], split["test"]
+    if not streaming:
+        require_tokens(train, "training data")
+        require_tokens(heldout, "held-out data")
     train = _finish(train, data_cfg, tokenizer, streaming)
     heldout = _finish(heldout, data_cfg, tokenizer, streaming) if heldout is not None else None
     return train, heldout
 
 
 def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
-    ds = ds.remove_columns("heldout")
+    ds = ds.remove_columns(["heldout", *STAT_COLUMNS])
     if not data_cfg["sample_packing"]:
         return ds
     import datasets

@@ -10,7 +10,9 @@ Formats (``data.datasets[i].type``):
   template; only the roles in ``roles_to_train`` (default: assistant) are
   trained, found from character offsets so any template works.
 
-A malformed row raises :class:`DataError` naming the file and the row.
+A malformed row raises :class:`DataError` naming the file and the row. Every
+tokenised row also says whether it was ``truncated`` at ``sequence_len``, so the
+data checks (:mod:`neutrain.data.checks`) can report how much was cut.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def tokenize_text(row: dict, tokenizer, entry: dict, sequence_len: int, source: 
     for start in range(0, len(ids), sequence_len):
         chunk = ids[start : start + sequence_len]
         if len(chunk) >= 2:  # a 1-token row trains nothing
-            rows.append({"input_ids": chunk, "labels": list(chunk)})
+            rows.append({"input_ids": chunk, "labels": list(chunk), "truncated": False})
     return rows
 
 
@@ -54,16 +56,27 @@ def tokenize_completion(row: dict, tokenizer, entry: dict, sequence_len: int, tr
     c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         c_ids = c_ids + [tokenizer.eos_token_id]
-    ids = (bos + p_ids + c_ids)[:sequence_len]
+    full = bos + p_ids + c_ids
+    ids = full[:sequence_len]
     n_prompt = len(bos) + len(p_ids)
     labels = list(ids) if train_on_inputs else [IGNORE_INDEX] * min(n_prompt, len(ids)) + ids[n_prompt:]
-    return [{"input_ids": ids, "labels": labels}]
+    return [{"input_ids": ids, "labels": labels, "truncated": len(full) > sequence_len}]
 
 
 def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, train_on_inputs: bool, roles_to_train: list, source: str, index: int) -> list[dict]:
     """A conversation -> one row; tokens of untrained roles get label -100."""
-    messages = _field(row, entry["messages_field"], list, source, index)
+    field = entry["messages_field"]
+    lists = [k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v)]
+    if row.get(field) is None and lists:  # e.g. ShareGPT's `conversations`: the key that maps it is messages_field
+        raise DataError(f"{source}: row {index}: no field '{field}'; the conversation looks to be in '{lists[0]}': "
+                        f"set messages_field: {lists[0]} in this dataset's entry")
+    messages = _field(row, field, list, source, index)
     for j, m in enumerate(messages):
+        if isinstance(m, dict) and "role" not in m and {"from", "value"} <= set(m):
+            # ShareGPT keys: neutrain has no key mapping them, so say which rename makes the data readable.
+            raise DataError(f"{source}: row {index}: message {j} has ShareGPT keys {{from, value}}; neutrain reads "
+                            f"{{role, content}}: rename from -> role and value -> content, and list the replying role "
+                            f"(e.g. gpt) in data.roles_to_train")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{source}: row {index}: message {j} should be {{role: str, content: str}}, got {m!r:.80}")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -77,12 +90,13 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
         spans.append((len(prev), len(text_j), messages[j]["role"]))
         prev = text_j
     enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
+    truncated = len(enc["input_ids"]) > sequence_len
     ids, offsets = enc["input_ids"][:sequence_len], enc["offset_mapping"][:sequence_len]
     labels = []
     for tok, (start, _end) in zip(ids, offsets):
         role = next((r for a, b, r in spans if a <= start < b), None)
         labels.append(tok if train_on_inputs or role in roles_to_train else IGNORE_INDEX)
-    return [{"input_ids": ids, "labels": labels}]
+    return [{"input_ids": ids, "labels": labels, "truncated": truncated}]
 
 
 def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sysconfig
 from pathlib import Path
@@ -78,6 +79,8 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     """
     import datasets
 
+    # datasets logs each failed JSON parse at ERROR level; the DataError below names the row instead.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     if entry["path"] == "python-stdlib":
         path = Path(python_stdlib_corpus(cache_dir or os.path.join("outputs", ".cache"), max_files=entry.get("max_files")))
         ds_type = "json"
@@ -89,10 +92,49 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     if ds_type == "text":
         kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
     try:
-        return datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
+        ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as exc:  # datasets raises many types; name the file either way
-        detail = _locate_bad_json_row(files) if ds_type == "json" else None
-        raise DataError(detail or f"{', '.join(files)}: could not be read as {ds_type} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise _read_error(files, ds_type, exc) from None
+    if not streaming:
+        return ds
+    # A stream reads its files only while training (or training a tokenizer): wrap it so that a bad row
+    # met there is reported like one met here, naming the file and row, not as a pyarrow traceback.
+    return datasets.IterableDataset.from_generator(
+        _guarded_stream, features=ds.features, gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs}
+    )
+
+
+def _read_error(files: list[str], ds_type: str, exc: BaseException) -> DataError:
+    """The one-line error for a data file that ``datasets`` could not read."""
+    if all(_is_blank(f) for f in files):
+        return DataError(f"{', '.join(files)}: no rows (it is empty)")
+    detail = _locate_bad_json_row(files) if ds_type == "json" else None
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return DataError(detail or f"{', '.join(files)}: could not be read as {ds_type} ({type(exc).__name__}: {first_line})")
+
+
+def _is_blank(path: str) -> bool:
+    """True when a file holds nothing but whitespace (read in blocks: data files can be large)."""
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            if block.strip():
+                return False
+    return True
+
+
+def _guarded_stream(files: list[str], ds_type: str, kwargs: dict[str, Any]):
+    """Yield the rows of ``files``, turning a read failure into a :class:`DataError`."""
+    import datasets
+
+    rows = iter(datasets.load_dataset(ds_type, data_files=files, split="train", streaming=True, **kwargs))
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # pyarrow and datasets errors alike
+            raise _read_error(files, ds_type, exc) from None
+        yield row
 
 
 def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
