@@ -157,3 +157,11 @@ def test_eval_on_a_data_file_says_it_is_data(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text(GOOD_TEXT)
     line = _one_line_error(capsys, ["eval", str(tmp_path / "train.jsonl")])
     assert re.search(r"train\.jsonl' is a data file; expected a recipe YAML or a checkpoint directory", line), line
+
+
+def test_streaming_bad_row_met_during_training_is_one_line(tmp_path, capsys):
+    """A bad row past the 256 rows checked up front surfaces while training: still one line naming file and row."""
+    good = _jsonl([{"text": f"document {i}"} for i in range(300)])
+    recipe = _recipe(tmp_path, {"d.jsonl": good + "{not json\n"}, [{"path": "d.jsonl"}], {"streaming": True})
+    line = _one_line_error(capsys, [str(recipe)])
+    assert re.search(r"d\.jsonl: row 300 \(line 301\) is not valid JSON", line), line
