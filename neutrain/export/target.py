@@ -100,6 +100,11 @@ def check_export_target(path: str | os.PathLike, overwrite: bool, key: str = "ou
             raise ExportTargetError(f"{key} '{path}' is or contains {keep_key} '{directory}', which the export "
                                     "would replace: choose another directory")
     if not (path.exists() or path.is_symlink()):
+        ancestor = Path(os.path.abspath(path)).parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise ExportTargetError(f"{key} '{path}': '{ancestor}' is a file, not a directory")
         return
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return  # an empty directory: nothing to lose

@@ -166,6 +166,15 @@ def test_export_into_an_empty_directory_or_a_new_path_works(tmp_path, capsys):
         assert (target / "neutrain_export.json").is_file() and (target / "model.safetensors").is_file()
 
 
+def test_export_below_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    run = _fake_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    before = _snapshot(tmp_path)
+    rc, _, err = _cli(capsys, "export", run / "checkpoint-4", "--output", tmp_path / "notes.txt" / "export")
+    assert rc == 2 and "notes.txt' is a file, not a directory" in _one_line_error(err)
+    assert _snapshot(tmp_path) == before
+
+
 def test_export_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
     missing = tmp_path / "no-such-run"
     rc, _, err = _cli(capsys, "export", missing, "--output", tmp_path / "export")
