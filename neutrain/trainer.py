@@ -75,7 +75,8 @@ class NeuTrainer(Trainer):
 
     Args:
         *args: As for ``transformers.Trainer``.
-        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer``; ``None`` means
+        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer`` and
+            ``max_consecutive_nonfinite`` (default 10, see :mod:`neutrain.optim.nonfinite`); ``None`` means
             dense weights and the ordinary optimizer step.
         **kwargs: As for ``transformers.Trainer``.
     """
@@ -213,7 +214,10 @@ class NeuTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._count_tokens(inputs)
         if not self.fused:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self._nonfinite is not None:  # checked with the gradients, in the optimizer step
+                self._nonfinite.note_loss(loss)
+            return loss
         # Same loss semantics as Trainer.training_step, but backward goes through the fused optimizer
         # (updates happen inside it) rather than accelerator.backward, which has DeepSpeed/GradScaler
         # branches that bypass fused updates.

@@ -65,6 +65,15 @@ class NonFiniteMonitor:
         self.consecutive = 0
         self._steps = 0
         self._before_resume: int | None = None
+        self._losses: list[torch.Tensor] = []
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Include a micro-batch's loss in the next step's check (an inf loss can have finite gradients)."""
+        self._losses.append(loss.detach().reshape(-1))
+
+    def take_losses(self) -> list[torch.Tensor]:
+        losses, self._losses = self._losses, []
+        return losses
 
     def record(self, nonfinite: bool, what: str = "", warn: bool = True) -> None:
         """Note one optimizer step; raise :class:`NonFiniteError` when the limit of consecutive ones is reached."""
@@ -127,15 +136,16 @@ def _agree(flag: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def guard_optimizer(optimizer: torch.optim.Optimizer, monitor: NonFiniteMonitor) -> None:
-    """Skip ``optimizer``'s whole step when any gradient is non-finite (a step pre-hook).
+    """Skip ``optimizer``'s whole step when any gradient, or a loss noted since the last step, is non-finite.
 
+    A step pre-hook.
     Every gradient is dropped first: torch optimizers leave a parameter without a gradient untouched
     (no weight decay, no moment or step-count update), so the step that follows changes nothing.
     """
 
     def check(opt, args, kwargs):
         params = [p for group in opt.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None] + monitor.take_losses()
         if not params:
             return None
         ok = bool(_agree(all_finite(grads), params[0].device))  # the one host sync of the step

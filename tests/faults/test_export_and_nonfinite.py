@@ -242,8 +242,9 @@ def _injecting_trainer(tmp_path: Path, optimizer: str, nan_steps: set[int], wher
     class Injecting(NeuTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if where == "loss" and not return_outputs and self.state.global_step + 1 in nan_steps:
-                loss = loss * NAN
+            if where.startswith("loss") and not return_outputs and self.state.global_step + 1 in nan_steps:
+                # "loss-inf": an infinite loss whose gradients stay finite (a constant added)
+                loss = loss * NAN if where == "loss" else loss + float("inf")
             return loss
 
     class Snapshots(TrainerCallback):
@@ -283,8 +284,8 @@ def _same_state(a: dict, b: dict) -> bool:
         a[i].keys() == b[i].keys() and all(torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])) for k in a[i]) for i in a)
 
 
-@pytest.mark.parametrize("where", ["loss", "grad"])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer,where", [("adamw", "loss"), ("adamw", "grad"), ("adamw", "loss-inf"),
+                                              ("sgd", "loss"), ("sgd", "grad")])
 def test_nonfinite_step_is_skipped_logged_and_counted(tmp_path, caplog, optimizer, where):
     trainer, snaps = _injecting_trainer(tmp_path, optimizer, {3}, where)
     with caplog.at_level("WARNING"):
@@ -302,8 +303,9 @@ def test_nonfinite_step_is_skipped_logged_and_counted(tmp_path, caplog, optimize
 
     records = {r["step"]: r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r}
     assert sorted(records) == [1, 2, 3, 4, 5, 6]
-    if where == "loss":
-        assert math.isnan(records[3]["loss"]), f"a NaN loss was logged as {records[3]['loss']}"
+    if where.startswith("loss"):
+        logged = records[3]["loss"]
+        assert (math.isnan(logged) if where == "loss" else logged == math.inf), f"the loss was logged as {logged}"
     assert all(math.isfinite(records[s]["loss"]) for s in (1, 2, 4, 5, 6))
     assert [records[s]["nonfinite_skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
     # The schedule advances through a skipped step (linear decay to 0 over 6 steps, read before each update).
