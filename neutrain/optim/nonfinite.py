@@ -65,15 +65,19 @@ class NonFiniteMonitor:
         self.consecutive = 0
         self._steps = 0
         self._before_resume: int | None = None
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[tuple[int | None, torch.Tensor]] = []
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Include a micro-batch's loss in the next step's check (an inf loss can have finite gradients)."""
-        self._losses.append(loss.detach().reshape(-1))
+        """Include a micro-batch's loss in its step's check (an inf loss can have finite gradients)."""
+        step = self.current_step() if self.current_step is not None else None
+        self._losses.append((step, loss.detach().reshape(-1)))
 
     def take_losses(self) -> list[torch.Tensor]:
+        """The losses noted for the step being taken (those of a step that never stepped, e.g. an fp16
+        overflow the grad scaler skipped, are dropped)."""
+        step = self.current_step() if self.current_step is not None else None
         losses, self._losses = self._losses, []
-        return losses
+        return [loss for noted, loss in losses if noted == step]
 
     def record(self, nonfinite: bool, what: str = "", warn: bool = True) -> None:
         """Note one optimizer step; raise :class:`NonFiniteError` when the limit of consecutive ones is reached."""

@@ -335,6 +335,26 @@ def test_guard_checks_every_gradient_and_keeps_large_finite_ones():
     assert bool(all_finite([huge, torch.ones(3)])) and not bool(all_finite([huge, torch.tensor([NAN])]))
 
 
+def test_a_noted_loss_counts_only_for_its_own_step():
+    """An inf loss skips its step even with finite gradients; one from a step that never stepped is dropped."""
+    from neutrain.optim.nonfinite import watch
+
+    model, step = torch.nn.Linear(4, 2), [1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = watch(opt, max_consecutive=10, current_step=lambda: step[0])
+    model(torch.randn(3, 4)).sum().backward()
+    monitor.note_loss(torch.tensor(float("inf")))
+    before = copy.deepcopy(model.state_dict())
+    opt.step()
+    assert monitor.skipped_steps == 1 and torch.equal(model.weight, before["weight"])
+    step[0] = 2
+    monitor.note_loss(torch.tensor(float("inf")))  # step 2 is never taken (say, an fp16 overflow skipped it)
+    step[0] = 3
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert monitor.skipped_steps == 1 and not torch.equal(model.weight, before["weight"])
+
+
 def test_skip_count_continues_across_a_resume():
     from neutrain.optim.nonfinite import NonFiniteMonitor
 
