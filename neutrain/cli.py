@@ -65,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "
                    "with from_pretrained after `import neutrain`) or neuzip-lossy-<k> (k = 0, 1, 3, 7 mantissa bits)")
     x.add_argument("--base", help="base model directory of a LoRA adapter checkpoint (default: its adapter_config.json's)")
-    x.add_argument("--output", help="target directory (default: <checkpoint>/../export)")
+    x.add_argument("--output", help="target directory (default: <checkpoint>/../export); an existing one is refused "
+                   "unless it is a previous neutrain export and --overwrite is given")
+    x.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
+                   "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
     x.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     x.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
     s = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
@@ -128,6 +131,8 @@ def cmd_train(args) -> int:
 def _last_checkpoint(path: Path) -> Path:
     from transformers.trainer_utils import get_last_checkpoint
 
+    if not path.exists():
+        raise UserInputError(f"checkpoint '{path}' does not exist")
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if path.is_dir():
@@ -139,16 +144,19 @@ def _last_checkpoint(path: Path) -> Path:
 
 def cmd_export(args) -> int:
     from neutrain.export import export_model, load_checkpoint_model
+    from neutrain.export.target import check_export_target
 
     ckpt = _last_checkpoint(Path(args.checkpoint))
+    out = args.output or str(ckpt.parent / "export")
+    check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     if (ckpt / "adapter_config.json").exists():
         from neutrain.lora import load_adapter_checkpoint
 
         model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
     else:
         model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
-    out = args.output or str(ckpt.parent / "export")
-    path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size, info={"checkpoint": str(ckpt)})
+    path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
+                        info={"checkpoint": str(ckpt)}, overwrite=args.overwrite)
     print(f"exported {ckpt} -> {path} (format {args.format})")
     return 0
 

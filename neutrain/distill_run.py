@@ -69,8 +69,8 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     torch.manual_seed(t["seed"])
     draft = AutoModelForCausalLM.from_config(draft_config(target.config, d["draft_config"]), dtype=target.dtype)
     draft.to(next(target.parameters()).device)
-    args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
+    args = TrainingArguments(  # its logs go beside the draft: the export may replace only an export
+        output_dir=os.path.join(t["output_dir"], "distill"), per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
         learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
         logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
         use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
@@ -82,7 +82,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     )
     alpha_before = trainer.evaluate()["eval_acceptance"] if heldout is not None else None
     trainer.train()
-    report: dict[str, Any] = {"draft_dir": export_hf(trainer.model, out, tokenizer=tokenizer, info={"name": "neutrain draft"}),
+    report: dict[str, Any] = {"draft_dir": export_hf(trainer.model, out, tokenizer=tokenizer, info={"name": "neutrain draft"}, overwrite=True),
                               "draft_parameters": sum(p.numel() for p in draft.parameters())}
     if heldout is not None:
         report["alpha_before"] = alpha_before

@@ -147,7 +147,8 @@ def build_trainer(recipe: Recipe) -> RunContext:
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
-        processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"]},
+        processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"],
+                                            "max_consecutive_nonfinite": t["max_consecutive_nonfinite"]},
     )
     return RunContext(recipe, trainer, tokenizer, heldout, state)
 
@@ -162,6 +163,12 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     from neutrain.trainer import peak_memory_stats
 
     started = time.perf_counter()
+    export_dir = recipe.export["output_dir"] or os.path.join(recipe.train["output_dir"], "export")
+    if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
+        from neutrain.export.target import check_export_target
+
+        check_export_target(export_dir, overwrite=True, key="export.output_dir",
+                            keep=(("train.output_dir", recipe.train["output_dir"]),))
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     out = recipe.train["output_dir"]
@@ -183,6 +190,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     tps = [h["tokens_per_second"] for h in trainer.state.log_history if "tokens_per_second" in h]
     if tps:
         summary["tokens_per_second"] = sum(tps) / len(tps)
+    summary["nonfinite_skipped_steps"] = trainer.nonfinite_skipped_steps
     summary.update(peak_memory_stats())
     if recipe.eval["perplexity"] and heldout is not None:
         metrics = trainer.evaluate()
@@ -209,7 +217,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
                 from neutrain.export import export_model
 
                 summary["export_dir"] = export_model(
-                    trainer.model, recipe.export["output_dir"] or os.path.join(out, "export"), recipe.export["format"],
+                    trainer.model, export_dir, recipe.export["format"], overwrite=True,
                     tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=recipe.export["dtype"],
                     info={"base_model": recipe.model["base_model"] or "random init", "recipe": recipe.source,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
@@ -271,6 +279,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")
     elif "peak_rss_gib" in s:
         lines.append(f"peak memory     {s['peak_rss_gib']:.2f} GiB process RSS (CPU)")
+    if s.get("nonfinite_skipped_steps"):
+        lines.append(f"non-finite      {s['nonfinite_skipped_steps']} optimizer steps had a non-finite loss or gradient (skipped)")
     if "tokens_per_second" in s:
         lines.append(f"throughput      {s['tokens_per_second']:.0f} tokens/s (training)")
     for cache, m in s.get("long_context", {}).items():

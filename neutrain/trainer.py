@@ -75,7 +75,8 @@ class NeuTrainer(Trainer):
 
     Args:
         *args: As for ``transformers.Trainer``.
-        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer``; ``None`` means
+        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer`` and
+            ``max_consecutive_nonfinite`` (default 10, see :mod:`neutrain.optim.nonfinite`); ``None`` means
             dense weights and the ordinary optimizer step.
         **kwargs: As for ``transformers.Trainer``.
     """
@@ -99,6 +100,9 @@ class NeuTrainer(Trainer):
                                "For all GPUs: accelerate launch --num_processes %d -m neutrain <recipe>",
                                torch.cuda.device_count())
         self.distributed_mode = self._setup_distributed() if self.fused else None
+        # Log a NaN loss as NaN: Hugging Face's filter logs the previous average instead (0.0 on a first step).
+        self.args.logging_nan_inf_filter = False
+        self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
         self.add_callback(MetricsFileCallback())
@@ -108,7 +112,10 @@ class NeuTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         if not self.fused:
-            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+            opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
+            if not self.is_deepspeed_enabled:  # DeepSpeed steps its client optimizer per partition group
+                self._watch_nonfinite(opt)
+            return opt
         if self.optimizer is None:
             from neutrain.optim.factory import build_fused_optimizer
 
@@ -126,7 +133,19 @@ class NeuTrainer(Trainer):
                 from neutrain.distributed import data_parallel
 
                 data_parallel.attach(self.optimizer, _unwrap(self.model if model is None else model))
+        self._watch_nonfinite(self.optimizer)
         return self.optimizer
+
+    def _watch_nonfinite(self, optimizer) -> None:
+        """Skip, log and count non-finite steps; stop after too many in a row (neutrain.optim.nonfinite)."""
+        from neutrain.optim.nonfinite import watch
+
+        self._nonfinite = watch(optimizer, self.memory.get("max_consecutive_nonfinite", 10), lambda: self.state.global_step + 1)
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient over the whole run (resumes included)."""
+        return 0 if self._nonfinite is None else self._nonfinite.total(self.state.log_history)
 
     def _setup_distributed(self) -> str:
         """Name the fused-update mode (neutrain.distributed) and keep Accelerate's DDP away from it."""
@@ -195,7 +214,10 @@ class NeuTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._count_tokens(inputs)
         if not self.fused:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self._nonfinite is not None:  # checked with the gradients, in the optimizer step
+                self._nonfinite.note_loss(loss)
+            return loss
         # Same loss semantics as Trainer.training_step, but backward goes through the fused optimizer
         # (updates happen inside it) rather than accelerator.backward, which has DeepSpeed/GradScaler
         # branches that bypass fused updates.
@@ -293,6 +315,11 @@ class NeuTrainer(Trainer):
                 if norm is not None:
                     logs["grad_norm"] = norm
                 logs["nonfinite_skips"] = opt.nonfinite_skips
+            if self._nonfinite is not None:
+                logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
+            if isinstance(getattr(self, "_tr_loss", None), torch.Tensor):
+                # The Trainer resets its running loss by subtracting it from itself, which keeps a NaN for good.
+                self._tr_loss.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         super().log(logs, *args, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------

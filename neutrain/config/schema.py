@@ -83,6 +83,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", min=0.0),
         "max_steps": Key(int, -1, "Total optimizer steps (-1: derived from num_epochs).", min=-1),
         "max_grad_norm": Key(float, 1.0, "Gradient clipping threshold (0 disables).", min=0.0),
+        "max_consecutive_nonfinite": Key(int, 10, "A step whose loss or gradient is NaN/inf is skipped, logged and counted "
+                                         "(adamw/sgd: the whole update; fused optimizers: the affected tensors); after this "
+                                         "many such steps in a row the run stops with exit 2, keeping its checkpoints (0: never stop).", min=0),
         "logging_steps": Key(int, 1, "Log loss, learning rate, tokens/s and peak memory every N steps.", min=1),
         "save_steps": Key(int, 500, "Write checkpoint-N every N steps.", min=1),
         "save_total_limit": Key(int, 2, "Keep at most this many checkpoints.", min=1, nullable=True),

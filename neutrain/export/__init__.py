@@ -22,7 +22,12 @@ FORMATS = ("hf", "neuzip", "neuzip-lossless", "neuzip-lossy-<k>")
 
 
 def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -> str:
-    """Export ``model`` in format ``fmt`` (see :data:`FORMATS`); returns the directory."""
+    """Export ``model`` in format ``fmt`` (see :data:`FORMATS`); returns the directory.
+
+    ``output_dir`` is written atomically and never replaces anything but a previous neutrain export,
+    and that only with ``overwrite=True`` (:mod:`neutrain.export.target`); other keyword arguments go to
+    :func:`export_hf` or :func:`export_neuzip`.
+    """
     if fmt != "hf" and not re.match(r"^neuzip(-lossless|-lossy-\d+)?$", fmt or ""):
         from neutrain.config.errors import UserInputError
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,16 +136,18 @@ def _model_card(model, info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_size: str = "5GB", dtype: str = "auto", info: dict | None = None) -> str:
+def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_size: str = "5GB", dtype: str = "auto",
+              info: dict | None = None, overwrite: bool = False) -> str:
     """Write a dense Hugging Face model directory.
 
     Args:
         model: A causal LM (dense).
-        output_dir: Target directory (replaced atomically if it exists).
+        output_dir: Target directory; written atomically (:mod:`neutrain.export.target`).
         tokenizer: Saved beside the weights when given.
         max_shard_size: Largest safetensors shard (``"5GB"``); larger models are sharded with an index.
         dtype: ``auto`` keeps the weights' own dtype (bit-identical logits); or bfloat16/float32/float16.
         info: Facts for the model card (base_model, recipe, steps, final_loss, heldout_perplexity).
+        overwrite: Replace a previous neutrain export at ``output_dir``; anything else there is always refused.
 
     Returns:
         The export directory.
@@ -156,30 +157,17 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
     """
     from transformers import GenerationConfig
 
-    model = densify(model)
-    out = Path(output_dir)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if dtype != "auto" and model.dtype != _DTYPES[dtype]:
-        model = model.to(_DTYPES[dtype])
-    model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)
-    gen = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
-    gen.save_pretrained(str(tmp))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    (tmp / "README.md").write_text(_model_card(model, info or {}))
-    (tmp / "neutrain_export.json").write_text(json.dumps({"format": "hf", **(info or {})}, indent=2, default=str))
-    return move_into_place(tmp, out)
+    from neutrain.export.target import EXPORT_INFO, staged_export
 
-
-def move_into_place(tmp: Path, out: Path) -> str:
-    """Rename the finished ``tmp`` directory to ``out``, replacing an old ``out`` only once ``tmp`` is complete."""
-    if out.exists():
-        old = out.with_name(f".tmp-old-{out.name}-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    return str(out)
+    with staged_export(output_dir, overwrite) as tmp:  # refuses a target that is not a previous export first
+        model = densify(model)
+        if dtype != "auto" and model.dtype != _DTYPES[dtype]:
+            model = model.to(_DTYPES[dtype])
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)
+        gen = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
+        gen.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "README.md").write_text(_model_card(model, info or {}))
+        (tmp / EXPORT_INFO).write_text(json.dumps({"format": "hf", **(info or {})}, indent=2, default=str))
+    return str(output_dir)

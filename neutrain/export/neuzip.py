@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -174,17 +173,19 @@ def _model_card(model, mantissa_bits: int | None, info: dict) -> str:
 
 
 def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | None = None, tokenizer=None,
-                  max_shard_size: str = "5GB", info: dict | None = None, codec_options: dict | None = None) -> str:
+                  max_shard_size: str = "5GB", info: dict | None = None, codec_options: dict | None = None,
+                  overwrite: bool = False) -> str:
     """Write a NeuZip export of ``model`` (dense or compressed) into ``output_dir``, atomically.
 
     Args:
         model: A transformers causal LM, dense or converted by :func:`neutrain.compress_model`.
-        output_dir: Target directory (replaced if it exists).
+        output_dir: Target directory; written atomically (:mod:`neutrain.export.target`).
         mantissa_bits: None for lossless; 0, 1, 3 or 7 for lossy.
         tokenizer: Saved beside the weights when given.
         max_shard_size: Largest safetensors shard.
         info: Facts for ``neutrain_export.json`` and the model card.
         codec_options: Extra arguments for :func:`neutrain.compress.compress`.
+        overwrite: Replace a previous neutrain export at ``output_dir``; anything else there is always refused.
 
     Returns:
         The export directory.
@@ -192,18 +193,24 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
     Example:
         >>> export_neuzip(model, "out/neuzip-lossy-3", mantissa_bits=3)  # doctest: +SKIP
     """
-    from transformers import GenerationConfig
+    from neutrain.export.target import check_export_target, staged_export
 
-    from neutrain.export.hf import move_into_place
-    from neutrain.export.quantizer import NeuZipConfig
-
+    check_export_target(output_dir, overwrite)  # before the (long) encoding
     state, names = compressed_state(model, mantissa_bits, codec_options)
     if not names:
         raise UserInputError("NeuZip export: the model has no linear or embedding weights to compress")
-    out = Path(output_dir)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with staged_export(output_dir, overwrite) as tmp:
+        _write_export(tmp, model, state, names, mantissa_bits, tokenizer, max_shard_size, info)
+    return str(output_dir)
+
+
+def _write_export(tmp: Path, model, state: dict, names: list[str], mantissa_bits: int | None, tokenizer,
+                  max_shard_size: str, info: dict | None) -> None:
+    from transformers import GenerationConfig
+
+    from neutrain.export.quantizer import NeuZipConfig
+    from neutrain.export.target import EXPORT_INFO
+
     write_safetensors(state, tmp, max_shard_size)
     config = model.config.__class__.from_dict(model.config.to_dict())
     # Tied weights are written (and loaded) as two compressed tensors; the loader shares identical ones.
@@ -221,5 +228,4 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
         tokenizer.save_pretrained(str(tmp))
     (tmp / "README.md").write_text(_model_card(model, mantissa_bits, info or {}))
     fmt = "neuzip" if mantissa_bits is None else f"neuzip-lossy-{mantissa_bits}"
-    (tmp / "neutrain_export.json").write_text(json.dumps({"format": fmt, **(info or {})}, indent=2, default=str))
-    return move_into_place(tmp, out)
+    (tmp / EXPORT_INFO).write_text(json.dumps({"format": fmt, **(info or {})}, indent=2, default=str))
