@@ -20,6 +20,7 @@ import yaml
 
 from neutrain import compat
 from neutrain.config.schema import Recipe
+from neutrain.preflight import preflight
 
 logger = logging.getLogger("neutrain")
 
@@ -40,6 +41,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         adam_beta1=t["adam_beta1"],
         adam_beta2=t["adam_beta2"],
         lr_scheduler_type=t["lr_scheduler"],
+        lr_scheduler_kwargs=t["lr_scheduler_kwargs"] or {},
         warmup_steps=t["warmup_steps"],
         num_train_epochs=t["num_epochs"],
         max_steps=t["max_steps"],
@@ -126,6 +128,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
     t = recipe.train
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
+    preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
     cache_dir = os.path.join(out, ".cache")
     with state.main_process_first():
         if state.is_main_process:
