@@ -36,6 +36,24 @@ def check_long_context_tasks(tasks: list) -> None:
             raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
 
 
+def check_report_to(report_to: str | list) -> None:
+    """``train.report_to`` names loggers transformers knows and that are installed (else the Trainer fails later)."""
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+    except ImportError:  # another transformers layout: its own check runs when the Trainer is built
+        return
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in names:
+        if name in ("none", "all") or name is None:
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            match = difflib.get_close_matches(str(name), list(INTEGRATION_TO_CALLBACK), n=1)
+            hint = f" Did you mean '{match[0]}'?" if match else ""
+            raise RecipeError(f"train.report_to: unknown logger {name!r}.{hint} Loggers are: none, all, {', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in get_available_reporting_integrations():
+            raise RecipeError(f"train.report_to: {name!r} is not installed in this environment (install it, or set train.report_to: none)")
+
+
 def _json_file(key: str, path: str) -> dict:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -109,6 +127,7 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     """
     check_long_context_tasks(recipe.eval["long_context_tasks"])
     check_distributed(recipe.train, num_processes)
+    check_report_to(recipe.train["report_to"])
     check_writable_dir(recipe.train["output_dir"], "train.output_dir")
     target = recipe.export["output_dir"]
     if recipe.export["format"] != "none" and target:

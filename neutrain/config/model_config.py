@@ -92,6 +92,26 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
         neutrain.config.errors.RecipeError: model.config: unknown key 'hiden_size' for LlamaConfig. Did you mean 'hidden_size'? ...
     """
     values, where = _load(cfg)
+    _check(values, where, list(values), allow_unknown)
+
+
+def check_draft_config(target_cfg: dict | str, overrides: dict, allow_unknown: bool = False) -> None:
+    """Check ``distill.draft_config`` as the draft's config will be: the target's ``model.config`` with these overrides.
+
+    Why: the draft is built after training, so a bad or misspelt override used to be found (or,
+    misspelt, silently ignored) only once the training time was spent.
+
+    Example:
+        >>> check_draft_config({"model_type": "llama", "num_attention_heads": 4}, {"num_hiden_layers": 1})
+        Traceback (most recent call last):
+        neutrain.config.errors.RecipeError: distill.draft_config: unknown key 'num_hiden_layers' for LlamaConfig. ...
+    """
+    values, _ = _load(target_cfg)
+    _check({**values, **overrides}, "distill.draft_config", [k for k in overrides if k != "model_type"], allow_unknown)
+
+
+def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> None:
+    values = dict(values)
     model_type = values.pop("model_type", None)
     if not model_type:
         raise RecipeError(f"{where}: needs a 'model_type' (e.g. llama)")
@@ -104,8 +124,9 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     attribute_map = getattr(cls, "attribute_map", {}) or {}
-    for key, value in values.items():
-        _check_value(where, key, value, defaults.get(attribute_map.get(key, key)))
+    for key in keys:
+        if key in values:
+            _check_value(where, key, values[key], defaults.get(attribute_map.get(key, key)))
     try:
         built = cls(**values)
     except Exception as exc:  # noqa: BLE001 (config classes raise ValueError, TypeError or strict-dataclass errors by version)
@@ -114,7 +135,7 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
     # A key the class consumed (a legacy name such as rope_theta) is not stored under its own name;
     # one it did not know is stored verbatim and would be copied into config.json.
     stored = built.to_dict()
-    unknown = [k for k in values if k not in known and k in stored]
+    unknown = [k for k in keys if k not in known and k in stored]
     if unknown and not allow_unknown:
         key = unknown[0]
         match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)

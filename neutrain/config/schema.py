@@ -137,7 +137,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "distill": {
         "enabled": Key(bool, False, "After training, distil a small draft from the trained model and decode speculatively with it."),
         "target": Key(str, None, "For `neutrain distill`: the target model directory (default: <train.output_dir>/export).", nullable=True),
-        "draft_config": Key(dict, None, "Draft model config overrides (default: the target's config with a quarter of its layers).", nullable=True),
+        "draft_config": Key(dict, None, "Draft model config overrides (default: the target's config with a quarter of its layers); checked with model.config before training when the recipe has one.", nullable=True),
         "divergence": Key(str, "fkl", "Distillation loss: fkl, rkl, tvd or jsd.", choices=("fkl", "rkl", "tvd", "jsd")),
         "max_steps": Key(int, 20, "Draft training steps.", min=1),
         "learning_rate": Key(float, 2e-3, "Draft learning rate (AdamW).", gt=0.0, max=10.0),

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import yaml
 
 from neutrain.config.errors import RecipeError
-from neutrain.config.model_config import check_model_config
+from neutrain.config.model_config import check_draft_config, check_model_config
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.config.schema import REQUIRED, SCHEMA, SECTIONS, Key, Recipe
 
@@ -239,6 +239,8 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError(f"model.config: config file '{model['config']}' does not exist (relative to the current directory {Path.cwd()})")
     if model["config"] is not None:
         check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
+        if v["distill"]["draft_config"]:
+            check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
     _check_scheduler(train)
     if model["tokenizer"] is None and not model["base_model"]:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")

@@ -10,6 +10,7 @@ nothing but the one line reaches the terminal.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import re
 import subprocess
@@ -117,10 +118,23 @@ def test_nan_inside_model_config_is_refused(tmp_path, capsys):
     ({"train": {"fsdp": "full_shard auto_wrap"}}, r"train\.fsdp: 'full_shard auto_wrap' shards the model over several processes"),
     ({"train": {"distributed": "fsdp2", "fsdp_config": "missing_fsdp.json"}},
      r"train\.fsdp_config: file 'missing_fsdp\.json' does not exist"),
+    ({"train": {"report_to": "tensorbord"}}, r"train\.report_to: unknown logger 'tensorbord'\. Did you mean 'tensorboard'\?"),
+    ({"train": {"resume_from_checkpoint": "runs/checkpoint-9"}},
+     r"train\.resume_from_checkpoint: path 'runs/checkpoint-9' does not exist \(relative paths are looked up in the current directory"),
+    ({"distill": {"enabled": True, "draft_config": {"num_hiden_layers": 1}}},
+     r"distill\.draft_config: unknown key 'num_hiden_layers' for LlamaConfig\. Did you mean 'num_hidden_layers'\?"),
+    ({"distill": {"enabled": True, "draft_config": {"num_attention_heads": 3}}},
+     r"distill\.draft_config: LlamaConfig refuses these values: .*3"),
 ])
 def test_late_settings_fail_before_the_model_is_built(tmp_path, capsys, nothing_built, sections, pattern):
     line = _error_line(capsys, ["train", write_recipe(tmp_path, **sections)], 2)
     assert re.search(pattern, line), line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_logger_that_is_not_installed_fails_before_the_model_is_built(tmp_path, capsys, nothing_built):
+    line = _error_line(capsys, [write_recipe(tmp_path, train={"report_to": ["wandb"]})], 2)
+    assert "train.report_to: 'wandb' is not installed" in line
 
 
 def test_min_lr_schedule_kwargs_reach_the_trainer(tmp_path):
