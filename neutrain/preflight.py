@@ -36,6 +36,22 @@ def check_long_context_tasks(tasks: list) -> None:
             raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
 
 
+def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
+    """Generate the long-context prompts now, with the run's tokenizer (milliseconds a task).
+
+    Why: a prompt that cannot fit ``eval.context_len`` in this tokenizer's tokens (the default 512
+    is too short for most tasks under the byte tokenizer) used to fail after training.
+    """
+    from neutrain.eval.tasks import generate_task
+
+    for name in eval_cfg["long_context_tasks"]:
+        try:
+            generate_task(name, tokenizer, eval_cfg["context_len"], eval_cfg["num_samples"])
+        except ValueError as exc:
+            raise RecipeError(f"eval.context_len: {eval_cfg['context_len']} tokens is too short for long-context task "
+                              f"'{name}' with this tokenizer ({exc})") from None
+
+
 def check_report_to(report_to: str | list) -> None:
     """``train.report_to`` names loggers transformers knows and that are installed (else the Trainer fails later)."""
     try:

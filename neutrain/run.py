@@ -20,7 +20,7 @@ import yaml
 
 from neutrain import compat
 from neutrain.config.schema import Recipe
-from neutrain.preflight import preflight
+from neutrain.preflight import check_long_context_prompts, preflight
 
 logger = logging.getLogger("neutrain")
 
@@ -134,6 +134,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
         if state.is_main_process:
             _save_recipe(recipe, out)
         tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
+        check_long_context_prompts(tokenizer, recipe.eval)
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))

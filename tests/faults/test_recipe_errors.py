@@ -131,6 +131,18 @@ def test_late_settings_fail_before_the_model_is_built(tmp_path, capsys, nothing_
     assert re.search(pattern, line), line
 
 
+def test_long_context_prompt_too_long_fails_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    import neutrain.modeling
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the error")
+
+    monkeypatch.setattr(neutrain.modeling, "build_model", built)  # the tokenizer is needed: prompts count its tokens
+    recipe = write_recipe(tmp_path, eval={"long_context_tasks": ["niah_single", "frequent_words"], "context_len": 512})
+    line = _error_line(capsys, [recipe], 2)
+    assert line.startswith("neutrain: error: eval.context_len: 512 tokens is too short for long-context task 'frequent_words'")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_logger_that_is_not_installed_fails_before_the_model_is_built(tmp_path, capsys, nothing_built):
     line = _error_line(capsys, [write_recipe(tmp_path, train={"report_to": ["wandb"]})], 2)
