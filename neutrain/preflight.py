@@ -97,6 +97,9 @@ def check_distributed(train: dict, num_processes: int) -> None:
                           "`accelerate launch --config_file launch/fsdp2.yaml -m neutrain <recipe>`, or remove the setting")
 
 
+_PROBE = ".neutrain-write-probe-"
+
+
 def check_writable_dir(path: str, key: str) -> None:
     """Create ``path`` if needed and prove a file can be written there (then remove the probe).
 
@@ -111,7 +114,7 @@ def check_writable_dir(path: str, key: str) -> None:
         if p.exists() and not p.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(p))
         p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".neutrain-write-probe-", dir=p)
+        fd, probe = tempfile.mkstemp(prefix=_PROBE, dir=p)
         try:
             os.write(fd, b"probe")
             os.fsync(fd)
@@ -119,8 +122,10 @@ def check_writable_dir(path: str, key: str) -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
+        if exc.filename and Path(exc.filename).name.startswith(_PROBE):  # name the directory, not our probe file
+            exc = OSError(exc.errno, exc.strerror, str(p))
         exc.add_note(f"{key} is not writable")
-        raise
+        raise exc from None
 
 
 def _nearest_existing(path: Path) -> Path:

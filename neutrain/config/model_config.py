@@ -68,7 +68,8 @@ def _check_value(where: str, key: str, value: Any, default: Any) -> None:
             raise RecipeError(f"{at}: {value} must be a positive integer")
     elif isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}")
+            hint = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)" if isinstance(value, str) else ""
+            raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}{hint}")
         if "dropout" in key and not 0 <= value <= 1:
             raise RecipeError(f"{at}: {value} is outside [0, 1]")
         if key.endswith("eps") and value <= 0:

@@ -184,6 +184,8 @@ def test_malformed_recipe_files_exit_2(tmp_path, capsys, content, overrides, pat
      r"model\.dtype: float16 weights cannot be trained by the fused optimizer lomo"),
     ({"model": {"config": {**TINY_LLAMA, "hidden_size": -1}}}, r"model\.config\.hidden_size: -1 must be a positive integer"),
     ({"model": {"config": {**TINY_LLAMA, "hidden_size": "big"}}}, r"model\.config\.hidden_size: expected an integer, got str 'big'"),
+    ({"model": {"config": {**TINY_LLAMA, "rms_norm_eps": "1e-5"}}},
+     r"model\.config\.rms_norm_eps: expected a number, got str '1e-5' \(YAML reads 1e-5 without a dot as a string"),
     ({"model": {"config": {**TINY_LLAMA, "attention_dropout": 1.5}}}, r"model\.config\.attention_dropout: 1\.5 is outside \[0, 1\]"),
     ({"model": {"config": {**TINY_LLAMA, "num_attention_heads": 5}}}, r"model\.config: LlamaConfig refuses these values: .*5"),
     ({"model": {"config": {**TINY_LLAMA, "model_type": "lama"}}}, r"model\.config\.model_type: unknown model type 'lama'\. Did you mean 'llama'\?"),
@@ -286,7 +288,7 @@ def test_unwritable_output_dir_exits_1_before_the_model_is_built(tmp_path, capsy
     monkeypatch.setattr(neutrain.preflight.tempfile, "mkstemp", refuse)
     out = tmp_path / "out"
     line = _error_line(capsys, [write_recipe(tmp_path)], 1)
-    assert line == f"neutrain: error: train.output_dir is not writable ({out}/.neutrain-write-probe-x): {os.strerror(code)}"
+    assert line == f"neutrain: error: train.output_dir is not writable ({out}): {os.strerror(code)}"
 
 
 def test_unwritable_export_dir_exits_1_before_training(tmp_path, capsys, nothing_built):
