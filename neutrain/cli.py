@@ -10,7 +10,9 @@
     neutrain recipes                                            # list shipped recipes
 
 Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
-file or value and exits with code 2; there is no traceback for user errors.
+file or value and exits with code 2; a failure of the environment (full disk,
+read-only file system, unusable output_dir) prints one line naming the path and
+exits with code 1. NEUTRAIN_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from neutrain.config.errors import UserInputError
+from neutrain.cli_errors import EXIT_ENVIRONMENT, describe_environment_error
+from neutrain.config.errors import UserInputError, one_line
 
 EXIT_USER_ERROR = 2
 
@@ -44,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="neutrain",
         description="neutrain: full fine-tuning of LLMs in far less memory (NeuZip-compressed weights, fused updates).",
         epilog="Run `neutrain train --help` for every recipe key. Launch on GPUs with "
-        "`accelerate launch -m neutrain recipes/<name>.yaml` (configs in launch/).",
+        "`accelerate launch -m neutrain recipes/<name>.yaml` (configs in launch/).\n\n"
+        "Errors are one line on stderr: exit 2 for bad input (recipe, data, checkpoint, arguments), exit 1 for the "
+        "environment (full disk, read-only file system, unusable output_dir). Set NEUTRAIN_DEBUG=1 to see the traceback.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", metavar="{train,eval,export,estimate,distill,generate,recipes}")
@@ -124,7 +129,9 @@ def cmd_train(args) -> int:
     from neutrain.config import load_recipe
     from neutrain.run import train_from_recipe
 
-    train_from_recipe(load_recipe(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)
+    args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
+    train_from_recipe(recipe)
     return 0
 
 
@@ -240,11 +247,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
     except UserInputError as exc:
-        print(f"neutrain: error: {exc}", file=sys.stderr)
+        if os.environ.get("NEUTRAIN_DEBUG") == "1":
+            raise
+        print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("neutrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # A full disk or read-only file system reaches here as OSError, or wrapped by safetensors / torch.save.
+        if os.environ.get("NEUTRAIN_DEBUG") == "1":
+            raise
+        line = describe_environment_error(exc, getattr(args, "writes_to", None) or getattr(args, "output", None))
+        if line is not None:
+            print(f"neutrain: error: {line}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        if isinstance(exc, OSError):  # no errno: a library's "not found / not a model" report about user input
+            print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        raise
     return 0
 
 

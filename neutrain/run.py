@@ -20,6 +20,7 @@ import yaml
 
 from neutrain import compat
 from neutrain.config.schema import Recipe
+from neutrain.preflight import check_long_context_prompts, preflight
 
 logger = logging.getLogger("neutrain")
 
@@ -40,6 +41,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         adam_beta1=t["adam_beta1"],
         adam_beta2=t["adam_beta2"],
         lr_scheduler_type=t["lr_scheduler"],
+        lr_scheduler_kwargs=t["lr_scheduler_kwargs"] or {},
         warmup_steps=t["warmup_steps"],
         num_train_epochs=t["num_epochs"],
         max_steps=t["max_steps"],
@@ -126,11 +128,13 @@ def build_trainer(recipe: Recipe) -> RunContext:
     t = recipe.train
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
+    preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
     cache_dir = os.path.join(out, ".cache")
     with state.main_process_first():
         if state.is_main_process:
             _save_recipe(recipe, out)
         tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
+        check_long_context_prompts(tokenizer, recipe.eval)
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))

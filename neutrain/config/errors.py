@@ -23,3 +23,13 @@ class DataError(UserInputError):
 
 class CheckpointError(UserInputError):
     """A checkpoint is missing, incomplete or corrupted."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``str(exc)`` on one line: library messages often span several, and the CLI prints one.
+
+    Example:
+        >>> one_line(ValueError("bad value:\n    hidden_size"))
+        'bad value: hidden_size'
+    """
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -26,6 +26,8 @@ class Key:
         help: One line shown by ``neutrain train --help``.
         choices: Allowed values, if a closed set.
         min / max: Inclusive numeric bounds.
+        gt / lt: Exclusive numeric bounds (a learning rate must be > 0, a beta < 1).
+        pattern: Regular expression a string value must match in full.
         path: ``"file"``, ``"dir"`` or ``"any"`` if the value is a path that must exist.
         nullable: Whether ``null`` is accepted.
     """
@@ -36,11 +38,17 @@ class Key:
     choices: tuple | None = None
     min: float | None = None
     max: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+    pattern: str | None = None
     path: str | None = None
     nullable: bool = False
 
 
 REQUIRED = object()
+
+# Seeds reach numpy, whose generator takes 0 <= seed < 2**32.
+_SEED_MAX = 2**32 - 1
 
 _OPTIMIZERS = ("adamw", "sgd", "lomo", "adalomo", "adamw-in-backward")
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
@@ -50,15 +58,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "base_model": Key(str, None, "Local Hugging Face model directory or hub id (read from the local cache only).", nullable=True),
         "init": Key(str, "pretrained", "'pretrained' loads base_model's weights; 'random' builds from `config` for shape-only runs.", choices=("pretrained", "random")),
-        "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path.", nullable=True),
+        "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path. Keys and values are checked against the architecture's config class before anything is built.", nullable=True),
+        "allow_unknown_config_keys": Key(bool, False, "Let model.config carry keys its architecture's config class does not define (copied into config.json as they are); otherwise such a key is an error suggesting the closest valid key."),
         "tokenizer": Key(str, None, "Tokenizer: a local path/hub id, 'byte' (byte-level, no download), or 'train-bpe' (trained on the training data). Defaults to base_model.", nullable=True),
         "tokenizer_vocab_size": Key(int, 8192, "Vocabulary size when tokenizer is 'train-bpe'.", min=300, max=1_000_000),
-        "dtype": Key(str, "auto", "Weight dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16.", choices=("auto", "float32", "bfloat16", "float16")),
+        "dtype": Key(str, "auto", "Weight dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16 (not with the fused optimizers, which have no loss scaler).", choices=("auto", "float32", "bfloat16", "float16")),
         "attn_implementation": Key(str, "sdpa", "Attention: sdpa, eager, or neutrain_sage (INT8/FP8 SageAttention2; falls back on CPU).", choices=("sdpa", "eager", "neutrain_sage", "flash_attention_2")),
         "trust_remote_code": Key(bool, False, "Allow model code from the checkpoint directory."),
     },
     "data": {
-        "datasets": Key(list, REQUIRED, "List of {path, type, ...}. path: a json/jsonl/csv/parquet/txt file or directory, or 'python-stdlib'. type: text | completion | messages."),
+        "datasets": Key(list, REQUIRED, "List of {path, type, ...}. path: a json/jsonl/csv/parquet/txt file or directory, or 'python-stdlib'; a relative path is looked up in the current directory first, then in the recipe file's directory. type: text | completion | messages."),
         "sequence_len": Key(int, 512, "Maximum tokens per training row.", min=8, max=1_048_576),
         "sample_packing": Key(bool, False, "Pack several examples per row (position ids restart per document)."),
         "val_set_size": Key(float, 0.0, "Fraction of the training data held out for evaluation (0 = none, unless a dataset has split: validation).", min=0.0, max=0.5),
@@ -66,23 +75,24 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format)."),
         "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
         "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
-        "shuffle_seed": Key(int, 42, "Seed for shuffling and the held-out split."),
+        "shuffle_seed": Key(int, 42, "Seed for shuffling and the held-out split.", min=0, max=_SEED_MAX),
         "num_proc": Key(int, None, "Worker processes for tokenisation.", min=1, nullable=True),
     },
     "train": {
-        "output_dir": Key(str, "outputs/run", "Where checkpoints, logs, plots and exports go."),
+        "output_dir": Key(str, "outputs/run", "Where checkpoints, logs, plots and exports go (its writability is checked before the model is built)."),
         "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1),
         "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1),
-        "learning_rate": Key(float, 2e-5, "Peak learning rate.", min=0.0, max=10.0),
+        "learning_rate": Key(float, 2e-5, "Peak learning rate.", gt=0.0, max=10.0),
         "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=_OPTIMIZERS),
         "weight_decay": Key(float, 0.0, "Decoupled weight decay.", min=0.0, max=1.0),
-        "adam_beta1": Key(float, 0.9, "AdamW beta1.", min=0.0, max=1.0),
-        "adam_beta2": Key(float, 0.999, "AdamW beta2.", min=0.0, max=1.0),
-        "lr_scheduler": Key(str, "cosine", "Learning-rate schedule.", choices=_SCHEDULERS),
+        "adam_beta1": Key(float, 0.9, "AdamW beta1.", min=0.0, lt=1.0),
+        "adam_beta2": Key(float, 0.999, "AdamW beta2.", min=0.0, lt=1.0),
+        "lr_scheduler": Key(str, "cosine", "Learning-rate schedule (cosine_with_min_lr needs lr_scheduler_kwargs min_lr or min_lr_rate).", choices=_SCHEDULERS),
+        "lr_scheduler_kwargs": Key(dict, None, "Schedule options, as TrainingArguments.lr_scheduler_kwargs: cosine: num_cycles; cosine_with_min_lr: min_lr or min_lr_rate (one), num_cycles; inverse_sqrt: timescale.", nullable=True),
         "warmup_steps": Key(int, 0, "Linear warm-up steps.", min=0),
-        "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", min=0.0),
+        "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", gt=0.0),
         "max_steps": Key(int, -1, "Total optimizer steps (-1: derived from num_epochs).", min=-1),
-        "max_grad_norm": Key(float, 1.0, "Gradient clipping threshold (0 disables).", min=0.0),
+        "max_grad_norm": Key(float, 1.0, "Gradient clipping threshold (0 disables; otherwise > 0).", min=0.0),
         "max_consecutive_nonfinite": Key(int, 10, "A step whose loss or gradient is NaN/inf is skipped, logged and counted "
                                          "(adamw/sgd: the whole update; fused optimizers: the affected tensors); after this "
                                          "many such steps in a row the run stops with exit 2, keeping its checkpoints (0: never stop).", min=0),
@@ -90,9 +100,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "save_steps": Key(int, 500, "Write checkpoint-N every N steps.", min=1),
         "save_total_limit": Key(int, 2, "Keep at most this many checkpoints.", min=1, nullable=True),
         "eval_steps": Key(int, None, "Evaluate held-out loss every N steps (null: only at the end).", min=1, nullable=True),
-        "seed": Key(int, 42, "Random seed."),
+        "seed": Key(int, 42, "Random seed.", min=0, max=_SEED_MAX),
         "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
-        "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", nullable=True),
+        "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
         "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),
@@ -109,14 +119,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
         "lora_r": Key(int, 16, "LoRA rank.", min=1),
         "lora_alpha": Key(int, 32, "LoRA alpha.", min=1),
-        "lora_dropout": Key(float, 0.0, "LoRA dropout.", min=0.0, max=1.0),
+        "lora_dropout": Key(float, 0.0, "LoRA dropout.", min=0.0, lt=1.0),
         "lora_target_modules": Key((list, str), "all-linear", "LoRA target modules (peft syntax)."),
     },
     "eval": {
         "perplexity": Key(bool, True, "Report held-out loss and perplexity after training."),
         "micro_batch_size": Key(int, None, "Rows per device when evaluating (default: train.micro_batch_size).", min=1, nullable=True),
         "max_eval_samples": Key(int, None, "Evaluate on at most this many held-out rows.", min=1, nullable=True),
-        "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (see neutrain.eval.tasks)."),
+        "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (names from neutrain.eval.tasks.TASKS, checked before training)."),
         "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16),
         "num_samples": Key(int, 4, "Samples per long-context task.", min=1),
         "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv."),
@@ -124,16 +134,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "export": {
         "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3", "none")),
         "output_dir": Key(str, None, "Export directory (default: <train.output_dir>/export).", nullable=True),
-        "max_shard_size": Key(str, "5GB", "Largest safetensors shard, e.g. '500MB' or '5GB'."),
+        "max_shard_size": Key(str, "5GB", "Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB'.", pattern=r"\s*(\d+(\.\d*)?|\.\d+)\s*[KMGT]B\s*"),
         "dtype": Key(str, "auto", "Dtype of exported dense weights (auto: the trained weights' own dtype, so logits match exactly).", choices=("auto", "bfloat16", "float32", "float16")),
     },
     "distill": {
         "enabled": Key(bool, False, "After training, distil a small draft from the trained model and decode speculatively with it."),
         "target": Key(str, None, "For `neutrain distill`: the target model directory (default: <train.output_dir>/export).", nullable=True),
-        "draft_config": Key(dict, None, "Draft model config overrides (default: the target's config with a quarter of its layers).", nullable=True),
+        "draft_config": Key(dict, None, "Draft model config overrides (default: the target's config with a quarter of its layers); checked with model.config before training when the recipe has one.", nullable=True),
         "divergence": Key(str, "fkl", "Distillation loss: fkl, rkl, tvd or jsd.", choices=("fkl", "rkl", "tvd", "jsd")),
         "max_steps": Key(int, 20, "Draft training steps.", min=1),
-        "learning_rate": Key(float, 2e-3, "Draft learning rate (AdamW).", min=0.0, max=10.0),
+        "learning_rate": Key(float, 2e-3, "Draft learning rate (AdamW).", gt=0.0, max=10.0),
         "on_policy_every": Key(int, 4, "Every n-th step trains on a tail sampled from the draft itself (0: never).", min=0),
         "num_drafts": Key(int, 2, "Drafts verified per target call (K).", min=1, max=16),
         "draft_len": Key(int, 4, "Tokens per draft (gamma).", min=1, max=64),

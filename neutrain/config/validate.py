@@ -10,13 +10,17 @@ key and what was expected.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
 from neutrain.config.errors import RecipeError
+from neutrain.config.model_config import check_draft_config, check_model_config
+from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.config.schema import REQUIRED, SCHEMA, SECTIONS, Key, Recipe
 
 DATASET_KEYS: dict[str, Key] = {
@@ -74,18 +78,52 @@ def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any
     if key.choices is not None and value not in key.choices:
         raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, key.choices))}.{_suggest(str(value), map(str, key.choices))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if key.min is not None and value < key.min:
-            raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
-        if key.max is not None and value > key.max:
-            raise RecipeError(f"{where}: {value} is above the maximum {key.max}")
+        _check_range(where, key, value)
+    if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
+        raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
     if key.path and isinstance(value, str):
-        p = Path(value)
-        if not p.is_absolute() and base_dir is not None and not p.exists() and (base_dir / p).exists():
-            p = base_dir / p
-        if not p.exists():
-            raise RecipeError(f"{where}: path '{value}' does not exist")
-        value = str(p)
+        value = resolve_path(where, value, base_dir, key.path, "path")
     return value
+
+
+def _check_range(where: str, key: Key, value: float) -> None:
+    # NaN compares False with every bound, so without this check it passed them all (issue 14, class 6).
+    if not math.isfinite(value):
+        raise RecipeError(f"{where}: {value} is not a finite number")
+    if key.min is not None and value < key.min:
+        raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
+    if key.max is not None and value > key.max:
+        raise RecipeError(f"{where}: {value} is above the maximum {key.max}")
+    if key.gt is not None and not value > key.gt:
+        raise RecipeError(f"{where}: {value} must be greater than {key.gt}")
+    if key.lt is not None and not value < key.lt:
+        raise RecipeError(f"{where}: {value} must be less than {key.lt}")
+
+
+def resolve_path(where: str, value: str, base_dir: Path | None, kind: str = "any", noun: str = "path") -> str:
+    """A recipe path as it will be used: as given (relative to the current directory), else relative to the recipe.
+
+    The current directory wins when the path exists in both; the error for a missing path names both
+    places it looked, so a relative path never fails without saying what it was relative to.
+
+    Example:
+        >>> resolve_path("train.deepspeed", "/etc/hostname", None, "file")
+        '/etc/hostname'
+    """
+    p = Path(value).expanduser()
+    if not p.is_absolute() and base_dir is not None and not p.exists() and (base_dir / p).exists():
+        p = base_dir / p
+    if not p.exists():
+        looked = ""
+        if not p.is_absolute():
+            looked = f" (relative paths are looked up in the current directory {Path.cwd()}"
+            looked += f", then in the recipe's directory {Path(base_dir).resolve()})" if base_dir is not None else ")"
+        raise RecipeError(f"{where}: {noun} '{value}' does not exist{looked}")
+    if kind == "file" and not p.is_file():
+        raise RecipeError(f"{where}: {noun} '{value}' is a directory, expected a file")
+    if kind == "dir" and not p.is_dir():
+        raise RecipeError(f"{where}: {noun} '{value}' is a file, expected a directory")
+    return str(p)
 
 
 def _validate_mapping(where: str, raw: dict, keys: dict[str, Key], base_dir: Path | None) -> dict:
@@ -115,14 +153,8 @@ def _validate_datasets(entries: list, base_dir: Path | None) -> list[dict]:
         if isinstance(entry, str):
             entry = {"path": entry}
         ds = _validate_mapping(where, entry, DATASET_KEYS, base_dir)
-        path = ds["path"]
-        if path not in SPECIAL_DATA_PATHS:
-            p = Path(path).expanduser()
-            if not p.is_absolute() and base_dir is not None and not p.exists() and (base_dir / p).exists():
-                p = base_dir / p
-            if not p.exists():
-                raise RecipeError(f"{where}.path: data file '{path}' does not exist")
-            ds["path"] = str(p)
+        if ds["path"] not in SPECIAL_DATA_PATHS:
+            ds["path"] = resolve_path(f"{where}.path", ds["path"], base_dir, "any", "data file")
         out.append(ds)
     return out
 
@@ -142,19 +174,59 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
         RecipeError: naming the offending key and what was expected.
     """
     where = source or "recipe"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+    raw = _check_top_level(raw, where)
     for section in raw:
         if section not in SCHEMA:
             raise RecipeError(f"{where}: unknown section '{section}'.{_suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
     values = {}
     for section, keys in SCHEMA.items():
-        values[section] = _validate_mapping(section, raw.get(section) or {}, keys, base_dir)
+        section_raw = raw.get(section)
+        values[section] = _validate_mapping(section, {} if section_raw is None else section_raw, keys, base_dir)
     values["data"]["datasets"] = _validate_datasets(values["data"]["datasets"], base_dir)
     _cross_checks(values)
     return Recipe(**values, source=source)
+
+
+def _check_top_level(raw: Any, where: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {_short(raw)}")
+    return raw
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Keyword arguments each schedule takes (transformers.optimization's schedule functions); a wrong name
+# would otherwise surface as a TypeError when the Trainer builds the schedule.
+SCHEDULER_KWARGS = {
+    "linear": (), "constant": (), "constant_with_warmup": (), "cosine": ("num_cycles",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"), "inverse_sqrt": ("timescale",),
+}
+
+
+def _check_scheduler(train: dict) -> None:
+    name, kwargs = train["lr_scheduler"], train["lr_scheduler_kwargs"] or {}
+    allowed = SCHEDULER_KWARGS[name]
+    for key, value in kwargs.items():
+        where = f"train.lr_scheduler_kwargs.{key}"
+        if key not in allowed:
+            takes = ", ".join(allowed) or "no options"
+            raise RecipeError(f"{where}: lr_scheduler {name} takes {takes}.{_suggest(str(key), allowed)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RecipeError(f"{where}: expected a finite number, got {_short(value)}")
+        if value < 0 or (key in ("timescale",) and value == 0):
+            raise RecipeError(f"{where}: {value} must be {'> 0' if key == 'timescale' else '>= 0'}")
+    if name == "cosine_with_min_lr":
+        given = [k for k in ("min_lr", "min_lr_rate") if k in kwargs]
+        if len(given) != 1:
+            raise RecipeError("train.lr_scheduler_kwargs: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate "
+                              f"(e.g. train.lr_scheduler_kwargs={{min_lr_rate: 0.1}}), got {given or 'neither'}")
+        if kwargs.get("min_lr_rate", 0) > 1 or kwargs.get("min_lr", 0) > train["learning_rate"]:
+            raise RecipeError(f"train.lr_scheduler_kwargs.{given[0]}: {kwargs[given[0]]} is above the peak learning rate")
 
 
 def _cross_checks(v: dict) -> None:
@@ -164,7 +236,12 @@ def _cross_checks(v: dict) -> None:
     if model["init"] == "random" and model["config"] is None and not model["base_model"]:
         raise RecipeError("model.config: required when model.init is 'random' and no base_model gives a config")
     if isinstance(model["config"], str) and not Path(model["config"]).exists():
-        raise RecipeError(f"model.config: config file '{model['config']}' does not exist")
+        raise RecipeError(f"model.config: config file '{model['config']}' does not exist (relative to the current directory {Path.cwd()})")
+    if model["config"] is not None:
+        check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
+        if v["distill"]["draft_config"]:
+            check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
+    _check_scheduler(train)
     if model["tokenizer"] is None and not model["base_model"]:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")
     if data["streaming"] and train["max_steps"] <= 0:
@@ -175,6 +252,9 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
     if mem["adapter"] is not None and fused:
         raise RecipeError(f"train.optimizer: LoRA adapters train with adamw or sgd (the frozen base gets no update), not {train['optimizer']}")
+    if model["dtype"] == "float16" and fused:
+        raise RecipeError(f"model.dtype: float16 weights cannot be trained by the fused optimizer {train['optimizer']} "
+                          "(fp16 needs a loss scaler, which updates inside backward cannot have); use bfloat16")
     if mem["weights"] == "neuzip-lossless" and mem["adapter"] is None and not fused:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use lomo, adalomo or adamw-in-backward, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
@@ -196,7 +276,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
         >>> apply_overrides({"train": {}}, ["train.learning_rate=1e-5"])["train"]["learning_rate"]
         1e-05
     """
-    raw = dict(raw or {})
+    raw = dict(_check_top_level(raw, "recipe"))
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override '{item}': expected section.key=value, e.g. train.learning_rate=1e-5")
@@ -207,7 +287,11 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
         section, key = parts
         if section not in SCHEMA:
             raise RecipeError(f"override '{item}': unknown section '{section}'.{_suggest(section, SECTIONS)}")
-        sec = dict(raw.get(section) or {})
+        current = raw.get(section)
+        if current is not None and not isinstance(current, dict):
+            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {_short(current)} "
+                              f"(so override '{item}' has nowhere to go)")
+        sec = dict(current or {})
         sec[key] = _parse_scalar(text)
         raw[section] = sec
     return raw
@@ -224,12 +308,7 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         >>> recipe = load_recipe("recipes/default.yaml", ["train.max_steps=10"])
     """
     p = resolve_recipe_path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{p}:{at} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = _check_top_level(parse_recipe_text(p.read_bytes(), str(p)), str(p))
     raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, source=str(p), base_dir=p.parent)
 

@@ -1,0 +1,163 @@
+"""Checks a run makes before the model is built, so a bad setting cannot waste the training time.
+
+Why a separate step: some recipe values are only consumed after training (the
+long-context tasks, the export), and some only make sense with what the launch
+gives (the number of processes) or what the disk allows (``output_dir``). Each
+of these used to fail after the model was built, often after the whole run.
+:func:`preflight` checks them all first; :func:`~neutrain.run.build_trainer`
+calls it right after the process state exists.
+
+Errors: a bad setting is a :class:`~neutrain.config.errors.RecipeError` (exit 2);
+an output directory that cannot be written is an ``OSError`` naming the key and
+the path (exit 1: the environment, not the recipe, is at fault).
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from neutrain.config.errors import RecipeError
+from neutrain.config.schema import Recipe
+
+
+def check_long_context_tasks(tasks: list) -> None:
+    """Every ``eval.long_context_tasks`` entry must name a task of :data:`neutrain.eval.tasks.TASKS`."""
+    from neutrain.eval.tasks import TASKS
+
+    for i, name in enumerate(tasks):
+        if name not in TASKS:
+            match = difflib.get_close_matches(str(name), list(TASKS), n=1)
+            hint = f" Did you mean '{match[0]}'?" if match else ""
+            raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
+
+
+def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
+    """Generate the long-context prompts now, with the run's tokenizer (milliseconds a task).
+
+    Why: a prompt that cannot fit ``eval.context_len`` in this tokenizer's tokens (the default 512
+    is too short for most tasks under the byte tokenizer) used to fail after training.
+    """
+    from neutrain.eval.tasks import generate_task
+
+    for name in eval_cfg["long_context_tasks"]:
+        try:
+            generate_task(name, tokenizer, eval_cfg["context_len"], eval_cfg["num_samples"])
+        except ValueError as exc:
+            raise RecipeError(f"eval.context_len: {eval_cfg['context_len']} tokens is too short for long-context task "
+                              f"'{name}' with this tokenizer ({exc})") from None
+
+
+def check_report_to(report_to: str | list) -> None:
+    """``train.report_to`` names loggers transformers knows and that are installed (else the Trainer fails later)."""
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+    except ImportError:  # another transformers layout: its own check runs when the Trainer is built
+        return
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in names:
+        if name in ("none", "all") or name is None:
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            match = difflib.get_close_matches(str(name), list(INTEGRATION_TO_CALLBACK), n=1)
+            hint = f" Did you mean '{match[0]}'?" if match else ""
+            raise RecipeError(f"train.report_to: unknown logger {name!r}.{hint} Loggers are: none, all, {', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in get_available_reporting_integrations():
+            raise RecipeError(f"train.report_to: {name!r} is not installed in this environment (install it, or set train.report_to: none)")
+
+
+def _json_file(key: str, path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{key}: file '{path}' does not exist (relative to the current directory {Path.cwd()})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecipeError(f"{key}: '{path}' is not a valid JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{key}: '{path}' holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def check_distributed(train: dict, num_processes: int) -> None:
+    """The ``train`` section's distributed settings, given the processes this launch started."""
+    from neutrain.run import distributed_arguments
+
+    if isinstance(train["fsdp_config"], str):
+        _json_file("train.fsdp_config", train["fsdp_config"])
+    if train["deepspeed"]:
+        _json_file("train.deepspeed", train["deepspeed"])
+    fsdp = distributed_arguments(train)["fsdp"]  # raises on contradicting keys
+    if fsdp and num_processes < 2:
+        key = "train.distributed: fsdp2" if train["distributed"] == "fsdp2" else f"train.fsdp: {train['fsdp']!r}"
+        raise RecipeError(f"{key} shards the model over several processes, but this launch started one; launch with "
+                          "`accelerate launch --config_file launch/fsdp2.yaml -m neutrain <recipe>`, or remove the setting")
+
+
+_PROBE = ".neutrain-write-probe-"
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Create ``path`` if needed and prove a file can be written there (then remove the probe).
+
+    Raises:
+        OSError: with ``filename`` set and a note naming ``key``; ``main`` prints it as one line, exit 1.
+
+    Example:
+        >>> check_writable_dir(tempfile.gettempdir(), "train.output_dir")
+    """
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(p))
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=_PROBE, dir=p)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        if exc.filename and Path(exc.filename).name.startswith(_PROBE):  # name the directory, not our probe file
+            exc = OSError(exc.errno, exc.strerror, str(p))
+        exc.add_note(f"{key} is not writable")
+        raise exc from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def preflight(recipe: Recipe, num_processes: int = 1) -> None:
+    """Check what would otherwise fail only after the model is built or after training.
+
+    Args:
+        recipe: A validated recipe.
+        num_processes: Processes of this launch (``PartialState().num_processes``).
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> preflight(load_recipe("default"), num_processes=1)
+    """
+    check_long_context_tasks(recipe.eval["long_context_tasks"])
+    check_distributed(recipe.train, num_processes)
+    check_report_to(recipe.train["report_to"])
+    check_writable_dir(recipe.train["output_dir"], "train.output_dir")
+    target = recipe.export["output_dir"]
+    if recipe.export["format"] != "none" and target:
+        existing = _nearest_existing(Path(target))
+        if not existing.is_dir():
+            exc = NotADirectoryError(errno.ENOTDIR, "a file stands where a directory is needed", str(existing))
+            exc.add_note("export.output_dir is not writable")
+            raise exc
+        if not os.access(existing, os.W_OK):
+            exc = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
+            exc.add_note("export.output_dir is not writable")
+            raise exc
