@@ -23,6 +23,7 @@ from pathlib import Path
 
 from neutrain.config.errors import RecipeError
 from neutrain.config.schema import Recipe
+from neutrain.export.target import check_export_target
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -149,7 +150,9 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     check_long_context_tasks(recipe.eval["long_context_tasks"])
     check_distributed(recipe.train, num_processes)
     check_report_to(recipe.train["report_to"])
-    check_writable_dir(recipe.train["output_dir"], "train.output_dir")
+    out = recipe.train["output_dir"]
+    if not _nearest_existing(Path(out)).is_dir():
+        check_writable_dir(out, "train.output_dir")  # a file stands in the way: raises, having created nothing
     target = recipe.export["output_dir"]
     if recipe.export["format"] != "none" and target:
         existing = _nearest_existing(Path(target))
@@ -161,3 +164,8 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
             exc = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
             exc.add_note("export.output_dir is not writable")
             raise exc
+    if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
+        check_export_target(target or os.path.join(recipe.train["output_dir"], "export"), overwrite=True,
+                            key="export.output_dir", keep=(("train.output_dir", out),))
+    # Last: it creates train.output_dir, which must not happen for a run refused above.
+    check_writable_dir(out, "train.output_dir")

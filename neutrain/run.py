@@ -167,12 +167,6 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     from neutrain.trainer import peak_memory_stats
 
     started = time.perf_counter()
-    export_dir = recipe.export["output_dir"] or os.path.join(recipe.train["output_dir"], "export")
-    if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
-        from neutrain.export.target import check_export_target
-
-        check_export_target(export_dir, overwrite=True, key="export.output_dir",
-                            keep=(("train.output_dir", recipe.train["output_dir"]),))
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     out = recipe.train["output_dir"]
@@ -216,6 +210,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
                        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save, then export on one process")
         export_format = "none"
     if export_format != "none":
+        export_dir = recipe.export["output_dir"] or os.path.join(out, "export")
         with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model

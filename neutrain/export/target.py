@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -104,7 +105,10 @@ def check_export_target(path: str | os.PathLike, overwrite: bool, key: str = "ou
         while not ancestor.exists():
             ancestor = ancestor.parent
         if not ancestor.is_dir():
-            raise ExportTargetError(f"{key} '{path}': '{ancestor}' is a file, not a directory")
+            # An unusable output path is an environment failure (exit 1), like a full disk or a read-only mount.
+            exc = NotADirectoryError(errno.ENOTDIR, "a file stands where a directory is needed", str(ancestor))
+            exc.add_note(f"{key} is not writable")
+            raise exc
         return
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return  # an empty directory: nothing to lose
