@@ -194,6 +194,7 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
     """
     from transformers import GenerationConfig
 
+    from neutrain.checkpoint_files import write_manifest
     from neutrain.export.hf import move_into_place
     from neutrain.export.quantizer import NeuZipConfig
 
@@ -222,4 +223,5 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
     (tmp / "README.md").write_text(_model_card(model, mantissa_bits, info or {}))
     fmt = "neuzip" if mantissa_bits is None else f"neuzip-lossy-{mantissa_bits}"
     (tmp / "neutrain_export.json").write_text(json.dumps({"format": fmt, **(info or {})}, indent=2, default=str))
+    write_manifest(tmp)
     return move_into_place(tmp, out)
