@@ -7,8 +7,8 @@ Two threats, two checks, both run before anything in a checkpoint is loaded
   Every file must be one of: safetensors (its header parses and covers the file
   exactly), JSON (it parses), a torch file that loads with ``weights_only=True``
   (plain tensors and containers; numpy RNG state is allowlisted as the
-  Trainer does), or inert UTF-8 text (chat templates, model cards). Anything
-  else, e.g. ``torch.distributed.checkpoint``'s pickled ``.metadata``, is
+  Trainer does), inert UTF-8 text (chat templates, model cards, licences) or a
+  sentencepiece ``.model`` (a protobuf parsed as data). Anything else, e.g. ``torch.distributed.checkpoint``'s pickled ``.metadata``, is
   refused. The manifest does not replace this check: whoever can plant a file
   can rewrite the manifest too.
 * **Silent corruption.** :func:`write_manifest` records every file's size and
@@ -42,8 +42,11 @@ logger = logging.getLogger("neutrain")
 MANIFEST = "neutrain_manifest.json"
 MANIFEST_FORMAT = "neutrain-manifest-1"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-# Read as text by tokenizers and model cards, never unpickled or executed.
+# Read as text by tokenizers and model cards (or never read), never unpickled or executed.
 TEXT_SUFFIXES = (".jinja", ".md", ".txt")
+TEXT_NAMES = ("LICENSE", "NOTICE", ".gitattributes")
+# sentencepiece's tokenizer.model is a protobuf the tokenizer parses as data.
+DATA_SUFFIXES = (".model",)
 _BLOCK = 1 << 24
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -136,6 +139,9 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     Call it last, once every file of the checkpoint is complete: the manifest is
     written to a temporary name, flushed and renamed, so it never lists a file
     that was still being written.
+
+    Example:
+        >>> write_manifest("outputs/run/.tmp-checkpoint-10/checkpoint-10")  # doctest: +SKIP
     """
     directory = Path(directory)
     files = {}
@@ -166,7 +172,7 @@ def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None
         files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
     except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
         files = None
-    if not isinstance(files, dict):
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain manifest (corrupt or replaced)")
     for rel, expected in sorted(files.items()):
         file = directory / rel
@@ -238,7 +244,9 @@ def check_file(path: Path) -> None:
                               f"it to use this checkpoint (neutrain now writes training_args.json)")
     elif suffix in TORCH_SUFFIXES:
         check_torch_file(path)
-    elif suffix in TEXT_SUFFIXES:
+    elif suffix in DATA_SUFFIXES:
+        pass
+    elif suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES:
         try:
             path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
@@ -255,6 +263,9 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
         directory: the checkpoint (or export) directory.
         required: file names that must exist (e.g. ``trainer_state.json`` for a resume).
         may_be_missing: file names the manifest lists that the caller chose to do without.
+
+    Example:
+        >>> verify_checkpoint("outputs/run/export")  # doctest: +SKIP
     """
     directory = Path(directory)
     if not directory.is_dir():

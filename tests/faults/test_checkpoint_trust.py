@@ -211,7 +211,7 @@ def test_a_flipped_byte_in_a_dense_tensor_is_named(mode, file, tensor, checkpoin
         verify_checkpoint(copy)
 
 
-def test_a_flipped_byte_is_refused_at_resume_and_export_and_old_checkpoints_warn(checkpoint_of, tmp_path, capsys, caplog):
+def test_a_flipped_byte_is_refused_at_resume_export_and_eval_and_old_checkpoints_warn(checkpoint_of, tmp_path, capsys, caplog):
     recipe, checkpoint = checkpoint_of("single")
     copy = _copy(checkpoint, tmp_path)
     _flip(copy / "model.safetensors", "model.layers.0.input_layernorm.weight")
@@ -222,6 +222,8 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_and_old_checkpoints_warn
     assert main(["export", str(copy), "--output", str(tmp_path / "export")]) == 2
     _one_error_line(capsys.readouterr().err, "model.safetensors", "model.layers.0.input_layernorm.weight")
     assert not (tmp_path / "export").exists()
+    assert main(["eval", str(copy), f"train.output_dir={tmp_path / 'eval'}", "--recipe", str(recipe)]) == 2
+    _one_error_line(capsys.readouterr().err, "model.safetensors", "model.layers.0.input_layernorm.weight")
     # A checkpoint from before manifests: loads, with one warning.
     old = _copy(checkpoint, tmp_path / "old")
     (old / MANIFEST).unlink()
