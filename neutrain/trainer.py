@@ -36,7 +36,7 @@ from transformers import Trainer
 
 from neutrain import compat
 from neutrain.callbacks import MetricsFileCallback, PlotCallback
-from neutrain.checkpoint_files import write_manifest
+from neutrain.checkpoint_files import verify_resume, write_manifest
 from neutrain.config.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
@@ -273,8 +273,6 @@ class NeuTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.checkpoint_files`)."""
         if resume_from_checkpoint:
-            from neutrain.checkpoint_files import verify_resume
-
             if resume_from_checkpoint is True:
                 from transformers.trainer_utils import get_last_checkpoint
 
