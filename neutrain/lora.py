@@ -230,10 +230,12 @@ def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
     import json
     from pathlib import Path
 
+    from neutrain.checkpoint_files import verify_checkpoint
     from neutrain.config.errors import CheckpointError
     from neutrain.export.hf import load_checkpoint_model
 
     path = Path(path)
+    verify_checkpoint(path)
     base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base or not Path(base).is_dir():
         raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "

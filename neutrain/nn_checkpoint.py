@@ -74,5 +74,8 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     try:
         result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint '{checkpoint_dir}': {str(exc).splitlines()[0]}") from None
+        # torch's first line only names the model class; the tensors and reasons follow, one per line.
+        lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc).strip()]
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        raise CheckpointError(f"checkpoint file '{path}': {lines[0]}{more}") from None
     del result

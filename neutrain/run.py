@@ -153,6 +153,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
         processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"],
                                             "max_consecutive_nonfinite": t["max_consecutive_nonfinite"]},
+        resume_reset_optimizer=t["resume_reset_optimizer"],
     )
     return RunContext(recipe, trainer, tokenizer, heldout, state)
 
@@ -206,8 +207,8 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     export_format = recipe.export["format"]
     if export_format != "none" and mode == "fsdp2":
         # The checkpoints hold the model.
-        logger.warning("export skipped under FSDP2: merge the last checkpoint's pytorch_model_fsdp_0 with "
-                       "torch.distributed.checkpoint.format_utils.dcp_to_torch_save, then export on one process")
+        logger.warning("export skipped under FSDP2: merge the last checkpoint's model.rank*-of-*.safetensors with "
+                       "neutrain.distributed.fsdp.merge_model_shards, then export on one process")
         export_format = "none"
     if export_format != "none":
         export_dir = recipe.export["output_dir"] or os.path.join(out, "export")

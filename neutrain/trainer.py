@@ -36,6 +36,7 @@ from transformers import Trainer
 
 from neutrain import compat
 from neutrain.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.checkpoint_files import verify_resume, write_manifest
 from neutrain.config.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
@@ -78,14 +79,18 @@ class NeuTrainer(Trainer):
         memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer`` and
             ``max_consecutive_nonfinite`` (default 10, see :mod:`neutrain.optim.nonfinite`); ``None`` means
             dense weights and the ordinary optimizer step.
+        resume_reset_optimizer: resume weights and step only; the optimizer state and learning-rate
+            schedule start afresh (``train.resume_reset_optimizer``). Otherwise a checkpoint without them
+            is refused.
         **kwargs: As for ``transformers.Trainer``.
     """
 
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
 
-    def __init__(self, *args, memory: dict[str, Any] | None = None, **kwargs):
+    def __init__(self, *args, memory: dict[str, Any] | None = None, resume_reset_optimizer: bool = False, **kwargs):
         self.memory = dict(memory or {})
+        self.resume_reset_optimizer = resume_reset_optimizer
         self.fused = self.memory.get("optimizer") in FUSED_OPTIMIZERS
         super().__init__(*args, **kwargs)
         if self.fused:
@@ -248,18 +253,19 @@ class NeuTrainer(Trainer):
             return save_zero3_state(self, output_dir)
         if mode != "fsdp2":
             return super()._save_optimizer_and_scheduler(output_dir)
-        # FSDP2 + fused: the model through Accelerate (sharded or full state dict), the optimizer per rank.
-        from accelerate.utils import save_fsdp_model
+        # FSDP2 + fused: the model's shards (safetensors, not DCP's pickled metadata) and the optimizer per rank.
+        from neutrain.distributed.fsdp import save_model_shard, save_optimizer_shard
 
-        from neutrain.distributed.fsdp import save_optimizer_shard
-
-        save_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        save_model_shard(self.model, output_dir, self.args.process_index, self.args.world_size)
         save_optimizer_shard(self.fused_optimizer, output_dir, self.args.process_index, self.args.world_size)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # (DeepSpeed ZeRO-3 loads partitions and optimizer together, in deepspeed_trainer.prepare_for_training.)
+        if checkpoint is not None and self.reset_optimizer_on_resume(checkpoint):
+            return None
         if checkpoint is None or getattr(self, "distributed_mode", None) != "fsdp2":
             return super()._load_optimizer_and_scheduler(checkpoint)
         from neutrain.distributed.fsdp import load_optimizer_shard
@@ -275,18 +281,44 @@ class NeuTrainer(Trainer):
         model = _unwrap(self.model)
         if is_peft_model(model):
             # Adapters only (the frozen base is not saved); skips cloning a compressed base's blobs.
-            return super()._save(output_dir, adapter_state_dict(model) if state_dict is None else state_dict)
+            super()._save(output_dir, adapter_state_dict(model) if state_dict is None else state_dict)
+            return _training_args_as_json(self.args, output_dir or self.args.output_dir)
         if not is_compressed(model):
-            return super()._save(output_dir, state_dict)
+            super()._save(output_dir, state_dict)
+            return _training_args_as_json(self.args, output_dir or self.args.output_dir)
         output_dir = output_dir or self.args.output_dir
         save_compressed_checkpoint(model, output_dir, self.memory.get("weights", "neuzip-lossless"))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        _training_args_as_json(self.args, output_dir)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.checkpoint_files`)."""
+        if resume_from_checkpoint:
+            if resume_from_checkpoint is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: the Trainer's error
+            if resume_from_checkpoint is not True:
+                verify_resume(resume_from_checkpoint, getattr(self, "distributed_mode", None), self.args.process_index,
+                              self.args.world_size, self.resume_reset_optimizer)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def reset_optimizer_on_resume(self, checkpoint: str) -> bool:
+        """True (and logged) when ``resume_reset_optimizer`` asks to skip the checkpoint's optimizer and schedule."""
+        if self.resume_reset_optimizer:
+            logger.warning("train.resume_reset_optimizer: the optimizer state and learning-rate schedule start "
+                           "afresh, not from %s", checkpoint)
+        return self.resume_reset_optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         from neutrain.nn_checkpoint import MARKER, load_compressed_state
 
+        if getattr(self, "distributed_mode", None) == "fsdp2":
+            from neutrain.distributed.fsdp import load_model_shard
+
+            return load_model_shard(model if model is not None else self.model, resume_from_checkpoint,
+                                    self.args.process_index, self.args.world_size)
         if not os.path.exists(os.path.join(resume_from_checkpoint, MARKER)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_compressed_state(_unwrap(model if model is not None else self.model), resume_from_checkpoint)
@@ -346,6 +378,7 @@ class NeuTrainer(Trainer):
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
         if self.args.should_save:
+            write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
             final = os.path.join(run_dir, name)
             if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place
                 old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
@@ -361,6 +394,18 @@ class NeuTrainer(Trainer):
             compat.rotate_checkpoints(self, run_dir)
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
+
+
+def _training_args_as_json(args, output_dir: str) -> None:
+    """``training_args.json`` in place of the Trainer's ``training_args.bin``, a pickle of the arguments object."""
+    if not args.should_save:
+        return
+    pickled = os.path.join(output_dir, "training_args.bin")
+    if os.path.exists(pickled):
+        os.remove(pickled)
+    if os.path.isdir(output_dir):
+        with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as fh:
+            fh.write(args.to_json_string())
 
 
 def _fsync_dir(path: str) -> None:

@@ -103,6 +103,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "seed": Key(int, 42, "Random seed.", min=0, max=_SEED_MAX),
         "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
+        "resume_reset_optimizer": Key(bool, False, "Resume the weights and step but start the optimizer state and learning-rate schedule afresh (logged). Without it, a checkpoint missing optimizer.pt, scheduler.pt or a per-rank optimizer shard is refused."),
         "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),

@@ -53,3 +53,23 @@ def fused_mode(accelerator) -> str:
     if accelerator.num_processes > 1:
         return "replicated"
     return "single"
+
+
+def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(model files, optimizer and schedule files)`` rank ``rank`` reads from a checkpoint of ``mode``.
+
+    The model files are always required; the others only unless the optimizer is reset on purpose
+    (``train.resume_reset_optimizer``). Empty model files mean "whatever weights file the Trainer finds"
+    (model.safetensors, its index, or adapter_model.safetensors).
+
+    Example:
+        >>> resume_files("fsdp2", 1, 2)
+        (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.pt', 'scheduler.pt'))
+    """
+    from neutrain.distributed.deepspeed_trainer import partition_file
+    from neutrain.distributed.fsdp import model_shard_file, optimizer_shard_file
+
+    if mode in ("fsdp2", "deepspeed"):
+        model = (model_shard_file if mode == "fsdp2" else partition_file)("", rank, world_size)
+        return (model,), (optimizer_shard_file("", rank, world_size), "scheduler.pt")
+    return (), ("optimizer.pt", "scheduler.pt")

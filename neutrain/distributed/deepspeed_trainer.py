@@ -40,7 +40,7 @@ from neutrain.config.errors import UserInputError
 
 def partition_file(directory: str, rank: int, world_size: int) -> str:
     """Where rank ``rank`` of ``world_size`` keeps its ZeRO-3 parameter partitions in a checkpoint."""
-    return os.path.join(directory, f"zero3_partitions.rank{rank}-of-{world_size}.pt")
+    return os.path.join(directory, f"zero3_partitions.rank{rank}-of-{world_size}.safetensors")
 
 
 def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_checkpoint):
@@ -83,13 +83,15 @@ def save_zero3_state(trainer, output_dir: str) -> None:
 
     Plain writes: ``NeuTrainer`` writes the whole checkpoint into a temporary directory and renames it.
     """
+    from safetensors.torch import save_file
+
     from neutrain.distributed.fsdp import save_optimizer_shard
 
     rank, world = trainer.args.process_index, trainer.args.world_size
     os.makedirs(output_dir, exist_ok=True)  # the main process may not have created it yet
     engine = trainer.model_wrapped
-    partitions = {name: p.ds_tensor.detach().cpu().clone() for name, p in engine.module.named_parameters()}
-    torch.save(partitions, partition_file(output_dir, rank, world))
+    partitions = {name: p.ds_tensor.detach().cpu().contiguous().clone() for name, p in engine.module.named_parameters()}
+    save_file(partitions, partition_file(output_dir, rank, world), metadata={"format": "neutrain-zero3-partitions"})
     save_optimizer_shard(trainer.fused_optimizer, output_dir, rank, world)
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
@@ -98,6 +100,8 @@ def save_zero3_state(trainer, output_dir: str) -> None:
 @torch.no_grad()
 def load_zero3_state(trainer, checkpoint: str) -> None:
     """Load what :func:`save_zero3_state` wrote, into the engine's partitions (same process count)."""
+    from safetensors.torch import load_file
+
     from neutrain.distributed.fsdp import load_optimizer_shard
 
     rank, world = trainer.args.process_index, trainer.args.world_size
@@ -107,7 +111,7 @@ def load_zero3_state(trainer, checkpoint: str) -> None:
             f"train.resume_from_checkpoint: {path} not found. A DeepSpeed ZeRO-3 checkpoint resumes with the number "
             f"of processes that wrote it (this run has {world}); its model.safetensors holds the full weights."
         )
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = load_file(path)
     engine = trainer.model_wrapped
     params = dict(engine.module.named_parameters())
     if saved.keys() != params.keys():
@@ -120,5 +124,7 @@ def load_zero3_state(trainer, checkpoint: str) -> None:
         p.ds_tensor.copy_(saved[name])
     # Gathered copies (prefetched or persistent) predate the load: drop them.
     engine.optimizer.empty_partition_cache()
+    if trainer.reset_optimizer_on_resume(checkpoint):
+        return
     load_optimizer_shard(trainer.fused_optimizer, checkpoint, rank, world)
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))

@@ -30,7 +30,15 @@ divides weight memory by N, which is what compression buys on one GPU.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
+
+from neutrain.config.errors import CheckpointError
+
+SHARD_FORMAT = "neutrain-fsdp2-shard"
 
 
 def bind_after_prepare(optimizer, model: torch.nn.Module):
@@ -53,9 +61,12 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
 
 def optimizer_shard_file(directory: str, rank: int, world_size: int) -> str:
     """Where rank ``rank`` of ``world_size`` keeps its optimizer shard in a checkpoint directory."""
-    import os
-
     return os.path.join(directory, f"optimizer.rank{rank}-of-{world_size}.pt")
+
+
+def model_shard_file(directory: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its model shards (safetensors) in a checkpoint directory."""
+    return os.path.join(directory, f"model.rank{rank}-of-{world_size}.safetensors")
 
 
 def save_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> str:
@@ -64,7 +75,8 @@ def save_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) 
     Why not ``torch.distributed.checkpoint``'s optimizer state dict: it initialises
     an empty state by running ``optimizer.step()`` on zero gradients, which for a
     fused optimizer is end-of-step bookkeeping (it would count a step). A checkpoint
-    written with N processes resumes with N processes (the shards line up).
+    written with N processes resumes with N processes (the shards line up). The
+    state is plain tensors and containers: it loads with ``weights_only=True``.
     """
     path = optimizer_shard_file(directory, rank, world_size)
     torch.save(optimizer.state_dict(), path)
@@ -73,11 +85,78 @@ def save_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) 
 
 def load_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> None:
     """Load what :func:`save_optimizer_shard` wrote for this rank (same number of processes required)."""
-    import os
-
     path = optimizer_shard_file(directory, rank, world_size)
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} not found: an FSDP2 checkpoint resumes with the number of processes that wrote it"
-        )
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        raise CheckpointError(f"checkpoint file '{path}' is missing: a sharded checkpoint resumes with the number "
+                              f"of processes that wrote it (this run has {world_size})")
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def save_model_shard(model: torch.nn.Module, directory: str, rank: int, world_size: int) -> str:
+    """Write this rank's FSDP2 shards (``DTensor.to_local()``) and buffers as safetensors; returns the file.
+
+    Why not ``torch.distributed.checkpoint`` (what Accelerate's ``save_fsdp_model``
+    uses): its ``.metadata`` file is a pickle that resume would unpickle. One
+    safetensors file per rank holds nothing but tensors; FSDP2 shards every
+    parameter along dim 0 in rank order, so :func:`merge_model_shards` rebuilds
+    the whole tensors by concatenation.
+    """
+    from safetensors.torch import save_file
+
+    state = {name: _local(t).detach().cpu().contiguous().clone() for name, t in model.state_dict().items()}
+    path = model_shard_file(directory, rank, world_size)
+    save_file(state, path, metadata={"format": SHARD_FORMAT, "rank": str(rank), "world_size": str(world_size),
+                                     "sharded": json.dumps(sorted(n for n, t in model.state_dict().items()
+                                                                  if hasattr(t, "to_local")))})
+    return path
+
+
+@torch.no_grad()
+def load_model_shard(model: torch.nn.Module, directory: str, rank: int, world_size: int) -> None:
+    """Copy what :func:`save_model_shard` wrote for this rank into the model's local shards and buffers."""
+    from safetensors.torch import load_file
+
+    path = model_shard_file(directory, rank, world_size)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file '{path}' is missing: an FSDP2 checkpoint resumes with the number "
+                              f"of processes that wrote it (this run has {world_size})")
+    saved = load_file(path)
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    expected = model.state_dict().keys()
+    if saved.keys() != set(expected):
+        missing, extra = sorted(set(expected) - saved.keys()), sorted(saved.keys() - set(expected))
+        raise CheckpointError(f"checkpoint file '{path}' does not match the model (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+    for name, value in saved.items():
+        local = _local(targets[name])
+        if local.shape != value.shape:
+            raise CheckpointError(f"checkpoint file '{path}': tensor '{name}' has shape {tuple(value.shape)}, "
+                                  f"this rank's shard is {tuple(local.shape)}")
+        local.copy_(value)
+
+
+def merge_model_shards(directory: str) -> dict[str, torch.Tensor]:
+    """The whole model state dict of an FSDP2 checkpoint, from its per-rank safetensors (on one process).
+
+    Example:
+        >>> state = merge_model_shards("outputs/run/checkpoint-100")  # doctest: +SKIP
+        >>> model.load_state_dict(state)                              # doctest: +SKIP
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("model.rank*-of-*.safetensors"),
+                   key=lambda p: int(p.name.split(".rank")[1].split("-of-")[0]))
+    if not files:
+        raise CheckpointError(f"checkpoint '{directory}' has no model.rank<r>-of-<N>.safetensors (not an FSDP2 checkpoint)")
+    parts: dict[str, list[torch.Tensor]] = {}
+    sharded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            sharded.update(json.loads((fh.metadata() or {}).get("sharded", "[]")))
+            for name in fh.keys():
+                parts.setdefault(name, []).append(fh.get_tensor(name))
+    return {name: torch.cat(ts, dim=0) if name in sharded else ts[0] for name, ts in parts.items()}

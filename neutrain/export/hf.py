@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from neutrain.checkpoint_files import write_manifest
 from neutrain.config.errors import CheckpointError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -27,9 +28,10 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from neutrain.checkpoint_files import verify_checkpoint
+
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint '{path}' does not exist or is not a directory")
+    verify_checkpoint(path)  # checksums, and no file that would run code when loaded
     if not (path / "config.json").exists():
         raise CheckpointError(f"checkpoint '{path}' has no config.json (is it a checkpoint-N directory?)")
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
@@ -170,4 +172,5 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
             tokenizer.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(_model_card(model, info or {}))
         (tmp / EXPORT_INFO).write_text(json.dumps({"format": "hf", **(info or {})}, indent=2, default=str))
+        write_manifest(tmp)  # last: checksums of everything above
     return str(output_dir)

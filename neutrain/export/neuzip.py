@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from neutrain.checkpoint_files import write_manifest
 from neutrain.config.errors import UserInputError
 
 QUANT_METHOD = "neuzip"
@@ -229,3 +230,4 @@ def _write_export(tmp: Path, model, state: dict, names: list[str], mantissa_bits
     (tmp / "README.md").write_text(_model_card(model, mantissa_bits, info or {}))
     fmt = "neuzip" if mantissa_bits is None else f"neuzip-lossy-{mantissa_bits}"
     (tmp / EXPORT_INFO).write_text(json.dumps({"format": fmt, **(info or {})}, indent=2, default=str))
+    write_manifest(tmp)  # last: checksums of everything above

@@ -58,15 +58,13 @@ def _launch(directory: Path, mode: str, processes: int, port: int, export: str =
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
-    """The step-4 checkpoint's weights: model.safetensors, or FSDP2's sharded (DCP) checkpoint merged."""
+    """The step-4 checkpoint's weights: model.safetensors, or FSDP2's per-rank safetensors shards merged."""
     checkpoint = out / "checkpoint-4"
     if (checkpoint / "model.safetensors").exists():
         return load_file(str(checkpoint / "model.safetensors"))
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from neutrain.distributed.fsdp import merge_model_shards
 
-    merged = out / "merged.pt"
-    dcp_to_torch_save(checkpoint / "pytorch_model_fsdp_0", merged)
-    return torch.load(merged, weights_only=False)["model"]
+    return merge_model_shards(str(checkpoint))
 
 
 def _losses(out: Path) -> list[float]:

@@ -50,7 +50,7 @@ def test_deepspeed_zero3_two_gpus_resumes(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0]
     checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
     assert sorted(p.name for p in checkpoint.glob("zero3_partitions.*")) == [
-        "zero3_partitions.rank0-of-2.pt", "zero3_partitions.rank1-of-2.pt"]
+        "zero3_partitions.rank0-of-2.safetensors", "zero3_partitions.rank1-of-2.safetensors"]
     _, resumed = _launch_two_gpus(tmp_path / "resumed", config, "lomo", 4, save_steps=2, learning_rate=1e-2,
                                   resume_from_checkpoint=str(checkpoint))
     # bf16 on GPU: the same kernels on the same data; a resume that lost the weights would restart from step 0.

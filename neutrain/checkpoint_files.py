@@ -1,0 +1,307 @@
+"""Trust nothing in a checkpoint: a checksum manifest, and a format check of every file before loading.
+
+Two threats, two checks, both run before anything in a checkpoint is loaded
+(resume, ``neutrain export``, ``neutrain eval``, ``load_checkpoint_model``):
+
+* **Code in a file.** ``torch.load`` of a pickle runs whatever the pickle says.
+  Every file must be one of: safetensors (its header parses and covers the file
+  exactly), JSON (it parses), a torch file that loads with ``weights_only=True``
+  (plain tensors and containers; numpy RNG state is allowlisted as the
+  Trainer does), inert UTF-8 text (chat templates, model cards, licences) or a
+  sentencepiece ``.model`` (a protobuf parsed as data). Anything else, e.g. ``torch.distributed.checkpoint``'s pickled ``.metadata``, is
+  refused. The manifest does not replace this check: whoever can plant a file
+  can rewrite the manifest too.
+* **Silent corruption.** :func:`write_manifest` records every file's size and
+  sha256 (and each safetensors tensor's sha256), written last into the
+  checkpoint, so a flipped byte in any tensor (dense weights, norms, biases,
+  LoRA adapters, optimizer state) is named at load, file and tensor. A
+  checkpoint written before manifests existed loads with a one-line warning.
+
+Example:
+    >>> from neutrain.checkpoint_files import verify_checkpoint, write_manifest
+    >>> write_manifest("outputs/run/checkpoint-10")                  # doctest: +SKIP
+    >>> verify_checkpoint("outputs/run/checkpoint-10",
+    ...                   required=("trainer_state.json",))           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+from neutrain.config.errors import CheckpointError
+
+logger = logging.getLogger("neutrain")
+
+MANIFEST = "neutrain_manifest.json"
+MANIFEST_FORMAT = "neutrain-manifest-1"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# Read as text by tokenizers and model cards (or never read), never unpickled or executed.
+TEXT_SUFFIXES = (".jinja", ".md", ".txt")
+TEXT_NAMES = ("LICENSE", "NOTICE", ".gitattributes")
+# sentencepiece's tokenizer.model is a protobuf the tokenizer parses as data.
+DATA_SUFFIXES = (".model",)
+_BLOCK = 1 << 24
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """``(data start, header)`` of a safetensors file, checked to cover the file exactly.
+
+    Raises:
+        CheckpointError: empty, truncated or malformed file (names the file).
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"checkpoint file '{path}' is empty or truncated ({size} bytes): not a safetensors file")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise CheckpointError(f"checkpoint file '{path}' is truncated: its safetensors header needs {length} bytes, "
+                                  f"the file has {size - 8}")
+        try:
+            header = json.loads(fh.read(length))
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"checkpoint file '{path}' is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint file '{path}' is not a safetensors file (bad header)")
+    data = size - 8 - length
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in info["data_offsets"])
+            numel = 1
+            for dim in info["shape"]:
+                numel *= int(dim)
+            width = _DTYPE_BYTES.get(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"checkpoint file '{path}': tensor '{name}' has a malformed header entry") from None
+        if not 0 <= begin <= stop or (width is not None and stop - begin != numel * width):
+            raise CheckpointError(f"checkpoint file '{path}': tensor '{name}' has inconsistent offsets {begin}..{stop}")
+        if stop > data:
+            raise CheckpointError(f"checkpoint file '{path}' is truncated: tensor '{name}' ends at byte {stop} of "
+                                  f"{data} data bytes")
+        end = max(end, stop)
+    if end != data:
+        raise CheckpointError(f"checkpoint file '{path}': {data - end} bytes after the last tensor (corrupt or appended)")
+    return 8 + length, header
+
+
+def _digests(path: Path) -> tuple[str, dict[str, str]]:
+    """sha256 of the whole file and, for safetensors, of each tensor's bytes (one read)."""
+    whole = hashlib.sha256()
+    tensors: dict[str, str] = {}
+    spans: list[tuple[int, int, str]] = []
+    if path.suffix == ".safetensors":
+        start, header = safetensors_header(path)
+        spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
+                       for name, info in header.items() if name != "__metadata__")
+    with open(path, "rb") as fh:
+        pos = 0
+
+        def read_to(stop: int, extra=None) -> None:
+            nonlocal pos
+            while pos < stop:
+                chunk = fh.read(min(_BLOCK, stop - pos))
+                if not chunk:
+                    raise CheckpointError(f"checkpoint file '{path}' is truncated")
+                whole.update(chunk)
+                if extra is not None:
+                    extra.update(chunk)
+                pos += len(chunk)
+
+        for begin, stop, name in spans:
+            read_to(begin)
+            tensor = hashlib.sha256()
+            read_to(stop, tensor)
+            tensors[name] = tensor.hexdigest()
+        read_to(path.stat().st_size)
+    return whole.hexdigest(), tensors
+
+
+def write_manifest(directory: str | os.PathLike) -> Path:
+    """Record size and sha256 of every file under ``directory`` (per tensor for safetensors); returns the manifest.
+
+    Call it last, once every file of the checkpoint is complete: the manifest is
+    written to a temporary name, flushed and renamed, so it never lists a file
+    that was still being written.
+
+    Example:
+        >>> write_manifest("outputs/run/.tmp-checkpoint-10/checkpoint-10")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    files = {}
+    for path in _files(directory):
+        digest, tensors = _digests(path)
+        entry: dict = {"size": path.stat().st_size, "sha256": digest}
+        if tensors:
+            entry["tensors"] = tensors
+        files[path.relative_to(directory).as_posix()] = entry
+    target = directory / MANIFEST
+    tmp = directory / f".{MANIFEST}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None:
+    path = directory / MANIFEST
+    if not path.is_file():
+        logger.warning("checkpoint '%s' has no %s (written by an older neutrain): its files are not checksummed",
+                       directory, MANIFEST)
+        return
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
+    except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
+        files = None
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
+        raise CheckpointError(f"checkpoint file '{path}' is not a neutrain manifest (corrupt or replaced)")
+    for rel, expected in sorted(files.items()):
+        file = directory / rel
+        if not file.is_file():
+            if rel in may_be_missing:
+                continue
+            raise CheckpointError(f"checkpoint file '{file}' is missing (listed in {MANIFEST})")
+        size = file.stat().st_size
+        if size != expected.get("size"):
+            raise CheckpointError(f"checkpoint file '{file}' has {size} bytes, {expected.get('size')} when it was "
+                                  f"written (truncated or changed)")
+        digest, tensors = _digests(file)
+        if digest == expected.get("sha256"):
+            continue
+        changed = [name for name, sha in expected.get("tensors", {}).items() if tensors.get(name) != sha]
+        where = f" in tensor '{changed[0]}'" + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "") \
+            if changed else (" in its header" if expected.get("tensors") else "")
+        raise CheckpointError(f"checkpoint file '{file}' fails its sha256 checksum{where}: a byte changed after it "
+                              f"was written")
+
+
+def _numpy_safe_globals() -> list:
+    """numpy types in the Trainer's ``rng_state*.pth`` (the same allowlist ``transformers`` loads them with)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def check_torch_file(path: Path) -> None:
+    """Refuse a torch file that ``torch.load(weights_only=True)`` rejects (code, custom objects) or cannot read."""
+    import torch
+
+    def load(mmap: bool):
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            load(mmap=True)  # tensors stay on disk: only the pickled structure is read
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            load(mmap=False)  # legacy (non-zip) format
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Weights only load failed" in reason or "Unsupported global" in str(exc):
+            raise CheckpointError(f"checkpoint file '{path}' refused: it holds objects other than tensors and "
+                                  f"containers, and loading it would run code from the file") from None
+        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({reason})") from None
+    except Exception as exc:  # truncated zip, bad magic, ...: torch raises many types
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint file '{path}' is corrupt or truncated ({type(exc).__name__}: {reason})") from None
+
+
+def check_file(path: Path) -> None:
+    """Refuse ``path`` unless it is safetensors, JSON, a weights-only torch file or UTF-8 text (see module doc)."""
+    suffix = path.suffix
+    if suffix == ".safetensors":
+        safetensors_header(path)
+    elif suffix == ".json":
+        try:
+            json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"checkpoint file '{path}' is not valid JSON (truncated or corrupt)") from None
+    elif path.name == "training_args.bin":
+        # Older neutrain (and the Trainer) pickled the TrainingArguments object here; nothing reads it.
+        raise CheckpointError(f"checkpoint file '{path}' refused: it is a pickle, which neutrain never loads; delete "
+                              f"it to use this checkpoint (neutrain now writes training_args.json)")
+    elif suffix in TORCH_SUFFIXES:
+        check_torch_file(path)
+    elif suffix in DATA_SUFFIXES:
+        pass
+    elif suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES:
+        try:
+            path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"checkpoint file '{path}' is not UTF-8 text") from None
+    else:
+        raise CheckpointError(f"checkpoint file '{path}' refused: neutrain loads only safetensors, JSON and "
+                              f"weights-only torch files (.pt/.pth/.bin), and cannot vouch for this one")
+
+
+def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = (), may_be_missing: Iterable[str] = ()) -> None:
+    """Check a checkpoint before anything in it is loaded; raise :class:`CheckpointError` naming the file.
+
+    Args:
+        directory: the checkpoint (or export) directory.
+        required: file names that must exist (e.g. ``trainer_state.json`` for a resume).
+        may_be_missing: file names the manifest lists that the caller chose to do without.
+
+    Example:
+        >>> verify_checkpoint("outputs/run/export")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint '{directory}' does not exist or is not a directory")
+    for name in required:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"checkpoint file '{directory / name}' is missing")
+    _check_manifest(directory, tuple(may_be_missing))
+    for path in _files(directory):
+        check_file(path)
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+
+
+def verify_resume(checkpoint: str | os.PathLike, mode: str | None, rank: int, world_size: int,
+                  reset_optimizer: bool = False) -> None:
+    """Everything a resume of ``mode`` (see :data:`neutrain.distributed.MODES`) reads, checked before it is read.
+
+    A missing optimizer or scheduler file is refused unless ``reset_optimizer``
+    (``train.resume_reset_optimizer``): resuming without it would silently restart the
+    optimizer's moments and the learning-rate schedule.
+    """
+    from neutrain.distributed import resume_files
+
+    checkpoint = Path(checkpoint)
+    model_files, state_files = resume_files(mode, rank, world_size)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' does not exist or is not a directory")
+    if not model_files and not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
+        raise CheckpointError(f"checkpoint file '{checkpoint / WEIGHT_FILES[0]}' is missing (no model weights in "
+                              f"the checkpoint)")
+    missing = [name for name in state_files if not (checkpoint / name).is_file()]
+    if missing and not reset_optimizer:
+        raise CheckpointError(f"checkpoint file '{checkpoint / missing[0]}' is missing: resuming without it would "
+                              f"restart the optimizer and learning-rate schedule; set train.resume_reset_optimizer: "
+                              f"true to do that on purpose")
+    verify_checkpoint(checkpoint, required=("trainer_state.json", *model_files),
+                      may_be_missing=state_files if reset_optimizer else ())
