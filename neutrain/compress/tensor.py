@@ -4,8 +4,10 @@ Everything the hot path needs (code tables, tile tables, buffers) is built at
 encode time, so ``decompress(out=buf)`` on a GPU is one kernel launch: no
 allocation and no host synchronisation. ``recompress_`` reuses every buffer
 whose size is fixed by the shape (tails, lane counts, tile table) and the
-stream while it fits; it reads one pair of integers back to the host (the new
-stream length and coded size) because the stream's size depends on the data.
+stream while it fits. With ``sync=False`` (what training calls) it reads nothing
+back to the host: the stream keeps headroom and the kernels commit only what fits
+(:mod:`neutrain.compress.stream`); with ``sync=True`` it reads the new length
+between its two passes and grows the stream first.
 
 Backends: ``"triton"`` (kernels in :mod:`neutrain.kernels.codec`; bf16 only),
 ``"reference"`` (pure PyTorch, any device and dtype) and ``"auto"`` (Triton for
@@ -19,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from neutrain.compress import codec, format as fmt, huffman
+from neutrain.compress import codec, format as fmt, huffman, stream as kstream
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
 from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
 from neutrain.compress.layout import unpack_tails
@@ -32,9 +34,7 @@ DEFAULT_LANES = 256
 DEFAULT_ELEMS = 4
 """Elements per lane and step for lossless tensors (lossy ones use 1: their
 sub-byte tails are packed across neighbouring lanes)."""
-REBUILD_GROWTH = 0.01
-"""Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
-_STREAM_HEADROOM = 1 / 64
+REBUILD_GROWTH = kstream.REBUILD_GROWTH
 _HISTOGRAM_CHUNK = 1 << 24
 
 
@@ -89,8 +89,11 @@ class CompressedTensor:
         self.tails = torch.zeros(tails_capacity(self.numel, layout.tail_bits), dtype=torch.uint8, device=device)
         self._tails_used = tail_nbytes(self.numel, layout.tail_bits)
         self.stream = torch.zeros(codec.STREAM_PAD_WORDS, dtype=torch.int32, device=device)
-        self.stream_words = codec.STREAM_PAD_WORDS  # used words, padding included
-        self._tile_scratch = torch.zeros(2, self.tiles, dtype=torch.int64, device=device)
+        self._words = codec.STREAM_PAD_WORDS  # used words, padding included (lags a sync-free encode)
+        self._coded_seen = 0  # coded exponent bits of the last encode seen on the host
+        self._coded_bits_at_build = 1
+        self.status = kstream.StreamStatus(device)
+        self._scratch = None  # kernel pass buffers, made on first use (kstream.kernel_scratch)
         self._set_code(code_lengths)
         self.rebuilds = 0
         self._pending_symbols = None
@@ -105,13 +108,19 @@ class CompressedTensor:
         return self.stream.device
 
     @property
+    def stream_words(self) -> int:
+        """Used stream words, padding included (waits for a pending sync-free encode's status)."""
+        kstream.settle(self, wait=True)
+        return self._words
+
+    @property
     def mantissa_bits(self) -> int | None:
         return self.layout.mantissa_bits
 
     @property
     def nbytes(self) -> int:
         """Bytes held on the device: streams, tables and code tables (capacity, not just use)."""
-        buffers = (self.stream, self.tails, self.lane_words, self.tile_base, self.enc_table, self.lut)
+        buffers = (self.stream, self.tails, self.lane_words, self.tile_base, self.enc_table, self.lut, self.lut_short)
         return sum(b.numel() * b.element_size() for b in buffers) + self.code_lengths.size
 
     @property
@@ -129,6 +138,7 @@ class CompressedTensor:
         self.code_lengths = np.asarray(lengths, dtype=np.uint8)
         self.enc_table = huffman.encode_table(self.code_lengths).to(device)
         self.lut = huffman.decode_lut(self.code_lengths).to(device)
+        self.lut_short = huffman.short_lut(self.lut)
 
     def _symbols(self, x: torch.Tensor) -> torch.Tensor:
         return split(to_bits(x), self.layout)[0]
@@ -141,68 +151,61 @@ class CompressedTensor:
         self._set_code(huffman.build_code(hist))
         self.rebuilds += 1
 
-    def _count(self, x: torch.Tensor, kernel: bool) -> tuple[int, int]:
-        """Pass 1; returns (stream words incl. padding, coded exponent bits): the one host read."""
-        if kernel:
-            from neutrain.kernels import codec as kcodec
-
-            tile_words, tile_bits = self._tile_scratch
-            kcodec.count(x, self.enc_table, self.tails, self.lane_words, tile_words, tile_bits,
-                         self.steps, self.lanes, self.layout.kept, self.elems)
-            torch.cumsum(tile_words, dim=0, out=self.tile_base[1:])
-            coded = tile_bits.sum()
+    def _count_reference(self, x: torch.Tensor) -> tuple[int, int]:
+        """Reference pass 1; returns (stream words incl. padding, coded exponent bits)."""
+        if splits_bytewise(self.layout, self.device):
+            symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
         else:
-            if splits_bytewise(self.layout, self.device):
-                symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
-            else:
-                symbols, tails = split(to_bits(x), self.layout)
-                tails = pack_tails(tails, self.layout.tail_bits)
-            self._pending_symbols = symbols  # reused by pass 2 of the same encode
-            self.tails[: self._tails_used].copy_(tails)
-            lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes,
-                                                             self.elems)
-            self.lane_words.copy_(lane_words)
-            self.tile_base.copy_(tile_base)
+            symbols, tails = split(to_bits(x), self.layout)
+            tails = pack_tails(tails, self.layout.tail_bits)
+        self._pending_symbols = symbols  # reused by pass 2 of the same encode
+        self.tails[: self._tails_used].copy_(tails)
+        lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes, self.elems)
+        self.lane_words.copy_(lane_words)
+        self.tile_base.copy_(tile_base)
         words, coded_bits = torch.stack([self.tile_base[-1], coded.to(torch.int64)]).tolist()
         return words + codec.STREAM_PAD_WORDS, coded_bits
 
-    def _encode(self, x: torch.Tensor, backend: str, fresh_code: bool) -> None:
+    def _encode(self, x: torch.Tensor, backend: str, fresh_code: bool, sync: bool = True) -> None:
         x = x.detach()
         if x.shape != self.shape or x.dtype != self.dtype:
             raise ValueError(f"expected a {self.dtype} tensor of shape {tuple(self.shape)}, "
                              f"got {x.dtype} {tuple(x.shape)}")
         x = x.to(self.device).contiguous()
-        kernel = _use_kernel(self.layout, self.elems, self.device, backend)
-        words, coded_bits = self._count(x, kernel)
+        if _use_kernel(self.layout, self.elems, self.device, backend):
+            if self.layout.lossless:
+                kstream.encode_lossless(self, x, fresh_code, sync)
+            else:
+                kstream.encode_lossy(self, x, fresh_code)
+            return
+        words, coded_bits = self._count_reference(x)
         if not fresh_code and coded_bits > (1 + REBUILD_GROWTH) * self._coded_bits_at_build:
             # Weights drifted: the old code still encodes everything (escapes), but worse.
             self._rebuild_code(x)
-            words, coded_bits = self._count(x, kernel)
+            words, coded_bits = self._count_reference(x)
             fresh_code = True
         if fresh_code:
             self._coded_bits_at_build = max(coded_bits, 1)
         if words > self.stream.numel():
-            capacity = words if fresh_code and self.stream_words <= codec.STREAM_PAD_WORDS else (
-                words + int(words * _STREAM_HEADROOM) + 64)
-            self.stream = torch.zeros(capacity, dtype=torch.int32, device=self.device)
-        self.stream_words = words
+            self.stream = torch.zeros(kstream.capacity_for(words), dtype=torch.int32, device=self.device)
+        self._words, self._coded_seen = words, coded_bits
         self.stream[words - codec.STREAM_PAD_WORDS : words].zero_()
-        if kernel:
-            from neutrain.kernels import codec as kcodec
+        symbols, self._pending_symbols = self._pending_symbols, None
+        codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
+                         self.steps, self.lanes, self.elems)
 
-            kcodec.pack(x, self.enc_table, self.lane_words, self.tile_base, self.stream,
-                        self.steps, self.lanes, self.layout.kept, self.elems)
-        else:
-            symbols, self._pending_symbols = self._pending_symbols, None
-            codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
-                             self.steps, self.lanes, self.elems)
-
-    def recompress_(self, t: torch.Tensor, *, backend: str = "auto") -> "CompressedTensor":
+    def recompress_(self, t: torch.Tensor, *, backend: str = "auto", sync: bool = True) -> "CompressedTensor":
         """Re-encode new values of the same shape and dtype in place.
 
-        Reuses all buffers while the stream fits (growing it with 1/64 headroom
+        Reuses all buffers while the stream fits (growing it with 1/32 headroom
         otherwise) and the current code while the exponent stream stays within
         :data:`REBUILD_GROWTH` of its size when the code was built.
+
+        ``sync=False`` (lossless bf16 on the GPU; what training calls) never reads
+        back to the host: the decisions to grow or rebuild use the status of the
+        previous encode, and an encode that does not fit leaves the tensor as it was
+        and raises :class:`~neutrain.compress.stream.StreamOverflowError` at the next
+        encode or save (see :mod:`neutrain.compress.stream`). Elsewhere it is ignored.
 
         Example:
             >>> ct = compress(torch.randn(8, 8).bfloat16())
@@ -210,7 +213,7 @@ class CompressedTensor:
             >>> torch.equal(ct.recompress_(w).decompress(), w)
             True
         """
-        self._encode(t, backend, fresh_code=False)
+        self._encode(t, backend, fresh_code=False, sync=sync)
         return self
 
     # ------------------------------------------------------------------- decoding
@@ -231,7 +234,7 @@ class CompressedTensor:
             from neutrain.kernels import codec as kcodec
 
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, out,
-                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, lut1=self._lut1())
             return out
         if self.numel:
             symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
@@ -268,7 +271,8 @@ class CompressedTensor:
 
             scratch = torch.empty(tile_ids.numel() * tile_len, dtype=self.dtype, device=self.device)
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, scratch,
-                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids)
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids,
+                          lut1=self._lut1())
             rows = scratch[pick]
         else:
             symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
@@ -278,6 +282,10 @@ class CompressedTensor:
             bits = merge(symbols.long(), tails, self.layout)
             rows = from_bits(bits.reshape(-1), self.dtype)
         return rows.reshape(*index.shape, *self.shape[1:])
+
+    def _lut1(self) -> torch.Tensor | None:
+        """The decoder's first-level table (lossless kernels only)."""
+        return self.lut_short if self.layout.lossless else None
 
     # ------------------------------------------------------------ moving, saving
     def _tails_view(self) -> torch.Tensor:
@@ -327,8 +335,8 @@ class CompressedTensor:
         ct.tile_base.copy_(blobs["tile_base"])
         ct._tails_view().copy_(blobs["tails"])
         ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
-        ct.stream_words = ct.stream.numel()
-        ct._coded_bits_at_build = coded_bits
+        ct._words = ct.stream.numel()
+        ct._coded_bits_at_build = ct._coded_seen = coded_bits
         return ct
 
 

@@ -128,33 +128,6 @@ def _count_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, til
 
 
 @triton.jit
-def _count_wide_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, tile_bits_ptr, N,
-                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
-    """Pass 1 for lossless bf16 with E elements per lane and step (one tail byte per element)."""
-    tile = tl.program_id(0).to(tl.int64)
-    step = tl.arange(0, BS)[:, None, None]
-    lane = tl.arange(0, L)[None, :, None]
-    elem = tl.arange(0, E)[None, None, :]
-    base = tile * (S * L * E)
-    x_tile = x_ptr + base
-    tails_tile = tails_ptr + base
-    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
-    lane_bits = tl.zeros([L], dtype=tl.int32)
-    for s0 in range(0, S, BS):
-        offset = (s0 + step) * (L * E) + lane * E + elem
-        valid = offset < remaining
-        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32) & 0xFFFF
-        sym, tail = _split_bf16(x, 7)
-        entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-        lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
-        tl.store(tails_tile + offset, tail.to(tl.uint8), mask=valid)
-    words = (lane_bits + 31) // 32
-    tl.store(lane_words_ptr + tile * L + tl.arange(0, L), words.to(tl.uint8))
-    tl.store(tile_words_ptr + tile, tl.sum(words, axis=0).to(tl.int64))
-    tl.store(tile_bits_ptr + tile, tl.sum(lane_bits, axis=0).to(tl.int64))
-
-
-@triton.jit
 def _put_code(acc, filled, rel, entry, stream_tile):
     """Append one code (``entry`` = code | length << 24) to each lane's 32-bit accumulator.
 
@@ -177,29 +150,25 @@ def _put_code(acc, filled, rel, entry, stream_tile):
 
 @triton.jit
 def _pack_kernel(x_ptr, enc_ptr, lane_words_ptr, tile_base_ptr, stream_ptr, N,
-                 S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PF: tl.constexpr):
+                 S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Lossy pass 2 (one element per lane and step): each lane packs its codes at its start word."""
     tile = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, L)
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     rel = tl.cumsum(count, axis=0) - count  # lane start, in words from the tile's first word
     stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    base = tile * (S * L * E)
-    x_tile = x_ptr + base
-    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
+    x_tile = x_ptr + tile * (S * L)
+    remaining = tl.minimum(N - tile * (S * L), S * L).to(tl.int32)
     acc = tl.zeros([L], dtype=tl.uint32)
     filled = tl.zeros([L], dtype=tl.int32)
     for s in range(S):
-        first = s * (L * E) + lane * E
+        offset = s * L + lane
         if PREFETCH:
-            ahead = first + PF * (L * E)
-            _prefetch_l1(x_tile + tl.where(ahead < remaining, ahead, 0))
-        for e in tl.static_range(E):
-            valid = first + e < remaining
-            x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32) & 0xFFFF
-            sym, _ = _split_bf16(x, K)
-            entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-            acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
+            _prefetch_l1(x_tile + tl.where(offset + PF * L < remaining, offset + PF * L, 0))
+        x = tl.load(x_tile + offset, mask=offset < remaining, other=0).to(tl.int32) & 0xFFFF
+        sym, _ = _split_bf16(x, K)
+        entry = tl.load(enc_ptr + sym, mask=offset < remaining, other=0)
+        acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
     tl.store(stream_tile + rel, acc.to(tl.int32, bitcast=True), mask=filled > 0)
 
 
@@ -216,7 +185,27 @@ def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr
 
 
 @triton.jit
-def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
+def _lookup(window, lut_ptr, lut1_ptr, P1: tl.constexpr):
+    """LUT entry (``symbol | length << 9``) of the code at the top of ``window``.
+
+    ``P1 < 12``: a first table indexed by the top ``P1`` bits (``2**P1`` int16, 512 B at
+    ``P1 = 8``) resolves every code of at most ``P1`` bits; its entry is 0 for the
+    prefixes of longer codes, which then read the 12-bit LUT (a masked load: only
+    those lanes touch memory). Why: a warp's 32 lookups into the 8 KiB LUT hit up to 32
+    different cache lines, each one L1 wavefront; the small table spans 4 lines.
+    """
+    if P1 < 12:
+        entry = tl.load(lut1_ptr + (window >> (32 - P1)).to(tl.int32)).to(tl.int32)
+        long = entry < 512  # length 0: a longer code
+        second = tl.load(lut_ptr + (window >> 20).to(tl.int32), mask=long, other=0).to(tl.int32)
+        entry = tl.where(long, second, entry)
+    else:
+        entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
+    return entry
+
+
+@triton.jit
+def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut1_ptr, P1: tl.constexpr):
     """Decode one symbol per lane and move the lane's window along.
 
     w0:w1 hold the bits being read (from bit ``pos`` of w0); w2 is the next word,
@@ -225,7 +214,7 @@ def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
     # The next 32 stream bits (funnel shift; the split shift stays defined at pos = 0).
     shift = pos.to(tl.uint32)
     window = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
-    entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
+    entry = _lookup(window, lut_ptr, lut1_ptr, P1)
     sym = entry & 0x1FF
     length = entry >> 9
     literal = ((window << length.to(tl.uint32)) >> 23).to(tl.int32)
@@ -244,27 +233,27 @@ def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
 
 
 @triton.jit
-def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
-                        S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HAS_IDS: tl.constexpr,
-                        PREFETCH: tl.constexpr, PF: tl.constexpr):
-    """Lossless bf16 decode, E elements per lane and step: one E-byte tail load and
-    one 2E-byte store per lane and step."""
-    pid = tl.program_id(0).to(tl.int64)
-    if HAS_IDS:
-        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
+def _tails_words(tails_tile, E: tl.constexpr):
+    """A tile's tail bytes as one E-byte word per lane and step (the buffer is padded to whole words)."""
+    if E == 4:
+        return tails_tile.to(tl.pointer_type(tl.int32))
+    elif E == 2:
+        return tails_tile.to(tl.pointer_type(tl.int16))
     else:
-        tile = pid
+        return tails_tile
+
+
+@triton.jit
+def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr, out_tile, tile, N,
+                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, P1: tl.constexpr, EVEN: tl.constexpr,
+                     PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Lossless bf16 decode of one tile into ``out_tile``, E elements per lane and step:
+    one E-byte tail load and one 2E-byte store per lane and step."""
     lane = tl.arange(0, L)
     stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L)
     pos = tl.zeros([L], dtype=tl.int32)
     base = tile * (S * L * E)
-    out_tile = out_ptr + pid * (S * L * E)
-    if E == 4:
-        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int32))
-    elif E == 2:
-        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int16))
-    else:
-        tails_words = tails_ptr + base
+    tails_words = _tails_words(tails_ptr + base, E)
     remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
     for s in range(S):
         first = s * (L * E) + lane * E
@@ -273,20 +262,21 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
             _prefetch_l1(tails_words + tl.where(ahead * E < remaining, ahead, 0))
         # The tail buffer is padded to whole words, so a lane's E tail bytes load at once.
         tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0).to(tl.int32)
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first < remaining, lut_ptr, stream_tile)
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first < remaining, lut_ptr, stream_tile,
+                                                 lut1_ptr, P1)
         vals = ((tails & 0x80) << 8) | (sym << 7) | (tails & 0x7F)
         if E >= 2:
             sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 1 < remaining, lut_ptr,
-                                                     stream_tile)
+                                                     stream_tile, lut1_ptr, P1)
             t1 = tails >> 8
             v1 = ((t1 & 0x80) << 8) | (sym << 7) | (t1 & 0x7F)
             if E == 4:
                 sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 2 < remaining, lut_ptr,
-                                                         stream_tile)
+                                                         stream_tile, lut1_ptr, P1)
                 t2 = tails >> 16
                 v2 = ((t2 & 0x80) << 8) | (sym << 7) | (t2 & 0x7F)
                 sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 3 < remaining, lut_ptr,
-                                                         stream_tile)
+                                                         stream_tile, lut1_ptr, P1)
                 t3 = tails >> 24
                 v3 = ((t3 & 0x80) << 8) | (sym << 7) | (t3 & 0x7F)
                 # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
@@ -296,7 +286,127 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
         else:
             vals = vals[:, None]
         offset = first[:, None] + tl.arange(0, E)[None, :]
-        tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
+        if EVEN:  # a lane's E elements are all in or all out: one mask per lane lets the store be one 2E-byte access
+            tl.store(out_tile + offset, vals.to(tl.int16), mask=(first < remaining)[:, None])
+        else:
+            tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
+
+
+@triton.jit
+def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr, tile_ids_ptr,
+                        out_ptr, N, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, P1: tl.constexpr,
+                        EVEN: tl.constexpr, HAS_IDS: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """One tensor: program ``pid`` decodes tile ``pid`` (or ``tile_ids[pid]`` into slot ``pid``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if HAS_IDS:
+        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
+    else:
+        tile = pid
+    _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr,
+                     out_ptr + pid * (S * L * E), tile, N, S, L, E, P1, EVEN, PREFETCH, PF)
+
+
+@triton.jit
+def _count_lossless(x_tile, enc_ptr, counts_tile, words_ptr, bits_ptr, remaining,
+                    S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+    """Pass 1 of a lossless tile: each lane's word count (``counts_tile``), the tile's words and bits.
+
+    Nothing here is sequential per lane (lengths are summed), so each iteration loads a
+    ``[BS steps, L, E]`` block: many independent loads in flight, like a copy. Writes no
+    tails: pass 2 does, once it knows the stream fits (see :func:`_pack_lossless`).
+    """
+    step = tl.arange(0, BS)[:, None, None]
+    lane = tl.arange(0, L)[None, :, None]
+    elem = tl.arange(0, E)[None, None, :]
+    lane_bits = tl.zeros([L], dtype=tl.int32)
+    for s0 in range(0, S, BS):
+        offset = (s0 + step) * (L * E) + lane * E + elem
+        valid = offset < remaining
+        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32)
+        entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
+        lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
+    words = (lane_bits + 31) // 32
+    tl.store(counts_tile + tl.arange(0, L), words.to(tl.uint8))
+    tl.store(words_ptr, tl.sum(words, axis=0).to(tl.int64))
+    tl.store(bits_ptr, tl.sum(lane_bits, axis=0).to(tl.int64))
+
+
+@triton.jit
+def _pack_lossless(x_tile, enc_ptr, counts_tile, cum_ptr, G, base_w, base_b, tile, tiles, capacity, stream_ptr,
+                   tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, remaining,
+                   S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Pass 2 of a lossless tile, committed only if the tensor's whole stream fits ``capacity``.
+
+    ``cum_ptr`` points at the tensor's first tile in the inclusive prefix sums of pass 1
+    (words; bits ``G`` entries further), ``base_w``/``base_b`` are the sums before it. If the
+    stream fits, the tile writes its tails, its lanes' codes, its lane counts and its
+    ``tile_base`` entry, and tile 0 writes the padding words and ``status[:2]`` (used words,
+    coded bits); otherwise nothing is written but ``status[2] = 1`` (sticky until the host
+    clears it): the tensor keeps its previous content, intact. So the encoder needs no
+    host read to size the stream.
+    """
+    total = tl.load(cum_ptr + tiles - 1) - base_w
+    if total + 3 <= capacity:
+        lane = tl.arange(0, L)
+        count = tl.load(counts_tile + lane).to(tl.int32)
+        start = tl.where(tile > 0, tl.load(cum_ptr + tl.maximum(tile - 1, 0)), base_w) - base_w
+        rel = tl.cumsum(count, axis=0) - count  # lane start, in words from the tile's first word
+        stream_tile = stream_ptr + start
+        base = tile * (S * L * E)
+        tails_words = _tails_words(tails_ptr + base, E)
+        acc = tl.zeros([L], dtype=tl.uint32)
+        filled = tl.zeros([L], dtype=tl.int32)
+        for s in range(S):
+            first = s * (L * E) + lane * E
+            if PREFETCH:
+                ahead = first + PF * (L * E)
+                _prefetch_l1(x_tile + tl.where(ahead < remaining, ahead, 0))
+            tails = tl.zeros([L], dtype=tl.int32)
+            for e in tl.static_range(E):
+                valid = first + e < remaining
+                x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32)
+                tails |= (((x >> 8) & 0x80) | (x & 0x7F)) << (8 * e)
+                entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
+                acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
+            if E == 4:
+                tl.store(tails_words + s * L + lane, tails, mask=first < remaining)
+            elif E == 2:
+                tl.store(tails_words + s * L + lane, tails.to(tl.int16), mask=first < remaining)
+            else:
+                tl.store(tails_words + s * L + lane, tails.to(tl.uint8), mask=first < remaining)
+        tl.store(stream_tile + rel, acc.to(tl.int32, bitcast=True), mask=filled > 0)
+        tl.store(lane_words_ptr + tile * L + lane, count.to(tl.uint8))
+        tl.store(tile_base_ptr + tile + 1, tl.load(cum_ptr + tile) - base_w)
+        if tile == 0:
+            pad = tl.arange(0, 4)
+            tl.store(stream_ptr + total + pad, tl.zeros([4], dtype=tl.int32), mask=pad < 3)
+            tl.store(status_ptr, total + 3)
+            tl.store(status_ptr + 1, tl.load(cum_ptr + G + tiles - 1) - base_b)
+    else:
+        if tile == 0:
+            tl.store(status_ptr + 2, 1)
+
+
+@triton.jit
+def _count_wide_kernel(x_ptr, enc_ptr, counts_ptr, scratch_ptr, G, N,
+                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+    """Pass 1 of one lossless tensor: lane counts, and tile words / bits at ``scratch[tile]`` / ``[G + tile]``."""
+    tile = tl.program_id(0).to(tl.int64)
+    base = tile * (S * L * E)
+    _count_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, scratch_ptr + tile, scratch_ptr + G + tile,
+                    tl.minimum(N - base, S * L * E).to(tl.int32), S, L, E, BS)
+
+
+@triton.jit
+def _pack_wide_kernel(x_ptr, enc_ptr, counts_ptr, cum_ptr, G, capacity, stream_ptr, tails_ptr, lane_words_ptr,
+                      tile_base_ptr, status_ptr, N, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                      PREFETCH: tl.constexpr, PF: tl.constexpr):
+    """Pass 2 of one lossless tensor (its ``G`` tiles)."""
+    tile = tl.program_id(0).to(tl.int64)
+    base = tile * (S * L * E)
+    _pack_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, cum_ptr, G, 0, 0, tile, G, capacity, stream_ptr,
+                   tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, tl.minimum(N - base, S * L * E).to(tl.int32),
+                   S, L, E, PREFETCH, PF)
 
 
 @triton.jit
@@ -332,7 +442,7 @@ def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, 
     for s in range(S):
         offset = s * L + lane
         valid = offset < remaining
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile)
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut_ptr, 12)
         if PREFETCH:
             ahead = (s + PF) * R + row
             _prefetch_l1(tails_tile + tl.where(ahead * P < remaining, ahead, 0))
@@ -380,46 +490,70 @@ def _block_steps(steps: int, per_step: int) -> int:
     return block
 
 
-def count(x: torch.Tensor, enc_table, tails, lane_words, tile_words, tile_bits, steps, lanes, kept, elems=1,
-          num_warps=None):
-    """Pass 1 on a contiguous bf16 tensor ``x``; fills ``tails``, ``lane_words``, ``tile_words``, ``tile_bits``."""
+def count(x: torch.Tensor, enc_table, tails, lane_words, tile_words, tile_bits, steps, lanes, kept, num_warps=None):
+    """Lossy pass 1 on a contiguous bf16 tensor ``x``; fills ``tails``, ``lane_words``, ``tile_words``, ``tile_bits``."""
     tiles = tile_words.numel()
     if tiles:
-        block = _block_steps(steps, lanes * elems)
-        args = (x.view(torch.int16), enc_table, tails, lane_words, tile_words, tile_bits, x.numel())
-        if kept == 7:
-            COMPILED["count"] = _count_wide_kernel[(tiles,)](*args, S=steps, L=lanes, E=elems, BS=block,
-                                                              num_warps=_num_warps(lanes, num_warps))
-        else:
-            assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
-            COMPILED["count"] = _count_kernel[(tiles,)](*args, S=steps, L=lanes, K=kept, BS=block,
-                                                         num_warps=_num_warps(lanes, num_warps))
+        block = _block_steps(steps, lanes)
+        COMPILED["count"] = _count_kernel[(tiles,)](x.view(torch.int16), enc_table, tails, lane_words, tile_words,
+                                                     tile_bits, x.numel(), S=steps, L=lanes, K=kept, BS=block,
+                                                     num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
-def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes, kept, elems=1, num_warps=None,
+def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes, kept, num_warps=None,
          prefetch=None):
-    """Pass 2: write the lanes' codes into ``stream`` (``int32``)."""
+    """Lossy pass 2: write the lanes' codes into ``stream`` (``int32``)."""
     tiles = tile_base.numel() - 1
     if tiles:
         _launch("pack", _pack_kernel, (tiles,), x.view(torch.int16), enc_table, lane_words, tile_base, stream,
-                x.numel(), S=steps, L=lanes, E=elems, K=kept, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
+                x.numel(), S=steps, L=lanes, K=kept, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
                 num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
 
 
+def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None):
+    """Lossless pass 1: lane word counts into ``counts`` (``uint8[tiles * lanes]``), tile words and bits
+    into ``scratch`` (``int64[2, tiles]``)."""
+    tiles = scratch.shape[1]
+    if tiles:
+        COMPILED["count"] = _count_wide_kernel[(tiles,)](
+            x.view(torch.int16), enc_table, counts, scratch, tiles, x.numel(), S=steps, L=lanes, E=elems,
+            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
+    COUNTERS["count"] += 1
+
+
+def pack_lossless(x: torch.Tensor, enc_table, counts, cum, capacity: int, stream, tails, lane_words, tile_base,
+                  status, steps, lanes, elems, num_warps=None, prefetch=None):
+    """Lossless pass 2 from ``cum`` (``scratch`` after an inclusive ``cumsum`` along dim 1): commits the
+    new encoding (tails, stream, lane counts, tile table, ``status``) only if it fits ``capacity`` words."""
+    tiles = cum.shape[1]
+    if tiles:
+        _launch("pack", _pack_wide_kernel, (tiles,), x.view(torch.int16), enc_table, counts, cum, tiles, capacity,
+                stream, tails, lane_words, tile_base, status, x.numel(), S=steps, L=lanes, E=elems,
+                PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS, num_warps=_num_warps(lanes, num_warps))
+    COUNTERS["pack"] += 1
+
+
 def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, steps, lanes, kept, elems=1,
-           tile_ids: torch.Tensor | None = None, num_warps=None, prefetch=None):
-    """Decode all tiles (or ``tile_ids``, each into its own ``S * L * E`` slot of ``out``) into bf16 ``out``."""
+           tile_ids: torch.Tensor | None = None, num_warps=None, prefetch=None, lut1=None):
+    """Decode all tiles (or ``tile_ids``, each into its own ``S * L * E`` slot of ``out``) into bf16 ``out``.
+
+    ``lut1`` (lossless only) is a first-level table of ``2**P`` entries
+    (:func:`neutrain.compress.huffman.short_lut`); without it the 12-bit LUT serves every code.
+    """
     programs = tile_base.numel() - 1 if tile_ids is None else tile_ids.numel()
     if programs:
         ids = tile_base if tile_ids is None else tile_ids  # any pointer will do when unused
-        args = (stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel)
         meta = dict(S=steps, L=lanes, HAS_IDS=tile_ids is not None, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
                     num_warps=_num_warps(lanes, num_warps))
         if kept == 7:
-            _launch("decode", _decode_wide_kernel, (programs,), *args, E=elems, **meta)
+            bits = 12 if lut1 is None else lut1.numel().bit_length() - 1
+            _launch("decode", _decode_wide_kernel, (programs,), stream, lane_words, tile_base, tails, lut,
+                    lut if lut1 is None else lut1, ids, out.view(torch.int16), numel, E=elems, P1=bits,
+                    EVEN=numel % elems == 0, **meta)
         else:
             assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
-            _launch("decode", _decode_packed_kernel, (programs,), *args, K=kept, **meta)
+            _launch("decode", _decode_packed_kernel, (programs,), stream, lane_words, tile_base, tails, lut, ids,
+                    out.view(torch.int16), numel, K=kept, **meta)
     COUNTERS["decode"] += 1
