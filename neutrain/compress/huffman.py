@@ -171,29 +171,6 @@ def decode_lut(lengths: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(lut)
 
 
-SHORT_LUT_BITS = 8
-"""Index width of the decoder's first-level table (:func:`short_lut`): 256 int16, 512 bytes."""
-
-
-def short_lut(lut: torch.Tensor, bits: int = SHORT_LUT_BITS) -> torch.Tensor:
-    """First-level decode table: :func:`decode_lut` entries for the codes of at most ``bits`` bits.
-
-    Indexed by the next ``bits`` stream bits; the entry is 0 (length 0) where those bits
-    begin a longer code, which the decoder then looks up in the full LUT. Derived from
-    the code, so it is never stored.
-
-    Example:
-        >>> lut = decode_lut(build_code(np.bincount([3] * 8 + [7] * 4 + [9], minlength=NUM_SYMBOLS)))
-        >>> first = short_lut(lut, 1)
-        >>> int(first[0]) & 0x1FF, int(first[1])
-        (3, 0)
-    """
-    if bits >= MAX_CODE_BITS:
-        return lut
-    entries = lut[torch.arange(1 << bits, device=lut.device) << (MAX_CODE_BITS - bits)]
-    return torch.where((entries >> _LEN_SHIFT_LUT) <= bits, entries, torch.zeros_like(entries))
-
-
 def histogram(symbols: torch.Tensor) -> np.ndarray:
     """Host-side histogram of a symbol tensor (the one host read in code construction)."""
     return torch.bincount(symbols.reshape(-1).to(torch.int64), minlength=NUM_SYMBOLS).cpu().numpy()

@@ -44,12 +44,12 @@ def _groupable(ct: CompressedTensor, backend: str) -> bool:
 
 
 def _groups(cts: list[CompressedTensor], backend: str) -> tuple[dict, list[int]]:
-    """Indices of groupable tensors by (device, geometry, first-level LUT size), and the rest."""
+    """Indices of groupable tensors by (device, tile geometry), and the rest."""
     groups: dict = {}
     single = []
     for i, ct in enumerate(cts):
         if _groupable(ct, backend):
-            key = (ct.device, ct.steps, ct.lanes, ct.elems, ct.lut_short.numel())
+            key = (ct.device, ct.steps, ct.lanes, ct.elems)
             groups.setdefault(key, []).append(i)
         else:
             single.append(i)
@@ -71,7 +71,7 @@ def _table(cts: list[CompressedTensor], data: list[torch.Tensor]) -> torch.Tenso
         values = {km.ROW_NUMEL: ct.numel, km.ROW_DATA: d.data_ptr(), km.ROW_ENC: ct.enc_table.data_ptr(),
                   km.ROW_STREAM: ct.stream.data_ptr(), km.ROW_LANE_WORDS: ct.lane_words.data_ptr(),
                   km.ROW_TILE_BASE: ct.tile_base.data_ptr(), km.ROW_TAILS: ct.tails.data_ptr(),
-                  km.ROW_LUT: ct.lut.data_ptr(), km.ROW_LUT1: ct.lut_short.data_ptr(),
+                  km.ROW_LUT: ct.lut.data_ptr(),
                   km.ROW_CAPACITY: ct.stream.numel(), km.ROW_STATUS: ct.status.tensor.data_ptr()}
         for row, value in values.items():
             rows[row][col] = value
@@ -110,14 +110,14 @@ def decode_many(cts: list[CompressedTensor], outs: list[torch.Tensor] | None = N
     groups, single = _groups(cts, backend)
     for i in single:  # a forced "triton" applies to groupable tensors only
         cts[i].decompress(out=outs[i], backend="auto" if backend == "triton" else backend)
-    for (_, steps, lanes, elems, short), members in groups.items():
+    for (_, steps, lanes, elems), members in groups.items():
         for i in members:  # the checks of decompress(out=...)
             ct, out = cts[i], outs[i]
             if out.shape != ct.shape or out.dtype != ct.dtype or out.device != ct.device or not out.is_contiguous():
                 raise ValueError(f"out {i} must be contiguous {ct.dtype} {tuple(ct.shape)} on {ct.device}")
         members_cts = [cts[i] for i in members]
         table = _table(members_cts, [outs[i] for i in members])
-        km.decode_group(table, sum(ct.tiles for ct in members_cts), steps, lanes, elems, short.bit_length() - 1,
+        km.decode_group(table, sum(ct.tiles for ct in members_cts), steps, lanes, elems,
                         all(ct.numel % elems == 0 for ct in members_cts))
     return outs
 
@@ -135,7 +135,7 @@ def encode_many(cts: list[CompressedTensor], xs: list[torch.Tensor], *, backend:
     groups, single = _groups(cts, backend)
     for i in single:
         cts[i].recompress_(xs[i], sync=False, backend="auto" if backend == "triton" else backend)
-    for (device, steps, lanes, elems, _), members in groups.items():
+    for (device, steps, lanes, elems), members in groups.items():
         ready, inputs = [], []
         for i in members:
             ct, x = cts[i], xs[i].detach()

@@ -26,9 +26,11 @@ from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_
 from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
 from neutrain.compress.layout import unpack_tails
 
-DEFAULT_STEPS = 64
-"""Steps per lane. With 4 elements per step a lane codes 256 symbols, which keeps
-lane padding and word counts at ~0.09 bit/weight (codec.md section 6)."""
+DEFAULT_STEPS = 32
+"""Steps per lane. With 4 elements per step a lane codes 128 symbols: lane padding and
+word counts cost ~0.19 bit/weight (0.09 at 64 steps), but twice as many lanes decode
+side by side, and the per-lane decode chain is what bounds the speed (on an H100,
+4096x14336: 561 against 510 GB/s; 1024x4096: 180 against 88; benchmarks/notes_codec.md)."""
 DEFAULT_LANES = 256
 """Lanes per tile (one per GPU thread at 8 warps)."""
 DEFAULT_ELEMS = 4
@@ -120,7 +122,7 @@ class CompressedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes held on the device: streams, tables and code tables (capacity, not just use)."""
-        buffers = (self.stream, self.tails, self.lane_words, self.tile_base, self.enc_table, self.lut, self.lut_short)
+        buffers = (self.stream, self.tails, self.lane_words, self.tile_base, self.enc_table, self.lut)
         return sum(b.numel() * b.element_size() for b in buffers) + self.code_lengths.size
 
     @property
@@ -138,7 +140,6 @@ class CompressedTensor:
         self.code_lengths = np.asarray(lengths, dtype=np.uint8)
         self.enc_table = huffman.encode_table(self.code_lengths).to(device)
         self.lut = huffman.decode_lut(self.code_lengths).to(device)
-        self.lut_short = huffman.short_lut(self.lut)
 
     def _symbols(self, x: torch.Tensor) -> torch.Tensor:
         return split(to_bits(x), self.layout)[0]
@@ -234,7 +235,7 @@ class CompressedTensor:
             from neutrain.kernels import codec as kcodec
 
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, out,
-                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, lut1=self._lut1())
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
             return out
         if self.numel:
             symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
@@ -271,8 +272,7 @@ class CompressedTensor:
 
             scratch = torch.empty(tile_ids.numel() * tile_len, dtype=self.dtype, device=self.device)
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, scratch,
-                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids,
-                          lut1=self._lut1())
+                          self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids)
             rows = scratch[pick]
         else:
             symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
@@ -282,10 +282,6 @@ class CompressedTensor:
             bits = merge(symbols.long(), tails, self.layout)
             rows = from_bits(bits.reshape(-1), self.dtype)
         return rows.reshape(*index.shape, *self.shape[1:])
-
-    def _lut1(self) -> torch.Tensor | None:
-        """The decoder's first-level table (lossless kernels only)."""
-        return self.lut_short if self.layout.lossless else None
 
     # ------------------------------------------------------------ moving, saving
     def _tails_view(self) -> torch.Tensor:

@@ -185,27 +185,7 @@ def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr
 
 
 @triton.jit
-def _lookup(window, lut_ptr, lut1_ptr, P1: tl.constexpr):
-    """LUT entry (``symbol | length << 9``) of the code at the top of ``window``.
-
-    ``P1 < 12``: a first table indexed by the top ``P1`` bits (``2**P1`` int16, 512 B at
-    ``P1 = 8``) resolves every code of at most ``P1`` bits; its entry is 0 for the
-    prefixes of longer codes, which then read the 12-bit LUT (a masked load: only
-    those lanes touch memory). Why: a warp's 32 lookups into the 8 KiB LUT hit up to 32
-    different cache lines, each one L1 wavefront; the small table spans 4 lines.
-    """
-    if P1 < 12:
-        entry = tl.load(lut1_ptr + (window >> (32 - P1)).to(tl.int32)).to(tl.int32)
-        long = entry < 512  # length 0: a longer code
-        second = tl.load(lut_ptr + (window >> 20).to(tl.int32), mask=long, other=0).to(tl.int32)
-        entry = tl.where(long, second, entry)
-    else:
-        entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
-    return entry
-
-
-@triton.jit
-def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut1_ptr, P1: tl.constexpr):
+def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, HINTS: tl.constexpr):
     """Decode one symbol per lane and move the lane's window along.
 
     w0:w1 hold the bits being read (from bit ``pos`` of w0); w2 is the next word,
@@ -214,7 +194,10 @@ def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut1_ptr, P1
     # The next 32 stream bits (funnel shift; the split shift stays defined at pos = 0).
     shift = pos.to(tl.uint32)
     window = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
-    entry = _lookup(window, lut_ptr, lut1_ptr, P1)
+    if HINTS:  # keep the LUT in L1 while the streams pass through
+        entry = tl.load(lut_ptr + (window >> 20).to(tl.int32), eviction_policy="evict_last").to(tl.int32)
+    else:
+        entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
     sym = entry & 0x1FF
     length = entry >> 9
     literal = ((window << length.to(tl.uint32)) >> 23).to(tl.int32)
@@ -225,7 +208,10 @@ def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut1_ptr, P1
     crossed = pos >= 32
     pos = tl.where(crossed, pos - 32, pos)
     advance = crossed & valid  # lanes past the tensor's end stop reading
-    ahead = tl.load(stream_tile + rel, mask=advance, other=0).to(tl.uint32, bitcast=True)
+    if HINTS >= 2:  # the lane's next word from L2 only
+        ahead = tl.load(stream_tile + rel, mask=advance, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    else:
+        ahead = tl.load(stream_tile + rel, mask=advance, other=0).to(tl.uint32, bitcast=True)
     w0 = tl.where(advance, w1, w0)
     w1 = tl.where(advance, w2, w1)
     w2 = tl.where(advance, ahead, w2)
@@ -244,8 +230,8 @@ def _tails_words(tails_tile, E: tl.constexpr):
 
 
 @triton.jit
-def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr, out_tile, tile, N,
-                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, P1: tl.constexpr, EVEN: tl.constexpr,
+def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_tile, tile, N,
+                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HINTS: tl.constexpr, EVEN: tl.constexpr,
                      PREFETCH: tl.constexpr, PF: tl.constexpr):
     """Lossless bf16 decode of one tile into ``out_tile``, E elements per lane and step:
     one E-byte tail load and one 2E-byte store per lane and step."""
@@ -261,22 +247,26 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
             ahead = s * L + PF * L + lane
             _prefetch_l1(tails_words + tl.where(ahead * E < remaining, ahead, 0))
         # The tail buffer is padded to whole words, so a lane's E tail bytes load at once.
-        tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0).to(tl.int32)
+        if HINTS:  # streamed once: through L2 only, so they do not evict the LUT or the lanes' words
+            tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0, cache_modifier=".cg")
+        else:
+            tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0)
+        tails = tails.to(tl.int32)
         sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first < remaining, lut_ptr, stream_tile,
-                                                 lut1_ptr, P1)
+                                                 HINTS)
         vals = ((tails & 0x80) << 8) | (sym << 7) | (tails & 0x7F)
         if E >= 2:
             sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 1 < remaining, lut_ptr,
-                                                     stream_tile, lut1_ptr, P1)
+                                                     stream_tile, HINTS)
             t1 = tails >> 8
             v1 = ((t1 & 0x80) << 8) | (sym << 7) | (t1 & 0x7F)
             if E == 4:
                 sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 2 < remaining, lut_ptr,
-                                                         stream_tile, lut1_ptr, P1)
+                                                         stream_tile, HINTS)
                 t2 = tails >> 16
                 v2 = ((t2 & 0x80) << 8) | (sym << 7) | (t2 & 0x7F)
                 sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 3 < remaining, lut_ptr,
-                                                         stream_tile, lut1_ptr, P1)
+                                                         stream_tile, HINTS)
                 t3 = tails >> 24
                 v3 = ((t3 & 0x80) << 8) | (sym << 7) | (t3 & 0x7F)
                 # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
@@ -293,8 +283,8 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
 
 
 @triton.jit
-def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr, tile_ids_ptr,
-                        out_ptr, N, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, P1: tl.constexpr,
+def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
+                        S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HINTS: tl.constexpr,
                         EVEN: tl.constexpr, HAS_IDS: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
     """One tensor: program ``pid`` decodes tile ``pid`` (or ``tile_ids[pid]`` into slot ``pid``)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -302,13 +292,13 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
         tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
     else:
         tile = pid
-    _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, lut1_ptr,
-                     out_ptr + pid * (S * L * E), tile, N, S, L, E, P1, EVEN, PREFETCH, PF)
+    _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr,
+                     out_ptr + pid * (S * L * E), tile, N, S, L, E, HINTS, EVEN, PREFETCH, PF)
 
 
 @triton.jit
 def _count_lossless(x_tile, enc_ptr, counts_tile, words_ptr, bits_ptr, remaining,
-                    S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+                    S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr, HINTS: tl.constexpr):
     """Pass 1 of a lossless tile: each lane's word count (``counts_tile``), the tile's words and bits.
 
     Nothing here is sequential per lane (lengths are summed), so each iteration loads a
@@ -322,8 +312,12 @@ def _count_lossless(x_tile, enc_ptr, counts_tile, words_ptr, bits_ptr, remaining
     for s0 in range(0, S, BS):
         offset = (s0 + step) * (L * E) + lane * E + elem
         valid = offset < remaining
-        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32)
-        entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
+        if HINTS:  # x streams through L2; the code table stays in L1
+            x = tl.load(x_tile + offset, mask=valid, other=0, cache_modifier=".cg").to(tl.int32)
+            entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32)
+            entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
         lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
     words = (lane_bits + 31) // 32
     tl.store(counts_tile + tl.arange(0, L), words.to(tl.uint8))
@@ -334,7 +328,8 @@ def _count_lossless(x_tile, enc_ptr, counts_tile, words_ptr, bits_ptr, remaining
 @triton.jit
 def _pack_lossless(x_tile, enc_ptr, counts_tile, cum_ptr, G, base_w, base_b, tile, tiles, capacity, stream_ptr,
                    tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, remaining,
-                   S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+                   S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HINTS: tl.constexpr, PREFETCH: tl.constexpr,
+                   PF: tl.constexpr):
     """Pass 2 of a lossless tile, committed only if the tensor's whole stream fits ``capacity``.
 
     ``cum_ptr`` points at the tensor's first tile in the inclusive prefix sums of pass 1
@@ -364,9 +359,13 @@ def _pack_lossless(x_tile, enc_ptr, counts_tile, cum_ptr, G, base_w, base_b, til
             tails = tl.zeros([L], dtype=tl.int32)
             for e in tl.static_range(E):
                 valid = first + e < remaining
-                x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32)
+                if HINTS:  # x lines are used by this step only; the code table stays
+                    x = tl.load(x_tile + first + e, mask=valid, other=0, eviction_policy="evict_first").to(tl.int32)
+                    entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0, eviction_policy="evict_last")
+                else:
+                    x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32)
+                    entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
                 tails |= (((x >> 8) & 0x80) | (x & 0x7F)) << (8 * e)
-                entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
                 acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
             if E == 4:
                 tl.store(tails_words + s * L + lane, tails, mask=first < remaining)
@@ -389,24 +388,24 @@ def _pack_lossless(x_tile, enc_ptr, counts_tile, cum_ptr, G, base_w, base_b, til
 
 @triton.jit
 def _count_wide_kernel(x_ptr, enc_ptr, counts_ptr, scratch_ptr, G, N,
-                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr, HINTS: tl.constexpr):
     """Pass 1 of one lossless tensor: lane counts, and tile words / bits at ``scratch[tile]`` / ``[G + tile]``."""
     tile = tl.program_id(0).to(tl.int64)
     base = tile * (S * L * E)
     _count_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, scratch_ptr + tile, scratch_ptr + G + tile,
-                    tl.minimum(N - base, S * L * E).to(tl.int32), S, L, E, BS)
+                    tl.minimum(N - base, S * L * E).to(tl.int32), S, L, E, BS, HINTS)
 
 
 @triton.jit
 def _pack_wide_kernel(x_ptr, enc_ptr, counts_ptr, cum_ptr, G, capacity, stream_ptr, tails_ptr, lane_words_ptr,
                       tile_base_ptr, status_ptr, N, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                      PREFETCH: tl.constexpr, PF: tl.constexpr):
+                      HINTS: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
     """Pass 2 of one lossless tensor (its ``G`` tiles)."""
     tile = tl.program_id(0).to(tl.int64)
     base = tile * (S * L * E)
     _pack_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, cum_ptr, G, 0, 0, tile, G, capacity, stream_ptr,
                    tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, tl.minimum(N - base, S * L * E).to(tl.int32),
-                   S, L, E, PREFETCH, PF)
+                   S, L, E, HINTS, PREFETCH, PF)
 
 
 @triton.jit
@@ -442,7 +441,7 @@ def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, 
     for s in range(S):
         offset = s * L + lane
         valid = offset < remaining
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, lut_ptr, 12)
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, 0)
         if PREFETCH:
             ahead = (s + PF) * R + row
             _prefetch_l1(tails_tile + tl.where(ahead * P < remaining, ahead, 0))
@@ -512,48 +511,52 @@ def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes
     COUNTERS["pack"] += 1
 
 
-def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None):
+CACHE_HINTS = 1
+"""Cache hints of the lossless kernels: 0 none; 1 streamed inputs bypass or leave L1 first and the code
+tables stay (``evict_last``); 2 also the decoder's stream words from L2 only. Results never depend on it."""
+
+
+def _hints(hints: int | None) -> int:
+    return CACHE_HINTS if hints is None else hints
+
+
+def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None, hints=None):
     """Lossless pass 1: lane word counts into ``counts`` (``uint8[tiles * lanes]``), tile words and bits
     into ``scratch`` (``int64[2, tiles]``)."""
     tiles = scratch.shape[1]
     if tiles:
         COMPILED["count"] = _count_wide_kernel[(tiles,)](
             x.view(torch.int16), enc_table, counts, scratch, tiles, x.numel(), S=steps, L=lanes, E=elems,
-            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
+            BS=_block_steps(steps, lanes * elems), HINTS=_hints(hints), num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
 def pack_lossless(x: torch.Tensor, enc_table, counts, cum, capacity: int, stream, tails, lane_words, tile_base,
-                  status, steps, lanes, elems, num_warps=None, prefetch=None):
+                  status, steps, lanes, elems, num_warps=None, prefetch=None, hints=None):
     """Lossless pass 2 from ``cum`` (``scratch`` after an inclusive ``cumsum`` along dim 1): commits the
     new encoding (tails, stream, lane counts, tile table, ``status``) only if it fits ``capacity`` words."""
     tiles = cum.shape[1]
     if tiles:
         _launch("pack", _pack_wide_kernel, (tiles,), x.view(torch.int16), enc_table, counts, cum, tiles, capacity,
                 stream, tails, lane_words, tile_base, status, x.numel(), S=steps, L=lanes, E=elems,
-                PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS, num_warps=_num_warps(lanes, num_warps))
+                HINTS=_hints(hints), PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
+                num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
 
 
 def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, steps, lanes, kept, elems=1,
-           tile_ids: torch.Tensor | None = None, num_warps=None, prefetch=None, lut1=None):
-    """Decode all tiles (or ``tile_ids``, each into its own ``S * L * E`` slot of ``out``) into bf16 ``out``.
-
-    ``lut1`` (lossless only) is a first-level table of ``2**P`` entries
-    (:func:`neutrain.compress.huffman.short_lut`); without it the 12-bit LUT serves every code.
-    """
+           tile_ids: torch.Tensor | None = None, num_warps=None, prefetch=None, hints=None):
+    """Decode all tiles (or ``tile_ids``, each into its own ``S * L * E`` slot of ``out``) into bf16 ``out``."""
     programs = tile_base.numel() - 1 if tile_ids is None else tile_ids.numel()
     if programs:
         ids = tile_base if tile_ids is None else tile_ids  # any pointer will do when unused
         meta = dict(S=steps, L=lanes, HAS_IDS=tile_ids is not None, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
                     num_warps=_num_warps(lanes, num_warps))
+        args = (stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel)
         if kept == 7:
-            bits = 12 if lut1 is None else lut1.numel().bit_length() - 1
-            _launch("decode", _decode_wide_kernel, (programs,), stream, lane_words, tile_base, tails, lut,
-                    lut if lut1 is None else lut1, ids, out.view(torch.int16), numel, E=elems, P1=bits,
+            _launch("decode", _decode_wide_kernel, (programs,), *args, E=elems, HINTS=_hints(hints),
                     EVEN=numel % elems == 0, **meta)
         else:
             assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
-            _launch("decode", _decode_packed_kernel, (programs,), stream, lane_words, tile_base, tails, lut, ids,
-                    out.view(torch.int16), numel, K=kept, **meta)
+            _launch("decode_lossy", _decode_packed_kernel, (programs,), *args, K=kept, **meta)
     COUNTERS["decode"] += 1

@@ -187,7 +187,7 @@ def test_sync_free_overflow_keeps_the_tensor_and_raises_later_in_interpreter():
     ct = compress(x, steps=4, lanes=16, backend="triton", name="blocks.0.q")
     ct.stream = ct.stream[: ct.stream_words].clone()  # no headroom left, and no growth seen yet
     ct.status.publish()  # pretend an encode is in flight: the growth rule cannot see its length
-    wide = torch.randn(16, 16).mul(torch.randn(16, 16).mul(6).exp2()).bfloat16()  # needs a longer stream
+    wide = torch.randn(16, 16).mul(torch.randn(16, 16).mul(6).exp2()).bfloat16().to(DEVICE)  # a longer stream
     ct.recompress_(wide, backend="triton", sync=False)
     assert torch.equal(ct.decompress(backend="triton").view(torch.int16), x.view(torch.int16))  # intact
     with pytest.raises(StreamOverflowError, match="blocks.0.q"):

@@ -17,8 +17,7 @@ def test_metadata_and_size_accounting():
     ct = compress(x, name="layer.w")
     assert ct.shape == x.shape and ct.dtype == torch.bfloat16 and ct.device == x.device
     assert ct.nbytes == sum(t.numel() * t.element_size() for t in
-                            (ct.stream, ct.tails, ct.lane_words, ct.tile_base, ct.enc_table, ct.lut,
-                             ct.lut_short)) + 258
+                            (ct.stream, ct.tails, ct.lane_words, ct.tile_base, ct.enc_table, ct.lut)) + 258
     assert ct.bits_per_weight == pytest.approx(8 * ct.nbytes / x.numel())
     assert "layer" not in repr(ct) and "bits/weight" in repr(ct)
 
