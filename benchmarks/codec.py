@@ -7,7 +7,7 @@ entropy bound (8 + exponent entropy of the same tensor), decode GB/s (bf16 outpu
 ``decompress``), encode GB/s (bf16 input; ``recompress_(sync=False)`` as training
 calls it, the kernels alone, and the synchronous ``recompress_``), and ``copy_`` GB/s
 of the same bytes in the same run, and the kernels at other settings (steps per lane,
-cache hints). Every decode is checked bit-exact. Then one decoder layer (seven
+warps per tile). Every decode is checked bit-exact. Then one decoder layer (seven
 matrices) through ``decode_many``/``encode_many`` against per-tensor calls, and two
 lossy modes. ``targets`` (top level and in ``results``):
 count-weighted copy time over decode time, and over ``recompress_(sync=False)`` time.
@@ -52,8 +52,8 @@ LLAMA3_8B = [
 LLAMA3_8B_LAYER = [("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj", (1024, 4096)),
                    ("o_proj", (4096, 4096)), ("gate_proj", (14336, 4096)), ("up_proj", (14336, 4096)),
                    ("down_proj", (4096, 14336))]
-VARIANTS = {"s32_h0": (32, 0), "s32_h2": (32, 2), "s64_h1": (64, 1), "s64_h0": (64, 0), "s16_h1": (16, 1)}
-"""Kernels timed beside the API's defaults (32 steps per lane, cache hints 1): (steps, cache hints)."""
+VARIANTS = {"s64": (64, None), "s16": (16, None), "s32_w4": (32, 4)}
+"""Kernels timed beside the API's defaults (32 steps per lane, 8 warps per 256-lane tile): (steps, warps)."""
 ROTATE_BYTES = 200 * 2**20
 
 
@@ -101,23 +101,23 @@ def steady_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, iters: 
     return float(median(times))
 
 
-def _encode_kernels_only(ct: CompressedTensor, x: torch.Tensor, hints=None) -> None:
+def _encode_kernels_only(ct: CompressedTensor, x: torch.Tensor, warps=None) -> None:
     """The two lossless passes of a sync-free re-encode, without the API's bookkeeping."""
     from neutrain.compress import stream as kstream
     from neutrain.kernels import codec as kcodec
 
     counts, scratch, cum = kstream.kernel_scratch(ct)
-    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, hints=hints)
+    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, num_warps=warps)
     torch.cumsum(scratch, dim=1, out=cum)
     kcodec.pack_lossless(x, ct.enc_table, counts, cum, ct.stream.numel(), ct.stream, ct.tails, ct.lane_words,
-                         ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems, hints=hints)
+                         ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems, num_warps=warps)
 
 
-def _decode_kernel(ct: CompressedTensor, out: torch.Tensor, hints=None) -> None:
+def _decode_kernel(ct: CompressedTensor, out: torch.Tensor, warps=None) -> None:
     from neutrain.kernels import codec as kcodec
 
     kcodec.decode(ct.stream, ct.lane_words, ct.tile_base, ct.tails, ct.lut, out, ct.numel, ct.steps, ct.lanes,
-                  ct.layout.kept, ct.elems, hints=hints)
+                  ct.layout.kept, ct.elems, num_warps=warps)
 
 
 def _rotating(shape, mantissa_bits, steps):
@@ -170,33 +170,33 @@ def measure_shape(shape, mantissa_bits=None, variants=None) -> dict:
         c.decompress(out=o)
         assert not lossless or _same(o, xi), "decode after re-encode not bit-exact"
     del xs, cts, outs, x, ct, out
-    for tag, (steps, hints) in (variants or {}).items():
-        row[tag] = _variant(shape, steps, hints)
+    for tag, (steps, warps) in (variants or {}).items():
+        row[tag] = _variant(shape, steps, warps)
     torch.cuda.empty_cache()
     return row
 
 
-def _variant(shape, steps, hints) -> dict:
-    """Decode and encode kernels at another steps-per-lane or cache-hint setting (same rotation)."""
+def _variant(shape, steps, warps) -> dict:
+    """Decode and encode kernels at another steps-per-lane or warps setting (same rotation)."""
     xs, cts, outs, pick = _rotating(shape, None, steps)
     nbytes = 2 * math.prod(shape)
     for c, o, xi in zip(cts, outs, xs):
         o.fill_(float("nan"))
-        _decode_kernel(c, o, hints)
-        assert _same(o, xi), f"variant steps={steps} hints={hints} not bit-exact for {shape}"
+        _decode_kernel(c, o, warps)
+        assert _same(o, xi), f"variant steps={steps} warps={warps} not bit-exact for {shape}"
 
     def dec():
         i = pick()
-        _decode_kernel(cts[i], outs[i], hints)
+        _decode_kernel(cts[i], outs[i], warps)
 
     def enc():
         i = pick()
-        _encode_kernels_only(cts[i], xs[i], hints)
+        _encode_kernels_only(cts[i], xs[i], warps)
 
     dec_ms, enc_ms = steady_ms(dec), steady_ms(enc)
     for c, o, xi in zip(cts, outs, xs):
         assert _same(c.decompress(out=o), xi), "variant re-encode not bit-exact"
-    return {"steps": steps, "hints": hints, "bits_per_weight": cts[0].bits_per_weight, "decode_ms": dec_ms,
+    return {"steps": steps, "num_warps": warps, "bits_per_weight": cts[0].bits_per_weight, "decode_ms": dec_ms,
             "decode_GBps": _gbs(nbytes, dec_ms), "encode_kernels_ms": enc_ms, "encode_kernels_GBps": _gbs(nbytes, enc_ms)}
 
 
@@ -311,7 +311,7 @@ def run_gpu() -> None:
                "encode_over_copy": {"value": copy_ms / recompress_ms, "goal": 0.5}}
     print("targets:", json.dumps(targets), flush=True)
     settings = {"inputs": "Llama-3-8B weight shapes, N(0, 0.02) bf16", "default_steps": 32, "default_lanes": 256,
-                "default_elems": 4, "cache_hints": 1,
+                "default_elems": 4, "num_warps": 8,
                 "timing": "CUDA events around 20 back-to-back calls, median of 15 after 3 warm-ups (steady);"
                           " *_single_ms: one call per event pair, median of 30 after 5; recompress_(sync=True):"
                           " one call, median of 10. Inputs rotate over >= 200 MB of sets, so L2 does not hold them",
@@ -319,7 +319,7 @@ def run_gpu() -> None:
                 "decode": "CompressedTensor.decompress(out=...), one launch per matrix",
                 "encode": "CompressedTensor.recompress_(x, sync=False): what CompressedWeight.write_ calls",
                 "targets": "count-weighted steady time of copy_ over that of the API, same run",
-                "variants": {t: {"steps": st, "cache_hints": h} for t, (st, h) in VARIANTS.items()}}
+                "variants": {t: {"steps": st, "num_warps": w} for t, (st, w) in VARIANTS.items()}}
     results = {"headline": gpu_headline(summary, targets), "summary": summary, "shapes": rows, "layer": layer,
                "lossy": lossy, "kernel_resources": resources, "targets": targets}
     path = write_result("codec", settings, results)

@@ -155,6 +155,6 @@ def encode_many(cts: list[CompressedTensor], xs: list[torch.Tensor], *, backend:
         table = _table(ready, inputs)
         km.count_group(table, counts, scratch, steps, lanes, elems)
         cum = torch.cumsum(scratch, dim=1)
-        km.pack_group(table, counts, cum, steps, lanes, elems)
+        km.pack_group(table, counts, cum, steps, lanes, elems, all(ct.numel % elems == 0 for ct in ready))
         for ct in ready:
             ct.status.publish()

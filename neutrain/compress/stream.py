@@ -58,15 +58,18 @@ class StreamStatus:
         self.tensor = torch.tensor([STREAM_PAD_WORDS, 0, 0], dtype=torch.int64, device=self.device)
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=cuda)
-        self._event = None
+        self._event = None  # the recorder while a published status is unread; False on CPU
+        self._recorder = None
 
     def publish(self) -> None:
         """Start copying the status to the host (after a sync-free pack); no wait."""
         cuda = self.device.type == "cuda"
         self._host.copy_(self.tensor, non_blocking=cuda)
-        self._event = torch.cuda.Event() if cuda else False
         if cuda:
-            self._event.record(torch.cuda.current_stream(self.device))
+            if self._recorder is None:  # one event per tensor, recorded again each time
+                self._recorder = torch.cuda.Event()
+            self._recorder.record(torch.cuda.current_stream(self.device))
+        self._event = self._recorder if cuda else False
 
     @property
     def pending(self) -> bool:
@@ -180,7 +183,7 @@ def encode_lossless(ct, x: torch.Tensor, fresh_code: bool, sync: bool) -> None:
 
 def encode_lossy(ct, x: torch.Tensor, fresh_code: bool) -> None:
     """Lossy bf16 through the kernels: tails pack across lanes in pass 1, so this path always reads the length."""
-    from neutrain.kernels import codec as kcodec
+    from neutrain.kernels import codec_lossy as kcodec
 
     _, scratch, _ = kernel_scratch(ct)
     tile_words, tile_bits = scratch

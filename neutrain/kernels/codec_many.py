@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from neutrain.kernels.codec import (COMPILED, COUNTERS, PREFETCH_STEPS, _block_steps, _count_lossless,
-                                    _decode_lossless, _hints, _launch, _num_warps, _pack_lossless, _prefetch)
+from neutrain.kernels import interpreting
+from neutrain.kernels.codec import (COMPILED, COUNTERS, _block_steps, _count_lossless, _decode_lossless, _num_warps,
+                                    _pack_lossless)
 
 ROWS = 11
 (ROW_STARTS, ROW_NUMEL, ROW_DATA, ROW_ENC, ROW_STREAM, ROW_LANE_WORDS, ROW_TILE_BASE, ROW_TAILS, ROW_LUT,
@@ -61,28 +62,28 @@ def _pointer(table_ptr, row: tl.constexpr, t, T: tl.constexpr, dtype: tl.constex
 
 @triton.jit
 def _decode_group_kernel(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                         HINTS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+                         EVEN: tl.constexpr, FUNNEL: tl.constexpr):
     pid, t, tile, first, tiles = _locate(table_ptr, T)
     out = _pointer(table_ptr, _DATA, t, T, tl.int16)
     _decode_lossless(_pointer(table_ptr, _STREAM, t, T, tl.int32), _pointer(table_ptr, _LANE_WORDS, t, T, tl.uint8),
                      _pointer(table_ptr, _TILE_BASE, t, T, tl.int64), _pointer(table_ptr, _TAILS, t, T, tl.uint8),
                      _pointer(table_ptr, _LUT, t, T, tl.int16), out + tile * (S * L * E), tile,
-                     _field(table_ptr, _NUMEL, t, T), S, L, E, HINTS, EVEN, PREFETCH, PF)
+                     _field(table_ptr, _NUMEL, t, T), S, L, E, EVEN, FUNNEL)
 
 
 @triton.jit
 def _count_group_kernel(table_ptr, counts_ptr, scratch_ptr, G, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
-                        E: tl.constexpr, BS: tl.constexpr, HINTS: tl.constexpr):
+                        E: tl.constexpr, BS: tl.constexpr):
     pid, t, tile, first, tiles = _locate(table_ptr, T)
     base = tile * (S * L * E)
     remaining = tl.minimum(_field(table_ptr, _NUMEL, t, T) - base, S * L * E).to(tl.int32)
     _count_lossless(_pointer(table_ptr, _DATA, t, T, tl.int16) + base, _pointer(table_ptr, _ENC, t, T, tl.int32),
-                    counts_ptr + pid * L, scratch_ptr + pid, scratch_ptr + G + pid, remaining, S, L, E, BS, HINTS)
+                    counts_ptr + pid * L, scratch_ptr + pid, scratch_ptr + G + pid, remaining, S, L, E, BS)
 
 
 @triton.jit
 def _pack_group_kernel(table_ptr, counts_ptr, cum_ptr, G, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
-                       E: tl.constexpr, HINTS: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr):
+                       E: tl.constexpr, EVEN: tl.constexpr):
     pid, t, tile, first, tiles = _locate(table_ptr, T)
     base = tile * (S * L * E)
     remaining = tl.minimum(_field(table_ptr, _NUMEL, t, T) - base, S * L * E).to(tl.int32)
@@ -94,36 +95,36 @@ def _pack_group_kernel(table_ptr, counts_ptr, cum_ptr, G, T: tl.constexpr, S: tl
                    _field(table_ptr, _CAPACITY, t, T), _pointer(table_ptr, _STREAM, t, T, tl.int32),
                    _pointer(table_ptr, _TAILS, t, T, tl.uint8), _pointer(table_ptr, _LANE_WORDS, t, T, tl.uint8),
                    _pointer(table_ptr, _TILE_BASE, t, T, tl.int64), _pointer(table_ptr, _STATUS, t, T, tl.int64),
-                   remaining, S, L, E, HINTS, PREFETCH, PF)
+                   remaining, S, L, E, EVEN)
 
 
-def decode_group(table: torch.Tensor, tiles: int, steps: int, lanes: int, elems: int, even: bool, num_warps=None,
-                 prefetch=None, hints=None) -> None:
+def decode_group(table: torch.Tensor, tiles: int, steps: int, lanes: int, elems: int, even: bool,
+                 num_warps=None) -> None:
     """Decode every tile of the table's tensors into their outputs (one launch)."""
     if tiles:
-        _launch("decode_group", _decode_group_kernel, (tiles,), table, T=table.shape[1], S=steps, L=lanes, E=elems,
-                HINTS=_hints(hints), EVEN=even, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
-                num_warps=_num_warps(lanes, num_warps))
+        COMPILED["decode_group"] = _decode_group_kernel[(tiles,)](
+            table, T=table.shape[1], S=steps, L=lanes, E=elems, EVEN=even, FUNNEL=not interpreting(),
+            num_warps=_num_warps(lanes, num_warps))
     COUNTERS["decode"] += 1
 
 
 def count_group(table: torch.Tensor, counts: torch.Tensor, scratch: torch.Tensor, steps: int, lanes: int,
-                elems: int, num_warps=None, hints=None) -> None:
+                elems: int, num_warps=None) -> None:
     """Pass 1 of every tensor of the table: lane counts and tile words / bits over all their tiles."""
     tiles = scratch.shape[1]
     if tiles:
         COMPILED["count_group"] = _count_group_kernel[(tiles,)](
             table, counts, scratch, tiles, T=table.shape[1], S=steps, L=lanes, E=elems,
-            BS=_block_steps(steps, lanes * elems), HINTS=_hints(hints), num_warps=_num_warps(lanes, num_warps))
+            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
 def pack_group(table: torch.Tensor, counts: torch.Tensor, cum: torch.Tensor, steps: int, lanes: int, elems: int,
-               num_warps=None, prefetch=None, hints=None) -> None:
+               even: bool, num_warps=None) -> None:
     """Pass 2 of every tensor of the table; each commits only if its stream fits (see ``_pack_lossless``)."""
     tiles = cum.shape[1]
     if tiles:
-        _launch("pack_group", _pack_group_kernel, (tiles,), table, counts, cum, tiles, T=table.shape[1], S=steps,
-                L=lanes, E=elems, HINTS=_hints(hints), PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
-                num_warps=_num_warps(lanes, num_warps))
+        COMPILED["pack_group"] = _pack_group_kernel[(tiles,)](
+            table, counts, cum, tiles, T=table.shape[1], S=steps, L=lanes, E=elems, EVEN=even,
+            num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
