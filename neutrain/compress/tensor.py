@@ -347,7 +347,7 @@ def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int | 
             that many mantissa bits, rounding to nearest even.
         steps, lanes, elems: Tile geometry: steps per lane, lanes per tile (shrinks
             for small tensors), elements per lane and step (default 4 lossless,
-            1 lossy; default steps make 256 symbols per lane).
+            1 lossy; default steps make 128 symbols per lane).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         name: Name used in error messages and saved with the state dict.
 

@@ -1,34 +1,30 @@
-"""Triton kernels of the NeuZip codec (bf16): encode in two passes, decode in one.
+"""Triton kernels of the NeuZip codec, lossless bf16: encode in two passes, decode in one.
 
 The format and its pure-PyTorch reference live in :mod:`neutrain.compress.codec`
 and :mod:`neutrain.compress.layout`; these kernels produce and read the same
 bytes (the tests compare them bit for bit). One program handles one tile of
 ``S * L * E`` elements; its ``L`` lanes run side by side and walk the ``S``
 steps in a loop, so every load and store of weights, tails and outputs is
-coalesced, while each lane reads or writes its own bitstream.
+coalesced, while each lane reads or writes its own bitstream. Lossless tensors use
+``E = 4`` elements per lane and step: one 4-byte tail access and one 8-byte weight
+access per lane and step, the step's bookkeeping shared by 4 symbols. The lossy
+modes live in :mod:`neutrain.kernels.codec_lossy`, the grouped (many tensors per
+launch) kernels in :mod:`neutrain.kernels.codec_many`; both reuse the per-tile code
+here.
 
-Lossless tensors use ``E = 4`` elements per lane and step (``_count_wide_kernel``,
-``_decode_wide_kernel``): one 4-byte tail load and one 8-byte store per lane and
-step, the step's bookkeeping shared by 4 symbols (on an H200 this took 58.7M-
-element decodes from 606 to 657 GB/s and 525M from 820 to 1004 GB/s; see
-benchmarks/notes_codec.md). Lossy tensors use ``E = 1`` with lanes held as a
-``[L // P, P]`` block, ``P = 8 // tail_bits`` being the tails per byte: a row of
-``P`` neighbouring lanes shares one tail byte, which the encoder assembles with a
-row sum and the decoder splits with shifts.
-
-* :func:`count` (pass 1): split each weight, write its tail, sum code lengths per
-  lane; write lane word counts and per-tile word and bit totals.
-* :func:`pack` (pass 2): each lane packs its codes MSB-first through a 32-bit
-  accumulator, storing a word whenever 32 bits are ready.
-* :func:`decode`: each lane keeps three 32-bit words (two being read, one
-  loaded ahead), takes the next 32 bits with a funnel shift, peeks 12 of them
-  into the 8 KiB decode LUT (L1-resident), reads a 9-bit literal after an escape,
-  and moves one word along whenever a symbol crosses a word boundary. All
-  per-step arithmetic is 32-bit: the loops are instruction-bound.
-
-Rounding for lossy modes is integer arithmetic, identical to
-:func:`neutrain.compress.layout.split`: never float casts, which Triton's CPU
-interpreter truncates.
+* :func:`count_lossless` (pass 1): sum code lengths per lane; write lane word counts
+  and per-tile word and bit totals (a ``cumsum`` turns these into tile bases).
+* :func:`pack_lossless` (pass 2): checks on the device that the new stream fits the
+  allocated capacity; if so each lane writes its tails and packs its codes MSB-first
+  through a 32-bit accumulator, storing a word whenever 32 bits are ready, and the
+  tile commits its lane counts and tile base; otherwise nothing changes and a flag is
+  raised (:mod:`neutrain.compress.stream`). No host read is needed.
+* :func:`decode`: each lane keeps three 32-bit words (two being read, one loaded
+  ahead), takes the next 32 bits with one funnel shift, peeks 12 of them into the
+  8 KiB decode LUT (L1-resident), reads a 9-bit literal after an escape, and moves one
+  word along whenever a symbol crosses a word boundary. All per-step arithmetic is
+  32-bit: the loop is bound by instruction issue (36 SASS instructions per symbol on
+  an H100; benchmarks/notes_codec.md) and, for small tensors, by each lane's chain.
 """
 
 from __future__ import annotations
