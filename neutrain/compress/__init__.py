@@ -18,6 +18,8 @@ Example:
 """
 
 from neutrain.compress.format import CorruptTensorError
+from neutrain.compress.many import decode_many, encode_many
+from neutrain.compress.stream import StreamOverflowError
 from neutrain.compress.tensor import CompressedTensor, compress
 
-__all__ = ["CompressedTensor", "CorruptTensorError", "compress"]
+__all__ = ["CompressedTensor", "CorruptTensorError", "StreamOverflowError", "compress", "decode_many", "encode_many"]

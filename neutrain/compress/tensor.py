@@ -4,8 +4,10 @@ Everything the hot path needs (code tables, tile tables, buffers) is built at
 encode time, so ``decompress(out=buf)`` on a GPU is one kernel launch: no
 allocation and no host synchronisation. ``recompress_`` reuses every buffer
 whose size is fixed by the shape (tails, lane counts, tile table) and the
-stream while it fits; it reads one pair of integers back to the host (the new
-stream length and coded size) because the stream's size depends on the data.
+stream while it fits. With ``sync=False`` (what training calls) it reads nothing
+back to the host: the stream keeps headroom and the kernels commit only what fits
+(:mod:`neutrain.compress.stream`); with ``sync=True`` it reads the new length
+between its two passes and grows the stream first.
 
 Backends: ``"triton"`` (kernels in :mod:`neutrain.kernels.codec`; bf16 only),
 ``"reference"`` (pure PyTorch, any device and dtype) and ``"auto"`` (Triton for
@@ -19,22 +21,22 @@ import math
 import numpy as np
 import torch
 
-from neutrain.compress import codec, format as fmt, huffman
+from neutrain.compress import codec, format as fmt, huffman, stream as kstream
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
 from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
 from neutrain.compress.layout import unpack_tails
 
-DEFAULT_STEPS = 64
-"""Steps per lane. With 4 elements per step a lane codes 256 symbols, which keeps
-lane padding and word counts at ~0.09 bit/weight (codec.md section 6)."""
+DEFAULT_STEPS = 32
+"""Steps per lane. With 4 elements per step a lane codes 128 symbols: lane padding and
+word counts cost ~0.19 bit/weight (0.09 at 64 steps), but twice as many lanes decode
+side by side, and the per-lane decode chain is what bounds the speed (on an H100,
+4096x14336: 561 against 510 GB/s; 1024x4096: 180 against 88; benchmarks/notes_codec.md)."""
 DEFAULT_LANES = 256
 """Lanes per tile (one per GPU thread at 8 warps)."""
 DEFAULT_ELEMS = 4
 """Elements per lane and step for lossless tensors (lossy ones use 1: their
 sub-byte tails are packed across neighbouring lanes)."""
-REBUILD_GROWTH = 0.01
-"""Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
-_STREAM_HEADROOM = 1 / 64
+REBUILD_GROWTH = kstream.REBUILD_GROWTH
 _HISTOGRAM_CHUNK = 1 << 24
 
 
@@ -89,8 +91,11 @@ class CompressedTensor:
         self.tails = torch.zeros(tails_capacity(self.numel, layout.tail_bits), dtype=torch.uint8, device=device)
         self._tails_used = tail_nbytes(self.numel, layout.tail_bits)
         self.stream = torch.zeros(codec.STREAM_PAD_WORDS, dtype=torch.int32, device=device)
-        self.stream_words = codec.STREAM_PAD_WORDS  # used words, padding included
-        self._tile_scratch = torch.zeros(2, self.tiles, dtype=torch.int64, device=device)
+        self._words = codec.STREAM_PAD_WORDS  # used words, padding included (lags a sync-free encode)
+        self._coded_seen = 0  # coded exponent bits of the last encode seen on the host
+        self._coded_bits_at_build = 1
+        self.status = kstream.StreamStatus(device)
+        self._scratch = None  # kernel pass buffers, made on first use (kstream.kernel_scratch)
         self._set_code(code_lengths)
         self.rebuilds = 0
         self._pending_symbols = None
@@ -103,6 +108,12 @@ class CompressedTensor:
     @property
     def device(self) -> torch.device:
         return self.stream.device
+
+    @property
+    def stream_words(self) -> int:
+        """Used stream words, padding included (waits for a pending sync-free encode's status)."""
+        kstream.settle(self, wait=True)
+        return self._words
 
     @property
     def mantissa_bits(self) -> int | None:
@@ -141,68 +152,61 @@ class CompressedTensor:
         self._set_code(huffman.build_code(hist))
         self.rebuilds += 1
 
-    def _count(self, x: torch.Tensor, kernel: bool) -> tuple[int, int]:
-        """Pass 1; returns (stream words incl. padding, coded exponent bits): the one host read."""
-        if kernel:
-            from neutrain.kernels import codec as kcodec
-
-            tile_words, tile_bits = self._tile_scratch
-            kcodec.count(x, self.enc_table, self.tails, self.lane_words, tile_words, tile_bits,
-                         self.steps, self.lanes, self.layout.kept, self.elems)
-            torch.cumsum(tile_words, dim=0, out=self.tile_base[1:])
-            coded = tile_bits.sum()
+    def _count_reference(self, x: torch.Tensor) -> tuple[int, int]:
+        """Reference pass 1; returns (stream words incl. padding, coded exponent bits)."""
+        if splits_bytewise(self.layout, self.device):
+            symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
         else:
-            if splits_bytewise(self.layout, self.device):
-                symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
-            else:
-                symbols, tails = split(to_bits(x), self.layout)
-                tails = pack_tails(tails, self.layout.tail_bits)
-            self._pending_symbols = symbols  # reused by pass 2 of the same encode
-            self.tails[: self._tails_used].copy_(tails)
-            lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes,
-                                                             self.elems)
-            self.lane_words.copy_(lane_words)
-            self.tile_base.copy_(tile_base)
+            symbols, tails = split(to_bits(x), self.layout)
+            tails = pack_tails(tails, self.layout.tail_bits)
+        self._pending_symbols = symbols  # reused by pass 2 of the same encode
+        self.tails[: self._tails_used].copy_(tails)
+        lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes, self.elems)
+        self.lane_words.copy_(lane_words)
+        self.tile_base.copy_(tile_base)
         words, coded_bits = torch.stack([self.tile_base[-1], coded.to(torch.int64)]).tolist()
         return words + codec.STREAM_PAD_WORDS, coded_bits
 
-    def _encode(self, x: torch.Tensor, backend: str, fresh_code: bool) -> None:
+    def _encode(self, x: torch.Tensor, backend: str, fresh_code: bool, sync: bool = True) -> None:
         x = x.detach()
         if x.shape != self.shape or x.dtype != self.dtype:
             raise ValueError(f"expected a {self.dtype} tensor of shape {tuple(self.shape)}, "
                              f"got {x.dtype} {tuple(x.shape)}")
         x = x.to(self.device).contiguous()
-        kernel = _use_kernel(self.layout, self.elems, self.device, backend)
-        words, coded_bits = self._count(x, kernel)
+        if _use_kernel(self.layout, self.elems, self.device, backend):
+            if self.layout.lossless:
+                kstream.encode_lossless(self, x, fresh_code, sync)
+            else:
+                kstream.encode_lossy(self, x, fresh_code)
+            return
+        words, coded_bits = self._count_reference(x)
         if not fresh_code and coded_bits > (1 + REBUILD_GROWTH) * self._coded_bits_at_build:
             # Weights drifted: the old code still encodes everything (escapes), but worse.
             self._rebuild_code(x)
-            words, coded_bits = self._count(x, kernel)
+            words, coded_bits = self._count_reference(x)
             fresh_code = True
         if fresh_code:
             self._coded_bits_at_build = max(coded_bits, 1)
         if words > self.stream.numel():
-            capacity = words if fresh_code and self.stream_words <= codec.STREAM_PAD_WORDS else (
-                words + int(words * _STREAM_HEADROOM) + 64)
-            self.stream = torch.zeros(capacity, dtype=torch.int32, device=self.device)
-        self.stream_words = words
+            self.stream = torch.zeros(kstream.capacity_for(words), dtype=torch.int32, device=self.device)
+        self._words, self._coded_seen = words, coded_bits
         self.stream[words - codec.STREAM_PAD_WORDS : words].zero_()
-        if kernel:
-            from neutrain.kernels import codec as kcodec
+        symbols, self._pending_symbols = self._pending_symbols, None
+        codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
+                         self.steps, self.lanes, self.elems)
 
-            kcodec.pack(x, self.enc_table, self.lane_words, self.tile_base, self.stream,
-                        self.steps, self.lanes, self.layout.kept, self.elems)
-        else:
-            symbols, self._pending_symbols = self._pending_symbols, None
-            codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
-                             self.steps, self.lanes, self.elems)
-
-    def recompress_(self, t: torch.Tensor, *, backend: str = "auto") -> "CompressedTensor":
+    def recompress_(self, t: torch.Tensor, *, backend: str = "auto", sync: bool = True) -> "CompressedTensor":
         """Re-encode new values of the same shape and dtype in place.
 
-        Reuses all buffers while the stream fits (growing it with 1/64 headroom
+        Reuses all buffers while the stream fits (growing it with 1/32 headroom
         otherwise) and the current code while the exponent stream stays within
         :data:`REBUILD_GROWTH` of its size when the code was built.
+
+        ``sync=False`` (lossless bf16 on the GPU; what training calls) never reads
+        back to the host: the decisions to grow or rebuild use the status of the
+        previous encode, and an encode that does not fit leaves the tensor as it was
+        and raises :class:`~neutrain.compress.stream.StreamOverflowError` at the next
+        encode or save (see :mod:`neutrain.compress.stream`). Elsewhere it is ignored.
 
         Example:
             >>> ct = compress(torch.randn(8, 8).bfloat16())
@@ -210,7 +214,7 @@ class CompressedTensor:
             >>> torch.equal(ct.recompress_(w).decompress(), w)
             True
         """
-        self._encode(t, backend, fresh_code=False)
+        self._encode(t, backend, fresh_code=False, sync=sync)
         return self
 
     # ------------------------------------------------------------------- decoding
@@ -327,8 +331,8 @@ class CompressedTensor:
         ct.tile_base.copy_(blobs["tile_base"])
         ct._tails_view().copy_(blobs["tails"])
         ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
-        ct.stream_words = ct.stream.numel()
-        ct._coded_bits_at_build = coded_bits
+        ct._words = ct.stream.numel()
+        ct._coded_bits_at_build = ct._coded_seen = coded_bits
         return ct
 
 
@@ -343,7 +347,7 @@ def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int | 
             that many mantissa bits, rounding to nearest even.
         steps, lanes, elems: Tile geometry: steps per lane, lanes per tile (shrinks
             for small tensors), elements per lane and step (default 4 lossless,
-            1 lossy; default steps make 256 symbols per lane).
+            1 lossy; default steps make 128 symbols per lane).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         name: Name used in error messages and saved with the state dict.
 

@@ -1,34 +1,30 @@
-"""Triton kernels of the NeuZip codec (bf16): encode in two passes, decode in one.
+"""Triton kernels of the NeuZip codec, lossless bf16: encode in two passes, decode in one.
 
 The format and its pure-PyTorch reference live in :mod:`neutrain.compress.codec`
 and :mod:`neutrain.compress.layout`; these kernels produce and read the same
 bytes (the tests compare them bit for bit). One program handles one tile of
 ``S * L * E`` elements; its ``L`` lanes run side by side and walk the ``S``
 steps in a loop, so every load and store of weights, tails and outputs is
-coalesced, while each lane reads or writes its own bitstream.
+coalesced, while each lane reads or writes its own bitstream. Lossless tensors use
+``E = 4`` elements per lane and step: one 4-byte tail access and one 8-byte weight
+access per lane and step, the step's bookkeeping shared by 4 symbols. The lossy
+modes live in :mod:`neutrain.kernels.codec_lossy`, the grouped (many tensors per
+launch) kernels in :mod:`neutrain.kernels.codec_many`; both reuse the per-tile code
+here.
 
-Lossless tensors use ``E = 4`` elements per lane and step (``_count_wide_kernel``,
-``_decode_wide_kernel``): one 4-byte tail load and one 8-byte store per lane and
-step, the step's bookkeeping shared by 4 symbols (on an H200 this took 58.7M-
-element decodes from 606 to 657 GB/s and 525M from 820 to 1004 GB/s; see
-benchmarks/notes_codec.md). Lossy tensors use ``E = 1`` with lanes held as a
-``[L // P, P]`` block, ``P = 8 // tail_bits`` being the tails per byte: a row of
-``P`` neighbouring lanes shares one tail byte, which the encoder assembles with a
-row sum and the decoder splits with shifts.
-
-* :func:`count` (pass 1): split each weight, write its tail, sum code lengths per
-  lane; write lane word counts and per-tile word and bit totals.
-* :func:`pack` (pass 2): each lane packs its codes MSB-first through a 32-bit
-  accumulator, storing a word whenever 32 bits are ready.
-* :func:`decode`: each lane keeps three 32-bit words (two being read, one
-  loaded ahead), takes the next 32 bits with a funnel shift, peeks 12 of them
-  into the 8 KiB decode LUT (L1-resident), reads a 9-bit literal after an escape,
-  and moves one word along whenever a symbol crosses a word boundary. All
-  per-step arithmetic is 32-bit: the loops are instruction-bound.
-
-Rounding for lossy modes is integer arithmetic, identical to
-:func:`neutrain.compress.layout.split`: never float casts, which Triton's CPU
-interpreter truncates.
+* :func:`count_lossless` (pass 1): sum code lengths per lane; write lane word counts
+  and per-tile word and bit totals (a ``cumsum`` turns these into tile bases).
+* :func:`pack_lossless` (pass 2): checks on the device that the new stream fits the
+  allocated capacity; if so each lane writes its tails and packs its codes MSB-first
+  through a 32-bit accumulator, storing a word whenever 32 bits are ready, and the
+  tile commits its lane counts and tile base; otherwise nothing changes and a flag is
+  raised (:mod:`neutrain.compress.stream`). No host read is needed.
+* :func:`decode`: each lane keeps three 32-bit words (two being read, one loaded
+  ahead), takes the next 32 bits with one funnel shift, peeks 12 of them into the
+  8 KiB decode LUT (L1-resident), reads a 9-bit literal after an escape, and moves one
+  word along whenever a symbol crosses a word boundary. All per-step arithmetic is
+  32-bit: the loop is bound by instruction issue (36 SASS instructions per symbol on
+  an H100; benchmarks/notes_codec.md) and, for small tensors, by each lane's chain.
 """
 
 from __future__ import annotations
@@ -61,100 +57,6 @@ def _prefetch_l1(pointers):
 
 
 @triton.jit
-def _split_bf16(x, K: tl.constexpr):
-    """bf16 bit pattern (int32, 0..65535) -> (symbol, tail); mirrors ``layout.split``."""
-    sign = x >> 15
-    mag = x & 0x7FFF
-    if K == 7:
-        sym = mag >> 7
-        mant = mag & 0x7F
-    else:
-        DROP: tl.constexpr = 7 - K
-        lsb = (mag >> DROP) & 1
-        rounded = ((mag + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) << DROP
-        rounded = tl.minimum(rounded, 0x7F80 - (1 << DROP))
-        rounded = tl.where(mag == 0x7F80, mag, rounded)
-        is_nan = mag > 0x7F80
-        sym = tl.where(is_nan, 256, rounded >> 7)
-        mant = tl.where(is_nan, 0, (rounded & 0x7F) >> DROP)
-    return sym, (sign << K) | mant
-
-
-@triton.jit
-def _merge_bf16(sym, tail, K: tl.constexpr):
-    """(symbol, tail) -> bf16 bit pattern (int32); mirrors ``layout.merge``."""
-    sign = (tail >> K) & 1
-    mag = (sym << 7) | ((tail & ((1 << K) - 1)) << (7 - K))
-    if K != 7:
-        mag = tl.where(sym == 256, 0x7FC0, mag)
-    return (sign << 15) | mag
-
-
-@triton.jit
-def _count_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, tile_bits_ptr, N,
-                  S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, BS: tl.constexpr):
-    # Nothing here is sequential per lane (lengths are summed), so each iteration
-    # handles a [BS steps, R, P] block: many independent loads in flight, like a copy.
-    P: tl.constexpr = 8 // (K + 1)
-    R: tl.constexpr = L // P
-    tile = tl.program_id(0).to(tl.int64)
-    steps2 = tl.arange(0, BS)[:, None]
-    rows2 = tl.arange(0, R)[None, :]
-    step = steps2[:, :, None]
-    row = rows2[:, :, None]
-    col = tl.arange(0, P)[None, None, :]
-    # 64-bit scalar bases, 32-bit per-lane offsets: 64-bit vector arithmetic costs
-    # two or more instructions per op.
-    base = tile * (S * L)
-    x_tile = x_ptr + base
-    tails_tile = tails_ptr + base // P
-    remaining = tl.minimum(N - base, S * L).to(tl.int32)
-    lane_bits = tl.zeros([R, P], dtype=tl.int32)
-    for s0 in range(0, S, BS):
-        offset = (s0 + step) * L + row * P + col
-        valid = offset < remaining
-        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32) & 0xFFFF
-        sym, tail = _split_bf16(x, K)
-        entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-        lane_bits += tl.sum(entry >> 24, axis=0)
-        packed = tl.sum(tail << (col * (K + 1)), axis=2)
-        byte = (s0 + steps2) * R + rows2
-        tl.store(tails_tile + byte, packed.to(tl.uint8), mask=byte * P < remaining)
-    lane = tl.arange(0, R)[:, None] * P + tl.arange(0, P)[None, :]
-    words = (lane_bits + 31) // 32
-    tl.store(lane_words_ptr + tile * L + lane, words.to(tl.uint8))
-    tl.store(tile_words_ptr + tile, tl.sum(tl.sum(words, axis=1), axis=0).to(tl.int64))
-    tl.store(tile_bits_ptr + tile, tl.sum(tl.sum(lane_bits, axis=1), axis=0).to(tl.int64))
-
-
-@triton.jit
-def _count_wide_kernel(x_ptr, enc_ptr, tails_ptr, lane_words_ptr, tile_words_ptr, tile_bits_ptr, N,
-                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
-    """Pass 1 for lossless bf16 with E elements per lane and step (one tail byte per element)."""
-    tile = tl.program_id(0).to(tl.int64)
-    step = tl.arange(0, BS)[:, None, None]
-    lane = tl.arange(0, L)[None, :, None]
-    elem = tl.arange(0, E)[None, None, :]
-    base = tile * (S * L * E)
-    x_tile = x_ptr + base
-    tails_tile = tails_ptr + base
-    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
-    lane_bits = tl.zeros([L], dtype=tl.int32)
-    for s0 in range(0, S, BS):
-        offset = (s0 + step) * (L * E) + lane * E + elem
-        valid = offset < remaining
-        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32) & 0xFFFF
-        sym, tail = _split_bf16(x, 7)
-        entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-        lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
-        tl.store(tails_tile + offset, tail.to(tl.uint8), mask=valid)
-    words = (lane_bits + 31) // 32
-    tl.store(lane_words_ptr + tile * L + tl.arange(0, L), words.to(tl.uint8))
-    tl.store(tile_words_ptr + tile, tl.sum(words, axis=0).to(tl.int64))
-    tl.store(tile_bits_ptr + tile, tl.sum(lane_bits, axis=0).to(tl.int64))
-
-
-@triton.jit
 def _put_code(acc, filled, rel, entry, stream_tile):
     """Append one code (``entry`` = code | length << 24) to each lane's 32-bit accumulator.
 
@@ -176,34 +78,6 @@ def _put_code(acc, filled, rel, entry, stream_tile):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, enc_ptr, lane_words_ptr, tile_base_ptr, stream_ptr, N,
-                 S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PF: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, L)
-    count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
-    rel = tl.cumsum(count, axis=0) - count  # lane start, in words from the tile's first word
-    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    base = tile * (S * L * E)
-    x_tile = x_ptr + base
-    remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
-    acc = tl.zeros([L], dtype=tl.uint32)
-    filled = tl.zeros([L], dtype=tl.int32)
-    for s in range(S):
-        first = s * (L * E) + lane * E
-        if PREFETCH:
-            ahead = first + PF * (L * E)
-            _prefetch_l1(x_tile + tl.where(ahead < remaining, ahead, 0))
-        for e in tl.static_range(E):
-            valid = first + e < remaining
-            x = tl.load(x_tile + first + e, mask=valid, other=0).to(tl.int32) & 0xFFFF
-            sym, _ = _split_bf16(x, K)
-            entry = tl.load(enc_ptr + sym, mask=valid, other=0)
-            acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
-    tl.store(stream_tile + rel, acc.to(tl.int32, bitcast=True), mask=filled > 0)
-
-
-@triton.jit
 def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr):
     """Each lane's first three words and the offset of the next (1D lanes)."""
     count = tl.load(lane_words_ptr + tile * L + tl.arange(0, L)).to(tl.int32)
@@ -216,16 +90,29 @@ def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr
 
 
 @triton.jit
-def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
+def _window(w0, w1, shift, FUNNEL: tl.constexpr):
+    """The 32 stream bits from bit ``shift`` (0..31) of ``w0`` on: ``w0 << shift | w1 >> (32 - shift)``.
+
+    ``FUNNEL``: one funnel-shift instruction (PTX ``shf.l.clamp``) instead of five; the
+    interpreter, which runs no PTX, takes the split shift (defined at ``shift = 0`` too).
+    """
+    if FUNNEL:
+        return tl.inline_asm_elementwise("shf.l.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [w1, w0, shift],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        return (w0 << shift) | ((w1 >> 1) >> (31 - shift))
+
+
+@triton.jit
+def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile, FUNNEL: tl.constexpr):
     """Decode one symbol per lane and move the lane's window along.
 
     w0:w1 hold the bits being read (from bit ``pos`` of w0); w2 is the next word,
     loaded one word ahead so that no load sits on the decode dependency chain.
     """
-    # The next 32 stream bits (funnel shift; the split shift stays defined at pos = 0).
-    shift = pos.to(tl.uint32)
-    window = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
-    entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.int32)
+    window = _window(w0, w1, pos.to(tl.uint32), FUNNEL)
+    # Zero-extended: the entry (symbol | length << 9) is never negative, and this saves a sign extension.
+    entry = tl.load(lut_ptr + (window >> 20).to(tl.int32)).to(tl.uint16, bitcast=True).to(tl.int32)
     sym = entry & 0x1FF
     length = entry >> 9
     literal = ((window << length.to(tl.uint32)) >> 23).to(tl.int32)
@@ -244,51 +131,58 @@ def _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile):
 
 
 @triton.jit
-def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
-                        S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, HAS_IDS: tl.constexpr,
-                        PREFETCH: tl.constexpr, PF: tl.constexpr):
-    """Lossless bf16 decode, E elements per lane and step: one E-byte tail load and
-    one 2E-byte store per lane and step."""
-    pid = tl.program_id(0).to(tl.int64)
-    if HAS_IDS:
-        tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
+def _tails_words(tails_tile, E: tl.constexpr):
+    """A tile's tail bytes as one E-byte word per lane and step (the buffer is padded to whole words)."""
+    if E == 4:
+        return tails_tile.to(tl.pointer_type(tl.int32))
+    elif E == 2:
+        return tails_tile.to(tl.pointer_type(tl.int16))
     else:
-        tile = pid
+        return tails_tile
+
+
+@triton.jit
+def _bf16(tails, e: tl.constexpr, sym):
+    """Element ``e`` of a lane's step: tail byte ``e`` (sign | mantissa) around the exponent ``sym``."""
+    t = tails >> (8 * e)
+    return ((t & 0x80) << 8) | (sym << 7) | (t & 0x7F)
+
+
+@triton.jit
+def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_tile, tile, N,
+                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr, FUNNEL: tl.constexpr):
+    """Lossless bf16 decode of one tile into ``out_tile``, E elements per lane and step:
+    one E-byte tail load and one 2E-byte store per lane and step.
+
+    ``EVEN`` (``numel % E == 0``): a lane's E elements are all in the tensor or all past
+    its end, so one validity test per step serves them all, and the store is one access.
+    The tails are loaded a step ahead, so their memory latency overlaps a step of decoding.
+    """
     lane = tl.arange(0, L)
     stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L)
     pos = tl.zeros([L], dtype=tl.int32)
     base = tile * (S * L * E)
-    out_tile = out_ptr + pid * (S * L * E)
-    if E == 4:
-        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int32))
-    elif E == 2:
-        tails_words = (tails_ptr + base).to(tl.pointer_type(tl.int16))
-    else:
-        tails_words = tails_ptr + base
+    tails_words = _tails_words(tails_ptr + base, E)
     remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
+    upcoming = tl.load(tails_words + lane, mask=lane * E < remaining, other=0)
     for s in range(S):
         first = s * (L * E) + lane * E
-        if PREFETCH:
-            ahead = s * L + PF * L + lane
-            _prefetch_l1(tails_words + tl.where(ahead * E < remaining, ahead, 0))
-        # The tail buffer is padded to whole words, so a lane's E tail bytes load at once.
-        tails = tl.load(tails_words + s * L + lane, mask=first < remaining, other=0).to(tl.int32)
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first < remaining, lut_ptr, stream_tile)
-        vals = ((tails & 0x80) << 8) | (sym << 7) | (tails & 0x7F)
+        tails = upcoming.to(tl.int32)
+        upcoming = tl.load(tails_words + (s + 1) * L + lane, mask=first + L * E < remaining, other=0)
+        v0 = first < remaining
+        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v0, lut_ptr, stream_tile, FUNNEL)
+        vals = _bf16(tails, 0, sym)
         if E >= 2:
-            sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 1 < remaining, lut_ptr,
-                                                     stream_tile)
-            t1 = tails >> 8
-            v1 = ((t1 & 0x80) << 8) | (sym << 7) | (t1 & 0x7F)
+            v = v0 if EVEN else first + 1 < remaining
+            sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
+            v1 = _bf16(tails, 1, sym)
             if E == 4:
-                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 2 < remaining, lut_ptr,
-                                                         stream_tile)
-                t2 = tails >> 16
-                v2 = ((t2 & 0x80) << 8) | (sym << 7) | (t2 & 0x7F)
-                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, first + 3 < remaining, lut_ptr,
-                                                         stream_tile)
-                t3 = tails >> 24
-                v3 = ((t3 & 0x80) << 8) | (sym << 7) | (t3 & 0x7F)
+                v = v0 if EVEN else first + 2 < remaining
+                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
+                v2 = _bf16(tails, 2, sym)
+                v = v0 if EVEN else first + 3 < remaining
+                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
+                v3 = _bf16(tails, 3, sym)
                 # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
                 vals = tl.reshape(tl.join(tl.join(vals, v2), tl.join(v1, v3)), [L, 4])
             else:
@@ -296,49 +190,159 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
         else:
             vals = vals[:, None]
         offset = first[:, None] + tl.arange(0, E)[None, :]
-        tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
+        if EVEN:
+            tl.store(out_tile + offset, vals.to(tl.int16), mask=v0[:, None])
+        else:
+            tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
 
 
 @triton.jit
-def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
-                          S: tl.constexpr, L: tl.constexpr, K: tl.constexpr, HAS_IDS: tl.constexpr,
-                          PREFETCH: tl.constexpr, PF: tl.constexpr):
-    """Lossy bf16 decode (one element per lane and step, P = 8 // (K+1) lanes per tail byte)."""
-    P: tl.constexpr = 8 // (K + 1)
-    R: tl.constexpr = L // P
+def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
+                        S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr,
+                        HAS_IDS: tl.constexpr, FUNNEL: tl.constexpr):
+    """One tensor: program ``pid`` decodes tile ``pid`` (or ``tile_ids[pid]`` into slot ``pid``)."""
     pid = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
         tile = tl.load(tile_ids_ptr + pid).to(tl.int64)
     else:
         tile = pid
-    row = tl.arange(0, R)
-    col = tl.arange(0, P)
-    lane = row[:, None] * P + col[None, :]
-    # Lane start = tile base + exclusive prefix sum of word counts in lane order.
-    count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
-    row_total = tl.sum(count, axis=1)
-    rel = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(count, axis=1) - count
-    # As in _open_lanes, but on the 2D [R, P] lane block.
-    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
-    w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
-    w2 = tl.load(stream_tile + rel + 2).to(tl.uint32, bitcast=True)
-    rel += 3
-    pos = tl.zeros([R, P], dtype=tl.int32)
-    base = tile * (S * L)
-    out_tile = out_ptr + pid * (S * L)
-    tails_tile = tails_ptr + base // P
-    remaining = tl.minimum(N - base, S * L).to(tl.int32)
-    for s in range(S):
-        offset = s * L + lane
+    _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_ptr + pid * (S * L * E),
+                     tile, N, S, L, E, EVEN, FUNNEL)
+
+
+@triton.jit
+def _count_lossless(x_tile, enc_ptr, counts_tile, words_ptr, bits_ptr, remaining,
+                    S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+    """Pass 1 of a lossless tile: each lane's word count (``counts_tile``), the tile's words and bits.
+
+    Nothing here is sequential per lane (lengths are summed), so each iteration loads a
+    ``[BS steps, L, E]`` block: many independent loads in flight, like a copy. Writes no
+    tails: pass 2 does, once it knows the stream fits (see :func:`_pack_lossless`).
+    """
+    step = tl.arange(0, BS)[:, None, None]
+    lane = tl.arange(0, L)[None, :, None]
+    elem = tl.arange(0, E)[None, None, :]
+    lane_bits = tl.zeros([L], dtype=tl.int32)
+    for s0 in range(0, S, BS):
+        offset = (s0 + step) * (L * E) + lane * E + elem
         valid = offset < remaining
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, valid, lut_ptr, stream_tile)
-        if PREFETCH:
-            ahead = (s + PF) * R + row
-            _prefetch_l1(tails_tile + tl.where(ahead * P < remaining, ahead, 0))
-        tail_byte = tl.load(tails_tile + s * R + row, mask=(s * L + row * P) < remaining, other=0).to(tl.int32)
-        tail = (tail_byte[:, None] >> (col[None, :] * (K + 1))) & ((1 << (K + 1)) - 1)
-        tl.store(out_tile + offset, _merge_bf16(sym, tail, K).to(tl.int16), mask=valid)
+        x = tl.load(x_tile + offset, mask=valid, other=0).to(tl.int32)
+        entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
+        lane_bits += tl.sum(tl.sum(entry >> 24, axis=2), axis=0)
+    words = (lane_bits + 31) // 32
+    tl.store(counts_tile + tl.arange(0, L), words.to(tl.uint8))
+    tl.store(words_ptr, tl.sum(words, axis=0).to(tl.int64))
+    tl.store(bits_ptr, tl.sum(lane_bits, axis=0).to(tl.int64))
+
+
+@triton.jit
+def _in_tile(offset, remaining, EVEN: tl.constexpr):
+    """Mask of a ``[L, E]`` block's elements in the tensor: one test per lane (its first element) when
+    ``EVEN``, so the lane's E elements load as one vector."""
+    if EVEN:
+        return tl.min(offset, axis=1, keep_dims=True) < remaining
+    else:
+        return offset < remaining
+
+
+@triton.jit
+def _pack_element(x, e: tl.constexpr, valid, tails, enc_ptr, acc, filled, rel, stream_tile):
+    """One element of a lane's step: its tail byte into ``tails``, its exponent's code into the stream."""
+    x = x.to(tl.int32)
+    tails |= (((x >> 8) & 0x80) | (x & 0x7F)) << (8 * e)
+    entry = tl.load(enc_ptr + ((x >> 7) & 0xFF), mask=valid, other=0)
+    acc, filled, rel = _put_code(acc, filled, rel, entry, stream_tile)
+    return tails, acc, filled, rel
+
+
+@triton.jit
+def _pack_lossless(x_tile, enc_ptr, counts_tile, cum_ptr, G, base_w, base_b, tile, tiles, capacity, stream_ptr,
+                   tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, remaining,
+                   S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr):
+    """Pass 2 of a lossless tile, committed only if the tensor's whole stream fits ``capacity``.
+
+    ``cum_ptr`` points at the tensor's first tile in the inclusive prefix sums of pass 1
+    (words; bits ``G`` entries further), ``base_w``/``base_b`` are the sums before it. If the
+    stream fits, the tile writes its tails, its lanes' codes, its lane counts and its
+    ``tile_base`` entry, and tile 0 writes the padding words and ``status[:2]`` (used words,
+    coded bits); otherwise nothing is written but ``status[2] = 1`` (sticky until the host
+    clears it): the tensor keeps its previous content, intact. So the encoder needs no
+    host read to size the stream. A lane's E weights load as one vector, a step ahead.
+    """
+    total = tl.load(cum_ptr + tiles - 1) - base_w
+    if total + 3 <= capacity:
+        lane = tl.arange(0, L)
+        count = tl.load(counts_tile + lane).to(tl.int32)
+        start = tl.where(tile > 0, tl.load(cum_ptr + tl.maximum(tile - 1, 0)), base_w) - base_w
+        rel = tl.cumsum(count, axis=0) - count  # lane start, in words from the tile's first word
+        stream_tile = stream_ptr + start
+        tails_words = _tails_words(tails_ptr + tile * (S * L * E), E)
+        acc = tl.zeros([L], dtype=tl.uint32)
+        filled = tl.zeros([L], dtype=tl.int32)
+        offset = lane[:, None] * E + tl.arange(0, E)[None, :]
+        upcoming = tl.load(x_tile + offset, mask=_in_tile(offset, remaining, EVEN), other=0)
+        for s in range(S):
+            first = s * (L * E) + lane * E
+            xs = upcoming
+            ahead = offset + (s + 1) * (L * E)
+            upcoming = tl.load(x_tile + ahead, mask=_in_tile(ahead, remaining, EVEN), other=0)
+            v0 = first < remaining
+            tails = tl.zeros([L], dtype=tl.int32)
+            if E == 4:
+                even, odd = tl.split(tl.reshape(xs, [L, 2, 2]))  # columns (0, 2) and (1, 3)
+                x0, x2 = tl.split(even)
+                x1, x3 = tl.split(odd)
+                tails, acc, filled, rel = _pack_element(x0, 0, v0, tails, enc_ptr, acc, filled, rel, stream_tile)
+                v = v0 if EVEN else first + 1 < remaining
+                tails, acc, filled, rel = _pack_element(x1, 1, v, tails, enc_ptr, acc, filled, rel, stream_tile)
+                v = v0 if EVEN else first + 2 < remaining
+                tails, acc, filled, rel = _pack_element(x2, 2, v, tails, enc_ptr, acc, filled, rel, stream_tile)
+                v = v0 if EVEN else first + 3 < remaining
+                tails, acc, filled, rel = _pack_element(x3, 3, v, tails, enc_ptr, acc, filled, rel, stream_tile)
+                tl.store(tails_words + s * L + lane, tails, mask=v0)
+            elif E == 2:
+                x0, x1 = tl.split(xs)
+                tails, acc, filled, rel = _pack_element(x0, 0, v0, tails, enc_ptr, acc, filled, rel, stream_tile)
+                v = v0 if EVEN else first + 1 < remaining
+                tails, acc, filled, rel = _pack_element(x1, 1, v, tails, enc_ptr, acc, filled, rel, stream_tile)
+                tl.store(tails_words + s * L + lane, tails.to(tl.int16), mask=v0)
+            else:
+                tails, acc, filled, rel = _pack_element(tl.reshape(xs, [L]), 0, v0, tails, enc_ptr, acc, filled,
+                                                        rel, stream_tile)
+                tl.store(tails_words + s * L + lane, tails.to(tl.uint8), mask=v0)
+        tl.store(stream_tile + rel, acc.to(tl.int32, bitcast=True), mask=filled > 0)
+        tl.store(lane_words_ptr + tile * L + lane, count.to(tl.uint8))
+        tl.store(tile_base_ptr + tile + 1, tl.load(cum_ptr + tile) - base_w)
+        if tile == 0:
+            pad = tl.arange(0, 4)
+            tl.store(stream_ptr + total + pad, tl.zeros([4], dtype=tl.int32), mask=pad < 3)
+            tl.store(status_ptr, total + 3)
+            tl.store(status_ptr + 1, tl.load(cum_ptr + G + tiles - 1) - base_b)
+    else:
+        if tile == 0:
+            tl.store(status_ptr + 2, 1)
+
+
+@triton.jit
+def _count_wide_kernel(x_ptr, enc_ptr, counts_ptr, scratch_ptr, G, N,
+                       S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, BS: tl.constexpr):
+    """Pass 1 of one lossless tensor: lane counts, and tile words / bits at ``scratch[tile]`` / ``[G + tile]``."""
+    tile = tl.program_id(0).to(tl.int64)
+    base = tile * (S * L * E)
+    _count_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, scratch_ptr + tile, scratch_ptr + G + tile,
+                    tl.minimum(N - base, S * L * E).to(tl.int32), S, L, E, BS)
+
+
+@triton.jit
+def _pack_wide_kernel(x_ptr, enc_ptr, counts_ptr, cum_ptr, G, capacity, stream_ptr, tails_ptr, lane_words_ptr,
+                      tile_base_ptr, status_ptr, N, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                      EVEN: tl.constexpr):
+    """Pass 2 of one lossless tensor (its ``G`` tiles)."""
+    tile = tl.program_id(0).to(tl.int64)
+    base = tile * (S * L * E)
+    _pack_lossless(x_ptr + base, enc_ptr, counts_ptr + tile * L, cum_ptr, G, 0, 0, tile, G, capacity, stream_ptr,
+                   tails_ptr, lane_words_ptr, tile_base_ptr, status_ptr, tl.minimum(N - base, S * L * E).to(tl.int32),
+                   S, L, E, EVEN)
 
 
 PREFETCH_STATUS = {"broken": None}
@@ -380,31 +384,27 @@ def _block_steps(steps: int, per_step: int) -> int:
     return block
 
 
-def count(x: torch.Tensor, enc_table, tails, lane_words, tile_words, tile_bits, steps, lanes, kept, elems=1,
-          num_warps=None):
-    """Pass 1 on a contiguous bf16 tensor ``x``; fills ``tails``, ``lane_words``, ``tile_words``, ``tile_bits``."""
-    tiles = tile_words.numel()
+def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None):
+    """Lossless pass 1: lane word counts into ``counts`` (``uint8[tiles * lanes]``), tile words and bits
+    into ``scratch`` (``int64[2, tiles]``)."""
+    tiles = scratch.shape[1]
     if tiles:
-        block = _block_steps(steps, lanes * elems)
-        args = (x.view(torch.int16), enc_table, tails, lane_words, tile_words, tile_bits, x.numel())
-        if kept == 7:
-            COMPILED["count"] = _count_wide_kernel[(tiles,)](*args, S=steps, L=lanes, E=elems, BS=block,
-                                                              num_warps=_num_warps(lanes, num_warps))
-        else:
-            assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
-            COMPILED["count"] = _count_kernel[(tiles,)](*args, S=steps, L=lanes, K=kept, BS=block,
-                                                         num_warps=_num_warps(lanes, num_warps))
+        COMPILED["count"] = _count_wide_kernel[(tiles,)](
+            x.view(torch.int16), enc_table, counts, scratch, tiles, x.numel(), S=steps, L=lanes, E=elems,
+            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
-def pack(x: torch.Tensor, enc_table, lane_words, tile_base, stream, steps, lanes, kept, elems=1, num_warps=None,
-         prefetch=None):
-    """Pass 2: write the lanes' codes into ``stream`` (``int32``)."""
-    tiles = tile_base.numel() - 1
+def pack_lossless(x: torch.Tensor, enc_table, counts, cum, capacity: int, stream, tails, lane_words, tile_base,
+                  status, steps, lanes, elems, num_warps=None):
+    """Lossless pass 2 from ``cum`` (``scratch`` after an inclusive ``cumsum`` along dim 1): commits the
+    new encoding (tails, stream, lane counts, tile table, ``status``) only if it fits ``capacity`` words."""
+    tiles = cum.shape[1]
     if tiles:
-        _launch("pack", _pack_kernel, (tiles,), x.view(torch.int16), enc_table, lane_words, tile_base, stream,
-                x.numel(), S=steps, L=lanes, E=elems, K=kept, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
-                num_warps=_num_warps(lanes, num_warps))
+        COMPILED["pack"] = _pack_wide_kernel[(tiles,)](
+            x.view(torch.int16), enc_table, counts, cum, tiles, capacity, stream, tails, lane_words, tile_base,
+            status, x.numel(), S=steps, L=lanes, E=elems, EVEN=x.numel() % elems == 0,
+            num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
 
 
@@ -414,12 +414,15 @@ def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, 
     programs = tile_base.numel() - 1 if tile_ids is None else tile_ids.numel()
     if programs:
         ids = tile_base if tile_ids is None else tile_ids  # any pointer will do when unused
-        args = (stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel)
-        meta = dict(S=steps, L=lanes, HAS_IDS=tile_ids is not None, PREFETCH=_prefetch(prefetch), PF=PREFETCH_STEPS,
-                    num_warps=_num_warps(lanes, num_warps))
         if kept == 7:
-            _launch("decode", _decode_wide_kernel, (programs,), *args, E=elems, **meta)
+            COMPILED["decode"] = _decode_wide_kernel[(programs,)](
+                stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel, S=steps, L=lanes,
+                E=elems, EVEN=numel % elems == 0, HAS_IDS=tile_ids is not None, FUNNEL=not interpreting(),
+                num_warps=_num_warps(lanes, num_warps))
         else:
             assert elems == 1, "lossy tails pack across lanes: one element per lane and step"
-            _launch("decode", _decode_packed_kernel, (programs,), *args, K=kept, **meta)
+            from neutrain.kernels import codec_lossy
+
+            codec_lossy.decode(stream, lane_words, tile_base, tails, lut, out, numel, steps, lanes, kept, ids,
+                               tile_ids is not None, num_warps, prefetch)
     COUNTERS["decode"] += 1

@@ -12,7 +12,7 @@ per-device buffers, each grown to the largest weight decoded into it.
   matrix (1 GiB for Llama-3-8B) must not stay allocated through the decoder's
   forward and backward.
 
-Each slot carries a tag ``(weight id, version)`` naming what it holds, and,
+Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight
 decoded again while its tag is current (e.g. read by the optimizer right after
 backward decoded it) is served from the buffer; an updated weight bumps its
@@ -21,7 +21,22 @@ version, so a stale buffer is never mistaken for current data.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_SERIALS = itertools.count()
+
+
+def _identity(weight) -> int:
+    """A number no other weight of this process ever gets (unlike ``id()``, which Python reuses
+    once an object is freed: a new weight must never be served a dead weight's buffer; this
+    happened across two models in one process on a GPU test run)."""
+    serial = getattr(weight, "_buffer_serial", None)
+    if serial is None:
+        serial = weight._buffer_serial = next(_SERIALS)
+    return serial
+
 
 LAYER_SLOTS = ("layer0", "layer1")
 LARGE_SLOT = "large"
@@ -60,7 +75,7 @@ class DecodeBuffers:
             self._buffers.pop(key, None)  # free the old buffer before allocating the larger one
             buffer = torch.empty(weight.numel, dtype=weight.dtype, device=weight.device)
             self._buffers[key] = buffer
-        self._tags[key] = (id(weight), weight.version)
+        self._tags[key] = (_identity(weight), weight.version)
         if for_main_stream:
             self._touch(key)
         return buffer[: weight.numel].view(weight.shape)
@@ -68,7 +83,7 @@ class DecodeBuffers:
     def cached(self, weight) -> torch.Tensor | None:
         """The buffer holding the current version of ``weight``, or None (waits for a prefetch)."""
         for key, tag in self._tags.items():
-            if tag == (id(weight), weight.version):
+            if tag == (_identity(weight), weight.version):
                 if key in self._events:
                     self.prefetch_hits += 1
                     self._wait(key)
@@ -77,21 +92,21 @@ class DecodeBuffers:
         return None
 
     def holds(self, weight) -> bool:
-        return (id(weight), weight.version) in self._tags.values()
+        return (_identity(weight), weight.version) in self._tags.values()
 
     def set_event(self, weight, slot: str, event) -> None:
         self._events[(weight.device, weight.dtype, slot)] = event
 
     def invalidate(self, weight) -> None:
         for key, tag in list(self._tags.items()):
-            if tag[0] == id(weight):
+            if tag[0] == _identity(weight):
                 del self._tags[key]
 
     def release_large(self, weight) -> None:
         """Free the large buffer if it holds ``weight`` (a vocab-sized matrix must not sit idle)."""
         key = (weight.device, weight.dtype, LARGE_SLOT)
         tag = self._tags.get(key)
-        if tag is not None and tag[0] == id(weight):
+        if tag is not None and tag[0] == _identity(weight):
             self._wait(key)
             del self._tags[key]
             self._buffers.pop(key, None)

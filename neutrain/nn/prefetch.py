@@ -12,11 +12,12 @@ buffer. CPU tensors are never prefetched.
 
 Off by default: measured on an H200 (Llama shape, hidden 2048, 8 layers,
 4 x 1024 tokens, activation checkpointing, LOMO), steps took 0.181 s with
-prefetching against 0.161 s without (dense: 0.102 s). The codec's re-encode
-reads its stream size back to the host once per updated tensor, which drains
-the GPU queue in every layer's backward, so there is little left to overlap;
-the decode kernel also fills the GPU on its own. Enable it
-(``PREFETCHER.enabled = True``) to re-measure once re-encoding no longer syncs.
+prefetching against 0.161 s without (dense: 0.102 s). That was when the codec's
+re-encode read its stream size back to the host once per updated tensor, which
+drained the GPU queue in every layer's backward. The re-encode that training calls
+(``CompressedWeight.write_``) no longer reads anything back (``recompress_(...,
+sync=False)``, :mod:`neutrain.compress.stream`), so the overlap deserves a new
+measurement before the default changes (``PREFETCHER.enabled = True``).
 """
 
 from __future__ import annotations

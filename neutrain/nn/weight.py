@@ -115,7 +115,9 @@ class CompressedWeight:
         return self.decode()
 
     def write_(self, weight: torch.Tensor) -> None:
-        self.ct.recompress_(weight)
+        # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
+        # so backward never waits for the GPU here.
+        self.ct.recompress_(weight, sync=False)
         self.release()
         self.version += 1
         DECODE_BUFFERS.invalidate(self)

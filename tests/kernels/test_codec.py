@@ -138,3 +138,142 @@ def test_gpu_recompress_rows_and_moves():
 
     loaded = CompressedTensor.from_state_dict(ct.state_dict())
     assert torch.equal(loaded.decompress().view(torch.int16), y.view(torch.int16))
+
+
+# ------------------------------------------------------------- grouped launches, sync-free encode
+def _layer(device=DEVICE, scale=1):
+    """A decoder layer's seven matrices in miniature: different sizes, a partial last tile."""
+    shapes = [(16 * scale, 16), (4 * scale, 16), (4 * scale, 16), (16 * scale, 16), (24 * scale, 16),
+              (24 * scale, 16), (16, 24 * scale + 3)]
+    return [_sample(shape, device) for shape in shapes]
+
+
+def test_grouped_decode_and_encode_match_per_tensor_in_interpreter():
+    from neutrain.compress import decode_many, encode_many
+
+    xs = _layer()
+    cts = [compress(x, steps=4, lanes=16, backend="triton") for x in xs]
+    assert len({ct.lanes for ct in cts}) == 1  # one group: the grouped kernel really runs
+    before = kcodec.COUNTERS["decode"]
+    outs = decode_many(cts, [torch.full_like(x, float("nan")) for x in xs], backend="triton")
+    assert kcodec.COUNTERS["decode"] == before + 1  # one launch for all seven
+    for out, x in zip(outs, xs):
+        assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    ys = [(x.float() * 0.999).bfloat16() for x in xs]  # no drift: the same code, so the same bytes
+    encode_many(cts, ys, backend="triton")
+    for ct, x, y in zip(cts, xs, ys):
+        ref = compress(x, steps=4, lanes=16, backend="reference")
+        ref.recompress_(y, backend="reference")
+        _assert_same_format(ct, ref)
+        assert torch.equal(ct.decompress(backend="triton").view(torch.int16), y.view(torch.int16))
+
+
+def test_sync_free_recompress_matches_reference_in_interpreter():
+    x = _sample((13, 11))
+    ct = compress(x, steps=4, lanes=16, backend="triton")
+    ref = compress(x, steps=4, lanes=16, backend="reference")
+    y = (x.float() * 0.999).bfloat16()
+    ct.recompress_(y, backend="triton", sync=False)
+    ref.recompress_(y, backend="reference")
+    assert ct.status.pending  # nothing read back yet
+    _assert_same_format(ct, ref)  # stream_words waits for the status
+    assert not ct.status.pending
+
+
+def test_sync_free_overflow_keeps_the_tensor_and_raises_later_in_interpreter():
+    from neutrain.compress import StreamOverflowError
+
+    x = _sample((16, 16))
+    ct = compress(x, steps=4, lanes=16, backend="triton", name="blocks.0.q")
+    ct.stream = ct.stream[: ct.stream_words].clone()  # no headroom left, and no growth seen yet
+    ct.status.publish()  # pretend an encode is in flight: the growth rule cannot see its length
+    wide = torch.randn(16, 16).mul(torch.randn(16, 16).mul(6).exp2()).bfloat16().to(DEVICE)  # a longer stream
+    ct.recompress_(wide, backend="triton", sync=False)
+    assert torch.equal(ct.decompress(backend="triton").view(torch.int16), x.view(torch.int16))  # intact
+    with pytest.raises(StreamOverflowError, match="blocks.0.q"):
+        ct.stream_words
+    ct.recompress_(wide, backend="triton", sync=True)  # the synchronous path grows the stream
+    assert torch.equal(ct.decompress(backend="triton").view(torch.int16), wide.view(torch.int16))
+
+
+def test_sync_free_recompress_grows_a_loaded_stream_in_interpreter():
+    from neutrain.compress import CompressedTensor
+
+    x = _sample((16, 16))
+    loaded = CompressedTensor.from_state_dict(compress(x, steps=4, lanes=16, backend="reference").state_dict())
+    assert loaded.stream.numel() == loaded.stream_words  # exactly as stored: no headroom
+    y = (x.float() * 1.01).bfloat16()
+    loaded.recompress_(y, backend="triton", sync=False)
+    assert loaded.stream.numel() > loaded.stream_words
+    assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_reencode_and_decode_make_no_host_sync_on_gpu():
+    """The training path (CompressedWeight.write_ -> recompress_(sync=False), decode) and the grouped
+    calls run under sync_debug_mode("error"): any read back to the host would raise."""
+    from neutrain.compress import decode_many, encode_many
+    from neutrain.nn import CompressedWeight
+
+    xs = [_sample(shape) for shape in ((2048, 1024), (512, 1024), (1024, 3000))]
+    cts = [compress(x) for x in xs]
+    refs = [compress(x, backend="reference") for x in xs]
+    weight = CompressedWeight(compress(xs[0].clone()), name="w")
+    outs = [torch.empty_like(x) for x in xs]
+    steps = [[(x.float() + 1e-3 * k * torch.randn_like(x.float())).bfloat16() for x in xs] for k in range(4)]
+    # Compile the kernels and build the grouped tables outside the guarded region.
+    weight.write_(steps[0][0])
+    weight.decode()
+    encode_many(cts, steps[0])
+    decode_many(cts, outs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ys in steps[1:]:
+            weight.write_(ys[0])
+            decoded = weight.decode()
+            for ct, y in zip(cts[1:], ys[1:]):
+                ct.recompress_(y, sync=False)
+            encode_many(cts[:1], ys[:1])
+            decode_many(cts, outs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    last = steps[-1]
+    assert torch.equal(decoded.view(torch.int16), last[0].view(torch.int16))
+    for ct, ref, out, y in zip(cts, refs, outs, last):
+        assert torch.equal(out.view(torch.int16), y.view(torch.int16))
+        ref.recompress_(y, backend="reference")
+        assert ct.rebuilds == ref.rebuilds == 0
+        _assert_same_format(ct, ref)  # stream_words settles the lagged status: no overflow was flagged
+
+
+@pytest.mark.gpu
+def test_grouped_calls_match_per_tensor_on_gpu():
+    from neutrain.compress import decode_many, encode_many
+
+    xs = _layer(scale=64)
+    cts = [compress(x) for x in xs]
+    singles = [compress(x) for x in xs]
+    outs = decode_many(cts, [torch.full_like(x, float("nan")) for x in xs])
+    for out, x in zip(outs, xs):
+        assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    ys = [(x.float() * 0.999 + 1e-4).bfloat16() for x in xs]
+    encode_many(cts, ys)
+    for ct, single, y in zip(cts, singles, ys):
+        single.recompress_(y, sync=False)
+        _assert_same_format(ct, single)
+        assert torch.equal(ct.decompress().view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_sync_free_reencode_of_every_bf16_pattern_on_gpu():
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device="cuda").to(torch.int16)
+    x = patterns[torch.randperm(patterns.numel(), device="cuda")].view(torch.bfloat16)
+    y = patterns[torch.randperm(patterns.numel(), device="cuda")].view(torch.bfloat16)  # same histogram
+    ct = compress(x)
+    ct.recompress_(y, sync=False)
+    assert ct.rebuilds == 0
+    ref = compress(x, backend="reference")
+    ref.recompress_(y, backend="reference")
+    _assert_same_format(ct, ref)
+    assert torch.equal(ct.decompress().view(torch.int16), y.view(torch.int16))

@@ -83,7 +83,10 @@ def test_every_tensor_takes_the_entropy_coded_path():
 def test_lossless_size_on_random_init_is_below_target():
     x = torch.randn(1024, 1024).mul(0.02).bfloat16()
     ct = compress(x)
-    assert 10.4 < ct.bits_per_weight <= 10.9
+    stored = 8 * sum(t.numel() * t.element_size() for t in ct.state_dict().values()) / x.numel()
+    assert 10.4 < stored <= 10.9  # what a checkpoint holds
+    # In memory, also the stream's 1/32 headroom for sync-free re-encodes and the 9 KiB of code tables.
+    assert stored < ct.bits_per_weight <= 11.0
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3])

@@ -150,3 +150,20 @@ def test_resumed_tensor_rebuilds_exactly_like_the_original():
         assert resumed.rebuilds == original.rebuilds
         assert torch.equal(resumed.stream[: resumed.stream_words], original.stream[: original.stream_words])
     assert original.rebuilds >= 1
+
+
+def test_a_tensor_saved_by_the_previous_codec_still_loads_and_trains():
+    """data/codec_b82cf91.safetensors was written by commit b82cf91 (64 steps per lane, before the
+    sync-free encoder and the 32-step default): the format is unchanged, so it loads as it is."""
+    from pathlib import Path
+
+    blobs = load_file(str(Path(__file__).parent / "data" / "codec_b82cf91.safetensors"))
+    original = blobs.pop("original")
+    state = {k[len("w."):]: v for k, v in blobs.items()}
+    ct = CompressedTensor.from_state_dict(state)
+    assert ct.name == "layers.0.mlp.up_proj.weight" and ct.steps == 64
+    assert _same_bits(ct.decompress(), original)
+    updated = (original.float() * 0.999).bfloat16()
+    ct.recompress_(updated, sync=False)
+    again = CompressedTensor.from_state_dict(ct.state_dict())
+    assert again.steps == 64 and _same_bits(again.decompress(), updated)

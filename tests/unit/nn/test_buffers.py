@@ -51,3 +51,16 @@ def test_large_buffer_is_freed_after_use():
     w.decode()
     w.release()
     assert DECODE_BUFFERS.nbytes() == 0
+
+
+def test_a_dead_weights_tag_is_never_served_to_a_new_weight(monkeypatch):
+    """Python reuses a freed object's id(); seen on a GPU run, a new model's weight was served a buffer
+    tagged for a dead one. Here every object gets the same id(), as a reused one would."""
+    import neutrain.nn.buffers as buffers_module
+
+    monkeypatch.setattr(buffers_module, "id", lambda obj: 7, raising=False)
+    buffers = DecodeBuffers()
+    old, new = _weights(2)
+    buffers.view(old, buffers.slot_for(old))
+    assert buffers.cached(old) is not None
+    assert buffers.cached(new) is None and not buffers.holds(new)

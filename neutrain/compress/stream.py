@@ -1,0 +1,208 @@
+"""Encoding through the Triton kernels, with or without a host read, and the stream's capacity.
+
+A lossless re-encode is two kernel passes: count (code lengths per lane) and pack
+(codes into the stream). The stream's length depends on the data, so the old encoder
+read it back between the passes (one host synchronisation per tensor, which drained
+the GPU queue in every layer's backward). Here the pack pass checks on the device
+whether the new stream fits the allocated capacity and commits all of the new
+encoding (tails, stream, lane counts, tile table) only if it does; it records the
+used length, the coded bits and an overflow flag in a small device ``status``
+tensor. So:
+
+* ``sync=False`` (training: :meth:`CompressedWeight.write_`) reads nothing back. The
+  status is copied to pinned host memory asynchronously and looked at by the *next*
+  encode of the same tensor, once its CUDA event has completed (``query``, never a
+  wait). That lagged view drives the two decisions that used to need the host read:
+  grow the stream (when the last encode left less than 1/64 free) and rebuild the code
+  (when the coded exponents grew 1 % past their size at build; that re-encode is
+  synchronous, rare, and also resets the capacity headroom).
+* The capacity is the used length plus 1/32 (about 0.08 bit per weight), so one step
+  would have to grow the exponent stream by more than ~2 % to overflow. If it ever does,
+  the tensor keeps its previous content, intact, and the next look at the status
+  raises :class:`StreamOverflowError` naming the tensor: an update is never dropped
+  silently.
+* ``sync=True`` (the default of ``recompress_`` for arbitrary new data, and
+  ``compress``) reads the length between the passes and grows the stream first, so
+  the commit always happens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neutrain.compress.codec import STREAM_PAD_WORDS
+
+REBUILD_GROWTH = 0.01
+"""Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
+
+
+class StreamOverflowError(RuntimeError):
+    """A re-encode without host synchronisation did not fit its stream; the tensor kept its previous value."""
+
+
+def capacity_for(words: int) -> int:
+    """Stream words to allocate for ``words`` used ones: 1/32 headroom plus 64 words."""
+    return words + words // 32 + 64
+
+
+def needs_growth(words: int, capacity: int) -> bool:
+    """Whether a sync-free encode should grow the stream first: less than 1/64 (+ 32 words) left."""
+    return words + words // 64 + 32 > capacity
+
+
+class StreamStatus:
+    """Device ``int64[3]`` (used words incl. padding, coded bits, overflow flag) and its lagged host view."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.tensor = torch.tensor([STREAM_PAD_WORDS, 0, 0], dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(3, dtype=torch.int64, pin_memory=cuda)
+        self._event = None  # the recorder while a published status is unread; False on CPU
+        self._recorder = None
+
+    def publish(self) -> None:
+        """Start copying the status to the host (after a sync-free pack); no wait."""
+        cuda = self.device.type == "cuda"
+        self._host.copy_(self.tensor, non_blocking=cuda)
+        if cuda:
+            if self._recorder is None:  # one event per tensor, recorded again each time
+                self._recorder = torch.cuda.Event()
+            self._recorder.record(torch.cuda.current_stream(self.device))
+        self._event = self._recorder if cuda else False
+
+    @property
+    def pending(self) -> bool:
+        return self._event is not None
+
+    def poll(self, wait: bool) -> tuple[int, int, int] | None:
+        """(words, coded bits, overflow) of the last published encode, or None if not there yet (``wait=False``)."""
+        if self._event is None:
+            return None
+        if self._event is not False and not self._event.query():  # False: a CPU copy, done already
+            if not wait:
+                return None
+            self._event.synchronize()
+        self._event = None
+        words, coded, overflow = self._host.tolist()
+        return words, coded, overflow
+
+
+def kernel_scratch(ct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lane counts ``uint8[tiles * lanes]``, tile words/bits ``int64[2, tiles]``, their prefix sums)."""
+    scratch = getattr(ct, "_scratch", None)
+    if scratch is None:
+        device = ct.device
+        scratch = (torch.zeros(ct.tiles * ct.lanes, dtype=torch.uint8, device=device),
+                   torch.zeros(2, ct.tiles, dtype=torch.int64, device=device),
+                   torch.zeros(2, ct.tiles, dtype=torch.int64, device=device))
+        ct._scratch = scratch
+    return scratch
+
+
+def _count(ct, x: torch.Tensor):
+    from neutrain.kernels import codec as kcodec
+
+    counts, scratch, cum = kernel_scratch(ct)
+    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems)
+    torch.cumsum(scratch, dim=1, out=cum)
+    return counts, cum
+
+
+def _pack(ct, x: torch.Tensor, counts: torch.Tensor, cum: torch.Tensor) -> None:
+    from neutrain.kernels import codec as kcodec
+
+    kcodec.pack_lossless(x, ct.enc_table, counts, cum, ct.stream.numel(), ct.stream, ct.tails, ct.lane_words,
+                         ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems)
+
+
+def _total(cum: torch.Tensor) -> tuple[int, int]:
+    words, coded = cum[:, -1].tolist()
+    return words + STREAM_PAD_WORDS, coded
+
+
+def settle(ct, wait: bool) -> None:
+    """Take in the lagged status of ``ct``'s last sync-free encode, if it is there (or ``wait``)."""
+    seen = ct.status.poll(wait)
+    if seen is None:
+        return
+    words, coded, overflow = seen
+    if overflow:
+        ct.status.tensor[2].zero_()  # the flag is sticky on the device until seen here
+        raise StreamOverflowError(
+            f"compressed tensor {ct.name or '<unnamed>'!r}: a re-encode without host synchronisation needed more "
+            f"than the {ct.stream.numel()} stream words allocated, so that update was not stored (the tensor keeps "
+            "its previous value). Re-encode with recompress_(..., sync=True), which grows the stream."
+        )
+    ct._words, ct._coded_seen = words, coded
+
+
+def prepare_sync_free(ct, fresh_code: bool = False) -> bool:
+    """Before a sync-free encode of ``ct``: take in the lagged status and grow the stream if it
+    ran short. False if this encode must be synchronous instead (a fresh code, or the code is due
+    for a rebuild)."""
+    settle(ct, wait=False)
+    if fresh_code or ct._coded_seen > (1 + REBUILD_GROWTH) * ct._coded_bits_at_build:
+        return False  # rebuild the code: a histogram on the host anyway
+    if not ct.status.pending and needs_growth(ct._words, ct.stream.numel()):
+        grown = torch.zeros(capacity_for(ct._words), dtype=torch.int32, device=ct.device)
+        grown[: ct._words].copy_(ct.stream[: ct._words])  # stays decodable if this encode overflows
+        ct.stream = grown
+    return True
+
+
+def encode_lossless(ct, x: torch.Tensor, fresh_code: bool, sync: bool) -> None:
+    """Encode contiguous bf16 ``x`` into ``ct`` through the kernels (see the module docstring)."""
+    if ct.tiles == 0:
+        ct._words, ct._coded_seen = STREAM_PAD_WORDS, 0
+        if fresh_code:
+            ct._coded_bits_at_build = 1
+        return
+    if not sync:
+        sync = not prepare_sync_free(ct, fresh_code)
+    if not sync:
+        counts, cum = _count(ct, x)
+        _pack(ct, x, counts, cum)
+        ct.status.publish()
+        return
+    settle(ct, wait=True)
+    counts, cum = _count(ct, x)
+    words, coded = _total(cum)  # the host read
+    if not fresh_code and coded > (1 + REBUILD_GROWTH) * ct._coded_bits_at_build:
+        ct._rebuild_code(x)  # weights drifted: the old code still encodes everything (escapes), but worse
+        counts, cum = _count(ct, x)
+        words, coded = _total(cum)
+        fresh_code = True
+    if fresh_code:
+        ct._coded_bits_at_build = max(coded, 1)
+    if words > ct.stream.numel():
+        ct.stream = torch.zeros(capacity_for(words), dtype=torch.int32, device=ct.device)
+    _pack(ct, x, counts, cum)
+    ct._words, ct._coded_seen = words, coded
+
+
+def encode_lossy(ct, x: torch.Tensor, fresh_code: bool) -> None:
+    """Lossy bf16 through the kernels: tails pack across lanes in pass 1, so this path always reads the length."""
+    from neutrain.kernels import codec_lossy as kcodec
+
+    _, scratch, _ = kernel_scratch(ct)
+    tile_words, tile_bits = scratch
+
+    def count():
+        kcodec.count(x, ct.enc_table, ct.tails, ct.lane_words, tile_words, tile_bits, ct.steps, ct.lanes,
+                     ct.layout.kept)
+        torch.cumsum(tile_words, dim=0, out=ct.tile_base[1:])
+        return torch.stack([ct.tile_base[-1] + STREAM_PAD_WORDS, tile_bits.sum()]).tolist()
+
+    words, coded = count()
+    if not fresh_code and coded > (1 + REBUILD_GROWTH) * ct._coded_bits_at_build:
+        ct._rebuild_code(x)
+        words, coded = count()
+        fresh_code = True
+    if fresh_code:
+        ct._coded_bits_at_build = max(coded, 1)
+    if words > ct.stream.numel():
+        ct.stream = torch.zeros(capacity_for(words), dtype=torch.int32, device=ct.device)
+    ct.stream[words - STREAM_PAD_WORDS: words].zero_()
+    kcodec.pack(x, ct.enc_table, ct.lane_words, ct.tile_base, ct.stream, ct.steps, ct.lanes, ct.layout.kept)
+    ct._words, ct._coded_seen = words, coded
