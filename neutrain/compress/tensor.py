@@ -26,7 +26,7 @@ from neutrain.compress.layout import unpack_tails
 
 DEFAULT_STEPS = 64
 """Steps per lane. With 4 elements per step a lane codes 256 symbols, which keeps
-lane padding and word counts at ~0.09 bit/weight (codec.md section 6)."""
+lane padding and word counts at ~0.09 bit/weight (docs/codec.md §6)."""
 DEFAULT_LANES = 256
 """Lanes per tile (one per GPU thread at 8 warps)."""
 DEFAULT_ELEMS = 4
