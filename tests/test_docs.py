@@ -41,3 +41,19 @@ def test_cited_notes_and_sections_exist(source: Path):
         cited = re.findall(r"§(\d+(?:\.\d+)*)", tail)
         absent = [s for s in cited if s not in _sections(ROOT / "docs" / note)]
         assert absent == [], f"{source.name} cites docs/{note} §{', §'.join(absent)}, which has no such section"
+
+
+def test_commands_named_in_messages_and_docstrings_exist(capsys):
+    # run.py once told users to run `neutrain evaluate`, which does not exist (the command is `neutrain eval`).
+    from neutrain.cli import main
+
+    named = sorted({cmd for p in SOURCES for cmd in re.findall(r"`neutrain ([a-z][\w-]*)", p.read_text())})
+    assert "train" in named
+    unknown = []
+    for cmd in named:
+        with pytest.raises(SystemExit) as exit_info:
+            main([cmd, "--help"])
+        if exit_info.value.code != 0:
+            unknown.append(cmd)
+    capsys.readouterr()
+    assert unknown == [], f"messages or docstrings name `neutrain {unknown}`, which is no command"
