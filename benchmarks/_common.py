@@ -2,9 +2,10 @@
 
 Every benchmark measures neutrain and its baseline in the same process on the
 same card, and writes ``benchmarks/results/<name>.json`` through
-:func:`write_result`, which records the device, library versions, git commit and
-date beside the settings and numbers. ``benchmarks/make_table.py`` turns those
-files into the README's results table.
+:func:`write_result`, which records the device, library versions, git commit,
+whether the tree was dirty, the date and the targets beside the settings and
+numbers. ``benchmarks/make_table.py`` turns those files into the README's
+results table.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from statistics import median
@@ -23,19 +25,51 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def _git_commit() -> str:
-    if os.environ.get("NEUTRAIN_GIT_COMMIT"):  # device copies: their .git, if any, may be stale
-        return os.environ["NEUTRAIN_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL
-        ).decode().strip()
-    except Exception:
-        return "unknown"
+class ProvenanceError(RuntimeError):
+    """The commit (or the dirty flag) of the code being measured cannot be established."""
+
+
+_SHA = re.compile(r"[0-9a-f]{7,40}")
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def _git(*args: str) -> str:
+    return subprocess.check_output(["git", *args], cwd=Path(__file__).resolve().parent,
+                                   stderr=subprocess.DEVNULL).decode()
+
+
+def git_provenance() -> tuple[str, bool]:
+    """``(commit, dirty)`` of the code being measured; raises :class:`ProvenanceError` if unknown.
+
+    ``NEUTRAIN_GIT_COMMIT`` wins over ``git``: a device copy's ``.git``, if it has one,
+    may be stale (inference.json once recorded such a commit and had to be corrected
+    by hand, see results/archive/README.md). When the commit comes from the
+    environment, so must ``NEUTRAIN_GIT_DIRTY`` (``0``/``1``), for the same reason.
+    Call it before measuring, so a run that could not record its commit fails at once.
+    """
+    env_commit, env_dirty = os.environ.get("NEUTRAIN_GIT_COMMIT", "").strip(), os.environ.get("NEUTRAIN_GIT_DIRTY")
+    if env_dirty is not None and env_dirty.strip().lower() not in _TRUE + _FALSE:
+        raise ProvenanceError(f"NEUTRAIN_GIT_DIRTY={env_dirty!r}: expected 0 or 1")
+    if env_commit:
+        commit = env_commit
+        if env_dirty is None:
+            raise ProvenanceError("NEUTRAIN_GIT_COMMIT is set but NEUTRAIN_GIT_DIRTY is not: set it to 1 if the "
+                                  "measured tree had uncommitted changes, else 0 (git status --porcelain)")
+    else:
+        try:
+            commit = _git("rev-parse", "HEAD").strip()
+        except (OSError, subprocess.CalledProcessError):
+            raise ProvenanceError("no git commit for the measured code: set NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) "
+                                  "and NEUTRAIN_GIT_DIRTY (0/1) when the copy has no .git") from None
+    if not _SHA.fullmatch(commit.lower()):
+        raise ProvenanceError(f"git commit {commit!r} is not a commit hash: set NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD)")
+    if env_dirty is not None:
+        return commit, env_dirty.strip().lower() in _TRUE
+    return commit, bool(_git("status", "--porcelain").strip())
 
 
 def environment() -> dict[str, Any]:
-    """Device name, library versions, git commit and date, for the result file."""
+    """Device name, library versions, git commit, dirty flag and date, for the result file."""
     versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "transformers", "accelerate", "peft", "deepspeed"):
         try:
@@ -44,11 +78,13 @@ def environment() -> dict[str, Any]:
         except Exception:
             versions[name] = None
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    commit, dirty = git_provenance()
     return {
         "device": device,
         "cuda": torch.version.cuda,
         "versions": versions,
-        "git_commit": _git_commit(),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -79,13 +115,41 @@ def peak_memory_gib(fn: Callable[[], Any]) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str | os.PathLike | None = None) -> Path:
+def check_targets(targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate a ``targets`` object: ``{name: {"value": measured, "goal": wanted, ...}}``.
+
+    ``goal`` may be a number or a short text such as ``"<= 10.9"``; extra keys (``unit``,
+    ``met``, ``derived_from``) are kept. An empty object is allowed; say why in ``targets_note``.
+    """
+    if not isinstance(targets, dict):
+        raise TypeError(f"targets must be a dict of {{name: {{'value': x, 'goal': g}}}}, got {type(targets).__name__}")
+    for name, entry in targets.items():
+        if not isinstance(entry, dict) or not {"value", "goal"} <= entry.keys():
+            raise ValueError(f"targets[{name!r}] must hold 'value' and 'goal', got {entry!r}")
+    return targets
+
+
+def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str | os.PathLike | None = None,
+                 *, targets: dict[str, dict[str, Any]] | None = None, targets_note: str | None = None) -> Path:
     """Write ``<out_dir or benchmarks/results>/<name>.json`` and return its path.
+
+    The file records the device, versions, ``git_commit`` and ``git_dirty`` (see
+    :func:`git_provenance`, which raises rather than write "unknown"), the settings,
+    the results and ``targets``: each goal the issue or README sets for this
+    benchmark beside the value measured, ``{name: {"value": x, "goal": g}}``.
 
     When ``$OUT`` is set (the device machine), a copy is also written there so the
     file comes back from a remote run.
+
+    Example:
+        >>> write_result("codec", {"shape": [4096, 14336]}, {"bits_per_weight": 10.69},
+        ...              targets={"bits_per_weight": {"value": 10.69, "goal": "<= 10.9"}})  # doctest: +SKIP
     """
-    payload = {"name": name, **environment(), "settings": settings, "results": results}
+    targets = check_targets({} if targets is None else targets)
+    payload = {"name": name, **environment(), "targets": targets}
+    if targets_note or not targets:
+        payload["targets_note"] = targets_note or "this benchmark records no goal"
+    payload.update({"settings": settings, "results": results})
     paths = [Path(out_dir) if out_dir else RESULTS_DIR]
     if os.environ.get("OUT"):
         paths.append(Path(os.environ["OUT"]))

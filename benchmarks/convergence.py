@@ -100,6 +100,9 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs of other sweeps from an existing results file with the same --steps")
     args = ap.parse_args()
+    from benchmarks._common import git_provenance
+
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     keys = list(SWEEP)
     if args.only:
         keys = [tuple(k.split(":")) for k in args.only.split(",")]

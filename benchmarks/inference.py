@@ -34,7 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks._common import write_result  # noqa: E402
+from benchmarks._common import git_provenance, write_result  # noqa: E402
 
 from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_BIG  # noqa: E402  (the same 8B architecture)
 
@@ -460,6 +460,7 @@ def main() -> int:
     ap.add_argument("--reserve-s", type=float, default=25, help="time a decode row needs at least")
     ap.add_argument("--out-name", default="inference")
     args = ap.parse_args()
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = args.tiny
     args.prompt, args.new_tokens = (8, 4) if tiny else (64, 32)

@@ -38,7 +38,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
+from _common import git_provenance, write_result  # noqa: E402
 
 from neutrain import compat  # noqa: E402
 from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv  # noqa: E402
@@ -491,6 +491,7 @@ def main():
     p.add_argument("--margin-gib", type=float, default=6.0)
     p.add_argument("--name", default="kv_eval")
     args = p.parse_args()
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.smoke:
         args.layers, args.hidden, args.train_len, args.eval_len = 4, 128, 700, 700
         args.batch, args.train_seconds, args.eval_every, args.samples = 4, 5, 2, 1

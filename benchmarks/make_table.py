@@ -99,7 +99,8 @@ def table() -> str:
             continue
         rows.append(
             f"| {data.get('name', path.stem)} | {data['device']} | {_headline(data)} | "
-            f"{str(data.get('git_commit', '?'))[:8]} | {str(data.get('date', '?'))[:10]} | `benchmarks/results/{path.name}` |"
+            f"{str(data.get('git_commit', '?'))[:8]}{' (dirty)' if data.get('git_dirty') else ''} | "
+            f"{str(data.get('date', '?'))[:10]} | `benchmarks/results/{path.name}` |"
         )
     if len(rows) == 2:
         rows.append("| (no GPU results yet) | | | | | |")
@@ -230,6 +231,12 @@ def multi_gpu_table() -> str | None:
     return "\n".join(rows)
 
 
+def _missing(name: str) -> str:
+    """What a README section says when its result file is absent (never run, or archived as unreliable)."""
+    return (f"No current result: `benchmarks/results/{name}.json` is absent (archived records and why: "
+            f"`benchmarks/results/archive/README.md`). Run `benchmarks/{name}.py` to regenerate this section.")
+
+
 def _replace(text: str, begin: str, end: str, body: str | None) -> str:
     if body is None or begin not in text:
         return text
@@ -242,10 +249,12 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     text = README.read_text()
-    new = _replace(_replace(text, BEGIN, END, table()), TM_BEGIN, TM_END, train_memory_table())
-    new = _replace(new, INF_BEGIN, INF_END, inference_table())
-    new = _replace(new, CONV_BEGIN, CONV_END, convergence_table())
-    new = _replace(new, MG_BEGIN, MG_END, multi_gpu_table())
+    new = _replace(text, BEGIN, END, table())
+    # A section whose result file is gone says so, rather than keeping numbers no file backs.
+    new = _replace(new, TM_BEGIN, TM_END, train_memory_table() or _missing("train_memory"))
+    new = _replace(new, INF_BEGIN, INF_END, inference_table() or _missing("inference"))
+    new = _replace(new, CONV_BEGIN, CONV_END, convergence_table() or _missing("convergence"))
+    new = _replace(new, MG_BEGIN, MG_END, multi_gpu_table() or _missing("multi_gpu"))
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)

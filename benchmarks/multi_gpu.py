@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks._common import RESULTS_DIR, git_provenance, write_result  # noqa: E402
 
 MODES = ("single", "replicated", "fsdp2", "zero3")
 LLAMA3_8B = dict(
@@ -351,6 +351,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.summarize:
         summarize(args.results_dir, args.tiny)
     else:

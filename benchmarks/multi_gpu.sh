@@ -5,7 +5,7 @@
 # mode is logged and skipped, the others go on. A time budget (BUDGET seconds, default 530)
 # keeps the whole call under the device's 10-minute limit.
 #
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) OUT=/tmp/out bash benchmarks/multi_gpu.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/multi_gpu.sh
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/results}
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 BUDGET=${BUDGET:-530}
 export PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0          # NVLink multicast stays off on the lent machines
-export NEUTRAIN_GIT_COMMIT=${NEUTRAIN_GIT_COMMIT:-unknown}
+source benchmarks/require_commit.sh   # the commit (and dirty flag) every JSON and junit file records
 
 # --- carried wheels, only for what the image lacks (never shadow its own packages) ---------------
 source benchmarks/install_carried_wheels.sh

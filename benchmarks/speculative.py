@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import write_result  # noqa: E402
+from benchmarks._common import git_provenance, write_result  # noqa: E402
 from neutrain.data import python_stdlib_corpus, train_bpe_tokenizer  # noqa: E402
 from neutrain.speculative import generate  # noqa: E402
 from neutrain.speculative.losses import acceptance_rate, token_divergence  # noqa: E402
@@ -241,6 +241,7 @@ def main():
     parser.add_argument("--max-files", type=int, default=None)
     parser.add_argument("--name", default="speculative")
     args = parser.parse_args()
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.quick:
         args.target_seconds, args.draft_steps, args.hidden, args.layers = 20, 20, 64, 2
         args.draft_hidden, args.vocab, args.seq, args.batch = 32, 512, 64, 8

@@ -184,6 +184,10 @@ def main() -> int:
     ap.add_argument("--name", default="train_memory")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per variant")
     args = ap.parse_args()
+    if not args.child:
+        from benchmarks._common import git_provenance
+
+        git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.child:
         res = run_variant(args.child, args.tiny, args.seq, [1, 8], args.steps)
         print("RESULT " + json.dumps(res))

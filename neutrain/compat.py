@@ -51,7 +51,7 @@ def checkpointing_training_args(enabled: bool) -> dict:
 
 
 # --- KV cache API (eval) ---
-# Drift handled here (see shared/reference/kvcache.md §3.2): the forward keyword
+# Drift handled here (see docs/kvcache.md §3.2): the forward keyword
 # for the cache is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (the old
 # name only warns there); model outputs carry ``past_key_values`` or ``cache``;
 # attention modules receive the cache as ``past_key_values=`` or ``cache=``.

@@ -11,7 +11,8 @@ reports block efficiency (tokens per target call).
 Example:
     >>> from neutrain.config import load_recipe
     >>> from neutrain.distill_run import distill_from_recipe
-    >>> report = distill_from_recipe(load_recipe("default"))  # target: outputs/default/export
+    >>> # Needs a trained target (outputs/default/export) and trains a draft for minutes:
+    >>> report = distill_from_recipe(load_recipe("default"))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -13,10 +13,19 @@ rounded to k mantissa bits (lossy), not NF4.
   transformers model, dense or compressed (``weights``).
 
 Example:
-    >>> model = compress_model_for_adapters(model, "neuzip-lossy-3")          # doctest: +SKIP
-    >>> model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16})           # doctest: +SKIP
-    >>> ...train the adapters...
-    >>> merged = merge_lora(model, "neuzip-lossless")                        # doctest: +SKIP
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                      num_attention_heads=4, num_key_value_heads=2)
+    >>> model = LlamaForCausalLM(config).to(torch.bfloat16)
+    >>> model = compress_model_for_adapters(model, "neuzip-lossy-3")
+    >>> model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16})
+    >>> sum(p.numel() for p in model.parameters() if p.requires_grad)  # only the adapters train
+    16384
+    >>> # ... train the adapters ...
+    >>> merged = merge_lora(model, "neuzip-lossless")
+    >>> type(merged).__name__
+    'LlamaForCausalLM'
 """
 
 from __future__ import annotations

@@ -136,7 +136,11 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``).
 
     Example:
-        >>> model = build_model({"base_model": None, "init": "random", "config": {"model_type": "llama", ...}, ...}, tok)
+        >>> from neutrain.config import load_recipe
+        >>> from neutrain.data import byte_tokenizer
+        >>> model = build_model(load_recipe("default").model, byte_tokenizer(), use_cpu=True)
+        >>> type(model).__name__
+        'LlamaForCausalLM'
     """
     from transformers import AutoModelForCausalLM
 

@@ -23,9 +23,14 @@ Terms (bytes):
   unchunked Hugging Face loss keeps bf16 logits, their fp32 upcast and gradient.
 
 Example:
+    >>> from neutrain.config import load_recipe
     >>> from neutrain.planner import estimate_recipe
-    >>> est = estimate_recipe(load_recipe("recipes/llama3_8b.yaml"))
-    >>> print(est.table())
+    >>> est = estimate_recipe(load_recipe("llama3_8b"))
+    >>> print(est.table())  # doctest: +ELLIPSIS
+    term                         GiB
+    weights                    10.10
+    ...
+    total (peak)               13.09
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     sharded = mode in ("fsdp2", "deepspeed")
     if recipe.eval["long_context_tasks"] and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
-                       "process with `neutrain evaluate`", mode)
+                       "process with `neutrain eval <export dir> --recipe <recipe>`", mode)
     elif recipe.eval["long_context_tasks"] and state.is_main_process:
         summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     export_format = recipe.export["format"]

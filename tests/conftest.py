@@ -40,3 +40,24 @@ def _seed_everything():
     """Every test starts from a fixed seed so failures reproduce."""
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _junit_records_commit(request):
+    """With ``--junitxml``, the report's ``<properties>`` name the commit tested and whether the tree was dirty.
+
+    A junit file kept in ``benchmarks/results/`` must say which code passed (or failed): the
+    device scripts set ``NEUTRAIN_GIT_COMMIT``/``NEUTRAIN_GIT_DIRTY`` (their copy has no
+    reliable ``.git``); elsewhere ``git`` answers. Without ``--junitxml`` this does nothing.
+    """
+    if not request.config.getoption("xmlpath", None):
+        return
+    from benchmarks._common import ProvenanceError, git_provenance  # lazily: only junit runs need it
+
+    record = request.getfixturevalue("record_testsuite_property")
+    try:
+        commit, dirty = git_provenance()
+    except ProvenanceError as exc:
+        commit, dirty = f"not recorded: {exc}", None
+    record("git_commit", commit)
+    record("git_dirty", "unknown" if dirty is None else str(dirty).lower())

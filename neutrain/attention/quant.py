@@ -4,7 +4,7 @@ The Triton kernel consumes exactly the tensors produced here, so the kernel and
 :mod:`neutrain.attention.reference` see bit-identical quantized inputs; only the
 attention arithmetic differs between them.
 
-Scheme (SageAttention2, see ``shared/reference/attention.md`` sections 1.2, 5.1):
+Scheme (SageAttention2, see ``docs/attention.md`` §1.2, §5.1):
 
 * K is smoothed by subtracting its per-head mean over tokens. Exact: ``q . k_mean``
   is constant along a score row and softmax ignores row constants.

@@ -2,7 +2,7 @@
 
 A weight splits into an entropy-coded exponent stream (lane-interleaved,
 12-bit-limited canonical Huffman) and raw sign/mantissa bits; see
-``../shared/reference/codec.md`` section 8 for the design and
+``docs/codec.md`` §8 for the design and
 :mod:`neutrain.compress.codec` for the layout.
 
 Example:

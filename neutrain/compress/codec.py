@@ -1,6 +1,6 @@
 """Reference (pure PyTorch) lane-interleaved Huffman codec: the specification.
 
-Layout ("LIH", codec.md sections 6 and 8). The flat tensor is cut into tiles of
+Layout ("LIH", docs/codec.md §6 and §8). The flat tensor is cut into tiles of
 ``S * L * E`` elements (steps, lanes, elements per lane and step); element
 ``tile * S*L*E + s * L*E + l * E + e`` belongs to lane ``l`` of that tile, which
 codes the symbols of its elements in the order ``(s, e)``. So at every step the

@@ -11,7 +11,7 @@ encoder and decoder use:
 
 Why length-limited: a 12-bit limit keeps the decode LUT at 8 KiB, small enough to
 stay in L1 on a GPU, and costs about 0.003 bit/symbol over unlimited Huffman on
-bf16 exponents (codec.md section 7). Why every symbol gets a code: training moves
+bf16 exponents (docs/codec.md §7). Why every symbol gets a code: training moves
 weights every step; an exponent that was absent when the table was built must
 still be encodable, so the table never has to be rebuilt for correctness, only
 for size (see ``CompressedTensor.recompress_``).

@@ -1,6 +1,6 @@
 """How a float's bits split into an entropy-coded symbol and a raw tail.
 
-Each weight becomes two parts (codec.md section 8):
+Each weight becomes two parts (docs/codec.md §8):
 
 * a **symbol** (0..256) that the Huffman stream codes. For bf16 and fp32 it is
   the 8-bit exponent; for lossless fp16 it is the high byte (sign, 5-bit
@@ -8,7 +8,7 @@ Each weight becomes two parts (codec.md section 8):
 * a **tail** of ``tail_bits`` raw bits: ``sign << k | kept mantissa``, packed
   LSB-first into bytes (8, 4, 2 or 1 tails per byte for 1, 2, 4, 8 bits; 3 bytes
   per fp32 lossless tail). Sign and mantissa bits are close to uniform, so
-  coding them would gain nothing (codec.md section 7: 7.97 of 8 bits).
+  coding them would gain nothing (docs/codec.md §7: 7.97 of 8 bits).
 
 Lossy modes keep ``k`` mantissa bits, rounding to nearest, ties to the bit
 pattern whose last kept bit is 0 (IEEE round-half-even; with ``k = 0`` that bit

@@ -1,10 +1,14 @@
 """Data: local files -> tokenised, masked, optionally packed training rows.
 
 Example:
+    >>> import tempfile
     >>> from neutrain.config import load_recipe
-    >>> from neutrain.data import build_datasets
-    >>> recipe = load_recipe("recipes/default.yaml")
-    >>> train, heldout = build_datasets(recipe.data, tokenizer, cache_dir="outputs/.cache")
+    >>> from neutrain.data import build_datasets, byte_tokenizer
+    >>> recipe = load_recipe("default")
+    >>> with tempfile.TemporaryDirectory() as cache:
+    ...     train, heldout = build_datasets(recipe.data, byte_tokenizer(), cache_dir=cache)
+    >>> len(train) > 0 and len(heldout) > 0
+    True
 """
 
 from __future__ import annotations

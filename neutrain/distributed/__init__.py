@@ -2,7 +2,7 @@
 
 neutrain has no distributed runtime of its own: ``accelerate launch`` starts the
 processes and picks the engine (``launch/``), and this package makes fused
-updates correct under each of them (trainer.md §2, §4):
+updates correct under each of them (docs/trainer.md §2, §4):
 
 * :mod:`~neutrain.distributed.data_parallel`: replicated weights without DDP;
   every gradient is averaged by its own asynchronous all-reduce inside the

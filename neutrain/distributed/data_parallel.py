@@ -1,6 +1,6 @@
 """Replicated data parallelism for fused updates: one asynchronous all-reduce per gradient.
 
-DDP does not fit fused updates (trainer.md §4): its bucketed all-reduce runs
+DDP does not fit fused updates (docs/trainer.md §4): its bucketed all-reduce runs
 after the gradients are consumed, so LOMO's replicas silently drift, and its
 buckets hold a full gradient of memory, which is what fused updates remove.
 Here every process holds the whole (dense or compressed) model and the model is

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 with fused updates: the engine partitions parameters, neutrain updates them.
 
-For users who already run DeepSpeed (trainer.md §4). Handing a fused optimizer to
+For users who already run DeepSpeed (docs/trainer.md §4). Handing a fused optimizer to
 DeepSpeed makes it a ZeRO "client optimizer": DeepSpeed then keeps fp32 gradient
 partitions for a ``step()`` that must do the work, the opposite of fusion. So,
 as LOMO does, the engine is built **without an optimizer**

@@ -4,7 +4,7 @@
 "client optimizer" (``deepspeed_init`` then ``accelerator.prepare(model,
 optimizer)``); DeepSpeed then keeps fp32 gradient partitions for a ``step()`` that
 must do the work, and Accelerate's ``backward`` goes through ``engine.backward``:
-the fused path would be bypassed (trainer.md §4). :func:`prepare_for_training`
+the fused path would be bypassed (docs/trainer.md §4). :func:`prepare_for_training`
 replaces that part of the Trainer's preparation for fused optimizers:
 
 1. the DeepSpeed config is finalised from the ``TrainingArguments`` as the

@@ -19,7 +19,7 @@ mismatch error instead of silently building a dense model of random weights
 Lossless export of a NeuZip-trained model writes its compressed tensors as
 they are (no re-encode), so the export decodes bit-exactly to the trained
 weights. ``neuzip-lossy-<k>`` rounds every matrix to ``k`` mantissa bits
-(codec.md, lossy NeuZip): for inference and frozen bases only.
+(docs/codec.md §1, lossy NeuZip): for inference and frozen bases only.
 
 Example:
     >>> from neutrain.export.neuzip import export_neuzip

@@ -150,7 +150,7 @@ def compress_model(
             del stored
             weight_after += compressed.nbytes
         replacement = build_module(module, compressed)
-        _set_submodule(model, name, replacement)
+        model.set_submodule(name, replacement)
         module._parameters["weight"] = None  # drop our reference to the dense weight now
         del dense, module
     mark_large_weights(model)
@@ -206,9 +206,12 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
+    """Alias of ``torch.nn.Module.set_submodule``, which replaces an existing submodule the same way.
+
+    Kept only for ``neutrain/export/`` (rewritten on another branch of issue 15); delete it once
+    those call sites use ``model.set_submodule`` too.
+    """
+    model.set_submodule(name, module)
 
 
 def _progress(items, enabled: bool, desc: str):

@@ -9,7 +9,7 @@ the weight gradient with one matrix product over all tokens, plus its
 contribution to the hidden-state gradient. Peak extra memory is one
 ``tokens x chunk`` fp32 block (64 MiB by default) instead of
 ``tokens x vocab`` logits and their gradient (Llama-3: 128,256 columns; 1 GiB
-per 2,048 tokens in fp32, as much again for the gradient; trainer.md §5).
+per 2,048 tokens in fp32, as much again for the gradient; docs/trainer.md §5).
 
 Chunking over the vocabulary (not over tokens) matters for fused updates: each
 weight-gradient row block is complete after one product, so the full gradient

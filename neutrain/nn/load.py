@@ -21,7 +21,6 @@ from neutrain.nn.convert import (
     WEIGHT_MODES,
     CompressionReport,
     _progress,
-    _set_submodule,
     build_module,
     default_targets,
     mark_large_weights,
@@ -159,7 +158,7 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
         if target:
             ct = compress(tensor, name=name, **(codec_options or {}))
             compressed = CompressedWeight(ct, name=name, compute_dtype=meta.dtype)
-            _set_submodule(model, module_name, build_module(module, compressed))
+            model.set_submodule(module_name, build_module(module, compressed))
             compressed_bytes += compressed.nbytes
             converted += 1
         else:
@@ -189,7 +188,7 @@ def _tie_if_configured(model, config) -> None:
     name = next(n for n, m in model.named_modules() if m is head)
     if isinstance(getattr(embedding, "compressed", None), CompressedWeight):
         if head_weight is None:
-            _set_submodule(model, name, build_module(head, embedding.compressed))
+            model.set_submodule(name, build_module(head, embedding.compressed))
     else:
         head.weight = embedding.weight
 

@@ -1,7 +1,7 @@
 """Decode the next layer's weight on a side stream while the current one computes.
 
 Decoding is memory-bound and the matrix products are compute-bound, so they
-overlap well (codec.md §8.2). The prefetcher learns the order in which
+overlap well (docs/codec.md §8.2). The prefetcher learns the order in which
 ``CompressedLinear`` forwards run (outside backward) and, after each decode,
 launches the decode of the weight that comes next: the following one in
 forward, the preceding one in backward. The prefetched buffer is tagged with

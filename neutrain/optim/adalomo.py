@@ -1,7 +1,7 @@
 """AdaLomo: Adafactor-style adaptive updates inside backward (Lv et al., arXiv 2310.10195).
 
 Per tensor, with ``g`` the (clipped) gradient and ``t`` the tensor's step count,
-following ``lomo_optim.AdaLomo`` (trainer.md §1):
+following ``lomo_optim.AdaLomo`` (docs/trainer.md §1):
 
 * ``beta2_t = 1 - t ** decay_rate`` (``decay_rate = -0.8``; ``beta2_1 = 0``);
 * ``s = g**2 + eps[0]``; for matrices keep factored second moments
@@ -38,7 +38,7 @@ class AdaLomo(FusedOptimizer):
 
     Args:
         params: parameters or groups.
-        lr: learning rate (the package's default 1e-3; trainer.md reports 5e-4-1e-3 in practice).
+        lr: learning rate (the package's default 1e-3; docs/trainer.md §1: 5e-4-1e-3 in practice).
         eps: ``(eps_sq, eps_scale)``: added to squared gradients, and the floor of
             the parameter RMS that scales the step.
         clip_threshold: RMS above which the update is renormalised.

@@ -2,7 +2,7 @@
 
 The same arithmetic as ``torch.optim.AdamW`` (decoupled decay, bias-corrected
 moments), run per tensor from a post-accumulate-grad hook as in torchtune's
-optimizer-in-backward (trainer.md §3). Moments are fp32 and cost 8 bytes per
+optimizer-in-backward (docs/trainer.md §3). Moments are fp32 and cost 8 bytes per
 parameter, so this rule suits the dense parts of a model (norms, biases, small
 models); compressed weights are better served by LOMO or AdaLomo.
 

@@ -2,7 +2,7 @@
 
 A fused optimizer sees one tensor's gradient at a time and frees it at once, so
 the usual ``clip_grad_norm_`` (which needs every gradient alive) is impossible.
-Three modes trade exactness against cost (trainer.md §1, §7):
+Three modes trade exactness against cost (docs/trainer.md §1, §7):
 
 * ``per_tensor``: scale each gradient so that its own norm is at most
   ``max_grad_norm``. Free, but a different rule from global clipping.

@@ -1,6 +1,6 @@
 """The fused-update optimizer base: apply each gradient the moment it exists.
 
-LOMO's idea (trainer.md §1, §3, §7): instead of keeping every gradient until
+LOMO's idea (docs/trainer.md §1, §3, §7): instead of keeping every gradient until
 ``optimizer.step()``, update each weight inside backward and free its gradient
 at once, so at most a layer's gradient is alive. This base class holds what all
 fused rules share; subclasses (:class:`~neutrain.optim.LOMO`,

@@ -2,7 +2,7 @@
 
 Why stochastic rounding: fused updates keep no fp32 master copy, so an update
 smaller than half a bf16 ulp of the weight (``|lr * g| < 2**-9 * |w|``) would be
-rounded away every step and training would stall (trainer.md §1: "bf16-only
+rounded away every step and training would stall (docs/trainer.md §1: "bf16-only
 storage rounds small updates away"). Rounding up with probability equal to the
 discarded fraction makes the stored weight unbiased: ``E[round(x)] == x``.
 

@@ -12,7 +12,7 @@ Each round:
    on the next tokens of the drafts that still match the committed prefix. Its
    output ``y`` is committed; drafts whose token equals ``y`` survive (also when
    ``y`` came from the residual -- their continuations are still i.i.d. draft
-   samples given the prefix, specdec.md 2.3). With no survivor the round ends;
+   samples given the prefix, docs/specdec.md §2.3). With no survivor the round ends;
    after a full draft a bonus token is drawn from the target at the leaf.
 4. **Compact.** The target cache keeps the prefix plus the accepted path; each
    draft cache keeps the row and prefix that match the committed tokens.

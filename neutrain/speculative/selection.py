@@ -11,7 +11,7 @@ This module holds the rules for K identical, independent drafts from ``q``:
 
 * :class:`PriorityRule` -- select the present token ranked highest by a fixed
   score (max-ratio ``p/q`` by default). ``q_beta(pi_j) = Q_<=j^K - Q_<j^K`` with
-  ``pi`` in ascending priority (specdec.md section 1.4).
+  ``pi`` in ascending priority (docs/specdec.md §1.4).
 * :class:`SequentialRule` -- SpecTr's K-SEQ acceptance coins used as a
   selection rule (fallback: the first draft). Its two-step acceptance is at
   least SpecTr's ``1 - (1 - beta(rho*))^K`` because ``q_beta >= c * m`` with
@@ -50,7 +50,7 @@ def p_star(p: torch.Tensor, q: torch.Tensor, num_drafts: int) -> float:
     """Optimal acceptance ``min_S [p(S) + 1 - q(S)^K]`` for K i.i.d. drafts from ``q``.
 
     The minimising set is a prefix of tokens sorted by ascending ``p/q``
-    (specdec.md section 1.3), so this costs one sort and a cumulative sum.
+    (docs/specdec.md §1.3), so this costs one sort and a cumulative sum.
 
     Example:
         >>> p = torch.tensor([0.5, 0.5], dtype=torch.float64)

@@ -6,7 +6,7 @@ node is one drafted token. The target sees the nodes in topological order with
 
 * a 4D *additive* float mask ``[1, 1, N, past + N]``: 0 on every cached
   prefix column and on the node's ancestors-or-self, ``finfo.min`` elsewhere.
-  transformers 5.x passes a rank-4 tensor through unchanged (specdec.md 6.2),
+  transformers 5.x passes a rank-4 tensor through unchanged (docs/specdec.md §6.2),
   and an additive float mask works for both eager and SDPA attention;
 * ``position_ids = past + depth``, so every node gets the rotary position it
   would have in a sequential decode.

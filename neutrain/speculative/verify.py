@@ -8,7 +8,7 @@ samples one outcome of the plan; :func:`output_distribution` sums the plan
 into the exact law of the output. Both run the same code, so the enumeration
 tests in ``tests/unit/speculative`` check what sampling does.
 
-Schemes (pseudo-code in ``shared/reference/specdec.md`` section 10):
+Schemes (pseudo-code in ``docs/specdec.md`` §10):
 
 * ``"sd"`` -- single draft (Leviathan et al.; Chen et al.): accept ``x`` with
   ``min(1, p(x)/q(x))``, else sample ``norm((p - q)^+)``.

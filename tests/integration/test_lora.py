@@ -110,11 +110,9 @@ def merge_lora_free_base(model):
     """The base model without any LoRA layer (what a new process would rebuild from the compressed base)."""
     from peft.tuners.lora import LoraLayer
 
-    from neutrain.nn.convert import _set_submodule
-
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
-            _set_submodule(model, name, module.get_base_layer())
+            model.set_submodule(name, module.get_base_layer())
     del model.peft_config
     return model
 

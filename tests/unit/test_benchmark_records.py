@@ -1,0 +1,118 @@
+"""Benchmark records say which code they measured and against which goals (issue 15, item 7).
+
+Every committed ``benchmarks/results/*.json`` carries a real commit (never "unknown"),
+whether the tree was dirty, and a ``targets`` object; ``write_result`` refuses to write
+a record without them; junit files written with ``--junitxml`` carry the commit.
+Superseded or hand-edited records live in ``benchmarks/results/archive/`` with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _common
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+ARCHIVE = RESULTS / "archive"
+SHA = re.compile(r"[0-9a-f]{7,40}")
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_committed_records_name_their_commit_dirty_flag_and_targets(path: Path):
+    data = json.loads(path.read_text())
+    assert SHA.fullmatch(str(data.get("git_commit"))), f"{path.name}: git_commit {data.get('git_commit')!r}"
+    assert "git_dirty" in data, f"{path.name}: no git_dirty"
+    assert data["git_dirty"] in (True, False) or data.get("git_dirty_note"), f"{path.name}: unknown git_dirty needs a note"
+    targets = data.get("targets")
+    assert isinstance(targets, dict), f"{path.name}: no targets object"
+    for name, entry in targets.items():
+        assert {"value", "goal"} <= set(entry), f"{path.name}: targets[{name!r}] lacks value or goal"
+    assert targets or data.get("targets_note"), f"{path.name}: empty targets need a targets_note saying why"
+
+
+def test_every_archived_record_is_listed_with_its_reason():
+    listed = (ARCHIVE / "README.md").read_text()
+    files = sorted(p.name for p in ARCHIVE.iterdir() if p.name != "README.md")
+    assert files, "the archive is empty"
+    assert [f for f in files if f"`{f}`" not in listed] == []
+
+
+@pytest.fixture
+def no_out(monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)  # write_result also copies to $OUT on the device machine
+
+
+def test_write_result_refuses_an_unknown_commit(tmp_path, monkeypatch, no_out):
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "unknown")
+    monkeypatch.setenv("NEUTRAIN_GIT_DIRTY", "0")
+    with pytest.raises(_common.ProvenanceError, match="NEUTRAIN_GIT_COMMIT"):
+        _common.write_result("x", {}, {}, out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_commit_from_the_environment_needs_the_dirty_flag_too(monkeypatch):
+    # A device copy's .git may be stale, so `git status` there cannot say whether the tree was dirty.
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "abc1234")
+    monkeypatch.delenv("NEUTRAIN_GIT_DIRTY", raising=False)
+    with pytest.raises(_common.ProvenanceError, match="NEUTRAIN_GIT_DIRTY"):
+        _common.git_provenance()
+
+
+def test_without_the_environment_git_answers(monkeypatch):
+    monkeypatch.delenv("NEUTRAIN_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("NEUTRAIN_GIT_DIRTY", raising=False)
+    answers = {"rev-parse": "0123456789abcdef0123456789abcdef01234567\n", "status": " M neutrain/trainer.py\n"}
+    monkeypatch.setattr(_common, "_git", lambda *args: answers[args[0]])
+    assert _common.git_provenance() == ("0123456789abcdef0123456789abcdef01234567", True)
+    answers["status"] = ""
+    assert _common.git_provenance()[1] is False
+
+    def no_git(*args):
+        raise subprocess.CalledProcessError(128, ["git", *args])
+
+    monkeypatch.setattr(_common, "_git", no_git)
+    with pytest.raises(_common.ProvenanceError, match="NEUTRAIN_GIT_COMMIT"):
+        _common.git_provenance()
+
+
+def test_write_result_records_commit_dirty_flag_and_targets(tmp_path, monkeypatch, no_out):
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv("NEUTRAIN_GIT_DIRTY", "1")
+    targets = {"bits_per_weight": {"value": 10.69, "goal": "<= 10.9"}}
+    path = _common.write_result("x", {"n": 1}, {"bits_per_weight": 10.69}, out_dir=tmp_path, targets=targets)
+    data = json.loads(path.read_text())
+    assert (data["git_commit"], data["git_dirty"], data["targets"]) == ("abc1234", True, targets)
+    assert "targets_note" not in data
+
+    path = _common.write_result("y", {}, {}, out_dir=tmp_path)
+    data = json.loads(path.read_text())
+    assert data["targets"] == {} and data["targets_note"]
+
+
+@pytest.mark.parametrize("targets", [{"x": 1.0}, {"x": {"value": 1.0}}, [("x", 1.0)]])
+def test_malformed_targets_are_refused_before_anything_is_written(tmp_path, monkeypatch, no_out, targets):
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv("NEUTRAIN_GIT_DIRTY", "0")
+    with pytest.raises((TypeError, ValueError)):
+        _common.write_result("x", {}, {}, out_dir=tmp_path, targets=targets)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_junit_files_record_the_commit(tmp_path):
+    env = {**os.environ, "NEUTRAIN_GIT_COMMIT": "abcdef1", "NEUTRAIN_GIT_DIRTY": "1"}
+    junit = tmp_path / "junit.xml"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                          "tests/test_docs.py::test_the_docs_index_lists_every_note"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    props = {p.get("name"): p.get("value") for p in ET.parse(junit).getroot().iter("property")}
+    assert props == {"git_commit": "abcdef1", "git_dirty": "true"}
