@@ -169,7 +169,6 @@ def merge_lora(model, weights: str = "dense", codec_options: dict | None = None)
 
     from neutrain.compress import compress
     from neutrain.nn import CompressedLinear, CompressedWeight
-    from neutrain.nn.convert import _set_submodule
 
     if weights != "dense" and not weights.startswith("neuzip"):
         raise ValueError(f"weights must be dense, neuzip-lossless or neuzip-lossy-<k>, not {weights!r}")
@@ -191,7 +190,7 @@ def merge_lora(model, weights: str = "dense", codec_options: dict | None = None)
         else:
             ct = compress(merged, k, name=f"{name}.weight", **(codec_options or {}))
             new = CompressedLinear(CompressedWeight(ct, requires_grad=False, name=f"{name}.weight"), bias=bias)
-        _set_submodule(base_model, name, new)
+        base_model.set_submodule(name, new)
         del merged
     if "peft_config" in base_model.__dict__:
         del base_model.peft_config  # a plain transformers model again

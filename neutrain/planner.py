@@ -28,9 +28,9 @@ Example:
     >>> est = estimate_recipe(load_recipe("llama3_8b"))
     >>> print(est.table())  # doctest: +ELLIPSIS
     term                         GiB
-    weights                    10.10
+    weights                    10.17
     ...
-    total (peak)               13.09
+    total (peak)               13.17
 """
 
 from __future__ import annotations

@@ -144,8 +144,10 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         num_processes: Processes of this launch (``PartialState().num_processes``).
 
     Example:
+        >>> import tempfile
         >>> from neutrain.config import load_recipe
-        >>> preflight(load_recipe("default"), num_processes=1)
+        >>> out = tempfile.mkdtemp()
+        >>> preflight(load_recipe("default", [f"train.output_dir={out}"]), num_processes=1)
     """
     check_long_context_tasks(recipe.eval["long_context_tasks"])
     check_distributed(recipe.train, num_processes)

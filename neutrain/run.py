@@ -116,8 +116,14 @@ def build_trainer(recipe: Recipe) -> RunContext:
     """Build tokenizer, data, model and :class:`~neutrain.trainer.NeuTrainer` from a recipe, without training.
 
     Example:
-        >>> ctx = build_trainer(load_recipe("default", ["train.max_steps=4"]))
-        >>> ctx.trainer.train()
+        >>> import tempfile
+        >>> from neutrain.config import load_recipe
+        >>> out = tempfile.mkdtemp()
+        >>> ctx = build_trainer(load_recipe("default", ["train.max_steps=4", f"train.output_dir={out}"]))
+        >>> type(ctx.trainer).__name__
+        'NeuTrainer'
+        >>> # four steps of the default model take about a minute on 2 CPU cores, so not run here:
+        >>> ctx.trainer.train()  # doctest: +SKIP
     """
     from accelerate import PartialState
 
@@ -163,7 +169,8 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))
+        >>> # the whole default run (training, evaluation, export): minutes on a CPU, so not run here
+        >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
     from neutrain.trainer import peak_memory_stats
 

@@ -17,8 +17,19 @@ Example:
     >>> class MyTrainer(NeuTrainer):
     ...     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
     ...         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-    >>> trainer = MyTrainer(model=model, args=TrainingArguments("out", max_steps=10), train_dataset=ds)
-    >>> trainer.train()
+    >>> import tempfile, torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                      num_attention_heads=4, num_key_value_heads=2))
+    >>> ds = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 4
+    >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+    ...                          report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    >>> trainer = MyTrainer(model=model, args=args, train_dataset=ds)
+    >>> trainer.train().global_step  # doctest: +ELLIPSIS
+    {'loss': ...}
+    {'loss': ...}
+    {'train_runtime': ...}
+    2
 """
 
 from __future__ import annotations

@@ -29,18 +29,9 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # renovation are rewriting (issue 15). strict=True: once fixed there, the entry
 # turns into a failure here and must be removed. The fixes are in the report of
 # branch h/docs.
-PENDING = {
-    "neutrain.config.validate.apply_overrides": "expects 1e-05, but YAML reads '1e-5' as text",
-    "neutrain.distributed.data_parallel": "needs a process group: lines need +SKIP",
-    "neutrain.distributed.deepspeed.initialize_zero3": "needs DeepSpeed and a process group: lines need +SKIP",
-    "neutrain.export.hf.export_hf": "uses an undefined model and tokenizer",
-    "neutrain.run.build_trainer": "load_recipe is not imported",
-    "neutrain.trainer": "uses an undefined model and dataset",
-}
+PENDING: dict[str, str] = {}
 # Docstrings whose examples pass but are too slow for every test run.
-SLOW = {
-    "neutrain.run.train_from_recipe": "runs the whole default recipe (training, evaluation, export): minutes on CPU",
-}
+SLOW: dict[str, str] = {}
 
 
 def _module_names() -> list[str]:

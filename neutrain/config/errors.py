@@ -26,7 +26,7 @@ class CheckpointError(UserInputError):
 
 
 def one_line(exc: BaseException) -> str:
-    """``str(exc)`` on one line: library messages often span several, and the CLI prints one.
+    r"""``str(exc)`` on one line: library messages often span several, and the CLI prints one.
 
     Example:
         >>> one_line(ValueError("bad value:\n    hidden_size"))

@@ -273,8 +273,10 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     """Apply dotted ``section.key=value`` overrides (values parsed as YAML).
 
     Example:
-        >>> apply_overrides({"train": {}}, ["train.learning_rate=1e-5"])["train"]["learning_rate"]
-        1e-05
+        >>> apply_overrides({"train": {}}, ["train.max_steps=10"])["train"]["max_steps"]
+        10
+        >>> apply_overrides({}, ["train.learning_rate=1e-5"])["train"]  # YAML reads 1e-5 as text; validation converts it
+        {'learning_rate': '1e-5'}
     """
     raw = dict(_check_top_level(raw, "recipe"))
     for item in overrides:
@@ -305,7 +307,9 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         overrides: Dotted ``section.key=value`` strings.
 
     Example:
-        >>> recipe = load_recipe("recipes/default.yaml", ["train.max_steps=10"])
+        >>> recipe = load_recipe("default", ["train.max_steps=10"])
+        >>> recipe.train["max_steps"]
+        10
     """
     p = resolve_recipe_path(path)
     raw = _check_top_level(parse_recipe_text(p.read_bytes(), str(p)), str(p))

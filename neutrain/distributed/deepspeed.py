@@ -179,10 +179,11 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflig
         :func:`backward`, then ``optimizer.step()``.
 
     Example:
-        >>> opt = build_fused_optimizer(model, "lomo", lr=1e-4)
-        >>> engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": 1,
+        >>> # needs DeepSpeed and a process group (deepspeed / accelerate launch), so not run here:
+        >>> opt = build_fused_optimizer(model, "lomo", lr=1e-4)  # doctest: +SKIP
+        >>> engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": 1,  # doctest: +SKIP
         ...                                         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
-        >>> backward(engine, opt, engine.module(input_ids=ids, labels=ids).loss); opt.step()
+        >>> backward(engine, opt, engine.module(input_ids=ids, labels=ids).loss); opt.step()  # doctest: +SKIP
     """
     import deepspeed
 

@@ -155,7 +155,16 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
         The export directory.
 
     Example:
-        >>> export_hf(model, "outputs/run/export", tokenizer, max_shard_size="500MB")
+        >>> import os, tempfile
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from neutrain.data import byte_tokenizer
+        >>> tokenizer = byte_tokenizer()
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> with tempfile.TemporaryDirectory() as out:
+        ...     path = export_hf(model, f"{out}/export", tokenizer, max_shard_size="500MB")
+        ...     os.path.isfile(os.path.join(path, "config.json"))
+        True
     """
     from transformers import GenerationConfig
 

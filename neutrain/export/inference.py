@@ -93,11 +93,10 @@ class ChunkedHeadLinear(CompressedLinear):
 
 def chunk_output_head(model: torch.nn.Module) -> bool:
     """Swap a compressed output head for :class:`ChunkedHeadLinear` in place; True if swapped."""
-    from neutrain.nn.convert import _set_submodule
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not CompressedLinear:
         return False
     name = next(n for n, m in model.named_modules() if m is head)
-    _set_submodule(model, name, ChunkedHeadLinear(head.compressed, bias=head.bias))
+    model.set_submodule(name, ChunkedHeadLinear(head.compressed, bias=head.bias))
     return True

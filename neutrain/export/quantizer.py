@@ -120,7 +120,7 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
 
     from neutrain.compress import CompressedTensor
     from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight
-    from neutrain.nn.convert import _set_submodule, mark_large_weights
+    from neutrain.nn.convert import mark_large_weights
 
     where = _checkpoint_index(files)
     shared: dict[tuple, CompressedWeight] = {}
@@ -148,7 +148,7 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
             if bias is not None:
                 bias.requires_grad_(False)
             replacement = CompressedLinear(weight, bias=bias)
-        _set_submodule(model, name, replacement)
+        model.set_submodule(name, replacement)
     mark_large_weights(model)
     return len(pending)
 
@@ -177,12 +177,11 @@ class NeuZipHfQuantizer(HfQuantizer):
         return device_map
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        from neutrain.nn.convert import _set_submodule
 
         self._files = list(checkpoint_files) if checkpoint_files else None
         names = list(self.quantization_config.modules)
         for name in names:
-            _set_submodule(model, name, PendingNeuZipModule(model.get_submodule(name)))
+            model.set_submodule(name, PendingNeuZipModule(model.get_submodule(name)))
         if names:
             pattern = rf"^({'|'.join(re.escape(n) for n in names)})\.weight{_BLOB_SUFFIX}$"
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {pattern}
@@ -199,7 +198,6 @@ class NeuZipHfQuantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         from neutrain.nn import CompressedEmbedding, CompressedLinear
-        from neutrain.nn.convert import _set_submodule
 
         for name, module in list(model.named_modules()):
             if isinstance(module, CompressedLinear):
@@ -214,7 +212,7 @@ class NeuZipHfQuantizer(HfQuantizer):
                 dense.weight = torch.nn.Parameter(module.compressed.dense(), requires_grad=False)
             else:
                 continue
-            _set_submodule(model, name, dense.to(dtype) if dtype is not None else dense)
+            model.set_submodule(name, dense.to(dtype) if dtype is not None else dense)
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:

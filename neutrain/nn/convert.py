@@ -205,14 +205,6 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    """Alias of ``torch.nn.Module.set_submodule``, which replaces an existing submodule the same way.
-
-    Kept only for ``neutrain/export/`` (rewritten on another branch of issue 15); delete it once
-    those call sites use ``model.set_submodule`` too.
-    """
-    model.set_submodule(name, module)
-
 
 def _progress(items, enabled: bool, desc: str):
     if not enabled or os.environ.get("DISABLE_TQDM", "0") == "1":
