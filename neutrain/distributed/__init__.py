@@ -55,6 +55,27 @@ def fused_mode(accelerator) -> str:
     return "single"
 
 
+def sharded_mode(accelerator) -> str | None:
+    """``"fsdp2"`` or ``"deepspeed"`` when an ordinary (not fused) optimizer trains sharded weights, else None.
+
+    NeuTrainer saves and resumes those runs itself (per-rank safetensors for FSDP2) instead of
+    through Accelerate's and DeepSpeed's pickled checkpoint files.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> sharded_mode(Accelerator(cpu=True)) is None
+        True
+    """
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+        return "fsdp2"
+    return None
+
+
 def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(model files, optimizer and schedule files)`` rank ``rank`` reads from a checkpoint of ``mode``.
 
@@ -64,7 +85,7 @@ def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[st
 
     Example:
         >>> resume_files("fsdp2", 1, 2)
-        (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.pt', 'scheduler.pt'))
+        (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.safetensors', 'scheduler.pt'))
     """
     from neutrain.distributed.deepspeed_trainer import partition_file
     from neutrain.distributed.fsdp import model_shard_file, optimizer_shard_file

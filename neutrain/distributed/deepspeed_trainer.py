@@ -31,11 +31,45 @@ so a checkpoint written with N processes resumes with N processes, bit for bit.
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import torch
 
-from neutrain.config.errors import UserInputError
+from neutrain.config.errors import CheckpointError, UserInputError
+
+logger = logging.getLogger("neutrain")
+
+# Why DeepSpeed's own checkpoints are not resumed: engine.save_checkpoint writes global_step<N>/*_model_states.pt
+# and *_optim_states.pt, pickles of engine and optimizer objects (loss scaler, config) that only a full unpickle reads.
+CLIENT_OPTIMIZER_PICKLE = ("DeepSpeed's own optimizer state (global_step*/*_optim_states.pt, written by DeepSpeed's "
+                           "save_checkpoint) is a pickle, and neutrain never loads one. For resumable ZeRO-3 "
+                           "checkpoints use a fused optimizer (train.optimizer: lomo, adalomo or adamw-in-backward), "
+                           "or train.distributed: fsdp2 with any optimizer")
+
+
+def is_engine_checkpoint(checkpoint: str | os.PathLike) -> bool:
+    """Whether ``checkpoint`` holds DeepSpeed's own ``save_checkpoint`` files (a ``latest`` tag, ``global_step*/``)."""
+    checkpoint = Path(checkpoint)
+    return (checkpoint / "latest").is_file() or any(p.is_dir() for p in checkpoint.glob("global_step*"))
+
+
+def refuse_client_optimizer_resume(checkpoint: str | os.PathLike) -> None:
+    """Refuse to resume ZeRO-3 with DeepSpeed's own optimizer: its state is a pickle (:data:`CLIENT_OPTIMIZER_PICKLE`).
+
+    Raises:
+        CheckpointError: always, naming the checkpoint, the reason and what to do.
+    """
+    raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' cannot be resumed under DeepSpeed ZeRO-3 "
+                          f"with an ordinary optimizer: {CLIENT_OPTIMIZER_PICKLE}")
+
+
+def warn_client_optimizer(args) -> None:
+    """At the start of a ZeRO-3 run with DeepSpeed's own optimizer: its checkpoints will not resume (say so now)."""
+    if args.save_strategy != "no" and args.process_index == 0:
+        logger.warning("DeepSpeed ZeRO-3 with an ordinary optimizer (not fused): neutrain will refuse to resume this "
+                       "run's checkpoints (their model.safetensors holds the full weights). %s", CLIENT_OPTIMIZER_PICKLE)
 
 
 def partition_file(directory: str, rank: int, world_size: int) -> str:
