@@ -177,12 +177,11 @@ class NeuTrainer(Trainer):
         """FSDP2 or ZeRO-3 with an ordinary optimizer: checkpoints are saved by neutrain (FSDP2) or not resumable."""
         from neutrain.distributed import sharded_mode
 
-        mode = sharded_mode(self.accelerator)
-        if mode == "deepspeed":
+        if self.is_deepspeed_enabled:  # DeepSpeed's own optimizer: its checkpoints are pickles (say so now)
             from neutrain.distributed.deepspeed_trainer import warn_client_optimizer
 
             warn_client_optimizer(self.args)
-        return mode
+        return sharded_mode(self.accelerator)
 
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
@@ -312,7 +311,7 @@ class NeuTrainer(Trainer):
                 from transformers.trainer_utils import get_last_checkpoint
 
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: the Trainer's error
-            if resume_from_checkpoint is not True and self.distributed_mode == "deepspeed" and not self.fused:
+            if resume_from_checkpoint is not True and self.is_deepspeed_enabled and not self.fused:
                 from neutrain.distributed.deepspeed_trainer import refuse_client_optimizer_resume
 
                 refuse_client_optimizer_resume(resume_from_checkpoint)

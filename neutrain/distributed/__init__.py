@@ -55,27 +55,6 @@ def fused_mode(accelerator) -> str:
     return "single"
 
 
-def sharded_mode(accelerator) -> str | None:
-    """``"fsdp2"`` or ``"deepspeed"`` when an ordinary (not fused) optimizer trains sharded weights, else None.
-
-    NeuTrainer saves and resumes those runs itself (per-rank safetensors for FSDP2) instead of
-    through Accelerate's and DeepSpeed's pickled checkpoint files.
-
-    Example:
-        >>> from accelerate import Accelerator
-        >>> sharded_mode(Accelerator(cpu=True)) is None
-        True
-    """
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        return "deepspeed"
-    if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
-        return "fsdp2"
-    return None
-
-
 def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(model files, optimizer and schedule files)`` rank ``rank`` reads from a checkpoint of ``mode``.
 
@@ -94,3 +73,24 @@ def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[st
         model = (model_shard_file if mode == "fsdp2" else partition_file)("", rank, world_size)
         return (model,), (optimizer_shard_file("", rank, world_size), "scheduler.pt")
     return (), ("optimizer.pt", "scheduler.pt")
+
+
+def sharded_mode(accelerator) -> str | None:
+    """``"fsdp2"`` or ``"deepspeed"`` (ZeRO-3) when an ordinary (not fused) optimizer trains sharded weights, else None.
+
+    NeuTrainer saves and resumes FSDP2 runs itself (per-rank safetensors) instead of through
+    Accelerate's pickled DCP files; ZeRO-3 marks the weights as partitioned (gathered for the export).
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> sharded_mode(Accelerator(cpu=True)) is None
+        True
+    """
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed" if accelerator.state.deepspeed_plugin.hf_ds_config.is_zero3() else None
+    if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+        return "fsdp2"
+    return None

@@ -44,9 +44,9 @@ logger = logging.getLogger("neutrain")
 # Why DeepSpeed's own checkpoints are not resumed: engine.save_checkpoint writes global_step<N>/*_model_states.pt
 # and *_optim_states.pt, pickles of engine and optimizer objects (loss scaler, config) that only a full unpickle reads.
 CLIENT_OPTIMIZER_PICKLE = ("DeepSpeed's own optimizer state (global_step*/*_optim_states.pt, written by DeepSpeed's "
-                           "save_checkpoint) is a pickle, and neutrain never loads one. For resumable ZeRO-3 "
-                           "checkpoints use a fused optimizer (train.optimizer: lomo, adalomo or adamw-in-backward), "
-                           "or train.distributed: fsdp2 with any optimizer")
+                           "save_checkpoint) is a pickle, and neutrain never loads one. For resumable checkpoints use "
+                           "train.distributed: fsdp2 (any optimizer), or ZeRO-3 with a fused optimizer "
+                           "(train.optimizer: lomo or adamw-in-backward, launch/deepspeed_zero3_fused.json)")
 
 
 def is_engine_checkpoint(checkpoint: str | os.PathLike) -> bool:
@@ -61,15 +61,16 @@ def refuse_client_optimizer_resume(checkpoint: str | os.PathLike) -> None:
     Raises:
         CheckpointError: always, naming the checkpoint, the reason and what to do.
     """
-    raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' cannot be resumed under DeepSpeed ZeRO-3 "
-                          f"with an ordinary optimizer: {CLIENT_OPTIMIZER_PICKLE}")
+    raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' cannot be resumed under DeepSpeed with an "
+                          f"ordinary optimizer (DeepSpeed's own): {CLIENT_OPTIMIZER_PICKLE}")
 
 
 def warn_client_optimizer(args) -> None:
-    """At the start of a ZeRO-3 run with DeepSpeed's own optimizer: its checkpoints will not resume (say so now)."""
+    """At the start of a DeepSpeed run with DeepSpeed's own optimizer: its checkpoints will not resume (say so now)."""
     if args.save_strategy != "no" and args.process_index == 0:
-        logger.warning("DeepSpeed ZeRO-3 with an ordinary optimizer (not fused): neutrain will refuse to resume this "
-                       "run's checkpoints (their model.safetensors holds the full weights). %s", CLIENT_OPTIMIZER_PICKLE)
+        logger.warning("DeepSpeed with an ordinary optimizer (DeepSpeed's own, not fused): neutrain will refuse to "
+                       "resume this run's checkpoints (their model.safetensors holds the full weights). %s",
+                       CLIENT_OPTIMIZER_PICKLE)
 
 
 def partition_file(directory: str, rank: int, world_size: int) -> str:

@@ -102,14 +102,14 @@ def save_optimizer_state(optimizer, path: str, metadata: dict[str, str] | None =
 
 def read_optimizer_state(path: str) -> tuple[dict, list, dict[str, str]]:
     """``(state dict, DTensor-marked entries, file metadata)`` of a file :func:`save_optimizer_state` wrote."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as fh:
             meta = fh.metadata() or {}
             tensors = {name: fh.get_tensor(name) for name in fh.keys()}
         tree = json.loads(meta["state"]) if meta.get("format") == STATE_FORMAT else None
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain optimizer state file ({exc})") from None
     if tree is None:
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain optimizer state file (format "

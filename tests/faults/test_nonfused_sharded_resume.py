@@ -37,8 +37,8 @@ ZERO3 = {"distributed": "deepspeed", "deepspeed": str(REPO / "launch" / "deepspe
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 
 
-def _train(directory: Path, engine: dict, port: int, **train):
-    recipe = write_recipe(directory, train={**STEPS, **engine, **train}, **QUIET)
+def _train(directory: Path, engine: dict, port: int, export: str = "none", **train):
+    recipe = write_recipe(directory, train={**STEPS, **engine, **train}, **{**QUIET, "export": {"format": export}})
     # Accelerate keeps FSDP for accelerator devices; the shim lets its FSDP2 path run on CPU.
     entry = "tests.unit.distributed.accelerate_cpu_fsdp" if engine is FSDP2 else "neutrain"
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
@@ -106,12 +106,17 @@ def test_adamw_fsdp2_checkpoint_is_pickle_free_and_resumes_exactly(tmp_path):
 
 @NEEDS_DEEPSPEED
 def test_zero3_with_deepspeeds_optimizer_warns_at_start_and_refuses_resume_with_the_reason(tmp_path):
-    res = _train(tmp_path / "run", ZERO3, 29821, max_steps=2)
+    res = _train(tmp_path / "run", ZERO3, 29821, export="hf", max_steps=2)
     assert res.returncode == 0, res.stderr[-3000:]
+    # The weights are partitioned (the run is "deepspeed"): the export gathers them, as in the checkpoint.
+    out = tmp_path / "run" / "out"
+    assert json.loads((out / "summary.json").read_text())["distributed_mode"] == "deepspeed"
+    exported, saved = load_file(str(out / "export" / "model.safetensors")), load_file(str(out / "checkpoint-2" / "model.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     warnings = [line for line in res.stderr.splitlines() if "neutrain will refuse to resume" in line]
     assert len(warnings) == 1, res.stderr[-3000:]  # once (the main process), when the trainer is built
     assert "is a pickle" in warnings[0] and "fused optimizer" in warnings[0] and "fsdp2" in warnings[0]
-    checkpoint = tmp_path / "run" / "out" / "checkpoint-2"
+    checkpoint = out / "checkpoint-2"
     assert any(checkpoint.glob("global_step2/*_optim_states.pt"))  # DeepSpeed's own pickles
 
     # Any run pointed at it (here as a single-process or fused run would check it) is told why.
@@ -123,5 +128,5 @@ def test_zero3_with_deepspeeds_optimizer_warns_at_start_and_refuses_resume_with_
     assert len(errors) == 2, res.stderr[-3000:]  # one line per rank; torchrun adds its own failure report
     for line in errors:
         assert str(checkpoint) in line and "is a pickle, and neutrain never loads one" in line
-        assert "use a fused optimizer" in line and "train.distributed: fsdp2" in line
+        assert "use train.distributed: fsdp2 (any optimizer), or ZeRO-3 with a fused optimizer" in line
     assert not (tmp_path / "resumed" / "out" / "checkpoint-4").exists()
