@@ -115,7 +115,12 @@ def read_optimizer_state(path: str) -> tuple[dict, list, dict[str, str]]:
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain optimizer state file (format "
                               f"{meta.get('format')!r}, expected {STATE_FORMAT!r})")
     marked: list = []
-    state = decode_tree(tree, tensors, path, marked)
+    try:
+        state = decode_tree(tree, tensors, path, marked)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError):  # a "dict" entry that is not a [key, value] pair, an unhashable key
+        raise CheckpointError(f"checkpoint file '{path}': malformed optimizer state in its JSON") from None
     if not isinstance(state, dict) or not {"state", "param_groups"} <= state.keys():
         raise CheckpointError(f"checkpoint file '{path}': optimizer state without 'state' and 'param_groups'")
     return state, marked, meta

@@ -91,3 +91,11 @@ def test_a_tensor_the_state_names_but_the_file_lacks_is_refused(tmp_path):
     save_file(tensors, path, metadata=meta)
     with pytest.raises(CheckpointError, match="names tensor 't0', which the file does not hold"):
         load_optimizer_state(torch.optim.AdamW(_groups(_params()), lr=1e-2), path)
+
+
+@pytest.mark.parametrize("state", ['{"dict": [[1, 2, 3]]}', '{"dict": [[[1], 2]]}', '{"what": 1}', '[1, 2]'])
+def test_malformed_json_state_is_one_clear_error(state, tmp_path):
+    path = str(tmp_path / "opt.safetensors")
+    save_file({}, path, metadata={"format": STATE_FORMAT, "optimizer": "AdamW", "state": state})
+    with pytest.raises(CheckpointError, match=r"opt\.safetensors'"):
+        load_optimizer_state(torch.optim.AdamW(_params(), lr=1e-2), path)
