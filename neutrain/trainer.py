@@ -177,11 +177,12 @@ class NeuTrainer(Trainer):
         """FSDP2 or ZeRO-3 with an ordinary optimizer: checkpoints are saved by neutrain (FSDP2) or not resumable."""
         from neutrain.distributed import sharded_mode
 
-        if self.is_deepspeed_enabled:  # DeepSpeed's own optimizer: its checkpoints are pickles (say so now)
+        mode = sharded_mode(self.accelerator)
+        if self.is_deepspeed_enabled and mode != "deepspeed":  # ZeRO-1/2 checkpoints are DeepSpeed's pickles
             from neutrain.distributed.deepspeed_trainer import warn_client_optimizer
 
             warn_client_optimizer(self.args)
-        return sharded_mode(self.accelerator)
+        return mode
 
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
@@ -192,7 +193,15 @@ class NeuTrainer(Trainer):
         self._bound_after_prepare = True
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        if getattr(self, "distributed_mode", None) != "deepspeed" or not self.fused:
+        if getattr(self, "distributed_mode", None) == "deepspeed" and not self.fused:
+            # ZeRO-3 with DeepSpeed's own optimizer: resume from neutrain's files, not DeepSpeed's pickles.
+            from neutrain.distributed.deepspeed_trainer import load_zero3_state
+
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+            if resume_from_checkpoint is not None:
+                load_zero3_state(self, resume_from_checkpoint)
+            return model, train_dataloader
+        if getattr(self, "distributed_mode", None) != "deepspeed":
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # The Trainer would hand the fused optimizer to DeepSpeed as a ZeRO client optimizer: build the engine
         # without one instead (neutrain.distributed.deepspeed_trainer).
@@ -257,7 +266,7 @@ class NeuTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         mode = getattr(self, "distributed_mode", None)
-        if mode == "deepspeed" and self.fused:  # every rank's partitions and optimizer state (model.safetensors is whole)
+        if mode == "deepspeed":  # every rank's partitions and optimizer state (model.safetensors is whole)
             from neutrain.distributed.deepspeed_trainer import save_zero3_state
 
             return save_zero3_state(self, output_dir)
@@ -311,7 +320,7 @@ class NeuTrainer(Trainer):
                 from transformers.trainer_utils import get_last_checkpoint
 
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: the Trainer's error
-            if resume_from_checkpoint is not True and self.is_deepspeed_enabled and not self.fused:
+            if resume_from_checkpoint is not True and self.is_deepspeed_enabled and self.distributed_mode != "deepspeed":
                 from neutrain.distributed.deepspeed_trainer import refuse_client_optimizer_resume
 
                 refuse_client_optimizer_resume(resume_from_checkpoint)

@@ -88,16 +88,21 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def save_optimizer_state(optimizer, path: str, metadata: dict[str, str] | None = None) -> str:
-    """Write ``optimizer.state_dict()`` to ``path`` as safetensors plus JSON (see the module doc); returns ``path``."""
+def save_state(tree: dict, path: str, kind: str, metadata: dict[str, str] | None = None) -> str:
+    """Write a state tree (see the module doc) to ``path``; ``kind`` names what wrote it (checked at load)."""
     from safetensors.torch import save_file
 
-    optimizer = _inner(optimizer)
     tensors: dict[str, torch.Tensor] = {}
-    tree = encode_tree(optimizer.state_dict(), tensors)
-    save_file(tensors, path, metadata={**(metadata or {}), "format": STATE_FORMAT,
-                                       "optimizer": type(optimizer).__name__, "state": json.dumps(tree)})
+    encoded = encode_tree(tree, tensors)
+    save_file(tensors, path, metadata={**(metadata or {}), "format": STATE_FORMAT, "optimizer": kind,
+                                       "state": json.dumps(encoded)})
     return path
+
+
+def save_optimizer_state(optimizer, path: str, metadata: dict[str, str] | None = None) -> str:
+    """Write ``optimizer.state_dict()`` to ``path`` as safetensors plus JSON (see the module doc); returns ``path``."""
+    optimizer = _inner(optimizer)
+    return save_state(optimizer.state_dict(), path, type(optimizer).__name__, metadata)
 
 
 def read_optimizer_state(path: str) -> tuple[dict, list, dict[str, str]]:
@@ -121,18 +126,25 @@ def read_optimizer_state(path: str) -> tuple[dict, list, dict[str, str]]:
         raise
     except (TypeError, ValueError):  # a "dict" entry that is not a [key, value] pair, an unhashable key
         raise CheckpointError(f"checkpoint file '{path}': malformed optimizer state in its JSON") from None
-    if not isinstance(state, dict) or not {"state", "param_groups"} <= state.keys():
-        raise CheckpointError(f"checkpoint file '{path}': optimizer state without 'state' and 'param_groups'")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file '{path}': malformed optimizer state (not a mapping)")
     return state, marked, meta
+
+
+def check_kind(meta: dict[str, str], kind: str, path: str) -> None:
+    """Refuse state written by another optimizer (``kind`` as :func:`save_state` recorded it)."""
+    if meta.get("optimizer") != kind:
+        raise CheckpointError(f"checkpoint file '{path}' holds {meta.get('optimizer')} state; this run's optimizer "
+                              f"is {kind} (train.optimizer must match the run that wrote it)")
 
 
 def load_optimizer_state(optimizer, path: str) -> None:
     """Load what :func:`save_optimizer_state` wrote into ``optimizer`` (the same optimizer class and parameters)."""
     state, marked, meta = read_optimizer_state(path)
     optimizer = _inner(optimizer)
-    if meta.get("optimizer") != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint file '{path}' holds {meta.get('optimizer')} state; this run's optimizer "
-                              f"is {type(optimizer).__name__} (train.optimizer must match the run that wrote it)")
+    check_kind(meta, type(optimizer).__name__, path)
+    if not {"state", "param_groups"} <= state.keys():
+        raise CheckpointError(f"checkpoint file '{path}': optimizer state without 'state' and 'param_groups'")
     groups, saved_groups = optimizer.param_groups, state["param_groups"]
     if len(groups) != len(saved_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
         raise CheckpointError(f"checkpoint file '{path}': its parameter groups do not match this run's optimizer "
