@@ -73,11 +73,14 @@ def _json_state(checkpoint: Path) -> dict[str, str]:
 def test_adamw_sharded_checkpoint_is_pickle_free_and_resumes_exactly(engine, mode, port, tmp_path):
     from neutrain.distributed import resume_files
 
-    res = _train(tmp_path / "full", engine, port)
+    res = _train(tmp_path / "full", engine, port, export="hf" if mode == "deepspeed" else "none")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "neutrain will refuse to resume" not in res.stderr
     out = tmp_path / "full" / "out"
     assert json.loads((out / "summary.json").read_text())["distributed_mode"] == mode
+    if mode == "deepspeed":  # the export gathers the partitioned weights (it wrote 0-element tensors, with exit 0)
+        exported, saved = load_file(str(out / "export" / "model.safetensors")), load_file(str(out / "checkpoint-4" / "model.safetensors"))
+        assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     checkpoint = out / "checkpoint-2"
     files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
     # No DCP (.metadata, .distcp) and no DeepSpeed (global_step*/*.pt, latest, zero_to_fp32.py) files.
