@@ -295,6 +295,11 @@ def verify_resume(checkpoint: str | os.PathLike, mode: str | None, rank: int, wo
     model_files, state_files = resume_files(mode, rank, world_size)
     if not checkpoint.is_dir():
         raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' does not exist or is not a directory")
+    from neutrain.distributed.deepspeed_trainer import CLIENT_OPTIMIZER_PICKLE, is_engine_checkpoint
+
+    if is_engine_checkpoint(checkpoint):  # else the first of its pickles would be named without the reason
+        raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' was written by DeepSpeed's own "
+                              f"save_checkpoint and cannot be resumed: {CLIENT_OPTIMIZER_PICKLE}")
     if not model_files and not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
         raise CheckpointError(f"checkpoint file '{checkpoint / WEIGHT_FILES[0]}' is missing (no model weights in "
                               f"the checkpoint)")

@@ -115,7 +115,7 @@ class NeuTrainer(Trainer):
                 logger.warning("fused updates train on one GPU per process; this process uses cuda:0 only. "
                                "For all GPUs: accelerate launch --num_processes %d -m neutrain <recipe>",
                                torch.cuda.device_count())
-        self.distributed_mode = self._setup_distributed() if self.fused else None
+        self.distributed_mode = self._setup_distributed() if self.fused else self._ordinary_sharded_mode()
         # Log a NaN loss as NaN: Hugging Face's filter logs the previous average instead (0.0 on a first step).
         self.args.logging_nan_inf_filter = False
         self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
@@ -184,6 +184,17 @@ class NeuTrainer(Trainer):
         self._bound_after_prepare = mode not in ("fsdp2", "deepspeed")
         return mode
 
+    def _ordinary_sharded_mode(self) -> str | None:
+        """FSDP2 or ZeRO-3 with an ordinary optimizer: checkpoints are saved by neutrain (FSDP2) or not resumable."""
+        from neutrain.distributed import sharded_mode
+
+        mode = sharded_mode(self.accelerator)
+        if self.is_deepspeed_enabled and mode != "deepspeed":  # ZeRO-1/2 checkpoints are DeepSpeed's pickles
+            from neutrain.distributed.deepspeed_trainer import warn_client_optimizer
+
+            warn_client_optimizer(self.args)
+        return mode
+
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
         if self.distributed_mode == "fsdp2":
@@ -193,6 +204,14 @@ class NeuTrainer(Trainer):
         self._bound_after_prepare = True
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if getattr(self, "distributed_mode", None) == "deepspeed" and not self.fused:
+            # ZeRO-3 with DeepSpeed's own optimizer: resume from neutrain's files, not DeepSpeed's pickles.
+            from neutrain.distributed.deepspeed_trainer import load_zero3_state
+
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+            if resume_from_checkpoint is not None:
+                load_zero3_state(self, resume_from_checkpoint)
+            return model, train_dataloader
         if getattr(self, "distributed_mode", None) != "deepspeed":
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # The Trainer would hand the fused optimizer to DeepSpeed as a ZeRO client optimizer: build the engine
@@ -264,12 +283,13 @@ class NeuTrainer(Trainer):
             return save_zero3_state(self, output_dir)
         if mode != "fsdp2":
             return super()._save_optimizer_and_scheduler(output_dir)
-        # FSDP2 + fused: the model's shards (safetensors, not DCP's pickled metadata) and the optimizer per rank.
+        # FSDP2: the model's shards (safetensors, not DCP's pickled metadata) and the optimizer per rank.
         from neutrain.distributed.fsdp import save_model_shard, save_optimizer_shard
 
         os.makedirs(output_dir, exist_ok=True)
         save_model_shard(self.model, output_dir, self.args.process_index, self.args.world_size)
-        save_optimizer_shard(self.fused_optimizer, output_dir, self.args.process_index, self.args.world_size)
+        save_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, output_dir, self.args.process_index,
+                             self.args.world_size)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -281,7 +301,8 @@ class NeuTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         from neutrain.distributed.fsdp import load_optimizer_shard
 
-        load_optimizer_shard(self.fused_optimizer, checkpoint, self.args.process_index, self.args.world_size)
+        load_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, checkpoint, self.args.process_index,
+                             self.args.world_size)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
     def _save(self, output_dir: str | None = None, state_dict=None):
@@ -310,6 +331,10 @@ class NeuTrainer(Trainer):
                 from transformers.trainer_utils import get_last_checkpoint
 
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: the Trainer's error
+            if resume_from_checkpoint is not True and self.is_deepspeed_enabled and self.distributed_mode != "deepspeed":
+                from neutrain.distributed.deepspeed_trainer import refuse_client_optimizer_resume
+
+                refuse_client_optimizer_resume(resume_from_checkpoint)
             if resume_from_checkpoint is not True:
                 verify_resume(resume_from_checkpoint, getattr(self, "distributed_mode", None), self.args.process_index,
                               self.args.world_size, self.resume_reset_optimizer)

@@ -64,7 +64,7 @@ def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[st
 
     Example:
         >>> resume_files("fsdp2", 1, 2)
-        (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.pt', 'scheduler.pt'))
+        (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.safetensors', 'scheduler.pt'))
     """
     from neutrain.distributed.deepspeed_trainer import partition_file
     from neutrain.distributed.fsdp import model_shard_file, optimizer_shard_file
@@ -73,3 +73,24 @@ def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[st
         model = (model_shard_file if mode == "fsdp2" else partition_file)("", rank, world_size)
         return (model,), (optimizer_shard_file("", rank, world_size), "scheduler.pt")
     return (), ("optimizer.pt", "scheduler.pt")
+
+
+def sharded_mode(accelerator) -> str | None:
+    """``"fsdp2"`` or ``"deepspeed"`` (ZeRO-3) when an ordinary (not fused) optimizer trains sharded weights, else None.
+
+    NeuTrainer saves and resumes FSDP2 runs itself (per-rank safetensors) instead of through
+    Accelerate's pickled DCP files; ZeRO-3 marks the weights as partitioned (gathered for the export).
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> sharded_mode(Accelerator(cpu=True)) is None
+        True
+    """
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed" if accelerator.state.deepspeed_plugin.hf_ds_config.is_zero3() else None
+    if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+        return "fsdp2"
+    return None

@@ -60,8 +60,8 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
 
 
 def optimizer_shard_file(directory: str, rank: int, world_size: int) -> str:
-    """Where rank ``rank`` of ``world_size`` keeps its optimizer shard in a checkpoint directory."""
-    return os.path.join(directory, f"optimizer.rank{rank}-of-{world_size}.pt")
+    """Where rank ``rank`` of ``world_size`` keeps its optimizer shard (safetensors plus JSON) in a checkpoint."""
+    return os.path.join(directory, f"optimizer.rank{rank}-of-{world_size}.safetensors")
 
 
 def model_shard_file(directory: str, rank: int, world_size: int) -> str:
@@ -70,26 +70,32 @@ def model_shard_file(directory: str, rank: int, world_size: int) -> str:
 
 
 def save_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> str:
-    """Write this rank's fused-optimizer state (its shards' moments, the step bookkeeping).
+    """Write this rank's optimizer state: a fused optimizer's (its shards' moments, the step bookkeeping) or an
+    ordinary one's (AdamW's or SGD's ``DTensor`` moments, as this rank's local shards); returns the file.
 
-    Why not ``torch.distributed.checkpoint``'s optimizer state dict: it initialises
-    an empty state by running ``optimizer.step()`` on zero gradients, which for a
-    fused optimizer is end-of-step bookkeeping (it would count a step). A checkpoint
-    written with N processes resumes with N processes (the shards line up). The
-    state is plain tensors and containers: it loads with ``weights_only=True``.
+    Why not ``torch.distributed.checkpoint`` (Accelerate's ``save_fsdp_optimizer``): its
+    ``.metadata`` is a pickle, and its optimizer state dict initialises an empty state by
+    running ``optimizer.step()`` on zero gradients, which for a fused optimizer is
+    end-of-step bookkeeping (it would count a step). The file is safetensors with the
+    non-tensor state as JSON (:mod:`neutrain.distributed.state_files`): nothing is
+    unpickled at resume. A checkpoint written with N processes resumes with N processes
+    (the shards line up).
     """
-    path = optimizer_shard_file(directory, rank, world_size)
-    torch.save(optimizer.state_dict(), path)
-    return path
+    from neutrain.distributed.state_files import save_optimizer_state
+
+    return save_optimizer_state(optimizer, optimizer_shard_file(directory, rank, world_size),
+                                {"rank": str(rank), "world_size": str(world_size)})
 
 
 def load_optimizer_shard(optimizer, directory: str, rank: int, world_size: int) -> None:
     """Load what :func:`save_optimizer_shard` wrote for this rank (same number of processes required)."""
+    from neutrain.distributed.state_files import load_optimizer_state
+
     path = optimizer_shard_file(directory, rank, world_size)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file '{path}' is missing: a sharded checkpoint resumes with the number "
                               f"of processes that wrote it (this run has {world_size})")
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    load_optimizer_state(optimizer, path)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

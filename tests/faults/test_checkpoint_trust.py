@@ -36,8 +36,8 @@ SINGLE = {
 PORTS = {"replicated": 29711, "fsdp2": 29721, "deepspeed": 29731}
 # The file each mode's end-to-end resume finds a pickle in (FSDP2's and ZeRO-3's optimizer shards ran it).
 PLANT_AT_RESUME = {"single": "optimizer.pt", "compressed": "scheduler.pt", "lora": "rng_state.pth",
-                   "replicated": "rng_state_1.pth", "fsdp2": "optimizer.rank1-of-2.pt",
-                   "deepspeed": "optimizer.rank0-of-2.pt"}
+                   "replicated": "rng_state_1.pth", "fsdp2": "optimizer.rank1-of-2.safetensors",
+                   "deepspeed": "optimizer.rank0-of-2.safetensors"}
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 ALL_MODES = [*SINGLE, *(pytest.param(m, marks=[pytest.mark.distributed] + ([NEEDS_DEEPSPEED] if m == "deepspeed" else []))
                         for m in DISTRIBUTED)]
@@ -152,14 +152,15 @@ def test_every_file_of_a_checkpoint_refuses_a_planted_pickle(mode, checkpoint_of
             (copy / name).write_bytes(content)
 
 
-def test_sharded_optimizer_state_loads_weights_only(tmp_path):
-    """FSDP2's and ZeRO-3's per-rank optimizer files were loaded with weights_only=False: a planted pickle ran."""
+def test_sharded_optimizer_state_is_never_unpickled(tmp_path):
+    """FSDP2's and ZeRO-3's per-rank optimizer files were loaded with weights_only=False: a planted pickle ran.
+    They are safetensors now (the rest of the state as JSON): a pickle in their place is not even read as one."""
     from neutrain.distributed.fsdp import load_optimizer_shard, optimizer_shard_file
 
     marker = tmp_path / "marker"
     torch.save({"state": _Payload(marker)}, optimizer_shard_file(str(tmp_path), 0, 2))
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="not a neutrain optimizer state file"):
         load_optimizer_shard(optimizer, str(tmp_path), 0, 2)
     assert not marker.exists()
 
@@ -276,9 +277,9 @@ def test_missing_optimizer_or_scheduler_is_refused_unless_reset_is_chosen(checkp
     assert json.loads((tmp_path / "reset" / "summary.json").read_text())["steps"] == 3
 
 
-@pytest.mark.parametrize("mode,missing", [("fsdp2", "optimizer.rank1-of-2.pt"), ("fsdp2", "scheduler.pt"),
+@pytest.mark.parametrize("mode,missing", [("fsdp2", "optimizer.rank1-of-2.safetensors"), ("fsdp2", "scheduler.pt"),
                                           ("fsdp2", "model.rank1-of-2.safetensors"),
-                                          ("deepspeed", "optimizer.rank1-of-2.pt"),
+                                          ("deepspeed", "optimizer.rank1-of-2.safetensors"),
                                           ("deepspeed", "zero3_partitions.rank1-of-2.safetensors")])
 def test_a_missing_per_rank_shard_is_refused(mode, missing, tmp_path):
     """Laid out as FSDP2/ZeRO-3 write them (the real ones: test_every_file_of_a_checkpoint_refuses_a_planted_pickle)."""
