@@ -161,16 +161,21 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     """
     from neutrain.trainer import peak_memory_stats
 
+    from accelerate import PartialState
+
+    from neutrain.run_state import prepare_run
+
     started = time.perf_counter()
+    out = recipe.train["output_dir"]
+    # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.run_state).
+    plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
+    if plan.finished:
+        if PartialState().is_main_process:
+            echo(plan.message)
+        return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint}
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
-    out = recipe.train["output_dir"]
-    resume = recipe.train["resume_from_checkpoint"]
-    if resume is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=plan.checkpoint)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": getattr(trainer, "distributed_mode", None),
