@@ -172,6 +172,9 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if plan.finished:
         if PartialState().is_main_process:
             echo(plan.message)
+        from neutrain.distributed import end_processes
+
+        end_processes()
         return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint}
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
@@ -230,6 +233,9 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if state.is_main_process:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
+    from neutrain.distributed import end_processes
+
+    end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary
 
 

@@ -53,3 +53,30 @@ def fused_mode(accelerator) -> str:
     if accelerator.num_processes > 1:
         return "replicated"
     return "single"
+
+
+def end_processes(optimizer=None) -> None:
+    """Finish every reduction in flight, wait for all processes, then destroy the process group.
+
+    Why: left to interpreter exit, gloo's worker threads outlive Python. A worker that
+    drops the last reference to a tensor Python had handed it (an all-reduce's gradient)
+    must take the GIL; during finalization CPython ends such a thread with
+    ``pthread_exit``, whose unwinding through a C++ destructor aborts the process:
+    "terminate called without an active exception". Destroying the group first joins
+    those threads while the interpreter is whole. The barrier keeps a fast rank from
+    tearing its side down while the main process still writes (summary, export).
+
+    Args:
+        optimizer: the fused optimizer (or None); its pending all-reduces are drained first.
+
+    Example:
+        >>> summary = train_from_recipe(recipe)   # calls end_processes(trainer.fused_optimizer) last
+    """
+    import torch.distributed as dist
+
+    sync = getattr(optimizer, "grad_sync", None)
+    if sync is not None:
+        sync.drain()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

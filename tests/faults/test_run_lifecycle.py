@@ -61,6 +61,12 @@ def _assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
+def _subprocess_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DISABLE_TQDM": "1",
+            "NEUTRAIN_LOG_LEVEL": "WARNING"}
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -249,11 +255,8 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_sigkill_during_checkpoint_save_then_resume_is_bit_identical(tmp_path, uninterrupted, point):
     recipe = _recipe(tmp_path, **KILL_STEPS)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DISABLE_TQDM": "1",
-           "NEUTRAIN_LOG_LEVEL": "WARNING"}
     killed = subprocess.run([sys.executable, "-m", "tests.faults.kill_during_save", "4", point, "train", str(recipe)],
-                            env=env, capture_output=True, text=True, timeout=300)
+                            env=_subprocess_env(), capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, f"{point}: not killed (rc {killed.returncode}): {killed.stderr[-2000:]}"
     assert not (out / "checkpoint-6").exists()
     left = sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".tmp-")))
@@ -264,3 +267,22 @@ def test_sigkill_during_checkpoint_save_then_resume_is_bit_identical(tmp_path, u
     assert _losses(out) == _losses(uninterrupted), f"{point}: losses differ after the resume ({left})"
     _assert_same_weights(out / "checkpoint-6", uninterrupted / "checkpoint-6")
     assert not list(out.glob(".tmp-*")), f"{point}: temporaries left after the resume"
+
+
+# ---- process-group teardown (the flaky "terminate called without an active exception" at exit) --------
+
+
+def test_two_process_run_destroys_its_process_group_before_exit(tmp_path):
+    """Rank 1 aborted at exit now and then: gloo's worker threads met interpreter finalization."""
+    recipe = write_recipe(tmp_path, train={"max_steps": 2, "save_steps": 2, "optimizer": "adalomo",
+                                           "learning_rate": 1e-2, "micro_batch_size": 2},
+                          memory={"weights": "dense"}, **QUIET)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29617", "-m", "tests.faults.train_then_report", str(recipe), str(tmp_path)],
+                         env=_subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "terminate called" not in res.stderr
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"initialized": False}, rank
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["distributed_mode"] == "replicated"
