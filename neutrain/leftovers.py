@@ -19,9 +19,8 @@ failure cleans up. The module imports nothing from neutrain, so any layer may us
 
 Example:
     >>> from neutrain.leftovers import clean_run_dir
-    >>> for line in clean_run_dir("outputs/run"):
-    ...     print(line)
-    removed .tmp-checkpoint-40 (temporary left by an interrupted run)
+    >>> clean_run_dir("outputs/run")  # after a run was killed while saving checkpoint-40
+    ['removed outputs/run/.tmp-checkpoint-40 (temporary left by an interrupted or failed write)']
 """
 
 from __future__ import annotations

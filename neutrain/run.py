@@ -159,11 +159,11 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         >>> from neutrain.config import load_recipe
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))
     """
-    from neutrain.trainer import peak_memory_stats
-
     from accelerate import PartialState
 
+    from neutrain.distributed import end_processes
     from neutrain.run_state import prepare_run
+    from neutrain.trainer import peak_memory_stats
 
     started = time.perf_counter()
     out = recipe.train["output_dir"]
@@ -172,8 +172,6 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if plan.finished:
         if PartialState().is_main_process:
             echo(plan.message)
-        from neutrain.distributed import end_processes
-
         end_processes()
         return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint}
     ctx = build_trainer(recipe)
@@ -233,8 +231,6 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if state.is_main_process:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
-    from neutrain.distributed import end_processes
-
     end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary
 

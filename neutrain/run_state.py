@@ -137,9 +137,12 @@ def resync_learning_rate(scheduler) -> None:
     lambdas = getattr(inner, "lr_lambdas", None)
     if lambdas is None:  # not a LambdaLR: nothing derived from max_steps to resync
         return
-    rates = [base * fn(inner.last_epoch) for base, fn in zip(inner.base_lrs, lambdas)]
+    rates = [base * fn(inner.last_epoch) for base, fn in zip(inner.base_lrs, lambdas)]  # as LambdaLR.get_lr
     for group, rate in zip(inner.optimizer.param_groups, rates):
-        group["lr"] = rate
+        if hasattr(group["lr"], "fill_"):  # a tensor learning rate (capturable optimizers) keeps its type
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
     inner._last_lr = rates
 
 

@@ -274,7 +274,7 @@ def test_sigkill_during_checkpoint_save_then_resume_is_bit_identical(tmp_path, u
 
 def test_two_process_run_destroys_its_process_group_before_exit(tmp_path):
     """Rank 1 aborted at exit now and then: gloo's worker threads met interpreter finalization."""
-    recipe = write_recipe(tmp_path, train={"max_steps": 2, "save_steps": 2, "optimizer": "adalomo",
+    recipe = write_recipe(tmp_path, train={"max_steps": 1, "save_steps": 1, "optimizer": "adalomo",
                                            "learning_rate": 1e-2, "micro_batch_size": 2},
                           memory={"weights": "dense"}, **QUIET)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
