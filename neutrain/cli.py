@@ -121,7 +121,11 @@ def cmd_train(args) -> int:
     from neutrain.config import load_recipe
     from neutrain.run import train_from_recipe
 
-    train_from_recipe(load_recipe(args.recipe, args.overrides))
+    summary = train_from_recipe(load_recipe(args.recipe, args.overrides))
+    if summary.get("world_size", 1) > 1:
+        from neutrain.distributed import exit_rank
+
+        exit_rank(0)  # no interpreter finalization for a finished rank (see exit_rank)
     return 0
 
 

@@ -173,7 +173,8 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         if PartialState().is_main_process:
             echo(plan.message)
         end_processes()
-        return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint}
+        return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
+                "world_size": PartialState().num_processes}
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     result = trainer.train(resume_from_checkpoint=plan.checkpoint)

@@ -80,3 +80,29 @@ def end_processes(optimizer=None) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0):
+    """End a finished process of a multi-process run without Python's interpreter finalization.
+
+    Why: a native thread that takes the GIL while the interpreter finalizes is ended by
+    CPython with ``pthread_exit``; where its stack crosses a C++ ``noexcept`` frame (gloo's
+    ``~AsyncWork``, seen in a backtrace) the process aborts with "terminate called without
+    an active exception", turning a finished run into a failed rank. Destroying the process
+    group (:func:`end_processes`) does not always free it (other C++ owners keep its worker
+    threads alive), so a finished rank flushes its logs and streams and leaves with
+    ``os._exit``. Call it only after every file of the run is written and closed.
+
+    Example:
+        >>> summary = train_from_recipe(recipe)
+        >>> if summary["world_size"] > 1:
+        ...     exit_rank(0)
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
