@@ -27,9 +27,8 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
         from neutrain.config.errors import UserInputError
 
         raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
-    from neutrain.lora import is_peft_model, merge_lora
-
     from neutrain.leftovers import clean_export_leftovers
+    from neutrain.lora import is_peft_model, merge_lora
 
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.
