@@ -131,7 +131,11 @@ def cmd_train(args) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
-    train_from_recipe(recipe)
+    summary = train_from_recipe(recipe)
+    if summary.get("world_size", 1) > 1:
+        from neutrain.distributed import exit_rank
+
+        exit_rank(0)  # no interpreter finalization for a finished rank (see exit_rank)
     return 0
 
 

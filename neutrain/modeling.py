@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
         tok.save_pretrained(str(tmp))
         if not saved.exists():
             os.replace(tmp, saved)
+        else:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

@@ -172,18 +172,25 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         >>> # the whole default run (training, evaluation, export): minutes on a CPU, so not run here
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
+    from accelerate import PartialState
+
+    from neutrain.distributed import end_processes
+    from neutrain.run_state import prepare_run
     from neutrain.trainer import peak_memory_stats
 
     started = time.perf_counter()
+    out = recipe.train["output_dir"]
+    # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.run_state).
+    plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
+    if plan.finished:
+        if PartialState().is_main_process:
+            echo(plan.message)
+        end_processes()
+        return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
+                "world_size": PartialState().num_processes}
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
-    out = recipe.train["output_dir"]
-    resume = recipe.train["resume_from_checkpoint"]
-    if resume is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
-    result = trainer.train(resume_from_checkpoint=resume or None)
+    result = trainer.train(resume_from_checkpoint=plan.checkpoint)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": getattr(trainer, "distributed_mode", None),
@@ -240,6 +247,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if state.is_main_process:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
+    end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary
 
 

@@ -298,12 +298,17 @@ class NeuTrainer(Trainer):
         if checkpoint is not None and self.reset_optimizer_on_resume(checkpoint):
             return None
         if checkpoint is None or getattr(self, "distributed_mode", None) != "fsdp2":
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        from neutrain.distributed.fsdp import load_optimizer_shard
+            super()._load_optimizer_and_scheduler(checkpoint)
+        else:
+            from neutrain.distributed.fsdp import load_optimizer_shard
 
-        load_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, checkpoint, self.args.process_index,
-                             self.args.world_size)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+            load_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, checkpoint,
+                                 self.args.process_index, self.args.world_size)
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        if checkpoint is not None and self.lr_scheduler is not None:
+            from neutrain.run_state import resync_learning_rate
+
+            resync_learning_rate(self.lr_scheduler)  # max_steps may have changed since the checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         from neutrain.nn_checkpoint import is_compressed, save_compressed_checkpoint

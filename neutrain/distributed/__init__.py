@@ -94,3 +94,56 @@ def sharded_mode(accelerator) -> str | None:
     if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
         return "fsdp2"
     return None
+
+
+def end_processes(optimizer=None) -> None:
+    """Finish every reduction in flight, wait for all processes, then destroy the process group.
+
+    Why: left to interpreter exit, gloo's worker threads outlive Python. A worker that
+    drops the last reference to a tensor Python had handed it (an all-reduce's gradient)
+    must take the GIL; during finalization CPython ends such a thread with
+    ``pthread_exit``, whose unwinding through a C++ destructor aborts the process:
+    "terminate called without an active exception". Destroying the group first joins
+    those threads while the interpreter is whole. The barrier keeps a fast rank from
+    tearing its side down while the main process still writes (summary, export).
+
+    Args:
+        optimizer: the fused optimizer (or None); its pending all-reduces are drained first.
+
+    Example:
+        >>> summary = train_from_recipe(recipe)  # doctest: +SKIP  (calls end_processes last)
+    """
+    import torch.distributed as dist
+
+    sync = getattr(optimizer, "grad_sync", None)
+    if sync is not None:
+        sync.drain()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0):
+    """End a finished process of a multi-process run without Python's interpreter finalization.
+
+    Why: a native thread that takes the GIL while the interpreter finalizes is ended by
+    CPython with ``pthread_exit``; where its stack crosses a C++ ``noexcept`` frame (gloo's
+    ``~AsyncWork``, seen in a backtrace) the process aborts with "terminate called without
+    an active exception", turning a finished run into a failed rank. Destroying the process
+    group (:func:`end_processes`) does not always free it (other C++ owners keep its worker
+    threads alive), so a finished rank flushes its logs and streams and leaves with
+    ``os._exit``. Call it only after every file of the run is written and closed.
+
+    Example:
+        >>> summary = train_from_recipe(recipe)  # doctest: +SKIP
+        >>> if summary["world_size"] > 1:  # doctest: +SKIP
+        ...     exit_rank(0)
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -32,19 +32,27 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
         from neutrain.config.errors import UserInputError
 
         raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
+    from neutrain.leftovers import clean_export_leftovers
     from neutrain.lora import is_peft_model, merge_lora
 
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.
         model = merge_lora(model, "dense")
-    if fmt == "hf":
-        from neutrain.export.hf import export_hf
+    clean_export_leftovers(output_dir)  # of an earlier export killed or failed beside output_dir
+    try:
+        if fmt == "hf":
+            from neutrain.export.hf import export_hf
 
-        return export_hf(model, output_dir, tokenizer=tokenizer, **kwargs)
-    from neutrain.export.neuzip import export_neuzip, parse_format
+            return export_hf(model, output_dir, tokenizer=tokenizer, **kwargs)
+        from neutrain.export.neuzip import export_neuzip, parse_format
 
-    kwargs.pop("dtype", None)  # NeuZip keeps the weights' own dtype
-    return export_neuzip(model, output_dir, mantissa_bits=parse_format(fmt), tokenizer=tokenizer, **kwargs)
+        kwargs.pop("dtype", None)  # NeuZip keeps the weights' own dtype
+        return export_neuzip(model, output_dir, mantissa_bits=parse_format(fmt), tokenizer=tokenizer, **kwargs)
+    except BaseException:
+        # A failed export (full disk, bad shard size, interrupt) removes its half-written directory and puts
+        # back a previous export it had moved aside.
+        clean_export_leftovers(output_dir)
+        raise
 
 
 def __getattr__(name):

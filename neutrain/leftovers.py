@@ -1,0 +1,120 @@
+"""Find and clear the temporary names neutrain itself writes, left behind by kills, full disks and failures.
+
+neutrain writes every checkpoint, export, recipe copy, tokenizer and data cache under a
+temporary name and renames it into place, so an interrupted write never looks finished.
+What an interruption leaves is the temporary name. This module knows those names exactly
+(:data:`RUN_DIR_PATTERNS`, :func:`export_leftover_patterns`) and touches nothing else:
+a file the user put in the directory is never matched, whatever it is called.
+
+Two kinds of leftover:
+
+* a half-written temporary (``.tmp-checkpoint-N``, ``recipe.tmp<pid>``, ...) is removed;
+* a previous version moved aside while its replacement was renamed in
+  (``.tmp-old-checkpoint-N``, ``.tmp-old-<export>-<pid>``) is complete. It is put back
+  when the replacement never arrived, and removed when the replacement is in place.
+
+Names carrying a process id are kept while that process is alive (another neutrain may
+be writing them right now); this process's own are stale by the time a start or a
+failure cleans up. The module imports nothing from neutrain, so any layer may use it.
+
+Example:
+    >>> from neutrain.leftovers import clean_run_dir
+    >>> clean_run_dir("outputs/run")  # after a run was killed while saving checkpoint-40
+    ['removed outputs/run/.tmp-checkpoint-40 (temporary left by an interrupted or failed write)']
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger("neutrain")
+
+# What each temporary name is (the pattern must match the whole name). Written by:
+#   .tmp-checkpoint-N      NeuTrainer._save_checkpoint (the checkpoint being written)
+#   .tmp-old-checkpoint-N  NeuTrainer._save_checkpoint (checkpoint-N moved aside while it is replaced)
+#   recipe.tmp<pid>        run._save_recipe
+#   tokenizer.tmp<pid>     modeling.build_tokenizer (byte / train-bpe tokenizers)
+#   .cache/python-stdlib-<hash>.tmp<pid>   data.sources.python_stdlib_corpus
+RUN_DIR_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("", r"\.tmp-checkpoint-(?P<step>\d+)"),
+    ("", r"\.tmp-old-(?P<restore>checkpoint-\d+)"),
+    ("", r"recipe\.tmp(?P<pid>\d+)"),
+    ("", r"tokenizer\.tmp(?P<pid>\d+)"),
+    (".cache", r"python-stdlib-[0-9a-f]{12}\.tmp(?P<pid>\d+)"),
+)
+
+
+def export_leftover_patterns(name: str) -> tuple[str, ...]:
+    """The temporary names ``neutrain.export`` writes beside the export directory ``name``."""
+    escaped = re.escape(name)
+    return (rf"\.tmp-{escaped}-(?P<pid>\d+)", rf"\.tmp-old-(?P<restore>{escaped})-(?P<pid>\d+)")
+
+
+def clean_run_dir(output_dir: str | os.PathLike) -> list[str]:
+    """Clear neutrain's leftover temporaries in a run's ``output_dir``; returns one line per action (logged too).
+
+    Call it on the main process before anything else writes into ``output_dir``.
+    """
+    root = Path(output_dir)
+    actions: list[str] = []
+    for sub, pattern in RUN_DIR_PATTERNS:
+        actions += _clean(root / sub if sub else root, (pattern,))
+    return actions
+
+
+def clean_export_leftovers(output_dir: str | os.PathLike) -> list[str]:
+    """Clear the temporaries an earlier (or this process's failed) export left beside ``output_dir``."""
+    out = Path(output_dir)
+    return _clean(out.parent, export_leftover_patterns(out.name))
+
+
+def _clean(directory: Path, patterns: tuple[str, ...]) -> list[str]:
+    try:
+        entries = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    actions = []
+    for name in entries:
+        match = next((m for m in (re.fullmatch(p, name) for p in patterns) if m), None)
+        if match is None:
+            continue
+        groups = match.groupdict()
+        if groups.get("pid") and _alive(int(groups["pid"])):
+            logger.info("kept %s: process %s that writes it is running", directory / name, groups["pid"])
+            continue
+        path = directory / name
+        restore = groups.get("restore")
+        if restore and not (directory / restore).exists():
+            os.replace(path, directory / restore)
+            action = f"restored {directory / restore} from {name} (a replacement was interrupted before it arrived)"
+        else:
+            _remove(path)
+            action = f"removed {path} (temporary left by an interrupted or failed write)"
+        logger.warning("%s", action)
+        actions.append(action)
+    return actions
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process is starting or failing now: its own old temporaries are stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OverflowError:
+        return False
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -1,0 +1,176 @@
+"""Where a run stands before it trains: leftovers cleared, and what ``resume_from_checkpoint`` means here.
+
+Why: ``transformers.Trainer`` resumed from the final checkpoint of a finished run trains
+once more past ``max_steps``, restarts the schedule and lets checkpoint rotation delete
+the real final checkpoint. :func:`prepare_run` decides before anything is built:
+
+* **finished** (the checkpoint is at or past ``train.max_steps``, or at the end of its
+  epochs): nothing is trained, evaluated, exported or written; the caller prints
+  :attr:`RunPlan.message` and exits 0. The output directory stays byte-identical.
+* **continued** (``max_steps`` raised past the checkpoint's own end): training goes on
+  from the checkpoint with its optimizer, RNG and data position. What "exactly" means
+  depends on the learning-rate schedule, and the log says which case holds:
+
+  - the schedule's values for the steps already trained do not depend on ``max_steps``
+    (``constant``, ``constant_with_warmup``, ``inverse_sqrt``): the continued run is the
+    uninterrupted run with the larger ``max_steps``, loss for loss and bit for bit;
+  - they do (``linear``, ``cosine``, ...): every later step uses the learning rate of the
+    new schedule at its global step, as the uninterrupted larger run does, but the steps
+    already trained followed the old, shorter schedule, so the weights differ from that
+    run's. The log gives both learning rates at the seam.
+
+Example:
+    >>> plan = prepare_run(recipe.train, PartialState())
+    >>> if plan.finished:
+    ...     print(plan.message)
+    ... else:
+    ...     trainer.train(resume_from_checkpoint=plan.checkpoint)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neutrain.config.errors import CheckpointError
+from neutrain.leftovers import clean_run_dir
+
+logger = logging.getLogger("neutrain")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What to do: train from ``checkpoint`` (None: from scratch), or nothing when ``finished``."""
+
+    checkpoint: str | None = None
+    finished: bool = False
+    step: int = 0
+    message: str = ""
+
+
+def prepare_run(train: dict[str, Any], state) -> RunPlan:
+    """Clear leftover temporaries in ``train['output_dir']`` (main process), then plan the resume (every process).
+
+    ``state`` is Accelerate's ``PartialState``: the other processes wait until the main one
+    has cleaned (a restored checkpoint must be seen by all), then each reads the same files.
+    """
+    out = train["output_dir"]
+    with state.main_process_first():
+        if state.is_main_process:
+            clean_run_dir(out)
+    return plan_resume(train)
+
+
+def plan_resume(train: dict[str, Any]) -> RunPlan:
+    """Resolve ``train.resume_from_checkpoint`` against ``train.max_steps`` / ``num_epochs``; reads files only."""
+    resume = train["resume_from_checkpoint"]
+    out = train["output_dir"]
+    if not resume:
+        return RunPlan()
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(out) if os.path.isdir(out) else None
+        if resume is None:
+            logger.info("train.resume_from_checkpoint: no checkpoint-N in %s yet; starting from scratch", out)
+            return RunPlan()
+    saved = _trainer_state(Path(resume))
+    if saved is None:  # not a directory, or no trainer_state.json: the Trainer reports it
+        return RunPlan(checkpoint=str(resume))
+    step, old_total = int(saved.get("global_step", 0)), int(saved.get("max_steps", 0))
+    max_steps = train["max_steps"]
+    if max_steps > 0:
+        finished, target = step >= max_steps, f"train.max_steps {max_steps}"
+    else:  # epoch-based: the saved ``epoch`` is the fraction of the data seen so far
+        epochs = float(train["num_epochs"])
+        finished = step >= old_total and float(saved.get("epoch", 0.0)) + 1e-6 >= epochs
+        target = f"train.num_epochs {epochs:g}"
+    if finished:
+        message = (f"neutrain: run already finished: {resume} is at step {step} ({target}). "
+                   f"Nothing was trained, evaluated, exported or written. To train further raise {target.split()[0]}; "
+                   f"to export: neutrain export {resume} --format hf")
+        return RunPlan(checkpoint=str(resume), finished=True, step=step, message=message)
+    logger.info("resuming from %s at step %d (%s)", resume, step, target)
+    if max_steps > 0 and old_total and max_steps != old_total:
+        logger.warning("%s", schedule_note(train, step, old_total, max_steps))
+    elif max_steps <= 0 and step >= old_total:
+        logger.warning("continuing the finished run in %s to %s; the schedule is rebuilt for the new length "
+                       "(its learning rates are in metrics.jsonl)", out, target)
+    return RunPlan(checkpoint=str(resume), step=step)
+
+
+def schedule_note(train: dict[str, Any], step: int, old_total: int, new_total: int) -> str:
+    """Say whether continuing at ``step`` with ``new_total`` steps is the uninterrupted ``new_total``-step run.
+
+    Compares the learning rates of the two schedules for steps 1..``step`` (the ones already
+    trained); identical values mean the continued run is bit-identical to the uninterrupted one.
+    """
+    kind = train["lr_scheduler"]
+    head = f"train.max_steps changed from {old_total} (the checkpoint's run) to {new_total}: continuing from step {step}"
+    try:
+        old, new = (_learning_rates(train, total, step + 1) for total in (old_total, new_total))
+    except Exception as exc:  # the Trainer builds the same scheduler and reports the problem itself
+        return f"{head}; could not compare the {kind} schedules ({type(exc).__name__}: {exc})"
+    if old[:step] == new[:step]:
+        return (f"{head}. The {kind} schedule of the steps already trained does not depend on max_steps, so this "
+                f"run continues exactly as an uninterrupted {new_total}-step run (same losses, same weights)")
+    return (f"{head}. The {kind} schedule depends on max_steps: steps {step + 1}..{new_total} use the "
+            f"{new_total}-step schedule (learning rate {new[step]:.3g} at step {step + 1}, where the {old_total}-step "
+            f"schedule used {old[max(step - 1, 0)]:.3g} at step {step}), but steps 1..{step} were trained on the "
+            f"{old_total}-step schedule, so the weights differ from an uninterrupted {new_total}-step run. For that "
+            f"run, start a fresh one with train.max_steps={new_total}")
+
+
+def resync_learning_rate(scheduler) -> None:
+    """Set the optimizer's learning rate to what ``scheduler`` gives at its (just loaded) step.
+
+    Why: a checkpoint's optimizer state carries the learning rate its own schedule had
+    reached; with ``max_steps`` raised, the first step after resuming would train at that
+    stale rate (0 at the end of a linear decay) instead of the new schedule's. For an
+    unchanged schedule this sets the very value already there.
+    """
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
+    lambdas = getattr(inner, "lr_lambdas", None)
+    if lambdas is None:  # not a LambdaLR: nothing derived from max_steps to resync
+        return
+    rates = [base * fn(inner.last_epoch) for base, fn in zip(inner.base_lrs, lambdas)]  # as LambdaLR.get_lr
+    for group, rate in zip(inner.optimizer.param_groups, rates):
+        if hasattr(group["lr"], "fill_"):  # a tensor learning rate (capturable optimizers) keeps its type
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+    inner._last_lr = rates
+
+
+def _learning_rates(train: dict[str, Any], total: int, count: int) -> list[float]:
+    """The learning rates of steps 1..``count`` of the recipe's schedule over ``total`` steps (as the Trainer builds it)."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train["learning_rate"])
+    scheduler = get_scheduler(train["lr_scheduler"], optimizer, num_warmup_steps=train["warmup_steps"],
+                              num_training_steps=total)
+    rates = []
+    for _ in range(count):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def _trainer_state(checkpoint: Path) -> dict[str, Any] | None:
+    path = checkpoint / "trainer_state.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json is unreadable ({exc}); "
+                              "resume from an earlier checkpoint-N") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("global_step"), int):
+        raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json has no integer global_step")
+    return saved
