@@ -34,6 +34,18 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _git_dirty() -> bool | None:
+    """Whether the measured tree had uncommitted changes (device copies pass NEUTRAIN_GIT_DIRTY)."""
+    if os.environ.get("NEUTRAIN_GIT_DIRTY") in ("0", "1"):
+        return os.environ["NEUTRAIN_GIT_DIRTY"] == "1"
+    try:
+        out = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                      cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL)
+        return bool(out.strip())
+    except Exception:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Device name, library versions, git commit and date, for the result file."""
     versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
@@ -49,6 +61,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "versions": versions,
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
