@@ -195,6 +195,23 @@ def sdpa_prefer_cudnn():
 
 #: Routes :func:`sdpa_backward` knows, fastest first on Hopper (measured: benchmarks/attention.py).
 SDPA_BACKWARD_ROUTES = ("cudnn", "flash", "cpu")
+_RNG_STATE: dict = {}
+
+
+def _forward_rng_state(route: str, device, dtype):
+    """The (philox seed, offset) tensors a dropout-free forward of ``route`` returns, from one tiny call
+    per (route, device, dtype): the backward ops take them as they come (possibly empty/undefined)."""
+    import torch
+
+    key = (route, str(device), dtype)
+    if key not in _RNG_STATE:
+        x = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype)
+        if route == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False, scale=1.0)
+        else:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False, scale=1.0)
+        _RNG_STATE[key] = (res[6], res[7])
+    return _RNG_STATE[key]
 
 
 def sdpa_backward(route: str, grad_out, q, k, v, out, lse, causal: bool, scale: float):
@@ -223,15 +240,17 @@ def sdpa_backward(route: str, grad_out, q, k, v, out, lse, causal: bool, scale: 
     if grad_out.stride() != out.stride():  # cuDNN builds its graph for one layout of O and dO
         grad_out = torch.empty_like(out).copy_(grad_out)
     lse = lse.float()
+    # Dense (not varlen) calls: cumulative sequence lengths and the bias are undefined tensors
+    # (None), as autograd passes them; the dropout RNG state is whatever the forward returns.
     if route == "cudnn":
-        empty = torch.empty(0, device=q.device)
+        seed, offset = _forward_rng_state("cudnn", q.device, q.dtype)
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse.reshape(b, h, n, 1).contiguous(), empty, empty, empty, empty, empty,
+            grad_out, q, k, v, out, lse.reshape(b, h, n, 1).contiguous(), seed, offset, None, None, None,
             n, k.shape[2], 0.0, causal, scale=scale)
     if route == "flash":
-        empty = torch.empty(0, device=q.device)
+        seed, offset = _forward_rng_state("flash", q.device, q.dtype)
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse.contiguous(), empty, empty, n, k.shape[2], 0.0, causal, empty, empty,
+            grad_out, q, k, v, out, lse.contiguous(), None, None, n, k.shape[2], 0.0, causal, seed, offset,
             scale=scale)
     if route == "cpu":
         # The CPU kernel keeps its LSE as [B, N, H] memory viewed as [B, H, N].
