@@ -235,14 +235,27 @@ def targets(rows, train_step):
             "train_step_over_sdpa": {"value": round(step, 4) if step else None, "goal": 1.03}}
 
 
+def merged_table(path, device, d, config, entries, margin):
+    """The table file with this run's (device, head dim) entries and kernel config replacing earlier ones;
+    other devices' and head dims' measurements stay (one run per head dim)."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        old = {}
+    kept = [e for e in old.get("entries", []) if (e.get("device"), e.get("head_dim")) != (device, d)]
+    configs = old.get("kernel_configs", {})
+    configs.setdefault(device, {})[str(d)] = config
+    return {"version": 1, "generated_by": "benchmarks/attention.py", "margin": margin,
+            "kernel_configs": configs, "entries": kept + entries}
+
+
 def _write(args, device, d, rows, routes_report, tune, config, profile, entries, train_step):
     """Write the dispatch table and benchmarks/results/<name>.json; return the results object."""
     picked = [e for e in entries if e["backend"] == "sage"]
     proof = all(all(ev["speedup"] >= args.margin for ev in e["evidence"]) for e in picked)
-    table = {"version": 1, "generated_by": "benchmarks/attention.py", "margin": args.margin,
-             "kernel_configs": {device: {str(d): config}}, "entries": entries}
     if args.table:
-        Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
+        Path(args.table).write_text(json.dumps(merged_table(args.table, device, d, config, entries, args.margin),
+                                               indent=1) + "\n")
     settings = {"batch": args.batch, "heads": args.heads, "head_dim": d, "sizes": args.sizes, "iters": args.iters,
                 "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
                 "timing": "median of CUDA-event timings after warm-up",
@@ -295,6 +308,8 @@ def main():
     print("forward config:", config, f"({time.time() - start:.0f} s)", flush=True)
     profile = sass_profile(config, d)
     print("SASS profile:", profile, flush=True)
+    # Every candidate's resource use too (compiled already by the autotune, so cheap): why a variant lost.
+    profile = {"chosen": profile, "candidates": {json.dumps(c, sort_keys=True): sass_profile(c, d) for c in CANDIDATES}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
