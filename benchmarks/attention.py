@@ -235,16 +235,24 @@ def targets(rows, train_step):
             "train_step_over_sdpa": {"value": round(step, 4) if step else None, "goal": 1.03}}
 
 
-def merged_table(path, device, d, config, entries, margin):
-    """The table file with this run's (device, head dim) entries and kernel config replacing earlier ones;
-    other devices' and head dims' measurements stay (one run per head dim)."""
+def merged_table(path, device, d, config, entries, margin, tuned=True):
+    """The table file with this run's measurements merged in.
+
+    Earlier entries of the same (device, head dim) whose lengths overlap this run's measured
+    range are replaced; other devices, head dims and lengths stay, so short and long sequences
+    can be measured in separate runs. The kernel config is replaced only by an autotuned one.
+    """
     try:
         old = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError):
         old = {}
-    kept = [e for e in old.get("entries", []) if (e.get("device"), e.get("head_dim")) != (device, d)]
+    lo = min((e["seq_min"] for e in entries), default=0)
+    hi = max((e["seq_max"] for e in entries), default=-1)
+    kept = [e for e in old.get("entries", [])
+            if (e.get("device"), e.get("head_dim")) != (device, d) or e["seq_max"] < lo or e["seq_min"] > hi]
     configs = old.get("kernel_configs", {})
-    configs.setdefault(device, {})[str(d)] = config
+    if tuned or str(d) not in configs.get(device, {}):
+        configs.setdefault(device, {})[str(d)] = config
     return {"version": 1, "generated_by": "benchmarks/attention.py", "margin": margin,
             "kernel_configs": configs, "entries": kept + entries}
 
@@ -254,8 +262,8 @@ def _write(args, device, d, rows, routes_report, tune, config, profile, entries,
     picked = [e for e in entries if e["backend"] == "sage"]
     proof = all(all(ev["speedup"] >= args.margin for ev in e["evidence"]) for e in picked)
     if args.table:
-        Path(args.table).write_text(json.dumps(merged_table(args.table, device, d, config, entries, args.margin),
-                                               indent=1) + "\n")
+        table = merged_table(args.table, device, d, config, entries, args.margin, tuned=not args.no_autotune)
+        Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
     settings = {"batch": args.batch, "heads": args.heads, "head_dim": d, "sizes": args.sizes, "iters": args.iters,
                 "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
                 "timing": "median of CUDA-event timings after warm-up",
@@ -298,8 +306,8 @@ def main():
     routes_report = validate_routes(d)
     routes = tuple(r for r in ROUTES if routes_report[r]["ok"])
     tune = {}
-    if args.no_autotune:
-        config = CANDIDATES[0]
+    if args.no_autotune:  # the shipped (autotuned) config for this card and head dim, else the default
+        config = dispatch.kernel_config(device, d) or CANDIDATES[0]
     else:
         tune = autotune_forward(b, h, d, 8192, CANDIDATES)
         # One config for both mask modes: the smallest summed time over the ones both ran.
