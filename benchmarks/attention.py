@@ -275,7 +275,9 @@ def _write(args, device, d, rows, routes_report, tune, config, profile, entries,
                "dispatch_picks_sage": [f"d={e['head_dim']} causal={e['causal']} {e['mode']} N={e['seq_min']}-{e['seq_max']}"
                                        for e in picked],
                "dispatch_proof_every_sage_pick_measured_faster": proof, "train_step": train_step,
-               "headline": ", ".join(f"{k} {v['value']} (goal {v['goal']})" for k, v in tg.items())}
+               "headline": f"d={d}: " + ", ".join(f"{k} {v['value']} (goal {v['goal']})" for k, v in tg.items()
+                                                  if v["value"] is not None)
+               + f"; dispatch picks sage for {len(picked)} of {len(entries)} measured shapes"}
     print("wrote", write_result(args.name, settings, results), flush=True)
     return results
 
