@@ -282,9 +282,12 @@ def _write(args, device, d, rows, routes_report, tune, config, profile, entries,
     return results
 
 
-CANDIDATES = [dict(block_m=128, num_warps=8, num_stages=s, pipeline=p, k_tile_scale=t)
-              for (s, p, t) in ((3, False, False), (3, False, True), (3, True, False), (3, True, True),
-                                (2, True, True))]
+# (BLOCK_M, warps, stages, hand-pipelined loop, one K scale per tile). BLOCK_M 64 with 4 warps
+# and 2 stages fits two CTAs per SM (~104 KB shared memory, <= 255 registers each): two
+# independent warpgroups whose MMA and softmax phases can interleave without a shared barrier.
+CANDIDATES = [dict(block_m=m, num_warps=w, num_stages=s, pipeline=p, k_tile_scale=t)
+              for (m, w, s, p, t) in ((128, 8, 3, False, False), (128, 8, 3, False, True), (128, 8, 3, True, False),
+                                      (128, 8, 4, False, True), (64, 4, 2, False, True), (64, 4, 3, False, True))]
 
 
 def main():
