@@ -68,6 +68,18 @@ def git_provenance() -> tuple[str, bool]:
     return commit, bool(_git("status", "--porcelain").strip())
 
 
+def _git_dirty() -> bool | None:
+    """Whether the measured tree had uncommitted changes (device copies pass NEUTRAIN_GIT_DIRTY)."""
+    if os.environ.get("NEUTRAIN_GIT_DIRTY") in ("0", "1"):
+        return os.environ["NEUTRAIN_GIT_DIRTY"] == "1"
+    try:
+        out = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                      cwd=Path(__file__).resolve().parent, stderr=subprocess.DEVNULL)
+        return bool(out.strip())
+    except Exception:
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Device name, library versions, git commit, dirty flag and date, for the result file."""
     versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}

@@ -76,6 +76,8 @@ class QuantizedAttentionInputs:
         v_scale: [B, Hk, D] fp32 per-channel scale.
         seq_len: the unpadded sequence length N.
         softmax_scale: the attention scale (usually D**-0.5).
+        k_group: tokens sharing one K scale (:data:`TILE`: one scale per KV tile, which the
+            kernel folds into its row factor).
     """
 
     q_int: torch.Tensor
@@ -89,6 +91,7 @@ class QuantizedAttentionInputs:
     v_scale: torch.Tensor
     seq_len: int
     softmax_scale: float
+    k_group: int = 16
 
 
 def quantize_int_per_group(x: torch.Tensor, group: int, bits: int, n_pad: int, fold: float = 1.0):
@@ -177,6 +180,7 @@ def quantize_attention_inputs(
     with torch.no_grad():
         # Smooth K with a detached mean: exact for the softmax, so no gradient flows through it.
         k_mean = k.float().mean(dim=2, keepdim=True)
+
         k_int, k_scale = quantize_int_per_group(k.float() - k_mean, k_group, qk_bits, n_pad)
         q_mean_tok = None
         qf = q.float()
@@ -204,6 +208,7 @@ def quantize_attention_inputs(
         v_scale=v_scale,
         seq_len=n,
         softmax_scale=float(softmax_scale),
+        k_group=k_group,
     )
 
 
@@ -221,4 +226,28 @@ def _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual
     return QuantizedAttentionInputs(
         q_int=q_int, q_scale=q_scale, q_mean=None, k_int=k_int, k_scale=k_scale, k_mean=k_mean,
         v_fp8_t=v_fp8_t, v_residual_t=v_residual_t, v_scale=v_scale, seq_len=q.shape[2],
-        softmax_scale=float(softmax_scale))
+        softmax_scale=float(softmax_scale), k_group=k_group)
+
+
+def natural_lse(qi: QuantizedAttentionInputs, lse2: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, N] natural-log LSE of the *smoothed* scaled scores ``scale * q.(k - k_mean)``.
+
+    The kernel's ``lse2`` is in the log2 domain (``softmax_scale * log2(e)`` is folded into
+    Q); torch's SDPA backward kernels want natural logs. Pair it with the smoothed K
+    (:func:`smoothed_k`), not K: softmax ignores the row constant ``q.k_mean``, and with the
+    smoothed K the backward's dQ = dS.K_smooth carries no ``rowsum(dS) * k_mean`` term, which
+    the small mismatch between the quantized forward's O/LSE and bf16 scores would blow up
+    wherever keys share a large offset.
+
+    Example:
+        >>> q = k = v = torch.randn(1, 1, 8, 64)
+        >>> qi = quantize_attention_inputs(q, k, v, 0.125)
+        >>> natural_lse(qi, torch.zeros(1, 1, 128)).shape
+        torch.Size([1, 1, 8])
+    """
+    return lse2[..., : qi.seq_len] * LN2
+
+
+def smoothed_k(qi: QuantizedAttentionInputs, k: torch.Tensor) -> torch.Tensor:
+    """``k - k_mean`` in k's dtype: the keys whose scores :func:`natural_lse` describes."""
+    return (k.float() - qi.k_mean).to(k.dtype)

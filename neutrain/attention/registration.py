@@ -10,6 +10,11 @@ FlashAttention's; packed sequences are recognized from ``position_ids`` (a new
 document starts wherever the position does not increase by one), which the model
 passes to the attention function. Everything the kernel does not support goes to
 torch SDPA (or a small math path for softcap/sinks), counted and logged once.
+
+On a GPU every supported call then asks :mod:`neutrain.attention.dispatch` whether the
+benchmark measured SageAttention faster than cuDNN SDPA for that device and shape
+(forward-only when no gradient is being recorded, forward+backward otherwise); where
+it did not, the call runs SDPA (cuDNN first), also counted and logged once.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from neutrain import compat
+from neutrain.attention import dispatch
 from neutrain.attention.counters import record_fallback
 from neutrain.attention.sage import SUPPORTED_HEAD_DIMS, sage_attention
 
@@ -141,9 +148,31 @@ def neutrain_sage_attention_forward(
         else:
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, sliding_window, query.device)
         return _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux), None
+    backward, config = "triton", None
+    if query.is_cuda:  # CPU keeps the quantized reference (build_model gives CPU runs SDPA anyway)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        device = torch.cuda.get_device_name(query.device)
+        choice = dispatch.choose(device, head_dim, causal, str(query.dtype).removeprefix("torch."), training, q_len)
+        if choice.backend != "sage":
+            record_fallback(f"dispatch: {choice.reason}")
+            if padding is None and segments is None:
+                return _sdpa_fast(query, key, value, causal, scaling), None
+            mask = _fallback_mask(q_len, kv_len, causal, padding, segments, None, query.device)
+            return _fallback(query, key, value, mask, 0.0, scaling, None, None), None
+        backward, config = choice.backward, dispatch.kernel_config(device, head_dim)
     out = sage_attention(query, key, value, causal=causal, scale=scaling, segment_ids=segments,
-                         key_padding_mask=padding)
+                         key_padding_mask=padding, backward=backward, config=config)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_fast(query, key, value, causal, scaling):
+    """SDPA without a mask tensor, cuDNN first (the fastest backend on Hopper), as [B, L, H, D]."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # cuDNN takes no enable_gqa; repeated heads cost one copy of K and V
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    with compat.sdpa_prefer_cudnn():
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> str:

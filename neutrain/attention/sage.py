@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from neutrain import compat
 from neutrain.attention.counters import count, record_fallback
-from neutrain.attention.quant import quantize_attention_inputs
+from neutrain.attention.quant import TILE, natural_lse, quantize_attention_inputs, smoothed_k
 from neutrain.attention.reference import sage_reference_backward, sage_reference_forward
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -26,25 +27,47 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+#: Backward routes: "triton" (the straight-through quantized backward kernels, or the reference on
+#: CPU) and torch's exact bf16 SDPA backward kernels fed with the quantized forward's O and LSE.
+BACKWARD_ROUTES = ("triton", "cudnn", "flash", "cpu")
+
+
 class _SageAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, segment_q, segment_k, smooth_q, qk_bits, v_residual, backend):
-        qi = quantize_attention_inputs(q, k, v, scale, smooth_q=smooth_q, qk_bits=qk_bits, v_residual=v_residual)
+    def forward(ctx, q, k, v, causal, scale, segment_q, segment_k, smooth_q, qk_bits, v_residual, backend,
+                backward, config):
+        k_group = TILE if config is not None and config.get("k_tile_scale") else 16
+        qi = quantize_attention_inputs(q, k, v, scale, smooth_q=smooth_q, qk_bits=qk_bits, v_residual=v_residual,
+                                       k_group=k_group)
         if backend == "triton":
-            from neutrain.kernels.sage_attention import sage_attention_forward
+            from neutrain.kernels.sage_attention import ForwardConfig, sage_attention_forward
 
-            out, lse = sage_attention_forward(qi, causal, segment_q, segment_k, out_dtype=q.dtype)
+            launch = None
+            if config is not None:
+                launch = ForwardConfig(config["block_m"], config["num_warps"], config["num_stages"],
+                                       bool(config.get("pipeline")))
+            out, lse = sage_attention_forward(qi, causal, segment_q, segment_k, out_dtype=q.dtype, config=launch)
             count("kernel")
         else:
             out, lse = sage_reference_forward(qi, causal, segment_q, segment_k, out_dtype=q.dtype)
             count("reference")
-        ctx.qi = qi
-        ctx.causal, ctx.backend = causal, backend
-        ctx.save_for_backward(out, lse, segment_q, segment_k)
+        ctx.causal, ctx.backend, ctx.backward_route, ctx.scale = causal, backend, backward, scale
+        if backward != "triton":
+            # Exact route: the bf16 inputs (K smoothed), O and the natural LSE; the 1-byte copies go.
+            if any(ctx.needs_input_grad[:3]):
+                ctx.save_for_backward(q, smoothed_k(qi, k), v, out, natural_lse(qi, lse))
+        else:
+            ctx.qi = qi
+            ctx.save_for_backward(out, lse, segment_q, segment_k)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.backward_route != "triton":
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = exact_backward(ctx.backward_route, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
+            count(f"exact_backward:{ctx.backward_route}")
+            return dq, dk, dv, *([None] * 10)
         out, lse, segment_q, segment_k = ctx.saved_tensors
         if ctx.backend == "triton":
             from neutrain.kernels.sage_attention import sage_attention_backward
@@ -55,7 +78,25 @@ class _SageAttentionFunction(torch.autograd.Function):
             dq, dk, dv = sage_reference_backward(ctx.qi, out, lse, grad_out, ctx.causal, segment_q, segment_k)
             count("reference_backward")
         dtype = out.dtype
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), *([None] * 10)
+
+
+#: Routes whose torch kernels take fewer K/V heads than Q heads as they are; the others get
+#: K and V repeated per query head, and their dK/dV summed back over each group.
+NATIVE_GQA_ROUTES: frozenset[str] = frozenset()  # benchmarks/attention.py reports which could join
+
+
+def exact_backward(route, grad_out, q, k, v, out, lse, causal, scale):
+    """dq, dk, dv of exact attention at the bf16 inputs, with the forward's ``out`` and natural ``lse``
+    (straight-through: the quantizers' Jacobians are taken as identity), via :func:`compat.sdpa_backward`."""
+    groups = q.shape[1] // k.shape[1]
+    expand = groups > 1 and route not in NATIVE_GQA_ROUTES
+    ke, ve = (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)) if expand else (k, v)
+    dq, dk, dv = compat.sdpa_backward(route, grad_out, q, ke, ve, out, lse, causal, scale)
+    if expand:
+        b, hk, n, d = k.shape
+        dk, dv = dk.view(b, hk, groups, n, d).sum(2), dv.view(b, hk, groups, n, d).sum(2)
+    return dq, dk, dv
 
 
 def sdpa_attention(q, k, v, causal=False, scale=None, segment_q=None, segment_k=None):
@@ -86,6 +127,8 @@ def sage_attention(
     qk_bits: int = 8,
     v_residual: bool = True,
     backend: str = "auto",
+    backward: str = "triton",
+    config: dict | None = None,
 ) -> torch.Tensor:
     """SageAttention2 (INT8 QK, FP8 PV) with gradients to q, k and v.
 
@@ -105,6 +148,12 @@ def sage_attention(
             data instead of ~2.5%, and faster).
         backend: "auto" (Triton on CUDA, the pure-PyTorch quantized reference on
             CPU), "triton" (also runs on the CPU interpreter) or "reference".
+        backward: "triton" (the quantized straight-through kernels: S recomputed from
+            the INT8 Q/K, dV from the forward's FP8 P), or an exact bf16 torch kernel fed
+            the forward's O and LSE: "cudnn", "flash" (CUDA) or "cpu". The exact routes
+            need no segments (they fall back to "triton" when segment ids or padding are set).
+        config: forward kernel settings (``block_m``, ``num_warps``, ``num_stages``,
+            ``pipeline``, ``k_tile_scale``), as the dispatch table stores them per device.
 
     Returns:
         [B, Hq, N, D] in q's dtype. Rows that may attend no key are 0.
@@ -131,4 +180,9 @@ def sage_attention(
         record_fallback(f"head_dim={d}" if d not in SUPPORTED_HEAD_DIMS else "q_len != kv_len")
         return sdpa_attention(q, k, v, causal, scale, segment_q, segment_k)
     backend = _resolve_backend(backend, q.device)
-    return _SageAttentionFunction.apply(q, k, v, causal, scale, segment_q, segment_k, smooth_q, qk_bits, v_residual, backend)
+    if backward not in BACKWARD_ROUTES:
+        raise ValueError(f"backward must be one of {BACKWARD_ROUTES}, got {backward!r}")
+    if segment_q is not None:
+        backward = "triton"  # torch's exact kernels take no document masks
+    return _SageAttentionFunction.apply(q, k, v, causal, scale, segment_q, segment_k, smooth_q, qk_bits, v_residual,
+                                        backend, backward, config)

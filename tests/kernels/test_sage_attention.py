@@ -102,10 +102,59 @@ def test_kernel_against_exact_fp32(kind, head_dim, causal, record_property):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("route", ["cudnn", "flash"])
+@pytest.mark.parametrize("kind", ["random", "k_offset", "sink"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_backward_routes_against_exact_fp32(route, kind, causal, record_property):
+    """Quantized forward, torch's exact bf16 backward (cuDNN / flash) fed its O and LSE, GQA 8:2."""
+    q, k, v = make_attention_inputs(2, 8, 2, 1000, 128, kind, torch.bfloat16, DEVICE)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
+    reset_counters()
+    out, dq, dk, dv = _fwd_bwd(q, k, v, causal, "triton", grad, backward=route)
+    assert counters["kernel"] == 1 and counters[f"exact_backward:{route}"] == 1 and counters["kernel_backward"] == 0
+    qe, ke, ve = (t.detach().float().requires_grad_() for t in (q, k, v))
+    exact_attention(qe, ke, ve, causal).backward(grad.float())
+    fwd = accuracy_metrics(out, exact_attention(q.float(), k.float(), v.float(), causal))
+    grads = [accuracy_metrics(a, b.grad) for a, b in ((dq, qe), (dk, ke), (dv, ve))]
+    record_property("grads_cos", [g["cos"] for g in grads])
+    print(route, kind, causal, "fwd", round(fwd["cos"], 6), "grads", [round(g["cos"], 6) for g in grads])
+    assert fwd["cos"] >= (0.999 if kind == "random" else 0.995)
+    assert all(g["finite"] and g["cos"] >= 0.998 for g in grads), grads
+
+
+@pytest.mark.gpu
+def test_registration_dispatch_follows_the_table(tmp_path, monkeypatch):
+    """On a GPU the registered function runs sage only where the table says it is faster."""
+    import json
+
+    from neutrain.attention import dispatch
+    from neutrain.attention.registration import neutrain_sage_attention_forward
+
+    dev = torch.cuda.get_device_name(0)
+    q, k, v = make_attention_inputs(1, 4, 2, 512, 128, "random", torch.bfloat16, DEVICE)
+    fast = dispatch.build_entries(dev, 128, True, "bfloat16", "forward",
+                                  [{"n": 512, "sage_ms": 1.0, "sdpa_ms": 2.0, "backward": "cudnn"}])
+    slow = dispatch.build_entries(dev, 128, True, "bfloat16", "forward",
+                                  [{"n": 512, "sage_ms": 2.0, "sdpa_ms": 1.0, "backward": "cudnn"}])
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", "table")
+    outs = {}
+    for name, entries in (("fast", fast), ("slow", slow)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"entries": entries}))
+        monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH_TABLE", str(path))
+        reset_counters()
+        with torch.no_grad():
+            outs[name], _ = neutrain_sage_attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
+        assert (counters["kernel"], counters["fallback"]) == ((1, 0) if name == "fast" else (0, 1)), counters
+    assert accuracy_metrics(outs["fast"], outs["slow"])["cos"] > 0.999
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_tiny_llama_finetune_matches_sdpa(head_dim):
+def test_tiny_llama_finetune_matches_sdpa(head_dim, monkeypatch):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", "always")  # the kernel, whatever the table says
     register()
     cfg = LlamaConfig(hidden_size=4 * head_dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
@@ -158,11 +207,15 @@ def _sass(asm: dict) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_forward_sass_uses_int8_and_fp8_wgmma(head_dim):
-    from neutrain.kernels.sage_attention import compiled_forward_asm
+@pytest.mark.parametrize("head_dim,variant", [(64, "default"), (128, "default"), (128, "pipelined_tile_scale")])
+def test_forward_sass_uses_int8_and_fp8_wgmma(head_dim, variant):
+    from neutrain.kernels.sage_attention import ForwardConfig, compiled_forward_asm
 
-    sass = _sass(compiled_forward_asm(head_dim))
+    if variant == "default":
+        asm = compiled_forward_asm(head_dim)
+    else:
+        asm = compiled_forward_asm(head_dim, config=ForwardConfig(128, 8, 3, True), k_tile_scale=True)
+    sass = _sass(asm)
     igmma = sum("IGMMA" in line for line in sass.splitlines())
     qgmma = sum("QGMMA" in line for line in sass.splitlines())
     print(f"d={head_dim}: {igmma} IGMMA, {qgmma} QGMMA, {sass.count('HGMMA')} HGMMA lines")
@@ -226,3 +279,22 @@ def test_fused_quantization_feeds_the_same_attention():
     out_plain, _ = sage_reference_forward(plain, causal=True)
     # CPU: the interpreter's carry-dropping FP8 cast perturbs a few V elements.
     assert accuracy_metrics(out_fused.cpu(), out_plain)["cos"] >= (0.99999 if ON_GPU else 0.999)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipelined_and_tile_scale_variants_match_reference(causal):
+    """The autotune's kernel variants (hand-pipelined loop, one K scale per tile) compute the
+    reference's math: same LSE, same output (CPU: interpreter, through its truncating casts)."""
+    from neutrain.attention.quant import TILE, quantize_attention_inputs
+    from neutrain.attention.reference import sage_reference_forward
+    from neutrain.kernels.sage_attention import ForwardConfig, sage_attention_forward
+
+    n = 300 * (8 if ON_GPU else 1)  # non-causal: 2 unmasked tiles on CPU; causal: 0, 1 and more per block
+    q, k, v = make_attention_inputs(1, 2, 1, n, 64, "random", torch.bfloat16, DEVICE)
+    for k_group in (16, TILE):
+        qi = quantize_attention_inputs(q, k, v, 0.125, k_group=k_group)
+        ref_out, ref_lse = sage_reference_forward(qi, causal)
+        for pipeline in (False, True):
+            out, lse = sage_attention_forward(qi, causal, config=ForwardConfig(128, 8, 3, pipeline))
+            assert accuracy_metrics(out, ref_out)["cos"] >= FWD_COS
+            torch.testing.assert_close(lse[..., :n], ref_lse[..., :n], atol=1e-4, rtol=1e-5)

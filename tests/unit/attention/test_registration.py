@@ -122,3 +122,22 @@ def test_recipe_asking_for_sage_gets_sdpa_on_cpu_and_the_kernel_on_gpu(caplog):
     assert any("neutrain_sage needs a CUDA GPU" in r.getMessage() for r in caplog.records)
     if torch.cuda.is_available():
         assert build_model(model_cfg, tok, use_cpu=False).config._attn_implementation == "neutrain_sage"
+
+
+def test_auto_attention_builds_sdpa_on_cpu_and_dispatching_sage_on_gpu():
+    """``attn_implementation: auto`` is a valid recipe value: SDPA on CPU, the dispatching
+    ``neutrain_sage`` function on a GPU (which itself runs SDPA wherever the table says so)."""
+    from neutrain.config import validate_recipe
+    from neutrain.data import byte_tokenizer
+    from neutrain.modeling import build_model
+
+    recipe = validate_recipe({
+        "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "auto",
+                  "config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}},
+        "data": {"datasets": [{"path": "python-stdlib", "type": "text"}]},
+    })
+    assert build_model(recipe.model, byte_tokenizer(), use_cpu=True).config._attn_implementation == "sdpa"
+    if torch.cuda.is_available():
+        model = build_model(recipe.model, byte_tokenizer(), use_cpu=False)
+        assert model.config._attn_implementation == "neutrain_sage"

@@ -1,0 +1,157 @@
+"""Honest dispatch: SageAttention only where the benchmark measured it faster than SDPA.
+
+``benchmarks/attention.py`` times SageAttention against cuDNN SDPA on the card it runs
+on and writes :data:`TABLE_PATH` (package data). Each entry covers one (device name,
+head dim, causal, dtype, mode) and a closed range of sequence lengths, and names the
+winner. ``mode`` is ``"forward"`` (inference, eval prefill: no gradient) or ``"train"``
+(forward + backward). Sage is picked only inside a range whose measured end points
+were both faster with sage; everything else (another card, an unmeasured length, a
+shape the table calls slower) runs torch SDPA, with the reason logged once.
+
+``NEUTRAIN_SAGE_DISPATCH`` overrides the table: ``always`` (sage wherever the kernel
+supports the call: tests, benchmarks), ``never`` (SDPA), ``table`` (default).
+``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("dispatch_table.json")
+POLICIES = ("table", "always", "never")
+MODES = ("forward", "train")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one attention call runs: ``backend`` "sage" or "sdpa", sage's ``backward`` route, and why."""
+
+    backend: str
+    backward: str = "triton"
+    reason: str = ""
+
+
+def policy() -> str:
+    """The ``NEUTRAIN_SAGE_DISPATCH`` policy (``table`` when unset)."""
+    value = os.environ.get("NEUTRAIN_SAGE_DISPATCH", "table").strip().lower()
+    if value not in POLICIES:
+        raise ValueError(f"NEUTRAIN_SAGE_DISPATCH={value!r}: expected one of {POLICIES}")
+    return value
+
+
+def table_path() -> Path:
+    return Path(os.environ.get("NEUTRAIN_SAGE_DISPATCH_TABLE", TABLE_PATH))
+
+
+@lru_cache(maxsize=4)
+def load_table(path: str) -> tuple[dict, ...]:
+    """The entries of a dispatch table file (empty when the file is missing or unreadable)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return ()
+    entries = data.get("entries", []) if isinstance(data, dict) else []
+    return tuple(e for e in entries if isinstance(e, dict))
+
+
+def lookup(device: str, head_dim: int, causal: bool, dtype: str, mode: str, seq_len: int,
+           entries: tuple[dict, ...] | None = None) -> Choice:
+    """The table's choice for one call shape; ``sdpa`` unless an entry says sage is faster.
+
+    Example:
+        >>> e = ({"device": "GPU X", "head_dim": 128, "causal": True, "dtype": "bfloat16", "mode": "train",
+        ...       "seq_min": 8192, "seq_max": 16384, "backend": "sage", "backward": "cudnn"},)
+        >>> lookup("GPU X", 128, True, "bfloat16", "train", 12288, e).backend
+        'sage'
+        >>> lookup("GPU X", 128, True, "bfloat16", "train", 4096, e).backend
+        'sdpa'
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if entries is None:
+        entries = load_table(str(table_path()))
+    # The reason names the shape family, not N: it is logged once per distinct reason.
+    shape = f"{device}, d={head_dim}, causal={causal}, {dtype}, {mode}"
+    for e in entries:
+        if (e.get("device") == device and e.get("head_dim") == head_dim and e.get("causal") == causal
+                and e.get("dtype") == dtype and e.get("mode") == mode
+                and e.get("seq_min", 0) <= seq_len <= e.get("seq_max", -1)):
+            if e.get("backend") == "sage":
+                return Choice("sage", e.get("backward", "triton"), f"measured faster ({shape})")
+            return Choice("sdpa", reason=f"SDPA measured faster ({shape})")
+    return Choice("sdpa", reason=f"no measurement in the dispatch table ({shape})")
+
+
+@lru_cache(maxsize=4)
+def _kernel_configs(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    configs = data.get("kernel_configs", {}) if isinstance(data, dict) else {}
+    return configs if isinstance(configs, dict) else {}
+
+
+def kernel_config(device: str, head_dim: int) -> dict | None:
+    """The forward kernel settings the benchmark's autotune picked for this device and head dim, if any.
+
+    Example:
+        >>> kernel_config("no such GPU", 128) is None
+        True
+    """
+    cfg = _kernel_configs(str(table_path())).get(device, {}).get(str(head_dim))
+    return dict(cfg) if isinstance(cfg, dict) else None
+
+
+def choose(device: str, head_dim: int, causal: bool, dtype: str, training: bool, seq_len: int) -> Choice:
+    """Apply the ``NEUTRAIN_SAGE_DISPATCH`` policy, then the table, to one supported call."""
+    mode = "train" if training else "forward"
+    p = policy()
+    if p == "always":
+        return Choice("sage", os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton"), "NEUTRAIN_SAGE_DISPATCH=always")
+    if p == "never":
+        return Choice("sdpa", reason="NEUTRAIN_SAGE_DISPATCH=never")
+    return lookup(device, head_dim, causal, dtype, mode, seq_len)
+
+
+def build_entries(device: str, head_dim: int, causal: bool, dtype: str, mode: str, points: list[dict],
+                  margin: float = 1.02) -> list[dict]:
+    """Table entries from measured points ``{"n", "sage_ms", "sdpa_ms", "backward"}`` of one shape family.
+
+    Between two consecutive measured lengths, sage is chosen only if it was at least
+    ``margin`` times faster at both; each measured length also gets its own one-point
+    entry, so every length the table sends to sage was timed at or bracketed by wins.
+
+    Example:
+        >>> pts = [{"n": 8192, "sage_ms": 9.0, "sdpa_ms": 10.0, "backward": "cudnn"},
+        ...        {"n": 16384, "sage_ms": 30.0, "sdpa_ms": 40.0, "backward": "cudnn"}]
+        >>> [(e["seq_min"], e["seq_max"], e["backend"]) for e in build_entries("X", 128, True, "bfloat16", "train", pts)]
+        [(8192, 8192, 'sage'), (8192, 16384, 'sage'), (16384, 16384, 'sage')]
+    """
+    pts = sorted(points, key=lambda p: p["n"])
+    base = {"device": device, "head_dim": head_dim, "causal": causal, "dtype": dtype, "mode": mode}
+
+    def wins(p):
+        return p["sdpa_ms"] / p["sage_ms"] >= margin
+
+    def evidence(p):
+        return {"n": p["n"], "sage_ms": round(p["sage_ms"], 4), "sdpa_ms": round(p["sdpa_ms"], 4),
+                "speedup": round(p["sdpa_ms"] / p["sage_ms"], 4)}
+
+    entries = []
+    for i, p in enumerate(pts):
+        entries.append({**base, "seq_min": p["n"], "seq_max": p["n"], "backend": "sage" if wins(p) else "sdpa",
+                        "backward": p.get("backward", "triton"), "evidence": [evidence(p)]})
+        if i + 1 < len(pts):
+            q = pts[i + 1]
+            both = wins(p) and wins(q)
+            # The slower of the two end points' backward routes would be a guess: keep the one
+            # measured at the shorter end (the benchmark picks one route per shape family).
+            entries.append({**base, "seq_min": p["n"], "seq_max": q["n"], "backend": "sage" if both else "sdpa",
+                            "backward": p.get("backward", "triton"), "evidence": [evidence(p), evidence(q)]})
+    # Exact-length entries first, so a measured length is decided by its own measurement.
+    return sorted(entries, key=lambda e: (e["seq_max"] - e["seq_min"], e["seq_min"]))
