@@ -19,7 +19,7 @@ failure cleans up. The module imports nothing from neutrain, so any layer may us
 
 Example:
     >>> from neutrain.leftovers import clean_run_dir
-    >>> clean_run_dir("outputs/run")  # after a run was killed while saving checkpoint-40
+    >>> clean_run_dir("outputs/run")  # doctest: +SKIP
     ['removed outputs/run/.tmp-checkpoint-40 (temporary left by an interrupted or failed write)']
 """
 

@@ -20,8 +20,8 @@ the real final checkpoint. :func:`prepare_run` decides before anything is built:
     run's. The log gives both learning rates at the seam.
 
 Example:
-    >>> plan = prepare_run(recipe.train, PartialState())
-    >>> if plan.finished:
+    >>> plan = prepare_run(recipe.train, PartialState())  # doctest: +SKIP
+    >>> if plan.finished:  # doctest: +SKIP
     ...     print(plan.message)
     ... else:
     ...     trainer.train(resume_from_checkpoint=plan.checkpoint)

@@ -129,7 +129,7 @@ def build_entries(device: str, head_dim: int, causal: bool, dtype: str, mode: st
     Example:
         >>> pts = [{"n": 8192, "sage_ms": 9.0, "sdpa_ms": 10.0, "backward": "cudnn"},
         ...        {"n": 16384, "sage_ms": 30.0, "sdpa_ms": 40.0, "backward": "cudnn"}]
-        >>> [(e["seq_min"], e["seq_max"], e["backend"]) for e in build_entries("X", 128, True, "bfloat16", "train", pts)]
+        >>> sorted((e["seq_min"], e["seq_max"], e["backend"]) for e in build_entries("X", 128, True, "bfloat16", "train", pts))
         [(8192, 8192, 'sage'), (8192, 16384, 'sage'), (16384, 16384, 'sage')]
     """
     pts = sorted(points, key=lambda p: p["n"])

@@ -111,7 +111,7 @@ def end_processes(optimizer=None) -> None:
         optimizer: the fused optimizer (or None); its pending all-reduces are drained first.
 
     Example:
-        >>> summary = train_from_recipe(recipe)  # doctest: +SKIP  (calls end_processes last)
+        >>> summary = train_from_recipe(recipe)  # doctest: +SKIP
     """
     import torch.distributed as dist
 

@@ -221,7 +221,7 @@ def test_export_cleans_up_after_a_failure_and_after_an_earlier_kill(tmp_path, mo
 
     monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        export_model(model, target, "hf")
+        export_model(model, target, "hf", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     assert _tree(target) == previous
 
