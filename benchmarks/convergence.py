@@ -56,7 +56,7 @@ SWEEP = {
 
 def run_one(optimizer: str, weights: str, lr: float, steps: int, workdir: str) -> dict:
     from neutrain.config import validate_recipe
-    from neutrain.run import build_trainer
+    from neutrain.cli.train import build_trainer
 
     raw = copy.deepcopy(BASE)
     out = os.path.join(workdir, f"{optimizer}-{weights}-{lr:g}")

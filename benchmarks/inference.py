@@ -128,7 +128,7 @@ def bnb_quantize_(model, kind: str):
 def make_variant(variant: str, cfg: dict, device: str):
     """The model for one decode row: dense, NeuZip (compressed in place, head chunked) or bitsandbytes."""
     from neutrain.export.inference import chunk_output_head
-    from neutrain.lora import compress_model_for_adapters
+    from neutrain.nn.lora import compress_model_for_adapters
 
     model = dense_model(cfg, device).requires_grad_(False)
     if variant.startswith("neuzip"):
@@ -339,7 +339,7 @@ def perplexity_section(args, data, model, results):
 # ----------------------------------------------------------------------------------------------- LoRA
 def lora_train(model, stream, steps: int, lr: float, device: str) -> dict:
     """Train LoRA adapters on ``model`` (base frozen) with AdamW; loss curve, tokens/s and peak memory."""
-    from neutrain.lora import apply_lora
+    from neutrain.nn.lora import apply_lora
     from neutrain.nn import causal_lm_loss
 
     peft_model = apply_lora(model.requires_grad_(False), LORA)
@@ -388,7 +388,7 @@ def lora_rate(model, args) -> dict:
 def lora_section(args, data, trained, results):
     """LoRA on the small trained model: bf16 base, NeuZip lossy-3 base, NF4 base (QLoRA); same everything else."""
     from neutrain.export.hf import densify
-    from neutrain.lora import compress_model_for_adapters
+    from neutrain.nn.lora import compress_model_for_adapters
 
     _, lora_data, heldout = data
     rows = {}

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from neutrain.data import python_stdlib_corpus, train_bpe_tokenizer  # noqa: E402
 from neutrain.speculative import generate  # noqa: E402
-from neutrain.speculative.losses import acceptance_rate, token_divergence  # noqa: E402
+from neutrain.distill.losses import acceptance_rate, token_divergence  # noqa: E402
 
 
 def log(*args):

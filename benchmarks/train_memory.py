@@ -60,7 +60,7 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from neutrain.planner import ModelShape, estimate
+    from neutrain.trainer.planner import ModelShape, estimate
 
     weights, opt_name = VARIANTS[key]
     cuda = torch.cuda.is_available()
@@ -167,7 +167,7 @@ def _run_hf_trainer(model, config, seq: int, steps: int, optim: str = "adamw") -
         row = {"oom": True, "error": str(exc).splitlines()[0][:200]}
     row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30, peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                device_used_gib=_device_used_gib())
-    from neutrain.planner import ModelShape, estimate
+    from neutrain.trainer.planner import ModelShape, estimate
 
     row["planner_gib"] = estimate(ModelShape.from_config(config), batch=1, seq=seq, optimizer=optim, checkpointing=True,
                                   chunked_loss=False).total_gib

@@ -2,7 +2,7 @@
 
 Why a test module rather than ``--doctest-modules``: the README's command and
 ``testpaths = ["tests"]`` stay as they are, each docstring becomes its own test
-id (``test_docstring_examples[neutrain.lora]``), and the run can be checked for
+id (``test_docstring_examples[neutrain.nn.lora]``), and the run can be checked for
 side effects (an example must not leave files in the checkout). Examples that
 need a GPU, a process group or minutes of training mark those lines
 ``# doctest: +SKIP`` with the reason on a comment line above.

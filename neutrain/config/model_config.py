@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from neutrain.config.errors import RecipeError, one_line
+from neutrain.errors import RecipeError, one_line
 
 # Integer keys that count or size something: zero or negative values build nothing meaningful.
 _POSITIVE_INT = re.compile(r"num_\w*(layers|heads)|\w*_size|head_dim|max_position_embeddings|n_(layer|head|embd|positions)")
@@ -90,7 +90,7 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
     Example:
         >>> check_model_config({"model_type": "llama", "hiden_size": 64})
         Traceback (most recent call last):
-        neutrain.config.errors.RecipeError: model.config: unknown key 'hiden_size' for LlamaConfig. Did you mean 'hidden_size'? ...
+        neutrain.errors.RecipeError: model.config: unknown key 'hiden_size' for LlamaConfig. Did you mean 'hidden_size'? ...
     """
     values, where = _load(cfg)
     _check(values, where, list(values), allow_unknown)
@@ -105,7 +105,7 @@ def check_draft_config(target_cfg: dict | str, overrides: dict, allow_unknown: b
     Example:
         >>> check_draft_config({"model_type": "llama", "num_attention_heads": 4}, {"num_hiden_layers": 1})
         Traceback (most recent call last):
-        neutrain.config.errors.RecipeError: distill.draft_config: unknown key 'num_hiden_layers' for LlamaConfig. ...
+        neutrain.errors.RecipeError: distill.draft_config: unknown key 'num_hiden_layers' for LlamaConfig. ...
     """
     values, _ = _load(target_cfg)
     _check({**values, **overrides}, "distill.draft_config", [k for k in overrides if k != "model_type"], allow_unknown)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from neutrain.config.errors import RecipeError
+from neutrain.errors import RecipeError
 
 
 class _DuplicateKey(Exception):

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from neutrain.config.errors import RecipeError
+from neutrain.errors import RecipeError
 from neutrain.config.model_config import check_draft_config, check_model_config
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.config.schema import REQUIRED, SCHEMA, SECTIONS, Key, Recipe

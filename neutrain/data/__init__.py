@@ -125,7 +125,7 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
             ds = ds.select(range(min(len(ds), data_cfg["max_samples"])))
         train_parts.append(ds)
     if not train_parts:
-        from neutrain.config.errors import RecipeError
+        from neutrain.errors import RecipeError
 
         raise RecipeError("data.datasets: no dataset with split 'train'")
     concat = datasets.interleave_datasets if streaming else datasets.concatenate_datasets

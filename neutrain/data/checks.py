@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from neutrain.config.errors import DataError
+from neutrain.errors import DataError
 from neutrain.data.formats import IGNORE_INDEX, tokenize_row
 
 logger = logging.getLogger("neutrain.data")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neutrain.config.errors import DataError
+from neutrain.errors import DataError
 
 IGNORE_INDEX = -100
 

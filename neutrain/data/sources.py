@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from neutrain.config.errors import DataError
+from neutrain.errors import DataError
 
 _EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
 

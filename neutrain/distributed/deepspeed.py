@@ -98,7 +98,7 @@ def check_fused_config(config: dict, optimizer, source: str = "DeepSpeed config"
         UserInputError (a ``ValueError``): ``source`` names where the config came
             from (``train.deepspeed`` for recipes).
     """
-    from neutrain.config.errors import UserInputError
+    from neutrain.errors import UserInputError
 
     stage = config.get("zero_optimization", {}).get("stage")
     if stage != 3:

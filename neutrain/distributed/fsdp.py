@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 
 SHARD_FORMAT = "neutrain-fsdp2-shard"
 
@@ -48,7 +48,7 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
     ones; the hooks registered before are on parameters that no longer exist.
     Returns the optimizer. Idempotent.
     """
-    from neutrain.nn_checkpoint import is_compressed
+    from neutrain.nn.checkpoint import is_compressed
 
     if is_compressed(model):
         raise ValueError("FSDP2 shards dense weights only: set memory.weights: dense (see neutrain.distributed.fsdp)")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 
 STATE_FORMAT = "neutrain-optimizer-state-1"
 

@@ -4,7 +4,7 @@ Formats: ``hf`` (dense safetensors, loads anywhere), ``neuzip`` (lossless
 NeuZip, bit-exact) and ``neuzip-lossy-<k>`` (k mantissa bits). NeuZip exports
 load compressed through ``AutoModelForCausalLM.from_pretrained`` after
 ``import neutrain`` (:mod:`neutrain.export.quantizer`). A PEFT model is merged
-first (:func:`neutrain.lora.merge_lora`).
+first (:func:`neutrain.export.lora.merge_lora`).
 
 Submodules are imported on first use, so that ``import neutrain`` (which
 imports :mod:`neutrain.export.registration`) stays light.
@@ -29,11 +29,12 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     :func:`export_hf` or :func:`export_neuzip`.
     """
     if fmt != "hf" and not re.match(r"^neuzip(-lossless|-lossy-\d+)?$", fmt or ""):
-        from neutrain.config.errors import UserInputError
+        from neutrain.errors import UserInputError
 
         raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
-    from neutrain.leftovers import clean_export_leftovers
-    from neutrain.lora import is_peft_model, merge_lora
+    from neutrain.storage.leftovers import clean_export_leftovers
+    from neutrain.export.lora import merge_lora
+    from neutrain.nn.lora import is_peft_model
 
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.

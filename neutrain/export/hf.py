@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from neutrain.checkpoint_files import write_manifest
-from neutrain.config.errors import CheckpointError
+from neutrain.storage.manifest import write_manifest
+from neutrain.errors import CheckpointError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -26,9 +26,9 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     Raises:
         CheckpointError: if the directory is missing or incomplete.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from neutrain.checkpoint_files import verify_checkpoint
+    from neutrain.storage.manifest import verify_checkpoint
 
     path = Path(path)
     verify_checkpoint(path)  # checksums, and no file that would run code when loaded
@@ -37,7 +37,7 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
-    from neutrain.nn_checkpoint import MARKER
+    from neutrain.nn.checkpoint import MARKER
 
     if (path / MARKER).exists():
         return _load_compressed_checkpoint(path), _load_tokenizer(path)
@@ -64,7 +64,7 @@ def _load_compressed_checkpoint(path: Path):
     from transformers import AutoConfig
 
     from neutrain.nn.load import init_compressed
-    from neutrain.nn_checkpoint import MARKER, load_compressed_state
+    from neutrain.nn.checkpoint import MARKER, load_compressed_state
 
     info = json.loads((path / MARKER).read_text())
     config = AutoConfig.from_pretrained(str(path))
@@ -82,7 +82,7 @@ def densify(model):
 
     A dense model is returned as it is.
     """
-    from neutrain.nn_checkpoint import is_compressed
+    from neutrain.nn.checkpoint import is_compressed
 
     if not is_compressed(model):
         return model

@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-from neutrain.checkpoint_files import write_manifest
-from neutrain.config.errors import UserInputError
+from neutrain.storage.manifest import write_manifest
+from neutrain.errors import UserInputError
 
-QUANT_METHOD = "neuzip"
 MARKER_SUFFIX = ".weight"
 """The one-byte marker tensor sits at the dense weight's own name (see the module docstring)."""
 _FORMAT = re.compile(r"^neuzip(?:-lossless|-lossy-(\d+))?$")

@@ -49,7 +49,8 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from neutrain.export.neuzip import QUANT_METHOD
+QUANT_METHOD = "neuzip"
+"""``quantization_config.quant_method`` of a NeuZip export."""
 
 _BLOB_SUFFIX = r"(\.(header|code_lengths|lane_words|tile_base|stream|tails|checksum|name))?"
 

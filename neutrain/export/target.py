@@ -35,7 +35,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 
 EXPORT_INFO = "neutrain_export.json"
 """Written into every export (format and provenance); also what marks a directory as a neutrain export."""

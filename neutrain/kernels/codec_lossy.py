@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from neutrain.kernels import interpreting
-from neutrain.kernels.codec import (COMPILED, COUNTERS, PREFETCH_STEPS, _block_steps, _launch, _next_symbol,
-                                    _num_warps, _prefetch, _prefetch_l1, _put_code)
+from neutrain.kernels.codec_common import (COMPILED, COUNTERS, PREFETCH_STEPS, _block_steps, _launch, _next_symbol,
+                                           _num_warps, _prefetch, _prefetch_l1, _put_code)
 
 
 @triton.jit

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from neutrain.kernels import interpreting
-from neutrain.kernels.codec import (COMPILED, COUNTERS, _block_steps, _count_lossless, _decode_lossless, _num_warps,
-                                    _pack_lossless)
+from neutrain.kernels.codec import _count_lossless, _decode_lossless, _pack_lossless
+from neutrain.kernels.codec_common import COMPILED, COUNTERS, _block_steps, _num_warps
 
 ROWS = 11
 (ROW_STARTS, ROW_NUMEL, ROW_DATA, ROW_ENC, ROW_STREAM, ROW_LANE_WORDS, ROW_TILE_BASE, ROW_TAILS, ROW_LUT,

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 

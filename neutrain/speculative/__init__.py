@@ -5,7 +5,7 @@
   :func:`marginal_output` and :func:`acceptance_formula` for exact checks.
 * :func:`generate` -- single- and multi-draft speculative sampling with one
   tree-masked target forward per round.
-* :mod:`neutrain.speculative.losses` -- distillation divergences and the
+* :mod:`neutrain.distill.losses` -- distillation divergences and the
   acceptance rate of a draft.
 
 Example:

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from neutrain.checkpoint_files import MANIFEST, check_file, verify_checkpoint, verify_resume
+from neutrain.distributed.resume import verify_resume
+from neutrain.storage.manifest import MANIFEST, check_file, verify_checkpoint
 from neutrain.cli import main
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 from tests.helpers import write_recipe
 from tests.integration.test_distributed import MODES as DISTRIBUTED
 from tests.integration.test_launch import _run

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neutrain.callbacks import read_metrics
+from neutrain.trainer.callbacks import read_metrics
 from tests.helpers import TINY_LLAMA, write_recipe
 
 NAN = float("nan")

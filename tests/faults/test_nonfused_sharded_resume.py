@@ -20,8 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neutrain.checkpoint_files import MANIFEST, verify_resume
-from neutrain.config.errors import CheckpointError
+from neutrain.distributed.resume import verify_resume
+from neutrain.storage.manifest import MANIFEST
+from neutrain.errors import CheckpointError
 from tests.faults.test_checkpoint_trust import _plant
 from tests.helpers import write_recipe
 from tests.integration.test_launch import REPO, _run

@@ -50,13 +50,13 @@ def _error_line(capsys, argv: list[str], code: int, after_training: bool = False
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Fail the test if the tokenizer or the model gets built: the error must come before."""
-    import neutrain.modeling
+    import neutrain.trainer.modeling
 
     def built(*args, **kwargs):
         raise AssertionError("the model or tokenizer was built before the error")
 
-    monkeypatch.setattr(neutrain.modeling, "build_model", built)
-    monkeypatch.setattr(neutrain.modeling, "build_tokenizer", built)
+    monkeypatch.setattr(neutrain.trainer.modeling, "build_model", built)
+    monkeypatch.setattr(neutrain.trainer.modeling, "build_tokenizer", built)
 
 
 # ---- class 6: non-finite and out-of-range values ------------------------------------------------------------
@@ -132,12 +132,12 @@ def test_late_settings_fail_before_the_model_is_built(tmp_path, capsys, nothing_
 
 
 def test_long_context_prompt_too_long_fails_before_the_model_is_built(tmp_path, capsys, monkeypatch):
-    import neutrain.modeling
+    import neutrain.trainer.modeling
 
     def built(*args, **kwargs):
         raise AssertionError("the model was built before the error")
 
-    monkeypatch.setattr(neutrain.modeling, "build_model", built)  # the tokenizer is needed: prompts count its tokens
+    monkeypatch.setattr(neutrain.trainer.modeling, "build_model", built)  # the tokenizer is needed: prompts count its tokens
     recipe = write_recipe(tmp_path, eval={"long_context_tasks": ["niah_single", "frequent_words"], "context_len": 512})
     line = _error_line(capsys, [recipe], 2)
     assert line.startswith("neutrain: error: eval.context_len: 512 tokens is too short for long-context task 'frequent_words'")
@@ -150,7 +150,7 @@ def test_logger_that_is_not_installed_fails_before_the_model_is_built(tmp_path, 
 
 
 def test_min_lr_schedule_kwargs_reach_the_trainer(tmp_path):
-    from neutrain.run import training_arguments
+    from neutrain.cli.train import training_arguments
 
     recipe = load_recipe(write_recipe(tmp_path, train={"lr_scheduler": "cosine_with_min_lr",
                                                        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}))
@@ -212,7 +212,7 @@ def test_unknown_model_config_key_suggests_the_closest(tmp_path, capsys):
 
 
 def test_unknown_model_config_key_is_kept_with_the_escape_hatch(tmp_path):
-    from neutrain.modeling import config_only
+    from neutrain.trainer.modeling import config_only
 
     recipe = load_recipe(write_recipe(tmp_path, model={"config": {**TINY_LLAMA, "my_note": "kept"}, "allow_unknown_config_keys": True}))
     assert config_only(recipe.model).to_dict()["my_note"] == "kept"
@@ -280,12 +280,12 @@ def test_output_dir_below_a_file_exits_1(tmp_path, capsys, nothing_built):
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC])
 def test_unwritable_output_dir_exits_1_before_the_model_is_built(tmp_path, capsys, monkeypatch, nothing_built, code):
-    import neutrain.preflight
+    import neutrain.cli.preflight
 
     def refuse(*args, dir=None, **kwargs):  # what mkstemp meets on a read-only, forbidden or full file system
         raise OSError(code, os.strerror(code), os.path.join(dir, ".neutrain-write-probe-x"))
 
-    monkeypatch.setattr(neutrain.preflight.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(neutrain.cli.preflight.tempfile, "mkstemp", refuse)
     out = tmp_path / "out"
     line = _error_line(capsys, [write_recipe(tmp_path)], 1)
     assert line == f"neutrain: error: train.output_dir is not writable ({out}): {os.strerror(code)}"
@@ -318,7 +318,7 @@ def _safetensors_enospc(monkeypatch, where: str):
 def test_full_disk_while_writing_metrics_exits_1(tmp_path, capsys, monkeypatch):
     import builtins
 
-    import neutrain.callbacks
+    import neutrain.trainer.callbacks
 
     class FullDisk:  # a file whose write fails as on a full disk (plain writes carry no file name)
         def __init__(self, *args, **kwargs):
@@ -336,7 +336,7 @@ def test_full_disk_while_writing_metrics_exits_1(tmp_path, capsys, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.fh, name)
 
-    monkeypatch.setattr(neutrain.callbacks, "open", FullDisk, raising=False)
+    monkeypatch.setattr(neutrain.trainer.callbacks, "open", FullDisk, raising=False)
     recipe = write_recipe(tmp_path, train={**RUN, "save_steps": 100}, eval={"perplexity": False}, export={"format": "none"})
     line = _error_line(capsys, [recipe], 1, after_training=True)
     assert line == f"neutrain: error: disk full ({tmp_path / 'out'}): No space left on device"

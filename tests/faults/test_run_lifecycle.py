@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neutrain.callbacks import read_metrics
+from neutrain.trainer.callbacks import read_metrics
 from neutrain.cli import main as neutrain
 from tests.helpers import write_recipe
 
@@ -145,8 +145,8 @@ def _train(out: Path, **keys) -> dict:
 
 
 def test_plan_resume_decides_finished_from_max_steps_or_epochs(tmp_path):
-    from neutrain.config.errors import CheckpointError
-    from neutrain.run_state import plan_resume
+    from neutrain.errors import CheckpointError
+    from neutrain.trainer.run_state import plan_resume
 
     assert plan_resume(_train(tmp_path / "none")).checkpoint is None  # nothing to resume yet: from scratch
     _checkpoint(tmp_path / "steps", 2, max_steps=4)
@@ -226,7 +226,7 @@ def test_export_cleans_up_after_a_failure_and_after_an_earlier_kill(tmp_path, mo
     assert _tree(target) == previous
 
     # Killed between moving the previous export aside and renaming the new one in: the previous one comes back.
-    from neutrain.leftovers import clean_export_leftovers
+    from neutrain.storage.leftovers import clean_export_leftovers
 
     target.rename(tmp_path / f".tmp-old-export-{dead}")
     (tmp_path / f".tmp-export-{dead}").mkdir()

@@ -1,4 +1,4 @@
-"""Train a recipe through ``neutrain.run.train_from_recipe``, then record what is still alive of the process group.
+"""Train a recipe through ``neutrain.cli.train.train_from_recipe``, then record what is still alive of the process group.
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.faults.train_then_report <recipe> <report dir>
 
@@ -19,7 +19,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from neutrain.config import load_recipe
-    from neutrain.run import train_from_recipe
+    from neutrain.cli.train import train_from_recipe
 
     recipe, report = sys.argv[1], Path(sys.argv[2])
     train_from_recipe(load_recipe(recipe))

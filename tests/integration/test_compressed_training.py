@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neutrain.callbacks import read_metrics
+from neutrain.trainer.callbacks import read_metrics
 from neutrain.config import load_recipe
-from neutrain.run import build_trainer
+from neutrain.cli.train import build_trainer
 from tests.helpers import write_recipe
 
 COMPRESSED = {"weights": "neuzip-lossless", "stochastic_rounding": True, "clip_mode": "per_tensor"}

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from neutrain.config import load_recipe
-from neutrain.run import train_from_recipe
+from neutrain.cli.train import train_from_recipe
 from tests.helpers import write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_default_flow_distils_a_draft_and_decodes_speculatively(tmp_path, capsys
 
 
 def test_long_context_eval_runs_each_cache_compressed(tmp_path):
-    from neutrain.run import build_trainer, long_context_eval
+    from neutrain.cli.train import build_trainer, long_context_eval
 
     from tests.helpers import TINY_LLAMA
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from neutrain.lora import apply_lora, compress_model_for_adapters, load_adapters, merge_lora
+from neutrain.export.lora import merge_lora
+from neutrain.nn.lora import apply_lora, compress_model_for_adapters, load_adapters
 from tests.helpers import write_recipe
 
 FAST = {"steps": 8}  # short lanes: the CPU reference decoder's cost grows with steps
@@ -121,7 +122,7 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from neutrain.config import load_recipe
-    from neutrain.run import train_from_recipe
+    from neutrain.cli.train import train_from_recipe
 
     recipe = load_recipe(write_recipe(
         tmp_path, model={"dtype": "float32"},
@@ -145,7 +146,7 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
 
 def test_lora_with_a_fused_optimizer_is_refused(tmp_path):
     from neutrain.config import load_recipe
-    from neutrain.config.errors import RecipeError
+    from neutrain.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"train\.optimizer: LoRA adapters train with adamw or sgd"):
         load_recipe(write_recipe(tmp_path, memory={"weights": "neuzip-lossless", "adapter": "lora"},

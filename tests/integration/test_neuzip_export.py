@@ -15,7 +15,7 @@ from tests.helpers import write_recipe
 def trained(tmp_path_factory):
     """A tiny Llama trained 2 steps with NeuZip-lossless weights and LOMO, plus its checkpoint."""
     from neutrain.config import load_recipe
-    from neutrain.run import build_trainer
+    from neutrain.cli.train import build_trainer
 
     tmp = tmp_path_factory.mktemp("neuzip_export")
     recipe = load_recipe(write_recipe(

@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from neutrain.callbacks import read_metrics
+from neutrain.trainer.callbacks import read_metrics
 from neutrain.config import load_recipe
 from tests.helpers import write_recipe
 
@@ -36,7 +35,7 @@ def _losses(out: Path) -> dict[int, float]:
 def test_train_checkpoint_export_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from neutrain.run import build_trainer
+    from neutrain.cli.train import build_trainer
 
     recipe_path = write_recipe(tmp_path, export={"max_shard_size": "40KB"}, train={"report_to": "tensorboard"})
     recipe = load_recipe(recipe_path)

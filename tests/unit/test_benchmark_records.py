@@ -70,7 +70,7 @@ def test_a_commit_from_the_environment_needs_the_dirty_flag_too(monkeypatch):
 def test_without_the_environment_git_answers(monkeypatch):
     monkeypatch.delenv("NEUTRAIN_GIT_COMMIT", raising=False)
     monkeypatch.delenv("NEUTRAIN_GIT_DIRTY", raising=False)
-    answers = {"rev-parse": "0123456789abcdef0123456789abcdef01234567\n", "status": " M neutrain/trainer.py\n"}
+    answers = {"rev-parse": "0123456789abcdef0123456789abcdef01234567\n", "status": " M neutrain/trainer/trainer.py\n"}
     monkeypatch.setattr(_common, "_git", lambda *args: answers[args[0]])
     assert _common.git_provenance() == ("0123456789abcdef0123456789abcdef01234567", True)
     answers["status"] = ""

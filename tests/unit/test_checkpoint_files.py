@@ -1,4 +1,4 @@
-"""neutrain.checkpoint_files on hand-made files: what passes, what is refused, and what the errors name."""
+"""neutrain.storage.manifest on hand-made files: what passes, what is refused, and what the errors name."""
 
 import json
 import pickle
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from neutrain.checkpoint_files import MANIFEST, check_file, verify_checkpoint, write_manifest
-from neutrain.config.errors import CheckpointError
+from neutrain.storage.manifest import MANIFEST, check_file, verify_checkpoint, write_manifest
+from neutrain.errors import CheckpointError
 
 
 def test_plain_files_pass_and_the_manifest_lists_every_tensor(tmp_path):

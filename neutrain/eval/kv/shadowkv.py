@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch

@@ -107,7 +107,7 @@ def test_recipe_asking_for_sage_gets_sdpa_on_cpu_and_the_kernel_on_gpu(caplog):
     """The default recipe names neutrain_sage: on CPU the model is built with SDPA, with one warning."""
     from neutrain.config import validate_recipe
     from neutrain.data import byte_tokenizer
-    from neutrain.modeling import build_model
+    from neutrain.trainer.modeling import build_model
 
     recipe = validate_recipe({
         "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "neutrain_sage",
@@ -116,7 +116,7 @@ def test_recipe_asking_for_sage_gets_sdpa_on_cpu_and_the_kernel_on_gpu(caplog):
         "data": {"datasets": [{"path": "python-stdlib", "type": "text"}]},
     })
     model_cfg, tok = recipe.model, byte_tokenizer()
-    with caplog.at_level("WARNING", logger="neutrain.modeling"):
+    with caplog.at_level("WARNING", logger="neutrain.trainer.modeling"):
         model = build_model(model_cfg, tok, use_cpu=True)
     assert model.config._attn_implementation == "sdpa"
     assert any("neutrain_sage needs a CUDA GPU" in r.getMessage() for r in caplog.records)
@@ -129,7 +129,7 @@ def test_auto_attention_builds_sdpa_on_cpu_and_dispatching_sage_on_gpu():
     ``neutrain_sage`` function on a GPU (which itself runs SDPA wherever the table says so)."""
     from neutrain.config import validate_recipe
     from neutrain.data import byte_tokenizer
-    from neutrain.modeling import build_model
+    from neutrain.trainer.modeling import build_model
 
     recipe = validate_recipe({
         "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "auto",

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 from neutrain.distributed.data_parallel import GradientAllReduce, skip_ddp_wrapping
-from neutrain.run import FSDP2_DEFAULTS, distributed_arguments
+from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_arguments
 
 TRAIN = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
 

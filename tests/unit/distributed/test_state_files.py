@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 from neutrain.distributed.state_files import STATE_FORMAT, load_optimizer_state, save_optimizer_state
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import neutrain  # noqa: F401  (registers the quantizer)
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 from neutrain.export.neuzip import export_neuzip, parse_format, parse_size
 
 REPO = Path(__file__).resolve().parents[3]

@@ -3,8 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
-from neutrain.speculative.distill import DistillationTrainer
-from neutrain.speculative.losses import acceptance_rate
+from neutrain.trainer.distill import DistillationTrainer
+from neutrain.distill.losses import acceptance_rate
 
 
 def tiny(seed, hidden, layers):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from neutrain.speculative.losses import acceptance_rate, token_acceptance, token_divergence
+from neutrain.distill.losses import acceptance_rate, token_acceptance, token_divergence
 
 
 def brute(p_row, q_row, kind, beta=0.5):

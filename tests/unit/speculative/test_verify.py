@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neutrain.speculative import SCHEMES, acceptance_formula, marginal_output, p_star, verify_step
-from neutrain.speculative.selection import PairFlowRule, PriorityRule, SequentialRule, choose_rule
+from neutrain.speculative.selection import PairFlowRule, PriorityRule, SequentialRule
 from neutrain.speculative.spectr import spectr_beta, spectr_rho
 
 TOL = 1e-12

@@ -60,7 +60,7 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     """
     from safetensors import safe_open
 
-    from neutrain.config.errors import CheckpointError
+    from neutrain.errors import CheckpointError
 
     path = Path(checkpoint_dir) / WEIGHTS_FILE
     if not path.exists():

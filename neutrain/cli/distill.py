@@ -3,14 +3,14 @@
 After a target is trained (or loaded from ``distill.target``), a small draft is
 built from its config (a quarter of its layers unless ``distill.draft_config``
 says otherwise), distilled on the recipe's training data with
-:class:`~neutrain.speculative.distill.DistillationTrainer` (on-policy tails
+:class:`~neutrain.trainer.distill.DistillationTrainer` (on-policy tails
 included), evaluated for its acceptance rate alpha on the held-out data, and
 exported beside the target. A speculative decode of a held-out prompt then
 reports block efficiency (tokens per target call).
 
 Example:
     >>> from neutrain.config import load_recipe
-    >>> from neutrain.distill_run import distill_from_recipe
+    >>> from neutrain.cli.distill import distill_from_recipe
     >>> # Needs a trained target (outputs/default/export) and trains a draft for minutes:
     >>> report = distill_from_recipe(load_recipe("default"))  # doctest: +SKIP
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 from neutrain.config.schema import Recipe
 
 
@@ -57,7 +57,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     from neutrain.export import export_hf
     from neutrain.export.hf import densify
     from neutrain.speculative import generate
-    from neutrain.speculative.distill import DistillationTrainer
+    from neutrain.trainer.distill import DistillationTrainer
 
     d, t = recipe.distill, recipe.train
     if target is None:

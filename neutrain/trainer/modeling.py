@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from neutrain.config.errors import RecipeError
+from neutrain.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ be writing them right now); this process's own are stale by the time a start or 
 failure cleans up. The module imports nothing from neutrain, so any layer may use it.
 
 Example:
-    >>> from neutrain.leftovers import clean_run_dir
+    >>> from neutrain.storage.leftovers import clean_run_dir
     >>> clean_run_dir("outputs/run")  # doctest: +SKIP
     ['removed outputs/run/.tmp-checkpoint-40 (temporary left by an interrupted or failed write)']
 """

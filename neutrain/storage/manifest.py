@@ -18,7 +18,7 @@ Two threats, two checks, both run before anything in a checkpoint is loaded
   checkpoint written before manifests existed loads with a one-line warning.
 
 Example:
-    >>> from neutrain.checkpoint_files import verify_checkpoint, write_manifest
+    >>> from neutrain.storage.manifest import verify_checkpoint, write_manifest
     >>> write_manifest("outputs/run/checkpoint-10")                  # doctest: +SKIP
     >>> verify_checkpoint("outputs/run/checkpoint-10",
     ...                   required=("trainer_state.json",))           # doctest: +SKIP
@@ -35,7 +35,7 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 
 logger = logging.getLogger("neutrain")
 
@@ -276,37 +276,3 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     _check_manifest(directory, tuple(may_be_missing))
     for path in _files(directory):
         check_file(path)
-
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
-
-
-def verify_resume(checkpoint: str | os.PathLike, mode: str | None, rank: int, world_size: int,
-                  reset_optimizer: bool = False) -> None:
-    """Everything a resume of ``mode`` (see :data:`neutrain.distributed.MODES`) reads, checked before it is read.
-
-    A missing optimizer or scheduler file is refused unless ``reset_optimizer``
-    (``train.resume_reset_optimizer``): resuming without it would silently restart the
-    optimizer's moments and the learning-rate schedule.
-    """
-    from neutrain.distributed import resume_files
-
-    checkpoint = Path(checkpoint)
-    model_files, state_files = resume_files(mode, rank, world_size)
-    if not checkpoint.is_dir():
-        raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' does not exist or is not a directory")
-    from neutrain.distributed.deepspeed_trainer import CLIENT_OPTIMIZER_PICKLE, is_engine_checkpoint
-
-    if is_engine_checkpoint(checkpoint):  # else the first of its pickles would be named without the reason
-        raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' was written by DeepSpeed's own "
-                              f"save_checkpoint and cannot be resumed: {CLIENT_OPTIMIZER_PICKLE}")
-    if not model_files and not any((checkpoint / name).is_file() for name in WEIGHT_FILES):
-        raise CheckpointError(f"checkpoint file '{checkpoint / WEIGHT_FILES[0]}' is missing (no model weights in "
-                              f"the checkpoint)")
-    missing = [name for name in state_files if not (checkpoint / name).is_file()]
-    if missing and not reset_optimizer:
-        raise CheckpointError(f"checkpoint file '{checkpoint / missing[0]}' is missing: resuming without it would "
-                              f"restart the optimizer and learning-rate schedule; set train.resume_reset_optimizer: "
-                              f"true to do that on purpose")
-    verify_checkpoint(checkpoint, required=("trainer_state.json", *model_files),
-                      may_be_missing=state_files if reset_optimizer else ())

@@ -4,12 +4,12 @@ DistillSpec (Zhou et al., arXiv 2310.08461) makes drafts that speculative
 decoding accepts more often with two choices:
 
 * the **divergence** between target ``p`` and draft ``q`` per token, picked
-  per task (forward KL, reverse KL, TVD or JSD; :mod:`~neutrain.speculative.losses`);
+  per task (forward KL, reverse KL, TVD or JSD; :mod:`~neutrain.distill.losses`);
 * **on-policy data**: part of the training sequences continue with tokens the
   draft sampled itself, because at decode time the target verifies the
   draft's own continuations, not the training text.
 
-The trainer is a :class:`~neutrain.trainer.NeuTrainer`, so logging, plots and
+The trainer is a :class:`~neutrain.trainer.trainer.NeuTrainer`, so logging, plots and
 atomic checkpoints are the same as for any neutrain run, and ``evaluate()``
 adds the acceptance rate ``eval_acceptance`` = ``E[sum(min(p, q))]``.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.speculative.losses import DIVERGENCES, token_acceptance, token_divergence
+from neutrain.distill.losses import DIVERGENCES, token_acceptance, token_divergence
 from neutrain.trainer import NeuTrainer
 
 

@@ -141,66 +141,6 @@ def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
         return get_peft_model(model, config)
 
 
-def _merged_weight(layer) -> torch.Tensor:
-    """Base weight plus the active adapters' deltas, added in fp32 and rounded once to the weight's dtype."""
-    base = layer.get_base_layer()
-    dense = base.compressed.dense() if hasattr(base, "compressed") else base.weight.detach()
-    total = dense.float()
-    for name in layer.active_adapters:
-        if name in layer.lora_A:
-            total += layer.get_delta_weight(name).float().to(total.device)
-    return total.to(dense.dtype)
-
-
-def merge_lora(model, weights: str = "dense", codec_options: dict | None = None) -> torch.nn.Module:
-    """Fold the LoRA adapters of a ``PeftModel`` into its base; returns the plain transformers model.
-
-    Args:
-        model: A ``PeftModel`` from :func:`apply_lora` (or peft's loading).
-        weights: ``dense`` (every weight decoded, a plain bf16/fp32 model), ``neuzip-lossless`` (merged
-            matrices compressed bit-exactly, other compressed modules kept as they are) or
-            ``neuzip-lossy-<k>`` (merged matrices rounded to k mantissa bits).
-        codec_options: Extra arguments for :func:`neutrain.compress.compress`.
-
-    Example:
-        >>> merged = merge_lora(peft_model, "neuzip-lossless")  # doctest: +SKIP
-    """
-    from peft.tuners.lora import LoraLayer
-
-    from neutrain.compress import compress
-    from neutrain.nn import CompressedLinear, CompressedWeight
-
-    if weights != "dense" and not weights.startswith("neuzip"):
-        raise ValueError(f"weights must be dense, neuzip-lossless or neuzip-lossy-<k>, not {weights!r}")
-    k = mantissa_bits_of(weights)
-    base_model = model.get_base_model()
-    for name, layer in list(base_model.named_modules()):
-        if not isinstance(layer, LoraLayer):
-            continue
-        if getattr(layer, "use_dora", {}) and any(layer.use_dora.values()):
-            raise ValueError("merge_lora: DoRA adapters are not supported")
-        base = layer.get_base_layer()
-        merged = _merged_weight(layer)
-        bias = base.bias
-        if weights == "dense":
-            new = torch.nn.Linear(merged.shape[1], merged.shape[0], bias=bias is not None, device="meta")
-            new.weight = torch.nn.Parameter(merged, requires_grad=False)
-            if bias is not None:
-                new.bias = bias
-        else:
-            ct = compress(merged, k, name=f"{name}.weight", **(codec_options or {}))
-            new = CompressedLinear(CompressedWeight(ct, requires_grad=False, name=f"{name}.weight"), bias=bias)
-        base_model.set_submodule(name, new)
-        del merged
-    if "peft_config" in base_model.__dict__:
-        del base_model.peft_config  # a plain transformers model again
-    if weights == "dense":
-        from neutrain.export.hf import densify
-
-        base_model = densify(base_model)
-    return base_model.eval()
-
-
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """The trainable (adapter) parameters of a ``PeftModel`` by state-dict name, for ``save_pretrained``.
 
@@ -227,30 +167,3 @@ def load_adapters(base_model: torch.nn.Module, adapter_dir, is_trainable: bool =
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         return PeftModel.from_pretrained(base_model, str(adapter_dir), config=config, is_trainable=is_trainable)
-
-
-def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
-    """``(peft_model, tokenizer)`` for an adapter checkpoint: its base (``base`` or the adapter config's) plus adapters.
-
-    Raises:
-        CheckpointError: when no base model directory is known.
-    """
-    import json
-    from pathlib import Path
-
-    from neutrain.checkpoint_files import verify_checkpoint
-    from neutrain.config.errors import CheckpointError
-    from neutrain.export.hf import load_checkpoint_model
-
-    path = Path(path)
-    verify_checkpoint(path)
-    base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base or not Path(base).is_dir():
-        raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
-                              f"({base!r}); pass --base DIR")
-    model, tokenizer = load_checkpoint_model(base, dtype=dtype)
-    if tokenizer is None and (path / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return load_adapters(model, path), tokenizer

@@ -4,10 +4,10 @@ Why a separate step: some recipe values are only consumed after training (the
 long-context tasks, the export), and some only make sense with what the launch
 gives (the number of processes) or what the disk allows (``output_dir``). Each
 of these used to fail after the model was built, often after the whole run.
-:func:`preflight` checks them all first; :func:`~neutrain.run.build_trainer`
+:func:`preflight` checks them all first; :func:`~neutrain.cli.train.build_trainer`
 calls it right after the process state exists.
 
-Errors: a bad setting is a :class:`~neutrain.config.errors.RecipeError` (exit 2);
+Errors: a bad setting is a :class:`~neutrain.errors.RecipeError` (exit 2);
 an output directory that cannot be written is an ``OSError`` naming the key and
 the path (exit 1: the environment, not the recipe, is at fault).
 """
@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from neutrain.config.errors import RecipeError
+from neutrain.errors import RecipeError
 from neutrain.config.schema import Recipe
 from neutrain.export.target import check_export_target
 
@@ -85,7 +85,7 @@ def _json_file(key: str, path: str) -> dict:
 
 def check_distributed(train: dict, num_processes: int) -> None:
     """The ``train`` section's distributed settings, given the processes this launch started."""
-    from neutrain.run import distributed_arguments
+    from neutrain.distributed.arguments import distributed_arguments
 
     if isinstance(train["fsdp_config"], str):
         _json_file("train.fsdp_config", train["fsdp_config"])

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neutrain.config.errors import CheckpointError
-from neutrain.leftovers import clean_run_dir
+from neutrain.errors import CheckpointError
+from neutrain.storage.leftovers import clean_run_dir
 
 logger = logging.getLogger("neutrain")
 

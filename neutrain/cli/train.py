@@ -20,7 +20,8 @@ import yaml
 
 from neutrain import compat
 from neutrain.config.schema import Recipe
-from neutrain.preflight import check_long_context_prompts, preflight
+from neutrain.cli.preflight import check_long_context_prompts, preflight
+from neutrain.distributed.arguments import distributed_arguments
 
 logger = logging.getLogger("neutrain")
 
@@ -69,34 +70,6 @@ def training_arguments(recipe: Recipe, has_eval: bool):
     return TrainingArguments(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-# FSDP2 defaults for ``train.distributed: fsdp2``: one fully_shard unit per decoder layer (the model's
-# _no_split_modules), sharded checkpoints (each rank writes its shards; resume needs the same process count).
-FSDP2_DEFAULTS = {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
-                  "cpu_ram_efficient_loading": False}
-
-
-def distributed_arguments(t: dict) -> dict[str, Any]:
-    """``deepspeed``/``fsdp``/``fsdp_config`` for ``TrainingArguments`` from the recipe's ``train`` section."""
-    from neutrain.config.errors import UserInputError
-
-    mode = t.get("distributed", "auto")
-    fsdp, fsdp_config, deepspeed = t["fsdp"] or "", t["fsdp_config"], t["deepspeed"]
-    if mode == "replicated" and (fsdp or deepspeed):
-        raise UserInputError("train.distributed: replicated contradicts train.fsdp / train.deepspeed")
-    if mode == "deepspeed" and not deepspeed:
-        raise UserInputError("train.distributed: deepspeed needs train.deepspeed (e.g. launch/deepspeed_zero3.json)")
-    if mode == "fsdp2":
-        if deepspeed:
-            raise UserInputError("train.distributed: fsdp2 contradicts train.deepspeed")
-        if isinstance(fsdp_config, str):
-            fsdp_config = json.loads(Path(fsdp_config).read_text())
-        fsdp = fsdp or "full_shard auto_wrap"
-        fsdp_config = {**FSDP2_DEFAULTS, **(fsdp_config or {})}
-        if fsdp_config["fsdp_version"] != 2:
-            raise UserInputError("train.distributed: fsdp2 with fsdp_config.fsdp_version != 2")
-    return {"deepspeed": deepspeed, "fsdp": fsdp, "fsdp_config": fsdp_config}
-
-
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     path = Path(output_dir) / "recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +86,7 @@ class RunContext:
 
 
 def build_trainer(recipe: Recipe) -> RunContext:
-    """Build tokenizer, data, model and :class:`~neutrain.trainer.NeuTrainer` from a recipe, without training.
+    """Build tokenizer, data, model and :class:`~neutrain.trainer.trainer.NeuTrainer` from a recipe, without training.
 
     Example:
         >>> import tempfile
@@ -128,7 +101,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
     from accelerate import PartialState
 
     from neutrain.data import Collator, build_datasets, pad_token_id
-    from neutrain.modeling import build_model, build_tokenizer
+    from neutrain.trainer.modeling import build_model, build_tokenizer
     from neutrain.trainer import NeuTrainer
 
     t = recipe.train
@@ -146,12 +119,12 @@ def build_trainer(recipe: Recipe) -> RunContext:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
     weights, adapter = recipe.memory["weights"], recipe.memory["adapter"]
     if adapter:
-        from neutrain.lora import build_weights_for
+        from neutrain.nn.lora import build_weights_for
 
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
     model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights)
     if adapter:
-        from neutrain.lora import apply_lora, compress_model_for_adapters
+        from neutrain.nn.lora import apply_lora, compress_model_for_adapters
 
         model = apply_lora(compress_model_for_adapters(model, recipe.memory["weights"]), recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
@@ -175,12 +148,12 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     from accelerate import PartialState
 
     from neutrain.distributed import end_processes
-    from neutrain.run_state import prepare_run
-    from neutrain.trainer import peak_memory_stats
+    from neutrain.trainer.run_state import prepare_run
+    from neutrain.trainer.trainer import peak_memory_stats
 
     started = time.perf_counter()
     out = recipe.train["output_dir"]
-    # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.run_state).
+    # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
     plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
     if plan.finished:
         if PartialState().is_main_process:
@@ -240,7 +213,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if recipe.distill["enabled"] and sharded:
         logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode)
     elif recipe.distill["enabled"] and state.is_main_process:
-        from neutrain.distill_run import distill_from_recipe
+        from neutrain.cli.distill import distill_from_recipe
 
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
     summary["wall_time_s"] = time.perf_counter() - started

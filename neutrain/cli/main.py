@@ -24,8 +24,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from neutrain.cli_errors import EXIT_ENVIRONMENT, describe_environment_error
-from neutrain.config.errors import UserInputError, one_line
+from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
+from neutrain.errors import UserInputError, one_line
 
 EXIT_USER_ERROR = 2
 
@@ -127,7 +127,7 @@ def cmd_recipes() -> int:
 
 def cmd_train(args) -> int:
     from neutrain.config import load_recipe
-    from neutrain.run import train_from_recipe
+    from neutrain.cli.train import train_from_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
@@ -161,7 +161,7 @@ def cmd_export(args) -> int:
     out = args.output or str(ckpt.parent / "export")
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     if (ckpt / "adapter_config.json").exists():
-        from neutrain.lora import load_adapter_checkpoint
+        from neutrain.export.lora import load_adapter_checkpoint
 
         model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
     else:
@@ -174,7 +174,7 @@ def cmd_export(args) -> int:
 
 def cmd_estimate(args) -> int:
     from neutrain.config import load_recipe
-    from neutrain.planner import estimate_recipe
+    from neutrain.trainer.planner import estimate_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     est = estimate_recipe(recipe)
@@ -187,7 +187,7 @@ def cmd_estimate(args) -> int:
 
 def cmd_distill(args) -> int:
     from neutrain.config import load_recipe
-    from neutrain.distill_run import distill_from_recipe
+    from neutrain.cli.distill import distill_from_recipe
 
     distill_from_recipe(load_recipe(args.recipe, args.overrides))
     return 0
@@ -221,7 +221,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from neutrain.evaluate_cli import run_eval
+    from neutrain.cli.eval import run_eval
 
     return run_eval(args)
 

@@ -46,9 +46,10 @@ import torch
 from transformers import Trainer
 
 from neutrain import compat
-from neutrain.callbacks import MetricsFileCallback, PlotCallback
-from neutrain.checkpoint_files import verify_resume, write_manifest
-from neutrain.config.errors import UserInputError
+from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.distributed.resume import verify_resume
+from neutrain.storage.manifest import write_manifest
+from neutrain.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
 TMP_PREFIX = ".tmp-"
@@ -173,7 +174,7 @@ class NeuTrainer(Trainer):
             # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
             # ZeRO-3's per-module gather.
             raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
-        from neutrain.nn_checkpoint import is_compressed
+        from neutrain.nn.checkpoint import is_compressed
 
         if mode == "deepspeed" and is_compressed(self.model):
             raise UserInputError("DeepSpeed ZeRO-3 partitions dense weights only: set memory.weights: dense")
@@ -306,14 +307,14 @@ class NeuTrainer(Trainer):
                                  self.args.process_index, self.args.world_size)
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         if checkpoint is not None and self.lr_scheduler is not None:
-            from neutrain.run_state import resync_learning_rate
+            from neutrain.trainer.run_state import resync_learning_rate
 
             resync_learning_rate(self.lr_scheduler)  # max_steps may have changed since the checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        from neutrain.nn_checkpoint import is_compressed, save_compressed_checkpoint
+        from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 
-        from neutrain.lora import adapter_state_dict, is_peft_model
+        from neutrain.nn.lora import adapter_state_dict, is_peft_model
 
         model = _unwrap(self.model)
         if is_peft_model(model):
@@ -330,7 +331,7 @@ class NeuTrainer(Trainer):
         _training_args_as_json(self.args, output_dir)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.checkpoint_files`)."""
+        """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.storage.manifest`)."""
         if resume_from_checkpoint:
             if resume_from_checkpoint is True:
                 from transformers.trainer_utils import get_last_checkpoint
@@ -353,7 +354,7 @@ class NeuTrainer(Trainer):
         return self.resume_reset_optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        from neutrain.nn_checkpoint import MARKER, load_compressed_state
+        from neutrain.nn.checkpoint import MARKER, load_compressed_state
 
         if getattr(self, "distributed_mode", None) == "fsdp2":
             from neutrain.distributed.fsdp import load_model_shard

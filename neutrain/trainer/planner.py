@@ -24,7 +24,7 @@ Terms (bytes):
 
 Example:
     >>> from neutrain.config import load_recipe
-    >>> from neutrain.planner import estimate_recipe
+    >>> from neutrain.trainer.planner import estimate_recipe
     >>> est = estimate_recipe(load_recipe("llama3_8b"))
     >>> print(est.table())  # doctest: +ELLIPSIS
     term                         GiB
@@ -173,7 +173,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
 
 def estimate_recipe(recipe) -> Estimate:
     """Estimate a recipe's peak GPU memory from its model config, without building the model."""
-    from neutrain.modeling import config_only
+    from neutrain.trainer.modeling import config_only
 
     config = config_only(recipe.model)
     m, t = recipe.memory, recipe.train

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from neutrain.config.errors import UserInputError
+from neutrain.errors import UserInputError
 
 # Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
 _DATA_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".text", ".md")
@@ -78,7 +78,7 @@ def run_eval(args) -> int:
         results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
         print(f"held-out loss {results['heldout_loss']:.4f}  perplexity {results['heldout_perplexity']:.2f}  ({len(heldout)} rows, {ckpt})")
     if recipe.eval["long_context_tasks"]:
-        from neutrain.run import long_context_eval
+        from neutrain.cli.train import long_context_eval
 
         results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)
         for cache, m in results["long_context"].items():

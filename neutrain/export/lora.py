@@ -1,0 +1,98 @@
+"""LoRA adapters at export time: folding them into the base, and loading an adapter checkpoint with its base.
+
+The adapters themselves (peft layers over :class:`~neutrain.nn.CompressedLinear`) live in
+:mod:`neutrain.nn.lora`; folding them back needs the dense export path
+(:func:`neutrain.export.hf.densify`), so it sits here, one layer up.
+
+Example:
+    >>> from neutrain.export.lora import merge_lora
+    >>> merged = merge_lora(peft_model, "neuzip-lossless")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from neutrain.compress import compress
+from neutrain.errors import CheckpointError
+from neutrain.export.hf import densify, load_checkpoint_model
+from neutrain.nn import CompressedLinear, CompressedWeight
+from neutrain.nn.lora import load_adapters, mantissa_bits_of
+from neutrain.storage.manifest import verify_checkpoint
+
+
+def _merged_weight(layer) -> torch.Tensor:
+    """Base weight plus the active adapters' deltas, added in fp32 and rounded once to the weight's dtype."""
+    base = layer.get_base_layer()
+    dense = base.compressed.dense() if hasattr(base, "compressed") else base.weight.detach()
+    total = dense.float()
+    for name in layer.active_adapters:
+        if name in layer.lora_A:
+            total += layer.get_delta_weight(name).float().to(total.device)
+    return total.to(dense.dtype)
+
+
+def merge_lora(model, weights: str = "dense", codec_options: dict | None = None) -> torch.nn.Module:
+    """Fold the LoRA adapters of a ``PeftModel`` into its base; returns the plain transformers model.
+
+    Args:
+        model: A ``PeftModel`` from :func:`apply_lora` (or peft's loading).
+        weights: ``dense`` (every weight decoded, a plain bf16/fp32 model), ``neuzip-lossless`` (merged
+            matrices compressed bit-exactly, other compressed modules kept as they are) or
+            ``neuzip-lossy-<k>`` (merged matrices rounded to k mantissa bits).
+        codec_options: Extra arguments for :func:`neutrain.compress.compress`.
+
+    Example:
+        >>> merged = merge_lora(peft_model, "neuzip-lossless")  # doctest: +SKIP
+    """
+    from peft.tuners.lora import LoraLayer  # lazy: peft is an optional dependency
+
+    if weights != "dense" and not weights.startswith("neuzip"):
+        raise ValueError(f"weights must be dense, neuzip-lossless or neuzip-lossy-<k>, not {weights!r}")
+    k = mantissa_bits_of(weights)
+    base_model = model.get_base_model()
+    for name, layer in list(base_model.named_modules()):
+        if not isinstance(layer, LoraLayer):
+            continue
+        if getattr(layer, "use_dora", {}) and any(layer.use_dora.values()):
+            raise ValueError("merge_lora: DoRA adapters are not supported")
+        base = layer.get_base_layer()
+        merged = _merged_weight(layer)
+        bias = base.bias
+        if weights == "dense":
+            new = torch.nn.Linear(merged.shape[1], merged.shape[0], bias=bias is not None, device="meta")
+            new.weight = torch.nn.Parameter(merged, requires_grad=False)
+            if bias is not None:
+                new.bias = bias
+        else:
+            ct = compress(merged, k, name=f"{name}.weight", **(codec_options or {}))
+            new = CompressedLinear(CompressedWeight(ct, requires_grad=False, name=f"{name}.weight"), bias=bias)
+        base_model.set_submodule(name, new)
+        del merged
+    if "peft_config" in base_model.__dict__:
+        del base_model.peft_config  # a plain transformers model again
+    if weights == "dense":
+        base_model = densify(base_model)
+    return base_model.eval()
+
+
+def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
+    """``(peft_model, tokenizer)`` for an adapter checkpoint: its base (``base`` or the adapter config's) plus adapters.
+
+    Raises:
+        CheckpointError: when no base model directory is known.
+    """
+    path = Path(path)
+    verify_checkpoint(path)
+    base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
+                              f"({base!r}); pass --base DIR")
+    model, tokenizer = load_checkpoint_model(base, dtype=dtype)
+    if tokenizer is None and (path / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return load_adapters(model, path), tokenizer

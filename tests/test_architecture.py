@@ -1,0 +1,198 @@
+"""The package's import graph: layers only look down, and no two files import each other in a circle.
+
+Every ``import`` of a neutrain module is parsed, at module level and inside
+functions alike (a lazy import is still a dependency), plus
+``importlib.import_module("neutrain...")`` with a literal name. The layer order
+is the one in README's architecture section and ``docs/architecture.md``:
+
+    errors, compat ← config, data, storage ← kernels ← compress ← optim ← nn
+        ← attention, eval, export, distributed ← speculative ← distill ← trainer ← cli
+
+A module may import its own package and any package of a strictly lower layer.
+``config`` and ``data`` stand apart: they may import only ``errors`` and ``compat``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "neutrain"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "compat"),
+    ("config", "data", "storage"),
+    ("kernels",),
+    ("compress",),
+    ("optim",),
+    ("nn",),
+    ("attention", "eval", "export", "distributed"),
+    ("speculative",),
+    ("distill",),
+    ("trainer",),
+    ("cli",),
+    ("", "__main__"),  # the package root (``neutrain/__init__.py``, ``__main__.py``): the public entry points
+]
+RANK = {pkg: rank for rank, group in enumerate(LAYERS) for pkg in group}
+APART = {"config", "data", "storage"}  # may import only the bottom layer
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The neutrain module a dotted name lives in (``neutrain.nn.CompressedLinear`` -> ``neutrain.nn``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every neutrain module ``module`` imports, wherever in the file the import sits."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # ``from neutrain.nn import lora`` imports the submodule ``neutrain.nn.lora``
+            names = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in MODULES else stem for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        for name in names:
+            if name == "neutrain" or name.startswith("neutrain."):
+                target = _resolve(name)
+                if target and target != module:
+                    found.add(target)
+    return found
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def test_every_package_has_a_layer():
+    unplaced = sorted({package_of(m) for m in MODULES} - set(RANK))
+    assert not unplaced, f"packages with no place in LAYERS: {unplaced}"
+
+
+def test_imports_only_look_down():
+    upward = []
+    for module, targets in sorted(GRAPH.items()):
+        pkg = package_of(module)
+        for target in sorted(targets):
+            tpkg = package_of(target)
+            if tpkg == pkg:
+                continue
+            if pkg in APART:
+                ok = RANK[tpkg] == 0
+            else:
+                ok = RANK[tpkg] < RANK[pkg]
+            if not ok:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one file (Tarjan), each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_edge(a: str, b: str) -> bool:
+    # A package's ``__init__`` re-exports its own modules; that is not a circle of ideas.
+    return MODULES[a].name == "__init__.py" and b.startswith(a + ".")
+
+
+def test_no_import_cycles_between_files():
+    cycles = []
+    for component in _cycles():
+        members = set(component)
+        # drop edges from a package __init__ into its own modules and look again
+        inner = {m: {t for t in GRAPH[m] if t in members and not _package_edge(m, t)} for m in component}
+        if _has_cycle(inner):
+            cycles.append(" <-> ".join(component))
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def _has_cycle(graph: dict[str, set[str]]) -> bool:
+    state: dict[str, int] = {}
+
+    def visit(v: str) -> bool:
+        state[v] = 1
+        for w in graph[v]:
+            if state.get(w) == 1 or (w not in state and visit(w)):
+                return True
+        state[v] = 2
+        return False
+
+    return any(v not in state and visit(v) for v in graph)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from neutrain.nn import lora\n", {"neutrain.nn.lora"}),
+    ("def f():\n    from neutrain.trainer.trainer import NeuTrainer\n", {"neutrain.trainer.trainer"}),
+    ("import importlib\nimportlib.import_module('neutrain.cli.main')\n", {"neutrain.cli.main"}),
+])
+def test_the_parser_sees_every_kind_of_import(tmp_path, monkeypatch, source, expected):
+    # The checks above are only as good as the parser: a lazy import must count.
+    fake = ROOT / "kernels" / "_architecture_probe.py"
+    monkeypatch.setitem(MODULES, "neutrain.kernels._architecture_probe", tmp_path / "probe.py")
+    (tmp_path / "probe.py").write_text(source)
+    assert imports_of("neutrain.kernels._architecture_probe") == expected
+    assert not fake.exists()
