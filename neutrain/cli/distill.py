@@ -22,9 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from neutrain.errors import UserInputError
+from neutrain.config import load_recipe
 from neutrain.config.schema import Recipe
 
 
@@ -51,7 +50,8 @@ def _load_target(recipe: Recipe):
 
 def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print) -> dict[str, Any]:
     """Distil a draft from ``target`` (or the recipe's target directory); returns alpha and decode stats."""
-    from transformers import AutoModelForCausalLM, TrainingArguments
+    import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch loads when the command runs
+    from transformers import AutoModelForCausalLM, TrainingArguments  # lazy: same reason
 
     from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.export import export_hf
@@ -99,3 +99,18 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
              f"after {d['max_steps']} distillation steps; speculative decode ({d['scheme']}, K={d['num_drafts']}, "
              f"gamma={d['draft_len']}): {report['block_efficiency']:.2f} tokens per target call")
     return report
+
+
+def configure(sub) -> None:
+    """Add the ``distill`` command to the ``neutrain`` parser's subcommands."""
+    p = sub.add_parser("distill", help="distil a small draft from a trained target (recipe's distill section)",
+                       description="Distil a draft from distill.target (default <train.output_dir>/export), report alpha, "
+                       "export it to <train.output_dir>/draft and decode speculatively with it.")
+    p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.max_steps=200")
+
+
+def run(args) -> int:
+    """Distil the draft a recipe's ``distill`` section describes."""
+    distill_from_recipe(load_recipe(args.recipe, args.overrides))
+    return 0

@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from neutrain.cli.checkpoints import last_checkpoint
 from neutrain.errors import UserInputError
 
 # Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
@@ -42,7 +43,6 @@ def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
     from transformers import TrainingArguments
 
-    from neutrain.cli import _last_checkpoint
     from neutrain.config import load_recipe
     from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.export import load_checkpoint_model
@@ -53,12 +53,12 @@ def run_eval(args) -> int:
         raise UserInputError(problem)
     if target.suffix in (".yaml", ".yml") or not target.is_dir():
         recipe = load_recipe(args.target, args.overrides)
-        ckpt = _last_checkpoint(Path(recipe.train["output_dir"]))
+        ckpt = last_checkpoint(Path(recipe.train["output_dir"]))
     else:
         if not args.recipe:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
         recipe = load_recipe(args.recipe, args.overrides)
-        ckpt = _last_checkpoint(target)
+        ckpt = last_checkpoint(target)
     model, tokenizer = load_checkpoint_model(ckpt)
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
@@ -86,3 +86,17 @@ def run_eval(args) -> int:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "eval_results.json").write_text(json.dumps(results, indent=2, default=str))
     return 0
+
+
+def configure(sub) -> None:
+    """Add the ``eval`` command to the ``neutrain`` parser's subcommands."""
+    p = sub.add_parser("eval", help="evaluate a recipe's model or a checkpoint",
+                       description="Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks.")
+    p.add_argument("target", help="recipe YAML (evaluates its output_dir's last checkpoint) or a checkpoint/export directory")
+    p.add_argument("overrides", nargs="*", help="dotted overrides")
+    p.add_argument("--recipe", help="recipe that supplies data and eval settings when TARGET is a checkpoint")
+
+
+def run(args) -> int:
+    """Run ``neutrain eval`` (see :func:`run_eval`)."""
+    return run_eval(args)

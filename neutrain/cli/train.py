@@ -7,11 +7,13 @@ architecture section).
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import logging
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,8 +21,10 @@ from typing import Any, Callable
 import yaml
 
 from neutrain import compat
-from neutrain.config.schema import Recipe
+from neutrain.config import load_recipe
+from neutrain.config.schema import SCHEMA, Recipe
 from neutrain.cli.preflight import check_long_context_prompts, preflight
+from neutrain.distributed import exit_rank
 from neutrain.distributed.arguments import distributed_arguments
 
 logger = logging.getLogger("neutrain")
@@ -283,3 +287,33 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"export          {s['export_dir']}")
     lines.append(f"wall time       {s['wall_time_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _keys_help() -> str:
+    """Every recipe key with its default and help, from the schema table that also validates recipes."""
+    lines = ["recipe keys (override any with section.key=value):"]
+    for section, keys in SCHEMA.items():
+        lines.append(f"  {section}:")
+        for name, key in keys.items():
+            default = "required" if key.default is not None and key.default.__class__ is object else repr(key.default)
+            lines.append(textwrap.fill(f"{name} (default {default}): {key.help}", width=100, initial_indent="    ", subsequent_indent="        "))
+    return "\n".join(lines)
+
+
+def configure(sub) -> None:
+    """Add the ``train`` command to the ``neutrain`` parser's subcommands."""
+    p = sub.add_parser("train", help="train with a recipe (default when the first argument is a YAML file)",
+                       description="Train, evaluate held-out perplexity, export and print a summary.",
+                       epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (see `neutrain recipes`)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=1e-5 train.max_steps=100")
+
+
+def run(args) -> int:
+    """Train ``args.recipe`` with ``args.overrides``: the whole default run (see :func:`train_from_recipe`)."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
+    summary = train_from_recipe(recipe)
+    if summary.get("world_size", 1) > 1:
+        exit_rank(0)  # no interpreter finalization for a finished rank (see exit_rank)
+    return 0

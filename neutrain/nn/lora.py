@@ -9,8 +9,8 @@ Compared with QLoRA, the frozen base is entropy-coded bf16 (lossless) or
 rounded to k mantissa bits (lossy), not NF4.
 
 * :func:`apply_lora` wraps a model (dense or compressed) with peft LoRA.
-* :func:`merge_lora` folds the adapters into the weights and returns a plain
-  transformers model, dense or compressed (``weights``).
+* :func:`neutrain.export.lora.merge_lora` folds the adapters into the weights and returns a
+  plain transformers model, dense or compressed (one layer up: it needs the dense export path).
 
 Example:
     >>> import torch
@@ -23,6 +23,7 @@ Example:
     >>> sum(p.numel() for p in model.parameters() if p.requires_grad)  # only the adapters train
     16384
     >>> # ... train the adapters ...
+    >>> from neutrain.export.lora import merge_lora
     >>> merged = merge_lora(model, "neuzip-lossless")
     >>> type(merged).__name__
     'LlamaForCausalLM'

@@ -1,0 +1,43 @@
+"""``neutrain export``: write a checkpoint as an inference model directory (dense HF or NeuZip)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.export.target import check_export_target
+
+
+def configure(sub) -> None:
+    """Add the ``export`` command to the ``neutrain`` parser's subcommands."""
+    p = sub.add_parser("export", help="export a checkpoint for inference",
+                       description="Write a checkpoint as an inference model directory.")
+    p.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint); "
+                   "a LoRA adapter checkpoint is merged into its base first")
+    p.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "
+                   "with from_pretrained after `import neutrain`) or neuzip-lossy-<k> (k = 0, 1, 3, 7 mantissa bits)")
+    p.add_argument("--base", help="base model directory of a LoRA adapter checkpoint (default: its adapter_config.json's)")
+    p.add_argument("--output", help="target directory (default: <checkpoint>/../export); an existing one is refused "
+                   "unless it is a previous neutrain export and --overwrite is given")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
+                   "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
+
+
+def run(args) -> int:
+    """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
+    from neutrain.export import export_model, load_checkpoint_model  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+    from neutrain.export.lora import load_adapter_checkpoint  # lazy: same reason
+
+    ckpt = last_checkpoint(Path(args.checkpoint))
+    out = args.output or str(ckpt.parent / "export")
+    check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
+    if (ckpt / "adapter_config.json").exists():
+        model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
+    else:
+        model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+    path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
+                        info={"checkpoint": str(ckpt)}, overwrite=args.overwrite)
+    print(f"exported {ckpt} -> {path} (format {args.format})")
+    return 0

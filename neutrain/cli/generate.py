@@ -1,0 +1,52 @@
+"""``neutrain generate``: sample from a model, with exact (multi-draft) speculative decoding when a draft is given."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.errors import UserInputError
+
+
+def configure(sub) -> None:
+    """Add the ``generate`` command to the ``neutrain`` parser's subcommands."""
+    p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
+                       description="Sample from MODEL; with --draft, exact (multi-draft) speculative sampling.")
+    p.add_argument("model", help="model directory (an export or checkpoint)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--draft", help="draft model directory (same tokenizer)")
+    p.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
+    p.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
+    p.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
+    import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+
+    from neutrain.export import load_checkpoint_model  # lazy: same reason
+    from neutrain.speculative import generate  # lazy: same reason
+
+    model, tokenizer = load_checkpoint_model(last_checkpoint(Path(args.model)))
+    if tokenizer is None:
+        raise UserInputError(f"model '{args.model}' has no tokenizer files")
+    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    torch.manual_seed(args.seed)
+    if args.draft:
+        draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
+        scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
+        res = generate(model.eval(), draft.eval(), ids, num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                       generator=torch.Generator().manual_seed(args.seed))
+        out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
+    else:
+        kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
+        out, note = model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs), ""
+    print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    if note:
+        print(note, file=sys.stderr)
+    return 0
