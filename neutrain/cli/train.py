@@ -8,7 +8,6 @@ architecture section).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ from typing import Any, Callable
 import yaml
 
 from neutrain import compat
+from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
 from neutrain.cli.preflight import check_long_context_prompts, preflight
@@ -69,9 +69,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         save_safetensors=True,
         **compat.checkpointing_training_args(m["gradient_checkpointing"]),
     )
-    # Keys a given transformers release does not know (save_safetensors left in 5.2x) are dropped.
-    accepted = inspect.signature(TrainingArguments.__init__).parameters
-    return TrainingArguments(**{k: v for k, v in kwargs.items() if k in accepted})
+    return make_training_arguments(kwargs, TrainingArguments)
 
 
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:

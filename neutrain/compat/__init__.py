@@ -1,8 +1,17 @@
-"""Every place where transformers or torch versions differ, in one module.
+"""Every place where torch, transformers, accelerate or peft versions differ or a private API is touched.
 
 neutrain supports the GPU image's transformers 5.17 / torch 2.11 and the newest
-5.x / torch on PyPI. Library code never branches on versions itself; it calls
-the adapters here.
+5.x / torch on PyPI. Library code never branches on versions and never reaches
+into another library's internals itself; it calls a named adapter here, and each
+adapter has a test in ``tests/unit/compat/`` that fails first when a release moves.
+
+* this module: transformers' trainer rotation and checkpointing keywords, the KV-cache
+  API, attention registration and SDPA routes;
+* :mod:`neutrain.compat.trainer_hooks`: ``TrainingArguments`` drift and the
+  ``Trainer._get_output_dir`` seam;
+* :mod:`neutrain.compat.autograd`: "is a backward running?" (private torch API);
+* :mod:`neutrain.compat.peft_lora`: peft's custom LoRA layer registry (private);
+* :mod:`neutrain.compat.accelerate_prepare`: Accelerate's model preparation without DDP.
 """
 
 from __future__ import annotations

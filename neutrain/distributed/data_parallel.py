@@ -29,11 +29,12 @@ Example:
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from neutrain.compat.autograd import in_backward
 
 
 class GradientAllReduce:
@@ -75,7 +76,7 @@ class GradientAllReduce:
         """
         self._pending.append((work, reduced, finish))
         self.submitted += 1
-        if torch._C._current_graph_task_id() != -1 and not self._drain_queued:
+        if in_backward() and not self._drain_queued:
             self._drain_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         while len(self._pending) > self.max_inflight:
@@ -139,22 +140,3 @@ def attach(optimizer, model: torch.nn.Module, group=None, max_inflight: int = 2)
     broadcast_replicas(model, group=group)
     optimizer.grad_sync = GradientAllReduce(group, max_inflight)
     return optimizer.grad_sync
-
-
-def skip_ddp_wrapping(accelerator) -> None:
-    """Make ``accelerator.prepare`` leave models unwrapped (no DDP) on this accelerator.
-
-    Accelerate wraps every trainable model in DDP on a multi-process run; DDP's
-    reducer would then all-reduce gradients a second time, in full-size buckets.
-    ``prepare_model(evaluation_mode=True)`` is Accelerate's own way to skip the
-    wrap (device placement and autocast still apply); this pins it for the
-    accelerator's lifetime.
-    """
-    if getattr(accelerator, "_neutrain_no_ddp", False):
-        return
-    accelerator.prepare_model = functools.partial(_prepare_model_unwrapped, accelerator.prepare_model)
-    accelerator._neutrain_no_ddp = True
-
-
-def _prepare_model_unwrapped(prepare_model, model, device_placement=None, evaluation_mode=False):
-    return prepare_model(model, device_placement=device_placement, evaluation_mode=True)

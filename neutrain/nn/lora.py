@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from neutrain.compat.peft_lora import register_custom_lora_module
+
 LOSSY = re.compile(r"^neuzip-lossy-(\d+)$")
 
 
@@ -135,7 +137,7 @@ def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
         lora_dropout=memory.get("lora_dropout", 0.0), task_type="CAUSAL_LM",
         target_modules=lora_target_modules(model, memory.get("lora_target_modules", "all-linear")),
     )
-    config._register_custom_module({CompressedLinear: _compressed_lora_linear()})
+    register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
     with warnings.catch_warnings():
         # peft warns about any layer type it does not know; CompressedLinear is handled above.
         warnings.filterwarnings("ignore", message="Unsupported layer type")
@@ -164,7 +166,7 @@ def load_adapters(base_model: torch.nn.Module, adapter_dir, is_trainable: bool =
     from neutrain.nn import CompressedLinear
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
-    config._register_custom_module({CompressedLinear: _compressed_lora_linear()})
+    register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         return PeftModel.from_pretrained(base_model, str(adapter_dir), config=config, is_trainable=is_trainable)

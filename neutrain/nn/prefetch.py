@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from neutrain.compat.autograd import in_backward
 from neutrain.nn.buffers import DECODE_BUFFERS
 
 
@@ -47,7 +48,7 @@ class Prefetcher:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def after_forward_decode(self, weight) -> None:
-        if torch._C._current_graph_task_id() == -1:  # a real forward, not a checkpoint recompute
+        if not in_backward():  # a real forward, not a checkpoint recompute
             last = self._last() if self._last is not None else None
             if last is not None and last is not weight:
                 self._next[last] = weakref.ref(weight)

@@ -37,6 +37,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from neutrain.compat.autograd import in_backward
 from neutrain.optim.clipping import ClipMode, as_rows, clip_coefficient, squared_norm
 from neutrain.optim.rounding import SeededGenerators, stochastic_round_to_bf16
 
@@ -256,7 +257,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if key not in self._group_of:
             raise KeyError("gradient for a parameter that is not in this optimizer's param_groups")
-        if key in self._tied and torch._C._current_graph_task_id() != -1:
+        if key in self._tied and in_backward():
             pending = self._tied_pending.get(key)
             if pending is None:
                 self._tied_pending[key] = [grad, io]

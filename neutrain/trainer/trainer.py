@@ -46,6 +46,7 @@ import torch
 from transformers import Trainer
 
 from neutrain import compat
+from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.distributed.resume import verify_resume
 from neutrain.storage.manifest import write_manifest
@@ -179,7 +180,7 @@ class NeuTrainer(Trainer):
         if mode == "deepspeed" and is_compressed(self.model):
             raise UserInputError("DeepSpeed ZeRO-3 partitions dense weights only: set memory.weights: dense")
         if mode == "replicated":
-            from neutrain.distributed.data_parallel import skip_ddp_wrapping
+            from neutrain.compat.accelerate_prepare import skip_ddp_wrapping
 
             skip_ddp_wrapping(self.accelerator)  # gradients are averaged inside the fused update instead
         self._bound_after_prepare = mode not in ("fsdp2", "deepspeed")
@@ -412,11 +413,8 @@ class NeuTrainer(Trainer):
             shutil.rmtree(tmp_run_dir)  # leftovers of a run killed while saving
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
-        self._get_output_dir = lambda trial=None: tmp_run_dir  # type: ignore[method-assign]
-        try:
+        with checkpoint_dir_redirected(self, tmp_run_dir):
             super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
         if self.args.should_save:

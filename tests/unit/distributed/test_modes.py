@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from neutrain.errors import UserInputError
-from neutrain.distributed.data_parallel import GradientAllReduce, skip_ddp_wrapping
+from neutrain.compat.accelerate_prepare import skip_ddp_wrapping
+from neutrain.distributed.data_parallel import GradientAllReduce
 from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_arguments
 
 TRAIN = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
