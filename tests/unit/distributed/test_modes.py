@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from neutrain.errors import UserInputError
-from neutrain.compat.accelerate_prepare import skip_ddp_wrapping
 from neutrain.distributed.data_parallel import GradientAllReduce
 from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_arguments
 
@@ -71,21 +70,6 @@ def test_single_process_accelerator_is_single():
     from neutrain.distributed import fused_mode
 
     assert fused_mode(Accelerator(cpu=True)) == "single"
-
-
-def test_skip_ddp_wrapping_forces_evaluation_mode():
-    calls = []
-
-    class FakeAccelerator:
-        def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-            calls.append(evaluation_mode)
-            return model
-
-    acc = FakeAccelerator()
-    skip_ddp_wrapping(acc)
-    skip_ddp_wrapping(acc)  # idempotent
-    model = torch.nn.Linear(2, 2)
-    assert acc.prepare_model(model) is model and calls == [True]
 
 
 @pytest.fixture
