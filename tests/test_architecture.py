@@ -196,3 +196,22 @@ def test_the_parser_sees_every_kind_of_import(tmp_path, monkeypatch, source, exp
     (tmp_path / "probe.py").write_text(source)
     assert imports_of("neutrain.kernels._architecture_probe") == expected
     assert not fake.exists()
+
+
+def test_the_readme_diagram_shows_every_package_in_its_layer():
+    # The README's architecture diagram lists the layers top-down, one line per layer.
+    readme = (ROOT.parent / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    diagram = section.split("```", 2)[1]
+    shown: dict[str, int] = {}
+    for depth, line in enumerate(diagram.strip().splitlines()):
+        for token in line.split():
+            name = token.rstrip("/").removesuffix(".py")
+            if token.endswith(("/", ".py")) and name in RANK and name:
+                shown[name] = depth
+    packages = {p for p in RANK if p not in ("", "__main__")}
+    assert set(shown) == packages, f"diagram and package differ: {sorted(set(shown) ^ packages)}"
+    # a higher layer is drawn above (earlier than) a lower one
+    misplaced = [(a, b) for a in shown for b in shown if RANK[a] > RANK[b] and shown[a] > shown[b]
+                 and not ({a, b} & APART or RANK[b] == 0)]
+    assert not misplaced, f"drawn in the wrong order: {misplaced}"
