@@ -20,6 +20,7 @@ from typing import Any, Callable
 import yaml
 
 from neutrain import compat
+from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
@@ -61,6 +62,8 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         data_seed=t["seed"],
         report_to=t["report_to"],
         dataloader_num_workers=t["dataloader_num_workers"],
+        # Pinned host memory only helps copies to a GPU; without one torch warns on every loader.
+        dataloader_pin_memory=not t["use_cpu"] and _cuda_available(),
         use_cpu=t["use_cpu"],
         optim=optim,
         remove_unused_columns=False,
@@ -70,6 +73,42 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         **compat.checkpointing_training_args(m["gradient_checkpointing"]),
     )
     return make_training_arguments(kwargs, TrainingArguments)
+
+
+def _cuda_available() -> bool:
+    import torch  # lazy: `neutrain --help` and bad-input errors stay instant
+
+    return torch.cuda.is_available()
+
+
+def _phase(state, echo: Callable[[str], None], name: str) -> None:
+    """Announce a phase of the run (main process only), so a user sees where the time goes."""
+    if state.is_main_process:
+        echo(f"\n== {name} ==")
+
+
+def generate_sample(model, tokenizer, eval_cfg: dict, seed: int) -> str:
+    """A continuation of ``eval.sample_prompt`` by the trained model, printed at the end of the run.
+
+    Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
+    output repeats itself, which says less about what it learned.
+    """
+    import torch  # lazy: `neutrain --help` and bad-input errors stay instant
+
+    prompt = eval_cfg["sample_prompt"]
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
+    temperature = eval_cfg["sample_temperature"]
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 50} if temperature > 0 else {"do_sample": False}
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg["sample_tokens"],
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                             **sampling)
+    model.train(was_training)
+    return prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:
@@ -154,6 +193,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     from neutrain.trainer.trainer import peak_memory_stats
 
     started = time.perf_counter()
+    name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
     out = recipe.train["output_dir"]
     # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
     plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
@@ -165,6 +205,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
                 "world_size": PartialState().num_processes}
     ctx = build_trainer(recipe)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
+    _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
     result = trainer.train(resume_from_checkpoint=plan.checkpoint)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
@@ -181,6 +222,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     summary["nonfinite_skipped_steps"] = trainer.nonfinite_skipped_steps
     summary.update(peak_memory_stats())
     if recipe.eval["perplexity"] and heldout is not None:
+        _phase(state, echo, "held-out evaluation")
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
         summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
@@ -192,6 +234,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode)
     elif recipe.eval["long_context_tasks"] and state.is_main_process:
+        _phase(state, echo, "long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
         summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     export_format = recipe.export["format"]
     if export_format != "none" and mode == "fsdp2":
@@ -201,6 +244,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         export_format = "none"
     if export_format != "none":
         export_dir = recipe.export["output_dir"] or os.path.join(out, "export")
+        _phase(state, echo, f"export: {recipe.export['format']}")
         with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model
@@ -217,7 +261,11 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     elif recipe.distill["enabled"] and state.is_main_process:
         from neutrain.cli.distill import distill_from_recipe
 
+        _phase(state, echo, "distillation of a draft, then speculative decoding")
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
+    if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
+        _phase(state, echo, "sample")
+        summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"])
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -284,6 +332,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("export_dir"):
         lines.append(f"export          {s['export_dir']}")
     lines.append(f"wall time       {s['wall_time_s']:.0f} s")
+    if s.get("sample") is not None:
+        lines.append("sample          (the trained model's continuation of eval.sample_prompt)")
+        lines.extend("    " + line for line in s["sample"].splitlines())
     return "\n".join(lines)
 
 

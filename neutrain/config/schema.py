@@ -131,6 +131,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16),
         "num_samples": Key(int, 4, "Samples per long-context task.", min=1),
         "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv."),
+        "sample_prompt": Key(str, None, "After training, generate from this prompt and print the sample at the end (none: no sample).", nullable=True),
+        "sample_tokens": Key(int, 64, "New tokens in the printed sample.", min=1),
+        "sample_temperature": Key(float, 0.8, "Sampling temperature of the printed sample (0: greedy).", min=0.0),
     },
     "export": {
         "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3", "none")),

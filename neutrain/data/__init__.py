@@ -18,7 +18,7 @@ from typing import Any
 from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
 from neutrain.data.formats import IGNORE_INDEX
 from neutrain.data.packing import Collator, pack_rows, pad_token_id
-from neutrain.data.sources import load_rows, python_stdlib_corpus
+from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
 
 __all__ = [
@@ -116,8 +116,9 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
         if entry["split"] == "validation":
             eval_parts.append(ds)
             continue
-        held = ds.filter(lambda r: r["heldout"])
-        ds = ds.filter(lambda r: not r["heldout"])
+        with quiet_datasets():
+            held = ds.filter(lambda r: r["heldout"])
+            ds = ds.filter(lambda r: not r["heldout"])
         if len(held):
             eval_parts.append(held)
         ds = ds.shuffle(seed=seed)

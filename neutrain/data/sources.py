@@ -8,6 +8,7 @@ is how the default recipe trains on real text with no download.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,6 +20,24 @@ from typing import Any
 from neutrain.errors import DataError
 
 _EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """No ``datasets`` progress bars inside the block ("Generating train split", "Filter").
+
+    Why: they carry no label a user can place, and the steps they show take well under a
+    second; neutrain's own tokenising bar names the source instead.
+    """
+    import datasets  # lazy: callers already imported it; `import neutrain.data` stays light
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _ds_type(path: Path, declared: str | None) -> str:
@@ -92,7 +111,8 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     if ds_type == "text":
         kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
     try:
-        ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
+        with quiet_datasets():
+            ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as exc:  # datasets raises many types; name the file either way
         raise _read_error(files, ds_type, exc) from None
     if not streaming:

@@ -34,11 +34,21 @@ class MetricsFileCallback(TrainerCallback):
 
 
 class PlotCallback(TrainerCallback):
-    """At the end of training, plot loss and peak memory per step to ``training_curves.png``."""
+    """Plot loss (train and held-out), learning rate and peak memory per step to ``training_curves.png``.
 
-    def on_train_end(self, args, state, control, **kwargs):
+    Drawn at the end of training and again after each evaluation, so the held-out loss of
+    the evaluation that follows training is in the picture too.
+    """
+
+    def _plot(self, args, state):
         if state.is_world_process_zero:
             plot_metrics(Path(args.output_dir) / METRICS_FILE, Path(args.output_dir) / PLOT_FILE)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._plot(args, state)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._plot(args, state)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -55,25 +65,34 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> str | None:
-    """Draw the loss curve and the peak-memory curve side by side; returns the PNG path."""
+    """Draw loss (train, held-out), learning rate and peak memory side by side; returns the PNG path (None: no data)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(metrics_path) if "loss" in r]
-    if not records:
+    everything = read_metrics(metrics_path)
+    records = [r for r in everything if "loss" in r]
+    evals = [r for r in everything if "eval_loss" in r]
+    if not records and not evals:
         return None
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
-    evals = [r for r in read_metrics(metrics_path) if "eval_loss" in r]
+    fig, (ax_loss, ax_lr, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
+    if records:
+        ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
+    lrs = [(r["step"], r["learning_rate"]) for r in records if isinstance(r.get("learning_rate"), (int, float))]
+    if lrs:
+        ax_lr.plot(*zip(*lrs), color="tab:green", label="learning rate")
+        ax_lr.legend()
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.grid(alpha=0.3)
     for key, label in (("peak_memory_gib", "peak GPU allocated"), ("peak_reserved_gib", "peak GPU reserved"), ("peak_rss_gib", "peak process RSS")):
         values = [r.get(key) for r in records]
         if any(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in values):
@@ -82,7 +101,7 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
     ax_mem.set_ylabel("GiB")
     ax_mem.legend()
     ax_mem.grid(alpha=0.3)
-    fig.suptitle("neutrain: loss and memory")
+    fig.suptitle("neutrain: loss, learning rate and memory")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

@@ -44,6 +44,8 @@ class DistillationTrainer(NeuTrainer):
         >>> trainer.train(); trainer.evaluate()["eval_acceptance"]  # doctest: +SKIP
     """
 
+    progress_label = "distilling the draft"
+
     def __init__(
         self,
         *args,
@@ -74,6 +76,7 @@ class DistillationTrainer(NeuTrainer):
             ids = draft.generate(
                 prefix, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
                 max_new_tokens=tail, min_new_tokens=tail, pad_token_id=0, eos_token_id=None,
+                attention_mask=torch.ones_like(prefix),  # packed rows hold no padding: say so, not guessed from id 0
             )
         mask = torch.zeros_like(ids)
         mask[:, prefix.shape[1] - 1 : -1] = 1  # distributions that predicted the sampled tokens

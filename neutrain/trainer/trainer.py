@@ -26,9 +26,9 @@ Example:
     ...                          report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
     >>> trainer = MyTrainer(model=model, args=args, train_dataset=ds)
     >>> trainer.train().global_step  # doctest: +ELLIPSIS
-    {'loss': ...}
-    {'loss': ...}
-    {'train_runtime': ...}
+    step 1/2  loss ...
+    step 2/2  loss ...
+    step 2/2  training done in ...
     2
 """
 
@@ -43,11 +43,12 @@ import time
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import PrinterCallback, ProgressCallback, Trainer
 
 from neutrain import compat
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.distributed.resume import verify_resume
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
@@ -98,6 +99,9 @@ class NeuTrainer(Trainer):
         **kwargs: As for ``transformers.Trainer``.
     """
 
+    progress_label = "training"
+    """What the training progress bar is called (the distillation trainer says "distilling the draft")."""
+
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
 
@@ -125,6 +129,10 @@ class NeuTrainer(Trainer):
         self._last_log_time: float | None = None
         self.add_callback(MetricsFileCallback())
         self.add_callback(PlotCallback())
+        # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
+        self.remove_callback(ProgressCallback)
+        self.remove_callback(PrinterCallback)
+        self.add_callback(LabelledProgressCallback(self.progress_label, bars=not self.args.disable_tqdm))
 
     # ---- fused updates and compressed weights ---------------------------------------------
 

@@ -102,3 +102,16 @@ def test_skip_ddp_wrapping_forces_evaluation_mode_and_is_idempotent():
     skip_ddp_wrapping(acc)
     skip_ddp_wrapping(acc)
     assert acc.prepare_model("m") == "m" and calls == [True]
+
+
+def test_deepspeed_is_told_the_cpu_accelerator_only_without_a_gpu_and_without_a_user_setting():
+    from neutrain.compat.deepspeed_env import name_cpu_accelerator
+
+    env = {}
+    name_cpu_accelerator(env, cuda_available=True)
+    assert env == {}
+    name_cpu_accelerator(env, cuda_available=False)
+    assert env == {"DS_ACCELERATOR": "cpu"}
+    mine = {"DS_ACCELERATOR": "cuda"}
+    name_cpu_accelerator(mine, cuda_available=False)
+    assert mine == {"DS_ACCELERATOR": "cuda"}

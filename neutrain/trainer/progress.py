@@ -1,0 +1,102 @@
+"""What a run prints while it trains: labelled progress bars and one readable line per log event.
+
+Why not transformers' ``ProgressCallback``: its bars carry no label (a run shows five of
+them: training, evaluation, the draft's training...), and it prints each log event as a
+dict of strings (``{'loss': '8.003', ...}``). Here every bar says what it counts, and a log
+event is one line of numbers with units. Also, a run whose ``max_steps`` is not a multiple
+of ``logging_steps`` (or is smaller) still logs its last step, so the loss line, the
+metrics file and the PNG always cover the end of training.
+
+Example:
+    >>> format_log_line({"loss": 8.0027, "learning_rate": 0.08, "grad_norm": 3.66, "tokens_per_second": 153.5,
+    ...                  "peak_rss_gib": 1.097, "epoch": 0.004}, step=5, max_steps=60)
+    'step 5/60  loss 8.003  lr 0.08  grad norm 3.66  154 tokens/s  RSS 1.10 GiB'
+"""
+
+from __future__ import annotations
+
+import math
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+
+def _num(value: float) -> str:
+    return "nan" if isinstance(value, float) and math.isnan(value) else f"{value:.4g}"
+
+
+def format_log_line(logs: dict, step: int, max_steps: int) -> str:
+    """One log event as a line: the step, then loss, held-out loss, learning rate, grad norm, speed and memory.
+
+    Empty when the event carries none of these (e.g. only evaluation timings).
+    """
+    parts = [f"step {step}/{max_steps}"]
+    if "train_runtime" in logs:
+        return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean train loss {_num(logs.get('train_loss', float('nan')))}"
+    if "loss" in logs:
+        parts.append(f"loss {_num(logs['loss'])}")
+    if "eval_loss" in logs:
+        parts.append(f"held-out loss {_num(logs['eval_loss'])}")
+    if "learning_rate" in logs:
+        parts.append(f"lr {_num(logs['learning_rate'])}")
+    if logs.get("grad_norm") is not None:
+        parts.append(f"grad norm {_num(logs['grad_norm'])}")
+    if "tokens_per_second" in logs:
+        parts.append(f"{logs['tokens_per_second']:.0f} tokens/s")
+    if logs.get("peak_memory_gib") is not None:
+        parts.append(f"GPU {logs['peak_memory_gib']:.2f} GiB allocated, {logs.get('peak_reserved_gib', float('nan')):.2f} reserved")
+    elif logs.get("peak_rss_gib") is not None:
+        parts.append(f"RSS {logs['peak_rss_gib']:.2f} GiB")
+    if logs.get("nonfinite_skipped_steps"):
+        parts.append(f"{logs['nonfinite_skipped_steps']} non-finite steps skipped")
+    return "  ".join(parts) if len(parts) > 1 else ""
+
+
+class LabelledProgressCallback(TrainerCallback):
+    """Progress bars named after what they count (``label`` for training, "held-out eval"), and readable log lines."""
+
+    def __init__(self, label: str = "training", bars: bool = True):
+        self.label, self.bars = label, bars
+        self.training_bar = None
+        self.prediction_bar = None
+        self.current_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.bars:
+            self.training_bar = tqdm(total=state.max_steps, desc=self.label, unit="step", dynamic_ncols=True)
+        self.current_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True  # the last step is always logged, whatever logging_steps says
+        if self.training_bar is not None:
+            self.training_bar.update(state.global_step - self.current_step)
+            self.current_step = state.global_step
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if state.is_world_process_zero and self.bars and eval_dataloader is not None and hasattr(eval_dataloader, "__len__"):
+            if self.prediction_bar is None:
+                self.prediction_bar = tqdm(total=len(eval_dataloader), desc="held-out eval", unit="batch",
+                                           leave=self.training_bar is None, dynamic_ncols=True)
+            self.prediction_bar.update(1)
+
+    def _close_prediction_bar(self):
+        if self.prediction_bar is not None:
+            self.prediction_bar.close()
+        self.prediction_bar = None
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._close_prediction_bar()
+
+    def on_predict(self, args, state, control, **kwargs):
+        self._close_prediction_bar()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        line = format_log_line(logs or {}, state.global_step, state.max_steps)
+        if state.is_world_process_zero and line:  # an event with none of these numbers prints nothing
+            (self.training_bar.write if self.training_bar is not None else tqdm.write)(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            self.training_bar.close()
+            self.training_bar = None
