@@ -149,8 +149,10 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
 
     dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
     attn = model_cfg["attn_implementation"]
-    if attn == "auto":  # SageAttention where measured faster, per call (neutrain.attention.dispatch)
-        attn = "neutrain_sage" if torch.cuda.is_available() and not use_cpu else "sdpa"
+    if attn == "auto":  # what the architecture supports; SageAttention where measured faster, per call
+        from neutrain.nn.architecture import auto_attention
+
+        attn = auto_attention(config_only(model_cfg), cuda=torch.cuda.is_available() and not use_cpu)
     if attn == "neutrain_sage" and (use_cpu or not torch.cuda.is_available()):
         # The INT8/FP8 kernels need a CUDA GPU; on CPU the quantized torch reference would only
         # be slower than SDPA, so a recipe that asks for SageAttention trains with SDPA there.

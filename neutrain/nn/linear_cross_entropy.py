@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.architecture import LogitTransform, logit_transform
 from neutrain.nn.linear import CompressedLinear
 from neutrain.optim.clipping import add_squared_norm_
 
@@ -40,7 +41,7 @@ def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index):
+    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index, transform):
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         tokens, vocab = hidden.shape[0], w.shape[0]
         chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
@@ -51,6 +52,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         for start in range(0, vocab, chunk):
             logits = hidden.mm(w[start : start + chunk].t()).float()
+            if transform is not None:
+                logits = transform.apply(logits)
             in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
             picked = logits.gather(1, (safe_labels - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
             target_logit = torch.where(in_chunk, picked, target_logit)
@@ -65,13 +68,13 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
         loss = losses.sum() / normaliser
         ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight)
-        ctx.compressed, ctx.chunk = compressed, chunk
+        ctx.compressed, ctx.chunk, ctx.transform = compressed, chunk, transform
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, labels, valid, lse, normaliser, dense_weight = ctx.saved_tensors
-        compressed = ctx.compressed
+        compressed, transform = ctx.compressed, ctx.transform
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         vocab, chunk = w.shape[0], ctx.chunk
         row_scale = torch.where(valid, grad_loss / normaliser, torch.zeros_like(lse))[:, None]
@@ -82,17 +85,22 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
         def grad_logits_of(start: int, stop: int) -> torch.Tensor:
             """(softmax - onehot) * scale for vocabulary rows [start, stop), in the hidden dtype."""
-            grad_logits = hidden.mm(w[start:stop].t()).float().sub_(lse[:, None]).exp_()  # softmax, in place
+            raw = hidden.mm(w[start:stop].t()).float()
+            logits = raw if transform is None else transform.apply(raw)
+            grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place (raw is kept when transformed)
             in_chunk = (labels >= start) & (labels < stop)
             local = (labels - start).clamp(0, stop - start - 1)
             grad_logits[token_rows, local] -= in_chunk.to(grad_logits.dtype)
-            return grad_logits.mul_(row_scale).to(hidden.dtype)
+            grad_logits.mul_(row_scale)
+            if transform is not None:  # through soft-capping / logit scaling to the raw logits
+                grad_logits = transform.backward(raw, grad_logits)
+            return grad_logits.to(hidden.dtype)
 
         stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight else None
         if stream_rows and (stream_rows % chunk == 0 or chunk % stream_rows == 0):
             _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk, stream_rows)
             compressed.release()
-            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None
+            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None, None
 
         grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_weight else None
         for start in range(0, vocab, chunk):
@@ -109,7 +117,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_weight:
                 compressed.apply_grad(grad_w)  # tied, or a rule needing whole-tensor statistics
             compressed.release()
-        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None
+        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None, None
 
 
 def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk: int, block: int) -> None:
@@ -171,6 +179,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of ``lm_head(hidden)`` against ``labels``, in vocabulary chunks.
 
@@ -182,6 +191,8 @@ def linear_cross_entropy(
             convention for token-normalised losses); else by the number of valid labels.
         ignore_index: label that contributes nothing.
         chunk_bytes: fp32 logits budget per chunk.
+        logit_transform: what the model applies to its logits before the loss (soft-capping,
+            logit scales: :func:`neutrain.nn.architecture.logit_transform`); None for none.
 
     Returns:
         A 0-dim fp32 loss.
@@ -205,8 +216,9 @@ def linear_cross_entropy(
         compressed, key, dense_weight = lm_head.compressed, lm_head.weight_key, None
     else:
         compressed, key, dense_weight = None, None, lm_head.weight
+    transform = None if logit_transform is None or logit_transform.identity else logit_transform
     return _LinearCrossEntropyFunction.apply(
-        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index
+        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index, transform
     )
 
 
@@ -224,7 +236,8 @@ def causal_lm_loss(
 
     Runs the decoder (``model.get_decoder()``), shifts labels left by one (as
     transformers' ``ForCausalLMLoss``) and applies :func:`linear_cross_entropy`
-    with ``model.get_output_embeddings()``.
+    with ``model.get_output_embeddings()`` and the logits transform the model's own
+    forward applies (soft-capping, logit scales: :mod:`neutrain.nn.architecture`).
 
     Example:
         >>> from transformers import LlamaConfig, AutoModelForCausalLM
@@ -240,5 +253,6 @@ def causal_lm_loss(
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     return linear_cross_entropy(
-        hidden, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes
+        hidden, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes,
+        logit_transform=logit_transform(model.config) if hasattr(model, "config") else None,
     )
