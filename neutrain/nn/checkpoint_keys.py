@@ -29,6 +29,7 @@ import copy
 import torch
 
 from neutrain import compat
+from neutrain.config.errors import CheckpointError
 
 
 class CheckpointKeys:
@@ -79,12 +80,13 @@ class CheckpointKeys:
         if waiting:
             return []
         held = self._held.pop(target)
+        held_keys = list(held)
         converter = self._converters.pop(target)
         for source in compat.natural_key_order(list(held)):
             converter.add_tensor(target, source, self._pattern_of[source], held.pop(source))
-        merged = converter.convert(target, model=self.model, config=getattr(self.model, "config", None))
+        try:
+            merged = converter.convert(target, model=self.model, config=getattr(self.model, "config", None))
+        except Exception as exc:  # e.g. an expert missing from the checkpoint: the stacks do not line up
+            raise CheckpointError(f"checkpoint: cannot build {target} from {len(held_keys)} tensor(s) "
+                                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         return list(merged.items())
-
-    def incomplete(self) -> list[str]:
-        """Merged parameters still missing source tensors (a truncated checkpoint)."""
-        return sorted(target for target, waiting in self._waiting.items() if waiting)

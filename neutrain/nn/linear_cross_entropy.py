@@ -41,7 +41,8 @@ def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index, transform):
+    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index, transform,
+                bias):
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         tokens, vocab = hidden.shape[0], w.shape[0]
         chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
@@ -51,7 +52,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         for start in range(0, vocab, chunk):
-            logits = hidden.mm(w[start : start + chunk].t()).float()
+            logits = _chunk_logits(hidden, w, bias, start, start + chunk)
             if transform is not None:
                 logits = transform.apply(logits)
             in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
@@ -67,13 +68,13 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         lse = running_max + running_sum.log()
         losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
         loss = losses.sum() / normaliser
-        ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight)
+        ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight, bias)
         ctx.compressed, ctx.chunk, ctx.transform = compressed, chunk, transform
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, labels, valid, lse, normaliser, dense_weight = ctx.saved_tensors
+        hidden, labels, valid, lse, normaliser, dense_weight, bias = ctx.saved_tensors
         compressed, transform = ctx.compressed, ctx.transform
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         vocab, chunk = w.shape[0], ctx.chunk
@@ -85,7 +86,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
         def grad_logits_of(start: int, stop: int) -> torch.Tensor:
             """(softmax - onehot) * scale for vocabulary rows [start, stop), in the hidden dtype."""
-            raw = hidden.mm(w[start:stop].t()).float()
+            raw = _chunk_logits(hidden, w, bias, start, stop)
             logits = raw if transform is None else transform.apply(raw)
             grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place (raw is kept when transformed)
             in_chunk = (labels >= start) & (labels < stop)
@@ -96,16 +97,21 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 grad_logits = transform.backward(raw, grad_logits)
             return grad_logits.to(hidden.dtype)
 
-        stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight else None
+        need_bias = ctx.needs_input_grad[9]
+        # A bias gradient is summed over the full-gradient loop below; streaming is for bias-free heads.
+        stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight and bias is None else None
         if stream_rows and (stream_rows % chunk == 0 or chunk % stream_rows == 0):
             _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk, stream_rows)
             compressed.release()
-            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None, None
+            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None, None, None
 
         grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_weight else None
+        grad_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_bias else None
         for start in range(0, vocab, chunk):
             stop = min(vocab, start + chunk)
             grad_logits = grad_logits_of(start, stop)
+            if need_bias:
+                grad_bias[start:stop] = grad_logits.sum(0)
             if need_hidden:
                 grad_hidden += grad_logits.mm(w[start:stop]).float()
             if need_weight:
@@ -117,7 +123,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_weight:
                 compressed.apply_grad(grad_w)  # tied, or a rule needing whole-tensor statistics
             compressed.release()
-        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None, None
+        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None, None, grad_bias
 
 
 def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk: int, block: int) -> None:
@@ -167,6 +173,13 @@ def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, 
     compressed.apply_streamed_grad(grad_rows, sumsq)
 
 
+def _chunk_logits(hidden, w, bias, start: int, stop: int) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [start, stop), computed as ``nn.Linear`` does (addmm with a bias)."""
+    if bias is None:
+        return hidden.mm(w[start:stop].t()).float()
+    return torch.addmm(bias[start:stop], hidden, w[start:stop].t()).float()
+
+
 def _finish(grad_hidden: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
     return None if grad_hidden is None else grad_hidden.to(hidden.dtype)
 
@@ -185,7 +198,7 @@ def linear_cross_entropy(
 
     Args:
         hidden: ``(..., hidden_size)`` final hidden states.
-        lm_head: a :class:`CompressedLinear` or bias-free ``nn.Linear``.
+        lm_head: a :class:`CompressedLinear` or ``nn.Linear`` (a bias, as Phi's, is added per chunk).
         labels: integer targets with the shape of ``hidden[..., 0]``; ``ignore_index`` masks.
         num_items_in_batch: if given, divide the summed loss by it (Hugging Face's
             convention for token-normalised losses); else by the number of valid labels.
@@ -204,8 +217,6 @@ def linear_cross_entropy(
         >>> bool(torch.allclose(linear_cross_entropy(h, head, y, chunk_bytes=6 * 4 * 7), ref, atol=1e-6))
         True
     """
-    if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("linear_cross_entropy supports bias-free lm_heads only")
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     labels1 = labels.reshape(-1).to(hidden2.device)
     if num_items_in_batch is None:
@@ -218,7 +229,8 @@ def linear_cross_entropy(
         compressed, key, dense_weight = None, None, lm_head.weight
     transform = None if logit_transform is None or logit_transform.identity else logit_transform
     return _LinearCrossEntropyFunction.apply(
-        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index, transform
+        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index, transform,
+        getattr(lm_head, "bias", None),
     )
 
 

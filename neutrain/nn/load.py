@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from neutrain.config.errors import CheckpointError
 from neutrain.nn.convert import (
     WEIGHT_MODES,
     CompressionReport,
@@ -165,6 +166,9 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
             module_name, _, pname = name.rpartition(".")
             module = model.get_submodule(module_name)
             meta = module._parameters[pname]
+            if tuple(tensor.shape) != tuple(meta.shape):
+                raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model's "
+                                      f"config needs {tuple(meta.shape)}")
             stack = (module_name, pname) in stacks
             target = stack or (module_name in targets and pname == "weight")
             cast = storage_dtype if target and storage_dtype is not None else meta.dtype
@@ -183,13 +187,11 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
                 module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
             del tensor
         del source
-    if keys.incomplete():
-        raise ValueError(f"checkpoint is missing source tensors of {keys.incomplete()[:5]}")
     _tie_if_configured(model, config)
     mark_large_weights(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
-        raise ValueError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
+        raise CheckpointError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
     model.train()
     report = CompressionReport(weights, converted, dense_bytes + _buffer_bytes(model), model_nbytes(model),
                                dense_bytes, compressed_bytes)

@@ -32,9 +32,11 @@ ARCHITECTURES = {
     # Gemma: scaled embedding (x sqrt(hidden)), (1 + w) norms, tied head; Gemma 2 also soft-caps
     # attention and final logits and has no SDPA.
     "gemma": {"model_type": "gemma", "head_dim": 16},
-    "gemma2": {"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    # Soft-caps small enough to matter on a random model's logits.
+    "gemma2": {"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+               "final_logit_softcapping": 1.0, "attn_logit_softcapping": 2.0},
     "gemma3": {"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
-               "final_logit_softcapping": 20.0},
+               "final_logit_softcapping": 2.0},
     "phi3": {"model_type": "phi3"},
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -48,6 +50,12 @@ ARCHITECTURES = {
     # Cohere: logits times logit_scale, tied head, LayerNorm with no bias.
     "cohere": {"model_type": "cohere", "logit_scale": 0.5},
     "stablelm": {"model_type": "stablelm", "use_qkv_bias": True},
+    "phi": {"model_type": "phi"},  # lm_head with a bias
+    # MoE with shared experts, grouped routing and a first dense layer; MLA attention.
+    "deepseek_v3": {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16},
 }
 CODEC = {"steps": 16}  # short codec lanes: fast CPU reference coder on tiny tensors
 
@@ -164,3 +172,22 @@ def test_compressed_training_equals_dense_and_round_trips(tmp_path, arch):
     logits = _logits(compressed, probe)
     assert torch.equal(_logits(exported, probe), logits)
     assert torch.equal(_logits(dense, probe), logits)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mixtral"])
+def test_neuzip_export_keeps_scaled_embedding_and_expert_stacks(tmp_path, arch):
+    import neutrain  # noqa: F401  (registers the neuzip quantizer)
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.export.neuzip import export_neuzip
+    from neutrain.nn import compress_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.bfloat16)
+    probe = _batches(1, seed=5)[0]
+    expected = _logits(model, probe)
+    compress_model(model, progress=False, codec_options=CODEC)
+    assert torch.equal(_logits(model, probe), expected)
+    export_neuzip(model, tmp_path / "neuzip")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "neuzip")
+    assert torch.equal(_logits(reloaded, probe), expected)
