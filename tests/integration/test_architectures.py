@@ -191,3 +191,45 @@ def test_neuzip_export_keeps_scaled_embedding_and_expert_stacks(tmp_path, arch):
     export_neuzip(model, tmp_path / "neuzip")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "neuzip")
     assert torch.equal(_logits(reloaded, probe), expected)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2_moe"])
+def test_recipe_trains_resumes_and_exports(tmp_path, arch):
+    """Through NeuTrainer: ``attn_implementation: auto``, NeuZip + AdaLomo, resume bit-exact, dense export."""
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.callbacks import read_metrics
+    from neutrain.config import load_recipe
+    from neutrain.export.hf import export_hf
+    from neutrain.run import build_trainer
+    from tests.helpers import write_recipe
+
+    raw = {**COMMON, **ARCHITECTURES[arch]}
+    for key in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"):
+        raw.pop(key)  # the byte tokenizer's
+    recipe = load_recipe(write_recipe(
+        tmp_path, model={"config": raw, "dtype": "bfloat16", "attn_implementation": "auto"},
+        memory={"weights": "neuzip-lossless", "stochastic_rounding": True},
+        train={"optimizer": "adalomo", "learning_rate": 1e-2, "max_steps": 4, "save_steps": 2,
+               "lr_scheduler": "constant", "warmup_steps": 0},
+        eval={"perplexity": False}, export={"format": "none"},
+    ))
+    ctx = build_trainer(recipe)
+    model = ctx.trainer.model
+    assert model.config._attn_implementation == ("eager" if arch == "gemma2" else "sdpa")
+    ctx.trainer.train()
+    out = tmp_path / "out"
+    losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+    after = _weights(model)
+
+    resumed = build_trainer(recipe)
+    resumed.trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    again = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+    assert [again[s] for s in (3, 4)] == [losses[s] for s in (3, 4)]
+    _assert_same_weights(_weights(resumed.trainer.model), after, "resumed run")
+
+    export_hf(model, tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+    probe = torch.randint(3, 200, (2, 10))
+    model.config._attn_implementation = "eager"  # same kernels on both sides
+    assert torch.equal(_logits(exported, probe), _logits(model, probe))
