@@ -11,7 +11,8 @@ there must survive the swap, or the model silently trains as another function:
   Cohere's ``logit_scale``, Granite's ``logits_scaling``): :func:`logit_transform`,
   applied by the chunked loss;
 * ``nn.Linear`` subclasses with their own ``forward``: refused (:func:`check_linear`);
-* attention backends: :func:`auto_attention` picks one the architecture supports.
+* attention backends: :func:`auto_attention` picks one the architecture supports,
+  :func:`check_attention` refuses an explicit one it does not.
 
 Example:
     >>> from transformers import AutoConfig
@@ -111,11 +112,31 @@ def auto_attention(config, cuda: bool) -> str:
     ``sdpa`` where transformers allows it (Gemma 2 does not: SDPA cannot soft-cap), else ``eager``.
     """
     cls = causal_lm_class(config)
-    if cls is None:
-        return "sdpa"
+    if cls is None:  # remote code: nothing to read the support from
+        return "neutrain_sage" if cuda else "sdpa"
     if cuda and getattr(cls, "_supports_attention_backend", False):
         return "neutrain_sage"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+_ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+
+
+def check_attention(config, attn: str) -> None:
+    """Refuse an attention backend the architecture's transformers class does not support (one clear line).
+
+    Example:
+        >>> from transformers import AutoConfig
+        >>> check_attention(AutoConfig.for_model("gemma2"), "sdpa")
+        Traceback (most recent call last):
+        ...
+        neutrain.nn.architecture.UnsupportedArchitectureError: model.attn_implementation: Gemma2ForCausalLM has no sdpa attention in transformers (use auto or eager)
+    """
+    cls = causal_lm_class(config)
+    flag = _ATTENTION_FLAGS.get(attn)
+    if cls is not None and flag is not None and not getattr(cls, flag, False):
+        raise UnsupportedArchitectureError(
+            f"model.attn_implementation: {cls.__name__} has no {attn} attention in transformers (use auto or eager)")
 
 
 def check_linear(name: str, module: torch.nn.Module) -> None:

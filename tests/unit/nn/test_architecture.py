@@ -101,6 +101,14 @@ def test_auto_attention_picks_what_the_architecture_supports(tmp_path):
     for weights_mode in ("dense", "neuzip-lossless"):
         model = build_model(recipe.model, byte_tokenizer(), use_cpu=True, weights=weights_mode)
         assert model.config._attn_implementation == "eager", weights_mode
+    # SageAttention asked for on CPU falls back to what Gemma 2 supports, not to SDPA.
+    sage = load_recipe(write_recipe(tmp_path, "sage.yaml", model={"config": gemma2, "attn_implementation": "neutrain_sage"}))
+    assert build_model(sage.model, byte_tokenizer(), use_cpu=True).config._attn_implementation == "eager"
+    # An explicit backend the architecture lacks: one line naming the key, the class and the way out.
+    sdpa = load_recipe(write_recipe(tmp_path, "sdpa.yaml", model={"config": gemma2, "attn_implementation": "sdpa"}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^model\.attn_implementation: Gemma2ForCausalLM has no "
+                                                           r"sdpa attention in transformers \(use auto or eager\)$"):
+        build_model(sdpa.model, byte_tokenizer(), use_cpu=True)
 
 
 def test_moe_experts_train_like_dense_under_activation_checkpointing():
