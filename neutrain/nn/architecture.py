@@ -9,7 +9,8 @@ there must survive the swap, or the model silently trains as another function:
   that "lookup times scale" is what the original module computes, refusing otherwise;
 * logits transforms in ``*ForCausalLM.forward`` (Gemma 2/3 final soft-capping,
   Cohere's ``logit_scale``, Granite's ``logits_scaling``): :func:`logit_transform`,
-  applied by the chunked loss;
+  applied by the chunked loss; so is the MoE router's load-balancing loss
+  (:func:`router_aux_loss`, when ``output_router_logits`` is set);
 * ``nn.Linear`` subclasses with their own ``forward``: refused (:func:`check_linear`);
 * attention backends: :func:`auto_attention` picks one the architecture supports,
   :func:`check_attention` refuses an explicit one it does not.
@@ -92,6 +93,34 @@ def logit_transform(config) -> LogitTransform:
         divisor=float(divisor) if divisor not in (None, 1, 1.0) else None,
         softcap=float(softcap) if softcap else None,
     )
+
+
+def router_aux_loss(model):
+    """The MoE load-balancing loss the model's forward adds when ``config.output_router_logits`` is set, or None.
+
+    Returns ``aux(router_logits, attention_mask) -> coef * load_balancing_loss``, using the
+    function and attributes of the model's own module (Mixtral, Qwen2/3-MoE, OLMoE, ... share
+    the pattern).
+
+    Raises:
+        UnsupportedArchitectureError: the flag is set but the model does not follow that pattern.
+    """
+    import sys
+
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return None
+    loss_fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    attrs = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    if loss_fn is None or not all(hasattr(model, a) for a in attrs):
+        raise UnsupportedArchitectureError(
+            f"model.config.output_router_logits: neutrain's chunked loss does not know {type(model).__name__}'s "
+            "router loss (set it false)")
+
+    def aux(router_logits, attention_mask):
+        balance = loss_fn(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+        return model.router_aux_loss_coef * balance
+
+    return aux
 
 
 def causal_lm_class(config):

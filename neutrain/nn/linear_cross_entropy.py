@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.nn.architecture import LogitTransform, logit_transform
+from neutrain.nn.architecture import LogitTransform, logit_transform, router_aux_loss
 from neutrain.nn.linear import CompressedLinear
 from neutrain.optim.clipping import add_squared_norm_
 
@@ -249,7 +249,8 @@ def causal_lm_loss(
     Runs the decoder (``model.get_decoder()``), shifts labels left by one (as
     transformers' ``ForCausalLMLoss``) and applies :func:`linear_cross_entropy`
     with ``model.get_output_embeddings()`` and the logits transform the model's own
-    forward applies (soft-capping, logit scales: :mod:`neutrain.nn.architecture`).
+    forward applies (soft-capping, logit scales: :mod:`neutrain.nn.architecture`), plus
+    the MoE router's load-balancing loss when ``config.output_router_logits`` is set.
 
     Example:
         >>> from transformers import LlamaConfig, AutoModelForCausalLM
@@ -262,9 +263,15 @@ def causal_lm_loss(
         True
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
+    aux = router_aux_loss(model)
+    if aux is not None:
+        model_kwargs = {**model_kwargs, "output_router_logits": True}
+    outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    return linear_cross_entropy(
-        hidden, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes,
-        logit_transform=logit_transform(model.config) if hasattr(model, "config") else None,
+    loss = linear_cross_entropy(
+        outputs.last_hidden_state, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch,
+        chunk_bytes=chunk_bytes, logit_transform=logit_transform(model.config) if hasattr(model, "config") else None,
     )
+    if aux is not None:  # as the model's forward: loss += coef * load-balancing loss
+        loss = loss + aux(outputs.router_logits, attention_mask).to(loss.device)
+    return loss

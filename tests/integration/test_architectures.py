@@ -38,9 +38,11 @@ ARCHITECTURES = {
     "gemma3": {"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
                "final_logit_softcapping": 2.0},
     "phi3": {"model_type": "phi3"},
-    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    # MoE; Mixtral and Qwen2-MoE also add the router's load-balancing loss (output_router_logits).
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                "output_router_logits": True, "router_aux_loss_coef": 0.1},
     "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "shared_expert_intermediate_size": 64},
+                  "shared_expert_intermediate_size": 64, "output_router_logits": True},
     "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32},
     "olmo2": {"model_type": "olmo2"},
