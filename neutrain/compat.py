@@ -290,3 +290,20 @@ def natural_key_order(keys: list[str]) -> list[str]:
     from transformers.core_model_loading import dot_natural_key
 
     return sorted(keys, key=dot_natural_key)
+
+
+# --- Autograd internals (nn.stack_views) ---
+
+
+def saved_tensor_hooks_active() -> bool:
+    """True while outer ``saved_tensors_hooks`` (e.g. activation checkpointing's) are installed.
+
+    Reads torch's private hook stack (present since torch 2.1, as in 2.11 and 2.13); if that
+    ever changes, answers True: callers then keep what they save (correct, more memory).
+    """
+    import torch
+
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True

@@ -15,10 +15,10 @@ stack's whole gradient (autograd sums the per-expert slices first) and hands it
 to the fused optimizer, which updates and re-encodes it. Outside a forward the
 attribute is a fresh detached dense copy (inspection).
 
-Memory: a decoded stack lives from its layer's forward to that layer's backward
-(the expert products save slices of it). With activation checkpointing only the
-layer being recomputed holds its decoded stacks; without, the decoded experts of
-every layer stay alive through the step, as dense ones would.
+Memory: a decoded stack lives only through its layer's forward; the slices the
+expert products save for backward are stored as references and re-decoded in
+that layer's backward (:mod:`neutrain.nn.stack_views`), so at most one layer's
+decoded stacks exist at a time, as for :class:`CompressedLinear` weights.
 
 Example:
     >>> from transformers import MixtralConfig, AutoModelForCausalLM
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.stack_views import CACHE, stack_saving
 from neutrain.nn.state import load_blobs, save_blobs
 from neutrain.nn.weight import CompressedWeight
 
@@ -63,6 +64,7 @@ class _DecodeStack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        CACHE.drop(ctx.weight)  # every slice's backward has run: free the re-decoded stack before the update
         if ctx.needs_input_grad[0]:
             ctx.weight.apply_grad(grad)
         return None, None
@@ -85,10 +87,12 @@ class CompressedExpertsMixin:
         return super().__getattr__(name)
 
     def forward(self, *args, **kwargs):
-        self.__dict__["_decoded"] = {}
+        decoded = self.__dict__["_decoded"] = {}
         try:
-            return super().forward(*args, **kwargs)
+            with stack_saving(self, decoded):
+                return super().forward(*args, **kwargs)
         finally:
+            decoded.clear()  # torch keeps the pack hook (which sees this dict) with every tensor it saved
             self.__dict__["_decoded"] = None
 
     def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:

@@ -158,3 +158,43 @@ def test_truncated_moe_checkpoint_names_the_stack_it_cannot_build(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"cannot build model\.layers\.0\.mlp\.experts\.gate_up_proj from 3 "):
         load_compressed(tmp_path, device="cpu", progress=False, codec_options=CODEC)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["saved-as-references", "outer-hooks-active"])
+def test_decoded_expert_stacks_do_not_outlive_the_forward(monkeypatch, hooks):
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    import neutrain.nn.experts as experts_module
+    import neutrain.nn.stack_views as stack_views
+    from neutrain.nn import causal_lm_loss
+    from neutrain.optim import LOMO
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=256, num_local_experts=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
+    compress_model(model, progress=False, codec_options=CODEC)
+    opt = LOMO(model.parameters(), lr=0.1, stochastic_rounding=False).bind(model)
+    if not hooks:  # as under activation checkpointing: the stacks are left to the outer hooks
+        monkeypatch.setattr(stack_views.compat, "saved_tensor_hooks_active", lambda: True)
+    decoded = []
+    apply = experts_module._DecodeStack.apply
+
+    def recording(*args):
+        out = apply(*args)
+        decoded.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(experts_module._DecodeStack, "apply", recording)
+    before = stack_views.CACHE.decodes
+    loss = causal_lm_loss(model, *(token_batches(1, seed=1)[0],) * 2)
+    gc.collect()
+    assert len(decoded) == 4  # 2 layers x (gate_up_proj, down_proj), each decoded once per forward
+    alive = sum(ref() is not None for ref in decoded)
+    assert alive == (0 if hooks else 4)
+    opt.backward(loss)
+    assert stack_views.CACHE.decodes - before == (4 if hooks else 0)  # backward re-decodes each stack once
+    assert not stack_views.CACHE.stacks
