@@ -219,6 +219,7 @@ def test_recipe_trains_resumes_and_exports(tmp_path, arch):
     ctx = build_trainer(recipe)
     model = ctx.trainer.model
     assert model.config._attn_implementation == ("eager" if arch == "gemma2" else "sdpa")
+    assert not any(p.dim() == 3 for p in model.parameters()), "a dense expert stack is left"
     ctx.trainer.train()
     out = tmp_path / "out"
     losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
