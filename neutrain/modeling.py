@@ -150,7 +150,12 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
     from neutrain.nn.architecture import auto_attention, check_attention
 
-    attn, architecture = model_cfg["attn_implementation"], config_only(model_cfg)
+    try:
+        architecture = config_only(model_cfg)
+    except OSError as exc:
+        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg['base_model']}' from a local "
+                          f"path or the hub cache ({str(exc).splitlines()[0]})") from None
+    attn = model_cfg["attn_implementation"]
     if attn == "auto":  # what the architecture supports; SageAttention where measured faster, per call
         attn = auto_attention(architecture, cuda=torch.cuda.is_available() and not use_cpu)
     if attn == "neutrain_sage" and auto_attention(architecture, cuda=True) != "neutrain_sage":

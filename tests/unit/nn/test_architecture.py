@@ -198,3 +198,15 @@ def test_decoded_expert_stacks_do_not_outlive_the_forward(monkeypatch, hooks):
     opt.backward(loss)
     assert stack_views.CACHE.decodes - before == (4 if hooks else 0)  # backward re-decodes each stack once
     assert not stack_views.CACHE.stacks
+
+
+def test_attention_choice_on_a_missing_base_model_is_a_recipe_error(tmp_path):
+    from neutrain.config import RecipeError, load_recipe
+    from neutrain.data import byte_tokenizer
+    from neutrain.modeling import build_model
+    from tests.helpers import write_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, model={"init": "pretrained", "config": None,
+                                                       "base_model": str(tmp_path / "no-such-model")}))
+    with pytest.raises(RecipeError, match=r"^model\.base_model: cannot load the config of '.*no-such-model'"):
+        build_model(recipe.model, byte_tokenizer(), use_cpu=True)
