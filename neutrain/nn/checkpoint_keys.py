@@ -86,7 +86,7 @@ class CheckpointKeys:
             converter.add_tensor(target, source, self._pattern_of[source], held.pop(source))
         try:
             merged = converter.convert(target, model=self.model, config=getattr(self.model, "config", None))
-        except Exception as exc:  # e.g. an expert missing from the checkpoint: the stacks do not line up
+        except Exception as exc:  # noqa: BLE001 - any op failure, e.g. an expert missing: the stacks do not line up
             raise CheckpointError(f"checkpoint: cannot build {target} from {len(held_keys)} tensor(s) "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         return list(merged.items())

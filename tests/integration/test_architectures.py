@@ -178,9 +178,9 @@ def test_compressed_training_equals_dense_and_round_trips(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["gemma3", "mixtral"])
 def test_neuzip_export_keeps_scaled_embedding_and_expert_stacks(tmp_path, arch):
-    import neutrain  # noqa: F401  (registers the neuzip quantizer)
     from transformers import AutoModelForCausalLM
 
+    import neutrain  # noqa: F401  (registers the neuzip quantizer)
     from neutrain.export.neuzip import export_neuzip
     from neutrain.nn import compress_model
 

@@ -4,11 +4,26 @@ import pytest
 import torch
 
 from neutrain.compress import compress
-from neutrain.nn import CompressedLinear, CompressedWeight, compress_model, linear_cross_entropy
-from neutrain.nn.architecture import LogitTransform, UnsupportedArchitectureError, auto_attention
+from neutrain.nn import (
+    CompressedWeight,
+    compress_model,
+    linear_cross_entropy,
+)
+from neutrain.nn.architecture import (
+    LogitTransform,
+    UnsupportedArchitectureError,
+    auto_attention,
+)
 from neutrain.nn.convert import build_module
 
-from .nn_helpers import CODEC, GradCapture, dense_and_compressed, token_batches, train, weights
+from .nn_helpers import (
+    CODEC,
+    GradCapture,
+    dense_and_compressed,
+    token_batches,
+    train,
+    weights,
+)
 
 
 @pytest.mark.parametrize("transform, bias", [
@@ -168,8 +183,7 @@ def test_decoded_expert_stacks_do_not_outlive_the_forward(monkeypatch, hooks):
     from transformers import AutoModelForCausalLM, MixtralConfig
 
     import neutrain.nn.experts as experts_module
-    import neutrain.nn.stack_views as stack_views
-    from neutrain.nn import causal_lm_loss
+    from neutrain.nn import causal_lm_loss, stack_views
     from neutrain.optim import LOMO
 
     cfg = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
