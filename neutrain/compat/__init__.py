@@ -266,3 +266,53 @@ def sdpa_backward(route: str, grad_out, q, k, v, out, lse, causal: bool, scale: 
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse.transpose(1, 2).contiguous().transpose(1, 2), 0.0, causal, scale=scale)
     raise ValueError(f"unknown SDPA backward route {route!r}; expected one of {SDPA_BACKWARD_ROUTES}")
+
+
+# --- Checkpoint key conversions (nn.load: per-expert checkpoints into fused 3-D experts) ---
+
+
+def weight_conversions(model: Any) -> tuple[list, list]:
+    """transformers' load-time ``(renamings, converters)`` for ``model`` (5.x ``conversion_mapping``).
+
+    Converters merge checkpoint tensors into one parameter (MoE experts stored one by one
+    become ``experts.gate_up_proj`` / ``experts.down_proj``); renamings rename keys.
+    Same API in 5.17 and 5.24.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_model_conversion_mapping(model) or []
+    return ([m for m in mapping if isinstance(m, WeightRenaming)],
+            [m for m in mapping if isinstance(m, WeightConverter)])
+
+
+def rename_checkpoint_key(key: str, renamings: list, converters: list, base_model_prefix: str | None,
+                          model_keys: dict) -> tuple[str, str | None]:
+    """transformers' renaming of one checkpoint key: ``(model key, matched converter pattern or None)``."""
+    from transformers.core_model_loading import rename_source_key
+
+    return rename_source_key(key, renamings, converters, base_model_prefix, model_keys)
+
+
+def natural_key_order(keys: list[str]) -> list[str]:
+    """Checkpoint keys in the order transformers feeds converters (``experts.2`` before ``experts.10``)."""
+    from transformers.core_model_loading import dot_natural_key
+
+    return sorted(keys, key=dot_natural_key)
+
+
+# --- Autograd internals (nn.stack_views) ---
+
+
+def saved_tensor_hooks_active() -> bool:
+    """True while outer ``saved_tensors_hooks`` (e.g. activation checkpointing's) are installed.
+
+    Reads torch's private hook stack (present since torch 2.1, as in 2.11 and 2.13); if that
+    ever changes, answers True: callers then keep what they save (correct, more memory).
+    """
+    import torch
+
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True

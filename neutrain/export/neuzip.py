@@ -77,6 +77,7 @@ def compressed_state(model: torch.nn.Module, mantissa_bits: int | None, codec_op
     """
     from neutrain.compress import compress
     from neutrain.nn.convert import default_targets
+    from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
     targets = set(default_targets(model))
     state: dict[str, torch.Tensor] = {}
@@ -97,8 +98,12 @@ def compressed_state(model: torch.nn.Module, mantissa_bits: int | None, codec_op
                 state[prefix + "bias"] = module.bias.detach().cpu().contiguous()
             names.append(name)
             continue
+        # MoE expert stacks are written dense, as a dense model's are (transformers loads them as they are).
+        for pname, weight in module.__dict__.get("compressed_params", {}).items():
+            state[prefix + pname] = weight.dense().to(weight.compute_dtype).cpu()
         for pname, p in module.named_parameters(recurse=False):
-            state[prefix + pname] = p.detach().cpu().contiguous()
+            if not getattr(p, COMPRESSED_KEY_ATTR, False):
+                state[prefix + pname] = p.detach().cpu().contiguous()
         for bname, b in module.named_buffers(recurse=False):
             if bname not in module._non_persistent_buffers_set:
                 state[prefix + bname] = b.detach().cpu().contiguous()

@@ -86,6 +86,8 @@ class PendingNeuZipModule(torch.nn.Module):
         self.kind = "embedding" if isinstance(dense, torch.nn.Embedding) else "linear"
         self.padding_idx = getattr(dense, "padding_idx", None)
         self.bias = getattr(dense, "bias", None)
+        # Kept unregistered: a scaled embedding (Gemma) is rebuilt with its scale from it.
+        self.__dict__["original"] = dense
 
     def forward(self, *args, **kwargs):  # pragma: no cover - replaced before any forward
         raise RuntimeError("NeuZip weights were not loaded (the quantizer's post-loading step did not run)")
@@ -120,8 +122,8 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
     from safetensors import safe_open
 
     from neutrain.compress import CompressedTensor
-    from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight
-    from neutrain.nn.convert import mark_large_weights
+    from neutrain.nn import CompressedLinear, CompressedWeight
+    from neutrain.nn.convert import build_module, mark_large_weights
 
     where = _checkpoint_index(files)
     shared: dict[tuple, CompressedWeight] = {}
@@ -143,7 +145,7 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
             weight = CompressedWeight(ct, requires_grad=False, name=f"{name}.weight")
             shared[identity] = weight
         if module.kind == "embedding":
-            replacement = CompressedEmbedding(weight, padding_idx=module.padding_idx)
+            replacement = build_module(module.original, weight, name)
         else:
             bias = module.bias
             if bias is not None:
@@ -208,6 +210,8 @@ class NeuZipHfQuantizer(HfQuantizer):
                 if module.bias is not None:
                     dense.bias = module.bias
             elif isinstance(module, CompressedEmbedding):
+                if module.embed_scale is not None:  # an nn.Embedding would drop the scale
+                    raise NotImplementedError(f"{name}: dequantizing a scaled embedding; export with --format hf")
                 dense = torch.nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
                                            device="meta")
                 dense.weight = torch.nn.Parameter(module.compressed.dense(), requires_grad=False)

@@ -1,8 +1,10 @@
 """``compress_model``: turn a causal LM's weights into compressed modules, in place.
 
 Every ``nn.Linear`` (attention and MLP projections, the lm_head) becomes a
-:class:`CompressedLinear` and the input embedding a :class:`CompressedEmbedding`;
-norms and biases stay dense. A tied embedding/lm_head pair becomes one
+:class:`CompressedLinear`, the input embedding a :class:`CompressedEmbedding`
+(keeping a scaled embedding's ``embed_scale``, :mod:`neutrain.nn.architecture`) and
+every MoE expert stack a compressed 3-D weight (:mod:`neutrain.nn.experts`);
+norms, biases and routers stay dense. A tied embedding/lm_head pair becomes one
 :class:`CompressedWeight` shared by both modules. Each dense weight is dropped as
 soon as it is encoded, so no dense copy survives and the peak during conversion
 is the dense model plus one compressed tensor.
@@ -16,9 +18,12 @@ from typing import Callable
 
 import torch
 
+from neutrain.nn.architecture import check_linear, embedding_scale
 from neutrain.nn.embedding import CompressedEmbedding
+from neutrain.nn.experts import compress_expert_stack, expert_stacks
 from neutrain.nn.linear import CompressedLinear
 from neutrain.nn.weight import CompressedWeight
+from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
 WEIGHT_MODES = ("neuzip-lossless", "dense")
 
@@ -73,6 +78,8 @@ def compressed_weights(model: torch.nn.Module) -> list[CompressedWeight]:
     for module in model.modules():
         weight = getattr(module, "compressed", None)
         if isinstance(weight, CompressedWeight):
+            found.setdefault(id(weight), weight)
+        for weight in module.__dict__.get("compressed_params", {}).values():  # MoE expert stacks
             found.setdefault(id(weight), weight)
     return list(found.values())
 
@@ -149,10 +156,26 @@ def compress_model(
             weight_before += stored.numel() * stored.element_size()
             del stored
             weight_after += compressed.nbytes
-        replacement = build_module(module, compressed)
+        replacement = build_module(module, compressed, name, dense)
         model.set_submodule(name, replacement)
         module._parameters["weight"] = None  # drop our reference to the dense weight now
         del dense, module
+    for module_name, pname in expert_stacks(model):
+        module = model.get_submodule(module_name)
+        if targets is not None and not targets(f"{module_name}.{pname}", module):
+            continue
+        dense = module._parameters[pname]
+        name = f"{module_name}.{pname}"
+        if mantissa_bits is not None and dense.requires_grad:
+            raise ValueError(f"{name}: lossy compression (mantissa_bits={mantissa_bits}) is for frozen weights only")
+        stored = dense.detach().to(storage_dtype or dense.dtype)
+        ct = compress(stored, mantissa_bits, name=name, **(codec_options or {}))
+        compressed = CompressedWeight(ct, requires_grad=dense.requires_grad, name=name, compute_dtype=dense.dtype)
+        weight_before += stored.numel() * stored.element_size()
+        weight_after += compressed.nbytes
+        compress_expert_stack(module, pname, compressed)
+        shared[id(dense)] = compressed
+        del stored, dense
     mark_large_weights(model)
     return CompressionReport(weights, len(shared), before, model_nbytes(model), weight_before, weight_after)
 
@@ -166,11 +189,20 @@ def mark_large_weights(model: torch.nn.Module) -> None:
             weight.large = True
 
 
-def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight) -> torch.nn.Module:
-    """The compressed counterpart of an ``nn.Linear`` or ``nn.Embedding``."""
+def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight, name: str = "",
+                 values: torch.Tensor | None = None) -> torch.nn.Module:
+    """The compressed counterpart of an ``nn.Linear`` or ``nn.Embedding`` (subclasses are checked).
+
+    ``values``: the weight's dense values, to check an embedding subclass's forward on real rows
+    (default: decoded from ``compressed``).
+    """
     if isinstance(dense_module, torch.nn.Embedding):
-        return CompressedEmbedding(compressed, padding_idx=dense_module.padding_idx)
+        if values is None and type(dense_module).forward is not torch.nn.Embedding.forward:
+            values = compressed.ct.decompress_rows(torch.arange(min(64, compressed.shape[0]), device=compressed.device))
+        scale = embedding_scale(name, dense_module, values) if values is not None else None
+        return CompressedEmbedding(compressed, padding_idx=dense_module.padding_idx, scale=scale)
     if isinstance(dense_module, torch.nn.Linear):
+        check_linear(name, dense_module)
         return CompressedLinear(compressed, bias=dense_module.bias)
     raise TypeError(f"cannot compress a {type(dense_module).__name__}")
 
@@ -197,8 +229,11 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if getattr(module, "bias", None) is not None:
                 out[prefix + "bias"] = module.bias.detach()
             continue
+        for pname, weight in module.__dict__.get("compressed_params", {}).items():  # MoE expert stacks
+            out[prefix + pname] = weight.dense().to(weight.compute_dtype)
         for pname, p in module.named_parameters(recurse=False):
-            out[prefix + pname] = p.detach()
+            if not getattr(p, COMPRESSED_KEY_ATTR, False):
+                out[prefix + pname] = p.detach()
         for bname, b in module.named_buffers(recurse=False):
             if bname not in module._non_persistent_buffers_set:
                 out[prefix + bname] = b.detach()

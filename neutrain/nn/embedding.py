@@ -7,6 +7,12 @@ bit-identical to the dense twin) and hands it to the fused optimizer. When the
 table is tied to the lm_head, both modules share one :class:`CompressedWeight`
 and the optimizer sums the two contributions and updates once, at the end of
 backward.
+
+Scaled embeddings (Gemma's ``*ScaledWordEmbedding``: rows times ``embed_scale``,
+sqrt(hidden) for Gemma) keep their scale: ``scale`` is multiplied in exactly as
+the original module does (a tensor scale cast to the rows' dtype first, a Python
+float as it is), outside the autograd function, so the gradient carries the
+factor as autograd would compute it for the dense module.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class CompressedEmbedding(CompressedModuleMixin, torch.nn.Module):
     Args:
         weight: the :class:`CompressedWeight` (shared with a tied lm_head, if any).
         padding_idx: as ``nn.Embedding``: that row receives no gradient.
+        scale: the original module's ``embed_scale`` (a 0-dim tensor or a float), or None.
 
     Example:
         >>> from neutrain.compress import compress
@@ -53,15 +60,28 @@ class CompressedEmbedding(CompressedModuleMixin, torch.nn.Module):
         True
     """
 
-    def __init__(self, weight: CompressedWeight, padding_idx: int | None = None):
+    def __init__(self, weight: CompressedWeight, padding_idx: int | None = None,
+                 scale: torch.Tensor | float | None = None):
         super().__init__()
         self.compressed = weight
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx
         self.weight_key = weight.key
+        if isinstance(scale, torch.Tensor):
+            # Non-persistent, as in transformers: derived from the config, moves with the module.
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _CompressedEmbeddingFunction.apply(ids, self.weight_key, self.compressed, self.padding_idx)
+        rows = _CompressedEmbeddingFunction.apply(ids, self.weight_key, self.compressed, self.padding_idx)
+        if self.embed_scale is None:
+            return rows
+        if isinstance(self.embed_scale, torch.Tensor):
+            return rows * self.embed_scale.to(rows.dtype)
+        return rows * self.embed_scale
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, {self.compressed.ct!r}"
+        scale = "" if self.embed_scale is None else f", embed_scale={float(self.embed_scale):g}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}{scale}, "
+                f"{self.compressed.ct!r}")

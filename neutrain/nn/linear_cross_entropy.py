@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.architecture import LogitTransform, logit_transform, router_aux_loss
 from neutrain.nn.linear import CompressedLinear
 from neutrain.optim.clipping import add_squared_norm_
 
@@ -40,7 +41,8 @@ def _vocab_chunk(tokens: int, vocab: int, chunk_bytes: int) -> int:
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index):
+    def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index, transform,
+                bias):
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         tokens, vocab = hidden.shape[0], w.shape[0]
         chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
@@ -50,7 +52,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         for start in range(0, vocab, chunk):
-            logits = hidden.mm(w[start : start + chunk].t()).float()
+            logits = _chunk_logits(hidden, w, bias, start, start + chunk)
+            if transform is not None:
+                logits = transform.apply(logits)
             in_chunk = (safe_labels >= start) & (safe_labels < start + logits.shape[1])
             picked = logits.gather(1, (safe_labels - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
             target_logit = torch.where(in_chunk, picked, target_logit)
@@ -64,14 +68,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         lse = running_max + running_sum.log()
         losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
         loss = losses.sum() / normaliser
-        ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight)
-        ctx.compressed, ctx.chunk = compressed, chunk
+        ctx.save_for_backward(hidden, safe_labels, valid, lse, normaliser, dense_weight, bias)
+        ctx.compressed, ctx.chunk, ctx.transform = compressed, chunk, transform
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, labels, valid, lse, normaliser, dense_weight = ctx.saved_tensors
-        compressed = ctx.compressed
+        hidden, labels, valid, lse, normaliser, dense_weight, bias = ctx.saved_tensors
+        compressed, transform = ctx.compressed, ctx.transform
         w = compressed.decode_for_compute() if compressed is not None else dense_weight
         vocab, chunk = w.shape[0], ctx.chunk
         row_scale = torch.where(valid, grad_loss / normaliser, torch.zeros_like(lse))[:, None]
@@ -82,22 +86,32 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
         def grad_logits_of(start: int, stop: int) -> torch.Tensor:
             """(softmax - onehot) * scale for vocabulary rows [start, stop), in the hidden dtype."""
-            grad_logits = hidden.mm(w[start:stop].t()).float().sub_(lse[:, None]).exp_()  # softmax, in place
+            raw = _chunk_logits(hidden, w, bias, start, stop)
+            logits = raw if transform is None else transform.apply(raw)
+            grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place (raw is kept when transformed)
             in_chunk = (labels >= start) & (labels < stop)
             local = (labels - start).clamp(0, stop - start - 1)
             grad_logits[token_rows, local] -= in_chunk.to(grad_logits.dtype)
-            return grad_logits.mul_(row_scale).to(hidden.dtype)
+            grad_logits.mul_(row_scale)
+            if transform is not None:  # through soft-capping / logit scaling to the raw logits
+                grad_logits = transform.backward(raw, grad_logits)
+            return grad_logits.to(hidden.dtype)
 
-        stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight else None
+        need_bias = ctx.needs_input_grad[9]
+        # A bias gradient is summed over the full-gradient loop below; streaming is for bias-free heads.
+        stream_rows = compressed.streamed_chunk_rows() if compressed is not None and need_weight and bias is None else None
         if stream_rows and (stream_rows % chunk == 0 or chunk % stream_rows == 0):
             _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk, stream_rows)
             compressed.release()
-            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None
+            return _finish(grad_hidden, hidden), None, None, None, None, None, None, None, None, None
 
         grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_weight else None
+        grad_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_bias else None
         for start in range(0, vocab, chunk):
             stop = min(vocab, start + chunk)
             grad_logits = grad_logits_of(start, stop)
+            if need_bias:
+                grad_bias[start:stop] = grad_logits.sum(0)
             if need_hidden:
                 grad_hidden += grad_logits.mm(w[start:stop]).float()
             if need_weight:
@@ -109,7 +123,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_weight:
                 compressed.apply_grad(grad_w)  # tied, or a rule needing whole-tensor statistics
             compressed.release()
-        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None
+        return _finish(grad_hidden, hidden), grad_dense, None, None, None, None, None, None, None, grad_bias
 
 
 def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, chunk: int, block: int) -> None:
@@ -159,6 +173,13 @@ def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, 
     compressed.apply_streamed_grad(grad_rows, sumsq)
 
 
+def _chunk_logits(hidden, w, bias, start: int, stop: int) -> torch.Tensor:
+    """fp32 logits of vocabulary rows [start, stop), computed as ``nn.Linear`` does (addmm with a bias)."""
+    if bias is None:
+        return hidden.mm(w[start:stop].t()).float()
+    return torch.addmm(bias[start:stop], hidden, w[start:stop].t()).float()
+
+
 def _finish(grad_hidden: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
     return None if grad_hidden is None else grad_hidden.to(hidden.dtype)
 
@@ -171,17 +192,20 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of ``lm_head(hidden)`` against ``labels``, in vocabulary chunks.
 
     Args:
         hidden: ``(..., hidden_size)`` final hidden states.
-        lm_head: a :class:`CompressedLinear` or bias-free ``nn.Linear``.
+        lm_head: a :class:`CompressedLinear` or ``nn.Linear`` (a bias, as Phi's, is added per chunk).
         labels: integer targets with the shape of ``hidden[..., 0]``; ``ignore_index`` masks.
         num_items_in_batch: if given, divide the summed loss by it (Hugging Face's
             convention for token-normalised losses); else by the number of valid labels.
         ignore_index: label that contributes nothing.
         chunk_bytes: fp32 logits budget per chunk.
+        logit_transform: what the model applies to its logits before the loss (soft-capping,
+            logit scales: :func:`neutrain.nn.architecture.logit_transform`); None for none.
 
     Returns:
         A 0-dim fp32 loss.
@@ -193,8 +217,6 @@ def linear_cross_entropy(
         >>> bool(torch.allclose(linear_cross_entropy(h, head, y, chunk_bytes=6 * 4 * 7), ref, atol=1e-6))
         True
     """
-    if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("linear_cross_entropy supports bias-free lm_heads only")
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     labels1 = labels.reshape(-1).to(hidden2.device)
     if num_items_in_batch is None:
@@ -205,8 +227,10 @@ def linear_cross_entropy(
         compressed, key, dense_weight = lm_head.compressed, lm_head.weight_key, None
     else:
         compressed, key, dense_weight = None, None, lm_head.weight
+    transform = None if logit_transform is None or logit_transform.identity else logit_transform
     return _LinearCrossEntropyFunction.apply(
-        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index
+        hidden2, dense_weight, key, compressed, labels1, normaliser, chunk_bytes, ignore_index, transform,
+        getattr(lm_head, "bias", None),
     )
 
 
@@ -224,7 +248,9 @@ def causal_lm_loss(
 
     Runs the decoder (``model.get_decoder()``), shifts labels left by one (as
     transformers' ``ForCausalLMLoss``) and applies :func:`linear_cross_entropy`
-    with ``model.get_output_embeddings()``.
+    with ``model.get_output_embeddings()`` and the logits transform the model's own
+    forward applies (soft-capping, logit scales: :mod:`neutrain.nn.architecture`), plus
+    the MoE router's load-balancing loss when ``config.output_router_logits`` is set.
 
     Example:
         >>> from transformers import LlamaConfig, AutoModelForCausalLM
@@ -237,8 +263,15 @@ def causal_lm_loss(
         True
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
+    aux = router_aux_loss(model)
+    if aux is not None:
+        model_kwargs = {**model_kwargs, "output_router_logits": True}
+    outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    return linear_cross_entropy(
-        hidden, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes
+    loss = linear_cross_entropy(
+        outputs.last_hidden_state, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch,
+        chunk_bytes=chunk_bytes, logit_transform=logit_transform(model.config) if hasattr(model, "config") else None,
     )
+    if aux is not None:  # as the model's forward: loss += coef * load-balancing loss
+        loss = loss + aux(outputs.router_logits, attention_mask).to(loss.device)
+    return loss

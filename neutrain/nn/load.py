@@ -1,7 +1,10 @@
 """Build a causal LM straight into compressed form, one tensor at a time.
 
 ``load_compressed`` reads a Hugging Face checkpoint (safetensors); ``init_compressed``
-draws a random initialisation (shape-only runs and benchmarks). Both build the
+draws a random initialisation (shape-only runs and benchmarks). Checkpoint keys are
+renamed and merged as transformers' own loader does (:mod:`neutrain.nn.checkpoint_keys`:
+per-expert MoE checkpoints become the model's fused 3-D expert stacks, which are
+compressed whole, :mod:`neutrain.nn.experts`). Both build the
 model skeleton with parameters on the meta device (buffers such as rotary
 frequencies are real), then materialise each tensor on the target device: a
 target weight is encoded immediately and its dense tensor dropped, so peak
@@ -17,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from neutrain.config.errors import CheckpointError
 from neutrain.nn.convert import (
     WEIGHT_MODES,
     CompressionReport,
@@ -26,6 +30,7 @@ from neutrain.nn.convert import (
     mark_large_weights,
     model_nbytes,
 )
+from neutrain.nn.experts import compress_expert_stack, expert_stacks
 from neutrain.nn.weight import CompressedWeight
 
 
@@ -70,6 +75,10 @@ def load_compressed(
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
     files = _safetensors_files(directory)
+    keys: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            keys.extend(handle.keys())
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -77,7 +86,8 @@ def load_compressed(
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
 
-    return _build(config, weights, device, dtype, tensors(), progress, codec_options, storage_dtype=storage_dtype)
+    return _build(config, weights, device, dtype, tensors(), progress, codec_options, storage_dtype=storage_dtype,
+                  source_keys=keys)
 
 
 def init_compressed(
@@ -107,7 +117,7 @@ def init_compressed(
     tied_head = _tied_head_weight_name(skeleton, config)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in skeleton.named_parameters():
+        for name, param in list(skeleton.named_parameters()):  # _build swaps modules meanwhile
             if name == tied_head:
                 continue  # shared with the embedding after loading
             if param.dim() >= 2:
@@ -130,10 +140,12 @@ def _skeleton(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _build(config, weights, device, dtype, tensors, progress, codec_options, model=None, storage_dtype=None):
+def _build(config, weights, device, dtype, tensors, progress, codec_options, model=None, storage_dtype=None,
+           source_keys=None):
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, not {weights!r}")
     from neutrain.compress import compress
+    from neutrain.nn.checkpoint_keys import CheckpointKeys
 
     device = torch.device(device)
     model = model if model is not None else _skeleton(config, dtype)
@@ -142,33 +154,44 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
     targets = set(default_targets(model)) if weights != "dense" else set()
+    stacks = set(expert_stacks(model)) if weights != "dense" else set()
     param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    keys = CheckpointKeys(model, source_keys)
     dense_bytes = compressed_bytes = converted = 0
-    for name, tensor in _progress(tensors, progress, "loading weights"):
-        name = _match_name(name, param_names)
-        if name is None:
-            continue
-        module_name, _, pname = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        meta = module._parameters[pname]
-        target = module_name in targets and pname == "weight"
-        cast = storage_dtype if target and storage_dtype is not None else meta.dtype
-        tensor = tensor.to(device=device, dtype=cast if meta.is_floating_point() else tensor.dtype)
-        dense_bytes += tensor.numel() * tensor.element_size()
-        if target:
-            ct = compress(tensor, name=name, **(codec_options or {}))
-            compressed = CompressedWeight(ct, name=name, compute_dtype=meta.dtype)
-            model.set_submodule(module_name, build_module(module, compressed))
-            compressed_bytes += compressed.nbytes
-            converted += 1
-        else:
-            module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
-        del tensor
+    for source_name, source in _progress(tensors, progress, "loading weights"):
+        for name, tensor in keys.feed(source_name, source):
+            name = _match_name(name, param_names)
+            if name is None:
+                continue
+            module_name, _, pname = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            meta = module._parameters[pname]
+            if tuple(tensor.shape) != tuple(meta.shape):
+                raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model's "
+                                      f"config needs {tuple(meta.shape)}")
+            stack = (module_name, pname) in stacks
+            target = stack or (module_name in targets and pname == "weight")
+            cast = storage_dtype if target and storage_dtype is not None else meta.dtype
+            tensor = tensor.to(device=device, dtype=cast if meta.is_floating_point() else tensor.dtype)
+            dense_bytes += tensor.numel() * tensor.element_size()
+            if target:
+                ct = compress(tensor, name=name, **(codec_options or {}))
+                compressed = CompressedWeight(ct, name=name, compute_dtype=meta.dtype)
+                if stack:
+                    compress_expert_stack(module, pname, compressed)
+                else:
+                    model.set_submodule(module_name, build_module(module, compressed, module_name, tensor))
+                compressed_bytes += compressed.nbytes
+                converted += 1
+            else:
+                module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
+            del tensor
+        del source
     _tie_if_configured(model, config)
     mark_large_weights(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
-        raise ValueError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
+        raise CheckpointError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
     model.train()
     report = CompressionReport(weights, converted, dense_bytes + _buffer_bytes(model), model_nbytes(model),
                                dense_bytes, compressed_bytes)

@@ -12,10 +12,29 @@ from __future__ import annotations
 import torch
 
 
+def save_blobs(weight, destination, key_prefix: str) -> None:
+    """Put a compressed weight's codec blobs into ``destination`` as ``<key_prefix><blob>``."""
+    for name, blob in weight.ct.state_dict().items():
+        destination[key_prefix + name] = blob
+
+
+def load_blobs(weight, state_dict, key_prefix: str, missing_keys, error_msgs) -> None:
+    """Replace a compressed weight's tensor by the blobs under ``key_prefix`` (checksums verified)."""
+    from neutrain.compress import CompressedTensor
+
+    blobs = {k[len(key_prefix):]: v for k, v in state_dict.items() if k.startswith(key_prefix)}
+    if not blobs:
+        missing_keys.append(key_prefix[:-1])
+        return
+    try:
+        weight.replace_(CompressedTensor.from_state_dict(blobs, name=key_prefix[:-1], device=weight.device))
+    except Exception as exc:  # report like torch does, all errors at once
+        error_msgs.append(f"{key_prefix[:-1]}: {exc}")
+
+
 def save_compressed_state(module, destination, prefix, keep_vars):
     """``_save_to_state_dict`` for compressed modules: the codec's blobs under ``weight.*``."""
-    for name, blob in module.compressed.ct.state_dict().items():
-        destination[f"{prefix}weight.{name}"] = blob
+    save_blobs(module.compressed, destination, prefix + "weight.")
     bias = getattr(module, "bias", None)
     if bias is not None:
         destination[prefix + "bias"] = bias if keep_vars else bias.detach()
@@ -24,18 +43,7 @@ def save_compressed_state(module, destination, prefix, keep_vars):
 def load_compressed_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                           error_msgs):
     """``_load_from_state_dict`` for compressed modules (inverse of :func:`save_compressed_state`)."""
-    from neutrain.compress import CompressedTensor
-
-    weight_prefix = prefix + "weight."
-    blobs = {k[len(weight_prefix):]: v for k, v in state_dict.items() if k.startswith(weight_prefix)}
-    if blobs:
-        try:
-            ct = CompressedTensor.from_state_dict(blobs, name=prefix + "weight", device=module.compressed.device)
-            module.compressed.replace_(ct)
-        except Exception as exc:  # report like torch does, all errors at once
-            error_msgs.append(f"{prefix}weight: {exc}")
-    else:
-        missing_keys.append(prefix + "weight")
+    load_blobs(module.compressed, state_dict, prefix + "weight.", missing_keys, error_msgs)
     bias = getattr(module, "bias", None)
     if bias is not None:
         if prefix + "bias" in state_dict:

@@ -148,15 +148,27 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
+    from neutrain.nn.architecture import auto_attention, check_attention
+
+    try:
+        architecture = config_only(model_cfg)
+    except OSError as exc:
+        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg['base_model']}' from a local "
+                          f"path or the hub cache ({str(exc).splitlines()[0]})") from None
     attn = model_cfg["attn_implementation"]
-    if attn == "auto":  # SageAttention where measured faster, per call (neutrain.attention.dispatch)
-        attn = "neutrain_sage" if torch.cuda.is_available() and not use_cpu else "sdpa"
+    if attn == "auto":  # what the architecture supports; SageAttention where measured faster, per call
+        attn = auto_attention(architecture, cuda=torch.cuda.is_available() and not use_cpu)
+    if attn == "neutrain_sage" and auto_attention(architecture, cuda=True) != "neutrain_sage":
+        attn = auto_attention(architecture, cuda=False)  # sdpa, or eager where the architecture has none
+        logger.warning("model.attn_implementation: this architecture takes no registered attention function; "
+                       "using %s", attn)
     if attn == "neutrain_sage" and (use_cpu or not torch.cuda.is_available()):
         # The INT8/FP8 kernels need a CUDA GPU; on CPU the quantized torch reference would only
         # be slower than SDPA, so a recipe that asks for SageAttention trains with SDPA there.
-        logger.warning("model.attn_implementation: neutrain_sage needs a CUDA GPU; using sdpa on CPU")
-        attn = "sdpa"
-    elif attn == "neutrain_sage":
+        attn = auto_attention(architecture, cuda=False)  # sdpa, or eager where the architecture has none
+        logger.warning("model.attn_implementation: neutrain_sage needs a CUDA GPU; using %s on CPU", attn)
+    check_attention(architecture, attn)
+    if attn == "neutrain_sage":
         from neutrain.attention import register
 
         attn = register()
