@@ -168,7 +168,10 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
         >>> path = python_stdlib_corpus("/tmp/neutrain-cache", max_files=50)
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "pydoc_data"}
+    # encodings/ is mostly generated charmap tables (cp1252.py, mac_roman.py...): data, not the Python
+    # a model should learn to write.
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "pydoc_data",
+            "encodings"}
     files = sorted(
         p for p in root.rglob("*.py")
         if not (set(p.relative_to(root).parts[:-1]) & skip) and 2_000 <= p.stat().st_size <= 200_000

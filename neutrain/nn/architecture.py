@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from neutrain.config.errors import RecipeError
+from neutrain.errors import RecipeError
 
 
 class UnsupportedArchitectureError(RecipeError):

@@ -29,7 +29,7 @@ import copy
 import torch
 
 from neutrain import compat
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 
 
 class CheckpointKeys:

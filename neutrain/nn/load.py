@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from neutrain.config.errors import CheckpointError
+from neutrain.errors import CheckpointError
 from neutrain.nn.convert import (
     WEIGHT_MODES,
     CompressionReport,

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from neutrain import compat
+from neutrain.compat.autograd import in_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class _Cache:
                                    "the slices backward needs")
             entry = self.stacks[id(weight)] = (view.version, weight.dense().to(weight.compute_dtype))
             self.decodes += 1
-        if not self._queued and torch._C._current_graph_task_id() != -1:
+        if not self._queued and in_backward():
             self._queued = True  # empty at the end of this backward, whatever happens in between
             torch.autograd.Variable._execution_engine.queue_callback(self.clear)
         return entry[1]

@@ -111,12 +111,12 @@ def _logits(model, ids):
 def test_compressed_training_equals_dense_and_round_trips(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    from neutrain.checkpoint_files import write_manifest
+    from neutrain.storage.manifest import write_manifest
     from neutrain.export.hf import export_hf, load_checkpoint_model
     from neutrain.nn import causal_lm_loss, compressed_weights
     from neutrain.nn.architecture import auto_attention
     from neutrain.nn.load import load_compressed
-    from neutrain.nn_checkpoint import save_compressed_checkpoint
+    from neutrain.nn.checkpoint import save_compressed_checkpoint
 
     config = _config(arch)
     attn = auto_attention(config, cuda=False)
@@ -200,10 +200,10 @@ def test_recipe_trains_resumes_and_exports(tmp_path, arch):
     """Through NeuTrainer: ``attn_implementation: auto``, NeuZip + AdaLomo, resume bit-exact, dense export."""
     from transformers import AutoModelForCausalLM
 
-    from neutrain.callbacks import read_metrics
+    from neutrain.trainer.callbacks import read_metrics
     from neutrain.config import load_recipe
     from neutrain.export.hf import export_hf
-    from neutrain.run import build_trainer
+    from neutrain.cli.train import build_trainer
     from tests.helpers import write_recipe
 
     raw = {**COMMON, **ARCHITECTURES[arch]}

@@ -104,7 +104,7 @@ def test_auto_attention_picks_what_the_architecture_supports(tmp_path):
 
     from neutrain.config import load_recipe
     from neutrain.data import byte_tokenizer
-    from neutrain.modeling import build_model
+    from neutrain.trainer.modeling import build_model
     from tests.helpers import write_recipe
 
     assert auto_attention(AutoConfig.for_model("gemma2"), cuda=False) == "eager"  # SDPA cannot soft-cap
@@ -160,7 +160,7 @@ def test_truncated_moe_checkpoint_names_the_stack_it_cannot_build(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from neutrain.config.errors import CheckpointError
+    from neutrain.errors import CheckpointError
     from neutrain.nn.load import load_compressed
 
     cfg = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -217,7 +217,7 @@ def test_decoded_expert_stacks_do_not_outlive_the_forward(monkeypatch, hooks):
 def test_attention_choice_on_a_missing_base_model_is_a_recipe_error(tmp_path):
     from neutrain.config import RecipeError, load_recipe
     from neutrain.data import byte_tokenizer
-    from neutrain.modeling import build_model
+    from neutrain.trainer.modeling import build_model
     from tests.helpers import write_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, model={"init": "pretrained", "config": None,
