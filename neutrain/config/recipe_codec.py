@@ -5,10 +5,12 @@ to ``python``, which cannot parse YAML. Every shipped recipe therefore carries, 
 line (after the shebang), a PEP 263 encoding declaration that YAML reads as a comment::
 
     #!/usr/bin/env neutrain
-    # coding: neutrain-recipe -- lets `accelerate launch <this file>` run it; YAML ignores this line
+    # coding: neutrain-recipe (python runs this file as neutrain's CLI: `accelerate launch <recipe>` works)
 
 When python opens such a file it looks the codec up; the one-line ``neutrain-recipe.pth`` that
-the package installs registers a search function that imports this module only for that name.
+every wheel of the package carries (build_backend/neutrain_backend.py adds it, for ``pip install .``
+and ``pip install -e .`` alike) registers a search function that imports this module only for that
+name, so interpreter start-up imports nothing more.
 The codec "decodes" the whole file to one statement calling neutrain's CLI on the file itself
 with the script's arguments, so ``python recipes/x.yaml key=value`` is
 ``python -m neutrain train recipes/x.yaml key=value``. Nothing else reads recipes through this
@@ -20,10 +22,10 @@ reading the declaration line, re-positions one byte before the end of that line 
 the first line it reads back through the codec. Pure-Python readers (``runpy``, ``linecache``)
 decode the whole file; the blank first line is harmless there.
 
-This module imports only ``codecs``: it runs inside a codec lookup.
+This module itself imports only ``codecs``: it is imported inside a codec lookup. (Its package,
+``neutrain.config``, brings PyYAML and the schema, which the CLI loads next anyway.)
 
 Example:
-    >>> import codecs
     >>> info = search("neutrain_recipe")
     >>> "neutrain.cli" in info.decode(b"train:\\n  max_steps: 2\\n")[0]
     True
