@@ -18,7 +18,7 @@ def run(args) -> int:
             found = True
             description = ""
             for line in path.read_text().splitlines()[1:6]:
-                if line.startswith("#") and line.strip("# "):
+                if line.startswith("#") and line.strip("# ") and not line.startswith("# coding:"):  # skip the launch line
                     description = line.lstrip("# ").strip()
                     break
             print(f"{path.stem:<22} {description}  ({path})")

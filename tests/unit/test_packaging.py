@@ -1,6 +1,9 @@
-"""Importing transformers never imports neutrain.kernels, and only neutrain* is installed."""
+"""Importing transformers never imports neutrain.kernels; only neutrain* (and the launch codec's .pth) is installed."""
 
+import base64
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +43,35 @@ def test_distribution_contains_only_neutrain(tmp_path):
     (wheel,) = tmp_path.glob("neutrain-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     tops = {t for t in tops if not t.endswith((".dist-info", ".data"))}
-    assert tops == {"neutrain"}, tops
+    assert tops == {"neutrain", "neutrain-recipe.pth"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "neutrain/kernels/__init__.py" in names
     entry = [n for n in names if n.endswith("entry_points.txt")]
     assert entry and "neutrain = neutrain.cli:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
+    _assert_ships_recipe_pth(wheel)
+
+
+def _assert_ships_recipe_pth(wheel):
+    """The wheel installs neutrain-recipe.pth into site-packages (its purelib), listed in RECORD so uninstall removes it."""
+    import zipfile
+
+    from neutrain.config.recipe_codec import PTH_LINE
+
+    names = zipfile.ZipFile(wheel).namelist()
+    pth = "neutrain-recipe.pth"
+    assert [n for n in names if n.endswith(".pth") and not n.startswith("__editable__")] == [pth]
+    assert zipfile.ZipFile(wheel).read(pth).decode() == PTH_LINE
+    (record,) = [n for n in names if n.endswith(".dist-info/RECORD")]
+    lines = zipfile.ZipFile(wheel).read(record).decode().splitlines()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(PTH_LINE.encode()).digest()).rstrip(b"=").decode()
+    assert f"{pth},sha256={digest},{len(PTH_LINE.encode())}" in lines and lines[-1].startswith(record + ",")
+
+
+def test_editable_wheel_ships_the_recipe_pth_too(tmp_path):
+    """`pip install -e .` (PEP 660) builds through build_editable: the launch codec must come with it."""
+    build = tmp_path / "build"
+    shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info", "outputs", "runs"))
+    code = "import sys; sys.path.insert(0, 'build_backend'); import neutrain_backend as b; print(b.build_editable(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=build, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    _assert_ships_recipe_pth(tmp_path / res.stdout.strip().splitlines()[-1])
