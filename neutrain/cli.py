@@ -86,14 +86,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.max_steps=200")
     g = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
-                       description="Sample from MODEL; with --draft, exact (multi-draft) speculative sampling.")
+                       description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
+                       "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
     g.add_argument("model", help="model directory (an export or checkpoint)")
-    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template, when it has one")
+    g.add_argument("--raw", action="store_true", help="tokenize --prompt as it is, without the chat template")
     g.add_argument("--draft", help="draft model directory (same tokenizer)")
     g.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
     g.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
     g.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
-    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("recipes", help="list the shipped recipes", description="List shipped recipes, one line each.")
@@ -196,13 +198,14 @@ def cmd_distill(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from neutrain.data.chat import prompt_ids
     from neutrain.export import load_checkpoint_model
     from neutrain.speculative import generate
 
     model, tokenizer = load_checkpoint_model(_last_checkpoint(Path(args.model)))
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
-    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=args.raw)])
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(_last_checkpoint(Path(args.draft)))

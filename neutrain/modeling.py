@@ -40,6 +40,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
     from transformers import AutoTokenizer
 
     from neutrain.data import byte_tokenizer, iter_training_texts, train_bpe_tokenizer
+    from neutrain.data.chat import set_chat_template
 
     saved = Path(output_dir) / "tokenizer"
     name = model_cfg["tokenizer"] or model_cfg["base_model"]
@@ -58,6 +59,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
             raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache ({type(exc).__name__})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    set_chat_template(tok, data_cfg.get("chat_template"))  # saved with checkpoints and the export
     if name in ("byte", "train-bpe"):
         tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))

@@ -73,6 +73,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sample_packing": Key(bool, False, "Pack several examples per row (position ids restart per document)."),
         "val_set_size": Key(float, 0.0, "Fraction of the training data held out for evaluation (0 = none, unless a dataset has split: validation).", min=0.0, max=0.5),
         "train_on_inputs": Key(bool, False, "Also train on prompt / non-assistant tokens (otherwise their labels are -100)."),
+        "chat_template": Key(str, None, "Chat template for messages data: null (the tokenizer's own, as instruct models and GGUF files carry it), chatml, zephyr, or an inline Jinja template. Saved with the tokenizer, so the export and `neutrain generate` use it. Assistant replies are trained from after their header, and end in EOS.", nullable=True),
         "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format)."),
         "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
         "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
