@@ -12,14 +12,16 @@ from neutrain.errors import UserInputError
 def configure(sub) -> None:
     """Add the ``generate`` command to the ``neutrain`` parser's subcommands."""
     p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
-                       description="Sample from MODEL; with --draft, exact (multi-draft) speculative sampling.")
+                       description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
+                       "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
     p.add_argument("model", help="model directory (an export or checkpoint)")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template, when it has one")
+    p.add_argument("--raw", action="store_true", help="tokenize --prompt as it is, without the chat template")
     p.add_argument("--draft", help="draft model directory (same tokenizer)")
     p.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
     p.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
     p.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
 
@@ -29,12 +31,13 @@ def run(args) -> int:
     import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
 
     from neutrain.export import load_checkpoint_model  # lazy: same reason
+    from neutrain.data.chat import prompt_ids  # lazy: same reason
     from neutrain.speculative import generate  # lazy: same reason
 
     model, tokenizer = load_checkpoint_model(last_checkpoint(Path(args.model)))
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
-    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=args.raw)])
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))

@@ -143,7 +143,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
 
     from neutrain.data import Collator, build_datasets, pad_token_id
     from neutrain.trainer.modeling import build_model, build_tokenizer
-    from neutrain.trainer import NeuTrainer
+    from neutrain.trainer.trainer import NeuTrainer
 
     t = recipe.train
     out = t["output_dir"]
@@ -248,11 +248,13 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model
+                from neutrain.trainer.modeling import export_dtype
 
+                dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
                 summary["export_dir"] = export_model(
                     trainer.model, export_dir, recipe.export["format"], overwrite=True,
-                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=recipe.export["dtype"],
-                    info={"base_model": recipe.model["base_model"] or "random init", "recipe": recipe.source,
+                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
+                    info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )

@@ -316,3 +316,43 @@ def saved_tensor_hooks_active() -> bool:
         return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     except (AttributeError, TypeError, RuntimeError):
         return True
+
+
+# --- GGUF checkpoints (modeling) ---
+
+
+def gguf_dequantized_kwargs() -> dict:
+    """``from_pretrained`` keywords that load a GGUF file as a plain dense model.
+
+    Why: transformers 5.17 and 5.24 attach a ``GgufHfQuantizer`` to a model loaded with only
+    ``gguf_file=`` (5.24 even keeps quantized weights packed when a matmul kernel is installed), and
+    ``save_pretrained`` then refuses the model. ``GgufConfig(dequantize=True)`` loads every tensor
+    dequantized and leaves no quantizer; releases without ``GgufConfig`` always dequantized.
+    """
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # pragma: no cover - older transformers dequantize GGUF files unconditionally
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:  # pragma: no cover
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def gguf_special_tokens(path: str) -> dict[str, int]:
+    """``{"bos_token": id, "eos_token": id, ...}`` as the GGUF file's metadata declares them.
+
+    Why: transformers 5.17 builds the tokenizer of a ``gpt2``-type GGUF vocabulary (Llama 3, SmolLM,
+    Qwen 2) with ``eos_token`` set to the BOS token, so a fine-tuned model would be taught to stop on
+    the wrong token; 5.24 reads them right. The ids are read here with the ``gguf`` package and set on
+    the tokenizer (:func:`neutrain.nn.gguf.load_gguf_tokenizer`) on every version.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    out: dict[str, int] = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out

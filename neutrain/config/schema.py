@@ -57,6 +57,7 @@ _WEIGHTS = ("dense", "neuzip-lossless", "neuzip-lossy-0", "neuzip-lossy-1", "neu
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "base_model": Key(str, None, "Local Hugging Face model directory or hub id (read from the local cache only).", nullable=True),
+        "gguf_file": Key(str, None, "A GGUF checkpoint (llama.cpp format, F32/F16/BF16 or quantized): a .gguf file path, or a file name inside base_model (a directory or a hub id in the local cache). Dequantized, then stored as memory.weights says; its tokenizer and chat template are used unless model.tokenizer is set. Needs the gguf package.", nullable=True),
         "init": Key(str, "pretrained", "'pretrained' loads base_model's weights; 'random' builds from `config` for shape-only runs.", choices=("pretrained", "random")),
         "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path. Keys and values are checked against the architecture's config class before anything is built.", nullable=True),
         "allow_unknown_config_keys": Key(bool, False, "Let model.config carry keys its architecture's config class does not define (copied into config.json as they are); otherwise such a key is an error suggesting the closest valid key."),
@@ -72,6 +73,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sample_packing": Key(bool, False, "Pack several examples per row (position ids restart per document)."),
         "val_set_size": Key(float, 0.0, "Fraction of the training data held out for evaluation (0 = none, unless a dataset has split: validation).", min=0.0, max=0.5),
         "train_on_inputs": Key(bool, False, "Also train on prompt / non-assistant tokens (otherwise their labels are -100)."),
+        "chat_template": Key(str, None, "Chat template for messages data: null (the tokenizer's own, as instruct models and GGUF files carry it), chatml, zephyr, or an inline Jinja template. Saved with the tokenizer, so the export and `neutrain generate` use it. Assistant replies are trained from after their header, and end in EOS.", nullable=True),
         "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format)."),
         "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
         "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
@@ -139,7 +141,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3", "none")),
         "output_dir": Key(str, None, "Export directory (default: <train.output_dir>/export).", nullable=True),
         "max_shard_size": Key(str, "5GB", "Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB'.", pattern=r"\s*(\d+(\.\d*)?|\.\d+)\s*[KMGT]B\s*"),
-        "dtype": Key(str, "auto", "Dtype of exported dense weights (auto: the trained weights' own dtype, so logits match exactly).", choices=("auto", "bfloat16", "float32", "float16")),
+        "dtype": Key(str, "auto", "Dtype of exported dense weights. auto: the base checkpoint's dtype (config.json, or a GGUF file's tensor type), so a CPU run (fp32 compute) of a bf16 model exports bf16; with random init, the stored weights' dtype (bf16 for NeuZip under dtype auto, which keeps them bit-exact). float32 keeps fp32-trained weights unrounded.", choices=("auto", "bfloat16", "float32", "float16")),
     },
     "distill": {
         "enabled": Key(bool, False, "After training, distil a small draft from the trained model and decode speculatively with it."),

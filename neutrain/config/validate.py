@@ -229,9 +229,26 @@ def _check_scheduler(train: dict) -> None:
             raise RecipeError(f"train.lr_scheduler_kwargs.{given[0]}: {kwargs[given[0]]} is above the peak learning rate")
 
 
+def _check_gguf_file(model: dict) -> None:
+    """A GGUF path given without base_model must name an existing file (found before anything loads)."""
+    gguf = model["gguf_file"]
+    if not gguf:
+        return
+    if not gguf.lower().endswith(".gguf"):
+        raise RecipeError(f"model.gguf_file: '{gguf}' is not a .gguf file name")
+    if not model["base_model"] and not Path(gguf).is_file():
+        raise RecipeError(f"model.gguf_file: '{gguf}' does not exist (relative to the current directory {Path.cwd()}); "
+                          "or give model.base_model, the directory or hub id that holds it")
+    if model["base_model"] and Path(model["base_model"]).is_dir() and not (Path(model["base_model"]) / gguf).is_file():
+        raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+    if model["init"] == "random":
+        raise RecipeError("model.gguf_file: a GGUF checkpoint is loaded with model.init: pretrained, not random")
+
+
 def _cross_checks(v: dict) -> None:
     model, data, train = v["model"], v["data"], v["train"]
-    if model["init"] == "pretrained" and not model["base_model"]:
+    _check_gguf_file(model)
+    if model["init"] == "pretrained" and not model["base_model"] and not model["gguf_file"]:
         raise RecipeError("model.base_model: required when model.init is 'pretrained' (or set model.init: random with model.config)")
     if model["init"] == "random" and model["config"] is None and not model["base_model"]:
         raise RecipeError("model.config: required when model.init is 'random' and no base_model gives a config")
@@ -242,7 +259,7 @@ def _cross_checks(v: dict) -> None:
         if v["distill"]["draft_config"]:
             check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
     _check_scheduler(train)
-    if model["tokenizer"] is None and not model["base_model"]:
+    if model["tokenizer"] is None and not model["base_model"] and not model["gguf_file"]:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")
     if data["streaming"] and train["max_steps"] <= 0:
         raise RecipeError("train.max_steps: must be > 0 when data.streaming is true (a stream has no known length)")

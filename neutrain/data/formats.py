@@ -80,14 +80,18 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{source}: row {index}: message {j} should be {{role: str, content: str}}, got {m!r:.80}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template")
+        raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template; this one has "
+                        "none: set data.chat_template (e.g. chatml)")
     # Character span of each message in the rendered conversation, from rendered prefixes.
     spans, prev = [], ""
     for j in range(len(messages)):
         text_j = tokenizer.apply_chat_template(messages[: j + 1], tokenize=False)
         if not text_j.startswith(prev):
             raise DataError(f"{source}: row {index}: the chat template is not prefix-stable; cannot locate message {j}")
-        spans.append((len(prev), len(text_j), messages[j]["role"]))
+        start = len(prev)
+        if messages[j]["role"] == "assistant" and j > 0 and not train_on_inputs:
+            start = _assistant_content_start(tokenizer, messages[:j], start, text_j)
+        spans.append((start, len(text_j), messages[j]["role"]))
         prev = text_j
     enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
     truncated = len(enc["input_ids"]) > sequence_len
@@ -96,7 +100,24 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
     for tok, (start, _end) in zip(ids, offsets):
         role = next((r for a, b, r in spans if a <= start < b), None)
         labels.append(tok if train_on_inputs or role in roles_to_train else IGNORE_INDEX)
+    last_start, _, last_role = spans[-1]
+    eos = tokenizer.eos_token_id
+    if (eos is not None and not truncated and len(ids) < sequence_len and (train_on_inputs or last_role in roles_to_train)
+            and eos not in [t for t, (a, _b) in zip(ids, offsets) if a >= last_start]):
+        # The template closes the last reply with a marker that is not EOS (ChatML on a base model's
+        # tokenizer): without an EOS to learn, the fine-tuned model would not stop generating.
+        ids, labels = ids + [eos], labels + [eos]
     return [{"input_ids": ids, "labels": labels, "truncated": truncated}]
+
+
+def _assistant_content_start(tokenizer, before: list[dict], start: int, text: str) -> int:
+    """Where an assistant reply's own text begins: after the header the generation prompt writes.
+
+    The header (``<|im_start|>assistant\\n``) is what inference supplies; only the reply and its closing
+    tokens are trained. A template whose generation prompt is not a prefix keeps the whole message.
+    """
+    header = tokenizer.apply_chat_template(before, tokenize=False, add_generation_prompt=True)
+    return len(header) if text.startswith(header) and start <= len(header) < len(text) else start
 
 
 def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> list[dict]:

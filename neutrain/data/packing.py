@@ -3,7 +3,8 @@
 Packing puts several examples into one row of exactly ``sequence_len`` tokens.
 Each document's ``position_ids`` restart at 0. Rows carry no attention mask:
 transformers (5.x) then detects the packed documents from the position ids and
-builds a block-diagonal causal mask, so documents never attend to each other,
+builds a block-diagonal causal mask (when no KV cache is built: the Trainer sets
+``config.use_cache = False``), so documents never attend to each other,
 and attention kernels that support packing (``neutrain_sage``) see the same
 boundaries. The first label of each document is -100, so no token is trained
 to predict across a boundary.

@@ -131,6 +131,7 @@ def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
     from peft import LoraConfig, get_peft_model
 
     from neutrain.nn import CompressedLinear
+    from neutrain.nn.stand_in import shape_only_weights
 
     config = LoraConfig(
         r=memory.get("lora_r", 16), lora_alpha=memory.get("lora_alpha", 32),
@@ -138,9 +139,10 @@ def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
         target_modules=lora_target_modules(model, memory.get("lora_target_modules", "all-linear")),
     )
     register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), shape_only_weights():
         # peft warns about any layer type it does not know; CompressedLinear is handled above.
         warnings.filterwarnings("ignore", message="Unsupported layer type")
+        # peft reads each wrapped layer's .weight for its device only: no decode (neutrain.nn.stand_in).
         return get_peft_model(model, config)
 
 
@@ -164,9 +166,10 @@ def load_adapters(base_model: torch.nn.Module, adapter_dir, is_trainable: bool =
     from peft import LoraConfig, PeftModel
 
     from neutrain.nn import CompressedLinear
+    from neutrain.nn.stand_in import shape_only_weights
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
     register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), shape_only_weights():
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         return PeftModel.from_pretrained(base_model, str(adapter_dir), config=config, is_trainable=is_trainable)

@@ -60,7 +60,15 @@ class CompressedModuleMixin:
 
     @property
     def weight(self) -> torch.Tensor:
-        """A fresh, detached dense copy of the weight (for inspection and export; never trained)."""
+        """A fresh, detached dense copy of the weight (for inspection and export; never trained).
+
+        Inside :func:`neutrain.nn.stand_in.shape_only_weights` it is a shape-only stand-in instead
+        (no decode): wrappers such as peft read ``.weight`` only for its device and dtype.
+        """
+        from neutrain.nn.stand_in import WeightStandIn, stand_ins_active
+
+        if stand_ins_active():
+            return WeightStandIn(self.compressed.shape, self.compressed.dtype, self.compressed.device)
         return self.compressed.dense()
 
     def bind_fused_optimizer(self, optimizer) -> list[torch.Tensor]:

@@ -40,12 +40,15 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
     from transformers import AutoTokenizer
 
     from neutrain.data import byte_tokenizer, iter_training_texts, train_bpe_tokenizer
+    from neutrain.data.chat import set_chat_template
 
     saved = Path(output_dir) / "tokenizer"
     name = model_cfg["tokenizer"] or model_cfg["base_model"]
     if name in ("byte", "train-bpe") and (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))
-    if name == "byte":
+    if model_cfg["tokenizer"] is None and model_cfg.get("gguf_file"):
+        tok = _gguf(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
+    elif name == "byte":
         tok = byte_tokenizer()
     elif name == "train-bpe":
         tok = train_bpe_tokenizer(iter_training_texts(data_cfg, cache_dir), vocab_size=model_cfg["tokenizer_vocab_size"])
@@ -56,6 +59,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
             raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache ({type(exc).__name__})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    set_chat_template(tok, data_cfg.get("chat_template"))  # saved with checkpoints and the export
     if name in ("byte", "train-bpe"):
         tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
@@ -70,7 +74,9 @@ def _model_config(model_cfg: dict[str, Any], tokenizer):
     from transformers import AutoConfig
 
     cfg = model_cfg["config"]
-    if cfg is None:
+    if cfg is None and model_cfg.get("gguf_file"):
+        config = _gguf(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
+    elif cfg is None:
         config = AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
     else:
         if isinstance(cfg, str):
@@ -99,6 +105,8 @@ def config_only(model_cfg: dict[str, Any]):
     """The model config a recipe describes, without loading weights or a tokenizer (for the planner)."""
     from transformers import AutoConfig
 
+    if model_cfg["config"] is None and model_cfg.get("gguf_file"):
+        return _gguf(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
     if model_cfg["config"] is None:
         return AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
 
@@ -107,6 +115,58 @@ def config_only(model_cfg: dict[str, Any]):
             return 259 if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
 
     return _model_config(model_cfg, _Vocab())
+
+
+def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, requested: str = "auto") -> str:
+    """The dtype an export of this run is written in: ``requested``, or for ``auto`` the base model's.
+
+    Why: a CPU run computes in fp32 (``model.dtype: auto``), and its export used to be fp32, twice the
+    size of the bf16 checkpoint it started from. ``auto`` now means: the base checkpoint's own dtype
+    (its config.json, or a GGUF file's tensor type); for a random init, the dtype NeuZip stores the
+    weights in (bf16 under fp32 compute: the export is then bit-identical to the trained weights);
+    otherwise the trained weights' dtype.
+
+    Example:
+        >>> export_dtype({"init": "random", "dtype": "auto", "gguf_file": None}, "neuzip-lossless", use_cpu=True)
+        'bfloat16'
+        >>> export_dtype({"init": "random", "dtype": "float32", "gguf_file": None}, "dense", use_cpu=True)
+        'auto'
+    """
+    if requested != "auto":
+        return requested
+    names = {v: k for k, v in _DTYPES.items()}
+    if model_cfg["init"] == "pretrained" and model_cfg.get("gguf_file"):
+        from neutrain.nn import gguf
+
+        source, name = gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+        try:
+            return names.get(gguf.gguf_dtype(gguf.resolve_gguf_path(source, name)), "auto")
+        except (OSError, ValueError):  # the export still works: in the trained dtype
+            return "auto"
+    if model_cfg["init"] == "pretrained" and model_cfg.get("base_model"):
+        try:
+            dtype = getattr(config_only(model_cfg), "dtype", None)
+        except (OSError, ValueError):
+            return "auto"
+        dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        return names.get(dtype, "auto")
+    if weights != "dense" and model_cfg["dtype"] == "auto" and resolve_dtype("auto", use_cpu) == torch.float32:
+        return "bfloat16"
+    return "auto"
+
+
+def _gguf(model_cfg: dict[str, Any], function: str, *args, **kwargs):
+    """Call ``neutrain.nn.gguf.<function>(source, name, ...)`` for the recipe's ``model.gguf_file``.
+
+    Its errors (no ``gguf`` package, an unreadable file) become one :class:`RecipeError` naming the key.
+    """
+    from neutrain.nn import gguf
+
+    source, name = gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+    try:
+        return getattr(gguf, function)(source, name, *args, **kwargs)
+    except gguf.GGUFLoadError as exc:
+        raise RecipeError(f"model.gguf_file: {exc}") from None
 
 
 def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed):
@@ -125,6 +185,9 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
         config = _model_config(model_cfg, tokenizer)
         config._attn_implementation = attn
         model, report = init_compressed(config, weights, device, dtype=dtype, seed=seed, storage_dtype=storage)
+    elif model_cfg.get("gguf_file"):
+        model, report = _gguf(model_cfg, "load_gguf_compressed", weights, dtype, storage_dtype=storage,
+                              attn_implementation=attn, device=device, trust_remote_code=model_cfg["trust_remote_code"])
     else:
         try:
             model, report = load_compressed(model_cfg["base_model"], weights, device, dtype=dtype,
@@ -178,6 +241,8 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         config = _model_config(model_cfg, tokenizer)
         torch.manual_seed(seed)  # the same random weights on every process and every resume
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    elif model_cfg.get("gguf_file"):
+        model = _gguf(model_cfg, "load_gguf_model", dtype, attn, model_cfg["trust_remote_code"])
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,87 @@
+"""Chat templates: the tokenizer's own, or a named one for a tokenizer that has none.
+
+A recipe's ``data.chat_template`` is ``null`` (the tokenizer's template, as instruct models and
+GGUF files carry it), a name from :data:`NAMED_TEMPLATES`, or an inline Jinja template. The chosen
+template is set on the tokenizer, so checkpoints and the export carry it and ``neutrain generate``
+formats prompts the way the model was trained (:func:`prompt_ids`).
+
+Example:
+    >>> from neutrain.data import byte_tokenizer
+    >>> tok = set_chat_template(byte_tokenizer(), "chatml")
+    >>> tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n'
+"""
+
+from __future__ import annotations
+
+from neutrain.errors import RecipeError
+
+# Prefix-stable templates (each message renders the same whatever follows), which assistant-only
+# masking needs. Markers that are not tokens of the vocabulary are learnt as ordinary text.
+NAMED_TEMPLATES = {
+    # ChatML (Qwen, SmolLM2, many fine-tunes).
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Zephyr-style: role tags, each turn closed by the tokenizer's own EOS token (so the model stops on it).
+    "zephyr": (
+        "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    ),
+}
+
+
+def is_inline_template(value: str) -> bool:
+    """True for a Jinja template written inline rather than a name."""
+    return "{{" in value or "{%" in value
+
+
+def check_chat_template(value: str | None) -> None:
+    """Refuse a ``data.chat_template`` that is neither a known name nor Jinja (at recipe load time).
+
+    Example:
+        >>> check_chat_template("chatlm")
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: data.chat_template: 'chatlm' is not a template name (chatml, zephyr) nor a Jinja template. Did you mean 'chatml'?
+    """
+    if value is None or value in NAMED_TEMPLATES or is_inline_template(value):
+        return
+    import difflib
+
+    match = difflib.get_close_matches(value, list(NAMED_TEMPLATES), n=1)
+    hint = f" Did you mean '{match[0]}'?" if match else ""
+    raise RecipeError(f"data.chat_template: '{value}' is not a template name ({', '.join(NAMED_TEMPLATES)}) "
+                      f"nor a Jinja template.{hint}")
+
+
+def set_chat_template(tokenizer, value: str | None):
+    """Set ``data.chat_template`` on ``tokenizer`` (``None`` keeps the tokenizer's own); returns it.
+
+    Raises:
+        RecipeError: for a value that is neither a known name nor Jinja (:func:`check_chat_template`).
+    """
+    check_chat_template(value)
+    if value is not None:
+        tokenizer.chat_template = NAMED_TEMPLATES.get(value, value)
+    return tokenizer
+
+
+def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids for a generation prompt: one user turn in the chat template plus the assistant header.
+
+    ``raw`` (or a tokenizer without a chat template) tokenizes the text as it is.
+
+    Example:
+        >>> from neutrain.data import byte_tokenizer
+        >>> tok = byte_tokenizer()
+        >>> tok.decode(prompt_ids(tok, "hi"))
+        '<|bos|>user\\nhi<|eos|><|bos|>assistant\\n'
+        >>> tok.decode(prompt_ids(tok, "hi", raw=True))
+        'hi'
+    """
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    # The template writes its own BOS/special tokens: adding them again would double them.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

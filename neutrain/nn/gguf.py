@@ -1,0 +1,158 @@
+"""GGUF checkpoints (llama.cpp's format): loaded dequantized, then compressed, with their tokenizer.
+
+transformers reads a GGUF file (``from_pretrained(dir, gguf_file=name)``): it maps llama.cpp's
+tensor names to its own, undoes llama.cpp's Q/K row permutation and dequantizes Q8_0/Q4_K/...
+blocks. neutrain asks for a plain dense model (:func:`neutrain.compat.gguf_dequantized_kwargs`),
+which then is compressed one matrix at a time like any model (:func:`neutrain.nn.compress_model`),
+trains, and exports with ``save_pretrained`` as ordinary safetensors. The file's vocabulary,
+special tokens and chat template become the tokenizer (:func:`load_gguf_tokenizer`).
+
+The dense model exists once, while it is compressed: transformers has no tensor-by-tensor GGUF
+reader. Peak memory is therefore the dequantized model in ``dtype``, briefly.
+
+Example:
+    >>> model = load_gguf_model("models", "smollm2-135m-instruct-q8_0.gguf", torch.bfloat16)  # doctest: +SKIP
+    >>> tokenizer = load_gguf_tokenizer("models", "smollm2-135m-instruct-q8_0.gguf")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+
+class GGUFLoadError(ValueError):
+    """A GGUF file that cannot be loaded (missing ``gguf`` package, unsupported architecture, bad file)."""
+
+
+def split_source(base_model: str | None, gguf_file: str) -> tuple[str, str]:
+    """``(directory or hub id, file name)`` as ``from_pretrained(..., gguf_file=...)`` takes them.
+
+    A ``gguf_file`` that is a path (no ``base_model``) is split into its directory and name; with a
+    ``base_model`` the file is looked up inside it (a local directory or a hub id in the local cache).
+
+    Example:
+        >>> split_source(None, "models/tiny.gguf")
+        ('models', 'tiny.gguf')
+        >>> split_source("org/repo-GGUF", "tiny-Q8_0.gguf")
+        ('org/repo-GGUF', 'tiny-Q8_0.gguf')
+    """
+    if base_model:
+        return base_model, gguf_file
+    path = Path(gguf_file)
+    return str(path.parent), path.name
+
+
+@contextlib.contextmanager
+def _named_errors(what: str, source: str, name: str):
+    """transformers' and gguf's loading errors as one :class:`GGUFLoadError` line naming the file."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GGUFLoadError(f"cannot {what} '{os.path.join(source, name)}' ({first})") from None
+
+
+def _require_gguf_package() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise GGUFLoadError("reading GGUF files needs the 'gguf' package: pip install gguf") from None
+
+
+def resolve_gguf_path(source: str, name: str) -> str:
+    """The local path of GGUF file ``name`` in directory ``source`` (or in the hub cache of repo ``source``)."""
+    local = Path(source) / name
+    if local.is_file():
+        return str(local)
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(source, name)  # the local cache only under HF_HUB_OFFLINE
+
+
+def load_gguf_model(source: str, name: str, dtype: torch.dtype, attn_implementation: str | None = None,
+                    trust_remote_code: bool = False):
+    """The dense causal LM a GGUF file holds, dequantized to ``dtype``, with no quantizer attached.
+
+    Raises:
+        GGUFLoadError: the ``gguf`` package is missing, or transformers cannot read the file.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.compat import gguf_dequantized_kwargs
+
+    _require_gguf_package()
+    with _named_errors("load", source, name):
+        model = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=name, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code, **gguf_dequantized_kwargs(),
+        )
+    if getattr(model, "hf_quantizer", None) is not None:
+        # Would make save_pretrained refuse the export hours later: say so now.
+        raise GGUFLoadError(f"'{name}' loaded with its weights still packed ({type(model.hf_quantizer).__name__}); "
+                            "this transformers version cannot dequantize it")
+    return model
+
+
+def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtype, *,
+                         storage_dtype: torch.dtype | None = None, attn_implementation: str | None = None,
+                         device: str | torch.device = "cpu", trust_remote_code: bool = False, progress: bool = True):
+    """:func:`load_gguf_model`, moved to ``device`` and compressed as ``weights`` says; ``(model, report)``.
+
+    ``storage_dtype`` as for :func:`neutrain.nn.load.load_compressed` (bf16 storage under fp32 compute on CPU).
+    """
+    from neutrain.nn.convert import compress_model
+
+    model = load_gguf_model(source, name, dtype, attn_implementation, trust_remote_code).to(device)
+    report = compress_model(model, weights, progress=progress, storage_dtype=storage_dtype)
+    model.train()
+    return model, report
+
+
+def load_gguf_tokenizer(source: str, name: str):
+    """The tokenizer a GGUF file carries (vocabulary, merges, special tokens, chat template).
+
+    The special tokens are set from the file's own ids (see :func:`neutrain.compat.gguf_special_tokens`).
+    """
+    from transformers import AutoTokenizer
+
+    from neutrain.compat import gguf_special_tokens
+
+    _require_gguf_package()
+    with _named_errors("load the tokenizer of", source, name):
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+        ids = gguf_special_tokens(resolve_gguf_path(source, name))
+    vocab = len(tokenizer)
+    tokenizer.add_special_tokens({k: tokenizer.convert_ids_to_tokens(v) for k, v in ids.items() if 0 <= v < vocab})
+    return tokenizer
+
+
+def gguf_config(source: str, name: str, trust_remote_code: bool = False):
+    """The transformers config a GGUF file describes (no weights read)."""
+    from transformers import AutoConfig
+
+    _require_gguf_package()
+    with _named_errors("read the config of", source, name):
+        return AutoConfig.from_pretrained(source, gguf_file=name, trust_remote_code=trust_remote_code)
+
+
+def gguf_dtype(path: str) -> torch.dtype:
+    """The dtype a GGUF file's matrices are stored in: F32, F16, BF16, or bf16 for quantized blocks.
+
+    Why: the export of a fine-tuned GGUF keeps its base's dtype (a quantized file has none of its
+    own; bf16 is what it dequantizes into without loss of its ~8-bit precision).
+
+    Example:
+        >>> gguf_dtype("models/tiny-f16.gguf")  # doctest: +SKIP
+        torch.float16
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    plain = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+             GGMLQuantizationType.BF16: torch.bfloat16}
+    types = {t.tensor_type for t in GGUFReader(path).tensors if len(t.shape) >= 2}
+    dtypes = {plain.get(t, torch.bfloat16) for t in types}
+    return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16

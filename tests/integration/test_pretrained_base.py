@@ -1,0 +1,95 @@
+"""A recipe's ``model.base_model`` as users hold it: a local directory of sharded bf16 safetensors.
+
+It loads straight into NeuZip form, one tensor at a time (the dense model never exists), and a CPU
+run of it (fp32 compute) exports in the base's bf16 (issue 16).
+"""
+
+import json
+import weakref
+
+import pytest
+import torch
+
+from neutrain.config import load_recipe
+from neutrain.data import byte_tokenizer
+from tests.helpers import TINY_LLAMA, write_recipe
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny Llama saved as bf16 safetensors in several shards (with an index), plus its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("base")
+    tok = byte_tokenizer()
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    config = AutoConfig.for_model("llama", vocab_size=len(tok), **cfg)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(str(path), max_shard_size="20KB")
+    tok.save_pretrained(str(path))
+    assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").exists()
+    return path
+
+
+def _base_recipe(tmp_path, base_dir, **sections):
+    model = {"init": "pretrained", "base_model": str(base_dir), "tokenizer": None, "config": None, "dtype": "auto"}
+    return write_recipe(tmp_path, model=model, **sections)
+
+
+def test_sharded_base_streams_into_compressed_form_tensor_by_tensor(tmp_path, base_dir, monkeypatch):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.trainer.modeling import build_model
+    from neutrain.nn import CompressedLinear, load
+
+    def no_dense_load(*args, **kwargs):
+        raise AssertionError("the dense model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_dense_load)
+    read, alive_at_read = [], []
+    build = load._build
+
+    def watched_build(config, weights, device, dtype, tensors, *args, **kwargs):
+        def watched():
+            for name, tensor in tensors:
+                # Every matrix read before this one is gone: only its compressed form remains.
+                alive_at_read.append([n for n, ref in read if ref() is not None])
+                if tensor.dim() == 2:
+                    read.append((name, weakref.ref(tensor)))
+                yield name, tensor
+                del tensor
+        return build(config, weights, device, dtype, watched(), *args, **kwargs)
+
+    monkeypatch.setattr(load, "_build", watched_build)
+    recipe = load_recipe(_base_recipe(tmp_path, base_dir, memory={"weights": "neuzip-lossless"}, train={"optimizer": "adalomo"}))
+    model = build_model(recipe.model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless")
+    alive_at_read.append([n for n, ref in read if ref() is not None])  # the last one too
+    assert len(read) == 16 and not any(alive_at_read), alive_at_read  # 14 layer matrices, embedding, head
+    assert isinstance(model.model.layers[1].mlp.down_proj, CompressedLinear)
+    monkeypatch.undo()
+    ref = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # the bf16 weights, upcast
+    ids = torch.randint(0, 259, (2, 13))
+    with torch.no_grad():  # bf16 storage, fp32 compute on CPU: the base's function exactly
+        assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
+
+
+def test_cpu_run_of_a_bf16_base_exports_bf16(tmp_path, base_dir):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.cli import main
+
+    recipe = _base_recipe(tmp_path, base_dir, memory={"weights": "neuzip-lossless"},
+                          train={"optimizer": "adalomo", "learning_rate": 1e-3, "max_steps": 2, "save_steps": 2},
+                          eval={"perplexity": False})
+    assert main(["train", str(recipe)]) == 0
+    export = tmp_path / "out" / "export"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(next(export.glob("*.safetensors"))), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    loaded = AutoModelForCausalLM.from_pretrained(str(export))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    assert loaded.dtype == torch.bfloat16
+    assert not torch.equal(loaded.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
