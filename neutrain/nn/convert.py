@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from neutrain.nn.buffers import DECODE_BUFFERS
 from neutrain.nn.embedding import CompressedEmbedding
 from neutrain.nn.linear import CompressedLinear
 from neutrain.nn.weight import CompressedWeight
@@ -158,12 +159,14 @@ def compress_model(
 
 
 def mark_large_weights(model: torch.nn.Module) -> None:
-    """Flag embedding and lm_head weights: they use the large decode buffer and are never prefetched."""
+    """Flag embedding and lm_head weights: they use the large decode buffer and are never prefetched;
+    then reserve the decode buffers at their final sizes (see :mod:`neutrain.nn.buffers`)."""
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)()
         weight = getattr(module, "compressed", None)
         if isinstance(weight, CompressedWeight):
             weight.large = True
+    DECODE_BUFFERS.reserve(compressed_weights(model))
 
 
 def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight) -> torch.nn.Module:
