@@ -16,10 +16,14 @@ per-device buffers, each grown to the largest weight decoded into it.
 :func:`neutrain.nn.convert.mark_large_weights`) allocates every slot up front at
 the size of the largest weight it will hold, the large slot first, and pins them:
 a slot that grows step by step, or a 1 GiB large slot freed and allocated again
-around every loss, lets the caching allocator split its segment for activations
-and then open a new segment for the next request, so reserved (and the device's
-used memory) rose 2.4 GiB over allocated on Llama-3-8B (issue 17). Pinned slots
-are freed only by :meth:`DecodeBuffers.clear`.
+around every loss, can let the caching allocator split its segment for other
+tensors and open a new segment for the next request (issue 17 asks for one
+preallocated pool). Measured on an H100 (Llama-3-8B, batch 1,
+``benchmarks/train_memory.py`` variants d and g): peak allocated and reserved
+unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the gap of
+reserved over allocated there comes from a 2 GiB transient of the loss path
+(``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
+:meth:`DecodeBuffers.clear`.
 
 Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight
