@@ -20,9 +20,9 @@ around every loss, can let the caching allocator split its segment for other
 tensors and open a new segment for the next request (issue 17 asks for one
 preallocated pool). Measured on an H100 (Llama-3-8B, batch 1,
 ``benchmarks/train_memory.py`` variants d and g): peak allocated and reserved
-unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the gap of
-reserved over allocated there comes from a 2 GiB transient of the loss path
-(``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
+unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the segment
+map there shows a 2004 MiB segment wholly free after the step, a transient
+elsewhere (``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
 :meth:`DecodeBuffers.clear`.
 
 Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
