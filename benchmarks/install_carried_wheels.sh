@@ -16,6 +16,10 @@ if ! have deepspeed; then
   have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
                        .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
 fi
+# The peers of train_memory.py (issue 17): torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
+have torchao || add .whl/torchao-*.whl
+have bitsandbytes || add .whl/bitsandbytes-*.whl
+have lomo_optim || add .whl/lomo_optim-*.whl
 if [ ${#wheels[@]} -gt 0 ]; then
   pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$@"; }
   # All at once; if one wheel does not fit this Python, one by one so that the others still land.

@@ -7,10 +7,18 @@ Variants, each in a fresh subprocess so the allocator starts clean:
     c  dense + fused LOMO
     d  NeuZip lossless + fused LOMO
     e  NeuZip lossless + AdaLomo
+    f  dense + AdaLomo (neutrain's fused AdaLomo on dense weights: the peer of e)
+    g  as d, with the decode buffers NOT reserved up front (the allocator A/B of issue 17)
+    h  peer: Hugging Face Trainer, optim="lomo"
+    p  peer: Hugging Face Trainer, optim="paged_adamw_8bit" (bitsandbytes)
+    t  peer: torchao AdamW8bit stepped in backward, one optimizer per parameter (torchtune)
 
 Random init, sequence 1024, bf16, activation checkpointing on. Memory at batch 1;
 throughput at batch 8 (and batch 1). Each row carries peak allocated/reserved GiB,
-the device's used memory (NVML, or cudaMemGetInfo), tokens/s and the planner's estimate.
+the device's used memory (NVML, or cudaMemGetInfo), tokens/s (CUDA events, median after
+warm-up) and the planner's estimate; batch-1 rows carry the allocator's segment map, and
+``--profile`` variants a profiled batch-8 step (top kernels, host syncs). The JSON's
+``targets`` are issue 17's. Peers live in ``benchmarks/_train_peers.py``.
 
     python benchmarks/train_memory.py                    # all variants, writes results/train_memory.json
     python benchmarks/train_memory.py --tiny --variants c,d   # CPU/GPU smoke test on a tiny model
@@ -37,28 +45,22 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 VARIANTS = {
     "a": ("dense", "adamw-hf"), "b": ("dense", "sgd"), "c": ("dense", "lomo"),
     "d": ("neuzip-lossless", "lomo"), "e": ("neuzip-lossless", "adalomo"),
+    "f": ("dense", "adalomo"), "g": ("neuzip-lossless", "lomo"),
     "h": ("dense", "lomo-hf"),  # Hugging Face's own optim="lomo" (pip lomo-optim), the comparison the issue names
+    "p": ("dense", "paged-adamw8bit-hf"), "t": ("dense", "adamw8bit-torchao-bwd"),
 }
+PEERS = ("h", "p", "t", "f")  # issue 17 item 5: what a user would pick instead
+HF_OPTIM = {"adamw-hf": "adamw_torch", "lomo-hf": "lomo", "paged-adamw8bit-hf": "paged_adamw_8bit"}
 
 
-def _device_used_gib() -> float | None:
-    import torch
-
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
-    except Exception:
-        free, total = torch.cuda.mem_get_info()
-        return (total - free) / 2**30
-
-
-def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) -> dict:
+def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, profile: bool = False) -> dict:
     """One variant in this process: build, train a few steps per batch size, measure."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from benchmarks import _train_peers as peers
+
+    idle_gib = peers.device_used_gib()  # before this process touches the GPU: the card's own floor
 
     from neutrain.trainer.planner import ModelShape, estimate
 
@@ -75,6 +77,10 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
         from neutrain.nn.load import init_compressed
 
         model, _ = init_compressed(config, weights, device, dtype=torch.bfloat16, progress=False)
+        if key == "g":  # the A/B: buffers grown on demand and the large one freed after use, as before
+            from neutrain.nn import DECODE_BUFFERS
+
+            DECODE_BUFFERS.clear()
     build_s = time.perf_counter() - t0
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -87,9 +93,14 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
         from neutrain.optim import OPTIMIZERS
 
         opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
-    result: dict = {"variant": key, "weights": weights, "optimizer": opt_name, "build_s": round(build_s, 1)}
-    if opt_name in ("adamw-hf", "lomo-hf"):
-        return {**result, **_run_hf_trainer(model, config, seq, steps, optim=opt_name[:-3])}
+    result: dict = {"variant": key, "weights": weights, "optimizer": opt_name, "build_s": round(build_s, 1),
+                    "device_used_idle_gib": idle_gib}
+    if opt_name in HF_OPTIM:
+        (batch,) = batches  # one Trainer per process: LOMO's gradient hooks would stack
+        row = peers.guarded(lambda: peers.hf_trainer_peer(model, config.vocab_size, seq, batch, steps, HF_OPTIM[opt_name]))
+        return {**result, f"batch{batch}": row}
+    if opt_name == "adamw8bit-torchao-bwd":
+        return {**result, **peers.torchao_bwd_peer(model, config.vocab_size, seq, batches, steps, profile)}
 
     def step(batch: int):
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
@@ -125,8 +136,11 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
             med = sorted(warm)[len(warm) // 2]
             row = {"tokens_per_s": batch * seq / med, "step_s": med, "loss": float(loss)}
             if cuda:
-                row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                           peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_used_gib=_device_used_gib())
+                row.update(peers.memory_row())
+                if batch == 1:
+                    row["segment_map"] = peers.segment_map()
+                if profile and batch == max(batches):
+                    row["profile"] = peers.profile_step(lambda: step(batch))
         except torch.OutOfMemoryError as exc:
             row = {"oom": True, "error": str(exc).splitlines()[0][:200]}
             opt.zero_grad(set_to_none=True) if hasattr(opt, "zero_grad") else None
@@ -139,92 +153,112 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int) 
     return result
 
 
-def _run_hf_trainer(model, config, seq: int, steps: int, optim: str = "adamw") -> dict:
-    """Variants (a) and (h): the ordinary Hugging Face Trainer with AdamW or its own LOMO, batch 1."""
-    import tempfile
-
-    import torch
-    from datasets import Dataset  # noqa: F401  (the Trainer accepts any torch Dataset)
-    from transformers import Trainer, TrainingArguments
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, config.vocab_size, (seq,))
-            return {"input_ids": ids, "labels": ids}
-
-    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=steps, optim="adamw_torch" if optim == "adamw" else optim,
-                             bf16=True, logging_steps=1, report_to="none", save_strategy="no", learning_rate=1e-5,
-                             **__import__("neutrain.compat", fromlist=["x"]).checkpointing_training_args(True))
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        t = time.perf_counter()
-        Trainer(model=model, args=args, train_dataset=Rows()).train()
-        row = {"tokens_per_s": steps * seq / (time.perf_counter() - t)}
-    except torch.OutOfMemoryError as exc:
-        row = {"oom": True, "error": str(exc).splitlines()[0][:200]}
-    row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30, peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-               device_used_gib=_device_used_gib())
-    from neutrain.trainer.planner import ModelShape, estimate
-
-    row["planner_gib"] = estimate(ModelShape.from_config(config), batch=1, seq=seq, optimizer=optim, checkpointing=True,
-                                  chunked_loss=False).total_gib
-    return {"batch1": row}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="d,c,e,b,a", help="most important first: partial runs keep them")
+    ap.add_argument("--variants", default="d,c,t,e,f,h,p,g,b,a", help="most important first: partial runs keep them")
     ap.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--profile", default="c,t", help="variants whose largest-batch step is also profiled")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--name", default="train_memory")
-    ap.add_argument("--timeout", type=float, default=240, help="seconds per variant")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per child process")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run; later variants are skipped")
     args = ap.parse_args()
-    if not args.child:
-        from benchmarks._common import git_provenance
-
-        git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
+    batches = [int(b) for b in args.batches.split(",")]
     if args.child:
-        res = run_variant(args.child, args.tiny, args.seq, [1, 8], args.steps)
+        res = run_variant(args.child, args.tiny, args.seq, batches, args.steps, args.child in args.profile.split(","))
         print("RESULT " + json.dumps(res))
         return 0
-    rows = []
+    from benchmarks._common import git_provenance
+
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
+    rows, began = [], time.perf_counter()
     for key in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--child", key, "--seq", str(args.seq), "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+        # The Trainer peers get one process per batch size; "g" (the allocator A/B) is a batch-1 question.
+        runs = [[b] for b in batches] if VARIANTS[key][1] in HF_OPTIM else [[1]] if key == "g" else [batches]
+        row: dict = {"variant": key}
         t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-            row = json.loads(line[7:]) if line else {"variant": key, "failed": True, "stderr": proc.stderr[-1500:]}
-        except subprocess.TimeoutExpired:
-            row = {"variant": key, "failed": True, "timeout_s": args.timeout}
+        for run in runs:
+            if args.budget and time.perf_counter() - began > args.budget:
+                row.setdefault("skipped", []).append(f"batch {run}: over --budget {args.budget:.0f} s")
+                continue
+            row.update(_child(args, key, run))
         row["wall_s"] = round(time.perf_counter() - t, 1)
         rows.append(row)
-        print(json.dumps(row)[:600], flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("stderr",)}, default=str)[:700], flush=True)
         _write(args, rows)  # after every variant, so a cut-off run keeps what it measured
+    _print_table(rows)
     return 0
+
+
+def _child(args, key: str, batches: list[int]) -> dict:
+    cmd = [sys.executable, __file__, "--child", key, "--seq", str(args.seq), "--steps", str(args.steps),
+           "--batches", ",".join(map(str, batches)), "--profile", args.profile] + (["--tiny"] if args.tiny else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line:
+            return json.loads(line[7:])
+        return {"variant": key, "failed": True, f"stderr_batch{batches[0]}": proc.stderr[-1500:]}
+    except subprocess.TimeoutExpired:
+        return {"variant": key, "failed": True, f"timeout_batch{batches[0]}_s": args.timeout}
+
+
+def _tps(by: dict, key: str, batch: int) -> float | None:
+    return by.get(key, {}).get(f"batch{batch}", {}).get("tokens_per_s")
+
+
+def targets_of(rows: list[dict]) -> dict:
+    """Issue 17's targets (names fixed by the issue) from the rows measured; a missing input leaves its target out."""
+    by = {r["variant"]: r for r in rows}
+    out: dict = {}
+
+    def ratio(name, num, den, goal, **extra):
+        if num and den:
+            out[name] = {"value": round(num / den, 3), "goal": goal, "met": num / den >= float(goal.split()[-1]), **extra}
+
+    peers = {k: _tps(by, k, 8) for k in PEERS if _tps(by, k, 8)}
+    best = max(peers, key=peers.get) if peers else None
+    ratio("d_over_c_tokens_per_s_batch8", _tps(by, "d", 8), _tps(by, "c", 8), ">= 0.92")
+    if best:
+        note = {"best_peer": f"{best} ({VARIANTS[best][1]})", "peers_tokens_per_s_batch8": peers}
+        ratio("c_over_best_peer_tokens_per_s_batch8", _tps(by, "c", 8), peers[best], ">= 1.0", **note)
+        ratio("d_over_best_peer_tokens_per_s_batch8", _tps(by, "d", 8), peers[best], ">= 0.92", **note)
+    ratio("e_over_dense_adalomo_batch8", _tps(by, "e", 8), _tps(by, "f", 8), ">= 0.85")
+    d1 = by.get("d", {}).get("batch1", {})
+    for name, field, goal in (("d_device_used_gib_batch1", "device_used_gib", 14.5),
+                              ("d_peak_reserved_gib_batch1", "peak_reserved_gib", 11.5)):
+        if d1.get(field) is not None:
+            out[name] = {"value": round(d1[field], 3), "goal": f"<= {goal}", "met": d1[field] <= goal}
+    errors = [abs(r[b]["planner_gib"] - r[b]["peak_allocated_gib"]) / r[b]["peak_allocated_gib"]
+              for r in rows for b in ("batch1", "batch8") if "planner_gib" in r.get(b, {}) and "peak_allocated_gib" in r[b]]
+    if errors:
+        out["planner_max_relative_error"] = {"value": round(max(errors), 4), "goal": "<= 0.10", "met": max(errors) <= 0.10,
+                                             "derived_from": "max over variants of |planner_gib - peak_allocated_gib| / peak_allocated_gib"}
+    return out
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"{'var':4} {'optimizer':24} {'b8 tok/s':>9} {'b1 tok/s':>9} {'b1 alloc':>9} {'b1 resv':>8} {'b1 dev':>7}")
+    for r in rows:
+        b1, b8 = r.get("batch1", {}), r.get("batch8", {})
+        f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        print(f"{r['variant']:4} {VARIANTS[r['variant']][1]:24} {f(b8.get('tokens_per_s'), 0):>9} {f(b1.get('tokens_per_s'), 0):>9} "
+              f"{f(b1.get('peak_allocated_gib')):>9} {f(b1.get('peak_reserved_gib')):>8} {f(b1.get('device_used_gib')):>7}")
+    for name, t in targets_of(rows).items():
+        print(f"target {name} = {t['value']} (goal {t['goal']}, met {t['met']})")
 
 
 def _write(args, rows) -> None:
     from benchmarks._common import write_result
 
-    by = {r["variant"]: r for r in rows}
-    headline = ""
-    if "d" in by and "batch1" in by["d"] and "peak_allocated_gib" in by["d"]["batch1"]:
-        d1, d8 = by["d"]["batch1"], by["d"].get("batch8", {})
-        headline = f"(d) NeuZip+LOMO peak {d1['peak_allocated_gib']:.2f} GiB (planner {d1['planner_gib']:.2f})"
-        if "c" in by and "batch8" in by["c"] and "tokens_per_s" in by["c"]["batch8"] and "tokens_per_s" in d8:
-            headline += f"; {d8['tokens_per_s']:.0f} tok/s at batch 8 = {d8['tokens_per_s'] / by['c']['batch8']['tokens_per_s']:.2f}x of (c)"
-        if "c" in by and "peak_allocated_gib" in by["c"].get("batch1", {}):
-            headline += f"; (c) dense+LOMO {by['c']['batch1']['peak_allocated_gib']:.2f} GiB"
-    if "h" in by and "peak_allocated_gib" in by["h"].get("batch1", {}):
-        headline += f"; HF optim=lomo {by['h']['batch1']['peak_allocated_gib']:.2f} GiB"
-    write_result(args.name, {"seq": args.seq, "steps": args.steps, "tiny": args.tiny, "model": "tiny" if args.tiny else "llama3-8b",
-                             "activation_checkpointing": True, "dtype": "bfloat16"}, {"variants": rows, "headline": headline})
+    write_result(args.name, {"seq": args.seq, "steps": args.steps, "batches": args.batches, "tiny": args.tiny,
+                             "model": "tiny" if args.tiny else "llama3-8b", "activation_checkpointing": True,
+                             "dtype": "bfloat16", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                             "decode_buffers": "reserved up front (DecodeBuffers.reserve) except variant g"},
+                 {"variants": rows}, targets=targets_of(rows))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,16 @@ def _pointer(table_ptr, row: tl.constexpr, t, T: tl.constexpr, dtype: tl.constex
 
 
 @triton.jit
+def _tile_span(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr):
+    """The encode kernels' shared prologue: :func:`_locate`, then the tile's first element
+    within its tensor and how many of its elements remain (at most one tile's worth)."""
+    pid, t, tile, first, tiles = _locate(table_ptr, T)
+    base = tile * (S * L * E)
+    remaining = tl.minimum(_field(table_ptr, _NUMEL, t, T) - base, S * L * E).to(tl.int32)
+    return pid, t, tile, first, tiles, base, remaining
+
+
+@triton.jit
 def _decode_group_kernel(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                          EVEN: tl.constexpr, FUNNEL: tl.constexpr):
     pid, t, tile, first, tiles = _locate(table_ptr, T)
@@ -74,9 +84,7 @@ def _decode_group_kernel(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.cons
 @triton.jit
 def _count_group_kernel(table_ptr, counts_ptr, scratch_ptr, G, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
                         E: tl.constexpr, BS: tl.constexpr):
-    pid, t, tile, first, tiles = _locate(table_ptr, T)
-    base = tile * (S * L * E)
-    remaining = tl.minimum(_field(table_ptr, _NUMEL, t, T) - base, S * L * E).to(tl.int32)
+    pid, t, tile, first, tiles, base, remaining = _tile_span(table_ptr, T, S, L, E)
     _count_lossless(_pointer(table_ptr, _DATA, t, T, tl.int16) + base, _pointer(table_ptr, _ENC, t, T, tl.int32),
                     counts_ptr + pid * L, scratch_ptr + pid, scratch_ptr + G + pid, remaining, S, L, E, BS)
 
@@ -84,9 +92,7 @@ def _count_group_kernel(table_ptr, counts_ptr, scratch_ptr, G, T: tl.constexpr, 
 @triton.jit
 def _pack_group_kernel(table_ptr, counts_ptr, cum_ptr, G, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
                        E: tl.constexpr, EVEN: tl.constexpr):
-    pid, t, tile, first, tiles = _locate(table_ptr, T)
-    base = tile * (S * L * E)
-    remaining = tl.minimum(_field(table_ptr, _NUMEL, t, T) - base, S * L * E).to(tl.int32)
+    pid, t, tile, first, tiles, base, remaining = _tile_span(table_ptr, T, S, L, E)
     before = tl.maximum(first - 1, 0)
     base_w = tl.where(first > 0, tl.load(cum_ptr + before), 0)
     base_b = tl.where(first > 0, tl.load(cum_ptr + G + before), 0)

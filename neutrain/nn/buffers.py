@@ -12,6 +12,19 @@ per-device buffers, each grown to the largest weight decoded into it.
   matrix (1 GiB for Llama-3-8B) must not stay allocated through the decoder's
   forward and backward.
 
+:meth:`DecodeBuffers.reserve` (called once a model is converted, see
+:func:`neutrain.nn.convert.mark_large_weights`) allocates every slot up front at
+the size of the largest weight it will hold, the large slot first, and pins them:
+a slot that grows step by step, or a 1 GiB large slot freed and allocated again
+around every loss, can let the caching allocator split its segment for other
+tensors and open a new segment for the next request (issue 17 asks for one
+preallocated pool). Measured on an H100 (Llama-3-8B, batch 1,
+``benchmarks/train_memory.py`` variants d and g): peak allocated and reserved
+unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the segment
+map there shows a 2004 MiB segment wholly free after the step, a transient
+elsewhere (``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
+:meth:`DecodeBuffers.clear`.
+
 Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight
 decoded again while its tag is current (e.g. read by the optimizer right after
@@ -51,8 +64,39 @@ class DecodeBuffers:
         self._events: dict[tuple, torch.cuda.Event] = {}  # prefetch into the slot done
         self._released: dict[tuple, torch.cuda.Event] = {}  # main stream done with the slot's last content
         self._recent: dict[tuple, str] = {}
+        self._pinned: set[tuple] = set()  # slots allocated by reserve(): never shrunk or released
         self.prefetch_hits = 0
         self.allocated = False
+
+    def reserve(self, weights) -> int:
+        """Allocate each slot once at the size of the largest of ``weights`` it will hold; return bytes.
+
+        The large slot is allocated first, then both layer slots, so they sit together at
+        the start of the model's working memory; all are pinned (see the module docstring).
+        Calling it again (another model in the process) only grows slots.
+
+        Example:
+            >>> import torch
+            >>> from neutrain.compress import compress
+            >>> from neutrain.nn import CompressedWeight
+            >>> w = CompressedWeight(compress(torch.randn(8, 4).bfloat16(), steps=16))
+            >>> DecodeBuffers().reserve([w])  # two layer slots of 32 bf16 each
+            128
+        """
+        sizes: dict[tuple, int] = {}
+        for weight in weights:
+            for slot in (LARGE_SLOT,) if weight.large else LAYER_SLOTS:
+                key = (weight.device, weight.dtype, slot)
+                sizes[key] = max(sizes.get(key, 0), weight.numel)
+        for key in sorted(sizes, key=lambda k: k[2] != LARGE_SLOT):
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < sizes[key]:
+                self._wait(key)
+                self._buffers.pop(key, None)
+                self._tags.pop(key, None)
+                self._buffers[key] = torch.empty(sizes[key], dtype=key[1], device=key[0])
+            self._pinned.add(key)
+        return sum(self._buffers[key].numel() * self._buffers[key].element_size() for key in sizes)
 
     def slot_for(self, weight) -> str:
         """Where a fresh decode of ``weight`` goes: the large slot, or the layer slot used less recently."""
@@ -103,10 +147,13 @@ class DecodeBuffers:
                 del self._tags[key]
 
     def release_large(self, weight) -> None:
-        """Free the large buffer if it holds ``weight`` (a vocab-sized matrix must not sit idle)."""
+        """Free the large buffer if it holds ``weight`` (a vocab-sized matrix must not sit idle).
+
+        A pinned (reserved) large slot stays: freeing it would only fragment the allocator.
+        """
         key = (weight.device, weight.dtype, LARGE_SLOT)
         tag = self._tags.get(key)
-        if tag is not None and tag[0] == _identity(weight):
+        if tag is not None and tag[0] == _identity(weight) and key not in self._pinned:
             self._wait(key)
             del self._tags[key]
             self._buffers.pop(key, None)
@@ -118,6 +165,7 @@ class DecodeBuffers:
         self._buffers.clear()
         self._tags.clear()
         self._recent.clear()
+        self._pinned.clear()
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

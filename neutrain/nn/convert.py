@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from neutrain.nn.architecture import check_linear, embedding_scale
+from neutrain.nn.buffers import DECODE_BUFFERS
 from neutrain.nn.embedding import CompressedEmbedding
 from neutrain.nn.experts import compress_expert_stack, expert_stacks
 from neutrain.nn.linear import CompressedLinear
@@ -181,12 +182,14 @@ def compress_model(
 
 
 def mark_large_weights(model: torch.nn.Module) -> None:
-    """Flag embedding and lm_head weights: they use the large decode buffer and are never prefetched."""
+    """Flag embedding and lm_head weights: they use the large decode buffer and are never prefetched;
+    then reserve the decode buffers at their final sizes (see :mod:`neutrain.nn.buffers`)."""
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)()
         weight = getattr(module, "compressed", None)
         if isinstance(weight, CompressedWeight):
             weight.large = True
+    DECODE_BUFFERS.reserve(compressed_weights(model))
 
 
 def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight, name: str = "",

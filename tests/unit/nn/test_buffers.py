@@ -64,3 +64,37 @@ def test_a_dead_weights_tag_is_never_served_to_a_new_weight(monkeypatch):
     buffers.view(old, buffers.slot_for(old))
     assert buffers.cached(old) is not None
     assert buffers.cached(new) is None and not buffers.holds(new)
+
+
+def test_reserve_allocates_every_slot_once_at_its_largest_and_pins_the_large_slot():
+    """Issue 17: slots that grow, or a large slot freed after every use, fragment the CUDA allocator."""
+    buffers = DecodeBuffers()
+    small, big_layer = _weights(1, rows=8) + _weights(1, rows=24)
+    (vocab,) = _weights(1, rows=64)
+    vocab.large = True
+    assert buffers.reserve([small, big_layer, vocab]) == (2 * 24 * 4 + 64 * 4) * 2
+    pointers = {slot: buffers._buffers[(small.device, small.dtype, slot)].data_ptr() for slot in (*LAYER_SLOTS, LARGE_SLOT)}
+    for w in (small, big_layer, small, big_layer, vocab):
+        buffers.view(w, buffers.slot_for(w))
+    buffers.release_large(vocab)
+    after = {slot: buffers._buffers[(small.device, small.dtype, slot)].data_ptr() for slot in (*LAYER_SLOTS, LARGE_SLOT)}
+    assert after == pointers  # nothing was reallocated, the large slot was not freed
+    buffers.clear()
+    assert buffers.nbytes() == 0
+
+
+def test_a_converted_model_has_its_decode_buffers_reserved():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from neutrain.nn import DECODE_BUFFERS, compress_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    DECODE_BUFFERS.clear()
+    compress_model(model, codec_options=CODEC, progress=False)
+    assert DECODE_BUFFERS.nbytes() == (96 * 32 + 2 * 48 * 32) * 2
+    model.lm_head.compressed.decode()
+    model.lm_head.compressed.release()
+    assert DECODE_BUFFERS.nbytes() == (96 * 32 + 2 * 48 * 32) * 2  # pinned: not freed after use
+    DECODE_BUFFERS.clear()
