@@ -71,3 +71,12 @@ def test_recipes_lists_shipped_recipes(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("default")
     assert "recipes/default.yaml" in out
+
+
+def test_the_cli_turns_on_expandable_segments_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert main(["recipes"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert main(["recipes"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
