@@ -84,7 +84,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "output_dir": Key(str, "outputs/run", "Where checkpoints, logs, plots and exports go (its writability is checked before the model is built)."),
         "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1),
         "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1),
-        "learning_rate": Key(float, 2e-5, "Peak learning rate.", gt=0.0, max=10.0),
+        "learning_rate": Key(float, 2e-5, "Peak learning rate. Fine-tuning a pretrained model wants far lower rates than training from scratch (adalomo ~0.1 there): measured on SmolLM2-135M (benchmarks/notes_finetune_lr.md), adalomo 1e-4 learnt the task with no drift, 1e-3 drifted, 1e-2 destroyed the model; lomo 1e-3 learnt more slowly. adamw: 1e-5 to 5e-5 as usual.", gt=0.0, max=10.0),
         "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=_OPTIMIZERS),
         "weight_decay": Key(float, 0.0, "Decoupled weight decay.", min=0.0, max=1.0),
         "adam_beta1": Key(float, 0.9, "AdamW beta1.", min=0.0, lt=1.0),
