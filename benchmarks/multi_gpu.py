@@ -153,10 +153,12 @@ def build_model(args, mode: str, device: torch.device, world: int):
 
 def build(args, mode: str, device: torch.device, world: int):
     """Model, optimizer and a ``train_step(ids)``, for ``mode``."""
+    from neutrain.distributed.shards import PARAMETER_SHARDS
     from neutrain.optim import build_fused_optimizer
 
     model, config = build_model(args, mode, device, world)
-    opt = build_fused_optimizer(model, args.optimizer, lr=args.lr, stochastic_rounding=True, seed=0)
+    sharding = PARAMETER_SHARDS if mode in ("fsdp2", "zero3") else None  # each rank updates its own shards
+    opt = build_fused_optimizer(model, args.optimizer, lr=args.lr, stochastic_rounding=True, seed=0, sharding=sharding)
     counters = {}
     if mode == "replicated":
         from neutrain.distributed.data_parallel import attach
@@ -171,9 +173,9 @@ def build(args, mode: str, device: torch.device, world: int):
                      "bf16": {"enabled": device.type == "cuda"}}
         engine = initialize_zero3(model, opt, ds_config, max_inflight=args.max_inflight)
     if mode in ("fsdp2", "zero3"):
-        assert opt._shard_groups, f"{mode}: no parameter of the optimizer is a shard"
+        assert opt.shards, f"{mode}: no parameter of the optimizer is a shard"
         if args.tensor_norms:
-            opt._common_shard_group = None  # ablation: never defer the per-tensor norm collectives
+            opt.shards.common_group = None  # ablation: never defer the per-tensor norm collectives
 
     def train_step(ids):
         if engine is not None:
@@ -246,7 +248,7 @@ def run(args) -> dict:
         "peak_allocated_gib_per_gpu": peak, "peak_reserved_gib_per_gpu": reserved,
         "setup_peak_allocated_gib_per_gpu": setup_peak, "setup_s": setup_s,
         "parameters": sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in model.parameters()),
-        "sharded_tensors": len(opt._shard_groups), "grad_norm_last": opt.grad_norm(),
+        "sharded_tensors": len(opt.shards), "grad_norm_last": opt.grad_norm(),
     }
     if "sync" in counters:
         result["all_reduces"] = counters["sync"].completed

@@ -180,7 +180,7 @@ def initialize_zero3(model: torch.nn.Module, optimizer, config: dict, max_inflig
 
     Example:
         >>> # needs DeepSpeed and a process group (deepspeed / accelerate launch), so not run here:
-        >>> opt = build_fused_optimizer(model, "lomo", lr=1e-4)  # doctest: +SKIP
+        >>> opt = build_fused_optimizer(model, "lomo", lr=1e-4, sharding=PARAMETER_SHARDS)  # doctest: +SKIP
         >>> engine = initialize_zero3(model, opt, {"train_micro_batch_size_per_gpu": 1,  # doctest: +SKIP
         ...                                         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
         >>> backward(engine, opt, engine.module(input_ids=ids, labels=ids).loss); opt.step()  # doctest: +SKIP
@@ -207,8 +207,9 @@ def bind_partitions(optimizer, engine, max_inflight: int = 2) -> None:
 
     optimizer._reindex()
     optimizer.bind(engine.module)
-    if not optimizer._shard_groups:
-        raise RuntimeError("no ZeRO-3 partitioned parameter found after deepspeed.initialize")
+    if not optimizer.shards:
+        raise RuntimeError("no ZeRO-3 partitioned parameter found after deepspeed.initialize (build the optimizer "
+                           "with sharding=neutrain.distributed.shards.PARAMETER_SHARDS)")
     optimizer.partition_sync = GradientAllReduce(max_inflight=max_inflight) if max_inflight > 0 else None
 
 

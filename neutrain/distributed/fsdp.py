@@ -54,8 +54,9 @@ def bind_after_prepare(optimizer, model: torch.nn.Module):
         raise ValueError("FSDP2 shards dense weights only: set memory.weights: dense (see neutrain.distributed.fsdp)")
     optimizer._reindex()
     optimizer.bind(model)
-    if not optimizer._shard_groups:
-        raise RuntimeError("FSDP2 mode but no parameter of the optimizer is sharded: was the model prepared?")
+    if not optimizer.shards:
+        raise RuntimeError("FSDP2 mode but no parameter of the optimizer is sharded: was the model prepared, and the "
+                           "optimizer built with sharding=neutrain.distributed.shards.PARAMETER_SHARDS?")
     return optimizer
 
 

@@ -14,10 +14,12 @@ Example:
 from neutrain.optim.adalomo import AdaLomo
 from neutrain.optim.adamw import AdamWInBackward
 from neutrain.optim.clipping import ClipMode
-from neutrain.optim.fused import COMPRESSED_KEY_ATTR, DenseWeightIO, FusedOptimizer, WeightIO
+from neutrain.optim.fused import FusedOptimizer
 from neutrain.optim.factory import OPTIMIZERS, build_fused_optimizer, fused_param_groups
 from neutrain.optim.lomo import LOMO
 from neutrain.optim.rounding import stochastic_round_to_bf16
+from neutrain.optim.sharding import Sharding
+from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR, DenseWeightIO, WeightIO
 
 __all__ = [
     "AdaLomo",
@@ -28,6 +30,7 @@ __all__ = [
     "FusedOptimizer",
     "LOMO",
     "OPTIMIZERS",
+    "Sharding",
     "WeightIO",
     "build_fused_optimizer",
     "fused_param_groups",

@@ -30,7 +30,8 @@ from typing import Iterable
 import torch
 
 from neutrain.optim.clipping import as_rows
-from neutrain.optim.fused import FusedOptimizer, _scaled
+from neutrain.optim.fused import FusedOptimizer
+from neutrain.optim.rule import scaled
 
 
 class AdaLomo(FusedOptimizer):
@@ -97,7 +98,7 @@ class AdaLomo(FusedOptimizer):
             row_mean = torch.empty(n_rows, dtype=torch.float32, device=device)
             col_sum = torch.zeros(n_cols, dtype=torch.float32, device=device)
         for rows in self._row_chunks(weight):
-            g32 = _scaled(g_rows[rows], coef)
+            g32 = scaled(g_rows[rows], coef)
             sq = g32.square().add_(eps_sq)
             if factored:
                 row_mean[rows] = sq.mean(dim=-1)
@@ -112,7 +113,7 @@ class AdaLomo(FusedOptimizer):
             new_col = state["exp_avg_sq_col"].mul(beta).add_((col_sum / total_rows) * (1.0 - beta))
             _masked_copy(state["exp_avg_sq_row"], new_row, ok)
             _masked_copy(state["exp_avg_sq_col"], new_col, ok)
-            if key in self._shard_groups:
+            if key in self.shards:
                 row_mean_all = self.shard_sum_(key, new_row.sum()) / total_rows
             else:
                 row_mean_all = new_row.mean()
@@ -123,7 +124,7 @@ class AdaLomo(FusedOptimizer):
             inv_sqrt_v = as_rows(new_v.rsqrt())
 
         def preconditioned(rows: slice) -> torch.Tensor:
-            g32 = _scaled(g_rows[rows], coef)
+            g32 = scaled(g_rows[rows], coef)
             if factored:
                 return g32 * row_scale[rows, None] * col_scale[None, :]
             return g32 * inv_sqrt_v[rows]

@@ -17,7 +17,8 @@ from typing import Iterable
 import torch
 
 from neutrain.optim.clipping import as_rows
-from neutrain.optim.fused import FusedOptimizer, _scaled
+from neutrain.optim.fused import FusedOptimizer
+from neutrain.optim.rule import scaled
 
 
 class AdamWInBackward(FusedOptimizer):
@@ -66,7 +67,7 @@ class AdamWInBackward(FusedOptimizer):
         return 1.0 - beta1**step, (1.0 - beta2**step).sqrt()
 
     def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
-        g32 = _scaled(grad, coef)
+        g32 = scaled(grad, coef)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         bias_correction1, bias_correction2_sqrt = scalars

@@ -11,8 +11,9 @@ import torch
 
 from neutrain.optim.adalomo import AdaLomo
 from neutrain.optim.adamw import AdamWInBackward
-from neutrain.optim.fused import COMPRESSED_KEY_ATTR, FusedOptimizer
+from neutrain.optim.fused import FusedOptimizer
 from neutrain.optim.lomo import LOMO
+from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
 
 OPTIMIZERS: dict[str, type[FusedOptimizer]] = {"lomo": LOMO, "adalomo": AdaLomo, "adamw-in-backward": AdamWInBackward}
 
@@ -41,13 +42,15 @@ def build_fused_optimizer(
         weight_decay: for matrices; vectors get none.
         **options: rule hyperparameters (``betas``, ``eps``, ...) and fused options
             (``clip_mode``, ``max_grad_norm``, ``stochastic_rounding``, ``seed``,
-            ``gradient_accumulation_steps``, ``chunk_numel``).
+            ``gradient_accumulation_steps``, ``chunk_numel``, ``sharding``: the
+            :class:`~neutrain.optim.sharding.Sharding` a sharded run injects, e.g.
+            ``neutrain.distributed.shards.PARAMETER_SHARDS`` for FSDP2 and ZeRO-3).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         >>> opt = build_fused_optimizer(model, "adalomo", lr=1e-3, weight_decay=0.1,
         ...                             clip_mode="global_stale", max_grad_norm=1.0)
-        >>> [g["weight_decay"] for g in opt.param_groups], len(opt._hooks)
+        >>> [g["weight_decay"] for g in opt.param_groups], len(opt.hooks.handles)
         ([0.1, 0.0], 4)
     """
     try:

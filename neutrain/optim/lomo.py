@@ -12,7 +12,8 @@ from typing import Iterable
 
 import torch
 
-from neutrain.optim.fused import FusedOptimizer, _scaled
+from neutrain.optim.fused import FusedOptimizer
+from neutrain.optim.rule import scaled
 
 
 class LOMO(FusedOptimizer):
@@ -45,4 +46,4 @@ class LOMO(FusedOptimizer):
         if wd:
             p32.mul_(1.0 - lr * wd)
         # Unclipped, the bf16 gradient is upcast inside the add: no fp32 copy of it is made.
-        return p32.add_(grad if coef is None else _scaled(grad, coef), alpha=-lr)
+        return p32.add_(grad if coef is None else scaled(grad, coef), alpha=-lr)

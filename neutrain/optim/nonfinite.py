@@ -7,7 +7,7 @@ The policy, for every optimizer neutrain runs:
   after backward) skip the whole update: no weight, moment or step count
   changes (:func:`guard_optimizer`). Fused optimizers skip the update of each
   tensor whose gradient is non-finite and apply the others
-  (:mod:`neutrain.optim.fused`).
+  (:mod:`neutrain.optim.grad_stats`, :mod:`neutrain.optim.rule`).
 * The step still counts as a step: ``global_step`` advances, its batch is
   consumed and the learning-rate schedule advances, so the schedule stays tied
   to the step number (and to a resume), on both paths.
@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from neutrain.errors import UserInputError
+from neutrain.optim.fused import FusedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,6 @@ def watch(optimizer: torch.optim.Optimizer, max_consecutive: int = 10,
     monitor = getattr(optimizer, _ATTR, None)
     if monitor is None:
         monitor = NonFiniteMonitor(max_consecutive, current_step)
-        from neutrain.optim.fused import FusedOptimizer
-
         (_watch_fused if isinstance(optimizer, FusedOptimizer) else guard_optimizer)(optimizer, monitor)
         setattr(optimizer, _ATTR, monitor)
     return monitor

@@ -50,6 +50,7 @@ from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.distributed.resume import verify_resume
+from neutrain.distributed.shards import PARAMETER_SHARDS
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
 
@@ -152,6 +153,8 @@ class NeuTrainer(Trainer):
             )
             if self.memory["optimizer"] == "adamw-in-backward":
                 options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+            if self.distributed_mode in ("fsdp2", "deepspeed"):  # each rank updates its shards (optim.sharding)
+                options.update(sharding=PARAMETER_SHARDS)
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
             self.optimizer = build_fused_optimizer(self.model if model is None else model, self.memory["optimizer"],
                                                    lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)

@@ -41,12 +41,13 @@ def batches(seed: int = 1):
     return [torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g) for _ in range(STEPS)]
 
 
-def build_optimizer(model, case: dict):
+def build_optimizer(model, case: dict, sharded: bool = False):
+    from neutrain.distributed.shards import PARAMETER_SHARDS
     from neutrain.optim import build_fused_optimizer
 
     return build_fused_optimizer(model, case["optimizer"], lr=case.get("lr", 1e-2), weight_decay=0.01,
                                  clip_mode=case.get("clip_mode"), max_grad_norm=case.get("max_grad_norm"),
-                                 stochastic_rounding=False)
+                                 stochastic_rounding=False, sharding=PARAMETER_SHARDS if sharded else None)
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -80,7 +81,7 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    opt = build_optimizer(model, case)
+    opt = build_optimizer(model, case, sharded=mode in ("fsdp2", "zero3"))
     engine = None
     if mode == "zero3":
         from neutrain.distributed.deepspeed import initialize_zero3
@@ -108,8 +109,8 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", 
     info["norms"] = norms
     if mode == "replicated":
         info["submitted"], info["completed"] = sync.submitted, sync.completed
-    info["sharded"] = len(opt._shard_groups)
-    info["partial_norms"] = opt._common_shard_group is not None  # every tensor a shard of one group
+    info["sharded"] = len(opt.shards)
+    info["partial_norms"] = opt.shards.common_group is not None  # every tensor a shard of one group
     if opt.partition_sync is not None:  # ZeRO-3 asynchronous reduce-scatters started (NCCL only)
         info["partition_submitted"] = opt.partition_sync.submitted
     info["weights"] = gathered_zero3_weights(model, world) if engine is not None else full_weights(model)

@@ -65,7 +65,7 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
     opt = LOMO(compressed.parameters(), lr=0.1, stochastic_rounding=False)
     train(compressed, opt, data)
     assert shared.version == 3  # one update per step, from the summed gradient
-    assert opt._tied == {shared.key}
+    assert opt.hooks.tied == {shared.key}
     _assert_identical_and_trained(dense, compressed, start)
 
 

@@ -30,7 +30,7 @@ def test_accumulated_lomo_equals_sgd_on_summed_gradients():
             start = [p.detach().clone() for p in fused.parameters()]
     for pa, pb in zip(ref.parameters(), fused.parameters()):
         assert torch.equal(pa, pb)
-    assert not opt._grad_sums
+    assert not opt.accumulation.sums
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
@@ -58,7 +58,7 @@ def test_short_last_window_applies_the_partial_sum_once(clip):
             torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-7)
         else:
             assert torch.equal(pa, pb)
-    assert opt.grad_norm() > 0 and not opt._grad_sums
+    assert opt.grad_norm() > 0 and not opt.accumulation.sums
 
 
 def test_accumulation_misuse_is_refused():

@@ -88,7 +88,7 @@ def test_build_fused_optimizer_groups_and_binds():
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.dim() == 1 for p in plain["params"])
-    assert len(opt._hooks) == 4  # frozen layer excluded
+    assert len(opt.hooks.handles) == 4  # frozen layer excluded
     frozen = model[2].weight.detach().clone()
     opt.backward(loss_fn(model, batches(1)[0]))
     opt.step()
