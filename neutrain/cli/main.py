@@ -25,14 +25,13 @@ import textwrap
 from pathlib import Path
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
+from neutrain.config.schema import SCHEMA
 from neutrain.errors import UserInputError, one_line
 
 EXIT_USER_ERROR = 2
 
 
 def _keys_help() -> str:
-    from neutrain.config.schema import SCHEMA
-
     lines = ["recipe keys (override any with section.key=value):"]
     for section, keys in SCHEMA.items():
         lines.append(f"  {section}:")
@@ -74,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                    "unless it is a previous neutrain export and --overwrite is given")
     x.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
                    "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
-    x.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    x.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
+    shard, dtype = SCHEMA["export"]["max_shard_size"], SCHEMA["export"]["dtype"]  # as the recipe's export keys
+    x.add_argument("--max-shard-size", default=shard.default, help=f"largest safetensors shard (default {shard.default})")
+    x.add_argument("--dtype", default=dtype.default, choices=dtype.choices, help="weight dtype (auto keeps the checkpoint's)")
     s = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
                        description="Predict peak GPU memory from the model config and the recipe (no weights are loaded).")
     s.add_argument("recipe", help="recipe YAML file or shipped recipe name")

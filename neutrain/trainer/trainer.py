@@ -40,12 +40,15 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import Trainer
 
 from neutrain import compat
+from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
+from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.distributed.resume import verify_resume
 from neutrain.storage.manifest import write_manifest
@@ -53,7 +56,28 @@ from neutrain.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
 TMP_PREFIX = ".tmp-"
-FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")
+# Train keys NeuTrainer reads, which ``memory=`` also accepts (the form it took before it took ``train=``).
+_TRAIN_KEYS_IN_MEMORY = ("optimizer", "max_consecutive_nonfinite")
+
+
+def _trainer_sections(memory: Mapping[str, Any] | None, train: Mapping[str, Any] | None) -> tuple[MemorySection, TrainSection]:
+    """NeuTrainer's ``memory`` and ``train`` arguments as typed sections (schema defaults for missing keys)."""
+    if memory is not None and not isinstance(memory, MemorySection):
+        moved = {k: memory[k] for k in _TRAIN_KEYS_IN_MEMORY if k in memory}
+        if moved:
+            train = {**(train or {}), **moved}
+            memory = {k: v for k, v in memory.items() if k not in moved}
+    return section_from("memory", memory), section_from("train", train)
+
+
+def _compressed_weights_name(memory: MemorySection) -> str:
+    """What a compressed model's checkpoint records as its weights (``neutrain_weights.json``).
+
+    ``memory.weights`` as the recipe says; its schema default ``dense`` cannot describe a compressed
+    model, which then holds lossless weights: lossy ones are frozen bases, trained only under an
+    adapter and saved as adapters. (NeuTrainer used without a recipe, on a model compressed by hand.)
+    """
+    return "neuzip-lossless" if memory.weights == "dense" else memory.weights
 
 
 def _unwrap(model):
@@ -81,16 +105,20 @@ def peak_memory_stats() -> dict[str, float]:
 class NeuTrainer(Trainer):
     """A ``transformers.Trainer`` with neutrain's logging, plots and atomic checkpoints.
 
-    Fused updates: with ``memory={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
+    Fused updates: with ``train={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
     weight is updated inside backward (``neutrain.optim``), compressed weights included; the
     optimizer's ``step()`` is bookkeeping only, ``max_grad_norm`` clips per the ``clip_mode``, and the
     logged ``grad_norm`` is the real global norm the optimizer measured.
 
     Args:
         *args: As for ``transformers.Trainer``.
-        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer`` and
-            ``max_consecutive_nonfinite`` (default 10, see :mod:`neutrain.optim.nonfinite`); ``None`` means
-            dense weights and the ordinary optimizer step.
+        memory: the recipe's ``memory`` section (a :class:`~neutrain.config.MemorySection`, or a mapping of
+            some of its keys: the schema's defaults fill in the rest). It may also carry ``optimizer`` and
+            ``max_consecutive_nonfinite``, the train keys below.
+        train: the recipe's ``train`` section, or a mapping of some of its keys; NeuTrainer reads ``optimizer``
+            (a fused one updates inside backward) and ``max_consecutive_nonfinite`` (see
+            :mod:`neutrain.optim.nonfinite`); ``TrainingArguments`` carry the rest. Both ``None``: dense
+            weights and the ordinary optimizer step.
         resume_reset_optimizer: resume weights and step only; the optimizer state and learning-rate
             schedule start afresh (``train.resume_reset_optimizer``). Otherwise a checkpoint without them
             is refused.
@@ -100,10 +128,11 @@ class NeuTrainer(Trainer):
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
 
-    def __init__(self, *args, memory: dict[str, Any] | None = None, resume_reset_optimizer: bool = False, **kwargs):
-        self.memory = dict(memory or {})
+    def __init__(self, *args, memory: Mapping[str, Any] | None = None, train: Mapping[str, Any] | None = None,
+                 resume_reset_optimizer: bool = False, **kwargs):
+        self.memory, self.train_section = _trainer_sections(memory, train)
         self.resume_reset_optimizer = resume_reset_optimizer
-        self.fused = self.memory.get("optimizer") in FUSED_OPTIMIZERS
+        self.fused = self.train_section.optimizer in FUSED_OPTIMIZERS
         super().__init__(*args, **kwargs)
         if self.fused:
             if self.args.fp16:
@@ -137,14 +166,14 @@ class NeuTrainer(Trainer):
             from neutrain.optim.factory import build_fused_optimizer
 
             options = dict(
-                clip_mode=self.memory.get("clip_mode", "per_tensor"), max_grad_norm=self._fused_max_grad_norm or None,
-                stochastic_rounding=self.memory.get("stochastic_rounding", True), seed=self.args.seed,
+                clip_mode=self.memory.clip_mode, max_grad_norm=self._fused_max_grad_norm or None,
+                stochastic_rounding=self.memory.stochastic_rounding, seed=self.args.seed,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             )
-            if self.memory["optimizer"] == "adamw-in-backward":
+            if self.train_section.optimizer == "adamw-in-backward":
                 options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
-            self.optimizer = build_fused_optimizer(self.model if model is None else model, self.memory["optimizer"],
+            self.optimizer = build_fused_optimizer(self.model if model is None else model, self.train_section.optimizer,
                                                    lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)
             if self.distributed_mode == "replicated":
                 from neutrain.distributed import data_parallel
@@ -157,7 +186,7 @@ class NeuTrainer(Trainer):
         """Skip, log and count non-finite steps; stop after too many in a row (neutrain.optim.nonfinite)."""
         from neutrain.optim.nonfinite import watch
 
-        self._nonfinite = watch(optimizer, self.memory.get("max_consecutive_nonfinite", 10), lambda: self.state.global_step + 1)
+        self._nonfinite = watch(optimizer, self.train_section.max_consecutive_nonfinite, lambda: self.state.global_step + 1)
 
     @property
     def nonfinite_skipped_steps(self) -> int:
@@ -170,7 +199,7 @@ class NeuTrainer(Trainer):
 
         mode = fused_mode(self.accelerator)
         engine = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(mode)
-        if engine and self.memory.get("loss_chunk_size", 0) > 0:
+        if engine and self.memory.loss_chunk_size > 0:
             # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
             # ZeRO-3's per-module gather.
             raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
@@ -230,7 +259,7 @@ class NeuTrainer(Trainer):
         return getattr(opt, "optimizer", opt) if self.fused else None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.memory.get("loss_chunk_size", 0) <= 0 and not _has_compressed_head(model):
+        if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The chunked lm_head + cross-entropy never materialises the full logits.
         from neutrain.nn import causal_lm_loss
@@ -325,7 +354,7 @@ class NeuTrainer(Trainer):
             super()._save(output_dir, state_dict)
             return _training_args_as_json(self.args, output_dir or self.args.output_dir)
         output_dir = output_dir or self.args.output_dir
-        save_compressed_checkpoint(model, output_dir, self.memory.get("weights", "neuzip-lossless"))
+        save_compressed_checkpoint(model, output_dir, _compressed_weights_name(self.memory))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         _training_args_as_json(self.args, output_dir)
