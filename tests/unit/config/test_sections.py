@@ -152,3 +152,15 @@ def test_recipe_derived_defaults(tmp_path):
     assert recipe.eval_micro_batch_size == 3
     recipe = load_recipe(write_recipe(tmp_path, eval={"micro_batch_size": 5}, export={"output_dir": str(tmp_path / "x")}))
     assert recipe.export_dir == str(tmp_path / "x") and recipe.eval_micro_batch_size == 5
+
+
+def test_export_api_defaults_are_the_export_keys_defaults():
+    import inspect
+
+    from neutrain.export.hf import export_hf
+    from neutrain.export.neuzip import export_neuzip
+
+    export = SCHEMA["export"]
+    for fn, names in ((export_hf, ("max_shard_size", "dtype")), (export_neuzip, ("max_shard_size",))):
+        for name in names:
+            assert inspect.signature(fn).parameters[name].default == export[name].default, (fn.__name__, name)
