@@ -51,6 +51,11 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.distributed.resume import verify_resume
+from neutrain.nn import CompressedLinear, causal_lm_loss
+from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
+from neutrain.nn.lora import adapter_state_dict, is_peft_model
+from neutrain.optim.factory import build_fused_optimizer
+from neutrain.optim.nonfinite import watch
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
 
@@ -85,8 +90,6 @@ def _unwrap(model):
 
 
 def _has_compressed_head(model) -> bool:
-    from neutrain.nn import CompressedLinear
-
     head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
     return isinstance(head, CompressedLinear)
 
@@ -163,8 +166,6 @@ class NeuTrainer(Trainer):
                 self._watch_nonfinite(opt)
             return opt
         if self.optimizer is None:
-            from neutrain.optim.factory import build_fused_optimizer
-
             options = dict(
                 clip_mode=self.memory.clip_mode, max_grad_norm=self._fused_max_grad_norm or None,
                 stochastic_rounding=self.memory.stochastic_rounding, seed=self.args.seed,
@@ -184,8 +185,6 @@ class NeuTrainer(Trainer):
 
     def _watch_nonfinite(self, optimizer) -> None:
         """Skip, log and count non-finite steps; stop after too many in a row (neutrain.optim.nonfinite)."""
-        from neutrain.optim.nonfinite import watch
-
         self._nonfinite = watch(optimizer, self.train_section.max_consecutive_nonfinite, lambda: self.state.global_step + 1)
 
     @property
@@ -262,8 +261,6 @@ class NeuTrainer(Trainer):
         if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The chunked lm_head + cross-entropy never materialises the full logits.
-        from neutrain.nn import causal_lm_loss
-
         kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "attention_mask")}
         loss = causal_lm_loss(
             _unwrap(model), inputs["input_ids"], inputs["labels"], attention_mask=inputs.get("attention_mask"),
@@ -341,10 +338,6 @@ class NeuTrainer(Trainer):
             resync_learning_rate(self.lr_scheduler)  # max_steps may have changed since the checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
-
-        from neutrain.nn.lora import adapter_state_dict, is_peft_model
-
         model = _unwrap(self.model)
         if is_peft_model(model):
             # Adapters only (the frozen base is not saved); skips cloning a compressed base's blobs.
