@@ -39,7 +39,7 @@ def draft_config(target_config, overrides: dict | None):
 def _load_target(recipe: Recipe):
     from neutrain.export import load_checkpoint_model
 
-    path = recipe.distill["target"] or os.path.join(recipe.train["output_dir"], "export")
+    path = recipe.distill.target or recipe.default_export_dir
     if not Path(path).is_dir():
         raise UserInputError(f"distill.target: '{path}' does not exist (train first, or set distill.target)")
     model, tokenizer = load_checkpoint_model(path)

@@ -70,7 +70,7 @@ def run_eval(args) -> int:
             raise UserInputError("data: no held-out data (set data.val_set_size or a dataset with split: validation)")
         if recipe.eval["max_eval_samples"]:
             heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-        targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval["micro_batch_size"] or recipe.train["micro_batch_size"],
+        targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval_micro_batch_size,
                                   report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False)
         trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
         metrics = trainer.evaluate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.config.schema import SCHEMA
 from neutrain.export.target import check_export_target
 
 
@@ -21,8 +22,9 @@ def configure(sub) -> None:
                    "unless it is a previous neutrain export and --overwrite is given")
     p.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
                    "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"), help="weight dtype (auto keeps the checkpoint's)")
+    shard, dtype = SCHEMA["export"]["max_shard_size"], SCHEMA["export"]["dtype"]  # as the recipe's export keys
+    p.add_argument("--max-shard-size", default=shard.default, help=f"largest safetensors shard (default {shard.default})")
+    p.add_argument("--dtype", default=dtype.default, choices=dtype.choices, help="weight dtype (auto keeps the checkpoint's)")
 
 
 def run(args) -> int:

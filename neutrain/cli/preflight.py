@@ -167,7 +167,7 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
             exc.add_note("export.output_dir is not writable")
             raise exc
     if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
-        check_export_target(target or os.path.join(recipe.train["output_dir"], "export"), overwrite=True,
+        check_export_target(recipe.export_dir, overwrite=True,
                             key="export.output_dir", keep=(("train.output_dir", out),))
     # Last: it creates train.output_dir, which must not happen for a run refused above.
     check_writable_dir(out, "train.output_dir")

@@ -40,7 +40,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
     kwargs: dict[str, Any] = dict(
         output_dir=t["output_dir"],
         per_device_train_batch_size=t["micro_batch_size"],
-        per_device_eval_batch_size=recipe.eval["micro_batch_size"] or t["micro_batch_size"],
+        per_device_eval_batch_size=recipe.eval_micro_batch_size,
         gradient_accumulation_steps=t["gradient_accumulation_steps"],
         learning_rate=t["learning_rate"],
         weight_decay=t["weight_decay"],
@@ -171,8 +171,7 @@ def build_trainer(recipe: Recipe) -> RunContext:
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
-        processing_class=tokenizer, memory={**recipe.memory, "optimizer": t["optimizer"],
-                                            "max_consecutive_nonfinite": t["max_consecutive_nonfinite"]},
+        processing_class=tokenizer, memory=recipe.memory, train=t,
         resume_reset_optimizer=t["resume_reset_optimizer"],
     )
     return RunContext(recipe, trainer, tokenizer, heldout, state)
@@ -243,7 +242,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
                        "neutrain.distributed.fsdp.merge_model_shards, then export on one process")
         export_format = "none"
     if export_format != "none":
-        export_dir = recipe.export["output_dir"] or os.path.join(out, "export")
+        export_dir = recipe.export_dir
         _phase(state, echo, f"export: {recipe.export['format']}")
         with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:

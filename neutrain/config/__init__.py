@@ -1,10 +1,18 @@
 """Recipes: schema, loading, dotted overrides and strict validation."""
 
 from neutrain.errors import CheckpointError, DataError, RecipeError, UserInputError
-from neutrain.config.schema import SCHEMA, SECTIONS, Recipe
-from neutrain.config.validate import apply_overrides, load_recipe, recipe_dirs, resolve_recipe_path, validate_recipe
+from neutrain.config.schema import (
+    FUSED_OPTIMIZERS, KV_CACHES, OPTIMIZERS, SCHEMA, SECTION_TYPES, SECTIONS, DataSection, DistillSection, EvalSection,
+    ExportSection, MemorySection, ModelSection, Recipe, TrainSection,
+)
+from neutrain.config.sections import Section
+from neutrain.config.validate import (
+    apply_overrides, load_recipe, recipe_dirs, resolve_recipe_path, section_from, validate_recipe,
+)
 
 __all__ = [
-    "CheckpointError", "DataError", "RecipeError", "UserInputError", "SCHEMA", "SECTIONS", "Recipe",
-    "apply_overrides", "load_recipe", "recipe_dirs", "resolve_recipe_path", "validate_recipe",
+    "CheckpointError", "DataError", "RecipeError", "UserInputError", "SCHEMA", "SECTIONS", "SECTION_TYPES", "Recipe",
+    "Section", "ModelSection", "DataSection", "TrainSection", "MemorySection", "EvalSection", "ExportSection",
+    "DistillSection", "FUSED_OPTIMIZERS", "OPTIMIZERS", "KV_CACHES",
+    "apply_overrides", "load_recipe", "recipe_dirs", "resolve_recipe_path", "section_from", "validate_recipe",
 ]

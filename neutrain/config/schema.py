@@ -12,8 +12,11 @@ CLI prints the help from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from typing import Any
+
+from neutrain.config.sections import Section, section_type
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,14 @@ REQUIRED = object()
 # Seeds reach numpy, whose generator takes 0 <= seed < 2**32.
 _SEED_MAX = 2**32 - 1
 
-_OPTIMIZERS = ("adamw", "sgd", "lomo", "adalomo", "adamw-in-backward")
+# The names below are listed here once; validation, the trainer, the planner, the optimizer factory and the
+# evaluation import them.
+FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")  # update inside backward (neutrain.optim)
+OPTIMIZERS = ("adamw", "sgd", *FUSED_OPTIMIZERS)
+KV_CACHES = ("full", "minicache", "shadowkv")  # eval.kv_caches (neutrain.eval)
+_LOSSY = ("neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
-_WEIGHTS = ("dense", "neuzip-lossless", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
+_WEIGHTS = ("dense", "neuzip-lossless", *_LOSSY)
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -85,7 +93,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1),
         "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1),
         "learning_rate": Key(float, 2e-5, "Peak learning rate. Fine-tuning a pretrained model wants far lower rates than training from scratch (adalomo ~0.1 there): measured on SmolLM2-135M (benchmarks/notes_finetune_lr.md), adalomo 1e-4 learnt the task with no drift, 1e-3 drifted, 1e-2 destroyed the model; lomo 1e-3 learnt more slowly. adamw: 1e-5 to 5e-5 as usual.", gt=0.0, max=10.0),
-        "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=_OPTIMIZERS),
+        "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=OPTIMIZERS),
         "weight_decay": Key(float, 0.0, "Decoupled weight decay.", min=0.0, max=1.0),
         "adam_beta1": Key(float, 0.9, "AdamW beta1.", min=0.0, lt=1.0),
         "adam_beta2": Key(float, 0.999, "AdamW beta2.", min=0.0, lt=1.0),
@@ -138,7 +146,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sample_temperature": Key(float, 0.8, "Sampling temperature of the printed sample (0: greedy).", min=0.0),
     },
     "export": {
-        "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", "neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3", "none")),
+        "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", *_LOSSY, "none")),
         "output_dir": Key(str, None, "Export directory (default: <train.output_dir>/export).", nullable=True),
         "max_shard_size": Key(str, "5GB", "Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB'.", pattern=r"\s*(\d+(\.\d*)?|\.\d+)\s*[KMGT]B\s*"),
         "dtype": Key(str, "auto", "Dtype of exported dense weights. auto: the base checkpoint's dtype (config.json, or a GGUF file's tensor type), so a CPU run (fp32 compute) of a bf16 model exports bf16; with random init, the stored weights' dtype (bf16 for NeuZip under dtype auto, which keeps them bit-exact). float32 keeps fp32-trained weights unrounded.", choices=("auto", "bfloat16", "float32", "float16")),
@@ -161,27 +169,55 @@ SCHEMA: dict[str, dict[str, Key]] = {
 
 SECTIONS = tuple(SCHEMA)
 
+# One typed class per section, generated from the table above (neutrain.config.sections).
+ModelSection = section_type("model", SCHEMA["model"], REQUIRED, __name__)
+DataSection = section_type("data", SCHEMA["data"], REQUIRED, __name__)
+TrainSection = section_type("train", SCHEMA["train"], REQUIRED, __name__)
+MemorySection = section_type("memory", SCHEMA["memory"], REQUIRED, __name__)
+EvalSection = section_type("eval", SCHEMA["eval"], REQUIRED, __name__)
+ExportSection = section_type("export", SCHEMA["export"], REQUIRED, __name__)
+DistillSection = section_type("distill", SCHEMA["distill"], REQUIRED, __name__)
+SECTION_TYPES: dict[str, type[Section]] = {cls.section: cls for cls in (
+    ModelSection, DataSection, TrainSection, MemorySection, EvalSection, ExportSection, DistillSection)}
+
 
 @dataclass
 class Recipe:
-    """A validated recipe: one plain dict per section, with every default filled in.
+    """A validated recipe: one typed section per schema section, with every default filled in.
+
+    Sections also read as mappings (``recipe.train["learning_rate"]``), as they did when they were dicts.
 
     Example:
         >>> from neutrain.config import load_recipe
         >>> r = load_recipe("recipes/default.yaml", overrides=["train.learning_rate=1e-3"])
-        >>> r.train["learning_rate"]
-        0.001
+        >>> r.train.learning_rate, r.train["learning_rate"]
+        (0.001, 0.001)
     """
 
-    model: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)
-    eval: dict[str, Any] = field(default_factory=dict)
-    export: dict[str, Any] = field(default_factory=dict)
-    distill: dict[str, Any] = field(default_factory=dict)
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    memory: MemorySection
+    eval: EvalSection
+    export: ExportSection
+    distill: DistillSection
     source: str | None = None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The recipe as nested plain data (what gets saved beside checkpoints)."""
-        return {s: dict(getattr(self, s)) for s in SECTIONS}
+        return {s: getattr(self, s).to_dict() for s in SECTIONS}
+
+    @property
+    def default_export_dir(self) -> str:
+        """``<train.output_dir>/export``: where export.output_dir and distill.target point when unset."""
+        return os.path.join(self.train.output_dir, "export")
+
+    @property
+    def export_dir(self) -> str:
+        """Where the run's export goes: ``export.output_dir``, else :attr:`default_export_dir`."""
+        return self.export.output_dir or self.default_export_dir
+
+    @property
+    def eval_micro_batch_size(self) -> int:
+        """``eval.micro_batch_size``, else ``train.micro_batch_size``."""
+        return self.eval.micro_batch_size or self.train.micro_batch_size

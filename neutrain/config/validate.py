@@ -14,6 +14,7 @@ import math
 import os
 import re
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import yaml
@@ -21,7 +22,8 @@ import yaml
 from neutrain.errors import RecipeError
 from neutrain.config.model_config import check_draft_config, check_model_config
 from neutrain.config.recipe_yaml import parse_recipe_text
-from neutrain.config.schema import REQUIRED, SCHEMA, SECTIONS, Key, Recipe
+from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
+from neutrain.config.sections import Section
 
 DATASET_KEYS: dict[str, Key] = {
     "path": Key(str, REQUIRED, "File, directory, or 'python-stdlib'."),
@@ -184,7 +186,31 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
         values[section] = _validate_mapping(section, {} if section_raw is None else section_raw, keys, base_dir)
     values["data"]["datasets"] = _validate_datasets(values["data"]["datasets"], base_dir)
     _cross_checks(values)
-    return Recipe(**values, source=source)
+    return Recipe(**{section: SECTION_TYPES[section](**v) for section, v in values.items()}, source=source)
+
+
+def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path | None = None) -> Section:
+    """One typed section from a partial mapping: the schema's defaults for the keys it lacks.
+
+    The keys it has get the same checks as in a recipe (unknown key, type, range, path); the checks
+    across sections (:func:`validate_recipe`) need a whole recipe and are not made. A section that is
+    already typed is returned as it is. For code that builds a trainer without a recipe file.
+
+    Example:
+        >>> section_from("memory", {"lora_r": 8}).lora_r, section_from("memory", None).clip_mode
+        (8, 'per_tensor')
+        >>> section_from("memory", {"lora_rank": 8})
+        Traceback (most recent call last):
+        ...
+        neutrain.errors.RecipeError: memory: unknown key 'lora_rank'. Did you mean 'lora_r'?
+    """
+    cls = SECTION_TYPES[section]
+    if isinstance(values, cls):
+        return values
+    checked = _validate_mapping(section, dict(values or {}), SCHEMA[section], base_dir)
+    if section == "data":
+        checked["datasets"] = _validate_datasets(checked["datasets"], base_dir)
+    return cls(**checked)
 
 
 def _check_top_level(raw: Any, where: str) -> dict:
@@ -264,7 +290,7 @@ def _cross_checks(v: dict) -> None:
     if data["streaming"] and train["max_steps"] <= 0:
         raise RecipeError("train.max_steps: must be > 0 when data.streaming is true (a stream has no known length)")
     mem = v["memory"]
-    fused = train["optimizer"] in ("lomo", "adalomo", "adamw-in-backward")
+    fused = train["optimizer"] in FUSED_OPTIMIZERS
     if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
     if mem["adapter"] is not None and fused:
@@ -273,10 +299,14 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError(f"model.dtype: float16 weights cannot be trained by the fused optimizer {train['optimizer']} "
                           "(fp16 needs a loss scaler, which updates inside backward cannot have); use bfloat16")
     if mem["weights"] == "neuzip-lossless" and mem["adapter"] is None and not fused:
-        raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use lomo, adalomo or adamw-in-backward, not {train['optimizer']}")
+        raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
-        if cache not in ("full", "minicache", "shadowkv"):
-            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of full, minicache, shadowkv.{_suggest(str(cache), ('full', 'minicache', 'shadowkv'))}")
+        if cache not in KV_CACHES:
+            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{_suggest(str(cache), KV_CACHES)}")
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _parse_scalar(text: str) -> Any:
@@ -325,7 +355,7 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
 
     Example:
         >>> recipe = load_recipe("default", ["train.max_steps=10"])
-        >>> recipe.train["max_steps"]
+        >>> recipe.train.max_steps
         10
     """
     p = resolve_recipe_path(path)

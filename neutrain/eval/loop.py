@@ -21,10 +21,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from neutrain.config.schema import KV_CACHES
+
 from .. import compat
 from .tasks import Sample
 
-KV_KINDS = ("full", "minicache", "shadowkv")
+KV_KINDS = KV_CACHES  # the recipe's eval.kv_caches names, listed once in the schema
 
 
 # ---------------------------------------------------------------- caches

@@ -14,8 +14,11 @@ from typing import Any
 
 import torch
 
+from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError
+
+_DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API's
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -138,8 +141,8 @@ def _model_card(model, info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_size: str = "5GB", dtype: str = "auto",
-              info: dict | None = None, overwrite: bool = False) -> str:
+def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_size: str = _DEFAULTS.max_shard_size,
+              dtype: str = _DEFAULTS.dtype, info: dict | None = None, overwrite: bool = False) -> str:
     """Write a dense Hugging Face model directory.
 
     Args:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
 
@@ -178,7 +179,7 @@ def _model_card(model, mantissa_bits: int | None, info: dict) -> str:
 
 
 def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | None = None, tokenizer=None,
-                  max_shard_size: str = "5GB", info: dict | None = None, codec_options: dict | None = None,
+                  max_shard_size: str = ExportSection().max_shard_size, info: dict | None = None, codec_options: dict | None = None,
                   overwrite: bool = False) -> str:
     """Write a NeuZip export of ``model`` (dense or compressed) into ``output_dir``, atomically.
 

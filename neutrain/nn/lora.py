@@ -34,11 +34,13 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from neutrain.compat.peft_lora import register_custom_lora_module
+from neutrain.config.validate import section_from
 
 LOSSY = re.compile(r"^neuzip-lossy-(\d+)$")
 
@@ -118,12 +120,13 @@ def _compressed_lora_linear():
     return CompressedLoraLinear
 
 
-def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
+def apply_lora(model: torch.nn.Module, memory: Mapping[str, Any]):
     """Wrap ``model`` with peft LoRA adapters as the recipe's ``memory`` section says; returns the ``PeftModel``.
 
     Args:
         model: A causal LM, dense or with (frozen) compressed modules.
-        memory: ``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules`` (defaults as the schema).
+        memory: The :class:`~neutrain.config.MemorySection`, or a mapping of some of its keys (the schema's
+            defaults fill in the rest): ``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules``.
 
     Example:
         >>> peft_model = apply_lora(model, {"lora_r": 8, "lora_alpha": 16, "lora_target_modules": "all-linear"})  # doctest: +SKIP
@@ -133,10 +136,10 @@ def apply_lora(model: torch.nn.Module, memory: dict[str, Any]):
     from neutrain.nn import CompressedLinear
     from neutrain.nn.stand_in import shape_only_weights
 
+    m = section_from("memory", memory)
     config = LoraConfig(
-        r=memory.get("lora_r", 16), lora_alpha=memory.get("lora_alpha", 32),
-        lora_dropout=memory.get("lora_dropout", 0.0), task_type="CAUSAL_LM",
-        target_modules=lora_target_modules(model, memory.get("lora_target_modules", "all-linear")),
+        r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, task_type="CAUSAL_LM",
+        target_modules=lora_target_modules(model, m.lora_target_modules),
     )
     register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
     with warnings.catch_warnings(), shape_only_weights():

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.config.schema import FUSED_OPTIMIZERS
 from neutrain.optim.adalomo import AdaLomo
 from neutrain.optim.adamw import AdamWInBackward
 from neutrain.optim.fused import FusedOptimizer
 from neutrain.optim.lomo import LOMO
 from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
 
-OPTIMIZERS: dict[str, type[FusedOptimizer]] = {"lomo": LOMO, "adalomo": AdaLomo, "adamw-in-backward": AdamWInBackward}
+# Keyed by the recipe's names (train.optimizer), which the schema lists once.
+OPTIMIZERS: dict[str, type[FusedOptimizer]] = dict(zip(FUSED_OPTIMIZERS, (LOMO, AdaLomo, AdamWInBackward), strict=True))
 
 
 def fused_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -38,9 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
+from neutrain.trainer.modeling import config_only
+
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02) init; benchmarks/results/codec.json
-FUSED = ("lomo", "adalomo", "adamw-in-backward")
 
 
 @dataclass
@@ -129,7 +131,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
     """
     compressed = weights.startswith("neuzip")
-    fused = optimizer in FUSED
+    fused = optimizer in FUSED_OPTIMIZERS
     if chunked_loss is None:
         chunked_loss = compressed
     tokens = batch * seq
@@ -171,15 +173,13 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     return Estimate(t, settings)
 
 
-def estimate_recipe(recipe) -> Estimate:
+def estimate_recipe(recipe: Recipe) -> Estimate:
     """Estimate a recipe's peak GPU memory from its model config, without building the model."""
-    from neutrain.trainer.modeling import config_only
-
     config = config_only(recipe.model)
     m, t = recipe.memory, recipe.train
-    dtype_bytes = 4 if recipe.model["dtype"] == "float32" else 2
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     return estimate(
-        ModelShape.from_config(config), batch=t["micro_batch_size"], seq=recipe.data["sequence_len"],
-        weights=m["weights"], optimizer=t["optimizer"], checkpointing=m["gradient_checkpointing"],
-        dtype_bytes=dtype_bytes, chunked_loss=(m["loss_chunk_size"] > 0) or None,
+        ModelShape.from_config(config), batch=t.micro_batch_size, seq=recipe.data.sequence_len,
+        weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
+        dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
     )

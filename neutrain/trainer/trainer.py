@@ -40,6 +40,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,16 +48,44 @@ from transformers import PrinterCallback, ProgressCallback, Trainer
 
 from neutrain import compat
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
+from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
+from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
+from neutrain.nn import CompressedLinear, causal_lm_loss
+from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
+from neutrain.nn.lora import adapter_state_dict, is_peft_model
+from neutrain.optim.factory import build_fused_optimizer
+from neutrain.optim.nonfinite import watch
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
 TMP_PREFIX = ".tmp-"
-FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")
+# Train keys NeuTrainer reads, which ``memory=`` also accepts (the form it took before it took ``train=``).
+_TRAIN_KEYS_IN_MEMORY = ("optimizer", "max_consecutive_nonfinite")
+
+
+def _trainer_sections(memory: Mapping[str, Any] | None, train: Mapping[str, Any] | None) -> tuple[MemorySection, TrainSection]:
+    """NeuTrainer's ``memory`` and ``train`` arguments as typed sections (schema defaults for missing keys)."""
+    if memory is not None and not isinstance(memory, MemorySection):
+        moved = {k: memory[k] for k in _TRAIN_KEYS_IN_MEMORY if k in memory}
+        if moved:
+            train = {**(train or {}), **moved}
+            memory = {k: v for k, v in memory.items() if k not in moved}
+    return section_from("memory", memory), section_from("train", train)
+
+
+def _compressed_weights_name(memory: MemorySection) -> str:
+    """What a compressed model's checkpoint records as its weights (``neutrain_weights.json``).
+
+    ``memory.weights`` as the recipe says; its schema default ``dense`` cannot describe a compressed
+    model, which then holds lossless weights: lossy ones are frozen bases, trained only under an
+    adapter and saved as adapters. (NeuTrainer used without a recipe, on a model compressed by hand.)
+    """
+    return "neuzip-lossless" if memory.weights == "dense" else memory.weights
 
 
 def _unwrap(model):
@@ -64,8 +93,6 @@ def _unwrap(model):
 
 
 def _has_compressed_head(model) -> bool:
-    from neutrain.nn import CompressedLinear
-
     head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
     return isinstance(head, CompressedLinear)
 
@@ -84,16 +111,20 @@ def peak_memory_stats() -> dict[str, float]:
 class NeuTrainer(Trainer):
     """A ``transformers.Trainer`` with neutrain's logging, plots and atomic checkpoints.
 
-    Fused updates: with ``memory={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
+    Fused updates: with ``train={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
     weight is updated inside backward (``neutrain.optim``), compressed weights included; the
     optimizer's ``step()`` is bookkeeping only, ``max_grad_norm`` clips per the ``clip_mode``, and the
     logged ``grad_norm`` is the real global norm the optimizer measured.
 
     Args:
         *args: As for ``transformers.Trainer``.
-        memory: neutrain's options: the recipe's ``memory`` section plus ``optimizer`` and
-            ``max_consecutive_nonfinite`` (default 10, see :mod:`neutrain.optim.nonfinite`); ``None`` means
-            dense weights and the ordinary optimizer step.
+        memory: the recipe's ``memory`` section (a :class:`~neutrain.config.MemorySection`, or a mapping of
+            some of its keys: the schema's defaults fill in the rest). It may also carry ``optimizer`` and
+            ``max_consecutive_nonfinite``, the train keys below.
+        train: the recipe's ``train`` section, or a mapping of some of its keys; NeuTrainer reads ``optimizer``
+            (a fused one updates inside backward) and ``max_consecutive_nonfinite`` (see
+            :mod:`neutrain.optim.nonfinite`); ``TrainingArguments`` carry the rest. Both ``None``: dense
+            weights and the ordinary optimizer step.
         resume_reset_optimizer: resume weights and step only; the optimizer state and learning-rate
             schedule start afresh (``train.resume_reset_optimizer``). Otherwise a checkpoint without them
             is refused.
@@ -106,10 +137,11 @@ class NeuTrainer(Trainer):
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
 
-    def __init__(self, *args, memory: dict[str, Any] | None = None, resume_reset_optimizer: bool = False, **kwargs):
-        self.memory = dict(memory or {})
+    def __init__(self, *args, memory: Mapping[str, Any] | None = None, train: Mapping[str, Any] | None = None,
+                 resume_reset_optimizer: bool = False, **kwargs):
+        self.memory, self.train_section = _trainer_sections(memory, train)
         self.resume_reset_optimizer = resume_reset_optimizer
-        self.fused = self.memory.get("optimizer") in FUSED_OPTIMIZERS
+        self.fused = self.train_section.optimizer in FUSED_OPTIMIZERS
         super().__init__(*args, **kwargs)
         if self.fused:
             if self.args.fp16:
@@ -144,19 +176,17 @@ class NeuTrainer(Trainer):
                 self._watch_nonfinite(opt)
             return opt
         if self.optimizer is None:
-            from neutrain.optim.factory import build_fused_optimizer
-
             options = dict(
-                clip_mode=self.memory.get("clip_mode", "per_tensor"), max_grad_norm=self._fused_max_grad_norm or None,
-                stochastic_rounding=self.memory.get("stochastic_rounding", True), seed=self.args.seed,
+                clip_mode=self.memory.clip_mode, max_grad_norm=self._fused_max_grad_norm or None,
+                stochastic_rounding=self.memory.stochastic_rounding, seed=self.args.seed,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             )
-            if self.memory["optimizer"] == "adamw-in-backward":
+            if self.train_section.optimizer == "adamw-in-backward":
                 options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
             if self.distributed_mode in ("fsdp2", "deepspeed"):  # each rank updates its shards (optim.sharding)
                 options.update(sharding=PARAMETER_SHARDS)
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
-            self.optimizer = build_fused_optimizer(self.model if model is None else model, self.memory["optimizer"],
+            self.optimizer = build_fused_optimizer(self.model if model is None else model, self.train_section.optimizer,
                                                    lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)
             if self.distributed_mode == "replicated":
                 from neutrain.distributed import data_parallel
@@ -167,9 +197,7 @@ class NeuTrainer(Trainer):
 
     def _watch_nonfinite(self, optimizer) -> None:
         """Skip, log and count non-finite steps; stop after too many in a row (neutrain.optim.nonfinite)."""
-        from neutrain.optim.nonfinite import watch
-
-        self._nonfinite = watch(optimizer, self.memory.get("max_consecutive_nonfinite", 10), lambda: self.state.global_step + 1)
+        self._nonfinite = watch(optimizer, self.train_section.max_consecutive_nonfinite, lambda: self.state.global_step + 1)
 
     @property
     def nonfinite_skipped_steps(self) -> int:
@@ -182,7 +210,7 @@ class NeuTrainer(Trainer):
 
         mode = fused_mode(self.accelerator)
         engine = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(mode)
-        if engine and self.memory.get("loss_chunk_size", 0) > 0:
+        if engine and self.memory.loss_chunk_size > 0:
             # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
             # ZeRO-3's per-module gather.
             raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
@@ -242,11 +270,9 @@ class NeuTrainer(Trainer):
         return getattr(opt, "optimizer", opt) if self.fused else None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.memory.get("loss_chunk_size", 0) <= 0 and not _has_compressed_head(model):
+        if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The chunked lm_head + cross-entropy never materialises the full logits.
-        from neutrain.nn import causal_lm_loss
-
         kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "attention_mask")}
         loss = causal_lm_loss(
             _unwrap(model), inputs["input_ids"], inputs["labels"], attention_mask=inputs.get("attention_mask"),
@@ -324,10 +350,6 @@ class NeuTrainer(Trainer):
             resync_learning_rate(self.lr_scheduler)  # max_steps may have changed since the checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
-
-        from neutrain.nn.lora import adapter_state_dict, is_peft_model
-
         model = _unwrap(self.model)
         if is_peft_model(model):
             # Adapters only (the frozen base is not saved); skips cloning a compressed base's blobs.
@@ -337,7 +359,7 @@ class NeuTrainer(Trainer):
             super()._save(output_dir, state_dict)
             return _training_args_as_json(self.args, output_dir or self.args.output_dir)
         output_dir = output_dir or self.args.output_dir
-        save_compressed_checkpoint(model, output_dir, self.memory.get("weights", "neuzip-lossless"))
+        save_compressed_checkpoint(model, output_dir, _compressed_weights_name(self.memory))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         _training_args_as_json(self.args, output_dir)
