@@ -12,7 +12,7 @@ A module may import its own package and any package of a strictly lower layer.
 ``config`` and ``data`` stand apart: they may import only ``errors`` and ``compat``.
 
 Imports sit at module top. In the packages of :data:`LAZY_MARKED`, an import of a
-neutrain module inside a function must say why on its line (or the line before) with
+neutrain module inside a function must say why on its line (or in the comment right above) with
 ``# lazy: <reason>`` (Triton on a CPU path, the light ``import neutrain``, a real cycle).
 The other packages opt in by joining that list.
 """
@@ -224,8 +224,12 @@ def unmarked_lazy_imports(path: pathlib.Path) -> list[int]:
             else:
                 continue
             here = lines[node.lineno - 1 : node.end_lineno]
-            before = lines[node.lineno - 2] if node.lineno > 1 else ""
-            if internal and not any("# lazy:" in line for line in [before, *here]):
+            above = []  # the comment block right above the import
+            row = node.lineno - 2
+            while row >= 0 and lines[row].strip().startswith("#"):
+                above.append(lines[row])
+                row -= 1
+            if internal and not any("# lazy:" in line for line in [*above, *here]):
                 found.add(node.lineno)
     return sorted(found)
 
@@ -246,6 +250,8 @@ def test_lazy_imports_say_why():
     ("def f():\n    import torch\n", []),  # only neutrain's own graph is checked
     ("def f():\n    from neutrain.kernels import codec  # lazy: Triton\n", []),
     ("def f():\n    # lazy: Triton, GPU path only\n    from neutrain.kernels import codec\n", []),
+    ("def f():\n    # lazy: a cycle.\n    # More words.\n    from neutrain.kernels import codec\n", []),
+    ("def f():\n    # lazy: a cycle.\n    x = 1\n    from neutrain.kernels import codec\n", [4]),
     ("class C:\n    def m(self):\n        def g():\n            import neutrain.nn\n", [4]),
 ])
 def test_the_lazy_check_sees_unmarked_imports(tmp_path, source, expected):

@@ -40,7 +40,6 @@ import torch
 from neutrain.compress import compress
 from neutrain.compress.layout import LOSSY_MANTISSA_BITS
 from neutrain.errors import UserInputError
-from neutrain.export.quantizer import NeuZipConfig
 from neutrain.export.target import EXPORT_INFO, check_export_target, staged_export
 from neutrain.nn.convert import default_targets
 from neutrain.storage.manifest import write_manifest
@@ -205,6 +204,10 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
 def _write_export(tmp: Path, model, state: dict, names: list[str], mantissa_bits: int | None, tokenizer,
                   max_shard_size: str, info: dict | None) -> None:
     from transformers import GenerationConfig
+
+    # lazy: a cycle at import time. The quantizer's first import imports transformers.quantizers.auto,
+    # whose registration hook (export/registration.py) imports the quantizer back half-initialised.
+    from neutrain.export.quantizer import NeuZipConfig
 
     write_safetensors(state, tmp, max_shard_size)
     config = model.config.__class__.from_dict(model.config.to_dict())
