@@ -21,24 +21,10 @@ import math
 import numpy as np
 import torch
 
-from neutrain.compress import codec, huffman
-from neutrain.compress import format as fmt
-from neutrain.compress import stream as kstream
-from neutrain.compress.layout import (
-    Layout,
-    from_bits,
-    layout_for,
-    merge,
-    merge_bf16_bytes,
-    pack_tails,
-    split,
-    split_bf16_bytes,
-    splits_bytewise,
-    tail_nbytes,
-    tails_capacity,
-    to_bits,
-    unpack_tails,
-)
+from neutrain.compress import codec, format as fmt, huffman, stream as kstream
+from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
+from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
+from neutrain.compress.layout import unpack_tails
 from neutrain.kernels import triton_available
 
 DEFAULT_STEPS = 32

@@ -15,15 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neutrain.data.checks import (
-    STAT_COLUMNS,
-    check_counts,
-    check_split,
-    check_stream,
-    counts_of,
-    require_tokens,
-    tokenize_counted,
-)
+from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
 from neutrain.data.formats import IGNORE_INDEX
 from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus
