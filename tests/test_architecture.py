@@ -10,6 +10,11 @@ is the one in README's architecture section and ``docs/architecture.md``:
 
 A module may import its own package and any package of a strictly lower layer.
 ``config`` and ``data`` stand apart: they may import only ``errors`` and ``compat``.
+
+Imports sit at module top. In the packages of :data:`LAZY_MARKED`, an import of a
+neutrain module inside a function must say why on its line (or in the comment right above) with
+``# lazy: <reason>`` (Triton on a CPU path, the light ``import neutrain``, a real cycle).
+The other packages opt in by joining that list.
 """
 
 from __future__ import annotations
@@ -215,3 +220,59 @@ def test_the_readme_diagram_shows_every_package_in_its_layer():
     misplaced = [(a, b) for a in shown for b in shown if RANK[a] > RANK[b] and shown[a] > shown[b]
                  and not ({a, b} & APART or RANK[b] == 0)]
     assert not misplaced, f"drawn in the wrong order: {misplaced}"
+
+
+#: Packages whose function-level neutrain imports must carry a ``# lazy: <reason>`` comment.
+LAZY_MARKED = ("kernels", "compress", "attention", "eval", "speculative", "distill", "export", "data", "storage",
+               "config")
+
+
+def unmarked_lazy_imports(path: pathlib.Path) -> list[int]:
+    """Lines of ``path`` holding a neutrain import inside a function with no ``# lazy:`` reason."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = set()
+    for fn in ast.walk(ast.parse(source, str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom):
+                internal = node.level > 0 or (node.module or "").split(".")[0] == "neutrain"
+            elif isinstance(node, ast.Import):
+                internal = any(alias.name.split(".")[0] == "neutrain" for alias in node.names)
+            else:
+                continue
+            here = lines[node.lineno - 1 : node.end_lineno]
+            above = []  # the comment block right above the import
+            row = node.lineno - 2
+            while row >= 0 and lines[row].strip().startswith("#"):
+                above.append(lines[row])
+                row -= 1
+            if internal and not any("# lazy:" in line for line in [*above, *here]):
+                found.add(node.lineno)
+    return sorted(found)
+
+
+def test_lazy_imports_say_why():
+    unmarked = [f"{module.replace('.', '/')}.py:{line}" if MODULES[module].name != "__init__.py"
+                else f"{module.replace('.', '/')}/__init__.py:{line}"
+                for module in sorted(MODULES) if package_of(module) in LAZY_MARKED
+                for line in unmarked_lazy_imports(MODULES[module])]
+    assert not unmarked, ("neutrain imports inside functions without a '# lazy: <reason>' comment "
+                          "(move them to module top, or say why they must wait):\n" + "\n".join(unmarked))
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from neutrain.errors import RecipeError\n", []),  # module top: fine
+    ("def f():\n    from neutrain.errors import RecipeError\n", [2]),
+    ("def f():\n    from .kv import MiniCache\n", [2]),  # relative imports count
+    ("def f():\n    import torch\n", []),  # only neutrain's own graph is checked
+    ("def f():\n    from neutrain.kernels import codec  # lazy: Triton\n", []),
+    ("def f():\n    # lazy: Triton, GPU path only\n    from neutrain.kernels import codec\n", []),
+    ("def f():\n    # lazy: a cycle.\n    # More words.\n    from neutrain.kernels import codec\n", []),
+    ("def f():\n    # lazy: a cycle.\n    x = 1\n    from neutrain.kernels import codec\n", [4]),
+    ("class C:\n    def m(self):\n        def g():\n            import neutrain.nn\n", [4]),
+])
+def test_the_lazy_check_sees_unmarked_imports(tmp_path, source, expected):
+    (tmp_path / "probe.py").write_text(source)
+    assert unmarked_lazy_imports(tmp_path / "probe.py") == expected

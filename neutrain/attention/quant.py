@@ -23,7 +23,7 @@ Scheme (SageAttention2, see ``docs/attention.md`` §1.2, §5.1):
   the residual removes V's share for one more FP8 ``wgmma`` per tile.
 
 On CUDA (without Q smoothing) the same quantization runs as fused Triton kernels
-(``neutrain.kernels.sage_attention.quantize_qk_int`` / ``quantize_v_fp8``);
+(``neutrain.kernels.sage_quant.quantize_qk_int`` / ``quantize_v_fp8``);
 ``NEUTRAIN_SAGE_FUSED_QUANT=0`` selects these torch ops instead.
 
 All token dimensions are padded to a multiple of :data:`TILE` with zeros so the
@@ -32,66 +32,24 @@ kernel's inner loops never need bounds checks.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-#: Keys per KV tile. The kernel's KV tile, the FP8 quantization tile of P (each
-#: tile's P is quantized against that tile's own row max) and the backward's KV
-#: tile must agree, so it is one constant.
-TILE = 128
-#: Largest finite FP8 E4M3 value; P is quantized with this fixed scale.
-FP8_MAX = 448.0
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-LOG2_FP8_MAX = math.log2(FP8_MAX)
-#: The V residual is stored multiplied by this (|residual| <= 16 in scaled units, so <= 256).
-V_RESIDUAL_GAIN = 16.0
-#: Smallest scale, so that all-zero groups (padding) quantize to 0 instead of NaN.
-_MIN_AMAX = 1e-6
-
-
-def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``n``."""
-    return (n + multiple - 1) // multiple * multiple
-
-
-@dataclass
-class QuantizedAttentionInputs:
-    """Quantized Q, K, V (padded to ``n_pad`` tokens) plus everything to dequantize them.
-
-    Attributes:
-        q_int: [B, Hq, Np, D] int8 (smoothed residual when ``q_mean`` is set).
-        q_scale: [B, Hq, Np] fp32 per-token scale, including ``softmax_scale * log2(e)``.
-        q_mean: [B, Hq, Np, D] bf16 per-token copy of its group's mean, pre-multiplied
-            by ``softmax_scale * log2(e)``; ``None`` without Q smoothing.
-        k_int: [B, Hk, Np, D] int8 of the smoothed K.
-        k_scale: [B, Hk, Np] fp32.
-        k_mean: [B, Hk, 1, D] fp32 mean that was subtracted from K.
-        v_fp8_t: [B, Hk, D, Np] float8_e4m3fn, V transposed.
-        v_residual_t: like ``v_fp8_t``, ``V_RESIDUAL_GAIN * (V/scale - v_fp8)`` in FP8, or ``None``.
-        v_scale: [B, Hk, D] fp32 per-channel scale.
-        seq_len: the unpadded sequence length N.
-        softmax_scale: the attention scale (usually D**-0.5).
-        k_group: tokens sharing one K scale (:data:`TILE`: one scale per KV tile, which the
-            kernel folds into its row factor).
-    """
-
-    q_int: torch.Tensor
-    q_scale: torch.Tensor
-    q_mean: torch.Tensor | None
-    k_int: torch.Tensor
-    k_scale: torch.Tensor
-    k_mean: torch.Tensor
-    v_fp8_t: torch.Tensor
-    v_residual_t: torch.Tensor | None
-    v_scale: torch.Tensor
-    seq_len: int
-    softmax_scale: float
-    k_group: int = 16
+# The format shared with the kernels lives below both layers; re-exported here for the reference and callers.
+from neutrain.kernels.sage_format import (  # noqa: F401
+    _MIN_AMAX,
+    FP8_MAX,
+    LN2,
+    LOG2_FP8_MAX,
+    LOG2E,
+    TILE,
+    V_RESIDUAL_GAIN,
+    QuantizedAttentionInputs,
+    fp8_channel_scale,
+    round_up,
+)
 
 
 def quantize_int_per_group(x: torch.Tensor, group: int, bits: int, n_pad: int, fold: float = 1.0):
@@ -120,19 +78,6 @@ def quantize_int_per_group(x: torch.Tensor, group: int, bits: int, n_pad: int, f
     x_int = torch.round(grouped / scale).clamp_(-qmax, qmax).to(torch.int8)
     scale_tok = (scale * fold).expand(b, h, n_pad // group, group, 1).reshape(b, h, n_pad)
     return x_int.view(b, h, n_pad, d), scale_tok.contiguous()
-
-
-def fp8_channel_scale(v: torch.Tensor) -> torch.Tensor:
-    """Per-channel FP8 scale of V [B, H, N, D]: ``amax over tokens / 448`` as [B, H, D], in fp32.
-
-    Why a 0-dim tensor divisor: on CUDA, ``tensor / python_float`` multiplies by the
-    rounded reciprocal, which differs from CPU's true division in the last bit for about
-    half of the channels. V in bf16 over such a scale lands exactly on FP8 rounding ties
-    often (short mantissas), so that last bit flipped ~0.1% of FP8 values between devices.
-    A tensor divisor is a true IEEE division everywhere.
-    """
-    amax = v.abs().amax(dim=2).float().clamp_min(_MIN_AMAX)
-    return amax / amax.new_full((), FP8_MAX)
 
 
 def quantize_v_fp8_transposed(v: torch.Tensor, n_pad: int, residual: bool = True):
@@ -214,7 +159,7 @@ def quantize_attention_inputs(
 
 def _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad):
     """The same quantization through fused Triton kernels: one read of each input instead of ~10."""
-    from neutrain.kernels.sage_attention import quantize_qk_int, quantize_v_fp8
+    from neutrain.kernels.sage_quant import quantize_qk_int, quantize_v_fp8  # lazy: Triton, CUDA path only
 
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

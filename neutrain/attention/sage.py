@@ -40,7 +40,7 @@ class _SageAttentionFunction(torch.autograd.Function):
         qi = quantize_attention_inputs(q, k, v, scale, smooth_q=smooth_q, qk_bits=qk_bits, v_residual=v_residual,
                                        k_group=k_group)
         if backend == "triton":
-            from neutrain.kernels.sage_attention import ForwardConfig, sage_attention_forward
+            from neutrain.kernels.sage_attention import ForwardConfig, sage_attention_forward  # lazy: Triton, GPU path only
 
             launch = None
             if config is not None:
@@ -70,7 +70,7 @@ class _SageAttentionFunction(torch.autograd.Function):
             return dq, dk, dv, *([None] * 10)
         out, lse, segment_q, segment_k = ctx.saved_tensors
         if ctx.backend == "triton":
-            from neutrain.kernels.sage_attention import sage_attention_backward
+            from neutrain.kernels.sage_attention_backward import sage_attention_backward  # lazy: Triton, GPU path only
 
             dq, dk, dv = sage_attention_backward(ctx.qi, out, lse, grad_out, ctx.causal, segment_q, segment_k)
             count("kernel_backward")

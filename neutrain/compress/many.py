@@ -58,7 +58,7 @@ def _groups(cts: list[CompressedTensor], backend: str) -> tuple[dict, list[int]]
 
 def _table(cts: list[CompressedTensor], data: list[torch.Tensor]) -> torch.Tensor:
     """The launch table (see :mod:`neutrain.kernels.codec_many`), cached by its content."""
-    from neutrain.kernels import codec_many as km
+    from neutrain.kernels import codec_many as km  # lazy: Triton, GPU path only
 
     width = 1
     while width < len(cts) + 1:
@@ -102,7 +102,7 @@ def decode_many(cts: list[CompressedTensor], outs: list[torch.Tensor] | None = N
     Returns the outputs, each bit-identical to ``ct.decompress()``. ``backend="triton"``
     forces the grouped kernels (on CPU: Triton's interpreter, for tests).
     """
-    from neutrain.kernels import codec_many as km
+    from neutrain.kernels import codec_many as km  # lazy: Triton, GPU path only
 
     outs = list(outs) if outs is not None else [torch.empty(ct.shape, dtype=ct.dtype, device=ct.device) for ct in cts]
     if len(outs) != len(cts):
@@ -128,7 +128,7 @@ def encode_many(cts: list[CompressedTensor], xs: list[torch.Tensor], *, backend:
     Tensors whose code is due for a rebuild take the synchronous per-tensor path; see
     :mod:`neutrain.compress.stream` for the capacity and overflow rules.
     """
-    from neutrain.kernels import codec_many as km
+    from neutrain.kernels import codec_many as km  # lazy: Triton, GPU path only
 
     if len(xs) != len(cts):
         raise ValueError(f"encode_many got {len(cts)} tensors but {len(xs)} inputs")

@@ -101,7 +101,7 @@ def kernel_scratch(ct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _count(ct, x: torch.Tensor):
-    from neutrain.kernels import codec as kcodec
+    from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
     counts, scratch, cum = kernel_scratch(ct)
     kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems)
@@ -110,7 +110,7 @@ def _count(ct, x: torch.Tensor):
 
 
 def _pack(ct, x: torch.Tensor, counts: torch.Tensor, cum: torch.Tensor) -> None:
-    from neutrain.kernels import codec as kcodec
+    from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
     kcodec.pack_lossless(x, ct.enc_table, counts, cum, ct.stream.numel(), ct.stream, ct.tails, ct.lane_words,
                          ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems)
@@ -183,7 +183,7 @@ def encode_lossless(ct, x: torch.Tensor, fresh_code: bool, sync: bool) -> None:
 
 def encode_lossy(ct, x: torch.Tensor, fresh_code: bool) -> None:
     """Lossy bf16 through the kernels: tails pack across lanes in pass 1, so this path always reads the length."""
-    from neutrain.kernels import codec_lossy as kcodec
+    from neutrain.kernels import codec_lossy as kcodec  # lazy: Triton, GPU path only
 
     _, scratch, _ = kernel_scratch(ct)
     tile_words, tile_bits = scratch

@@ -25,6 +25,7 @@ from neutrain.compress import codec, format as fmt, huffman, stream as kstream
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
 from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
 from neutrain.compress.layout import unpack_tails
+from neutrain.kernels import triton_available
 
 DEFAULT_STEPS = 32
 """Steps per lane. With 4 elements per step a lane codes 128 symbols: lane padding and
@@ -51,7 +52,6 @@ def _use_kernel(layout: Layout, elems: int, device: torch.device, backend: str) 
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
-    from neutrain.kernels import triton_available
 
     return eligible and device.type == "cuda" and triton_available()
 
@@ -232,7 +232,7 @@ class CompressedTensor:
         elif not out.is_contiguous():
             raise ValueError("out must be contiguous")
         if _use_kernel(self.layout, self.elems, self.device, backend):
-            from neutrain.kernels import codec as kcodec
+            from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, out,
                           self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
@@ -268,7 +268,7 @@ class CompressedTensor:
         pick = (torch.arange(flat.numel(), device=self.device)[:, None] * (span * tile_len)
                 + (first - first_tile * tile_len)[:, None] + torch.arange(row_len, device=self.device))
         if _use_kernel(self.layout, self.elems, self.device, backend):
-            from neutrain.kernels import codec as kcodec
+            from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
             scratch = torch.empty(tile_ids.numel() * tile_len, dtype=self.dtype, device=self.device)
             kcodec.decode(self.stream, self.lane_words, self.tile_base, self.tails, self.lut, scratch,

@@ -20,6 +20,7 @@ from neutrain.data.formats import IGNORE_INDEX
 from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
+from neutrain.errors import RecipeError
 
 __all__ = [
     "IGNORE_INDEX", "Collator", "build_datasets", "byte_tokenizer", "iter_training_texts", "load_rows",
@@ -126,8 +127,6 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
             ds = ds.select(range(min(len(ds), data_cfg["max_samples"])))
         train_parts.append(ds)
     if not train_parts:
-        from neutrain.errors import RecipeError
-
         raise RecipeError("data.datasets: no dataset with split 'train'")
     concat = datasets.interleave_datasets if streaming else datasets.concatenate_datasets
     train = concat(train_parts) if len(train_parts) > 1 else train_parts[0]

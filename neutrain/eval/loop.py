@@ -41,10 +41,11 @@ def kv_cache_factory(model, kv: str, **kv_options):
     if kv == "full":
         yield lambda: DynamicCache(config=model.config)
     elif kv == "minicache":
-        from .kv import MiniCache
+        from .kv import MiniCache  # lazy: transformers, only when a cache is built
 
         yield lambda: MiniCache(model.config, **kv_options)
     elif kv == "shadowkv":
+        # lazy: transformers, only when a cache is built
         from .kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
 
         enable_shadowkv(model, **kv_options)

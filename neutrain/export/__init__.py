@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import re
 
+from neutrain.errors import UserInputError
+from neutrain.storage.leftovers import clean_export_leftovers
+
 FORMATS = ("hf", "neuzip", "neuzip-lossless", "neuzip-lossy-<k>")
 
 
@@ -29,12 +32,9 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     :func:`export_hf` or :func:`export_neuzip`.
     """
     if fmt != "hf" and not re.match(r"^neuzip(-lossless|-lossy-\d+)?$", fmt or ""):
-        from neutrain.errors import UserInputError
-
         raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
-    from neutrain.storage.leftovers import clean_export_leftovers
-    from neutrain.export.lora import merge_lora
-    from neutrain.nn.lora import is_peft_model
+    from neutrain.export.lora import merge_lora  # lazy: keeps `import neutrain` light
+    from neutrain.nn.lora import is_peft_model  # lazy: keeps `import neutrain` light
 
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.
@@ -42,10 +42,10 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     clean_export_leftovers(output_dir)  # of an earlier export killed or failed beside output_dir
     try:
         if fmt == "hf":
-            from neutrain.export.hf import export_hf
+            from neutrain.export.hf import export_hf  # lazy: keeps `import neutrain` light
 
             return export_hf(model, output_dir, tokenizer=tokenizer, **kwargs)
-        from neutrain.export.neuzip import export_neuzip, parse_format
+        from neutrain.export.neuzip import export_neuzip, parse_format  # lazy: keeps `import neutrain` light
 
         kwargs.pop("dtype", None)  # NeuZip keeps the weights' own dtype
         return export_neuzip(model, output_dir, mantissa_bits=parse_format(fmt), tokenizer=tokenizer, **kwargs)
@@ -58,11 +58,11 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
 
 def __getattr__(name):
     if name in ("export_hf", "load_checkpoint_model", "densify"):
-        from neutrain.export import hf
+        from neutrain.export import hf  # lazy: keeps `import neutrain` light
 
         return getattr(hf, name)
     if name == "export_neuzip":
-        from neutrain.export.neuzip import export_neuzip
+        from neutrain.export.neuzip import export_neuzip  # lazy: keeps `import neutrain` light
 
         return export_neuzip
     raise AttributeError(f"module 'neutrain.export' has no attribute {name!r}")

@@ -17,6 +17,11 @@ import torch
 from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError
+from neutrain.export.target import EXPORT_INFO, staged_export
+from neutrain.nn import decompressed_state_dict
+from neutrain.nn.checkpoint import MARKER, is_compressed, load_compressed_state
+from neutrain.nn.load import init_compressed
+from neutrain.storage.manifest import verify_checkpoint
 
 _DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API's
 
@@ -31,8 +36,6 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     """
     from transformers import AutoModelForCausalLM
 
-    from neutrain.storage.manifest import verify_checkpoint
-
     path = Path(path)
     verify_checkpoint(path)  # checksums, and no file that would run code when loaded
     if not (path / "config.json").exists():
@@ -40,7 +43,6 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
-    from neutrain.nn.checkpoint import MARKER
 
     if (path / MARKER).exists():
         return _load_compressed_checkpoint(path), _load_tokenizer(path)
@@ -66,9 +68,6 @@ def _load_compressed_checkpoint(path: Path):
 
     from transformers import AutoConfig
 
-    from neutrain.nn.load import init_compressed
-    from neutrain.nn.checkpoint import MARKER, load_compressed_state
-
     info = json.loads((path / MARKER).read_text())
     config = AutoConfig.from_pretrained(str(path))
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
@@ -85,13 +84,9 @@ def densify(model):
 
     A dense model is returned as it is.
     """
-    from neutrain.nn.checkpoint import is_compressed
-
     if not is_compressed(model):
         return model
     from transformers import AutoModelForCausalLM
-
-    from neutrain.nn import decompressed_state_dict
 
     state = {k: v.detach().cpu() for k, v in decompressed_state_dict(model).items()}
     dtype = next(v.dtype for k, v in state.items() if k.endswith(".weight") and v.is_floating_point())
@@ -170,8 +165,6 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
         True
     """
     from transformers import GenerationConfig
-
-    from neutrain.export.target import EXPORT_INFO, staged_export
 
     with staged_export(output_dir, overwrite) as tmp:  # refuses a target that is not a previous export first
         model = densify(model)

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from neutrain.compress.tensor import _use_kernel
 from neutrain.nn import CompressedLinear
 
 CHUNK_ELEMENTS = 32 << 20
@@ -32,8 +33,6 @@ COUNTERS = {"chunked_head": 0}
 
 
 def _kernel_path(ct) -> bool:
-    from neutrain.compress.tensor import _use_kernel
-
     return _use_kernel(ct.layout, ct.elems, ct.device, "auto")
 
 
@@ -58,7 +57,7 @@ def aligned_rows(ct, cols: int, target: int | None = None) -> int | None:
 
 def decode_rows_block(ct, row0: int, row1: int, cols: int) -> torch.Tensor:
     """Rows ``row0:row1`` of the matrix (``row0 * cols`` on a tile boundary), decoded by the Triton kernel."""
-    from neutrain.kernels import codec as kcodec
+    from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
     tile = ct.steps * ct.lanes * ct.elems
     t0, t1 = row0 * cols // tile, -(-row1 * cols // tile)

@@ -39,7 +39,12 @@ import torch
 
 from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
+from neutrain.compress import compress
+from neutrain.compress.layout import LOSSY_MANTISSA_BITS
 from neutrain.errors import UserInputError
+from neutrain.export.target import EXPORT_INFO, check_export_target, staged_export
+from neutrain.nn.convert import default_targets
+from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
 
 MARKER_SUFFIX = ".weight"
 """The one-byte marker tensor sits at the dense weight's own name (see the module docstring)."""
@@ -56,8 +61,6 @@ def parse_format(fmt: str) -> int | None:
         >>> parse_format("neuzip"), parse_format("neuzip-lossy-3")
         (None, 3)
     """
-    from neutrain.compress.layout import LOSSY_MANTISSA_BITS
-
     match = _FORMAT.match(fmt or "")
     if match is None:
         raise UserInputError(f"format '{fmt}': expected neuzip, neuzip-lossless or neuzip-lossy-<k>")
@@ -76,10 +79,6 @@ def compressed_state(model: torch.nn.Module, mantissa_bits: int | None, codec_op
     lossless; dense ``nn.Linear``/``nn.Embedding`` targets are encoded one at a
     time (peak: one dense copy). A lossy export re-rounds every matrix.
     """
-    from neutrain.compress import compress
-    from neutrain.nn.convert import default_targets
-    from neutrain.optim.fused import COMPRESSED_KEY_ATTR
-
     targets = set(default_targets(model))
     state: dict[str, torch.Tensor] = {}
     names: list[str] = []
@@ -199,8 +198,6 @@ def export_neuzip(model, output_dir: str | os.PathLike, *, mantissa_bits: int | 
     Example:
         >>> export_neuzip(model, "out/neuzip-lossy-3", mantissa_bits=3)  # doctest: +SKIP
     """
-    from neutrain.export.target import check_export_target, staged_export
-
     check_export_target(output_dir, overwrite)  # before the (long) encoding
     state, names = compressed_state(model, mantissa_bits, codec_options)
     if not names:
@@ -214,8 +211,9 @@ def _write_export(tmp: Path, model, state: dict, names: list[str], mantissa_bits
                   max_shard_size: str, info: dict | None) -> None:
     from transformers import GenerationConfig
 
+    # lazy: a cycle at import time. The quantizer's first import imports transformers.quantizers.auto,
+    # whose registration hook (export/registration.py) imports the quantizer back half-initialised.
     from neutrain.export.quantizer import NeuZipConfig
-    from neutrain.export.target import EXPORT_INFO
 
     write_safetensors(state, tmp, max_shard_size)
     config = model.config.__class__.from_dict(model.config.to_dict())

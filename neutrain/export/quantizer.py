@@ -49,6 +49,11 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from neutrain.compress import CompressedTensor
+from neutrain.export.inference import chunk_output_head
+from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight
+from neutrain.nn.convert import build_module, mark_large_weights
+
 QUANT_METHOD = "neuzip"
 """``quantization_config.quant_method`` of a NeuZip export."""
 
@@ -121,10 +126,6 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
     """
     from safetensors import safe_open
 
-    from neutrain.compress import CompressedTensor
-    from neutrain.nn import CompressedLinear, CompressedWeight
-    from neutrain.nn.convert import build_module, mark_large_weights
-
     where = _checkpoint_index(files)
     shared: dict[tuple, CompressedWeight] = {}
     pending = [(n, m) for n, m in model.named_modules() if isinstance(m, PendingNeuZipModule)]
@@ -194,14 +195,10 @@ class NeuZipHfQuantizer(HfQuantizer):
         tensors = [t for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta]
         device = tensors[0].device if tensors else torch.device("cpu")
         load_neuzip_modules(model, _checkpoint_files(model, self._files), device)
-        from neutrain.export.inference import chunk_output_head
-
         chunk_output_head(model)  # inference: the vocabulary-sized head never needs a whole decode buffer
         return model
 
     def _dequantize(self, model, dtype=None):
-        from neutrain.nn import CompressedEmbedding, CompressedLinear
-
         for name, module in list(model.named_modules()):
             if isinstance(module, CompressedLinear):
                 dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,

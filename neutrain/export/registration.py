@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 def _register() -> None:
     try:
-        from neutrain.export.quantizer import register
+        from neutrain.export.quantizer import register  # lazy: stdlib-only module (import hook)
 
         register()
     except Exception as exc:  # never break `import transformers` over our extension

@@ -2,8 +2,10 @@
 reference lives in the library layer that uses it (``neutrain.compress``,
 ``neutrain.attention``, ...).
 
-This package is imported lazily by those layers, never by ``import neutrain``,
-so that importing transformers or neutrain's Trainer never compiles a kernel.
+The Triton modules are imported lazily by those layers (marked ``# lazy:``), never by
+``import neutrain``, so that importing transformers or neutrain's Trainer never compiles a
+kernel. This ``__init__`` and :mod:`neutrain.kernels.sage_format` (the data format the
+sage kernels share with their torch reference) import no Triton and may be imported anywhere.
 """
 
 import os

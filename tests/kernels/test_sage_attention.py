@@ -206,10 +206,24 @@ def _sass(asm: dict) -> str:
             os.unlink(f.name)
 
 
+def compiled_forward_asm(head_dim: int = 128, causal: bool = False, device: str = "cuda",
+                         config=None, k_tile_scale: bool = False):
+    """Compile the forward kernel for ``head_dim`` and return its ``asm`` dict (``'sass'``, ``'ptx'``...).
+
+    The SASS must contain IGMMA (INT8 QK) and QGMMA (FP8 PV).
+    """
+    from neutrain.attention.quant import TILE, quantize_attention_inputs
+    from neutrain.kernels import sage_attention as kernels
+
+    x = torch.randn(1, 1, 4 * TILE, head_dim, device=device, dtype=torch.bfloat16)
+    qi = quantize_attention_inputs(x, x, x, head_dim ** -0.5, k_group=TILE if k_tile_scale else 16)
+    kernels.sage_attention_forward(qi, causal, config=config)
+    return kernels._LAST_LAUNCH["forward"].asm
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,variant", [(64, "default"), (128, "default"), (128, "pipelined_tile_scale")])
 def test_forward_sass_uses_int8_and_fp8_wgmma(head_dim, variant):
-    from neutrain.kernels.sage_attention import ForwardConfig, compiled_forward_asm
+    from neutrain.kernels.sage_attention import ForwardConfig
 
     if variant == "default":
         asm = compiled_forward_asm(head_dim)
@@ -244,7 +258,7 @@ def test_fused_quantizers_match_torch_quantizers(head_dim):
 def test_fused_quantizer_kernels_match_torch_quantizers_interpreted(head_dim):
     """The Triton quantizers against the torch ones on the same device (CPU: interpreter)."""
     from neutrain.attention.quant import LOG2E, quantize_int_per_group, quantize_v_fp8_transposed
-    from neutrain.kernels.sage_attention import quantize_qk_int, quantize_v_fp8
+    from neutrain.kernels.sage_quant import quantize_qk_int, quantize_v_fp8
 
     q, k, v = make_attention_inputs(1, 2, 2, 150, head_dim, "k_offset", torch.bfloat16, DEVICE)
     mean = k.float().mean(dim=2, keepdim=True)

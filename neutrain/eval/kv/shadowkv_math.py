@@ -1,0 +1,92 @@
+"""ShadowKV's tensor math: RoPE and its inverse, the low-rank key factorisation, landmark
+scoring and chunk selection, key rebuilding. Pure functions of tensors, no cache state:
+the cache that uses them is :mod:`neutrain.eval.kv.shadowkv`, and these are also the
+references its tests check against.
+
+Example:
+    >>> import torch
+    >>> chunk_tokens(torch.tensor([[[0, 2]]]), 4).tolist()
+    [[[0, 1, 2, 3, 8, 9, 10, 11]]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama RoPE, ``x * cos + rotate_half(x) * sin`` (cos/sin broadcast to x)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_cos_sin(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for integer ``positions`` of any shape ([..., head_dim]), from a model's rotary module.
+
+    Same arithmetic as transformers' Llama rotary forward (fp32 angles, times
+    ``attention_scaling``, cast to ``dtype``), but elementwise: that forward only
+    takes [batch, seq] positions in 5.17, while selected chunks have one position
+    per (batch, head, token).
+    """
+    inv_freq = rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`apply_rope`: rotate back and divide by cos^2 + sin^2 (the rope scaling squared)."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def low_rank_keys(pre_rope_keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD of ``[b, h, n, d]`` keys flattened over heads: ``U`` [b, n, r] (shared), ``SV`` [b, h, r, d].
+
+    The decomposition runs in fp32, as in the paper; ``U @ SV`` per head gives the keys back.
+    """
+    b, h, n, d = pre_rope_keys.shape
+    flat = pre_rope_keys.permute(0, 2, 1, 3).reshape(b, n, h * d).float()
+    u, s, vh = torch.linalg.svd(flat, full_matrices=False)
+    r = min(rank, s.shape[-1])
+    sv = (s[..., :r, None] * vh[..., :r, :]).view(b, r, h, d).permute(0, 2, 1, 3)
+    return u[..., :r].to(pre_rope_keys.dtype).contiguous(), sv.to(pre_rope_keys.dtype).contiguous()
+
+
+def select_chunks(query: torch.Tensor, landmarks: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
+    """Top-``k`` landmark indices per KV head (Algorithm 2): softmax(qL^T), sum over queries, max over group.
+
+    Args:
+        query: [b, hq, m, d].
+        landmarks: [b, h, C, d] with hq a multiple of h.
+    Returns:
+        [b, h, k] indices into the landmark axis.
+    """
+    b, hq, m, d = query.shape
+    h = landmarks.shape[1]
+    q = query.view(b, h, hq // h, m, d).to(landmarks.dtype)
+    # Scores in the storage dtype (bf16 on GPU: reading landmarks dominates), softmax in fp32.
+    logits = torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks).float()
+    probs = torch.softmax(logits * scaling, dim=-1)
+    scores = probs.sum(dim=3).amax(dim=2)
+    return scores.topk(k, dim=-1).indices
+
+
+def chunk_tokens(chunk_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[..., k] chunk ids -> [..., k * chunk_size] token indices."""
+    offs = torch.arange(chunk_size, device=chunk_ids.device)
+    return (chunk_ids[..., None] * chunk_size + offs).flatten(-2)
+
+
+def rebuild_keys(u: torch.Tensor, sv: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys of ``tokens`` ([b, h, t]) from ``U`` [b, n, r] and ``SV`` [b, h, r, d]: [b, h, t, d]."""
+    b, h, t = tokens.shape
+    rows = u[torch.arange(b, device=u.device)[:, None, None], tokens]  # [b, h, t, r]
+    return torch.matmul(rows, sv)
+
+
+# ---------------------------------------------------------------- cache
