@@ -13,9 +13,10 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from neutrain.errors import RecipeError, UserInputError
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Protocol
 
 import torch
 from accelerate.utils import DistributedType

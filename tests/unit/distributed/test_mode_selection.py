@@ -9,7 +9,15 @@ from accelerate.utils import DistributedType
 from neutrain.cli.preflight import check_distributed
 from neutrain.distributed import resume_files
 from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_request
-from neutrain.distributed.modes import FSDP2, ZeRO3, Ordinary, Replicated, Single, choose_mode, mode_named
+from neutrain.distributed.modes import (
+    FSDP2,
+    Ordinary,
+    Replicated,
+    Single,
+    ZeRO3,
+    choose_mode,
+    mode_named,
+)
 from neutrain.errors import RecipeError, UserInputError
 
 TRAIN = {"distributed": "auto", "fsdp": None, "fsdp_config": None, "deepspeed": None}
