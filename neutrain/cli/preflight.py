@@ -23,6 +23,7 @@ from pathlib import Path
 
 from neutrain.errors import RecipeError
 from neutrain.config.schema import Recipe
+from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
 
 
@@ -85,17 +86,11 @@ def _json_file(key: str, path: str) -> dict:
 
 def check_distributed(train: dict, num_processes: int) -> None:
     """The ``train`` section's distributed settings, given the processes this launch started."""
-    from neutrain.distributed.arguments import distributed_arguments
-
     if isinstance(train["fsdp_config"], str):
         _json_file("train.fsdp_config", train["fsdp_config"])
     if train["deepspeed"]:
         _json_file("train.deepspeed", train["deepspeed"])
-    fsdp = distributed_arguments(train)["fsdp"]  # raises on contradicting keys
-    if fsdp and num_processes < 2:
-        key = "train.distributed: fsdp2" if train["distributed"] == "fsdp2" else f"train.fsdp: {train['fsdp']!r}"
-        raise RecipeError(f"{key} shards the model over several processes, but this launch started one; launch with "
-                          "`accelerate launch --config_file launch/fsdp2.yaml -m neutrain <recipe>`, or remove the setting")
+    distributed_request(train).check_processes(num_processes)  # raises on contradicting keys first
 
 
 _PROBE = ".neutrain-write-probe-"

@@ -208,7 +208,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     result = trainer.train(resume_from_checkpoint=plan.checkpoint)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
-        "distributed_mode": getattr(trainer, "distributed_mode", None),
+        "distributed_mode": trainer.distributed_mode.name,
         "model_wrapper": type(trainer.model_wrapped).__name__,
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
@@ -225,26 +225,24 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
         summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-    mode = summary["distributed_mode"]
+    mode = trainer.distributed_mode
     # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
     # ZeRO-3 holds only its shards of the model.
-    sharded = mode in ("fsdp2", "deepspeed")
+    sharded = mode.sharded
     if recipe.eval["long_context_tasks"] and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
-                       "process with `neutrain eval <export dir> --recipe <recipe>`", mode)
+                       "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
     elif recipe.eval["long_context_tasks"] and state.is_main_process:
         _phase(state, echo, "long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
         summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     export_format = recipe.export["format"]
-    if export_format != "none" and mode == "fsdp2":
-        # The checkpoints hold the model.
-        logger.warning("export skipped under FSDP2: merge the last checkpoint's model.rank*-of-*.safetensors with "
-                       "neutrain.distributed.fsdp.merge_model_shards, then export on one process")
+    if export_format != "none" and mode.export_note:  # the checkpoints hold the model
+        logger.warning("export skipped under %s", mode.export_note)
         export_format = "none"
     if export_format != "none":
         export_dir = recipe.export_dir
         _phase(state, echo, f"export: {recipe.export['format']}")
-        with _gathered_weights(trainer, mode):  # ZeRO-3: every rank gathers, the main process writes
+        with mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model
                 from neutrain.trainer.modeling import export_dtype
@@ -258,7 +256,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )
     if recipe.distill["enabled"] and sharded:
-        logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode)
+        logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
     elif recipe.distill["enabled"] and state.is_main_process:
         from neutrain.cli.distill import distill_from_recipe
 
@@ -273,17 +271,6 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         echo(format_summary(summary))
     end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary
-
-
-def _gathered_weights(trainer, mode: str | None):
-    """A context in which ``trainer.model`` holds its whole weights (ZeRO-3 gathers its partitions)."""
-    import contextlib
-
-    if mode != "deepspeed":
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(trainer.model.parameters()))
 
 
 def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:

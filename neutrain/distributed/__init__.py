@@ -13,87 +13,30 @@ updates correct under each of them (docs/trainer.md §2, §4):
 * :mod:`~neutrain.distributed.deepspeed`: DeepSpeed ZeRO-3 with the engine built
   without an optimizer.
 
-:func:`fused_mode` names the mode of a prepared ``Accelerator``.
+:func:`~neutrain.distributed.modes.choose_mode` names the mode of a prepared ``Accelerator``: one
+object per mode (:mod:`~neutrain.distributed.modes`), whose methods the Trainer and the run call.
 """
 
 from __future__ import annotations
 
-MODES = ("single", "replicated", "fsdp2", "deepspeed")
 
-
-def fused_mode(accelerator) -> str:
-    """Which fused-update mode an ``Accelerator`` implies.
-
-    Returns one of :data:`MODES`: ``"deepspeed"`` under DeepSpeed, ``"fsdp2"``
-    under FSDP with ``fsdp_version: 2``, ``"replicated"`` for any other
-    multi-process run (Accelerate's MULTI_GPU / MULTI_CPU, which would wrap the
-    model in DDP), else ``"single"``.
-
-    Raises:
-        ValueError: for FSDP1, whose flat parameters are not the unit a fused
-            update works on.
-
-    Example:
-        >>> from accelerate import Accelerator
-        >>> fused_mode(Accelerator(cpu=True))
-        'single'
-    """
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        return "deepspeed"
-    if kind == DistributedType.FSDP:
-        if getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                "fused updates need FSDP2 (fsdp_version: 2): FSDP1 flattens parameters, so no hook sees a "
-                "whole parameter's shard. Use launch/fsdp2.yaml."
-            )
-        return "fsdp2"
-    if accelerator.num_processes > 1:
-        return "replicated"
-    return "single"
-
-
-def resume_files(mode: str | None, rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def resume_files(mode, rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(model files, optimizer and schedule files)`` rank ``rank`` reads from a checkpoint of ``mode``.
 
-    The model files are always required; the others only unless the optimizer is reset on purpose
-    (``train.resume_reset_optimizer``). Empty model files mean "whatever weights file the Trainer finds"
-    (model.safetensors, its index, or adapter_model.safetensors).
+    ``mode`` is a :class:`~neutrain.distributed.modes.DistributedMode` or its name (a summary's
+    ``distributed_mode``; None for an ordinary optimizer on whole weights). The model files are always
+    required; the others only unless the optimizer is reset on purpose (``train.resume_reset_optimizer``).
+    Empty model files mean "whatever weights file the Trainer finds" (model.safetensors, its index, or
+    adapter_model.safetensors).
 
     Example:
         >>> resume_files("fsdp2", 1, 2)
         (('model.rank1-of-2.safetensors',), ('optimizer.rank1-of-2.safetensors', 'scheduler.pt'))
     """
-    from neutrain.distributed.deepspeed_trainer import partition_file
-    from neutrain.distributed.fsdp import model_shard_file, optimizer_shard_file
+    # lazy: modes imports neutrain.nn, whose optimizer imports distributed.shards, which runs this __init__ first
+    from neutrain.distributed.modes import mode_named
 
-    if mode in ("fsdp2", "deepspeed"):
-        model = (model_shard_file if mode == "fsdp2" else partition_file)("", rank, world_size)
-        return (model,), (optimizer_shard_file("", rank, world_size), "scheduler.pt")
-    return (), ("optimizer.pt", "scheduler.pt")
-
-
-def sharded_mode(accelerator) -> str | None:
-    """``"fsdp2"`` or ``"deepspeed"`` (ZeRO-3) when an ordinary (not fused) optimizer trains sharded weights, else None.
-
-    NeuTrainer saves and resumes FSDP2 runs itself (per-rank safetensors) instead of through
-    Accelerate's pickled DCP files; ZeRO-3 marks the weights as partitioned (gathered for the export).
-
-    Example:
-        >>> from accelerate import Accelerator
-        >>> sharded_mode(Accelerator(cpu=True)) is None
-        True
-    """
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        return "deepspeed" if accelerator.state.deepspeed_plugin.hf_ds_config.is_zero3() else None
-    if kind == DistributedType.FSDP and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
-        return "fsdp2"
-    return None
+    return mode_named(mode).resume_files(rank, world_size)
 
 
 def end_processes(optimizer=None) -> None:

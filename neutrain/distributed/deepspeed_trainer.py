@@ -84,7 +84,7 @@ def prepare_for_training(trainer, max_steps: int, train_dataloader, resume_from_
     """``Trainer._prepare_for_training`` for a fused optimizer under DeepSpeed ZeRO-3.
 
     Args:
-        trainer: the :class:`~neutrain.trainer.trainer.NeuTrainer` (``distributed_mode == "deepspeed"``).
+        trainer: the :class:`~neutrain.trainer.trainer.NeuTrainer` (its ``distributed_mode`` a fused :class:`~neutrain.distributed.modes.ZeRO3`).
         max_steps: optimizer steps of the run (for the scheduler and the config's ``auto`` values).
         train_dataloader: the prepared training dataloader (returned unchanged).
         resume_from_checkpoint: a checkpoint directory written by this mode, or None.

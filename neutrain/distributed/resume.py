@@ -1,6 +1,6 @@
 """What a resume reads, checked before it is read: every file of the mode's checkpoint layout, by name and by checksum.
 
-The file names come from the distributed mode (:func:`neutrain.distributed.resume_files`);
+The file names come from the distributed mode (:meth:`~neutrain.distributed.modes.DistributedMode.resume_files`);
 the checks themselves are :mod:`neutrain.storage.manifest`'s.
 
 Example:
@@ -13,24 +13,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from neutrain.distributed import resume_files
 from neutrain.distributed.deepspeed_trainer import CLIENT_OPTIMIZER_PICKLE, is_engine_checkpoint
+from neutrain.distributed.modes import DistributedMode, mode_named
 from neutrain.errors import CheckpointError
 from neutrain.storage.manifest import verify_checkpoint
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
-def verify_resume(checkpoint: str | os.PathLike, mode: str | None, rank: int, world_size: int,
+def verify_resume(checkpoint: str | os.PathLike, mode: DistributedMode | str | None, rank: int, world_size: int,
                   reset_optimizer: bool = False) -> None:
-    """Everything a resume of ``mode`` (see :data:`neutrain.distributed.MODES`) reads, checked before it is read.
+    """Everything a resume of ``mode`` (a mode object or its name, see :func:`~neutrain.distributed.modes.mode_named`) reads, checked before it is read.
 
     A missing optimizer or scheduler file is refused unless ``reset_optimizer``
     (``train.resume_reset_optimizer``): resuming without it would silently restart the
     optimizer's moments and the learning-rate schedule.
     """
     checkpoint = Path(checkpoint)
-    model_files, state_files = resume_files(mode, rank, world_size)
+    model_files, state_files = mode_named(mode).resume_files(rank, world_size)
     if not checkpoint.is_dir():
         raise CheckpointError(f"train.resume_from_checkpoint: '{checkpoint}' does not exist or is not a directory")
     if is_engine_checkpoint(checkpoint):  # else the first of its pickles would be named without the reason

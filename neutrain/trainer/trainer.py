@@ -52,6 +52,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.trainer.progress import LabelledProgressCallback
+from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
 from neutrain.nn import CompressedLinear, causal_lm_loss
@@ -136,6 +137,9 @@ class NeuTrainer(Trainer):
 
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
+    # What differs per engine (neutrain.distributed.modes), chosen from the launch in __init__; the Trainer's own
+    # path until then (Trainer.__init__ runs first).
+    distributed_mode: DistributedMode = Ordinary()
 
     def __init__(self, *args, memory: Mapping[str, Any] | None = None, train: Mapping[str, Any] | None = None,
                  resume_reset_optimizer: bool = False, **kwargs):
@@ -154,7 +158,9 @@ class NeuTrainer(Trainer):
                 logger.warning("fused updates train on one GPU per process; this process uses cuda:0 only. "
                                "For all GPUs: accelerate launch --num_processes %d -m neutrain <recipe>",
                                torch.cuda.device_count())
-        self.distributed_mode = self._setup_distributed() if self.fused else self._ordinary_sharded_mode()
+        self.distributed_mode = choose_mode(self.accelerator, self.fused)
+        self.distributed_mode.setup(self)
+        self._bound_after_prepare = not self.distributed_mode.sharded  # FSDP2/ZeRO-3 replace parameters in prepare
         # Log a NaN loss as NaN: Hugging Face's filter logs the previous average instead (0.0 on a first step).
         self.args.logging_nan_inf_filter = False
         self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
@@ -183,15 +189,12 @@ class NeuTrainer(Trainer):
             )
             if self.train_section.optimizer == "adamw-in-backward":
                 options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
-            if self.distributed_mode in ("fsdp2", "deepspeed"):  # each rank updates its shards (optim.sharding)
+            if self.distributed_mode.sharded:  # each rank updates its shards (optim.sharding)
                 options.update(sharding=PARAMETER_SHARDS)
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).
             self.optimizer = build_fused_optimizer(self.model if model is None else model, self.train_section.optimizer,
                                                    lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **options)
-            if self.distributed_mode == "replicated":
-                from neutrain.distributed import data_parallel
-
-                data_parallel.attach(self.optimizer, _unwrap(self.model if model is None else model))
+            self.distributed_mode.attach(self.optimizer, _unwrap(self.model if model is None else model))
         self._watch_nonfinite(self.optimizer)
         return self.optimizer
 
@@ -204,64 +207,14 @@ class NeuTrainer(Trainer):
         """Optimizer steps skipped for a non-finite loss or gradient over the whole run (resumes included)."""
         return 0 if self._nonfinite is None else self._nonfinite.total(self.state.log_history)
 
-    def _setup_distributed(self) -> str:
-        """Name the fused-update mode (neutrain.distributed) and keep Accelerate's DDP away from it."""
-        from neutrain.distributed import fused_mode
-
-        mode = fused_mode(self.accelerator)
-        engine = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(mode)
-        if engine and self.memory.loss_chunk_size > 0:
-            # The chunked loss reads the lm_head weight directly, past FSDP2's root unshard hook and
-            # ZeRO-3's per-module gather.
-            raise UserInputError(f"memory.loss_chunk_size is not supported with {engine}; set it to 0")
-        from neutrain.nn.checkpoint import is_compressed
-
-        if mode == "deepspeed" and is_compressed(self.model):
-            raise UserInputError("DeepSpeed ZeRO-3 partitions dense weights only: set memory.weights: dense")
-        if mode == "replicated":
-            from neutrain.compat.accelerate_prepare import skip_ddp_wrapping
-
-            skip_ddp_wrapping(self.accelerator)  # gradients are averaged inside the fused update instead
-        self._bound_after_prepare = mode not in ("fsdp2", "deepspeed")
-        return mode
-
-    def _ordinary_sharded_mode(self) -> str | None:
-        """FSDP2 or ZeRO-3 with an ordinary optimizer: checkpoints are saved by neutrain (FSDP2) or not resumable."""
-        from neutrain.distributed import sharded_mode
-
-        mode = sharded_mode(self.accelerator)
-        if self.is_deepspeed_enabled and mode != "deepspeed":  # ZeRO-1/2 checkpoints are DeepSpeed's pickles
-            from neutrain.distributed.deepspeed_trainer import warn_client_optimizer
-
-            warn_client_optimizer(self.args)
-        return mode
-
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
-        if self.distributed_mode == "fsdp2":
-            from neutrain.distributed.fsdp import bind_after_prepare
-
-            bind_after_prepare(self.fused_optimizer, _unwrap(model))
+        self.distributed_mode.bind_after_prepare(self.fused_optimizer, _unwrap(model))
         self._bound_after_prepare = True
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        if getattr(self, "distributed_mode", None) == "deepspeed" and not self.fused:
-            # ZeRO-3 with DeepSpeed's own optimizer: resume from neutrain's files, not DeepSpeed's pickles.
-            from neutrain.distributed.deepspeed_trainer import load_zero3_state
-
-            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-            if resume_from_checkpoint is not None:
-                load_zero3_state(self, resume_from_checkpoint)
-            return model, train_dataloader
-        if getattr(self, "distributed_mode", None) != "deepspeed":
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        # The Trainer would hand the fused optimizer to DeepSpeed as a ZeRO client optimizer: build the engine
-        # without one instead (neutrain.distributed.deepspeed_trainer).
-        from neutrain.distributed.deepspeed_trainer import prepare_for_training
-
-        model, train_dataloader = prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint)
-        self._bound_after_prepare = True
-        return model, train_dataloader
+        return self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
+                                                          super()._prepare_for_training)
 
     @property
     def fused_optimizer(self):
@@ -299,51 +252,24 @@ class NeuTrainer(Trainer):
         if not self._bound_after_prepare:
             self._bind_after_prepare(model)
         inputs = self._prepare_inputs(inputs)
-        zero3 = self.distributed_mode == "deepspeed"
         with self.compute_loss_context_manager():
-            # ZeRO-3: forward through engine.module (its gather hooks live on the modules); the engine's own
-            # forward/backward pair needs an optimizer.
-            loss = self.compute_loss(model.module if zero3 else model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = self.compute_loss(self.distributed_mode.loss_model(model), inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None and self.args.gradient_accumulation_steps > 1:
             loss = loss / self.args.gradient_accumulation_steps
-        if zero3:
-            from neutrain.distributed.deepspeed import backward
-
-            backward(model, self.fused_optimizer, loss)
-        else:
-            self.fused_optimizer.backward(loss)
+        self.distributed_mode.backward(model, self.fused_optimizer, loss)
         return loss.detach()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        mode = getattr(self, "distributed_mode", None)
-        if mode == "deepspeed":  # every rank's partitions and optimizer state (model.safetensors is whole)
-            from neutrain.distributed.deepspeed_trainer import save_zero3_state
-
-            return save_zero3_state(self, output_dir)
-        if mode != "fsdp2":
-            return super()._save_optimizer_and_scheduler(output_dir)
-        # FSDP2: the model's shards (safetensors, not DCP's pickled metadata) and the optimizer per rank.
-        from neutrain.distributed.fsdp import save_model_shard, save_optimizer_shard
-
-        os.makedirs(output_dir, exist_ok=True)
-        save_model_shard(self.model, output_dir, self.args.process_index, self.args.world_size)
-        save_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, output_dir, self.args.process_index,
-                             self.args.world_size)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        return self.distributed_mode.save_state(self, output_dir, super()._save_optimizer_and_scheduler)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        # (DeepSpeed ZeRO-3 loads partitions and optimizer together, in deepspeed_trainer.prepare_for_training.)
+        # (DeepSpeed ZeRO-3 loads partitions and optimizer together, in its prepare_for_training.)
         if checkpoint is not None and self.reset_optimizer_on_resume(checkpoint):
             return None
-        if checkpoint is None or getattr(self, "distributed_mode", None) != "fsdp2":
+        if checkpoint is None:
             super()._load_optimizer_and_scheduler(checkpoint)
         else:
-            from neutrain.distributed.fsdp import load_optimizer_shard
-
-            load_optimizer_shard(self.fused_optimizer if self.fused else self.optimizer, checkpoint,
-                                 self.args.process_index, self.args.world_size)
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+            self.distributed_mode.load_state(self, checkpoint, super()._load_optimizer_and_scheduler)
         if checkpoint is not None and self.lr_scheduler is not None:
             from neutrain.trainer.run_state import resync_learning_rate
 
@@ -371,12 +297,9 @@ class NeuTrainer(Trainer):
                 from transformers.trainer_utils import get_last_checkpoint
 
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: the Trainer's error
-            if resume_from_checkpoint is not True and self.is_deepspeed_enabled and self.distributed_mode != "deepspeed":
-                from neutrain.distributed.deepspeed_trainer import refuse_client_optimizer_resume
-
-                refuse_client_optimizer_resume(resume_from_checkpoint)
             if resume_from_checkpoint is not True:
-                verify_resume(resume_from_checkpoint, getattr(self, "distributed_mode", None), self.args.process_index,
+                self.distributed_mode.check_resume(resume_from_checkpoint)
+                verify_resume(resume_from_checkpoint, self.distributed_mode, self.args.process_index,
                               self.args.world_size, self.resume_reset_optimizer)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -388,13 +311,12 @@ class NeuTrainer(Trainer):
         return self.resume_reset_optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        return self.distributed_mode.load_model(self, resume_from_checkpoint, model, self._load_whole_weights)
+
+    def _load_whole_weights(self, resume_from_checkpoint, model=None):
+        """A checkpoint's whole weights: neutrain's compressed files, else the Trainer's own loading."""
         from neutrain.nn.checkpoint import MARKER, load_compressed_state
 
-        if getattr(self, "distributed_mode", None) == "fsdp2":
-            from neutrain.distributed.fsdp import load_model_shard
-
-            return load_model_shard(model if model is not None else self.model, resume_from_checkpoint,
-                                    self.args.process_index, self.args.world_size)
         if not os.path.exists(os.path.join(resume_from_checkpoint, MARKER)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_compressed_state(_unwrap(model if model is not None else self.model), resume_from_checkpoint)

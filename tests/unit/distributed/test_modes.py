@@ -67,9 +67,9 @@ def test_shipped_fused_deepspeed_config_passes_the_check():
 def test_single_process_accelerator_is_single():
     from accelerate import Accelerator
 
-    from neutrain.distributed import fused_mode
+    from neutrain.distributed.modes import Single, choose_mode
 
-    assert fused_mode(Accelerator(cpu=True)) == "single"
+    assert choose_mode(Accelerator(cpu=True), fused=True) == Single()
 
 
 @pytest.fixture
