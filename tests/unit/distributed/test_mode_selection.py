@@ -6,6 +6,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
+from neutrain.config.validate import section_from
 from neutrain.cli.preflight import check_distributed
 from neutrain.distributed import resume_files
 from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_request
@@ -75,7 +76,8 @@ def test_resume_files_per_mode(name, expected):
 
 
 def _trainer(model=None, **memory):
-    return SimpleNamespace(memory=memory, model=model or torch.nn.Linear(2, 2), accelerator=None, args=None)
+    return SimpleNamespace(memory=section_from("memory", memory), model=model or torch.nn.Linear(2, 2),
+                           accelerator=None, args=None)
 
 
 @pytest.mark.parametrize("mode,message", [
