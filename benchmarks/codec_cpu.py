@@ -35,12 +35,16 @@ MODES = [None, 0, 1, 3]
 
 
 def _median_s(fn, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` samples, each of enough calls to last >= 20 ms."""
+    start = time.perf_counter()
     fn()  # warm-up (and the kernels' compile or cache load)
+    calls = max(1, min(50, int(0.02 / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
     return median(times)
 
 

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ try:  # optional: the PyTorch path runs without it
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
+PARALLEL_MIN_ELEMENTS = 1 << 21
+"""Smaller tensors run on one thread: a parallel region costs a wake-up of every worker, and on a
+busy machine waiting for a descheduled one made 0.1-1M-element calls 3-15x slower (notes_codec.md)."""
 fast_decodes = 0
 """Calls that decoded through the compiled kernels (tests check that the fast path ran)."""
 fast_encodes = 0
@@ -205,6 +209,20 @@ if numba is not None:
                 word += lane_words[t * lanes + lane]
 
 
+@contextmanager
+def _threads(numel: int):
+    """One numba thread below :data:`PARALLEL_MIN_ELEMENTS`, the configured number above."""
+    if numel >= PARALLEL_MIN_ELEMENTS:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
 def fuses(layout: Layout) -> bool:
     """Whether the kernels split and merge ``layout`` themselves: tails of at most 8 bits (all but
     lossless fp16 and fp32, whose symbols still go through the kernels)."""
@@ -234,18 +252,19 @@ def encode(ct, x: torch.Tensor, symbols: torch.Tensor | None = None) -> tuple[in
     global fast_encodes
     fast_encodes += 1
     bf16_bits = symbols is None and splits_bytewise(ct.layout, ct.device)
-    if bf16_bits:  # one pass reads the bf16 bytes: symbols, tails and lengths
-        values = _bits(x)
-    elif symbols is None:
-        values = np.empty(ct.numel, dtype=np.uint16)
-        _split(_bits(x), *_layout_args(ct.layout), values, ct._tails_view().numpy())
-    else:
-        values = symbols.to(torch.int16).numpy().view(np.uint16)
-    ct._pending_symbols = (values, bf16_bits)
     tile_bits = np.zeros(ct.tiles, dtype=np.int64)
     tails = ct.tails.numpy() if bf16_bits else np.zeros(1, dtype=np.uint8)
-    _count(values, bf16_bits, ct.numel, ct.enc_table.numpy(), ct.steps, ct.lanes, ct.elems,
-           ct.lane_words.numpy(), tile_bits, tails)
+    with _threads(ct.numel):
+        if bf16_bits:  # one pass reads the bf16 bytes: symbols, tails and lengths
+            values = _bits(x)
+        elif symbols is None:
+            values = np.empty(ct.numel, dtype=np.uint16)
+            _split(_bits(x), *_layout_args(ct.layout), values, ct._tails_view().numpy())
+        else:
+            values = symbols.to(torch.int16).numpy().view(np.uint16)
+        ct._pending_symbols = (values, bf16_bits)
+        _count(values, bf16_bits, ct.numel, ct.enc_table.numpy(), ct.steps, ct.lanes, ct.elems,
+               ct.lane_words.numpy(), tile_bits, tails)
     tile_base = ct.tile_base.numpy()
     tile_base[0] = 0
     np.cumsum(ct.lane_words.numpy().reshape(-1, ct.lanes).sum(axis=1, dtype=np.int64), out=tile_base[1:])
@@ -255,16 +274,18 @@ def encode(ct, x: torch.Tensor, symbols: torch.Tensor | None = None) -> tuple[in
 def pack(ct, pending) -> None:
     """Pass 2: the stream of ``ct`` from what :func:`encode` left (the padding words are the caller's)."""
     values, bf16_bits = pending
-    _pack(values, bf16_bits, ct.numel, ct.enc_table.numpy(), ct.steps, ct.lanes, ct.elems,
-          ct.lane_words.numpy(), ct.tile_base.numpy(), ct.stream.numpy().view(np.uint32))
+    with _threads(ct.numel):
+        _pack(values, bf16_bits, ct.numel, ct.enc_table.numpy(), ct.steps, ct.lanes, ct.elems,
+              ct.lane_words.numpy(), ct.tile_base.numpy(), ct.stream.numpy().view(np.uint32))
 
 
 def _run_decode(ct, tiles: np.ndarray, out: np.ndarray, fused: bool) -> None:
     global fast_decodes
     fast_decodes += 1
     tails = ct._tails_view().numpy() if fused else np.zeros(1, dtype=np.uint8)
-    _decode(ct.stream.numpy().view(np.uint32), ct.lane_words.numpy(), ct.tile_base.numpy(), ct.lut.numpy(),
-            ct.numel, ct.steps, ct.lanes, ct.elems, tiles, out, fused, tails, *_layout_args(ct.layout))
+    with _threads(tiles.shape[0] * ct.steps * ct.lanes * ct.elems):
+        _decode(ct.stream.numpy().view(np.uint32), ct.lane_words.numpy(), ct.tile_base.numpy(), ct.lut.numpy(),
+                ct.numel, ct.steps, ct.lanes, ct.elems, tiles, out, fused, tails, *_layout_args(ct.layout))
 
 
 def decode_into(ct, out: torch.Tensor) -> torch.Tensor:
