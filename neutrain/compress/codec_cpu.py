@@ -45,9 +45,11 @@ try:  # optional: the PyTorch path runs without it
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
-PARALLEL_MIN_ELEMENTS = 1 << 21
-"""Smaller tensors run on one thread: a parallel region costs a wake-up of every worker, and on a
-busy machine waiting for a descheduled one made 0.1-1M-element calls 3-15x slower (notes_codec.md)."""
+PARALLEL_MIN_ELEMENTS = 1 << 16
+"""Smaller tensors (about two tiles or fewer) run on one thread: there a parallel region's wake-up
+of every worker costs more than it gains. On a quiet 2-core machine two threads decode 0.1-1.3M
+elements 1.6-2x faster than one; on one loaded ~9x over, waiting for descheduled workers made
+them 3-15x slower (benchmarks/notes_codec.md)."""
 fast_decodes = 0
 """Calls that decoded through the compiled kernels (tests check that the fast path ran)."""
 fast_encodes = 0
