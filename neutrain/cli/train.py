@@ -189,7 +189,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
 
     from neutrain.distributed import end_processes
     from neutrain.trainer.run_state import prepare_run
-    from neutrain.trainer.trainer import peak_memory_stats
+    from neutrain.trainer.run_files import peak_memory_stats
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs

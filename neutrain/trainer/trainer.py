@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -52,6 +50,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.trainer.progress import LabelledProgressCallback
+from neutrain.trainer.run_files import fsync_dir, peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
@@ -96,17 +95,6 @@ def _unwrap(model):
 def _has_compressed_head(model) -> bool:
     head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
     return isinstance(head, CompressedLinear)
-
-
-def peak_memory_stats() -> dict[str, float]:
-    """Peak memory so far: GPU allocated/reserved GiB when CUDA is used, else process RSS GiB."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        }
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return {"peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
 
 
 class NeuTrainer(Trainer):
@@ -280,15 +268,15 @@ class NeuTrainer(Trainer):
         if is_peft_model(model):
             # Adapters only (the frozen base is not saved); skips cloning a compressed base's blobs.
             super()._save(output_dir, adapter_state_dict(model) if state_dict is None else state_dict)
-            return _training_args_as_json(self.args, output_dir or self.args.output_dir)
+            return training_args_as_json(self.args, output_dir or self.args.output_dir)
         if not is_compressed(model):
             super()._save(output_dir, state_dict)
-            return _training_args_as_json(self.args, output_dir or self.args.output_dir)
+            return training_args_as_json(self.args, output_dir or self.args.output_dir)
         output_dir = output_dir or self.args.output_dir
         save_compressed_checkpoint(model, output_dir, _compressed_weights_name(self.memory))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        _training_args_as_json(self.args, output_dir)
+        training_args_as_json(self.args, output_dir)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.storage.manifest`)."""
@@ -382,33 +370,10 @@ class NeuTrainer(Trainer):
                 shutil.rmtree(old)
             else:
                 os.replace(os.path.join(tmp_run_dir, name), final)
-            _fsync_dir(run_dir)
+            fsync_dir(run_dir)
             shutil.rmtree(tmp_run_dir, ignore_errors=True)
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(tmp_run_dir):
                 self.state.best_model_checkpoint = final
             compat.rotate_checkpoints(self, run_dir)
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
-
-
-def _training_args_as_json(args, output_dir: str) -> None:
-    """``training_args.json`` in place of the Trainer's ``training_args.bin``, a pickle of the arguments object."""
-    if not args.should_save:
-        return
-    pickled = os.path.join(output_dir, "training_args.bin")
-    if os.path.exists(pickled):
-        os.remove(pickled)
-    if os.path.isdir(output_dir):
-        with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as fh:
-            fh.write(args.to_json_string())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
