@@ -27,6 +27,7 @@ _LAZY = {
 def _register_neuzip_quantizer() -> None:
     # `from_pretrained` of a NeuZip export needs quant_method "neuzip" registered; this only installs
     # an import hook (standard library), so importing neutrain still imports neither torch nor transformers.
+    # lazy: a function, so the import runs once at package import and leaves no module-level name behind.
     from neutrain.export.registration import install
 
     install()

@@ -14,7 +14,7 @@ def last_checkpoint(path: Path) -> Path:
         >>> last_checkpoint(Path("outputs/default"))  # doctest: +SKIP
         PosixPath('outputs/default/checkpoint-60')
     """
-    from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+    from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
 
     if not path.exists():
         raise UserInputError(f"checkpoint '{path}' does not exist")

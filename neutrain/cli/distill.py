@@ -37,7 +37,7 @@ def draft_config(target_config, overrides: dict | None):
 
 
 def _load_target(recipe: Recipe):
-    from neutrain.export import load_checkpoint_model
+    from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
 
     path = recipe.distill.target or recipe.default_export_dir
     if not Path(path).is_dir():
@@ -53,11 +53,11 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch loads when the command runs
     from transformers import AutoModelForCausalLM, TrainingArguments  # lazy: same reason
 
-    from neutrain.data import Collator, build_datasets, pad_token_id
-    from neutrain.export import export_hf
-    from neutrain.export.hf import densify
-    from neutrain.speculative import generate
-    from neutrain.trainer.distill import DistillationTrainer
+    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
+    from neutrain.export import export_hf  # lazy: `neutrain --help` stays instant
+    from neutrain.export.hf import densify  # lazy: `neutrain --help` stays instant
+    from neutrain.speculative import generate  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.distill import DistillationTrainer  # lazy: `neutrain --help` stays instant
 
     d, t = recipe.distill, recipe.train
     if target is None:

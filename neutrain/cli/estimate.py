@@ -15,7 +15,7 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Print the planner's predicted peak memory, term by term, for a recipe."""
-    from neutrain.trainer.planner import estimate_recipe  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+    from neutrain.trainer.planner import estimate_recipe  # lazy: `neutrain --help` stays instant
 
     recipe = load_recipe(args.recipe, args.overrides)
     est = estimate_recipe(recipe)

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.cli.train import long_context_eval
+from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
 
 # Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
@@ -43,10 +45,9 @@ def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
     from transformers import TrainingArguments
 
-    from neutrain.config import load_recipe
-    from neutrain.data import Collator, build_datasets, pad_token_id
-    from neutrain.export import load_checkpoint_model
-    from neutrain.trainer import NeuTrainer
+    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
+    from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
     if problem := _not_evaluable(target):
@@ -78,7 +79,6 @@ def run_eval(args) -> int:
         results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
         print(f"held-out loss {results['heldout_loss']:.4f}  perplexity {results['heldout_perplexity']:.2f}  ({len(heldout)} rows, {ckpt})")
     if recipe.eval["long_context_tasks"]:
-        from neutrain.cli.train import long_context_eval
 
         results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)
         for cache, m in results["long_context"].items():

@@ -29,7 +29,7 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
-    from neutrain.export import export_model, load_checkpoint_model  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+    from neutrain.export import export_model, load_checkpoint_model  # lazy: `neutrain --help` stays instant
     from neutrain.export.lora import load_adapter_checkpoint  # lazy: same reason
 
     ckpt = last_checkpoint(Path(args.checkpoint))

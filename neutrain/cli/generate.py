@@ -28,7 +28,7 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
-    import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch and transformers load when the command runs
+    import torch  # lazy: `neutrain --help` stays instant
 
     from neutrain.export import load_checkpoint_model  # lazy: same reason
     from neutrain.data.chat import prompt_ids  # lazy: same reason

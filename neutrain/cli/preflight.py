@@ -29,7 +29,7 @@ from neutrain.export.target import check_export_target
 
 def check_long_context_tasks(tasks: list) -> None:
     """Every ``eval.long_context_tasks`` entry must name a task of :data:`neutrain.eval.tasks.TASKS`."""
-    from neutrain.eval.tasks import TASKS
+    from neutrain.eval.tasks import TASKS  # lazy: `neutrain --help` stays instant
 
     for i, name in enumerate(tasks):
         if name not in TASKS:
@@ -44,7 +44,7 @@ def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
     Why: a prompt that cannot fit ``eval.context_len`` in this tokenizer's tokens (the default 512
     is too short for most tasks under the byte tokenizer) used to fail after training.
     """
-    from neutrain.eval.tasks import generate_task
+    from neutrain.eval.tasks import generate_task  # lazy: `neutrain --help` stays instant
 
     for name in eval_cfg["long_context_tasks"]:
         try:

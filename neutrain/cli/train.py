@@ -24,8 +24,9 @@ from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
+from neutrain.cli.distill import distill_from_recipe
 from neutrain.cli.preflight import check_long_context_prompts, preflight
-from neutrain.distributed import exit_rank
+from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
 
 logger = logging.getLogger("neutrain")
@@ -76,7 +77,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
 
 
 def _cuda_available() -> bool:
-    import torch  # lazy: `neutrain --help` and bad-input errors stay instant
+    import torch  # lazy: `neutrain --help` stays instant
 
     return torch.cuda.is_available()
 
@@ -93,7 +94,7 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int) -> str:
     Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
     output repeats itself, which says less about what it learned.
     """
-    import torch  # lazy: `neutrain --help` and bad-input errors stay instant
+    import torch  # lazy: `neutrain --help` stays instant
 
     prompt = eval_cfg["sample_prompt"]
     device = next(model.parameters()).device
@@ -141,9 +142,9 @@ def build_trainer(recipe: Recipe) -> RunContext:
     """
     from accelerate import PartialState
 
-    from neutrain.data import Collator, build_datasets, pad_token_id
-    from neutrain.trainer.modeling import build_model, build_tokenizer
-    from neutrain.trainer.trainer import NeuTrainer
+    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.modeling import build_model, build_tokenizer  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     t = recipe.train
     out = t["output_dir"]
@@ -160,12 +161,12 @@ def build_trainer(recipe: Recipe) -> RunContext:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
     weights, adapter = recipe.memory["weights"], recipe.memory["adapter"]
     if adapter:
-        from neutrain.nn.lora import build_weights_for
+        from neutrain.nn.lora import build_weights_for  # lazy: `neutrain --help` stays instant
 
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
     model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights)
     if adapter:
-        from neutrain.nn.lora import apply_lora, compress_model_for_adapters
+        from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 
         model = apply_lora(compress_model_for_adapters(model, recipe.memory["weights"]), recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
@@ -187,9 +188,8 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     """
     from accelerate import PartialState
 
-    from neutrain.distributed import end_processes
-    from neutrain.trainer.run_state import prepare_run
-    from neutrain.trainer.run_files import peak_memory_stats
+    from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.run_files import peak_memory_stats  # lazy: `neutrain --help` stays instant
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
@@ -244,8 +244,8 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         _phase(state, echo, f"export: {recipe.export['format']}")
         with mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
-                from neutrain.export import export_model
-                from neutrain.trainer.modeling import export_dtype
+                from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+                from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant
 
                 dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
                 summary["export_dir"] = export_model(
@@ -258,8 +258,6 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     if recipe.distill["enabled"] and sharded:
         logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
     elif recipe.distill["enabled"] and state.is_main_process:
-        from neutrain.cli.distill import distill_from_recipe
-
         _phase(state, echo, "distillation of a draft, then speculative decoding")
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
     if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
@@ -280,7 +278,7 @@ def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[st
     short lengths of a CPU run its threshold and outlier count are scaled down so that the
     compressed path really runs.
     """
-    from neutrain.eval import evaluate
+    from neutrain.eval import evaluate  # lazy: `neutrain --help` stays instant
 
     results: dict[str, Any] = {}
     length = eval_cfg["context_len"]
