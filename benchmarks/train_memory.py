@@ -50,6 +50,10 @@ VARIANTS = {
     "p": ("dense", "paged-adamw8bit-hf"), "t": ("dense", "adamw8bit-torchao-bwd"),
 }
 PEERS = ("h", "p", "t", "f")  # issue 17 item 5: what a user would pick instead
+# neutrain's own code paths run with the allocator setting `neutrain train` sets by default
+# (cli/main.py); the Hugging Face, torchao and bitsandbytes peers keep torch's default.
+NEUTRAIN_ALLOC_CONF = "expandable_segments:True"
+PEER_CODE = ("h", "p", "t", "a", "b")
 HF_OPTIM = {"adamw-hf": "adamw_torch", "lomo-hf": "lomo", "paged-adamw8bit-hf": "paged_adamw_8bit"}
 
 
@@ -196,11 +200,14 @@ def main() -> int:
 def _child(args, key: str, batches: list[int]) -> dict:
     cmd = [sys.executable, __file__, "--child", key, "--seq", str(args.seq), "--steps", str(args.steps),
            "--batches", ",".join(map(str, batches)), "--profile", args.profile] + (["--tiny"] if args.tiny else [])
+    env = dict(os.environ)
+    if key not in PEER_CODE:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", NEUTRAIN_ALLOC_CONF)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line:
-            return json.loads(line[7:])
+            return {**json.loads(line[7:]), "alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF")}
         return {"variant": key, "failed": True, f"stderr_batch{batches[0]}": proc.stderr[-1500:]}
     except subprocess.TimeoutExpired:
         return {"variant": key, "failed": True, f"timeout_batch{batches[0]}_s": args.timeout}
@@ -256,7 +263,9 @@ def _write(args, rows) -> None:
 
     write_result(args.name, {"seq": args.seq, "steps": args.steps, "batches": args.batches, "tiny": args.tiny,
                              "model": "tiny" if args.tiny else "llama3-8b", "activation_checkpointing": True,
-                             "dtype": "bfloat16", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                             "dtype": "bfloat16",
+                             "alloc_conf": {"neutrain": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", NEUTRAIN_ALLOC_CONF),
+                                            "peers": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                              "decode_buffers": "reserved up front (DecodeBuffers.reserve) except variant g"},
                  {"variants": rows}, targets=targets_of(rows))
 

@@ -1,12 +1,15 @@
 """``CompressedEmbedding``: an embedding table that decodes only the rows a batch uses.
 
 Forward decodes the looked-up rows with ``ct.decompress_rows`` (a few tiles, not
-the table). Backward builds the dense table gradient with the same op autograd
-uses for ``nn.Embedding`` (``embedding_dense_backward``, so gradients are
-bit-identical to the dense twin) and hands it to the fused optimizer. When the
-table is tied to the lm_head, both modules share one :class:`CompressedWeight`
-and the optimizer sums the two contributions and updates once, at the end of
-backward.
+the table). Backward computes the table gradient with the same op autograd uses
+for ``nn.Embedding`` (``embedding_dense_backward``, so gradients are
+bit-identical to the dense twin). When the optimizer can take it row block by
+row block (an element-wise rule on an untied table: :mod:`neutrain.optim.streamed`),
+each block of rows is computed on demand from the batch's ids, so the
+vocabulary-sized gradient (1 GiB for Llama-3-8B) never exists; otherwise the
+whole gradient is built and handed over. When the table is tied to the lm_head,
+both modules share one :class:`CompressedWeight` and the optimizer sums the two
+contributions and updates once, at the end of backward.
 
 Scaled embeddings (Gemma's ``*ScaledWordEmbedding``: rows times ``embed_scale``,
 sqrt(hidden) for Gemma) keep their scale: ``scale`` is multiplied in exactly as
@@ -21,6 +24,7 @@ import torch
 
 from neutrain.nn.state import CompressedModuleMixin
 from neutrain.nn.weight import CompressedWeight
+from neutrain.optim.clipping import add_squared_norm_
 
 
 class _CompressedEmbeddingFunction(torch.autograd.Function):
@@ -36,11 +40,62 @@ class _CompressedEmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         weight: CompressedWeight = ctx.weight
         if ctx.needs_input_grad[1]:
-            grad_w = torch.ops.aten.embedding_dense_backward(
-                grad_out, ids, weight.shape[0], ctx.padding_idx, False
-            )
-            weight.apply_grad(grad_w)
+            block = weight.streamed_chunk_rows()
+            if block:
+                _streamed_table_update(weight, grad_out, ids, ctx.padding_idx, block)
+            else:
+                grad_w = torch.ops.aten.embedding_dense_backward(
+                    grad_out, ids, weight.shape[0], ctx.padding_idx, False
+                )
+                weight.apply_grad(grad_w)
         return None, None, None, None
+
+
+def table_grad_rows(grad_out: torch.Tensor, ids: torch.Tensor, rows: slice, num_rows: int,
+                    padding_idx: int) -> torch.Tensor:
+    """Rows ``rows`` of ``embedding_dense_backward(grad_out, ids, num_rows, padding_idx)``, computed alone.
+
+    Ids outside the block (and the padding id) are sent to one extra scratch row that is
+    dropped, so each kept row sums the same tokens in the same order as the whole-table
+    op: the rows are bit-identical to the corresponding rows of the full gradient.
+
+    Example:
+        >>> g, ids = torch.randn(5, 3), torch.tensor([4, 1, 4, 0, 2])
+        >>> full = torch.ops.aten.embedding_dense_backward(g, ids, 6, -1, False)
+        >>> torch.equal(table_grad_rows(g, ids, slice(2, 5), 6, -1), full[2:5])
+        True
+    """
+    start, stop = rows.start, min(rows.stop, num_rows)
+    width = stop - start
+    local = ids - start
+    outside = (local < 0) | (local >= width)
+    if padding_idx >= 0:
+        outside |= ids == padding_idx
+    local = local.masked_fill(outside, width)
+    return torch.ops.aten.embedding_dense_backward(grad_out, local, width + 1, width, False)[:width]
+
+
+def _streamed_table_update(weight: CompressedWeight, grad_out: torch.Tensor, ids: torch.Tensor,
+                           padding_idx: int, block: int) -> None:
+    """Update the table from gradient row blocks computed on demand (twice: norm pass, then update).
+
+    The squared norm is summed over the same blocks of ``block`` rows, in order, as the
+    optimizer sums a whole gradient (:func:`~neutrain.optim.clipping.squared_norm`), so the
+    norm, the clip coefficient and every updated row equal the whole-gradient path bit for bit.
+    Costs two passes of ``vocab / block`` small backward ops (a ``block x hidden`` buffer each)
+    instead of a ``vocab x hidden`` gradient.
+    """
+    num_rows = weight.shape[0]
+    flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+    flat_ids = ids.reshape(-1)
+
+    def grad_rows(rows: slice) -> torch.Tensor:
+        return table_grad_rows(flat_grad, flat_ids, rows, num_rows, padding_idx)
+
+    sumsq = torch.zeros((), dtype=torch.float32, device=grad_out.device)
+    for start in range(0, num_rows, block):
+        add_squared_norm_(sumsq, grad_rows(slice(start, start + block)))
+    weight.apply_streamed_grad(grad_rows, sumsq)
 
 
 class CompressedEmbedding(CompressedModuleMixin, torch.nn.Module):

@@ -258,8 +258,9 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
         Applies any tied-weight update still pending (and gradients summed over a
         short accumulation window), computes the step's global
         gradient norm (for logging and for ``global_stale`` clipping), counts and
-        logs tensors skipped for non-finite gradients. One host sync, only when a
-        tensor was updated.
+        logs tensors skipped for non-finite gradients. No host sync: the skip flags
+        reach the host asynchronously (:meth:`~neutrain.optim.grad_stats.GradStats.settle`);
+        reading :attr:`last_skipped` or :attr:`nonfinite_skips` waits for them.
         """
         if self.accumulation.sums:  # a window that ended early (an epoch's last batches): apply its sums once
             self.accumulation.apply_short_window(self)

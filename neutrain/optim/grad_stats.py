@@ -34,7 +34,8 @@ class GradStats:
         >>> stats = GradStats(ClipMode.PER_TENSOR, 1.0)
         >>> key = torch.zeros(1)
         >>> ok = stats.account(key, torch.tensor(4.0))
-        >>> round(float(stats.clip_coef(torch.tensor(4.0))), 4), stats.finish_step(lambda k: "w", step=0), stats.grad_norm()
+        >>> stats.finish_step(lambda k: "w", step=0)
+        >>> round(float(stats.clip_coef(torch.tensor(4.0))), 4), stats.last_skipped, stats.grad_norm()
         (0.5, [], 2.0)
     """
 
@@ -48,8 +49,10 @@ class GradStats:
         self._step_flags: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prev_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
-        self.last_skipped: list[str] = []
-        self.nonfinite_skips = 0
+        self._pending: list[_PendingFlags] = []
+        self._settled: list[tuple[int, list[str]]] = []
+        self._last_skipped: list[str] = []
+        self._nonfinite_skips = 0
 
     @contextlib.contextmanager
     def norm_pass(self):
@@ -102,32 +105,64 @@ class GradStats:
         # per_tensor, and the first step of global_stale (no previous norm yet)
         return clip_coefficient(sumsq.sqrt(), self.max_grad_norm)
 
-    def finish_step(self, name_of: Callable[[torch.Tensor], str], step: int, partial_group=None) -> list[str]:
-        """Close the step: its global norm, and the tensors skipped for a non-finite gradient (logged, counted).
+    def finish_step(self, name_of: Callable[[torch.Tensor], str], step: int, partial_group=None) -> None:
+        """Close the step: its global norm, and the tensors skipped for a non-finite gradient.
 
         ``partial_group``: the group over which the squared norms are still partial (one all-reduce, which
         also makes the ranks agree: a tensor is skipped when any rank's shard of its gradient was non-finite).
-        One host sync, only when a tensor was updated. Returns the skipped tensors' names.
+
+        No host synchronisation: the finiteness flags are copied to pinned host memory
+        asynchronously and read once that copy has completed (:meth:`settle`), a step or so
+        later; :attr:`last_skipped` and :attr:`nonfinite_skips` wait for it when read.
         """
-        self.last_skipped = []
         if self._step_flags:
             keys, flags = zip(*self._step_flags)
             flags = torch.stack([f.to(flags[0].device) for f in flags])
             if partial_group is not None:
                 flags = self._sum_partial_norms(flags, partial_group)
-            flags = flags.cpu().tolist()
-            self.last_skipped = [name_of(k) for k, f in zip(keys, flags) if not f]
-            if self.last_skipped:
-                self.nonfinite_skips += len(self.last_skipped)
-                logger.warning(
-                    "step %d: non-finite gradient, update skipped for %d tensor(s): %s",
-                    step, len(self.last_skipped), ", ".join(self.last_skipped[:8]),
-                )
+            self._pending.append(_PendingFlags.copy_of(flags, keys, name_of, step))
             self.last_grad_norm = sum_devices(self._step_sumsq).sqrt()
             self.prev_grad_norm = self.last_grad_norm
         self._step_sumsq, self._step_flags = {}, []
         self._exact_coef = None
-        return self.last_skipped
+        self.settle(wait=False)
+
+    def settle(self, wait: bool = True) -> None:
+        """Read the finiteness flags of closed steps whose copy has landed (all of them if ``wait``).
+
+        Logs and counts the skipped tensors. ``wait=False`` never blocks the host.
+        :meth:`drain_settled` hands each settled step to an observer once.
+        """
+        while self._pending and (wait or self._pending[0].ready()):
+            step, skipped = self._pending.pop(0).read()
+            self._last_skipped = skipped
+            if skipped:
+                self._nonfinite_skips += len(skipped)
+                logger.warning("step %d: non-finite gradient, update skipped for %d tensor(s): %s",
+                               step, len(skipped), ", ".join(skipped[:8]))
+            self._settled.append((step, skipped))
+
+    def drain_settled(self) -> list[tuple[int, list[str]]]:
+        """``(step, skipped names)`` of each step settled since the last call, in step order."""
+        out, self._settled = self._settled, []
+        return out
+
+    @property
+    def last_skipped(self) -> list[str]:
+        """Tensors the last closed step skipped for a non-finite gradient (waits for its flags)."""
+        self.settle()
+        return self._last_skipped
+
+    @property
+    def nonfinite_skips(self) -> int:
+        """Tensors skipped so far, over all steps (waits for the flags of closed steps)."""
+        self.settle()
+        return self._nonfinite_skips
+
+    @nonfinite_skips.setter
+    def nonfinite_skips(self, value: int) -> None:
+        self.settle()
+        self._nonfinite_skips = int(value)
 
     def _sum_partial_norms(self, flags: torch.Tensor, group) -> torch.Tensor:
         total = sum_devices(self._step_sumsq).to(flags.device, torch.float32)
@@ -160,3 +195,28 @@ def sum_devices(totals: dict) -> torch.Tensor:
     for v in values[1:]:
         total = total + v.to(total.device)
     return total
+
+
+class _PendingFlags:
+    """One closed step's finiteness flags on their way to the host (a non-blocking copy and its event)."""
+
+    def __init__(self, host: torch.Tensor, event, keys, name_of: Callable[[torch.Tensor], str], step: int):
+        self.host, self.event, self.keys, self.name_of, self.step = host, event, keys, name_of, step
+
+    @classmethod
+    def copy_of(cls, flags: torch.Tensor, keys, name_of, step: int) -> "_PendingFlags":
+        if flags.device.type != "cuda":
+            return cls(flags, None, keys, name_of, step)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event, keys, name_of, step)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def read(self) -> tuple[int, list[str]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.step, [self.name_of(k) for k, f in zip(self.keys, self.host.tolist()) if not f]

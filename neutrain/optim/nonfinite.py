@@ -167,8 +167,10 @@ def _watch_fused(optimizer, monitor: NonFiniteMonitor) -> None:
     """Count the fused optimizer's steps that skipped a tensor (it already skips and logs per tensor)."""
 
     def after(opt, args, kwargs):
-        skipped = opt.last_skipped
-        monitor.record(bool(skipped), what=", ".join(skipped[:4]), warn=False)
+        # Steps whose flags have reached the host (a step or so late): no host sync per step.
+        opt.stats.settle(wait=False)
+        for _, skipped in opt.stats.drain_settled():
+            monitor.record(bool(skipped), what=", ".join(skipped[:4]), warn=False)
 
     optimizer.register_step_post_hook(after)
 

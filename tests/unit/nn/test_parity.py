@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weights
+from neutrain.nn.embedding import table_grad_rows
 from neutrain.optim import LOMO, AdaLomo
 
 from .nn_helpers import dense_and_compressed, enable_checkpointing, token_batches, train, weights
@@ -89,7 +90,44 @@ def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, s
     train(dense, make(dense.parameters()), data, **loss_options)
     opt = make(compressed.parameters())
     norms = train(compressed, opt, data, **loss_options)
-    assert opt.streamed_updates == len(data)  # the lm_head, once per step
+    assert opt.streamed_updates == 2 * len(data)  # the lm_head and the embedding, once per step each
     if clip:
         assert min(norms) > clip["max_grad_norm"], "the exact global clip must engage"
+    _assert_identical_and_trained(dense, compressed, start)
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 300], ids=["row", "odd", "quarter", "whole"])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_table_gradient_blocks_equal_the_whole_table_gradient(block_rows, padding_idx):
+    # Fresh random ids with repeats (the same row from several tokens) and the padding id present.
+    g = torch.Generator().manual_seed(block_rows)
+    ids = torch.randint(0, 256, (3, 40), generator=g)
+    ids[0, :5] = 3
+    ids[1, 7] = ids[2, 9] = 255
+    grad_out = torch.randn(3, 40, 16, generator=g).bfloat16()
+    pad = -1 if padding_idx is None else padding_idx
+    full = torch.ops.aten.embedding_dense_backward(grad_out, ids, 256, pad, False)
+    blocks = [table_grad_rows(grad_out.reshape(-1, 16), ids.reshape(-1), slice(s, s + block_rows), 256, pad)
+              for s in range(0, 256, block_rows)]
+    assert torch.equal(torch.cat(blocks), full)
+    if padding_idx is not None:
+        assert not full[3].any()
+
+
+def test_streamed_embedding_never_builds_the_table_gradient():
+    # The embedding (256 x 64) gets its update from row blocks: no vocabulary-sized tensor is
+    # handed to the optimizer, and the result equals the dense twin's whole-gradient update.
+    dense, compressed = dense_and_compressed()
+    start = weights(dense)
+    data = token_batches(2, seed=5)
+    seen = []
+    opt = LOMO(compressed.parameters(), lr=0.1, stochastic_rounding=False, chunk_numel=64 * 16,
+               clip_mode="per_tensor", max_grad_norm=0.5)
+    original = opt.consume_grad_
+    opt.consume_grad_ = lambda key, grad, io: (seen.append(tuple(grad.shape)), original(key, grad, io))[1]
+    train(dense, LOMO(dense.parameters(), lr=0.1, stochastic_rounding=False, chunk_numel=64 * 16,
+                      clip_mode="per_tensor", max_grad_norm=0.5), data)
+    train(compressed, opt, data)
+    assert (256, 64) not in seen
+    assert opt.streamed_updates == 2 * len(data)
     _assert_identical_and_trained(dense, compressed, start)
