@@ -7,8 +7,8 @@ fused LOMO, activation checkpointing), after warm-up steps:
   replayed to the moment of peak allocated bytes; every block alive then of at least ``--min-mib``,
   with the innermost neutrain / transformers frames that allocated it;
 * **segments**: the allocator's segments at that moment (reserved vs allocated, largest free block);
-* **syncs**: every host synchronisation of one step, found with
-  ``torch.cuda.set_sync_debug_mode("warn")``, with the Python frames that caused it.
+* **syncs**: every host-synchronising CUDA call of one step (profiler, with Python stacks), with
+  the frames that caused it.
 
 Writes ``benchmarks/results/<name>.json`` (default ``step_anatomy``). A diagnostic: it has no targets.
 
@@ -19,9 +19,8 @@ Writes ``benchmarks/results/<name>.json`` (default ``step_anatomy``). A diagnost
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import traceback
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,33 +64,51 @@ def peak_blocks(snapshot: dict, min_bytes: int) -> dict:
             "blocks": [{"mib": round(b["size"] / 2**20, 1), "frames": _frames(b.get("frames", []))} for b in blocks]}
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
 def sync_sites(step) -> list[dict]:
-    """Run ``step`` with sync debug mode "warn"; each sync's message and Python frames."""
+    """Run ``step`` under the profiler (with Python stacks); each host-synchronising CUDA call and its frames.
+
+    ``set_sync_debug_mode("warn")`` would name them too, but its warnings are raised inside autograd's
+    worker thread during backward, where a Python handler cannot run safely; the profiler's CPU events
+    carry the Python stack of the op that issued each runtime call.
+    """
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    sites: list[dict] = []
-    original = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if "synchroniz" in text:
-            sites.append({"message": text.splitlines()[0][:120], "frames": _frames(reversed(traceback.extract_stack()))})
-        else:
-            original(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = original
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+    sites = []
+    for ev in prof.events():
+        name = ev.name
+        if not name.startswith(SYNC_CALLS) or name.startswith("cudaMemcpyAsync"):
+            continue
+        parent, chain = ev, []
+        while parent is not None and not parent.stack:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        frames = [f for f in (parent.stack if parent is not None else []) if any(k in f for k in KEEP_FRAMES)]
+        sites.append({"call": name, "ops": chain[1:4] + ([parent.name] if parent is not None else []),
+                      "frames": [f.split("site-packages/")[-1].split("/work/")[-1] for f in frames[:6]]})
     return sites
+
+
+def persistent_bytes(model) -> dict:
+    """GiB held by the compressed weights' buffers, by buffer, and by dense parameters (norms)."""
+    from neutrain.nn import compressed_weights
+
+    parts: dict[str, float] = {}
+    for weight in compressed_weights(model):
+        ct = weight.ct
+        for attr in ("stream", "tails", "lane_words", "tile_base", "lut"):
+            t = getattr(ct, attr, None)
+            if t is not None and hasattr(t, "numel"):
+                parts[attr] = parts.get(attr, 0.0) + t.numel() * t.element_size() / 2**30
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    return {"compressed_gib_by_buffer": {k: round(v, 3) for k, v in parts.items()},
+            "compressed_gib": round(sum(parts.values()), 3), "dense_parameters_gib": round(dense, 3)}
 
 
 def main() -> int:
@@ -145,16 +162,22 @@ def main() -> int:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     result = {"memory": peers.memory_row(), "allocated_before_step_gib": round(before, 3),
+              "persistent": persistent_bytes(model),
               "peak": peak_blocks(snapshot, int(args.min_mib * 2**20)), "segments": peers.segment_map(top=12)}
-    syncs = sync_sites(step)
+    print(result["memory"], "before the step:", result["allocated_before_step_gib"], result["persistent"])
+    print("peak over the step's start:", result["peak"]["traced_peak_over_start_gib"], "GiB; blocks alive then:")
+    for b in result["peak"]["blocks"][:30]:
+        print(f"{b['mib']:9.1f} MiB  {' <- '.join(b['frames'][:3])}")
+    print(json.dumps(result["segments"])[:1500])
+    try:
+        syncs = sync_sites(step)
+    except Exception as exc:  # a diagnostic: keep the memory part
+        syncs = [{"error": repr(exc)[:300]}]
     torch.cuda.synchronize()
     result["syncs"] = {"count": len(syncs), "sites": syncs}
-    for b in result["peak"]["blocks"][:25]:
-        print(f"{b['mib']:9.1f} MiB  {' <- '.join(b['frames'][:3])}")
-    print("syncs per step:", len(syncs))
-    for s in syncs:
-        print("  ", s["message"][:60], " <- ".join(s["frames"][:4]))
-    print(result["memory"])
+    print("host syncs in one step:", len(syncs))
+    for site in syncs:
+        print("  ", site)
     write_result(args.name, {"variant": args.variant, "batch": args.batch, "seq": args.seq, "tiny": args.tiny,
                              "min_mib": args.min_mib}, result,
                  targets_note="a diagnostic of train_memory.py's step (issue 17's profile of a miss); no goal")

@@ -23,8 +23,11 @@ a fused optimizer's hook or to ``.grad``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from neutrain.compat.masks import contiguous_positions
 from neutrain.nn.architecture import LogitTransform, logit_transform, router_aux_loss
 from neutrain.nn.linear import CompressedLinear
 from neutrain.optim.clipping import add_squared_norm_
@@ -266,7 +269,11 @@ def causal_lm_loss(
     aux = router_aux_loss(model)
     if aux is not None:
         model_kwargs = {**model_kwargs, "output_router_logits": True}
-    outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    # Positions left to the model and no mask: one sequence per row, so transformers' packed-sequence
+    # probe (a host read per forward) has nothing to find (neutrain.compat.masks).
+    contiguous = attention_mask is None and model_kwargs.get("position_ids") is None
+    with contiguous_positions() if contiguous else contextlib.nullcontext():
+        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     loss = linear_cross_entropy(
         outputs.last_hidden_state, model.get_output_embeddings(), shifted, num_items_in_batch=num_items_in_batch,

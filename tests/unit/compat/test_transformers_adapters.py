@@ -13,3 +13,31 @@ def test_one_gpu_per_process_turns_off_data_parallel(tmp_path):
     assert compat.use_one_gpu_per_process(args)
     assert args.n_gpu == 1
     assert args.train_batch_size == args.per_device_train_batch_size  # no longer multiplied by the GPU count
+
+
+def test_packed_sequence_probe_is_skipped_only_for_neutrains_own_contiguous_forward(monkeypatch):
+    # transformers' probe reads a flag back from the device once per forward (a host sync on a GPU);
+    # causal_lm_loss, which passes neither positions nor a mask, must not reach it. Anything else must.
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, masking_utils
+
+    from neutrain.nn import causal_lm_loss
+
+    calls = []
+
+    def counting_probe(position_ids):
+        calls.append(tuple(position_ids.shape))
+        return None
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counting_probe)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=40)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.config.use_cache = False
+    ids = torch.randint(0, 40, (2, 6))
+    loss = causal_lm_loss(model, ids, ids)
+    assert calls == []
+    assert torch.allclose(loss, model(input_ids=ids, labels=ids).loss, atol=1e-6)
+    assert calls == [(2, 6)]  # the plain forward still probes
+    causal_lm_loss(model, ids, ids, position_ids=torch.arange(6)[None])
+    assert len(calls) == 2  # positions given: they may be packed, so transformers decides
