@@ -156,8 +156,15 @@ def main() -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() / 2**30
-    torch.cuda.memory._record_memory_history(max_entries=400_000)
-    step()
+    # Python stacks only: capturing C++ stacks inside autograd's worker thread during a checkpoint
+    # recompute failed on torch 2.11 (SystemError from the recomputed autograd Function).
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+    try:
+        step()
+    except SystemError:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.memory._record_memory_history(max_entries=400_000, context=None)
+        step()
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
