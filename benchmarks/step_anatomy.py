@@ -3,9 +3,8 @@
 For one variant of ``train_memory.py`` (default ``d``: Llama-3-8B shapes, NeuZip lossless +
 fused LOMO, activation checkpointing), after warm-up steps:
 
-* **peak**: the caching allocator's history over one step (``torch.cuda.memory._record_memory_history``)
-  replayed to the moment of peak allocated bytes; every block alive then of at least ``--min-mib``,
-  with the innermost neutrain / transformers frames that allocated it;
+* **peak moments**: each moment of one step at which the allocator's peak rose, with the Python
+  frames running then and the largest live blocks (the last one is the step's peak);
 * **segments**: the allocator's segments at that moment (reserved vs allocated, largest free block);
 * **syncs**: every host-synchronising CUDA call of one step (profiler, with Python stacks), with
   the frames that caused it.
@@ -29,39 +28,53 @@ sys.path.insert(0, str(HERE.parent))
 KEEP_FRAMES = ("neutrain/", "transformers/", "torch/utils/checkpoint", "benchmarks/")
 
 
-def _frames(stack, limit: int = 6) -> list[str]:
-    """The innermost frames from neutrain, transformers and the checkpoint recompute."""
-    out = []
-    for f in stack:
-        name = f.get("filename", "") if isinstance(f, dict) else f.filename
-        line = f.get("line", 0) if isinstance(f, dict) else f.lineno
-        func = f.get("name", "") if isinstance(f, dict) else f.name
-        if any(k in name for k in KEEP_FRAMES):
-            out.append(f"{name.split('site-packages/')[-1].split('/work/')[-1]}:{line} {func}")
-        if len(out) >= limit:
-            break
-    return out
+def peak_moments(step, min_rise_mib: float = 8.0, top: int = 10) -> list[dict]:
+    """Run ``step`` with a Python profile hook on every thread; each time the allocator's peak (allocated or reserved) rises.
 
+    After every Python or C function return, ``max_memory_allocated`` is read (host-side counters,
+    no sync); when it rose by ``min_rise_mib`` since the last record, the Python frames (neutrain,
+    transformers) and the largest live blocks are recorded. The last record is the step's peak.
+    (``torch.cuda.memory._record_memory_history`` would give every block's stack, but on torch 2.11
+    it broke the checkpoint recompute of an autograd Function: SystemError.)
+    """
+    import threading
 
-def peak_blocks(snapshot: dict, min_bytes: int) -> dict:
-    """Replay the allocator trace to the peak of allocated bytes; the blocks alive then."""
-    events = [e for trace in snapshot["device_traces"] for e in trace]
-    live: dict[int, dict] = {}
-    current = best = 0
-    best_live: dict[int, dict] = {}
-    for e in events:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-            current += e["size"]
-        elif e["action"] in ("free_completed",):
-            gone = live.pop(e["addr"], None)
-            if gone is not None:
-                current -= gone["size"]
-        if current > best:
-            best, best_live = current, dict(live)
-    blocks = sorted((b for b in best_live.values() if b["size"] >= min_bytes), key=lambda b: -b["size"])
-    return {"traced_peak_over_start_gib": round(best / 2**30, 3),
-            "blocks": [{"mib": round(b["size"] / 2**20, 1), "frames": _frames(b.get("frames", []))} for b in blocks]}
+    import torch
+
+    records: list[dict] = []
+    state = {"peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    rise = int(min_rise_mib * 2**20)
+
+    def hook(frame, event, arg):
+        if event not in ("return", "c_return"):
+            return
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        if peak < state["peak"] + rise and reserved < state["reserved"] + rise:
+            return
+        state["peak"], state["reserved"] = max(peak, state["peak"]), max(reserved, state["reserved"])
+        stack, f = [], frame
+        while f is not None and len(stack) < 6:
+            name = f.f_code.co_filename
+            if any(k in name for k in KEEP_FRAMES):
+                stack.append(f"{name.split('site-packages/')[-1].split('/work/')[-1]}:{f.f_lineno} {f.f_code.co_name}")
+            f = f.f_back
+        blocks = sorted((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                         if b["state"] == "active_allocated"), reverse=True)[:top]
+        records.append({"peak_gib": round(peak / 2**30, 3), "peak_reserved_gib": round(reserved / 2**30, 3),
+                        "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                        "call": getattr(arg, "__qualname__", None) if event == "c_return" else frame.f_code.co_name,
+                        "frames": stack, "largest_live_mib": [round(b / 2**20, 1) for b in blocks]})
+
+    threading.setprofile_all_threads(hook) if hasattr(threading, "setprofile_all_threads") else sys.setprofile(hook)
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        if hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(None)
+        else:
+            sys.setprofile(None)
+    return records
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -117,7 +130,6 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--min-mib", type=float, default=48.0)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--name", default="step_anatomy")
     args = ap.parse_args()
@@ -156,25 +168,15 @@ def main() -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() / 2**30
-    # Python stacks only: capturing C++ stacks inside autograd's worker thread during a checkpoint
-    # recompute failed on torch 2.11 (SystemError from the recomputed autograd Function).
-    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
-    try:
-        step()
-    except SystemError:
-        torch.cuda.memory._record_memory_history(enabled=None)
-        torch.cuda.memory._record_memory_history(max_entries=400_000, context=None)
-        step()
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    moments = peak_moments(step)
     result = {"memory": peers.memory_row(), "allocated_before_step_gib": round(before, 3),
               "persistent": persistent_bytes(model),
-              "peak": peak_blocks(snapshot, int(args.min_mib * 2**20)), "segments": peers.segment_map(top=12)}
+              "peak_moments": moments, "segments": peers.segment_map(top=12)}
     print(result["memory"], "before the step:", result["allocated_before_step_gib"], result["persistent"])
-    print("peak over the step's start:", result["peak"]["traced_peak_over_start_gib"], "GiB; blocks alive then:")
-    for b in result["peak"]["blocks"][:30]:
-        print(f"{b['mib']:9.1f} MiB  {' <- '.join(b['frames'][:3])}")
+    print("where the allocator's peak rose (the last line is the step's peak):")
+    for m in moments[-14:]:
+        print(f"  {m['peak_gib']:7.3f} GiB resv {m['peak_reserved_gib']:7.3f} (now {m['allocated_gib']:.3f}) {m['call']} <- {' <- '.join(m['frames'][:3])}"
+              f"  largest live MiB {m['largest_live_mib'][:6]}")
     print(json.dumps(result["segments"])[:1500])
     try:
         syncs = sync_sites(step)
@@ -186,7 +188,7 @@ def main() -> int:
     for site in syncs:
         print("  ", site)
     write_result(args.name, {"variant": args.variant, "batch": args.batch, "seq": args.seq, "tiny": args.tiny,
-                             "min_mib": args.min_mib}, result,
+                             }, result,
                  targets_note="a diagnostic of train_memory.py's step (issue 17's profile of a miss); no goal")
     return 0
 
