@@ -217,6 +217,6 @@ class _PendingFlags:
         return self.event is None or self.event.query()
 
     def read(self) -> tuple[int, list[str]]:
-        if self.event is not None:
-            self.event.synchronize()
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()  # only when asked to wait: a settled copy needs no sync call
         return self.step, [self.name_of(k) for k, f in zip(self.keys, self.host.tolist()) if not f]
