@@ -1,0 +1,143 @@
+"""Llama-3-70B full fine-tuning on one GPU: NeuZip lossless + fused LOMO, activation checkpointing.
+
+Issue 17 item 4: how many tokens one step can take on one H200, and tokens per second at 16K.
+The model is the Llama-3-70B architecture (80 layers, hidden 8192, vocabulary 128,256) built
+compressed on the GPU with random N(0, 0.02) weights (`neutrain.nn.load.init_compressed`: no dense
+copy of the model ever exists); batch 1, one sequence of ``seq`` tokens per step. For each length:
+step time by CUDA events (median after a warm-up step), peak allocated, peak reserved and device
+memory in use (NVML), and the planner's prediction; an out-of-memory step is recorded as such, with
+the allocator's numbers at the failure.
+
+    python benchmarks/train_70b.py                       # 16K, 32K, then 24K if 32K does not fit
+    python benchmarks/train_70b.py --tiny --seqs 64,128  # smoke test (CPU or GPU)
+
+Writes ``benchmarks/results/train_70b.json`` with targets ``max_tokens_per_step`` (>= 32,768) and
+``tokens_per_s_16k`` (>= 850).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def measure(model, opt, vocab: int, seq: int, steps: int, device: str) -> dict:
+    """``steps`` training steps of one ``seq``-token sequence; the first is warm-up."""
+    import torch
+
+    from benchmarks import _train_peers as peers
+    from neutrain.nn import causal_lm_loss
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, loss = [], None
+    try:
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (1, seq), device=device)
+            t0 = time.perf_counter()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            opt.backward(causal_lm_loss(model, ids, ids))
+            opt.step()
+            if cuda:
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                times.append(time.perf_counter() - t0)
+            loss = opt.last_grad_norm  # keep the graph-free scalar only
+        step_s = statistics.median(times[1:] if len(times) > 1 else times)
+        row = {"ok": True, "step_s": round(step_s, 3), "tokens_per_s": round(seq / step_s, 1), "steps": steps,
+               "grad_norm": None if loss is None else round(float(loss), 4)}
+    except torch.OutOfMemoryError as exc:
+        row = {"ok": False, "oom": True, "error": str(exc).splitlines()[0][:300]}
+        opt.zero_grad(set_to_none=True)
+        opt.accumulation.reset()
+    if cuda:
+        row.update(peers.memory_row())
+        if not row["ok"]:
+            row["segment_map"] = peers.segment_map(top=6)
+            torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="16384,32768", help="sequence lengths to try, in order")
+    ap.add_argument("--fallback", type=int, default=24576, help="length tried when every longer one failed")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--name", default="train_70b")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaConfig
+
+    from benchmarks._common import git_provenance, write_result
+    from neutrain.nn.load import init_compressed
+    from neutrain.optim import LOMO
+    from neutrain.trainer.planner import ModelShape, estimate
+
+    git_provenance()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = LlamaConfig(**(TINY if args.tiny else LLAMA3_70B))
+    config._attn_implementation = "sdpa"
+    t0 = time.perf_counter()
+    model, _ = init_compressed(config, "neuzip-lossless", device, dtype=torch.bfloat16, progress=False)
+    build_s = time.perf_counter() - t0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    opt = LOMO(model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+    from neutrain.nn import compressed_weights
+
+    weights_gib = sum(w.nbytes for w in compressed_weights(model)) / 2**30
+    print(f"built in {build_s:.0f} s; compressed weights {weights_gib:.2f} GiB", flush=True)
+
+    seqs = [int(s) for s in args.seqs.split(",")]
+    rows: dict[str, dict] = {}
+
+    def run(seq: int) -> bool:
+        row = measure(model, opt, config.vocab_size, seq, args.steps, device)
+        est = estimate(ModelShape.from_config(config), batch=1, seq=seq, weights="neuzip-lossless",
+                       optimizer="lomo", checkpointing=True, chunked_loss=True)
+        row["planner_gib"] = round(est.total_gib, 3)
+        rows[str(seq)] = row
+        print(seq, row, flush=True)
+        return row["ok"]
+
+    fitted = [s for s in seqs if run(s)]
+    if args.fallback and not any(s > args.fallback for s in fitted) and str(args.fallback) not in rows:
+        if run(args.fallback):
+            fitted.append(args.fallback)
+    max_tokens = max(fitted, default=0)
+    targets = {"max_tokens_per_step": {"value": max_tokens, "goal": ">= 32768", "met": max_tokens >= 32768}}
+    r16 = rows.get("16384", {})
+    if r16.get("ok"):
+        targets["tokens_per_s_16k"] = {"value": r16["tokens_per_s"], "goal": ">= 850", "met": r16["tokens_per_s"] >= 850}
+    write_result(args.name, {"model": "tiny" if args.tiny else "llama3-70b", "weights": "neuzip-lossless",
+                             "optimizer": "lomo (fused, per-tensor clip 1.0)", "batch": 1,
+                             "activation_checkpointing": True, "steps_per_length": args.steps,
+                             "alloc_conf": __import__("os").environ.get("PYTORCH_CUDA_ALLOC_CONF")},
+                 {"build_s": round(build_s, 1), "compressed_weights_gib": round(weights_gib, 3), "by_seq": rows},
+                 targets=targets)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
