@@ -117,6 +117,7 @@ def main() -> int:
         est = estimate(ModelShape.from_config(config), batch=1, seq=seq, weights="neuzip-lossless",
                        optimizer="lomo", checkpointing=True, chunked_loss=True)
         row["planner_gib"] = round(est.total_gib, 3)
+        row["planner_reserved_gib"] = round(est.reserved / 2**30, 3)
         rows[str(seq)] = row
         print(seq, row, flush=True)
         return row["ok"]

@@ -3,14 +3,18 @@
 ``neutrain estimate recipes/<x>.yaml`` reads only the model config and the
 recipe. The estimate is a sum of named terms, each one a buffer the run really
 allocates, so a gap between estimate and measurement points at the term that is
-off (``benchmarks/train_memory.py`` reports both side by side).
+off (``benchmarks/train_memory.py`` reports both side by side). That sum is the
+peak *allocated*; a card must hold more: :attr:`Estimate.reserved` adds the
+caching allocator's slack and :attr:`Estimate.device` the CUDA context.
 
 Terms (bytes):
 
 * ``weights``: dense ``P x dtype``; NeuZip ``matrix params x bits/8`` plus dense norms.
 * ``gradients``: a full gradient per parameter for optimizers that step after
-  backward; fused updates keep only the largest single gradient alive (the
-  embedding's dense gradient, or the lm_head's, assembled once).
+  backward; fused updates keep only the largest single gradient alive: a decoder
+  matrix's when the embedding and lm_head take theirs row block by row block
+  (compressed, untied, an element-wise rule: LOMO, AdamW in backward), else the
+  vocabulary-sized one of the embedding or lm_head, assembled once.
 * ``optimizer_state``: AdamW two moments; AdaLomo factored row/column moments; LOMO none.
 * ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
@@ -30,7 +34,9 @@ Example:
     term                         GiB
     weights                    10.17
     ...
-    total (peak)               13.17
+    total (peak allocated)     12.30
+    reserved (predicted)       12.44
+    device used (predicted)    13.19
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ from neutrain.trainer.modeling import config_only
 
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02) init; benchmarks/results/codec.json
+# Beyond peak allocated, fitted on an H100 and an H200 with expandable segments (neutrain's default)
+# after the build's transients were handed back (benchmarks/results/train_memory.json, train_70b.json):
+# reserved - allocated = 0.13 GiB (8B, 1K tokens), 1.36 (70B, 16K), 1.9 (70B, 24K): about one and a
+# half of the largest activation block (tokens x intermediate) plus 0.1 GiB.
+ALLOCATOR_SLACK_BLOCKS = 1.5
+ALLOCATOR_SLACK_BYTES = 0.1 * 2**30
+CUDA_CONTEXT_BYTES = 0.75 * 2**30  # context, cuBLAS/cuDNN workspaces and kernels: device used - reserved - idle, H100
 
 
 @dataclass
@@ -100,26 +113,43 @@ class Estimate:
 
     terms: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    slack: float = 0.0
 
     @property
     def total(self) -> float:
+        """Peak allocated bytes: the sum of the terms."""
         return sum(self.terms.values())
 
     @property
     def total_gib(self) -> float:
         return self.total / GIB
 
+    @property
+    def reserved(self) -> float:
+        """Peak bytes the caching allocator reserves: allocated plus its slack (see ``ALLOCATOR_SLACK_*``)."""
+        return self.total + self.slack
+
+    @property
+    def device(self) -> float:
+        """Device memory this process uses (NVML; the card must hold it): reserved plus the CUDA context.
+
+        A card that also shows memory used before the process starts (0.47 GiB on the H100 measured)
+        needs that much more."""
+        return self.reserved + CUDA_CONTEXT_BYTES
+
     def table(self) -> str:
         lines = [f"{'term':<22}{'GiB':>10}"]
         lines += [f"{k:<22}{v / GIB:>10.2f}" for k, v in self.terms.items()]
-        lines.append(f"{'total (peak)':<22}{self.total_gib:>10.2f}")
+        lines.append(f"{'total (peak allocated)':<22}{self.total_gib:>10.2f}")
+        lines.append(f"{'reserved (predicted)':<22}{self.reserved / GIB:>10.2f}")
+        lines.append(f"{'device used (predicted)':<22}{self.device / GIB:>9.2f}")
         return "\n".join(lines)
 
 
 def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
              checkpointing: bool = True, dtype_bytes: int = 2, chunked_loss: bool | None = None,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
-    """Predict peak allocated bytes of one training step.
+    """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
 
     Args:
         shape: The model's shape.
@@ -146,8 +176,11 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     else:
         t["weights"] = shape.params() * dtype_bytes
     if fused:
-        # The largest single gradient alive at once: the embedding's dense gradient (or lm_head's).
-        t["gradients"] = v * h * dtype_bytes
+        # The largest single gradient alive at once. Compressed, untied and element-wise: the embedding
+        # and lm_head are updated from row blocks (a chunk_numel buffer), so a decoder matrix's gradient.
+        streamed = compressed and chunked_loss and not shape.tied and optimizer in ("lomo", "adamw-in-backward")
+        largest = max(shape.largest_layer_matrix(), chunk_numel) if streamed else v * h
+        t["gradients"] = largest * dtype_bytes
         t["update_temporaries"] = 3 * chunk_numel * 4
     else:
         t["gradients"] = shape.params() * dtype_bytes
@@ -170,7 +203,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         t["logits"] = tokens * v * (dtype_bytes + 4 + 4)
     settings = dict(batch=batch, seq=seq, weights=weights, optimizer=optimizer, checkpointing=checkpointing,
                     chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes)
-    return Estimate(t, settings)
+    slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES
+    return Estimate(t, settings, slack)
 
 
 def estimate_recipe(recipe: Recipe) -> Estimate:

@@ -36,3 +36,24 @@ def test_checkpointing_and_chunked_loss_reduce_estimate():
     base = dict(batch=4, seq=512, weights="dense", optimizer="lomo")
     assert estimate(shape, checkpointing=True, **base).terms["activations"] < estimate(shape, checkpointing=False, **base).terms["activations"]
     assert estimate(shape, chunked_loss=True, **base).terms["logits"] <= estimate(shape, chunked_loss=False, **base).terms["logits"]
+
+
+def test_streamed_vocabulary_gradients_and_reserved_memory():
+    shape = ModelShape.from_config(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    vocab_matrix = 128256 * 4096 * 2
+
+    def grads(**kw):
+        return estimate(shape, batch=1, seq=1024, **kw).terms["gradients"]
+
+    # Compressed, untied, element-wise: the embedding and lm_head are updated row block by row block.
+    assert grads(weights="neuzip-lossless", optimizer="lomo") == 14336 * 4096 * 2
+    # AdaLomo's factored statistics need the whole gradient; dense weights get it from autograd.
+    assert grads(weights="neuzip-lossless", optimizer="adalomo") == vocab_matrix
+    assert grads(weights="dense", optimizer="lomo") == vocab_matrix
+    tied = ModelShape(**{**shape.__dict__, "tied": True})
+    assert estimate(tied, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo").terms["gradients"] == vocab_matrix
+    # Reserved adds the allocator's slack, growing with the largest activation block; device adds the context.
+    small, large = (estimate(shape, batch=1, seq=s, weights="neuzip-lossless", optimizer="lomo") for s in (1024, 16384))
+    assert small.total < small.reserved < small.device
+    assert large.reserved - large.total > small.reserved - small.total > 0
