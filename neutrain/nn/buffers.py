@@ -14,7 +14,8 @@ per-device buffers, each grown to the largest weight decoded into it.
 
 :meth:`DecodeBuffers.reserve` (called once a model is converted, see
 :func:`neutrain.nn.convert.mark_large_weights`) allocates every slot up front at
-the size of the largest weight it will hold, the large slot first, and pins them:
+the size of the largest weight it will hold, the large slot first, and pins them
+(the large slot only under the classic allocator, see below):
 a slot that grows step by step, or a 1 GiB large slot freed and allocated again
 around every loss, can let the caching allocator split its segment for other
 tensors and open a new segment for the next request (issue 17 asks for one
@@ -24,6 +25,12 @@ unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the segment
 map there shows a 2004 MiB segment wholly free after the step, a transient
 elsewhere (``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
 :meth:`DecodeBuffers.clear`.
+
+Under expandable segments (``neutrain train``'s default allocator setting) a freed
+block's pages are reused by any later request, so the large slot is not pinned: it is
+freed after each use, and the decoder layers' backward can use its memory (2 GiB for
+the Llama-3-70B vocabulary matrix, the margin a 70B step at long context runs short of:
+``benchmarks/results/train_70b.json``).
 
 Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight
@@ -35,6 +42,7 @@ version, so a stale buffer is never mistaken for current data.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -55,6 +63,21 @@ LAYER_SLOTS = ("layer0", "layer1")
 LARGE_SLOT = "large"
 
 
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator was configured with expandable segments (read from the environment).
+
+    Example:
+        >>> import os
+        >>> os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64,expandable_segments:True"
+        >>> expandable_segments()
+        True
+        >>> del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    """
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    options = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",") if ":" in part)
+    return options.get("expandable_segments", "").lower() == "true"
+
+
 class DecodeBuffers:
     """Tagged decode buffers per (device, dtype, slot)."""
 
@@ -68,12 +91,14 @@ class DecodeBuffers:
         self.prefetch_hits = 0
         self.allocated = False
 
-    def reserve(self, weights) -> int:
+    def reserve(self, weights, pin_large: bool | None = None) -> int:
         """Allocate each slot once at the size of the largest of ``weights`` it will hold; return bytes.
 
         The large slot is allocated first, then both layer slots, so they sit together at
-        the start of the model's working memory; all are pinned (see the module docstring).
-        Calling it again (another model in the process) only grows slots.
+        the start of the model's working memory; the layer slots are pinned, and the large
+        slot too unless ``pin_large`` is False (default: pinned unless the allocator uses
+        expandable segments, see the module docstring). Calling it again (another model in
+        the process) only grows slots.
 
         Example:
             >>> import torch
@@ -95,7 +120,8 @@ class DecodeBuffers:
                 self._buffers.pop(key, None)
                 self._tags.pop(key, None)
                 self._buffers[key] = torch.empty(sizes[key], dtype=key[1], device=key[0])
-            self._pinned.add(key)
+            if key[2] != LARGE_SLOT or (not expandable_segments() if pin_large is None else pin_large):
+                self._pinned.add(key)
         return sum(self._buffers[key].numel() * self._buffers[key].element_size() for key in sizes)
 
     def slot_for(self, weight) -> str:

@@ -66,8 +66,9 @@ def test_a_dead_weights_tag_is_never_served_to_a_new_weight(monkeypatch):
     assert buffers.cached(new) is None and not buffers.holds(new)
 
 
-def test_reserve_allocates_every_slot_once_at_its_largest_and_pins_the_large_slot():
+def test_reserve_allocates_every_slot_once_at_its_largest_and_pins_the_large_slot(monkeypatch):
     """Issue 17: slots that grow, or a large slot freed after every use, fragment the CUDA allocator."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     buffers = DecodeBuffers()
     small, big_layer = _weights(1, rows=8) + _weights(1, rows=24)
     (vocab,) = _weights(1, rows=64)
@@ -81,6 +82,22 @@ def test_reserve_allocates_every_slot_once_at_its_largest_and_pins_the_large_slo
     assert after == pointers  # nothing was reallocated, the large slot was not freed
     buffers.clear()
     assert buffers.nbytes() == 0
+
+
+def test_under_expandable_segments_the_large_slot_is_freed_after_use(monkeypatch):
+    # Its pages go back to the pool for the decoder layers' backward (the 70B's long-context margin).
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    buffers = DecodeBuffers()
+    (layer,) = _weights(1, rows=8)
+    (vocab,) = _weights(1, rows=64)
+    vocab.large = True
+    buffers.reserve([layer, vocab])
+    layer_ptr = buffers._buffers[(layer.device, layer.dtype, LAYER_SLOTS[0])].data_ptr()
+    buffers.view(vocab, buffers.slot_for(vocab))
+    buffers.release_large(vocab)
+    assert (vocab.device, vocab.dtype, LARGE_SLOT) not in buffers._buffers
+    assert buffers._buffers[(layer.device, layer.dtype, LAYER_SLOTS[0])].data_ptr() == layer_ptr  # still pinned
+    assert buffers.reserve([layer, vocab], pin_large=True) and (vocab.device, vocab.dtype, LARGE_SLOT) in buffers._pinned
 
 
 def test_a_converted_model_has_its_decode_buffers_reserved():
