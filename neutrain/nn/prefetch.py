@@ -14,10 +14,15 @@ Off by default: measured on an H200 (Llama shape, hidden 2048, 8 layers,
 4 x 1024 tokens, activation checkpointing, LOMO), steps took 0.181 s with
 prefetching against 0.161 s without (dense: 0.102 s). That was when the codec's
 re-encode read its stream size back to the host once per updated tensor, which
-drained the GPU queue in every layer's backward. The re-encode that training calls
-(``CompressedWeight.write_``) no longer reads anything back (``recompress_(...,
-sync=False)``, :mod:`neutrain.compress.stream`), so the overlap deserves a new
-measurement before the default changes (``PREFETCHER.enabled = True``).
+drained the GPU queue in every layer's backward. Measured again once a training step
+made no host sync at all (H100, Llama-3-8B, ``benchmarks/train_memory.py`` variants d
+and q, commit 4675abe): still slower, 5,528 against 5,702 tok/s at batch 8 and 895
+against 1,456 at batch 1. The profile shows why: 709 decodes instead of 611 (prefetches
+of the wrong weight in the recompute and backward orders, thrown away) and 94 ms of
+decode kernel time instead of 41 (a side-stream decode shares HBM bandwidth with the
+GEMM it hides behind, and both slow down). What would make it pay: predict the
+backward order exactly (the reverse of forward, recompute included) and decode only
+when the GEMM is compute-bound (large batches).
 """
 
 from __future__ import annotations

@@ -317,14 +317,16 @@ class NeuTrainer(Trainer):
         ids = inputs.get("input_ids")
         if ids is not None:
             mask = inputs.get("attention_mask")
-            self._tokens_since_log += int(mask.sum()) if mask is not None else ids.numel()
+            # A device tensor until the next log: int() here would wait for the GPU every step.
+            self._tokens_since_log = self._tokens_since_log + (mask.sum() if mask is not None else ids.numel())
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:
             now = time.perf_counter()
             if self._last_log_time is not None and now > self._last_log_time:
                 # Global throughput: every process sees its own shard of the batch.
-                logs["tokens_per_second"] = self._tokens_since_log * self.args.world_size / (now - self._last_log_time)
+                tokens = int(self._tokens_since_log)
+                logs["tokens_per_second"] = tokens * self.args.world_size / (now - self._last_log_time)
             self._tokens_since_log, self._last_log_time = 0, now
             logs.update(peak_memory_stats())
             opt = self.fused_optimizer
