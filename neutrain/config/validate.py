@@ -291,6 +291,9 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError("train.max_steps: must be > 0 when data.streaming is true (a stream has no known length)")
     mem = v["memory"]
     fused = train["optimizer"] in FUSED_OPTIMIZERS
+    if mem["offload_activations"] and not mem["gradient_checkpointing"]:
+        raise RecipeError("memory.offload_activations: needs memory.gradient_checkpointing: true "
+                          "(it moves the inputs that checkpointed layers keep for their recompute)")
     if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
     if mem["adapter"] is not None and fused:

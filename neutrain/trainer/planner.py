@@ -147,7 +147,8 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
-             checkpointing: bool = True, dtype_bytes: int = 2, chunked_loss: bool | None = None,
+             checkpointing: bool = True, offload_activations: bool = False, dtype_bytes: int = 2,
+             chunked_loss: bool | None = None,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
     """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
 
@@ -157,6 +158,9 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         weights: ``dense`` or ``neuzip-*``.
         optimizer: ``adamw``, ``sgd``, ``lomo``, ``adalomo`` or ``adamw-in-backward``.
         checkpointing: Activation checkpointing per decoder layer.
+        offload_activations: The checkpointed layers' saved inputs live in host memory
+            (:mod:`neutrain.nn.offload`): two layers' inputs stay on the GPU at once (the
+            one recomputed and the one being copied back).
         dtype_bytes: Bytes per weight/activation element (bf16: 2).
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
     """
@@ -178,7 +182,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     if fused:
         # The largest single gradient alive at once. Compressed, untied and element-wise: the embedding
         # and lm_head are updated from row blocks (a chunk_numel buffer), so a decoder matrix's gradient.
-        streamed = compressed and chunked_loss and not shape.tied and optimizer in ("lomo", "adamw-in-backward")
+        # (AdaLomo's factored statistics need its whole gradient; the other fused rules are element-wise.)
+        streamed = compressed and chunked_loss and not shape.tied and optimizer != "adalomo"
         largest = max(shape.largest_layer_matrix(), chunk_numel) if streamed else v * h
         t["gradients"] = largest * dtype_bytes
         t["update_temporaries"] = 3 * chunk_numel * 4
@@ -194,7 +199,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
     if checkpointing:
         # Saved layer inputs plus one layer's recompute working set (fitted on an H200, see train_memory.json).
-        t["activations"] = shape.layers * tokens * h * dtype_bytes + layer_live
+        kept = 2 if offload_activations else shape.layers
+        t["activations"] = kept * tokens * h * dtype_bytes + layer_live
     else:
         t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
     if chunked_loss:
@@ -202,6 +208,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     else:
         t["logits"] = tokens * v * (dtype_bytes + 4 + 4)
     settings = dict(batch=batch, seq=seq, weights=weights, optimizer=optimizer, checkpointing=checkpointing,
+                    offload_activations=offload_activations and checkpointing,
+                    host_activation_bytes=shape.layers * tokens * h * dtype_bytes if offload_activations and checkpointing else 0,
                     chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes)
     slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES
     return Estimate(t, settings, slack)
@@ -215,5 +223,6 @@ def estimate_recipe(recipe: Recipe) -> Estimate:
     return estimate(
         ModelShape.from_config(config), batch=t.micro_batch_size, seq=recipe.data.sequence_len,
         weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
+        offload_activations=m.offload_activations,
         dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
     )

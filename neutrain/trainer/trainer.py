@@ -57,6 +57,7 @@ from neutrain.distributed.shards import PARAMETER_SHARDS
 from neutrain.nn import CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
+from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
 from neutrain.storage.manifest import write_manifest
@@ -201,8 +202,13 @@ class NeuTrainer(Trainer):
         self._bound_after_prepare = True
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        return self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
-                                                          super()._prepare_for_training)
+        prepared = self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
+                                                              super()._prepare_for_training)
+        if self.memory.offload_activations:
+            # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
+            layers = offload_checkpointed_inputs(_unwrap(self.model))
+            logger.info("memory.offload_activations: %d checkpointed layers keep their inputs in host memory", layers)
+        return prepared
 
     @property
     def fused_optimizer(self):

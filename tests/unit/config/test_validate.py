@@ -92,6 +92,12 @@ def test_cross_checks():
     raw["model"] = {"init": "pretrained"}
     with pytest.raises(RecipeError, match=r"model\.base_model: required"):
         validate_recipe(raw)
+    raw = _raw()
+    raw.setdefault("memory", {})["offload_activations"] = True
+    with pytest.raises(RecipeError, match=r"memory\.offload_activations: needs memory\.gradient_checkpointing"):
+        validate_recipe(raw)
+    raw["memory"]["gradient_checkpointing"] = True
+    assert validate_recipe(raw).memory.offload_activations is True
 
 
 def test_shipped_recipes_validate():
