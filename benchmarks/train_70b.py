@@ -6,9 +6,11 @@ compressed on the GPU with random N(0, 0.02) weights (`neutrain.nn.load.init_com
 copy of the model ever exists); batch 1, one sequence of ``seq`` tokens per step. For each length:
 step time by CUDA events (median after a warm-up step), peak allocated, peak reserved and device
 memory in use (NVML), and the planner's prediction; an out-of-memory step is recorded as such, with
-the allocator's numbers at the failure.
+the allocator's numbers at the failure. Then the lengths of ``--offload-seqs`` with
+``memory.offload_activations`` (each layer's saved input in pinned host memory, :mod:`neutrain.nn.offload`),
+with the bytes sent to the host per step.
 
-    python benchmarks/train_70b.py                       # 16K, 32K, then 24K if 32K does not fit
+    python benchmarks/train_70b.py                       # 16K, 32K, 24K if 32K does not fit; then 32K offloaded
     python benchmarks/train_70b.py --tiny --seqs 64,128  # smoke test (CPU or GPU)
 
 Writes ``benchmarks/results/train_70b.json`` with targets ``max_tokens_per_step`` (>= 32,768) and
@@ -80,6 +82,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="16384,32768", help="sequence lengths to try, in order")
     ap.add_argument("--fallback", type=int, default=24576, help="length tried when every longer one failed")
+    ap.add_argument("--offload-seqs", default="32768",
+                    help="lengths tried afterwards with memory.offload_activations (saved layer inputs in host memory)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--name", default="train_70b")
@@ -90,6 +94,7 @@ def main() -> int:
 
     from benchmarks._common import git_provenance, write_result
     from neutrain.nn.load import init_compressed
+    from neutrain.nn.offload import STATS, offload_checkpointed_inputs
     from neutrain.optim import LOMO
     from neutrain.trainer.planner import ModelShape, estimate
 
@@ -112,22 +117,35 @@ def main() -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     rows: dict[str, dict] = {}
 
-    def run(seq: int) -> bool:
+    def run(seq: int, offload: bool = False) -> bool:
+        STATS.reset()
         row = measure(model, opt, config.vocab_size, seq, args.steps, device)
         est = estimate(ModelShape.from_config(config), batch=1, seq=seq, weights="neuzip-lossless",
-                       optimizer="lomo", checkpointing=True, chunked_loss=True)
+                       optimizer="lomo", checkpointing=True, offload_activations=offload, chunked_loss=True)
         row["planner_gib"] = round(est.total_gib, 3)
         row["planner_reserved_gib"] = round(est.reserved / 2**30, 3)
-        rows[str(seq)] = row
-        print(seq, row, flush=True)
+        if offload:
+            row["offload_activations"] = True
+            row["host_bytes_per_step_gib"] = round(STATS.packed_bytes / max(1, args.steps) / 2**30, 3)
+        rows[f"{seq}{'_offload' if offload else ''}"] = row
+        print(seq, "offload" if offload else "", row, flush=True)
         return row["ok"]
 
     fitted = [s for s in seqs if run(s)]
     if args.fallback and not any(s > args.fallback for s in fitted) and str(args.fallback) not in rows:
         if run(args.fallback):
             fitted.append(args.fallback)
-    max_tokens = max(fitted, default=0)
-    targets = {"max_tokens_per_step": {"value": max_tokens, "goal": ">= 32768", "met": max_tokens >= 32768}}
+    offload_seqs = [int(s) for s in args.offload_seqs.split(",") if s]
+    if offload_seqs:
+        offload_checkpointed_inputs(model)
+        fitted_offload = [s for s in offload_seqs if run(s, offload=True)]
+    else:
+        fitted_offload = []
+    max_tokens = max(fitted + fitted_offload, default=0)
+    targets = {"max_tokens_per_step": {
+        "value": max_tokens, "goal": ">= 32768", "met": max_tokens >= 32768,
+        "setting": "memory.offload_activations" if max_tokens in fitted_offload and max_tokens not in fitted else "plain",
+        "max_without_offload": max(fitted, default=0)}}
     r16 = rows.get("16384", {})
     if r16.get("ok"):
         targets["tokens_per_s_16k"] = {"value": r16["tokens_per_s"], "goal": ">= 850", "met": r16["tokens_per_s"] >= 850}
