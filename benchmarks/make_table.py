@@ -85,7 +85,14 @@ def _headline(data: dict) -> str:
         text = summarize(res)
         if text:
             return text
+    targets = data.get("targets")
+    if isinstance(targets, dict) and targets:
+        return "; ".join(f"{name} {_fmt(t.get('value'))} (goal {t.get('goal')})" for name, t in targets.items())
     return "see JSON"
+
+
+def _fmt(value) -> str:
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
 
 
 def table() -> str:
@@ -118,6 +125,7 @@ TM_LABELS = {
     "a": "(a) dense + AdamW, Hugging Face Trainer", "b": "(b) dense + SGD, full gradients", "c": "(c) dense + fused LOMO",
     "d": "(d) NeuZip lossless + fused LOMO", "e": "(e) NeuZip lossless + AdaLomo", "h": "Hugging Face Trainer, optim=\"lomo\"",
     "f": "(f) dense + fused AdaLomo", "g": "(g) as (d), decode buffers not reserved (A/B)",
+    "q": "(q) as (d), side-stream decode-ahead on (A/B)",
     "p": "Hugging Face Trainer, optim=\"paged_adamw_8bit\" (bitsandbytes)",
     "t": "torchao AdamW8bit stepped in backward (torchtune's setting)",
 }
@@ -129,7 +137,7 @@ def train_memory_table() -> str | None:
     if data is None:
         return None
     rows = [f"Measured on an {data['device']} (commit {str(data.get('git_commit'))[:8]}), Llama-3-8B architecture, sequence 1024, activation checkpointing:", "",
-            "| variant | peak allocated, batch 1 | reserved | device used (NVML) | planner estimate | tokens/s, batch 8 |",
+            "| variant | peak allocated, batch 1 | reserved | device used (NVML) | planner: allocated / reserved | tokens/s, batch 8 |",
             "|---|---|---|---|---|---|"]
     base = next((r for r in data["results"]["variants"] if r["variant"] == "c"), {}).get("batch8", {}).get("tokens_per_s")
     for r in data["results"]["variants"]:
@@ -139,6 +147,8 @@ def train_memory_table() -> str | None:
         if base and "tokens_per_s" in b8 and r["variant"] in ("d", "e"):
             tps += f" ({b8['tokens_per_s'] / base:.2f}x of c)"
         plan = f"{b1['planner_gib']:.2f} GiB" if "planner_gib" in b1 else "-"
+        if "planner_reserved_gib" in b1:
+            plan = f"{b1['planner_gib']:.2f} / {b1['planner_reserved_gib']:.2f} GiB"
         more = [f"{b1[k]:.2f} GiB" if b1.get(k) is not None else "-" for k in ("peak_reserved_gib", "device_used_gib")]
         rows.append(f"| {TM_LABELS.get(r['variant'], r['variant'])} | {mem} | {' | '.join(more)} | {plan} | {tps} |")
     return "\n".join(rows)
