@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -36,6 +36,7 @@ from neutrain.compat.static_cache import (
     register_graph_generator,
     set_static_cache_length,
     static_cache_length,
+    static_cache_tensors,
 )
 from neutrain.speculative.tree import cache_kwargs
 
@@ -76,7 +77,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, genera
     return (logits.to(torch.float64) / temperature - race.log()).argmax(-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _takes_logits_to_keep(model_class) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
@@ -127,17 +128,19 @@ class DecodeEngine:
 
     # --- the model call shared by prefill, the decode step and verification ---
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_only: bool = True,
+                blocked: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``input_ids [batch, q]`` at ``positions [q]`` (device) on top of the cache.
 
         Returns logits ``[batch, q, V]``, or ``[batch, 1, V]`` for the last query with ``last_only``.
-
-        Each query attends to the cached columns before its position and to itself: the cache's
-        update writes the new keys at ``length + i``, so ``positions`` must be ``length + arange(q)``
-        for a plain continuation.
+        The cache's update writes the new keys at columns ``length + i``. By default query ``i``
+        attends to the columns up to ``positions[i]`` (a plain continuation has ``positions =
+        length + arange(q)``); ``blocked [q, max_len]`` (True = hidden) replaces that, e.g. for a
+        token tree whose rotary positions differ from its columns.
         """
         q = input_ids.shape[1]
-        blocked = self._columns[None, :] > positions.view(q, 1)
+        if blocked is None:
+            blocked = self._columns[None, :] > positions.view(q, 1)
         mask = torch.zeros(q, self.max_len, dtype=self.dtype, device=self.device)
         mask.masked_fill_(blocked, torch.finfo(self.dtype).min)
         extra = {"logits_to_keep": int(last_only)} if _takes_logits_to_keep(type(self.model)) else {}
@@ -165,6 +168,33 @@ class DecodeEngine:
         self.logits.copy_(logits)
         nxt = sample_tokens(self.logits, None if self._greedy else self._temperature, self.generator)
         self.tokens.index_copy_(1, index, nxt[:, None])
+
+    # --- cache surgery for speculative decoding (host-known lengths, device-side copies) ---
+
+    def set_length(self, length: int) -> None:
+        """Forget every cached column from ``length`` on (the next forward writes there)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside 0..{self.max_len}")
+        set_static_cache_length(self.cache, length)
+        self.host_length = length
+
+    def keep_columns(self, start: int, columns: torch.Tensor) -> None:
+        """Move cache ``columns`` (sorted, all >= ``start``) to ``start, start + 1, ...`` and cut the length there.
+
+        Speculative decoding keeps the accepted path of a verified token tree this way.
+        """
+        columns = columns.to(self.device)
+        end = start + columns.numel()
+        for keys, values in static_cache_tensors(self.cache):
+            keys[:, :, start:end] = keys.index_select(2, columns)
+            values[:, :, start:end] = values.index_select(2, columns)
+        self.set_length(end)
+
+    def copy_row(self, row: int, start: int, end: int) -> None:
+        """Copy batch row ``row``'s columns ``start:end`` into every row (a draft keeps its accepted branch)."""
+        for keys, values in static_cache_tensors(self.cache):
+            keys[:, :, start:end] = keys[row : row + 1, :, start:end].clone()
+            values[:, :, start:end] = values[row : row + 1, :, start:end].clone()
 
     # --- public API ---
 
@@ -202,7 +232,10 @@ class DecodeEngine:
         if self.host_length + 1 >= self.max_len:
             raise ValueError(f"the sequence would exceed max_len={self.max_len}")
         if self.use_graph:
-            graph = self._graphs.get(self._greedy) or self._capture()
+            graph = self._graphs.get(self._greedy)
+            if graph is None:
+                with allowed_sync():  # once per engine and mode: capture synchronises the device
+                    graph = self._capture()
             graph.replay()
         else:
             self._step_body()
