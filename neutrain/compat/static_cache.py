@@ -77,10 +77,10 @@ def static_cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def register_graph_generator(graph: Any, generator: torch.Generator | None) -> None:
     """Let ``graph`` replay random draws from ``generator`` with fresh numbers on every replay.
 
-    torch >= 2.5 captures a non-default CUDA generator only once it is registered with the graph
-    (``CUDAGraph.register_generator_state``); the default generator needs nothing.
+    torch >= 2.5 captures a generator other than the default one only once it is registered with the
+    graph (``CUDAGraph.register_generator_state``); the engine always samples from its own seeded one.
     """
-    if generator is None or generator is torch.cuda.default_generators[generator.device.index or 0]:
+    if generator is None:
         return
     register = getattr(graph, "register_generator_state", None)
     if register is None:  # pragma: no cover - torch < 2.5
