@@ -19,7 +19,7 @@ check. :class:`DecodeEngine` runs the model's own forward with
 On CUDA the step is captured once per sampling mode in a ``torch.cuda.CUDAGraph`` (warm-up on a side
 stream first) and each token is one ``replay()``; on CPU the same function runs eagerly. ``generate``
 synchronises with the host only every ``check_every`` tokens when an EOS token is given, and once at
-the end to cut the output after EOS.
+the end to cut the output after EOS. Design notes: docs/specdec.md §11.
 """
 
 from __future__ import annotations
