@@ -21,6 +21,7 @@ Targets (issue 19): ``ar_roofline_fraction_8b`` (engine_graph, dense bf16) and
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -123,7 +124,8 @@ def main():
                    "seconds": secs, "roofline_fraction": new / best / roofline}
             log(row)
             rows.append(row)
-        del model, engines, runners
+        del model, engines, runners, run, out  # the last closure holds the model too
+        gc.collect()  # transformers models hold reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
