@@ -15,7 +15,9 @@ Everything is trained inside this one run, because GPU hosts start bare:
    (HF ``generate``), HF assisted generation (``assistant_model``) with the
    distilled draft, and neutrain's single-draft and K = 2, 4 multi-draft
    schemes with the same draft. Reported: acceptance, block efficiency (tokens
-   per target call) and wall-clock tokens/s.
+   per target call) and wall-clock tokens/s. ``--engine`` adds the
+   :class:`~neutrain.speculative.engine.DecodeEngine`'s autoregressive decode (static
+   cache, CUDA graph per token on a GPU) and runs neutrain's schemes on static caches.
 
 Run: ``NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) PYTHONPATH=. python
 benchmarks/speculative.py`` on the GPU host (it has no ``.git``, so the commit
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from neutrain.data import python_stdlib_corpus, train_bpe_tokenizer  # noqa: E402
 from neutrain.speculative import generate  # noqa: E402
+from neutrain.speculative.engine import DecodeEngine  # noqa: E402
 from neutrain.distill.losses import acceptance_rate, token_divergence  # noqa: E402
 
 
@@ -156,9 +159,12 @@ def decode_benchmarks(target, draft, prompts, args, device):
             kwargs["assistant_model"] = assistant
         return target.generate(prompt, **kwargs)
 
+    engine = DecodeEngine(target, max_len=args.prompt_len + args.new_tokens) if args.engine else None
     methods = []
     for temperature in (0.0, 1.0):
         methods.append(("autoregressive", temperature, None, None))
+        if engine is not None:  # static cache, on-device sampling, one CUDA graph per token on a GPU
+            methods.append(("engine_autoregressive", temperature, None, None))
         methods.append(("hf_assisted", temperature, None, None))
         methods.append(("neutrain_sd", temperature, 1, "sd"))
         for k in (2, 4):
@@ -175,11 +181,14 @@ def decode_benchmarks(target, draft, prompts, args, device):
             if name in ("autoregressive", "hf_assisted"):
                 out, sec = timed(device, lambda: hf(prompt, temperature, draft if name == "hf_assisted" else None))
                 seq = out[0]
+            elif name == "engine_autoregressive":
+                out, sec = timed(device, lambda: engine.generate(prompt, args.new_tokens, temperature=temperature))
+                seq = out[0]
             else:
                 out, sec = timed(device, lambda: generate(
                     target, draft, prompt, num_drafts=k, draft_len=args.draft_len,
                     scheme="sd" if k == 1 else ("specinfer" if scheme == "greedy_tree" else scheme),
-                    temperature=temperature, max_new_tokens=args.new_tokens, generator=gen))
+                    temperature=temperature, max_new_tokens=args.new_tokens, generator=gen, engine=args.engine))
                 seq = out.sequences[0]
                 if i > 0:
                     for key in stats:
@@ -240,6 +249,8 @@ def main():
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--max-files", type=int, default=None)
     parser.add_argument("--name", default="speculative")
+    parser.add_argument("--engine", action="store_true",
+                        help="add the DecodeEngine's autoregressive decode and run the speculative schemes on its static caches")
     args = parser.parse_args()
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.quick:
@@ -315,6 +326,10 @@ def main():
             "best_speedup_over_hf_assisted": best["tokens_per_s"] / hf["tokens_per_s"],
             "best_speedup_over_autoregressive": best["tokens_per_s"] / ar["tokens_per_s"],
         }
+        engine_ar = find("engine_autoregressive", temperature)
+        if engine_ar is not None:
+            targets[f"T{temperature:g}"]["engine_ar_over_hf_ar"] = engine_ar["tokens_per_s"] / ar["tokens_per_s"]
+            targets[f"T{temperature:g}"]["best_speedup_over_engine_ar"] = best["tokens_per_s"] / engine_ar["tokens_per_s"]
     targets["alpha_gain_points_T1"] = 100 * (alpha["distilled_T1"] - alpha["control_T1"])
     targets["alpha_gain_points_T0"] = 100 * (alpha["distilled_T0"] - alpha["control_T0"])
     settings = {**vars(args), "on_policy_tokens": args.seq // 2, "target_params": target_params, "draft_params": draft_params,

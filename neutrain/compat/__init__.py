@@ -11,7 +11,9 @@ adapter has a test in ``tests/unit/compat/`` that fails first when a release mov
   ``Trainer._get_output_dir`` seam;
 * :mod:`neutrain.compat.autograd`: "is a backward running?" (private torch API);
 * :mod:`neutrain.compat.peft_lora`: peft's custom LoRA layer registry (private);
-* :mod:`neutrain.compat.accelerate_prepare`: Accelerate's model preparation without DDP.
+* :mod:`neutrain.compat.accelerate_prepare`: Accelerate's model preparation without DDP;
+* :mod:`neutrain.compat.static_cache`: ``StaticCache``'s device-side length and CUDA-graph RNG
+  (the decode engine).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
   :func:`marginal_output` and :func:`acceptance_formula` for exact checks.
 * :func:`generate` -- single- and multi-draft speculative sampling with one
   tree-masked target forward per round.
+* :class:`DecodeEngine` -- autoregressive decode with a static KV cache, sampling
+  on the device and one CUDA graph per token on a GPU (``generate(..., engine=True)``
+  keeps the speculative caches in engines too).
 * :mod:`neutrain.distill.losses` -- distillation divergences and the
   acceptance rate of a draft.
 
@@ -16,6 +19,7 @@ Example:
     (1, 0)
 """
 
+from neutrain.speculative.engine import DecodeEngine
 from neutrain.speculative.generate import SpeculativeOutput, SpeculativeStats, generate
 from neutrain.speculative.selection import choose_rule, p_star
 from neutrain.speculative.spectr import spectr_acceptance, spectr_rho
@@ -29,6 +33,7 @@ from neutrain.speculative.verify import (
 
 __all__ = [
     "SCHEMES",
+    "DecodeEngine",
     "SpeculativeOutput",
     "SpeculativeStats",
     "acceptance_formula",

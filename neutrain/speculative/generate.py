@@ -27,17 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from neutrain.compat import (
-    cache_batch_size,
-    cache_crop_to,
-    cache_keep_positions,
-    cache_repeat_rows,
-    cache_select_row,
-    output_cache,
+from neutrain.speculative.backends import (
+    DynamicDraft,
+    DynamicTarget,
+    EngineDraft,
+    EngineTarget,
+    model_device,
 )
-from neutrain.speculative.tree import TokenTree, cache_kwargs, tree_forward
+from neutrain.speculative.tree import TokenTree
 from neutrain.speculative.verify import sample_from, verify_step
 
 
@@ -79,43 +77,27 @@ def warp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache):
-    out = model(input_ids=tokens, position_ids=positions, use_cache=True, **cache_kwargs(model, cache))
-    return out.logits, output_cache(out)
-
-
 class _DraftState:
-    """A draft model, its cache and how many committed tokens that cache holds."""
+    """A draft model's cache (:mod:`neutrain.speculative.backends`) and how many committed tokens it holds."""
 
-    def __init__(self, model):
-        self.model, self.cache, self.length = model, None, 0
+    def __init__(self, cache: DynamicDraft):
+        self.cache, self.length = cache, 0
 
     def propose(self, seq: list[int], rows: int, steps: int, temperature: float, generator):
         """Sample ``rows`` continuations of ``steps`` tokens; returns tokens ``[rows, steps]`` and q's."""
-        device = _device(self.model)
-        new = torch.tensor(seq[self.length :], device=device)[None]
-        positions = torch.arange(self.length, len(seq), device=device)[None]
-        logits, self.cache = _forward(self.model, new, positions, self.cache)
-        logits = logits[:, -1]
+        first = self.cache.feed(seq[self.length :], self.length)
         tokens, dists = [], []
         for step in range(steps):
             if step == 0:
                 if temperature == 0:
-                    token = torch.topk(logits[0], rows).indices  # K distinct greedy branches
+                    token = torch.topk(first, rows).indices  # K distinct greedy branches
                     dist = None
                 else:
-                    dist = warp(logits[0], temperature).expand(rows, -1)
+                    dist = warp(first, temperature).expand(rows, -1)
                     token = torch.multinomial(dist, 1, replacement=True, generator=generator)[:, 0]
-                if rows > 1:
-                    cache_repeat_rows(self.cache, rows)
+                self.cache.fan_out()
             else:
-                pos = torch.full((rows, 1), len(seq) + step - 1, device=device)
-                logits, self.cache = _forward(self.model, tokens[-1][:, None], pos, self.cache)
-                logits = logits[:, -1]
+                logits = self.cache.step(tokens[-1], len(seq) + step - 1)
                 if temperature == 0:
                     token, dist = logits.argmax(-1), None
                 else:
@@ -130,10 +112,8 @@ class _DraftState:
 
     def keep(self, row: int, seq_before: int, matched: int, steps: int) -> None:
         """Keep cache row ``row`` up to the committed tokens it holds."""
-        if cache_batch_size(self.cache) > 1:
-            cache_select_row(self.cache, row)
         self.length = seq_before + min(matched, steps - 1)
-        cache_crop_to(self.cache, self.length)
+        self.cache.keep(row, seq_before, self.length)
 
 
 def _generator_on(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
@@ -169,6 +149,7 @@ def generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     top_s: int = 5,
+    engine: bool = False,
 ) -> SpeculativeOutput:
     """Exact speculative sampling from ``target`` with one or several drafts (batch 1).
 
@@ -188,6 +169,9 @@ def generate(
         eos_token_id: stop after this token.
         generator: optional ``torch.Generator`` on the target's device.
         top_s: tokens in the truncated K = 2 optimal selection (``"importance"``).
+        engine: keep the target's and the drafts' KV caches in static
+            :class:`~neutrain.speculative.engine.DecodeEngine` caches (models with
+            full-attention layers) instead of growing ``DynamicCache`` s.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` (prompt + new tokens) and stats.
@@ -212,16 +196,19 @@ def generate(
     if (temperature == 0) != (draft_temperature == 0):
         raise ValueError("temperature 0 (greedy) needs greedy drafts too")
 
-    device = _device(target)
+    device = model_device(target)
     seq = input_ids[0].tolist()
     prompt_len = len(seq)
     stats = SpeculativeStats()
-    target_cache = None
-    if len(seq) > 1:  # the target cache holds all committed tokens but the last
-        _, target_cache = _forward(
-            target, torch.tensor(seq[:-1], device=device)[None], torch.arange(len(seq) - 1, device=device)[None], None
-        )
-    states = [_DraftState(m) for m in models]
+    rows = k_drafts if len(models) == 1 else 1  # cache rows of each draft model
+    if engine:  # room for the prompt, the new tokens and one round's token tree
+        room = prompt_len + max_new_tokens + k_drafts * draft_len + 1
+        target_cache = EngineTarget(target, room)
+        states = [_DraftState(EngineDraft(m, rows, room)) for m in models]
+    else:
+        target_cache = DynamicTarget(target)
+        states = [_DraftState(DynamicDraft(m, rows)) for m in models]
+    target_cache.prefill(seq[:-1])  # the target cache holds all committed tokens but the last
     # Verification is a chain of small, data-dependent steps; on the host they cost
     # microseconds each, where on a GPU every step would be a launch plus a sync.
     host_generator = _generator_on(generator, torch.device("cpu"))
@@ -235,7 +222,6 @@ def generate(
         n = len(seq)
         drafts, dists = [], []  # drafts[k] = token list; dists[k][t] = q row draft k sampled token t from
         for state in states:
-            rows = k_drafts if len(states) == 1 else 1
             tokens, q = state.propose(seq, rows, draft_len, draft_temperature, generator)
             stats.draft_calls += draft_len
             for r in range(rows):
@@ -244,9 +230,7 @@ def generate(
         tree = TokenTree(seq[-1])
         paths = [tree.add_path(d) for d in drafts]
         past = n - 1
-        if target_cache is None:  # one-token prompt: nothing was prefilled
-            target_cache = DynamicCache()
-        logits = tree_forward(target, tree, target_cache, past)
+        logits = target_cache.verify(tree, past)
         stats.target_calls += 1
         if temperature == 0:
             greedy = logits.argmax(-1).tolist()
@@ -282,11 +266,10 @@ def generate(
             accepted_nodes.append(node)
             depth += 1
 
-        keep = torch.cat([torch.arange(past), past + torch.tensor([0] + accepted_nodes)]).to(device)
-        cache_keep_positions(target_cache, keep)
+        target_cache.keep(past, accepted_nodes)
         for i, state in enumerate(states):
-            rows = range(len(drafts)) if len(states) == 1 else [i]
-            matched = {r: _matched(drafts[r], committed) for r in rows}
+            candidates = range(len(drafts)) if len(states) == 1 else [i]
+            matched = {r: _matched(drafts[r], committed) for r in candidates}
             best = max(matched, key=matched.get)
             state.keep(best if len(states) == 1 else 0, n, matched[best], draft_len)
         if eos_token_id is not None and eos_token_id in committed:

@@ -66,16 +66,19 @@ def test_tree_logits_equal_sequential(attn):
     assert worst < 1e-4
 
 
+@pytest.mark.parametrize("engine", [False, True])  # DynamicCache, or the DecodeEngine's static caches
 @pytest.mark.parametrize("k,scheme", [(1, "sd"), (2, "specinfer"), (3, "spectr"), (3, "importance")])
-def test_greedy_equals_target_greedy(k, scheme):
+def test_greedy_equals_target_greedy(k, scheme, engine):
     target, draft = tiny_llama(0), tiny_llama(1, layers=1, hidden=32)
     prompt = torch.tensor([[4, 9, 33, 2]])
     with torch.no_grad():
         reference = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    out = generate(target, draft, prompt, num_drafts=k, draft_len=3, scheme=scheme, temperature=0, max_new_tokens=24)
+    out = generate(target, draft, prompt, num_drafts=k, draft_len=3, scheme=scheme, temperature=0, max_new_tokens=24,
+                   engine=engine)
     assert torch.equal(out.sequences, reference)
     # The target as its own draft accepts everything: gamma + 1 tokens per call, cache compaction on full paths.
-    out = generate(target, target, prompt, num_drafts=k, draft_len=3, scheme=scheme, temperature=0, max_new_tokens=24)
+    out = generate(target, target, prompt, num_drafts=k, draft_len=3, scheme=scheme, temperature=0, max_new_tokens=24,
+                   engine=engine)
     assert torch.equal(out.sequences, reference)
     assert out.stats.acceptance == 1.0 and out.stats.block_efficiency == 4.0
 
@@ -157,16 +160,18 @@ def test_chi_square_catches_a_residual_bug(monkeypatch):
     assert stat > chi_square_threshold(dof), (stat, dof)
 
 
-def test_one_token_prompt_and_eos_stop():
+@pytest.mark.parametrize("engine", [False, True])
+def test_one_token_prompt_and_eos_stop(engine):
     target, draft = tiny_llama(0), tiny_llama(1, layers=1, hidden=32)
     prompt = torch.tensor([[5]])
     with torch.no_grad():
         reference = target.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10)
+    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10, engine=engine)
     assert torch.equal(out.sequences, reference)
     stop = int(reference[0, 4])  # the 4th new token
     first = reference[0, 1:].tolist().index(stop) + 1
-    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10, eos_token_id=stop)
+    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=10, eos_token_id=stop,
+                   engine=engine)
     assert torch.equal(out.sequences, reference[:, : first + 1])
 
 

@@ -1,0 +1,162 @@
+"""Benchmark: the DecodeEngine's autoregressive decode at batch 1 against Hugging Face, and the HBM roofline (issue 19).
+
+One process, one GPU, the Llama-3-8B architecture with random N(0, 0.02) weights (the same seed for
+every variant, so dense bf16 and NeuZip lossless hold the same numbers and must decode the same tokens):
+
+* ``hf_generate``: ``model.generate`` (``DynamicCache``, eager), greedy, a fixed number of new tokens
+  (dense weights only; ``inference.json`` has HF's decode on NeuZip weights);
+* ``engine_eager``: :class:`~neutrain.speculative.engine.DecodeEngine` without CUDA graphs;
+* ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU).
+
+The roofline is the bytes one decode step must read (every weight but the input embedding, of
+which one row is read, plus the KV cache of the context so far, averaged over the decode) over the
+bandwidth of a device-to-device copy measured in the same run, counting bytes read plus written.
+Targets (issue 19): ``ar_roofline_fraction_8b`` (engine_graph, dense bf16) and
+``neuzip_lossless_over_bf16_decode``.
+
+    NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/engine_decode.py   # GPU, 8B
+    python benchmarks/engine_decode.py --tiny --out-dir /tmp/engine_decode            # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import git_provenance, write_result  # noqa: E402
+from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
+from neutrain.nn.load import init_compressed  # noqa: E402
+from neutrain.speculative.engine import DecodeEngine  # noqa: E402
+
+
+def log(*args):
+    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device, fn):
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes read plus written per second by a device-to-device copy (best of 5)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        _, sec = timed(device, lambda: dst.copy_(src))
+        best = min(best, sec)
+    return 2 * nbytes / best  # the buffers are freed on return
+
+
+def bytes_per_token(config, context: float, elem: int = 2) -> float:
+    """Weight and KV bytes a decode step reads at ``context`` tokens (dense, ``elem`` bytes a value)."""
+    h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter + 2 * h
+    weights = layers * per_layer + h + vocab * h + h  # final norm, lm_head, one embedding row
+    kv = 2 * layers * kv_heads * head_dim * context
+    return (weights + kv) * elem
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on any device (smoke test)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run")
+    parser.add_argument("--weights", default="dense,neuzip-lossless")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
+    parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    args = parser.parse_args()
+    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
+    from transformers import LlamaConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(**(TINY if args.tiny else LLAMA3_8B), bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    new = args.new_tokens
+    bandwidth = copy_bandwidth(device, 1 << (24 if args.tiny else 31))
+    per_token = bytes_per_token(config, args.prompt_len + new / 2, elem=torch.finfo(dtype).bits // 8)
+    roofline = bandwidth / per_token
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.2f} GB per token; "
+        f"roofline {roofline:.0f} tok/s")
+
+    rows, outputs = [], {}
+    for weights in args.weights.split(","):
+        model, _ = init_compressed(config, weights, device, dtype=dtype, progress=False)
+        model.eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        engines = {"engine_eager": DecodeEngine(model, args.prompt_len + new, cuda_graph=False)}
+        if device.type == "cuda":
+            engines["engine_graph"] = DecodeEngine(model, args.prompt_len + new)
+        runners = {name: (lambda e=engine: e.generate(prompt, new)) for name, engine in engines.items()}
+        if not args.skip_hf and weights == "dense":  # HF on NeuZip weights: inference.json
+            runners["hf_generate"] = lambda m=model: m.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        for method, run in runners.items():
+            with torch.no_grad():
+                out, _ = timed(device, run)  # warm-up (and, for engine_graph, the capture)
+                secs = [timed(device, run)[1] for _ in range(args.repeats)]
+            outputs[(weights, method)] = out.cpu()
+            best = min(secs)
+            row = {"weights": weights, "method": method, "tokens_per_s": new / best, "ms_per_token": 1e3 * best / new,
+                   "seconds": secs, "roofline_fraction": new / best / roofline}
+            log(row)
+            rows.append(row)
+        del model, engines, runners, run, out  # the last closure holds the model too
+        gc.collect()  # transformers models hold reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    same = {}  # greedy agreement between rows (bf16 HF and the engine may differ after a near tie)
+    reference = outputs.get(("dense", "engine_eager"))
+    for key, out in outputs.items():
+        if reference is not None and key != ("dense", "engine_eager"):
+            agree = (out[0, args.prompt_len:] == reference[0, args.prompt_len:]).long()
+            same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
+    log("tokens equal to dense engine_eager before the first difference:", same)
+
+    def tps(weights, method):
+        return next((r["tokens_per_s"] for r in rows if r["weights"] == weights and r["method"] == method), None)
+
+    best_method = "engine_graph" if device.type == "cuda" else "engine_eager"
+    targets = {}
+    dense = tps("dense", best_method)
+    if dense and not args.tiny:
+        targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": ">= 0.6", "method": best_method}
+    lossless = tps("neuzip-lossless", best_method)
+    if dense and lossless:
+        targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense, "goal": ">= 0.5 (stretch >= 0.9)"}
+    settings = {**vars(args), "arch": "tiny" if args.tiny else "llama3-8b", "dtype": str(dtype), "batch": 1,
+                "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline}
+    results = {"decode": rows, "greedy_tokens_equal_to_dense_engine_eager": same}
+    path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
+                        targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
+    log("wrote", path)
+    for r in rows:
+        print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
+
+
+if __name__ == "__main__":
+    main()
