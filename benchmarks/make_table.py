@@ -126,6 +126,7 @@ TM_LABELS = {
     "d": "(d) NeuZip lossless + fused LOMO", "e": "(e) NeuZip lossless + AdaLomo", "h": "Hugging Face Trainer, optim=\"lomo\"",
     "f": "(f) dense + fused AdaLomo", "g": "(g) as (d), decode buffers not reserved (A/B)",
     "q": "(q) as (d), side-stream decode-ahead on (A/B)",
+    "x": "(x) as (c), eager update instead of the fused_update kernel (A/B)",
     "p": "Hugging Face Trainer, optim=\"paged_adamw_8bit\" (bitsandbytes)",
     "t": "torchao AdamW8bit stepped in backward (torchtune's setting)",
 }

@@ -49,6 +49,7 @@ VARIANTS = {
     "h": ("dense", "lomo-hf"),  # Hugging Face's own optim="lomo" (pip lomo-optim), the comparison the issue names
     "p": ("dense", "paged-adamw8bit-hf"), "t": ("dense", "adamw8bit-torchao-bwd"),
     "q": ("neuzip-lossless", "lomo"),  # d with the side-stream decode-ahead on (neutrain.nn.prefetch)
+    "x": ("dense", "lomo"),  # c with the eager update instead of the fused_update kernel (NEUTRAIN_FUSED_UPDATE=0)
 }
 PEERS = ("h", "p", "t", "f")  # issue 17 item 5: what a user would pick instead
 # neutrain's own code paths run with the allocator setting `neutrain train` sets by default
@@ -210,6 +211,8 @@ def _child(args, key: str, batches: list[int]) -> dict:
     env = dict(os.environ)
     if key not in PEER_CODE:
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", NEUTRAIN_ALLOC_CONF)
+    if key == "x":
+        env["NEUTRAIN_FUSED_UPDATE"] = "0"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)

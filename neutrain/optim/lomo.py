@@ -8,12 +8,22 @@ update is one row chunk of fp32 temporaries.
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
 
+from neutrain.kernels import triton_available
+from neutrain.optim.clipping import as_rows
 from neutrain.optim.fused import FusedOptimizer
 from neutrain.optim.rule import scaled
+
+
+def use_fused_kernel(weight: torch.Tensor) -> bool:
+    """Whether LOMO updates ``weight`` with the one-kernel ``fused_update`` (CUDA, Triton; off with
+    ``NEUTRAIN_FUSED_UPDATE=0``, the A/B switch of ``benchmarks/train_memory.py``)."""
+    return (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float32) and triton_available()
+            and os.environ.get("NEUTRAIN_FUSED_UPDATE", "1") != "0")
 
 
 class LOMO(FusedOptimizer):
@@ -40,6 +50,23 @@ class LOMO(FusedOptimizer):
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), **kwargs)
+
+    def _update_rows(self, weight, grad_rows, state, group, ok, coef, generator) -> None:
+        if not use_fused_kernel(weight):
+            return super()._update_rows(weight, grad_rows, state, group, ok, coef, generator)
+        from neutrain.kernels.fused_update import fused_update_  # lazy: Triton, CUDA path only
+
+        # One kernel per row chunk (the streamed lm_head/embedding update hands gradient rows chunk
+        # by chunk); the noise is keyed by the element's index in the whole tensor, so chunking
+        # does not change the result. The generator carries the per-update seed it was given.
+        seed = generator.initial_seed() if generator is not None else None
+        w_rows = as_rows(weight)
+        row_numel = w_rows.shape[1]
+        for rows in self._row_chunks(weight):
+            grad = grad_rows(rows)
+            fused_update_(w_rows[rows], grad if grad.is_contiguous() else grad.contiguous(), lr=group["lr"],
+                          weight_decay=group["weight_decay"], coef=coef, ok=ok, seed=seed,
+                          base=rows.start * row_numel)
 
     def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
         lr, wd = group["lr"], group["weight_decay"]
