@@ -13,7 +13,7 @@ coefficient, ``ok`` the tensor's finiteness flag; both 0-dim device tensors, rea
 the kernel, so nothing is read back to the host)::
 
     p = w * (1 - lr * wd)            # only when wd != 0
-    p = p + (-lr) * (g * coef)       # coef only when clipping
+    p = fma(g * coef, -lr, p)        # coef only when clipping
     new = round_to_bf16(p)           # stochastic (Philox noise) or nearest-even
     w = new if ok and isfinite(new) else w
 
@@ -35,6 +35,8 @@ import triton.language as tl
 from neutrain.kernels import interpreting
 
 BLOCK = 1024 if not interpreting() else 64
+# No contraction of separate multiplies and adds into FMAs: the eager path rounds each op.
+_NO_FUSION = {} if interpreting() else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -51,7 +53,9 @@ def _fused_update_kernel(w_ptr, g_ptr, coef_ptr, ok_ptr, n, base, neg_lr, decay,
         p = p * decay
     if HAS_COEF:
         g = g * tl.load(coef_ptr)
-    p = p + neg_lr * g
+    # The step as one fused multiply-add, the rest rounded op by op (fp-fusion is off at launch):
+    # exactly what the eager ops compute (torch's `add_(g, alpha=-lr)` is an FMA on CUDA).
+    p = tl.fma(g, neg_lr, p)
     if SR:
         # Add 16 random bits to the fp32 pattern and keep the high half: rounds the magnitude up
         # with probability equal to the discarded fraction (neutrain.optim.rounding).
@@ -99,6 +103,6 @@ def fused_update_(weight: torch.Tensor, grad: torch.Tensor, *, lr: float, weight
     grid = (triton.cdiv(n, BLOCK),)
     _fused_update_kernel[grid](
         weight, grad, coef if coef is not None else ok, ok, n, base, -lr, decay, int(seed or 0) & 0x7FFFFFFF,
-        HAS_COEF=coef is not None, DECAY=weight_decay != 0.0, SR=sr, BLOCK=BLOCK,
+        HAS_COEF=coef is not None, DECAY=weight_decay != 0.0, SR=sr, BLOCK=BLOCK, **_NO_FUSION,
     )
     return weight
