@@ -504,6 +504,8 @@ def real_configs(model, ctx: int, min_similarity: float) -> dict[str, tuple[str,
         # the paper's budget in finer chunks: twice the landmarks, each the mean of 4 keys instead of 8
         "shadowkv_paper_chunk4": ("shadowkv", {**paper, "chunk_size": 4, "outliers": 2 * paper["outliers"]}),
         "shadowkv_paper_chunk2": ("shadowkv", {**paper, "chunk_size": 2, "outliers": 4 * paper["outliers"]}),
+        "shadowkv_budget_6pct_chunk4": ("shadowkv", {**paper, "budget": 0.0625, "chunk_size": 4,
+                                                     "outliers": 2 * paper["outliers"]}),
         # each piece alone
         "shadowkv_lowrank_keys_only": ("shadowkv", {**paper, "budget": every_chunk, "offload_values": False}),
         "shadowkv_sparse_selection_only": ("shadowkv", {**paper, "exact_keys": True, "offload_values": False}),
