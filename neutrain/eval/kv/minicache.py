@@ -52,6 +52,11 @@ def from_per_token(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(b, s, heads, hd // heads).permute(0, 2, 1, 3)
 
 
+def mean_direction_cosine(x_prev: torch.Tensor, x_next: torch.Tensor) -> float:
+    """Mean over tokens of the cosine between two layers' per-token state vectors ([b, h, s, d] each)."""
+    return float(torch.nn.functional.cosine_similarity(per_token(x_prev).float(), per_token(x_next).float(), dim=-1).mean())
+
+
 def slerp_merge(x_prev: torch.Tensor, x_next: torch.Tensor, t: float, eps: float = 1e-6):
     """SLERP of per-token directions (Eq. 3), in fp32.
 
@@ -170,6 +175,8 @@ class _LayerPair:
     def __init__(self, quant_bits, quant_group):
         self.keys = _MergedStream("channel", quant_bits, quant_group)
         self.values = _MergedStream("token", quant_bits, quant_group)
+        self.layers: list["MiniCacheLayer"] = []
+        self.similarity: float | None = None  # min of the keys' and values' mean cosine at the first merge
 
 
 class MiniCacheLayer(DynamicLayer):
@@ -190,6 +197,14 @@ class MiniCacheLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)
+
+    def become_exact(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Leave the pair: store this layer's states (so far ``keys``/``values``) exactly from now on."""
+        self.role, self.pair = "exact", None
+        self.key_store = make_store(self.owner.quant_bits, "channel", self.owner.quant_group)
+        self.value_store = make_store(self.owner.quant_bits, "token", self.owner.quant_group)
+        self.key_store.append(keys)
+        self.value_store.append(values)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -235,30 +250,38 @@ class MiniCache(Cache):
         gamma: Retention threshold (paper: 0.05). 1 keeps every token exactly, 0 none.
         retain: ``"distinct"`` (intended) or ``"literal"`` (Eq. 4 as printed).
         merge_every: Decode tokens gathered before they are merged (the prompt merges at once).
+        min_similarity: None merges every pair (the paper). A number: at a pair's first merge (the
+            prompt), the mean cosine of the two layers' per-token key and value directions is measured,
+            and a pair whose lower one is below it is not merged (both layers stay exact, quantized if
+            ``quant_bits``). Why: merging dissimilar layers loses what the model retrieves with; how
+            similar adjacent layers are depends on the model (benchmarks/notes_kv_eval.md).
         quant_bits: None, or 4 for KIVI-style quantization of every stored stream.
         quant_group: KIVI group size (tokens per block; channels per group for values).
 
     Attributes:
         merges: Number of merged blocks (one per pair and flush); > 0 proves the merge path ran.
         merged_tokens: Token positions merged, summed over pairs.
+        unmerged_pairs: Pairs left exact by ``min_similarity``.
         retained_tokens: Token rows kept exactly, summed over pairs and over keys/values.
     """
 
     def __init__(self, config, start_layer: int | None = None, t: float = 0.6, gamma: float = 0.05,
                  retain: str = "distinct", merge_every: int = 64, quant_bits: int | None = None,
-                 quant_group: int = 128):
+                 quant_group: int = 128, min_similarity: float | None = None):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = cfg.num_hidden_layers
         self.start_layer = num_layers // 2 if start_layer is None else start_layer
         self.t, self.gamma, self.retain = t, gamma, retain
         self.merge_every, self.quant_bits, self.quant_group = merge_every, quant_bits, quant_group
-        self.merges = self.merged_tokens = self.retained_tokens = 0
+        self.min_similarity = min_similarity
+        self.merges = self.merged_tokens = self.retained_tokens = self.unmerged_pairs = 0
         layers: list[MiniCacheLayer] = []
         idx = 0
         while idx < num_layers:
             if idx >= self.start_layer and idx + 1 < num_layers:
                 pair = _LayerPair(quant_bits, quant_group)
-                layers += [MiniCacheLayer(self, "first", pair), MiniCacheLayer(self, "second", pair)]
+                pair.layers = [MiniCacheLayer(self, "first", pair), MiniCacheLayer(self, "second", pair)]
+                layers += pair.layers
                 idx += 2
             else:
                 layers.append(MiniCacheLayer(self, "exact"))
@@ -266,6 +289,14 @@ class MiniCache(Cache):
         super().__init__(layers=layers)
 
     def _merge(self, pair: _LayerPair) -> None:
+        if self.min_similarity is not None and pair.similarity is None:
+            (k0, k1), (v0, v1) = pair.keys.residual, pair.values.residual
+            pair.similarity = min(mean_direction_cosine(k0, k1), mean_direction_cosine(v0, v1))
+            if pair.similarity < self.min_similarity:
+                for side, layer in enumerate(pair.layers):
+                    layer.become_exact(pair.keys.residual[side], pair.values.residual[side])
+                self.unmerged_pairs += 1
+                return
         self.merged_tokens += pair.keys.residual_length()
         for stream in (pair.keys, pair.values):
             self.retained_tokens += stream.merge(self.t, self.gamma, self.retain)
@@ -291,6 +322,7 @@ class MiniCache(Cache):
             "merges": self.merges,
             "merged_tokens": self.merged_tokens,
             "retained_tokens": self.retained_tokens,
+            "unmerged_pairs": self.unmerged_pairs,
             "stored_bytes": stored,
             "full_bytes": full,
             "compression_ratio": full / stored if stored else float("nan"),

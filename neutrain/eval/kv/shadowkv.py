@@ -57,6 +57,11 @@ class ShadowKVOptions:
     local_chunks: int = 4
     min_prefill: int = 4096
     offload_values: bool = True
+    # Diagnosis switches (issue 20): keep the selected chunks' keys exact instead of rebuilding them
+    # from the rank-``rank`` SVD, so the selection's loss can be measured apart from the SVD's; and
+    # log every step's selected chunks (``ShadowKVLayer.selection_log``) for the needle recall.
+    exact_keys: bool = False
+    log_selection: bool = False
 
 
 class ShadowKVLayer(DynamicLayer):
@@ -101,14 +106,18 @@ class ShadowKVLayer(DynamicLayer):
         positions = position_ids if position_ids is not None else torch.arange(n, device=keys.device)[None]
         self.pos0 = positions.reshape(-1, positions.shape[-1])[:, :1].to(keys.device)  # [1 or b, 1]
         cos, sin = rope_cos_sin(rotary, positions.expand(b, n) if positions.shape[0] == 1 else positions, keys.dtype)
-        pre = invert_rope(keys.float(), cos[:, None].float(), sin[:, None].float())
-        u, sv = low_rank_keys(pre, opt.rank)
-        self.u, self.sv = u.to(keys.dtype), sv.to(keys.dtype)
+        if opt.exact_keys:
+            self.exact_k, self.u, self.sv = keys[:, :, : num_chunks * cs].clone(), None, None
+        else:
+            pre = invert_rope(keys.float(), cos[:, None].float(), sin[:, None].float())
+            u, sv = low_rank_keys(pre, opt.rank)
+            self.u, self.sv, self.exact_k = u.to(keys.dtype), sv.to(keys.dtype), None
 
         chunked = keys[:, :, :ctx].reshape(b, h, num_chunks, cs, d)
         landmarks = chunked.float().mean(dim=3)
         agreement = F.cosine_similarity(chunked.float(), landmarks[:, :, :, None], dim=-1).amin(dim=-1)
         outlier_ids = agreement.topk(opt.outliers, dim=-1, largest=False).indices.sort(dim=-1).values
+        self.outlier_ids, self.selection_log = outlier_ids, []
         keep = torch.ones(b, h, num_chunks, dtype=torch.bool, device=keys.device)
         keep.scatter_(-1, outlier_ids, False)
         self.landmark_chunk = keep.nonzero()[:, 2].view(b, h, num_chunks - opt.outliers)
@@ -171,10 +180,15 @@ class ShadowKVLayer(DynamicLayer):
         picked = select_chunks(query, self.landmarks, self.select, module.scaling)
         chunk_ids = self.landmark_chunk.gather(-1, picked)
         tokens = chunk_tokens(chunk_ids, cs)
+        if self.owner.options.log_selection:
+            self.selection_log.append(chunk_ids)
         values_sel, pending = self.gather_values(chunk_ids, query.device)
-        pre = rebuild_keys(self.u, self.sv, tokens)
-        cos, sin = rope_cos_sin(rotary, tokens + self.pos0[:, :, None], pre.dtype)
-        keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
+        if self.exact_k is not None:
+            keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)
+        else:
+            pre = rebuild_keys(self.u, self.sv, tokens)
+            cos, sin = rope_cos_sin(rotary, tokens + self.pos0[:, :, None], pre.dtype)
+            keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
         if pending is not None:
             torch.cuda.current_stream(query.device).wait_stream(pending)
         keys = torch.cat([self.outlier_k, keys_sel, self.tail_k], dim=2)
@@ -195,7 +209,7 @@ class ShadowKVLayer(DynamicLayer):
     def device_bytes(self) -> int:
         if self.mode != "sparse":
             return _nbytes(self.keys, self.values)
-        parts = [self.u, self.sv, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
+        parts = [self.u, self.sv, self.exact_k, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
                  self.tail_k, self.tail_v]
         return _nbytes(*parts) + (0 if self.offloaded else _nbytes(self.v_store))
 

@@ -155,3 +155,34 @@ def test_measured_ratios_merge_and_quantized(model4):
     assert merged.merges > 0 and quant.merges > 0
     assert 1.0 < r_merge < 4 / 3  # half the layers merged: at most 4/3 before retention costs
     assert r_quant > 2.5 * r_merge
+
+
+def test_min_similarity_leaves_dissimilar_pairs_exact(model4):
+    """A threshold above every pair's cosine merges nothing: same logits as DynamicCache; none merges all."""
+    ids = torch.randint(0, 97, (1, 60))
+    ref = decode_logits(model4, ids, 40, DynamicCache(config=model4.config))
+    strict = MiniCache(model4.config, gamma=0.0, merge_every=5, min_similarity=1.01)
+    torch.testing.assert_close(decode_logits(model4, ids, 40, strict), ref, atol=1e-5, rtol=1e-5)
+    assert strict.unmerged_pairs == 1 and strict.merges == 0
+    assert all(layer.role == "exact" for layer in strict.layers)
+    assert strict.stats()["compression_ratio"] == pytest.approx(1.0)
+    loose = MiniCache(model4.config, gamma=0.0, merge_every=5, min_similarity=-1.01)
+    out = decode_logits(model4, ids, 40, loose)
+    assert loose.unmerged_pairs == 0 and loose.merges >= 5 and (out - ref).abs().max() > 1e-3
+
+
+def test_min_similarity_measures_the_pair_cosine(model4):
+    from neutrain.eval.kv.minicache import mean_direction_cosine
+
+    ids = torch.randint(0, 97, (1, 40))
+    dense = DynamicCache(config=model4.config)
+    decode_logits(model4, ids, 40, dense)
+    k, v = [x.keys for x in dense.layers], [x.values for x in dense.layers]
+    expected = min(mean_direction_cosine(k[2], k[3]), mean_direction_cosine(v[2], v[3]))
+    cache = MiniCache(model4.config, gamma=0.0, merge_every=8, min_similarity=expected - 1e-4)
+    decode_logits(model4, ids, 40, cache)
+    pair = cache.layers[2].pair
+    assert pair.similarity == pytest.approx(expected, abs=1e-5) and cache.merges == 1
+    quantized = MiniCache(model4.config, gamma=0.0, merge_every=8, min_similarity=expected + 1e-4, quant_bits=4, quant_group=8)
+    decode_logits(model4, ids, 40, quantized)
+    assert quantized.unmerged_pairs == 1 and quantized.stats()["compression_ratio"] > 2  # exact layers still 4-bit

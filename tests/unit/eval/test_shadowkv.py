@@ -172,3 +172,35 @@ def test_outliers_are_the_least_coherent_chunks(model):
         assert set(layer.landmark_chunk[0, head].tolist()) == set(range(layer.num_chunks)) - set(worst.tolist())
         torch.testing.assert_close(layer.outlier_k[0, head], chunks[0, head, worst].reshape(16, 16))
         torch.testing.assert_close(layer.landmarks[0, head], mean[0, head, layer.landmark_chunk[0, head], 0])
+
+
+def test_exact_keys_with_every_chunk_selected_matches_dynamic_cache(model):
+    """exact_keys (diagnosis switch): at a low rank the keys are not rebuilt from the SVD, so with every
+    chunk selected the cache is the full cache; without the switch the same rank changes the logits."""
+    ids = torch.randint(0, 97, (1, 166))
+    ref = decode_logits(model, ids, 136, DynamicCache(config=model.config))
+    exact, cache = _run(model, ids, 136, budget=10_000, rank=2, exact_keys=True, **SMALL)
+    _assert_sparse(cache, 3)
+    assert cache.layers[0].u is None and cache.layers[0].exact_k.shape[2] == cache.layers[0].context
+    torch.testing.assert_close(exact, ref, atol=2e-5, rtol=1e-5)
+    low_rank, _ = _run(model, ids, 136, budget=10_000, rank=2, **SMALL)
+    assert (low_rank - ref).abs().max() > 1e-3
+
+
+def test_selection_log_records_each_sparse_step(model):
+    """log_selection keeps every decode step's chosen chunk ids per layer, and the needle recall reads them."""
+    from neutrain.eval.kv.diagnose import needle_chunk_recall
+
+    ids = torch.randint(0, 97, (1, 146))
+    _, cache = _run(model, ids, 136, budget=24, rank=8, log_selection=True, **SMALL)
+    layer = cache.layers[0]
+    assert len(layer.selection_log) == 10 and layer.selection_log[0].shape == (1, 2, 3)
+    chosen = layer.selection_log[0][0, 0, 0].item()
+    recall = needle_chunk_recall(cache, [chosen * 8 + 1])
+    assert len(recall["selected"]) == 3 and recall["selected"][0] > 0
+    missed = sorted(set(range(layer.num_chunks)) - {c for step in layer.selection_log for c in step.flatten().tolist()}
+                    - set(layer.outlier_ids.flatten().tolist()))
+    if missed:  # a chunk no head ever selected nor kept exact: recall 0 there
+        assert needle_chunk_recall(cache, [missed[0] * 8])["covered"][0] == 0.0
+    _, quiet = _run(model, ids, 136, budget=24, rank=8, **SMALL)
+    assert quiet.layers[0].selection_log == []

@@ -1,0 +1,58 @@
+"""Diagnosis measures (issue 20): key spectrum, adjacent-layer cosine, needle token positions, prefill states."""
+
+import pytest
+import torch
+
+from eval_helpers import tiny_llama
+from neutrain.eval.kv.diagnose import (
+    adjacent_layer_cosine,
+    key_spectrum,
+    needle_token_positions,
+    prefill_states,
+    spectrum_energy,
+)
+from neutrain.eval.tasks import char_tokenizer
+
+
+def test_spectrum_energy_of_a_known_rank():
+    torch.manual_seed(0)
+    x = torch.randn(50, 3) @ torch.randn(3, 12)  # rank 3
+    e = spectrum_energy(x, ranks=(1, 2, 3, 64))
+    assert e[1] < e[2] < e[3] and e[3] == pytest.approx(1.0) and e[64] == pytest.approx(1.0)
+    s = torch.linalg.svdvals(x.double())
+    assert e[1] == pytest.approx(float(s[0] ** 2 / (s**2).sum()), rel=1e-6)
+
+
+def test_prefill_states_pre_rope_keys_are_k_proj_outputs():
+    """RoPE inverted on the cached keys gives back k_proj's output (the keys ShadowKV factorises)."""
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 97, (1, 30))
+    seen = {}
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, out: seen.setdefault("k", out))
+    try:
+        states = prefill_states(model, ids)
+    finally:
+        hook.remove()
+    expected = seen["k"].view(1, 30, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(states["pre_rope_keys"][1], expected, atol=1e-4, rtol=1e-4)
+    assert (states["keys"][1] - expected).abs().max() > 1e-2  # RoPE did move the cached keys
+    spectrum = key_spectrum(states["pre_rope_keys"], ranks=(1, 32))
+    assert len(spectrum) == 2 and spectrum[0][1] < spectrum[0][32] == pytest.approx(1.0)
+    cos = adjacent_layer_cosine(states["values"])
+    assert len(cos) == 1 and -1.0 <= cos[0] < 0.99
+
+
+def test_adjacent_cosine_is_per_token_over_heads():
+    a = torch.zeros(1, 2, 2, 2)
+    a[0, 0, 0, 0] = a[0, 1, 1, 1] = 1.0  # token 0 on head 0, token 1 on head 1
+    b = a.clone()
+    b[0, 1, 1, 1] = -1.0  # token 1 flipped: cosines +1 and -1
+    assert adjacent_layer_cosine([a, b]) == [0.0]
+
+
+def test_needle_positions_cover_exactly_the_needle():
+    tok = char_tokenizer()
+    prompt = "hay hay 4711 hay"
+    assert needle_token_positions(tok, prompt, "4711") == [8, 9, 10, 11]
+    with pytest.raises(ValueError, match="not in the prompt"):
+        needle_token_positions(tok, prompt, "999")
