@@ -47,9 +47,25 @@ def run(args) -> int:
                        generator=torch.Generator().manual_seed(args.seed))
         out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
     else:
-        kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
-        out, note = model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs), ""
+        out, note = _plain(model.eval(), ids, args, tokenizer), ""
     print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     if note:
         print(note, file=sys.stderr)
     return 0
+
+
+def _plain(model, ids, args, tokenizer):
+    """Autoregressive decoding in neutrain's decode engine (static cache, sampling on the device, a CUDA
+    graph per token on a GPU): greedy equals Hugging Face's ``generate`` token for token, and T > 0 draws
+    from the model's own ``softmax(logits / T)`` (no top-k or top-p). Models the engine cannot hold
+    (sliding-window attention) go through ``model.generate``."""
+    from neutrain.speculative import DecodeEngine  # lazy: `neutrain --help` stays instant
+
+    try:
+        engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed)
+    except ValueError:
+        kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
+        return model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    device = next(model.parameters()).device
+    return engine.generate(ids.to(device), args.max_new_tokens, temperature=args.temperature,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0).cpu()

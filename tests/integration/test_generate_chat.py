@@ -59,3 +59,18 @@ def test_generate_help_states_the_default(capsys):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--raw" in out and "0 = greedy (default 0)" in out
+
+
+def test_plain_generation_runs_in_the_decode_engine(capsys, export_dir, monkeypatch):
+    # Without a draft, `neutrain generate` decodes in DecodeEngine (static cache, on-device sampling):
+    # greedy equals HF's (above); sampling is reproducible with --seed and moves with it.
+    from neutrain.speculative import DecodeEngine
+
+    calls = []
+    original = DecodeEngine.generate
+    monkeypatch.setattr(DecodeEngine, "generate", lambda self, *a, **k: (calls.append(k), original(self, *a, **k))[1])
+    first = _generate(capsys, export_dir, "--temperature", "1.0", "--seed", "3")
+    assert _generate(capsys, export_dir, "--temperature", "1.0", "--seed", "3") == first
+    others = {_generate(capsys, export_dir, "--temperature", "1.0", "--seed", str(s)) for s in (4, 5, 6)}
+    assert len(calls) == 5 and calls[0]["temperature"] == 1.0
+    assert others - {first}, "sampling ignored the seed"
