@@ -92,7 +92,12 @@ def _histogram(sizes: list[int]) -> dict[str, int]:
     return out
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def is_host_sync(name: str) -> bool:
+    """Whether a profiler event of this name is a CUDA runtime call that makes the host wait."""
+    return name.startswith(SYNC_CALLS) and not name.startswith("cudaMemcpyAsync")
 
 
 def profile_step(step: Callable[[], Any], top: int = 12) -> dict[str, Any]:
@@ -111,7 +116,7 @@ def profile_step(step: Callable[[], Any], top: int = 12) -> dict[str, Any]:
             entry = kernels.setdefault(name[:90], [0.0, 0])
             entry[0] += ev.device_time / 1e3
             entry[1] += 1
-        elif name.startswith(_SYNC_CALLS) and name != "cudaMemcpyAsync":
+        elif is_host_sync(name):
             syncs[name] = syncs.get(name, 0) + 1
     if syncs.get("cudaDeviceSynchronize"):
         syncs["cudaDeviceSynchronize"] -= 1  # the profiler's own closing synchronize

@@ -77,9 +77,6 @@ def peak_moments(step, min_rise_mib: float = 8.0, top: int = 10) -> list[dict]:
     return records
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
 def sync_sites(step) -> list[dict]:
     """Run ``step`` under the profiler (with Python stacks); each host-synchronising CUDA call and its frames.
 
@@ -90,13 +87,15 @@ def sync_sites(step) -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks._train_peers import is_host_sync
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         step()
     sites = []
     for ev in prof.events():
         name = ev.name
-        if not name.startswith(SYNC_CALLS) or name.startswith("cudaMemcpyAsync"):
+        if not is_host_sync(name):
             continue
         parent, chain = ev, []
         while parent is not None and not parent.stack:
@@ -122,6 +121,17 @@ def persistent_bytes(model) -> dict:
     dense = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     return {"compressed_gib_by_buffer": {k: round(v, 3) for k, v in parts.items()},
             "compressed_gib": round(sum(parts.values()), 3), "dense_parameters_gib": round(dense, 3)}
+
+
+def targets_of(args, memory: dict) -> dict:
+    """Issue 17's batch-1 memory targets, when this run measured that setting (variant d, batch 1, 8B)."""
+    if args.variant != "d" or args.batch != 1 or args.tiny:
+        return {}
+    return {name: {"value": round(memory[field], 3), "goal": f"<= {goal}", "met": memory[field] <= goal,
+                   "derived_from": f"results.memory.{field}"}
+            for name, field, goal in (("d_device_used_gib_batch1", "device_used_gib", 14.5),
+                                      ("d_peak_reserved_gib_batch1", "peak_reserved_gib", 11.5))
+            if memory.get(field) is not None}
 
 
 def main() -> int:
@@ -187,9 +197,9 @@ def main() -> int:
     print("host syncs in one step:", len(syncs))
     for site in syncs:
         print("  ", site)
-    write_result(args.name, {"variant": args.variant, "batch": args.batch, "seq": args.seq, "tiny": args.tiny,
-                             }, result,
-                 targets_note="a diagnostic of train_memory.py's step (issue 17's profile of a miss); no goal")
+    write_result(args.name, {"variant": args.variant, "batch": args.batch, "seq": args.seq, "tiny": args.tiny}, result,
+                 targets=targets_of(args, result["memory"]),
+                 targets_note="a diagnostic of train_memory.py's step (issue 17's profile of a miss)")
     return 0
 
 

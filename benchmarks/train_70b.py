@@ -28,11 +28,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
-                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_8B  # noqa: E402
+
+# The 70B differs from the 8B in width, depth, heads and context; vocabulary, RoPE and norms are shared.
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "max_position_embeddings": 131072}
+TINY = {**TINY_8B, "max_position_embeddings": 4096}  # room for the smoke test's lengths
 
 
 def measure(model, opt, vocab: int, seq: int, steps: int, device: str) -> dict:
