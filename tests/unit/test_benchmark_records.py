@@ -116,3 +116,31 @@ def test_junit_files_record_the_commit(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).getroot().iter("property")}
     assert props == {"git_commit": "abcdef1", "git_dirty": "true"}
+
+
+def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
+    from benchmarks.kv_eval import real_targets
+
+    both = real_targets({"real": {"gap_points": {"full": 0.0, "shadowkv_paper_chunk4": 5.0,
+                                                 "shadowkv_paper_scaled": 45.0, "minicache_merge": 90.0}}})
+    shadow = both["real_model_shadowkv_acc_gap_points"]
+    assert (shadow["value"], shadow["setting"], shadow["met"]) == (45.0, "shadowkv_paper_scaled", False)
+    assert both["real_model_minicache_acc_gap_points"]["value"] == 90.0
+    finer = real_targets({"real": {"gap_points": {"full": 0.0, "shadowkv_paper_chunk4": 5.0}}})
+    assert finer["real_model_shadowkv_acc_gap_points"]["setting"] == "shadowkv_paper_chunk4"
+    assert finer["real_model_minicache_acc_gap_points"]["value"] is None  # named, not invented
+    other = real_targets({"real": {"gap_points": {"full": 0.0, "shadowkv_budget_6pct_chunk4": 5.0}}})
+    assert all(t["value"] is None for t in other.values())  # a 6.25% budget is not the target's setting
+    assert real_targets({}) == {}
+
+
+def test_step_anatomy_reports_issue_17_targets_only_for_the_setting_they_name():
+    from types import SimpleNamespace
+
+    from benchmarks.step_anatomy import targets_of
+
+    memory = {"peak_allocated_gib": 12.3, "peak_reserved_gib": 12.46, "device_used_gib": 13.68}
+    got = targets_of(SimpleNamespace(variant="d", batch=1, tiny=False), memory)
+    assert got["d_device_used_gib_batch1"]["met"] and not got["d_peak_reserved_gib_batch1"]["met"]
+    assert targets_of(SimpleNamespace(variant="d", batch=8, tiny=False), memory) == {}
+    assert targets_of(SimpleNamespace(variant="c", batch=1, tiny=False), memory) == {}
