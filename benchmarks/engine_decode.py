@@ -8,6 +8,12 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``engine_eager``: :class:`~neutrain.speculative.engine.DecodeEngine` without CUDA graphs;
 * ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU).
 
+Weights: dense bf16, NeuZip lossless and NeuZip lossy-3 (the lossless model re-rounded to 3 mantissa
+bits, :func:`neutrain.nn.lora.compress_model_for_adapters`). ``--layers`` builds fewer decoder layers
+when a call's time is short (recorded in the settings; the roofline is computed for the model built).
+``--budget-s`` skips the variants left when the time is spent; a variant that fails records its error
+and the others still run. ``benchmarks/speculative.py`` runs this file in a subprocess for its 8B rows.
+
 The roofline is the bytes one decode step must read (every weight but the input embedding, of
 which one row is read, plus the KV cache of the context so far, averaged over the decode) over the
 bandwidth of a device-to-device copy measured in the same run, counting bytes read plus written.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
+from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
 from neutrain.speculative.engine import DecodeEngine  # noqa: E402
 
 
@@ -75,22 +83,78 @@ def bytes_per_token(config, context: float, elem: int = 2) -> float:
     return (weights + kv) * elem
 
 
-def main():
+def build(config, weights: str, device, dtype):
+    """The random-init model in ``weights`` form (dense, neuzip-lossless, neuzip-lossy-<k>), same seed for all."""
+    model, _ = init_compressed(config, build_weights_for(weights), device, dtype=dtype, progress=False)
+    if weights.startswith("neuzip-lossy"):
+        compress_model_for_adapters(model, weights)  # the lossless matrices re-rounded, one at a time
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def free(device) -> None:
+    gc.collect()  # transformers models hold reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], device) -> tuple[list[dict], dict]:
+    """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
+    runners = {}
+    for method in methods:
+        if method == "engine_eager":
+            engine = DecodeEngine(model, prompt.shape[1] + new, cuda_graph=False)
+        elif method == "engine_graph":
+            engine = DecodeEngine(model, prompt.shape[1] + new)
+        else:
+            engine = None
+        runners[method] = (lambda e=engine: e.generate(prompt, new)) if engine is not None else (
+            lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                   min_new_tokens=new, do_sample=False))
+    rows, outputs = [], {}
+    for method, run in runners.items():
+        try:
+            with torch.no_grad():
+                out, _ = timed(device, run)  # warm-up (and, for engine_graph, the capture)
+                secs = [timed(device, run)[1] for _ in range(repeats)]
+        except Exception as exc:  # record it, keep the other rows
+            rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            log(rows[-1])
+            continue
+        outputs[method] = out.cpu()
+        sec = statistics.median(secs)
+        rows.append({"method": method, "tokens_per_s": new / sec, "ms_per_token": 1e3 * sec / new, "seconds": secs})
+        log(rows[-1])
+    return rows, outputs
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on any device (smoke test)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run")
-    parser.add_argument("--weights", default="dense,neuzip-lossless")
+    parser.add_argument("--weights", default="dense,neuzip-lossless,neuzip-lossy-3")
+    parser.add_argument("--methods", default=None,
+                        help="comma list of engine_graph, engine_eager, hf_generate (default: all that apply; "
+                             "hf_generate on dense weights only)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
+    parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
     parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
     parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     from transformers import LlamaConfig
 
+    start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = LlamaConfig(**(TINY if args.tiny else LLAMA3_8B), bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    arch = dict(TINY if args.tiny else LLAMA3_8B)
+    if args.layers:
+        arch["num_hidden_layers"] = args.layers
+    config = LlamaConfig(**arch, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     config._attn_implementation = "sdpa"
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
@@ -100,62 +164,74 @@ def main():
     roofline = bandwidth / per_token
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.2f} GB per token; "
         f"roofline {roofline:.0f} tok/s")
+    default_methods = ["engine_graph", "hf_generate"] if device.type == "cuda" else ["engine_eager", "hf_generate"]
+    methods = args.methods.split(",") if args.methods else default_methods
+    if args.skip_hf:
+        methods = [m for m in methods if m != "hf_generate"]
 
     rows, outputs = [], {}
     for weights in args.weights.split(","):
-        model, _ = init_compressed(config, weights, device, dtype=dtype, progress=False)
-        model.eval()
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        engines = {"engine_eager": DecodeEngine(model, args.prompt_len + new, cuda_graph=False)}
-        if device.type == "cuda":
-            engines["engine_graph"] = DecodeEngine(model, args.prompt_len + new)
-        runners = {name: (lambda e=engine: e.generate(prompt, new)) for name, engine in engines.items()}
-        if not args.skip_hf and weights == "dense":  # HF on NeuZip weights: inference.json
-            runners["hf_generate"] = lambda m=model: m.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        for method, run in runners.items():
-            with torch.no_grad():
-                out, _ = timed(device, run)  # warm-up (and, for engine_graph, the capture)
-                secs = [timed(device, run)[1] for _ in range(args.repeats)]
-            outputs[(weights, method)] = out.cpu()
-            best = min(secs)
-            row = {"weights": weights, "method": method, "tokens_per_s": new / best, "ms_per_token": 1e3 * best / new,
-                   "seconds": secs, "roofline_fraction": new / best / roofline}
-            log(row)
-            rows.append(row)
-        del model, engines, runners, run, out  # the last closure holds the model too
-        gc.collect()  # transformers models hold reference cycles
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    same = {}  # greedy agreement between rows (bf16 HF and the engine may differ after a near tie)
-    reference = outputs.get(("dense", "engine_eager"))
-    for key, out in outputs.items():
-        if reference is not None and key != ("dense", "engine_eager"):
-            agree = (out[0, args.prompt_len:] == reference[0, args.prompt_len:]).long()
-            same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
-    log("tokens equal to dense engine_eager before the first difference:", same)
-
-    def tps(weights, method):
-        return next((r["tokens_per_s"] for r in rows if r["weights"] == weights and r["method"] == method), None)
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            rows.append({"weights": weights, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
+            log(rows[-1])
+            continue
+        built = time.perf_counter()
+        try:
+            model = build(config, weights, device, dtype)
+        except Exception as exc:
+            rows.append({"weights": weights, "error": f"build: {type(exc).__name__}: {exc}"[:400]})
+            log(rows[-1])
+            free(device)
+            continue
+        build_s = time.perf_counter() - built
+        chosen = [m for m in methods if m != "hf_generate" or weights == "dense"]  # HF on NeuZip: inference.json
+        variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device)
+        for row in variant_rows:
+            row.update(weights=weights, build_s=build_s)
+            if "tokens_per_s" in row:
+                row["roofline_fraction"] = row["tokens_per_s"] / roofline
+        rows += variant_rows
+        outputs.update({(weights, m): out for m, out in variant_out.items()})
+        del model
+        free(device)
 
     best_method = "engine_graph" if device.type == "cuda" else "engine_eager"
+    same = {}  # greedy agreement with dense (bf16 HF and the engine may differ after a near tie)
+    reference = outputs.get(("dense", best_method))
+    for key, out in outputs.items():
+        if reference is not None and key != ("dense", best_method):
+            agree = (out[0, args.prompt_len:] == reference[0, args.prompt_len:]).long()
+            same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
+    log(f"tokens equal to dense {best_method} before the first difference:", same)
+
+    def tps(weights, method):
+        return next((r["tokens_per_s"] for r in rows
+                     if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
+
     targets = {}
     dense = tps("dense", best_method)
+    full = not args.tiny and not args.layers
     if dense and not args.tiny:
-        targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": ">= 0.6", "method": best_method}
+        targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": ">= 0.6", "method": best_method,
+                                              "layers": config.num_hidden_layers}
     lossless = tps("neuzip-lossless", best_method)
     if dense and lossless:
         targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense, "goal": ">= 0.5 (stretch >= 0.9)"}
-    settings = {**vars(args), "arch": "tiny" if args.tiny else "llama3-8b", "dtype": str(dtype), "batch": 1,
-                "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline}
-    results = {"decode": rows, "greedy_tokens_equal_to_dense_engine_eager": same}
+    lossy = tps("neuzip-lossy-3", best_method)
+    ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
+    settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else
+                f"llama3-8b shapes, {config.num_hidden_layers} of 32 layers"), "dtype": str(dtype), "batch": 1,
+                "timing": f"median of {args.repeats} synchronized runs of the whole generate after one warm-up",
+                "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline,
+                "total_seconds": time.perf_counter() - start}
+    results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
     path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
                         targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
     log("wrote", path)
     for r in rows:
-        print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
+        if "tokens_per_s" in r:
+            print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
+    return {"settings": settings, "results": results, "targets": targets}
 
 
 if __name__ == "__main__":
