@@ -190,7 +190,10 @@ class DraftSampler:
     def __call__(self, draft, prefix: torch.Tensor, new: int) -> torch.Tensor:
         was_training = draft.training
         draft.eval()
+        # The loss runs under bf16 autocast; the engine's static cache holds the draft's own (fp32) dtype.
+        no_autocast = torch.autocast(prefix.device.type, enabled=False)
         try:
+            no_autocast.__enter__()
             if self.backend != "hf_generate":
                 try:
                     if self.engine is None or self.engine.model is not draft:  # the graph reads the weights in
@@ -207,6 +210,7 @@ class DraftSampler:
             return draft.generate(prefix, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                   max_new_tokens=new, min_new_tokens=new)
         finally:
+            no_autocast.__exit__(None, None, None)
             draft.train(was_training)
 
 

@@ -107,8 +107,11 @@ def train_models(args, device, clock: Clock):
         f"({divergence}, {loss_fn.state['on_policy']} on-policy batches via {loss_fn.sampler.backend}) ({clock.elapsed():.0f}s)")
 
     held_iter, train_iter = Batches(held_ids, 8, args.seq, 2), Batches(train_ids, 8, args.seq, 4)
-    held, seen = [next(held_iter) for _ in range(4)], [next(train_iter) for _ in range(4)]
-    losses = {"target_train": mean_loss(target, seen, device), "target_heldout": mean_loss(target, held, device),
+    stdlib_iter = Batches(train_ids[: corpus["stdlib_train_tokens"]], 8, args.seq, 5)
+    held, seen, stdlib = ([next(it) for _ in range(4)] for it in (held_iter, train_iter, stdlib_iter))
+    # target_stdlib_train vs target_heldout: the same distribution (stdlib files), seen vs held out.
+    losses = {"target_train": mean_loss(target, seen, device), "target_stdlib_train": mean_loss(target, stdlib, device),
+              "target_heldout": mean_loss(target, held, device),
               "control_heldout": mean_loss(control.model, held, device),
               "distilled_heldout": mean_loss(distilled.model, held, device)}
     alpha = {f"{name}_T{temp:g}": alpha_of(target, m.model, held, device, temp)
@@ -187,7 +190,7 @@ def parse(argv=None):
     a("--big-prompt-len", type=int, default=128)
     a("--big-new-tokens", type=int, default=128)
     a("--big-repeats", type=int, default=2)
-    a("--target-seconds", type=float, default=150)
+    a("--target-seconds", type=float, default=140)
     a("--hidden", type=int, default=1024)
     a("--layers", type=int, default=26)
     a("--heads", type=int, default=16)
@@ -198,7 +201,7 @@ def parse(argv=None):
     a("--attn-dropout", type=float, default=0.0)
     a("--draft-hidden", type=int, default=768)
     a("--draft-layers", type=int, default=2)
-    a("--draft-steps", type=int, default=1000)
+    a("--draft-steps", type=int, default=800)
     a("--draft-lr", type=float, default=2e-3)
     a("--ce-fraction", type=float, default=0.4)
     a("--divergence", default="probe", help="fkl, rkl, tvd, jsd, or probe (choose among fkl/tvd/jsd by measurement)")
@@ -209,7 +212,7 @@ def parse(argv=None):
     a("--batch", type=int, default=32)
     a("--extra-mb", type=float, default=48)
     a("--max-files", type=int, default=None)
-    a("--prompts", type=int, default=5)
+    a("--prompts", type=int, default=4)
     a("--prompt-len", type=int, default=128)
     a("--new-tokens", type=int, default=128)
     a("--draft-len", type=int, default=4)
