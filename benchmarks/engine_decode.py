@@ -170,6 +170,44 @@ def main(argv: list[str] | None = None) -> dict:
         methods = [m for m in methods if m != "hf_generate"]
 
     rows, outputs = [], {}
+
+    def record() -> dict:
+        """Write the JSON from the rows so far (after every variant: a run killed later keeps them)."""
+        best_method = "engine_graph" if device.type == "cuda" else "engine_eager"
+        same = {}  # greedy agreement with dense (bf16 HF and the engine may differ after a near tie)
+        reference = outputs.get(("dense", best_method))
+        for key, out in outputs.items():
+            if reference is not None and key != ("dense", best_method):
+                agree = (out[0, args.prompt_len:] == reference[0, args.prompt_len:]).long()
+                same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
+        log(f"tokens equal to dense {best_method} before the first difference:", same)
+
+        def tps(weights, method):
+            return next((r["tokens_per_s"] for r in rows
+                         if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
+
+        targets = {}
+        dense = tps("dense", best_method)
+        full = not args.tiny and not args.layers
+        if dense and not args.tiny:
+            targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": ">= 0.6", "method": best_method,
+                                                  "layers": config.num_hidden_layers}
+        lossless = tps("neuzip-lossless", best_method)
+        if dense and lossless:
+            targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense, "goal": ">= 0.5 (stretch >= 0.9)"}
+        lossy = tps("neuzip-lossy-3", best_method)
+        ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
+        settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else
+                    f"llama3-8b shapes, {config.num_hidden_layers} of 32 layers"), "dtype": str(dtype), "batch": 1,
+                    "timing": f"median of {args.repeats} synchronized runs of the whole generate after one warm-up",
+                    "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline,
+                    "total_seconds": time.perf_counter() - start}
+        results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
+        path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
+                            targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
+        log("wrote", path)
+        return {"settings": settings, "results": results, "targets": targets}
+
     for weights in args.weights.split(","):
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             rows.append({"weights": weights, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
@@ -194,44 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
         outputs.update({(weights, m): out for m, out in variant_out.items()})
         del model
         free(device)
+        record()
 
-    best_method = "engine_graph" if device.type == "cuda" else "engine_eager"
-    same = {}  # greedy agreement with dense (bf16 HF and the engine may differ after a near tie)
-    reference = outputs.get(("dense", best_method))
-    for key, out in outputs.items():
-        if reference is not None and key != ("dense", best_method):
-            agree = (out[0, args.prompt_len:] == reference[0, args.prompt_len:]).long()
-            same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
-    log(f"tokens equal to dense {best_method} before the first difference:", same)
-
-    def tps(weights, method):
-        return next((r["tokens_per_s"] for r in rows
-                     if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
-
-    targets = {}
-    dense = tps("dense", best_method)
-    full = not args.tiny and not args.layers
-    if dense and not args.tiny:
-        targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": ">= 0.6", "method": best_method,
-                                              "layers": config.num_hidden_layers}
-    lossless = tps("neuzip-lossless", best_method)
-    if dense and lossless:
-        targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense, "goal": ">= 0.5 (stretch >= 0.9)"}
-    lossy = tps("neuzip-lossy-3", best_method)
-    ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
-    settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else
-                f"llama3-8b shapes, {config.num_hidden_layers} of 32 layers"), "dtype": str(dtype), "batch": 1,
-                "timing": f"median of {args.repeats} synchronized runs of the whole generate after one warm-up",
-                "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline,
-                "total_seconds": time.perf_counter() - start}
-    results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
-    path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
-                        targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
-    log("wrote", path)
+    final = record()
     for r in rows:
         if "tokens_per_s" in r:
             print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
-    return {"settings": settings, "results": results, "targets": targets}
+    return final
 
 
 if __name__ == "__main__":

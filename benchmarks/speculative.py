@@ -53,22 +53,22 @@ def run_8b(args, clock: Clock) -> dict:
     out_dir = tempfile.mkdtemp(prefix="engine_decode_")
     cmd = [sys.executable, str(HERE / "engine_decode.py"), "--out-dir", out_dir, "--skip-hf",
            "--prompt-len", str(args.big_prompt_len), "--new-tokens", str(args.big_new_tokens),
-           "--repeats", str(args.big_repeats), "--budget-s", str(args.big_budget_s * 0.7)]
+           "--repeats", str(args.big_repeats), "--budget-s", str(args.big_budget_s * 0.6)]
     cmd += ["--tiny", "--weights", "dense,neuzip-lossless"] if args.quick else []
     cmd += ["--layers", str(args.big_layers)] if args.big_layers else []
     log("8B:", " ".join(cmd))
+    path = Path(out_dir) / ("engine_decode_tiny.json" if args.quick else "engine_decode.json")
+    error = None
     try:
         proc = subprocess.run(cmd, timeout=args.big_budget_s, capture_output=True, text=True)
         print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
-        name = "engine_decode_tiny.json" if args.quick else "engine_decode.json"
-        path = Path(out_dir) / name
-        if proc.returncode or not path.exists():
-            return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] if proc.stderr else ''}"}
-        return json.loads(path.read_text())
+        if proc.returncode:
+            error = f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] if proc.stderr else ''}"
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.big_budget_s:.0f} s"}
-    finally:
-        log(f"8B phase done at {clock.elapsed():.0f}s")
+        error = f"timed out after {args.big_budget_s:.0f} s"
+    log(f"8B phase done at {clock.elapsed():.0f}s" + (f": {error}" if error else ""))
+    record = json.loads(path.read_text()) if path.exists() else {}  # written after every variant
+    return {**record, "error": error} if error else record
 
 
 def train_models(args, device, clock: Clock):
@@ -167,11 +167,11 @@ def targets_from(rows, alpha, big) -> tuple[dict, dict]:
 
 
 def headline(targets: dict, alpha: dict, detail: dict) -> str:
-    def f(name):
+    def f(name, unit=""):
         v = targets[name]["value"]
-        return "n/a" if v is None else f"{v:.2f}"
-    return (f"spec/AR T=0 {f('spec_over_ar_T0')}x ({detail.get('best_T0')}), T=1 {f('spec_over_ar_T1')}x "
-            f"({detail.get('best_T1')}); vs HF assisted T=1 {f('spec_over_hf_assisted_T1')}x; alpha T=1 distilled "
+        return "n/a" if v is None else f"{v:.2f}{unit}"
+    return (f"spec/AR T=0 {f('spec_over_ar_T0', 'x')} ({detail.get('best_T0')}), T=1 {f('spec_over_ar_T1', 'x')} "
+            f"({detail.get('best_T1')}); vs HF assisted T=1 {f('spec_over_hf_assisted_T1', 'x')}; alpha T=1 distilled "
             f"{alpha['distilled_T1']:.3f} vs control {alpha['control_T1']:.3f}; K=4/SD block eff {f('k4_block_eff_over_sd_T1')}; "
             f"8B AR {f('ar_roofline_fraction_8b')} of roofline; NeuZip lossless/bf16 {f('neuzip_lossless_over_bf16_decode')}")
 
@@ -185,7 +185,7 @@ def parse(argv=None):
     a("--compile-reserve-s", type=float, default=60, help="seconds HF torch.compile needs to be tried")
     a("--no-hf-static", dest="hf_static", action="store_false")
     a("--skip-8b", action="store_true")
-    a("--big-budget-s", type=float, default=110)
+    a("--big-budget-s", type=float, default=130, help="the 8B subprocess's timeout; it starts no new weights variant after 60%% of it")
     a("--big-layers", type=int, default=None, help="fewer 8B layers (recorded) if the call is short")
     a("--big-prompt-len", type=int, default=128)
     a("--big-new-tokens", type=int, default=128)
