@@ -18,6 +18,7 @@ schemes, and at T = 0 how many tokens agree with the engine's greedy decode.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -120,6 +121,7 @@ def hf_static_compile(target, prompts, new: int, device, clock: Clock, min_left_
         eager = target.forward
         compiled = torch.compile(eager, mode=mode, fullgraph=True, dynamic=False)
 
+        @functools.wraps(eager)  # generate reads the forward's signature (logits_to_keep, cache_position)
         def forward(*args, _compiled=compiled, _graphs=mode == "reduce-overhead", **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None or ids.shape[1] != 1:
