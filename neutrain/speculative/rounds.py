@@ -226,21 +226,28 @@ class EngineRounds:
     # --- one round from the host's side ---
 
     @torch.no_grad()
+    def launch(self) -> None:
+        """Queue a round's device work (surgery, draft, verify, pack): a graph replay, or the eager body."""
+        if not self.use_graph:
+            self._body()
+            return
+        graph = self._graphs.get(self.greedy)
+        if graph is None:
+            with allowed_sync():  # once per mode: capture synchronises the device
+                graph = self._capture()
+        graph.replay()
+
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Run a round's device work and bring its packed tensor to the host (the round's one sync).
+        """:meth:`launch` a round and bring its packed tensor to the host (the round's one sync).
 
         Returns host tensors: draft tokens ``[K, draft_len]``, and at T = 0 the target's argmax per node
         ``[nodes]`` (and None); at T > 0 the target's logits ``[nodes, V]`` and the drafts' ``[K, draft_len, V]``.
         """
-        if self.use_graph:
-            graph = self._graphs.get(self.greedy)
-            if graph is None:
-                with allowed_sync():  # once per mode: capture synchronises the device
-                    graph = self._capture()
-            graph.replay()
-        else:
-            self._body()
-        packed = self.fetch()
+        self.launch()
+        return self.unpack(self.fetch())
+
+    def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Split :meth:`fetch`'s tensor into what :meth:`run` returns."""
         count, v = self.k * self.dl, self.vocab
         tokens = packed[:count].long().view(self.k, self.dl)
         if self.greedy:
