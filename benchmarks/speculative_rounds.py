@@ -99,6 +99,7 @@ def split(rounds, prompt, temperature, new):
     return out
 
 
+@torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
