@@ -106,3 +106,30 @@ def test_engine_sequences_follow_the_target_chi_square(n_drafts, k, scheme, temp
     first = draft if n_drafts == 1 else draft[0]
     wrong, wrong_dof = chi_square(counts, _sequence_probs(first, prompt, steps, draft_temp), n)
     assert wrong > 3 * chi_square_threshold(wrong_dof)  # the test tells the target's law from the draft's
+
+
+def test_fixed_chain_layout_scores_every_node_like_a_full_forward():
+    """Round by round (surgery from the previous walk, padded draft feed, K-chain verify), every
+    node's target logits and every drafted token's draft logits equal a full forward of its context."""
+    from neutrain.speculative.rounds import EngineRounds, rounds_room
+
+    target, draft = _models(1, sharpen=3.0)
+    k, dl = 3, 3
+    rounds = EngineRounds(target, [draft], k, dl, rounds_room(4, 30, k, dl))
+    seq = [4, 9, 33, 2]
+    rounds.start(torch.tensor([seq]), 1.0, 1.0, seed=0)
+    outcomes = [(1, 2), (0, 0), (2, 3), (1, 1), (0, 3)]  # (chain, accepted) handed to each next surgery
+    for chain, accepted in outcomes:
+        tokens, target_logits, draft_logits = rounds.run()
+        tokens = tokens.tolist()
+        with torch.no_grad():
+            for c in range(k):
+                full = torch.tensor([seq + tokens[c]])
+                expected = target(full).logits[0, len(seq) - 1 :]  # root, then depth 1 .. dl
+                got = torch.cat([target_logits[:1], target_logits[1 + c * dl : 1 + (c + 1) * dl]])
+                assert torch.allclose(got, expected, atol=1e-4), (c, seq)
+                assert torch.allclose(draft_logits[c], draft(full).logits[0, len(seq) - 1 : -1], atol=1e-4)
+        new = int(target_logits[1 + chain * dl + accepted - 1].argmax()) if accepted else 5
+        rounds.commit(chain, accepted, new)
+        seq = seq + tokens[chain][:accepted] + [new]
+    assert rounds.finish(len(seq))[0].tolist() == seq
