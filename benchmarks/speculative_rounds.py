@@ -23,10 +23,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import git_provenance, write_result  # noqa: E402
-from neutrain.compat.static_cache import register_graph_generator, set_static_cache_length  # noqa: E402
-from neutrain.speculative import DecodeEngine, generate  # noqa: E402
-from neutrain.speculative.walk import walk  # noqa: E402
+from benchmarks._common import git_provenance, write_result
+from neutrain.compat.static_cache import (
+    register_graph_generator,
+    set_static_cache_length,
+)
+from neutrain.speculative import DecodeEngine, generate
+from neutrain.speculative.walk import walk
 
 GEN = sys.modules["neutrain.speculative.generate"]  # the module (the package exports the function as ``generate``)
 

@@ -67,7 +67,7 @@ class EngineRounds:
     Example:
         >>> rounds = EngineRounds(target, [draft], 2, 4, rounds_room(8, 64, 2, 4))  # doctest: +SKIP
         >>> rounds.start(prompt, 0.0, 0.0, seed=0)  # doctest: +SKIP
-        >>> rounds.run()  # doctest: +SKIP  -> (draft tokens, target argmax per node, None)
+        >>> tokens, argmax_per_node, _ = rounds.run()  # doctest: +SKIP
     """
 
     def __init__(self, target, drafts: list, num_drafts: int, draft_len: int, room: int,
@@ -282,5 +282,12 @@ class EngineRounds:
 
 
 def rounds_room(prompt_len: int, max_new_tokens: int, num_drafts: int, draft_len: int) -> int:
-    """Positions a round's caches need: the sequence, one verify block, and the draft's padded feed."""
-    return prompt_len + max_new_tokens + num_drafts * draft_len + 2 * draft_len + 4
+    """Positions a round's caches need: the sequence, one verify block and the draft's padded feed,
+    rounded up to a multiple of 64 so that calls with slightly longer prompts reuse the kept rounds.
+
+    Example:
+        >>> rounds_room(8, 64, 2, 4)
+        128
+    """
+    need = prompt_len + max_new_tokens + num_drafts * draft_len + 2 * draft_len + 4
+    return -(-need // 64) * 64
