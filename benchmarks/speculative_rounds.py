@@ -92,8 +92,8 @@ def split(rounds, prompt, temperature, new):
         q_row = None if temperature == 0 else GEN._law(draft_out, temperature)
         result = walk("sd" if rounds.k == 1 else "specinfer", tokens.tolist(), paths, rows, q_row, True, None)
         times["host_walk"] += time.perf_counter() - start
-        times["commit"] += timed(device, lambda: rounds.commit(result.chain, len(result.committed) - 1,
-                                                               result.committed[-1]))
+        times["commit"] += timed(device, lambda r=result: rounds.commit(r.chain, len(r.committed) - 1,
+                                                                       r.committed[-1]))
     out = {name: 1e3 * t / n_rounds for name, t in times.items()}
     saved = rounds.n.clone()
     out["surgery_graph"] = graph_ms(device, lambda: (rounds._surgery(), rounds.n.copy_(saved)))
@@ -131,7 +131,7 @@ def main(argv=None):
             rounds = GEN._ROUNDS[target]
             rounds.use_graph = graphs and device.type == "cuda"
             holder = {}
-            sec = timed(device, lambda: holder.update(out=generate(target, draft, prompt, engine=True, **kw)))
+            sec = timed(device, lambda h=holder, a=kw: h.update(out=generate(target, draft, prompt, engine=True, **a)))
             stats = holder["out"].stats
             round_ms = 1e3 * sec / stats.target_calls
             name = f"K{k}_L{dl}_T{temperature:g}_{'graph' if rounds.use_graph else 'eager'}"
@@ -143,7 +143,7 @@ def main(argv=None):
                 except RuntimeError as error:
                     rows[name]["split_error"] = repr(error)
             rounds.use_graph = device.type == "cuda"
-        sec = timed(device, lambda: holder.update(out=generate(target, draft, prompt, engine=False, **kw)))
+        sec = timed(device, lambda h=holder, a=kw: h.update(out=generate(target, draft, prompt, engine=False, **a)))
         rows[f"K{k}_L{dl}_T{temperature:g}_dynamic"] = {"round_ms": 1e3 * sec / holder["out"].stats.target_calls}
     settings = {"target": "Llama hidden 1024 x 16 layers" if not args.tiny else "tiny", "draft": "hidden 256 x 4",
                 "vocab": vocab, "prompt_len": prompt_len, "new_tokens": new, "dtype": str(dtype),
