@@ -6,8 +6,9 @@
 * :func:`generate` -- single- and multi-draft speculative sampling with one
   tree-masked target forward per round.
 * :class:`DecodeEngine` -- autoregressive decode with a static KV cache, sampling
-  on the device and one CUDA graph per token on a GPU (``generate(..., engine=True)``
-  keeps the speculative caches in engines too).
+  on the device and one CUDA graph per token on a GPU. ``generate(..., engine=True)``
+  runs its rounds on engines (:mod:`neutrain.speculative.rounds`): one CUDA graph and
+  one host synchronisation per round.
 * :mod:`neutrain.distill.losses` -- distillation divergences and the
   acceptance rate of a draft.
 

@@ -1,17 +1,11 @@
-"""Where speculative generation keeps its KV caches: a growing ``DynamicCache`` or the decode engine's static one.
-
-:func:`neutrain.speculative.generate` runs the same rounds on either; only the model calls and
-the cache surgery differ:
+"""Where speculative generation keeps its KV caches on the ``DynamicCache`` path.
 
 * :class:`DynamicTarget` / :class:`DynamicDraft`: transformers' ``DynamicCache``; keeping the accepted
   path or a draft row re-indexes (and reallocates) every layer's tensors (:mod:`neutrain.compat`).
-* :class:`EngineTarget` / :class:`EngineDraft`: a :class:`~neutrain.speculative.engine.DecodeEngine`
-  with a static cache of ``max_len`` columns: the tree is verified with a mask over those columns,
-  the accepted path is moved into place and the length cut, a draft's K rows live in a batch-K
-  cache from the start and the kept row is copied over the others' last few columns.
 
 Every method takes host-side lengths and tokens; the logits come back on the model's device. The
-engine's cache length advances on the device with each forward and is set at the round's ends.
+decode engines' static caches (``generate(..., engine=True)``) are driven by
+:mod:`neutrain.speculative.rounds` instead, whose rounds never wait for host-side lengths.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ from neutrain.compat import (
     cache_select_row,
     output_cache,
 )
-from neutrain.speculative.engine import DecodeEngine
 from neutrain.speculative.tree import TokenTree, cache_kwargs, tree_forward
 
 
@@ -62,32 +55,6 @@ class DynamicTarget:
         cache_keep_positions(self.cache, keep)
 
 
-class EngineTarget(DynamicTarget):
-    """The target in a :class:`DecodeEngine`'s static cache of ``max_len`` columns (batch 1)."""
-
-    def __init__(self, model, max_len: int):
-        self.model, self.device = model, model_device(model)
-        self.engine = DecodeEngine(model, max_len, cuda_graph=False)
-
-    def prefill(self, prefix: list[int]) -> None:
-        self.engine.set_length(0)
-        if prefix:
-            tokens = torch.tensor(prefix, device=self.device)[None]
-            self.engine.forward(tokens, torch.arange(len(prefix), device=self.device))
-
-    def verify(self, tree: TokenTree, past: int) -> torch.Tensor:
-        n = len(tree)
-        blocked = torch.ones(n, self.engine.max_len, dtype=torch.bool)
-        blocked[:, :past] = False
-        blocked[:, past : past + n] = ~tree.ancestor_matrix()  # the nodes land in columns past .. past + n - 1
-        logits = self.engine.forward(tree.input_ids(self.device), tree.position_ids(past, self.device)[0],
-                                     last_only=False, blocked=blocked.to(self.device))
-        return logits[0]
-
-    def keep(self, past: int, accepted_nodes: list[int]) -> None:
-        self.engine.keep_columns(past, past + torch.tensor([0] + accepted_nodes))
-
-
 class DynamicDraft:
     """A draft's ``DynamicCache``: one row for the committed prefix, ``rows`` while drafting."""
 
@@ -117,27 +84,3 @@ class DynamicDraft:
         if cache_batch_size(self.cache) > 1:
             cache_select_row(self.cache, row)
         cache_crop_to(self.cache, length)
-
-
-class EngineDraft(DynamicDraft):
-    """A draft in a batch-``rows`` :class:`DecodeEngine`: every row holds the committed prefix."""
-
-    def __init__(self, model, rows: int, max_len: int):
-        self.model, self.device, self.rows = model, model_device(model), rows
-        self.engine = DecodeEngine(model, max_len, batch=rows, cuda_graph=False)
-
-    def feed(self, tokens: list[int], start: int) -> torch.Tensor:
-        self.engine.set_length(start)  # the cache holds the committed prefix up to ``start``
-        ids = torch.tensor(tokens, device=self.device)[None].expand(self.rows, -1)
-        return self.engine.forward(ids, torch.arange(start, start + len(tokens), device=self.device))[0, -1]
-
-    def fan_out(self) -> None:  # the rows exist from the start
-        pass
-
-    def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        return self.engine.forward(tokens[:, None], torch.tensor([position], device=self.device))[:, -1]
-
-    def keep(self, row: int, start: int, length: int) -> None:
-        if self.rows > 1 and length > start:
-            self.engine.copy_row(row, start, length)
-        self.engine.set_length(length)

@@ -6,14 +6,13 @@ Each round:
    tokens as K independent samples (its cache is repeated K times along the
    batch); a list of K draft models proposes one each. At temperature 0 the K
    drafts start from the draft's K most likely first tokens and continue greedily.
-2. **Verify.** The K drafts are merged into a :class:`TokenTree` and the target
-   scores all nodes in one forward (4D additive mask, explicit position ids).
-3. **Walk.** From the root, the token-level scheme (:func:`verify_step`) is run
-   on the next tokens of the drafts that still match the committed prefix. Its
-   output ``y`` is committed; drafts whose token equals ``y`` survive (also when
-   ``y`` came from the residual -- their continuations are still i.i.d. draft
-   samples given the prefix, docs/specdec.md §2.3). With no survivor the round ends;
-   after a full draft a bonus token is drawn from the target at the leaf.
+2. **Verify.** The target scores every drafted token in one forward (4D additive
+   mask, explicit position ids): on ``DynamicCache`` s the K drafts are merged into a
+   :class:`TokenTree`; on the decode engines (``engine=True``,
+   :mod:`neutrain.speculative.rounds`) they stay K chains of a fixed layout so that the
+   round replays one CUDA graph and synchronises with the host once.
+3. **Walk** (:func:`neutrain.speculative.walk.walk`, on the host, exact): the token-level
+   scheme runs depth by depth on the drafts that still match the committed prefix.
 4. **Compact.** The target cache keeps the prefix plus the accepted path; each
    draft cache keeps the row and prefix that match the committed tokens.
 
@@ -24,19 +23,15 @@ which is the target's greedy decode token for token.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from neutrain.speculative.backends import (
-    DynamicDraft,
-    DynamicTarget,
-    EngineDraft,
-    EngineTarget,
-    model_device,
-)
+from neutrain.speculative.backends import DynamicDraft, DynamicTarget, model_device
+from neutrain.speculative.rounds import EngineRounds, rounds_room
 from neutrain.speculative.tree import TokenTree
-from neutrain.speculative.verify import sample_from, verify_step
+from neutrain.speculative.walk import WalkResult, walk
 
 
 @dataclass
@@ -196,29 +191,23 @@ def generate(
     if (temperature == 0) != (draft_temperature == 0):
         raise ValueError("temperature 0 (greedy) needs greedy drafts too")
 
+    if engine:
+        return _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme, temperature,
+                                    draft_temperature, max_new_tokens, eos_token_id, generator, top_s)
     device = model_device(target)
     seq = input_ids[0].tolist()
     prompt_len = len(seq)
     stats = SpeculativeStats()
     rows = k_drafts if len(models) == 1 else 1  # cache rows of each draft model
-    if engine:  # room for the prompt, the new tokens and one round's token tree
-        room = prompt_len + max_new_tokens + k_drafts * draft_len + 1
-        target_cache = EngineTarget(target, room)
-        states = [_DraftState(EngineDraft(m, rows, room)) for m in models]
-    else:
-        target_cache = DynamicTarget(target)
-        states = [_DraftState(DynamicDraft(m, rows)) for m in models]
+    target_cache = DynamicTarget(target)
+    states = [_DraftState(DynamicDraft(m, rows)) for m in models]
     target_cache.prefill(seq[:-1])  # the target cache holds all committed tokens but the last
     # Verification is a chain of small, data-dependent steps; on the host they cost
     # microseconds each, where on a GPU every step would be a launch plus a sync.
     host_generator = _generator_on(generator, torch.device("cpu"))
     generator = _generator_on(generator, torch.device(device))
 
-    def finished() -> bool:
-        ended = eos_token_id is not None and len(seq) > prompt_len and seq[-1] == eos_token_id
-        return ended or len(seq) - prompt_len >= max_new_tokens
-
-    while not finished():
+    while not _finished(seq, prompt_len, max_new_tokens, eos_token_id):
         n = len(seq)
         drafts, dists = [], []  # drafts[k] = token list; dists[k][t] = q row draft k sampled token t from
         for state in states:
@@ -231,50 +220,86 @@ def generate(
         paths = [tree.add_path(d) for d in drafts]
         past = n - 1
         logits = target_cache.verify(tree, past)
-        stats.target_calls += 1
         if temperature == 0:
-            greedy = logits.argmax(-1).tolist()
+            rows_of = logits.argmax(-1).tolist()
         else:
             p_rows = warp(logits, temperature).cpu()
-
-        committed, accepted_nodes, node, depth = [], [], 0, 0
-        survivors = list(range(len(drafts)))
-        while True:
-            if depth >= draft_len:  # a full draft was accepted: bonus token from the leaf
-                y = greedy[node] if temperature == 0 else sample_from(p_rows[node], host_generator)
-                committed.append(y)
-                break
-            offered = [drafts[k][depth] for k in survivors]
-            if temperature == 0:
-                y = greedy[node]
-                index = offered.index(y) if y in offered else None
-            else:
-                p = p_rows[node]
-                if len(states) == 1:  # identical drafts: one q per tree node
-                    q = dists[survivors[0]][depth].expand(len(survivors), -1)
-                else:
-                    q = torch.stack([dists[k][depth] for k in survivors])
-                step_scheme = "sd" if len(survivors) == 1 and scheme != "specinfer" else scheme
-                y, index = verify_step(step_scheme, p, q, offered, host_generator, top_s)
-            stats.verified_positions += 1
-            stats.accepted_positions += index is not None
-            committed.append(y)
-            survivors = [k for k in survivors if drafts[k][depth] == y]
-            if not survivors:
-                break
-            node = paths[survivors[0]][depth]
-            accepted_nodes.append(node)
-            depth += 1
-
-        target_cache.keep(past, accepted_nodes)
+            rows_of = p_rows.__getitem__
+        result = walk(scheme, drafts, paths, rows_of, lambda k, depth, d=dists: d[k][depth], len(states) == 1,
+                      host_generator, top_s)
+        committed = _count(stats, result, eos_token_id)
+        target_cache.keep(past, result.accepted_nodes)
         for i, state in enumerate(states):
             candidates = range(len(drafts)) if len(states) == 1 else [i]
-            matched = {r: _matched(drafts[r], committed) for r in candidates}
+            matched = {r: _matched(drafts[r], result.committed) for r in candidates}
             best = max(matched, key=matched.get)
             state.keep(best if len(states) == 1 else 0, n, matched[best], draft_len)
-        if eos_token_id is not None and eos_token_id in committed:
-            committed = committed[: committed.index(eos_token_id) + 1]
         seq.extend(committed)
-        stats.committed_tokens += len(committed)
     seq = seq[: prompt_len + max_new_tokens]
     return SpeculativeOutput(torch.tensor(seq, device=input_ids.device)[None], stats)
+
+
+def _law(logits: torch.Tensor, temperature: float):
+    """``law(*index)`` = float64 ``softmax(logits[index] / T)``, computed only for the rows a walk reaches."""
+    return lambda *index: warp(logits[index], temperature)
+
+
+def _finished(seq: list[int], prompt_len: int, max_new_tokens: int, eos_token_id: int | None) -> bool:
+    ended = eos_token_id is not None and len(seq) > prompt_len and seq[-1] == eos_token_id
+    return ended or len(seq) - prompt_len >= max_new_tokens
+
+
+def _count(stats: SpeculativeStats, result: WalkResult, eos_token_id: int | None) -> list[int]:
+    """Add a round to ``stats``; returns its committed tokens up to and with the first EOS."""
+    stats.target_calls += 1
+    stats.verified_positions += result.verified
+    stats.accepted_positions += result.accepted
+    committed = result.committed
+    if eos_token_id is not None and eos_token_id in committed:
+        committed = committed[: committed.index(eos_token_id) + 1]
+    stats.committed_tokens += len(committed)
+    return committed
+
+
+#: The last :class:`EngineRounds` built for each target model: its static caches and captured graphs
+#: serve the next call with the same drafts, K, draft_len and enough room (captures cost a warm-up each).
+_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rounds_for(target, models: list, k_drafts: int, draft_len: int, room: int) -> EngineRounds:
+    rounds = _ROUNDS.get(target)
+    same = rounds is not None and (rounds.k, rounds.dl, len(rounds.drafts)) == (k_drafts, draft_len, len(models))
+    if not (same and rounds.room >= room and all(e.model is m for e, m in zip(rounds.drafts, models))):
+        _ROUNDS.pop(target, None)  # free the old caches before allocating new ones
+        rounds = _ROUNDS[target] = EngineRounds(target, models, k_drafts, draft_len, room)
+    return rounds
+
+
+def _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme, temperature, draft_temperature,
+                         max_new_tokens, eos_token_id, generator, top_s) -> SpeculativeOutput:
+    """``generate(..., engine=True)``: device-resident rounds, one host synchronisation each.
+
+    The draft and verify laws come to the host as fp32 logits and are turned into float64
+    ``softmax(logits / T)`` only for the nodes the walk reaches: exactly the laws the device sampled from.
+    """
+    prompt_len = input_ids.shape[1]
+    rounds = _rounds_for(target, models, k_drafts, draft_len,
+                         rounds_room(prompt_len, max_new_tokens, k_drafts, draft_len))
+    host_generator = _generator_on(generator, torch.device("cpu"))
+    seed = int(torch.randint(0, 2**62, (1,), generator=host_generator))  # the drafts' device generators
+    rounds.start(input_ids, temperature, draft_temperature, seed)
+    paths = [[1 + k * draft_len + depth for depth in range(draft_len)] for k in range(k_drafts)]
+    stats, made, ended = SpeculativeStats(), 0, False
+    while made < max_new_tokens and not ended:
+        tokens, target_out, draft_out = rounds.run()
+        if temperature == 0:
+            rows_of, q_row = target_out.tolist(), None
+        else:
+            rows_of, q_row = _law(target_out, temperature), _law(draft_out, draft_temperature)
+        result = walk(scheme, tokens.tolist(), paths, rows_of, q_row, len(models) == 1, host_generator, top_s)
+        stats.draft_calls += draft_len * len(models)
+        committed = _count(stats, result, eos_token_id)
+        rounds.commit(result.chain, len(result.committed) - 1, result.committed[-1])
+        made, ended = made + len(committed), eos_token_id is not None and committed[-1] == eos_token_id
+    out = rounds.finish(prompt_len + min(made, max_new_tokens))
+    return SpeculativeOutput(out.to(input_ids.device), stats)

@@ -1,5 +1,6 @@
 """Speculative generate on a NeuZip-compressed target (neutrain.nn.compress_model)."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -7,7 +8,8 @@ from neutrain.nn import compress_model
 from neutrain.speculative import generate
 
 
-def test_greedy_on_compressed_target_equals_dense_greedy():
+@pytest.mark.parametrize("engine", [False, True])  # DynamicCache, or device-resident rounds on static caches
+def test_greedy_on_compressed_target_equals_dense_greedy(engine):
     cfg = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
@@ -23,5 +25,6 @@ def test_greedy_on_compressed_target_equals_dense_greedy():
     prompt = torch.tensor([[3, 7, 9, 11]])
     with torch.no_grad():
         reference = dense.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=8)
+    out = generate(target, draft, prompt, num_drafts=2, draft_len=3, temperature=0, max_new_tokens=8,
+                   engine=engine)
     assert torch.equal(out.sequences, reference)
