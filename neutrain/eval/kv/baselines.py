@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -49,6 +50,34 @@ def _nbytes(t) -> int:
 
 
 # ---------------------------------------------------------------- QuantizedCache
+def _portable_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's own default ``unpack`` (codes of ``bits`` bits packed in uint8, lowest bits first)."""
+    parts = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
+    return torch.cat(parts).to(torch.uint8)
+
+
+def _quanto_without_jit() -> list[str]:
+    """Serve quanto's ``unpack`` from torch instead of its C++/CUDA extensions; returns the extensions stubbed.
+
+    Why: the first ``unpack`` on a GPU JIT-compiles quanto's whole CUDA extension (its AWQ and Marlin GEMMs
+    too) with nvcc, minutes of a time-limited run; a KV cache needs only ``unpack``, a few torch ops.
+    """
+    stubbed = []
+    try:
+        from optimum.quanto.library.extensions import get_extension
+    except Exception:  # noqa: BLE001 - another quanto layout: leave it as it is
+        return stubbed
+    for name in ("quanto_cuda", "quanto_cpp"):
+        try:
+            ext = get_extension(name)
+        except KeyError:
+            continue
+        if getattr(ext, "_lib", "absent") is None:
+            ext._lib = SimpleNamespace(unpack=_portable_unpack)
+            stubbed.append(name)
+    return stubbed
+
+
 def quantized_backend(preferred: tuple[str, ...] = ("quanto", "hqq")) -> str:
     """The first of ``preferred`` whose package imports (``optimum.quanto`` / ``hqq``); else BaselineUnavailable."""
     modules = {"quanto": "optimum.quanto", "hqq": "hqq.core.quantize"}
@@ -56,6 +85,8 @@ def quantized_backend(preferred: tuple[str, ...] = ("quanto", "hqq")) -> str:
     for name in preferred:
         try:
             importlib.import_module(modules[name])
+            if name == "quanto":
+                _quanto_without_jit()
             return name
         except Exception as exc:  # noqa: BLE001 - any import failure is a reason to record
             errors.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -76,9 +107,10 @@ def _measured_quantized_cache_class():
                     continue
                 device += sum(_nbytes(getattr(layer, name, None)) for name in
                               ("_quantized_keys", "_quantized_values", "keys", "values"))
-                ref = layer.keys
-                b, h, _, d = ref.shape
-                seen = getattr(layer, "cumulative_length", ref.shape[-2])
+                ref = layer.keys  # the full-precision residual: empty right after a prefill
+                quantized = getattr(layer, "_quantized_keys", None)
+                b, h, _, d = ref.shape if ref.dim() == 4 else quantized.shape
+                seen = getattr(layer, "cumulative_length", None) or ref.shape[-2]
                 full += 2 * b * h * seen * d * ref.element_size()
             return {"device_bytes": device, "host_bytes": 0, "full_bytes": full,
                     "compression_ratio": full / device if device else float("nan")}

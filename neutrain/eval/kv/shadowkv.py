@@ -293,8 +293,12 @@ class ShadowKVCache(Cache):
 
 
 # ---------------------------------------------------------------- attention hook-up
-def shadowkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention implementation ``"shadowkv"``: exact prefill + compression, sparse decode."""
+def shadowkv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention implementation ``"shadowkv"``: exact prefill + compression, sparse decode.
+
+    The argument order is transformers' (``dropout`` before ``scaling``, as ``sdpa_attention_forward``):
+    wrappers that pass ``dropout`` positionally (kvpress patches every registered attention so) must land it there.
+    """
     cache = getattr(module, "_shadowkv_cache", None)
     sdpa = compat.sdpa_attention()
     if not isinstance(cache, ShadowKVCache):

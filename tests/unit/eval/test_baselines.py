@@ -102,3 +102,9 @@ def test_quantized_cache_measures_its_bytes(model):
     stats = cache.stats()
     assert stats["full_bytes"] == 2 * 2 * 2 * 129 * 16 * 4  # layers x (K, V) x heads x tokens x dim x fp32
     assert 3 < stats["compression_ratio"] < 8
+
+
+def test_portable_unpack_matches_quantos_layout():
+    packed = torch.tensor([0b1110_0100, 0b0001_1111], dtype=torch.uint8)
+    assert baselines._portable_unpack(packed, 4).tolist() == [0b0100, 0b1111, 0b1110, 0b0001]
+    assert baselines._portable_unpack(packed[:1], 2).tolist() == [0, 1, 2, 3]

@@ -217,3 +217,15 @@ def test_device_value_rows_equal_the_offloaded_path(model, rows):
     assert host == full_host * (2 - rows) // 2  # the device rows' values left the host store
     assert c_mix.stats()["device_bytes"] > c_off.stats()["device_bytes"]
     torch.testing.assert_close(mixed, off, atol=0, rtol=0)
+
+
+def test_attention_takes_dropout_before_scaling_as_transformers_does():
+    """Wrappers (kvpress patches every registered attention) pass ``dropout`` positionally, as sixth argument."""
+    import inspect
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from neutrain.eval.kv.shadowkv import shadowkv_attention
+
+    ours = list(inspect.signature(shadowkv_attention).parameters)[:7]
+    assert ours == list(inspect.signature(sdpa_attention_forward).parameters)[:7]
