@@ -569,34 +569,42 @@ def throughput_part(args, log, device):
                 "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"],
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
-    def sized(measure_one, transient_per_seq):
-        """Largest batch for a cache whose stored bytes per sequence ``measure_one()`` measures."""
-        per_seq = measure_one()
-        return max(1, int(headroom // (per_seq + transient_per_seq))), per_seq
+    # Per decode step a compressed store is read back to bf16, one layer at a time: unpacked codes,
+    # their bf16 copy, the dequantized and the concatenated tensor, for keys and values (~16 bytes/element).
+    restore_per_seq = lambda ctx: 16 * heads * ctx * d  # noqa: E731
+
+    def sized_run(ctx, build, stored_of):
+        """Build one sequence to measure its stored bytes, size the batch by them, build and time it;
+        on an out-of-memory error retry at 3/4 of the batch (twice at most)."""
+        per_seq = stored_of(build(1))
+        b = max(1, int(headroom // (per_seq + restore_per_seq(ctx))))
+        for attempt in range(3):
+            cache = None
+            try:
+                cache = build(b)
+                stats = cache.stats()
+                tps, ms = _decode_rate(model, cache, b, args.steps)
+                return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "stored_gib_per_seq": per_seq / 2**30,
+                        "oom_retries": attempt, **stats}
+            except torch.OutOfMemoryError:
+                del cache
+                gc.collect()
+                torch.cuda.empty_cache()
+                if attempt == 2 or b == 1:
+                    raise
+                b = max(1, b * 3 // 4)
 
     def minicache(ctx, quant_bits):
         # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it.
         opts = dict(gamma=0.05, quant_bits=quant_bits, quant_group=64)
-        one = lambda: _minicache(model, cfg, 1, ctx, device, **opts).stored_bytes()  # noqa: E731
-        # per step: one layer restored to bf16 K and V, its dequantized direction and unpacked codes
-        b, per_seq = sized(one, 4 * heads * ctx * d * 2)
-        cache = _minicache(model, cfg, b, ctx, device, **opts)
-        stats = cache.stats()
-        tps, ms = _decode_rate(model, cache, b, args.steps)
-        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "gpu_kv_gib": stats["stored_bytes"] / 2**30,
-                "stored_gib_per_seq": per_seq / 2**30, "compression_ratio": stats["compression_ratio"],
-                "merges": stats["merges"], "merge": "prefill only (chunks of 4,096 tokens)"}
+        out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, **opts), lambda c: c.stored_bytes())
+        out["gpu_kv_gib"] = out.pop("stored_bytes") / 2**30
+        return {**out, "merge": "prefill only (chunks of 4,096 tokens)"}
 
     def quantized(ctx):
-        def one():
-            return _quantized_cache(model, cfg, 1, ctx, device).stats()["device_bytes"]
-
-        b, per_seq = sized(one, 4 * heads * ctx * d * 2)
-        cache = _quantized_cache(model, cfg, b, ctx, device)
-        stats = cache.stats()
-        tps, ms = _decode_rate(model, cache, b, args.steps)
-        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
-                "compression_ratio": stats["compression_ratio"], "backend": "quanto or hqq, 4-bit, group 64"}
+        out = sized_run(ctx, lambda b: _quantized_cache(model, cfg, b, ctx, device), lambda c: c.stats()["device_bytes"])
+        out["gpu_kv_gib"] = out.pop("device_bytes") / 2**30
+        return {**out, "backend": "quanto (torch unpack), 4-bit, group 64, residual 128"}
 
     def pruned(ctx):
         kept = int(round(ctx * (1 - PRESS_RATIO)))
