@@ -46,3 +46,26 @@ def test_recorded_real_model_run_is_cited_with_its_commit(tmp_path):
     target = issue20_targets({"real": real})["real_model_minicache_acc_gap_points"]
     assert target["value"] == 90.0 and "not measured in this run" in target["derived_from"]
     assert recorded_real("why", tmp_path / "absent.json") == {"skipped": "why; no recorded run to cite (FileNotFoundError)"}
+
+
+def test_training_keeps_the_best_held_out_weights(monkeypatch):
+    """A time limit that stops training in a dip of held-out accuracy restores the best evaluated weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import kv_eval
+
+    scores = iter([0.5, 0.9, 0.6])
+    monkeypatch.setattr(kv_eval, "forced_accuracy", lambda model, x, w: next(scores))
+    monkeypatch.setattr(kv_eval, "answer_token_accuracy", lambda model, x, w: 0.0)
+    _, HeldOutAccuracy = kv_eval._retrieval_trainer_classes()
+    cb = HeldOutAccuracy([(None, None)], SimpleNamespace(train_seconds=1e9, eval_every=1, stop_acc=2.0), lambda m: None)
+    model = torch.nn.Linear(2, 2)
+    control = SimpleNamespace(should_training_stop=False)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        cb.on_step_end(None, SimpleNamespace(global_step=step), control, model=model)
+    cb.on_train_end(None, None, control, model=model)
+    assert cb.restored and cb.best_step == 2 and torch.all(model.weight == 2.0)
