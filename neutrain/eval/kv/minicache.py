@@ -115,6 +115,9 @@ class _MergedStream:
         self.retained_rows: list[list[torch.Tensor]] = [[], []]  # [n, h, d] per side
         self.residual: list[torch.Tensor | None] = [None, None]
         self.merged_tokens = 0
+        # The restored direction and its per-token norms, read for the pair's first layer and reused by
+        # its second in the same forward (the direction only changes in ``merge``, which drops it).
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def push(self, side: int, x: torch.Tensor) -> None:
         r = self.residual[side]
@@ -138,6 +141,7 @@ class _MergedStream:
         self.direction.append(from_per_token(e.to(x_prev.dtype), heads).contiguous())
         self.merged_tokens += x_prev.shape[-2]
         self.residual = [None, None]
+        self._shared = None
         return int(batch_idx.numel())
 
     def read(self, side: int) -> torch.Tensor:
@@ -150,11 +154,15 @@ class _MergedStream:
         residual = self.residual[side]
         if not self.merged_tokens:
             return residual
-        e = self.direction.read()
+        if side == 1 and self._shared is not None:
+            (e, e_norm), self._shared = self._shared, None
+        else:
+            e = self.direction.read()
+            e_norm = torch.linalg.vector_norm(e, dim=(1, 3), dtype=torch.float32)  # [b, s]
+            self._shared = (e, e_norm) if side == 0 else None
         b, h, s, d = e.shape
         extra = 0 if residual is None else residual.shape[-2]
         out = torch.empty(b, h, s + extra, d, dtype=e.dtype, device=e.device)
-        e_norm = torch.linalg.vector_norm(e, dim=(1, 3), dtype=torch.float32)  # [b, s]
         scale = torch.cat(self.norms[side], dim=-1) / e_norm.clamp_min(1e-30)
         torch.mul(e, scale[:, None, :, None].to(e.dtype), out=out[:, :, :s])
         index = torch.cat(self.retained_index, dim=-1).long()
@@ -219,7 +227,7 @@ class MiniCacheLayer(DynamicLayer):
         keys, values = self.pair.keys.read(self.side), self.pair.values.read(self.side)
         # Layer l runs after layer l-1 in the same forward, so both residuals are complete here;
         # this step's attention already has the exact states, the merge only changes storage.
-        if self.role == "second" and self.pair.keys.residual_length() >= self.owner.merge_every:
+        if self.role == "second" and self.owner._merge_due(self.pair):
             self.owner._merge(self.pair)
         return keys, values
 
@@ -249,7 +257,8 @@ class MiniCache(Cache):
         t: SLERP weight towards the later layer of a pair (paper: 0.6).
         gamma: Retention threshold (paper: 0.05). 1 keeps every token exactly, 0 none.
         retain: ``"distinct"`` (intended) or ``"literal"`` (Eq. 4 as printed).
-        merge_every: Decode tokens gathered before they are merged (the prompt merges at once).
+        merge_every: Decode tokens gathered before they are merged (the prompt merges at once). None:
+            merge the prompt only; generated tokens stay exact (no merge work while decoding).
         min_similarity: None merges every pair (the paper). A number: at a pair's first merge (the
             prompt), the mean cosine of the two layers' per-token key and value directions is measured,
             and a pair whose lower one is below it is not merged (both layers stay exact, quantized if
@@ -266,7 +275,7 @@ class MiniCache(Cache):
     """
 
     def __init__(self, config, start_layer: int | None = None, t: float = 0.6, gamma: float = 0.05,
-                 retain: str = "distinct", merge_every: int = 64, quant_bits: int | None = None,
+                 retain: str = "distinct", merge_every: int | None = 64, quant_bits: int | None = None,
                  quant_group: int = 128, min_similarity: float | None = None):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = cfg.num_hidden_layers
@@ -287,6 +296,12 @@ class MiniCache(Cache):
                 layers.append(MiniCacheLayer(self, "exact"))
                 idx += 1
         super().__init__(layers=layers)
+
+    def _merge_due(self, pair: _LayerPair) -> bool:
+        pending = pair.keys.residual_length()
+        if self.merge_every is None:  # prompt only: the pair's first block
+            return pending > 0 and pair.keys.merged_tokens == 0 and pair.similarity is None
+        return pending >= self.merge_every
 
     def _merge(self, pair: _LayerPair) -> None:
         if self.min_similarity is not None and pair.similarity is None:

@@ -76,46 +76,61 @@ class QuantizedTokenStore:
         if axis not in ("channel", "token") or bits not in (4, 8):
             raise ValueError(f"unsupported axis={axis!r} bits={bits}")
         self.axis, self.bits, self.group = axis, bits, group
-        self.blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Every quantized group side by side in one tensor each (codes [b, h, T, d or d/2], scales and minima),
+        # so that a read is a handful of kernels over the whole prefix, not a few per group: at 64K tokens
+        # in groups of 64 a per-group read launched thousands of kernels per layer per decode step.
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.minimum: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.num_quantized = 0
-        self._shape: tuple[int, int, int] | None = None
         self._dtype = None
 
-    def _quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, h, g, d = x.shape
-        if self.axis == "channel":
-            codes, scale, mn = quantize_groups(x, self.bits, reduce_dim=2)
-        else:
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` [b, h, n * group, d] as ``n`` groups at once (the same ranges as group by group)."""
+        b, h, t, d = x.shape
+        if self.axis == "channel":  # one range per (group of tokens, channel)
+            codes, scale, mn = quantize_groups(x.view(b, h, t // self.group, self.group, d), self.bits, reduce_dim=3)
+        else:  # one range per (token, group of channels)
             gd = min(self.group, d)
-            codes, scale, mn = quantize_groups(x.view(b, h, g, d // gd, gd), self.bits, reduce_dim=-1)
-            codes = codes.view(b, h, g, d)
+            codes, scale, mn = quantize_groups(x.view(b, h, t, d // gd, gd), self.bits, reduce_dim=-1)
+        codes = codes.view(b, h, t, d)
         if self.bits == 4:
             codes = pack_nibbles(codes)
         return codes, scale, mn
 
-    def _dequantize_block(self, codes, scale, mn) -> torch.Tensor:
-        b, h, g, _ = codes.shape
-        if self.bits == 4:
-            codes = unpack_nibbles(codes)
-        d = codes.shape[-1]
+    def _dequantize(self) -> torch.Tensor:
+        codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+        b, h, t, d = codes.shape
         if self.axis == "channel":
-            return codes.to(scale.dtype) * scale + mn
-        gd = min(self.group, d)
-        return (codes.view(b, h, g, d // gd, gd).to(scale.dtype) * scale + mn).view(b, h, g, d)
+            grouped = codes.view(b, h, t // self.group, self.group, d)
+        else:
+            gd = min(self.group, d)
+            grouped = codes.view(b, h, t, d // gd, gd)
+        return torch.addcmul(self.minimum, grouped.to(self.scale.dtype), self.scale).view(b, h, t, d)
 
     def append(self, x: torch.Tensor) -> None:
         self._dtype = x.dtype
         self.residual = x if self.residual is None else torch.cat([self.residual, x], dim=-2)
-        while self.residual.shape[-2] >= self.group:
-            block, self.residual = self.residual[:, :, : self.group], self.residual[:, :, self.group :]
-            self.blocks.append(self._quantize_block(block.contiguous()))
-            self.num_quantized += self.group
+        whole = self.residual.shape[-2] // self.group * self.group
+        if not whole:
+            return
+        block, self.residual = self.residual[:, :, :whole].contiguous(), self.residual[:, :, whole:]
+        new = self._quantize(block)
+        # axis 2 is the token axis of the codes and (channel axis) of the per-group ranges alike
+        if self.codes is None:
+            self.codes, self.scale, self.minimum = new
+        else:
+            self.codes, self.scale, self.minimum = (torch.cat([old, n], dim=2) for old, n in
+                                                    zip((self.codes, self.scale, self.minimum), new))
+        self.num_quantized += whole
 
     def read(self) -> torch.Tensor | None:
-        parts = [self._dequantize_block(*blk).to(self._dtype) for blk in self.blocks]
+        parts = [] if self.codes is None else [self._dequantize().to(self._dtype)]
         if self.residual is not None and self.residual.shape[-2] > 0:
             parts.append(self.residual)
+        if len(parts) == 1:
+            return parts[0]
         return torch.cat(parts, dim=-2) if parts else None
 
     def __len__(self) -> int:
@@ -123,10 +138,8 @@ class QuantizedTokenStore:
 
     @property
     def nbytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for blk in self.blocks for t in blk)
-        if self.residual is not None:
-            total += self.residual.numel() * self.residual.element_size()
-        return total
+        tensors = [t for t in (self.codes, self.scale, self.minimum, self.residual) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def make_store(quant_bits: int | None, axis: str, group: int):

@@ -57,6 +57,10 @@ class ShadowKVOptions:
     local_chunks: int = 4
     min_prefill: int = 4096
     offload_values: bool = True
+    # Batch rows (the last ``device_value_rows`` of a batch) whose values stay on the device although
+    # ``offload_values`` is on. Why: pinned host memory bounds how many sequences' values can be offloaded;
+    # with GPU memory left over, a batch sized by the GPU keeps the overflow rows' values there.
+    device_value_rows: int = 0
     # Diagnosis switches (issue 20): keep the selected chunks' keys exact instead of rebuilding them
     # from the rank-``rank`` SVD, so the selection's loss can be measured apart from the SVD's; and
     # log every step's selected chunks (``ShadowKVLayer.selection_log``) for the needle recall.
@@ -128,12 +132,16 @@ class ShadowKVLayer(DynamicLayer):
 
         self.offloaded = opt.offload_values
         ctx_values = values[:, :, :ctx]
+        self.v_device = None  # [b_dev, h, ctx, d]: the rows kept on the device (device_value_rows)
         if self.offloaded:
             # Chunk-major rows so one gathered row is one chunk (the paper's CPU layout).
-            rows = ctx_values.reshape(b, h, num_chunks, cs * d)
+            on_host = b - min(b, opt.device_value_rows)
+            rows = ctx_values[:on_host].reshape(on_host, h, num_chunks, cs * d)
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
             host.copy_(rows)
             self.v_store = host
+            if on_host < b:
+                self.v_device = ctx_values[on_host:].clone()
         else:
             self.v_store = ctx_values.clone()
         self.num_chunks, self.context = num_chunks, ctx
@@ -156,6 +164,21 @@ class ShadowKVLayer(DynamicLayer):
         if not self.offloaded:
             tok = chunk_tokens(chunk_ids, cs)[..., None].expand(-1, -1, -1, d)
             return self.v_store.gather(2, tok), None
+        if self.v_device is not None:  # mixed batch: host rows by the offload path, the rest on the device
+            on_host = self.v_store.shape[0]
+            tok = chunk_tokens(chunk_ids[on_host:], cs)[..., None].expand(-1, -1, -1, d)
+            local = self.v_device.gather(2, tok)
+            if not on_host:
+                return local, None
+            remote, pending = self._gather_offloaded(chunk_ids[:on_host], device)
+            if pending is not None:  # the side-stream gather must land before the concatenation reads it
+                torch.cuda.current_stream(device).wait_stream(pending)
+            return torch.cat([remote, local]), None
+        return self._gather_offloaded(chunk_ids, device)
+
+    def _gather_offloaded(self, chunk_ids: torch.Tensor, device):
+        b, h, k = chunk_ids.shape
+        cs, d = self.owner.options.chunk_size, self.tail_v.shape[-1]
         if device.type == "cuda" and not self.owner.uva_failed:
             try:
                 from ...kernels.shadowkv import gather_chunks  # lazy: Triton, CUDA path only
@@ -211,7 +234,7 @@ class ShadowKVLayer(DynamicLayer):
             return _nbytes(self.keys, self.values)
         parts = [self.u, self.sv, self.exact_k, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
                  self.tail_k, self.tail_v]
-        return _nbytes(*parts) + (0 if self.offloaded else _nbytes(self.v_store))
+        return _nbytes(*parts, getattr(self, "v_device", None)) + (0 if self.offloaded else _nbytes(self.v_store))
 
     def host_bytes(self) -> int:
         return _nbytes(self.v_store) if self.mode == "sparse" and self.offloaded else 0
@@ -270,8 +293,12 @@ class ShadowKVCache(Cache):
 
 
 # ---------------------------------------------------------------- attention hook-up
-def shadowkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention implementation ``"shadowkv"``: exact prefill + compression, sparse decode."""
+def shadowkv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention implementation ``"shadowkv"``: exact prefill + compression, sparse decode.
+
+    The argument order is transformers' (``dropout`` before ``scaling``, as ``sdpa_attention_forward``):
+    wrappers that pass ``dropout`` positionally (kvpress patches every registered attention so) must land it there.
+    """
     cache = getattr(module, "_shadowkv_cache", None)
     sdpa = compat.sdpa_attention()
     if not isinstance(cache, ShadowKVCache):

@@ -186,3 +186,38 @@ def test_min_similarity_measures_the_pair_cosine(model4):
     quantized = MiniCache(model4.config, gamma=0.0, merge_every=8, min_similarity=expected + 1e-4, quant_bits=4, quant_group=8)
     decode_logits(model4, ids, 40, quantized)
     assert quantized.unmerged_pairs == 1 and quantized.stats()["compression_ratio"] > 2  # exact layers still 4-bit
+
+
+def test_merge_at_prefill_only(model4):
+    """merge_every=None merges the prompt once per pair and never while decoding; with gamma=1 it is exact."""
+    ids = torch.randint(0, 97, (2, 60))
+    ref = decode_logits(model4, ids, 40, DynamicCache(config=model4.config))
+    cache = MiniCache(model4.config, gamma=1.0, merge_every=None)
+    out = decode_logits(model4, ids, 40, cache)
+    assert cache.merges == 1 and cache.merged_tokens == 40  # one pair (layers 2, 3), the 40-token prompt
+    assert cache.layers[2].pair.keys.residual_length() == 20  # the 20 decoded tokens stay exact
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    prompt = ids[:1, :40]
+    assert torch.equal(_greedy(model4, prompt, 16, MiniCache(model4.config, gamma=1.0, merge_every=None)),
+                       _greedy(model4, prompt, 16, DynamicCache(config=model4.config)))
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_quantized_store_equals_group_by_group(axis):
+    """Quantizing many groups at once (one tensor) gives the codes and values a group-by-group quantizer gives."""
+    from neutrain.eval.kv.quant import quantize_groups
+
+    x = torch.randn(2, 3, 40, 16)
+    store = QuantizedTokenStore(axis=axis, bits=4, group=8)
+    for part in (x[:, :, :13], x[:, :, 13:29], x[:, :, 29:]):
+        store.append(part)
+    codes, values = [], []
+    for g in range(5):
+        blk = x[:, :, 8 * g : 8 * g + 8]
+        grouped = blk if axis == "channel" else blk.reshape(2, 3, 8, 2, 8)
+        c, scale, mn = quantize_groups(grouped, 4, reduce_dim=2 if axis == "channel" else -1)
+        codes.append(pack_nibbles(c.reshape(2, 3, 8, 16)))
+        values.append((c.float() * scale + mn).reshape(2, 3, 8, 16))
+    assert torch.equal(store.codes, torch.cat(codes, dim=2))
+    torch.testing.assert_close(store.read(), torch.cat(values, dim=2), atol=1e-6, rtol=0)
+    assert store.num_quantized == 40 and len(store) == 40

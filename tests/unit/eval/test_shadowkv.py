@@ -204,3 +204,28 @@ def test_selection_log_records_each_sparse_step(model):
         assert needle_chunk_recall(cache, [missed[0] * 8])["covered"][0] == 0.0
     _, quiet = _run(model, ids, 136, budget=24, rank=8, **SMALL)
     assert quiet.layers[0].selection_log == []
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_device_value_rows_equal_the_offloaded_path(model, rows):
+    """A batch whose last ``rows`` rows keep their values on the device decodes exactly as the all-offloaded one."""
+    ids = torch.randint(0, 97, (2, 156))
+    off, c_off = _run(model, ids, 136, budget=16, rank=12, offload_values=True, **SMALL)
+    mixed, c_mix = _run(model, ids, 136, budget=16, rank=12, offload_values=True, device_value_rows=rows, **SMALL)
+    _assert_sparse(c_mix, 3)
+    host, full_host = c_mix.stats()["host_bytes"], c_off.stats()["host_bytes"]
+    assert host == full_host * (2 - rows) // 2  # the device rows' values left the host store
+    assert c_mix.stats()["device_bytes"] > c_off.stats()["device_bytes"]
+    torch.testing.assert_close(mixed, off, atol=0, rtol=0)
+
+
+def test_attention_takes_dropout_before_scaling_as_transformers_does():
+    """Wrappers (kvpress patches every registered attention) pass ``dropout`` positionally, as sixth argument."""
+    import inspect
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from neutrain.eval.kv.shadowkv import shadowkv_attention
+
+    ours = list(inspect.signature(shadowkv_attention).parameters)[:7]
+    assert ours == list(inspect.signature(sdpa_attention_forward).parameters)[:7]

