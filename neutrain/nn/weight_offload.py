@@ -47,8 +47,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import re
 
 import torch
 
@@ -320,6 +322,49 @@ def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = 
     store = WeightOffload(device, ahead=ahead, slots=slots)
     for layer in layers:
         store.add_layer(w for w in compressed_weights(layer) if not w.large)
+    return attach(model, store)
+
+
+@contextlib.contextmanager
+def streaming_offload(device, ahead: int = 2, slots: int | None = None):
+    """Build a compressed model (``init_compressed``, ``load_compressed``) with each decoder layer moved to
+    host memory as soon as its last tensor is placed: the device never holds more than one layer's payload.
+
+    Yields the :class:`WeightOffload`; attach it with :func:`attach` once the model exists.
+
+    Example:
+        >>> from neutrain.nn.load import init_compressed
+        >>> from transformers import LlamaConfig
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> with streaming_offload("cpu") as store:
+        ...     model, _ = init_compressed(cfg, device="cpu", progress=False, codec_options={"steps": 16})
+        >>> attach(model, store) is store, len(store.layers)
+        (True, 2)
+    """
+    from neutrain.nn.convert import compressed_weights
+    from neutrain.nn.load import after_each_tensor
+
+    store = WeightOffload(device, ahead=ahead, slots=slots)
+    building: list = []  # [the layer module being built]
+
+    def after(model, name):
+        match = _LAYER_NAME.match(name) if name is not None else None
+        layer = model.get_submodule(match.group(1))[int(match.group(2))] if match else None
+        if building and building[0] is not layer:  # the previous layer is complete
+            store.add_layer(w for w in compressed_weights(building.pop()) if not w.large)
+        if layer is not None and not building:
+            building.append(layer)
+
+    with after_each_tensor(after):
+        yield store
+
+
+_LAYER_NAME = re.compile(r"^(.*\.layers)\.(\d+)\.")
+
+
+def attach(model: torch.nn.Module, store: WeightOffload) -> WeightOffload:
+    """Record ``store`` as ``model``'s weight store (what :func:`weight_store` returns) and return it."""
     model._neutrain_weight_offload = store
     if store.cuda:
         torch.cuda.empty_cache()  # the layers' device payloads are gone: give their segments back
