@@ -114,10 +114,10 @@ class CompressedWeight:
         self._resident()
         return self.ct.decompress()
 
-    def _resident(self) -> None:
+    def _resident(self, writing: bool = False) -> None:
         """Offloaded weights: bring the payload to the device first (a no-op when it is there)."""
         if self.home is not None:
-            self.home.fetch(self)
+            self.home.fetch(self, writing)
 
     def saved_ct(self):
         """The compressed tensor to save: the host store's copy for an offloaded weight (no device copy)."""
@@ -130,7 +130,7 @@ class CompressedWeight:
     def write_(self, weight: torch.Tensor) -> None:
         # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
         # so backward never waits for the GPU here.
-        self._resident()
+        self._resident(writing=True)
         self.ct.recompress_(weight, sync=False)
         if self.home is not None:
             self.home.written(self)  # the new bytes go back to host memory, asynchronously

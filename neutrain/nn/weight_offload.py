@@ -117,6 +117,8 @@ class WeightOffload:
         self._clock = 0
         self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
         self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self._registered: list[torch.Tensor] = []  # host arenas pinned with cudaHostRegister
+        self.pinned_bytes = 0  # host memory taken (arenas with their room, and buffers of streams that outgrew it)
         self._empty = {dt: torch.empty(0, dtype=dt, device=self.device) for dt in (torch.int32, torch.uint8, torch.int64)}
 
     # ------------------------------------------------------------------ building
@@ -127,17 +129,45 @@ class WeightOffload:
         for weight in layer.weights:
             if weight.home is not None:
                 raise ValueError(f"weight {weight.name} is already offloaded")
-            weight.home, weight._offload_layer = self, layer
-            weight._host = {name: self._to_host(getattr(weight.ct, name)) for name in PAYLOAD}
-            pinned += sum(_nbytes(t) for t in weight._host.values())
+            weight.home, weight._offload_layer, weight._flushed = self, layer, None
+        pinned = self._to_host(layer.weights, {w: {n: getattr(w.ct, n) for n in PAYLOAD} for w in layer.weights})
+        for weight in layer.weights:
             self._vacate(weight)
         self.layers.append(layer)
         return pinned
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
-        host.copy_(t)
-        return host
+    def _to_host(self, weights, payloads) -> int:
+        """Copy payloads into one new host arena (streams with 1/16 room to grow); return its bytes.
+
+        One arena per layer, pinned by registering it with CUDA: the caching host allocator
+        (``pin_memory=True``) rounds every block up to a power of two, which would pin up to
+        twice the 87 GiB of a 70B's layers on a 128 GiB host.
+        """
+        rooms = [(w, n, t, _aligned(_nbytes(t) + (_nbytes(t) // 16 if n == "stream" else 0)))
+                 for w in weights for n, t in payloads[w].items()]
+        arena = torch.empty(sum(room for *_, room in rooms), dtype=torch.uint8)
+        self.pinned_bytes += arena.numel()
+        if self.cuda and arena.numel():
+            code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister of {arena.numel()} host bytes failed (error {int(code)})")
+            self._registered.append(arena)
+        offset = 0
+        for weight, name, t, room in rooms:
+            if name == PAYLOAD[0]:
+                weight._host, weight._room = {}, {}
+            weight._host[name] = arena[offset:offset + _nbytes(t)].view(t.dtype).view(t.shape)
+            weight._host[name].copy_(t)
+            weight._room[name] = (arena, offset, room)
+            offset += room
+        return arena.numel()
+
+    def close(self) -> None:
+        """Unpin the host arenas (call before dropping the store; training with it must have ended)."""
+        self.flush()
+        for arena in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+        self._registered.clear()
 
     def _vacate(self, weight) -> None:
         """Point the weight's payload at empty device tensors: any use without a fetch fails loudly."""
@@ -154,8 +184,12 @@ class WeightOffload:
         return sum(_nbytes(b) for b in self._buffers if b is not None)
 
     # ------------------------------------------------------------------ fetching
-    def fetch(self, weight) -> None:
-        """Make ``weight``'s layer resident and current; start copying the layers after it."""
+    def fetch(self, weight, writing: bool = False) -> None:
+        """Make ``weight``'s layer resident and current; start copying the layers after it.
+
+        ``writing``: a re-encode follows, which must not overwrite the payload while its last
+        write-back (a step ago) may still read it.
+        """
         layer = weight._offload_layer
         if layer.slot is None:
             self.stats.stalls += 1
@@ -164,6 +198,8 @@ class WeightOffload:
         if layer.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(layer.ready)
             layer.ready = None
+        if writing and weight._flushed is not None:
+            torch.cuda.current_stream(self.device).wait_event(weight._flushed)
         step = -1 if in_backward() else 1
         for k in range(1, self.ahead + 1):
             j = layer.index + step * k
@@ -239,14 +275,21 @@ class WeightOffload:
             for name in PAYLOAD:
                 device = getattr(weight.ct, name)
                 host = weight._host[name]
-                if host.shape != device.shape:  # the re-encode grew the stream: a bigger host buffer
-                    host = weight._host[name] = torch.empty(device.shape, dtype=device.dtype, pin_memory=self.cuda)
+                if host.shape != device.shape:  # the re-encode grew the stream: its room in the arena, or a new buffer
+                    arena, offset, room = weight._room[name]
+                    if _nbytes(device) <= room:
+                        host = arena[offset:offset + _nbytes(device)].view(device.dtype).view(device.shape)
+                    else:
+                        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=self.cuda)
+                        weight._room[name] = (host.view(-1).view(torch.uint8), 0, _nbytes(host))
+                        self.pinned_bytes += _nbytes(host)
+                    weight._host[name] = host
                 host.copy_(device, non_blocking=self.cuda)
                 if self.cuda:
                     device.record_stream(self._d2h)  # a grown stream is freed at eviction while this copy may run
                 self.stats.d2h_bytes += _nbytes(device)
             if self.cuda:
-                layer.flushed = torch.cuda.Event()
+                layer.flushed = weight._flushed = torch.cuda.Event()
                 layer.flushed.record(self._d2h)
         self.stats.writebacks += 1
 
@@ -283,7 +326,7 @@ class WeightOffload:
         """``weight`` got a new ``CompressedTensor`` (checkpoint loading): its payload becomes the host copy."""
         payload = {name: getattr(weight.ct, name) for name in PAYLOAD}  # before flush() vacates its layer
         self.flush()
-        weight._host = {name: self._to_host(t) for name, t in payload.items()}
+        self._to_host([weight], {weight: payload})  # the old arena is kept (other weights of the layer use it)
         self._vacate(weight)
 
 
