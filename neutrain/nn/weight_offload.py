@@ -118,6 +118,7 @@ class WeightOffload:
         self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
         self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
         self._registered: list[torch.Tensor] = []  # host arenas pinned with cudaHostRegister
+        self.timeline: list | None = None  # set to [] to record (kind, layer, start, end) CUDA events per copy
         self.pinned_bytes = 0  # host memory taken (arenas with their room, and buffers of streams that outgrew it)
         self._empty = {dt: torch.empty(0, dtype=dt, device=self.device) for dt in (torch.int32, torch.uint8, torch.int64)}
 
@@ -217,9 +218,11 @@ class WeightOffload:
             return
         if self._current is not None and self.cuda:
             # Everything the compute stream will do with the previous layer is enqueued by now.
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=self.timeline is not None)
             event.record(torch.cuda.current_stream(self.device))
             self._current.done = event
+            if self.timeline is not None:
+                self.timeline.append(("compute", layer.index, event, None))  # the compute stream reaches this layer
         self._current = layer
 
     def _load(self, layer: _Layer) -> None:
@@ -250,6 +253,7 @@ class WeightOffload:
             for event in waits:
                 if event is not None:
                     self._h2d.wait_event(event)
+            mark = self._mark()
             for weight, name, host, start in layout:
                 view = buffer[start:start + _nbytes(host)].view(host.dtype)
                 view.copy_(host, non_blocking=self.cuda)
@@ -257,10 +261,25 @@ class WeightOffload:
             if self.cuda:
                 layer.ready = torch.cuda.Event()
                 layer.ready.record(self._h2d)
+            self._log("h2d", layer, mark)
         layer.slot = slot
         self._owner[slot] = layer
         self.stats.loads += 1
         self.stats.h2d_bytes += sum(_nbytes(host) for _, _, host, _ in layout)
+
+    def _mark(self):
+        """A timing event on the current (copy) stream when a timeline is recorded."""
+        if self.timeline is None or not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _log(self, kind: str, layer: _Layer, start) -> None:
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timeline.append((kind, layer.index, start, end))
 
     # ---------------------------------------------------------------- write-back
     def written(self, weight) -> None:
@@ -272,6 +291,7 @@ class WeightOffload:
         with torch.cuda.stream(self._d2h) if self.cuda else _nullcontext():
             if self.cuda:
                 self._d2h.wait_event(encoded)
+            mark = self._mark()
             for name in PAYLOAD:
                 device = getattr(weight.ct, name)
                 host = weight._host[name]
@@ -291,6 +311,7 @@ class WeightOffload:
             if self.cuda:
                 layer.flushed = weight._flushed = torch.cuda.Event()
                 layer.flushed.record(self._d2h)
+            self._log("d2h", layer, mark)
         self.stats.writebacks += 1
 
     # ------------------------------------------------------------ saving, loading
