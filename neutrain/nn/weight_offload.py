@@ -51,6 +51,7 @@ import contextlib
 import copy
 import dataclasses
 import re
+import weakref
 
 import torch
 
@@ -59,6 +60,7 @@ from neutrain.compress import stream as kstream
 
 PAYLOAD = ("stream", "tails", "lane_words", "tile_base")
 _ALIGN = 256  # slot offsets: every view is aligned for the kernels' vector loads
+_PAGE = 4096
 _SLOT_HEADROOM = 1 / 16  # re-encoded streams grow a little; a slot regrows (with a sync) only past this
 
 
@@ -117,7 +119,9 @@ class WeightOffload:
         self._clock = 0
         self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
         self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
-        self._registered: list[torch.Tensor] = []  # host arenas pinned with cudaHostRegister
+        self._registered: list[int] = []  # host arenas pinned with cudaHostRegister (their addresses)
+        # Registered memory must be unregistered before it is freed: at close(), or when the store goes.
+        weakref.finalize(self, _unregister, self._registered)
         self.timeline: list | None = None  # set to [] to record (kind, layer, start, end) CUDA events per copy
         self.pinned_bytes = 0  # host memory taken (arenas with their room, and buffers of streams that outgrew it)
         self._empty = {dt: torch.empty(0, dtype=dt, device=self.device) for dt in (torch.int32, torch.uint8, torch.int64)}
@@ -146,13 +150,7 @@ class WeightOffload:
         """
         rooms = [(w, n, t, _aligned(_nbytes(t) + (_nbytes(t) // 16 if n == "stream" else 0)))
                  for w in weights for n, t in payloads[w].items()]
-        arena = torch.empty(sum(room for *_, room in rooms), dtype=torch.uint8)
-        self.pinned_bytes += arena.numel()
-        if self.cuda and arena.numel():
-            code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-            if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister of {arena.numel()} host bytes failed (error {int(code)})")
-            self._registered.append(arena)
+        arena = self._arena(sum(room for *_, room in rooms))
         offset = 0
         for weight, name, t, room in rooms:
             if name == PAYLOAD[0]:
@@ -163,12 +161,25 @@ class WeightOffload:
             offset += room
         return arena.numel()
 
+    def _arena(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory, whole pages registered with CUDA (two registrations must not share a page)."""
+        if not self.cuda or not nbytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // _PAGE) * _PAGE
+        raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        arena = raw[start:start + size]
+        code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} host bytes failed (CUDA error {int(code)})")
+        self._registered.append(arena.data_ptr())
+        self.pinned_bytes += size
+        return arena[:nbytes]
+
     def close(self) -> None:
         """Unpin the host arenas (call before dropping the store; training with it must have ended)."""
         self.flush()
-        for arena in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
-        self._registered.clear()
+        _unregister(self._registered)
 
     def _vacate(self, weight) -> None:
         """Point the weight's payload at empty device tensors: any use without a fetch fails loudly."""
@@ -349,6 +360,11 @@ class WeightOffload:
         self.flush()
         self._to_host([weight], {weight: payload})  # the old arena is kept (other weights of the layer use it)
         self._vacate(weight)
+
+
+def _unregister(addresses: list[int]) -> None:
+    while addresses:
+        torch.cuda.cudart().cudaHostUnregister(addresses.pop())
 
 
 class _nullcontext:
