@@ -33,8 +33,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.train_70b import LLAMA3_70B, TINY as TINY_70B  # noqa: E402
-from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_8B  # noqa: E402
+from benchmarks.train_70b import LLAMA3_70B
+from benchmarks.train_70b import TINY as TINY_70B
+from benchmarks.train_memory import LLAMA3_8B
+from benchmarks.train_memory import TINY as TINY_8B
 
 GIB = 2**30
 NAME = "offload"
@@ -152,7 +154,7 @@ def part_8b(args) -> dict:
 
     from neutrain.nn.load import init_compressed
     from neutrain.nn.offload import offload_checkpointed_inputs
-    from neutrain.nn.weight_offload import offload_weights
+    from neutrain.nn.weight_offload_model import offload_weights
     from neutrain.optim import LOMO
     from neutrain.trainer.planner import ModelShape, estimate
 
@@ -201,7 +203,7 @@ def part_70b(args) -> dict:
     from transformers import LlamaConfig
 
     from neutrain.nn.load import init_compressed
-    from neutrain.nn.weight_offload import attach, streaming_offload
+    from neutrain.nn.weight_offload_model import attach, streaming_offload
     from neutrain.optim import LOMO
     from neutrain.trainer.planner import ModelShape, estimate
 

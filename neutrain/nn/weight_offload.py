@@ -37,6 +37,7 @@ Example:
     ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     >>> model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     >>> _ = compress_model(model, progress=False, codec_options={"steps": 16})
+    >>> from neutrain.nn.weight_offload_model import offload_weights
     >>> store = offload_weights(model, ahead=1)
     >>> opt = LOMO(model.parameters(), lr=1e-3, stochastic_rounding=False).bind(model)
     >>> ids = torch.randint(0, 64, (1, 8))
@@ -50,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import re
 import weakref
 
 import torch
@@ -184,7 +184,7 @@ class WeightOffload:
     def _vacate(self, weight) -> None:
         """Point the weight's payload at empty device tensors: any use without a fetch fails loudly."""
         for name in PAYLOAD:
-            setattr(weight.ct, name, self._empty[getattr(weight._host[name], "dtype")])
+            setattr(weight.ct, name, self._empty[weight._host[name].dtype])
         weight.ct._scratch = None  # encoder scratch: the allocator reuses it across layers
 
     @property
@@ -260,7 +260,7 @@ class WeightOffload:
             buffer = self._buffers[slot] = torch.empty(int(offset * (1 + _SLOT_HEADROOM)), dtype=torch.uint8,
                                                        device=self.device)
         waits.append(layer.flushed)  # this layer's last write-back reads its host buffers' new bytes
-        with torch.cuda.stream(self._h2d) if self.cuda else _nullcontext():
+        with torch.cuda.stream(self._h2d) if self.cuda else contextlib.nullcontext():
             for event in waits:
                 if event is not None:
                     self._h2d.wait_event(event)
@@ -299,7 +299,7 @@ class WeightOffload:
         if self.cuda:
             encoded = torch.cuda.Event()
             encoded.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h) if self.cuda else _nullcontext():
+        with torch.cuda.stream(self._d2h) if self.cuda else contextlib.nullcontext():
             if self.cuda:
                 self._d2h.wait_event(encoded)
             mark = self._mark()
@@ -365,92 +365,3 @@ class WeightOffload:
 def _unregister(addresses: list[int]) -> None:
     while addresses:
         torch.cuda.cudart().cudaHostUnregister(addresses.pop())
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's decoder layers: the longest ``ModuleList`` whose every entry holds compressed weights."""
-    from neutrain.nn.convert import compressed_weights
-
-    best = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and (best is None or len(module) > len(best)):
-            if all(compressed_weights(layer) for layer in module):
-                best = module
-    if best is None:
-        raise ValueError("no decoder layers with compressed weights to offload (memory.weights must be neuzip-lossless)")
-    return best
-
-
-def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = None) -> WeightOffload:
-    """Keep ``model``'s decoder layers' compressed weights in host memory, streamed in per layer.
-
-    Returns the :class:`WeightOffload` (also ``model._neutrain_weight_offload``). Embedding and lm_head
-    stay on the device. See the module docstring for an example.
-    """
-    from neutrain.nn.convert import compressed_weights
-
-    layers = decoder_layers(model)
-    device = compressed_weights(layers[0])[0].device
-    store = WeightOffload(device, ahead=ahead, slots=slots)
-    for layer in layers:
-        store.add_layer(w for w in compressed_weights(layer) if not w.large)
-    return attach(model, store)
-
-
-@contextlib.contextmanager
-def streaming_offload(device, ahead: int = 2, slots: int | None = None):
-    """Build a compressed model (``init_compressed``, ``load_compressed``) with each decoder layer moved to
-    host memory as soon as its last tensor is placed: the device never holds more than one layer's payload.
-
-    Yields the :class:`WeightOffload`; attach it with :func:`attach` once the model exists.
-
-    Example:
-        >>> from neutrain.nn.load import init_compressed
-        >>> from transformers import LlamaConfig
-        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-        >>> with streaming_offload("cpu") as store:
-        ...     model, _ = init_compressed(cfg, device="cpu", progress=False, codec_options={"steps": 16})
-        >>> attach(model, store) is store, len(store.layers)
-        (True, 2)
-    """
-    from neutrain.nn.convert import compressed_weights
-    from neutrain.nn.load import after_each_tensor
-
-    store = WeightOffload(device, ahead=ahead, slots=slots)
-    building: list = []  # [the layer module being built]
-
-    def after(model, name):
-        match = _LAYER_NAME.match(name) if name is not None else None
-        layer = model.get_submodule(match.group(1))[int(match.group(2))] if match else None
-        if building and building[0] is not layer:  # the previous layer is complete
-            store.add_layer(w for w in compressed_weights(building.pop()) if not w.large)
-        if layer is not None and not building:
-            building.append(layer)
-
-    with after_each_tensor(after):
-        yield store
-
-
-_LAYER_NAME = re.compile(r"^(.*\.layers)\.(\d+)\.")
-
-
-def attach(model: torch.nn.Module, store: WeightOffload) -> WeightOffload:
-    """Record ``store`` as ``model``'s weight store (what :func:`weight_store` returns) and return it."""
-    model._neutrain_weight_offload = store
-    if store.cuda:
-        torch.cuda.empty_cache()  # the layers' device payloads are gone: give their segments back
-    return store
-
-
-def weight_store(model: torch.nn.Module) -> WeightOffload | None:
-    """The model's :class:`WeightOffload`, or None when its weights are not offloaded."""
-    return getattr(model, "_neutrain_weight_offload", None)

@@ -178,7 +178,7 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed,
     (bf16 matrix products are ~12x slower there).
     """
     from neutrain.nn.load import init_compressed, load_compressed
-    from neutrain.nn.weight_offload import attach, streaming_offload
+    from neutrain.nn.weight_offload_model import attach, streaming_offload
 
     device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
     if offload_weights:  # memory.offload_weights: each decoder layer goes to host memory once built

@@ -58,7 +58,7 @@ from neutrain.nn import CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.offload import offload_checkpointed_inputs
-from neutrain.nn.weight_offload import offload_weights, weight_store
+from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
 from neutrain.storage.manifest import write_manifest

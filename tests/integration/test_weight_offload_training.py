@@ -8,7 +8,7 @@ import torch
 from neutrain.cli.train import build_trainer
 from neutrain.config import RecipeError, load_recipe
 from neutrain.nn import decompressed_state_dict
-from neutrain.nn.weight_offload import weight_store
+from neutrain.nn.weight_offload_model import weight_store
 from tests.helpers import write_recipe
 
 MEMORY = {"weights": "neuzip-lossless", "stochastic_rounding": False, "clip_mode": "per_tensor",

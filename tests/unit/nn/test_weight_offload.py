@@ -5,12 +5,24 @@ import io
 import pytest
 import torch
 
-from neutrain.nn import CompressedWeight, causal_lm_loss, compress_model, compressed_weights
+from neutrain.nn import (
+    CompressedWeight,
+    causal_lm_loss,
+    compress_model,
+)
 from neutrain.nn.checkpoint import load_compressed_state, save_compressed_checkpoint
-from neutrain.nn.weight_offload import PAYLOAD, WeightOffload, offload_weights, weight_store
+from neutrain.nn.weight_offload import PAYLOAD, WeightOffload
+from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim import LOMO, AdaLomo
 
-from .nn_helpers import CODEC, dense_and_compressed, enable_checkpointing, tiny_llama, token_batches, weights
+from .nn_helpers import (
+    CODEC,
+    dense_and_compressed,
+    enable_checkpointing,
+    tiny_llama,
+    token_batches,
+    weights,
+)
 
 LAYERS = 3
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from neutrain.nn import causal_lm_loss, compress_model
-from neutrain.nn.weight_offload import PAYLOAD, offload_weights
+from neutrain.nn.weight_offload import PAYLOAD
+from neutrain.nn.weight_offload_model import offload_weights
 from neutrain.optim import LOMO, AdaLomo
 
 from .nn_helpers import enable_checkpointing, tiny_llama, token_batches
@@ -20,7 +21,7 @@ def _model(offload, slots=3):
 
 
 def _train(model, rule, data):
-    kwargs = dict(lr=0.02, stochastic_rounding=False)
+    kwargs = {"lr": 0.02, "stochastic_rounding": False}
     opt = (LOMO(model.parameters(), clip_mode="per_tensor", max_grad_norm=1.0, **kwargs) if rule == "lomo"
            else AdaLomo(model.parameters(), **kwargs)).bind(model)
     for ids in data:

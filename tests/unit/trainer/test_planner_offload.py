@@ -2,10 +2,21 @@
 
 from neutrain.config import load_recipe
 from neutrain.nn import causal_lm_loss, compress_model
-from neutrain.nn.weight_offload import offload_weights
+from neutrain.nn.weight_offload_model import offload_weights
 from neutrain.optim import LOMO
-from neutrain.trainer.planner import GIB, ModelShape, estimate, estimate_recipe, offload_traffic
-from tests.unit.nn.nn_helpers import CODEC, enable_checkpointing, tiny_llama, token_batches
+from neutrain.trainer.planner import (
+    GIB,
+    ModelShape,
+    estimate,
+    estimate_recipe,
+    offload_traffic,
+)
+from tests.unit.nn.nn_helpers import (
+    CODEC,
+    enable_checkpointing,
+    tiny_llama,
+    token_batches,
+)
 
 
 def test_offload_moves_the_layers_to_host_and_keeps_slots_on_the_gpu():
