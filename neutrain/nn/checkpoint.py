@@ -65,14 +65,22 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     path = Path(checkpoint_dir) / WEIGHTS_FILE
     if not path.exists():
         raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no {WEIGHTS_FILE}")
+    from neutrain.nn.weight_offload_model import load_offloaded_blobs, weight_store
+
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
-        state = {k: fh.get_tensor(k) for k in fh.keys()}
+        # memory.offload_weights: the layers go one by one into host memory, never all read at once.
+        offloaded = load_offloaded_blobs(model, fh, path) if weight_store(model) is not None else set()
+        state = {k: fh.get_tensor(k) for k in fh.keys() if k.rpartition(".weight.")[0] + ".weight" not in offloaded}
     for alias, source in aliases.items():
         state[alias] = state[source]
     try:
-        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=not offloaded)
+        left = [k for k in result.missing_keys if k not in offloaded] + list(result.unexpected_keys)
+        if left:
+            raise RuntimeError("\n" + "\n".join(f"{'missing' if k in result.missing_keys else 'unexpected'} key: {k}"
+                                                 for k in left))
     except RuntimeError as exc:
         # torch's first line only names the model class; the tensors and reasons follow, one per line.
         lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc).strip()]

@@ -305,16 +305,7 @@ class WeightOffload:
             mark = self._mark()
             for name in PAYLOAD:
                 device = getattr(weight.ct, name)
-                host = weight._host[name]
-                if host.shape != device.shape:  # the re-encode grew the stream: its room in the arena, or a new buffer
-                    arena, offset, room = weight._room[name]
-                    if _nbytes(device) <= room:
-                        host = arena[offset:offset + _nbytes(device)].view(device.dtype).view(device.shape)
-                    else:
-                        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=self.cuda)
-                        weight._room[name] = (host.view(-1).view(torch.uint8), 0, _nbytes(host))
-                        self.pinned_bytes += _nbytes(host)
-                    weight._host[name] = host
+                host = self._host_like(weight, name, device)
                 host.copy_(device, non_blocking=self.cuda)
                 if self.cuda:
                     device.record_stream(self._d2h)  # a grown stream is freed at eviction while this copy may run
@@ -324,6 +315,22 @@ class WeightOffload:
                 layer.flushed.record(self._d2h)
             self._log("d2h", layer, mark)
         self.stats.writebacks += 1
+
+    def _host_like(self, weight, name: str, device: torch.Tensor) -> torch.Tensor:
+        """The host buffer for ``weight``'s new ``name`` tensor: as before, or resized within its room in
+        the arena (a grown stream), or a new buffer when it outgrew the room; never a byte short."""
+        host = weight._host[name]
+        if host.shape == device.shape:
+            return host
+        arena, offset, room = weight._room[name]
+        if _nbytes(device) <= room:
+            host = arena[offset:offset + _nbytes(device)].view(device.dtype).view(device.shape)
+        else:
+            host = torch.empty(device.shape, dtype=device.dtype, pin_memory=self.cuda)
+            weight._room[name] = (host.view(-1).view(torch.uint8), 0, _nbytes(host))
+            self.pinned_bytes += _nbytes(host)
+        weight._host[name] = host
+        return host
 
     # ------------------------------------------------------------ saving, loading
     def synchronize(self) -> None:
@@ -358,7 +365,8 @@ class WeightOffload:
         """``weight`` got a new ``CompressedTensor`` (checkpoint loading): its payload becomes the host copy."""
         payload = {name: getattr(weight.ct, name) for name in PAYLOAD}  # before flush() vacates its layer
         self.flush()
-        self._to_host([weight], {weight: payload})  # the old arena is kept (other weights of the layer use it)
+        for name, tensor in payload.items():  # into the weight's room: a resumed 70B must not pin twice
+            self._host_like(weight, name, tensor).copy_(tensor)
         self._vacate(weight)
 
 

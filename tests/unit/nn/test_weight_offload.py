@@ -148,3 +148,24 @@ def test_offload_refuses_a_model_without_compressed_layers():
     dense, _ = dense_and_compressed()
     with pytest.raises(ValueError, match="neuzip-lossless"):
         offload_weights(dense)
+
+
+def test_a_corrupted_layer_blob_is_named_when_loading_into_host_memory(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from neutrain.errors import CheckpointError
+
+    model, _ = _model(offload=True)
+    save_compressed_checkpoint(model, tmp_path, "neuzip-lossless")
+    path = tmp_path / "model.safetensors"
+    state = load_file(str(path))
+    key = "model.layers.1.mlp.up_proj.weight.tails"
+    state[key][0] ^= 1
+    save_file(state, str(path), metadata={"aliases": "{}", "format": "neuzip-blobs"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_compressed_state(_model(offload=True)[0], tmp_path)
+    del state["model.layers.2.self_attn.k_proj.weight.stream"]
+    state[key][0] ^= 1
+    save_file(state, str(path), metadata={"aliases": "{}", "format": "neuzip-blobs"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight"):
+        load_compressed_state(_model(offload=True)[0], tmp_path)
