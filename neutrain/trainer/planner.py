@@ -166,6 +166,11 @@ class Estimate:
         lines.append(f"{'total (peak allocated)':<22}{self.total_gib:>10.2f}")
         lines.append(f"{'reserved (predicted)':<22}{self.reserved / GIB:>10.2f}")
         lines.append(f"{'device used (predicted)':<22}{self.device / GIB:>9.2f}")
+        if self.settings.get("offload_weights"):  # memory.offload_weights: host memory and the link
+            s = self.settings
+            lines.append(f"{'host pinned (weights)':<22}{s['host_weight_bytes'] / GIB:>10.2f}")
+            lines.append(f"{'PCIe in / step':<22}{s['h2d_bytes_per_step'] / GIB:>10.2f}")
+            lines.append(f"{'PCIe out / step':<22}{s['d2h_bytes_per_step'] / GIB:>10.2f}")
         return "\n".join(lines)
 
 

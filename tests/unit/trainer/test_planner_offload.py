@@ -32,6 +32,8 @@ def test_offload_moves_the_layers_to_host_and_keeps_slots_on_the_gpu():
     recipe = load_recipe("recipes/llama3_8b.yaml", ["memory.weights=neuzip-lossless", "train.optimizer=lomo",
                                                     "memory.offload_weights=true"])
     assert estimate_recipe(recipe).settings["offload_weights"] is True
+    assert "host pinned (weights)" in off.table() and "PCIe in / step" in off.table()
+    assert "host pinned" not in plain.table()
 
 
 def test_predicted_copies_per_step_match_the_store():
