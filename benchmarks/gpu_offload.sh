@@ -2,7 +2,8 @@
 # Issue 21 in one device call (one H100): the weight-offload GPU test (bit-identical training on CUDA),
 # then benchmarks/offload.py for the parts in PARTS (default: all; each part's time is printed).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/gpu_offload.sh
-#   PARTS=link,8b ... ; then PARTS=70b BENCH_ARGS=--merge GPU_TESTS=0 ...   (two calls, one offload.json)
+#   PARTS=link,8b ... ; then PARTS=70b BENCH_ARGS=--merge GPU_TESTS=0 ...   (two calls, one offload.json:
+#   put the first call's offload.json into benchmarks/results/ of the tree the second call carries)
 # Writes $OUT/junit_offload.xml, $OUT/offload.log and $OUT/offload.json.
 set -u
 cd "$(dirname "$0")/.."

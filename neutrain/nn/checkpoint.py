@@ -32,6 +32,8 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
     """Write the model's compressed state dict, config and marker into ``output_dir``."""
     from safetensors.torch import save_file
 
+    from neutrain.nn.weight_offload_model import weight_store, write_safetensors
+
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
@@ -46,7 +48,11 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
         if key is not None:
             seen[key] = name
         unique[name] = tensor.detach().contiguous().cpu()
-    save_file(unique, str(out / WEIGHTS_FILE), metadata={"aliases": json.dumps(aliases), "format": "neuzip-blobs"})
+    metadata = {"aliases": json.dumps(aliases), "format": "neuzip-blobs"}
+    if weight_store(model) is not None:  # memory.offload_weights: the layers are views of host memory
+        write_safetensors(unique, out / WEIGHTS_FILE, metadata)  # tensor by tensor, no copy of the model
+    else:
+        save_file(unique, str(out / WEIGHTS_FILE), metadata=metadata)
     model.config.save_pretrained(str(out))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out))

@@ -56,7 +56,7 @@ import weakref
 import torch
 
 from neutrain.compat.autograd import in_backward
-from neutrain.compress import stream as kstream
+from neutrain.compress import format as fmt, stream as kstream
 
 PAYLOAD = ("stream", "tails", "lane_words", "tile_base")
 _ALIGN = 256  # slot offsets: every view is aligned for the kernels' vector loads
@@ -359,6 +359,8 @@ class WeightOffload:
         for name in PAYLOAD:
             setattr(host, name, weight._host[name])
         host._scratch = None
+        # Views of the host store, not clones: saving a 70B must not copy its 88 GiB of layers.
+        host.state_dict = lambda: fmt.seal(dict(host._blobs()), host.name)
         return host
 
     def adopt(self, weight) -> None:

@@ -169,3 +169,26 @@ def test_a_corrupted_layer_blob_is_named_when_loading_into_host_memory(tmp_path)
     save_file(state, str(path), metadata={"aliases": "{}", "format": "neuzip-blobs"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight"):
         load_compressed_state(_model(offload=True)[0], tmp_path)
+
+
+def test_streamed_safetensors_file_reads_back_like_save_file(tmp_path):
+    from safetensors import safe_open
+
+    from neutrain.nn.weight_offload_model import write_safetensors
+
+    tensors = {"i32": torch.arange(5, dtype=torch.int32), "u8": torch.arange(7, dtype=torch.uint8),
+               "i64": torch.arange(3), "bf16": torch.randn(2, 3).bfloat16(), "empty": torch.zeros(0),
+               "view": torch.arange(10, dtype=torch.int16)[2:6]}
+    write_safetensors(tensors, tmp_path / "a.safetensors", {"format": "x"})
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as fh:
+        assert fh.metadata() == {"format": "x"} and set(fh.keys()) == set(tensors)
+        for name, t in tensors.items():
+            assert torch.equal(fh.get_tensor(name), t), name
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_saving_an_offloaded_model_reads_the_host_store_without_copies():
+    model, store = _model(offload=True)
+    blob = model.state_dict()["model.layers.0.mlp.up_proj.weight.tails"]
+    host = store.layers[0].weights[5]._host["tails"]  # q, k, v, o, gate, up, down
+    assert blob.data_ptr() == host.data_ptr()
