@@ -56,7 +56,8 @@ import weakref
 import torch
 
 from neutrain.compat.autograd import in_backward
-from neutrain.compress import format as fmt, stream as kstream
+from neutrain.compress import format as fmt
+from neutrain.compress import stream as kstream
 
 PAYLOAD = ("stream", "tails", "lane_words", "tile_base")
 _ALIGN = 256  # slot offsets: every view is aligned for the kernels' vector loads
