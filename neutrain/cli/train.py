@@ -164,7 +164,8 @@ def build_trainer(recipe: Recipe) -> RunContext:
         from neutrain.nn.lora import build_weights_for  # lazy: `neutrain --help` stays instant
 
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
-    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights)
+    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights,
+                        offload_weights=recipe.memory["offload_weights"])
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 

@@ -125,6 +125,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "weights": Key(str, "dense", "Weight storage: dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
         "gradient_checkpointing": Key(bool, False, "Recompute activations in backward (decoding compressed weights again)."),
         "offload_activations": Key(bool, False, "With gradient_checkpointing on a GPU: keep each layer's saved input in pinned host memory (frees layers x tokens x hidden x 2 bytes of GPU memory; a copy each way per step)."),
+        "offload_weights": Key(bool, False, "neuzip-lossless with a fused optimizer: keep the decoder layers' compressed weights in pinned host memory, streamed to the GPU a few layers ahead and written back after each update (trains models whose compressed weights exceed the GPU; host memory must hold them)."),
         "stochastic_rounding": Key(bool, True, "Fused updates: round fp32 updates to bf16 stochastically so small steps survive."),
         "clip_mode": Key(str, "per_tensor", "Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm), global_exact (two-pass backward, 2x backward cost).", choices=("per_tensor", "global_stale", "global_exact")),
         "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),

@@ -161,6 +161,22 @@ def _validate_datasets(entries: list, base_dir: Path | None) -> list[dict]:
     return out
 
 
+def check_weight_offload(mem: Mapping[str, Any], train: Mapping[str, Any], fused: bool) -> None:
+    """``memory.offload_weights`` streams compressed decoder layers from host memory: what it composes with."""
+    if mem["weights"] != "neuzip-lossless" or mem["adapter"] is not None:
+        raise RecipeError(f"memory.offload_weights: needs memory.weights: neuzip-lossless and no adapter "
+                          f"(got weights {mem['weights']}, adapter {mem['adapter']})")
+    if not fused:
+        raise RecipeError(f"memory.offload_weights: needs a fused optimizer ({', '.join(FUSED_OPTIMIZERS)}), "
+                          f"not {train['optimizer']}: the update must run while the layer is on the GPU")
+    if train["gradient_accumulation_steps"] != 1:
+        raise RecipeError(f"memory.offload_weights: train.gradient_accumulation_steps must be 1, not "
+                          f"{train['gradient_accumulation_steps']} (accumulating would keep an fp32 gradient sum of "
+                          "every weight on the GPU, the memory offloading frees); raise train.micro_batch_size instead")
+    if train["deepspeed"] or train["fsdp"] or train["distributed"] in ("fsdp2", "deepspeed"):
+        raise RecipeError("memory.offload_weights: one process per model copy only (not with FSDP or DeepSpeed)")
+
+
 def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None = None) -> Recipe:
     """Validate a raw recipe mapping and fill defaults.
 
@@ -294,6 +310,8 @@ def _cross_checks(v: dict) -> None:
     if mem["offload_activations"] and not mem["gradient_checkpointing"]:
         raise RecipeError("memory.offload_activations: needs memory.gradient_checkpointing: true "
                           "(it moves the inputs that checkpointed layers keep for their recompute)")
+    if mem["offload_weights"]:
+        check_weight_offload(mem, train, fused)
     if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
     if mem["adapter"] is not None and fused:

@@ -86,7 +86,7 @@ def compressed_state(model: torch.nn.Module, mantissa_bits: int | None, codec_op
         prefix = f"{name}." if name else ""
         compressed = getattr(module, "compressed", None)
         if name in targets or compressed is not None:
-            ct = compressed.ct if compressed is not None else None
+            ct = compressed.saved_ct() if compressed is not None else None  # offloaded: the host copy
             if ct is None or mantissa_bits is not None or not ct.layout.lossless:
                 dense = compressed.dense() if compressed is not None else module.weight.detach()
                 ct = compress(dense, mantissa_bits, name=prefix + "weight", **(codec_options or {}))

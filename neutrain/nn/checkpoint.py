@@ -32,6 +32,8 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
     """Write the model's compressed state dict, config and marker into ``output_dir``."""
     from safetensors.torch import save_file
 
+    from neutrain.nn.weight_offload_model import weight_store, write_safetensors
+
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
@@ -46,7 +48,11 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
         if key is not None:
             seen[key] = name
         unique[name] = tensor.detach().contiguous().cpu()
-    save_file(unique, str(out / WEIGHTS_FILE), metadata={"aliases": json.dumps(aliases), "format": "neuzip-blobs"})
+    metadata = {"aliases": json.dumps(aliases), "format": "neuzip-blobs"}
+    if weight_store(model) is not None:  # memory.offload_weights: the layers are views of host memory
+        write_safetensors(unique, out / WEIGHTS_FILE, metadata)  # tensor by tensor, no copy of the model
+    else:
+        save_file(unique, str(out / WEIGHTS_FILE), metadata=metadata)
     model.config.save_pretrained(str(out))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out))
@@ -65,14 +71,22 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     path = Path(checkpoint_dir) / WEIGHTS_FILE
     if not path.exists():
         raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no {WEIGHTS_FILE}")
+    from neutrain.nn.weight_offload_model import load_offloaded_blobs, weight_store
+
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
-        state = {k: fh.get_tensor(k) for k in fh.keys()}
+        # memory.offload_weights: the layers go one by one into host memory, never all read at once.
+        offloaded = load_offloaded_blobs(model, fh, path) if weight_store(model) is not None else set()
+        state = {k: fh.get_tensor(k) for k in fh.keys() if k.rpartition(".weight.")[0] + ".weight" not in offloaded}
     for alias, source in aliases.items():
         state[alias] = state[source]
     try:
-        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=not offloaded)
+        left = [k for k in result.missing_keys if k not in offloaded] + list(result.unexpected_keys)
+        if left:
+            raise RuntimeError("\n" + "\n".join(f"{'missing' if k in result.missing_keys else 'unexpected'} key: {k}"
+                                                 for k in left))
     except RuntimeError as exc:
         # torch's first line only names the model class; the tensors and reasons follow, one per line.
         lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc).strip()]

@@ -13,6 +13,8 @@ memory is the compressed model plus one dense tensor, never the dense model.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 from pathlib import Path
@@ -132,6 +134,23 @@ def init_compressed(
                   storage_dtype=storage_dtype)
 
 
+_AFTER_TENSOR = []  # callbacks (model, name or None at the end), set by after_each_tensor()
+
+
+@contextlib.contextmanager
+def after_each_tensor(callback):
+    """Call ``callback(model, name)`` after each tensor a build places (``name`` None once all are placed).
+
+    How :func:`neutrain.nn.weight_offload.streaming_offload` moves each decoder layer to host memory as
+    soon as it is built, so a model whose compressed weights exceed the device's memory can be built.
+    """
+    _AFTER_TENSOR.append(callback)
+    try:
+        yield
+    finally:
+        _AFTER_TENSOR.remove(callback)
+
+
 def _skeleton(config, dtype: torch.dtype):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -186,7 +205,11 @@ def _build(config, weights, device, dtype, tensors, progress, codec_options, mod
             else:
                 module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
             del tensor
+            for callback in _AFTER_TENSOR:
+                callback(model, name)
         del source
+    for callback in _AFTER_TENSOR:
+        callback(model, None)
     _tie_if_configured(model, config)
     mark_large_weights(model)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

@@ -66,7 +66,8 @@ class Prefetcher:
 
     def _launch(self, target_ref) -> None:
         target = target_ref() if target_ref is not None else None
-        if not self.enabled or target is None or target.device.type != "cuda" or target.large:
+        if not self.enabled or target is None or target.device.type != "cuda" or target.large \
+                or target.home is not None:  # offloaded: its payload may not be on the device
             return
         if DECODE_BUFFERS.holds(target):
             return

@@ -14,7 +14,7 @@ import torch
 
 def save_blobs(weight, destination, key_prefix: str) -> None:
     """Put a compressed weight's codec blobs into ``destination`` as ``<key_prefix><blob>``."""
-    for name, blob in weight.ct.state_dict().items():
+    for name, blob in weight.saved_ct().state_dict().items():
         destination[key_prefix + name] = blob
 
 

@@ -57,6 +57,7 @@ class CompressedWeight:
         self.decodes = 0  # full decodes run (cache hits excluded): lets tests see recomputes decode again
         self.optimizer = None
         self.large = False  # embedding / lm_head: decoded into the large buffer, never prefetched
+        self.home = None  # a neutrain.nn.weight_offload.WeightOffload when the payload lives in host memory
         # In the compute dtype: model.dtype (what transformers reads from the parameters) is the activations' dtype.
         key = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=ct.device),
                                  requires_grad=requires_grad)
@@ -95,6 +96,7 @@ class CompressedWeight:
         if cached is not None:
             return cached
         self.decodes += 1
+        self._resident()
         return self.ct.decompress(out=DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self)))
 
     def decode_for_compute(self) -> torch.Tensor:
@@ -104,11 +106,22 @@ class CompressedWeight:
 
     def decode_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the weight in :attr:`compute_dtype` (a fresh ``index.shape + shape[1:]`` tensor)."""
+        self._resident()
         return self.ct.decompress_rows(index).to(self.compute_dtype)
 
     def dense(self) -> torch.Tensor:
         """A fresh dense copy (for export and inspection; not used by training)."""
+        self._resident()
         return self.ct.decompress()
+
+    def _resident(self, writing: bool = False) -> None:
+        """Offloaded weights: bring the payload to the device first (a no-op when it is there)."""
+        if self.home is not None:
+            self.home.fetch(self, writing)
+
+    def saved_ct(self):
+        """The compressed tensor to save: the host store's copy for an offloaded weight (no device copy)."""
+        return self.ct if self.home is None else self.home.host_ct(self)
 
     # ------------------------------------------------------- optimizer side
     def read(self) -> torch.Tensor:
@@ -117,7 +130,10 @@ class CompressedWeight:
     def write_(self, weight: torch.Tensor) -> None:
         # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
         # so backward never waits for the GPU here.
+        self._resident(writing=True)
         self.ct.recompress_(weight, sync=False)
+        if self.home is not None:
+            self.home.written(self)  # the new bytes go back to host memory, asynchronously
         self.release()
         self.version += 1
         DECODE_BUFFERS.invalidate(self)
@@ -136,6 +152,8 @@ class CompressedWeight:
         if tuple(ct.shape) != tuple(self.shape):
             raise ValueError(f"{self.name}: loaded {ct.dtype} {tuple(ct.shape)} for {self.dtype} {tuple(self.shape)}")
         self.ct = ct
+        if self.home is not None:
+            self.home.adopt(self)
         self.version += 1
         DECODE_BUFFERS.invalidate(self)
 

@@ -169,7 +169,7 @@ def _gguf(model_cfg: dict[str, Any], function: str, *args, **kwargs):
         raise RecipeError(f"model.gguf_file: {exc}") from None
 
 
-def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed):
+def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed, offload_weights=False):
     """Build straight into NeuZip form, one tensor at a time, on the training device.
 
     The dense model is never materialised: random init draws each tensor and encodes
@@ -178,8 +178,16 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
     (bf16 matrix products are ~12x slower there).
     """
     from neutrain.nn.load import init_compressed, load_compressed
+    from neutrain.nn.weight_offload_model import attach, streaming_offload
 
     device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
+    if offload_weights:  # memory.offload_weights: each decoder layer goes to host memory once built
+        with streaming_offload(device) as store:
+            model = _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
+        attach(model, store)
+        logger.info("memory.offload_weights: %d layers, %.2f GiB in host memory", len(store.layers),
+                    store.host_bytes / 2**30)
+        return model
     storage = torch.bfloat16 if model_cfg["dtype"] == "auto" and dtype == torch.float32 else None
     if model_cfg["init"] == "random":
         config = _model_config(model_cfg, tokenizer)
@@ -198,7 +206,8 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
     return model
 
 
-def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense"):
+def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+                offload_weights: bool = False):
     """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``).
 
     Example:
@@ -236,7 +245,7 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
 
         attn = register()
     if weights != "dense":
-        return _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
+        return _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed, offload_weights)
     if model_cfg["init"] == "random":
         config = _model_config(model_cfg, tokenizer)
         torch.manual_seed(seed)  # the same random weights on every process and every resume

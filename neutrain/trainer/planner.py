@@ -18,6 +18,11 @@ Terms (bytes):
 * ``optimizer_state``: AdamW two moments; AdaLomo factored row/column moments; LOMO none.
 * ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
+* ``weight_slots`` (``memory.offload_weights``): the decoder layers' compressed weights live in host
+  memory (``settings["host_weight_bytes"]``); the GPU holds ``slots`` layers of them (default 4: the
+  current layer, the one before and two fetched ahead, :mod:`neutrain.nn.weight_offload`), and
+  ``weights`` counts only the embedding, lm_head and norms. ``settings`` also gives the PCIe bytes of
+  a step (:func:`offload_traffic`).
 * ``decode_buffers``: two layer-sized slots (prefetch) plus one slot for the
   embedding/lm_head matrix.
 * ``activations``: with checkpointing, each decoder layer keeps its input
@@ -107,6 +112,24 @@ class ModelShape:
         return max(r * c for n, r, c in self.matrices() if n.startswith("layers."))
 
 
+def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slots: int = 4) -> dict[str, float]:
+    """Host bytes and PCIe bytes per step of ``memory.offload_weights`` (weights stay compressed both ways).
+
+    Forward fetches every layer but the ``slots`` the previous backward left on the device; backward
+    (checkpoint recompute and update share one fetch) every layer but the ``slots`` forward left; each
+    layer's re-encoded weights go back once.
+
+    Example:
+        >>> t = offload_traffic(ModelShape(8192, 28672, 80, 64, 8, 128256, False, 128))
+        >>> round(t["host_weight_bytes"] / GIB, 1), round(t["h2d_bytes_per_step"] / GIB, 1)
+        (86.7, 164.7)
+    """
+    layer = sum(r * c for n, r, c in shape.matrices() if n.startswith("layers.0.")) * bits_per_weight / 8
+    fetched = 2 * max(0, shape.layers - slots)
+    return {"layer_bytes": layer, "host_weight_bytes": shape.layers * layer,
+            "h2d_bytes_per_step": fetched * layer, "d2h_bytes_per_step": shape.layers * layer}
+
+
 @dataclass
 class Estimate:
     """A peak-memory estimate as named terms (bytes)."""
@@ -143,11 +166,17 @@ class Estimate:
         lines.append(f"{'total (peak allocated)':<22}{self.total_gib:>10.2f}")
         lines.append(f"{'reserved (predicted)':<22}{self.reserved / GIB:>10.2f}")
         lines.append(f"{'device used (predicted)':<22}{self.device / GIB:>9.2f}")
+        if self.settings.get("offload_weights"):  # memory.offload_weights: host memory and the link
+            s = self.settings
+            lines.append(f"{'host pinned (weights)':<22}{s['host_weight_bytes'] / GIB:>10.2f}")
+            lines.append(f"{'PCIe in / step':<22}{s['h2d_bytes_per_step'] / GIB:>10.2f}")
+            lines.append(f"{'PCIe out / step':<22}{s['d2h_bytes_per_step'] / GIB:>10.2f}")
         return "\n".join(lines)
 
 
 def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
-             checkpointing: bool = True, offload_activations: bool = False, dtype_bytes: int = 2,
+             checkpointing: bool = True, offload_activations: bool = False, offload_weights: bool = False,
+             offload_slots: int = 4, dtype_bytes: int = 2,
              chunked_loss: bool | None = None,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
     """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
@@ -161,6 +190,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         offload_activations: The checkpointed layers' saved inputs live in host memory
             (:mod:`neutrain.nn.offload`): two layers' inputs stay on the GPU at once (the
             one recomputed and the one being copied back).
+        offload_weights: Decoder layers' compressed weights in host memory, ``offload_slots`` of them
+            on the GPU (see :func:`offload_traffic`; compressed weights only).
         dtype_bytes: Bytes per weight/activation element (bf16: 2).
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
     """
@@ -177,6 +208,10 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
         t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
         t["decode_buffers"] = (2 * shape.largest_layer_matrix() + v * h) * dtype_bytes
+        if offload_weights:
+            traffic = offload_traffic(shape, bits, offload_slots)
+            t["weights"] -= traffic["host_weight_bytes"]
+            t["weight_slots"] = min(offload_slots, shape.layers) * traffic["layer_bytes"] * (1 + 1 / 16)
     else:
         t["weights"] = shape.params() * dtype_bytes
     if fused:
@@ -211,6 +246,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
                     offload_activations=offload_activations and checkpointing,
                     host_activation_bytes=shape.layers * tokens * h * dtype_bytes if offload_activations and checkpointing else 0,
                     chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes)
+    if compressed and offload_weights:
+        settings.update(offload_weights=True, offload_slots=offload_slots, **traffic)
     slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES
     return Estimate(t, settings, slack)
 
@@ -223,6 +260,6 @@ def estimate_recipe(recipe: Recipe) -> Estimate:
     return estimate(
         ModelShape.from_config(config), batch=t.micro_batch_size, seq=recipe.data.sequence_len,
         weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
-        offload_activations=m.offload_activations,
+        offload_activations=m.offload_activations, offload_weights=m.offload_weights,
         dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
     )

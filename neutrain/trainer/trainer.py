@@ -58,6 +58,7 @@ from neutrain.nn import CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.offload import offload_checkpointed_inputs
+from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
 from neutrain.storage.manifest import write_manifest
@@ -204,6 +205,8 @@ class NeuTrainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         prepared = self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
                                                               super()._prepare_for_training)
+        if self.memory.offload_weights and weight_store(_unwrap(self.model)) is None:
+            offload_weights(_unwrap(self.model))  # a model built elsewhere: its layers go to host memory now
         if self.memory.offload_activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
             layers = offload_checkpointed_inputs(_unwrap(self.model))

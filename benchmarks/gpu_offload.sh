@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 21 in one device call (one H100): the weight-offload GPU test (bit-identical training on CUDA),
+# then benchmarks/offload.py for the parts in PARTS (default: all; each part's time is printed).
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/gpu_offload.sh
+#   PARTS=link,8b ... ; then PARTS=70b BENCH_ARGS=--merge GPU_TESTS=0 ...   (two calls, one offload.json:
+#   put the first call's offload.json into benchmarks/results/ of the tree the second call carries)
+# Writes $OUT/junit_offload.xml, $OUT/offload.log and $OUT/offload.json.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/require_commit.sh
+OUT=${OUT:-/tmp/neutrain-offload}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export OUT
+source benchmarks/install_carried_wheels.sh
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+free -g | head -2
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  timeout -k 5 "${TEST_LIMIT:-240}" python3 -m pytest -q tests/unit/nn/test_weight_offload_gpu.py -p no:cacheprovider \
+    --junitxml="$OUT/junit_offload.xml" > "$OUT/junit_offload.log" 2>&1
+  echo "tests rc=$? (${SECONDS}s)"; tail -n 15 "$OUT/junit_offload.log"
+fi
+# shellcheck disable=SC2086
+timeout -k 5 "${BENCH_LIMIT:-540}" python3 benchmarks/offload.py --parts "${PARTS:-link,8b,70b}" ${BENCH_ARGS:-} \
+  > "$OUT/offload.log" 2>&1
+echo "benchmark rc=$? (${SECONDS}s)"; tail -n 25 "$OUT/offload.log"
+free -g | head -2
+echo "done in ${SECONDS}s"

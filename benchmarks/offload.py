@@ -1,0 +1,299 @@
+"""Weight offload (issue 21): compressed weights in pinned host memory, streamed to the GPU layer by layer.
+
+Three parts, separable with ``--parts`` so that each device call stays under its time limit:
+
+* ``link``: host<->device bandwidth with pinned memory, each direction and both at once (1 GiB copies).
+* ``8b``: Llama-3-8B (``benchmarks/train_memory.py``'s config, NeuZip lossless + fused LOMO, activation
+  checkpointing) at batch 8 x 1024, first fully on the GPU, then the same model with
+  ``memory.offload_weights`` under a GPU budget of 8 GiB (``torch.cuda.set_per_process_memory_fraction``);
+  the saved layer inputs go to host memory too when the planner says weights alone would not fit.
+  Target ``offload_8b_over_in_gpu`` (>= 0.85).
+* ``70b``: the Llama-3-70B architecture (``benchmarks/train_70b.py``'s config) built layer by layer on
+  the GPU straight into the host store (``neutrain.nn.weight_offload.streaming_offload``), one sequence
+  of 16,384 tokens per step, >= 3 steps. Targets ``h100_70b_tokens_per_s_16k`` (>= 620) and
+  ``h100_70b_peak_reserved_gib`` (<= 70); host memory pinned, bytes moved per step against the link, and
+  the timeline of one step per layer (copy in, compute, write-back; decode and encode kernel totals).
+
+    python benchmarks/offload.py --parts link,8b            # one device call
+    python benchmarks/offload.py --parts 70b --merge        # a second one, merged into the same file
+    python benchmarks/offload.py --tiny --parts link,8b,70b # smoke test (CPU or GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # neutrain train's default
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.train_70b import LLAMA3_70B
+from benchmarks.train_70b import TINY as TINY_70B
+from benchmarks.train_memory import LLAMA3_8B
+from benchmarks.train_memory import TINY as TINY_8B
+
+GIB = 2**30
+NAME = "offload"
+
+
+def link_bandwidth(nbytes: int = GIB, reps: int = 5) -> dict:
+    """GB/s of pinned host<->device copies: each direction alone, then both at once on two streams."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    back = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev, dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    def both():
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            back.copy_(dev2, non_blocking=True)
+
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True))
+    d2h = timed(lambda: back.copy_(dev2, non_blocking=True))
+    duplex = timed(both)
+    return {"h2d_gb_s": round(nbytes / h2d / 1e9, 2), "d2h_gb_s": round(nbytes / d2h / 1e9, 2),
+            "both_ways_gb_s_each": round(nbytes / duplex / 1e9, 2), "copy_bytes": nbytes}
+
+
+def _steps(model, opt, vocab: int, batch: int, seq: int, steps: int, store=None) -> dict:
+    """``steps`` training steps; median of the warm ones (CUDA events), peak memory, copies per step."""
+    import torch
+
+    from benchmarks import _train_peers as peers
+    from neutrain.nn import causal_lm_loss
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        if store is not None and i == steps - 1:
+            store.stats.reset()  # the last step's copies (a steady-state step)
+        ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.backward(causal_lm_loss(model, ids, ids))
+        opt.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    warm = times[1:] if len(times) > 1 else times
+    step_s = statistics.median(warm)
+    row = {"step_s": round(step_s, 4), "tokens_per_s": round(batch * seq / step_s, 1), "steps": steps,
+           "step_times_s": [round(t, 4) for t in times], **peers.memory_row()}
+    if store is not None:
+        st = store.stats
+        row.update(h2d_gib_per_step=round(st.h2d_bytes / GIB, 3), d2h_gib_per_step=round(st.d2h_bytes / GIB, 3),
+                   layer_loads_per_step=st.loads, stalls_per_step=st.stalls,
+                   pinned_host_gib=round(store.pinned_bytes / GIB, 3), slot_device_gib=round(store.device_bytes / GIB, 3))
+    return row
+
+
+def timeline(model, opt, vocab: int, batch: int, seq: int, store) -> dict:
+    """One step with the store's copy events and the profiler: per-layer copy/compute times and overlap."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from neutrain.nn import causal_lm_loss
+
+    store.timeline = []
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        opt.backward(causal_lm_loss(model, ids, ids))
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+    events, store.timeline = store.timeline, None
+    rows = [{"kind": k, "layer": i, "start_ms": round(start.elapsed_time(s), 2),
+             "ms": None if e is None else round(s.elapsed_time(e), 2)} for k, i, s, e in events]
+    kinds = {"decode": ("decode",), "encode": ("count_lossless", "pack_lossless"),
+             "gemm": ("gemm", "sm90", "cutlass", "nvjet"), "attention": ("flash", "attention", "fmha")}
+    busy = {k: 0.0 for k in (*kinds, "other_compute", "memcpy_h2d", "memcpy_d2h")}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name, ms = ev.name.lower(), ev.device_time / 1e3
+        if "memcpy" in name:
+            busy["memcpy_h2d" if "htod" in name else "memcpy_d2h" if "dtoh" in name else "other_compute"] += ms
+            continue
+        kind = next((k for k, keys in kinds.items() if any(key in name for key in keys)), "other_compute")
+        busy[kind] += ms
+    wall = start.elapsed_time(end)
+    compute = sum(v for k, v in busy.items() if not k.startswith("memcpy"))
+    copies = busy["memcpy_h2d"] + busy["memcpy_d2h"]
+    layers = max(1, len(store.layers))
+    return {"step_wall_ms_profiled": round(wall, 1), "busy_ms": {k: round(v, 1) for k, v in busy.items()},
+            "per_layer_ms": {k: round(v / layers, 2) for k, v in busy.items()},
+            "copy_hidden_share": round(max(0.0, min(1.0, (compute + copies - wall) / copies)) if copies else 1.0, 3),
+            "events": rows[:4 * layers * 3]}
+
+
+def part_8b(args) -> dict:
+    import torch
+    from transformers import LlamaConfig
+
+    from neutrain.nn.load import init_compressed
+    from neutrain.nn.offload import offload_checkpointed_inputs
+    from neutrain.nn.weight_offload_model import offload_weights
+    from neutrain.optim import LOMO
+    from neutrain.trainer.planner import ModelShape, estimate
+
+    config = LlamaConfig(**(TINY_8B if args.tiny else LLAMA3_8B))
+    config._attn_implementation = "sdpa"
+    t0 = time.perf_counter()
+    model, _ = init_compressed(config, "neuzip-lossless", "cuda", dtype=torch.bfloat16, progress=False)
+    build_s = time.perf_counter() - t0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = LOMO(model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+    batch, seq = (2, 64) if args.tiny else (8, 1024)
+    in_gpu = _steps(model, opt, config.vocab_size, batch, seq, args.steps)
+    print("8b in GPU", in_gpu, flush=True)
+
+    shape = ModelShape.from_config(config)
+    budget = args.budget_gib * GIB
+    fits = estimate(shape, batch=batch, seq=seq, weights="neuzip-lossless", optimizer="lomo",
+                    offload_weights=True).reserved < 0.9 * budget
+    store = offload_weights(model)
+    if not fits:
+        offload_checkpointed_inputs(model)
+    est = estimate(shape, batch=batch, seq=seq, weights="neuzip-lossless", optimizer="lomo", offload_weights=True,
+                   offload_activations=not fits)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    try:
+        offloaded = _steps(model, opt, config.vocab_size, batch, seq, args.steps, store)
+    except torch.OutOfMemoryError as exc:
+        offloaded = {"oom": True, "error": str(exc).splitlines()[0][:300]}
+    offloaded.update(budget_gib=args.budget_gib, offload_activations=not fits,
+                     planner_reserved_gib=round(est.reserved / GIB, 3),
+                     planner_h2d_gib=round(est.settings["h2d_bytes_per_step"] / GIB, 3),
+                     planner_d2h_gib=round(est.settings["d2h_bytes_per_step"] / GIB, 3))
+    if "oom" not in offloaded and args.timeline:
+        offloaded["timeline"] = timeline(model, opt, config.vocab_size, batch, seq, store)
+    print("8b offloaded", {k: v for k, v in offloaded.items() if k != "timeline"}, flush=True)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    store.close()
+    return {"build_s": round(build_s, 1), "batch": batch, "seq": seq, "in_gpu": in_gpu, "offloaded": offloaded}
+
+
+def part_70b(args) -> dict:
+    import torch
+    from transformers import LlamaConfig
+
+    from neutrain.nn.load import init_compressed
+    from neutrain.nn.weight_offload_model import attach, streaming_offload
+    from neutrain.optim import LOMO
+    from neutrain.trainer.planner import ModelShape, estimate
+
+    cfg = dict(TINY_70B if args.tiny else LLAMA3_70B)
+    if args.layers_70b:
+        cfg["num_hidden_layers"] = args.layers_70b
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    t0 = time.perf_counter()
+    with streaming_offload("cuda") as store:
+        model, _ = init_compressed(config, "neuzip-lossless", "cuda", dtype=torch.bfloat16, progress=False)
+    attach(model, store)
+    build_s = time.perf_counter() - t0
+    print(f"70b built in {build_s:.0f} s; pinned {store.pinned_bytes / GIB:.1f} GiB; "
+          f"device {torch.cuda.memory_reserved() / GIB:.1f} GiB reserved", flush=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = LOMO(model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+    seq = 128 if args.tiny else args.seq
+    try:
+        row = _steps(model, opt, config.vocab_size, 1, seq, args.steps, store)
+    except torch.OutOfMemoryError as exc:
+        row = {"oom": True, "error": str(exc).splitlines()[0][:300]}
+    est = estimate(ModelShape.from_config(config), batch=1, seq=seq, weights="neuzip-lossless", optimizer="lomo",
+                   offload_weights=True)
+    row.update(layers=config.num_hidden_layers, seq=seq, build_s=round(build_s, 1),
+               host_payload_gib=round(store.host_bytes / GIB, 3), planner_reserved_gib=round(est.reserved / GIB, 3),
+               planner_h2d_gib=round(est.settings["h2d_bytes_per_step"] / GIB, 3),
+               planner_d2h_gib=round(est.settings["d2h_bytes_per_step"] / GIB, 3))
+    if "oom" not in row and args.timeline:
+        row["timeline"] = timeline(model, opt, config.vocab_size, 1, seq, store)
+    print("70b", {k: v for k, v in row.items() if k != "timeline"}, flush=True)
+    store.close()
+    return row
+
+
+def targets_of(results: dict, full_70b: bool) -> dict:
+    t = {}
+    b8 = results.get("8b")
+    if b8 and "tokens_per_s" in b8.get("offloaded", {}):
+        ratio = b8["offloaded"]["tokens_per_s"] / b8["in_gpu"]["tokens_per_s"]
+        t["offload_8b_over_in_gpu"] = {"value": round(ratio, 3), "goal": ">= 0.85", "met": ratio >= 0.85}
+    b70 = results.get("70b")
+    if b70 and "tokens_per_s" in b70 and full_70b:
+        t["h100_70b_tokens_per_s_16k"] = {"value": b70["tokens_per_s"], "goal": ">= 620", "met": b70["tokens_per_s"] >= 620}
+        gib = b70["peak_reserved_gib"]
+        t["h100_70b_peak_reserved_gib"] = {"value": round(gib, 2), "goal": "<= 70", "met": gib <= 70}
+    return t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="link,8b,70b")
+    ap.add_argument("--steps", type=int, default=4, help="steps per measurement (the first is warm-up)")
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--layers-70b", type=int, default=0, help="fewer decoder layers (a reduced check; no targets)")
+    ap.add_argument("--no-timeline", dest="timeline", action="store_false")
+    ap.add_argument("--merge", action="store_true", help="keep the other parts of an existing offload.json")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--name", default=NAME)
+    args = ap.parse_args()
+
+    import torch
+
+    from benchmarks._common import RESULTS_DIR, git_provenance, write_result
+
+    git_provenance()
+    if not torch.cuda.is_available():
+        print("benchmarks/offload.py needs a CUDA GPU (the CPU path is covered by tests/unit/nn/test_weight_offload.py)")
+        return 1
+    parts = [p for p in args.parts.split(",") if p]
+    results: dict = {}
+    previous = RESULTS_DIR / f"{args.name}.json"
+    if args.merge and previous.exists():
+        results = json.loads(previous.read_text()).get("results", {})
+    for part in parts:
+        t0 = time.perf_counter()
+        results[part] = {"link": lambda a: link_bandwidth(), "8b": part_8b, "70b": part_70b}[part](args)
+        print(f"{part} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    full_70b = not args.tiny and not args.layers_70b and args.seq == 16384
+    write_result(args.name, {"parts": parts, "steps": args.steps, "budget_gib": args.budget_gib, "seq_70b": args.seq,
+                             "layers_70b": args.layers_70b or None, "tiny": args.tiny,
+                             "optimizer": "lomo (fused, per-tensor clip 1.0)", "weights": "neuzip-lossless",
+                             "activation_checkpointing": True, "ahead": 2, "slots": 4,
+                             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
+                 results, targets=targets_of(results, full_70b),
+                 targets_note=None if full_70b else "70B targets only from the full 80-layer run at 16K")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

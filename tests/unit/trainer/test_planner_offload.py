@@ -1,0 +1,57 @@
+"""The planner's memory.offload_weights terms: GPU slots instead of the layers, host bytes, PCIe bytes per step."""
+
+from neutrain.config import load_recipe
+from neutrain.nn import causal_lm_loss, compress_model
+from neutrain.nn.weight_offload_model import offload_weights
+from neutrain.optim import LOMO
+from neutrain.trainer.planner import (
+    GIB,
+    ModelShape,
+    estimate,
+    estimate_recipe,
+    offload_traffic,
+)
+from tests.unit.nn.nn_helpers import (
+    CODEC,
+    enable_checkpointing,
+    tiny_llama,
+    token_batches,
+)
+
+
+def test_offload_moves_the_layers_to_host_and_keeps_slots_on_the_gpu():
+    shape = ModelShape(8192, 28672, 80, 64, 8, 128256, False, 128)  # Llama-3-70B
+    plain = estimate(shape, batch=1, seq=16384, weights="neuzip-lossless", optimizer="lomo")
+    off = estimate(shape, batch=1, seq=16384, weights="neuzip-lossless", optimizer="lomo", offload_weights=True)
+    traffic = offload_traffic(shape)
+    assert abs(plain.terms["weights"] - off.terms["weights"] - traffic["host_weight_bytes"]) < 1
+    assert off.terms["weight_slots"] == 4 * traffic["layer_bytes"] * (1 + 1 / 16)
+    assert off.reserved < 70 * GIB < plain.reserved  # the 70B at 16K fits an 80 GB card only offloaded
+    assert off.settings["h2d_bytes_per_step"] == 2 * 76 * traffic["layer_bytes"]
+    assert off.settings["d2h_bytes_per_step"] == traffic["host_weight_bytes"]
+    recipe = load_recipe("recipes/llama3_8b.yaml", ["memory.weights=neuzip-lossless", "train.optimizer=lomo",
+                                                    "memory.offload_weights=true"])
+    assert estimate_recipe(recipe).settings["offload_weights"] is True
+    assert "host pinned (weights)" in off.table() and "PCIe in / step" in off.table()
+    assert "host pinned" not in plain.table()
+
+
+def test_predicted_copies_per_step_match_the_store():
+    layers, slots = 6, 4
+    model = tiny_llama(seed=1, layers=layers)
+    compress_model(model, progress=False, codec_options=CODEC)
+    enable_checkpointing(model)
+    store = offload_weights(model, ahead=slots - 2, slots=slots)
+    opt = LOMO(model.parameters(), lr=0.01, stochastic_rounding=False).bind(model)
+    data = token_batches(3, seed=2)
+    for i, ids in enumerate(data):
+        if i == len(data) - 1:
+            store.stats.reset()  # a steady-state step: the first one starts with nothing on the device
+        opt.backward(causal_lm_loss(model, ids, ids))
+        opt.step()
+    layer_bytes = store.host_bytes / layers  # all layers have the same shapes
+    traffic = offload_traffic(ModelShape.from_config(model.config), slots=slots)
+    fetched = traffic["h2d_bytes_per_step"] / traffic["layer_bytes"]
+    assert store.stats.loads == fetched == 2 * (layers - slots)
+    assert abs(store.stats.h2d_bytes - fetched * layer_bytes) < 0.05 * layer_bytes * fetched
+    assert abs(store.stats.d2h_bytes - layers * layer_bytes) < 0.05 * layers * layer_bytes
