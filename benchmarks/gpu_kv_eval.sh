@@ -21,7 +21,7 @@ source benchmarks/install_carried_wheels.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 budget=${KV_EVAL_BUDGET_S:-450}  # the Python run's own budget; + install and start-up stays under 9 minutes
 log=${OUT:-/tmp}/kv_eval.log
-python3 benchmarks/kv_eval.py --part all --name kv_eval --budget-seconds "$budget" --reserve-seconds 150 \
+python3 benchmarks/kv_eval.py --part all --name kv_eval --budget-seconds "$budget" \
   --train-seconds 200 --stop-acc 0.95 --batch 64 --lr 1.5e-3 --samples 12 --diag-samples 4 \
   --host-gib 64 --steps 6 --real-samples 10 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
