@@ -3,7 +3,7 @@
 Methods (batch 1, ``new_tokens`` new tokens after each prompt, the first prompt run once more as a
 warm-up that is not counted):
 
-* ``engine_autoregressive``: :class:`~neutrain.speculative.engine.DecodeEngine` (static cache, CUDA graph);
+* ``engine_autoregressive``: :class:`~neutrain.eval.engine.DecodeEngine` (static cache, CUDA graph);
   the baseline of ``spec_over_ar_*``;
 * ``neutrain_<scheme>``: :func:`neutrain.speculative.generate` with ``engine=True`` -- ``sd`` (K = 1),
   ``greedy_tree`` (T = 0), ``specinfer``, ``spectr``, ``importance`` (T = 1), K = 2 and 4;
@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from neutrain.speculative import generate
-from neutrain.speculative.engine import DecodeEngine
+from neutrain.eval.engine import DecodeEngine
 
 STAT_KEYS = ("target_calls", "draft_calls", "committed_tokens", "verified_positions", "accepted_positions")
 

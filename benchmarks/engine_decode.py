@@ -5,7 +5,7 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 
 * ``hf_generate``: ``model.generate`` (``DynamicCache``, eager), greedy, a fixed number of new tokens
   (dense weights only; ``inference.json`` has HF's decode on NeuZip weights);
-* ``engine_eager``: :class:`~neutrain.speculative.engine.DecodeEngine` without CUDA graphs;
+* ``engine_eager``: :class:`~neutrain.eval.engine.DecodeEngine` without CUDA graphs;
 * ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU).
 
 Weights: dense bf16, NeuZip lossless and NeuZip lossy-3 (the lossless model re-rounded to 3 mantissa
@@ -41,7 +41,7 @@ from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
-from neutrain.speculative.engine import DecodeEngine  # noqa: E402
+from neutrain.eval.engine import DecodeEngine  # noqa: E402
 
 
 def log(*args):

@@ -15,15 +15,17 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from neutrain.config.schema import KV_CACHES
 
 from .. import compat
+from .engine import DecodeEngine
 from .tasks import Sample
 
 KV_KINDS = KV_CACHES  # the recipe's eval.kv_caches names, listed once in the schema
@@ -122,6 +124,48 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, cache, eo
     return result
 
 
+@torch.inference_mode()
+def engine_greedy_decode(engine, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                         keep_logits: bool = False) -> dict[str, Any]:
+    """:func:`greedy_decode` for the full cache, in a :class:`~neutrain.eval.engine.DecodeEngine`.
+
+    The engine's static cache and one CUDA graph per token (on a GPU) take the host out of the decode
+    step; its greedy tokens equal Hugging Face's (tests/unit/speculative/test_engine.py). One engine
+    serves every sample whose prompt plus new tokens fit its ``max_len`` (``prefill`` starts over), so
+    the graph is captured once per run. Returns the same keys as :func:`greedy_decode`; ``cache`` is
+    the engine's ``StaticCache`` (its bytes are the whole preallocated ``max_len``).
+    """
+    device = input_ids.device
+    n = input_ids.shape[1]
+    if n + max_new_tokens > engine.max_len:
+        raise ValueError(f"{n} prompt + {max_new_tokens} new tokens do not fit the engine's max_len={engine.max_len}")
+    _sync(device)
+    start = time.perf_counter()
+    engine.prefill(input_ids, temperature=0.0)
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    # .float().cpu() of the engine's fp32 buffer on a CPU model is the buffer itself: clone each step's logits
+    logits = [engine.logits.float().cpu().clone()] if keep_logits else []
+    start = time.perf_counter()
+    if keep_logits:  # fidelity needs every step's logits: one transfer per step, reference runs only
+        for _ in range(1, max_new_tokens):
+            engine.step()
+            logits.append(engine.logits.float().cpu().clone())
+    else:
+        engine.decode_after_prefill(n, max_new_tokens, eos_token_id)
+    tokens = engine.tokens[:, n : engine.host_length + 1].clone()
+    _sync(device)
+    decode_s = time.perf_counter() - start
+    if eos_token_id is not None:  # as greedy_decode: stop after the step where every row has produced EOS
+        done = (tokens == eos_token_id).cumsum(1).clamp(max=1).all(0)
+        if bool(done.any()):
+            tokens = tokens[:, : int(done.long().argmax()) + 1]
+    result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "cache": engine.cache}
+    if keep_logits:
+        result["logits"] = torch.stack(logits, 1)[:, : tokens.shape[1]]
+    return result
+
+
 def score(prediction: str, answers: list[str]) -> tuple[float, float]:
     """(exact, partial): all references found / fraction found, case-insensitive substrings (RULER)."""
     text = prediction.lower()
@@ -156,9 +200,31 @@ def perplexity(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -
 
 
 # ---------------------------------------------------------------- task loop
+def _full_cache_engine(model, make_cache: Callable[[], Any], samples_by_task: dict[str, list[Sample]],
+                       prompts: dict[str, list[torch.Tensor]]):
+    """A :class:`~neutrain.eval.engine.DecodeEngine` long enough for every sample, when ``make_cache`` makes
+    the plain full cache and the engine can hold the model (full-attention layers); else None."""
+    from transformers import (
+        DynamicCache,  # lazy: transformers, only when a cache is built
+    )
+
+    if type(make_cache()) is not DynamicCache:  # a compressed cache: its own class decodes
+        return None
+    longest = max((p.shape[1] + s.max_new_tokens for task, ss in samples_by_task.items()
+                   for p, s in zip(prompts[task], ss)), default=0)
+    try:
+        return DecodeEngine(model, max_len=max(longest, 2))
+    except ValueError:  # sliding-window layers, or a transformers release without a device-side length
+        return None
+
+
 def run_tasks(model, tokenizer, samples_by_task: dict[str, list[Sample]], make_cache: Callable[[], Any],
-              reference: dict | None = None, keep_logits: bool = False) -> dict[str, Any]:
+              reference: dict | None = None, keep_logits: bool = False, use_engine: bool = True) -> dict[str, Any]:
     """Decode every sample with a fresh cache from ``make_cache``; aggregate per task.
+
+    The full cache (a plain ``DynamicCache``) decodes in the :class:`~neutrain.eval.engine.DecodeEngine`
+    (static cache, a CUDA graph per token on a GPU) unless ``use_engine`` is False; greedy tokens are the
+    same either way.
 
     ``reference`` (the ``per_sample`` output of a full-cache run with ``keep_logits``)
     turns on teacher-forced fidelity: the candidate cache is fed the reference's
@@ -167,14 +233,20 @@ def run_tasks(model, tokenizer, samples_by_task: dict[str, list[Sample]], make_c
     device = next(model.parameters()).device
     eos = getattr(tokenizer, "eos_token_id", None)
     per_task, per_sample = {}, {}
+    prompts = {task: [tokenizer(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"] for s in samples]
+               for task, samples in samples_by_task.items()}
+    engine = _full_cache_engine(model, make_cache, samples_by_task, prompts) if use_engine else None
     for task, samples in samples_by_task.items():
         rows = []
         for i, sample in enumerate(samples):
-            ids = tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+            ids = prompts[task][i].to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            out = greedy_decode(model, ids, sample.max_new_tokens, make_cache(), eos, keep_logits=keep_logits)
+            if engine is not None:
+                out = engine_greedy_decode(engine, ids, sample.max_new_tokens, eos, keep_logits=keep_logits)
+            else:
+                out = greedy_decode(model, ids, sample.max_new_tokens, make_cache(), eos, keep_logits=keep_logits)
             peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
             text = tokenizer.decode(out["tokens"][0], skip_special_tokens=True)
             exact, partial = score(text, sample.answers)

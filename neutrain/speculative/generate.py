@@ -165,7 +165,7 @@ def generate(
         generator: optional ``torch.Generator`` on the target's device.
         top_s: tokens in the truncated K = 2 optimal selection (``"importance"``).
         engine: keep the target's and the drafts' KV caches in static
-            :class:`~neutrain.speculative.engine.DecodeEngine` caches (models with
+            :class:`~neutrain.eval.engine.DecodeEngine` caches (models with
             full-attention layers) instead of growing ``DynamicCache`` s.
 
     Returns:

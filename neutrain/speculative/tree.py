@@ -17,11 +17,9 @@ node ``i``: it verifies ``i``'s children, and at a leaf it gives the bonus token
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from neutrain.compat import cache_forward_kwarg
+from neutrain.eval.engine import cache_kwargs
 
 
 class TokenTree:
@@ -100,13 +98,3 @@ def tree_forward(model, tree: TokenTree, cache, past_length: int):
     )
     return out.logits[0]
 
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(model_class) -> str:
-    # compat inspects ``forward``'s signature; the class's unbound method has the same parameters.
-    return cache_forward_kwarg(model_class)
-
-
-def cache_kwargs(model, cache) -> dict:
-    """``{keyword: cache}`` for ``model.forward`` (``past_key_values`` or ``cache``), memoised per class."""
-    return {_cache_keyword(type(model)): cache}

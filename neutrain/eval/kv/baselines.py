@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ... import compat
+
 PRESSES = {"snapkv": "SnapKVPress", "streamingllm": "StreamingLLMPress", "expected_attention": "ExpectedAttentionPress"}
 
 
@@ -133,7 +135,7 @@ def quantized_cache_factory(model, backend: str | None = None, nbits: int = 4, g
                   residual_length=residual)
     try:
         cls(backend=backend, config=model.config, **kwargs)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise BaselineUnavailable(f"QuantizedCache(backend={backend!r}) failed: {type(exc).__name__}: {exc}"[:300]) from exc
     yield lambda: cls(backend=backend, config=model.config, **kwargs)
 
@@ -191,7 +193,7 @@ def make_press(name: str, compression_ratio: float):
     try:
         kvpress = importlib.import_module("kvpress")
         return getattr(kvpress, PRESSES[name])(compression_ratio=compression_ratio)
-    except Exception as exc:  # noqa: BLE001 - import errors with our transformers are the point of recording
+    except Exception as exc:
         raise BaselineUnavailable(f"kvpress {PRESSES[name]}: {type(exc).__name__}: {exc}"[:300]) from exc
 
 
@@ -202,7 +204,6 @@ def _press_hook(press):
     transformers pass the cache as ``cache`` and may pass no ``cache_position``. The prefill test it makes
     (``cache_position[-1] + 1 == q_len``) is rebuilt from the tokens the layer has seen.
     """
-    from ... import compat
 
     def hook(module, args, kwargs, output):
         cache = compat.cache_from_module_kwargs(kwargs)
@@ -234,7 +235,7 @@ def press_cache_factory(model, press: str, compression_ratio: float = 0.75):
         for layer in inner.layers:
             layer.self_attn.rotary_emb = inner.rotary_emb  # kvpress presses read RoPE from the attention module
             hooks.append(layer.self_attn.register_forward_hook(_press_hook(obj), with_kwargs=True))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         for h in hooks:
             h.remove()
         raise BaselineUnavailable(f"kvpress {PRESSES[press]} could not hook the model: {type(exc).__name__}: {exc}"[:300]) from exc

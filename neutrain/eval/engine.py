@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
+from neutrain.compat import cache_forward_kwarg
 from neutrain.compat.static_cache import (
     new_static_cache,
     register_graph_generator,
@@ -38,7 +39,6 @@ from neutrain.compat.static_cache import (
     static_cache_length,
     static_cache_tensors,
 )
-from neutrain.speculative.tree import cache_kwargs
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -75,6 +75,20 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, genera
         return logits.argmax(-1)
     race = torch.empty(logits.shape, dtype=torch.float64, device=logits.device).exponential_(generator=generator)
     return (logits.to(torch.float64) / temperature - race.log()).argmax(-1)
+
+
+@functools.cache
+def _cache_keyword(model_class) -> str:
+    return cache_forward_kwarg(model_class)  # ``forward``'s signature, read once per class
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` for ``model.forward`` (``past_key_values`` or ``cache``), memoised per class.
+
+    Example:
+        >>> # out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    """
+    return {_cache_keyword(type(model)): cache}
 
 
 @functools.cache
@@ -262,6 +276,19 @@ class DecodeEngine:
         return graph
 
     @torch.no_grad()
+    def decode_after_prefill(self, n: int, max_new_tokens: int, eos_token_id: int | None = None,
+                             check_every: int = 32) -> None:
+        """Decode until the sequence holds ``max_new_tokens`` new tokens after its ``n``-token prompt
+        (:meth:`prefill` made the first), or every row has produced ``eos_token_id``: the host looks
+        only every ``check_every`` tokens, so rows may run a few tokens past their EOS."""
+        for made in range(self.host_length - n + 1, max_new_tokens):
+            if eos_token_id is not None and made % check_every == 0:
+                with allowed_sync():
+                    if bool((self.tokens[:, n : n + made] == eos_token_id).any(1).all()):
+                        break
+            self.step()
+
+    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -282,12 +309,7 @@ class DecodeEngine:
         if max_new_tokens < 1 or n + max_new_tokens > self.max_len:
             raise ValueError(f"{n} prompt + {max_new_tokens} new tokens do not fit max_len={self.max_len}")
         self.prefill(input_ids, temperature)
-        for made in range(1, max_new_tokens):
-            if eos_token_id is not None and made % check_every == 0:
-                with allowed_sync():
-                    if bool((self.tokens[:, n : n + made] == eos_token_id).any(1).all()):
-                        break
-            self.step()
+        self.decode_after_prefill(n, max_new_tokens, eos_token_id, check_every)
         out = self.tokens[:, : self.host_length + 1].clone()
         if eos_token_id is None:
             return out
