@@ -50,6 +50,11 @@ def git_provenance() -> tuple[str, bool]:
     env_commit, env_dirty = os.environ.get("NEUTRAIN_GIT_COMMIT", "").strip(), os.environ.get("NEUTRAIN_GIT_DIRTY")
     if env_dirty is not None and env_dirty.strip().lower() not in _TRUE + _FALSE:
         raise ProvenanceError(f"NEUTRAIN_GIT_DIRTY={env_dirty!r}: expected 0 or 1")
+    if env_dirty is not None and not env_commit:
+        # Set by a device script whose commit variable came out empty (``$(cat missing-file)``): the copy's
+        # .git would answer with a stale commit and the dirty flag would vouch for it (it happened once).
+        raise ProvenanceError("NEUTRAIN_GIT_DIRTY is set but NEUTRAIN_GIT_COMMIT is empty: set it to the measured "
+                              "tree's $(git rev-parse HEAD)")
     if env_commit:
         commit = env_commit
         if env_dirty is None:

@@ -67,6 +67,15 @@ def test_a_commit_from_the_environment_needs_the_dirty_flag_too(monkeypatch):
         _common.git_provenance()
 
 
+def test_a_dirty_flag_without_a_commit_is_refused(monkeypatch):
+    # NEUTRAIN_GIT_COMMIT=$(cat missing) gives "": git would answer from a stale device .git, vouched clean.
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "")
+    monkeypatch.setenv("NEUTRAIN_GIT_DIRTY", "0")
+    monkeypatch.setattr(_common, "_git", lambda *args: "0123456789abcdef0123456789abcdef01234567\n")
+    with pytest.raises(_common.ProvenanceError, match="NEUTRAIN_GIT_COMMIT is empty"):
+        _common.git_provenance()
+
+
 def test_without_the_environment_git_answers(monkeypatch):
     monkeypatch.delenv("NEUTRAIN_GIT_COMMIT", raising=False)
     monkeypatch.delenv("NEUTRAIN_GIT_DIRTY", raising=False)
