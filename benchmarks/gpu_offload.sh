@@ -4,7 +4,10 @@
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/gpu_offload.sh
 #   PARTS=link,8b ... ; then PARTS=70b BENCH_ARGS=--merge GPU_TESTS=0 ...   (two calls, one offload.json:
 #   put the first call's offload.json into benchmarks/results/ of the tree the second call carries)
-# Writes $OUT/junit_offload.xml, $OUT/offload.log and $OUT/offload.json.
+# Writes $OUT/junit_offload.xml, $OUT/offload.log and $OUT/offload.json (written again after each part:
+# every part runs in its own process, so a CUDA fault in one is recorded as that part's `failed` line).
+# NEUTRAIN_OFFLOAD_SYNC_DEBUG=1 (exported by the caller) syncs and checks the payload after each fetch,
+# decode and write-back, naming the call that faulted (neutrain/nn/offload_debug.py); its timings are void.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
