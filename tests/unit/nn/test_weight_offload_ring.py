@@ -88,8 +88,8 @@ def test_looking_further_ahead_than_the_slots_hold_does_not_thrash():
     model = unequal_llama()
     store = offload_weights(model, ahead=2, slots=2)
     train_steps(model, token_batches(1, seed=14))
-    # Each layer comes in about once per pass (forward, then recompute and backward: 12 + 12, plus the
-    # turn); looking 2 ahead through 2 slots used to evict every layer it had just fetched (542 loads).
+    # Each layer comes in about once per pass (forward, then recompute and backward: 22 loads for 12
+    # layers); looking 2 ahead through 2 slots used to evict every layer it had just fetched (542).
     assert store.ahead == 1 and store.stats.loads <= 2 * len(store.layers) + store.slots
 
 
