@@ -300,10 +300,11 @@ class WeightOffload:
                 # The new slot was allocated on the compute stream, so the caching allocator may have
                 # handed it a block that compute kernels enqueued before now still read or write (a
                 # tensor freed on that stream is reusable there at once: stream order protects it, but
-                # this copy runs on another stream). Copying without this wait let those kernels and
-                # the copy overwrite each other: a slot whose tile table held an activation's bytes
-                # sent the decode kernel far out of its stream (the Llama-3-8B's `illegal memory
-                # access` in its first offloaded step; a tiny model's queue is too short to show it).
+                # this copy runs on another stream). Without this wait those kernels and the copy can
+                # overwrite each other, and a slot whose tile table holds other bytes sends the decode
+                # kernel far out of its stream: the likely cause of the Llama-3-8B's `illegal memory
+                # access` in its first offloaded step (benchmarks/notes_offload.md; a tiny model's
+                # queue is too short to lose the race). test_weight_offload_gpu.py forces it.
                 self._h2d.wait_stream(torch.cuda.current_stream(self.device))
             for event in waits:
                 if event is not None:
