@@ -97,7 +97,10 @@ class CompressedWeight:
             return cached
         self.decodes += 1
         self._resident()
-        return self.ct.decompress(out=DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self)))
+        out = self.ct.decompress(out=DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self)))
+        if self.home is not None:
+            self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
+        return out
 
     def decode_for_compute(self) -> torch.Tensor:
         """:meth:`decode`, upcast to :attr:`compute_dtype` when that differs (a temporary per use)."""

@@ -12,7 +12,9 @@ weights in host memory (the source of truth) and, on the device, only a ring of
   decoded (forward, a checkpoint's recompute, backward, the fused update) the store
   makes the layer current, makes the compute stream wait for the copy's event, and
   starts copying the next ``ahead`` layers (the following ones in forward, the
-  preceding ones in backward: a checkpoint recompute runs inside backward).
+  preceding ones in backward: a checkpoint recompute runs inside backward). A slot
+  allocated anew is filled only after the compute stream's queued work: the allocator
+  may have given it memory that work still uses.
 * **Write-back.** After the fused update re-encodes a weight (in the slot), its new
   payload goes back to host memory on a device-to-host copy stream, after an event
   of the compute stream; the layer's ``flushed`` event orders any later copy into
@@ -58,8 +60,9 @@ import torch
 from neutrain.compat.autograd import in_backward
 from neutrain.compress import format as fmt
 from neutrain.compress import stream as kstream
+from neutrain.nn import offload_debug
 
-PAYLOAD = ("stream", "tails", "lane_words", "tile_base")
+PAYLOAD = offload_debug.PAYLOAD  # ("stream", "tails", "lane_words", "tile_base")
 _ALIGN = 256  # slot offsets: every view is aligned for the kernels' vector loads
 _PAGE = 4096
 _SLOT_HEADROOM = 1 / 16  # re-encoded streams grow a little; a slot regrows (with a sync) only past this
@@ -73,6 +76,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def slot_layout(weights) -> tuple[list[tuple], int]:
+    """``(weight, name, host tensor, byte offset)`` of each payload tensor of a layer in its slot (from
+    the host sizes, so a grown stream gets its room), and the bytes they take."""
+    layout, offset = [], 0
+    for weight in weights:
+        for name in PAYLOAD:
+            host = weight._host[name]
+            layout.append((weight, name, host, offset))
+            offset += _aligned(_nbytes(host))
+    return layout, offset
+
+
+def slot_bytes(need: int) -> int:
+    """Bytes allocated for a slot that must hold ``need`` (with headroom for re-encoded streams to grow)."""
+    return int(need * (1 + _SLOT_HEADROOM))
+
+
 @dataclasses.dataclass
 class OffloadStats:
     """Copies made by a :class:`WeightOffload` since :meth:`reset`."""
@@ -80,6 +100,7 @@ class OffloadStats:
     loads: int = 0  # layer payloads copied to the device
     stalls: int = 0  # fetches that found their layer not resident (no prefetch had started it)
     writebacks: int = 0  # weights copied back after a re-encode
+    regrows: int = 0  # slots allocated again, larger (a layer's payload outgrew the slot; a device sync each)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
 
@@ -103,15 +124,18 @@ class WeightOffload:
 
     Args:
         device: where the weights are used (``cuda`` or ``cpu``).
-        ahead: layers fetched ahead of the current one.
+        ahead: layers fetched ahead of the current one (at most ``slots - 1``).
         slots: device staging buffers (default ``ahead + 2``: the current layer, the one before, and those ahead).
     """
 
     def __init__(self, device, ahead: int = 2, slots: int | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.ahead = max(0, int(ahead))
-        self.slots = max(2, slots if slots is not None else self.ahead + 2)
+        ahead = max(0, int(ahead))
+        self.slots = max(2, slots if slots is not None else ahead + 2)
+        # At most slots - 1 ahead: with more, each fetch's look-ahead evicts the layers it has just
+        # loaded (12 layers, 2 slots, ahead 2: 542 layer copies in a training step instead of 22).
+        self.ahead = min(ahead, self.slots - 1)
         self.layers: list[_Layer] = []
         self.stats = OffloadStats()
         self._buffers: list[torch.Tensor | None] = [None] * self.slots
@@ -126,6 +150,7 @@ class WeightOffload:
         self.timeline: list | None = None  # set to [] to record (kind, layer, start, end) CUDA events per copy
         self.pinned_bytes = 0  # host memory taken (arenas with their room, and buffers of streams that outgrew it)
         self._empty = {dt: torch.empty(0, dtype=dt, device=self.device) for dt in (torch.int32, torch.uint8, torch.int64)}
+        self.sync_debug = offload_debug.enabled()  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: see neutrain.nn.offload_debug
 
     # ------------------------------------------------------------------ building
     def add_layer(self, weights) -> int:
@@ -222,6 +247,13 @@ class WeightOffload:
                 ahead.wanted = self._clock
                 if ahead.slot is None:
                     self._load(ahead)
+        if self.sync_debug:
+            offload_debug.check(self, "fetch", weight)
+
+    def decoded(self, weight) -> None:
+        """After a decode of ``weight`` was enqueued (a no-op unless :attr:`sync_debug`)."""
+        if self.sync_debug:
+            offload_debug.check(self, "decode", weight)
 
     def _make_current(self, layer: _Layer) -> None:
         self._clock += 1
@@ -247,21 +279,33 @@ class WeightOffload:
             for weight in victim.weights:
                 self._vacate(weight)
             victim.slot, victim.ready, victim.done = None, None, None
-        layout, offset = [], 0
-        for weight in layer.weights:
-            for name in PAYLOAD:
-                host = weight._host[name]
-                layout.append((weight, name, host, offset))
-                offset += _aligned(_nbytes(host))
+            self._owner[slot] = None  # free until this load is enqueued: an OOM below leaves a consistent ring
+        layout, need = slot_layout(layer.weights)
         buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < offset:
-            if buffer is not None and self.cuda:
-                torch.cuda.synchronize(self.device)  # rare (a layer outgrew its headroom): no copy may still use it
+        fresh = buffer is None or buffer.numel() < need
+        if fresh:
+            if buffer is not None:
+                self.stats.regrows += 1
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)  # rare (a layer outgrew its headroom): no copy may still use it
             self._buffers[slot] = None
-            buffer = self._buffers[slot] = torch.empty(int(offset * (1 + _SLOT_HEADROOM)), dtype=torch.uint8,
-                                                       device=self.device)
+            buffer = self._buffers[slot] = torch.empty(slot_bytes(need), dtype=torch.uint8, device=self.device)
+            if self.cuda:
+                # Copies into it run on the copy stream: when the slot is freed (the store dropped with a
+                # copy in flight), the allocator must not hand its block out before they are done.
+                buffer.record_stream(self._h2d)
         waits.append(layer.flushed)  # this layer's last write-back reads its host buffers' new bytes
         with torch.cuda.stream(self._h2d) if self.cuda else contextlib.nullcontext():
+            if fresh and self.cuda:
+                # The new slot was allocated on the compute stream, so the caching allocator may have
+                # handed it a block that compute kernels enqueued before now still read or write (a
+                # tensor freed on that stream is reusable there at once: stream order protects it, but
+                # this copy runs on another stream). Without this wait those kernels and the copy can
+                # overwrite each other, and a slot whose tile table holds other bytes sends the decode
+                # kernel far out of its stream: the likely cause of the Llama-3-8B's `illegal memory
+                # access` in its first offloaded step (benchmarks/notes_offload.md; a tiny model's
+                # queue is too short to lose the race). test_weight_offload_gpu.py forces it.
+                self._h2d.wait_stream(torch.cuda.current_stream(self.device))
             for event in waits:
                 if event is not None:
                     self._h2d.wait_event(event)
@@ -316,6 +360,8 @@ class WeightOffload:
                 layer.flushed.record(self._d2h)
             self._log("d2h", layer, mark)
         self.stats.writebacks += 1
+        if self.sync_debug:
+            offload_debug.check(self, "write-back", weight)
 
     def _host_like(self, weight, name: str, device: torch.Tensor) -> torch.Tensor:
         """The host buffer for ``weight``'s new ``name`` tensor: as before, or resized within its room in

@@ -51,3 +51,56 @@ def test_offloaded_training_on_cuda_is_bit_identical(rule):
     idle = [w for layer in store.layers if layer.slot is None for w in layer.weights]
     assert idle and all(getattr(w.ct, n).numel() == 0 for w in idle for n in PAYLOAD)
     store.close()
+
+
+def test_a_new_slot_waits_for_compute_work_queued_before_it():
+    """The 8B's fault: a slot allocated on the compute stream got a block that queued compute kernels
+    still wrote, while the copy into it ran at once on the copy stream. Here such a kernel is held back
+    (``_sleep``) so the race goes the wrong way every time: without the copy stream waiting, the kernel
+    zeroes the payload after the copy and the decode returns garbage."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    from neutrain.compress import compress
+    from neutrain.nn import CompressedWeight
+    from neutrain.nn.weight_offload import WeightOffload, slot_bytes, slot_layout
+
+    torch.manual_seed(0)
+    # 2048 x 2048: a multi-MiB slot, from the allocator's large pool (best fit: the freed block is reused).
+    weights = [CompressedWeight(compress(torch.randn(2048, 2048, device="cuda").bfloat16()), name=f"w{i}")
+               for i in range(2)]
+    expected = [w.dense() for w in weights]
+    store = WeightOffload("cuda", ahead=0, slots=2)
+    for weight in weights:
+        store.add_layer([weight])
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other free block: the slot's request can only get the one freed below
+    block = torch.empty(slot_bytes(slot_layout(store.layers[0].weights)[1]), dtype=torch.uint8, device="cuda")
+    address = block.data_ptr()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of compute-stream work queued ...
+    block.zero_()  # ... then a kernel that writes the block ...
+    del block  # ... which the allocator hands to the next request on this stream at once
+    got = weights[0].dense()  # fetch: a new slot, then the copy in, then the decode
+    assert store._buffers[0].data_ptr() == address, "premise: the slot reused the freed block"
+    assert torch.equal(got, expected[0])
+    store.close()
+
+
+@pytest.mark.parametrize(("slots", "ahead", "debug"), [(2, 1, False), (4, 2, False), (2, 1, True)],
+                         ids=["2-slots", "4-slots", "2-slots-sync-debug"])
+def test_many_layers_few_slots_with_activation_offload_on_cuda_are_bit_identical(slots, ahead, debug):
+    """12 layers of unequal payloads through 2-4 slots, checkpointing with the saved inputs in host
+    memory, LOMO, 3 steps (the 8B's configuration, scaled down): as without weight offload, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    from .test_weight_offload_ring import assert_same, train_steps, unequal_llama
+
+    data = token_batches(3, seed=8, batch=2, length=64)  # one attention block: a deterministic backward
+    expected = train_steps(unequal_llama(hidden=256, device="cuda", codec={}), data, "cuda")
+    model = unequal_llama(hidden=256, device="cuda", codec={})
+    store = offload_weights(model, ahead=ahead, slots=slots)
+    store.sync_debug = debug
+    got = train_steps(model, data, "cuda")
+    torch.cuda.synchronize()
+    assert store.stats.writebacks == 3 * 7 * len(store.layers) and store.stats.regrows >= 1
+    assert_same(expected, got)
+    store.close()
