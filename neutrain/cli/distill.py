@@ -75,6 +75,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
         learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
         logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
         use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
+        dataloader_pin_memory=not t["use_cpu"] and torch.cuda.is_available(),  # else a warning nobody can act on
     )
     trainer = DistillationTrainer(
         model=draft, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),

@@ -43,6 +43,7 @@ def _not_evaluable(target: Path) -> str | None:
 
 def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
+    import torch  # lazy: `neutrain --help` stays instant
     from transformers import TrainingArguments
 
     from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
@@ -72,7 +73,8 @@ def run_eval(args) -> int:
         if recipe.eval["max_eval_samples"]:
             heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
         targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval_micro_batch_size,
-                                  report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False)
+                                  report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False,
+                                  dataloader_pin_memory=not recipe.train["use_cpu"] and torch.cuda.is_available())
         trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
         metrics = trainer.evaluate()
         results["heldout_loss"] = metrics["eval_loss"]

@@ -99,7 +99,8 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
             ax_mem.plot(steps, values, label=label)
     ax_mem.set_xlabel("step")
     ax_mem.set_ylabel("GiB")
-    ax_mem.legend()
+    if ax_mem.get_lines():  # a run that logged no memory (the draft's distillation) has no legend to draw
+        ax_mem.legend()
     ax_mem.grid(alpha=0.3)
     fig.suptitle("neutrain: loss, learning rate and memory")
     fig.tight_layout()
