@@ -30,8 +30,9 @@ def run(args) -> int:
     """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.export import load_checkpoint_model  # lazy: same reason
+    from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
     from neutrain.data.chat import prompt_ids  # lazy: same reason
+    from neutrain.export import load_checkpoint_model  # lazy: same reason
     from neutrain.speculative import generate  # lazy: same reason
 
     model, tokenizer = load_checkpoint_model(last_checkpoint(Path(args.model)))
@@ -42,9 +43,12 @@ def run(args) -> int:
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
         scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
+        # The rounds run on decode engines (one CUDA graph and one host sync per round) when both models
+        # have only full-attention layers; otherwise on growing DynamicCaches, with the same output law.
+        engine = static_cache_refusal(model) is None and static_cache_refusal(draft) is None
         res = generate(model.eval(), draft.eval(), ids, num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                       generator=torch.Generator().manual_seed(args.seed))
+                       generator=torch.Generator().manual_seed(args.seed), engine=engine)
         out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
     else:
         out, note = _plain(model.eval(), ids, args, tokenizer), ""
@@ -59,7 +63,9 @@ def _plain(model, ids, args, tokenizer):
     graph per token on a GPU): greedy equals Hugging Face's ``generate`` token for token, and T > 0 draws
     from the model's own ``softmax(logits / T)`` (no top-k or top-p). Models the engine cannot hold
     (sliding-window attention) go through ``model.generate``."""
-    from neutrain.speculative import DecodeEngine  # lazy: `neutrain --help` stays instant
+    from neutrain.speculative import (
+        DecodeEngine,  # lazy: `neutrain --help` stays instant
+    )
 
     try:
         engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed)

@@ -30,21 +30,45 @@ def new_static_cache(model: Any, batch: int, max_len: int, dtype: torch.dtype, d
         >>> # cache = new_static_cache(model, 1, 256, torch.bfloat16, torch.device("cuda"))
         >>> # static_cache_length(cache)  -> tensor(0, device='cuda:0')
     """
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
     config = model.config.get_text_config(decoder=True)
-    cache = StaticCache(config=config, max_cache_len=max_len)
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    if any(type(layer) is not StaticLayer for layer in cache.layers):
-        raise ValueError(f"the decode engine needs full-attention layers only; this model's cache has {sorted(kinds)}")
-    if not hasattr(cache.layers[0], "cumulative_length"):  # pragma: no cover - transformers < 5.17 layout
-        raise ValueError("this transformers release keeps no device-side cache length (StaticLayer.cumulative_length)")
+    cache = _static_cache(config, max_len)
+    refusal = _refusal(cache)
+    if refusal:
+        raise ValueError(refusal)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache.early_initialization(batch_size=batch, num_heads=heads, head_dim=head_dim, dtype=dtype, device=device)
     set_static_cache_length(cache, 0)
     return cache
+
+
+def _static_cache(config: Any, max_len: int) -> Any:
+    from transformers import (
+        StaticCache,  # lazy: transformers loads only when a cache is built
+    )
+
+    return StaticCache(config=config, max_cache_len=max_len)  # layers are allocated later (early_initialization)
+
+
+def _refusal(cache: Any) -> str | None:
+    from transformers.cache_utils import StaticLayer  # lazy: as above
+
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if any(type(layer) is not StaticLayer for layer in cache.layers):
+        return f"the decode engine needs full-attention layers only; this model's cache has {sorted(kinds)}"
+    if not hasattr(cache.layers[0], "cumulative_length"):  # pragma: no cover - transformers < 5.17 layout
+        return "this transformers release keeps no device-side cache length (StaticLayer.cumulative_length)"
+    return None
+
+
+def static_cache_refusal(model: Any) -> str | None:
+    """Why the decode engine cannot hold ``model`` (sliding-window or linear-attention layers, an old
+    transformers), or None if it can; nothing is allocated.
+
+    Example:
+        >>> # engine = static_cache_refusal(model) is None  # else decode with a DynamicCache
+    """
+    return _refusal(_static_cache(model.config.get_text_config(decoder=True), 2))
 
 
 def static_cache_length(cache: Any) -> torch.Tensor:

@@ -74,3 +74,16 @@ def test_plain_generation_runs_in_the_decode_engine(capsys, export_dir, monkeypa
     others = {_generate(capsys, export_dir, "--temperature", "1.0", "--seed", str(s)) for s in (4, 5, 6)}
     assert len(calls) == 5 and calls[0]["temperature"] == 1.0
     assert others - {first}, "sampling ignored the seed"
+
+
+def test_speculative_generation_runs_on_the_decode_engines(capsys, export_dir, monkeypatch):
+    # With a draft, the rounds run on DecodeEngines (issue 19); greedy output still equals the target's.
+    import neutrain.speculative as spec
+
+    kwargs = []
+    original = spec.generate
+    monkeypatch.setattr(spec, "generate", lambda *a, **k: (kwargs.append(k), original(*a, **k))[1])
+    out = _generate(capsys, export_dir, "--draft", str(export_dir), "--num-drafts", "2", "--raw")
+    assert kwargs and kwargs[0]["engine"] is True
+    tok = byte_tokenizer()
+    assert out == _greedy(export_dir, prompt_ids(tok, "def add(a, b):", raw=True), 12)

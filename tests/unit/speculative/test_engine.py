@@ -237,3 +237,19 @@ def test_generate_makes_no_sync_but_the_allowed_ones(compressed):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(first, again) and sampled.shape[0] == 1
+
+
+def test_static_cache_refusal_names_sliding_window_layers_and_allocates_nothing():
+    from transformers import Gemma2Config
+
+    from neutrain.compat.static_cache import static_cache_refusal
+
+    gemma = AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=16))
+    assert "StaticSlidingWindowLayer" in static_cache_refusal(gemma)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        DecodeEngine(gemma, max_len=8)
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert static_cache_refusal(llama) is None
