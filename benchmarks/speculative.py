@@ -37,15 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
-from benchmarks._spec_decode import Clock, decode_benchmarks, log, round_split  # noqa: E402
+from benchmarks._spec_decode import GOALS, Clock, decode_benchmarks, log, round_split  # noqa: E402
 from benchmarks._spec_train import (  # noqa: E402
     Batches, Trainer, alpha_of, build_corpus, choose_divergence, distill_loss, make_llama, mean_loss,
 )
 
 HERE = Path(__file__).resolve().parent
-GOALS = {"ar_roofline_fraction_8b": ">= 0.6", "spec_over_ar_T0": ">= 2.0", "spec_over_ar_T1": ">= 1.6",
-         "spec_over_hf_assisted_T1": ">= 2.5", "alpha_gain_points_T1": ">= 10", "k4_block_eff_over_sd_T1": ">= 1.15",
-         "neuzip_lossless_over_bf16_decode": ">= 0.5 (stretch >= 0.9)"}
 
 
 def run_8b(args, clock: Clock) -> dict:

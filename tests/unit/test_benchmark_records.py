@@ -143,6 +143,15 @@ def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
     assert real_targets({}) == {}
 
 
+@pytest.mark.parametrize("name", ["speculative", "speculative_rounds"])
+def test_issue_19_records_name_every_target_with_its_goal(name):
+    # speculative_rounds measures a round's cost on random weights: it names the targets without values.
+    from benchmarks._spec_decode import GOALS
+
+    targets = json.loads((RESULTS / f"{name}.json").read_text())["targets"]
+    assert {k: t["goal"] for k, t in targets.items()} == GOALS
+
+
 def test_step_anatomy_reports_issue_17_targets_only_for_the_setting_they_name():
     from types import SimpleNamespace
 
