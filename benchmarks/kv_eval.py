@@ -416,6 +416,27 @@ def _decode_rate(model, cache, batch, steps, warmup=2):
     return batch * steps / dt, dt / steps * 1e3
 
 
+def attention_ops(model, cache, batch) -> dict[str, int]:
+    """The attention ops and kernels one more decode step runs, by name, with their counts.
+
+    Why: the full cache's decode step at 64K took 53 ms in one H100 run and 90 ms in another with the same
+    code (benchmarks/notes_kv_eval.md); the SDPA dispatcher's choice of backend (flash, efficient, cuDNN,
+    math) is the first suspect, so each throughput figure records which one ran.
+    """
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    kwarg = compat.cache_forward_kwarg(model)
+    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    with profile(activities=activities) as prof, torch.inference_mode():
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        _sync()
+    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn", re.IGNORECASE)
+    return {e.key[:160]: e.count for e in prof.key_averages() if pattern.search(e.key)}
+
+
 def _full_cache(cfg, batch, ctx, extra, device):
     d = cfg.hidden_size // cfg.num_attention_heads
     layers = []
@@ -564,7 +585,8 @@ def throughput_part(args, log, device):
         cache = _full_cache(cfg, b, ctx, 16, device)
         tps, ms = _decode_rate(model, cache, b, args.steps)
         return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms,
-                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / 2**30, "host_gib": 0.0}
+                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / 2**30, "host_gib": 0.0,
+                "attention_ops": attention_ops(model, cache, b)}  # after timing: the profiler costs nothing above
 
     def shadowkv(ctx):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,

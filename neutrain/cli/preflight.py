@@ -26,6 +26,10 @@ from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
 
+HOST_STREAM_ROOM = 0.02
+"""Host bytes beyond the compressed payload: each exponent stream's arena keeps 1/16 room to grow
+(:mod:`neutrain.nn.weight_offload`), and the stream is about a quarter of the payload."""
+
 
 def check_long_context_tasks(tasks: list) -> None:
     """Every ``eval.long_context_tasks`` entry must name a task of :data:`neutrain.eval.tasks.TASKS`."""
@@ -124,6 +128,60 @@ def check_writable_dir(path: str, key: str) -> None:
         raise exc from None
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` of ``/proc/meminfo``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(recipe: Recipe, available: int | None) -> None:
+    """``memory.offload_weights`` / ``offload_activations`` need host memory the planner can predict.
+
+    Why: the 70B's decoder layers take about 87 GiB of pinned host memory, filled layer by layer while
+    the model is built. On a host with less, the build would be killed (or fail to pin) minutes in;
+    refused here it costs nothing. Only a certain failure is refused (need above what is available).
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> r = load_recipe("recipes/llama3_70b_offload.yaml")
+        >>> check_host_memory(r, available=128 << 30)
+        >>> try:
+        ...     check_host_memory(r, available=64 << 30)
+        ... except RecipeError as e:
+        ...     print(str(e)[:59])
+        memory.offload_weights: needs about 88.4 GiB of host memory
+    """
+    mem = recipe.memory
+    if available is None or not (mem["offload_weights"] or mem["offload_activations"]):
+        return
+    from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: torch-free checks stay fast
+
+    try:
+        settings = estimate_recipe(recipe).settings
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the model config cannot be read without building: the build names what is wrong
+    weights = settings.get("host_weight_bytes", 0) * (1 + HOST_STREAM_ROOM)
+    activations = settings.get("host_activation_bytes", 0)
+    need = weights + activations
+    if need <= available:
+        return
+    key = "memory.offload_weights" if weights else "memory.offload_activations"
+    if weights and activations:
+        what = (f"({weights / GIB:.1f} GiB of compressed decoder weights and {activations / GIB:.1f} GiB of "
+                "checkpointed activations)")
+    else:
+        what = "for the compressed decoder weights" if weights else "for the checkpointed activations"
+    raise RecipeError(f"{key}: needs about {need / GIB:.1f} GiB of host memory {what}, but this "
+                      f"machine has {available / GIB:.1f} GiB available; use a host with more memory, or a smaller "
+                      "model, data.sequence_len or train.micro_batch_size")
+
+
 def _nearest_existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
@@ -164,5 +222,6 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
         check_export_target(recipe.export_dir, overwrite=True,
                             key="export.output_dir", keep=(("train.output_dir", out),))
+    check_host_memory(recipe, host_memory_available())
     # Last: it creates train.output_dir, which must not happen for a run refused above.
     check_writable_dir(out, "train.output_dir")

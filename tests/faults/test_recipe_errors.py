@@ -408,3 +408,32 @@ def test_help_documents_exit_codes_and_debug_switch(capsys):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "NEUTRAIN_DEBUG=1" in text and "exit 1 for the environment" in text
+
+
+def test_weight_offload_without_the_host_memory_fails_before_the_model_is_built(tmp_path, capsys, monkeypatch,
+                                                                                 nothing_built):
+    import neutrain.cli.preflight
+
+    monkeypatch.setattr(neutrain.cli.preflight, "host_memory_available", lambda: 32 << 30)
+    out = tmp_path / "out"
+    line = _error_line(capsys, ["train", REPO / "recipes" / "llama3_70b_offload.yaml", f"train.output_dir={out}"], 2)
+    assert re.search(r"memory\.offload_weights: needs about 8\d\.\d GiB of host memory for the compressed decoder "
+                     r"weights, but this machine has 32\.0 GiB available", line), line
+    assert not out.exists()
+
+
+def test_activation_offload_counts_its_host_bytes_too(tmp_path):
+    from neutrain.cli.preflight import check_host_memory
+
+    recipe = load_recipe(REPO / "recipes" / "llama3_8b.yaml", ["memory.offload_activations=true",
+                                                               "data.sequence_len=32768", f"train.output_dir={tmp_path}"])
+    check_host_memory(recipe, available=8 << 30)  # 32 x 32K x 4096 x 2 bytes = 8 GiB: just fits
+    with pytest.raises(RecipeError, match=r"memory\.offload_activations: needs about 8\.0 GiB of host memory for the "
+                                          r"checkpointed activations, but this machine has 7\.9 GiB"):
+        check_host_memory(recipe, available=(8 << 30) - (100 << 20))
+    both = load_recipe(REPO / "recipes" / "llama3_70b_offload.yaml", ["memory.offload_activations=true",
+                                                                      f"train.output_dir={tmp_path}"])
+    with pytest.raises(RecipeError, match=r"memory\.offload_weights: needs about 108\.\d GiB of host memory \(8\d\.\d "
+                                          r"GiB of compressed decoder weights and 20\.0 GiB of checkpointed activations\)"):
+        check_host_memory(both, available=64 << 30)
+    check_host_memory(recipe, available=None)  # unknown (not Linux): no refusal

@@ -69,3 +69,25 @@ def test_training_keeps_the_best_held_out_weights(monkeypatch):
         cb.on_step_end(None, SimpleNamespace(global_step=step), control, model=model)
     cb.on_train_end(None, None, control, model=model)
     assert cb.restored and cb.best_step == 2 and torch.all(model.weight == 2.0)
+
+
+def test_the_full_cache_throughput_names_the_attention_kernel_that_ran():
+    """kv_eval's full-cache figure records which SDPA backend ran one more decode step (the 64K doubt)."""
+    import torch
+    import transformers
+
+    from benchmarks import kv_eval
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    cache = kv_eval._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu")
+    ops = kv_eval.attention_ops(model, cache, batch=2)
+    assert any("scaled_dot_product" in name for name in ops), ops
+    assert all(count >= 1 for count in ops.values())
+    cfg._attn_implementation = "eager"  # no SDPA op: the record tells the two apart
+    eager = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ops = kv_eval.attention_ops(eager, kv_eval._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
+    assert not any("scaled_dot_product" in name for name in ops), ops

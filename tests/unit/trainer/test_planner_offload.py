@@ -55,3 +55,13 @@ def test_predicted_copies_per_step_match_the_store():
     assert store.stats.loads == fetched == 2 * (layers - slots)
     assert abs(store.stats.h2d_bytes - fetched * layer_bytes) < 0.05 * layer_bytes * fetched
     assert abs(store.stats.d2h_bytes - layers * layer_bytes) < 0.05 * layers * layer_bytes
+
+
+def test_the_shipped_70b_recipe_fits_an_80_gb_card_only_offloaded():
+    recipe = load_recipe("recipes/llama3_70b_offload.yaml")
+    off = estimate_recipe(recipe)
+    assert off.settings["offload_weights"] is True and off.settings["seq"] == 16384
+    assert off.reserved < 70 * GIB
+    assert 80 * GIB < off.settings["host_weight_bytes"] < 95 * GIB
+    plain = estimate_recipe(load_recipe("recipes/llama3_70b_offload.yaml", ["memory.offload_weights=false"]))
+    assert plain.reserved > 80 * GIB
