@@ -456,6 +456,8 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
     cache = ShadowKVCache.for_model(model)
     o = cache.options
     h, d, cs = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, o.chunk_size
+    if cache.layers[0].geometry(ctx)[0] != cs:  # this state is laid out in the options' chunks
+        raise ValueError(f"a {ctx}-token prompt would be chunked finer than {cs} (min_selected_chunks)")
     local = o.local_chunks * cs
     chunks = (ctx - local) // cs
     kept = chunks - o.outliers
@@ -480,6 +482,7 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
         layer.num_chunks, layer.context = chunks, chunks * cs
         layer.select = max(1, min(cache.budget_tokens(ctx) // cs, kept))
         layer.seen, layer.mode = ctx, "sparse"
+        layer.chunk_size, layer.outliers = cs, o.outliers
     return cache
 
 

@@ -119,7 +119,7 @@ def needle_chunk_recall(cache, needle_positions: Sequence[int]) -> dict[str, lis
             selected.append(float("nan"))
             covered.append(float("nan"))
             continue
-        cs = cache.options.chunk_size
+        cs = layer.chunk_size  # the layer's own (finer when the budget is small: min_selected_chunks)
         needle = sorted({p // cs for p in needle_positions if p < layer.context})
         if not needle:
             selected.append(float("nan"))

@@ -17,8 +17,9 @@ from neutrain.eval.kv.shadowkv import (
 from neutrain.eval.loop import greedy_decode
 
 # Lowered thresholds so a 136-token prompt takes the sparse path: 16 chunks of 8 after
-# 4 local chunks, 2 outliers, 14 selectable.
-SMALL = dict(chunk_size=8, outliers=2, min_prefill=64)
+# 4 local chunks, 2 outliers, 14 selectable. Chunks of 8 whatever the budget (min_selected_chunks=0):
+# these tests check the paper's geometry; test_a_small_budget_is_spent_in_finer_chunks the refinement.
+SMALL = dict(chunk_size=8, outliers=2, min_prefill=64, min_selected_chunks=0)
 FULL = dict(budget=10_000, rank=10_000, **SMALL)
 
 
@@ -229,3 +230,28 @@ def test_attention_takes_dropout_before_scaling_as_transformers_does():
 
     ours = list(inspect.signature(shadowkv_attention).parameters)[:7]
     assert ours == list(inspect.signature(sdpa_attention_forward).parameters)[:7]
+
+
+def test_a_small_budget_is_spent_in_finer_chunks(model):
+    """min_selected_chunks (default 8): a 16-token budget is 8 chunks of 2, not 2 chunks of 8; the outliers and the
+    local window keep their tokens. The result is exactly ShadowKV configured with chunks of 2 by hand."""
+    ids = torch.randint(0, 97, (2, 146))
+    paper = dict(SMALL, min_selected_chunks=8)
+    refined, cache = _run(model, ids, 136, budget=16, rank=8, **paper)
+    _assert_sparse(cache, 3)
+    layer = cache.layers[0]
+    assert (layer.chunk_size, layer.outliers, layer.select) == (2, 8, 8)
+    assert layer.context == 136 - 32 and layer.num_chunks == 52  # local window: 4 chunks of 8 = 32 tokens
+    assert layer.outlier_k.shape[2] == 16 and cache.counters["refined_chunk_layers"] == 3
+    assert cache.counters["selected_chunks"] == 3 * 10 * 2 * 2 * 8  # layers x steps x batch x heads x 8
+    by_hand, manual = _run(model, ids, 136, budget=16, rank=8, chunk_size=2, outliers=8, local_chunks=16,
+                           min_prefill=64, min_selected_chunks=0)
+    assert manual.counters["refined_chunk_layers"] == 0
+    torch.testing.assert_close(refined, by_hand, atol=0, rtol=0)
+    literal, _ = _run(model, ids, 136, budget=16, rank=8, **SMALL)  # 2 chunks of 8: another selection
+    assert (literal - refined).abs().max() > 1e-4
+    # 1.56% of 4,096 tokens (64) is 8 chunks of 8: kept; of 300 tokens (5): chunks of 2, the floor (a chunk
+    # of 1 would make the landmarks the keys); a configured chunk of 1 stays 1.
+    fraction = ShadowKVCache(model.config, budget=0.0156).layers[0]
+    assert fraction.geometry(4096) == (8, 48, 32) and fraction.geometry(300) == (2, 192, 32)
+    assert ShadowKVCache(model.config, budget=5, chunk_size=1).layers[0].geometry(300)[0] == 1
