@@ -308,10 +308,10 @@ def evaluate_config(model, tok, samples, kind: str, options: dict, reference=Non
 FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "shadowkv_paper_scaled", "shadowkv_budget_6pct",
                   *baseline_configs(), "shadowkv_lowrank_keys_only", "shadowkv_sparse_selection_only",
                   "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0", "minicache_4bit_only",
-                  "minicache_merge_similar_pairs", "minicache_merge_similar_pairs_4bit", "shadowkv_budget_12pct",
+                  "shadowkv_paper_literal", "minicache_merge_similar_pairs", "minicache_merge_similar_pairs_4bit", "shadowkv_budget_12pct",
                   "shadowkv_paper_chunk4", "shadowkv_paper_chunk2", "shadowkv_budget_6pct_chunk4"]
 WITH_FIDELITY = 8  # next-token KL / top-1 for the first 8 (the methods and the baselines); accuracy for all
-DIAGNOSE_AFTER = 13  # the diagnosis's measurements after each piece alone, before the fixes and chunk variants
+DIAGNOSE_AFTER = 14  # the diagnosis's measurements after each piece alone and the paper's literal chunks
 
 
 def fidelity_part(args, device, log):
@@ -727,13 +727,18 @@ def real_configs(model, ctx: int, min_similarity: float) -> dict[str, tuple[str,
         "minicache_merge": ("minicache", dict(gamma=0.05, t=0.6)),
         "minicache_merge_4bit": ("minicache", dict(gamma=0.05, t=0.6, quant_bits=4, quant_group=64)),
         "shadowkv_paper_scaled": ("shadowkv", paper),
+        # the same in the paper's chunks of 8 whatever the budget (before min_selected_chunks: 2 chunks at 1K)
+        "shadowkv_paper_literal": ("shadowkv", {**paper, "min_selected_chunks": 0}),
         "shadowkv_budget_6pct": ("shadowkv", {**paper, "budget": 0.0625}),
         "shadowkv_budget_12pct": ("shadowkv", {**paper, "budget": 0.125}),
         # the paper's budget in finer chunks: twice the landmarks, each the mean of 4 keys instead of 8
-        "shadowkv_paper_chunk4": ("shadowkv", {**paper, "chunk_size": 4, "outliers": 2 * paper["outliers"]}),
-        "shadowkv_paper_chunk2": ("shadowkv", {**paper, "chunk_size": 2, "outliers": 4 * paper["outliers"]}),
+        # (chunk sizes as named: min_selected_chunks off)
+        "shadowkv_paper_chunk4": ("shadowkv", {**paper, "chunk_size": 4, "outliers": 2 * paper["outliers"],
+                                               "min_selected_chunks": 0}),
+        "shadowkv_paper_chunk2": ("shadowkv", {**paper, "chunk_size": 2, "outliers": 4 * paper["outliers"],
+                                               "min_selected_chunks": 0}),
         "shadowkv_budget_6pct_chunk4": ("shadowkv", {**paper, "budget": 0.0625, "chunk_size": 4,
-                                                     "outliers": 2 * paper["outliers"]}),
+                                                     "outliers": 2 * paper["outliers"], "min_selected_chunks": 0}),
         # each piece alone
         "shadowkv_lowrank_keys_only": ("shadowkv", {**paper, "budget": every_chunk, "offload_values": False}),
         "shadowkv_sparse_selection_only": ("shadowkv", {**paper, "exact_keys": True, "offload_values": False}),
