@@ -308,7 +308,8 @@ def evaluate_config(model, tok, samples, kind: str, options: dict, reference=Non
 FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "shadowkv_paper_scaled", "shadowkv_budget_6pct",
                   *baseline_configs(), "shadowkv_lowrank_keys_only", "shadowkv_sparse_selection_only",
                   "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0", "minicache_4bit_only",
-                  "shadowkv_paper_literal", "minicache_merge_similar_pairs", "minicache_merge_similar_pairs_4bit", "shadowkv_budget_12pct",
+                  "shadowkv_paper_literal", "minicache_merge_similar_pairs", "minicache_merge_similar_pairs_4bit",
+                  "shadowkv_budget_12pct",
                   "shadowkv_paper_chunk4", "shadowkv_paper_chunk2", "shadowkv_budget_6pct_chunk4"]
 WITH_FIDELITY = 8  # next-token KL / top-1 for the first 8 (the methods and the baselines); accuracy for all
 DIAGNOSE_AFTER = 14  # the diagnosis's measurements after each piece alone and the paper's literal chunks
@@ -455,12 +456,10 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
     """
     cache = ShadowKVCache.for_model(model)
     o = cache.options
-    h, d, cs = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, o.chunk_size
-    if cache.layers[0].geometry(ctx)[0] != cs:  # this state is laid out in the options' chunks
-        raise ValueError(f"a {ctx}-token prompt would be chunked finer than {cs} (min_selected_chunks)")
-    local = o.local_chunks * cs
+    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    cs, outliers, local = cache.layers[0].geometry(ctx)  # as compress() would lay out a ctx-token prompt
     chunks = (ctx - local) // cs
-    kept = chunks - o.outliers
+    kept = chunks - outliers
     dev = torch.device(device)
     on_host = batch - device_rows
     per_layer = on_host * h * chunks * cs * d
@@ -470,9 +469,9 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
         layer.u = torch.randn(batch, ctx, o.rank, **bf) / math.sqrt(ctx)
         layer.sv = torch.randn(batch, h, o.rank, d, **bf)
         layer.landmarks = torch.randn(batch, h, kept, d, **bf)
-        layer.landmark_chunk = torch.arange(o.outliers, chunks, device=dev).expand(batch, h, kept).contiguous()
-        layer.outlier_k = torch.randn(batch, h, o.outliers * cs, d, **bf)
-        layer.outlier_v = torch.randn(batch, h, o.outliers * cs, d, **bf)
+        layer.landmark_chunk = torch.arange(outliers, chunks, device=dev).expand(batch, h, kept).contiguous()
+        layer.outlier_k = torch.randn(batch, h, outliers * cs, d, **bf)
+        layer.outlier_v = torch.randn(batch, h, outliers * cs, d, **bf)
         layer.tail_k = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
         layer.tail_v = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
         layer.v_store = host_values[i * per_layer : (i + 1) * per_layer].view(on_host, h, chunks, cs * d)
@@ -481,8 +480,7 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
         layer.offloaded, layer.pos0 = True, torch.zeros(1, 1, dtype=torch.long, device=dev)
         layer.num_chunks, layer.context = chunks, chunks * cs
         layer.select = max(1, min(cache.budget_tokens(ctx) // cs, kept))
-        layer.seen, layer.mode = ctx, "sparse"
-        layer.chunk_size, layer.outliers = cs, o.outliers
+        layer.seen, layer.mode, layer.chunk_size = ctx, "sparse", cs
     return cache
 
 

@@ -137,7 +137,7 @@ class ShadowKVLayer(DynamicLayer):
         num_chunks = (n - local) // cs
         if n < opt.min_prefill or num_chunks <= outliers:
             return False
-        self.chunk_size, self.outliers = cs, outliers
+        self.chunk_size = cs
         if cs < opt.chunk_size:
             self.owner.counters["refined_chunk_layers"] += 1
         ctx = num_chunks * cs

@@ -91,3 +91,29 @@ def test_the_full_cache_throughput_names_the_attention_kernel_that_ran():
     eager = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ops = kv_eval.attention_ops(eager, kv_eval._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
     assert not any("scaled_dot_product" in name for name in ops), ops
+
+
+def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt():
+    """kv_eval's synthetic post-prefill ShadowKV state takes the chunk geometry from the cache (a 600-token
+    prompt at 1.56% selects 9 tokens: chunks of 2), so the smoke run decodes instead of refusing."""
+    import torch
+    import transformers
+
+    from benchmarks import kv_eval
+    from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    batch, ctx = 2, 600
+    host = torch.zeros(cfg.num_hidden_layers * batch * 2 * ctx * 16, dtype=torch.bfloat16)
+    enable_shadowkv(model, budget=0.0156, rank=8, chunk_size=8, outliers=2)
+    try:
+        cache = kv_eval._shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
+        layer = cache.layers[0]
+        assert layer.chunk_size == 2 and layer.outlier_k.shape[2] == 16 and layer.select == 4
+        kv_eval._decode_rate(model, cache, batch, steps=1, warmup=0)
+    finally:
+        disable_shadowkv(model)
+    assert cache.counters["sparse_steps"] == cfg.num_hidden_layers
