@@ -26,10 +26,6 @@ from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
 
-HOST_STREAM_ROOM = 0.02
-"""Host bytes beyond the compressed payload: each exponent stream's arena keeps 1/16 room to grow
-(:mod:`neutrain.nn.weight_offload`), and the stream is about a quarter of the payload."""
-
 
 def check_long_context_tasks(tasks: list) -> None:
     """Every ``eval.long_context_tasks`` entry must name a task of :data:`neutrain.eval.tasks.TASKS`."""
@@ -166,7 +162,7 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
         settings = estimate_recipe(recipe).settings
     except (OSError, ValueError, KeyError, TypeError):
         return  # the model config cannot be read without building: the build names what is wrong
-    weights = settings.get("host_weight_bytes", 0) * (1 + HOST_STREAM_ROOM)
+    weights = settings.get("host_pinned_bytes", 0)  # the payload and its arenas' room (the planner's)
     activations = settings.get("host_activation_bytes", 0)
     need = weights + activations
     if need <= available:

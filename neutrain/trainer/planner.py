@@ -112,6 +112,11 @@ class ModelShape:
         return max(r * c for n, r, c in self.matrices() if n.startswith("layers."))
 
 
+HOST_STREAM_ROOM = 0.02
+"""Host bytes pinned beyond the compressed payload: each exponent stream's arena keeps 1/16 room to grow
+(:mod:`neutrain.nn.weight_offload`), and the stream is about a quarter of the payload."""
+
+
 def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slots: int = 4) -> dict[str, float]:
     """Host bytes and PCIe bytes per step of ``memory.offload_weights`` (weights stay compressed both ways).
 
@@ -127,6 +132,7 @@ def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slo
     layer = sum(r * c for n, r, c in shape.matrices() if n.startswith("layers.0.")) * bits_per_weight / 8
     fetched = 2 * max(0, shape.layers - slots)
     return {"layer_bytes": layer, "host_weight_bytes": shape.layers * layer,
+            "host_pinned_bytes": shape.layers * layer * (1 + HOST_STREAM_ROOM),
             "h2d_bytes_per_step": fetched * layer, "d2h_bytes_per_step": shape.layers * layer}
 
 
