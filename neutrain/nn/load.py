@@ -14,7 +14,6 @@ memory is the compressed model plus one dense tensor, never the dense model.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 from pathlib import Path
