@@ -295,6 +295,10 @@ class WeightOffload:
                 # copy in flight), the allocator must not hand its block out before they are done.
                 buffer.record_stream(self._h2d)
         waits.append(layer.flushed)  # this layer's last write-back reads its host buffers' new bytes
+        # Taken before entering the copy stream's context: inside it, current_stream() *is* the copy
+        # stream, and a wait on it is a no-op (the fault that the H100 showed at 4227e30: the test
+        # below read 0.25 everywhere, the decode of a zeroed slot).
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         with torch.cuda.stream(self._h2d) if self.cuda else contextlib.nullcontext():
             if fresh and self.cuda:
                 # The new slot was allocated on the compute stream, so the caching allocator may have
@@ -302,10 +306,10 @@ class WeightOffload:
                 # tensor freed on that stream is reusable there at once: stream order protects it, but
                 # this copy runs on another stream). Without this wait those kernels and the copy can
                 # overwrite each other, and a slot whose tile table holds other bytes sends the decode
-                # kernel far out of its stream: the likely cause of the Llama-3-8B's `illegal memory
-                # access` in its first offloaded step (benchmarks/notes_offload.md; a tiny model's
-                # queue is too short to lose the race). test_weight_offload_gpu.py forces it.
-                self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+                # kernel far out of its stream: the Llama-3-8B's and 70B's `illegal memory access` in
+                # their first offloaded step (benchmarks/notes_offload.md; a tiny model's queue is too
+                # short to lose the race). test_weight_offload_gpu.py forces it.
+                self._h2d.wait_stream(compute)
             for event in waits:
                 if event is not None:
                     self._h2d.wait_event(event)
