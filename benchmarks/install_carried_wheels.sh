@@ -6,6 +6,7 @@ wheels=()
 have() { python3 -c "import $1" 2>/dev/null; }
 add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
 have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
+have xxhash || add .whl/xxhash-*.whl
 if ! have deepspeed; then
   add .whl/deepspeed/deepspeed-*.whl
   have einops || add .whl/deepspeed/einops-*.whl
