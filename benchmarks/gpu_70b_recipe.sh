@@ -23,7 +23,7 @@ STEPS=${STEPS:-5}
 STAGES=${STAGES:-train,resume}
 gpu=${CUDA_VISIBLE_DEVICES:-0}
 free -g | head -2; df -h /tmp /dev/shm | tail -2
-nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 > "$OUT/nvsmi_70b.csv" &
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 >> "$OUT/nvsmi_70b.csv" &
 smi=$!
 if [[ $STAGES == *train* ]]; then
   t0=$SECONDS
