@@ -24,6 +24,12 @@ def configure(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto (default): the GPU when there is one, in the form that fits its budget (dense, NeuZip "
+                   "lossless, or NeuZip streamed from host memory; one line says which), else the CPU")
+    p.add_argument("--device-budget-gib", type=float, default=None,
+                   help="GPU memory the model may take, in GiB (default: the card's memory less the CUDA context "
+                   "and a margin); enforced as the allocator's limit")
 
 
 def run(args) -> int:
@@ -32,27 +38,31 @@ def run(args) -> int:
 
     from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
     from neutrain.data.chat import prompt_ids  # lazy: same reason
+    from neutrain.cli.placement import place_model  # lazy: same reason
     from neutrain.export import load_checkpoint_model  # lazy: same reason
     from neutrain.speculative import generate  # lazy: same reason
 
-    model, tokenizer = load_checkpoint_model(last_checkpoint(Path(args.model)))
+    model, tokenizer, where = place_model(last_checkpoint(Path(args.model)), args.device, args.device_budget_gib)
+    if where:
+        print(where, file=sys.stderr)
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
     ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=args.raw)])
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
+        draft = draft.to(next(model.parameters()).device)
         scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
         # The rounds run on decode engines (one CUDA graph and one host sync per round) when both models
         # have only full-attention layers; otherwise on growing DynamicCaches, with the same output law.
         engine = static_cache_refusal(model) is None and static_cache_refusal(draft) is None
-        res = generate(model.eval(), draft.eval(), ids, num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
+        res = generate(model.eval(), draft.eval(), ids.to(next(model.parameters()).device), num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                        generator=torch.Generator().manual_seed(args.seed), engine=engine)
         out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
     else:
         out, note = _plain(model.eval(), ids, args, tokenizer), ""
-    print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True))
     if note:
         print(note, file=sys.stderr)
     return 0
@@ -67,11 +77,15 @@ def _plain(model, ids, args, tokenizer):
         DecodeEngine,  # lazy: `neutrain --help` stays instant
     )
 
+    from neutrain.nn.weight_offload_model import weight_store  # lazy: same reason
+
     try:
-        engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed)
+        # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.
+        engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed,
+                              cuda_graph=False if weight_store(model) is not None else None)
     except ValueError:
         kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
-        return model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
+        return model.generate(ids.to(next(model.parameters()).device), max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
     device = next(model.parameters()).device
     return engine.generate(ids.to(device), args.max_new_tokens, temperature=args.temperature,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0).cpu()

@@ -1,0 +1,132 @@
+"""Where ``neutrain generate`` puts a model: the GPU when there is one, in the form that fits its budget.
+
+A user who fine-tuned an 8B on a 12 GB card generates on that card too. Before anything is read, the
+model's bytes (from its safetensors files) are weighed against the device budget (``--device-budget-gib``,
+default: the card's memory less the CUDA context and a margin), and the first form that fits is taken:
+
+1. ``dense``: the weights as stored, on the GPU (fastest decode);
+2. ``neuzip``: NeuZip lossless on the GPU, compressed one tensor at a time while reading (bit-exact);
+3. ``neuzip+offload``: the decoder layers' compressed weights in pinned host memory, streamed in layer
+   by layer (``memory.offload_weights``'s store), for cards that hold not even the compressed model.
+
+The budget is then the allocator's hard limit (``torch.cuda.set_per_process_memory_fraction``), so the
+promise is kept or the command ends in one line. On a CPU, or with ``--device cpu``, the model loads as
+before (``neutrain.export.load_checkpoint_model``).
+
+Example:
+    >>> from neutrain.cli.placement import choose_form
+    >>> choose_form(dense=16.0 * 2**30, compressed=10.9 * 2**30, scratch=1.0 * 2**30, budget=14.5 * 2**30)
+    'neuzip'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+GIB = 2**30
+MARGIN_BYTES = 0.5 * GIB  # decode scratch of small tensors, the static KV cache of a short generation, logits
+CONTEXT_BYTES = 0.75 * GIB  # CUDA context and library workspaces (neutrain.trainer.planner.CUDA_CONTEXT_BYTES)
+logger = logging.getLogger("neutrain")
+
+
+def choose_form(dense: float, compressed: float, scratch: float, budget: float) -> str:
+    """The first of ``dense``, ``neuzip``, ``neuzip+offload`` whose bytes fit ``budget``.
+
+    ``scratch``: the decode buffers of the compressed forms (the largest matrix, dense).
+    """
+    if dense + MARGIN_BYTES <= budget:
+        return "dense"
+    if compressed + scratch + MARGIN_BYTES <= budget:
+        return "neuzip"
+    return "neuzip+offload"
+
+
+def _weight_bytes(path: Path) -> tuple[int, int]:
+    """(total bytes, largest tensor's bytes) of the safetensors files in ``path``, from their headers alone."""
+    from neutrain.storage.manifest import safetensors_header
+
+    total = largest = 0
+    for file in sorted(path.glob("*.safetensors")):
+        _, header = safetensors_header(file)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            size = info["data_offsets"][1] - info["data_offsets"][0]
+            total, largest = total + size, max(largest, size)
+    return total, largest
+
+
+def device_budget(requested: float | None) -> float:
+    """Bytes the generation may take on the current CUDA device: ``requested`` GiB, or the card less
+    the CUDA context and a margin."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if requested is not None:
+        return min(requested * GIB, total)
+    return total - CONTEXT_BYTES - MARGIN_BYTES
+
+
+def place_model(path: Path, device: str = "auto", budget_gib: float | None = None):
+    """``(model, tokenizer, note)``: the model of checkpoint or export ``path`` on ``device`` in the form that fits.
+
+    ``note`` is the one line that says where the model went on a GPU and why (None on the CPU).
+    """
+    import torch
+
+    from neutrain.export import load_checkpoint_model
+    from neutrain.export.hf import MARKER, _load_tokenizer
+
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        from neutrain.errors import UserInputError
+
+        raise UserInputError("--device cuda: no CUDA GPU is visible")
+    if not use_cuda:
+        model, tokenizer = load_checkpoint_model(path)
+        return model, tokenizer, None  # as it always was: nothing to say
+    budget = device_budget(budget_gib)
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    dense, largest = _weight_bytes(path)
+    if (path / MARKER).exists():  # a NeuZip checkpoint or export: its blobs are the compressed form already
+        model, tokenizer = load_checkpoint_model(path)
+        if dense + 2 * largest + MARGIN_BYTES <= budget:
+            return model.to("cuda"), tokenizer, _note("neuzip", dense, dense, budget)
+        return model, tokenizer, (f"generate: on the CPU: the compressed weights ({dense / GIB:.2f} GiB) do not fit the "
+                                  f"device budget ({budget / GIB:.2f} GiB); an export with --format hf streams them")
+    compressed = dense / 16 * _bits_per_weight()
+    form = choose_form(dense, compressed, 2 * largest, budget)
+    if form == "dense":
+        model, tokenizer = load_checkpoint_model(path)
+        return model.to("cuda"), tokenizer, _note(form, dense, compressed, budget)
+    from neutrain.storage.manifest import verify_checkpoint
+    from neutrain.trainer.modeling import build_model
+
+    verify_checkpoint(path)  # checksums, and no file that would run code when loaded
+    config = json.loads((path / "config.json").read_text())
+    cfg = {"base_model": str(path), "gguf_file": None, "init": "pretrained", "config": None,
+           "dtype": _dtype_name(config), "attn_implementation": "sdpa", "trust_remote_code": False,
+           "allow_unknown_config_keys": False, "tokenizer": None}
+    tokenizer = _load_tokenizer(path)
+    model = build_model(cfg, tokenizer, weights="neuzip-lossless", offload_weights=form == "neuzip+offload")
+    return model.eval(), tokenizer, _note(form, dense, compressed, budget)
+
+
+def _bits_per_weight() -> float:
+    from neutrain.trainer.planner import NEUZIP_BITS
+
+    return NEUZIP_BITS
+
+
+def _dtype_name(config: dict) -> str:
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def _note(form: str, dense: float, compressed: float, budget: float) -> str:
+    what = {"dense": "dense weights on the GPU", "neuzip": "NeuZip lossless weights on the GPU (bit-exact)",
+            "neuzip+offload": "NeuZip lossless weights streamed from host memory (bit-exact)"}[form]
+    return (f"generate: {what}: weights {dense / GIB:.2f} GiB dense, {compressed / GIB:.2f} GiB compressed, "
+            f"device budget {budget / GIB:.2f} GiB")

@@ -1,0 +1,83 @@
+"""`neutrain generate`'s placement: the first form that fits the device budget, from the weights' headers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from neutrain.cli.placement import GIB, MARGIN_BYTES, _weight_bytes, choose_form
+from neutrain.data import byte_tokenizer
+
+
+@pytest.mark.parametrize(("budget", "form"), [(20, "dense"), (14.5, "neuzip"), (12.7, "neuzip"), (11.5, "neuzip+offload"), (7, "neuzip+offload")])
+def test_an_8b_export_takes_the_first_form_that_fits(budget, form):
+    # Llama-3-8B: 14.96 GiB of bf16, ~10.2 GiB NeuZip lossless, the embedding (1.96 GiB) the largest matrix.
+    dense, compressed, largest = 14.96 * GIB, 10.17 * GIB, 0.98 * GIB
+    assert choose_form(dense, compressed, 2 * largest, budget * GIB) == form
+
+
+def test_the_margin_is_counted():
+    assert choose_form(10 * GIB, 7 * GIB, 0, 10 * GIB + MARGIN_BYTES) == "dense"
+    assert choose_form(10 * GIB, 7 * GIB, 0, 10 * GIB + MARGIN_BYTES - 1) == "neuzip"
+
+
+def _export(tmp_path, layers=2):
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=260, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    return model
+
+
+def test_weight_bytes_come_from_the_safetensors_headers(tmp_path):
+    model = _export(tmp_path)
+    total, largest = _weight_bytes(tmp_path)
+    sizes = [p.numel() * p.element_size() for p in model.state_dict().values()]
+    # a tied or shared tensor is stored once: count the unique storages the file holds
+    assert total == sum({p.data_ptr(): p.numel() * p.element_size() for p in model.state_dict().values()}.values())
+    assert largest == max(sizes)
+
+
+_CHILD = r"""
+import json, sys, torch
+from pathlib import Path
+from neutrain.cli.placement import place_model
+from neutrain.eval.engine import DecodeEngine
+from neutrain.export import load_checkpoint_model
+path, budget = Path(sys.argv[1]), float(sys.argv[2])
+ref, _ = load_checkpoint_model(path)
+ids = torch.tensor([[3, 17, 99, 5, 42]])
+want = DecodeEngine(ref.eval(), max_len=24).generate(ids, 16, temperature=0.0).tolist()
+model, tok, note = place_model(path, "auto", budget)
+from neutrain.nn.weight_offload_model import weight_store
+eng = DecodeEngine(model, max_len=24, cuda_graph=False if weight_store(model) is not None else None)
+got = eng.generate(ids.cuda(), 16, temperature=0.0).cpu().tolist()
+print(json.dumps({"note": note, "same": got == want, "offloaded": weight_store(model) is not None,
+                  "peak": torch.cuda.max_memory_allocated()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("budget", "form"), [(1.0, "dense"), (0.0015, "NeuZip lossless weights on the GPU"),
+                                              (0.0009, "streamed from host memory")])
+def test_generate_on_cuda_in_each_form_decodes_as_the_dense_model(tmp_path, budget, form):
+    """Each form's greedy tokens equal the dense model's; the budget is the allocator's limit (own process)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    _export(tmp_path, layers=4)
+    dense, largest = _weight_bytes(tmp_path)
+    # budgets in GiB chosen around this tiny model's bytes (dense ~0.3 MiB): scale them to its size
+    scaled = {1.0: 1.0, 0.0015: (dense * 0.9 + MARGIN_BYTES) / GIB, 0.0009: (MARGIN_BYTES + 1024) / GIB}[budget]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(scaled)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["same"] and (form in out["note"] if form != "dense" else "dense weights" in out["note"])
+    assert out["offloaded"] == (form == "streamed from host memory")
