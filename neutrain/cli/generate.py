@@ -65,6 +65,10 @@ def run(args) -> int:
     print(tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True))
     if note:
         print(note, file=sys.stderr)
+    if where:  # on a GPU: what the generation took, beside the budget the note named
+        from neutrain.cli.placement import peak_line  # lazy: same reason
+
+        print(peak_line(), file=sys.stderr)
     return 0
 
 

@@ -130,3 +130,12 @@ def _note(form: str, dense: float, compressed: float, budget: float) -> str:
             "neuzip+offload": "NeuZip lossless weights streamed from host memory (bit-exact)"}[form]
     return (f"generate: {what}: weights {dense / GIB:.2f} GiB dense, {compressed / GIB:.2f} GiB compressed, "
             f"device budget {budget / GIB:.2f} GiB")
+
+
+def peak_line() -> str:
+    """``generate: peak GPU memory A GiB allocated, R reserved, D in use on the device at the end`` (D: all processes)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return (f"generate: peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated, "
+            f"{torch.cuda.max_memory_reserved() / GIB:.2f} reserved, {(total - free) / GIB:.2f} in use on the device at the end")
