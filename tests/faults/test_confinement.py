@@ -53,6 +53,17 @@ def test_a_run_output_symlinked_outside_the_run_directory_is_refused(tmp_path, c
     assert not list(out.glob("checkpoint-*"))  # refused before training
 
 
+def test_eval_refuses_an_eval_directory_symlinked_outside_the_run(checkpoint, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint.parent, run)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (run / "eval").symlink_to(outside)
+    assert neutrain(["eval", str(checkpoint.parent.parent / "tiny.yaml"), f"train.output_dir={run}"]) == 2
+    assert f"'{run / 'eval'}' is a symlink to {outside}, outside the run directory" in _error(capsys)
+    assert not list(outside.iterdir())
+
+
 def test_a_symlink_that_stays_inside_the_run_directory_is_followed(tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 1, "save_steps": 1}, **QUIET)
     out = tmp_path / "out"
