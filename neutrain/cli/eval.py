@@ -48,6 +48,7 @@ def run_eval(args) -> int:
 
     from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
     from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.confine import check_output, check_run_outputs  # lazy: `neutrain --help` stays instant
     from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
@@ -61,6 +62,8 @@ def run_eval(args) -> int:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
         recipe = load_recipe(args.recipe, args.overrides)
         ckpt = last_checkpoint(target)
+    run_dir = recipe.train["output_dir"]
+    check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
     model, tokenizer = load_checkpoint_model(ckpt)
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
@@ -86,7 +89,7 @@ def run_eval(args) -> int:
         for cache, m in results["long_context"].items():
             print(f"long context {cache}: accuracy {m.get('accuracy', float('nan')):.1f}%, KV compression {m.get('compression_ratio', float('nan')):.2f}x")
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "eval_results.json").write_text(json.dumps(results, indent=2, default=str))
+    check_output(Path(out) / "eval_results.json", run_dir).write_text(json.dumps(results, indent=2, default=str))
     return 0
 
 

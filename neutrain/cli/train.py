@@ -127,8 +127,12 @@ class RunContext:
         self.recipe, self.trainer, self.tokenizer, self.heldout, self.state = recipe, trainer, tokenizer, heldout, state
 
 
-def build_trainer(recipe: Recipe) -> RunContext:
+def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     """Build tokenizer, data, model and :class:`~neutrain.trainer.trainer.NeuTrainer` from a recipe, without training.
+
+    ``resume``: the checkpoint the run will resume, refused (one line) when it was trained with another
+    weights format, model shape, optimizer, tokenizer or dataset (:mod:`neutrain.trainer.resume_check`)
+    before the recipe copy in ``output_dir`` is replaced.
 
     Example:
         >>> import tempfile
@@ -144,16 +148,19 @@ def build_trainer(recipe: Recipe) -> RunContext:
 
     from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.modeling import build_model, build_tokenizer  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.resume_check import check_resume, run_record  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     t = recipe.train
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
+    if state.is_main_process:  # one run per output_dir (taken already when it existed: neutrain.trainer.run_state)
+        from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
+
+        RunLock(out).acquire()
     cache_dir = os.path.join(out, ".cache")
     with state.main_process_first():
-        if state.is_main_process:
-            _save_recipe(recipe, out)
         tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
         check_long_context_prompts(tokenizer, recipe.eval)
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
@@ -176,17 +183,34 @@ def build_trainer(recipe: Recipe) -> RunContext:
         processing_class=tokenizer, memory=recipe.memory, train=t,
         resume_reset_optimizer=t["resume_reset_optimizer"],
     )
+    trainer.run_record = run_record(recipe, model, tokenizer)  # in every checkpoint; a resume is checked against it
+    if resume:  # the same model, weights format, optimizer, tokenizer and data as the checkpoint's run
+        check_resume(resume, trainer.run_record, t["resume_reset_optimizer"])
+    if state.is_main_process:  # last: a run refused above leaves the recipe of the run it would have resumed
+        _save_recipe(recipe, out)
     return RunContext(recipe, trainer, tokenizer, heldout, state)
 
 
 def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Train, evaluate and export as the recipe says; print and return a summary.
 
+    The run holds ``train.output_dir``'s lock from start to end (:mod:`neutrain.storage.run_lock`):
+    a second run there is refused in one line.
+
     Example:
         >>> from neutrain.config import load_recipe
         >>> # the whole default run (training, evaluation, export): minutes on a CPU, so not run here
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
+    from neutrain.storage.run_lock import release  # lazy: `neutrain --help` stays instant
+
+    try:
+        return _train_from_recipe(recipe, echo)
+    finally:
+        release(recipe.train["output_dir"])  # a no-op where this process took none (other ranks, a refusal)
+
+
+def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
     from accelerate import PartialState
 
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
@@ -203,7 +227,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         end_processes()
         return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
                 "world_size": PartialState().num_processes}
-    ctx = build_trainer(recipe)
+    ctx = build_trainer(recipe, resume=plan.checkpoint)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
     result = trainer.train(resume_from_checkpoint=plan.checkpoint)
@@ -266,7 +290,9 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"])
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:
-        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        from neutrain.storage.confine import check_output  # lazy: `neutrain --help` stays instant
+
+        check_output(Path(out) / "summary.json", out).write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
     end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary

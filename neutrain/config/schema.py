@@ -114,6 +114,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
         "resume_reset_optimizer": Key(bool, False, "Resume the weights and step but start the optimizer state and learning-rate schedule afresh (logged). Without it, a checkpoint missing optimizer.pt, scheduler.pt or a per-rank optimizer shard is refused."),
+        "overwrite_output_dir": Key(bool, False, "A new run (no resume_from_checkpoint) into an output_dir that holds another run's checkpoints is refused unless this is true; then that run's checkpoints, metrics.jsonl, summary.json and training_curves.png are deleted first."),
         "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),

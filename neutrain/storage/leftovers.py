@@ -15,7 +15,11 @@ Two kinds of leftover:
 
 Names carrying a process id are kept while that process is alive (another neutrain may
 be writing them right now); this process's own are stale by the time a start or a
-failure cleans up. The module imports nothing from neutrain, so any layer may use it.
+failure cleans up. A temporary checkpoint directory names its writer in a
+``writer.json`` inside it (pid, host, start time: :func:`mark_writer`), and is kept while
+that writer lives on this host; the run lock (:mod:`neutrain.storage.run_lock`) keeps
+any other run from cleaning while its writer runs. The module imports nothing from
+neutrain, so any layer may use it.
 
 Example:
     >>> from neutrain.storage.leftovers import clean_run_dir
@@ -25,10 +29,13 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 logger = logging.getLogger("neutrain")
@@ -46,6 +53,35 @@ RUN_DIR_PATTERNS: tuple[tuple[str, str], ...] = (
     ("", r"tokenizer\.tmp(?P<pid>\d+)"),
     (".cache", r"python-stdlib-[0-9a-f]{12}\.tmp(?P<pid>\d+)"),
 )
+
+
+WRITER_FILE = "writer.json"
+
+
+def this_writer() -> dict:
+    """Who this process is, as a lock file and a temporary's ``writer.json`` record it."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def mark_writer(temporary: str | os.PathLike) -> None:
+    """Create the temporary directory ``temporary`` and name this process in it as its writer.
+
+    Example:
+        >>> mark_writer("outputs/run/.tmp-checkpoint-10")  # doctest: +SKIP
+    """
+    os.makedirs(temporary, exist_ok=True)
+    with open(os.path.join(temporary, WRITER_FILE), "w", encoding="utf-8") as fh:
+        json.dump(this_writer(), fh)
+
+
+def _live_writer(path: Path) -> int | None:
+    """The pid of the live process on this host that ``path/writer.json`` names, else None."""
+    try:
+        writer = json.loads((path / WRITER_FILE).read_text(encoding="utf-8"))
+        pid, host = int(writer["pid"]), writer["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no record (an older neutrain), or torn by the kill that left it
+    return pid if host == socket.gethostname() and _alive(pid) else None
 
 
 def export_leftover_patterns(name: str) -> tuple[str, ...]:
@@ -83,10 +119,11 @@ def _clean(directory: Path, patterns: tuple[str, ...]) -> list[str]:
         if match is None:
             continue
         groups = match.groupdict()
-        if groups.get("pid") and _alive(int(groups["pid"])):
-            logger.info("kept %s: process %s that writes it is running", directory / name, groups["pid"])
-            continue
         path = directory / name
+        writer = int(groups["pid"]) if groups.get("pid") and _alive(int(groups["pid"])) else _live_writer(path)
+        if writer is not None:
+            logger.info("kept %s: process %s that writes it is running", path, writer)
+            continue
         restore = groups.get("restore")
         if restore and not (directory / restore).exists():
             os.replace(path, directory / restore)
@@ -102,6 +139,13 @@ def _clean(directory: Path, patterns: tuple[str, ...]) -> list[str]:
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # this process is starting or failing now: its own old temporaries are stale
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's process counts)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

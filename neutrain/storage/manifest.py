@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from neutrain.errors import CheckpointError
+from neutrain.storage.confine import check_tree, inside
 
 logger = logging.getLogger("neutrain")
 
@@ -179,7 +180,7 @@ def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None
     if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain manifest (corrupt or replaced)")
     for rel, expected in sorted(files.items()):
-        file = directory / rel
+        file = inside(directory, rel)  # '../../etc/passwd' would make the check a size and hash oracle
         if not file.is_file():
             if rel in may_be_missing:
                 continue
@@ -274,6 +275,7 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint '{directory}' does not exist or is not a directory")
+    check_tree(directory)  # before any file is read: a symlink must not lead the checks outside
     for name in required:
         if not (directory / name).is_file():
             raise CheckpointError(f"checkpoint file '{directory / name}' is missing")

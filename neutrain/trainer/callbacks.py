@@ -8,14 +8,20 @@ the PNG written at the end of training covers the whole run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from neutrain.storage.confine import check_output
+
+logger = logging.getLogger("neutrain")
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
+_REPORTED: set[tuple[str, int]] = set()  # (file, line) of the damaged lines already warned about
 
 
 class MetricsFileCallback(TrainerCallback):
@@ -25,10 +31,12 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
-        path = Path(args.output_dir) / METRICS_FILE
+        path = check_output(Path(args.output_dir) / METRICS_FILE, args.output_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        with open(path, "a+b") as fh:
+            # A line torn by a full disk has no newline: this record must not be glued to it.
+            torn = fh.tell() > 0 and fh.seek(-1, os.SEEK_END) >= 0 and fh.read(1) != b"\n"
+            fh.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -42,7 +50,8 @@ class PlotCallback(TrainerCallback):
 
     def _plot(self, args, state):
         if state.is_world_process_zero:
-            plot_metrics(Path(args.output_dir) / METRICS_FILE, Path(args.output_dir) / PLOT_FILE)
+            out = args.output_dir
+            plot_metrics(check_output(Path(out) / METRICS_FILE, out), check_output(Path(out) / PLOT_FILE, out))
 
     def on_train_end(self, args, state, control, **kwargs):
         self._plot(args, state)
@@ -52,13 +61,31 @@ class PlotCallback(TrainerCallback):
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Records of a metrics file; for each step, the last record wins (a resumed run overwrites)."""
+    """Records of a metrics file; for each step, the last record wins (a resumed run overwrites).
+
+    A line that is not a record (torn by a full disk or a kill mid-write) is skipped with one
+    warning naming the file and the line: one lost log line must not stop a resume, the
+    summary or the export.
+
+    Example:
+        >>> read_metrics("outputs/run/metrics.jsonl")[-1]["loss"]  # doctest: +SKIP
+        2.31
+    """
     if not Path(path).exists():
         return []
     by_step: dict[tuple, dict] = {}
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if line.strip():
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                if (str(path), number) not in _REPORTED:  # the plot reads the file again after each evaluation
+                    _REPORTED.add((str(path), number))
+                    logger.warning("%s: line %d is not a complete metrics record (torn by a full disk or a kill): "
+                                   "skipped", path, number)
+                continue
             kind = "train" if "loss" in rec else ("eval" if "eval_loss" in rec else "other")
             by_step[(kind, rec["step"])] = rec
     return [by_step[k] for k in sorted(by_step, key=lambda k: (k[1], k[0]))]

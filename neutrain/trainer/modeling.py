@@ -44,8 +44,12 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
 
     saved = Path(output_dir) / "tokenizer"
     name = model_cfg["tokenizer"] or model_cfg["base_model"]
+    spec = _tokenizer_spec(model_cfg, data_cfg, name)
+    stale = False
     if name in ("byte", "train-bpe") and (saved / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(saved))
+        stale = _stale_tokenizer(saved, spec, output_dir)
+        if not stale:
+            return AutoTokenizer.from_pretrained(str(saved))
     if model_cfg["tokenizer"] is None and model_cfg.get("gguf_file"):
         tok = _gguf(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
     elif name == "byte":
@@ -63,11 +67,54 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
     if name in ("byte", "train-bpe"):
         tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
+        (tmp / TOKENIZER_SPEC).write_text(json.dumps(spec, default=str), encoding="utf-8")
+        if stale:  # built for another recipe, and no checkpoint uses it (else _stale_tokenizer refused)
+            shutil.rmtree(saved)
         if not saved.exists():
             os.replace(tmp, saved)
         else:  # another process saved it first
             shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+TOKENIZER_SPEC = "neutrain_tokenizer.json"  # beside a saved tokenizer: the recipe keys it was built from
+
+
+def _tokenizer_spec(model_cfg: dict[str, Any], data_cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """The recipe keys a saved byte / train-bpe tokenizer depends on (a trained vocabulary: on its data too)."""
+    spec = {"model.tokenizer": name, "data.chat_template": data_cfg.get("chat_template")}
+    if name == "train-bpe":
+        spec.update({"model.tokenizer_vocab_size": model_cfg["tokenizer_vocab_size"], "data.datasets": data_cfg["datasets"]})
+    return json.loads(json.dumps(spec, default=str))  # as read back from the file
+
+
+def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool:
+    """Whether the tokenizer saved in ``saved`` was built for other recipe keys than ``spec`` (then rebuilt).
+
+    Why (issue 28, failure 5): it used to be reused whatever the recipe asked, so the export
+    carried the old vocabulary while ``recipe.yaml`` said another. A stale tokenizer that
+    checkpoints in ``output_dir`` were trained with is refused instead: rebuilding it would
+    leave them without theirs. One saved before the spec file existed is reused, as it was.
+    """
+    from neutrain.storage.run_lock import previous_checkpoints
+
+    try:
+        old = json.loads((saved / TOKENIZER_SPEC).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError, ValueError):
+        old = {}
+    key = next((k for k in spec if not isinstance(old, dict) or old.get(k) != spec[k]), None)
+    if key is None:
+        return False
+    before = old.get(key) if isinstance(old, dict) else None
+    found = previous_checkpoints(output_dir)
+    if found:
+        raise RecipeError(f"{key}: {saved} was built with {key}={before!r} and checkpoints in {output_dir} "
+                          f"({found[-1]}) were trained with it; this recipe has {key}={spec[key]!r}. Resume with "
+                          f"the run's own {key}, or start a new run in another train.output_dir")
+    logger.warning("%s was built with %s=%r, this recipe has %r: rebuilt", saved, key, before, spec[key])
+    return True
 
 
 def _model_config(model_cfg: dict[str, Any], tokenizer):

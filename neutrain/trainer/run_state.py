@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.errors import CheckpointError
+from neutrain.storage.confine import check_run_outputs, check_tree
 from neutrain.storage.leftovers import clean_run_dir
+from neutrain.storage.run_lock import RunLock, check_new_run, clear_previous_run
 
 logger = logging.getLogger("neutrain")
 
@@ -53,15 +55,25 @@ class RunPlan:
 
 
 def prepare_run(train: dict[str, Any], state) -> RunPlan:
-    """Clear leftover temporaries in ``train['output_dir']`` (main process), then plan the resume (every process).
+    """Lock ``train['output_dir']`` and clear leftover temporaries (main process), then plan the resume (every process).
 
     ``state`` is Accelerate's ``PartialState``: the other processes wait until the main one
     has cleaned (a restored checkpoint must be seen by all), then each reads the same files.
+    An existing directory is locked here, before anything in it is touched
+    (:mod:`neutrain.storage.run_lock`; a new one once the preflight has created it), and a
+    new run into one that holds another run's checkpoints is refused unless
+    ``train.overwrite_output_dir`` clears them.
     """
     out = train["output_dir"]
     with state.main_process_first():
-        if state.is_main_process:
+        if state.is_main_process and os.path.isdir(out):
+            RunLock(out).acquire()
+            check_run_outputs(out)  # a symlink among its outputs must not lead the run's writes outside it
             clean_run_dir(out)
+            if not train["resume_from_checkpoint"]:
+                found = check_new_run(out, train["overwrite_output_dir"])
+                if found:
+                    clear_previous_run(out, found)
     return plan_resume(train)
 
 
@@ -78,6 +90,8 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
         if resume is None:
             logger.info("train.resume_from_checkpoint: no checkpoint-N in %s yet; starting from scratch", out)
             return RunPlan()
+    if os.path.isdir(resume):
+        check_tree(resume)  # its trainer_state.json is read next: a symlink must not lead outside the checkpoint
     saved = _trainer_state(Path(resume))
     if saved is None:  # not a directory, or no trainer_state.json: the Trainer reports it
         return RunPlan(checkpoint=str(resume))

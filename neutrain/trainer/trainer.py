@@ -50,6 +50,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
 from neutrain.trainer.progress import LabelledProgressCallback
+from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import fsync_dir, peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
@@ -61,6 +62,7 @@ from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
+from neutrain.storage.leftovers import mark_writer
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import UserInputError
 
@@ -130,6 +132,9 @@ class NeuTrainer(Trainer):
     # What differs per engine (neutrain.distributed.modes), chosen from the launch in __init__; the Trainer's own
     # path until then (Trainer.__init__ runs first).
     distributed_mode: DistributedMode = Ordinary()
+    # What each checkpoint records of the recipe and model (neutrain.trainer.resume_check.run_record); set by
+    # the run that builds the trainer, None (nothing recorded) for a NeuTrainer used on its own.
+    run_record: dict[str, Any] | None = None
 
     def __init__(self, *args, memory: Mapping[str, Any] | None = None, train: Mapping[str, Any] | None = None,
                  resume_reset_optimizer: bool = False, **kwargs):
@@ -363,8 +368,10 @@ class NeuTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         name = f"checkpoint-{self.state.global_step}"
         tmp_run_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
-        if self.args.should_save and os.path.isdir(tmp_run_dir):
-            shutil.rmtree(tmp_run_dir)  # leftovers of a run killed while saving
+        if self.args.should_save:
+            if os.path.isdir(tmp_run_dir):
+                shutil.rmtree(tmp_run_dir)  # leftovers of a run killed while saving
+            mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
         with checkpoint_dir_redirected(self, tmp_run_dir):
@@ -372,6 +379,8 @@ class NeuTrainer(Trainer):
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
         if self.args.should_save:
+            if self.run_record is not None:  # what a resume compares against its recipe (neutrain.trainer.resume_check)
+                write_run_record(os.path.join(tmp_run_dir, name), self.run_record)
             write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
             final = os.path.join(run_dir, name)
             if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place

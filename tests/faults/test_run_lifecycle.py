@@ -190,8 +190,8 @@ def test_leftover_temporaries_are_removed_at_the_next_start_and_nothing_else(tmp
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
     kept.pop("checkpoint-2/model.safetensors")  # replaced by this run's own step-2 save
-    with caplog.at_level(logging.WARNING, logger="neutrain"):
-        assert neutrain(["train", str(recipe)]) == 0
+    with caplog.at_level(logging.WARNING, logger="neutrain"):  # checkpoint-2 is another run's: overwritten on request
+        assert neutrain(["train", str(recipe), "train.overwrite_output_dir=true"]) == 0
     for name in leftovers:
         assert not (out / name).exists(), name
         assert f"removed {out / name} (temporary left by an interrupted or failed write)" in caplog.text

@@ -1,0 +1,165 @@
+"""What a checkpoint was trained with, recorded beside its weights and compared with the recipe that resumes it.
+
+Why: a dense checkpoint resumed with ``memory.weights: neuzip-lossless`` logged "resuming at
+step 8" and exited 0 while its trained weights were silently dropped (their names do not
+match a compressed model's, and transformers only warned of missing keys); a different
+hidden size, layer count or optimizer gave a traceback; a different tokenizer or dataset
+was accepted without a word (issue 28, failure 1).
+
+Every checkpoint gets :data:`RUN_RECORD` (inside the checkpoint, so the manifest checksums
+it like the rest): the recipe keys whose change makes a resume wrong, and the model's
+shape and tokenizer as built. :func:`check_resume` compares it with the run being built
+and refuses the first difference in one line, naming the key and both values.
+
+Weights are not converted between formats: a checkpoint's optimizer state belongs to the
+parameters of its own format, so an exact conversion is a new run. The message says how
+(resume with the checkpoint's own ``memory.weights``, or start a new run from its export).
+Checkpoints written before the record existed are compared on what they do hold: the
+weight format (``neutrain_weights.json``) and the model shape (``config.json``).
+
+Example:
+    >>> record = run_record(recipe, model, tokenizer)                  # doctest: +SKIP
+    >>> check_resume("outputs/run/checkpoint-8", record)               # doctest: +SKIP
+    >>> trainer.run_record = record  # written into every checkpoint   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from neutrain.errors import CheckpointError, UserInputError
+from neutrain.nn.checkpoint import MARKER as WEIGHTS_MARKER  # a compressed checkpoint's weight format
+
+RUN_RECORD = "neutrain_run.json"
+RECORD_FORMAT = "neutrain-run-1"
+# The model config entries that fix the shapes of the weights and of the optimizer state.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+class ResumeMismatchError(UserInputError):
+    """The checkpoint to resume was trained with something the recipe now changes."""
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """``"<n> tokens, sha256 <12 hex>"`` of the vocabulary (token -> id), the same for the same tokenizer."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+    return f"{len(vocab)} tokens, sha256 {digest[:12]}"
+
+
+def run_record(recipe, model, tokenizer) -> dict[str, Any]:
+    """The recipe keys and built shapes a checkpoint of this run must agree with, by recipe key."""
+    config = getattr(model, "config", None)
+    record: dict[str, Any] = {
+        "memory.weights": recipe.memory["weights"],
+        "memory.adapter": recipe.memory["adapter"],
+        "train.optimizer": recipe.train["optimizer"],
+        "model.tokenizer": tokenizer_fingerprint(tokenizer),
+        "data.datasets": recipe.data["datasets"],
+    }
+    for key in SHAPE_KEYS:
+        if config is not None and getattr(config, key, None) is not None:
+            record[f"model.config.{key}"] = getattr(config, key)
+    return record
+
+
+def write_run_record(checkpoint_dir: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Write ``record`` into the checkpoint being saved (before its manifest, which then covers it)."""
+    path = Path(checkpoint_dir) / RUN_RECORD
+    path.write_text(json.dumps({"format": RECORD_FORMAT, "record": record}, indent=1, default=str), encoding="utf-8")
+
+
+def saved_record(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """What ``checkpoint_dir`` says it was trained with: its record, else what an older checkpoint holds."""
+    directory = Path(checkpoint_dir)
+    path = directory / RUN_RECORD
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            record = saved["record"] if saved.get("format") == RECORD_FORMAT else None
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
+            record = None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"checkpoint file '{path}' is not a neutrain run record (corrupt or replaced)")
+        return record
+    record = {}
+    marker = directory / WEIGHTS_MARKER
+    if marker.is_file():
+        try:
+            record["memory.weights"] = json.loads(marker.read_text(encoding="utf-8"))["weights"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            pass  # the manifest and the loader report a damaged marker
+    elif (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file():
+        record["memory.weights"] = "dense"
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        config = {}
+    if isinstance(config, dict):
+        record.update({f"model.config.{k}": config[k] for k in SHAPE_KEYS if config.get(k) is not None})
+    return record
+
+
+def _show(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _advice(key: str, old: Any) -> str:
+    if key == "memory.weights":
+        return (f"resume with memory.weights={old} (a checkpoint's weights and optimizer state are not converted "
+                f"between formats), or export it and start a new run from the export")
+    if key == "train.optimizer":
+        return f"resume with train.optimizer={old}, or set train.resume_reset_optimizer=true to start its state afresh"
+    return f"resume with the checkpoint's {key}, or start a new run in another train.output_dir"
+
+
+def check_resume(checkpoint_dir: str | os.PathLike, current: dict[str, Any], reset_optimizer: bool = False) -> None:
+    """Refuse (one line, naming the key and both values) a resume whose recipe differs from the checkpoint's.
+
+    Args:
+        checkpoint_dir: the checkpoint to resume.
+        current: :func:`run_record` of the run being built.
+        reset_optimizer: ``train.resume_reset_optimizer``: the optimizer may then change.
+
+    Raises:
+        ResumeMismatchError: the first key that differs.
+    """
+    saved = saved_record(checkpoint_dir)
+    for key, old in saved.items():
+        if key not in current or (key == "train.optimizer" and reset_optimizer):
+            continue
+        new = json.loads(json.dumps(current[key], default=str))  # as the record reads back
+        where = _difference(key, old, new)
+        if where is not None:
+            path, was, now = where
+            raise ResumeMismatchError(
+                f"cannot resume {checkpoint_dir}: it was trained with {path}={_show(was)}, this recipe has "
+                f"{path}={_show(now)}; {_advice(key, old)}")
+
+
+def _difference(path: str, old: Any, new: Any) -> tuple[str, Any, Any] | None:
+    """The first place where ``old`` and ``new`` differ, as ``(key path, old, new)``; None when equal.
+
+    Example:
+        >>> _difference("data.datasets", [{"path": "a", "max_files": 6}], [{"path": "a", "max_files": 5}])
+        ('data.datasets[0].max_files', 6, 5)
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _difference(f"{path}.{key}", old.get(key), new.get(key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new)):
+            found = _difference(f"{path}[{i}]", a, b)
+            if found is not None:
+                return found
+        return None
+    return None if old == new else (path, old, new)
