@@ -22,7 +22,7 @@ from neutrain.errors import RecipeError
 logger = logging.getLogger("neutrain")
 
 
-def enforce_budget(budget: int, device) -> float:
+def enforce_budget(budget: int, device: int) -> float:
     """Cap this process's CUDA caching allocator at ``budget`` bytes on ``device``; returns the fraction set.
 
     ``torch.cuda.set_per_process_memory_fraction`` limits what the allocator reserves, so an
@@ -60,7 +60,10 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
 
     TRACKER.reset()
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
-    device = state.device if gpu and state.device.type == "cuda" else None
+    device = None
+    if gpu and state.device.type == "cuda":
+        # An index: set_per_process_memory_fraction refuses a torch.device("cuda") without one.
+        device = state.device.index if state.device.index is not None else torch.cuda.current_device()
     card = torch.cuda.get_device_properties(device).total_memory if device is not None else None
     budget = resolve_budget(recipe.memory.device_budget_gib, card)
     TRACKER.budget_gib = None if budget is None else budget / 2**30

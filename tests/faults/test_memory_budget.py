@@ -109,3 +109,30 @@ def test_estimate_prints_the_phases_the_budget_and_the_choice(capsys):
     rc = neutrain(["estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=2"])
     captured = capsys.readouterr()
     assert rc == 2 and "nothing fits a budget of 2.00 GiB" in _one_error_line(captured.err)
+
+
+@pytest.mark.parametrize("card_gb, offloaded", [(16, False), (12, True)])
+def test_on_a_gpu_the_fit_is_applied_and_the_budget_is_the_allocators_limit(monkeypatch, card_gb, offloaded):
+    # A fake card: what fit_memory reads from torch.cuda, and the limit it sets.
+    from types import SimpleNamespace
+
+    from neutrain.cli.memory import fit_memory
+    from neutrain.config import load_recipe
+    from neutrain.trainer.fit import auto_budget
+
+    total, limits, said = card_gb * 10**9, [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: limits.append((f, device)))
+    state = SimpleNamespace(device=torch.device("cuda"), is_main_process=True)
+    recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml"), state, said.append)  # budget: auto
+    assert limits == [(auto_budget(total) / total, 0)]  # a device index, as torch requires
+    assert isinstance(limits[0][0], float)
+    assert recipe.memory.offload_weights is offloaded and recipe.memory.offload_activations is offloaded
+    assert said == [fit.line] and fit.line.startswith(
+        "memory: offloading weights and activations" if offloaded else "memory: fits the")
+    # memory.device_budget_gib: none: no limit, the recipe as it is.
+    limits.clear()
+    recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml", ["memory.device_budget_gib=none"]), state, said.append)
+    assert limits == [] and fit.changes == {} and recipe.memory.offload_weights is False
