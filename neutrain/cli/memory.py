@@ -96,8 +96,9 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
     On CUDA the summary's ``peak_memory_gib``/``peak_reserved_gib`` become the highest phase's: the run's peak.
 
     Each record: ``{"step", "phase", "runs", "peak_allocated_gib", "peak_reserved_gib", "device_used_gib",
-    "predicted_allocated_gib", "predicted_reserved_gib", "predicted_device_gib"}`` (measured figures only
-    on CUDA, predicted ones where the planner could read the model config).
+    "predicted_allocated_gib", "predicted_reserved_gib", "predicted_device_gib", "reserved_relative_error"}``
+    (measured figures only on CUDA, predicted ones where the planner could read the model config, the
+    error predicted / measured - 1 where both are there).
     """
     from neutrain.trainer.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
 
@@ -110,6 +111,9 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
             continue
         entry = rec.as_dict()
         entry.update({f"predicted_{k}": v for k, v in TRACKER.predicted.get(name, {}).items()})
+        if entry.get("peak_reserved_gib") and "predicted_reserved_gib" in entry:
+            # Issue 27's planner_phase_max_relative_error is the largest of these over the phases.
+            entry["reserved_relative_error"] = entry["predicted_reserved_gib"] / entry["peak_reserved_gib"] - 1
         phases[name] = entry
     summary["phase_memory"] = phases
     measured = [TRACKER.records[name] for name in phases if TRACKER.records[name].measured]

@@ -203,15 +203,19 @@ def out_of_memory_line(exc: BaseException, budget_gib: float | None = None,
         return None
     budget_gib = TRACKER.budget_gib if budget_gib is None else budget_gib
     predicted = TRACKER.predicted if predicted is None else predicted
-    name = getattr(exc, "neutrain_phase", None) or TRACKER.current or "unknown"
+    name = getattr(exc, "neutrain_phase", None) or TRACKER.current
+    tried = re.search(r"[Tt]ried to allocate [\d.]+ ?[KMGT]?i?B", str(exc))
+    what = tried.group(0) if tried else "an allocation failed"
+    if name is None:  # outside a run's phases (another command): no budget or plan to name
+        return f"out of memory on the device ({what})"
     rec = TRACKER.records.get(name)
     budget = f"memory.device_budget_gib={budget_gib:g}" if budget_gib else "no memory.device_budget_gib"
-    tried = re.search(r"[Tt]ried to allocate [\d.]+ ?[KMGT]?i?B", str(exc))
     peak = f"peak {rec.peak_allocated / GIB:.2f} GiB allocated, {rec.peak_reserved / GIB:.2f} GiB reserved" \
         if rec is not None and rec.peak_reserved else "peak not measured"
-    line = f"out of memory in phase '{name}' under {budget} ({tried.group(0) if tried else 'an allocation failed'}; {peak})"
+    line = f"out of memory in phase '{name}' under {budget} ({what}; {peak})"
     pred = (predicted or {}).get(name)
     if pred:
         line += f"; the planner predicted {pred['reserved_gib']:.2f} GiB reserved for it"
-    return line + ("; raise memory.device_budget_gib, or set it to auto to let the run offload"
-                   if budget_gib else "; set memory.device_budget_gib to let the run offload")
+    # Setting a key by hand takes it out of the automatic fit's hands: the user's choice then stands.
+    return line + ("; set memory.offload_activations or memory.offload_weights, or lower train.micro_batch_size"
+                   if budget_gib else "; set memory.device_budget_gib (auto) to let the run choose what fits")

@@ -113,3 +113,34 @@ def test_phase_names_are_fixed():
     with pytest.raises(ValueError, match="unknown phase 'saving'"):
         with PhaseTracker(cuda=False).phase("saving"):
             pass
+
+
+def test_an_out_of_memory_error_outside_any_phase_says_only_what_failed(monkeypatch):
+    monkeypatch.setattr(phases, "TRACKER", PhaseTracker(cuda=False))
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity")
+    assert out_of_memory_line(exc) == "out of memory on the device (Tried to allocate 20.00 MiB)"
+
+
+def test_the_report_puts_each_measured_peak_beside_its_prediction(fake, monkeypatch, tmp_path):
+    import json
+
+    from neutrain.cli.memory import phase_lines, phase_report
+
+    tracker = PhaseTracker(cuda=True)
+    monkeypatch.setattr(phases, "TRACKER", tracker)
+    for name, size in (("build", 300), ("save", 200)):
+        with tracker.phase(name):
+            fake.alloc(size * MIB)
+            fake.free(size * MIB)
+    tracker.predicted = {"build": {"allocated_gib": 0.25, "reserved_gib": 0.33, "device_gib": 1.0}}
+    summary = {}
+    phase_report(summary, None, str(tmp_path), step=7)
+    build, save = summary["phase_memory"]["build"], summary["phase_memory"]["save"]
+    assert build["peak_reserved_gib"] == 300 / 1024
+    assert build["reserved_relative_error"] == pytest.approx(0.33 / (300 / 1024) - 1)
+    assert "reserved_relative_error" not in save  # nothing predicted for it
+    assert summary["peak_memory_gib"] == 300 / 1024  # the run's peak: the highest phase's
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["phase"]) for r in records] == [(7, "build"), (7, "save")]
+    table = phase_lines(summary)
+    assert table[1].split() == ["build", "0.29", "0.29", "0.78", "0.33"] and table[2].split()[-1] == "-"

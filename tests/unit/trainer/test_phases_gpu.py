@@ -86,3 +86,23 @@ def test_a_cuda_run_keeps_every_phase_inside_its_budget(tmp_path, capsys, cuda_b
     assert rc == 0, out.err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["phase_memory"]["resume"]["peak_reserved_gib"] <= 2.0
+
+
+def test_phase_report_puts_the_measured_peak_beside_the_prediction(tmp_path, monkeypatch):
+    from neutrain.cli.memory import phase_report
+    from neutrain.trainer import phases
+
+    tracker = PhaseTracker(cuda=True)
+    monkeypatch.setattr(phases, "TRACKER", tracker)
+    with tracker.phase("save"):
+        x = torch.empty(128 * MIB, dtype=torch.uint8, device="cuda")
+        del x
+    measured = tracker.records["save"].peak_reserved / 2**30
+    tracker.predicted = {"save": {"allocated_gib": 0.1, "reserved_gib": 2 * measured, "device_gib": 1.0}}
+    summary = {}
+    phase_report(summary, None, str(tmp_path), step=3)
+    entry = summary["phase_memory"]["save"]
+    assert entry["reserved_relative_error"] == pytest.approx(1.0)
+    assert summary["peak_reserved_gib"] == pytest.approx(measured)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["phase"] == "save" and record["step"] == 3 and record["predicted_reserved_gib"] == 2 * measured
