@@ -1,4 +1,9 @@
-"""``neutrain estimate``: predict a recipe's peak GPU memory from its model config, loading no weights."""
+"""``neutrain estimate``: predict a recipe's peak GPU memory from its model config, loading no weights.
+
+It prints the training step's terms, then each phase's predicted peak (build, training step,
+evaluation, sample, save, resume, export: :mod:`neutrain.trainer.phase_planner`), then the device
+budget and the configuration the run would choose for it (:mod:`neutrain.trainer.fit`).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,27 @@ from neutrain.config import load_recipe
 def configure(sub) -> None:
     """Add the ``estimate`` command to the ``neutrain`` parser's subcommands."""
     p = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
-                       description="Predict peak GPU memory from the model config and the recipe (no weights are loaded).")
+                       description="Predict peak GPU memory, phase by phase, from the model config and the recipe (no "
+                                   "weights are loaded), and the configuration the run picks for memory.device_budget_gib.")
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
 
 
+def _card_total(recipe) -> int | None:
+    """This machine's GPU memory in bytes (what ``memory.device_budget_gib: auto`` resolves against), or None."""
+    import torch  # lazy: `neutrain --help` stays instant
+
+    if recipe.train.use_cpu or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def run(args) -> int:
-    """Print the planner's predicted peak memory, term by term, for a recipe."""
-    from neutrain.trainer.planner import estimate_recipe  # lazy: `neutrain --help` stays instant
+    """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
+    from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.fit import choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
 
     recipe = load_recipe(args.recipe, args.overrides)
     est = estimate_recipe(recipe)
@@ -23,4 +41,20 @@ def run(args) -> int:
     print(f"{recipe.source}: {st['params'] / 1e9:.2f}B parameters, batch {st['batch']} x {st['seq']} tokens, "
           f"weights {st['weights']}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
     print(est.table())
+    print("\npredicted peak by phase (GiB)")
+    print(plan_table(plan_recipe(recipe, est)))
+    setting = recipe.memory.device_budget_gib
+    card = _card_total(recipe)
+    budget = resolve_budget(setting, card)
+    if budget is None:
+        why = "none" if setting == "none" else "auto, and this machine has no GPU to resolve it against"
+        print(f"\nbudget: {why} (memory.device_budget_gib); no configuration is chosen")
+        return 0
+    print(f"\nbudget: {budget / GIB:.2f} GiB (memory.device_budget_gib: {setting}"
+          + (f", a {card / GIB:.2f} GiB card" if setting == "auto" else "") + ")")
+    fit = choose_fit(recipe, budget, host_memory_available(), gpu=True)  # nothing fits: one line, exit 2
+    print(fit.line)
+    if fit.changes:
+        print("chosen configuration: " + ", ".join(f"{k}={v}" for k, v in fit.changes.items() if k))
+        print(plan_table(fit.plan))
     return 0

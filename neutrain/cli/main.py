@@ -12,7 +12,8 @@
 Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
 file or value and exits with code 2; a failure of the environment (full disk,
 read-only file system, unusable output_dir) prints one line naming the path and
-exits with code 1. NEUTRAIN_DEBUG=1 shows the traceback instead.
+exits with code 1; so does a device allocation over ``memory.device_budget_gib``, naming the phase of the run
+it happened in (:func:`neutrain.trainer.phases.out_of_memory_line`). NEUTRAIN_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         # A full disk or read-only file system reaches here as OSError, or wrapped by safetensors / torch.save.
         if os.environ.get("NEUTRAIN_DEBUG") == "1":
             raise
+        if "torch" in sys.modules:  # a device out of memory: the phase it happened in, the budget, the plan
+            from neutrain.trainer.phases import out_of_memory_line  # lazy: imports torch, loaded already here
+
+            line = out_of_memory_line(exc)
+            if line is not None:
+                print(f"neutrain: error: {line}", file=sys.stderr)
+                return EXIT_ENVIRONMENT
         line = describe_environment_error(exc, getattr(args, "writes_to", None) or getattr(args, "output", None))
         if line is not None:
             print(f"neutrain: error: {line}", file=sys.stderr)

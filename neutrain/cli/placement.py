@@ -2,7 +2,7 @@
 
 A user who fine-tuned an 8B on a 12 GB card generates on that card too. Before anything is read, the
 model's bytes (from its safetensors files) are weighed against the device budget (``--device-budget-gib``,
-default: the card's memory less the CUDA context and a margin), and the first form that fits is taken:
+default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA context and a margin), and the first form that fits is taken:
 
 1. ``dense``: the weights as stored, on the GPU (fastest decode);
 2. ``neuzip``: NeuZip lossless on the GPU, compressed one tensor at a time while reading (bit-exact);
@@ -25,9 +25,17 @@ import json
 import logging
 from pathlib import Path
 
+from neutrain.errors import UserInputError
+from neutrain.export import load_checkpoint_model
+from neutrain.export.hf import MARKER, _load_tokenizer
+from neutrain.cli.memory import enforce_budget
+from neutrain.storage.manifest import safetensors_header, verify_checkpoint
+from neutrain.trainer.fit import resolve_budget
+from neutrain.trainer.modeling import build_model
+from neutrain.trainer.planner import NEUZIP_BITS
+
 GIB = 2**30
 MARGIN_BYTES = 0.5 * GIB  # decode scratch of small tensors, the static KV cache of a short generation, logits
-CONTEXT_BYTES = 0.75 * GIB  # CUDA context and library workspaces (neutrain.trainer.planner.CUDA_CONTEXT_BYTES)
 logger = logging.getLogger("neutrain")
 
 
@@ -45,7 +53,6 @@ def choose_form(dense: float, compressed: float, scratch: float, budget: float) 
 
 def _weight_bytes(path: Path) -> tuple[int, int]:
     """(total bytes, largest tensor's bytes) of the safetensors files in ``path``, from their headers alone."""
-    from neutrain.storage.manifest import safetensors_header
 
     total = largest = 0
     for file in sorted(path.glob("*.safetensors")):
@@ -58,15 +65,13 @@ def _weight_bytes(path: Path) -> tuple[int, int]:
     return total, largest
 
 
-def device_budget(requested: float | None) -> float:
-    """Bytes the generation may take on the current CUDA device: ``requested`` GiB, or the card less
-    the CUDA context and a margin."""
+def device_budget(requested: float | None) -> int:
+    """Bytes the generation may take on the current CUDA device: ``requested`` GiB (at most the card), or
+    ``memory.device_budget_gib: auto``'s budget (the card less the CUDA context and a margin)."""
     import torch
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if requested is not None:
-        return min(requested * GIB, total)
-    return total - CONTEXT_BYTES - MARGIN_BYTES
+    return min(resolve_budget("auto" if requested is None else requested, total), total)
 
 
 def place_model(path: Path, device: str = "auto", budget_gib: float | None = None):
@@ -76,19 +81,15 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
     """
     import torch
 
-    from neutrain.export import load_checkpoint_model
-    from neutrain.export.hf import MARKER, _load_tokenizer
-
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
-        from neutrain.errors import UserInputError
 
         raise UserInputError("--device cuda: no CUDA GPU is visible")
     if not use_cuda:
         model, tokenizer = load_checkpoint_model(path)
         return model, tokenizer, None  # as it always was: nothing to say
     budget = device_budget(budget_gib)
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    enforce_budget(budget, torch.cuda.current_device())
     dense, largest = _weight_bytes(path)
     if (path / MARKER).exists():  # a NeuZip checkpoint or export: its blobs are the compressed form already
         model, tokenizer = load_checkpoint_model(path)
@@ -96,13 +97,11 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
             return model.to("cuda"), tokenizer, _note("neuzip", dense, dense, budget)
         return model, tokenizer, (f"generate: on the CPU: the compressed weights ({dense / GIB:.2f} GiB) do not fit the "
                                   f"device budget ({budget / GIB:.2f} GiB); an export with --format hf streams them")
-    compressed = dense / 16 * _bits_per_weight()
+    compressed = dense / 16 * NEUZIP_BITS
     form = choose_form(dense, compressed, 2 * largest, budget)
     if form == "dense":
         model, tokenizer = load_checkpoint_model(path)
         return model.to("cuda"), tokenizer, _note(form, dense, compressed, budget)
-    from neutrain.storage.manifest import verify_checkpoint
-    from neutrain.trainer.modeling import build_model
 
     verify_checkpoint(path)  # checksums, and no file that would run code when loaded
     config = json.loads((path / "config.json").read_text())
@@ -112,12 +111,6 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
     tokenizer = _load_tokenizer(path)
     model = build_model(cfg, tokenizer, weights="neuzip-lossless", offload_weights=form == "neuzip+offload")
     return model.eval(), tokenizer, _note(form, dense, compressed, budget)
-
-
-def _bits_per_weight() -> float:
-    from neutrain.trainer.planner import NEUZIP_BITS
-
-    return NEUZIP_BITS
 
 
 def _dtype_name(config: dict) -> str:

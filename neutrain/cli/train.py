@@ -25,6 +25,7 @@ from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
 from neutrain.cli.distill import distill_from_recipe
+from neutrain.cli.memory import fit_memory, phase_lines, phase_report
 from neutrain.cli.preflight import check_long_context_prompts, preflight
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
@@ -215,6 +216,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
 
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_files import peak_memory_stats  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
@@ -227,10 +229,14 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         end_processes()
         return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
                 "world_size": PartialState().num_processes}
-    ctx = build_trainer(recipe, resume=plan.checkpoint)
+    # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
+    recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
+    with phase("build"):
+        ctx = build_trainer(recipe, resume=plan.checkpoint)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
-    result = trainer.train(resume_from_checkpoint=plan.checkpoint)
+    with phase("train_step"):  # saves, resumes and evaluations inside are measured as their own phases
+        result = trainer.train(resume_from_checkpoint=plan.checkpoint)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": trainer.distributed_mode.name,
@@ -259,7 +265,8 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
     elif recipe.eval["long_context_tasks"] and state.is_main_process:
         _phase(state, echo, "long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
-        summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
+        with phase("eval"):
+            summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     export_format = recipe.export["format"]
     if export_format != "none" and mode.export_note:  # the checkpoints hold the model
         logger.warning("export skipped under %s", mode.export_note)
@@ -267,7 +274,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     if export_format != "none":
         export_dir = recipe.export_dir
         _phase(state, echo, f"export: {recipe.export['format']}")
-        with mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
+        with phase("export"), mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
                 from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant
@@ -287,11 +294,13 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
     if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
         _phase(state, echo, "sample")
-        summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"])
+        with phase("generate"):
+            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"])
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:
         from neutrain.storage.confine import check_output  # lazy: `neutrain --help` stays instant
 
+        phase_report(summary, fit, out, trainer.state.global_step)
         check_output(Path(out) / "summary.json", out).write_text(json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))
     end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
@@ -330,6 +339,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")
     elif "peak_rss_gib" in s:
         lines.append(f"peak memory     {s['peak_rss_gib']:.2f} GiB process RSS (CPU)")
+    if s.get("memory_fit"):
+        lines.append(f"memory fit      {s['memory_fit']['line'].removeprefix('memory: ')}")
+    lines.extend(phase_lines(s))
     if s.get("nonfinite_skipped_steps"):
         lines.append(f"non-finite      {s['nonfinite_skipped_steps']} optimizer steps had a non-finite loss or gradient (skipped)")
     if "tokens_per_second" in s:

@@ -129,6 +129,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "offload_weights": Key(bool, False, "neuzip-lossless with a fused optimizer: keep the decoder layers' compressed weights in pinned host memory, streamed to the GPU a few layers ahead and written back after each update (trains models whose compressed weights exceed the GPU; host memory must hold them)."),
         "stochastic_rounding": Key(bool, True, "Fused updates: round fp32 updates to bf16 stochastically so small steps survive."),
         "clip_mode": Key(str, "per_tensor", "Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm), global_exact (two-pass backward, 2x backward cost).", choices=("per_tensor", "global_stale", "global_exact")),
+        "device_budget_gib": Key((float, str, bool), "auto", "Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5 GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks the fastest configuration that fits it and the host memory: fully on the GPU, then memory.offload_activations, then memory.offload_weights, then a smaller train.micro_batch_size with more accumulation; a key set in the recipe or on the command line is never changed. On CPU it is only recorded and planned against (`neutrain estimate` prints each phase's predicted peak).", gt=0.0, nullable=True),
         "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),
         "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
         "lora_r": Key(int, 16, "LoRA rank.", min=1),
@@ -205,6 +206,8 @@ class Recipe:
     export: ExportSection
     distill: DistillSection
     source: str | None = None
+    explicit: frozenset = frozenset()
+    """``section.key`` names the recipe file or the command line set (the automatic memory fit never changes them)."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The recipe as nested plain data (what gets saved beside checkpoints)."""

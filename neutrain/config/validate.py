@@ -201,8 +201,40 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
         section_raw = raw.get(section)
         values[section] = _validate_mapping(section, {} if section_raw is None else section_raw, keys, base_dir)
     values["data"]["datasets"] = _validate_datasets(values["data"]["datasets"], base_dir)
+    values["memory"]["device_budget_gib"] = device_budget_setting(values["memory"]["device_budget_gib"])
     _cross_checks(values)
-    return Recipe(**{section: SECTION_TYPES[section](**v) for section, v in values.items()}, source=source)
+    explicit = frozenset(f"{section}.{key}" for section, keys in raw.items() if isinstance(keys, dict) for key in keys)
+    return Recipe(**{section: SECTION_TYPES[section](**v) for section, v in values.items()}, source=source,
+                  explicit=explicit)
+
+
+_NO_BUDGET = ("none", "off")
+
+
+def device_budget_setting(value: Any) -> float | str:
+    """``memory.device_budget_gib`` as the run reads it: ``"auto"``, ``"none"`` or a number of GiB.
+
+    YAML reads a bare ``off`` as false and ``null`` as None: both mean no budget, as ``none`` does.
+
+    Example:
+        >>> device_budget_setting("Auto"), device_budget_setting(False), device_budget_setting("14.5")
+        ('auto', 'none', 14.5)
+    """
+    if value is None or value is False:
+        return "none"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", *_NO_BUDGET):
+            return "none" if text in _NO_BUDGET else "auto"
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number) and number > 0:
+            return number
+    elif isinstance(value, float) and not isinstance(value, bool):
+        return value  # the schema's range check has run
+    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {_short(value)}")
 
 
 def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path | None = None) -> Section:

@@ -31,14 +31,25 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float, str))}}
-        path = check_output(Path(args.output_dir) / METRICS_FILE, args.output_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+b") as fh:
-            # A line torn by a full disk has no newline: this record must not be glued to it.
-            torn = fh.tell() > 0 and fh.seek(-1, os.SEEK_END) >= 0 and fh.read(1) != b"\n"
-            fh.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_metrics(args.output_dir, [record])
+
+
+def append_metrics(output_dir: str | os.PathLike, records: list[dict]) -> None:
+    """Append ``records`` to ``<output_dir>/metrics.jsonl``, one line each, flushed to disk.
+
+    The file must stay inside the run directory (:func:`~neutrain.storage.confine.check_output`).
+
+    Example:
+        >>> append_metrics("outputs/run", [{"step": 3, "loss": 2.5}])  # doctest: +SKIP
+    """
+    path = check_output(Path(output_dir) / METRICS_FILE, output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        # A line torn by a full disk has no newline: these records must not be glued to it.
+        torn = fh.tell() > 0 and fh.seek(-1, os.SEEK_END) >= 0 and fh.read(1) != b"\n"
+        fh.write((("\n" if torn else "") + "".join(json.dumps(r) + "\n" for r in records)).encode())
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 class PlotCallback(TrainerCallback):
@@ -86,7 +97,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                     logger.warning("%s: line %d is not a complete metrics record (torn by a full disk or a kill): "
                                    "skipped", path, number)
                 continue
-            kind = "train" if "loss" in rec else ("eval" if "eval_loss" in rec else "other")
+            # Phase memory records (neutrain.cli.memory) share the step of the run's end: one per phase.
+            kind = "train" if "loss" in rec else ("eval" if "eval_loss" in rec else f"phase:{rec['phase']}" if "phase" in rec else "other")
             by_step[(kind, rec["step"])] = rec
     return [by_step[k] for k in sorted(by_step, key=lambda k: (k[1], k[0]))]
 

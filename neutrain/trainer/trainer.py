@@ -49,6 +49,7 @@ from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.trainer.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import fsync_dir, peak_memory_stats, training_args_as_json
@@ -313,7 +314,13 @@ class NeuTrainer(Trainer):
         return self.resume_reset_optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        return self.distributed_mode.load_model(self, resume_from_checkpoint, model, self._load_whole_weights)
+        with phase("resume"):
+            return self.distributed_mode.load_model(self, resume_from_checkpoint, model, self._load_whole_weights)
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, measured as the run's ``eval`` phase (:mod:`neutrain.trainer.phases`)."""
+        with phase("eval"):
+            return super().evaluate(*args, **kwargs)
 
     def _load_whole_weights(self, resume_from_checkpoint, model=None):
         """A checkpoint's whole weights: neutrain's compressed files, else the Trainer's own loading."""
@@ -374,7 +381,7 @@ class NeuTrainer(Trainer):
             mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
-        with checkpoint_dir_redirected(self, tmp_run_dir):
+        with checkpoint_dir_redirected(self, tmp_run_dir), phase("save"):
             super()._save_checkpoint(model, trial)
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()

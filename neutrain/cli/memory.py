@@ -1,0 +1,151 @@
+"""The run's device budget: the automatic fit before the build, the allocator's limit, the phase report after.
+
+``neutrain train`` calls :func:`fit_memory` once the process state exists and before anything is built:
+it resolves ``memory.device_budget_gib`` against this card, picks the configuration
+(:mod:`neutrain.trainer.fit`), prints the one line saying which and why, and on CUDA sets the
+allocator's hard limit to the budget. After the run, :func:`phase_report` puts each phase's measured
+peaks (:mod:`neutrain.trainer.phases`) beside the planner's prediction in ``metrics.jsonl`` and the
+summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from neutrain.cli.preflight import host_memory_available
+from neutrain.config.schema import Recipe
+from neutrain.errors import RecipeError
+
+logger = logging.getLogger("neutrain")
+
+
+def enforce_budget(budget: int, device: int) -> float:
+    """Cap this process's CUDA caching allocator at ``budget`` bytes on ``device``; returns the fraction set.
+
+    ``torch.cuda.set_per_process_memory_fraction`` limits what the allocator reserves, so an
+    allocation over the budget raises ``torch.OutOfMemoryError`` (named by phase at the top level)
+    instead of growing into memory the budget promised to leave free.
+    """
+    import torch  # lazy: `neutrain --help` stays instant
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget > total:
+        logger.warning("memory.device_budget_gib: %.2f GiB is more than this card's %.2f GiB; the card is the limit",
+                       budget / 2**30, total / 2**30)
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    logger.info("memory.device_budget_gib: the CUDA allocator may reserve %.2f GiB (%.4f of %.2f GiB)",
+                budget / 2**30, fraction, total / 2**30)
+    return fraction
+
+
+def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
+    """Resolve the budget, choose the configuration, enforce the budget; returns ``(recipe, fit or None)``.
+
+    ``fit`` is None where the planner cannot read the model config without building it (the build then
+    names what is wrong) and for sharded runs (FSDP, DeepSpeed: each process holds part of the model);
+    the budget is enforced all the same.
+
+    Raises:
+        RecipeError: nothing fits (one line naming the smallest budget and host memory that would; exit 2).
+    """
+    import torch  # lazy: `neutrain --help` stays instant
+
+    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.phases import TRACKER  # lazy: `neutrain --help` stays instant
+
+    TRACKER.reset()
+    gpu = not recipe.train.use_cpu and torch.cuda.is_available()
+    device = None
+    if gpu and state.device.type == "cuda":
+        # An index: set_per_process_memory_fraction refuses a torch.device("cuda") without one.
+        device = state.device.index if state.device.index is not None else torch.cuda.current_device()
+    card = torch.cuda.get_device_properties(device).total_memory if device is not None else None
+    budget = resolve_budget(recipe.memory.device_budget_gib, card)
+    TRACKER.budget_gib = None if budget is None else budget / 2**30
+    t = recipe.train
+    try:
+        if t.fsdp or t.deepspeed or t.distributed in ("fsdp2", "deepspeed"):
+            # The planner models one whole model per process; a sharded run holds a part of it. Choosing
+            # from whole-model figures would offload (or refuse) what fits: the budget is only enforced.
+            raise ValueError("a sharded run (FSDP or DeepSpeed) holds part of the model, which the planner does not model")
+        fit = choose_fit(recipe, budget, host_memory_available(), gpu=device is not None)
+    except RecipeError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("memory: no automatic fit (%s); the recipe's configuration is kept",
+                       " ".join(str(exc).split()))
+        fit = None
+    if fit is not None:
+        recipe = apply_changes(recipe, fit.changes)
+        TRACKER.predicted = predicted_gib(fit.plan)
+        if state.is_main_process:
+            echo(fit.line)
+    if device is not None and budget is not None:
+        enforce_budget(budget, device)
+    return recipe, fit
+
+
+def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
+    """Add ``phase_memory`` (and ``memory_fit``) to ``summary`` and one record per phase to ``metrics.jsonl``.
+
+    On CUDA the summary's ``peak_memory_gib``/``peak_reserved_gib`` become the highest phase's: the run's peak.
+
+    Each record: ``{"step", "phase", "runs", "peak_allocated_gib", "peak_reserved_gib", "device_used_gib",
+    "predicted_allocated_gib", "predicted_reserved_gib", "predicted_device_gib", "reserved_relative_error"}``
+    (measured figures only on CUDA, predicted ones where the planner could read the model config, the
+    error predicted / measured - 1 where both are there).
+    """
+    from neutrain.trainer.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
+
+    if fit is not None:
+        summary["memory_fit"] = fit.as_dict()
+    phases: dict[str, dict[str, Any]] = {}
+    for name in PHASES:
+        rec = TRACKER.records.get(name)
+        if rec is None:
+            continue
+        entry = rec.as_dict()
+        entry.update({f"predicted_{k}": v for k, v in TRACKER.predicted.get(name, {}).items()})
+        if entry.get("peak_reserved_gib") and "predicted_reserved_gib" in entry:
+            # Issue 27's planner_phase_max_relative_error is the largest of these over the phases.
+            entry["reserved_relative_error"] = entry["predicted_reserved_gib"] / entry["peak_reserved_gib"] - 1
+        phases[name] = entry
+    summary["phase_memory"] = phases
+    measured = [TRACKER.records[name] for name in phases if TRACKER.records[name].measured]
+    if measured:
+        # Each phase resets the allocator's peak statistics, so the run's peak is the highest phase's.
+        summary["peak_memory_gib"] = max(r.peak_allocated for r in measured) / 2**30
+        summary["peak_reserved_gib"] = max(r.peak_reserved for r in measured) / 2**30
+    if not phases:
+        return
+    from neutrain.trainer.callbacks import append_metrics  # lazy: `neutrain --help` stays instant
+
+    append_metrics(out, [{"step": step, **entry} for entry in phases.values()])
+
+
+def phase_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's short table: each phase's measured peaks beside the planner's prediction (GiB).
+
+    Example:
+        >>> for line in phase_lines({"phase_memory": {"save": {"phase": "save", "runs": 1, "peak_allocated_gib": 12.0,
+        ...         "peak_reserved_gib": 12.1, "device_used_gib": 12.9, "predicted_reserved_gib": 12.13}}}):
+        ...     print(line)
+        memory by phase  allocated  reserved  device  predicted reserved (GiB)
+          save               12.00     12.10   12.90  12.13
+    """
+    def cell(value: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+    rows = []
+    for name, e in (summary.get("phase_memory") or {}).items():
+        if e.get("peak_reserved_gib") is None and e.get("predicted_reserved_gib") is None:
+            continue
+        rows.append(f"  {name:<14}{cell(e.get('peak_allocated_gib'), 10)}{cell(e.get('peak_reserved_gib'), 10)}"
+                    f"{cell(e.get('device_used_gib'), 8)}  {cell(e.get('predicted_reserved_gib'), 0).strip()}")
+    if not rows:
+        return []
+    return ["memory by phase  allocated  reserved  device  predicted reserved (GiB)", *rows]
