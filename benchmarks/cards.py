@@ -60,8 +60,11 @@ def sh(cmd: list[str], log: Path, timeout: float) -> tuple[int, float, str]:
     return rc, round(time.perf_counter() - t0, 1), "\n".join(tail)
 
 
+SMOKE: list[str] = []  # --smoke: CPU settings appended to every launch (a flow check, no measurement)
+
+
 def launch(overrides: list[str]) -> list[str]:
-    return ["accelerate", "launch", RECIPE, *overrides]
+    return ["accelerate", "launch", *(["--cpu"] if SMOKE else []), RECIPE, *overrides, *SMOKE]
 
 
 def read_run(run: Path) -> dict:
@@ -97,8 +100,12 @@ def phase_table(*runs: dict) -> dict:
             for key, value in rec.items():
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     continue
-                side = "predicted" if key.startswith("predicted") else "measured"
-                name = key.removeprefix("predicted_")
+                if key.startswith("predicted_"):  # predicted_{allocated,reserved,device}_gib
+                    side, name = "predicted", key.removeprefix("predicted_")
+                elif key in ("peak_allocated_gib", "peak_reserved_gib", "device_used_gib"):
+                    side, name = "measured", key.removeprefix("peak_").replace("_used", "")
+                else:
+                    continue
                 entry[side][name] = max(value, entry[side].get(name, value))
     return table
 
@@ -130,12 +137,17 @@ def budget_run(budget: float, work: Path, out: Path, limit: float) -> dict:
         rec["commands"]["resume_export"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
         second = read_run(run)
         if rc == 0 and (run / "checkpoint-22").is_dir():
+            # A compressed tensor's `.name` entry is its label (which name of a tied pair it was saved
+            # under), not its bytes: compared apart.
             a, b = checkpoint_tensors(reference), checkpoint_tensors(run / "checkpoint-22")
+            rec["resume_labels_differing"] = sorted(k for k in a if k.endswith(".name") and a[k] != b.get(k))
+            a = {k: v for k, v in a.items() if not k.endswith(".name")}
+            b = {k: v for k, v in b.items() if not k.endswith(".name")}
             rec["resume_bit_identical"] = a == b and len(a) > 0
             rec["resume_tensors_compared"] = len(a)
             rec["resume_tensors_differing"] = sorted(k for k in a if a[k] != b.get(k))[:10]
         gen = ["neutrain", "generate", str(export), "--prompt", "def ", "--raw", "--max-new-tokens", "16",
-               "--device-budget-gib", str(budget)]
+               "--device-budget-gib", str(budget), *(["--device", "cpu"] if SMOKE else [])]
         rc, secs, tail = sh(gen, out / f"cards_{tag}_generate.log", limit)
         rec["commands"]["generate"] = {"rc": rc, "s": secs, "tail": tail}
         peak = [line for line in tail.splitlines() if line.startswith("generate: peak GPU memory")]
@@ -183,9 +195,9 @@ def targets_of(budgets: list[dict], timing: dict) -> tuple[dict, dict]:
     ratios, errors = [], []
     for b in budgets:
         phases = b.get("phases", {})
-        step = phases.get("train_step", {}).get("measured", {}).get("peak_reserved_gib")
+        step = phases.get("train_step", {}).get("measured", {}).get("reserved_gib")
         for name, entry in phases.items():
-            meas, pred = entry["measured"].get("peak_reserved_gib"), entry["predicted"].get("peak_reserved_gib")
+            meas, pred = entry["measured"].get("reserved_gib"), entry["predicted"].get("reserved_gib")
             if step and meas is not None:
                 ratios.append((meas / step, b["budget_gib"], name))
             if meas and pred is not None:
@@ -225,6 +237,7 @@ def pcie4_projection(timing: dict) -> dict | None:
 
 
 def main() -> int:
+    global RECIPE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all")
     ap.add_argument("--budgets", default="22,14.5,11,7")
@@ -232,7 +245,14 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/neutrain-cards")
     ap.add_argument("--limit", type=float, default=420, help="seconds one command may run")
     ap.add_argument("--merge", nargs="+", type=Path)
+    ap.add_argument("--recipe", default=RECIPE)
+    ap.add_argument("--smoke", action="store_true", help="CPU flow check with a tiny model (recipes/default.yaml)")
     args = ap.parse_args()
+    RECIPE = args.recipe
+    if args.smoke:
+        RECIPE = "recipes/default.yaml" if args.recipe == ap.get_default("recipe") else args.recipe
+        SMOKE.extend(["train.use_cpu=true", "data.sequence_len=64", "train.micro_batch_size=2", "train.logging_steps=1",
+                      "eval.perplexity=false", "distill.enabled=false", "eval.sample_tokens=4"])
     out = Path(os.environ.get("OUT", "/tmp/neutrain-cards-out"))
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -254,7 +274,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     import torch
 
-    record = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "budgets": [], "timing": {}}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke)"
+    record = {"part": args.part, "gpu": gpu, "budgets": [], "timing": {}}
     dest = out / f"cards_{args.part}.json"
     for budget in [float(b) for b in args.budgets.split(",") if b]:  # the gate first, then the targets' timing
         rec = budget_run(budget, work, out, args.limit)
