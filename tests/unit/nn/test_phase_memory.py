@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from neutrain.nn.load import init_compressed
+import neutrain.nn.load as load
 from neutrain.compress.checksum import checksum
 from neutrain.nn.checkpoint import WEIGHTS_FILE, load_compressed_state, save_compressed_checkpoint
 from neutrain.nn.convert import decompressed_state_dict
@@ -23,7 +23,34 @@ CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
 
 
 def _build(seed=0, weights="neuzip-lossless"):
-    return init_compressed(CONFIG, weights, "cpu", progress=False, codec_options=CODEC, seed=seed)[0]
+    return load.init_compressed(CONFIG, weights, "cpu", progress=False, codec_options=CODEC, seed=seed)[0]
+
+
+def test_random_init_draws_no_fp32_copy_of_a_matrix(monkeypatch):
+    # Dense weights isolate the initialisation (the codec's own scratch is another matter). It once drew
+    # each matrix whole in fp32 and kept that copy beside the bf16 one: two extra matrices at its peak.
+    monkeypatch.setattr(load, "_INIT_BLOCK_ELEMENTS", 512 * 64 // 8, raising=False)
+    model, peak = host_peak(lambda: None, lambda _: _build(weights="dense"))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = largest_matrix_bytes(model)
+    assert peak - model_bytes <= largest // 2, (peak - model_bytes) / largest
+
+
+def test_blocked_random_init_is_bit_identical_to_one_fp32_draw():
+    shapes = [(512, 64), (100, 17), (333, 48), (7, 100, 24), (65, 16), (5, 3), (3, 0)]
+    for block in (64, 1000, 1 << 22):
+        for shape in shapes:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                load._INIT_BLOCK_ELEMENTS, saved = block, load._INIT_BLOCK_ELEMENTS
+                try:
+                    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+                    expected = torch.empty(shape).normal_(0.0, 0.02, generator=g1).to(dtype)
+                    got = load.random_normal(shape, 0.02, dtype, "cpu", g2)
+                finally:
+                    load._INIT_BLOCK_ELEMENTS = saved
+                assert torch.equal(got, expected), (block, shape, dtype)
+                # the generator is left where one draw leaves it: the next matrix is the same too
+                assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2)), (block, shape, dtype)
 
 
 def test_saving_a_checkpoint_copies_no_blob(tmp_path):
