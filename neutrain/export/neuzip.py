@@ -44,6 +44,7 @@ from neutrain.compress.layout import LOSSY_MANTISSA_BITS
 from neutrain.errors import UserInputError
 from neutrain.export.target import EXPORT_INFO, check_export_target, staged_export
 from neutrain.nn.convert import default_targets
+from neutrain.nn.weight_offload_model import write_safetensors as write_one_file
 from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
 
 MARKER_SUFFIX = ".weight"
@@ -152,16 +153,14 @@ def write_safetensors(state: dict[str, torch.Tensor], directory: Path, max_shard
     """
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-    from neutrain.nn.weight_offload_model import write_safetensors as write_file
-
     shards = _shards(state, parse_size(max_shard_size))
     if len(shards) == 1:
-        write_file(shards[0], directory / SAFE_WEIGHTS_NAME, {"format": "pt"})
+        write_one_file(shards[0], directory / SAFE_WEIGHTS_NAME, {"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        write_file(shard, directory / fname, {"format": "pt"})
+        write_one_file(shard, directory / fname, {"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
