@@ -133,7 +133,7 @@ def init_compressed(
 
 
 _INIT_BLOCK_ELEMENTS = 1 << 22
-"""Rows of a host matrix drawn at once: 16 MiB of fp32 scratch, whatever the matrix's size."""
+"""Elements (in whole rows) of a host matrix drawn at once: 16 MiB of fp32 scratch, whatever the matrix's size."""
 
 
 def random_normal(shape, std: float, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
