@@ -327,9 +327,13 @@ class CompressedTensor:
                                             self.shape, (self.steps, self.lanes, self.elems))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors (contiguous, safetensors-ready) with a checksum; see :mod:`neutrain.compress.format`."""
-        blobs = {key: value.detach().contiguous().clone() for key, value in self._blobs().items()}
-        return fmt.seal(blobs, self.name)
+        """Plain tensors (contiguous, safetensors-ready) with a checksum; see :mod:`neutrain.compress.format`.
+
+        Like ``nn.Module.state_dict``, the blobs are views of this tensor's own storage, not copies:
+        a clone of every blob was a second copy of the model on the GPU each time a checkpoint was
+        saved (issue 27). Writers copy one blob at a time to the host; clone to keep a snapshot.
+        """
+        return fmt.seal({key: value.detach().contiguous() for key, value in self._blobs().items()}, self.name)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], name: str | None = None, device=None):
@@ -350,7 +354,8 @@ class CompressedTensor:
         ct.lane_words.copy_(blobs["lane_words"])
         ct.tile_base.copy_(blobs["tile_base"])
         ct._tails_view().copy_(blobs["tails"])
-        ct.stream = blobs["stream"].to(device=device, dtype=torch.int32).clone()
+        # One copy (``.to(...).clone()`` made two of the stream on the device when it came from the host).
+        ct.stream = blobs["stream"].to(device=device, dtype=torch.int32, copy=True)
         ct._words = ct.stream.numel()
         ct._coded_bits_at_build = ct._coded_seen = coded_bits
         return ct

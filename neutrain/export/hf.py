@@ -88,7 +88,8 @@ def densify(model):
         return model
     from transformers import AutoModelForCausalLM
 
-    state = {k: v.detach().cpu() for k, v in decompressed_state_dict(model).items()}
+    # Each weight goes to the host as soon as it is decoded: the device never holds the dense model.
+    state = decompressed_state_dict(model, device="cpu")
     dtype = next(v.dtype for k, v in state.items() if k.endswith(".weight") and v.is_floating_point())
     with torch.device("meta"):
         dense = AutoModelForCausalLM.from_config(model.config, dtype=dtype)

@@ -44,6 +44,7 @@ from neutrain.compress.layout import LOSSY_MANTISSA_BITS
 from neutrain.errors import UserInputError
 from neutrain.export.target import EXPORT_INFO, check_export_target, staged_export
 from neutrain.nn.convert import default_targets
+from neutrain.nn.weight_offload_model import write_safetensors as write_one_file
 from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
 
 MARKER_SUFFIX = ".weight"
@@ -87,12 +88,16 @@ def compressed_state(model: torch.nn.Module, mantissa_bits: int | None, codec_op
         compressed = getattr(module, "compressed", None)
         if name in targets or compressed is not None:
             ct = compressed.saved_ct() if compressed is not None else None  # offloaded: the host copy
-            if ct is None or mantissa_bits is not None or not ct.layout.lossless:
+            # The model's own blobs stay views, copied to the host one by one as the file is written; a
+            # re-encoded tensor goes to the host at once, so the device holds one of them at a time.
+            move = "cpu" if ct is None or mantissa_bits is not None or not ct.layout.lossless else None
+            if move:
                 dense = compressed.dense() if compressed is not None else module.weight.detach()
                 ct = compress(dense, mantissa_bits, name=prefix + "weight", **(codec_options or {}))
                 del dense
             for key, blob in ct.state_dict().items():
-                state[f"{prefix}weight.{key}"] = blob.cpu()
+                state[f"{prefix}weight.{key}"] = blob.to(move) if move else blob
+            del ct
             state[prefix + "weight"] = torch.zeros(1, dtype=torch.uint8)  # the marker
             if getattr(module, "bias", None) is not None:
                 state[prefix + "bias"] = module.bias.detach().cpu().contiguous()
@@ -142,18 +147,20 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
 
 
 def write_safetensors(state: dict[str, torch.Tensor], directory: Path, max_shard_size: str) -> None:
-    """``model.safetensors``, or numbered shards plus ``model.safetensors.index.json`` (transformers' names)."""
-    from safetensors.torch import save_file
+    """``model.safetensors``, or numbered shards plus ``model.safetensors.index.json`` (transformers' names).
+
+    Each file is written tensor by tensor (``save_file`` would first build the whole shard's bytes).
+    """
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
     shards = _shards(state, parse_size(max_shard_size))
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        write_one_file(shards[0], directory / SAFE_WEIGHTS_NAME, {"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        write_one_file(shard, directory / fname, {"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -29,10 +29,14 @@ def is_compressed(model: torch.nn.Module) -> bool:
 
 
 def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.PathLike, weights: str) -> None:
-    """Write the model's compressed state dict, config and marker into ``output_dir``."""
-    from safetensors.torch import save_file
+    """Write the model's compressed state dict, config and marker into ``output_dir``.
 
-    from neutrain.nn.weight_offload_model import weight_store, write_safetensors
+    Tensor by tensor (issue 27): ``model.state_dict()`` holds views of the model's own blobs (the
+    codec's checksums are hashed where the blobs lie, with scratch of 1/64 of a blob), and the file is
+    written one tensor at a time, each copied to the host just before it is written. So saving takes
+    no second copy of the model, on the device or on the host.
+    """
+    from neutrain.nn.weight_offload_model import write_safetensors
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,12 +51,9 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
             continue
         if key is not None:
             seen[key] = name
-        unique[name] = tensor.detach().contiguous().cpu()
-    metadata = {"aliases": json.dumps(aliases), "format": "neuzip-blobs"}
-    if weight_store(model) is not None:  # memory.offload_weights: the layers are views of host memory
-        write_safetensors(unique, out / WEIGHTS_FILE, metadata)  # tensor by tensor, no copy of the model
-    else:
-        save_file(unique, str(out / WEIGHTS_FILE), metadata=metadata)
+        unique[name] = tensor.detach()
+    del state
+    write_safetensors(unique, out / WEIGHTS_FILE, {"aliases": json.dumps(aliases), "format": "neuzip-blobs"})
     model.config.save_pretrained(str(out))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out))
@@ -63,6 +64,9 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     """Load a checkpoint written by :func:`save_compressed_checkpoint` into a compressed ``model``.
 
     Every blob's checksum is verified; a corrupted file raises an error naming the tensor.
+    One compressed weight at a time (issue 27): its blobs are read into host memory, checked there and
+    copied into the weight's device, so the device never holds a second copy of the model; the dense
+    rest (norms, biases, buffers) is copied in from the host by ``load_state_dict``.
     """
     from safetensors import safe_open
 
@@ -71,19 +75,16 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     path = Path(checkpoint_dir) / WEIGHTS_FILE
     if not path.exists():
         raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no {WEIGHTS_FILE}")
-    from neutrain.nn.weight_offload_model import load_offloaded_blobs, weight_store
-
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
-        # memory.offload_weights: the layers go one by one into host memory, never all read at once.
-        offloaded = load_offloaded_blobs(model, fh, path) if weight_store(model) is not None else set()
-        state = {k: fh.get_tensor(k) for k in fh.keys() if k.rpartition(".weight.")[0] + ".weight" not in offloaded}
+        loaded = _load_compressed_weights(model, fh, path, aliases)
+        state = {k: fh.get_tensor(k) for k in fh.keys() if k.rpartition(".weight.")[0] + ".weight" not in loaded}
     for alias, source in aliases.items():
-        state[alias] = state[source]
+        if alias.rpartition(".weight.")[0] + ".weight" not in loaded:
+            state[alias] = state[source]
     try:
-        result = model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=not offloaded)
-        left = [k for k in result.missing_keys if k not in offloaded] + list(result.unexpected_keys)
+        result = model.load_state_dict(state, strict=False)
+        left = [k for k in result.missing_keys if k not in loaded] + list(result.unexpected_keys)
         if left:
             raise RuntimeError("\n" + "\n".join(f"{'missing' if k in result.missing_keys else 'unexpected'} key: {k}"
                                                  for k in left))
@@ -93,3 +94,35 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
         raise CheckpointError(f"checkpoint file '{path}': {lines[0]}{more}") from None
     del result
+
+
+def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases: dict[str, str]) -> set[str]:
+    """Load every compressed module's weight from an open safetensors ``handle``, one weight at a time.
+
+    A weight whose blobs are missing is left to ``load_state_dict``, which names it. Offloaded weights
+    (``memory.offload_weights``) go into their host store (``replace_`` -> ``WeightOffload.adopt``).
+    Returns the names loaded (``<module>.weight``).
+    """
+    from neutrain.compress import CompressedTensor
+    from neutrain.errors import CheckpointError
+
+    keys = set(handle.keys()) | set(aliases)
+    done: set[str] = set()
+    placed: set[int] = set()  # a tied lm_head shares the embedding's weight: loaded once
+    for name, module in model.named_modules():
+        weight = getattr(module, "compressed", None)
+        prefix = f"{name}.weight."
+        names = [k for k in keys if k.startswith(prefix)]
+        if weight is None or not names:
+            continue
+        done.add(prefix[:-1])
+        if id(weight) in placed:
+            continue
+        placed.add(id(weight))
+        blobs = {k[len(prefix):]: handle.get_tensor(aliases.get(k, k)) for k in names}
+        try:
+            weight.replace_(CompressedTensor.from_state_dict(blobs, name=prefix[:-1], device=weight.device))
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint file '{path}': {prefix[:-1]}: {exc}") from None
+        del blobs
+    return done

@@ -218,12 +218,15 @@ def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight, na
     raise TypeError(f"cannot compress a {type(dense_module).__name__}")
 
 
-def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def decompressed_state_dict(model: torch.nn.Module, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict with every compressed weight decoded under its dense name.
 
     Values are exactly the bytes the model computes with (lossless weights are
     bit-identical to the trained bf16 weights; bf16 storage under fp32 compute gives
     them upcast to fp32, as the modules use them). Decodes one weight at a time.
+    ``device="cpu"`` moves each decoded weight to the host before the next is decoded,
+    so the model's device holds one dense matrix at a time, never the dense model
+    (dense export, issue 27); by default the values stay where the model is.
 
     Example:
         >>> lin = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False).bfloat16())
@@ -233,21 +236,25 @@ def decompressed_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         True
     """
     out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, value: torch.Tensor) -> None:
+        out[key] = value if device is None else value.to(device)
+
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, (CompressedLinear, CompressedEmbedding)):
-            out[prefix + "weight"] = module.compressed.dense().to(module.compressed.compute_dtype)
+            put(prefix + "weight", module.compressed.dense().to(module.compressed.compute_dtype))
             if getattr(module, "bias", None) is not None:
-                out[prefix + "bias"] = module.bias.detach()
+                put(prefix + "bias", module.bias.detach())
             continue
         for pname, weight in module.__dict__.get("compressed_params", {}).items():  # MoE expert stacks
-            out[prefix + pname] = weight.dense().to(weight.compute_dtype)
+            put(prefix + pname, weight.dense().to(weight.compute_dtype))
         for pname, p in module.named_parameters(recurse=False):
             if not getattr(p, COMPRESSED_KEY_ATTR, False):
-                out[prefix + pname] = p.detach()
+                put(prefix + pname, p.detach())
         for bname, b in module.named_buffers(recurse=False):
             if bname not in module._non_persistent_buffers_set:
-                out[prefix + bname] = b.detach()
+                put(prefix + bname, b.detach())
     return out
 
 

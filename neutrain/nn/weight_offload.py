@@ -58,7 +58,6 @@ import weakref
 import torch
 
 from neutrain.compat.autograd import in_backward
-from neutrain.compress import format as fmt
 from neutrain.compress import stream as kstream
 from neutrain.nn import offload_debug
 
@@ -410,8 +409,7 @@ class WeightOffload:
         for name in PAYLOAD:
             setattr(host, name, weight._host[name])
         host._scratch = None
-        # Views of the host store, not clones: saving a 70B must not copy its 88 GiB of layers.
-        host.state_dict = lambda: fmt.seal(dict(host._blobs()), host.name)
+        # Its state_dict() holds views of the host store, not clones: saving a 70B must not copy its 88 GiB.
         return host
 
     def adopt(self, weight) -> None:

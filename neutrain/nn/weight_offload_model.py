@@ -97,35 +97,6 @@ def weight_store(model: torch.nn.Module) -> WeightOffload | None:
     return getattr(model, "_neutrain_weight_offload", None)
 
 
-def load_offloaded_blobs(model: torch.nn.Module, handle, path) -> set[str]:
-    """Load the offloaded weights' blobs from an open safetensors ``handle``, one weight at a time.
-
-    Each weight's blobs are read, checked (checksum), put on the device and handed to its store
-    (``replace_`` -> :meth:`WeightOffload.adopt`), so a resumed 70B never holds a second copy of its
-    layers in host memory nor the model on the device. Returns the names loaded (``<module>.weight``);
-    :func:`neutrain.nn.checkpoint.load_compressed_state` loads the rest.
-    """
-    from neutrain.compress import CompressedTensor
-    from neutrain.errors import CheckpointError
-
-    keys = set(handle.keys())
-    done: set[str] = set()
-    for name, module in model.named_modules():
-        weight = getattr(module, "compressed", None)
-        if weight is None or weight.home is None:
-            continue
-        prefix = f"{name}.weight."
-        blobs = {k[len(prefix):]: handle.get_tensor(k) for k in keys if k.startswith(prefix)}
-        if not blobs:
-            raise CheckpointError(f"checkpoint file '{path}': missing {prefix[:-1]}")
-        try:
-            weight.replace_(CompressedTensor.from_state_dict(blobs, name=prefix[:-1], device=weight.device))
-        except (ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint file '{path}': {prefix[:-1]}: {exc}") from None
-        done.add(prefix[:-1])
-    return done
-
-
 _SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
                        torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
                        torch.float64: "F64"}

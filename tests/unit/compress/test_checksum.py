@@ -20,10 +20,10 @@ def test_checksum_is_exact_at_the_largest_row_sums():
 
 
 def test_checksum_scratch_is_bounded_by_a_chunk(monkeypatch):
-    """The fp32 scratch per product is one chunk's rows, never the tensor's size (issue 27's OOM)."""
+    """The sums see one chunk at a time, never the tensor whole (issue 27's OOM)."""
     seen = []
-    real = ck._sums
-    monkeypatch.setattr(ck, "_sums", lambda chunk, coeffs: seen.append(chunk.numel()) or real(chunk, coeffs))
+    real = ck._sums_numpy
+    monkeypatch.setattr(ck, "_sums_numpy", lambda chunk: seen.append(chunk.size) or real(chunk))
     monkeypatch.setattr(ck, "_CHUNK", 4096)
     data = torch.randint(0, 256, (3 * 4096 + 100,), dtype=torch.uint8)
     assert torch.equal(checksum([data]), checksum_reference([data]))
