@@ -26,7 +26,7 @@ from pathlib import Path
 from neutrain.cli import distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
-from neutrain.errors import UserInputError, one_line
+from neutrain.errors import StoppedBySignal, UserInputError, one_line
 
 EXIT_USER_ERROR = 2
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except StoppedBySignal as exc:  # SIGTERM/SIGINT: the checkpoint is saved (neutrain.trainer.signals)
+        print(f"neutrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("neutrain: interrupted", file=sys.stderr)
         return 130
