@@ -57,6 +57,17 @@ def _argv_with_default_command(argv: list[str]) -> list[str]:
     return argv
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> int | None:
+    """``NEUTRAIN_LOG_LEVEL`` as a ``logging`` level (a name in any case, or a number), else None."""
+    name = value.strip().upper()
+    if name in _LOG_LEVELS:
+        return getattr(logging, name)
+    return int(name) if name.isdigit() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
@@ -70,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    logging.basicConfig(level=os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    level = _log_level(os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"))
+    if level is None:
+        print(f"neutrain: error: NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
+              f"of {', '.join(_LOG_LEVELS)} (or a number)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return COMMANDS[args.command].run(args)
     except UserInputError as exc:
@@ -88,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         # A full disk or read-only file system reaches here as OSError, or wrapped by safetensors / torch.save.
         if os.environ.get("NEUTRAIN_DEBUG") == "1":
             raise
+        from neutrain.data.chat import describe_template_error  # lazy: `neutrain --help` stays instant
+
+        line = describe_template_error(exc)  # a chat template met while rendering (generate, eval)
+        if line is not None:
+            where = getattr(args, "model", None)
+            print(f"neutrain: error: {f'{where}: ' if where else ''}{line}", file=sys.stderr)
+            return EXIT_USER_ERROR
         line = describe_environment_error(exc, getattr(args, "writes_to", None) or getattr(args, "output", None))
         if line is not None:
             print(f"neutrain: error: {line}", file=sys.stderr)
