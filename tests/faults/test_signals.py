@@ -20,7 +20,6 @@ import pytest
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import verify_checkpoint
 from neutrain.trainer.callbacks import read_metrics
-from neutrain.trainer.signals import StopOnSignal
 from tests.faults.test_run_lifecycle import QUIET, _subprocess_env
 from tests.helpers import write_recipe
 
@@ -101,6 +100,8 @@ def test_a_second_sigint_stops_at_once_without_saving(tmp_path, monkeypatch, cap
 
 
 def test_the_step_boundary_is_awaited_for_a_bounded_time_only():
+    from neutrain.trainer.signals import StopOnSignal
+
     expired = []
     stopper = StopOnSignal(grace_s=0.2, on_expire=lambda message, signum: expired.append((message, signum)))
     with stopper.installed():
