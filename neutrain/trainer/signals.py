@@ -86,6 +86,7 @@ class StopOnSignal(TrainerCallback):
         self.signum: int | None = None
         self.stopped_at: int | None = None  # the step whose checkpoint was asked for
         self._timer: threading.Timer | None = None
+        self._group = None  # the process group the per-step flag travels on (on_train_begin)
 
     @property
     def signal_name(self) -> str | None:
@@ -127,18 +128,24 @@ class StopOnSignal(TrainerCallback):
         if self._timer is not None:
             self._timer.cancel()
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # The flag goes over gloo, on the host: over NCCL, reading it back would wait for the GPU every step.
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        return control
+
     def _any_process_signalled(self, args) -> bool:
-        """Whether this process or any other of the launch got a signal (one tiny all-reduce a step)."""
+        """Whether this process or any other of the launch got a signal (one tiny host all-reduce a step)."""
         flag = self.signum is not None
-        if args.world_size <= 1:
+        if self._group is None:
             return flag
         import torch
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=args.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         if t.item() > 0 and self.signum is None:
             self.signum = signal.SIGTERM  # another process was signalled: stop with it, at the same step
         return t.item() > 0

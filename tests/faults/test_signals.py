@@ -121,3 +121,46 @@ def test_the_step_boundary_is_awaited_for_a_bounded_time_only():
                                       TrainerControl())
         time.sleep(0.4)
     assert control.should_save and control.should_training_stop and reached.stopped_at == 7
+
+
+def _child_with_rank(parent: int, rank: int) -> int | None:
+    """The pid of ``parent``'s child process launched with ``LOCAL_RANK=rank`` (torchrun's workers), if any yet."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and f"LOCAL_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds torchrun's workers through /proc")
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+    recipe = write_recipe(tmp_path, train={**LONG, "optimizer": "adalomo", "learning_rate": 1e-2, "micro_batch_size": 2},
+                          **QUIET)
+    env = {**_subprocess_env(), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29623", "-m", "neutrain", "train", str(recipe)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        rank1 = _child_with_rank(proc.pid, 1)
+        assert rank1 is not None, "torchrun's rank 1 not found"
+        os.kill(rank1, signal.SIGTERM)  # as a scheduler signalling one node would
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # a hang (the processes disagreeing on the step): end torchrun and its workers
+            os.killpg(proc.pid, signal.SIGKILL)
+    stops = sorted(line for line in stderr.splitlines() if "neutrain: error: stopped by SIGTERM at step " in line)
+    assert len(stops) == 2, stderr[-3000:]
+    steps = {int(line.split("at step ")[1].split(":")[0]) for line in stops}
+    assert len(steps) == 1, stops  # both processes saved and stopped at the same step boundary
+    step = steps.pop()
+    verify_checkpoint(tmp_path / "out" / f"checkpoint-{step}")
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [f"checkpoint-{step}"]
