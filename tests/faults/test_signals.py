@@ -137,11 +137,19 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds torchrun's workers through /proc")
-def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
-    recipe = write_recipe(tmp_path, train={**LONG, "optimizer": "adalomo", "learning_rate": 1e-2, "micro_batch_size": 2},
-                          **QUIET)
+@pytest.mark.parametrize("use_cpu", [True, pytest.param(False, id="nccl", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs (NCCL, the flag over gloo)")])])
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_with_one_checkpoint(tmp_path, use_cpu):
+    train = {**LONG, "optimizer": "adalomo", "learning_rate": 1e-2, "micro_batch_size": 2, "use_cpu": use_cpu}
+    recipe = write_recipe(tmp_path, train=train, **QUIET)
     env = {**_subprocess_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              "29623", "-m", "neutrain", "train", str(recipe)], env=env,
