@@ -25,6 +25,18 @@ class CheckpointError(UserInputError):
     """A checkpoint is missing, incomplete or corrupted."""
 
 
+class StoppedBySignal(Exception):
+    """Training stopped at a step boundary after SIGTERM/SIGINT (:mod:`neutrain.trainer.signals`).
+
+    Not bad input: the CLI prints the message (which names the saved checkpoint) as one line and
+    exits with ``exit_code``, 128 + the signal number, as a process killed by that signal would.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
 def one_line(exc: BaseException) -> str:
     r"""``str(exc)`` on one line: library messages often span several, and the CLI prints one.
 

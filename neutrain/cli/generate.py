@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -32,9 +33,30 @@ def configure(sub) -> None:
                    "and a margin); enforced as the allocator's limit")
 
 
+def check_arguments(args) -> None:
+    """Refuse out-of-range numbers before a model is loaded (they used to fail deep in decoding, with a traceback).
+
+    Example:
+        >>> import argparse
+        >>> check_arguments(argparse.Namespace(max_new_tokens=-1, temperature=0.0, num_drafts=2, draft_len=4))
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer >= 1
+    """
+    for flag, value, rule in (("--max-new-tokens", args.max_new_tokens, "an integer >= 1"),
+                              ("--num-drafts", args.num_drafts, "an integer >= 1"),
+                              ("--draft-len", args.draft_len, "an integer >= 1")):
+        if value < 1:
+            raise UserInputError(f"{flag}: {value} is out of range; expected {rule}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserInputError(f"--temperature: {args.temperature:g} is out of range; expected a finite number >= 0 "
+                             "(0 = greedy)")
+
+
 def run(args) -> int:
     """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
     import torch  # lazy: `neutrain --help` stays instant
+
+    check_arguments(args)
 
     from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
     from neutrain.data.chat import prompt_ids  # lazy: same reason

@@ -27,7 +27,7 @@ from pathlib import Path
 from neutrain.cli import distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
-from neutrain.errors import UserInputError, one_line
+from neutrain.errors import StoppedBySignal, UserInputError, one_line
 
 EXIT_USER_ERROR = 2
 
@@ -58,6 +58,17 @@ def _argv_with_default_command(argv: list[str]) -> list[str]:
     return argv
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> int | None:
+    """``NEUTRAIN_LOG_LEVEL`` as a ``logging`` level (a name in any case, or a number), else None."""
+    name = value.strip().upper()
+    if name in _LOG_LEVELS:
+        return getattr(logging, name)
+    return int(name) if name.isdigit() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
@@ -71,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    logging.basicConfig(level=os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    level = _log_level(os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"))
+    if level is None:
+        print(f"neutrain: error: NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
+              f"of {', '.join(_LOG_LEVELS)} (or a number)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return COMMANDS[args.command].run(args)
     except UserInputError as exc:
@@ -79,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except StoppedBySignal as exc:  # SIGTERM/SIGINT: the checkpoint is saved (neutrain.trainer.signals)
+        print(f"neutrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("neutrain: interrupted", file=sys.stderr)
         return 130
@@ -93,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             if line is not None:
                 print(f"neutrain: error: {line}", file=sys.stderr)
                 return EXIT_ENVIRONMENT
+        from neutrain.data.chat import describe_template_error  # lazy: `neutrain --help` stays instant
+
+        line = describe_template_error(exc)  # a chat template met while rendering (generate, eval)
+        if line is not None:
+            where = getattr(args, "model", None)
+            print(f"neutrain: error: {f'{where}: ' if where else ''}{line}", file=sys.stderr)
+            return EXIT_USER_ERROR
         line = describe_environment_error(exc, getattr(args, "writes_to", None) or getattr(args, "output", None))
         if line is not None:
             print(f"neutrain: error: {line}", file=sys.stderr)

@@ -178,6 +178,71 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
                       "model, data.sequence_len or train.micro_batch_size")
 
 
+MAX_LAYERS = 4096
+"""Decoder layers a model may have: the deepest published decoders have under 200, and building a
+million tiny ones took longer than any test of patience (it hung)."""
+
+
+def device_memory_total() -> int | None:
+    """Bytes of memory of the GPU this process trains on, or None without CUDA."""
+    import torch  # lazy: `neutrain --help` stays instant
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int | None) -> None:
+    """Refuse a model whose weights alone cannot fit the memory they are built in, before anything is built.
+
+    Why: ``model.config`` with ``hidden_size`` or ``vocab_size`` of 1e9 failed in the allocator with a
+    traceback, and ``num_hidden_layers: 1000000`` hung while building. The parameter count comes from the
+    planner's :class:`~neutrain.trainer.planner.ModelShape` in closed form (the planner's per-layer terms
+    would take seconds for such a depth), times the bytes a weight takes as built (dtype, or NeuZip's bits).
+    Only a certain failure is refused: the weights alone, without gradients, optimizer or activations.
+
+    Args:
+        recipe: A validated recipe.
+        host_bytes: Host memory available (the weights of a CPU run, or offloaded ones, live there); None: unknown.
+        device_bytes: Memory of the GPU a GPU run trains on; None: a CPU run or unknown.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> r = load_recipe("default", ["model.dtype=float32"])
+        >>> check_model_size(r, host_bytes=64 << 30, device_bytes=None)
+        >>> try:
+        ...     check_model_size(r, host_bytes=1 << 20, device_bytes=None)
+        ... except RecipeError as e:
+        ...     print(str(e)[:40])
+        model.config: the weights alone need abo
+    """
+    from neutrain.trainer.planner import GIB, NEUZIP_BITS, ModelShape  # lazy: torch-free checks stay fast
+    from neutrain.trainer.modeling import config_only  # lazy: same reason
+
+    try:
+        shape = ModelShape.from_config(config_only(recipe.model))
+    except (OSError, ImportError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return  # the config cannot be read without building: the build names what is wrong
+    if shape.layers > MAX_LAYERS:
+        raise RecipeError(f"model.config.num_hidden_layers: {shape.layers:,} layers is beyond neutrain's bound of "
+                          f"{MAX_LAYERS:,} (the deepest published decoders have under 200)")
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * q * h + 2 * kv * h + 3 * shape.intermediate * h + 2 * h  # attention, MLP, two norms
+    params = shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h
+    mem = recipe.memory
+    on_cpu = recipe.train["use_cpu"] or device_bytes is None
+    bits = NEUZIP_BITS if mem["weights"] != "dense" else (32 if recipe.model["dtype"] == "float32" or
+                                                         (recipe.model["dtype"] == "auto" and on_cpu) else 16)
+    need = params * bits / 8
+    where, have = ("host", host_bytes) if on_cpu or mem["offload_weights"] else ("GPU", device_bytes)
+    if have is None or need <= have:
+        return
+    raise RecipeError(f"model.config: the weights alone need about {need / GIB:,.1f} GiB ({params:,} parameters: "
+                      f"hidden_size {shape.hidden:,}, num_hidden_layers {shape.layers:,}, vocab_size {shape.vocab:,}), "
+                      f"but this machine has {have / GIB:,.1f} GiB of {where} memory {'available' if where == 'host' else ''}"
+                      .rstrip() + "; use a smaller model.config")
+
+
 def _nearest_existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
@@ -219,5 +284,6 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         check_export_target(recipe.export_dir, overwrite=True,
                             key="export.output_dir", keep=(("train.output_dir", out),))
     check_host_memory(recipe, host_memory_available())
+    check_model_size(recipe, host_memory_available(), None if recipe.train["use_cpu"] else device_memory_total())
     # Last: it creates train.output_dir, which must not happen for a run refused above.
     check_writable_dir(out, "train.output_dir")

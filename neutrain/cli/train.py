@@ -29,6 +29,7 @@ from neutrain.cli.memory import fit_memory, phase_lines, phase_report
 from neutrain.cli.preflight import check_long_context_prompts, preflight
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
+from neutrain.errors import StoppedBySignal
 
 logger = logging.getLogger("neutrain")
 
@@ -235,8 +236,15 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         ctx = build_trainer(recipe, resume=plan.checkpoint)
     trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
-    with phase("train_step"):  # saves, resumes and evaluations inside are measured as their own phases
+    from neutrain.trainer.signals import StopOnSignal  # lazy: `neutrain --help` stays instant
+
+    stopper = StopOnSignal()  # SIGTERM/SIGINT: save at the next step boundary, then stop (neutrain.trainer.signals)
+    trainer.add_callback(stopper)
+    with stopper.installed(), phase("train_step"):  # saves, resumes and evaluations inside are their own phases
         result = trainer.train(resume_from_checkpoint=plan.checkpoint)
+    if stopper.signum is not None:
+        end_processes(trainer.fused_optimizer)
+        raise StoppedBySignal(stopper.stop_message(out), stopper.signum)
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": trainer.distributed_mode.name,

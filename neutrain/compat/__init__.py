@@ -12,6 +12,7 @@ adapter has a test in ``tests/unit/compat/`` that fails first when a release mov
 * :mod:`neutrain.compat.autograd`: "is a backward running?" (private torch API);
 * :mod:`neutrain.compat.peft_lora`: peft's custom LoRA layer registry (private);
 * :mod:`neutrain.compat.accelerate_prepare`: Accelerate's model preparation without DDP;
+* :mod:`neutrain.compat.file_modes`: safetensors 0.8's ``0o600`` files given the umask's mode;
 * :mod:`neutrain.compat.static_cache`: ``StaticCache``'s device-side length and CUDA-graph RNG
   (the decode engine).
 """

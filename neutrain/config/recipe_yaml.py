@@ -62,8 +62,13 @@ def parse_recipe_text(data: bytes, name: str) -> Any:
         line = data[: exc.start].count(b"\n") + 1
         raise RecipeError(f"{name}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, offset {exc.start}); "
                           "save the recipe as UTF-8") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{name}: {len(data):,} bytes, more than a recipe's bound of {MAX_RECIPE_BYTES >> 20} MiB "
+                          "(recipes are a few KiB; data goes in data files)")
     try:
-        return yaml.load(text, Loader=StrictSafeLoader)  # noqa: S506 (a SafeLoader subclass)
+        return _load_bounded(text, name)
+    except RecursionError:
+        raise RecipeError(f"{name}: nests too deep to read (YAML nesting beyond Python's recursion limit)") from None
     except _DuplicateKey as exc:
         raise RecipeError(f"{name}: key '{exc.key}' appears twice (lines {exc.first_line} and {exc.second_line}); "
                           "YAML would silently keep the second, remove one") from None
@@ -71,3 +76,57 @@ def parse_recipe_text(data: bytes, name: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError(f"{name}:{at} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+
+
+MAX_RECIPE_BYTES = 1 << 20
+MAX_RECIPE_VALUES = 100_000
+"""A recipe holds a few hundred values; aliases (``*name``) may repeat parts of it, but not explode it."""
+
+
+def _load_bounded(text: str, name: str) -> Any:
+    """Parse with :class:`StrictSafeLoader`, refusing a document whose aliases expand past :data:`MAX_RECIPE_VALUES`.
+
+    Why: PyYAML builds an alias bomb (``a: &a [x, x]``, ``b: &b [*a, *a]``, ... nine levels) cheaply, as shared
+    references, but every later walk of the recipe (validation, ``recipe.yaml`` in the run directory) expands
+    it: a "billion laughs" recipe hung in the first save.
+    """
+    loader = StrictSafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_values(node, name) > MAX_RECIPE_VALUES:
+            raise RecipeError(f"{name}: its YAML aliases expand to more than {MAX_RECIPE_VALUES:,} values (an alias "
+                              "bomb?); a recipe holds a few hundred")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_values(root: yaml.Node, name: str) -> int:
+    """How many nodes ``root`` has with every alias expanded (counted once per shared node, without expanding)."""
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in size:
+            continue
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        if not children_done:
+            if id(node) in open_nodes:
+                raise RecipeError(f"{name}: a YAML alias refers to a node that contains it (a recursive structure)")
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in size)
+            continue
+        open_nodes.discard(id(node))
+        if any(id(c) not in size for c in children):
+            raise RecipeError(f"{name}: a YAML alias refers to a node that contains it (a recursive structure)")
+        size[id(node)] = min(1 + sum(size[id(c)] for c in children), MAX_RECIPE_VALUES + 1)
+    return size[id(root)]

@@ -13,6 +13,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Iterable
@@ -83,9 +84,28 @@ def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any
         _check_range(where, key, value)
     if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
         raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
+    if isinstance(value, str):
+        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(("output_dir", ".path")))
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "path")
     return value
+
+
+def _check_text(where: str, value: str, as_file_name: bool) -> None:
+    """No NUL byte (no file name or C string holds one); a file name must encode in the file-system encoding.
+
+    Why: both used to end in a traceback (``ValueError: embedded null byte``, ``UnicodeEncodeError`` under
+    ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation.
+    """
+    if "\0" in value:
+        raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
+    if as_file_name:
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError as exc:
+            raise RecipeError(f"{where}: {value!r} has {value[exc.start]!r}, which the file-system encoding "
+                              f"({sys.getfilesystemencoding()}, from the locale) cannot write; use a UTF-8 locale "
+                              "(e.g. LC_ALL=C.UTF-8) or an ASCII path") from None
 
 
 def _check_range(where: str, key: Key, value: float) -> None:
@@ -333,6 +353,9 @@ def _cross_checks(v: dict) -> None:
         if v["distill"]["draft_config"]:
             check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
     _check_scheduler(train)
+    if train["max_steps"] == 0:  # the Trainer would still train one step, logged as "step 1/0"
+        raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
+                          "train.num_epochs epochs")
     if model["tokenizer"] is None and not model["base_model"] and not model["gguf_file"]:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")
     if data["streaming"] and train["max_steps"] <= 0:

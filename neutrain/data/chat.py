@@ -85,3 +85,31 @@ def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     # The template writes its own BOS/special tokens: adding them again would double them.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def describe_template_error(exc: BaseException) -> str | None:
+    """One line for an error a chat template raised while rendering, else None (not a template error).
+
+    Why: Jinja's errors reached the user as tracebacks, and a template the sandbox refused looked
+    like a crash although the sandbox had done its job. Syntax errors and unknown filters show only
+    when the template is first rendered (transformers compiles it then).
+
+    Example:
+        >>> import jinja2
+        >>> describe_template_error(jinja2.TemplateSyntaxError("unexpected '}'", lineno=1))
+        "the chat template is not valid Jinja (line 1: unexpected '}')"
+    """
+    try:
+        import jinja2
+        from jinja2.sandbox import SecurityError
+    except ImportError:  # no jinja2: nothing could have rendered a template
+        return None
+    if not isinstance(exc, jinja2.TemplateError):
+        return None
+    message = " ".join(str(exc).split())
+    if isinstance(exc, SecurityError):
+        return (f"the chat template tried an operation the sandbox forbids ({message}); the sandbox refused it and "
+                "nothing unsafe ran: use a template that only formats the messages")
+    if isinstance(exc, jinja2.TemplateSyntaxError):  # its str() repeats the line number: take the message alone
+        return f"the chat template is not valid Jinja (line {exc.lineno}: {' '.join(str(exc.message).split())})"
+    return f"the chat template raised an error while rendering ({type(exc).__name__}: {message})"

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from neutrain.data.chat import describe_template_error
 from neutrain.errors import DataError
 
 IGNORE_INDEX = -100
 
 
 def _field(row: dict, name: str, kind: type, source: str, index: int) -> Any:
+    if name in row and row[name] is None:
+        # datasets gives a row that lacks a column other rows have the value None too: name both cases.
+        raise DataError(f"{source}: row {index}: field '{name}' is null or missing in this row (other rows have it); "
+                        f"expected {kind.__name__}")
     if name not in row or row[name] is None:
         raise DataError(f"{source}: row {index}: missing field '{name}' (columns present: {', '.join(map(str, row)) or 'none'})")
     value = row[name]
@@ -82,17 +87,13 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template; this one has "
                         "none: set data.chat_template (e.g. chatml)")
-    # Character span of each message in the rendered conversation, from rendered prefixes.
-    spans, prev = [], ""
-    for j in range(len(messages)):
-        text_j = tokenizer.apply_chat_template(messages[: j + 1], tokenize=False)
-        if not text_j.startswith(prev):
-            raise DataError(f"{source}: row {index}: the chat template is not prefix-stable; cannot locate message {j}")
-        start = len(prev)
-        if messages[j]["role"] == "assistant" and j > 0 and not train_on_inputs:
-            start = _assistant_content_start(tokenizer, messages[:j], start, text_j)
-        spans.append((start, len(text_j), messages[j]["role"]))
-        prev = text_j
+    try:
+        spans, prev = _message_spans(tokenizer, messages, train_on_inputs, source, index)
+    except Exception as exc:
+        line = describe_template_error(exc)
+        if line is None:
+            raise
+        raise DataError(f"{source}: row {index}: {line}") from None
     enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
     truncated = len(enc["input_ids"]) > sequence_len
     ids, offsets = enc["input_ids"][:sequence_len], enc["offset_mapping"][:sequence_len]
@@ -108,6 +109,21 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
         # tokenizer): without an EOS to learn, the fine-tuned model would not stop generating.
         ids, labels = ids + [eos], labels + [eos]
     return [{"input_ids": ids, "labels": labels, "truncated": truncated}]
+
+
+def _message_spans(tokenizer, messages: list[dict], train_on_inputs: bool, source: str, index: int):
+    """Character span and role of each message in the rendered conversation (from rendered prefixes), and the text."""
+    spans, prev = [], ""
+    for j in range(len(messages)):
+        text_j = tokenizer.apply_chat_template(messages[: j + 1], tokenize=False)
+        if not text_j.startswith(prev):
+            raise DataError(f"{source}: row {index}: the chat template is not prefix-stable; cannot locate message {j}")
+        start = len(prev)
+        if messages[j]["role"] == "assistant" and j > 0 and not train_on_inputs:
+            start = _assistant_content_start(tokenizer, messages[:j], start, text_j)
+        spans.append((start, len(text_j), messages[j]["role"]))
+        prev = text_j
+    return spans, prev
 
 
 def _assistant_content_start(tokenizer, before: list[dict], start: int, text: str) -> int:

@@ -9,14 +9,17 @@ is how the default recipe trains on real text with no download.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import sysconfig
 from pathlib import Path
 from typing import Any
 
+from neutrain.data.bounds import check_bounds
 from neutrain.errors import DataError
 
 _EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
@@ -105,8 +108,11 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
         ds_type = "json"
     else:
         path = Path(entry["path"])
+        _check_regular(path)  # before the extension is looked at: a FIFO or device is not blamed on it
         ds_type = _ds_type(path, entry.get("ds_type"))
     files = _files(path)
+    if entry["path"] != "python-stdlib":  # hostile shapes are refused before a native parser can crash on them
+        check_bounds(files, ds_type)
     kwargs: dict[str, Any] = {}
     if ds_type == "text":
         kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
@@ -114,6 +120,9 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
         with quiet_datasets():
             ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as exc:  # datasets raises many types; name the file either way
+        unwritable = _cache_not_writable(exc, files)
+        if unwritable is not None:  # the environment's fault, not the data's: exit 1 (neutrain.cli.environment)
+            raise unwritable from None
         raise _read_error(files, ds_type, exc) from None
     if not streaming:
         return ds
@@ -122,6 +131,46 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     return datasets.IterableDataset.from_generator(
         _guarded_stream, features=ds.features, gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs}
     )
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a data path that is neither a regular file nor a directory (a FIFO would block, /dev/zero never ends)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing: the recipe check named it already, or the reader will
+        return
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    raise DataError(f"{path}: is {kind}, not a regular file; data must be files (or a directory of them)")
+
+
+# Where ``datasets`` writes its cache, most specific first: the variable a user would change.
+_CACHE_VARIABLES = ("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HOME")
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
+def _cache_not_writable(exc: BaseException, files: list[str]) -> OSError | None:
+    """An ``OSError`` naming the variable behind an unwritable datasets cache, if that is what ``exc`` is.
+
+    Why: a read-only ``HOME`` or ``HF_HOME`` used to be reported as a data error (exit 2) although the
+    data was fine; the fix is in the environment (exit 1), so say which variable to change.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _UNWRITABLE and exc.filename and str(exc.filename) not in files:
+            target = os.path.abspath(str(exc.filename))
+            named = [v for v in _CACHE_VARIABLES if os.environ.get(v)]
+            under = [v for v in named if target.startswith(os.path.abspath(os.environ[v]).rstrip(os.sep) + os.sep)]
+            var = (under or named or ["HOME"])[0]
+            error = OSError(exc.errno, exc.strerror or os.strerror(exc.errno), exc.filename)
+            error.add_note(f"{var}={os.environ.get(var, '')} is not writable, and the datasets cache is written under "
+                           f"it; point {var} (or HF_DATASETS_CACHE) at a writable directory")
+            return error
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _read_error(files: list[str], ds_type: str, exc: BaseException) -> DataError:

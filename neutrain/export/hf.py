@@ -58,7 +58,12 @@ def _load_tokenizer(path: Path):
 
     for cand in (path, path.parent / "tokenizer"):
         if (cand / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(str(cand))
+            try:
+                return AutoTokenizer.from_pretrained(str(cand))
+            except Exception as exc:  # a malformed tokenizer.json raises KeyError, ValueError, Rust's Exception...
+                detail = " ".join(str(exc).split())[:200]
+                raise CheckpointError(f"tokenizer files in '{cand}' cannot be loaded ({type(exc).__name__}: {detail}); "
+                                      "restore them from the run's checkpoint or the base model") from None
     return None
 
 

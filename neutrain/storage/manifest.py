@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
 from neutrain.storage.confine import check_tree, inside
 
@@ -149,6 +150,7 @@ def write_manifest(directory: str | os.PathLike) -> Path:
         >>> write_manifest("outputs/run/.tmp-checkpoint-10/checkpoint-10")  # doctest: +SKIP
     """
     directory = Path(directory)
+    honour_umask(directory)  # safetensors 0.8 writes 0600; the rest of the directory is 0666 less the umask
     files = {}
     for path in _files(directory):
         digest, tensors = _digests(path)

@@ -187,4 +187,9 @@ def _trainer_state(checkpoint: Path) -> dict[str, Any] | None:
                               "resume from an earlier checkpoint-N") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("global_step"), int):
         raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json has no integer global_step")
+    for key, kinds in (("max_steps", (int,)), ("epoch", (int, float))):  # read by plan_resume and the Trainer
+        value = saved.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json has {key}: {json.dumps(value)}, "
+                                  f"expected a number; resume from an earlier checkpoint-N")
     return saved

@@ -98,7 +98,7 @@ def test_invalid_json_line_is_named(tmp_path, tok):
 
 def test_malformed_row_in_file_is_named(tmp_path, tok):
     data, f = _recipe_data(tmp_path, [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "b"}, {"prompt": "a", "answer": "b"}])
-    with pytest.raises(DataError, match=r"d\.jsonl: row 2: missing field 'completion'"):
+    with pytest.raises(DataError, match=r"d\.jsonl: row 2: field 'completion' is null or missing in this row"):
         build_datasets(data, tok, str(tmp_path / "cache"))
 
 

@@ -1,0 +1,168 @@
+"""SIGTERM and SIGINT during training: save a checkpoint at the next step boundary, then stop.
+
+Why: schedulers (SLURM, Kubernetes) send SIGTERM some seconds before they kill a job, and a
+user stops a run with Ctrl-C. Python's default SIGTERM ends the process at once, and the steps
+since the last ``save_steps`` checkpoint were lost. With :class:`StopOnSignal` installed around
+``trainer.train``:
+
+* the first SIGTERM or SIGINT is noted; at the end of the step under way the Trainer saves
+  ``checkpoint-<step>`` (atomically, as every checkpoint) and the training loop stops; the
+  caller then raises :class:`StoppedBySignal`, which the CLI prints as one line and exits
+  ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), as a process killed by that signal would;
+* if the step boundary is not reached within ``grace_s`` seconds (a step can be long), the
+  process exits anyway, saying that nothing was saved: the scheduler's own kill would come soon;
+* a second SIGINT stops at once (``KeyboardInterrupt``), for a user who does not want to wait.
+
+Several processes (``accelerate launch``) agree at each step boundary on whether any of them
+was signalled, so they all save the same step and stop together.
+
+Example:
+    >>> import signal
+    >>> stopper = StopOnSignal(grace_s=30)
+    >>> with stopper.installed():
+    ...     stopper.handle(signal.SIGTERM, None)  # what the OS does on `kill <pid>`
+    ...     stopper.signal_name
+    'SIGTERM'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+from transformers import TrainerCallback
+
+from neutrain.errors import StoppedBySignal
+
+__all__ = ["StopOnSignal", "StoppedBySignal", "grace_seconds"]
+
+logger = logging.getLogger("neutrain")
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+DEFAULT_GRACE_S = 120.0
+"""Seconds from the signal to the step boundary before the process gives up saving (``NEUTRAIN_STOP_GRACE_S``).
+Two minutes: a scheduler's grace period (Kubernetes 30 s by default, SLURM ``KillWait`` 30 s, often raised for
+training jobs) is what really bounds it; this bound only keeps a hung step from holding the job forever."""
+
+
+def grace_seconds() -> float:
+    """``NEUTRAIN_STOP_GRACE_S`` or :data:`DEFAULT_GRACE_S` (a bad value is named, and the default used)."""
+    raw = os.environ.get("NEUTRAIN_STOP_GRACE_S")
+    if raw is None:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(raw)
+        if value > 0:
+            return value
+    except ValueError:
+        pass
+    logger.warning("NEUTRAIN_STOP_GRACE_S=%r is not a positive number of seconds; using %g", raw, DEFAULT_GRACE_S)
+    return DEFAULT_GRACE_S
+
+
+def _give_up(message: str, signum: int) -> None:
+    """The watchdog's end: one line, then exit without running Python's shutdown (a step may hold locks)."""
+    print(f"neutrain: error: {message}", file=sys.stderr, flush=True)
+    os._exit(128 + int(signum))
+
+
+class StopOnSignal(TrainerCallback):
+    """A Trainer callback that turns SIGTERM/SIGINT into "save at the next step boundary, then stop".
+
+    Args:
+        grace_s: seconds allowed from the signal to the step boundary (default :func:`grace_seconds`).
+        on_expire: called with (message, signal number) when ``grace_s`` passes first; by default the
+            process prints the message and exits 128 + signal.
+    """
+
+    def __init__(self, grace_s: float | None = None, on_expire: Callable[[str, int], None] = _give_up):
+        self.grace_s = grace_seconds() if grace_s is None else grace_s
+        self.on_expire = on_expire
+        self.signum: int | None = None
+        self.stopped_at: int | None = None  # the step whose checkpoint was asked for
+        self._timer: threading.Timer | None = None
+        self._group = None  # the process group the per-step flag travels on (on_train_begin)
+
+    @property
+    def signal_name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+    def handle(self, signum, frame) -> None:
+        """The signal handler (runs in the main thread, between two bytecodes of the training loop)."""
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            return  # a repeated SIGTERM: the save is already on its way
+        self.signum = signum
+        logger.info("%s received: saving a checkpoint at the end of this step, then stopping (at most %g s; "
+                    "Ctrl-C again stops at once)", self.signal_name, self.grace_s)
+        message = (f"{self.signal_name} received, but the step under way did not end within {self.grace_s:g} s "
+                   f"(NEUTRAIN_STOP_GRACE_S): stopped without saving; the last checkpoint is the latest saved")
+        self._timer = threading.Timer(self.grace_s, self.on_expire, args=(message, signum))
+        self._timer.daemon = True
+        self._timer.start()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handle SIGTERM and SIGINT inside the block; the previous handlers come back after it.
+
+        Outside the main thread (signal handlers cannot be set there) the block runs unguarded.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self.handle) for s in HANDLED}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.cancel_watchdog()
+
+    def cancel_watchdog(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # The flag goes over gloo, on the host: over NCCL, reading it back would wait for the GPU every step.
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        return control
+
+    def _any_process_signalled(self, args) -> bool:
+        """Whether this process or any other of the launch got a signal (one tiny host all-reduce a step)."""
+        flag = self.signum is not None
+        if self._group is None:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        if t.item() > 0 and self.signum is None:
+            self.signum = signal.SIGTERM  # another process was signalled: stop with it, at the same step
+        return t.item() > 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_at is None and self._any_process_signalled(args):
+            self.cancel_watchdog()  # the boundary is reached: the save below is atomic, a kill during it is safe
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+        return control
+
+    def stop_message(self, output_dir: str) -> str:
+        """The one line the CLI prints after the checkpoint was saved."""
+        if self.stopped_at is None:  # the signal came after the last step: its checkpoint is saved already
+            return (f"stopped by {self.signal_name} after the last training step (its checkpoint is saved); "
+                    "evaluation, export and the summary were skipped")
+        checkpoint = os.path.join(output_dir, f"checkpoint-{self.stopped_at}")
+        return (f"stopped by {self.signal_name} at step {self.stopped_at}: saved {checkpoint}; "
+                f"continue with train.resume_from_checkpoint=true")

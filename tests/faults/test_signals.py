@@ -1,0 +1,174 @@
+"""SIGTERM and SIGINT during training save a checkpoint at the next step boundary, then exit non-zero in one line.
+
+Issue 28, failure 6: schedulers send SIGTERM before they kill a job, and SIGTERM used to end the run
+at once, saving nothing since the last ``save_steps`` checkpoint. The SIGTERM test runs a real
+``neutrain train`` process and signals it as a scheduler would; the SIGINT ones run in-process (a
+training step sends the signal to its own process), which is cheaper and hits the same handler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neutrain.cli import main as neutrain
+from neutrain.storage.manifest import verify_checkpoint
+from neutrain.trainer.callbacks import read_metrics
+from tests.faults.test_run_lifecycle import QUIET, _subprocess_env
+from tests.helpers import write_recipe
+
+LONG = {"max_steps": 5000, "save_steps": 1000, "save_total_limit": 2, "lr_scheduler": "constant", "warmup_steps": 0}
+
+
+def _steps(out: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("neutrain:") or "Traceback" in line]
+
+
+def test_sigterm_saves_a_checkpoint_at_a_step_boundary_exits_143_in_one_line_and_resumes(tmp_path):
+    recipe = write_recipe(tmp_path, train=LONG, **QUIET)
+    out = tmp_path / "out"
+    env = {**_subprocess_env(), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "neutrain", "train", str(recipe)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the per-step log lines: wait until training is under way
+            if line.startswith("step 3/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and errors[0].startswith("neutrain: error: stopped by SIGTERM at step "), stderr[-3000:]
+    step = int(errors[0].split("at step ")[1].split(":")[0])
+    checkpoint = out / f"checkpoint-{step}"
+    assert f"saved {checkpoint}" in errors[0]
+    assert 3 <= step < LONG["max_steps"]
+    verify_checkpoint(checkpoint)  # complete: every file matches its manifest entry
+    assert _steps(out)[-1] == step
+    assert not list(out.glob(".tmp-*"))
+
+    assert neutrain(["train", str(recipe), "train.resume_from_checkpoint=true", f"train.max_steps={step + 2}"]) == 0
+    assert _steps(out)[-3:] == [step, step + 1, step + 2]
+    assert (out / f"checkpoint-{step + 2}" / "model.safetensors").is_file()
+
+
+def _signal_during_step(monkeypatch, step: int, times: int) -> None:
+    """Make training step ``step`` send SIGINT to this process ``times`` times (a user's Ctrl-C)."""
+    from neutrain.trainer.trainer import NeuTrainer
+
+    original = NeuTrainer.training_step
+
+    def training_step(self, *args, **kwargs):
+        if self.state.global_step + 1 == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(NeuTrainer, "training_step", training_step)
+
+
+def test_one_sigint_saves_at_the_step_boundary_and_exits_130(tmp_path, monkeypatch, capsys):
+    recipe = write_recipe(tmp_path, train=LONG, **QUIET)
+    _signal_during_step(monkeypatch, step=2, times=1)
+    assert neutrain(["train", str(recipe)]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert _error_lines(err) == [f"neutrain: error: stopped by SIGINT at step 2: saved {tmp_path / 'out' / 'checkpoint-2'}; "
+                                 "continue with train.resume_from_checkpoint=true"], err
+    verify_checkpoint(tmp_path / "out" / "checkpoint-2")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is removed after training
+
+
+def test_a_second_sigint_stops_at_once_without_saving(tmp_path, monkeypatch, capsys):
+    recipe = write_recipe(tmp_path, train=LONG, **QUIET)
+    _signal_during_step(monkeypatch, step=2, times=2)
+    assert neutrain(["train", str(recipe)]) == 130
+    assert _error_lines(capsys.readouterr().err) == ["neutrain: interrupted"]
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_the_step_boundary_is_awaited_for_a_bounded_time_only():
+    from neutrain.trainer.signals import StopOnSignal
+
+    expired = []
+    stopper = StopOnSignal(grace_s=0.2, on_expire=lambda message, signum: expired.append((message, signum)))
+    with stopper.installed():
+        stopper.handle(signal.SIGTERM, None)
+        deadline = time.monotonic() + 10
+        while not expired and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert expired and expired[0][1] == signal.SIGTERM
+    assert "did not end within 0.2 s" in expired[0][0] and "stopped without saving" in expired[0][0]
+    # Reaching the boundary in time cancels the watchdog.
+    reached = StopOnSignal(grace_s=0.2, on_expire=lambda *a: pytest.fail("the watchdog fired after the boundary"))
+    with reached.installed():
+        reached.handle(signal.SIGTERM, None)
+        from transformers import TrainerControl, TrainerState, TrainingArguments
+
+        control = reached.on_step_end(TrainingArguments("unused", use_cpu=True, report_to=[]), TrainerState(global_step=7),
+                                      TrainerControl())
+        time.sleep(0.4)
+    assert control.should_save and control.should_training_stop and reached.stopped_at == 7
+
+
+def _child_with_rank(parent: int, rank: int) -> int | None:
+    """The pid of ``parent``'s child process launched with ``LOCAL_RANK=rank`` (torchrun's workers), if any yet."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and f"LOCAL_RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds torchrun's workers through /proc")
+@pytest.mark.parametrize("use_cpu", [True, pytest.param(False, id="nccl", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs (NCCL, the flag over gloo)")])])
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_with_one_checkpoint(tmp_path, use_cpu):
+    train = {**LONG, "optimizer": "adalomo", "learning_rate": 1e-2, "micro_batch_size": 2, "use_cpu": use_cpu}
+    recipe = write_recipe(tmp_path, train=train, **QUIET)
+    env = {**_subprocess_env(), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29623", "-m", "neutrain", "train", str(recipe)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        rank1 = _child_with_rank(proc.pid, 1)
+        assert rank1 is not None, "torchrun's rank 1 not found"
+        os.kill(rank1, signal.SIGTERM)  # as a scheduler signalling one node would
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # a hang (the processes disagreeing on the step): end torchrun and its workers
+            os.killpg(proc.pid, signal.SIGKILL)
+    stops = sorted(line for line in stderr.splitlines() if "neutrain: error: stopped by SIGTERM at step " in line)
+    assert len(stops) == 2, stderr[-3000:]
+    steps = {int(line.split("at step ")[1].split(":")[0]) for line in stops}
+    assert len(steps) == 1, stops  # both processes saved and stopped at the same step boundary
+    step = steps.pop()
+    verify_checkpoint(tmp_path / "out" / f"checkpoint-{step}")
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [f"checkpoint-{step}"]
