@@ -41,9 +41,10 @@ GIB = 2**30
 RECIPE = "recipes/llama3_8b.yaml"
 PCIE4_BYTES_PER_S = 25e9  # a consumer card's PCIe 4.0 x16 link, each direction
 PHASES = ("build", "train_step", "eval", "generate", "save", "resume", "export")
-TIMING = {  # name: (budget or "none", micro batch)
-    "b1_none": ("none", 1), "b8_none": ("none", 8), "b8_7": (7, 8),
+TIMING = {  # name: (budget or "none", micro batch): each alone on its GPU, for the targets' ratios
+    "b1_none": ("none", 1), "b1_11": (11, 1), "b8_none": ("none", 8), "b8_7": (7, 8),
 }
+TIMING_STEPS = 10
 
 
 def sh(cmd: list[str], log: Path, timeout: float) -> tuple[int, float, str]:
@@ -167,7 +168,7 @@ def budget_run(budget: float, work: Path, out: Path, limit: float) -> dict:
 def timing_run(name: str, work: Path, out: Path, limit: float) -> dict:
     budget, batch = TIMING[name]
     run = work / f"timing_{name}"
-    cmd = launch([f"memory.device_budget_gib={budget}", f"train.micro_batch_size={batch}", "train.max_steps=12",
+    cmd = launch([f"memory.device_budget_gib={budget}", f"train.micro_batch_size={batch}", f"train.max_steps={TIMING_STEPS}",
                   "train.save_steps=1000", f"train.output_dir={run}"])
     rc, secs, tail = sh(cmd, out / f"cards_timing_{name}.log", limit)
     got = read_run(run)
@@ -189,7 +190,7 @@ def targets_of(budgets: list[dict], timing: dict) -> tuple[dict, dict]:
         t["card_8gb_over_unbounded_tokens_per_s_batch8"] = {"value": round(b8_7 / b8, 3), "goal": ">= 0.9",
                                                             "met": b8_7 / b8 >= 0.9}
     b1 = timing.get("b1_none", {}).get("tokens_per_s")
-    b11 = next((b.get("tokens_per_s") for b in budgets if b["budget_gib"] == 11), None)
+    b11 = timing.get("b1_11", {}).get("tokens_per_s")
     if b1 and b11:
         t["card_12gb_over_unbounded_tokens_per_s"] = {"value": round(b11 / b1, 3), "goal": ">= 0.95", "met": b11 / b1 >= 0.95}
     ratios, errors = [], []
@@ -266,7 +267,11 @@ def main() -> int:
                    "all_ok": all(b["ok"] for b in budgets) and len(budgets) == 4,
                    "gpus": sorted({p["gpu"] for p in parts})}
         write_result("cards", {"recipe": RECIPE, "steps": "22 (save at 20), resume 20->22, export hf, generate 16 tokens",
-                               "stochastic_rounding": False, "timing_steps": 12, "parts": [p["part"] for p in parts]},
+                               "stochastic_rounding": False, "timing_steps": TIMING_STEPS, "parts": [p["part"] for p in parts],
+                               "sharing": "two budgets' journeys ran at once on each GPU (7 with 14.5, 11 with 22): "
+                                          "their allocated and reserved peaks are their own process's, their "
+                                          "device figure (NVML) is the GPU's, both processes together; the "
+                                          "timing runs each ran alone on their GPU"},
                      results, targets=targets)
         print(json.dumps({"targets": targets, "all_ok": results["all_ok"]}, indent=1))
         return 0

@@ -39,7 +39,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from neutrain.errors import UserInputError
+from neutrain.errors import CheckpointError, UserInputError
 from neutrain.storage.leftovers import pid_alive, this_writer
 
 logger = logging.getLogger("neutrain")
@@ -162,8 +162,25 @@ def previous_checkpoints(output_dir: str | os.PathLike) -> list[str]:
     return sorted(found, key=lambda n: int(n.split("-")[1]))
 
 
+def refuse_linked_checkpoints(run_dir: str | os.PathLike) -> None:
+    """Refuse a ``checkpoint-N`` in ``run_dir`` that is a symbolic link, naming it.
+
+    Why: saving moves the checkpoint of the same step aside and deletes it, and rotation deletes old
+    ones; through a link that meant deleting (or failing to delete: "Cannot call rmtree on a symbolic
+    link", with no path) a directory outside the run, and a save stopped halfway left its temporaries.
+    """
+    if not os.path.isdir(run_dir):
+        return
+    for entry in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, entry)
+        if entry.startswith("checkpoint-") and os.path.islink(path):
+            raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); neutrain does not replace or "
+                                  f"delete checkpoints through links: move that checkpoint into {run_dir}, or remove the link")
+
+
 def check_new_run(output_dir: str | os.PathLike, overwrite: bool) -> list[str]:
     """Refuse a fresh run into a directory holding another run's checkpoints, unless ``overwrite``; returns them."""
+    refuse_linked_checkpoints(output_dir)  # named as the link it is, before it counts as another run's
     found = previous_checkpoints(output_dir)
     if found and not overwrite:
         raise RunDirectoryError(

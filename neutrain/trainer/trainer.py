@@ -64,6 +64,7 @@ from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
 from neutrain.storage.leftovers import mark_writer
+from neutrain.storage.run_lock import refuse_linked_checkpoints
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
 
@@ -100,22 +101,6 @@ def _unwrap(model):
 def _has_compressed_head(model) -> bool:
     head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
     return isinstance(head, CompressedLinear)
-
-
-def _refuse_linked_checkpoints(run_dir: str) -> None:
-    """Refuse a ``checkpoint-N`` in ``run_dir`` that is a symbolic link, naming it.
-
-    Why: saving moves the checkpoint of the same step aside and deletes it, and rotation deletes old
-    ones; through a link that meant deleting (or failing to delete: "Cannot call rmtree on a symbolic
-    link", with no path) a directory outside the run, and a save stopped halfway left its temporaries.
-    """
-    if not os.path.isdir(run_dir):
-        return
-    for entry in sorted(os.listdir(run_dir)):
-        path = os.path.join(run_dir, entry)
-        if entry.startswith("checkpoint-") and os.path.islink(path):
-            raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); neutrain does not replace or "
-                                  f"delete checkpoints through links: move that checkpoint into {run_dir}, or remove the link")
 
 
 class NeuTrainer(Trainer):
@@ -312,7 +297,7 @@ class NeuTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train``; a checkpoint to resume is verified first (:mod:`neutrain.storage.manifest`)."""
         if self.args.should_save:
-            _refuse_linked_checkpoints(self.args.output_dir)  # refused now, not after the steps before the first save
+            refuse_linked_checkpoints(self.args.output_dir)  # refused now, not after the steps before the first save
         if resume_from_checkpoint:
             if resume_from_checkpoint is True:
                 from transformers.trainer_utils import get_last_checkpoint
@@ -394,7 +379,7 @@ class NeuTrainer(Trainer):
         name = f"checkpoint-{self.state.global_step}"
         tmp_run_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
         if self.args.should_save:
-            _refuse_linked_checkpoints(run_dir)  # before anything is written: no temporaries are left behind
+            refuse_linked_checkpoints(run_dir)  # before anything is written: no temporaries are left behind
             if os.path.isdir(tmp_run_dir):
                 shutil.rmtree(tmp_run_dir)  # leftovers of a run killed while saving
             mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
