@@ -118,16 +118,23 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, str]:
             for t, h in e.get("tensors", {}).items()}
 
 
-def budget_run(budget: float, work: Path, out: Path, limit: float) -> dict:
-    """The whole user journey at one budget: train 22 with a save at 20, resume 20->22 and export, generate."""
+def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, flush) -> dict:
+    """The whole user journey at one budget: train 22 with a save at 20, resume 20->22 and export, generate.
+
+    ``rec`` is filled in place and ``flush()`` writes it after each command: a call cut off by its time
+    limit keeps what ran (the first call at 4c4718b lost four journeys' records to the timeout of the last
+    command, generate).
+    """
     tag = f"{budget:g}"
     run, export = work / f"run_{tag}", work / f"export_{tag}"
     common = [f"memory.device_budget_gib={budget}", "memory.stochastic_rounding=false", "train.max_steps=22",
               "train.save_steps=20", "train.save_total_limit=3", f"train.output_dir={run}"]
-    rec: dict = {"budget_gib": budget, "commands": {}}
+    rec.update({"budget_gib": budget, "commands": {}, "ok": False})
     rc, secs, tail = sh(launch(common), out / f"cards_{tag}_train.log", limit)
     rec["commands"]["train"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
     first = read_run(run)
+    rec["phases"] = phase_table(first)
+    flush()
     rec["tokens_per_s"] = tokens_per_s(first["steps"], 3, 19)
     rec["choice"] = first["summary"].get("memory_fit")
     reference = work / f"uninterrupted_{tag}"
@@ -137,6 +144,7 @@ def budget_run(budget: float, work: Path, out: Path, limit: float) -> dict:
                                     f"export.output_dir={export}"]), out / f"cards_{tag}_resume.log", limit)
         rec["commands"]["resume_export"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
         second = read_run(run)
+        rec["phases"] = phase_table(first, second)
         if rc == 0 and (run / "checkpoint-22").is_dir():
             # A compressed tensor's `.name` entry is its label (which name of a tied pair it was saved
             # under), not its bytes: compared apart.
@@ -147,16 +155,14 @@ def budget_run(budget: float, work: Path, out: Path, limit: float) -> dict:
             rec["resume_bit_identical"] = a == b and len(a) > 0
             rec["resume_tensors_compared"] = len(a)
             rec["resume_tensors_differing"] = sorted(k for k in a if a[k] != b.get(k))[:10]
+        rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
+        flush()
         gen = ["neutrain", "generate", str(export), "--prompt", "def ", "--raw", "--max-new-tokens", "16",
                "--device-budget-gib", str(budget), *(["--device", "cpu"] if SMOKE else [])]
         rc, secs, tail = sh(gen, out / f"cards_{tag}_generate.log", limit)
         rec["commands"]["generate"] = {"rc": rc, "s": secs, "tail": tail}
         peak = [line for line in tail.splitlines() if line.startswith("generate: peak GPU memory")]
         rec["generate_peak"] = peak[-1] if peak else None
-        rec["phases"] = phase_table(first, second)
-        rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
-    else:
-        rec["phases"] = phase_table(first)
     rec["summary_train"] = {k: v for k, v in first["summary"].items() if not isinstance(v, (dict, list))}
     rec["ok"] = all(c["rc"] == 0 for c in rec["commands"].values()) and len(rec["commands"]) == 3 \
         and rec.get("resume_bit_identical") is True
@@ -260,11 +266,11 @@ def main() -> int:
         from benchmarks._common import write_result
 
         parts = [json.loads(p.read_text()) for p in args.merge if p.exists()]
-        budgets = sorted((b for p in parts for b in p["budgets"]), key=lambda b: -b["budget_gib"])
+        budgets = sorted((b for p in parts for b in p["budgets"] if b), key=lambda b: -b["budget_gib"])
         timing = {k: v for p in parts for k, v in p["timing"].items()}
         targets, _ = targets_of(budgets, timing)
         results = {"budgets": budgets, "timing": timing, "pcie4_8gb": pcie4_projection(timing),
-                   "all_ok": all(b["ok"] for b in budgets) and len(budgets) == 4,
+                   "all_ok": all(b.get("ok") for b in budgets) and len(budgets) == 4,
                    "gpus": sorted({p["gpu"] for p in parts})}
         write_result("cards", {"recipe": RECIPE, "steps": "22 (save at 20), resume 20->22, export hf, generate 16 tokens",
                                "stochastic_rounding": False, "timing_steps": TIMING_STEPS, "parts": [p["part"] for p in parts],
@@ -283,12 +289,15 @@ def main() -> int:
     record = {"part": args.part, "gpu": gpu, "budgets": [], "timing": {}}
     dest = out / f"cards_{args.part}.json"
     for budget in [float(b) for b in args.budgets.split(",") if b]:  # the gate first, then the targets' timing
-        rec = budget_run(budget, work, out, args.limit)
+        rec: dict = {}
         record["budgets"].append(rec)
+        budget_run(budget, work, out, args.limit, rec, lambda: dest.write_text(json.dumps(record, indent=1)))
         print(f"budget {budget:g}:", {k: rec.get(k) for k in ("ok", "tokens_per_s", "resume_bit_identical", "generate_peak")},
               {k: (c["rc"], c["s"]) for k, c in rec["commands"].items()}, flush=True)
         dest.write_text(json.dumps(record, indent=1))
     for name in [n for n in args.timing.split(",") if n]:
+        record["timing"][name] = {"rc": None, "note": "started, not finished"}
+        dest.write_text(json.dumps(record, indent=1))
         record["timing"][name] = timing_run(name, work, out, args.limit)
         print(name, {k: v for k, v in record["timing"][name].items() if k not in ("phases", "summary")}, flush=True)
         dest.write_text(json.dumps(record, indent=1))
