@@ -130,7 +130,8 @@ def _dense_and_compressed(tmp_path, arch, attn, device="cpu"):
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16,
                                                  attn_implementation=attn).to(device)
     compressed, report = load_compressed(tmp_path / "base", device=device, dtype=torch.bfloat16, progress=False,
-                                         codec_options=CODEC, config_overrides={"_attn_implementation": attn})
+                                         codec_options=CODEC if device == "cpu" else None,
+                                         config_overrides={"_attn_implementation": attn})
     assert report.converted == len(compressed_weights(compressed)) > 0
     return dense, compressed, attn
 
@@ -320,9 +321,14 @@ def test_compressed_training_equals_dense_under_each_sdpa_backend(tmp_path, monk
     dense, compressed, attn = _dense_and_compressed(tmp_path, arch, "sdpa", device="cuda")
     twin = copy.deepcopy(dense)
     batches = [ids.cuda() for ids in _batches(3, seed=1)]
-    with sdpa_kernel([getattr(SDPBackend, backend)]):  # only this kernel: one it cannot run raises
-        for model in (dense, twin, compressed):
-            _train(model, _optimizer(model), batches)
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):  # only this kernel: a call it cannot serve raises
+            for model in (dense, twin, compressed):
+                _train(model, _optimizer(model), batches)
+    except RuntimeError as exc:  # e.g. flash with a sliding-window mask, or GQA where the kernel has none
+        if "No available kernel" not in str(exc):
+            raise
+        pytest.skip(f"{backend} cannot run {arch}'s attention calls: {str(exc).splitlines()[0]}")
     assert calls, "no SDPA call: the backend was not exercised"
     _assert_same_weights(_weights(twin), _weights(dense), f"{backend}: dense twice (the kernel itself)")
     _assert_same_weights(_weights(compressed), _weights(dense), f"{backend}: compressed vs dense")
