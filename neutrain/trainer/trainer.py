@@ -231,7 +231,10 @@ class NeuTrainer(Trainer):
         # A fused training step takes the chunked loss whether the weights are compressed or dense: the
         # model's own loss rounds differently (soft-capped logits: Gemma 3 drifted 1 bf16 ulp per step
         # from its compressed twin, issue 29), and NeuZip lossless promises dense training's exact model.
-        fused_training = self.fused and _unwrap(model).training and _has_output_head(model)
+        # Not where parameters are sharded (FSDP2, ZeRO-3): the chunked loss reads lm_head.weight directly,
+        # which only the head's own forward gathers there.
+        fused_training = (self.fused and not self.distributed_mode.sharded and _unwrap(model).training
+                          and _has_output_head(model))
         if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model) and not fused_training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The chunked lm_head + cross-entropy never materialises the full logits.
