@@ -71,7 +71,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "allow_unknown_config_keys": Key(bool, False, "Let model.config carry keys its architecture's config class does not define (copied into config.json as they are); otherwise such a key is an error suggesting the closest valid key."),
         "tokenizer": Key(str, None, "Tokenizer: a local path/hub id, 'byte' (byte-level, no download), or 'train-bpe' (trained on the training data). Defaults to base_model.", nullable=True),
         "tokenizer_vocab_size": Key(int, 8192, "Vocabulary size when tokenizer is 'train-bpe'.", min=300, max=1_000_000),
-        "dtype": Key(str, "auto", "Weight dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16 (not with the fused optimizers, which have no loss scaler).", choices=("auto", "float32", "bfloat16", "float16")),
+        "dtype": Key(str, "auto", "Compute dtype: auto (bf16 on a GPU and on a CPU with AMX or AVX512-BF16; fp32 on other CPUs, where NeuZip still stores bf16 and upcasts it exactly), float32, bfloat16, float16 (not with the fused optimizers, which have no loss scaler).", choices=("auto", "float32", "bfloat16", "float16")),
         "attn_implementation": Key(str, "sdpa", "Attention: sdpa, eager, neutrain_sage (INT8/FP8 SageAttention2 where the shipped benchmark table measured it faster than cuDNN SDPA on this GPU, SDPA elsewhere and on CPU), or auto (what the architecture supports: neutrain_sage on a GPU, else sdpa, or eager where transformers has no SDPA path, e.g. Gemma 2).", choices=("sdpa", "eager", "neutrain_sage", "auto", "flash_attention_2")),
         "trust_remote_code": Key(bool, False, "Allow model code from the checkpoint directory."),
     },

@@ -2,13 +2,14 @@
 
 transformers reads a GGUF file (``from_pretrained(dir, gguf_file=name)``): it maps llama.cpp's
 tensor names to its own, undoes llama.cpp's Q/K row permutation and dequantizes Q8_0/Q4_K/...
-blocks. neutrain asks for a plain dense model (:func:`neutrain.compat.gguf_dequantized_kwargs`),
-which then is compressed one matrix at a time like any model (:func:`neutrain.nn.compress_model`),
-trains, and exports with ``save_pretrained`` as ordinary safetensors. The file's vocabulary,
-special tokens and chat template become the tokenizer (:func:`load_gguf_tokenizer`).
+blocks. For dense training neutrain asks it for a plain dense model
+(:func:`neutrain.compat.gguf_dequantized_kwargs`); the model trains and exports with
+``save_pretrained`` as ordinary safetensors. The file's vocabulary, special tokens and chat template
+become the tokenizer (:func:`load_gguf_tokenizer`).
 
-The dense model exists once, while it is compressed: transformers has no tensor-by-tensor GGUF
-reader. Peak memory is therefore the dequantized model in ``dtype``, briefly.
+A compressed model is built tensor by tensor (:func:`load_gguf_compressed`): each tensor is read from
+the memory-mapped file, dequantized and compressed before the next, so the dense model never exists
+(issue 29: peak host memory was the dequantized model). A dense model still loads through transformers.
 
 Example:
     >>> model = load_gguf_model("models", "smollm2-135m-instruct-q8_0.gguf", torch.bfloat16)  # doctest: +SKIP
@@ -100,16 +101,32 @@ def load_gguf_model(source: str, name: str, dtype: torch.dtype, attn_implementat
 def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtype, *,
                          storage_dtype: torch.dtype | None = None, attn_implementation: str | None = None,
                          device: str | torch.device = "cpu", trust_remote_code: bool = False, progress: bool = True):
-    """:func:`load_gguf_model`, moved to ``device`` and compressed as ``weights`` says; ``(model, report)``.
+    """The causal LM a GGUF file holds, built on ``device`` tensor by tensor in the form ``weights`` says.
 
-    ``storage_dtype`` as for :func:`neutrain.nn.load.load_compressed` (bf16 storage under fp32 compute on CPU).
+    Each tensor is read from the memory-mapped file, dequantized, and compressed before the next is
+    read (:func:`neutrain.compat.gguf_tensors.gguf_tensors` into :mod:`neutrain.nn.load`'s builder),
+    so peak host memory is the compressed model plus one dequantized tensor, not the dense model. The
+    weights are bit-identical to :func:`load_gguf_model`'s. ``storage_dtype`` as for
+    :func:`neutrain.nn.load.load_compressed` (bf16 storage under fp32 compute on CPU).
+
+    Returns:
+        ``(model, report)`` as :func:`neutrain.nn.load.load_compressed`.
+
+    Example:
+        >>> model, report = load_gguf_compressed("models", "smollm2-135m-instruct-q8_0.gguf",
+        ...                                      "neuzip-lossless", torch.bfloat16)  # doctest: +SKIP
     """
-    from neutrain.nn.convert import compress_model
+    from neutrain.compat.gguf_tensors import gguf_tensors
+    from neutrain.nn.load import _build, _skeleton
 
-    model = load_gguf_model(source, name, dtype, attn_implementation, trust_remote_code).to(device)
-    report = compress_model(model, weights, progress=progress, storage_dtype=storage_dtype)
-    model.train()
-    return model, report
+    config = gguf_config(source, name, trust_remote_code)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    path = resolve_gguf_path(source, name)
+    with _named_errors("load", source, name):
+        skeleton = _skeleton(config, dtype)
+        return _build(config, weights, device, dtype, gguf_tensors(path, skeleton, dtype), progress, None,
+                      model=skeleton, storage_dtype=storage_dtype)
 
 
 def load_gguf_tokenizer(source: str, name: str):

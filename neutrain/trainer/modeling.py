@@ -25,10 +25,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, use_cpu: bool = False) -> torch.dtype:
-    """``auto`` is bf16 on a GPU and fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    """The compute dtype ``model.dtype`` names; ``auto`` is bf16 on a GPU, and on a CPU bf16 only where
+    it has native bf16 units (AMX or AVX512-BF16), else fp32: emulated bf16 products are ~6x slower
+    than fp32 ones (issue 29). NeuZip keeps storing bf16 under fp32 compute and upcasts it exactly.
+
+    Example:
+        >>> resolve_dtype("float32")
+        torch.float32
+    """
     if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and not use_cpu else torch.float32
+        if torch.cuda.is_available() and not use_cpu:
+            return torch.bfloat16
+        from neutrain.compat.cpu_features import native_bf16_feature
+
+        return torch.bfloat16 if native_bf16_feature() else torch.float32
     return _DTYPES[name]
+
+
+def auto_dtype_line(use_cpu: bool = False) -> str:
+    """The one line a run prints for ``model.dtype: auto``: what it computes in, and why.
+
+    Example:
+        >>> auto_dtype_line().startswith("model.dtype auto:")
+        True
+    """
+    if torch.cuda.is_available() and not use_cpu:
+        return "model.dtype auto: bfloat16 on the GPU"
+    from neutrain.compat.cpu_features import native_bf16_feature
+
+    feature = native_bf16_feature()
+    if feature:
+        return f"model.dtype auto: bfloat16 on this CPU (it has {feature}: native bf16 products)"
+    return ("model.dtype auto: float32 on this CPU (no AMX or AVX512-BF16: bf16 products would be emulated); "
+            "NeuZip weights stay bf16 and are upcast exactly")
 
 
 def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_dir: str, cache_dir: str):
@@ -197,7 +226,7 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
             return "auto"
         dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         return names.get(dtype, "auto")
-    if weights != "dense" and model_cfg["dtype"] == "auto" and resolve_dtype("auto", use_cpu) == torch.float32:
+    if weights != "dense" and model_cfg["dtype"] == "auto":  # NeuZip stores bf16 under auto, whatever it computes in
         return "bfloat16"
     return "auto"
 
@@ -221,8 +250,8 @@ def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed,
 
     The dense model is never materialised: random init draws each tensor and encodes
     it at once; a checkpoint is read tensor by tensor from safetensors. With ``dtype: auto``
-    on CPU the weights are stored bf16 (what NeuZip compresses well) and computed in fp32
-    (bf16 matrix products are ~12x slower there).
+    on a CPU without native bf16 the weights are stored bf16 (what NeuZip compresses well) and
+    computed in fp32 (bf16 matrix products are emulated and several times slower there).
     """
     from neutrain.nn.load import init_compressed, load_compressed
     from neutrain.nn.weight_offload_model import attach, streaming_offload
@@ -267,6 +296,8 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
+    if model_cfg["dtype"] == "auto":
+        logger.info(auto_dtype_line(use_cpu))
     from neutrain.nn.architecture import auto_attention, check_attention
 
     try:

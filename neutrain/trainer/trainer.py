@@ -98,9 +98,17 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def _output_head(model):
+    return _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
+
+
 def _has_compressed_head(model) -> bool:
-    head = _unwrap(model).get_output_embeddings() if hasattr(_unwrap(model), "get_output_embeddings") else None
-    return isinstance(head, CompressedLinear)
+    return isinstance(_output_head(model), CompressedLinear)
+
+
+def _has_output_head(model) -> bool:
+    """A causal LM head the chunked loss can run (``nn.Linear``, compressed or dense)."""
+    return isinstance(_output_head(model), (torch.nn.Linear, CompressedLinear))
 
 
 class NeuTrainer(Trainer):
@@ -227,7 +235,14 @@ class NeuTrainer(Trainer):
         return getattr(opt, "optimizer", opt) if self.fused else None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model):
+        # A fused training step takes the chunked loss whether the weights are compressed or dense: the
+        # model's own loss rounds differently (soft-capped logits: Gemma 3 drifted 1 bf16 ulp per step
+        # from its compressed twin, issue 29), and NeuZip lossless promises dense training's exact model.
+        # Not where parameters are sharded (FSDP2, ZeRO-3): the chunked loss reads lm_head.weight directly,
+        # which only the head's own forward gathers there.
+        fused_training = (self.fused and not self.distributed_mode.sharded and _unwrap(model).training
+                          and _has_output_head(model))
+        if self.memory.loss_chunk_size <= 0 and not _has_compressed_head(model) and not fused_training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The chunked lm_head + cross-entropy never materialises the full logits.
         kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "attention_mask")}

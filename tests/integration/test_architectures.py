@@ -107,26 +107,46 @@ def _logits(model, ids):
         return model.eval()(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_compressed_training_equals_dense_and_round_trips(tmp_path, arch):
+# Every architecture under attn_implementation "auto" (SDPA on CPU, eager where the architecture has
+# none: Gemma 2, so no second eager run for it) and under "eager", but DeepSeek V3: transformers 5.24's
+# eager MLA repeats K/V by num_key_value_groups (here 2) over keys that already have every head, and
+# fails on the dense model itself. The file took 20.5 s on a quiet 2-core machine (each case 0.2-3 s).
+MATRIX = [(arch, attn) for arch in ARCHITECTURES for attn in ("auto", "eager")
+          if (arch, attn) not in (("gemma2", "eager"), ("deepseek_v3", "eager"))]
+
+
+def _dense_and_compressed(tmp_path, arch, attn, device="cpu"):
+    """A saved random base loaded twice: dense by transformers, compressed by neutrain (same attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.nn import compressed_weights
+    from neutrain.nn.architecture import auto_attention
+    from neutrain.nn.load import load_compressed
+
+    config = _config(arch)
+    attn = auto_attention(config, cuda=False) if attn == "auto" else attn
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn).save_pretrained(
+        tmp_path / "base")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16,
+                                                 attn_implementation=attn).to(device)
+    compressed, report = load_compressed(tmp_path / "base", device=device, dtype=torch.bfloat16, progress=False,
+                                         codec_options=CODEC if device == "cpu" else None,
+                                         config_overrides={"_attn_implementation": attn})
+    assert report.converted == len(compressed_weights(compressed)) > 0
+    return dense, compressed, attn
+
+
+@pytest.mark.parametrize(("arch", "attn"), MATRIX)
+def test_compressed_training_equals_dense_and_round_trips(tmp_path, arch, attn):
     from transformers import AutoModelForCausalLM
 
     from neutrain.storage.manifest import write_manifest
     from neutrain.export.hf import export_hf, load_checkpoint_model
-    from neutrain.nn import causal_lm_loss, compressed_weights
-    from neutrain.nn.architecture import auto_attention
-    from neutrain.nn.load import load_compressed
+    from neutrain.nn import causal_lm_loss
     from neutrain.nn.checkpoint import save_compressed_checkpoint
 
-    config = _config(arch)
-    attn = auto_attention(config, cuda=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn).save_pretrained(
-        tmp_path / "base")
-    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16, attn_implementation=attn)
-    compressed, report = load_compressed(tmp_path / "base", device="cpu", dtype=torch.bfloat16, progress=False,
-                                         codec_options=CODEC, config_overrides={"_attn_implementation": attn})
-    assert report.converted == len(compressed_weights(compressed)) > 0
+    dense, compressed, attn = _dense_and_compressed(tmp_path, arch, attn)
     dense_params = sum(p.numel() for p in dense.parameters())
     dense_left = sum(p.numel() for p in compressed.parameters())
     assert dense_left < dense_params * 0.1, f"only {1 - dense_left / dense_params:.0%} of the weights compressed"
@@ -236,3 +256,80 @@ def test_recipe_trains_resumes_and_exports(tmp_path, arch):
     probe = torch.randint(3, 200, (2, 10))
     model.config._attn_implementation = "eager"  # same kernels on both sides
     assert torch.equal(_logits(exported, probe), _logits(model, probe))
+
+
+def _trained_through_recipe(tmp_path, base, weights, attn):
+    from neutrain.cli.train import build_trainer
+    from neutrain.config import load_recipe
+    from tests.helpers import write_recipe
+
+    recipe = load_recipe(write_recipe(
+        tmp_path / weights, model={"init": "pretrained", "base_model": str(base), "tokenizer": None, "config": None,
+                                   "dtype": "bfloat16", "attn_implementation": attn},
+        memory={"weights": weights, "stochastic_rounding": False},
+        train={"optimizer": "lomo", "learning_rate": 1e-3, "max_steps": 3, "save_steps": 100,
+               "lr_scheduler": "constant", "warmup_steps": 0},
+        eval={"perplexity": False}, export={"format": "none"},
+    ))
+    ctx = build_trainer(recipe)
+    ctx.trainer.train()
+    return _weights(ctx.trainer.model)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mixtral"])
+def test_recipe_dense_and_compressed_train_the_same_model(tmp_path, arch):
+    """Issue 29: through the recipe path (LOMO, rounding off, ``attn_implementation: auto``) NeuZip lossless
+    trains exactly the dense model. Gemma 3's soft-capped logits made the two drift when a dense model took
+    transformers' own loss and a compressed one the chunked loss."""
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.data import byte_tokenizer
+
+    config, tokenizer = _config(arch), byte_tokenizer()
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    dense = _trained_through_recipe(tmp_path, tmp_path / "base", "dense", "auto")
+    compressed = _trained_through_recipe(tmp_path, tmp_path / "base", "neuzip-lossless", "auto")
+    _assert_same_weights(compressed, dense, f"{arch}, 3 LOMO steps")
+
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", SDPA_BACKENDS)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch != "gemma2"])  # Gemma 2 has no SDPA
+def test_compressed_training_equals_dense_under_each_sdpa_backend(tmp_path, monkeypatch, arch, backend):
+    """On a GPU, each SDPA kernel (forced with ``sdpa_kernel``) sees the compressed model as it sees the dense one.
+
+    A dense model trained twice first shows that the kernel's backward is itself reproducible, so a
+    difference after that is the compressed path's. Junit for the H100 run:
+    ``pytest -m gpu tests/integration/test_architectures.py -k sdpa_backend --junitxml
+    benchmarks/results/junit_sdpa_backends_<commit>.xml``.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    dense, compressed, attn = _dense_and_compressed(tmp_path, arch, "sdpa", device="cuda")
+    twin = copy.deepcopy(dense)
+    batches = [ids.cuda() for ids in _batches(3, seed=1)]
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):  # only this kernel: a call it cannot serve raises
+            for model in (dense, twin, compressed):
+                _train(model, _optimizer(model), batches)
+    except RuntimeError as exc:  # e.g. flash with a sliding-window mask, or GQA where the kernel has none
+        if "No available kernel" not in str(exc):
+            raise
+        pytest.skip(f"{backend} cannot run {arch}'s attention calls: {str(exc).splitlines()[0]}")
+    assert calls, "no SDPA call: the backend was not exercised"
+    _assert_same_weights(_weights(twin), _weights(dense), f"{backend}: dense twice (the kernel itself)")
+    _assert_same_weights(_weights(compressed), _weights(dense), f"{backend}: compressed vs dense")

@@ -41,7 +41,7 @@ def test_sharded_base_streams_into_compressed_form_tensor_by_tensor(tmp_path, ba
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from neutrain.trainer.modeling import build_model
+    from neutrain.trainer.modeling import build_model, resolve_dtype
     from neutrain.nn import CompressedLinear, load
 
     def no_dense_load(*args, **kwargs):
@@ -69,9 +69,10 @@ def test_sharded_base_streams_into_compressed_form_tensor_by_tensor(tmp_path, ba
     assert len(read) == 16 and not any(alive_at_read), alive_at_read  # 14 layer matrices, embedding, head
     assert isinstance(model.model.layers[1].mlp.down_proj, CompressedLinear)
     monkeypatch.undo()
-    ref = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # the bf16 weights, upcast
+    # dtype auto: fp32 over bf16 storage on a CPU without bf16 units (the weights upcast), bf16 where it has them.
+    ref = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=resolve_dtype("auto", use_cpu=True))
     ids = torch.randint(0, 259, (2, 13))
-    with torch.no_grad():  # bf16 storage, fp32 compute on CPU: the base's function exactly
+    with torch.no_grad():  # bf16 storage, computed in the resolved dtype: the base's function exactly
         assert torch.equal(model.eval()(ids).logits, ref.eval()(ids).logits)
 
 
