@@ -127,6 +127,25 @@ def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     os.replace(tmp, path)
 
 
+ADAPTER_BASE = "base"
+"""Where a LoRA run with no base directory (random init, a GGUF file) writes its frozen base, beside the checkpoints."""
+
+
+def _save_adapter_base(model, tokenizer, out: str) -> None:
+    """Write the frozen base of a LoRA run that has no base directory to ``<output_dir>/base`` (once).
+
+    Why (issue 34): checkpoints hold only the adapters, and ``neutrain export <adapter checkpoint>`` needs the
+    base they adapt; a random init or a GGUF file has no directory to name, so the export failed with "base
+    model directory is unknown or missing (None)". The base is written as the adapters see it (lossy bases
+    already rounded), in the dtype its weights are held in, so merging reproduces the trained model.
+    """
+    from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+
+    path = Path(out) / ADAPTER_BASE
+    if not (path / "config.json").exists():
+        export_model(model, str(path), "hf", tokenizer=tokenizer, info={"name": "neutrain LoRA base (frozen)"}, overwrite=True)
+
+
 class RunContext:
     """What :func:`build_trainer` assembles: the trainer, tokenizer, held-out data and process state."""
 
@@ -177,7 +196,10 @@ def build_trainer(recipe: Recipe) -> RunContext:
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 
-        model = apply_lora(compress_model_for_adapters(model, recipe.memory["weights"]), recipe.memory)
+        model = compress_model_for_adapters(model, recipe.memory["weights"])
+        if not recipe.model["base_model"] and state.is_main_process:
+            _save_adapter_base(model, tokenizer, out)
+        model = apply_lora(model, recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
