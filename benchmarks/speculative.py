@@ -217,11 +217,14 @@ def parse(argv=None):
     a("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.quick:
-        args.__dict__.update(
+        quick = dict(
             budget_s=150, target_seconds=8, hidden=64, layers=2, heads=2, kv_heads=2, inter=128, draft_hidden=64,
             draft_layers=1, draft_steps=12, probe_steps=2, vocab=512, seq=64, batch=4, extra_mb=0.2, max_files=40,
             prompts=2, prompt_len=16, new_tokens=12, big_new_tokens=4, big_prompt_len=4, big_repeats=1,
             big_budget_s=60, name="speculative_quick", hf_static=False, reserve_s=5)
+        # A flag given on the command line wins over the --quick preset: the CI test lifts the time budgets
+        # so that a loaded machine skips no row (a test must not depend on the machine's speed, issue 34).
+        args.__dict__.update({k: v for k, v in quick.items() if getattr(args, k) == p.get_default(k)})
     return args
 
 

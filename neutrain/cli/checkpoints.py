@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neutrain.errors import UserInputError
+from neutrain.config.recipe_yaml import parse_recipe_text
+from neutrain.errors import RecipeError, UserInputError
+from neutrain.export.target import EXPORT_INFO
 
 
 def last_checkpoint(path: Path) -> Path:
@@ -12,7 +14,7 @@ def last_checkpoint(path: Path) -> Path:
 
     Example:
         >>> last_checkpoint(Path("outputs/default"))  # doctest: +SKIP
-        PosixPath('outputs/default/checkpoint-60')
+        PosixPath('outputs/default/checkpoint-240')
     """
     from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
 
@@ -25,3 +27,48 @@ def last_checkpoint(path: Path) -> Path:
         if last:
             return Path(last)
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
+
+
+def run_recipe(model_dir: Path) -> dict | None:
+    """The resolved recipe the neutrain run that wrote ``model_dir`` saved beside it (``<output_dir>/recipe.yaml``),
+    as a plain mapping; ``None`` for a directory no neutrain run wrote (or an unreadable recipe).
+
+    Example:
+        >>> run_recipe(Path("outputs/default/checkpoint-240"))["train"]["optimizer"]  # doctest: +SKIP
+        'adalomo'
+    """
+    path = Path(model_dir).parent / "recipe.yaml"
+    if not path.is_file():
+        return None
+    try:
+        raw = parse_recipe_text(path.read_bytes(), str(path))
+    except (OSError, RecipeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def trained_with_chat_template(model_dir: Path) -> bool | None:
+    """Whether the model in ``model_dir`` was trained on chat-template-rendered data, as its run recorded it:
+    the export's ``neutrain_export.json`` (``chat_template``), else the run's recipe (``type: messages``);
+    ``None`` when nothing says (a model neutrain did not train).
+
+    Example:
+        >>> trained_with_chat_template(Path("outputs/default/export"))  # doctest: +SKIP
+        False
+    """
+    import json
+
+    from neutrain.data.chat import trained_on_chat  # lazy: neutrain.data imports datasets; `neutrain --help` stays instant
+
+    info = Path(model_dir) / EXPORT_INFO
+    if info.is_file():
+        try:
+            recorded = json.loads(info.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if isinstance(recorded, bool):
+            return recorded
+    recipe = run_recipe(Path(model_dir))
+    if recipe is None or not isinstance(recipe.get("data"), dict):
+        return None
+    return trained_on_chat(recipe["data"].get("datasets") or [])

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.errors import UserInputError
 from neutrain.config import load_recipe
 from neutrain.config.schema import Recipe
@@ -74,7 +75,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
         output_dir=os.path.join(t["output_dir"], "distill"), per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
         learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
         logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
-        use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
+        use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=not progress_bars_wanted(),
         dataloader_pin_memory=not t["use_cpu"] and torch.cuda.is_available(),  # else a warning nobody can act on
     )
     trainer = DistillationTrainer(

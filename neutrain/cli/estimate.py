@@ -38,7 +38,7 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     est = estimate_recipe(recipe)
     st = est.settings
-    print(f"{recipe.source}: {st['params'] / 1e9:.2f}B parameters, batch {st['batch']} x {st['seq']} tokens, "
+    print(f"{recipe.source}: {parameter_count(st['params'])} parameters, batch {st['batch']} x {st['seq']} tokens, "
           f"weights {st['weights']}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
     print(est.table())
     print("\npredicted peak by phase (GiB)")
@@ -58,3 +58,17 @@ def run(args) -> int:
         print("chosen configuration: " + ", ".join(f"{k}={v}" for k, v in fit.changes.items() if k))
         print(plan_table(fit.plan))
     return 0
+
+
+def parameter_count(n: int) -> str:
+    """A parameter count as people write it: ``4.19M``, ``135M``, ``8.03B`` (a tiny model read "0.00B").
+
+    Example:
+        >>> parameter_count(4_194_304), parameter_count(134_515_008), parameter_count(8_030_261_248), parameter_count(950)
+        ('4.19M', '135M', '8.03B', '950')
+    """
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return str(n)

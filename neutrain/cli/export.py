@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.cli.checkpoints import last_checkpoint, run_recipe, trained_with_chat_template
 from neutrain.config.schema import SCHEMA
 from neutrain.export.target import check_export_target
 
@@ -35,11 +35,39 @@ def run(args) -> int:
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = args.output or str(ckpt.parent / "export")
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
+    dtype = run_export_dtype(ckpt, args.dtype)
     if (ckpt / "adapter_config.json").exists():
         model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
     else:
         model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+    info = {"checkpoint": str(ckpt)}
+    chat = trained_with_chat_template(ckpt)
+    if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained
+        info["chat_template"] = chat
     path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
-                        info={"checkpoint": str(ckpt)}, overwrite=args.overwrite)
-    print(f"exported {ckpt} -> {path} (format {args.format})")
+                        info=info, overwrite=args.overwrite, dtype=dtype)
+    print(f"exported {ckpt} -> {path} (format {args.format}, dtype {dtype if dtype != 'auto' else str(model.dtype).replace('torch.', '')})")
     return 0
+
+
+def run_export_dtype(checkpoint: Path, requested: str) -> str:
+    """The dtype ``--dtype`` means for ``checkpoint``: for ``auto``, the dtype the run's own export used
+    (read from the run's recipe), so ``neutrain export --dtype auto`` writes what the run wrote.
+
+    Why (issue 34): a CPU run computes in fp32 and exports bf16 (its base's dtype, or NeuZip's), but
+    ``--dtype auto`` kept the checkpoint's fp32 tensors. A checkpoint no recipe describes keeps its own dtype.
+
+    Example:
+        >>> run_export_dtype(Path("outputs/default/checkpoint-240"), "auto")  # doctest: +SKIP
+        'bfloat16'
+    """
+    if requested != "auto":
+        return requested
+    recipe = run_recipe(checkpoint)
+    try:
+        model, weights, use_cpu = recipe["model"], recipe["memory"]["weights"], recipe["train"]["use_cpu"]
+    except (KeyError, TypeError):
+        return "auto"
+    from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant
+
+    return export_dtype(model, weights, use_cpu, "auto")

@@ -6,8 +6,9 @@ import math
 import sys
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint
-from neutrain.errors import UserInputError
+from neutrain.cli.checkpoints import last_checkpoint, trained_with_chat_template
+from neutrain.config.validate import PACKAGE_PREFIX, package_file
+from neutrain.errors import RecipeError, UserInputError
 
 
 def configure(sub) -> None:
@@ -15,8 +16,10 @@ def configure(sub) -> None:
     p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
                        description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
                        "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
-    p.add_argument("model", help="model directory (an export or checkpoint)")
-    p.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template, when it has one")
+    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
+                   "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
+    p.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template when the "
+                   "tokenizer has one and the model was trained with it (the run records this); stderr says which")
     p.add_argument("--raw", action="store_true", help="tokenize --prompt as it is, without the chat template")
     p.add_argument("--draft", help="draft model directory (same tokenizer)")
     p.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
@@ -59,17 +62,27 @@ def run(args) -> int:
     check_arguments(args)
 
     from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
-    from neutrain.data.chat import prompt_ids  # lazy: same reason
     from neutrain.cli.placement import place_model  # lazy: same reason
+    from neutrain.data.chat import prompt_ids, template_choice  # lazy: same reason
     from neutrain.export import load_checkpoint_model  # lazy: same reason
     from neutrain.speculative import generate  # lazy: same reason
 
-    model, tokenizer, where = place_model(last_checkpoint(Path(args.model)), args.device, args.device_budget_gib)
+    gguf = gguf_file(Path(args.model))
+    where = None
+    if gguf is not None:
+        (model, tokenizer), trained_with = _load_gguf(gguf), None
+    else:
+        directory = last_checkpoint(Path(args.model))
+        # On a GPU, the form that fits the device budget (neutrain.cli.placement); on a CPU, as it is.
+        model, tokenizer, where = place_model(directory, args.device, args.device_budget_gib)
+        trained_with = trained_with_chat_template(directory)
     if where:
         print(where, file=sys.stderr)
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
-    ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=args.raw)])
+    use_template, why = template_choice(tokenizer, trained_with, raw=args.raw)
+    ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=not use_template)])
+    print(f"[{why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
@@ -92,6 +105,45 @@ def run(args) -> int:
 
         print(peak_line(), file=sys.stderr)
     return 0
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file ``path`` means: the file itself, ``package:<module>/<file>.gguf`` (a file an installed
+    Python package ships), or the single ``*.gguf`` in a directory with no ``config.json``; ``None`` for
+    anything else (a checkpoint or export).
+
+    Example:
+        >>> gguf_file(Path("outputs/default/export")) is None  # doctest: +SKIP
+        True
+    """
+    if str(path).startswith(PACKAGE_PREFIX):  # a GGUF a pip package ships, named as model.gguf_file names it
+        try:
+            return Path(package_file(str(path), "model"))
+        except RecipeError as exc:
+            raise UserInputError(str(exc).replace("model: ", "", 1)) from None
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").exists() or (path / "adapter_config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise UserInputError(f"model '{path}' holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): name one")
+    return found[0] if found else None
+
+
+def _load_gguf(path: Path):
+    """A GGUF file's model, dequantized (fp32 on a CPU, bf16 on a GPU), and its tokenizer."""
+    import torch  # lazy: `neutrain --help` stays instant
+
+    from neutrain.nn.gguf import GGUFLoadError, load_gguf_model, load_gguf_tokenizer  # lazy: same reason
+
+    cuda = torch.cuda.is_available()
+    try:
+        model = load_gguf_model(str(path.parent), path.name, torch.bfloat16 if cuda else torch.float32)
+        tokenizer = load_gguf_tokenizer(str(path.parent), path.name)
+    except GGUFLoadError as exc:
+        raise UserInputError(str(exc)) from None
+    return (model.cuda() if cuda else model), tokenizer
 
 
 def _plain(model, ids, args, tokenizer):

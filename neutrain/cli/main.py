@@ -27,6 +27,8 @@ from pathlib import Path
 from neutrain.cli import distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
+from neutrain.compat.deepspeed_env import name_cpu_accelerator
+from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.errors import StoppedBySignal, UserInputError, one_line
 
 EXIT_USER_ERROR = 2
@@ -46,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
         "environment (full disk, read-only file system, unusable output_dir). Set NEUTRAIN_DEBUG=1 to see the traceback.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # The package's own __version__, read from the parent package already loaded (importing it would be an
+    # import upward in the layer order; a parent package is in sys.modules whenever its submodule runs).
+    p.add_argument("--version", action="version", version=f"neutrain {sys.modules['neutrain'].__version__}")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for command in COMMANDS.values():
         command.configure(sub)
@@ -53,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _argv_with_default_command(argv: list[str]) -> list[str]:
-    if argv and argv[0] not in {*COMMANDS, "-h", "--help"} and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
+    if argv and argv[0] not in {*COMMANDS, "-h", "--help", "--version"} and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
         return ["train", *argv]
     return argv
 
@@ -88,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
               f"of {', '.join(_LOG_LEVELS)} (or a number)", file=sys.stderr)
         return EXIT_USER_ERROR
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    quiet_progress_bars()  # a log file or pipe gets lines, not carriage-return bar redraws
+    if args.command != "recipes":  # every command that loads a model may import DeepSpeed (through transformers)
+        name_cpu_accelerator()
     try:
         return COMMANDS[args.command].run(args)
     except UserInputError as exc:

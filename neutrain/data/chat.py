@@ -67,6 +67,43 @@ def set_chat_template(tokenizer, value: str | None):
     return tokenizer
 
 
+def trained_on_chat(datasets: list[dict]) -> bool:
+    """True when a recipe's ``data.datasets`` hold chat data (``type: messages``), i.e. the model is trained
+    on text rendered by the chat template, so generation should render prompts the same way.
+
+    Example:
+        >>> trained_on_chat([{"path": "python-stdlib", "type": "text"}]), trained_on_chat([{"type": "messages"}])
+        (False, True)
+    """
+    return any(entry.get("type") == "messages" for entry in datasets or ())
+
+
+def template_choice(tokenizer, trained_with_template: bool | None, raw: bool = False) -> tuple[bool, str]:
+    """``(use the chat template?, why)`` for a generation prompt.
+
+    Why (issue 34): a model trained from scratch on code got its prompt wrapped in the byte tokenizer's
+    template, which it never saw, and printed only ``#``. The template is used only when the tokenizer has
+    one and the model was trained with it: ``trained_with_template`` is what the run recorded (``None``
+    for a model neutrain did not train, e.g. an instruct GGUF, which was trained with its own template).
+
+    Example:
+        >>> from neutrain.data import byte_tokenizer
+        >>> template_choice(byte_tokenizer(), trained_with_template=False)
+        (False, 'no chat template: the model was trained on raw text')
+        >>> template_choice(byte_tokenizer(), trained_with_template=True)
+        (True, "chat template: the model's own (it was trained with it)")
+    """
+    if raw:
+        return False, "no chat template: --raw"
+    if not getattr(tokenizer, "chat_template", None):
+        return False, "no chat template: the tokenizer has none"
+    if trained_with_template is False:
+        return False, "no chat template: the model was trained on raw text"
+    if trained_with_template is None:
+        return True, "chat template: the model's own (not trained by neutrain)"
+    return True, "chat template: the model's own (it was trained with it)"
+
+
 def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """Token ids for a generation prompt: one user turn in the chat template plus the assistant header.
 

@@ -89,6 +89,8 @@ def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
     path = Path(path)
     verify_checkpoint(path)
     base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base and (path.parent / "base" / "config.json").exists():
+        base = str(path.parent / "base")  # a run with no base directory wrote its frozen base there (cli/train.py)
     if not base or not Path(base).is_dir():
         raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
                               f"({base!r}); pass --base DIR")

@@ -55,9 +55,21 @@ class CompressionReport:
         return 16.0 * self.weight_bytes_after / max(1, self.weight_bytes_before) if self.converted else 16.0
 
     def __str__(self) -> str:
-        gib = 1 << 30
-        return (f"{self.weights}: {self.converted} weights converted, model {self.bytes_before / gib:.3f} GiB -> "
-                f"{self.bytes_after / gib:.3f} GiB ({100 * self.ratio:.1f} %)")
+        return (f"{self.weights}: {self.converted} weights converted, model {byte_size(self.bytes_before)} -> "
+                f"{byte_size(self.bytes_after)} ({100 * self.ratio:.1f} %)")
+
+
+def byte_size(n: int) -> str:
+    """``n`` bytes in the unit that shows it: GiB from 1 GiB up, else MiB (a tiny model read "0.000 GiB").
+
+    Example:
+        >>> byte_size(3 << 30), byte_size(5_300_000), byte_size(2048)
+        ('3.00 GiB', '5.05 MiB', '0.002 MiB')
+    """
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    mib = n / (1 << 20)
+    return f"{mib:.2f} MiB" if mib >= 0.1 else f"{mib:.3f} MiB"
 
 
 def model_nbytes(model: torch.nn.Module) -> int:

@@ -133,6 +133,7 @@ def apply_lora(model: torch.nn.Module, memory: Mapping[str, Any]):
     """
     from peft import LoraConfig, get_peft_model
 
+    from neutrain.compat.quiet import peft_wrapping
     from neutrain.nn import CompressedLinear
     from neutrain.nn.stand_in import shape_only_weights
 
@@ -142,7 +143,7 @@ def apply_lora(model: torch.nn.Module, memory: Mapping[str, Any]):
         target_modules=lora_target_modules(model, m.lora_target_modules),
     )
     register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
-    with warnings.catch_warnings(), shape_only_weights():
+    with warnings.catch_warnings(), shape_only_weights(), peft_wrapping():
         # peft warns about any layer type it does not know; CompressedLinear is handled above.
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         # peft reads each wrapped layer's .weight for its device only: no decode (neutrain.nn.stand_in).
@@ -168,11 +169,12 @@ def load_adapters(base_model: torch.nn.Module, adapter_dir, is_trainable: bool =
     """
     from peft import LoraConfig, PeftModel
 
+    from neutrain.compat.quiet import peft_wrapping
     from neutrain.nn import CompressedLinear
     from neutrain.nn.stand_in import shape_only_weights
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
     register_custom_lora_module(config, CompressedLinear, _compressed_lora_linear())
-    with warnings.catch_warnings(), shape_only_weights():
+    with warnings.catch_warnings(), shape_only_weights(), peft_wrapping():
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         return PeftModel.from_pretrained(base_model, str(adapter_dir), config=config, is_trainable=is_trainable)

@@ -30,7 +30,9 @@ def format_log_line(logs: dict, step: int, max_steps: int) -> str:
 
     Empty when the event carries none of these (e.g. only evaluation timings).
     """
-    parts = [f"step {step}/{max_steps}"]
+    # Before training (an evaluation first, as the draft's distillation does) the Trainer knows no step
+    # count yet: "step 0/0" read as a broken run (issue 34).
+    parts = ["before training" if step == 0 and not max_steps else f"step {step}/{max_steps}"]
     if "train_runtime" in logs:
         return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean train loss {_num(logs.get('train_loss', float('nan')))}"
     if "loss" in logs:

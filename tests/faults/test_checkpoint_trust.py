@@ -179,9 +179,11 @@ def test_resume_from_a_planted_pickle_exits_2_and_runs_nothing(mode, checkpoint_
         return
     res = _run(_command(recipe, mode, *overrides))
     assert res.returncode != 0 and not marker.exists(), res.stderr[-3000:]
-    # Every rank checks every file, so both stop with the same line; torchrun adds its own failure report.
+    # Every rank checks every file and stops with the same line, but torchrun tears the group down as soon
+    # as the first rank exits: on a loaded machine the other rank may be killed before it prints (issue 34
+    # saw 1 line instead of 2). So: at least one line, and every line names the planted file.
     errors = [line for line in res.stderr.splitlines() if line.startswith("neutrain: error: ")]
-    assert len(errors) == 2 and all(PLANT_AT_RESUME[mode] in line for line in errors), res.stderr[-3000:]
+    assert 1 <= len(errors) <= 2 and all(PLANT_AT_RESUME[mode] in line for line in errors), res.stderr[-3000:]
 
 
 def test_training_args_are_json_and_an_old_pickle_is_refused(checkpoint_of, tmp_path):

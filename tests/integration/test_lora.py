@@ -142,6 +142,15 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
     assert not any("lora" in n for n, _ in merged.named_modules())
     ids = torch.randint(0, merged.config.vocab_size, (1, 6))
     assert merged.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
+    # A random-init base has no directory: the run wrote it beside the checkpoints, so `neutrain export` of an
+    # adapter checkpoint works (before: "base model directory is unknown or missing (None)", issue 34).
+    from neutrain.cli import main
+
+    assert (Path(recipe.train["output_dir"]) / "base" / "config.json").exists()
+    assert main(["export", str(ckpt), "--format", "hf", "--output", str(tmp_path / "cli-export")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cli-export"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits.float(), merged(ids).logits.float(), rtol=1e-3, atol=1e-3)
 
 
 def test_lora_with_a_fused_optimizer_is_refused(tmp_path):

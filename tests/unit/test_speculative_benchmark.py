@@ -21,6 +21,14 @@ def tiny(seed: int, hidden: int = 32):
     return make_llama(64, hidden, 1, 2, 2, 2 * hidden, torch.device("cpu"), seed)
 
 
+def test_quick_preset_keeps_budgets_given_on_the_command_line():
+    from benchmarks.speculative import parse
+
+    assert parse(["--quick"]).budget_s == 150 and parse(["--quick"]).big_budget_s == 60
+    args = parse(["--quick", "--budget-s", "100000", "--big-budget-s", "90000"])
+    assert (args.budget_s, args.big_budget_s, args.hidden) == (100000, 90000, 64)
+
+
 def test_trainer_clone_continues_exactly_like_the_original():
     # The distilled draft starts from the control's state: weights, AdamW moments, step and data position.
     stream = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
@@ -74,7 +82,9 @@ def test_quick_run_writes_every_issue_19_target_and_every_row(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(NEUTRAIN_GIT_COMMIT="a" * 40, NEUTRAIN_GIT_DIRTY="1", NEUTRAIN_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "benchmarks/speculative.py", "--quick", "--out-dir", str(tmp_path)],
+    # Budgets lifted: with --quick's 150 s a loaded machine skipped the HF-assisted row (value None).
+    unlimited = ["--budget-s", "100000", "--big-budget-s", "100000"]
+    proc = subprocess.run([sys.executable, "benchmarks/speculative.py", "--quick", *unlimited, "--out-dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "speculative_quick.json").read_text())

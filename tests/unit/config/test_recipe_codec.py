@@ -17,6 +17,7 @@ import yaml
 from neutrain.config import load_recipe
 from neutrain.config import recipe_codec
 from neutrain.config.recipe_yaml import parse_recipe_text
+from tests.helpers import load_shipped_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -51,7 +52,7 @@ def test_every_shipped_recipe_is_executable_declares_the_codec_and_is_plain_yaml
         plain = yaml.safe_load(path.read_text())
         assert plain == parse_recipe_text(path.read_bytes(), path.name)
         assert set(plain) <= {"model", "data", "train", "memory", "eval", "export", "distill", "lora"}
-        load_recipe(path)
+        load_shipped_recipe(path)
 
 
 def test_python_runs_a_recipe_as_neutrain_train_with_its_arguments(tmp_path, registered, monkeypatch):
