@@ -50,7 +50,7 @@ def gguf_tensors(path: str, model, dtype: torch.dtype) -> Iterator[tuple[str, to
     # The parsed key-value fields (a 50k-token vocabulary is ~150 MB of small arrays) are not needed
     # past this point; the tensors keep the memory map alive.
     reader.fields.clear()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])  # load_gguf_checkpoint always parses one
     mapping = get_gguf_hf_weights_map(model, processor)
     parsed["tensors"] = {}  # processors that merge several tensors (MoE experts) put their results here
     for tensor in reader.tensors:
