@@ -64,3 +64,10 @@ def load_shipped_recipe(path: Path, overrides=()):
             load_recipe(path, overrides)
         return None
     return load_recipe(path, overrides)
+
+
+def one_error_line(err: str) -> str:
+    """The one ``neutrain: error:`` line of a command's stderr, asserting there is exactly one and no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("neutrain: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from neutrain.trainer.callbacks import read_metrics
-from tests.helpers import TINY_LLAMA, write_recipe
+from tests.helpers import TINY_LLAMA, one_error_line, write_recipe
 
 NAN = float("nan")
 
@@ -66,11 +66,6 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-def _one_line_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("neutrain: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
 
 # ---------------------------------------------------------------- class 2: export never destroys its output
 
@@ -110,7 +105,7 @@ def test_export_refuses_an_output_that_is_not_a_previous_export(tmp_path, capsys
     before = _snapshot(tmp_path)
     rc, _, err = _cli(capsys, "export", run / "checkpoint-4", "--output", target, *(["--overwrite"] if overwrite else []))
     assert rc == 2
-    line = _one_line_error(err)
+    line = one_error_line(err)
     assert f"'{target}'" in line and "not a neutrain export" in line
     assert _snapshot(tmp_path) == before, "a refused export changed files"
 
@@ -125,7 +120,7 @@ def test_export_over_a_previous_export_needs_overwrite_and_replaces_only_it(tmp_
 
     before = _snapshot(tmp_path)
     rc, _, err = _cli(capsys, "export", run / "checkpoint-4", "--output", export)
-    assert rc == 2 and "--overwrite" in _one_line_error(err)
+    assert rc == 2 and "--overwrite" in one_error_line(err)
     assert _snapshot(tmp_path) == before
 
     rc, out, err = _cli(capsys, "export", run / "checkpoint-4", "--output", export, "--overwrite")
@@ -152,7 +147,7 @@ def test_failed_export_keeps_the_previous_export_and_removes_its_temporary(tmp_p
 
     monkeypatch.setattr(hf, "_model_card", disk_full)  # fails after the weights are written
     rc, _, err = _cli(capsys, "export", run / "checkpoint-4", "--output", export, "--overwrite")
-    assert rc == 1 and "No space left" in _one_line_error(err)  # an environment failure: one line, exit 1
+    assert rc == 1 and "No space left" in one_error_line(err)  # an environment failure: one line, exit 1
     assert _snapshot(tmp_path) == before, "the previous export changed or a temporary was left behind"
 
 
@@ -171,7 +166,7 @@ def test_export_below_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("my notes\n")
     before = _snapshot(tmp_path)
     rc, _, err = _cli(capsys, "export", run / "checkpoint-4", "--output", tmp_path / "notes.txt" / "export")
-    line = _one_line_error(err)
+    line = one_error_line(err)
     assert rc == 1 and "--output is not writable" in line and "notes.txt" in line  # an environment failure: exit 1
     assert _snapshot(tmp_path) == before
 
@@ -180,7 +175,7 @@ def test_export_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
     missing = tmp_path / "no-such-run"
     rc, _, err = _cli(capsys, "export", missing, "--output", tmp_path / "export")
     assert rc == 2
-    line = _one_line_error(err)
+    line = one_error_line(err)
     assert f"'{missing}' does not exist" in line and "config.json" not in line
     assert not (tmp_path / "export").exists()
 
@@ -201,7 +196,7 @@ def test_recipe_export_refuses_a_non_export_before_training(tmp_path, capsys, wh
     before = _snapshot(tmp_path)
     rc, _, err = _train(capsys, recipe)
     assert rc == 2
-    assert "export.output_dir" in _one_line_error(err)
+    assert "export.output_dir" in one_error_line(err)
     assert _snapshot(tmp_path) == before, "the run wrote or deleted files although its export target was refused"
 
 
@@ -386,7 +381,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_exit_2(tmp_path, capsys, 
                           eval={"perplexity": False})
     rc, _, err = _train(capsys, recipe)
     assert rc == 2
-    line = _one_line_error(err)
+    line = one_error_line(err)
     assert "3 optimizer steps in a row (steps 3-5)" in line and "train.max_consecutive_nonfinite: 3" in line
     out = tmp_path / "out"
     assert (out / "checkpoint-2" / "model.safetensors").is_file() and (out / "checkpoint-4" / "model.safetensors").is_file()

@@ -16,7 +16,7 @@ import torch
 
 from neutrain.cli import main as neutrain
 from neutrain.trainer.phases import PHASES
-from tests.helpers import write_recipe
+from tests.helpers import one_error_line, write_recipe
 
 OOM = "CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 14.50 GiB"
 
@@ -26,11 +26,6 @@ def _run(capsys, recipe: Path, *overrides: str) -> tuple[int, str, str]:
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("neutrain: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def _out_of_memory(*_args, **_kwargs):
@@ -50,7 +45,7 @@ def test_an_allocation_over_the_budget_ends_in_one_line_naming_the_phase(tmp_pat
     recipe = write_recipe(tmp_path, train={"max_steps": 2, "save_steps": 2}, memory={"device_budget_gib": 1.5},
                           eval={"perplexity": False}, export={"format": "none"})
     rc, _, err = _run(capsys, recipe)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert rc == 1
     assert line.startswith(f"neutrain: error: out of memory in phase '{where}' under memory.device_budget_gib=1.5 "
                            "(Tried to allocate 1.96 GiB")
@@ -60,7 +55,7 @@ def test_an_allocation_over_the_budget_ends_in_one_line_naming_the_phase(tmp_pat
 def test_nothing_fitting_the_budget_is_one_line_and_exit_2_before_the_build(tmp_path, capsys):
     recipe = write_recipe(tmp_path, memory={"device_budget_gib": 0.01})
     rc, _, err = _run(capsys, recipe)
-    line = _one_error_line(err)
+    line = one_error_line(err)
     assert rc == 2
     assert line.startswith("neutrain: error: memory.device_budget_gib: nothing fits a budget of 0.01 GiB")
     assert "needs a budget of" in line
@@ -108,7 +103,7 @@ def test_estimate_prints_the_phases_the_budget_and_the_choice(capsys):
     assert "chosen configuration: memory.offload_activations=True, memory.offload_weights=True" in out
     rc = neutrain(["estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=2"])
     captured = capsys.readouterr()
-    assert rc == 2 and "nothing fits a budget of 2.00 GiB" in _one_error_line(captured.err)
+    assert rc == 2 and "nothing fits a budget of 2.00 GiB" in one_error_line(captured.err)
 
 
 @pytest.mark.parametrize("card_gb, offloaded", [(16, False), (12, True)])
