@@ -197,8 +197,8 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
 
     Why: ``model.config`` with ``hidden_size`` or ``vocab_size`` of 1e9 failed in the allocator with a
     traceback, and ``num_hidden_layers: 1000000`` hung while building. The parameter count comes from the
-    planner's :class:`~neutrain.trainer.planner.ModelShape` in closed form (the planner's per-layer terms
-    would take seconds for such a depth), times the bytes a weight takes as built (dtype, or NeuZip's bits).
+    planner's :class:`~neutrain.trainer.planner.ModelShape` (its counts are closed-form, so a depth of a
+    million layers costs nothing), times the bytes a weight takes as built (dtype, or NeuZip's bits).
     Only a certain failure is refused: the weights alone, without gradients, optimizer or activations.
 
     Args:
@@ -226,9 +226,7 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
     if shape.layers > MAX_LAYERS:
         raise RecipeError(f"model.config.num_hidden_layers: {shape.layers:,} layers is beyond neutrain's bound of "
                           f"{MAX_LAYERS:,} (the deepest published decoders have under 200)")
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_layer = 2 * q * h + 2 * kv * h + 3 * shape.intermediate * h + 2 * h  # attention, MLP, two norms
-    params = shape.layers * per_layer + shape.vocab * h * (1 if shape.tied else 2) + h
+    params = shape.params()
     mem = recipe.memory
     on_cpu = recipe.train["use_cpu"] or device_bytes is None
     bits = NEUZIP_BITS if mem["weights"] != "dense" else (32 if recipe.model["dtype"] == "float32" or

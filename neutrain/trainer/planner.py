@@ -100,7 +100,11 @@ class ModelShape:
         return mats
 
     def matrix_params(self) -> int:
-        return sum(r * c for _, r, c in self.matrices())
+        """:meth:`matrices`' total in closed form: the preflight size check runs it on configs of a million
+        layers, where building the per-layer list took seconds."""
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        per_layer = 2 * q * h + 2 * kv * h + 3 * self.intermediate * h  # q, k, v, o; gate, up, down
+        return self.layers * per_layer + self.vocab * h * (1 if self.tied else 2)
 
     def norm_params(self) -> int:
         return self.hidden * (2 * self.layers + 1)

@@ -1,5 +1,6 @@
 """The memory planner counts parameters like the real model and adds up its terms consistently."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -57,3 +58,9 @@ def test_streamed_vocabulary_gradients_and_reserved_memory():
     small, large = (estimate(shape, batch=1, seq=s, weights="neuzip-lossless", optimizer="lomo") for s in (1024, 16384))
     assert small.total < small.reserved < small.device
     assert large.reserved - large.total > small.reserved - small.total > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_matrix_params_closed_form_equals_the_sum_over_matrices(tied):
+    shape = ModelShape(hidden=64, intermediate=160, layers=3, heads=4, kv_heads=2, vocab=300, tied=tied, head_dim=16)
+    assert shape.matrix_params() == sum(r * c for _, r, c in shape.matrices())
