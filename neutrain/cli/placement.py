@@ -31,6 +31,7 @@ from neutrain.export.hf import MARKER, _load_tokenizer
 from neutrain.cli.memory import enforce_budget
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
 from neutrain.trainer.fit import resolve_budget
+from neutrain.trainer.phases import device_memory_used
 from neutrain.trainer.modeling import build_model
 from neutrain.trainer.planner import NEUZIP_BITS
 
@@ -129,6 +130,6 @@ def peak_line() -> str:
     """``generate: peak GPU memory A GiB allocated, R reserved, D in use on the device at the end`` (D: all processes)."""
     import torch
 
-    free, total = torch.cuda.mem_get_info()
+    used = device_memory_used(torch.cuda.current_device())  # NVML, as the run's phase records read it
     return (f"generate: peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated, "
-            f"{torch.cuda.max_memory_reserved() / GIB:.2f} reserved, {(total - free) / GIB:.2f} in use on the device at the end")
+            f"{torch.cuda.max_memory_reserved() / GIB:.2f} reserved, {used / GIB:.2f} in use on the device at the end")
