@@ -179,3 +179,16 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
         os.replace(tmp, path)
         written = written or path
     return written
+
+
+def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """What a ``neutrain train`` run directory says of itself: ``records`` (``metrics.jsonl``, read by
+    :func:`neutrain.trainer.callbacks.read_metrics`: a torn line skipped, a resumed step's record the
+    last one), its ``steps`` (records with a loss), its ``phases`` (phase memory records) and ``summary``."""
+    from neutrain.trainer.callbacks import read_metrics
+
+    run = Path(run_dir)
+    records = read_metrics(run / "metrics.jsonl")
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    return {"records": records, "steps": [r for r in records if "loss" in r],
+            "phases": [r for r in records if "phase" in r], "summary": summary}

@@ -37,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import read_run  # noqa: E402 (after the path is set)
+
 GIB = 2**30
 RECIPE = "recipes/llama3_8b.yaml"
 PCIE4_BYTES_PER_S = 25e9  # a consumer card's PCIe 4.0 x16 link, each direction
@@ -66,20 +68,6 @@ SMOKE: list[str] = []  # --smoke: CPU settings appended to every launch (a flow 
 
 def launch(overrides: list[str]) -> list[str]:
     return ["accelerate", "launch", *(["--cpu"] if SMOKE else []), RECIPE, *overrides, *SMOKE]
-
-
-def read_run(run: Path) -> dict:
-    """summary.json, metrics.jsonl's step and phase records of a run directory."""
-    rows = []
-    if (run / "metrics.jsonl").exists():
-        for line in (run / "metrics.jsonl").read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    return {"steps": [r for r in rows if "loss" in r and "phase" not in r],
-            "phases": [r for r in rows if "phase" in r], "summary": summary}
 
 
 def tokens_per_s(steps: list[dict], first: int = 3, last: int | None = None) -> float | None:

@@ -21,23 +21,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks._common import read_run  # noqa: E402 (after the path is set)
+
 GIB = 2**30
 TOKENS_PER_STEP = 16384  # recipes/llama3_70b_offload.yaml: micro_batch_size 1 x sequence_len 16384, packed
-
-
-def read_run(run_dir: Path) -> dict:
-    """Per-step records of a run's ``metrics.jsonl`` and its ``summary.json`` (absent: ``None``)."""
-    rows = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line: the steps before it still count
-    summary = run_dir / "summary.json"
-    return {"steps": [r for r in rows if "loss" in r], "records": rows,
-            "summary": json.loads(summary.read_text()) if summary.exists() else None}
 
 
 def device_used_gib(csv_path: Path | None) -> float | None:
