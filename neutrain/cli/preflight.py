@@ -192,6 +192,18 @@ def device_memory_total() -> int | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
+def _dense_bits(dtype: str, on_cpu: bool) -> int:
+    """Bits a dense weight takes as built: ``auto`` on a CPU is fp32 only without native bf16 units
+    (the choice ``resolve_dtype`` makes); counting 32 there over-counted bf16 CPUs twice."""
+    if dtype == "float32":
+        return 32
+    if dtype == "auto" and on_cpu:
+        from neutrain.compat.cpu_features import native_bf16_feature  # lazy: reads /proc/cpuinfo once
+
+        return 16 if native_bf16_feature() else 32
+    return 16
+
+
 def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int | None) -> None:
     """Refuse a model whose weights alone cannot fit the memory they are built in, before anything is built.
 
@@ -229,8 +241,7 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
     params = shape.params()
     mem = recipe.memory
     on_cpu = recipe.train["use_cpu"] or device_bytes is None
-    bits = NEUZIP_BITS if mem["weights"] != "dense" else (32 if recipe.model["dtype"] == "float32" or
-                                                         (recipe.model["dtype"] == "auto" and on_cpu) else 16)
+    bits = NEUZIP_BITS if mem["weights"] != "dense" else _dense_bits(recipe.model["dtype"], on_cpu)
     need = params * bits / 8
     where, have = ("host", host_bytes) if on_cpu or mem["offload_weights"] else ("GPU", device_bytes)
     if have is None or need <= have:

@@ -89,3 +89,20 @@ def test_explicit_dtypes_ignore_the_cpu(fake_cpu):
     assert modeling.resolve_dtype("float32", use_cpu=True) == torch.float32
     fake_cpu(AVX2_ONLY)
     assert modeling.resolve_dtype("bfloat16", use_cpu=True) == torch.bfloat16
+
+
+@pytest.mark.parametrize(("cpuinfo", "bits"), [(AVX2_ONLY, 32), (AVX512_BF16, 16)], ids=["avx2", "avx512_bf16"])
+def test_the_size_check_counts_auto_as_the_dtype_this_cpu_builds(fake_cpu, cpuinfo, bits):
+    """``check_model_size`` refuses by the bytes the build will take: fp32 only where auto resolves to fp32."""
+    from neutrain.cli.preflight import check_model_size
+    from neutrain.config import load_recipe
+    from neutrain.errors import RecipeError
+    from neutrain.trainer.modeling import config_only
+    from neutrain.trainer.planner import ModelShape
+
+    fake_cpu(cpuinfo)
+    recipe = load_recipe("default", ["model.dtype=auto", "memory.weights=dense", "train.use_cpu=true"])
+    need = ModelShape.from_config(config_only(recipe.model)).params() * bits // 8
+    check_model_size(recipe, host_bytes=need, device_bytes=None)  # exactly enough: accepted
+    with pytest.raises(RecipeError, match="GiB of host memory"):
+        check_model_size(recipe, host_bytes=need - 1, device_bytes=None)
