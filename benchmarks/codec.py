@@ -56,7 +56,8 @@ LLAMA3_8B_LAYER = [("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj"
                    ("o_proj", (4096, 4096)), ("gate_proj", (14336, 4096)), ("up_proj", (14336, 4096)),
                    ("down_proj", (4096, 14336))]
 VARIANTS = {"s64": (64, None), "s16": (16, None), "s32_w4": (32, 4)}
-"""Kernels timed beside the API's defaults (32 steps per lane, 8 warps per 256-lane tile): (steps, warps)."""
+"""Kernels timed beside the API's defaults (``default_steps``: 16 steps per lane under 8M weights, else 32;
+8 warps per 256-lane tile): (steps, warps)."""
 ROTATE_BYTES = 200 * 2**20
 
 

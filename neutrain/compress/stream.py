@@ -13,14 +13,16 @@ tensor. So:
   status is copied to pinned host memory asynchronously and looked at by the *next*
   encode of the same tensor, once its CUDA event has completed (``query``, never a
   wait). That lagged view drives the two decisions that used to need the host read:
-  grow the stream (when the last encode left less than 1/64 free) and rebuild the code
+  grow the stream (when the last encode left less than half its headroom free) and rebuild the code
   (when the coded exponents grew 1 % past their size at build; that re-encode is
   synchronous, rare, and also resets the capacity headroom).
-* The capacity is the used length plus 1/32 (about 0.08 bit per weight), so one step
-  would have to grow the exponent stream by more than ~2 % to overflow. If it ever does,
-  the tensor keeps its previous content, intact, and the next look at the status
-  raises :class:`StreamOverflowError` naming the tensor: an update is never dropped
-  silently.
+* The capacity is the used length plus a headroom the tensor earns: 1/2048 at first
+  (~0.0014 bit per weight; a flat 1/32 cost 0.085 bit, 0.8 % of the model, issue 30),
+  doubled each time the tensor had to grow, up to 1/32. Training moves few exponents
+  per step, so most tensors never grow; one that drifts gets room where it drifts.
+  If an encode ever overflows, the tensor keeps its previous content, intact, its
+  stream grows (with the doubled headroom) and the next look at the status raises
+  :class:`StreamOverflowError` naming the tensor: an update is never dropped silently.
 * ``sync=True`` (the default of ``recompress_`` for arbitrary new data, and
   ``compress``) reads the length between the passes and grows the stream first, so
   the commit always happens.
@@ -40,14 +42,36 @@ class StreamOverflowError(RuntimeError):
     """A re-encode without host synchronisation did not fit its stream; the tensor kept its previous value."""
 
 
-def capacity_for(words: int) -> int:
-    """Stream words to allocate for ``words`` used ones: 1/32 headroom plus 64 words."""
-    return words + words // 32 + 64
+HEADROOM_SHIFT = 11
+"""A new stream's headroom is ``words >> HEADROOM_SHIFT`` (1/2048) plus 64 words."""
+MIN_HEADROOM_SHIFT = 5
+"""The most headroom a tensor earns by growing: 1/32 (what every tensor had before issue 30)."""
 
 
-def needs_growth(words: int, capacity: int) -> bool:
-    """Whether a sync-free encode should grow the stream first: less than 1/64 (+ 32 words) left."""
-    return words + words // 64 + 32 > capacity
+def capacity_for(words: int, shift: int = HEADROOM_SHIFT) -> int:
+    """Stream words to allocate for ``words`` used ones: ``words >> shift`` headroom plus 64 words.
+
+    Example:
+        >>> capacity_for(1 << 20), capacity_for(1 << 20, MIN_HEADROOM_SHIFT)
+        (1049152, 1081408)
+    """
+    return words + (words >> shift) + 64
+
+
+def needs_growth(words: int, capacity: int, shift: int = HEADROOM_SHIFT) -> bool:
+    """Whether a sync-free encode should grow the stream first: less than half its headroom (+ 32 words) left."""
+    return words + (words >> (shift + 1)) + 32 > capacity
+
+
+def grow(ct, words: int, earned: bool = True) -> None:
+    """Move ``ct``'s first ``words`` stream words into a stream with headroom, doubled first (up to 1/32)
+    when ``earned`` (the tensor outgrew the headroom it had; a stream loaded from a checkpoint has none
+    yet). The copy keeps the tensor decodable even if the next encode overflows."""
+    if earned:
+        ct._headroom_shift = max(MIN_HEADROOM_SHIFT, ct._headroom_shift - 1)
+    grown = torch.zeros(capacity_for(words, ct._headroom_shift), dtype=torch.int32, device=ct.device)
+    grown[:words].copy_(ct.stream[:words])
+    ct.stream = grown
 
 
 class StreamStatus:
@@ -129,10 +153,13 @@ def settle(ct, wait: bool) -> None:
     words, coded, overflow = seen
     if overflow:
         ct.status.tensor[2].zero_()  # the flag is sticky on the device until seen here
+        capacity = ct.stream.numel()
+        grow(ct, words)  # the tensor kept its last committed stream: status[0] still holds its length
         raise StreamOverflowError(
             f"compressed tensor {ct.name or '<unnamed>'!r}: a re-encode without host synchronisation needed more "
-            f"than the {ct.stream.numel()} stream words allocated, so that update was not stored (the tensor keeps "
-            "its previous value). Re-encode with recompress_(..., sync=True), which grows the stream."
+            f"than the {capacity} stream words allocated, so that update was not stored (the tensor keeps "
+            f"its previous value; its stream now has {ct.stream.numel()} words). Re-encode with "
+            "recompress_(..., sync=True) to store it."
         )
     ct._words, ct._coded_seen = words, coded
 
@@ -144,10 +171,8 @@ def prepare_sync_free(ct, fresh_code: bool = False) -> bool:
     settle(ct, wait=False)
     if fresh_code or ct._coded_seen > (1 + REBUILD_GROWTH) * ct._coded_bits_at_build:
         return False  # rebuild the code: a histogram on the host anyway
-    if not ct.status.pending and needs_growth(ct._words, ct.stream.numel()):
-        grown = torch.zeros(capacity_for(ct._words), dtype=torch.int32, device=ct.device)
-        grown[: ct._words].copy_(ct.stream[: ct._words])  # stays decodable if this encode overflows
-        ct.stream = grown
+    if not ct.status.pending and needs_growth(ct._words, ct.stream.numel(), ct._headroom_shift):
+        grow(ct, ct._words, earned=ct.stream.numel() > ct._words)
     return True
 
 
@@ -176,7 +201,7 @@ def encode_lossless(ct, x: torch.Tensor, fresh_code: bool, sync: bool) -> None:
     if fresh_code:
         ct._coded_bits_at_build = max(coded, 1)
     if words > ct.stream.numel():
-        ct.stream = torch.zeros(capacity_for(words), dtype=torch.int32, device=ct.device)
+        ct.stream = torch.zeros(capacity_for(words, ct._headroom_shift), dtype=torch.int32, device=ct.device)
     _pack(ct, x, counts, cum)
     ct._words, ct._coded_seen = words, coded
 
@@ -202,7 +227,7 @@ def encode_lossy(ct, x: torch.Tensor, fresh_code: bool) -> None:
     if fresh_code:
         ct._coded_bits_at_build = max(coded, 1)
     if words > ct.stream.numel():
-        ct.stream = torch.zeros(capacity_for(words), dtype=torch.int32, device=ct.device)
+        ct.stream = torch.zeros(capacity_for(words, ct._headroom_shift), dtype=torch.int32, device=ct.device)
     ct.stream[words - STREAM_PAD_WORDS: words].zero_()
     kcodec.pack(x, ct.enc_table, ct.lane_words, ct.tile_base, ct.stream, ct.steps, ct.lanes, ct.layout.kept)
     ct._words, ct._coded_seen = words, coded

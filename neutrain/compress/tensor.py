@@ -32,6 +32,12 @@ DEFAULT_STEPS = 32
 word counts cost ~0.19 bit/weight (0.09 at 64 steps), but twice as many lanes decode
 side by side, and the per-lane decode chain is what bounds the speed (on an H100,
 4096x14336: 561 against 510 GB/s; 1024x4096: 180 against 88; benchmarks/notes_codec.md)."""
+SMALL_STEPS = 16
+"""Steps per lane below :data:`SMALL_NUMEL` weights: such a tensor has too few lanes to fill
+the GPU at 32 steps, so each lane's serial chain shows (H100, 1024x4096: decode 377 against
+197 GB/s; +0.22 bit/weight on those tensors, ~0.007 bit on Llama-3-8B)."""
+SMALL_NUMEL = 1 << 23
+"""Tensors under this many weights (~8M: Llama-3-8B's k/v projections, not q/o) get :data:`SMALL_STEPS`."""
 DEFAULT_LANES = 256
 """Lanes per tile (one per GPU thread at 8 warps)."""
 DEFAULT_ELEMS = 4
@@ -54,6 +60,19 @@ def _use_kernel(layout: Layout, elems: int, device: torch.device, backend: str) 
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', not {backend!r}")
 
     return eligible and device.type == "cuda" and triton_available()
+
+
+def default_steps(numel: int, elems: int = DEFAULT_ELEMS) -> int:
+    """Steps per lane :func:`compress` picks: :data:`SMALL_STEPS` under :data:`SMALL_NUMEL` weights, else
+    :data:`DEFAULT_STEPS` (scaled so that a lane codes as many symbols at any ``elems``). Stored per tensor,
+    so tensors saved with another geometry load and decode as they were.
+
+    Example:
+        >>> default_steps(1024 * 4096), default_steps(4096 * 4096), default_steps(4096 * 4096, elems=1)
+        (16, 32, 128)
+    """
+    steps = SMALL_STEPS if numel < SMALL_NUMEL else DEFAULT_STEPS
+    return steps * DEFAULT_ELEMS // elems
 
 
 def _lanes_for(numel: int, steps: int, lanes: int, elems: int) -> int:
@@ -94,6 +113,7 @@ class CompressedTensor:
         self._words = codec.STREAM_PAD_WORDS  # used words, padding included (lags a sync-free encode)
         self._coded_seen = 0  # coded exponent bits of the last encode seen on the host
         self._coded_bits_at_build = 1
+        self._headroom_shift = kstream.HEADROOM_SHIFT  # earned: see neutrain.compress.stream
         self.status = kstream.StreamStatus(device)
         self._scratch = None  # kernel pass buffers, made on first use (kstream.kernel_scratch)
         self._set_code(code_lengths)
@@ -196,7 +216,8 @@ class CompressedTensor:
         if fresh_code:
             self._coded_bits_at_build = max(coded_bits, 1)
         if words > self.stream.numel():
-            self.stream = torch.zeros(kstream.capacity_for(words), dtype=torch.int32, device=self.device)
+            capacity = kstream.capacity_for(words, self._headroom_shift)
+            self.stream = torch.zeros(capacity, dtype=torch.int32, device=self.device)
         self._words, self._coded_seen = words, coded_bits
         self.stream[words - codec.STREAM_PAD_WORDS : words].zero_()
         symbols, self._pending_symbols = self._pending_symbols, None
@@ -209,8 +230,8 @@ class CompressedTensor:
     def recompress_(self, t: torch.Tensor, *, backend: str = "auto", sync: bool = True) -> "CompressedTensor":
         """Re-encode new values of the same shape and dtype in place.
 
-        Reuses all buffers while the stream fits (growing it with 1/32 headroom
-        otherwise) and the current code while the exponent stream stays within
+        Reuses all buffers while the stream fits (growing it otherwise, with the
+        headroom of :mod:`~neutrain.compress.stream`) and the current code while the exponent stream stays within
         :data:`REBUILD_GROWTH` of its size when the code was built.
 
         ``sync=False`` (lossless bf16 on the GPU; what training calls) never reads
@@ -372,7 +393,7 @@ def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int | 
             that many mantissa bits, rounding to nearest even.
         steps, lanes, elems: Tile geometry: steps per lane, lanes per tile (shrinks
             for small tensors), elements per lane and step (default 4 lossless,
-            1 lossy; default steps make 128 symbols per lane).
+            1 lossy; default steps: :func:`default_steps`).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         name: Name used in error messages and saved with the state dict.
 
@@ -385,7 +406,7 @@ def compress(t: torch.Tensor, mantissa_bits: int | None = None, *, steps: int | 
     if elems is None:
         elems = DEFAULT_ELEMS if layout.lossless else 1
     if steps is None:
-        steps = DEFAULT_STEPS * DEFAULT_ELEMS // elems
+        steps = default_steps(t.numel(), elems)
     if min(steps, lanes, elems) < 1 or lanes & (lanes - 1) or elems & (elems - 1):
         raise ValueError(f"bad geometry steps={steps} lanes={lanes} elems={elems} (lanes, elems: powers of two)")
     lanes = _lanes_for(t.numel(), steps, lanes, elems)

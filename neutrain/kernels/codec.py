@@ -19,12 +19,15 @@ here.
   through a 32-bit accumulator, storing a word whenever 32 bits are ready, and the
   tile commits its lane counts and tile base; otherwise nothing changes and a flag is
   raised (:mod:`neutrain.compress.stream`). No host read is needed.
-* :func:`decode`: each lane keeps three 32-bit words (two being read, one loaded
-  ahead), takes the next 32 bits with one funnel shift, peeks 12 of them into the
-  8 KiB decode LUT (L1-resident), reads a 9-bit literal after an escape, and moves one
-  word along whenever a symbol crosses a word boundary. All per-step arithmetic is
-  32-bit: the loop is bound by instruction issue (36 SASS instructions per symbol on
-  an H100; benchmarks/notes_codec.md) and, for small tensors, by each lane's chain.
+* :func:`decode`: each lane moves along its stream once per step, not once per symbol:
+  it holds four 32-bit words and a bit offset, funnels the 96 bits from there into
+  three registers, and takes each of the step's (at most 4 x 21 = 84) bits of symbols
+  from the top of them (12 bits into the 8 KiB decode LUT, L1-resident; a 9-bit
+  literal after an escape), shifting them left by the symbol's length. At the step's
+  end the words move by the 0..3 whole words read (the first loaded a step ahead).
+  All per-step arithmetic is 32-bit: the loop is bound by instruction issue
+  (36 SASS instructions per symbol on an H100 with a word advance per symbol;
+  benchmarks/notes_codec.md) and, for small tensors, by each lane's chain.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import triton
 import triton.language as tl
 
 from neutrain.kernels import codec_lossy, interpreting
-from neutrain.kernels.codec_common import COMPILED, COUNTERS, _block_steps, _next_symbol, _num_warps, _open_lanes, _put_code
+from neutrain.kernels.codec_common import COMPILED, COUNTERS, _block_steps, _num_warps, _put_code, _window
 
 
 @triton.jit
@@ -56,17 +59,62 @@ def _bf16(tails, e: tl.constexpr, sym):
 
 
 @triton.jit
+def _symbol(x, lut_ptr):
+    """The symbol at the top of ``x`` (the next 32 stream bits; a symbol reads at most 21 of them) and
+    how many bits it takes: a code (<= 12 bits) through the LUT, then a 9-bit literal after an escape."""
+    # Zero-extended: the entry (symbol | length << 9) is never negative, and this saves a sign extension.
+    entry = tl.load(lut_ptr + (x >> 20).to(tl.int32)).to(tl.uint16, bitcast=True).to(tl.int32)
+    sym = entry & 0x1FF
+    length = entry >> 9
+    literal = ((x << length.to(tl.uint32)) >> 23).to(tl.int32)
+    escaped = sym == 257
+    return tl.where(escaped, literal, sym), tl.where(escaped, length + 9, length)
+
+
+@triton.jit
+def _word(stream_tile, i, load, limit):
+    """Word ``i`` of the tile's stream where ``load`` and ``i < limit`` (the lane's end), else 0."""
+    return tl.load(stream_tile + i, mask=load & (i < limit), other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _pick(k, a, b, c, d):
+    """``(a, b, c, d)[k]`` for ``k`` in 0..3 (three selects)."""
+    return tl.where(k >= 2, tl.where(k >= 3, d, c), tl.where(k >= 1, b, a))
+
+
+@triton.jit
 def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_tile, tile, N,
                      S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr, FUNNEL: tl.constexpr):
     """Lossless bf16 decode of one tile into ``out_tile``, E elements per lane and step:
     one E-byte tail load and one 2E-byte store per lane and step.
 
+    The stream moves once per step, not per symbol. A lane holds four words ``a:b:c:d``
+    and reads from bit ``pos`` (< 32) of ``a``; a step's E symbols take at most 21 E <= 84
+    bits, all inside those 128. The step funnels the 96 bits from ``pos`` into ``x:y:z``
+    and shifts them left by each symbol's length (the next symbol is always at the top of
+    ``x``); at its end the words move along by ``k = pos // 32`` (0..3). The word after
+    ``d`` is loaded ahead (its latency overlaps a step of decoding), as the per-symbol
+    decoder did; a step that reads more than one new word (over 32 bits) is rare.
+
+    Lanes past the tensor's end decode garbage that is never stored (a lane's valid steps
+    come first, so nothing they read is used). Loads stay inside the lane's own words:
+    past them a lane reads zeros, which at most fill the unused end of a LUT index.
     ``EVEN`` (``numel % E == 0``): a lane's E elements are all in the tensor or all past
-    its end, so one validity test per step serves them all, and the store is one access.
-    The tails are loaded a step ahead, so their memory latency overlaps a step of decoding.
+    its end, so the store is one access. The tails are loaded a step ahead.
     """
     lane = tl.arange(0, L)
-    stream_tile, w0, w1, w2, rel = _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L)
+    count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
+    rel = tl.cumsum(count, axis=0) - count  # the lane's first word, from the tile's first
+    limit = rel + count  # past its last word a lane reads zeros: those bits never decide a stored symbol
+    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
+    every = lane >= 0
+    a = _word(stream_tile, rel, every, limit)
+    b = _word(stream_tile, rel + 1, every, limit)
+    c = _word(stream_tile, rel + 2, every, limit)
+    d = _word(stream_tile, rel + 3, every, limit)
+    rel += 4  # the word after d, already loaded as ``ahead``
+    ahead = _word(stream_tile, rel, every, limit)
     pos = tl.zeros([L], dtype=tl.int32)
     base = tile * (S * L * E)
     tails_words = _tails_words(tails_ptr + base, E)
@@ -76,29 +124,57 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
         first = s * (L * E) + lane * E
         tails = upcoming.to(tl.int32)
         upcoming = tl.load(tails_words + (s + 1) * L + lane, mask=first + L * E < remaining, other=0)
-        v0 = first < remaining
-        sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v0, lut_ptr, stream_tile, FUNNEL)
+        shift = pos.to(tl.uint32)
+        x = _window(a, b, shift, FUNNEL)
+        sym, length = _symbol(x, lut_ptr)
+        pos += length
         vals = _bf16(tails, 0, sym)
         if E >= 2:
-            v = v0 if EVEN else first + 1 < remaining
-            sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
-            v1 = _bf16(tails, 1, sym)
+            y = _window(b, c, shift, FUNNEL)
             if E == 4:
-                v = v0 if EVEN else first + 2 < remaining
-                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
+                # Each shift keeps only the bits the step's later symbols can still read.
+                z = _window(c, d, shift, FUNNEL)
+                step = length.to(tl.uint32)
+                x = _window(x, y, step, FUNNEL)
+                y = _window(y, z, step, FUNNEL)
+                z = z << step
+                sym, length = _symbol(x, lut_ptr)
+                pos += length
+                v1 = _bf16(tails, 1, sym)
+                step = length.to(tl.uint32)
+                x = _window(x, y, step, FUNNEL)
+                y = _window(y, z, step, FUNNEL)
+                sym, length = _symbol(x, lut_ptr)
+                pos += length
                 v2 = _bf16(tails, 2, sym)
-                v = v0 if EVEN else first + 3 < remaining
-                sym, w0, w1, w2, pos, rel = _next_symbol(w0, w1, w2, pos, rel, v, lut_ptr, stream_tile, FUNNEL)
+                x = _window(x, y, length.to(tl.uint32), FUNNEL)
+                sym, length = _symbol(x, lut_ptr)
+                pos += length
                 v3 = _bf16(tails, 3, sym)
                 # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
                 vals = tl.reshape(tl.join(tl.join(vals, v2), tl.join(v1, v3)), [L, 4])
             else:
-                vals = tl.join(vals, v1)
+                x = _window(x, y, length.to(tl.uint32), FUNNEL)
+                sym, length = _symbol(x, lut_ptr)
+                pos += length
+                vals = tl.join(vals, _bf16(tails, 1, sym))
         else:
             vals = vals[:, None]
+        # The words move along by the whole words the step read: at most 3 (pos < 32 + 84). The
+        # first new one was loaded a step or more ago; a second and third (a step of long codes or
+        # escapes: over 32 bits) are rare, so they load only when needed and wait here.
+        k = pos >> 5
+        pos &= 31
+        n2 = _word(stream_tile, rel + 1, k >= 2, limit)
+        n3 = _word(stream_tile, rel + 2, k >= 3, limit)
+        a, b = _pick(k, a, b, c, d), _pick(k, b, c, d, ahead)
+        c, d = _pick(k, c, d, ahead, n2), _pick(k, d, ahead, n2, n3)
+        rel += k
+        # The next ``ahead``, needed at the earliest at the next step's end: its latency overlaps that step.
+        ahead = tl.where(k >= 1, _word(stream_tile, rel, k >= 1, limit), ahead)
         offset = first[:, None] + tl.arange(0, E)[None, :]
         if EVEN:
-            tl.store(out_tile + offset, vals.to(tl.int16), mask=v0[:, None])
+            tl.store(out_tile + offset, vals.to(tl.int16), mask=(first < remaining)[:, None])
         else:
             tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
 

@@ -1,9 +1,11 @@
 """What every NeuZip codec kernel shares: launch bookkeeping, the bit reader and the code writer.
 
 :mod:`neutrain.kernels.codec` (lossless), :mod:`neutrain.kernels.codec_lossy` and
-:mod:`neutrain.kernels.codec_many` (many tensors per launch) all read bitstreams with
-:func:`_next_symbol` and write them with :func:`_put_code`; they live here, below all
-three, so that none of the codec kernels imports another in a circle.
+:mod:`neutrain.kernels.codec_many` (many tensors per launch) all write bitstreams with
+:func:`_put_code` and read them with :func:`_window` (the lossy decoder through
+:func:`_next_symbol`, one symbol at a time; the lossless one moves a whole step at a
+time); they live here, below all three, so that none of the codec kernels imports
+another in a circle.
 """
 
 from __future__ import annotations
@@ -53,18 +55,6 @@ def _put_code(acc, filled, rel, entry, stream_tile):
     acc = tl.where(emit, rest, word)
     filled = tl.where(emit, over, total)
     return acc, filled, rel + emit.to(tl.int32)
-
-
-@triton.jit
-def _open_lanes(stream_ptr, lane_words_ptr, tile_base_ptr, tile, L: tl.constexpr):
-    """Each lane's first three words and the offset of the next (1D lanes)."""
-    count = tl.load(lane_words_ptr + tile * L + tl.arange(0, L)).to(tl.int32)
-    rel = tl.cumsum(count, axis=0) - count
-    stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
-    w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)
-    w2 = tl.load(stream_tile + rel + 2).to(tl.uint32, bitcast=True)
-    return stream_tile, w0, w1, w2, rel + 3
 
 
 @triton.jit

@@ -130,7 +130,7 @@ def _decode_packed_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, 
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     row_total = tl.sum(count, axis=1)
     rel = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(count, axis=1) - count
-    # As in _open_lanes, but on the 2D [R, P] lane block.
+    # Each lane's first three words (on the 2D [R, P] lane block); _next_symbol loads the next ones.
     stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
     w0 = tl.load(stream_tile + rel).to(tl.uint32, bitcast=True)
     w1 = tl.load(stream_tile + rel + 1).to(tl.uint32, bitcast=True)

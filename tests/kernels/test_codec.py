@@ -9,7 +9,7 @@ allocates.
 import pytest
 import torch
 
-from neutrain.compress import compress
+from neutrain.compress import compress, stream as kstream
 
 kcodec = pytest.importorskip("neutrain.kernels.codec")
 
@@ -71,6 +71,65 @@ def test_kernel_rows_and_recompress_in_interpreter():
     ref = compress(y, steps=4, lanes=16, backend="reference")
     assert ct.rebuilds == 1
     _assert_same_format(ct, ref)
+
+
+def _long_code_sample(n, kind, device=DEVICE):
+    """bf16 weights whose exponents, under :func:`_long_code`, take 1-, 10-, 11- and 12-bit codes and
+    21-bit escapes (``kind="escapes"``: escapes only, so every step of 4 symbols reads 84 bits)."""
+    exponents = torch.tensor([5, 200] if kind == "escapes" else [120, 120, 129, 130, 131, 5, 200])
+    e = exponents[torch.randint(len(exponents), (n,))]
+    bits = (torch.randint(2, (n,)) << 15) | (e << 7) | torch.randint(128, (n,))
+    return bits.to(torch.int16).view(torch.bfloat16).to(device)
+
+
+def _long_code():
+    """Code lengths for exponents 120..131 with counts 4^-i: codes of 1..12 bits, a 12-bit escape."""
+    import numpy as np
+
+    from neutrain.compress import huffman
+
+    hist = np.zeros(huffman.NUM_SYMBOLS)
+    hist[120:132] = 4.0 ** -np.arange(12) * 2.0 ** 40
+    lengths = huffman.build_code(hist)
+    assert lengths[huffman.ESCAPE] == lengths[131] == 12 and lengths[130] == 11  # the premise of these tests
+    return lengths
+
+
+@pytest.mark.parametrize("kind", ["escapes", "mixed"])
+@pytest.mark.parametrize("n,elems", [(600, 4), (601, 4), (599, 2), (557, 1)])
+def test_decode_window_on_long_codes_and_escapes_in_interpreter(kind, n, elems):
+    """The decoder's per-step window: steps whose symbols span 3 words (4 escapes are 84 bits), codes
+    of every length at every alignment, a last partial tile and a last partial step (``n % elems``)."""
+    from neutrain.compress import CompressedTensor
+    from neutrain.compress.layout import layout_for
+
+    x = _long_code_sample(n, kind)
+    cts = {}
+    for backend in ("reference", "triton"):
+        ct = CompressedTensor(layout_for(torch.bfloat16), x.shape, x.device, 16 // elems, 16, elems, _long_code())
+        ct._encode(x, backend, fresh_code=True)
+        cts[backend] = ct
+    ref = cts["reference"]
+    assert ref.tiles == 3 and ref.rebuilds == 0
+    if kind == "escapes":
+        assert 32 * ref.lane_words[:16].max() >= 16 * 21  # every step of the first tile read 21 E bits
+    _assert_same_format(cts["triton"], ref)
+    for ct in cts.values():
+        got = ct.decompress(out=torch.full_like(x, float("nan")), backend="triton")
+        assert torch.equal(got.view(torch.int16), x.view(torch.int16))
+    # Exactly as a checkpoint holds it: no stream word past the 3 padding words to read.
+    loaded = CompressedTensor.from_state_dict(ref.state_dict())
+    assert loaded.stream.numel() == loaded.stream_words
+    assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), x.view(torch.int16))
+
+
+def test_every_bf16_pattern_through_the_kernels_in_interpreter():
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = patterns[torch.randperm(patterns.numel())].view(torch.bfloat16).to(DEVICE)
+    ct = compress(x, backend="triton")
+    assert ct.steps == 16  # the small-tensor geometry
+    _assert_same_format(ct, compress(x, backend="reference"))
+    assert torch.equal(ct.decompress(backend="triton").view(torch.int16), x.view(torch.int16))
 
 
 def test_empty_tensor_through_kernels():
@@ -190,8 +249,13 @@ def test_sync_free_overflow_keeps_the_tensor_and_raises_later_in_interpreter():
     wide = torch.randn(16, 16).mul(torch.randn(16, 16).mul(6).exp2()).bfloat16().to(DEVICE)  # a longer stream
     ct.recompress_(wide, backend="triton", sync=False)
     assert torch.equal(ct.decompress(backend="triton").view(torch.int16), x.view(torch.int16))  # intact
+    words, capacity = ct._words, ct.stream.numel()
     with pytest.raises(StreamOverflowError, match="blocks.0.q"):
         ct.stream_words
+    # It outgrew its headroom: its stream grew (the old words kept) with twice the headroom.
+    assert ct._headroom_shift == kstream.HEADROOM_SHIFT - 1
+    assert ct.stream.numel() == kstream.capacity_for(words, kstream.HEADROOM_SHIFT - 1) >= capacity
+    assert torch.equal(ct.decompress(backend="triton").view(torch.int16), x.view(torch.int16))
     ct.recompress_(wide, backend="triton", sync=True)  # the synchronous path grows the stream
     assert torch.equal(ct.decompress(backend="triton").view(torch.int16), wide.view(torch.int16))
 
@@ -203,8 +267,12 @@ def test_sync_free_recompress_grows_a_loaded_stream_in_interpreter():
     loaded = CompressedTensor.from_state_dict(compress(x, steps=4, lanes=16, backend="reference").state_dict())
     assert loaded.stream.numel() == loaded.stream_words  # exactly as stored: no headroom
     y = (x.float() * 1.01).bfloat16()
+    words = loaded.stream_words
     loaded.recompress_(y, backend="triton", sync=False)
     assert loaded.stream.numel() > loaded.stream_words
+    # A checkpoint stores no headroom: the first growth gives the initial headroom, not a doubled one.
+    assert loaded._headroom_shift == kstream.HEADROOM_SHIFT
+    assert loaded.stream.numel() == kstream.capacity_for(words)
     assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), y.view(torch.int16))
 
 

@@ -55,6 +55,34 @@ def test_recompress_reuses_buffers_and_grows_when_needed():
     assert _same_bits(ct.decompress(), wide)
 
 
+def test_stream_headroom_is_earned_by_growing_up_to_a_32nd():
+    from neutrain.compress import stream as kstream
+
+    x = torch.randn(512, 512).mul(0.02).bfloat16()
+    ct = compress(x)
+    words = ct.stream_words
+    assert ct.stream.numel() == words + words // 2048 + 64  # a new tensor: 1/2048
+    for shift in [10, 9, 8, 7, 6, 5, 5]:  # each growth doubles it, up to 1/32
+        kstream.grow(ct, words)
+        assert ct._headroom_shift == shift and ct.stream.numel() == words + (words >> shift) + 64
+        assert _same_bits(ct.decompress(), x)  # the used words moved with it
+    assert not kstream.needs_growth(words, ct.stream.numel(), ct._headroom_shift)
+    assert kstream.needs_growth(ct.stream.numel() - 32, ct.stream.numel(), ct._headroom_shift)
+
+
+def test_a_checkpoint_of_the_old_geometry_loads_decodes_and_keeps_it():
+    x = torch.randn(1024, 256).mul(0.02).bfloat16()
+    assert compress(x).steps == 16  # under 8M weights: 16 steps per lane since issue 30
+    saved = compress(x, steps=32).state_dict()  # what compress chose before
+    loaded = CompressedTensor.from_state_dict(saved)
+    assert loaded.steps == 32
+    for backend in ("auto", "reference"):
+        assert _same_bits(loaded.decompress(backend=backend), x)
+    y = (x.float() * 0.999).bfloat16()
+    loaded.recompress_(y)
+    assert loaded.steps == 32 and _same_bits(loaded.decompress(), y)
+
+
 def test_recompress_rebuilds_code_on_drift_only():
     x = torch.randn(256, 256).mul(0.02).bfloat16()
     ct = compress(x)
