@@ -104,8 +104,7 @@ def _count(ct, x: torch.Tensor):
     from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
     counts, scratch, cum = kernel_scratch(ct)
-    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems)
-    torch.cumsum(scratch, dim=1, out=cum)
+    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, cum=cum)
     return counts, cum
 
 
