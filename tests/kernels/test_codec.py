@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from neutrain.compress import compress
+from tests.helpers import assert_same_format as _assert_same_format
 
 kcodec = pytest.importorskip("neutrain.kernels.codec")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FIELDS = ("tails", "lane_words", "tile_base")
-
-
-def _assert_same_format(a, b):
-    assert a.stream_words == b.stream_words
-    assert torch.equal(a.stream[: a.stream_words], b.stream[: b.stream_words])
-    for field in FIELDS:
-        assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
 def _sample(shape, device=DEVICE):
