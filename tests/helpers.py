@@ -71,3 +71,13 @@ def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("neutrain: error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def assert_same_format(a, b) -> None:
+    """Two compressed tensors hold the same bytes: used stream words, tails, lane counts, tile table."""
+    import torch
+
+    assert a.stream_words == b.stream_words
+    assert torch.equal(a.stream[: a.stream_words], b.stream[: b.stream_words])
+    for field in ("tails", "lane_words", "tile_base"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field

@@ -1,7 +1,8 @@
 """Encoding through the Triton kernels, with or without a host read, and the stream's capacity.
 
 A lossless re-encode is two kernel passes: count (code lengths per lane) and pack
-(codes into the stream). The stream's length depends on the data, so the old encoder
+(codes into the stream); after a fused LOMO update the count was done inside the update
+(:mod:`neutrain.compress.counted`) and only its small finishing kernel runs here. The stream's length depends on the data, so the old encoder
 read it back between the passes (one host synchronisation per tensor, which drained
 the GPU queue in every layer's backward). Here the pack pass checks on the device
 whether the new stream fits the allocated capacity and commits all of the new
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.compress import counted
 from neutrain.compress.codec import STREAM_PAD_WORDS
 
 REBUILD_GROWTH = 0.01
@@ -128,8 +130,15 @@ def _count(ct, x: torch.Tensor):
     from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
 
     counts, scratch, cum = kernel_scratch(ct)
-    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems)
-    torch.cumsum(scratch, dim=1, out=cum)
+    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, cum=cum)
+    return counts, cum
+
+
+def _finish(ct, lane_bits: torch.Tensor):
+    from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
+
+    counts, scratch, cum = kernel_scratch(ct)
+    kcodec.finish_count(lane_bits, counts, scratch, cum, ct.lanes)
     return counts, cum
 
 
@@ -185,11 +194,14 @@ def encode_lossless(ct, x: torch.Tensor, fresh_code: bool, sync: bool) -> None:
         return
     if not sync:
         sync = not prepare_sync_free(ct, fresh_code)
+    lane_bits = counted.take(ct, x)  # pass 1 already done inside the fused update, if it was
     if not sync:
-        counts, cum = _count(ct, x)
+        counts, cum = _count(ct, x) if lane_bits is None else _finish(ct, lane_bits)
         _pack(ct, x, counts, cum)
         ct.status.publish()
         return
+    if lane_bits is not None:
+        counted.discard(lane_bits)  # this path counts again (and may rebuild the code)
     settle(ct, wait=True)
     counts, cum = _count(ct, x)
     words, coded = _total(cum)  # the host read

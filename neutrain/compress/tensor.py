@@ -155,6 +155,10 @@ class CompressedTensor:
                 f"{self.bits_per_weight:.2f} bits/weight, device={self.device})")
 
     # ------------------------------------------------------------------- encoding
+    def encodes_lossless_kernels(self, backend: str = "auto") -> bool:
+        """Whether :meth:`recompress_` runs the lossless Triton kernels (:mod:`neutrain.compress.stream`)."""
+        return self.layout.lossless and _use_kernel(self.layout, self.elems, self.device, backend)
+
     def _set_code(self, lengths: np.ndarray) -> None:
         device = self.stream.device
         self.code_lengths = np.asarray(lengths, dtype=np.uint8)

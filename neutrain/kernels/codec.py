@@ -13,7 +13,11 @@ launch) kernels in :mod:`neutrain.kernels.codec_many`; both reuse the per-tile c
 here.
 
 * :func:`count_lossless` (pass 1): sum code lengths per lane; write lane word counts
-  and per-tile word and bit totals (a ``cumsum`` turns these into tile bases).
+  and per-tile word and bit totals, and (a second small kernel) their prefix sums, the
+  tile bases. Both passes launch through :class:`~neutrain.kernels.launch.Launcher`:
+  a re-encode costs little host time, so small matrices run at their kernels' speed.
+  After a fused LOMO update the lane counts were summed inside the update
+  (:func:`_add_lane_bits`) and :func:`finish_count` replaces this pass.
 * :func:`pack_lossless` (pass 2): checks on the device that the new stream fits the
   allocated capacity; if so each lane writes its tails and packs its codes MSB-first
   through a 32-bit accumulator, storing a word whenever 32 bits are ready, and the
@@ -38,6 +42,7 @@ import triton.language as tl
 
 from neutrain.kernels import codec_lossy, interpreting
 from neutrain.kernels.codec_common import COMPILED, COUNTERS, _block_steps, _num_warps, _put_code, _window
+from neutrain.kernels.launch import Launcher
 
 
 @triton.jit
@@ -329,15 +334,85 @@ def _pack_wide_kernel(x_ptr, enc_ptr, counts_ptr, cum_ptr, G, capacity, stream_p
 
 
 
-def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None):
+_SCAN_BLOCK = 1024
+
+
+@triton.jit
+def _scan_tiles_kernel(scratch_ptr, cum_ptr, G, BLOCK: tl.constexpr):
+    """Inclusive prefix sums of row ``program_id`` of ``int64[2, G]`` (tile words, tile bits): the pack
+    pass's tile bases and totals. A kernel of its own, launched without Triton's dispatch, because
+    ``torch.cumsum`` cost more host time per encode than the launch of a whole pass."""
+    row = tl.program_id(0).to(tl.int64) * G
+    carry = tl.zeros([], dtype=tl.int64)
+    for start in range(0, G, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        values = tl.load(scratch_ptr + row + index, mask=index < G, other=0)
+        tl.store(cum_ptr + row + index, tl.cumsum(values, axis=0) + carry, mask=index < G)
+        carry += tl.sum(values, axis=0)
+
+
+@triton.jit
+def _add_lane_bits(bits, first, valid, enc_ptr, lane_bits_ptr, T, L: tl.constexpr, E: tl.constexpr,
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 fed from another kernel's registers: add the code lengths of ``BLOCK`` bf16 patterns
+    ``bits`` (elements ``first ...`` of the whole tensor, ``valid`` where they exist) to their lanes'
+    bit counts ``lane_bits[tile * L + lane]`` (int32; atomics, so any kernel grid may call it).
+
+    ``GROUP`` consecutive elements (``E``, or 1 when ``first`` is not a multiple of ``E``) share a
+    lane, so their lengths are summed before one atomic. Integer sums in any order: the counts are
+    those of :func:`_count_lossless`, bit for bit; :func:`finish_count` turns them into its outputs.
+    """
+    lengths = tl.load(enc_ptr + ((bits.to(tl.int32) >> 7) & 0xFF), mask=valid, other=0) >> 24
+    lengths = tl.sum(tl.reshape(lengths, [BLOCK // GROUP, GROUP]), axis=1)
+    start = first + tl.arange(0, BLOCK // GROUP).to(tl.int64) * GROUP
+    lane = (start // T) * L + (start % T) % (L * E) // E
+    any_valid = tl.sum(tl.reshape(valid.to(tl.int32), [BLOCK // GROUP, GROUP]), axis=1) > 0
+    tl.atomic_add(lane_bits_ptr + lane, lengths, mask=any_valid, sem="relaxed")
+
+
+@triton.jit
+def _finish_count_kernel(lane_bits_ptr, counts_ptr, scratch_ptr, G, L: tl.constexpr):
+    """Pass 1's outputs for tile ``program_id`` from lane bit counts (:func:`_add_lane_bits`),
+    which it sets back to zero for the next update."""
+    tile = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, L)
+    lane_bits = tl.load(lane_bits_ptr + tile * L + lane)
+    words = (lane_bits + 31) // 32
+    tl.store(counts_ptr + tile * L + lane, words.to(tl.uint8))
+    tl.store(scratch_ptr + tile, tl.sum(words, axis=0).to(tl.int64))
+    tl.store(scratch_ptr + G + tile, tl.sum(lane_bits, axis=0).to(tl.int64))
+    tl.store(lane_bits_ptr + tile * L + lane, tl.zeros([L], dtype=tl.int32))
+
+
+_COUNT = Launcher(_count_wide_kernel)
+_SCAN = Launcher(_scan_tiles_kernel)
+_PACK = Launcher(_pack_wide_kernel)
+_FINISH = Launcher(_finish_count_kernel)
+
+
+def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None, cum=None):
     """Lossless pass 1: lane word counts into ``counts`` (``uint8[tiles * lanes]``), tile words and bits
-    into ``scratch`` (``int64[2, tiles]``)."""
+    into ``scratch`` (``int64[2, tiles]``), and (given ``cum``, same shape) their inclusive prefix sums
+    along dim 1, which :func:`pack_lossless` reads."""
     tiles = scratch.shape[1]
     if tiles:
-        COMPILED["count"] = _count_wide_kernel[(tiles,)](
-            x.view(torch.int16), enc_table, counts, scratch, tiles, x.numel(), S=steps, L=lanes, E=elems,
-            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
+        COMPILED["count"] = _COUNT(
+            (tiles,), (x.view(torch.int16), enc_table, counts, scratch, tiles, x.numel()),
+            {"S": steps, "L": lanes, "E": elems, "BS": _block_steps(steps, lanes * elems)},
+            num_warps=_num_warps(lanes, num_warps))
+        if cum is not None:
+            _SCAN((2,), (scratch, cum, tiles), {"BLOCK": _SCAN_BLOCK}, num_warps=4)
     COUNTERS["count"] += 1
+
+
+def finish_count(lane_bits, counts, scratch, cum, lanes):
+    """Pass 1 from lane bit counts summed inside another kernel (``int32[tiles * lanes]``, left zeroed):
+    the outputs of :func:`count_lossless`, ``cum`` included."""
+    tiles = scratch.shape[1]
+    if tiles:
+        _FINISH((tiles,), (lane_bits, counts, scratch, tiles), {"L": lanes}, num_warps=_num_warps(lanes, None))
+        _SCAN((2,), (scratch, cum, tiles), {"BLOCK": _SCAN_BLOCK}, num_warps=4)
+    COUNTERS["count_fused"] += 1
 
 
 def pack_lossless(x: torch.Tensor, enc_table, counts, cum, capacity: int, stream, tails, lane_words, tile_base,
@@ -346,9 +421,10 @@ def pack_lossless(x: torch.Tensor, enc_table, counts, cum, capacity: int, stream
     new encoding (tails, stream, lane counts, tile table, ``status``) only if it fits ``capacity`` words."""
     tiles = cum.shape[1]
     if tiles:
-        COMPILED["pack"] = _pack_wide_kernel[(tiles,)](
-            x.view(torch.int16), enc_table, counts, cum, tiles, capacity, stream, tails, lane_words, tile_base,
-            status, x.numel(), S=steps, L=lanes, E=elems, EVEN=x.numel() % elems == 0,
+        COMPILED["pack"] = _PACK(
+            (tiles,), (x.view(torch.int16), enc_table, counts, cum, tiles, capacity, stream, tails, lane_words,
+                       tile_base, status, x.numel()),
+            {"S": steps, "L": lanes, "E": elems, "EVEN": x.numel() % elems == 0},
             num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from neutrain.kernels import interpreting
 
-COUNTERS = {"count": 0, "pack": 0, "decode": 0}
+COUNTERS = {"count": 0, "count_fused": 0, "pack": 0, "decode": 0}
 """Kernel launches, so tests can assert that the fast path ran."""
 COMPILED: dict = {}
 """Last compiled kernel per op (registers, PTX/SASS), for benchmarks/codec.py's resource report."""

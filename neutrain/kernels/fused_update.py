@@ -24,6 +24,11 @@ whole tensor, so a chunked call (the streamed lm_head/embedding update) rounds
 exactly as one call over the tensor, dense and compressed training round alike,
 and a resumed run repeats itself; it is a different random stream from the eager
 path's ``torch.Generator`` (tests check it is unbiased and deterministic).
+
+With ``count=`` (a compressed weight about to be re-encoded) the kernel also does the
+encode's first pass on the values it stores: each one's code length is added to its
+lane's bit count (:func:`neutrain.kernels.codec._add_lane_bits`), so the re-encode reads
+the weight once (:mod:`neutrain.compress.counted`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import triton
 import triton.language as tl
 
 from neutrain.kernels import interpreting
+from neutrain.kernels.codec import _add_lane_bits
 
 BLOCK = 1024 if not interpreting() else 64
 # No contraction of separate multiplies and adds into FMAs: the eager path rounds each op.
@@ -40,8 +46,9 @@ _NO_FUSION = {} if interpreting() else {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _fused_update_kernel(w_ptr, g_ptr, coef_ptr, ok_ptr, n, base, neg_lr, decay, seed,
-                         HAS_COEF: tl.constexpr, DECAY: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+def _fused_update_kernel(w_ptr, g_ptr, coef_ptr, ok_ptr, n, base, neg_lr, decay, seed, enc_ptr, lane_bits_ptr, T,
+                         HAS_COEF: tl.constexpr, DECAY: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr,
+                         COUNT: tl.constexpr, L: tl.constexpr, E: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -66,12 +73,16 @@ def _fused_update_kernel(w_ptr, g_ptr, coef_ptr, ok_ptr, n, base, neg_lr, decay,
         new = p.to(w.dtype)
     newf = new.to(tl.float32)
     keep = (newf == newf) & (tl.abs(newf) != float("inf")) & ok
-    tl.store(w_ptr + offs, tl.where(keep, new, w), mask=mask)
+    stored = tl.where(keep, new, w)
+    tl.store(w_ptr + offs, stored, mask=mask)
+    if COUNT:  # the encode's pass 1 on the value just stored: the encode then reads the weight once
+        _add_lane_bits(stored.to(tl.int16, bitcast=True), base + pid.to(tl.int64) * BLOCK, mask, enc_ptr,
+                       lane_bits_ptr, T, L, E, GROUP, BLOCK)
 
 
 def fused_update_(weight: torch.Tensor, grad: torch.Tensor, *, lr: float, weight_decay: float = 0.0,
                   coef: torch.Tensor | None = None, ok: torch.Tensor, seed: int | None = None,
-                  base: int = 0) -> torch.Tensor:
+                  base: int = 0, count=None) -> torch.Tensor:
     """Apply LOMO's update to ``weight`` in place, in one kernel (see the module docstring).
 
     Args:
@@ -82,6 +93,9 @@ def fused_update_(weight: torch.Tensor, grad: torch.Tensor, *, lr: float, weight
         ok: the gradient's finiteness flag (0-dim bool device tensor).
         seed: stochastic rounding seed (bf16 weights); None rounds to nearest even.
         base: index of ``weight``'s first element in the whole tensor (the noise's counter).
+        count: None, or ``(enc_table, lane_bits, (steps, lanes, elems))`` of the compressed tensor this
+            bf16 weight will be re-encoded into: the kernel also adds each stored value's code length to
+            its lane's count (the encode's pass 1; :mod:`neutrain.compress.counted`).
 
     Returns:
         ``weight``.
@@ -101,8 +115,13 @@ def fused_update_(weight: torch.Tensor, grad: torch.Tensor, *, lr: float, weight
     sr = seed is not None and weight.dtype == torch.bfloat16
     decay = 1.0 - lr * weight_decay
     grid = (triton.cdiv(n, BLOCK),)
+    if count is not None and weight.dtype != torch.bfloat16:
+        raise TypeError("counting code lengths needs a bf16 weight")
+    enc_table, lane_bits, (steps, lanes, elems) = count if count is not None else (ok, ok, (1, 1, 1))
     _fused_update_kernel[grid](
         weight, grad, coef if coef is not None else ok, ok, n, base, -lr, decay, int(seed or 0) & 0x7FFFFFFF,
-        HAS_COEF=coef is not None, DECAY=weight_decay != 0.0, SR=sr, BLOCK=BLOCK, **_NO_FUSION,
+        enc_table, lane_bits, steps * lanes * elems,
+        HAS_COEF=coef is not None, DECAY=weight_decay != 0.0, SR=sr, BLOCK=BLOCK, COUNT=count is not None,
+        L=lanes, E=elems, GROUP=elems if base % elems == 0 else 1, **_NO_FUSION,
     )
     return weight

@@ -130,6 +130,13 @@ class CompressedWeight:
     def read(self) -> torch.Tensor:
         return self.decode()
 
+    def count_into(self, weight: torch.Tensor):
+        """The encode's pass-1 target for an update kernel that counts code lengths as it stores
+        (:mod:`neutrain.compress.counted`), or None; :meth:`write_` then reads the weight once."""
+        from neutrain.compress import counted  # lazy: only the fused update asks
+
+        return counted.begin(self.ct, weight) if self.home is None else None
+
     def write_(self, weight: torch.Tensor) -> None:
         # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
         # so backward never waits for the GPU here.

@@ -116,6 +116,7 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
         self.grad_sync = None
         self.partition_sync = None
         self._updating_key: torch.Tensor | None = None
+        self._writing_io: WeightIO | None = None
         self._reindex()
 
     # ---- read-only views of the parts, under the names callers always used
@@ -201,8 +202,23 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
         if ok is None:
             return
         weight = io.read()
-        self.update_(key, weight, grad, _ok=ok, _sumsq=sumsq)
+        with self.writing_to(io):
+            self.update_(key, weight, grad, _ok=ok, _sumsq=sumsq)
         io.write_(weight)
+
+    @contextlib.contextmanager
+    def writing_to(self, io: WeightIO):
+        """While a rule updates the weight behind ``io`` (rules may ask it for ``count_into``)."""
+        self._writing_io = io
+        try:
+            yield
+        finally:
+            self._writing_io = None
+
+    def count_into(self, weight: torch.Tensor):
+        """The weight I/O's re-encode counting target for ``weight`` (see :mod:`neutrain.compress.counted`), or None."""
+        count_into = getattr(self._writing_io, "count_into", None)
+        return count_into(weight) if count_into is not None else None
 
     def streamed_chunk_rows(self, key: torch.Tensor, weight_shape: torch.Size) -> int | None:
         """Rows per chunk of a streamed update of ``key``, or None (:meth:`~neutrain.optim.streamed.StreamedUpdates.chunk_rows`)."""

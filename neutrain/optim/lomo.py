@@ -60,13 +60,16 @@ class LOMO(FusedOptimizer):
         # by chunk); the noise is keyed by the element's index in the whole tensor, so chunking
         # does not change the result. The generator carries the per-update seed it was given.
         seed = generator.initial_seed() if generator is not None else None
+        # A compressed weight's re-encode counts code lengths here, as each value is stored: the
+        # encode then reads the weight once instead of twice (neutrain.compress.counted).
+        count = self.count_into(weight) if weight.dtype == torch.bfloat16 else None
         w_rows = as_rows(weight)
         row_numel = w_rows.shape[1]
         for rows in self._row_chunks(weight):
             grad = grad_rows(rows)
             fused_update_(w_rows[rows], grad if grad.is_contiguous() else grad.contiguous(), lr=group["lr"],
                           weight_decay=group["weight_decay"], coef=coef, ok=ok, seed=seed,
-                          base=rows.start * row_numel)
+                          base=rows.start * row_numel, count=count)
 
     def _rule_chunk(self, p32, grad, coef, state, group, rows, ok, scalars) -> torch.Tensor:
         lr, wd = group["lr"], group["weight_decay"]

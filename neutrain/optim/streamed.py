@@ -75,6 +75,7 @@ class StreamedUpdates:
         weight = io.read()
         coef = opt.stats.clip_coef(sumsq)
         state, group = opt.state[key], opt._group_of[key]
-        opt._update_rows(weight, grad_rows, state, group, ok, coef, opt._generator(key, weight))
+        with opt.writing_to(io):
+            opt._update_rows(weight, grad_rows, state, group, ok, coef, opt._generator(key, weight))
         io.write_(weight)
         self.count += 1

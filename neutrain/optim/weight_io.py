@@ -21,7 +21,9 @@ class WeightIO(Protocol):
 
     ``read()`` returns a contiguous tensor that the optimizer updates in place;
     ``write_(t)`` stores it back (a no-op for dense parameters, a re-encode for
-    compressed ones).
+    compressed ones). Optional: ``count_into(t)``, what an update kernel needs to do the
+    re-encode's first pass as it stores ``t`` (compressed weights; see
+    :mod:`neutrain.compress.counted`), or None.
     """
 
     def read(self) -> torch.Tensor: ...

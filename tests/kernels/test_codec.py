@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from neutrain.compress import compress, stream as kstream
+from tests.helpers import assert_same_format as _assert_same_format
 
 kcodec = pytest.importorskip("neutrain.kernels.codec")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FIELDS = ("tails", "lane_words", "tile_base")
-
-
-def _assert_same_format(a, b):
-    assert a.stream_words == b.stream_words
-    assert torch.equal(a.stream[: a.stream_words], b.stream[: b.stream_words])
-    for field in FIELDS:
-        assert torch.equal(getattr(a, field), getattr(b, field)), field
 
 
 def _sample(shape, device=DEVICE):
@@ -345,3 +338,35 @@ def test_sync_free_reencode_of_every_bf16_pattern_on_gpu():
     ref.recompress_(y, backend="reference")
     _assert_same_format(ct, ref)
     assert torch.equal(ct.decompress().view(torch.int16), y.view(torch.int16))
+
+
+def test_tile_scan_carries_across_blocks_in_interpreter():
+    """The prefix sums the pack pass reads (tile bases, totals), over more tiles than one block holds."""
+    scratch = torch.randint(0, 1 << 40, (2, 50), dtype=torch.int64, device=DEVICE)
+    cum = torch.full_like(scratch, -1)
+    kcodec._SCAN((2,), (scratch, cum, 50), {"BLOCK": 16}, num_warps=1)
+    assert torch.equal(cum, torch.cumsum(scratch, dim=1))
+
+
+@pytest.mark.gpu
+def test_sync_free_reencode_through_the_compiled_launchers_on_gpu():
+    """Re-encodes after the first launch skip Triton's dispatch (kernels.launch) and write the reference's
+    bytes, also when the input is a 2-byte-offset view (another specialization) and after the stream grew."""
+    x = _sample((1024, 4096))
+    ct = compress(x)
+    ref = compress(x, backend="reference")
+    fast_before = (kcodec._COUNT.fast_launches, kcodec._SCAN.fast_launches, kcodec._PACK.fast_launches)
+    buffer = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device="cuda")
+    for k in range(6):
+        y = (x.float() * (1 + 1e-3 * k) + 1e-4 * torch.randn_like(x.float())).bfloat16()
+        if k in (2, 3):  # unaligned input: Triton would compile another kernel, so must the launcher
+            y = buffer[1:].view(x.shape).copy_(y)
+        if k == 4:  # no headroom left: this encode grows the stream (a new capacity argument)
+            ct.stream = ct.stream[: ct.stream_words].clone()
+        ct.recompress_(y, sync=False)
+        ref.recompress_(y, backend="reference")
+        assert ct.rebuilds == ref.rebuilds == 0
+        _assert_same_format(ct, ref)
+        assert torch.equal(ct.decompress().view(torch.int16), y.view(torch.int16))
+    fast_after = (kcodec._COUNT.fast_launches, kcodec._SCAN.fast_launches, kcodec._PACK.fast_launches)
+    assert all(after >= before + 3 for before, after in zip(fast_before, fast_after))
