@@ -129,8 +129,9 @@ def main() -> None:
             f"{m}: host {row[m]['host_us']:.1f} us/call (kernels {row[m]['kernels_host_us']:.1f}),"
             f" API {row[m]['api_GBps']:.0f} GB/s, kernels {row[m]['kernels_GBps']:.0f}" for m in ("fast", "triton")),
             flush=True)
-        print(f"{'':22s} update {row['update']['update_ms']:.3f} ms, + encode {row['update']['update_then_encode_ms']:.3f},"
-              f" counting + counted encode {row['update']['update_counting_then_counted_encode_ms']:.3f}", flush=True)
+        update = row["update"]
+        print(f"{'':22s} update {update['update_ms']:.3f} ms, + encode {update['update_then_encode_ms']:.3f},"
+              f" counting + counted encode {update['update_counting_then_counted_encode_ms']:.3f}", flush=True)
     copy_ms = sum(r["copy_ms"] * r["count"] for r in rows)
     targets = {"encode_over_copy": {"value": copy_ms / sum(r["fast"]["api_ms"] * r["count"] for r in rows),
                                     "goal": 0.5}}

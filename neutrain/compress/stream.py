@@ -2,9 +2,10 @@
 
 A lossless re-encode is two kernel passes: count (code lengths per lane) and pack
 (codes into the stream); after a fused LOMO update the count was done inside the update
-(:mod:`neutrain.compress.counted`) and only its small finishing kernel runs here. The stream's length depends on the data, so the old encoder
-read it back between the passes (one host synchronisation per tensor, which drained
-the GPU queue in every layer's backward). Here the pack pass checks on the device
+(:mod:`neutrain.compress.counted`) and only its small finishing kernel runs here. The
+stream's length depends on the data, so the old encoder read it back between the passes
+(one host synchronisation per tensor, which drained the GPU queue in every layer's
+backward). Here the pack pass checks on the device
 whether the new stream fits the allocated capacity and commits all of the new
 encoding (tails, stream, lane counts, tile table) only if it does; it records the
 used length, the coded bits and an overflow flag in a small device ``status``

@@ -84,7 +84,7 @@ class Launcher:
         self.fast_launches = 0  # launches that skipped Triton's dispatch (tests and benchmarks read it)
 
     def __call__(self, grid: tuple, args: tuple, meta: dict, **options):
-        """Launch ``kernel[grid](*args, **meta, **options)``; return the ``CompiledKernel`` (None in the interpreter)."""
+        """Launch ``kernel[grid](*args, **meta, **options)``; return the ``CompiledKernel`` (interpreter: None)."""
         if not FAST or interpreting() or _hooked():
             return self.kernel[grid](*args, **meta, **options)
         device, stream = self._current()

@@ -216,7 +216,7 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
             self._writing_io = None
 
     def count_into(self, weight: torch.Tensor):
-        """The weight I/O's re-encode counting target for ``weight`` (see :mod:`neutrain.compress.counted`), or None."""
+        """The weight I/O's re-encode counting target for ``weight`` (:mod:`neutrain.compress.counted`), or None."""
         count_into = getattr(self._writing_io, "count_into", None)
         return count_into(weight) if count_into is not None else None
 

@@ -358,7 +358,7 @@ def test_sync_free_reencode_through_the_compiled_launchers_on_gpu():
     fast_before = (kcodec._COUNT.fast_launches, kcodec._SCAN.fast_launches, kcodec._PACK.fast_launches)
     buffer = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device="cuda")
     for k in range(6):
-        y = (x.float() * (1 + 1e-3 * k) + 1e-4 * torch.randn_like(x.float())).bfloat16()
+        y = (x.float() + 1e-3 * torch.randn_like(x.float())).bfloat16()  # no drift: no code rebuild
         if k in (2, 3):  # unaligned input: Triton would compile another kernel, so must the launcher
             y = buffer[1:].view(x.shape).copy_(y)
         if k == 4:  # no headroom left: this encode grows the stream (a new capacity argument)
