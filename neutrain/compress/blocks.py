@@ -57,14 +57,13 @@ def block_recode(ct, backend: str = "auto") -> "BlockRecode | None":
 
     Example:
         >>> from neutrain.compress import compress
-        >>> w = torch.randn(64, 1024).bfloat16()
-        >>> ct = compress(w, steps=8, lanes=16)  # 512-element tiles: 2 rows each
+        >>> w = torch.randn(64, 128).bfloat16()
+        >>> ct = compress(w, steps=8, lanes=16)  # 512-element tiles: 4 rows each
         >>> new = w + 1
         >>> recode = block_recode(ct)
-        >>> for first in range(0, ct.tiles, 8):  # 16 rows a block
-        ...     block = torch.empty(8 * 512, dtype=torch.bfloat16)
-        ...     recode.decode(first, first + 8, block)
-        ...     recode.encode(first, new.view(-1)[first * 512 : (first + 8) * 512])
+        >>> for first in range(0, ct.tiles, 4):  # 16 rows a block
+        ...     old = recode.decode(first, first + 4, torch.empty(4 * 512, dtype=torch.bfloat16))
+        ...     recode.encode(first, new.view(-1)[first * 512 : (first + 4) * 512])
         >>> recode.finish()
         >>> torch.equal(ct.decompress(), new)
         True
@@ -209,8 +208,8 @@ def aligned_rows(ct, rows: int) -> int:
 
     Example:
         >>> from neutrain.compress import compress
-        >>> aligned_rows(compress(torch.zeros(64, 1024).bfloat16(), steps=8, lanes=16), 1)
-        2
+        >>> aligned_rows(compress(torch.zeros(64, 128).bfloat16(), steps=8, lanes=16), 1)  # 512-element tiles
+        4
     """
     row_numel = math.prod(ct.shape[1:])
     tile_len = tile_numel(ct)

@@ -20,7 +20,9 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
 
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
-re-encodes the updated weight in place.
+re-encodes the updated weight in place; ``row_blocks()`` / ``write_blocks_()`` do the
+same a row block at a time (:mod:`neutrain.nn.row_blocks`), for the streamed updates of
+the vocabulary matrices, so those are never decoded whole.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from neutrain.nn.buffers import DECODE_BUFFERS
+from neutrain.nn.row_blocks import RowBlocks, row_blocks
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
 
@@ -137,6 +140,17 @@ class CompressedWeight:
         self.ct.recompress_(weight, sync=False)
         if self.home is not None:
             self.home.written(self)  # the new bytes go back to host memory, asynchronously
+        self.release()
+        self.version += 1
+        DECODE_BUFFERS.invalidate(self)
+
+    def row_blocks(self, chunk_rows: int) -> RowBlocks | None:
+        """The weight as row blocks for an update by chunks of ``chunk_rows`` rows, or None (read it whole)."""
+        return row_blocks(self, chunk_rows)
+
+    def write_blocks_(self, blocks: RowBlocks) -> None:
+        """Finish an update through :meth:`row_blocks`: the last blocks re-encoded, the new encoding in."""
+        blocks.close()
         self.release()
         self.version += 1
         DECODE_BUFFERS.invalidate(self)

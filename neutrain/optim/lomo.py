@@ -14,9 +14,8 @@ from typing import Iterable
 import torch
 
 from neutrain.kernels import triton_available
-from neutrain.optim.clipping import as_rows
 from neutrain.optim.fused import FusedOptimizer
-from neutrain.optim.rule import scaled
+from neutrain.optim.rule import scaled, weight_rows
 
 
 def use_fused_kernel(weight: torch.Tensor) -> bool:
@@ -60,7 +59,7 @@ class LOMO(FusedOptimizer):
         # by chunk); the noise is keyed by the element's index in the whole tensor, so chunking
         # does not change the result. The generator carries the per-update seed it was given.
         seed = generator.initial_seed() if generator is not None else None
-        w_rows = as_rows(weight)
+        w_rows = weight_rows(weight)
         row_numel = w_rows.shape[1]
         for rows in self._row_chunks(weight):
             grad = grad_rows(rows)

@@ -7,7 +7,7 @@ from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weight
 from neutrain.nn.embedding import table_grad_rows
 from neutrain.optim import LOMO, AdaLomo
 
-from .nn_helpers import dense_and_compressed, enable_checkpointing, token_batches, train, weights
+from .nn_helpers import BLOCK_CODEC, CODEC, dense_and_compressed, enable_checkpointing, token_batches, train, weights
 
 
 def _assert_identical_and_trained(dense, compressed, start):
@@ -71,14 +71,24 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
 
 
 @pytest.mark.parametrize(
-    "block_rows, chunk_rows, stochastic_rounding, clip",
-    [(40, 8, False, {}), (4, 8, True, {}), (40, 8, True, {"clip_mode": "global_exact", "max_grad_norm": 1.5})],
-    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic-exact-clip"],
+    "block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks",
+    [(40, 8, False, {}, False), (4, 8, True, {}, False),
+     (40, 8, True, {"clip_mode": "global_exact", "max_grad_norm": 1.5}, False),
+     (4, 8, True, {}, True), (16, 64, False, {"clip_mode": "per_tensor", "max_grad_norm": 0.5}, True),
+     (8, 4, True, {}, True)],
+    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic-exact-clip", "tile-blocks-stochastic",
+         "tile-blocks-clipped", "tile-blocks-of-chunks"],
 )
-def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding, clip):
+def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding, clip,
+                                                       re_encoded_by_blocks, monkeypatch):
     # The lm_head (256 x 64) is updated in row blocks, each from a recomputed gradient block;
     # the dense twin gets the full gradient through autograd. Loss chunks: chunk_rows rows.
-    dense, compressed = dense_and_compressed()
+    # With 2048-element tiles the vocabulary matrices are also decoded and re-encoded block by
+    # block (neutrain.nn.row_blocks): never read whole in the update.
+    dense, compressed = dense_and_compressed(codec=BLOCK_CODEC if re_encoded_by_blocks else CODEC)
+    reads = []
+    for weight in (compressed.lm_head.compressed, compressed.model.embed_tokens.compressed):
+        monkeypatch.setattr(weight, "read", lambda w=weight: (reads.append(w.name), type(w).read(w))[1])
     start = weights(dense)
     data = token_batches(2, seed=11)
     loss_options = {"chunk_bytes": 4 * data[0].numel() * chunk_rows}
@@ -91,6 +101,7 @@ def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, s
     opt = make(compressed.parameters())
     norms = train(compressed, opt, data, **loss_options)
     assert opt.streamed_updates == 2 * len(data)  # the lm_head and the embedding, once per step each
+    assert (reads == []) == re_encoded_by_blocks, reads
     if clip:
         assert min(norms) > clip["max_grad_norm"], "the exact global clip must engage"
     _assert_identical_and_trained(dense, compressed, start)

@@ -1,0 +1,121 @@
+"""A compressed vocabulary matrix updated row block by row block: it is never decoded whole.
+
+The streamed update of the embedding and the lm_head (:mod:`neutrain.optim.streamed`)
+walks the weight's rows in order, one optimizer chunk at a time. Reading the weight
+whole for it put the dense matrix (1 GiB for Llama-3-8B's 128,256 x 4096) in the
+large decode slot at the step's peak. :class:`RowBlocks` gives the optimizer the rows
+instead: the first access to a block decodes it (a few hundred tiles) into a block
+buffer, the optimizer updates those rows in place, and moving on to the next block
+re-encodes the finished one (:mod:`neutrain.compress.blocks`: tails in place, codes
+into a second exponent stream swapped in at the end). A block is a whole number of
+optimizer chunks *and* of codec tiles, so chunking, noise offsets and every
+updated value are those of the whole-weight update, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neutrain.compress.blocks import BlockRecode, aligned_rows, block_recode, tile_numel
+
+MAX_BLOCK_FRACTION = 0.5
+"""Blocks larger than this share of the weight (tile alignment can demand many rows) save too little:
+the update then reads the weight whole, as before."""
+
+
+def row_blocks(weight, chunk_rows: int) -> "RowBlocks | None":
+    """Row-block access to the 2-D compressed ``weight`` for an update by chunks of ``chunk_rows`` rows,
+    or None where the update must read it whole (offloaded, lossy, a code rebuild due, blocks too large).
+
+    Example:
+        >>> from neutrain.compress import compress
+        >>> from neutrain.nn.weight import CompressedWeight
+        >>> w = torch.randn(64, 1024).bfloat16()
+        >>> cw = CompressedWeight(compress(w, steps=8, lanes=16))  # 512-element tiles
+        >>> blocks = row_blocks(cw, 4)
+        >>> for start in range(0, 64, 4):
+        ...     _ = blocks[start : start + 4].add_(1.0)  # an optimizer's in-place update of 4 rows
+        >>> cw.write_blocks_(blocks)
+        >>> torch.equal(cw.decode(), w + 1.0)
+        True
+    """
+    if weight.home is not None or len(weight.shape) != 2 or weight.shape[0] == 0:
+        return None
+    rows = aligned_rows(weight.ct, chunk_rows)
+    if rows > MAX_BLOCK_FRACTION * weight.shape[0]:
+        return None
+    recode = block_recode(weight.ct)
+    return None if recode is None else RowBlocks(weight, recode, rows)
+
+
+class RowBlocks:
+    """The rows of one compressed 2-D weight, decoded and re-encoded a block at a time, blocks in order.
+
+    ``blocks[rows]`` (a slice inside one block) returns those rows of the block buffer, for
+    an in-place update; :meth:`close` re-encodes the last block (and any never visited)
+    and swaps the new encoding in. Quacks enough like the rows of a weight tensor for the
+    optimizer's row-chunk driver (``shape``, ``dtype``, ``device``, ``is_cuda``).
+    """
+
+    def __init__(self, weight, recode: BlockRecode, block_rows: int):
+        ct = weight.ct
+        self.weight, self.recode, self.block_rows = weight, recode, block_rows
+        self.shape = torch.Size(ct.shape)
+        self.dtype, self.device = ct.dtype, ct.device
+        self.is_cuda = self.device.type == "cuda"
+        self._row_numel = math.prod(ct.shape[1:])
+        self._tile_len = tile_numel(ct)
+        self._buffer = torch.empty(block_rows * self._row_numel, dtype=ct.dtype, device=ct.device)
+        self._block = None  # (index, rows view) of the block in the buffer
+        self._next = 0  # first block not yet decoded
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.shape[0] // self.block_rows)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return self._buffer.numel() * self._buffer.element_size()
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop = rows.start or 0, min(self.shape[0], self.shape[0] if rows.stop is None else rows.stop)
+        index = start // self.block_rows
+        first_row = index * self.block_rows
+        if stop > first_row + self.block_rows or rows.step not in (None, 1):
+            raise ValueError(f"rows {start}:{stop} are not inside one block of {self.block_rows} rows")
+        if self._block is None or self._block[0] != index:
+            self._open(index)
+        return self._block[1][start - first_row : stop - first_row]
+
+    def _open(self, index: int) -> None:
+        if index < self._next:
+            raise ValueError(f"block {index} was re-encoded already: blocks are updated in order")
+        self._flush()
+        while self._next < index:  # blocks the update skipped keep their values
+            self._decode(self._next)
+            self._flush()
+        self._decode(index)
+
+    def _decode(self, index: int) -> None:
+        first_tile = index * self.block_rows * self._row_numel // self._tile_len
+        stop_tile = min(self.recode.ct.tiles, first_tile + self._buffer.numel() // self._tile_len)
+        dense = self.recode.decode(first_tile, stop_tile, self._buffer)
+        self._block = (index, dense.view(-1, self._row_numel))
+        self._next = index + 1
+
+    def _flush(self) -> None:
+        if self._block is not None:
+            index, dense = self._block
+            self.recode.encode(index * self.block_rows * self._row_numel // self._tile_len, dense)
+            self._block = None
+
+    def close(self) -> None:
+        """Re-encode the open block and any not visited; swap the new encoding in."""
+        self._flush()
+        while self._next < self.blocks:
+            self._decode(self._next)
+            self._flush()
+        self.recode.finish()
+        self._buffer = None
