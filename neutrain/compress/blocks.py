@@ -49,6 +49,44 @@ def tile_numel(ct) -> int:
     return ct.steps * ct.lanes * ct.elems
 
 
+def decode_tiles(ct, first: int, stop: int, out: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Decode tiles ``[first, stop)`` of ``ct`` into ``out`` (contiguous, at least ``(stop - first)`` tiles of
+    elements); returns ``out``'s first ``min(stop * tile, numel) - first * tile`` elements, flat.
+
+    Example:
+        >>> from neutrain.compress import compress
+        >>> w = torch.randn(64, 128).bfloat16()
+        >>> ct = compress(w, steps=8, lanes=16)  # 512-element tiles: 4 rows each
+        >>> rows = decode_tiles(ct, 2, 4, torch.empty(1024, dtype=torch.bfloat16)).view(-1, 128)
+        >>> torch.equal(rows, w[8:16])
+        True
+    """
+    from neutrain.compress.tensor import _use_kernel  # lazy: tensor imports this module
+
+    tile_len = tile_numel(ct)
+    start, end = first * tile_len, min(stop * tile_len, ct.numel)
+    out = out.view(-1)
+    tiles = torch.arange(first, stop, device=ct.device)
+    if _use_kernel(ct.layout, ct.elems, ct.device, backend):
+        from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
+
+        kcodec.decode(ct.stream, ct.lane_words, ct.tile_base, ct.tails, ct.lut, out, ct.numel, ct.steps,
+                      ct.lanes, ct.layout.kept, ct.elems, tile_ids=tiles)
+        return out[: end - start]
+    if codec_cpu.enabled(ct.device, backend):
+        symbols = codec_cpu.decode_symbols(ct, tiles)
+    else:
+        symbols = codec.decode_tiles_jumping(ct.stream, ct.lane_words, ct.tile_base, ct.lut, ct.numel, ct.steps,
+                                             ct.lanes, tiles=tiles, elems=ct.elems)
+    symbols = symbols[: end - start]
+    dense = out[: end - start]
+    if splits_bytewise(ct.layout, ct.device):
+        return merge_bf16_bytes(symbols, ct._tails_view()[start:end], dense)
+    tails = unpack_tails(ct._tails_view(), ct.layout.tail_bits, torch.arange(start, end, device=ct.device))
+    dense.copy_(from_bits(merge(symbols.long(), tails, ct.layout), ct.dtype))
+    return dense
+
+
 def block_recode(ct, backend: str = "auto") -> "BlockRecode | None":
     """A :class:`BlockRecode` of ``ct``, or None where only a whole encode will do.
 
@@ -100,33 +138,10 @@ class BlockRecode:
 
     # ---------------------------------------------------------------- decoding
     def decode(self, first: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """Decode tiles ``[first, stop)`` of the current encoding into ``out`` (flat, contiguous, at least
-        their elements); returns ``out``'s first ``min(stop * tile, numel) - first * tile`` elements."""
-        ct = self.ct
+        """:func:`decode_tiles` of a block not yet re-encoded."""
         if first < self.next_tile:
             raise ValueError(f"tiles [{first}, {stop}) were re-encoded already (next: {self.next_tile})")
-        tile_len = tile_numel(ct)
-        start, end = first * tile_len, min(stop * tile_len, ct.numel)
-        out = out.view(-1)
-        tiles = torch.arange(first, stop, device=ct.device)
-        if self.kernel:
-            from neutrain.kernels import codec as kcodec  # lazy: Triton, GPU path only
-
-            kcodec.decode(ct.stream, ct.lane_words, ct.tile_base, ct.tails, ct.lut, out, ct.numel, ct.steps,
-                          ct.lanes, ct.layout.kept, ct.elems, tile_ids=tiles)
-            return out[: end - start]
-        if codec_cpu.enabled(ct.device, self.backend):
-            symbols = codec_cpu.decode_symbols(ct, tiles)
-        else:
-            symbols = codec.decode_tiles_jumping(ct.stream, ct.lane_words, ct.tile_base, ct.lut, ct.numel, ct.steps,
-                                                 ct.lanes, tiles=tiles, elems=ct.elems)
-        symbols = symbols[: end - start]
-        dense = out[: end - start]
-        if splits_bytewise(ct.layout, ct.device):
-            return merge_bf16_bytes(symbols, ct._tails_view()[start:end], dense)
-        tails = unpack_tails(ct._tails_view(), ct.layout.tail_bits, torch.arange(start, end, device=ct.device))
-        dense.copy_(from_bits(merge(symbols.long(), tails, ct.layout), ct.dtype))
-        return dense
+        return decode_tiles(self.ct, first, stop, out, self.backend)
 
     # ---------------------------------------------------------------- encoding
     def encode(self, first: int, x: torch.Tensor) -> None:

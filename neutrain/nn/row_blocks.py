@@ -10,6 +10,12 @@ re-encodes the finished one (:mod:`neutrain.compress.blocks`: tails in place, co
 into a second exponent stream swapped in at the end). A block is a whole number of
 optimizer chunks *and* of codec tiles, so chunking, noise offsets and every
 updated value are those of the whole-weight update, bit for bit.
+
+The chunked loss (:mod:`neutrain.nn.linear_cross_entropy`) reads the lm_head through
+:func:`rows_for_compute` the same way: a :class:`RowReader` decodes the tile-aligned block
+holding the vocabulary chunk it asks for. Forward and both backward passes walk the
+chunks in order, so each decodes every tile once (the same tiles a whole decode
+runs), and the matrix never sits whole in the large decode slot.
 """
 
 from __future__ import annotations
@@ -18,11 +24,79 @@ import math
 
 import torch
 
-from neutrain.compress.blocks import BlockRecode, aligned_rows, block_recode, tile_numel
+from neutrain.compress.blocks import BlockRecode, aligned_rows, block_recode, decode_tiles, tile_numel
+from neutrain.nn.buffers import DECODE_BUFFERS
 
 MAX_BLOCK_FRACTION = 0.5
 """Blocks larger than this share of the weight (tile alignment can demand many rows) save too little:
 the update then reads the weight whole, as before."""
+
+
+def _locate(rows: slice, num_rows: int, block_rows: int) -> tuple[int, int, int, int]:
+    """(start, stop, block index, block's first row) of a row slice that must lie inside one block."""
+    start, stop = rows.start or 0, min(num_rows, num_rows if rows.stop is None else rows.stop)
+    index = start // block_rows
+    first_row = index * block_rows
+    if stop > first_row + block_rows or rows.step not in (None, 1):
+        raise ValueError(f"rows {start}:{stop} are not inside one block of {block_rows} rows")
+    return start, stop, index, first_row
+
+
+def _block_rows(weight, chunk_rows: int) -> int | None:
+    """Rows of a tile-aligned block of whole chunks, or None where blocks would not pay (or cannot be)."""
+    if weight.home is not None or len(weight.shape) != 2 or weight.shape[0] == 0:
+        return None
+    rows = aligned_rows(weight.ct, chunk_rows)
+    return None if rows > MAX_BLOCK_FRACTION * weight.shape[0] else rows
+
+
+def rows_for_compute(weight, chunk_rows: int):
+    """The 2-D compressed ``weight`` for reading chunks of ``chunk_rows`` rows in :attr:`compute_dtype`:
+    a :class:`RowReader`, or the whole decoded weight where blocks would not pay. Both slice by rows.
+
+    Example:
+        >>> from neutrain.compress import compress
+        >>> from neutrain.nn.weight import CompressedWeight
+        >>> w = torch.randn(64, 1024).bfloat16()
+        >>> reader = rows_for_compute(CompressedWeight(compress(w, steps=8, lanes=16)), 4)
+        >>> type(reader).__name__, torch.equal(reader[8:12], w[8:12])
+        ('RowReader', True)
+    """
+    rows = _block_rows(weight, chunk_rows)
+    if rows is None:
+        return weight.decode_for_compute()
+    DECODE_BUFFERS.release_large(weight)  # an idle (unpinned) large slot would hold the matrix's size
+    return RowReader(weight, rows)
+
+
+class RowReader:
+    """Rows of a compressed 2-D weight in its compute dtype, decoded a tile-aligned block at a time.
+
+    ``reader[start:stop]`` (inside one block of ``block_rows`` rows) decodes that block unless it is
+    the one held; ``shape``, ``dtype`` (the compute dtype) and ``device`` are the weight's.
+    """
+
+    def __init__(self, weight, block_rows: int):
+        self.weight, self.block_rows = weight, block_rows
+        self.shape = torch.Size(weight.shape)
+        self.dtype, self.device = weight.compute_dtype, weight.device
+        self._row_numel = self.shape[1]
+        self._tile_len = tile_numel(weight.ct)
+        self._buffer = torch.empty(block_rows * self._row_numel, dtype=weight.dtype, device=weight.device)
+        self._block = None  # (index, version, rows in the compute dtype)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, index, first_row = _locate(rows, self.shape[0], self.block_rows)
+        weight = self.weight
+        if self._block is None or self._block[:2] != (index, weight.version):
+            first_tile = first_row * self._row_numel // self._tile_len
+            stop_tile = min(weight.ct.tiles, first_tile + self._buffer.numel() // self._tile_len)
+            weight._resident()
+            dense = decode_tiles(weight.ct, first_tile, stop_tile, self._buffer).view(-1, self._row_numel)
+            if dense.dtype != self.dtype:
+                dense = dense.to(self.dtype)
+            self._block = (index, weight.version, dense)
+        return self._block[2][start - first_row : stop - first_row]
 
 
 def row_blocks(weight, chunk_rows: int) -> "RowBlocks | None":
@@ -41,12 +115,8 @@ def row_blocks(weight, chunk_rows: int) -> "RowBlocks | None":
         >>> torch.equal(cw.decode(), w + 1.0)
         True
     """
-    if weight.home is not None or len(weight.shape) != 2 or weight.shape[0] == 0:
-        return None
-    rows = aligned_rows(weight.ct, chunk_rows)
-    if rows > MAX_BLOCK_FRACTION * weight.shape[0]:
-        return None
-    recode = block_recode(weight.ct)
+    rows = _block_rows(weight, chunk_rows)
+    recode = None if rows is None else block_recode(weight.ct)
     return None if recode is None else RowBlocks(weight, recode, rows)
 
 
@@ -80,11 +150,7 @@ class RowBlocks:
         return self._buffer.numel() * self._buffer.element_size()
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        start, stop = rows.start or 0, min(self.shape[0], self.shape[0] if rows.stop is None else rows.stop)
-        index = start // self.block_rows
-        first_row = index * self.block_rows
-        if stop > first_row + self.block_rows or rows.step not in (None, 1):
-            raise ValueError(f"rows {start}:{stop} are not inside one block of {self.block_rows} rows")
+        start, stop, index, first_row = _locate(rows, self.shape[0], self.block_rows)
         if self._block is None or self._block[0] != index:
             self._open(index)
         return self._block[1][start - first_row : stop - first_row]

@@ -5,12 +5,17 @@ peak beyond what was allocated before is a block buffer, the second exponent str
 fp32 temporaries, not the dense matrix the whole read put in the large decode slot.
 """
 
+import copy
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import neutrain.nn.row_blocks as row_blocks_module
 from neutrain.compress import compress
-from neutrain.nn import CompressedEmbedding
+from neutrain.nn import CompressedEmbedding, causal_lm_loss, compress_model
+from neutrain.nn.buffers import DECODE_BUFFERS
 from neutrain.nn.weight import CompressedWeight
 from neutrain.optim import LOMO
 
@@ -84,3 +89,63 @@ def test_no_row_blocks_where_they_would_not_pay():
     weight = CompressedWeight(compress(_table(), steps=2))
     assert weight.row_blocks(VOCAB) is None  # one block: the whole matrix anyway
     assert CompressedWeight(compress(_table(), 3, steps=2)).row_blocks(CHUNK_ROWS) is None  # lossy
+
+
+def _allocations(phase):
+    """(peak, largest): the CPU allocator's live bytes at most beyond the start, and the largest single
+    allocation, during ``phase()``, from the profiler's raw allocation records (nested autograd
+    functions make its per-op self memory unusable for a whole training step)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        phase()
+    sizes = [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                                  if e.name() == "[memory]")]
+    live = peak = 0
+    for n in sizes:
+        live += n
+        peak = max(peak, live)
+    return peak, max(sizes)
+
+
+@pytest.mark.parametrize("by_blocks", [True, False], ids=["blocks", "whole"])
+def test_a_training_step_never_decodes_the_lm_head_or_the_embedding_whole(by_blocks, monkeypatch):
+    # Loss forward, both backward passes and the updates read the 8192 x 64 lm_head (and the embedding
+    # table) by row blocks; whole, the loss decodes the lm_head twice and the update the table once. The
+    # large decode slot is unpinned, as under expandable segments (the GPU default), so a whole decode
+    # would show as an allocation of the matrix's size.
+    if not by_blocks:
+        monkeypatch.setattr(row_blocks_module, "MAX_BLOCK_FRACTION", 0.0)
+    vocab = 8192
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    model = copy.deepcopy(dense)
+    compress_model(model, progress=False, codec_options={"steps": 2})
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    options = {"lr": 0.1, "stochastic_rounding": False, "chunk_numel": 256 * HIDDEN}
+    losses = {"chunk_bytes": 4 * ids.numel() * 512}  # vocabulary chunks of 512 rows
+    opt = LOMO(model.parameters(), **options).bind(model)
+    DECODE_BUFFERS.clear()  # unpins the large slot
+
+    def step():
+        opt.backward(causal_lm_loss(model, ids, ids, **losses))
+        opt.step()
+
+    step()
+    lm_head, embedding = model.lm_head.compressed, model.model.embed_tokens.compressed
+    before = lm_head.decodes, embedding.decodes
+    peak, largest = _allocations(step)
+    matrix = vocab * HIDDEN * 2
+    decoded_whole = (lm_head.decodes - before[0], embedding.decodes - before[1])
+    if by_blocks:
+        # Measured: peak 1.03 matrices (whole: 1.66), largest allocation 0.28 (the new exponent stream).
+        assert decoded_whole == (0, 0) and largest < matrix / 2, (decoded_whole, largest / matrix)
+        assert peak < 1.3 * matrix, peak / matrix
+    else:
+        assert decoded_whole == (2, 1) and largest >= matrix and peak >= 1.5 * matrix, (largest, peak / matrix)
+    ref = LOMO(dense.parameters(), **options).bind(dense)
+    for _ in range(2):
+        ref.backward(causal_lm_loss(dense, ids, ids, **losses))
+        ref.step()
+    for got, want in ((lm_head, dense.lm_head.weight), (embedding, dense.model.embed_tokens.weight)):
+        assert torch.equal(got.decode().view(torch.int16), want.detach().view(torch.int16)), got.name
