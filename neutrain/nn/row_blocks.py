@@ -15,7 +15,12 @@ The chunked loss (:mod:`neutrain.nn.linear_cross_entropy`) reads the lm_head thr
 :func:`rows_for_compute` the same way: a :class:`RowReader` decodes the tile-aligned block
 holding the vocabulary chunk it asks for. Forward and both backward passes walk the
 chunks in order, so each decodes every tile once (the same tiles a whole decode
-runs), and the matrix never sits whole in the large decode slot.
+runs), and the matrix never sits whole in the large decode slot. Where the compute
+dtype is the stored one (bf16 on a GPU), the update's blocks are the reader's: the
+loss's last pass and the update decode each block once, into one buffer. That is
+safe because the gradient of a block's rows is recomputed before any of them changes
+(see ``_streamed_weight_update``), and a block is re-encoded only once the update
+has moved past it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from neutrain.nn.buffers import DECODE_BUFFERS
 MAX_BLOCK_FRACTION = 0.5
 """Blocks larger than this share of the weight (tile alignment can demand many rows) save too little:
 the update then reads the weight whole, as before."""
+MIN_GPU_BLOCK_TILES = 1024
+"""On a GPU a block is grown (up to :data:`MAX_BLOCK_FRACTION`) to at least this many tiles: one
+program per tile, and an H100 holds ~1,056 resident at 256 threads, so smaller launches leave it idle
+(Llama-3's lm_head: 8,192 rows of 4,096, a 64 MiB block)."""
 
 
 def _locate(rows: slice, num_rows: int, block_rows: int) -> tuple[int, int, int, int]:
@@ -47,7 +56,13 @@ def _block_rows(weight, chunk_rows: int) -> int | None:
     if weight.home is not None or len(weight.shape) != 2 or weight.shape[0] == 0:
         return None
     rows = aligned_rows(weight.ct, chunk_rows)
-    return None if rows > MAX_BLOCK_FRACTION * weight.shape[0] else rows
+    limit = int(MAX_BLOCK_FRACTION * weight.shape[0])
+    if rows > limit:
+        return None
+    if weight.device.type == "cuda":
+        tiles = rows * math.prod(weight.shape[1:]) // tile_numel(weight.ct)
+        rows *= max(1, min(-(-MIN_GPU_BLOCK_TILES // tiles), limit // rows))
+    return rows
 
 
 def rows_for_compute(weight, chunk_rows: int):
@@ -66,7 +81,8 @@ def rows_for_compute(weight, chunk_rows: int):
     if rows is None:
         return weight.decode_for_compute()
     DECODE_BUFFERS.release_large(weight)  # an idle (unpinned) large slot would hold the matrix's size
-    return RowReader(weight, rows)
+    weight.reader = RowReader(weight, rows)  # the streamed update may share its buffer (row_blocks)
+    return weight.reader
 
 
 class RowReader:
@@ -84,6 +100,7 @@ class RowReader:
         self._tile_len = tile_numel(weight.ct)
         self._buffer = torch.empty(block_rows * self._row_numel, dtype=weight.dtype, device=weight.device)
         self._block = None  # (index, version, rows in the compute dtype)
+        self.updating = None  # the RowBlocks sharing the buffer during a streamed update
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         start, stop, index, first_row = _locate(rows, self.shape[0], self.block_rows)
@@ -91,12 +108,30 @@ class RowReader:
         if self._block is None or self._block[:2] != (index, weight.version):
             first_tile = first_row * self._row_numel // self._tile_len
             stop_tile = min(weight.ct.tiles, first_tile + self._buffer.numel() // self._tile_len)
-            weight._resident()
-            dense = decode_tiles(weight.ct, first_tile, stop_tile, self._buffer).view(-1, self._row_numel)
-            if dense.dtype != self.dtype:
-                dense = dense.to(self.dtype)
-            self._block = (index, weight.version, dense)
+            if self.updating is not None:
+                # The buffer holds the block being updated: it is re-encoded before this one is decoded.
+                self.updating._open(index)  # adopts the block into this reader
+            else:
+                weight._resident()
+                dense = decode_tiles(weight.ct, first_tile, stop_tile, self._buffer).view(-1, self._row_numel)
+                self.adopt(index, dense)
         return self._block[2][start - first_row : stop - first_row]
+
+    @property
+    def shares_storage(self) -> bool:
+        """Whether the rows it returns are its block buffer itself (compute dtype = stored dtype)."""
+        return self.dtype == self.weight.dtype
+
+    def held(self, index: int) -> torch.Tensor | None:
+        """Block ``index`` of the current version, as stored rows in the buffer, if held."""
+        block = self._block
+        if block is not None and block[:2] == (index, self.weight.version) and self.shares_storage:
+            return block[2]
+        return None
+
+    def adopt(self, index: int, dense: torch.Tensor) -> None:
+        """Hold ``dense`` (stored rows of block ``index``, decoded into the buffer) as that block."""
+        self._block = (index, self.weight.version, dense if dense.dtype == self.dtype else dense.to(self.dtype))
 
 
 def row_blocks(weight, chunk_rows: int) -> "RowBlocks | None":
@@ -115,9 +150,12 @@ def row_blocks(weight, chunk_rows: int) -> "RowBlocks | None":
         >>> torch.equal(cw.decode(), w + 1.0)
         True
     """
-    rows = _block_rows(weight, chunk_rows)
+    reader = getattr(weight, "reader", None)
+    if reader is not None and not (reader.shares_storage and reader.block_rows % chunk_rows == 0):
+        reader = None
+    rows = reader.block_rows if reader is not None else _block_rows(weight, chunk_rows)
     recode = None if rows is None else block_recode(weight.ct)
-    return None if recode is None else RowBlocks(weight, recode, rows)
+    return None if recode is None else RowBlocks(weight, recode, rows, reader)
 
 
 class RowBlocks:
@@ -129,15 +167,19 @@ class RowBlocks:
     optimizer's row-chunk driver (``shape``, ``dtype``, ``device``, ``is_cuda``).
     """
 
-    def __init__(self, weight, recode: BlockRecode, block_rows: int):
+    def __init__(self, weight, recode: BlockRecode, block_rows: int, reader: RowReader | None = None):
         ct = weight.ct
-        self.weight, self.recode, self.block_rows = weight, recode, block_rows
+        self.weight, self.recode, self.block_rows, self.reader = weight, recode, block_rows, reader
         self.shape = torch.Size(ct.shape)
         self.dtype, self.device = ct.dtype, ct.device
         self.is_cuda = self.device.type == "cuda"
         self._row_numel = math.prod(ct.shape[1:])
         self._tile_len = tile_numel(ct)
-        self._buffer = torch.empty(block_rows * self._row_numel, dtype=ct.dtype, device=ct.device)
+        if reader is not None:  # the chunked loss's reader: its block is the one being updated
+            self._buffer = reader._buffer
+            reader.updating = self
+        else:
+            self._buffer = torch.empty(block_rows * self._row_numel, dtype=ct.dtype, device=ct.device)
         self._block = None  # (index, rows view) of the block in the buffer
         self._next = 0  # first block not yet decoded
 
@@ -167,8 +209,12 @@ class RowBlocks:
     def _decode(self, index: int) -> None:
         first_tile = index * self.block_rows * self._row_numel // self._tile_len
         stop_tile = min(self.recode.ct.tiles, first_tile + self._buffer.numel() // self._tile_len)
-        dense = self.recode.decode(first_tile, stop_tile, self._buffer)
-        self._block = (index, dense.view(-1, self._row_numel))
+        dense = self.reader.held(index) if self.reader is not None else None
+        if dense is None:
+            dense = self.recode.decode(first_tile, stop_tile, self._buffer).view(-1, self._row_numel)
+            if self.reader is not None:
+                self.reader.adopt(index, dense)  # the loss recomputes this block's gradient from these rows
+        self._block = (index, dense)
         self._next = index + 1
 
     def _flush(self) -> None:
@@ -185,3 +231,5 @@ class RowBlocks:
             self._flush()
         self.recode.finish()
         self._buffer = None
+        if self.reader is not None:
+            self.reader.updating = None

@@ -61,6 +61,7 @@ class CompressedWeight:
         self.optimizer = None
         self.large = False  # embedding / lm_head: decoded into the large buffer, never prefetched
         self.home = None  # a neutrain.nn.weight_offload.WeightOffload when the payload lives in host memory
+        self.reader = None  # the chunked loss's RowReader while it reads this weight (neutrain.nn.row_blocks)
         # In the compute dtype: model.dtype (what transformers reads from the parameters) is the activations' dtype.
         key = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=ct.device),
                                  requires_grad=requires_grad)
@@ -156,7 +157,8 @@ class CompressedWeight:
         DECODE_BUFFERS.invalidate(self)
 
     def release(self) -> None:
-        """Free the decode buffer of a large (embedding/lm_head) weight after use; no-op otherwise."""
+        """Free the decode buffer (or row reader) of a large (embedding/lm_head) weight after use."""
+        self.reader = None
         if self.large:
             DECODE_BUFFERS.release_large(self)
 
