@@ -110,3 +110,17 @@ def test_aligned_rows_are_whole_tiles():
         aligned = aligned_rows(ct, rows)
         assert aligned % rows == 0 and aligned * 96 % 256 == 0
         assert (aligned // 2) * 96 % 256 != 0 or aligned // 2 % rows != 0  # the smallest such multiple
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_repeated_block_recodes_keep_the_stream_capacity(backend):
+    # The second stream takes the first's capacity: a per-update margin would compound step after step.
+    w = _weights()
+    ct = compress(w, steps=4, lanes=16, backend=backend)
+    ct.recompress_(w, backend=backend, sync=False)  # a sync-free encode sizes the capacity as training does
+    capacity = ct.stream.numel()
+    for seed in range(3):
+        new = w.float().add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)) * 1e-4).bfloat16()
+        _recode_by_blocks(ct, new, 4, backend)
+        assert ct.stream.numel() == capacity
+        assert torch.equal(ct.decompress(backend="reference").view(torch.int16), new.view(torch.int16))
