@@ -39,6 +39,9 @@ from neutrain.compress.codec import STREAM_PAD_WORDS
 
 REBUILD_GROWTH = 0.01
 """Rebuild the code from a fresh histogram once the exponent stream grows 1 % past its size at build."""
+OVERFLOW_LOST = 2
+"""Status overflow flag of a block re-encode that did not fit (:mod:`neutrain.compress.blocks`): its
+tails were rewritten already, so unlike a whole encode's (flag 1) the old value is not kept."""
 
 
 class StreamOverflowError(RuntimeError):
@@ -163,6 +166,10 @@ def settle(ct, wait: bool) -> None:
     words, coded, overflow = seen
     if overflow:
         ct.status.tensor[2].zero_()  # the flag is sticky on the device until seen here
+        if overflow == OVERFLOW_LOST:
+            raise StreamOverflowError(
+                f"compressed tensor {ct.name or '<unnamed>'!r}: a block-by-block re-encode needed more than the "
+                f"{ct.stream.numel()} stream words allocated; its value is lost (restore it from a checkpoint).")
         capacity = ct.stream.numel()
         grow(ct, words)  # the tensor kept its last committed stream: status[0] still holds its length
         raise StreamOverflowError(

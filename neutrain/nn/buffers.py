@@ -173,15 +173,16 @@ class DecodeBuffers:
                 del self._tags[key]
 
     def release_large(self, weight) -> None:
-        """Free the large buffer if it holds ``weight`` (a vocab-sized matrix must not sit idle).
+        """Free the large buffer if it holds ``weight`` or nothing (a vocab-sized matrix must not sit idle;
+        nor must an empty slot reserved for one that is read by row blocks, :mod:`neutrain.nn.row_blocks`).
 
         A pinned (reserved) large slot stays: freeing it would only fragment the allocator.
         """
         key = (weight.device, weight.dtype, LARGE_SLOT)
         tag = self._tags.get(key)
-        if tag is not None and tag[0] == _identity(weight) and key not in self._pinned:
+        if key in self._buffers and (tag is None or tag[0] == _identity(weight)) and key not in self._pinned:
             self._wait(key)
-            del self._tags[key]
+            self._tags.pop(key, None)
             self._buffers.pop(key, None)
 
     def clear(self) -> None:

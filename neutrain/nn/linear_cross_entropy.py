@@ -30,6 +30,7 @@ import torch
 from neutrain.compat.masks import contiguous_positions
 from neutrain.nn.architecture import LogitTransform, logit_transform, router_aux_loss
 from neutrain.nn.linear import CompressedLinear
+from neutrain.nn.row_blocks import rows_for_compute
 from neutrain.optim.clipping import add_squared_norm_
 
 IGNORE_INDEX = -100
@@ -46,9 +47,10 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, dense_weight, key, compressed, labels, normaliser, chunk_bytes, ignore_index, transform,
                 bias):
-        w = compressed.decode_for_compute() if compressed is not None else dense_weight
-        tokens, vocab = hidden.shape[0], w.shape[0]
+        tokens, vocab = hidden.shape[0], (compressed or dense_weight).shape[0]
         chunk = _vocab_chunk(tokens, vocab, chunk_bytes)
+        # A compressed lm_head is read a tile-aligned block of chunks at a time, never decoded whole.
+        w = rows_for_compute(compressed, chunk) if compressed is not None else dense_weight
         valid = labels != ignore_index
         safe_labels = torch.where(valid, labels, 0)
         running_max = torch.full((tokens,), -float("inf"), dtype=torch.float32, device=hidden.device)
@@ -79,7 +81,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, labels, valid, lse, normaliser, dense_weight, bias = ctx.saved_tensors
         compressed, transform = ctx.compressed, ctx.transform
-        w = compressed.decode_for_compute() if compressed is not None else dense_weight
+        w = rows_for_compute(compressed, ctx.chunk) if compressed is not None else dense_weight
         vocab, chunk = w.shape[0], ctx.chunk
         row_scale = torch.where(valid, grad_loss / normaliser, torch.zeros_like(lse))[:, None]
         need_hidden = ctx.needs_input_grad[0]

@@ -20,7 +20,9 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
 
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
-re-encodes the updated weight in place.
+re-encodes the updated weight in place; ``row_blocks()`` / ``write_blocks_()`` do the
+same a row block at a time (:mod:`neutrain.nn.row_blocks`), for the streamed updates of
+the vocabulary matrices, so those are never decoded whole.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from neutrain.nn.buffers import DECODE_BUFFERS
+from neutrain.nn.row_blocks import RowBlocks, row_blocks
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
 
@@ -58,6 +61,7 @@ class CompressedWeight:
         self.optimizer = None
         self.large = False  # embedding / lm_head: decoded into the large buffer, never prefetched
         self.home = None  # a neutrain.nn.weight_offload.WeightOffload when the payload lives in host memory
+        self.reader = None  # the chunked loss's RowReader while it reads this weight (neutrain.nn.row_blocks)
         # In the compute dtype: model.dtype (what transformers reads from the parameters) is the activations' dtype.
         key = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=ct.device),
                                  requires_grad=requires_grad)
@@ -148,8 +152,20 @@ class CompressedWeight:
         self.version += 1
         DECODE_BUFFERS.invalidate(self)
 
+    def row_blocks(self, chunk_rows: int) -> RowBlocks | None:
+        """The weight as row blocks for an update by chunks of ``chunk_rows`` rows, or None (read it whole)."""
+        return row_blocks(self, chunk_rows)
+
+    def write_blocks_(self, blocks: RowBlocks) -> None:
+        """Finish an update through :meth:`row_blocks`: the last blocks re-encoded, the new encoding in."""
+        blocks.close()
+        self.release()
+        self.version += 1
+        DECODE_BUFFERS.invalidate(self)
+
     def release(self) -> None:
-        """Free the decode buffer of a large (embedding/lm_head) weight after use; no-op otherwise."""
+        """Free the decode buffer (or row reader) of a large (embedding/lm_head) weight after use."""
+        self.reader = None
         if self.large:
             DECODE_BUFFERS.release_large(self)
 

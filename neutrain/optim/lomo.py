@@ -14,9 +14,8 @@ from typing import Iterable
 import torch
 
 from neutrain.kernels import triton_available
-from neutrain.optim.clipping import as_rows
 from neutrain.optim.fused import FusedOptimizer
-from neutrain.optim.rule import scaled
+from neutrain.optim.rule import scaled, weight_rows
 
 
 def use_fused_kernel(weight: torch.Tensor) -> bool:
@@ -62,8 +61,9 @@ class LOMO(FusedOptimizer):
         seed = generator.initial_seed() if generator is not None else None
         # A compressed weight's re-encode counts code lengths here, as each value is stored: the
         # encode then reads the weight once instead of twice (neutrain.compress.counted).
-        count = self.count_into(weight) if weight.dtype == torch.bfloat16 else None
-        w_rows = as_rows(weight)
+        count = (self.count_into(weight) if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+                 else None)  # row blocks (a vocabulary matrix) count in their own re-encode
+        w_rows = weight_rows(weight)
         row_numel = w_rows.shape[1]
         for rows in self._row_chunks(weight):
             grad = grad_rows(rows)

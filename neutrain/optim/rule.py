@@ -93,11 +93,11 @@ class ChunkedRule:
 
 
     def _chunk_rows(self, t: torch.Tensor) -> int:
-        row_numel = max(1, as_rows(t).shape[1])
+        row_numel = max(1, weight_rows(t).shape[1])
         return max(1, self.chunk_numel // row_numel)
 
     def _row_chunks(self, t: torch.Tensor) -> Iterable[slice]:
-        rows, step = as_rows(t).shape[0], self._chunk_rows(t)
+        rows, step = weight_rows(t).shape[0], self._chunk_rows(t)
         return (slice(start, start + step) for start in range(0, rows, step))
 
     def _update_tensor(self, weight, grad, state, group, ok, coef, generator) -> None:
@@ -108,7 +108,7 @@ class ChunkedRule:
     def _update_rows(self, weight, grad_rows, state, group, ok, coef, generator) -> None:
         """Per row chunk: ``_rule_chunk`` on the chunk's gradient, then write back."""
         scalars = self._begin_tensor(weight, state, group, ok)
-        w_rows = as_rows(weight)
+        w_rows = weight_rows(weight)
         for rows in self._row_chunks(weight):
             p32 = w_rows[rows].to(torch.float32, copy=True)
             new32 = self._rule_chunk(p32, grad_rows(rows), coef, state, group, rows, ok, scalars)
@@ -135,6 +135,17 @@ class ChunkedRule:
         # (overflow, or rounding that carried into inf): no weight ever becomes non-finite.
         keep_new = torch.isfinite(new).logical_and_(ok)
         torch.where(keep_new, new, dst, out=dst)
+
+
+def weight_rows(weight):
+    """A weight as rows: :func:`~neutrain.optim.clipping.as_rows` of a tensor; a compressed weight's
+    row blocks (``neutrain.nn.row_blocks.RowBlocks``, a streamed update's weight) are rows already.
+
+    Example:
+        >>> weight_rows(torch.zeros(2, 3, 4)).shape
+        torch.Size([2, 12])
+    """
+    return as_rows(weight) if isinstance(weight, torch.Tensor) else weight
 
 
 def scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:

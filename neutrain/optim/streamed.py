@@ -18,6 +18,14 @@ import torch
 from neutrain.optim.weight_io import WeightIO
 
 
+def rows_per_chunk(chunk_numel: int, weight_shape: torch.Size) -> int:
+    """Rows of a ``weight_shape`` weight in an update chunk of at most ``chunk_numel`` elements (at least 1).
+
+    Example:
+        >>> rows_per_chunk(1 << 24, torch.Size([128256, 4096]))
+        4096
+    """
+    return max(1, chunk_numel // max(1, math.prod(weight_shape[1:])))
 
 class StreamedUpdates:
     """The streamed-update path of one fused optimizer.
@@ -49,8 +57,7 @@ class StreamedUpdates:
         if (not (self.enabled and opt.elementwise) or key in opt.hooks.tied or opt.gradient_accumulation_steps > 1
                 or opt.grad_sync is not None or key in opt.shards):  # distributed: the full gradient is reduced
             return None
-        row_numel = max(1, math.prod(weight_shape[1:]))
-        return max(1, opt.chunk_numel // row_numel)
+        return rows_per_chunk(opt.chunk_numel, weight_shape)
 
     def apply_(self, key: torch.Tensor, io: WeightIO, grad_rows: Callable[[slice], torch.Tensor],
                sumsq: torch.Tensor) -> None:
@@ -72,10 +79,17 @@ class StreamedUpdates:
         ok = opt.stats.account(key, sumsq)
         if ok is None:
             return
-        weight = io.read()
+        # A compressed vocabulary matrix is decoded and re-encoded a row block at a time
+        # (neutrain.nn.row_blocks): never whole. Other weights are read whole.
+        blocks_of = getattr(io, "row_blocks", None)
+        blocks = blocks_of(rows_per_chunk(opt.chunk_numel, io.shape)) if blocks_of is not None else None
+        weight = io.read() if blocks is None else blocks
         coef = opt.stats.clip_coef(sumsq)
         state, group = opt.state[key], opt._group_of[key]
         with opt.writing_to(io):
             opt._update_rows(weight, grad_rows, state, group, ok, coef, opt._generator(key, weight))
-        io.write_(weight)
+        if blocks is None:
+            io.write_(weight)
+        else:
+            io.write_blocks_(blocks)
         self.count += 1

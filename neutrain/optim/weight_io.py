@@ -21,7 +21,11 @@ class WeightIO(Protocol):
 
     ``read()`` returns a contiguous tensor that the optimizer updates in place;
     ``write_(t)`` stores it back (a no-op for dense parameters, a re-encode for
-    compressed ones). Optional: ``count_into(t)``, what an update kernel needs to do the
+    compressed ones). A compressed vocabulary matrix may also offer ``row_blocks(chunk_rows)``
+    (its rows, decoded a block at a time, or None) and ``write_blocks_(blocks)``, which the
+    streamed update (:mod:`neutrain.optim.streamed`) uses instead, so the matrix is never
+    decoded whole (:mod:`neutrain.nn.row_blocks`).
+    Optional too: ``count_into(t)``, what an update kernel needs to do the
     re-encode's first pass as it stores ``t`` (compressed weights; see
     :mod:`neutrain.compress.counted`), or None.
     """

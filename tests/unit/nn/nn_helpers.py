@@ -9,6 +9,9 @@ from neutrain.nn import causal_lm_loss, compress_model, decompressed_state_dict
 
 # Short codec lanes keep the CPU reference decoder fast on tiny tensors.
 CODEC = {"steps": 16}
+# Tiles of 2048 elements: the 256 x 64 vocabulary matrices are 8 tiles (32 rows each), so their
+# streamed updates decode and re-encode them block by block (neutrain.nn.row_blocks).
+BLOCK_CODEC = {"steps": 2}
 VOCAB = 256
 
 
@@ -35,12 +38,12 @@ def tiny_llama(tie=False, seed=0, **kw):
     return model.train()
 
 
-def dense_and_compressed(tie=False, seed=0):
+def dense_and_compressed(tie=False, seed=0, codec=CODEC):
     dense = tiny_llama(tie, seed)
     compressed = copy.deepcopy(dense)
     if tie:
         assert compressed.lm_head.weight is compressed.model.embed_tokens.weight
-    compress_model(compressed, progress=False, codec_options=CODEC)
+    compress_model(compressed, progress=False, codec_options=codec)
     return dense, compressed
 
 

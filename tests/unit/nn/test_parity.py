@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+import neutrain.optim.lomo as lomo_module
+
 from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weights
 from neutrain.nn.embedding import table_grad_rows
 from neutrain.optim import LOMO, AdaLomo
 
-from .nn_helpers import dense_and_compressed, enable_checkpointing, token_batches, train, weights
+from .nn_helpers import BLOCK_CODEC, CODEC, dense_and_compressed, enable_checkpointing, token_batches, train, weights
 
 
 def _assert_identical_and_trained(dense, compressed, start):
@@ -71,14 +73,42 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
 
 
 @pytest.mark.parametrize(
-    "block_rows, chunk_rows, stochastic_rounding, clip",
-    [(40, 8, False, {}), (4, 8, True, {}), (40, 8, True, {"clip_mode": "global_exact", "max_grad_norm": 1.5})],
-    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic-exact-clip"],
+    "block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks",
+    [(40, 8, False, {}, False), (4, 8, True, {}, False),
+     (40, 8, True, {"clip_mode": "global_exact", "max_grad_norm": 1.5}, False),
+     (4, 8, True, {}, True), (16, 64, False, {"clip_mode": "per_tensor", "max_grad_norm": 0.5}, True),
+     (8, 4, True, {}, True), (64, 8, False, {}, True)],
+    ids=["blocks-of-chunks", "chunks-of-blocks", "stochastic-exact-clip", "tile-blocks-stochastic",
+         "tile-blocks-clipped", "tile-blocks-of-chunks", "tile-blocks-own-buffer"],
 )
-def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding, clip):
+def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, stochastic_rounding, clip,
+                                                       re_encoded_by_blocks, monkeypatch):
     # The lm_head (256 x 64) is updated in row blocks, each from a recomputed gradient block;
     # the dense twin gets the full gradient through autograd. Loss chunks: chunk_rows rows.
-    dense, compressed = dense_and_compressed()
+    # With 2048-element tiles (32 rows) the vocabulary matrices are also decoded and re-encoded
+    # block by block (neutrain.nn.row_blocks): never read whole. The loss's reader blocks are
+    # aligned chunks; the update shares the reader's buffer where they hold whole update chunks
+    # (all but "own-buffer": 32-row reader blocks, 64-row update chunks).
+    _check_streamed_lm_head(block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks, monkeypatch)
+
+
+def test_streamed_update_in_the_fused_kernel_order_shares_the_reader_buffer(monkeypatch):
+    # LOMO's fused kernel path (CUDA) asks for a chunk's gradient before its weight rows, so the loss's
+    # reader moves to the next block first and must have the update re-encode the block it holds.
+    # The kernel runs in Triton's interpreter here, for the dense twin too (same rounding both sides).
+    monkeypatch.setattr(lomo_module, "use_fused_kernel", lambda weight: True)
+    _check_streamed_lm_head(4, 8, True, {}, True, monkeypatch)
+
+
+def _check_streamed_lm_head(block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks, monkeypatch):
+    dense, compressed = dense_and_compressed(codec=BLOCK_CODEC if re_encoded_by_blocks else CODEC)
+    reads, shared = [], []
+    for weight in (compressed.lm_head.compressed, compressed.model.embed_tokens.compressed):
+        monkeypatch.setattr(weight, "read", lambda w=weight: (reads.append(w.name), type(w).read(w))[1])
+    lm_head = compressed.lm_head.compressed
+    monkeypatch.setattr(lm_head, "write_blocks_",
+                        lambda blocks: (shared.append(blocks.reader is not None), type(lm_head).write_blocks_(
+                            lm_head, blocks))[1])
     start = weights(dense)
     data = token_batches(2, seed=11)
     loss_options = {"chunk_bytes": 4 * data[0].numel() * chunk_rows}
@@ -89,8 +119,13 @@ def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, s
 
     train(dense, make(dense.parameters()), data, **loss_options)
     opt = make(compressed.parameters())
+    decodes = compressed.lm_head.compressed.decodes
     norms = train(compressed, opt, data, **loss_options)
     assert opt.streamed_updates == 2 * len(data)  # the lm_head and the embedding, once per step each
+    assert (reads == []) == re_encoded_by_blocks, reads
+    assert (compressed.lm_head.compressed.decodes == decodes) == re_encoded_by_blocks  # no whole decode
+    if re_encoded_by_blocks:  # the update's blocks are the loss reader's unless they cannot hold whole chunks
+        assert shared == [block_rows <= 32] * len(data), shared
     if clip:
         assert min(norms) > clip["max_grad_norm"], "the exact global clip must engage"
     _assert_identical_and_trained(dense, compressed, start)
