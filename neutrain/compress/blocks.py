@@ -25,9 +25,8 @@ each block, once updated, is encoded straight back. :class:`BlockRecode` does th
 
 On the GPU (lossless bf16, Triton) nothing is read back to the host: the fit of
 the new stream is checked on the device and published like a sync-free
-``recompress_`` (:mod:`neutrain.compress.stream`). The second stream gets the old
-one's capacity (at least 1/64 above the last encode's length), so it overflows where
-a whole sync-free encode would; but unlike a whole encode, an overflowing block re-encode
+``recompress_`` (:mod:`neutrain.compress.stream`). The second stream gets at least
+1/32 above the last encode's length (the most headroom a whole encode earns), because unlike a whole encode, an overflowing block re-encode
 cannot keep the old value (its tails are already rewritten): the tensor is
 flagged lost and the next look at its status raises ``StreamOverflowError``.
 Elsewhere (reference and CPU codecs) each block is encoded as a tensor of its own
@@ -126,9 +125,12 @@ class BlockRecode:
 
     def __init__(self, ct, kernel: bool, backend: str):
         self.ct, self.kernel, self.backend = ct, kernel, backend
-        # The capacity a whole sync-free encode would have (kstream.prepare_sync_free grew it if short):
-        # the same overflow threshold, and no growth from step to step.
-        self.stream = torch.zeros(ct.stream.numel(), dtype=torch.int32, device=ct.device)
+        # At least 1/32 above the last encode's length, whatever headroom the tensor earned so far
+        # (kstream.capacity_for starts small, issue 30): an overflow here loses the value, so it must
+        # take a step that grows the exponent stream by over 3 % (the margin every tensor had before).
+        # Costs ~0.085 bit per weight on the (two) vocabulary matrices while training; none on disk.
+        capacity = max(ct.stream.numel(), kstream.capacity_for(ct._words, kstream.MIN_HEADROOM_SHIFT))
+        self.stream = torch.zeros(capacity, dtype=torch.int32, device=ct.device)
         self.tile_base = torch.zeros_like(ct.tile_base)
         self.next_tile = 0
         self.words = 0  # host paths: new stream words so far (no padding)
