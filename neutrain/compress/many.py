@@ -118,7 +118,8 @@ def decode_many(cts: list[CompressedTensor], outs: list[torch.Tensor] | None = N
         members_cts = [cts[i] for i in members]
         table = _table(members_cts, [outs[i] for i in members])
         km.decode_group(table, sum(ct.tiles for ct in members_cts), steps, lanes, elems,
-                        all(ct.numel % elems == 0 for ct in members_cts))
+                        all(ct.numel % elems == 0 for ct in members_cts),
+                        aligned=all(outs[i].data_ptr() % 8 == 0 for i in members))
     return outs
 
 

@@ -28,10 +28,12 @@ here.
   three registers, and takes each of the step's (at most 4 x 21 = 84) bits of symbols
   from the top of them (12 bits into the 8 KiB decode LUT, L1-resident; a 9-bit
   literal after an escape), shifting them left by the symbol's length. At the step's
-  end the words move by the 0..3 whole words read (the first loaded a step ahead).
-  All per-step arithmetic is 32-bit: the loop is bound by instruction issue
-  (36 SASS instructions per symbol on an H100 with a word advance per symbol;
-  benchmarks/notes_codec.md) and, for small tensors, by each lane's chain.
+  end the words move by the 0..3 whole words read (the first loaded a step ahead),
+  and the lane stores its 4 values as one 8-byte word. All per-step arithmetic is
+  32-bit: the loop is bound by instruction issue and, for small tensors, by each
+  lane's chain. SASS for sm_90 (Triton 3.9, compiled on a CPU): 125 instructions per
+  step, against 172 with a word advance per symbol and the [L, 4] store through
+  shared memory (benchmarks/notes_codec.md).
 """
 
 from __future__ import annotations
@@ -77,9 +79,23 @@ def _symbol(x, lut_ptr):
 
 
 @triton.jit
-def _word(stream_tile, i, load, limit):
-    """Word ``i`` of the tile's stream where ``load`` and ``i < limit`` (the lane's end), else 0."""
-    return tl.load(stream_tile + i, mask=load & (i < limit), other=0).to(tl.uint32, bitcast=True)
+def _opaque(lane, FUNNEL: tl.constexpr):
+    """``lane``, hidden from Triton's contiguity analysis (a PTX ``mov``; the interpreter runs no PTX).
+
+    Why: knowing that lanes' 8-byte words are contiguous, Triton gives each thread two of them
+    (16-byte stores) and moves every step's values through shared memory (a layout conversion:
+    two barriers a step); one 8-byte store per thread is coalesced just the same.
+    """
+    if FUNNEL:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [lane], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return lane
+
+
+@triton.jit
+def _word(words, i, load):
+    """``words[i]`` as a uint32 where ``load``, else 0."""
+    return tl.load(words + i, mask=load, other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -90,7 +106,8 @@ def _pick(k, a, b, c, d):
 
 @triton.jit
 def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_tile, tile, N,
-                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr, FUNNEL: tl.constexpr):
+                     S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr, FUNNEL: tl.constexpr,
+                     PAIRS: tl.constexpr = False):
     """Lossless bf16 decode of one tile into ``out_tile``, E elements per lane and step:
     one E-byte tail load and one 2E-byte store per lane and step.
 
@@ -106,25 +123,30 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
     come first, so nothing they read is used). Loads stay inside the lane's own words:
     past them a lane reads zeros, which at most fill the unused end of a LUT index.
     ``EVEN`` (``numel % E == 0``): a lane's E elements are all in the tensor or all past
-    its end, so the store is one access. The tails are loaded a step ahead.
+    its end, so the store is one access. ``PAIRS`` (E = 4, ``EVEN``, ``out_tile`` 8-byte
+    aligned): a lane stores its 4 values as one 8-byte word straight from registers; the
+    [L, 4] block otherwise goes through shared memory to be stored (Triton 3.9 SASS: 4
+    two-byte stores and 2 barriers a step). The tails are loaded a step ahead.
     """
     lane = tl.arange(0, L)
     count = tl.load(lane_words_ptr + tile * L + lane).to(tl.int32)
     rel = tl.cumsum(count, axis=0) - count  # the lane's first word, from the tile's first
     limit = rel + count  # past its last word a lane reads zeros: those bits never decide a stored symbol
     stream_tile = stream_ptr + tl.load(tile_base_ptr + tile)
-    every = lane >= 0
-    a = _word(stream_tile, rel, every, limit)
-    b = _word(stream_tile, rel + 1, every, limit)
-    c = _word(stream_tile, rel + 2, every, limit)
-    d = _word(stream_tile, rel + 3, every, limit)
-    rel += 4  # the word after d, already loaded as ``ahead``
-    ahead = _word(stream_tile, rel, every, limit)
+    first_word = stream_tile + rel
+    a = _word(first_word, 0, rel < limit)
+    b = _word(first_word, 1, rel + 1 < limit)
+    c = _word(first_word, 2, rel + 2 < limit)
+    d = _word(first_word, 3, rel + 3 < limit)
+    ahead = _word(first_word, 4, rel + 4 < limit)
+    rel += 4  # ``ahead``'s word
     pos = tl.zeros([L], dtype=tl.int32)
     base = tile * (S * L * E)
     tails_words = _tails_words(tails_ptr + base, E)
     remaining = tl.minimum(N - base, S * L * E).to(tl.int32)
     upcoming = tl.load(tails_words + lane, mask=lane * E < remaining, other=0)
+    out_words = out_tile.to(tl.pointer_type(tl.uint64))
+    lane_word = _opaque(lane, FUNNEL)
     for s in range(S):
         first = s * (L * E) + lane * E
         tails = upcoming.to(tl.int32)
@@ -156,8 +178,12 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
                 sym, length = _symbol(x, lut_ptr)
                 pos += length
                 v3 = _bf16(tails, 3, sym)
-                # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
-                vals = tl.reshape(tl.join(tl.join(vals, v2), tl.join(v1, v3)), [L, 4])
+                if PAIRS:  # the lane's 4 little-endian bf16 as one 64-bit word
+                    low = (vals | (v1 << 16)).to(tl.uint32, bitcast=True).to(tl.uint64)
+                    vals = low | ((v2 | (v3 << 16)).to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+                else:
+                    # join(join(v0, v2), join(v1, v3)) reshaped to [L, 4] is (v0, v1, v2, v3) per lane.
+                    vals = tl.reshape(tl.join(tl.join(vals, v2), tl.join(v1, v3)), [L, 4])
             else:
                 x = _window(x, y, length.to(tl.uint32), FUNNEL)
                 sym, length = _symbol(x, lut_ptr)
@@ -170,15 +196,18 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
         # escapes: over 32 bits) are rare, so they load only when needed and wait here.
         k = pos >> 5
         pos &= 31
-        n2 = _word(stream_tile, rel + 1, k >= 2, limit)
-        n3 = _word(stream_tile, rel + 2, k >= 3, limit)
+        here = stream_tile + rel  # ``ahead``'s word: one 64-bit address for the step's three loads
+        n2 = _word(here, 1, (k >= 2) & (rel + 1 < limit))
+        n3 = _word(here, 2, (k >= 3) & (rel + 2 < limit))
         a, b = _pick(k, a, b, c, d), _pick(k, b, c, d, ahead)
         c, d = _pick(k, c, d, ahead, n2), _pick(k, d, ahead, n2, n3)
-        rel += k
         # The next ``ahead``, needed at the earliest at the next step's end: its latency overlaps that step.
-        ahead = tl.where(k >= 1, _word(stream_tile, rel, k >= 1, limit), ahead)
+        ahead = tl.where(k >= 1, _word(here, k, (k >= 1) & (rel + k < limit)), ahead)
+        rel += k
         offset = first[:, None] + tl.arange(0, E)[None, :]
-        if EVEN:
+        if PAIRS:
+            tl.store(out_words + s * L + lane_word, vals, mask=first < remaining)
+        elif EVEN:
             tl.store(out_tile + offset, vals.to(tl.int16), mask=(first < remaining)[:, None])
         else:
             tl.store(out_tile + offset, vals.to(tl.int16), mask=offset < remaining)
@@ -187,7 +216,7 @@ def _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_p
 @triton.jit
 def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, tile_ids_ptr, out_ptr, N,
                         S: tl.constexpr, L: tl.constexpr, E: tl.constexpr, EVEN: tl.constexpr,
-                        HAS_IDS: tl.constexpr, FUNNEL: tl.constexpr):
+                        HAS_IDS: tl.constexpr, FUNNEL: tl.constexpr, PAIRS: tl.constexpr):
     """One tensor: program ``pid`` decodes tile ``pid`` (or ``tile_ids[pid]`` into slot ``pid``)."""
     pid = tl.program_id(0).to(tl.int64)
     if HAS_IDS:
@@ -195,7 +224,7 @@ def _decode_wide_kernel(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lu
     else:
         tile = pid
     _decode_lossless(stream_ptr, lane_words_ptr, tile_base_ptr, tails_ptr, lut_ptr, out_ptr + pid * (S * L * E),
-                     tile, N, S, L, E, EVEN, FUNNEL)
+                     tile, N, S, L, E, EVEN, FUNNEL, PAIRS)
 
 
 @triton.jit
@@ -439,6 +468,7 @@ def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, 
             COMPILED["decode"] = _decode_wide_kernel[(programs,)](
                 stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel, S=steps, L=lanes,
                 E=elems, EVEN=numel % elems == 0, HAS_IDS=tile_ids is not None, FUNNEL=not interpreting(),
+                PAIRS=elems == 4 and numel % 4 == 0 and out.data_ptr() % 8 == 0,
                 num_warps=_num_warps(lanes, num_warps))
         else:
             assert elems == 1, "lossy tails pack across lanes: one element per lane and step"

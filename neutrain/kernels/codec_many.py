@@ -72,13 +72,13 @@ def _tile_span(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr, E: 
 
 @triton.jit
 def _decode_group_kernel(table_ptr, T: tl.constexpr, S: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
-                         EVEN: tl.constexpr, FUNNEL: tl.constexpr):
+                         EVEN: tl.constexpr, FUNNEL: tl.constexpr, PAIRS: tl.constexpr):
     pid, t, tile, first, tiles = _locate(table_ptr, T)
     out = _pointer(table_ptr, _DATA, t, T, tl.int16)
     _decode_lossless(_pointer(table_ptr, _STREAM, t, T, tl.int32), _pointer(table_ptr, _LANE_WORDS, t, T, tl.uint8),
                      _pointer(table_ptr, _TILE_BASE, t, T, tl.int64), _pointer(table_ptr, _TAILS, t, T, tl.uint8),
                      _pointer(table_ptr, _LUT, t, T, tl.int16), out + tile * (S * L * E), tile,
-                     _field(table_ptr, _NUMEL, t, T), S, L, E, EVEN, FUNNEL)
+                     _field(table_ptr, _NUMEL, t, T), S, L, E, EVEN, FUNNEL, PAIRS)
 
 
 @triton.jit
@@ -105,11 +105,13 @@ def _pack_group_kernel(table_ptr, counts_ptr, cum_ptr, G, T: tl.constexpr, S: tl
 
 
 def decode_group(table: torch.Tensor, tiles: int, steps: int, lanes: int, elems: int, even: bool,
-                 num_warps=None) -> None:
-    """Decode every tile of the table's tensors into their outputs (one launch)."""
+                 num_warps=None, aligned: bool = False) -> None:
+    """Decode every tile of the table's tensors into their outputs (one launch); ``aligned``: every
+    output starts on 8 bytes (then, with ``even`` and 4 elements, a lane stores a step as one word)."""
     if tiles:
         COMPILED["decode_group"] = _decode_group_kernel[(tiles,)](
             table, T=table.shape[1], S=steps, L=lanes, E=elems, EVEN=even, FUNNEL=not interpreting(),
+            PAIRS=aligned and even and elems == 4,
             num_warps=_num_warps(lanes, num_warps))
     COUNTERS["decode"] += 1
 

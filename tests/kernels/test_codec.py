@@ -88,24 +88,20 @@ def _long_code():
     return lengths
 
 
-@pytest.mark.parametrize("kind", ["escapes", "mixed"])
-@pytest.mark.parametrize("n,elems", [(600, 4), (601, 4), (599, 2), (557, 1)])
-def test_decode_window_on_long_codes_and_escapes_in_interpreter(kind, n, elems):
-    """The decoder's per-step window: steps whose symbols span 3 words (4 escapes are 84 bits), codes
-    of every length at every alignment, a last partial tile and a last partial step (``n % elems``)."""
+def _check_long_codes(n, kind, steps, lanes, elems, tiles):
     from neutrain.compress import CompressedTensor
     from neutrain.compress.layout import layout_for
 
     x = _long_code_sample(n, kind)
     cts = {}
     for backend in ("reference", "triton"):
-        ct = CompressedTensor(layout_for(torch.bfloat16), x.shape, x.device, 16 // elems, 16, elems, _long_code())
+        ct = CompressedTensor(layout_for(torch.bfloat16), x.shape, x.device, steps, lanes, elems, _long_code())
         ct._encode(x, backend, fresh_code=True)
         cts[backend] = ct
     ref = cts["reference"]
-    assert ref.tiles == 3 and ref.rebuilds == 0
+    assert ref.tiles == tiles and ref.rebuilds == 0
     if kind == "escapes":
-        assert 32 * ref.lane_words[:16].max() >= 16 * 21  # every step of the first tile read 21 E bits
+        assert 32 * ref.lane_words[:lanes].max() >= steps * elems * 21  # every step of the first tile read 21 E bits
     _assert_same_format(cts["triton"], ref)
     for ct in cts.values():
         got = ct.decompress(out=torch.full_like(x, float("nan")), backend="triton")
@@ -114,6 +110,29 @@ def test_decode_window_on_long_codes_and_escapes_in_interpreter(kind, n, elems):
     loaded = CompressedTensor.from_state_dict(ref.state_dict())
     assert loaded.stream.numel() == loaded.stream_words
     assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["escapes", "mixed"])
+@pytest.mark.parametrize("n,elems", [(600, 4), (601, 4), (599, 2), (557, 1)])
+def test_decode_window_on_long_codes_and_escapes_in_interpreter(kind, n, elems):
+    """The decoder's per-step window: steps whose symbols span 3 words (4 escapes are 84 bits), codes
+    of every length at every alignment, a last partial tile and a last partial step (``n % elems``)."""
+    _check_long_codes(n, kind, 16 // elems, 16, elems, tiles=3)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+def test_decode_into_out_at_any_alignment_in_interpreter(offset):
+    """An 8-byte aligned ``out`` takes one 8-byte store per lane and step; any other (a view into a
+    buffer) takes the per-element stores; both write exactly the tensor's elements."""
+    x = _sample((40, 16))
+    ct = compress(x, steps=4, lanes=16, backend="triton")
+    buffer = torch.full((x.numel() + 8,), float("nan"), dtype=torch.bfloat16, device=x.device)
+    out = buffer[offset: offset + x.numel()].view(x.shape)
+    assert (out.data_ptr() % 8 == 0) == (offset % 4 == 0)
+    ct.decompress(out=out, backend="triton")
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    untouched = torch.cat([buffer[:offset], buffer[offset + x.numel():]])
+    assert torch.isnan(untouched.float()).all()
 
 
 def test_every_bf16_pattern_through_the_kernels_in_interpreter():
@@ -370,3 +389,10 @@ def test_sync_free_reencode_through_the_compiled_launchers_on_gpu():
         assert torch.equal(ct.decompress().view(torch.int16), y.view(torch.int16))
     fast_after = (kcodec._COUNT.fast_launches, kcodec._SCAN.fast_launches, kcodec._PACK.fast_launches)
     assert all(after >= before + 3 for before, after in zip(fast_before, fast_after))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["escapes", "mixed"])
+@pytest.mark.parametrize("steps", [16, 32])
+def test_decode_window_on_long_codes_and_escapes_on_gpu(kind, steps):
+    _check_long_codes(1_000_003, kind, steps, 256, 4, tiles=-(-1_000_003 // (steps * 256 * 4)))
