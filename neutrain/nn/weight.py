@@ -139,7 +139,9 @@ class CompressedWeight:
         (:mod:`neutrain.compress.counted`), or None; :meth:`write_` then reads the weight once."""
         from neutrain.compress import counted  # lazy: only the fused update asks
 
-        return counted.begin(self.ct, weight) if self.home is None else None
+        if not counted.IN_UPDATE or self.home is not None:
+            return None
+        return counted.begin(self.ct, weight)
 
     def write_(self, weight: torch.Tensor) -> None:
         # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
