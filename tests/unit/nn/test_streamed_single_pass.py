@@ -1,5 +1,10 @@
-"""The single-pass streamed lm_head update (global_stale, none): one lm_head gradient pass, same bits."""
+"""The single-pass streamed lm_head update (global_stale, none): one lm_head gradient pass, same bits.
 
+The CUDA variants (``-m gpu``) run LOMO's ``fused_update`` kernel, whose write-back is the one that
+keeps the non-finite elements there.
+"""
+
+import copy
 import importlib
 
 import pytest
@@ -7,23 +12,37 @@ import torch
 
 from neutrain.optim import LOMO
 
-from .nn_helpers import dense_and_compressed, token_batches, train, weights
+from neutrain.nn import compress_model
+
+from .nn_helpers import CODEC, dense_and_compressed, tiny_llama, token_batches, train, weights
 
 lce = importlib.import_module("neutrain.nn.linear_cross_entropy")  # the package exports a function of that name
 NAN, INF = float("nan"), float("inf")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _twins(device: str):
+    """A tiny untied bf16 Llama on ``device`` and its compressed copy (compressed where it lives)."""
+    if device == "cpu":
+        return dense_and_compressed()
+    dense = tiny_llama().to(device)
+    compressed = copy.deepcopy(dense)
+    compress_model(compressed, progress=False, codec_options=CODEC)
+    return dense, compressed
 
 
 def _lomo(params, block_rows, **clip):
     return LOMO(params, lr=0.1, stochastic_rounding=True, seed=4, chunk_numel=64 * block_rows, **clip)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_rows, chunk_rows", [(40, 8), (4, 8)], ids=["blocks-of-chunks", "chunks-of-blocks"])
-def test_single_pass_update_equals_the_full_gradient_update_under_global_stale(block_rows, chunk_rows):
+def test_single_pass_update_equals_the_full_gradient_update_under_global_stale(block_rows, chunk_rows, device):
     # Dense twin: the full lm_head gradient through autograd. Compressed: streamed; step 1 has no
     # previous norm (per_tensor fallback, two passes), steps 2-3 run single-pass with the stale coefficient.
-    dense, compressed = dense_and_compressed()
+    dense, compressed = _twins(device)
     start = weights(dense)
-    data = token_batches(3, seed=11)
+    data = [ids.to(device) for ids in token_batches(3, seed=11)]
     loss_options = {"chunk_bytes": 4 * data[0].numel() * chunk_rows}
     clip = {"clip_mode": "global_stale", "max_grad_norm": 0.5}
     norms_dense = train(dense, _lomo(dense.parameters(), block_rows, **clip), data, **loss_options)
@@ -74,12 +93,13 @@ def _poison(grad: torch.Tensor, rows: slice, row: int) -> None:
         grad[row - rows.start, 3] = -INF
 
 
-def test_nonfinite_gradient_keeps_those_elements_on_both_paths():
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_gradient_keeps_those_elements_on_both_paths(device):
     # Step 2 (single pass under global_stale) gets NaN/inf in row 70 of the lm_head gradient: the whole-
     # gradient path (dense) and the streamed one (compressed) both keep exactly those elements, update the
     # rest, flag the tensor and leave it out of the step's norm.
-    dense, compressed = dense_and_compressed()
-    data = token_batches(3, seed=6)
+    dense, compressed = _twins(device)
+    data = [ids.to(device) for ids in token_batches(3, seed=6)]
     step, row = {"n": 0}, 70
     clip = {"clip_mode": "global_stale", "max_grad_norm": 0.5}
 
