@@ -14,7 +14,7 @@ from neutrain.optim import LOMO
 
 from neutrain.nn import compress_model
 
-from .nn_helpers import CODEC, dense_and_compressed, tiny_llama, token_batches, train, weights
+from .nn_helpers import dense_and_compressed, tiny_llama, token_batches, train, weights
 
 lce = importlib.import_module("neutrain.nn.linear_cross_entropy")  # the package exports a function of that name
 NAN, INF = float("nan"), float("inf")
@@ -27,7 +27,7 @@ def _twins(device: str):
         return dense_and_compressed()
     dense = tiny_llama().to(device)
     compressed = copy.deepcopy(dense)
-    compress_model(compressed, progress=False, codec_options=CODEC)
+    compress_model(compressed, progress=False)  # the GPU codec's own lanes
     return dense, compressed
 
 
