@@ -22,6 +22,11 @@ warm-up) and the planner's estimate; batch-1 rows carry the allocator's segment 
 
     python benchmarks/train_memory.py                    # all variants, writes results/train_memory.json
     python benchmarks/train_memory.py --tiny --variants c,d   # CPU/GPU smoke test on a tiny model
+    python benchmarks/train_memory.py --variants d,c --clip-mode global_stale --name train_memory_stale
+
+``--clip-mode`` sets the fused optimizers' clipping (threshold 1.0; default per_tensor): under
+global_stale the streamed lm_head update runs in one pass from step 2 on (no second lm_head
+gradient pass); the first two steps are warm-up either way.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ PEER_CODE = ("h", "p", "t", "a", "b")
 HF_OPTIM = {"adamw-hf": "adamw_torch", "lomo-hf": "lomo", "paged-adamw8bit-hf": "paged_adamw_8bit"}
 
 
-def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, profile: bool = False) -> dict:
+def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, profile: bool = False,
+                clip_mode: str = "per_tensor") -> dict:
     """One variant in this process: build, train a few steps per batch size, measure."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -102,9 +108,11 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
     elif opt_name in ("lomo", "adalomo"):
         from neutrain.optim import OPTIMIZERS
 
-        opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+        opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode=clip_mode, max_grad_norm=1.0).bind(model)
     result: dict = {"variant": key, "weights": weights, "optimizer": opt_name, "build_s": round(build_s, 1),
                     "device_used_idle_gib": idle_gib}
+    if opt_name in ("lomo", "adalomo"):
+        result["clip_mode"] = clip_mode
     if opt_name in HF_OPTIM:
         (batch,) = batches  # one Trainer per process: LOMO's gradient hooks would stack
         row = peers.guarded(lambda: peers.hf_trainer_peer(model, config.vocab_size, seq, batch, steps, HF_OPTIM[opt_name]))
@@ -173,6 +181,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--profile", default="c,t", help="variants whose largest-batch step is also profiled")
+    ap.add_argument("--clip-mode", default="per_tensor", choices=("none", "per_tensor", "global_stale", "global_exact"),
+                    help="clipping of neutrain's fused optimizers (max_grad_norm 1.0)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--name", default="train_memory")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per child process")
@@ -180,7 +190,8 @@ def main() -> int:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.child:
-        res = run_variant(args.child, args.tiny, args.seq, batches, args.steps, args.child in args.profile.split(","))
+        res = run_variant(args.child, args.tiny, args.seq, batches, args.steps, args.child in args.profile.split(","),
+                          args.clip_mode)
         print("RESULT " + json.dumps(res))
         return 0
     from benchmarks._common import git_provenance
@@ -207,7 +218,8 @@ def main() -> int:
 
 def _child(args, key: str, batches: list[int]) -> dict:
     cmd = [sys.executable, __file__, "--child", key, "--seq", str(args.seq), "--steps", str(args.steps),
-           "--batches", ",".join(map(str, batches)), "--profile", args.profile] + (["--tiny"] if args.tiny else [])
+           "--batches", ",".join(map(str, batches)), "--profile", args.profile, "--clip-mode", args.clip_mode]
+    cmd += ["--tiny"] if args.tiny else []
     env = dict(os.environ)
     if key not in PEER_CODE:
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", NEUTRAIN_ALLOC_CONF)
@@ -281,7 +293,7 @@ def _write(args, rows) -> None:
 
     write_result(args.name, {"seq": args.seq, "steps": args.steps, "batches": args.batches, "tiny": args.tiny,
                              "model": "tiny" if args.tiny else "llama3-8b", "activation_checkpointing": True,
-                             "dtype": "bfloat16",
+                             "dtype": "bfloat16", "clip_mode": args.clip_mode, "max_grad_norm": 1.0,
                              "alloc_conf": {"neutrain": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", NEUTRAIN_ALLOC_CONF),
                                             "peers": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                              "decode_buffers": "reserved up front (DecodeBuffers.reserve) except variant g"},

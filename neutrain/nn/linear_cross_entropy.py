@@ -140,12 +140,16 @@ def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, 
     the full-gradient path runs, so every value (gradient rows, the hidden-state
     gradient, the norm summed block by block) is bit-identical to it.
 
-    Pass 1 accumulates the hidden-state gradient and the weight gradient's squared
-    norm; pass 2 (driven by the optimizer, blocks in order) recomputes each unit
-    once and updates its rows. A block's weight rows are still unchanged when its
-    gradient is recomputed, since logits of a chunk only involve that chunk's rows.
-    Costs two extra lm_head products and a ``unit x hidden`` buffer instead of a
-    ``vocab x hidden`` gradient.
+    Single pass when the optimizer needs no norm before the update (``global_stale``,
+    ``none``: :meth:`~neutrain.optim.streamed.StreamedUpdates.apply_`): it requests
+    the blocks in order, each unit is computed once, with its hidden-state gradient,
+    and the norm is summed on the way; the lm_head gradient costs what the
+    full-gradient path's does. Otherwise (``per_tensor``, a norm pass) the optimizer
+    first calls ``measure`` (every unit: hidden-state gradient and squared norm), then
+    recomputes each unit once for its rows: two extra lm_head products. Either way a
+    block's weight rows are still unchanged when its gradient is computed, since the
+    logits of a chunk only involve that chunk's rows; the buffer is ``unit x hidden``
+    instead of a ``vocab x hidden`` gradient.
     """
     vocab = w.shape[0]
     unit = max(block, chunk)
@@ -161,21 +165,34 @@ def _streamed_weight_update(compressed, grad_logits_of, hidden, w, grad_hidden, 
             torch.mm(grad_logits.t(), hidden, out=buffer[start - unit_start : stop - unit_start])
         return buffer[: unit_stop - unit_start]
 
-    sumsq = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for unit_start in range(0, vocab, unit):
-        filled = fill(unit_start, with_hidden_grad=True)
-        for start in range(0, filled.shape[0], block):
-            add_squared_norm_(sumsq, filled[start : start + block])
+    measured = {"done": False}
+    filled_once: list[int] = []  # units filled with their hidden-state gradient in the single pass
+
+    def measure() -> torch.Tensor:
+        sumsq = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for unit_start in range(0, vocab, unit):
+            filled = fill(unit_start, with_hidden_grad=True)
+            for start in range(0, filled.shape[0], block):
+                add_squared_norm_(sumsq, filled[start : start + block])
+        measured["done"] = True
+        return sumsq
+
     current = {"unit": None}
 
     def grad_rows(rows: slice) -> torch.Tensor:
         unit_start = rows.start - rows.start % unit
         if current["unit"] != unit_start:
-            fill(unit_start, with_hidden_grad=False)
+            single_pass = not measured["done"]
+            fill(unit_start, with_hidden_grad=single_pass)
+            if single_pass:
+                filled_once.append(unit_start)
             current["unit"] = unit_start
         return buffer[rows.start - unit_start : min(rows.stop, vocab) - unit_start]
 
-    compressed.apply_streamed_grad(grad_rows, sumsq)
+    compressed.apply_streamed_grad(grad_rows, measure)
+    if not measured["done"] and filled_once != list(range(0, vocab, unit)):
+        # the hidden-state gradient comes from these products: every unit, once, or it is wrong
+        raise RuntimeError(f"streamed lm_head update: units {filled_once[:4]}... filled, not each of 0..{vocab} once")
 
 
 def _chunk_logits(hidden, w, bias, start: int, stop: int) -> torch.Tensor:

@@ -190,8 +190,9 @@ class CompressedWeight:
         rows_of = getattr(self.optimizer, "streamed_chunk_rows", None)
         return rows_of(self.key, self.shape) if rows_of is not None else None
 
-    def apply_streamed_grad(self, grad_rows, sumsq: torch.Tensor) -> None:
-        """Hand the optimizer a gradient as recomputable row chunks (see ``FusedOptimizer.apply_streamed_``)."""
+    def apply_streamed_grad(self, grad_rows, sumsq) -> None:
+        """Hand the optimizer a gradient as recomputable row chunks, with its squared norm or a callable
+        measuring it (see ``FusedOptimizer.apply_streamed_``)."""
         self.optimizer.apply_streamed_(self.key, self, grad_rows, sumsq)
 
     def apply_grad(self, grad: torch.Tensor) -> None:

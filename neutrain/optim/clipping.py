@@ -9,7 +9,9 @@ Three modes trade exactness against cost (docs/trainer.md §1, §7):
 * ``global_stale``: scale every gradient of step *t* by
   ``min(1, max_grad_norm / ||g_{t-1}||)``, the global norm measured during the
   previous step. Free; lags one step. The first step, which has no previous
-  norm, falls back to ``per_tensor``.
+  norm, falls back to ``per_tensor``. No update needs its own tensor's norm
+  first, so the streamed lm_head update runs in one pass (its gradient computed
+  once: :mod:`neutrain.optim.streamed`).
 * ``global_exact``: LOMO's two-pass backward. A first backward only sums the
   squared norms and drops the gradients; the second applies the updates with
   the exact coefficient. Exact, at twice the backward cost.

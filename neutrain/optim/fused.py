@@ -77,6 +77,11 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
     elementwise = False
     """True for rules whose update of a row depends only on that row (allows streamed updates)."""
 
+    keeps_nonfinite_elements = False
+    """True for rules whose new value of an element is non-finite wherever its gradient is (and that keep
+    no state a non-finite gradient could poison): the write-back then keeps those elements by itself, so
+    the update may run before the gradient's finiteness is known (:meth:`updates_before_norm`)."""
+
     def __init__(
         self,
         params: Iterable,
@@ -201,6 +206,8 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
         ok = self.stats.account(key, sumsq)
         if ok is None:
             return
+        if self.updates_before_norm():  # as the single-pass streamed update: element-wise keep
+            ok = torch.ones_like(ok)
         weight = io.read()
         with self.writing_to(io):
             self.update_(key, weight, grad, _ok=ok, _sumsq=sumsq)
@@ -220,13 +227,28 @@ class FusedOptimizer(ChunkedRule, torch.optim.Optimizer):
         count_into = getattr(self._writing_io, "count_into", None)
         return count_into(weight) if count_into is not None else None
 
+    def updates_before_norm(self) -> bool:
+        """Whether an update may run before its gradient's norm is known (the single-pass streamed update).
+
+        True for a rule that :attr:`keeps_nonfinite_elements` when the clip coefficient does not depend on
+        the tensor's own norm (``none``; ``global_stale`` once a previous norm exists), outside a norm pass.
+        A non-finite gradient then means *element-wise keep*, on every path alike (whole gradient or
+        streamed, so dense and compressed training stay bit-identical): the elements whose gradient is
+        non-finite keep their weight, the others are updated, and the tensor is still flagged, counted and
+        logged as skipped and left out of the step's norm. Otherwise (``per_tensor``, the first
+        ``global_stale`` step, ``global_exact``) the norm comes first and a non-finite gradient keeps the
+        whole tensor.
+        """
+        return self.keeps_nonfinite_elements and not self.stats.in_norm_pass and not self.stats.needs_tensor_norm()
+
     def streamed_chunk_rows(self, key: torch.Tensor, weight_shape: torch.Size) -> int | None:
         """Rows per chunk of a streamed update of ``key``, or None (:meth:`~neutrain.optim.streamed.StreamedUpdates.chunk_rows`)."""
         return self.streamed.chunk_rows(key, weight_shape)
 
-    def apply_streamed_(self, key: torch.Tensor, io: WeightIO, grad_rows, sumsq: torch.Tensor) -> None:
+    def apply_streamed_(self, key: torch.Tensor, io: WeightIO, grad_rows, sumsq) -> None:
         """Update a weight from recomputed gradient row chunks, bit for bit as from the full gradient
-        (:meth:`~neutrain.optim.streamed.StreamedUpdates.apply_`)."""
+        (:meth:`~neutrain.optim.streamed.StreamedUpdates.apply_`; ``sumsq`` a tensor or a callable
+        that measures it, called only when the update needs the norm first)."""
         self.streamed.apply_(key, io, grad_rows, sumsq)
 
     def shard_sum_(self, key: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,10 @@
 Gradients arrive one tensor at a time and are freed at once, so every
 statistic is kept as it goes: each tensor's squared norm joins the step's
 total (on its device, no host sync), and a finiteness flag is recorded for the
-non-finite policy (a tensor whose gradient is not finite keeps its weight; the
-step reports and counts those tensors). The clip coefficient of each update
+non-finite policy (a tensor whose gradient is not finite keeps its weight, or,
+where the update runs before its norm is known, the elements whose gradient is
+not finite keep theirs: ``FusedOptimizer.updates_before_norm``; the step reports
+and counts those tensors). The clip coefficient of each update
 follows :class:`~neutrain.optim.clipping.ClipMode`; ``global_exact`` takes its
 coefficient from a norm pass (:meth:`GradStats.norm_pass`).
 """

@@ -44,6 +44,7 @@ class LOMO(FusedOptimizer):
     """
 
     elementwise = True
+    keeps_nonfinite_elements = True  # w - lr * g is non-finite where g is; no state
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, **kwargs):
         if lr < 0:

@@ -6,6 +6,14 @@ building the full gradient (saves a vocab x hidden bf16 tensor, 1 GiB on
 Llama-3-8B, for two extra lm_head matrix products). Possible for element-wise
 rules only, and only where nothing needs the whole gradient first (no tied
 weight, no accumulation, no all-reduce or reduce-scatter).
+
+Single pass: when the clip coefficient does not depend on this tensor's norm
+(``none``, ``global_stale`` after its first step) and the rule keeps non-finite
+elements by itself (LOMO), rows are updated as they are produced and the squared
+norm is summed along the way, for the step's norm (logging, the next step's stale
+coefficient) and its non-finite flag: the caller computes each gradient block
+once. Otherwise the norm is measured first (a pass over all blocks), then the
+blocks are produced again for the update.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from neutrain.optim.clipping import add_squared_norm_
 from neutrain.optim.weight_io import WeightIO
 
 
@@ -26,6 +35,7 @@ def rows_per_chunk(chunk_numel: int, weight_shape: torch.Size) -> int:
         4096
     """
     return max(1, chunk_numel // max(1, math.prod(weight_shape[1:])))
+
 
 class StreamedUpdates:
     """The streamed-update path of one fused optimizer.
@@ -45,6 +55,7 @@ class StreamedUpdates:
         self.optimizer = optimizer
         self.enabled = bool(enabled)
         self.count = 0  # updates applied from recomputed gradient rows (no full gradient)
+        self.single_pass = 0  # of which in a single pass (norm summed along the way)
 
     def chunk_rows(self, key: torch.Tensor, weight_shape: torch.Size) -> int | None:
         """Rows per chunk if ``key`` can be updated from gradient rows recomputed on demand, else None.
@@ -60,36 +71,81 @@ class StreamedUpdates:
         return rows_per_chunk(opt.chunk_numel, weight_shape)
 
     def apply_(self, key: torch.Tensor, io: WeightIO, grad_rows: Callable[[slice], torch.Tensor],
-               sumsq: torch.Tensor) -> None:
+               sumsq: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Update a weight from gradient row chunks, without a full-size gradient tensor.
 
         Same result, bit for bit, as ``consume_grad_`` with the full gradient,
-        provided ``sumsq`` was accumulated as :func:`~neutrain.optim.clipping.squared_norm`
-        does over the chunks of :meth:`chunk_rows` rows (the per-tensor norm,
-        clipping and non-finite check need it before any row changes).
+        provided ``sumsq`` is accumulated as :func:`~neutrain.optim.clipping.squared_norm`
+        does over the chunks of :meth:`chunk_rows` rows.
+
+        When the optimizer :meth:`~neutrain.optim.fused.FusedOptimizer.updates_before_norm`,
+        the update runs in a single pass: every chunk is requested once, in order, and the
+        squared norm is summed from the chunks as they arrive; ``sumsq``, if a callable,
+        is then never called. Otherwise the norm is needed before any row changes
+        (per-tensor clip, whole-tensor non-finite skip): a callable ``sumsq`` is called
+        first, then the chunks are requested.
 
         Args:
             key: the parameter standing for the weight.
             io: the weight's storage.
             grad_rows: ``grad_rows(rows: slice) -> Tensor``, the gradient of those rows;
                 called once per chunk, in order.
-            sumsq: the gradient's squared norm (0-dim fp32).
+            sumsq: the gradient's squared norm (0-dim fp32), or a callable measuring it
+                (the caller's first pass, run only when needed).
         """
         opt = self.optimizer
+        if opt.updates_before_norm():
+            self._apply_single_pass(key, io, grad_rows)
+            return
+        if callable(sumsq):
+            sumsq = sumsq()
         ok = opt.stats.account(key, sumsq)
         if ok is None:
             return
-        # A compressed vocabulary matrix is decoded and re-encoded a row block at a time
-        # (neutrain.nn.row_blocks): never whole. Other weights are read whole.
-        blocks_of = getattr(io, "row_blocks", None)
-        blocks = blocks_of(rows_per_chunk(opt.chunk_numel, io.shape)) if blocks_of is not None else None
+        blocks = self._blocks(io)
         weight = io.read() if blocks is None else blocks
         coef = opt.stats.clip_coef(sumsq)
         state, group = opt.state[key], opt._group_of[key]
         with opt.writing_to(io):
             opt._update_rows(weight, grad_rows, state, group, ok, coef, opt._generator(key, weight))
+        self._write(io, weight, blocks)
+        self.count += 1
+
+    def _blocks(self, io: WeightIO):
+        """A compressed vocabulary matrix's row blocks (decoded and re-encoded a block at a time,
+        :mod:`neutrain.nn.row_blocks`: never whole), or None: other weights are read whole."""
+        blocks_of = getattr(io, "row_blocks", None)
+        return blocks_of(rows_per_chunk(self.optimizer.chunk_numel, io.shape)) if blocks_of is not None else None
+
+    @staticmethod
+    def _write(io: WeightIO, weight, blocks) -> None:
         if blocks is None:
             io.write_(weight)
         else:
             io.write_blocks_(blocks)
+
+    def _apply_single_pass(self, key: torch.Tensor, io: WeightIO, grad_rows: Callable[[slice], torch.Tensor]) -> None:
+        """Update rows as they come; the norm (and the finiteness flag) is known only at the end.
+
+        The coefficient does not read the norm in these modes; the rule runs with ``ok`` true and its
+        write-back keeps every element whose new value is non-finite, i.e. whose gradient is
+        (element-wise keep, as :meth:`~neutrain.optim.fused.FusedOptimizer.updates_before_norm` says).
+        """
+        opt = self.optimizer
+        blocks = self._blocks(io)
+        weight = io.read() if blocks is None else blocks
+        total = torch.zeros((), dtype=torch.float32, device=weight.device)
+
+        def measured(rows: slice) -> torch.Tensor:
+            grad = grad_rows(rows)
+            add_squared_norm_(total, grad)  # the chunks of squared_norm, in its order: the same sum
+            return grad
+
+        coef = opt.stats.clip_coef(total)
+        ok = torch.ones((), dtype=torch.bool, device=weight.device)
+        with opt.writing_to(io):
+            opt._update_rows(weight, measured, opt.state[key], opt._group_of[key], ok, coef, opt._generator(key, weight))
+        self._write(io, weight, blocks)
+        opt.stats.account(key, total)  # the step's norm and this tensor's non-finite flag
         self.count += 1
+        self.single_pass += 1

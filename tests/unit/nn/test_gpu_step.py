@@ -26,7 +26,8 @@ def _llama(vocab=512, hidden=256, layers=2):
 @pytest.mark.parametrize("make_opt", [
     lambda p: LOMO(p, lr=1e-3, clip_mode="per_tensor", max_grad_norm=1.0),
     lambda p: AdaLomo(p, lr=1e-3, clip_mode="per_tensor", max_grad_norm=1.0),
-], ids=["lomo", "adalomo"])
+    lambda p: LOMO(p, lr=1e-3, clip_mode="global_stale", max_grad_norm=1.0),  # the single-pass streamed lm_head
+], ids=["lomo", "adalomo", "lomo-stale"])
 def test_training_step_makes_no_host_sync(weights, make_opt):
     model = _llama()
     if weights != "dense":
