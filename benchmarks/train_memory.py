@@ -132,11 +132,19 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
             opt.step()
         return loss
 
+    def decode_counts() -> tuple[int, ...]:
+        """Synchronous decodes, decodes ahead launched and used, cycles off the recorded order (issue 30)."""
+        from neutrain.nn import DECODE_BUFFERS, PREFETCHER, compressed_weights
+
+        return (sum(w.decodes for w in compressed_weights(model)), PREFETCHER.launched,
+                DECODE_BUFFERS.prefetch_hits, PREFETCHER.mismatches)
+
     for batch in batches:
         try:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            counts = decode_counts() if weights != "dense" else None
             times = []
             for i in range(steps):
                 if cuda:
@@ -153,6 +161,9 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
             warm = times[2:] if len(times) > 3 else times[1:]
             med = sorted(warm)[len(warm) // 2]
             row = {"tokens_per_s": batch * seq / med, "step_s": med, "loss": float(loss)}
+            if counts is not None:
+                row["decodes_per_step"] = dict(zip(("sync", "ahead_launched", "ahead_used", "mismatched_cycles"),
+                                                   ((b - a) / steps for a, b in zip(counts, decode_counts()))))
             if cuda:
                 row.update(peers.memory_row())
                 if batch == 1:

@@ -37,12 +37,24 @@ after a prefetch, the CUDA event that marks the decode complete. A weight
 decoded again while its tag is current (e.g. read by the optimizer right after
 backward decoded it) is served from the buffer; an updated weight bumps its
 version, so a stale buffer is never mistaken for current data.
+
+*Kept* decodes (issue 30): within a per-device byte budget (:attr:`DecodeBuffers.keep_bytes`),
+a weight is decoded into a buffer of its own that lives as long as the weight, instead
+of a shared slot. Its tag is the weight's version, so forward, a checkpoint recompute,
+backward and the fused update's read share one decode per step, and the re-encode
+(``write_``, a version bump) invalidates it: the next step decodes afresh. The budget
+is the memory plan's: a full budget holds one dense copy of the model beside the
+compressed one. It is on by default for CPU weights (1/8 of the host's memory), where the
+dense copy is small next to what the machine has, and off on GPUs, whose slot budget
+the memory planner counts on. ``NEUTRAIN_KEEP_DECODED_MIB`` sets it for every device
+(``0``: off).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import weakref
 
 import torch
 
@@ -61,6 +73,29 @@ def _identity(weight) -> int:
 
 LAYER_SLOTS = ("layer0", "layer1")
 LARGE_SLOT = "large"
+
+
+def default_keep_bytes(device: torch.device) -> int:
+    """Bytes of kept decodes allowed on ``device`` by default (see the module docstring).
+
+    Example:
+        >>> import os
+        >>> os.environ["NEUTRAIN_KEEP_DECODED_MIB"] = "64"
+        >>> default_keep_bytes(torch.device("cpu"))
+        67108864
+        >>> del os.environ["NEUTRAIN_KEEP_DECODED_MIB"]
+        >>> default_keep_bytes(torch.device("cuda", 0))
+        0
+    """
+    override = os.environ.get("NEUTRAIN_KEEP_DECODED_MIB")
+    if override is not None and override.strip():
+        return int(float(override) * 2**20)
+    if device.type != "cpu":
+        return 0
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): keep nothing rather than guess
+        return 0
 
 
 def expandable_segments() -> bool:
@@ -90,6 +125,11 @@ class DecodeBuffers:
         self._pinned: set[tuple] = set()  # slots allocated by reserve(): never shrunk or released
         self.prefetch_hits = 0
         self.allocated = False
+        # Kept decodes: weight -> [its own buffer, the version it holds or None, finalizer]. Weak keys: a
+        # dropped model's buffers go with it (the finalizer gives its bytes back to the budget).
+        self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._kept_bytes: dict[torch.device, int] = {}
+        self.keep_bytes: dict[torch.device, int] = {}  # budget per device; missing: default_keep_bytes
 
     def reserve(self, weights, pin_large: bool | None = None) -> int:
         """Allocate each slot once at the size of the largest of ``weights`` it will hold; return bytes.
@@ -150,8 +190,48 @@ class DecodeBuffers:
             self._touch(key)
         return buffer[: weight.numel].view(weight.shape)
 
+    def kept_view(self, weight) -> torch.Tensor | None:
+        """``weight``'s own buffer, now tagged with its version, if the budget keeps it (else None).
+
+        The first weights decoded get buffers until the device's budget is spent; offloaded
+        weights (``weight.home``) never do: their point is device memory.
+
+        Example:
+            >>> from neutrain.compress import compress
+            >>> from neutrain.nn import CompressedWeight
+            >>> w = CompressedWeight(compress(torch.randn(8, 4).bfloat16(), steps=16))
+            >>> buffers = DecodeBuffers()
+            >>> buffers.keep_bytes[w.device] = 64
+            >>> buffers.kept_view(w).shape, buffers.kept_nbytes()
+            (torch.Size([8, 4]), 64)
+        """
+        entry = self._kept.get(weight)
+        if entry is None:
+            nbytes = weight.numel * weight.dtype.itemsize
+            device = weight.device
+            budget = self.keep_bytes.get(device)
+            if budget is None:
+                budget = self.keep_bytes[device] = default_keep_bytes(device)
+            if weight.home is not None or self._kept_bytes.get(device, 0) + nbytes > budget:
+                return None
+            buffer = torch.empty(weight.numel, dtype=weight.dtype, device=device)
+            entry = self._kept[weight] = [buffer, None, weakref.finalize(weight, self._unkeep, device, nbytes)]
+            self._kept_bytes[device] = self._kept_bytes.get(device, 0) + nbytes
+        entry[1] = weight.version
+        return entry[0].view(weight.shape)
+
+    def kept_nbytes(self, device: torch.device | None = None) -> int:
+        """Bytes of kept decodes (on ``device``, or on all)."""
+        return sum(n for d, n in self._kept_bytes.items() if device is None or d == torch.device(device))
+
+    def _unkeep(self, device: torch.device, nbytes: int) -> None:
+        self._kept_bytes[device] -= nbytes
+
     def cached(self, weight) -> torch.Tensor | None:
         """The buffer holding the current version of ``weight``, or None (waits for a prefetch)."""
+        entry = self._kept.get(weight)
+        if entry is not None and entry[1] == weight.version:
+            return entry[0].view(weight.shape)
         for key, tag in self._tags.items():
             if tag == (_identity(weight), weight.version):
                 if key in self._events:
@@ -162,12 +242,21 @@ class DecodeBuffers:
         return None
 
     def holds(self, weight) -> bool:
-        return (_identity(weight), weight.version) in self._tags.values()
+        entry = self._kept.get(weight)
+        return (entry is not None and entry[1] == weight.version) or \
+            (_identity(weight), weight.version) in self._tags.values()
+
+    def keeps(self, weight) -> bool:
+        """Whether ``weight`` has a buffer of its own (decodes go there, never into a slot)."""
+        return weight in self._kept
 
     def set_event(self, weight, slot: str, event) -> None:
         self._events[(weight.device, weight.dtype, slot)] = event
 
     def invalidate(self, weight) -> None:
+        entry = self._kept.get(weight)
+        if entry is not None:
+            entry[1] = None
         for key, tag in list(self._tags.items()):
             if tag[0] == _identity(weight):
                 del self._tags[key]
@@ -186,15 +275,19 @@ class DecodeBuffers:
             self._buffers.pop(key, None)
 
     def clear(self) -> None:
-        """Free every buffer (e.g. before measuring memory)."""
+        """Free every buffer (e.g. before measuring memory), kept ones included."""
         for key in list(self._events):
             self._wait(key)
+        for weight in list(self._kept.keys()):
+            entry = self._kept.pop(weight)
+            entry[2]()  # gives the bytes back now, and never again
         self._buffers.clear()
         self._tags.clear()
         self._recent.clear()
         self._pinned.clear()
 
     def nbytes(self) -> int:
+        """Bytes of the shared slots (kept decodes: :meth:`kept_nbytes`)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def released_event(self, weight, slot: str):

@@ -13,11 +13,13 @@ wider than the stored one (fp32 over bf16 on CPU) the products run on the
 upcast weight, as ``nn.Linear`` would with that weight in fp32.
 
 On CUDA the next weight can be decoded on a side stream meanwhile
-(:mod:`neutrain.nn.prefetch`, opt-in).
+(:mod:`neutrain.nn.prefetch`, opt-in): each decode request, forward, recompute
+or backward, is reported to the prefetcher, which records their order.
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) composes:
-the recompute calls forward again, which decodes again; nothing decoded is
-saved for backward.
+the recompute calls forward again, which decodes again (or, within the keep
+budget, finds the forward's decode still current: :mod:`neutrain.nn.buffers`);
+nothing decoded is saved by autograd for backward.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from neutrain.nn.weight import CompressedWeight
 
 class _CompressedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, key, bias, weight: CompressedWeight):
+    def forward(ctx, x, key, bias, weight: CompressedWeight, grad_enabled: bool):
         w = weight.decode_for_compute()
-        PREFETCHER.after_forward_decode(weight)
+        PREFETCHER.after_decode(weight, grad_enabled)  # grad mode is off inside Function.forward
         x2 = x.reshape(-1, x.shape[-1])
         # addmm with the bias, as F.linear does for flattened inputs (same rounding as nn.Linear).
         out = torch.addmm(bias, x2, w.t()) if bias is not None else x2.mm(w.t())
@@ -48,14 +50,14 @@ class _CompressedLinearFunction(torch.autograd.Function):
         weight: CompressedWeight = ctx.weight
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         w = weight.decode_for_compute()
-        PREFETCHER.after_backward_decode(weight)
+        PREFETCHER.after_decode(weight, True)
         grad_x = g2.mm(w).view(x.shape) if ctx.needs_input_grad[0] else None
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:
             # Same product as autograd's mm backward for weight.t(): grad.t() @ input.
             grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
             weight.apply_grad(grad_w)
-        return grad_x, None, grad_bias, None
+        return grad_x, None, grad_bias, None, None
 
 
 class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
@@ -82,7 +84,7 @@ class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CompressedLinearFunction.apply(x, self.weight_key, self.bias, self.compressed)
+        return _CompressedLinearFunction.apply(x, self.weight_key, self.bias, self.compressed, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -95,13 +95,17 @@ class CompressedWeight:
 
     # ---------------------------------------------------------------- decode
     def decode(self) -> torch.Tensor:
-        """The dense weight, in a shared decode buffer (valid until two more layer decodes)."""
+        """The dense weight: in its kept buffer (valid until the next ``write_``), or in a shared decode
+        buffer (valid until two more layer decodes), see :mod:`neutrain.nn.buffers`."""
         cached = DECODE_BUFFERS.cached(self)
         if cached is not None:
             return cached
         self.decodes += 1
         self._resident()
-        out = self.ct.decompress(out=DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self)))
+        out = DECODE_BUFFERS.kept_view(self)  # within the keep budget: a buffer of its own, reused until write_
+        if out is None:
+            out = DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self))
+        out = self.ct.decompress(out=out)
         if self.home is not None:
             self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
         return out

@@ -38,11 +38,12 @@ def test_decode_reuses_current_buffer_and_never_serves_stale_data():
     assert torch.equal(w.decode(), new) and w.decodes == 2  # version bump forced a fresh decode
 
 
-def test_large_buffer_is_freed_after_use():
+def test_large_buffer_is_freed_after_use(monkeypatch):
     (w,) = _weights(1, rows=64)
     w.large = True
     from neutrain.nn import DECODE_BUFFERS
 
+    monkeypatch.setitem(DECODE_BUFFERS.keep_bytes, w.device, 0)  # the shared slots, not a kept buffer
     DECODE_BUFFERS.clear()
     w.decode()
     assert DECODE_BUFFERS.nbytes() == 64 * 4 * 2
@@ -117,3 +118,45 @@ def test_a_converted_model_has_its_decode_buffers_reserved(monkeypatch):
     model.lm_head.compressed.release()
     assert DECODE_BUFFERS.nbytes() == (96 * 32 + 2 * 48 * 32) * 2  # pinned: not freed after use
     DECODE_BUFFERS.clear()
+
+
+def test_kept_decodes_stay_within_budget_serve_one_version_and_go_with_their_weight(monkeypatch):
+    import gc
+
+    from neutrain.nn import DECODE_BUFFERS
+
+    a, b, c = _weights(3)  # 8 x 4 bf16: 64 bytes each
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(DECODE_BUFFERS.keep_bytes, cpu, DECODE_BUFFERS.kept_nbytes(cpu) + 128)
+    for w in (a, b, c):
+        w.decode()
+    assert [DECODE_BUFFERS.keeps(w) for w in (a, b, c)] == [True, True, False]  # the budget holds two
+    for _ in range(3):  # c's slot is overwritten meanwhile; a and b keep theirs
+        for w in (a, b, c):
+            w.decode()
+    assert (a.decodes, b.decodes, c.decodes) == (1, 1, 1)
+    kept = a.decode()
+    new = torch.randn(8, 4).bfloat16()
+    a.write_(new)  # the re-encode invalidates the kept decode: never served stale
+    assert not DECODE_BUFFERS.holds(a)
+    again = a.decode()
+    assert torch.equal(again, new) and a.decodes == 2 and again.data_ptr() == kept.data_ptr()
+    used = DECODE_BUFFERS.kept_nbytes(cpu)
+    del a, kept, again
+    gc.collect()
+    assert DECODE_BUFFERS.kept_nbytes(cpu) == used - 64  # a dropped weight gives its bytes back
+    (d,) = _weights(1)
+    d.decode()
+    assert DECODE_BUFFERS.keeps(d)  # ... to the next weight decoded
+    DECODE_BUFFERS.clear()
+    assert not DECODE_BUFFERS.keeps(b) and DECODE_BUFFERS.kept_nbytes() == 0
+
+
+def test_offloaded_weights_are_never_kept(monkeypatch):
+    (w,) = _weights(1)
+    buffers = DecodeBuffers()
+    buffers.keep_bytes[w.device] = 1 << 20
+    w.home = object()  # a WeightOffload: its decoded copy would defeat the offload
+    assert buffers.kept_view(w) is None and not buffers.keeps(w)
+    w.home = None
+    assert buffers.kept_view(w) is not None and buffers.keeps(w)

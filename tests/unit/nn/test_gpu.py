@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from neutrain.nn import DECODE_BUFFERS, PREFETCHER, compress_model, compressed_weights
 from neutrain.optim import LOMO
 
-from .nn_helpers import token_batches, train, weights
+from .nn_helpers import enable_checkpointing, token_batches, train, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -21,22 +21,31 @@ def _llama(hidden, layers, vocab, tie=False):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_gpu_compressed_matches_dense_with_prefetch(tie):
+def test_gpu_compressed_matches_dense_with_prefetch(tie, checkpointing):
     dense = _llama(256, 3, 512, tie)
     compressed = copy.deepcopy(dense)
     compress_model(compressed, progress=False)
+    if checkpointing:
+        enable_checkpointing(dense)
+        enable_checkpointing(compressed)
     start = weights(dense)
-    data = [ids.cuda() for ids in token_batches(3, batch=4, length=64)]
+    data = [ids.cuda() for ids in token_batches(4, batch=4, length=64)]
     train(dense, LOMO(dense.parameters(), lr=5e-2, seed=2), data)
-    hits, launched = DECODE_BUFFERS.prefetch_hits, PREFETCHER.launched
+    hits, launched, mismatches = DECODE_BUFFERS.prefetch_hits, PREFETCHER.launched, PREFETCHER.mismatches
+    PREFETCHER.reset()
     PREFETCHER.enabled = True
     try:
         train(compressed, LOMO(compressed.parameters(), lr=5e-2, seed=2), data)
         torch.cuda.synchronize()
     finally:
         PREFETCHER.enabled = False
-    assert PREFETCHER.launched > launched and DECODE_BUFFERS.prefetch_hits > hits, "prefetch never used"
+        PREFETCHER.reset()
+    # Steps 2-4 follow step 1's recorded order (recomputes included): every decode ahead is used.
+    launched = PREFETCHER.launched - launched
+    assert launched > 0 and DECODE_BUFFERS.prefetch_hits - hits == launched, (launched, DECODE_BUFFERS.prefetch_hits - hits)
+    assert PREFETCHER.mismatches == mismatches
     a, b = weights(dense), weights(compressed)
     for name in a:
         assert torch.equal(a[name], b[name]), name

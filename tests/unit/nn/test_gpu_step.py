@@ -22,13 +22,19 @@ def _llama(vocab=512, hidden=256, layers=2):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
 
 
-@pytest.mark.parametrize("weights", ["dense", "neuzip-lossless"])
+@pytest.mark.parametrize("weights", ["dense", "neuzip-lossless", "neuzip-lossless-prefetch"])
 @pytest.mark.parametrize("make_opt", [
     lambda p: LOMO(p, lr=1e-3, clip_mode="per_tensor", max_grad_norm=1.0),
     lambda p: AdaLomo(p, lr=1e-3, clip_mode="per_tensor", max_grad_norm=1.0),
     lambda p: LOMO(p, lr=1e-3, clip_mode="global_stale", max_grad_norm=1.0),  # the single-pass streamed lm_head
 ], ids=["lomo", "adalomo", "lomo-stale"])
-def test_training_step_makes_no_host_sync(weights, make_opt):
+def test_training_step_makes_no_host_sync(weights, make_opt, monkeypatch):
+    from neutrain.nn import DECODE_BUFFERS, PREFETCHER
+
+    if weights.endswith("-prefetch"):  # the side-stream decode-ahead: events and stream waits only
+        monkeypatch.setattr(PREFETCHER, "enabled", True)
+        PREFETCHER.reset()
+    launched = PREFETCHER.launched
     model = _llama()
     if weights != "dense":
         compress_model(model, progress=False)
@@ -55,6 +61,9 @@ def test_training_step_makes_no_host_sync(weights, make_opt):
     assert opt.steps_done == 5
     assert opt.nonfinite_skips == 0 and opt.last_skipped == []
     assert torch.isfinite(opt.last_grad_norm) and not torch.equal(opt.last_grad_norm, norm_before)
+    assert (PREFETCHER.launched > launched) == weights.endswith("-prefetch")
+    assert DECODE_BUFFERS.kept_nbytes(torch.device("cuda", 0)) == 0  # no kept decodes on a GPU by default
+    PREFETCHER.reset()
 
 
 @pytest.mark.parametrize("tokens", [1000, 8192])  # both CUDA kernels: per-feature (<= 3072 ids) and sorted

@@ -44,7 +44,12 @@ def test_compressed_matches_dense_bit_for_bit(make_opt):
         assert weight.version == 3, weight.name  # re-encoded once per step
 
 
-def test_activation_checkpointing_composes_and_decodes_again():
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "slots"])
+def test_activation_checkpointing_composes_and_decodes_again(keep, monkeypatch):
+    from neutrain.nn import DECODE_BUFFERS
+
+    if not keep:
+        monkeypatch.setitem(DECODE_BUFFERS.keep_bytes, torch.device("cpu"), 0)
     dense, compressed = dense_and_compressed()
     enable_checkpointing(compressed)
     start = weights(dense)
@@ -53,8 +58,11 @@ def test_activation_checkpointing_composes_and_decodes_again():
     q_proj = compressed.model.layers[0].self_attn.q_proj.compressed
     before = q_proj.decodes
     train(compressed, LOMO(compressed.parameters(), lr=0.1, stochastic_rounding=False), data)
-    # forward, checkpoint recompute and backward each decode: 3 per step (2 without checkpointing)
-    assert q_proj.decodes - before == 3 * len(data)
+    # In the shared slots, forward, checkpoint recompute and backward each decode: 3 per step (2 without
+    # checkpointing). Kept (the CPU default), the forward's decode serves the recompute, the backward and
+    # the update; the update's re-encode makes the next step decode again: 1 per step.
+    assert q_proj.decodes - before == (1 if keep else 3) * len(data)
+    assert DECODE_BUFFERS.keeps(q_proj) == keep
     _assert_identical_and_trained(dense, compressed, start)
 
 
