@@ -112,6 +112,7 @@ def test_a_training_step_never_decodes_the_lm_head_or_the_embedding_whole(by_blo
     # table) by row blocks; whole, the loss decodes the lm_head twice and the update the table once. The
     # large decode slot is unpinned, as under expandable segments (the GPU default), so a whole decode
     # would show as an allocation of the matrix's size.
+    monkeypatch.setenv("NEUTRAIN_KEEP_DECODED_MIB", "0")  # no kept decodes (a CPU keeps them): one decode per read
     if not by_blocks:
         monkeypatch.setattr(row_blocks_module, "MAX_BLOCK_FRACTION", 0.0)
     vocab = 8192
@@ -142,7 +143,9 @@ def test_a_training_step_never_decodes_the_lm_head_or_the_embedding_whole(by_blo
         assert decoded_whole == (0, 0) and largest < matrix / 2, (decoded_whole, largest / matrix)
         assert peak < 1.3 * matrix, peak / matrix
     else:
-        assert decoded_whole == (2, 1) and largest >= matrix and peak >= 1.5 * matrix, (largest, peak / matrix)
+        # The control: both matrices are decoded whole (the lm_head's second read may be served by the
+        # large slot it was decoded into, which the first step allocated, so no size claim here).
+        assert decoded_whole[0] >= 1 and decoded_whole[1] == 1, decoded_whole
     ref = LOMO(dense.parameters(), **options).bind(dense)
     for _ in range(2):
         ref.backward(causal_lm_loss(dense, ids, ids, **losses))
