@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 30's device calls, one PART per call (run from the repository root; needs NEUTRAIN_GIT_COMMIT
+# and NEUTRAIN_GIT_DIRTY; peers' wheels in .whl/):
+#   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
+#                matrix excepted: its own junit) and the codec test file on the GPU, then benchmarks/codec.py
+#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers, one process each
+#   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200)
+set -o pipefail
+source benchmarks/require_commit.sh
+source benchmarks/install_carried_wheels.sh
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+short=${NEUTRAIN_GIT_COMMIT:0:7}
+case "${PART:?PART=tests|memory|70b}" in
+  tests)
+    timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit tests/kernels tests/integration \
+      -k "not sdpa_backend" --junitxml="$OUT/junit_gpu_$short.xml" -o junit_suite_name="gpu@$NEUTRAIN_GIT_COMMIT" \
+      > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
+    timeout "${CODEC_TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_codec.py \
+      --junitxml="$OUT/junit_codec_$short.xml" -o junit_suite_name="codec-gpu@$NEUTRAIN_GIT_COMMIT" 2>&1 | tail -4
+    timeout "${CODEC_BENCH_LIMIT:-170}" python3 benchmarks/codec.py > "$OUT/codec_bench.log" 2>&1
+    echo "codec bench rc=$? (${SECONDS}s)"; tail -n 6 "$OUT/codec_bench.log"
+    cp benchmarks/results/codec.json "$OUT/" ;;
+  memory)
+    python3 benchmarks/train_memory.py --variants "${VARIANTS:-d,c,h,t,p,q,x,e,f}" --budget "${BUDGET:-450}" \
+      --timeout "${CHILD_TIMEOUT:-130}" --profile "${PROFILE:-c,d}" ${CLIP:+--clip-mode "$CLIP"} 2>&1 | tee "$OUT/train_memory.log" | tail -40
+    cp benchmarks/results/train_memory*.json "$OUT/" ;;
+  70b)
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    python3 benchmarks/train_70b.py --seqs "${SEQS:-16384,32768}" --fallback 0 --offload-seqs 32768 ${CLIP:+--clip-mode "$CLIP"} \
+      2>&1 | tee "$OUT/train_70b.log" | tail -30
+    cp benchmarks/results/train_70b.json "$OUT/" ;;
+esac
+echo "done in ${SECONDS}s"
