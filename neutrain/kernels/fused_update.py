@@ -73,7 +73,9 @@ def _fused_update_kernel(w_ptr, g_ptr, coef_ptr, ok_ptr, n, base, neg_lr, decay,
     else:
         new = p.to(w.dtype)
     newf = new.to(tl.float32)
-    keep = (newf == newf) & (tl.abs(newf) != float("inf")) & ok
+    # p is tested as well as the rounded value: CUDA's NaN, 0x7FFFFFFF, plus the rounding noise
+    # wraps to a negative pattern whose high half is -0.0, a finite bf16 (optim/rule.py does the same).
+    keep = (newf == newf) & (tl.abs(newf) != float("inf")) & (p == p) & (tl.abs(p) != float("inf")) & ok
     stored = tl.where(keep, new, w)
     tl.store(w_ptr + offs, stored, mask=mask)
     if COUNT:  # the encode's pass 1 on the value just stored: the encode then reads the weight once

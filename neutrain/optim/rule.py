@@ -132,8 +132,12 @@ class ChunkedRule:
         else:
             new = new32.to(dst.dtype)
         # Keep the old value wherever the gradient was non-finite or the result is not finite
-        # (overflow, or rounding that carried into inf): no weight ever becomes non-finite.
+        # (overflow, or rounding that carried into inf): no weight ever becomes non-finite. The fp32
+        # value is tested too: CUDA's NaN is 0x7FFFFFFF, which the rounding noise wraps to a negative
+        # pattern, -0.0, a finite bf16 that the test of ``new`` alone would store.
         keep_new = torch.isfinite(new).logical_and_(ok)
+        if new is not new32:
+            keep_new.logical_and_(torch.isfinite(new32))
         torch.where(keep_new, new, dst, out=dst)
 
 

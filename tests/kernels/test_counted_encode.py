@@ -41,7 +41,7 @@ def _update(ct, w, g, chunk_starts):
     flat_w, flat_g = w.view(-1), g.view(-1)
     ends = list(chunk_starts[1:]) + [w.numel()]
     for start, end in zip(chunk_starts, ends):
-        kfu.fused_update_(flat_w[start:end], flat_g[start:end], lr=0.5, ok=torch.tensor(True, device=DEVICE),
+        kfu.fused_update_(flat_w[start:end], flat_g[start:end], lr=0.02, ok=torch.tensor(True, device=DEVICE),
                           seed=3, base=start, count=count)
     return count
 

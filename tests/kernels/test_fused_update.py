@@ -110,3 +110,26 @@ def test_lomo_with_the_kernel_equals_lomo_without_it(monkeypatch):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert not torch.equal(results[0][0], twin[0])
+
+
+@pytest.mark.parametrize("path", ["kernel", "eager"])
+def test_a_nan_with_cudas_bit_pattern_never_rounds_into_a_finite_weight(path):
+    """CUDA's arithmetic NaN is 0x7FFFFFFF; stochastic rounding adds up to 0xFFFF to the fp32 pattern,
+    which wraps it to 0x8000xxxx, whose high half is -0.0: a finite bf16 that a test of the rounded
+    value alone stores (seen on an H100: poisoned lm_head elements became -0.0). The weight must keep its
+    value there, with ``ok`` true (an element-wise keep, as the single-pass streamed update runs)."""
+    from neutrain.optim.rule import ChunkedRule
+
+    w = torch.randn(64, device=DEVICE).bfloat16()
+    g = torch.zeros(64, device=DEVICE)
+    g.view(torch.int32)[5::7] = 0x7FFFFFFF  # the CUDA NaN pattern; the CPU keeps payloads through arithmetic
+    ok = torch.tensor(True, device=DEVICE)
+    if path == "kernel":
+        got = kfu.fused_update_(w.clone(), g, lr=0.5, ok=ok, seed=11)
+    else:
+        new32 = w.float().add_(g, alpha=-0.5)
+        assert (new32.view(torch.int32)[5::7] == 0x7FFFFFFF).all() or DEVICE == "cuda"
+        got = w.clone()
+        ChunkedRule._write_rows(None, got, new32, ok, torch.Generator(device=DEVICE).manual_seed(11))
+    assert torch.equal(got[5::7].view(torch.int16), w[5::7].view(torch.int16))
+    assert torch.isfinite(got).all()

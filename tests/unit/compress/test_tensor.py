@@ -55,19 +55,23 @@ def test_recompress_reuses_buffers_and_grows_when_needed():
     assert _same_bits(ct.decompress(), wide)
 
 
-def test_stream_headroom_is_earned_by_growing_up_to_a_32nd():
+def test_stream_headroom_is_a_32nd_and_growing_keeps_the_data():
     from neutrain.compress import stream as kstream
 
     x = torch.randn(512, 512).mul(0.02).bfloat16()
     ct = compress(x)
     words = ct.stream_words
-    assert ct.stream.numel() == words + words // 2048 + 64  # a new tensor: 1/2048
-    for shift in [10, 9, 8, 7, 6, 5, 5]:  # each growth doubles it, up to 1/32
+    assert ct.stream.numel() == words + words // 32 + 64  # a new tensor: 1/32 (issue 30: 1/2048 overflowed)
+    for _ in range(2):
         kstream.grow(ct, words)
-        assert ct._headroom_shift == shift and ct.stream.numel() == words + (words >> shift) + 64
+        assert ct._headroom_shift == 5 and ct.stream.numel() == words + (words >> 5) + 64
         assert _same_bits(ct.decompress(), x)  # the used words moved with it
     assert not kstream.needs_growth(words, ct.stream.numel(), ct._headroom_shift)
     assert kstream.needs_growth(ct.stream.numel() - 32, ct.stream.numel(), ct._headroom_shift)
+    ct._headroom_shift = 11  # a smaller start earns room by growing, doubled each time up to 1/32
+    for shift in [10, 9, 8, 7, 6, 5, 5]:
+        kstream.grow(ct, words)
+        assert ct._headroom_shift == shift and ct.stream.numel() == words + (words >> shift) + 64
 
 
 def test_a_checkpoint_of_the_old_geometry_loads_decodes_and_keeps_it():
