@@ -52,7 +52,9 @@ def test_blocked_vocabulary_training_is_bit_identical_to_dense_and_sync_free():
     model = copy.deepcopy(dense)
     compress_model(model, progress=False)
     ids = torch.randint(0, vocab, (2, 128), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    options = {"lr": 1e-3, "clip_mode": "per_tensor", "max_grad_norm": 1.0, "chunk_numel": 1 << 20}
+    # lr 1e-4: at 1e-3 one of the four lm_head updates took the whole path on the H100 (3363aca), as a
+    # code rebuild falls back to (the exponents drift past 1 % in a few steps of this tiny model).
+    options = {"lr": 1e-4, "clip_mode": "per_tensor", "max_grad_norm": 1.0, "chunk_numel": 1 << 20}
     loss_options = {"chunk_bytes": 4 * ids.numel() * 4096}  # 4096-row vocabulary chunks
     lm_head = model.lm_head.compressed
     blocked = []
@@ -76,7 +78,7 @@ def test_blocked_vocabulary_training_is_bit_identical_to_dense_and_sync_free():
     decodes = lm_head.decodes, model.model.embed_tokens.compressed.decodes
     opt = run(model, 4, sync_free_after=2)  # the first steps may read back (codes, streams sized)
     run(dense, 4)
-    assert opt.streamed_updates == 8 and blocked == [True] * 4
+    assert opt.streamed_updates == 8 and blocked == [True] * 4, (blocked, lm_head.ct.rebuilds)
     assert (lm_head.decodes, model.model.embed_tokens.compressed.decodes) == decodes  # never decoded whole
     want, got = decompressed_state_dict(dense), decompressed_state_dict(model)
     for name in want:
