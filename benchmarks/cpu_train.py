@@ -18,6 +18,17 @@ block. The models train on the same batches, so the compressed ones must end bit
 (``CompressedWeight.decodes``) over the timed steps.
 
     python benchmarks/cpu_train.py --steps 5 --repeats 4
+
+Measured at 6759479 (``results/cpu_train.json``; 2 shared cores, avx512_bf16): in a quiet spell
+(load 2.07-2.09, this benchmark's own two threads) dense 8,716 tok/s, compressed 7,567 (0.868),
+compressed with the slots only 7,207 (0.827); 1.0 against 1.9 decodes per weight per step (the
+embedding's are fewer: its forward reads rows). Under load 4.3-6.6 the medians scatter by +-10%
+(0.90/0.77, then 0.94/0.96): the kept decodes' gain is about the size of that noise. The CLI
+(``python -m neutrain recipes/default.yaml memory.weights=X train.max_steps=20 eval.perplexity=false
+export.format=none distill.enabled=false eval.sample_tokens=1``, three interleaved rounds, load
+1.6-2.0): dense 8,238 / 9,646 / 8,177, compressed 8,062 / 8,265 / 8,540, slots only
+(``NEUTRAIN_KEEP_DECODED_MIB=0``) 8,047 / 8,209 / 7,544 tok/s: medians 1.00 and 0.98 of dense.
+The 0.70 in ``notes_codec.md`` (dense 2,166 tok/s there) was measured under load.
 """
 
 from __future__ import annotations
