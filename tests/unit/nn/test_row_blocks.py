@@ -152,3 +152,17 @@ def test_a_training_step_never_decodes_the_lm_head_or_the_embedding_whole(by_blo
         ref.step()
     for got, want in ((lm_head, dense.lm_head.weight), (embedding, dense.model.embed_tokens.weight)):
         assert torch.equal(got.decode().view(torch.int16), want.detach().view(torch.int16)), got.name
+
+
+def test_cuda_weights_are_read_whole_unless_the_gpu_block_path_is_on(monkeypatch):
+    """``row_blocks.ON_CUDA`` is off (an H100 run found the first blocked lm_head step encoding other
+    values): a CUDA weight gets no blocks, a CPU weight does, and the switch turns CUDA's on."""
+    from neutrain.compress import compress
+    from neutrain.nn.weight import CompressedWeight
+
+    weight = CompressedWeight(compress(torch.randn(64, 1024).bfloat16(), steps=8, lanes=16))
+    assert row_blocks_module._block_rows(weight, 4) is not None  # CPU
+    monkeypatch.setattr(type(weight), "device", property(lambda self: torch.device("cuda", 0)))
+    assert row_blocks_module._block_rows(weight, 4) is None
+    monkeypatch.setattr(row_blocks_module, "ON_CUDA", True)
+    assert row_blocks_module._block_rows(weight, 4) is not None

@@ -43,7 +43,13 @@ def test_block_recode_writes_the_bytes_of_a_whole_encode_without_a_sync():
     assert torch.equal(ct.decompress().view(torch.int16), new.view(torch.int16))
 
 
-def test_blocked_vocabulary_training_is_bit_identical_to_dense_and_sync_free():
+@pytest.mark.xfail(strict=True, reason="H100 at 37ed85a: the first block re-encode of the lm_head encodes values "
+                   "other than the weight's (3.1 % more coded bits, a code rebuild next step); the block path is "
+                   "off on CUDA (row_blocks.ON_CUDA) until this passes")
+def test_blocked_vocabulary_training_is_bit_identical_to_dense_and_sync_free(monkeypatch):
+    from neutrain.nn import row_blocks
+
+    monkeypatch.setattr(row_blocks, "ON_CUDA", True)
     vocab, hidden = 32768, 256
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=8,
