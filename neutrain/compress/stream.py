@@ -62,8 +62,8 @@ def capacity_for(words: int, shift: int = HEADROOM_SHIFT) -> int:
     """Stream words to allocate for ``words`` used ones: ``words >> shift`` headroom plus 64 words.
 
     Example:
-        >>> capacity_for(1 << 20), capacity_for(1 << 20, MIN_HEADROOM_SHIFT)
-        (1049152, 1081408)
+        >>> capacity_for(1 << 20), capacity_for(1 << 20, 11)  # the default 1/32, a 1/2048 start
+        (1081408, 1049152)
     """
     return words + (words >> shift) + 64
 
