@@ -102,27 +102,27 @@ class StreamedUpdates:
         ok = opt.stats.account(key, sumsq)
         if ok is None:
             return
-        blocks = self._blocks(io)
-        weight = io.read() if blocks is None else blocks
-        coef = opt.stats.clip_coef(sumsq)
-        state, group = opt.state[key], opt._group_of[key]
-        with opt.writing_to(io):
-            opt._update_rows(weight, grad_rows, state, group, ok, coef, opt._generator(key, weight))
-        self._write(io, weight, blocks)
-        self.count += 1
+        blocks, weight = self._read(io)
+        self._update(key, io, blocks, weight, grad_rows, ok, opt.stats.clip_coef(sumsq))
 
-    def _blocks(self, io: WeightIO):
-        """A compressed vocabulary matrix's row blocks (decoded and re-encoded a block at a time,
-        :mod:`neutrain.nn.row_blocks`: never whole), or None: other weights are read whole."""
+    def _read(self, io: WeightIO):
+        """``(blocks, weight)``: a compressed vocabulary matrix's row blocks twice (decoded and re-encoded a
+        block at a time, :mod:`neutrain.nn.row_blocks`: never whole), else ``(None, the weight read whole)``."""
         blocks_of = getattr(io, "row_blocks", None)
-        return blocks_of(rows_per_chunk(self.optimizer.chunk_numel, io.shape)) if blocks_of is not None else None
+        blocks = blocks_of(rows_per_chunk(self.optimizer.chunk_numel, io.shape)) if blocks_of is not None else None
+        return blocks, (io.read() if blocks is None else blocks)
 
-    @staticmethod
-    def _write(io: WeightIO, weight, blocks) -> None:
+    def _update(self, key, io: WeightIO, blocks, weight, grad_rows, ok: torch.Tensor, coef) -> None:
+        """Run the rule over the rows of ``weight`` and store it back (whole, or block by block)."""
+        opt = self.optimizer
+        with opt.writing_to(io):
+            opt._update_rows(weight, grad_rows, opt.state[key], opt._group_of[key], ok, coef,
+                             opt._generator(key, weight))
         if blocks is None:
             io.write_(weight)
         else:
             io.write_blocks_(blocks)
+        self.count += 1
 
     def _apply_single_pass(self, key: torch.Tensor, io: WeightIO, grad_rows: Callable[[slice], torch.Tensor]) -> None:
         """Update rows as they come; the norm (and the finiteness flag) is known only at the end.
@@ -132,8 +132,7 @@ class StreamedUpdates:
         (element-wise keep, as :meth:`~neutrain.optim.fused.FusedOptimizer.updates_before_norm` says).
         """
         opt = self.optimizer
-        blocks = self._blocks(io)
-        weight = io.read() if blocks is None else blocks
+        blocks, weight = self._read(io)
         total = torch.zeros((), dtype=torch.float32, device=weight.device)
 
         def measured(rows: slice) -> torch.Tensor:
@@ -141,11 +140,7 @@ class StreamedUpdates:
             add_squared_norm_(total, grad)  # the chunks of squared_norm, in its order: the same sum
             return grad
 
-        coef = opt.stats.clip_coef(total)
         ok = torch.ones((), dtype=torch.bool, device=weight.device)
-        with opt.writing_to(io):
-            opt._update_rows(weight, measured, opt.state[key], opt._group_of[key], ok, coef, opt._generator(key, weight))
-        self._write(io, weight, blocks)
+        self._update(key, io, blocks, weight, measured, ok, opt.stats.clip_coef(total))
         opt.stats.account(key, total)  # the step's norm and this tensor's non-finite flag
-        self.count += 1
         self.single_pass += 1
