@@ -45,3 +45,25 @@ def one_line(exc: BaseException) -> str:
         'bad value: hidden_size'
     """
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def print_error(message: str, prefix: str = "neutrain: error: ") -> None:
+    """Write ``prefix + message`` and its newline to stderr in one write, then flush.
+
+    Why one write: ``print`` writes the text and the newline separately, and when two
+    processes of one torchrun share a stderr pipe, their lines interleave between the
+    two writes ("...checkpoint-4neutrain: error: ...\\n\\n"). A pipe write under 4 KiB
+    is atomic, so one write keeps each process's line whole.
+
+    Example:
+        >>> import contextlib, io
+        >>> buf = io.StringIO()
+        >>> with contextlib.redirect_stderr(buf):
+        ...     print_error("recipe.yaml: unknown key 'lr'")
+        >>> buf.getvalue()
+        "neutrain: error: recipe.yaml: unknown key 'lr'\\n"
+    """
+    import sys  # here: this module is imported by everything and needs nothing else
+
+    sys.stderr.write(f"{prefix}{message}\n")
+    sys.stderr.flush()

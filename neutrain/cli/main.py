@@ -29,7 +29,7 @@ from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.quiet import quiet_progress_bars
-from neutrain.errors import StoppedBySignal, UserInputError, one_line
+from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
 
 EXIT_USER_ERROR = 2
 
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     level = _log_level(os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"))
     if level is None:
-        print(f"neutrain: error: NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
-              f"of {', '.join(_LOG_LEVELS)} (or a number)", file=sys.stderr)
+        print_error(f"NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
+                    f"of {', '.join(_LOG_LEVELS)} (or a number)")
         return EXIT_USER_ERROR
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_progress_bars()  # a log file or pipe gets lines, not carriage-return bar redraws
@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         if os.environ.get("NEUTRAIN_DEBUG") == "1":
             raise
-        print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
+        print_error(one_line(exc))
         return EXIT_USER_ERROR
     except StoppedBySignal as exc:  # SIGTERM/SIGINT: the checkpoint is saved (neutrain.trainer.signals)
-        print(f"neutrain: error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         print("neutrain: interrupted", file=sys.stderr)
@@ -118,21 +118,21 @@ def main(argv: list[str] | None = None) -> int:
 
             line = out_of_memory_line(exc)
             if line is not None:
-                print(f"neutrain: error: {line}", file=sys.stderr)
+                print_error(line)
                 return EXIT_ENVIRONMENT
         from neutrain.data.chat import describe_template_error  # lazy: `neutrain --help` stays instant
 
         line = describe_template_error(exc)  # a chat template met while rendering (generate, eval)
         if line is not None:
             where = getattr(args, "model", None)
-            print(f"neutrain: error: {f'{where}: ' if where else ''}{line}", file=sys.stderr)
+            print_error(f"{f'{where}: ' if where else ''}{line}")
             return EXIT_USER_ERROR
         line = describe_environment_error(exc, getattr(args, "writes_to", None) or getattr(args, "output", None))
         if line is not None:
-            print(f"neutrain: error: {line}", file=sys.stderr)
+            print_error(line)
             return EXIT_ENVIRONMENT
         if isinstance(exc, OSError):  # no errno: a library's "not found / not a model" report about user input
-            print(f"neutrain: error: {one_line(exc)}", file=sys.stderr)
+            print_error(one_line(exc))
             return EXIT_USER_ERROR
         raise
     return 0

@@ -37,7 +37,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
-from neutrain.errors import StoppedBySignal
+from neutrain.errors import StoppedBySignal, print_error
 
 __all__ = ["StopOnSignal", "StoppedBySignal", "grace_seconds"]
 
@@ -67,7 +67,7 @@ def grace_seconds() -> float:
 
 def _give_up(message: str, signum: int) -> None:
     """The watchdog's end: one line, then exit without running Python's shutdown (a step may hold locks)."""
-    print(f"neutrain: error: {message}", file=sys.stderr, flush=True)
+    print_error(message)
     os._exit(128 + int(signum))
 
 

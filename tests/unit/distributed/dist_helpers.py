@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -145,6 +146,14 @@ def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: s
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without Python's and C++'s exit-time teardown: under CI load, a native thread
+    # (gloo's or DeepSpeed's) was now and then still joinable when its owner's destructor ran,
+    # and the worker aborted with "terminate called without an active exception" after its
+    # work was saved (2 of 4 CI runs). Results are on disk and the group is destroyed; an
+    # exception above still propagates and fails the test as before.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_cases(mode: str, cases: list[dict], device: str = "cpu") -> list[tuple[dict, dict]]:
