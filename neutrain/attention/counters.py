@@ -11,7 +11,7 @@ from collections import Counter
 
 logger = logging.getLogger("neutrain.attention")
 
-#: ``kernel``: Triton forward launches; ``kernel_backward``: Triton backward launches;
+#: ``kernel``: Triton or Gluon forward launches (``kernel_gluon``: the Gluon ones); ``kernel_backward``: Triton backward launches;
 #: ``reference``: pure-PyTorch quantized forwards (CPU path); ``fallback``: calls
 #: routed to torch SDPA; ``fallback:<reason>``: the same, per reason.
 counters: Counter = Counter()

@@ -11,6 +11,11 @@ shape the table calls slower) runs torch SDPA, with the reason logged once.
 ``NEUTRAIN_SAGE_DISPATCH`` overrides the table: ``always`` (sage wherever the kernel
 supports the call: tests, benchmarks), ``never`` (SDPA), ``table`` (default).
 ``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file.
+
+Sage's forward runs on one of :data:`KERNELS`: ``triton`` (every CUDA GPU, the default) or
+``gluon`` (the warp-specialized Hopper kernel, capability 9.x only; elsewhere the call keeps the
+Triton kernel). A table entry names its kernel (``"kernel"``, ``triton`` when absent);
+``NEUTRAIN_SAGE_KERNEL`` overrides it. No shipped entry names ``gluon`` until it is measured.
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("dispatch_table.json")
 POLICIES = ("table", "always", "never")
 MODES = ("forward", "train")
+KERNELS = ("triton", "gluon")
 
 
 @dataclass(frozen=True)
 class Choice:
-    """What one attention call runs: ``backend`` "sage" or "sdpa", sage's ``backward`` route, and why."""
+    """What one attention call runs: ``backend`` "sage" or "sdpa", sage's ``backward`` route, why,
+    and sage's forward ``kernel`` (one of :data:`KERNELS`)."""
 
     backend: str
     backward: str = "triton"
     reason: str = ""
+    kernel: str = "triton"
 
 
 def policy() -> str:
@@ -41,6 +49,19 @@ def policy() -> str:
     if value not in POLICIES:
         raise ValueError(f"NEUTRAIN_SAGE_DISPATCH={value!r}: expected one of {POLICIES}")
     return value
+
+
+def kernel_override() -> str | None:
+    """The ``NEUTRAIN_SAGE_KERNEL`` override of the forward kernel (``None`` when unset).
+
+    Example:
+        >>> kernel_override() in (None, *KERNELS)
+        True
+    """
+    value = os.environ.get("NEUTRAIN_SAGE_KERNEL", "").strip().lower()
+    if value and value not in KERNELS:
+        raise ValueError(f"NEUTRAIN_SAGE_KERNEL={value!r}: expected one of {KERNELS}")
+    return value or None
 
 
 def table_path() -> Path:
@@ -81,7 +102,8 @@ def lookup(device: str, head_dim: int, causal: bool, dtype: str, mode: str, seq_
                 and e.get("dtype") == dtype and e.get("mode") == mode
                 and e.get("seq_min", 0) <= seq_len <= e.get("seq_max", -1)):
             if e.get("backend") == "sage":
-                return Choice("sage", e.get("backward", "triton"), f"measured faster ({shape})")
+                return Choice("sage", e.get("backward", "triton"), f"measured faster ({shape})",
+                              e.get("kernel", "triton"))
             return Choice("sdpa", reason=f"SDPA measured faster ({shape})")
     return Choice("sdpa", reason=f"no measurement in the dispatch table ({shape})")
 
@@ -112,10 +134,15 @@ def choose(device: str, head_dim: int, causal: bool, dtype: str, training: bool,
     mode = "train" if training else "forward"
     p = policy()
     if p == "always":
-        return Choice("sage", os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton"), "NEUTRAIN_SAGE_DISPATCH=always")
-    if p == "never":
+        choice = Choice("sage", os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton"), "NEUTRAIN_SAGE_DISPATCH=always")
+    elif p == "never":
         return Choice("sdpa", reason="NEUTRAIN_SAGE_DISPATCH=never")
-    return lookup(device, head_dim, causal, dtype, mode, seq_len)
+    else:
+        choice = lookup(device, head_dim, causal, dtype, mode, seq_len)
+    kernel = kernel_override()
+    if choice.backend == "sage" and kernel is not None:
+        choice = Choice(choice.backend, choice.backward, choice.reason, kernel)
+    return choice
 
 
 def build_entries(device: str, head_dim: int, causal: bool, dtype: str, mode: str, points: list[dict],

@@ -148,7 +148,7 @@ def neutrain_sage_attention_forward(
         else:
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, sliding_window, query.device)
         return _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux), None
-    backward, config = "triton", None
+    backward, config, backend = "triton", None, "auto"
     if query.is_cuda:  # CPU keeps the quantized reference (build_model gives CPU runs SDPA anyway)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         device = torch.cuda.get_device_name(query.device)
@@ -159,9 +159,9 @@ def neutrain_sage_attention_forward(
                 return _sdpa_fast(query, key, value, causal, scaling), None
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, None, query.device)
             return _fallback(query, key, value, mask, 0.0, scaling, None, None), None
-        backward, config = choice.backward, dispatch.kernel_config(device, head_dim)
+        backward, config, backend = choice.backward, dispatch.kernel_config(device, head_dim), choice.kernel
     out = sage_attention(query, key, value, causal=causal, scale=scaling, segment_ids=segments,
-                         key_padding_mask=padding, backward=backward, config=config)
+                         key_padding_mask=padding, backward=backward, config=config, backend=backend)
     return out.transpose(1, 2).contiguous(), None
 
 

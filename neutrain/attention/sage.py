@@ -22,9 +22,21 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "reference"
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend not in ("triton", "gluon", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton', 'gluon' or 'reference', got {backend!r}")
     return backend
+
+
+def gluon_runs(qi, segment_q) -> bool:
+    """Whether the Gluon Hopper forward takes this call: a CUDA GPU of capability 9.x, a Triton with
+    Gluon's Hopper API, and a call it computes (no segments, no Q smoothing); else the Triton kernel."""
+    if not qi.q_int.is_cuda or torch.cuda.get_device_capability(qi.q_int.device)[0] != 9:
+        return False
+    try:
+        from neutrain.kernels.sage_attention_gluon import gluon_available, gluon_supports  # lazy: Triton, GPU path only
+    except ImportError:  # a Triton without Gluon
+        return False
+    return gluon_available() and gluon_supports(qi, segment_q)
 
 
 #: Backward routes: "triton" (the straight-through quantized backward kernels, or the reference on
@@ -39,7 +51,14 @@ class _SageAttentionFunction(torch.autograd.Function):
         k_group = TILE if config is not None and config.get("k_tile_scale") else 16
         qi = quantize_attention_inputs(q, k, v, scale, smooth_q=smooth_q, qk_bits=qk_bits, v_residual=v_residual,
                                        k_group=k_group)
-        if backend == "triton":
+        if backend == "gluon" and gluon_runs(qi, segment_q):
+            # lazy: Triton, GPU path only
+            from neutrain.kernels.sage_attention_gluon import sage_attention_forward_gluon
+
+            out, lse = sage_attention_forward_gluon(qi, causal, segment_q, segment_k, out_dtype=q.dtype)
+            count("kernel")
+            count("kernel_gluon")
+        elif backend in ("triton", "gluon"):  # gluon elsewhere: the Triton kernel is its fallback
             from neutrain.kernels.sage_attention import ForwardConfig, sage_attention_forward  # lazy: Triton, GPU path only
 
             launch = None
@@ -69,7 +88,7 @@ class _SageAttentionFunction(torch.autograd.Function):
             count(f"exact_backward:{ctx.backward_route}")
             return dq, dk, dv, *([None] * 10)
         out, lse, segment_q, segment_k = ctx.saved_tensors
-        if ctx.backend == "triton":
+        if ctx.backend in ("triton", "gluon"):
             from neutrain.kernels.sage_attention_backward import sage_attention_backward  # lazy: Triton, GPU path only
 
             dq, dk, dv = sage_attention_backward(ctx.qi, out, lse, grad_out, ctx.causal, segment_q, segment_k)
@@ -147,7 +166,10 @@ def sage_attention(
             per tile); False is plain SageAttention2 (~3.6% relative L1 on random
             data instead of ~2.5%, and faster).
         backend: "auto" (Triton on CUDA, the pure-PyTorch quantized reference on
-            CPU), "triton" (also runs on the CPU interpreter) or "reference".
+            CPU), "triton" (also runs on the CPU interpreter), "gluon" (the warp-specialized
+            Hopper forward of :mod:`neutrain.kernels.sage_attention_gluon` on capability 9.x
+            GPUs for calls without segments or Q smoothing, else the Triton kernel; the
+            backward is the same as "triton"'s) or "reference".
         backward: "triton" (the quantized straight-through kernels: S recomputed from
             the INT8 Q/K, dV from the forward's FP8 P), or an exact bf16 torch kernel fed
             the forward's O and LSE: "cudnn", "flash" (CUDA) or "cpu". The exact routes

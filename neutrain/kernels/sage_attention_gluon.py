@@ -20,8 +20,9 @@ the structure, the one the Triton kernel could not get from Triton 3.6
   the other's ``wgmma`` occupies the tensor cores (the warp schedulers interleave them).
 
 Not here (the caller routes those to the Triton kernel, see :func:`gluon_supports`): segment
-ids / padding masks and Q smoothing. Gluon needs Triton >= 3.6 and a Hopper GPU (capability
-9.x); :func:`compile_for_sm90` compiles without a GPU for machine-code checks.
+ids / padding masks and Q smoothing. It is written against Triton 3.6's Gluon (the GPU image's)
+and needs a Hopper GPU (capability 9.x); :func:`compile_for_sm90` compiles it without a GPU
+for machine-code checks.
 
 Example:
     >>> GluonConfig().num_consumers, GluonConfig().num_stages
@@ -58,13 +59,14 @@ def gluon_block_m(config: GluonConfig) -> int:
     return ROWS_PER_CONSUMER * config.num_consumers
 
 
+#: Triton releases whose Gluon API this kernel is written against. Gluon is experimental and
+#: changes between releases (3.9 renamed the TMA copies, for one), so others get the Triton kernel.
+GLUON_TRITON_VERSIONS = ("3.6.",)
+
+
 def gluon_available() -> bool:
-    """True when this Triton has Gluon's Hopper API (``warp_specialize``, TMA, ``wgmma``)."""
-    try:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
-    except Exception:  # ImportError, or an older Gluon without these names
-        return False
-    return True
+    """True when this Triton's Gluon is one this kernel is written for (:data:`GLUON_TRITON_VERSIONS`)."""
+    return triton.__version__.startswith(GLUON_TRITON_VERSIONS)
 
 
 def gluon_supports(qi: QuantizedAttentionInputs, segment_q=None) -> bool:
@@ -358,6 +360,29 @@ def _launch_options(config: GluonConfig) -> dict:
     # thread at launch fit the 64K register file; the load warpgroup gives its registers back
     # (24) and each consumer takes 240.
     return {"maxnreg": 168} if config.num_consumers == 2 else {}
+
+
+def sass_summary(compiled) -> dict:
+    """Opcode counts (``{"IGMMA": 16, ...}``, by mnemonic before the first dot), registers per
+    thread and spill instructions of a compiled kernel, read with the ``cuobjdump`` that Triton ships."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "kernel.cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    ops = collections.Counter(m.group(1).split(".")[0]
+                              for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    regs = re.search(r"REG:(\d+)", usage)
+    return {"opcodes": dict(ops), "registers": int(regs.group(1)) if regs else None,
+            "spills": ops["STL"] + ops["LDL"], "sass": sass}
 
 
 def compile_for_sm90(head_dim: int = 128, causal: bool = False, config: GluonConfig | None = None,

@@ -69,6 +69,40 @@ def test_policy_env_and_table_file(tmp_path, monkeypatch):
         dispatch.choose(DEV, 128, True, "bfloat16", True, 4096)
 
 
+def test_forward_kernel_from_table_entry_and_override(tmp_path, monkeypatch):
+    """A table entry names sage's forward kernel (``triton`` when absent); NEUTRAIN_SAGE_KERNEL overrides it."""
+    entries = dispatch.build_entries(DEV, 128, True, "bfloat16", "forward", _points([(8192, 1.5)]))
+    table = tmp_path / "t.json"
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH_TABLE", str(table))
+    monkeypatch.delenv("NEUTRAIN_SAGE_KERNEL", raising=False)
+    table.write_text(json.dumps({"entries": entries}))
+    assert dispatch.choose(DEV, 128, True, "bfloat16", False, 8192).kernel == "triton"
+    dispatch.load_table.cache_clear()
+    table.write_text(json.dumps({"entries": [dict(e, kernel="gluon") for e in entries]}))
+    assert dispatch.choose(DEV, 128, True, "bfloat16", False, 8192).kernel == "gluon"
+    monkeypatch.setenv("NEUTRAIN_SAGE_KERNEL", "triton")
+    assert dispatch.choose(DEV, 128, True, "bfloat16", False, 8192).kernel == "triton"
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", "always")
+    monkeypatch.setenv("NEUTRAIN_SAGE_KERNEL", "gluon")
+    assert dispatch.choose("any", 64, False, "bfloat16", True, 10).kernel == "gluon"
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", "never")
+    assert dispatch.choose(DEV, 128, True, "bfloat16", False, 8192) == dispatch.Choice(
+        "sdpa", reason="NEUTRAIN_SAGE_DISPATCH=never")
+    monkeypatch.setenv("NEUTRAIN_SAGE_KERNEL", "cuda")
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", "always")
+    with pytest.raises(ValueError, match="NEUTRAIN_SAGE_KERNEL"):
+        dispatch.choose(DEV, 128, True, "bfloat16", False, 8192)
+
+
+def test_shipped_table_names_no_unmeasured_kernel():
+    """The Gluon kernel is not a default route until the benchmark measures it: no shipped entry
+    names a kernel other than ``triton`` without its evidence."""
+    for e in dispatch.load_table(str(dispatch.TABLE_PATH)):
+        assert e.get("kernel", "triton") in dispatch.KERNELS
+        if e.get("kernel", "triton") != "triton":
+            assert e.get("evidence"), e
+
+
 def test_missing_or_broken_table_means_sdpa(tmp_path, monkeypatch):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
