@@ -17,7 +17,14 @@ the structure, the one the Triton kernel could not get from Triton 3.6
   memory, the softmax in registers, P converted to the FP8 A operand in registers and the FP8
   ``wgmma`` P.V from shared memory. They share the KV tiles and synchronise only through the
   ring's mbarriers, never through a CTA-wide barrier, so one warpgroup's softmax can run while
-  the other's ``wgmma`` occupies the tensor cores (the warp schedulers interleave them).
+  the other's ``wgmma`` occupies the tensor cores (the warp schedulers interleave them);
+* optionally (``GluonConfig.pingpong``) FA3's inter-warpgroup ping-pong: two more mbarriers
+  hand an MMA "turn" back and forth, so the warpgroups' MMA blocks (tile t's P.V, then tile
+  t+1's Q.K^T) strictly alternate and each softmax runs under the other warpgroup's ``wgmma``.
+
+Every ``wgmma`` is waited for at once (no intra-warpgroup overlap of Q.K^T with the softmax: its
+registers, 64 int32 scores + 64 fp32 P.V + 64 fp32 output per thread at d=128, leave no room for
+a second score tile under the 240 registers a consumer gets).
 
 Not here (the caller routes those to the Triton kernel, see :func:`gluon_supports`): segment
 ids / padding masks and Q smoothing. It is written against Triton 3.6's Gluon (the GPU image's)
@@ -48,10 +55,12 @@ ROWS_PER_CONSUMER = 64
 
 
 class GluonConfig(NamedTuple):
-    """Launch settings: consumer warpgroups per CTA (1 or 2) and KV ring depth."""
+    """Launch settings: consumer warpgroups per CTA (1 or 2), KV ring depth, and ``pingpong``
+    (two consumers only): FA3's ordering of the two warpgroups' MMA blocks by mbarrier turns."""
 
     num_consumers: int = 2
     num_stages: int = 2
+    pingpong: bool = False
 
 
 def gluon_block_m(config: GluonConfig) -> int:
@@ -122,10 +131,11 @@ def _load_partition(q_desc, k_desc, v_desc, vr_desc, q_smem, k_smem, v_smem, vr_
 
 
 @gluon.jit
-def _softmax_pv(qk, k_scale, q_scale, rows, cols, m_i, l_i, acc, v_tile, vr_tile, N_CTX,
-                APPLY_MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, K_TILE_SCALE: gl.constexpr,
-                V_RESIDUAL: gl.constexpr, pv_layout: gl.constexpr, p_layout: gl.constexpr):
-    """One KV tile: the reference's online-softmax step, FP8 P, the P.V wgmma, the two-level rescale."""
+def _softmax(qk, k_scale, q_scale, rows, cols, m_i, l_i, N_CTX, APPLY_MASK: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             K_TILE_SCALE: gl.constexpr, pv_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One KV tile's online-softmax step, the reference's: the FP8 P (x448 against the tile's row
+    max, as the P.V wgmma's register A operand), the accumulator's rescale factors (alpha for the
+    running one, beta/448 for the tile's), new m and l."""
     s = _int32_to_f32(qk)
     if K_TILE_SCALE:
         row_scale = q_scale * k_scale
@@ -148,6 +158,14 @@ def _softmax_pv(qk, k_scale, q_scale, rows, cols, m_i, l_i, acc, v_tile, vr_tile
     beta = gl.exp2(m_tile - m_new_safe)
     l_i = l_i * alpha + gl.sum(p448, 1) * (beta * _INV_FP8_MAX)
     p = gl.convert_layout(p448.to(gl.float8e4nv), p_layout)
+    alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_layout))
+    c_pv = gl.convert_layout(beta * _INV_FP8_MAX, gl.SliceLayout(1, pv_layout))
+    return p, alpha_pv, c_pv, m_new, l_i
+
+
+@gluon.jit
+def _pv(p, v_tile, vr_tile, acc, V_RESIDUAL: gl.constexpr):
+    """P.V (plus the residual's product) into a fresh fp32 accumulator: the first level."""
     zero = gl.zeros_like(acc)
     if V_RESIDUAL:
         # The residual's product seeds the tile accumulator (the Triton kernel's order).
@@ -155,47 +173,83 @@ def _softmax_pv(qk, k_scale, q_scale, rows, cols, m_i, l_i, acc, v_tile, vr_tile
         pv = warpgroup_mma(p, v_tile, pv)
     else:
         pv = warpgroup_mma(p, v_tile, zero, use_acc=False)
-    alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(1, pv_layout))
-    c_pv = gl.convert_layout(beta * _INV_FP8_MAX, gl.SliceLayout(1, pv_layout))
-    acc = acc * gl.expand_dims(alpha_pv, 1) + pv * gl.expand_dims(c_pv, 1)
-    return m_new, l_i, acc
+    return pv
 
 
 @gluon.jit
-def _consume(q_smem, k_smem, v_smem, vr_smem, ready, empty, KS, b, hk, HK, N_CTX, N_PAD, j, lo, hi,
-             m_i, l_i, acc, rows, q_scale,
+def _qk(q_smem, k_smem, ready, t, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """Wait for KV tile ``t`` in its ring slot, then the INT8 Q.K^T wgmma (int32 scores)."""
+    slot = t % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    ROWS: gl.constexpr = q_smem.type.shape[0]
+    return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout),
+                         use_acc=False)
+
+
+@gluon.jit
+def _k_scale(KS, ks_base, t, cols, BLOCK_N: gl.constexpr, K_TILE_SCALE: gl.constexpr):
+    if K_TILE_SCALE:
+        return gl.load(ks_base + t * BLOCK_N)
+    else:
+        return gl.load(ks_base + cols)
+
+
+@gluon.jit
+def _consume(q_smem, k_smem, v_smem, vr_smem, ready, empty, KS, ks_base, N_CTX, lo, hi, m_i, l_i, acc, rows, q_scale,
              APPLY_MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, K_TILE_SCALE: gl.constexpr,
              V_RESIDUAL: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
              s_layout: gl.constexpr, pv_layout: gl.constexpr, p_layout: gl.constexpr):
-    """KV tiles [lo, hi) of the ring, ``j`` counting tiles consumed so far (the ring position)."""
-    HEAD_DIM: gl.constexpr = acc.type.shape[1]
-    BLOCK_Mc: gl.constexpr = acc.type.shape[0]
+    """KV tiles [lo, hi), one after the other: QK wgmma, softmax, PV wgmma, rescale."""
     for t in range(lo, hi):
-        s = j % NUM_STAGES
-        mbarrier.wait(ready.index(s), (j // NUM_STAGES) & 1)
         cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        ks_base = KS + (b * HK + hk) * N_PAD
-        if K_TILE_SCALE:
-            k_scale = gl.load(ks_base + t * BLOCK_N)
-        else:
-            k_scale = gl.load(ks_base + cols)
-        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
-                           gl.zeros([BLOCK_Mc, BLOCK_N], gl.int32, s_layout), use_acc=False)
-        m_i, l_i, acc = _softmax_pv(qk, k_scale, q_scale, rows, cols, m_i, l_i, acc,
-                                    v_smem.index(s).permute((1, 0)), vr_smem.index(s).permute((1, 0)), N_CTX,
-                                    APPLY_MASK, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, pv_layout, p_layout)
+        k_scale = _k_scale(KS, ks_base, t, cols, BLOCK_N, K_TILE_SCALE)
+        qk = _qk(q_smem, k_smem, ready, t, NUM_STAGES, s_layout)
+        p, alpha, c, m_i, l_i = _softmax(qk, k_scale, q_scale, rows, cols, m_i, l_i, N_CTX, APPLY_MASK, IS_CAUSAL,
+                                         K_TILE_SCALE, pv_layout, p_layout)
+        slot = t % NUM_STAGES
+        pv = _pv(p, v_smem.index(slot).permute((1, 0)), vr_smem.index(slot).permute((1, 0)), acc, V_RESIDUAL)
         # Both wgmma of this slot have retired (synchronous wgmma): the loader may refill it.
-        mbarrier.arrive(empty.index(s))
-        j += 1
-    return j, m_i, l_i, acc
+        mbarrier.arrive(empty.index(slot))
+        acc = acc * gl.expand_dims(alpha, 1) + pv * gl.expand_dims(c, 1)  # second level, fp32
+    return m_i, l_i, acc
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+def _consume_pingpong(qk, q_smem, k_smem, v_smem, vr_smem, ready, empty, turn_wait, turn_signal, KS, ks_base, N_CTX,
+                      lo, hi, n_tiles, m_i, l_i, acc, rows, q_scale,
+                      CONSUMER: gl.constexpr, APPLY_MASK: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      K_TILE_SCALE: gl.constexpr, V_RESIDUAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr, pv_layout: gl.constexpr,
+                      p_layout: gl.constexpr):
+    """KV tiles [lo, hi) in FA3's inter-warpgroup ping-pong: ``qk`` holds tile ``lo``'s scores; each
+    step runs the softmax, then, on this warpgroup's turn, one MMA block (tile t's P.V and tile
+    t+1's Q.K^T), hands the turn over and rescales. The two warpgroups' MMA blocks alternate, so
+    each one's softmax and rescale run while the other's wgmma hold the tensor cores."""
+    for t in range(lo, hi):
+        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        k_scale = _k_scale(KS, ks_base, t, cols, BLOCK_N, K_TILE_SCALE)
+        p, alpha, c, m_i, l_i = _softmax(qk, k_scale, q_scale, rows, cols, m_i, l_i, N_CTX, APPLY_MASK, IS_CAUSAL,
+                                         K_TILE_SCALE, pv_layout, p_layout)
+        # MMA block t + 1 (block 0 was tile 0's Q.K^T): consumer 0 goes first, a fresh mbarrier
+        # passes a wait on parity 1; consumer 1 waits for consumer 0's hand-over.
+        mbarrier.wait(turn_wait, ((t + 1) & 1) ^ (1 - CONSUMER))
+        slot = t % NUM_STAGES
+        pv = _pv(p, v_smem.index(slot).permute((1, 0)), vr_smem.index(slot).permute((1, 0)), acc, V_RESIDUAL)
+        mbarrier.arrive(empty.index(slot))
+        if t + 1 < n_tiles:
+            qk = _qk(q_smem, k_smem, ready, t + 1, NUM_STAGES, s_layout)
+        mbarrier.arrive(turn_signal)
+        acc = acc * gl.expand_dims(alpha, 1) + pv * gl.expand_dims(c, 1)
+    return qk, m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
               start_m, b, h, hk, H, HK, N_CTX, N_PAD,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               IS_CAUSAL: gl.constexpr, K_TILE_SCALE: gl.constexpr, V_RESIDUAL: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup: 64 query rows against all the CTA's KV tiles, then O and the LSE."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -216,17 +270,31 @@ def _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, 
     else:
         full = N_CTX // BLOCK_N
     full = gl.minimum(full, n_tiles)
+    ks_base = KS + (b * HK + hk) * N_PAD
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(CONSUMER)
-    j = 0
-    j, m_i, l_i, acc = _consume(q, k_smem, v_smem, vr_smem, ready, empty, KS, b, hk, HK, N_CTX, N_PAD, j, 0, full,
-                                m_i, l_i, acc, rows, q_scale,
-                                False, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
-                                s_layout, pv_layout, p_layout)
-    j, m_i, l_i, acc = _consume(q, k_smem, v_smem, vr_smem, ready, empty, KS, b, hk, HK, N_CTX, N_PAD, j, full,
-                                n_tiles, m_i, l_i, acc, rows, q_scale,
-                                True, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
-                                s_layout, pv_layout, p_layout)
+    if PINGPONG:
+        gl.static_assert(NUM_STAGES >= 2, "ping-pong keeps two KV tiles in use per warpgroup")
+        turn_wait = turn.index(CONSUMER)
+        turn_signal = turn.index(1 - CONSUMER)
+        mbarrier.wait(turn_wait, 1 - CONSUMER)  # MMA block 0: tile 0's Q.K^T, consumer 0 first
+        qk = _qk(q, k_smem, ready, 0, NUM_STAGES, s_layout)
+        mbarrier.arrive(turn_signal)
+        qk, m_i, l_i, acc = _consume_pingpong(qk, q, k_smem, v_smem, vr_smem, ready, empty, turn_wait, turn_signal, KS,
+                                              ks_base, N_CTX, 0, full, n_tiles, m_i, l_i, acc, rows, q_scale, CONSUMER,
+                                              False, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
+                                              s_layout, pv_layout, p_layout)
+        qk, m_i, l_i, acc = _consume_pingpong(qk, q, k_smem, v_smem, vr_smem, ready, empty, turn_wait, turn_signal, KS,
+                                              ks_base, N_CTX, full, n_tiles, n_tiles, m_i, l_i, acc, rows, q_scale,
+                                              CONSUMER, True, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
+                                              s_layout, pv_layout, p_layout)
+    else:
+        m_i, l_i, acc = _consume(q, k_smem, v_smem, vr_smem, ready, empty, KS, ks_base, N_CTX, 0, full, m_i, l_i, acc,
+                                 rows, q_scale, False, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
+                                 s_layout, pv_layout, p_layout)
+        m_i, l_i, acc = _consume(q, k_smem, v_smem, vr_smem, ready, empty, KS, ks_base, N_CTX, full, n_tiles, m_i, l_i,
+                                 acc, rows, q_scale, True, IS_CAUSAL, K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, BLOCK_N,
+                                 s_layout, pv_layout, p_layout)
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     gl.store(LSE + (b * H + h) * N_PAD + rows, gl.where(empty_row, float("inf"), m_i + gl.log2(l_safe)))
@@ -240,21 +308,21 @@ def _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, 
 
 
 @gluon.jit
-def _consumer_1(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+def _consumer_1(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
                 start_m, b, h, hk, H, HK, N_CTX, N_PAD,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 IS_CAUSAL: gl.constexpr, K_TILE_SCALE: gl.constexpr, V_RESIDUAL: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+                NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
               start_m, b, h, hk, H, HK, N_CTX, N_PAD, 1, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL,
-              K_TILE_SCALE, V_RESIDUAL, NUM_STAGES)
+              K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, PINGPONG)
 
 
 @gluon.jit
 def sage_fwd_gluon_kernel(q_desc, k_desc, v_desc, vr_desc, QS, KS, VS, O, LSE, H, N_CTX, N_PAD, GROUPS,
                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, K_TILE_SCALE: gl.constexpr,
-                          V_RESIDUAL: gl.constexpr):
+                          V_RESIDUAL: gl.constexpr, PINGPONG: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     # Causal: the heaviest query blocks (the last ones) start first, for a shorter tail.
@@ -273,7 +341,10 @@ def sage_fwd_gluon_kernel(q_desc, k_desc, v_desc, vr_desc, QS, KS, VS, O, LSE, H
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong's MMA turns
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)  # every consumer releases each slot
@@ -281,24 +352,25 @@ def sage_fwd_gluon_kernel(q_desc, k_desc, v_desc, vr_desc, QS, KS, VS, O, LSE, H
     q_row = (b * H + h) * N_PAD + start_m * BLOCK_M
     kv_row = (b * HK + hk) * N_PAD
     v_row = (b * HK + hk) * HEAD_DIM
+    gl.static_assert(NUM_CONSUMERS == 2 or not PINGPONG, "ping-pong needs two consumer warpgroups")
     # (Argument tuples are spelled out: a tuple concatenation in Gluon turns constexprs into tensors.)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+            (_consumer, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
                          start_m, b, h, hk, H, HK, N_CTX, N_PAD, 0, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                         K_TILE_SCALE, V_RESIDUAL, NUM_STAGES)),
-            (_consumer_1, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+                         K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, PINGPONG)),
+            (_consumer_1, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
                            start_m, b, h, hk, H, HK, N_CTX, N_PAD, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                           K_TILE_SCALE, V_RESIDUAL, NUM_STAGES)),
+                           K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, PINGPONG)),
             (_load_partition, (q_desc, k_desc, v_desc, vr_desc, q_smem, k_smem, v_smem, vr_smem, q_bar, ready,
                                empty, start_m, q_row, kv_row, v_row, N_CTX, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                V_RESIDUAL, NUM_STAGES, NUM_CONSUMERS)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, QS, KS, VS, O, LSE,
+            (_consumer, (q_smem, k_smem, v_smem, vr_smem, q_bar, ready, empty, turn, QS, KS, VS, O, LSE,
                          start_m, b, h, hk, H, HK, N_CTX, N_PAD, 0, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                         K_TILE_SCALE, V_RESIDUAL, NUM_STAGES)),
+                         K_TILE_SCALE, V_RESIDUAL, NUM_STAGES, False)),
             (_load_partition, (q_desc, k_desc, v_desc, vr_desc, q_smem, k_smem, v_smem, vr_smem, q_bar, ready,
                                empty, start_m, q_row, kv_row, v_row, N_CTX, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                V_RESIDUAL, NUM_STAGES, NUM_CONSUMERS)),
@@ -351,7 +423,7 @@ def sage_attention_forward_gluon(qi: QuantizedAttentionInputs, causal: bool, seg
         q_desc, k_desc, v_desc, vr_desc, qi.q_scale, qi.k_scale, qi.v_scale, out, lse, h, n, n_pad, groups,
         HEAD_DIM=d, BLOCK_N=TILE, NUM_CONSUMERS=config.num_consumers, NUM_STAGES=config.num_stages,
         IS_CAUSAL=causal, K_TILE_SCALE=qi.k_group == TILE, V_RESIDUAL=qi.v_residual_t is not None,
-        num_warps=4, **_launch_options(config))
+        PINGPONG=config.pingpong, num_warps=4, **_launch_options(config))
     return out, lse
 
 
@@ -409,7 +481,7 @@ def compile_for_sm90(head_dim: int = 128, causal: bool = False, config: GluonCon
     }
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_N": TILE, "NUM_CONSUMERS": config.num_consumers,
                   "NUM_STAGES": config.num_stages, "IS_CAUSAL": causal, "K_TILE_SCALE": k_tile_scale,
-                  "V_RESIDUAL": v_residual}
+                  "V_RESIDUAL": v_residual, "PINGPONG": config.pingpong}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     source = GluonASTSource(fn=sage_fwd_gluon_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),

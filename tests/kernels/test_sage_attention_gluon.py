@@ -26,14 +26,15 @@ _COMPILE_SCRIPT = """
 import json, sys
 from neutrain.kernels.sage_attention_gluon import GluonConfig, compile_for_sm90, sass_summary
 out = []
-for nc, d, causal in json.loads(sys.argv[1]):
-    k = compile_for_sm90(d, causal, GluonConfig(num_consumers=nc))
+for nc, pingpong, d, causal in json.loads(sys.argv[1]):
+    k = compile_for_sm90(d, causal, GluonConfig(num_consumers=nc, pingpong=pingpong))
     s = sass_summary(k)
-    out.append({"nc": nc, "d": d, "causal": causal, "registers": s["registers"], "spills": s["spills"],
+    out.append({"nc": nc, "pingpong": pingpong, "d": d, "causal": causal, "registers": s["registers"],
+                "spills": s["spills"],
                 "shared": k.metadata.shared, "opcodes": s["opcodes"]})
 print("RESULT " + json.dumps(out))
 """
-VARIANTS = [(1, 128, False), (2, 128, True), (2, 64, False)]
+VARIANTS = [(1, False, 128, False), (2, False, 128, True), (2, False, 64, False), (2, True, 128, True)]
 
 
 def _triton36_env():
@@ -59,16 +60,17 @@ def test_gluon_forward_compiles_for_sm90_with_wgmma():
     if reason:
         pytest.skip(reason)
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(VARIANTS)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600)  # a fresh process: its own Triton
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for r in results:
         ops = r["opcodes"]
-        print(r["nc"], r["d"], r["causal"], "regs", r["registers"], "spills", r["spills"], "shared", r["shared"],
-              {k: ops.get(k, 0) for k in ("IGMMA", "QGMMA", "HGMMA", "MUFU", "USETMAXREG", "UTMALDG", "SYNCS")})
+        print(r["nc"], r["pingpong"], r["d"], r["causal"], "regs", r["registers"], "spills", r["spills"],
+              "shared", r["shared"], {k: ops.get(k, 0) for k in ("IGMMA", "QGMMA", "HGMMA", "MUFU", "USETMAXREG", "UTMALDG", "SYNCS")})
         # QK: d/32 IGMMA m64n128k32 per tile; PV: 4 QGMMA m64nDk32 per tile, twice with the V
-        # residual; each in the unmasked and the masked loop of every consumer warpgroup.
-        assert ops.get("IGMMA", 0) == 2 * r["nc"] * r["d"] // 32
+        # residual; each in the unmasked and the masked loop of every consumer warpgroup (ping-pong:
+        # plus the first tile's Q.K^T before the loops).
+        assert ops.get("IGMMA", 0) == (3 if r["pingpong"] else 2) * r["nc"] * r["d"] // 32
         assert ops.get("QGMMA", 0) == 2 * r["nc"] * 2 * TILE // 32
         assert ops.get("USETMAXREG", 0) > 0 and ops.get("UTMALDG", 0) >= 4  # warp-specialized, TMA-fed
         assert r["spills"] == 0
@@ -80,29 +82,34 @@ def _inputs(b, hq, hk, n, d, kind="random", k_group=TILE, v_residual=True):
     return q, k, v, quantize_attention_inputs(q, k, v, d ** -0.5, k_group=k_group, v_residual=v_residual)
 
 
-CASES = [  # b, hq, hk, n, d, causal, consumers, k_group, v_residual
-    (2, 4, 4, 1000, 128, False, 2, TILE, True),
-    (2, 4, 4, 1000, 128, True, 2, TILE, True),
-    (1, 8, 2, 777, 64, True, 2, TILE, True),      # GQA 4:1, ragged N
-    (1, 8, 2, 777, 64, False, 1, 16, True),       # one consumer, per-16-token K scale
-    (1, 4, 1, 300, 128, True, 1, TILE, False),    # GQA 4:1, plain SA2 (no V residual)
-    (2, 2, 2, 64, 128, True, 2, 16, True),        # shorter than one query block
+CONFIGS = {"c1": (1, 2, False), "c2": (2, 2, False), "c2pp": (2, 2, True)}  # GluonConfig: consumers, stages, ping-pong
+CASES = [  # b, hq, hk, n, d, causal, config, k_group, v_residual
+    (2, 4, 4, 1000, 128, False, "c2", TILE, True),
+    (2, 4, 4, 1000, 128, True, "c2", TILE, True),
+    (2, 4, 4, 1000, 128, True, "c2pp", TILE, True),
+    (1, 8, 2, 777, 64, False, "c2pp", 16, True),    # GQA 4:1, ragged N, per-16-token K scale
+    (1, 8, 2, 777, 64, True, "c2", TILE, True),
+    (1, 8, 2, 777, 64, False, "c1", 16, True),      # one consumer
+    (1, 4, 1, 300, 128, True, "c1", TILE, False),   # GQA 4:1, plain SA2 (no V residual)
+    (1, 4, 1, 300, 128, True, "c2pp", TILE, False),
+    (2, 2, 2, 64, 128, True, "c2", 16, True),       # shorter than one query block
+    (2, 2, 2, 64, 128, False, "c2pp", 16, True),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hq,hk,n,d,causal,consumers,k_group,v_residual", CASES)
-def test_gluon_forward_matches_quantized_reference(b, hq, hk, n, d, causal, consumers, k_group, v_residual):
+@pytest.mark.parametrize("b,hq,hk,n,d,causal,config,k_group,v_residual", CASES)
+def test_gluon_forward_matches_quantized_reference(b, hq, hk, n, d, causal, config, k_group, v_residual):
     """Same quantized inputs, same math: the torch reference's O and log2-domain LSE."""
     if not ON_HOPPER:
         pytest.skip("the Gluon kernel needs a Hopper GPU (capability 9.x)")
     from neutrain.kernels.sage_attention_gluon import GluonConfig, sage_attention_forward_gluon
 
     _, _, _, qi = _inputs(b, hq, hk, n, d, k_group=k_group, v_residual=v_residual)
-    out, lse = sage_attention_forward_gluon(qi, causal, config=GluonConfig(num_consumers=consumers))
+    out, lse = sage_attention_forward_gluon(qi, causal, config=GluonConfig(*CONFIGS[config]))
     ref_out, ref_lse = sage_reference_forward(qi, causal)
     m = accuracy_metrics(out, ref_out)
-    print(b, hq, hk, n, d, causal, consumers, k_group, v_residual, m)
+    print(b, hq, hk, n, d, causal, config, k_group, v_residual, m)
     assert m["finite"] and m["cos"] >= 0.9999
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse[..., :n], ref_lse[..., :n], atol=1e-4, rtol=1e-5)
@@ -111,17 +118,17 @@ def test_gluon_forward_matches_quantized_reference(b, hq, hk, n, d, causal, cons
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hk", [8, 2])
-def test_gluon_forward_against_exact_fp32(d, causal, hk, record_property):
+@pytest.mark.parametrize("hk,config", [(8, "c2"), (2, "c2pp")])
+def test_gluon_forward_against_exact_fp32(d, causal, hk, config, record_property):
     """The fidelity gate on fresh random inputs (ragged N = 1000): cos >= 0.999 and rel-L1 <= 0.03
     against fp32 attention, and the natural LSE against fp32 logsumexp of the smoothed scores."""
     if not ON_HOPPER:
         pytest.skip("the Gluon kernel needs a Hopper GPU (capability 9.x)")
-    from neutrain.kernels.sage_attention_gluon import sage_attention_forward_gluon
+    from neutrain.kernels.sage_attention_gluon import GluonConfig, sage_attention_forward_gluon
 
     n = 1000
     q, k, v, qi = _inputs(2, 8, hk, n, d)
-    out, lse2 = sage_attention_forward_gluon(qi, causal)
+    out, lse2 = sage_attention_forward_gluon(qi, causal, config=GluonConfig(*CONFIGS[config]))
     exact = exact_attention(q.float(), k.float(), v.float(), causal)
     fwd = accuracy_metrics(out, exact)
     groups = 8 // hk
@@ -132,7 +139,7 @@ def test_gluon_forward_against_exact_fp32(d, causal, hk, record_property):
     lse_err = (natural_lse(qi, lse2) - torch.logsumexp(scores, -1)).abs().max().item()
     record_property("fwd", fwd)
     record_property("lse_max_abs_err", lse_err)
-    print(d, causal, hk, "fwd", fwd, "lse max abs err", lse_err)
+    print(d, causal, hk, config, "fwd", fwd, "lse max abs err", lse_err)
     assert fwd["cos"] >= 0.999 and fwd["rel_l1"] <= 0.03
     assert lse_err <= 0.05
 
@@ -158,17 +165,17 @@ def test_gluon_backend_runs_forward_and_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_gluon_forward_sass_on_device(consumers):
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_gluon_forward_sass_on_device(config):
     """The kernel the device compiled (not the offline one) has the INT8 and FP8 warpgroup MMAs."""
     if not ON_HOPPER:
         pytest.skip("the Gluon kernel needs a Hopper GPU (capability 9.x)")
     from neutrain.kernels import sage_attention_gluon as g
 
     _, _, _, qi = _inputs(1, 2, 2, 512, 128)
-    g.sage_attention_forward_gluon(qi, False, config=g.GluonConfig(num_consumers=consumers))
+    g.sage_attention_forward_gluon(qi, False, config=g.GluonConfig(*CONFIGS[config]))
     s = g.sass_summary(g._LAST_LAUNCH["forward"])
-    print(consumers, "regs", s["registers"], "spills", s["spills"],
+    print(config, "regs", s["registers"], "spills", s["spills"],
           {k: s["opcodes"].get(k, 0) for k in ("IGMMA", "QGMMA", "USETMAXREG", "MUFU")})
     assert s["opcodes"].get("IGMMA", 0) > 0 and s["opcodes"].get("QGMMA", 0) > 0 and s["spills"] == 0
 
