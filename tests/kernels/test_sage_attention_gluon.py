@@ -89,12 +89,10 @@ CASES = [  # b, hq, hk, n, d, causal, config, k_group, v_residual
     (2, 4, 4, 1000, 128, True, "c2", TILE, True),
     (2, 4, 4, 1000, 128, True, "c2pp", TILE, True),
     (1, 8, 2, 777, 64, False, "c2pp", 16, True),    # GQA 4:1, ragged N, per-16-token K scale
-    (1, 8, 2, 777, 64, True, "c2", TILE, True),
     (1, 8, 2, 777, 64, False, "c1", 16, True),      # one consumer
     (1, 4, 1, 300, 128, True, "c1", TILE, False),   # GQA 4:1, plain SA2 (no V residual)
     (1, 4, 1, 300, 128, True, "c2pp", TILE, False),
     (2, 2, 2, 64, 128, True, "c2", 16, True),       # shorter than one query block
-    (2, 2, 2, 64, 128, False, "c2pp", 16, True),
 ]
 
 
@@ -117,9 +115,8 @@ def test_gluon_forward_matches_quantized_reference(b, hq, hk, n, d, causal, conf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hk,config", [(8, "c2"), (2, "c2pp")])
+@pytest.mark.parametrize("d,causal,hk,config", [(64, False, 8, "c2"), (64, True, 2, "c2pp"), (128, False, 2, "c2pp"),
+                                               (128, True, 8, "c2"), (128, True, 2, "c1")])
 def test_gluon_forward_against_exact_fp32(d, causal, hk, config, record_property):
     """The fidelity gate on fresh random inputs (ragged N = 1000): cos >= 0.999 and rel-L1 <= 0.03
     against fp32 attention; the natural LSE against fp32 logsumexp of the smoothed scores, within
