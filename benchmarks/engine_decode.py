@@ -6,7 +6,14 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``hf_generate``: ``model.generate`` (``DynamicCache``, eager), greedy, a fixed number of new tokens
   (dense weights only; ``inference.json`` has HF's decode on NeuZip weights);
 * ``engine_eager``: :class:`~neutrain.eval.engine.DecodeEngine` without CUDA graphs;
-* ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU).
+* ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU), Q/K/V and
+  gate/up fused into one GEMV each (:mod:`neutrain.eval.fused_projections`, the engine's default);
+* ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, issue 32's
+  before). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
+  fused matrices: outside the engine's fusion context those are the plain separate GEMVs.
+
+Each engine row also has ``step_ms``: the median over ``repeats`` blocks of the CUDA-event time of the
+``new_tokens - 1`` graph replays after a prefill, per step (no prefill, no host work in between).
 
 Weights: dense bf16, NeuZip lossless and NeuZip lossy-3 (the lossless model re-rounded to 3 mantissa
 bits, :func:`neutrain.nn.lora.compress_model_for_adapters`). ``--layers`` builds fewer decoder layers
@@ -15,10 +22,14 @@ when a call's time is short (recorded in the settings; the roofline is computed 
 and the others still run. ``benchmarks/speculative.py`` runs this file in a subprocess for its 8B rows.
 
 The roofline is the bytes one decode step must read (every weight but the input embedding, of
-which one row is read, plus the KV cache of the context so far, averaged over the decode) over the
-bandwidth of a device-to-device copy measured in the same run, counting bytes read plus written.
-Targets (issue 19): ``ar_roofline_fraction_8b`` (engine_graph, dense bf16) and
-``neuzip_lossless_over_bf16_decode``.
+which one row is read, plus the KV cache of the context so far, averaged over the decode, plus the
+logits: the lm_head's output and its fp32 copy, read by the sampler) over the bandwidth of a
+device-to-device copy of 2 GiB measured in the same run (CUDA events, median of 20 after warm-up),
+counting bytes read plus written. Targets (issues 19 and 32, fixed names):
+``ar_roofline_fraction_8b`` = (bytes per token / ``step_ms`` of engine_graph, dense bf16) / copy
+bandwidth, and ``neuzip_lossless_over_bf16_decode``. The JSON also gives the fraction from the whole
+``generate``'s tokens/s (prefill included), and per engine the model's parameter bytes before and
+after the engine was built (fusion must not add any) and memory three ways.
 
     NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/engine_decode.py   # GPU, 8B
     python benchmarks/engine_decode.py --tiny --out-dir /tmp/engine_decode            # CPU smoke test
@@ -39,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks._spec_decode import GOALS  # noqa: E402  (issue 19's target names and goals)
+from benchmarks._train_peers import memory_row  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
@@ -62,26 +74,62 @@ def timed(device, fn):
     return out, time.perf_counter() - start
 
 
-def copy_bandwidth(device, nbytes: int) -> float:
-    """Bytes read plus written per second by a device-to-device copy (best of 5)."""
+def copy_bandwidth(device, nbytes: int, warmup: int = 3, iters: int = 20) -> float:
+    """Bytes read plus written per second by a device-to-device copy of ``nbytes`` (median of ``iters``
+    CUDA-event timings after ``warmup`` copies; wall time on the CPU)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        _, sec = timed(device, lambda: dst.copy_(src))
-        best = min(best, sec)
-    return 2 * nbytes / best  # the buffers are freed on return
+    for _ in range(warmup):
+        dst.copy_(src)
+    secs = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            secs.append(start.elapsed_time(end) / 1e3)
+        else:
+            secs.append(timed(device, lambda: dst.copy_(src))[1])
+    return 2 * nbytes / statistics.median(secs)  # the buffers are freed on return
 
 
-def bytes_per_token(config, context: float, elem: int = 2) -> float:
-    """Weight and KV bytes a decode step reads at ``context`` tokens (dense, ``elem`` bytes a value)."""
+def bytes_per_token(config, context: float, elem: int = 2) -> dict:
+    """Bytes a decode step reads at ``context`` tokens (dense, ``elem`` bytes a value): ``weights``,
+    ``kv``, ``logits`` (the lm_head's output and its fp32 copy, read by the sampler) and their ``total``."""
     h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter + 2 * h
-    weights = layers * per_layer + h + vocab * h + h  # final norm, lm_head, one embedding row
-    kv = 2 * layers * kv_heads * head_dim * context
-    return (weights + kv) * elem
+    weights = (layers * per_layer + h + vocab * h + h) * elem  # final norm, lm_head, one embedding row
+    kv = 2 * layers * kv_heads * head_dim * context * elem
+    logits = vocab * (elem + 4)
+    return {"weights": weights, "kv": kv, "logits": logits, "total": weights + kv + logits}
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers (shared storage once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def step_ms(engine, prompt, new: int, repeats: int, device) -> float | None:
+    """Median over ``repeats`` of the CUDA-event time per step of the ``new - 1`` steps after a prefill."""
+    if device.type != "cuda":
+        return None
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            engine.prefill(prompt)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(new - 1):
+                engine.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / (new - 1))
+    return statistics.median(times)
 
 
 def build(config, weights: str, device, dtype):
@@ -103,30 +151,40 @@ def free(device) -> None:
 
 def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], device) -> tuple[list[dict], dict]:
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
-    runners = {}
-    for method in methods:
-        if method == "engine_eager":
-            engine = DecodeEngine(model, prompt.shape[1] + new, cuda_graph=False)
-        elif method == "engine_graph":
-            engine = DecodeEngine(model, prompt.shape[1] + new)
-        else:
-            engine = None
-        runners[method] = (lambda e=engine: e.generate(prompt, new)) if engine is not None else (
-            lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                                   min_new_tokens=new, do_sample=False))
+    engines = {"engine_eager": dict(cuda_graph=False), "engine_graph": {}, "engine_graph_unfused": dict(fuse=False)}
     rows, outputs = [], {}
-    for method, run in runners.items():
+    for method in methods:
+        engine, run, extra = None, None, {}
         try:
+            if method in engines:
+                before = parameter_bytes(model)
+                engine = DecodeEngine(model, prompt.shape[1] + new, **engines[method])
+                extra = {"fused_groups": engine.fused_groups, "parameter_bytes_before_engine": before,
+                         "parameter_bytes_after_engine": parameter_bytes(model)}
+                run = lambda e=engine: e.generate(prompt, new)  # noqa: E731
+            else:
+                run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
+                                             max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
                 out, _ = timed(device, run)  # warm-up (and, for engine_graph, the capture)
                 secs = [timed(device, run)[1] for _ in range(repeats)]
+            if engine is not None:
+                extra["step_ms"] = step_ms(engine, prompt, new, repeats, device)
+            if device.type == "cuda":
+                extra["memory"] = memory_row()
         except Exception as exc:  # record it, keep the other rows
-            rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
             log(rows[-1])
             continue
+        finally:
+            engine = run = None  # the engine's static cache and graph pool go before the next method's
+            free(device)
         outputs[method] = out.cpu()
         sec = statistics.median(secs)
-        rows.append({"method": method, "tokens_per_s": new / sec, "ms_per_token": 1e3 * sec / new, "seconds": secs})
+        rows.append({"method": method, "tokens_per_s": new / sec, "ms_per_token": 1e3 * sec / new, "seconds": secs,
+                     **extra})
         log(rows[-1])
     return rows, outputs
 
@@ -161,11 +219,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = prompt.to(device)
     new = args.new_tokens
     bandwidth = copy_bandwidth(device, 1 << (24 if args.tiny else 31))
-    per_token = bytes_per_token(config, args.prompt_len + new / 2, elem=torch.finfo(dtype).bits // 8)
+    read = bytes_per_token(config, args.prompt_len + new / 2, elem=torch.finfo(dtype).bits // 8)
+    per_token = read["total"]
     roofline = bandwidth / per_token
-    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.2f} GB per token; "
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.3f} GB per token "
+        f"(weights {read['weights'] / 1e9:.3f}, KV {read['kv'] / 1e9:.4f}, logits {read['logits'] / 1e9:.5f}); "
         f"roofline {roofline:.0f} tok/s")
-    default_methods = ["engine_graph", "hf_generate"] if device.type == "cuda" else ["engine_eager", "hf_generate"]
+    default_methods = (["engine_graph", "engine_graph_unfused", "hf_generate"] if device.type == "cuda"
+                       else ["engine_eager", "hf_generate"])
     methods = args.methods.split(",") if args.methods else default_methods
     if args.skip_hf:
         methods = [m for m in methods if m != "hf_generate"]
@@ -187,23 +248,33 @@ def main(argv: list[str] | None = None) -> dict:
             return next((r["tokens_per_s"] for r in rows
                          if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
 
+        def step(weights, method):
+            return next((r["step_ms"] for r in rows
+                         if r["weights"] == weights and r.get("method") == method and r.get("step_ms")), None)
+
         targets = {}
         dense = tps("dense", best_method)
         full = not args.tiny and not args.layers
-        if dense and not args.tiny:
-            targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": GOALS["ar_roofline_fraction_8b"],
-                                                  "method": best_method,
-                                                  "layers": config.num_hidden_layers}
+        dense_step = step("dense", best_method)
+        if dense_step and not args.tiny:
+            targets["ar_roofline_fraction_8b"] = {
+                "value": per_token / (dense_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
+                "method": best_method, "layers": config.num_hidden_layers, "step_ms": dense_step,
+                "from_generate_tokens_per_s": dense / roofline if dense else None}
         lossless = tps("neuzip-lossless", best_method)
         if dense and lossless:
             targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense,
                                                           "goal": GOALS["neuzip_lossless_over_bf16_decode"]}
         lossy = tps("neuzip-lossy-3", best_method)
         ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
+        unfused_step = step("dense", "engine_graph_unfused")
+        if dense_step and unfused_step:
+            ratios["fused_step_speedup"] = unfused_step / dense_step
         settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else
                     f"llama3-8b shapes, {config.num_hidden_layers} of 32 layers"), "dtype": str(dtype), "batch": 1,
                     "timing": f"median of {args.repeats} synchronized runs of the whole generate after one warm-up",
-                    "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline,
+                    "copy_bandwidth_bytes_per_s": bandwidth, "copy_bytes": 1 << (24 if args.tiny else 31),
+                    "bytes_per_token": per_token, "bytes_per_token_split": read, "roofline_tokens_per_s": roofline,
                     "total_seconds": time.perf_counter() - start}
         results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
         path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
@@ -240,7 +311,10 @@ def main(argv: list[str] | None = None) -> dict:
     final = record()
     for r in rows:
         if "tokens_per_s" in r:
-            print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
+            step_text = f"; step {r['step_ms']:.3f} ms = {per_token / (r['step_ms'] / 1e3) / bandwidth:.3f} of the copy" \
+                if r.get("step_ms") else ""
+            print(f"{r['weights']:>16} {r['method']:>20} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of "
+                  f"roofline{step_text}")
     return final
 
 

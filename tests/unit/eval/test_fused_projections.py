@@ -193,10 +193,17 @@ def test_cuda_graph_fused_engine_equals_unfused_and_adds_no_memory():
     assert engine.use_graph and tokens == want_tokens  # fp32: greedy identical
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
-    # bf16 (GEMMs of other shapes sum in another order): logits within 2e-2 + 2e-2 |x|, greedy until a near tie
-    plain16, fused16 = tiny(10, layers=4, dtype=torch.bfloat16, device="cuda"), tiny(10, layers=4, dtype=torch.bfloat16,
-                                                                                     device="cuda")
-    want_tokens, want = _decode_logits(DecodeEngine(plain16, max_len=96, fuse=False), prompt, 1)
-    tokens, got = _decode_logits(DecodeEngine(fused16, max_len=96), prompt, 1)
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    assert tokens == want_tokens
+    # bf16: the fused GEMM sums in another order than the three separate ones, so the logits differ by
+    # bf16 rounding: the fused engine's distance from the fp32 logits must be that of the unfused one
+    # (at most twice it, + 1e-3), and the two within torch's bf16 tolerance (rtol 1.6e-2) + 1e-2.
+    exact = tiny(10, layers=4, device="cuda")
+    runs = [_decode_logits(DecodeEngine(exact, max_len=96, fuse=False), prompt, 8)]
+    for fuse in (False, True):
+        runs.append(_decode_logits(DecodeEngine(copy.deepcopy(exact).bfloat16(), max_len=96, fuse=fuse), prompt, 8))
+    same = 0  # logits row j follows tokens[:j]: compare rows while the three decodes agree (a near tie may flip)
+    while same < 8 and len({tuple(tokens[: same + 1]) for tokens, _ in runs}) == 1:
+        same += 1
+    ref, want, got = (logits[: same + 1] for _, logits in runs)
+    unfused_err, fused_err = (want - ref).abs().max().item(), (got - ref).abs().max().item()
+    assert fused_err <= 2 * unfused_err + 1e-3, (fused_err, unfused_err)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1.6e-2)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 32 (phase 1), ONE device call on one H100, < 5 minutes, from the repository root:
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_issue32.sh
+# 1. the GPU-marked tests of tests/unit/speculative and tests/unit/eval (the engine after its move to
+#    neutrain/eval, fused projections, graph-replayed rounds): junit in $OUT (~1-2 min);
+# 2. benchmarks/engine_decode.py on Llama-3-8B shapes (random weights from a config, nothing downloads):
+#    dense bf16 engine_graph (fused Q/K/V and gate/up), engine_graph_unfused and hf_generate, then NeuZip
+#    lossless if the dense rows ended within ENGINE_BUDGET seconds; engine_decode.json into
+#    benchmarks/results and $OUT (~2-3 min).
+# A failing or timed-out part does not stop the next; each prints its tail and rc.
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/require_commit.sh
+OUT=${OUT:-/tmp/neutrain-issue32}
+mkdir -p "$OUT"
+export OUT PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DISABLE_TQDM=1 TOKENIZERS_PARALLELISM=false
+short=${NEUTRAIN_GIT_COMMIT:0:7}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+
+timeout -k 10 "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/speculative tests/unit/eval \
+  --junitxml="$OUT/junit_gpu_issue32_$short.xml" -o junit_suite_name="gpu-issue32@$NEUTRAIN_GIT_COMMIT" -rfEs \
+  > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$? (${SECONDS}s)"
+grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -30
+
+timeout -k 10 "${ENGINE_LIMIT:-170}" python3 benchmarks/engine_decode.py --weights "${WEIGHTS:-dense,neuzip-lossless}" \
+  --budget-s "${ENGINE_BUDGET:-100}" --repeats "${REPEATS:-3}" > "$OUT/engine_decode.log" 2>&1
+echo "engine_decode rc=$? (${SECONDS}s)"
+tail -n 25 "$OUT/engine_decode.log"
+cp benchmarks/results/engine_decode.json "$OUT/" 2>/dev/null || echo "no engine_decode.json written"
+echo "done in ${SECONDS}s"
