@@ -5,8 +5,10 @@
 #    neutrain/eval, fused projections, graph-replayed rounds): junit in $OUT (~1-2 min);
 # 2. benchmarks/engine_decode.py on Llama-3-8B shapes (random weights from a config, nothing downloads):
 #    dense bf16 engine_graph (fused Q/K/V and gate/up), engine_graph_unfused and hf_generate, then NeuZip
-#    lossless if the dense rows ended within ENGINE_BUDGET seconds; engine_decode.json into
-#    benchmarks/results and $OUT (~2-3 min).
+#    lossless if the dense rows ended within ENGINE_BUDGET seconds; engine_decode.json into $OUT
+#    (then copied to benchmarks/results) (~2-3 min);
+# 3. if the call is under ROUNDS_START seconds by then: benchmarks/speculative_rounds.py (random weights:
+#    a round's split, the device walk's graph time against the host walk), with what is left of ~290 s.
 # A failing or timed-out part does not stop the next; each prints its tail and rc.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,8 +27,19 @@ echo "gpu tests rc=$? (${SECONDS}s)"
 grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -30
 
 timeout -k 10 "${ENGINE_LIMIT:-170}" python3 benchmarks/engine_decode.py --weights "${WEIGHTS:-dense,neuzip-lossless}" \
-  --budget-s "${ENGINE_BUDGET:-100}" --repeats "${REPEATS:-3}" > "$OUT/engine_decode.log" 2>&1
+  --budget-s "${ENGINE_BUDGET:-100}" --repeats "${REPEATS:-3}" --out-dir "$OUT" > "$OUT/engine_decode.log" 2>&1
 echo "engine_decode rc=$? (${SECONDS}s)"
 tail -n 25 "$OUT/engine_decode.log"
-cp benchmarks/results/engine_decode.json "$OUT/" 2>/dev/null || echo "no engine_decode.json written"
+# Written straight to $OUT (a failed run leaves no stale copy of the committed file there), then into results.
+cp "$OUT/engine_decode.json" benchmarks/results/ 2>/dev/null || echo "no engine_decode.json written"
+
+if [ "$SECONDS" -lt "${ROUNDS_START:-200}" ]; then
+  timeout -k 5 $(( ${TOTAL_LIMIT:-290} - SECONDS )) python3 benchmarks/speculative_rounds.py --out-dir "$OUT" \
+    > "$OUT/speculative_rounds.log" 2>&1
+  echo "speculative_rounds rc=$? (${SECONDS}s)"
+  tail -n 16 "$OUT/speculative_rounds.log" | cut -c1-400
+  cp "$OUT/speculative_rounds.json" benchmarks/results/ 2>/dev/null || echo "no speculative_rounds.json written"
+else
+  echo "speculative_rounds skipped: ${SECONDS}s spent"
+fi
 echo "done in ${SECONDS}s"
