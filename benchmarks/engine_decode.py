@@ -151,7 +151,8 @@ def free(device) -> None:
 
 def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], device) -> tuple[list[dict], dict]:
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
-    engines = {"engine_eager": dict(cuda_graph=False), "engine_graph": {}, "engine_graph_unfused": dict(fuse=False)}
+    engines = {"engine_eager": dict(cuda_graph=False, fuse=True), "engine_graph": dict(fuse=True),
+               "engine_graph_unfused": dict(fuse=False)}
     rows, outputs = [], {}
     for method in methods:
         engine, run, extra = None, None, {}

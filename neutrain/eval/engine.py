@@ -13,7 +13,8 @@ check. :class:`DecodeEngine` runs the model's own forward with
 * **tokens in a preallocated device buffer** ``tokens[batch, max_len]``: a step reads the token at
   the current length and writes the next one after it;
 * **fused projections** (:mod:`neutrain.eval.fused_projections`): each layer's Q/K/V and gate/up
-  run as one GEMV each (the fused matrices replace the model's weight storage, not duplicate it);
+  run as one GEMV each (the fused matrices replace the model's weight storage, not duplicate it;
+  by default for frozen models, ``fuse=True`` for any);
 * **sampling on the device**: argmax at temperature 0, else the exponential race
   ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` i.i.d. from the engine's seeded generator, which draws
   exactly from ``softmax(logits / T)`` (it is the Gumbel-max trick).
@@ -117,7 +118,10 @@ class DecodeEngine:
         cuda_graph: capture the decode step in a CUDA graph; default: on CUDA devices.
         fuse: fuse each layer's Q/K/V and gate/up projections into one GEMV each
             (:mod:`neutrain.eval.fused_projections`: the fused matrices replace the model's own weight
-            storage, the model still trains and saves as before); ``fused_groups`` counts them.
+            storage; the model still trains and saves as before); ``fused_groups`` counts them.
+            Default (None): only when no parameter requires grad. A model being trained may keep its
+            parameters aliased elsewhere (FSDP's flat parameters, a trainer's flat buffer), which
+            re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -126,7 +130,7 @@ class DecodeEngine:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
-                 fuse: bool = True):
+                 fuse: bool | None = None):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -146,6 +150,8 @@ class DecodeEngine:
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.host_length = 0  # the same length, counted on the host (no synchronisation needed)
+        if fuse is None:
+            fuse = not any(p.requires_grad for p in model.parameters())
         self.fused_groups = fuse_projections(model) if fuse else 0
 
     # --- the model call shared by prefill, the decode step and verification ---

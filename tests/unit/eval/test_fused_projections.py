@@ -59,6 +59,7 @@ class _CountLinear(TorchFunctionMode):
 def test_fused_engine_decodes_the_unfused_logits_and_tokens(family):
     plain, fused = tiny(1, family), tiny(1, family)
     reference = DecodeEngine(plain, max_len=48, fuse=False)
+    fused.requires_grad_(False)  # a frozen model: the engine fuses by default
     engine = DecodeEngine(fused, max_len=48)
     assert reference.fused_groups == 0 and engine.fused_groups == 4  # 2 layers x (QKV, gate/up)
     want_tokens, want = _decode_logits(reference, PROMPT, 30)
@@ -101,7 +102,8 @@ def test_training_after_fusion_matches_unfused_training_and_the_engine_sees_the_
     fused, plain = tiny(4), tiny(4)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fused, plain)]  # built before the fusion
-    engine = DecodeEngine(fused, max_len=32)
+    assert DecodeEngine(fused, max_len=32).fused_groups == 0  # trainable: not fused unless asked
+    engine = DecodeEngine(fused, max_len=32, fuse=True)
     engine.generate(PROMPT, 4)
     for model, opt in zip((fused, plain), optimizers):
         model.train()
@@ -185,7 +187,7 @@ def test_cuda_graph_fused_engine_equals_unfused_and_adds_no_memory():
     torch.cuda.synchronize()
     weights_before = torch.cuda.memory_allocated()
     weights = sum(p.numel() * p.element_size() for p in fused.parameters())
-    engine = DecodeEngine(fused, max_len=96)
+    engine = DecodeEngine(fused, max_len=96, fuse=True)
     grown = torch.cuda.memory_allocated() - weights_before
     kv = sum(t.numel() * t.element_size() for pair in static_cache_tensors(engine.cache) for t in pair)
     assert grown < kv + 0.05 * weights, (grown, kv, weights)  # the fused matrices replaced the weights
@@ -198,8 +200,10 @@ def test_cuda_graph_fused_engine_equals_unfused_and_adds_no_memory():
     # (at most twice it, + 1e-3), and the two within torch's bf16 tolerance (rtol 1.6e-2) + 1e-2.
     exact = tiny(10, layers=4, device="cuda")
     runs = [_decode_logits(DecodeEngine(exact, max_len=96, fuse=False), prompt, 8)]
-    for fuse in (False, True):
-        runs.append(_decode_logits(DecodeEngine(copy.deepcopy(exact).bfloat16(), max_len=96, fuse=fuse), prompt, 8))
+    for fuse in (False, None):  # None: the default, which fuses a frozen model
+        engine = DecodeEngine(copy.deepcopy(exact).bfloat16().requires_grad_(False), max_len=96, fuse=fuse)
+        assert engine.fused_groups == (0 if fuse is False else 8)
+        runs.append(_decode_logits(engine, prompt, 8))
     same = 0  # logits row j follows tokens[:j]: compare rows while the three decodes agree (a near tie may flip)
     while same < 8 and len({tuple(tokens[: same + 1]) for tokens, _ in runs}) == 1:
         same += 1
