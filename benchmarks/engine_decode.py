@@ -12,6 +12,12 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
   before). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
   fused matrices: outside the engine's fusion context those are the plain separate GEMVs.
 
+``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
+projections, o_proj, down_proj, lm_head), the CUDA-event median of cuBLAS (``F.linear``) and of the
+split-K Triton GEMV's configurations (:func:`neutrain.eval.gemv.choose_gemv`, each checked against the
+fp32 reference first), the fastest per shape, and a step's GEMV time summed over its shapes with
+cuBLAS and with the fastest of each (what choosing per shape could save; the engine still runs cuBLAS).
+
 Each engine row also has ``step_ms``: the median over ``repeats`` blocks of the CUDA-event time of the
 ``new_tokens - 1`` graph replays after a prefill, per step (no prefill, no host work in between).
 
@@ -55,6 +61,7 @@ from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B 
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
+from neutrain.eval.gemv import choose_gemv  # noqa: E402
 
 
 def log(*args):
@@ -112,6 +119,28 @@ def parameter_bytes(model) -> int:
     """Bytes of the distinct storages behind the model's parameters and buffers (shared storage once)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def decode_shapes(config) -> dict[str, tuple[int, int]]:
+    """The ``(N, K)`` of every linear of a batch-1 decode step, fused and separate."""
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"qkv_fused": (q + 2 * kv, h), "q": (q, h), "k_or_v": (kv, h), "o": (h, q), "gate_up_fused": (2 * inter, h),
+            "gate_or_up": (inter, h), "down": (h, inter), "lm_head": (vocab, h)}
+
+
+def gemv_table(config, dtype) -> dict:
+    """Per decode shape the cuBLAS and Triton GEMV times (``choose_gemv``) and a fused step's GEMV sum both ways."""
+    shapes = decode_shapes(config)
+    rows = {name: row for name, row in zip(shapes, choose_gemv(list(shapes.values()), dtype=dtype))}
+    per_step = {"qkv_fused": 1, "o": 1, "gate_up_fused": 1, "down": 1}
+    layers = config.num_hidden_layers
+
+    def step(key):
+        return layers * sum(rows[name][key] * count for name, count in per_step.items()) + rows["lm_head"][key]
+
+    return {"shapes": rows, "fused_step_gemv_ms_cublas": step("cublas_ms"), "fused_step_gemv_ms_best": step("best_ms")}
 
 
 def step_ms(engine, prompt, new: int, repeats: int, device) -> float | None:
@@ -203,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
     parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
+    parser.add_argument("--gemv", action=argparse.BooleanOptionalAction, default=None,
+                        help="time cuBLAS against the Triton GEMV per decode shape (default: on CUDA, not --tiny)")
     parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args(argv)
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
@@ -232,7 +263,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.skip_hf:
         methods = [m for m in methods if m != "hf_generate"]
 
-    rows, outputs = [], {}
+    rows, outputs, gemv = [], {}, {}
+    if args.gemv if args.gemv is not None else (device.type == "cuda" and not args.tiny):
+        try:
+            gemv.update(gemv_table(config, dtype))
+            log("gemv per shape:", {name: (row["best"], round(row["best_ms"], 4), round(row["cublas_ms"], 4))
+                                    for name, row in gemv["shapes"].items()})
+            log(f"a fused step's GEMVs: cuBLAS {gemv['fused_step_gemv_ms_cublas']:.3f} ms, "
+                f"fastest per shape {gemv['fused_step_gemv_ms_best']:.3f} ms")
+        except Exception as exc:  # the decode rows still run
+            gemv["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            log("gemv:", gemv["error"])
+        free(device)
 
     def record() -> dict:
         """Write the JSON from the rows so far (after every variant: a run killed later keeps them)."""
@@ -277,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "copy_bandwidth_bytes_per_s": bandwidth, "copy_bytes": 1 << (24 if args.tiny else 31),
                     "bytes_per_token": per_token, "bytes_per_token_split": read, "roofline_tokens_per_s": roofline,
                     "total_seconds": time.perf_counter() - start}
-        results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
+        results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same, "gemv": gemv}
         path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
                             targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
         log("wrote", path)
