@@ -43,6 +43,7 @@ from neutrain.compat.static_cache import (
     static_cache_tensors,
 )
 from neutrain.eval.fused_projections import fuse_projections, projection_fusion
+from neutrain.eval.gemv import GemvDispatch
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -122,6 +123,9 @@ class DecodeEngine:
             Default (None): only when no parameter requires grad. A model being trained may keep its
             parameters aliased elsewhere (FSDP's flat parameters, a trainer's flat buffer), which
             re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
+        gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
+            the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
+            :func:`~neutrain.eval.gemv.choose_gemv`'s timing); default: cuBLAS for every linear.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -130,7 +134,7 @@ class DecodeEngine:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, gemv: dict | None = None):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -153,6 +157,7 @@ class DecodeEngine:
         if fuse is None:
             fuse = not any(p.requires_grad for p in model.parameters())
         self.fused_groups = fuse_projections(model) if fuse else 0
+        self.gemv = GemvDispatch(gemv) if gemv else None
 
     # --- the model call shared by prefill, the decode step and verification ---
 
@@ -173,7 +178,7 @@ class DecodeEngine:
         mask.masked_fill_(blocked, torch.finfo(self.dtype).min)
         extra = {"logits_to_keep": int(last_only)} if _takes_logits_to_keep(type(self.model)) else {}
         fusion = projection_fusion(self.model) if self.fused_groups else contextlib.nullcontext()
-        with fusion:
+        with fusion, self.gemv if self.gemv is not None else contextlib.nullcontext():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[None, None].expand(self.batch, 1, q, self.max_len),

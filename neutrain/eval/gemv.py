@@ -3,7 +3,9 @@
 A decode step's linears at batch 1 are matrix-vector products. Whether cuBLAS (``F.linear``) or the
 split-K Triton kernel is faster depends on the shape and the card, so the choice is measured:
 :func:`choose_gemv` times each candidate on the device and keeps the fastest per ``(N, K)``
-(``benchmarks/engine_decode.py`` records the table for Llama-3-8B's shapes).
+(``benchmarks/engine_decode.py`` records the table for Llama-3-8B's shapes), and :class:`GemvDispatch`
+(``DecodeEngine(gemv=table)``) routes every one-row, bias-free ``F.linear`` of those shapes to the
+chosen kernel while the engine's model runs; other calls stay ``F.linear``. The model is not changed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 #: The Triton configurations tried per shape: (block_n, block_k, split).
 CANDIDATES = tuple((bn, bk, s) for bn in (8, 16, 32) for bk in (256, 512) for s in (1, 2, 4))
@@ -86,3 +89,43 @@ def choose_gemv(shapes: Iterable[tuple[int, int]], dtype=torch.bfloat16, device=
                      "best_bytes_per_s": n * k * w.element_size() / (times[best] / 1e3)})
         del w, x
     return rows
+
+
+def table_from(rows: Iterable[dict]) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """``{(N, K): (block_n, block_k, split)}`` for the shapes of :func:`choose_gemv`'s rows where a Triton
+    configuration beat cuBLAS (the others stay on cuBLAS).
+
+    Example:
+        >>> table_from([{"n": 8, "k": 4, "best": "triton_n16_k256_s2"}, {"n": 4, "k": 4, "best": "cublas"}])
+        {(8, 4): (16, 256, 2)}
+    """
+    table = {}
+    for row in rows:
+        if row["best"].startswith("triton_"):
+            bn, bk, split = (int(part[1:]) for part in row["best"].split("_")[1:])
+            table[(row["n"], row["k"])] = (bn, bk, split)
+    return table
+
+
+class GemvDispatch(TorchFunctionMode):
+    """While active, ``F.linear(x, w)`` with one row ``x``, no bias and ``w.shape`` in ``table`` runs the Triton
+    GEMV with that shape's configuration; every other call runs as it would. ``calls`` counts the routed ones.
+
+    Example:
+        >>> # with GemvDispatch({(6144, 4096): (16, 256, 1)}): model(ids)  # the fused QKV GEMV in Triton
+    """
+
+    def __init__(self, table: dict[tuple[int, int], tuple[int, int, int]]):
+        super().__init__()
+        self.table, self.calls = dict(table), 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            config = self.table.get(tuple(w.shape)) if w is not None and w.dim() == 2 else None
+            if config is not None and bias is None and x.numel() == x.shape[-1] and w.stride(1) == 1:
+                self.calls += 1
+                return triton_gemv(*config)(x, w)
+        return func(*args, **kwargs)
