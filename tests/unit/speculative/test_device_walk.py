@@ -90,3 +90,38 @@ def test_generate_walks_sd_and_specinfer_on_the_device_and_fetches_only_the_outc
         assert (packed.numel() == 3 + 5 and packed.dtype == torch.long) == on_device
         assert out.sequences.shape == (1, 16) and out.stats.committed_tokens >= 12
         assert out.stats.verified_positions >= out.stats.target_calls and out.stats.accepted_positions >= 0
+
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_a_device_walk_round_reads_no_value_on_the_host(monkeypatch):
+    """CPU stand-in for the sync-debug GPU test: the round body (surgery, draft, verify, walk, pack) reads
+    no tensor value on the host, so it can be captured in one graph and needs no synchronisation."""
+    from neutrain.speculative.rounds import EngineRounds, rounds_room
+    from tests.unit.speculative.test_generate_engine import tiny_llama
+
+    target, draft = tiny_llama(0, sharpen=3.0), tiny_llama(1, layers=1, hidden=32, sharpen=3.0)
+    rounds = EngineRounds(target, [draft], 2, 3, rounds_room(4, 30, 2, 3))
+    rounds.start(torch.tensor([[4, 9, 33, 2]]), 1.0, 1.0, seed=0, walk_on_device=True)
+    first = rounds.run_walk()  # the first round may initialise lazily
+    reads = []
+
+    def guard(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            reads.append(name)
+            return real(self, *a, **k)
+        return read
+
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, guard(name))
+    for _ in range(3):
+        rounds.launch()
+    monkeypatch.undo()
+    assert reads == [], reads
+    walked = rounds.fetch().tolist()
+    count = walked[4]
+    assert 1 <= count <= 4 and first[4] >= 1
+    assert rounds.result.tolist() == [walked[5], count - 1, walked[count - 1]]  # the next surgery's input
