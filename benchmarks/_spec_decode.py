@@ -28,8 +28,9 @@ import torch
 from neutrain.speculative import generate
 from neutrain.eval.engine import DecodeEngine
 
-#: Issue 19's targets by their fixed names, shared by speculative.py, engine_decode.py and speculative_rounds.py.
-GOALS = {"ar_roofline_fraction_8b": ">= 0.6", "spec_over_ar_T0": ">= 2.0", "spec_over_ar_T1": ">= 1.6",
+#: Issue 19's targets by their fixed names, shared by speculative.py, engine_decode.py and speculative_rounds.py
+#: (issue 32 raised ``ar_roofline_fraction_8b`` from 0.6 to 0.75).
+GOALS = {"ar_roofline_fraction_8b": ">= 0.75", "spec_over_ar_T0": ">= 2.0", "spec_over_ar_T1": ">= 1.6",
          "spec_over_hf_assisted_T1": ">= 2.5", "alpha_gain_points_T1": ">= 10", "k4_block_eff_over_sd_T1": ">= 1.15",
          "neuzip_lossless_over_bf16_decode": ">= 0.5 (stretch >= 0.9)"}
 

@@ -6,7 +6,22 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``hf_generate``: ``model.generate`` (``DynamicCache``, eager), greedy, a fixed number of new tokens
   (dense weights only; ``inference.json`` has HF's decode on NeuZip weights);
 * ``engine_eager``: :class:`~neutrain.eval.engine.DecodeEngine` without CUDA graphs;
-* ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU).
+* ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU), Q/K/V and
+  gate/up fused into one GEMV each (:mod:`neutrain.eval.fused_projections`, the engine's default);
+* ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, issue 32's
+  before). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
+  fused matrices: outside the engine's fusion context those are the plain separate GEMVs.
+
+``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
+projections, o_proj, down_proj, lm_head), the CUDA-event median of cuBLAS (``F.linear``) and of the
+split-K Triton GEMV's configurations (:func:`neutrain.eval.gemv.choose_gemv`, each checked against the
+fp32 reference first), the fastest per shape, and a step's GEMV time summed over its shapes with
+cuBLAS and with the fastest of each. Where a Triton configuration won, ``engine_graph_gemv`` is the
+engine_graph row with those shapes routed to it (``DecodeEngine(gemv=table)``), and
+``ar_roofline_fraction_8b`` takes the faster of the two (its ``method`` says which).
+
+Each engine row also has ``step_ms``: the median over ``repeats`` blocks of the CUDA-event time of the
+``new_tokens - 1`` graph replays after a prefill, per step (no prefill, no host work in between).
 
 Weights: dense bf16, NeuZip lossless and NeuZip lossy-3 (the lossless model re-rounded to 3 mantissa
 bits, :func:`neutrain.nn.lora.compress_model_for_adapters`). ``--layers`` builds fewer decoder layers
@@ -15,10 +30,14 @@ when a call's time is short (recorded in the settings; the roofline is computed 
 and the others still run. ``benchmarks/speculative.py`` runs this file in a subprocess for its 8B rows.
 
 The roofline is the bytes one decode step must read (every weight but the input embedding, of
-which one row is read, plus the KV cache of the context so far, averaged over the decode) over the
-bandwidth of a device-to-device copy measured in the same run, counting bytes read plus written.
-Targets (issue 19): ``ar_roofline_fraction_8b`` (engine_graph, dense bf16) and
-``neuzip_lossless_over_bf16_decode``.
+which one row is read, plus the KV cache of the context so far, averaged over the decode, plus the
+logits: the lm_head's output and its fp32 copy, read by the sampler) over the bandwidth of a
+device-to-device copy of 2 GiB measured in the same run (CUDA events, median of 20 after warm-up),
+counting bytes read plus written. Targets (issues 19 and 32, fixed names):
+``ar_roofline_fraction_8b`` = (bytes per token / ``step_ms`` of engine_graph, dense bf16) / copy
+bandwidth, and ``neuzip_lossless_over_bf16_decode``. The JSON also gives the fraction from the whole
+``generate``'s tokens/s (prefill included), and per engine the model's parameter bytes before and
+after the engine was built (fusion must not add any) and memory three ways.
 
     NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/engine_decode.py   # GPU, 8B
     python benchmarks/engine_decode.py --tiny --out-dir /tmp/engine_decode            # CPU smoke test
@@ -39,10 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks._spec_decode import GOALS  # noqa: E402  (issue 19's target names and goals)
+from benchmarks._train_peers import memory_row  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
+from neutrain.eval.gemv import choose_gemv, table_from  # noqa: E402
 
 
 def log(*args):
@@ -62,26 +83,84 @@ def timed(device, fn):
     return out, time.perf_counter() - start
 
 
-def copy_bandwidth(device, nbytes: int) -> float:
-    """Bytes read plus written per second by a device-to-device copy (best of 5)."""
+def copy_bandwidth(device, nbytes: int, warmup: int = 3, iters: int = 20) -> float:
+    """Bytes read plus written per second by a device-to-device copy of ``nbytes`` (median of ``iters``
+    CUDA-event timings after ``warmup`` copies; wall time on the CPU)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        _, sec = timed(device, lambda: dst.copy_(src))
-        best = min(best, sec)
-    return 2 * nbytes / best  # the buffers are freed on return
+    for _ in range(warmup):
+        dst.copy_(src)
+    secs = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            secs.append(start.elapsed_time(end) / 1e3)
+        else:
+            secs.append(timed(device, lambda: dst.copy_(src))[1])
+    return 2 * nbytes / statistics.median(secs)  # the buffers are freed on return
 
 
-def bytes_per_token(config, context: float, elem: int = 2) -> float:
-    """Weight and KV bytes a decode step reads at ``context`` tokens (dense, ``elem`` bytes a value)."""
+def bytes_per_token(config, context: float, elem: int = 2) -> dict:
+    """Bytes a decode step reads at ``context`` tokens (dense, ``elem`` bytes a value): ``weights``,
+    ``kv``, ``logits`` (the lm_head's output and its fp32 copy, read by the sampler) and their ``total``."""
     h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter + 2 * h
-    weights = layers * per_layer + h + vocab * h + h  # final norm, lm_head, one embedding row
-    kv = 2 * layers * kv_heads * head_dim * context
-    return (weights + kv) * elem
+    weights = (layers * per_layer + h + vocab * h + h) * elem  # final norm, lm_head, one embedding row
+    kv = 2 * layers * kv_heads * head_dim * context * elem
+    logits = vocab * (elem + 4)
+    return {"weights": weights, "kv": kv, "logits": logits, "total": weights + kv + logits}
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers (shared storage once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def decode_shapes(config) -> dict[str, tuple[int, int]]:
+    """The ``(N, K)`` of every linear of a batch-1 decode step, fused and separate."""
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"qkv_fused": (q + 2 * kv, h), "q": (q, h), "k_or_v": (kv, h), "o": (h, q), "gate_up_fused": (2 * inter, h),
+            "gate_or_up": (inter, h), "down": (h, inter), "lm_head": (vocab, h)}
+
+
+def gemv_table(config, dtype) -> dict:
+    """Per decode shape the cuBLAS and Triton GEMV times (``choose_gemv``) and a fused step's GEMV sum both ways."""
+    shapes = decode_shapes(config)
+    rows = {name: row for name, row in zip(shapes, choose_gemv(list(shapes.values()), dtype=dtype))}
+    per_step = {"qkv_fused": 1, "o": 1, "gate_up_fused": 1, "down": 1}
+    layers = config.num_hidden_layers
+
+    def step(key):
+        return layers * sum(rows[name][key] * count for name, count in per_step.items()) + rows["lm_head"][key]
+
+    return {"shapes": rows, "fused_step_gemv_ms_cublas": step("cublas_ms"), "fused_step_gemv_ms_best": step("best_ms")}
+
+
+def step_ms(engine, prompt, new: int, repeats: int, device) -> float | None:
+    """Median over ``repeats`` of the CUDA-event time per step of the ``new - 1`` steps after a prefill."""
+    if device.type != "cuda":
+        return None
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            engine.prefill(prompt)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(new - 1):
+                engine.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / (new - 1))
+    return statistics.median(times)
 
 
 def build(config, weights: str, device, dtype):
@@ -101,32 +180,48 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], device) -> tuple[list[dict], dict]:
+def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], device,
+                    gemv: dict | None = None) -> tuple[list[dict], dict]:
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
-    runners = {}
-    for method in methods:
-        if method == "engine_eager":
-            engine = DecodeEngine(model, prompt.shape[1] + new, cuda_graph=False)
-        elif method == "engine_graph":
-            engine = DecodeEngine(model, prompt.shape[1] + new)
-        else:
-            engine = None
-        runners[method] = (lambda e=engine: e.generate(prompt, new)) if engine is not None else (
-            lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                                   min_new_tokens=new, do_sample=False))
+    engines = {"engine_eager": dict(cuda_graph=False, fuse=True), "engine_graph": dict(fuse=True),
+               "engine_graph_gemv": dict(fuse=True, gemv=gemv), "engine_graph_unfused": dict(fuse=False)}
     rows, outputs = [], {}
-    for method, run in runners.items():
+    for method in methods:
+        engine, run, extra = None, None, {}
         try:
+            if method in engines:
+                before = parameter_bytes(model)
+                engine = DecodeEngine(model, prompt.shape[1] + new, **engines[method])
+                extra = {"fused_groups": engine.fused_groups, "parameter_bytes_before_engine": before,
+                         "gemv_table": {f"{n}x{k}": c for (n, k), c in (gemv or {}).items()} if method.endswith("gemv")
+                         else None,
+                         "parameter_bytes_after_engine": parameter_bytes(model)}
+                run = lambda e=engine: e.generate(prompt, new)  # noqa: E731
+            else:
+                run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
+                                             max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
                 out, _ = timed(device, run)  # warm-up (and, for engine_graph, the capture)
                 secs = [timed(device, run)[1] for _ in range(repeats)]
+            if engine is not None:
+                extra["step_ms"] = step_ms(engine, prompt, new, repeats, device)
+                if engine.gemv is not None:
+                    extra["gemv_calls"] = engine.gemv.calls
+            if device.type == "cuda":
+                extra["memory"] = memory_row()
         except Exception as exc:  # record it, keep the other rows
-            rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
             log(rows[-1])
             continue
+        finally:
+            engine = run = None  # the engine's static cache and graph pool go before the next method's
+            free(device)
         outputs[method] = out.cpu()
         sec = statistics.median(secs)
-        rows.append({"method": method, "tokens_per_s": new / sec, "ms_per_token": 1e3 * sec / new, "seconds": secs})
+        rows.append({"method": method, "tokens_per_s": new / sec, "ms_per_token": 1e3 * sec / new, "seconds": secs,
+                     **extra})
         log(rows[-1])
     return rows, outputs
 
@@ -144,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
     parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
+    parser.add_argument("--gemv", action=argparse.BooleanOptionalAction, default=None,
+                        help="time cuBLAS against the Triton GEMV per decode shape (default: on CUDA, not --tiny)")
     parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args(argv)
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
@@ -161,16 +258,30 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = prompt.to(device)
     new = args.new_tokens
     bandwidth = copy_bandwidth(device, 1 << (24 if args.tiny else 31))
-    per_token = bytes_per_token(config, args.prompt_len + new / 2, elem=torch.finfo(dtype).bits // 8)
+    read = bytes_per_token(config, args.prompt_len + new / 2, elem=torch.finfo(dtype).bits // 8)
+    per_token = read["total"]
     roofline = bandwidth / per_token
-    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.2f} GB per token; "
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.3f} GB per token "
+        f"(weights {read['weights'] / 1e9:.3f}, KV {read['kv'] / 1e9:.4f}, logits {read['logits'] / 1e9:.5f}); "
         f"roofline {roofline:.0f} tok/s")
-    default_methods = ["engine_graph", "hf_generate"] if device.type == "cuda" else ["engine_eager", "hf_generate"]
+    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_unfused", "hf_generate"]
+                       if device.type == "cuda" else ["engine_eager", "hf_generate"])
     methods = args.methods.split(",") if args.methods else default_methods
     if args.skip_hf:
         methods = [m for m in methods if m != "hf_generate"]
 
-    rows, outputs = [], {}
+    rows, outputs, gemv = [], {}, {}
+    if args.gemv if args.gemv is not None else (device.type == "cuda" and not args.tiny):
+        try:
+            gemv.update(gemv_table(config, dtype))
+            log("gemv per shape:", {name: (row["best"], round(row["best_ms"], 4), round(row["cublas_ms"], 4))
+                                    for name, row in gemv["shapes"].items()})
+            log(f"a fused step's GEMVs: cuBLAS {gemv['fused_step_gemv_ms_cublas']:.3f} ms, "
+                f"fastest per shape {gemv['fused_step_gemv_ms_best']:.3f} ms")
+        except Exception as exc:  # the decode rows still run
+            gemv["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            log("gemv:", gemv["error"])
+        free(device)
 
     def record() -> dict:
         """Write the JSON from the rows so far (after every variant: a run killed later keeps them)."""
@@ -187,25 +298,38 @@ def main(argv: list[str] | None = None) -> dict:
             return next((r["tokens_per_s"] for r in rows
                          if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
 
+        def step(weights, method):
+            return next((r["step_ms"] for r in rows
+                         if r["weights"] == weights and r.get("method") == method and r.get("step_ms")), None)
+
         targets = {}
         dense = tps("dense", best_method)
         full = not args.tiny and not args.layers
-        if dense and not args.tiny:
-            targets["ar_roofline_fraction_8b"] = {"value": dense / roofline, "goal": GOALS["ar_roofline_fraction_8b"],
-                                                  "method": best_method,
-                                                  "layers": config.num_hidden_layers}
+        dense_step = step("dense", best_method)
+        fastest = min((m for m in (best_method, "engine_graph_gemv") if step("dense", m)),
+                      key=lambda m: step("dense", m), default=None)
+        if fastest and not args.tiny:
+            fastest_step = step("dense", fastest)
+            targets["ar_roofline_fraction_8b"] = {
+                "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
+                "method": fastest, "layers": config.num_hidden_layers, "step_ms": fastest_step,
+                "from_generate_tokens_per_s": tps("dense", fastest) / roofline if tps("dense", fastest) else None}
         lossless = tps("neuzip-lossless", best_method)
         if dense and lossless:
             targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense,
                                                           "goal": GOALS["neuzip_lossless_over_bf16_decode"]}
         lossy = tps("neuzip-lossy-3", best_method)
         ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
+        unfused_step = step("dense", "engine_graph_unfused")
+        if dense_step and unfused_step:
+            ratios["fused_step_speedup"] = unfused_step / dense_step
         settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else
                     f"llama3-8b shapes, {config.num_hidden_layers} of 32 layers"), "dtype": str(dtype), "batch": 1,
                     "timing": f"median of {args.repeats} synchronized runs of the whole generate after one warm-up",
-                    "copy_bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token, "roofline_tokens_per_s": roofline,
+                    "copy_bandwidth_bytes_per_s": bandwidth, "copy_bytes": 1 << (24 if args.tiny else 31),
+                    "bytes_per_token": per_token, "bytes_per_token_split": read, "roofline_tokens_per_s": roofline,
                     "total_seconds": time.perf_counter() - start}
-        results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same}
+        results = {"decode": rows, "ratios": ratios, f"greedy_tokens_equal_to_dense_{best_method}": same, "gemv": gemv}
         path = write_result("engine_decode" + ("_tiny" if args.tiny else ""), settings, results, args.out_dir,
                             targets=targets, targets_note=None if targets else "tiny smoke run: no goal applies")
         log("wrote", path)
@@ -225,8 +349,10 @@ def main(argv: list[str] | None = None) -> dict:
             free(device)
             continue
         build_s = time.perf_counter() - built
-        chosen = [m for m in methods if m != "hf_generate" or weights == "dense"]  # HF on NeuZip: inference.json
-        variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device)
+        table = table_from(gemv.get("shapes", {}).values())
+        chosen = [m for m in methods if (m != "hf_generate" or weights == "dense")  # HF on NeuZip: inference.json
+                  and (m != "engine_graph_gemv" or (table and weights == "dense"))]  # only where Triton won
+        variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device, table)
         for row in variant_rows:
             row.update(weights=weights, build_s=build_s)
             if "tokens_per_s" in row:
@@ -240,7 +366,10 @@ def main(argv: list[str] | None = None) -> dict:
     final = record()
     for r in rows:
         if "tokens_per_s" in r:
-            print(f"{r['weights']:>16} {r['method']:>13} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of roofline")
+            step_text = f"; step {r['step_ms']:.3f} ms = {per_token / (r['step_ms'] / 1e3) / bandwidth:.3f} of the copy" \
+                if r.get("step_ms") else ""
+            print(f"{r['weights']:>16} {r['method']:>20} {r['tokens_per_s']:8.1f} tok/s {r['roofline_fraction']:6.3f} of "
+                  f"roofline{step_text}")
     return final
 
 

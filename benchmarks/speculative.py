@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 def run_8b(args, clock: Clock) -> dict:
     """benchmarks/engine_decode.py in a subprocess (its own CUDA context, freed on exit); its record, or the error."""
     out_dir = tempfile.mkdtemp(prefix="engine_decode_")
-    cmd = [sys.executable, str(HERE / "engine_decode.py"), "--out-dir", out_dir, "--skip-hf",
+    cmd = [sys.executable, str(HERE / "engine_decode.py"), "--out-dir", out_dir, "--skip-hf", "--no-gemv",
            "--prompt-len", str(args.big_prompt_len), "--new-tokens", str(args.big_new_tokens),
            "--repeats", str(args.big_repeats), "--budget-s", str(args.big_budget_s * 0.6)]
     cmd += ["--tiny", "--weights", "dense,neuzip-lossless"] if args.quick else []

@@ -7,6 +7,11 @@ decode, and the split of a round into its device work (surgery, draft, verify), 
 device->host transfer, the host walk and the non-blocking hand-back. ``break_even_tokens`` is
 how many tokens a round must commit (block efficiency) to beat autoregressive decoding.
 
+At T = 1 the rounds of ``generate`` walk on the device (SD and SpecInfer,
+:mod:`neutrain.speculative.device_walk`); the ``_graph_hostwalk`` rows run the same rounds with the
+host walk (issue 19's path) for comparison, and ``split_ms`` has ``device_walk_graph``: the walk
+alone, captured in a graph.
+
     NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/speculative_rounds.py   # GPU
     python benchmarks/speculative_rounds.py --tiny --out-dir /tmp/spec_rounds               # CPU smoke test
 """
@@ -104,6 +109,11 @@ def split(rounds, prompt, temperature, new):
                                    generators=[e.generator for e in rounds.drafts])
     out["verify_graph"] = graph_ms(device, lambda: (set_static_cache_length(rounds.target.cache, rounds.n - 1),
                                                     rounds._verify()))
+    if temperature > 0:
+        set_static_cache_length(rounds.target.cache, rounds.n - 1)
+        logits, result = rounds._verify(), rounds.result.clone()
+        out["device_walk_graph"] = graph_ms(device, lambda: rounds._walk(logits), generators=[rounds.walk_generator])
+        rounds.result.copy_(result)
     return out
 
 
@@ -127,18 +137,27 @@ def main(argv=None):
     rows = {"engine_ar_ms_per_token": ar_ms}
     for k, dl, temperature in [(1, 4, 0.0), (2, 4, 0.0), (1, 4, 1.0), (2, 4, 1.0)]:
         kw = {"num_drafts": k, "draft_len": dl, "temperature": temperature, "max_new_tokens": new}
-        for graphs in (True, False):
-            generate(target, draft, prompt, engine=True, **kw)  # capture (or build) the rounds
-            rounds = GEN._ROUNDS[target]
-            rounds.use_graph = graphs and device.type == "cuda"
-            holder = {}
-            sec = timed(device, lambda h=holder, a=kw: h.update(out=generate(target, draft, prompt, engine=True, **a)))
+        variants = [(True, True), (True, False), (False, True)] if temperature > 0 else [(True, True), (False, True)]
+        for graphs, device_walk in variants:  # (CUDA graphs, the walk on the device at T > 0)
+            if not graphs and device.type != "cuda":
+                continue  # every CPU round is eager: the row would only repeat the first one
+            device_schemes = GEN.DEVICE_SCHEMES
+            GEN.DEVICE_SCHEMES = device_schemes if device_walk else ()
+            try:
+                generate(target, draft, prompt, engine=True, **kw)  # capture (or build) the rounds
+                rounds = GEN._ROUNDS[target]
+                rounds.use_graph = graphs and device.type == "cuda"
+                holder = {}
+                sec = timed(device, lambda h=holder, a=kw: h.update(out=generate(target, draft, prompt, engine=True, **a)))
+            finally:
+                GEN.DEVICE_SCHEMES = device_schemes
             stats = holder["out"].stats
             round_ms = 1e3 * sec / stats.target_calls
             name = f"K{k}_L{dl}_T{temperature:g}_{'graph' if rounds.use_graph else 'eager'}"
+            name += "" if device_walk or temperature == 0 else "_hostwalk"
             rows[name] = {"round_ms": round_ms, "ms_per_token": 1e3 * sec / stats.committed_tokens,
                           "block_efficiency": stats.block_efficiency, "break_even_tokens": round_ms / ar_ms}
-            if graphs:  # a failing split must not cost the round timings above
+            if graphs and device_walk:  # a failing split must not cost the round timings above
                 try:
                     rows[name]["split_ms"] = split(rounds, prompt, temperature, new)
                 except RuntimeError as error:

@@ -12,6 +12,9 @@ check. :class:`DecodeEngine` runs the model's own forward with
   decode step has fixed shapes and no Python number that changes from token to token;
 * **tokens in a preallocated device buffer** ``tokens[batch, max_len]``: a step reads the token at
   the current length and writes the next one after it;
+* **fused projections** (:mod:`neutrain.eval.fused_projections`): each layer's Q/K/V and gate/up
+  run as one GEMV each (the fused matrices replace the model's weight storage, not duplicate it;
+  by default for frozen models, ``fuse=True`` for any);
 * **sampling on the device**: argmax at temperature 0, else the exponential race
   ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` i.i.d. from the engine's seeded generator, which draws
   exactly from ``softmax(logits / T)`` (it is the Gumbel-max trick).
@@ -39,6 +42,8 @@ from neutrain.compat.static_cache import (
     static_cache_length,
     static_cache_tensors,
 )
+from neutrain.eval.fused_projections import fuse_projections, projection_fusion
+from neutrain.eval.gemv import GemvDispatch
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -112,6 +117,15 @@ class DecodeEngine:
         batch: rows decoded together; their prompts have equal length.
         seed: seed of the engine's sampling generator (on the model's device).
         cuda_graph: capture the decode step in a CUDA graph; default: on CUDA devices.
+        fuse: fuse each layer's Q/K/V and gate/up projections into one GEMV each
+            (:mod:`neutrain.eval.fused_projections`: the fused matrices replace the model's own weight
+            storage; the model still trains and saves as before); ``fused_groups`` counts them.
+            Default (None): only when no parameter requires grad. A model being trained may keep its
+            parameters aliased elsewhere (FSDP's flat parameters, a trainer's flat buffer), which
+            re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
+        gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
+            the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
+            :func:`~neutrain.eval.gemv.choose_gemv`'s timing); default: cuBLAS for every linear.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -119,7 +133,8 @@ class DecodeEngine:
         >>> # out == model.generate(prompt_ids, max_new_tokens=64, do_sample=False), token for token
     """
 
-    def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None):
+    def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
+                 fuse: bool | None = None, gemv: dict | None = None):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -139,6 +154,10 @@ class DecodeEngine:
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.host_length = 0  # the same length, counted on the host (no synchronisation needed)
+        if fuse is None:
+            fuse = not any(p.requires_grad for p in model.parameters())
+        self.fused_groups = fuse_projections(model) if fuse else 0
+        self.gemv = GemvDispatch(gemv) if gemv else None
 
     # --- the model call shared by prefill, the decode step and verification ---
 
@@ -158,14 +177,16 @@ class DecodeEngine:
         mask = torch.zeros(q, self.max_len, dtype=self.dtype, device=self.device)
         mask.masked_fill_(blocked, torch.finfo(self.dtype).min)
         extra = {"logits_to_keep": int(last_only)} if _takes_logits_to_keep(type(self.model)) else {}
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask[None, None].expand(self.batch, 1, q, self.max_len),
-            position_ids=positions.view(1, q).expand(self.batch, q),
-            use_cache=True,
-            **cache_kwargs(self.model, self.cache),
-            **extra,
-        )
+        fusion = projection_fusion(self.model) if self.fused_groups else contextlib.nullcontext()
+        with fusion, self.gemv if self.gemv is not None else contextlib.nullcontext():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask[None, None].expand(self.batch, 1, q, self.max_len),
+                position_ids=positions.view(1, q).expand(self.batch, q),
+                use_cache=True,
+                **cache_kwargs(self.model, self.cache),
+                **extra,
+            )
         return out.logits[:, -1:] if last_only else out.logits
 
     def _set_mode(self, temperature: float) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neutrain.speculative.backends import DynamicDraft, DynamicTarget, model_device
+from neutrain.speculative.device_walk import DEVICE_SCHEMES
 from neutrain.speculative.rounds import EngineRounds, rounds_room
 from neutrain.speculative.tree import TokenTree
 from neutrain.speculative.walk import WalkResult, walk
@@ -279,27 +280,35 @@ def _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme,
                          max_new_tokens, eos_token_id, generator, top_s) -> SpeculativeOutput:
     """``generate(..., engine=True)``: device-resident rounds, one host synchronisation each.
 
-    The draft and verify laws come to the host as fp32 logits and are turned into float64
-    ``softmax(logits / T)`` only for the nodes the walk reaches: exactly the laws the device sampled from.
+    At T = 0, and for SpecTr and importance sampling, the draft and verify laws come to the host as
+    fp32 logits (argmaxes at T = 0) and are turned into float64 ``softmax(logits / T)`` only for the
+    nodes the walk reaches: exactly the laws the device sampled from. SD and SpecInfer at T > 0 walk on
+    the device (:mod:`neutrain.speculative.device_walk`) and fetch only the outcome.
     """
     prompt_len = input_ids.shape[1]
     rounds = _rounds_for(target, models, k_drafts, draft_len,
                          rounds_room(prompt_len, max_new_tokens, k_drafts, draft_len))
     host_generator = _generator_on(generator, torch.device("cpu"))
     seed = int(torch.randint(0, 2**62, (1,), generator=host_generator))  # the drafts' device generators
-    rounds.start(input_ids, temperature, draft_temperature, seed)
+    on_device = temperature > 0 and scheme in DEVICE_SCHEMES  # SD/SpecInfer: the walk in the round's graph
+    rounds.start(input_ids, temperature, draft_temperature, seed, walk_on_device=on_device)
     paths = [[1 + k * draft_len + depth for depth in range(draft_len)] for k in range(k_drafts)]
     stats, made, ended = SpeculativeStats(), 0, False
     while made < max_new_tokens and not ended:
-        tokens, target_out, draft_out = rounds.run()
-        if temperature == 0:
-            rows_of, q_row = target_out.tolist(), None
+        if on_device:
+            walked = rounds.run_walk()
+            count, chain, verified, accepted = walked[draft_len + 1 :]
+            result = WalkResult(walked[:count], [], chain, verified, accepted)
         else:
-            rows_of, q_row = _law(target_out, temperature), _law(draft_out, draft_temperature)
-        result = walk(scheme, tokens.tolist(), paths, rows_of, q_row, len(models) == 1, host_generator, top_s)
+            tokens, target_out, draft_out = rounds.run()
+            if temperature == 0:
+                rows_of, q_row = target_out.tolist(), None
+            else:
+                rows_of, q_row = _law(target_out, temperature), _law(draft_out, draft_temperature)
+            result = walk(scheme, tokens.tolist(), paths, rows_of, q_row, len(models) == 1, host_generator, top_s)
+            rounds.commit(result.chain, len(result.committed) - 1, result.committed[-1])
         stats.draft_calls += draft_len * len(models)
         committed = _count(stats, result, eos_token_id)
-        rounds.commit(result.chain, len(result.committed) - 1, result.committed[-1])
         made, ended = made + len(committed), eos_token_id is not None and committed[-1] == eos_token_id
     out = rounds.finish(prompt_len + min(made, max_new_tokens))
     return SpeculativeOutput(out.to(input_ids.device), stats)

@@ -26,9 +26,12 @@ round-to-round quantity on the device:
   :func:`~neutrain.eval.engine.allowed_sync` (:meth:`EngineRounds.fetch`);
 * the host walk (:func:`neutrain.speculative.walk.walk`, exact, float64 laws computed from those
   logits for just the nodes it reaches) decides the round, and its three numbers go back through a
-  pinned buffer with a ``non_blocking`` copy (no synchronisation), read by the next round's surgery.
+  pinned buffer with a ``non_blocking`` copy (no synchronisation), read by the next round's surgery;
+* or, for SD and SpecInfer at T > 0 (``start(..., walk_on_device=True)``), the **walk runs on the
+  device** inside the round (:mod:`neutrain.speculative.device_walk`): it writes ``result`` itself and
+  the host fetches only the committed tokens and four counts (:meth:`EngineRounds.run_walk`).
 
-On CUDA surgery + draft + verify + packing are one graph per sampling mode (captured at the first
+On CUDA surgery + draft + verify (+ walk) + packing are one graph per mode (captured at the first
 round after a warm-up on a side stream); on CPU the same body runs eagerly.
 """
 
@@ -47,6 +50,7 @@ from neutrain.eval.engine import (
     allowed_sync,
     sample_tokens,
 )
+from neutrain.speculative.device_walk import device_walk
 
 
 def _vocab(model) -> int:
@@ -103,25 +107,39 @@ class EngineRounds:
         self._draft_temperature = torch.ones((), dtype=torch.float64, device=device)
         pin = device.type == "cuda"
         self._result_host = torch.zeros(3, dtype=torch.long, pin_memory=pin)
-        self._packed: dict[bool, torch.Tensor] = {}
-        self._packed_host: dict[bool, torch.Tensor] = {}
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        # Per mode (greedy, walk on the device): the packed buffers and the captured graph.
+        self._packed: dict[tuple[bool, bool], torch.Tensor] = {}
+        self._packed_host: dict[tuple[bool, bool], torch.Tensor] = {}
+        self._graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.walk_generator = torch.Generator(device=device)  # the device walk's coins and draws
         self.greedy = True
+        self.walk_on_device = False
         self.transfers = 0  # packed device->host copies, one per round
 
     # --- setup (once per generate call) ---
 
+    @property
+    def mode(self) -> tuple[bool, bool]:
+        return self.greedy, self.walk_on_device
+
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor, temperature: float, draft_temperature: float, seed: int) -> None:
-        """Cache the prompt ``[1, n]`` (all but its last token) and reset the round state; no host read."""
+    def start(self, input_ids: torch.Tensor, temperature: float, draft_temperature: float, seed: int,
+              walk_on_device: bool = False) -> None:
+        """Cache the prompt ``[1, n]`` (all but its last token) and reset the round state; no host read.
+
+        ``walk_on_device`` (T > 0 only; the SD/SpecInfer walk, :mod:`neutrain.speculative.device_walk`):
+        rounds are then read with :meth:`run_walk` instead of :meth:`run` and :meth:`commit`.
+        """
         n = input_ids.shape[1]
         self.greedy = temperature == 0
+        self.walk_on_device = bool(walk_on_device) and not self.greedy
         if not self.greedy:
             self._temperature.fill_(float(temperature))
             self._draft_temperature.fill_(float(draft_temperature))
         for i, engine in enumerate(self.drafts):
             engine.generator.manual_seed(seed + i)
+        self.walk_generator.manual_seed(seed + len(self.drafts))
         if input_ids.device != self.device:  # a pageable host->device copy synchronises
             with allowed_sync():
                 input_ids = input_ids.to(self.device)
@@ -192,15 +210,28 @@ class EngineRounds:
         for i, engine in enumerate(self.drafts):
             self._draft(engine, slice(i * width, (i + 1) * width), before)
         logits = self._verify()
-        head = self.tokens.view(-1).float()
-        tail = [logits.argmax(-1).float()] if self.greedy else [logits.view(-1), self.draft_logits.view(-1)]
-        packed = self._packed.get(self.greedy)
+        if self.walk_on_device:
+            parts = [self._walk(logits)]
+        else:
+            head = self.tokens.view(-1).float()
+            tail = [logits.argmax(-1).float()] if self.greedy else [logits.view(-1), self.draft_logits.view(-1)]
+            parts = [head, *tail]
+        packed = self._packed.get(self.mode)
         if packed is None:  # first (eager or warm-up) run of this mode: static buffers for the copy
-            packed = self._packed[self.greedy] = torch.empty(head.numel() + sum(t.numel() for t in tail),
-                                                             dtype=torch.float32, device=self.device)
-            self._packed_host[self.greedy] = torch.empty(packed.shape, dtype=torch.float32,
-                                                         pin_memory=self.device.type == "cuda")
-        torch.cat([head, *tail], out=packed)
+            packed = self._packed[self.mode] = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype,
+                                                           device=self.device)
+            self._packed_host[self.mode] = torch.empty(packed.shape, dtype=packed.dtype,
+                                                       pin_memory=self.device.type == "cuda")
+        torch.cat(parts, out=packed)
+
+    def _walk(self, logits: torch.Tensor) -> torch.Tensor:
+        """The device walk on this round's laws; writes ``result`` for the next surgery, returns the walk's vector."""
+        p = torch.softmax(logits.double() / self._temperature, -1)
+        q = torch.softmax(self.draft_logits.double() / self._draft_temperature, -1)
+        walked = device_walk(p, q, self.tokens, len(self.drafts) == 1, self.walk_generator)
+        count, chain = walked[self.dl + 1], walked[self.dl + 2]
+        self.result.copy_(torch.stack([chain, count - 1, walked.index_select(0, (count - 1).view(1))[0]]))
+        return walked
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Capture :meth:`_body` for the current mode; the warm-ups leave the round state as it was."""
@@ -216,11 +247,11 @@ class EngineRounds:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        for engine in self.drafts:
-            register_graph_generator(graph, engine.generator)
+        for generator in [engine.generator for engine in self.drafts] + [self.walk_generator]:
+            register_graph_generator(graph, generator)
         with torch.cuda.graph(graph, pool=self._pool):
             self._body()  # recorded, not run
-        self._graphs[self.greedy] = graph
+        self._graphs[self.mode] = graph
         return graph
 
     # --- one round from the host's side ---
@@ -231,7 +262,7 @@ class EngineRounds:
         if not self.use_graph:
             self._body()
             return
-        graph = self._graphs.get(self.greedy)
+        graph = self._graphs.get(self.mode)
         if graph is None:
             with allowed_sync():  # once per mode: capture synchronises the device
                 graph = self._capture()
@@ -246,6 +277,16 @@ class EngineRounds:
         self.launch()
         return self.unpack(self.fetch())
 
+    def run_walk(self) -> list[int]:
+        """:meth:`launch` a round whose walk runs on the device and fetch its outcome (the round's one sync):
+        ``draft_len + 1`` committed-token slots, then ``count``, ``chain``, ``verified``, ``accepted``
+        (:func:`~neutrain.speculative.device_walk.device_walk`). The next surgery reads ``result`` on the device.
+        """
+        if not self.walk_on_device:
+            raise RuntimeError("run_walk needs start(..., walk_on_device=True) at a temperature above 0")
+        self.launch()
+        return self.fetch().tolist()
+
     def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Split :meth:`fetch`'s tensor into what :meth:`run` returns."""
         count, v = self.k * self.dl, self.vocab
@@ -257,7 +298,7 @@ class EngineRounds:
 
     def fetch(self) -> torch.Tensor:
         """The one device->host transfer of a round: the packed tensor into its pinned host buffer."""
-        packed, host = self._packed[self.greedy], self._packed_host[self.greedy]
+        packed, host = self._packed[self.mode], self._packed_host[self.mode]
         self.transfers += 1
         if self.device.type != "cuda":
             return packed

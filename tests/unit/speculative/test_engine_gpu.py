@@ -30,7 +30,8 @@ def _cuda_models(dtype, vocab=48, sharpen=1.0, n_drafts=1):
     return target, drafts[0] if n_drafts == 1 else drafts
 
 
-@pytest.mark.parametrize("temperature,k,scheme", [(0.0, 2, "specinfer"), (1.0, 1, "sd"), (1.0, 2, "importance")])
+@pytest.mark.parametrize("temperature,k,scheme", [(0.0, 2, "specinfer"), (1.0, 1, "sd"), (1.0, 2, "specinfer"),
+                                                   (1.0, 2, "importance")])
 def test_one_host_synchronisation_per_round(temperature, k, scheme):
     target, draft = _cuda_models(torch.bfloat16, sharpen=4.0)
     prompt = torch.tensor([[4, 9, 33, 2, 17]], device="cuda")
@@ -85,10 +86,11 @@ def test_graph_replayed_greedy_equals_hf_greedy(k, scheme):
         assert rounds is built
 
 
-def test_graph_replayed_sampling_follows_the_target_and_is_seeded():
+@pytest.mark.parametrize("k,scheme", [(2, "importance"), (1, "sd"), (2, "specinfer")])  # sd/specinfer: device walk
+def test_graph_replayed_sampling_follows_the_target_and_is_seeded(k, scheme):
     target, draft = _cuda_models(torch.float32, vocab=4, sharpen=30.0)
     prompt, steps, n = [1, 2], 3, 400
-    kw = {"num_drafts": 2, "draft_len": 2, "scheme": "importance", "temperature": 1.0, "max_new_tokens": steps, "engine": True}
+    kw = {"num_drafts": k, "draft_len": 2, "scheme": scheme, "temperature": 1.0, "max_new_tokens": steps, "engine": True}
     ids = torch.tensor([prompt], device="cuda")
     runs = [generate(target, draft, ids, generator=torch.Generator().manual_seed(s), **kw).sequences for s in (5, 5)]
     assert torch.equal(runs[0], runs[1])
@@ -99,6 +101,7 @@ def test_graph_replayed_sampling_follows_the_target_and_is_seeded():
         key = tuple(out.sequences[0, len(prompt):].tolist())
         counts[key] = counts.get(key, 0) + 1
         accepted += out.stats.accepted_positions
+    assert _generate_module()._ROUNDS[target].walk_on_device == (scheme != "importance")
     cpu_target = target.float().cpu()
     stat, dof = chi_square(counts, _sequence_probs(cpu_target, prompt, steps, 1.0), n)
     assert stat < chi_square_threshold(dof), (stat, dof)
