@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import compat
+from .routing import route_attention, unroute_attention
 from .shadowkv_math import apply_rope, chunk_tokens, invert_rope, low_rank_keys, rebuild_keys, rope_cos_sin, select_chunks
 
 ATTN_NAME = "shadowkv"
@@ -353,10 +354,6 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out
 
 
-def _capture_cache(module, args, kwargs):
-    module._shadowkv_cache = compat.cache_from_module_kwargs(kwargs)
-
-
 def _find_rotary(model):
     for mod in model.modules():
         if type(mod).__name__.endswith("RotaryEmbedding"):
@@ -379,34 +376,13 @@ def enable_shadowkv(model, budget: float = 0.0156, rank: int = 160, chunk_size: 
         The model (modified in place).
     """
     opts = asdict(ShadowKVOptions(budget=budget, rank=rank, chunk_size=chunk_size, outliers=outliers, **options))
-    compat.register_attention_with_sdpa_mask(ATTN_NAME, shadowkv_attention)
-    if not hasattr(model, "_shadowkv_previous_attn"):
-        model._shadowkv_previous_attn = model.config._attn_implementation
     model._shadowkv_options = opts
     rotary = _find_rotary(model)
-    handles = []
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and hasattr(mod, "scaling") and hasattr(mod, "num_key_value_groups"):
-            mod._shadowkv_rotary = rotary
-            handles.append(mod.register_forward_pre_hook(_capture_cache, with_kwargs=True))
-    for handle in getattr(model, "_shadowkv_hooks", []):
-        handle.remove()
-    model._shadowkv_hooks = handles
-    compat.set_attn_implementation(model, ATTN_NAME)
+    route_attention(model, ATTN_NAME, shadowkv_attention, "shadowkv",
+                    setup=lambda mod: setattr(mod, "_shadowkv_rotary", rotary))
     return model
 
 
 def disable_shadowkv(model) -> None:
     """Undo :func:`enable_shadowkv`: remove hooks and restore the previous attention implementation."""
-    for handle in getattr(model, "_shadowkv_hooks", []):
-        handle.remove()
-    for mod in model.modules():
-        for attr in ("_shadowkv_rotary", "_shadowkv_cache"):
-            if hasattr(mod, attr):
-                delattr(mod, attr)
-    if hasattr(model, "_shadowkv_previous_attn"):
-        compat.set_attn_implementation(model, model._shadowkv_previous_attn)
-        del model._shadowkv_previous_attn
-    for attr in ("_shadowkv_hooks", "_shadowkv_options"):
-        if hasattr(model, attr):
-            delattr(model, attr)
+    unroute_attention(model, "shadowkv", module_attrs=("_shadowkv_rotary",), model_attrs=("_shadowkv_options",))
