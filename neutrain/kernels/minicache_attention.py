@@ -28,6 +28,8 @@ the segments are built by :mod:`neutrain.eval.kv.minicache_attention` from the c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -174,13 +176,18 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S:
     tl.store(out_ptr + row.to(tl.int64) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _splits(n: int, rows: int, block: int) -> tuple[int, int]:
     """``(tokens per split, splits)``: enough programs to fill the GPU (~2 per SM) at a one-token query,
     where a (batch row, KV head) alone gives too few (224 at batch 28 on 132 SMs)."""
     if interpreting():
         per = max(block, triton.cdiv(n, 2))  # two slices on the interpreter: the combine is exercised
     else:
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        sms = _sm_count(torch.cuda.current_device())
         want = max(1, triton.cdiv(2 * sms, rows))
         per = max(4 * block, triton.cdiv(n, want))
     per = triton.cdiv(per, block) * block

@@ -223,19 +223,23 @@ class MiniCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
         fused = self.owner._fused_now(key_states)
+        storing = self.owner._storing  # MiniCache.store: nobody reads this step's states
         if self.role == "exact":
             self.key_store.append(key_states)
             self.value_store.append(value_states)
             if fused and self.owner.quant_bits is not None:  # unquantized exact layers: SDPA reads them as they are
                 self.pending_fused = True
                 return key_states, value_states
-            return self.key_store.read(), self.value_store.read()
+            return (key_states, value_states) if storing else (self.key_store.read(), self.value_store.read())
         self.pair.keys.push(self.side, key_states)
         self.pair.values.push(self.side, value_states)
         if fused:  # the attention reads the stores and merges after it, if due (minicache_attention)
             self.pending_fused = True
             return key_states, value_states
-        keys, values = self.pair.keys.read(self.side), self.pair.values.read(self.side)
+        if storing:
+            keys, values = key_states, value_states
+        else:
+            keys, values = self.pair.keys.read(self.side), self.pair.values.read(self.side)
         # Layer l runs after layer l-1 in the same forward, so both residuals are complete here;
         # this step's attention already has the exact states, the merge only changes storage.
         if self.role == "second" and self.owner._merge_due(self.pair):
@@ -315,6 +319,7 @@ class MiniCache(Cache):
         self.min_similarity, self.fused_decode = min_similarity, fused_decode
         self.merges = self.merged_tokens = self.retained_tokens = self.unmerged_pairs = self.fused_steps = 0
         self.attention_hooked = False  # set by minicache_attention when the model's attention is that one
+        self._storing = False
         layers: list[MiniCacheLayer] = []
         idx = 0
         while idx < num_layers:
@@ -379,6 +384,15 @@ class MiniCache(Cache):
             "full_bytes": full,
             "compression_ratio": full / stored if stored else float("nan"),
         }
+
+    def store(self, key_states, value_states, layer_idx: int) -> None:
+        """``update`` without reading the layer's states back (merging as ``update`` does): for filling a cache
+        whose attention is computed elsewhere, e.g. a benchmark's random prefill, without a restored copy."""
+        self._storing = True
+        try:
+            self.update(key_states, value_states, layer_idx)
+        finally:
+            self._storing = False
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         b, h, _, d = key_states.shape

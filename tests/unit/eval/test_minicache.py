@@ -291,3 +291,22 @@ def test_fused_decode_on_cuda_against_the_restore_path(record_property):
         record_property(f"{name}_top1_agreement", top1)
         print(f"fused vs restore ({name}): max abs logit diff {err:.3e}, top-1 agreement {top1:.3f}")
         assert err < 0.1 * restored.float().abs().max().item() and top1 >= 0.9
+
+
+@pytest.mark.parametrize("quant_bits", [None, 4])
+def test_store_keeps_what_update_keeps(quant_bits):
+    """MiniCache.store fills the cache (merging as update does) without returning restored states."""
+    model = tiny_llama(layers=4)
+    updated = MiniCache(model.config, gamma=0.05, merge_every=8, quant_bits=quant_bits, quant_group=8)
+    stored = MiniCache(model.config, gamma=0.05, merge_every=8, quant_bits=quant_bits, quant_group=8)
+    for _ in range(3):
+        for i in range(4):
+            k, v = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+            updated.update(k, v, i)
+            stored.store(k, v, i)
+    assert stored.merges == updated.merges > 0 and stored.stored_bytes() == updated.stored_bytes()
+    for a, b in zip(updated.layers, stored.layers):
+        if a.role == "exact":
+            torch.testing.assert_close(b.key_store.read(), a.key_store.read(), atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(b.pair.values.read(b.side), a.pair.values.read(a.side), atol=0, rtol=0)
