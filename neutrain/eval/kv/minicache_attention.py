@@ -17,6 +17,7 @@ The per-token factors and the retained rows are built once per merge (one pass o
 direction, ``block`` tokens at a time), not per step. Exact unquantized layers keep SDPA.
 The switch is :func:`enable_minicache_attention` (``kv_cache_factory(model, "minicache")`` does it);
 a :class:`~neutrain.eval.kv.MiniCache` then decodes through the kernel on CUDA (``fused_decode``).
+Like ShadowKV's sparse decode, it takes unpadded batches (the evaluation loop's): no attention mask is read.
 
 Example:
     >>> import torch, transformers
