@@ -33,12 +33,12 @@ def _segments(b, h, d, dtype=torch.float32, device="cpu", n=40, group=8):
     return [quant, padded, strided]
 
 
-@pytest.mark.parametrize("groups,key_group", [(1, 8), (3, 32)])
-def test_kernel_matches_reference(groups, key_group):
+@pytest.mark.parametrize("groups,key_group,d", [(1, 8, 32), (3, 32, 32), (2, 16, 64), (2, 64, 64)])
+def test_kernel_matches_reference(groups, key_group, d):
     """Key groups shorter than the kernel's token block (ranges gathered per token) and a multiple of it (one
-    range row per block)."""
-    b, h, d = 2, 2, 32
-    segments = _segments(b, h, d, group=key_group)
+    range row per block); values in 4, 2 and 1 groups of channels."""
+    b, h = 2, 2
+    segments = _segments(b, h, d, n=max(40, key_group + 9), group=key_group)
     q = torch.randn(b, h * groups, d)
     before = dict(kernels.COUNTERS)
     out = kernels.decode_attention(q, segments, 0.3)
