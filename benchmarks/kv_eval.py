@@ -442,7 +442,9 @@ def attention_ops(model, cache, batch) -> dict[str, int]:
     with profile(activities=activities) as prof, torch.inference_mode():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         _sync()
-    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn", re.IGNORECASE)
+    # SDPA's backends, and neutrain's own decode kernels (MiniCache's segment/combine, ShadowKV's gather)
+    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks",
+                         re.IGNORECASE)
     return {e.key[:160]: e.count for e in prof.key_averages() if pattern.search(e.key)}
 
 
@@ -661,13 +663,14 @@ def throughput_part(args, log, device):
             tps, ms = _decode_rate(model, cache, b, args.steps)
             stats = cache.stats()
             split = shadowkv_step_split(model, cache, b) if device.type == "cuda" else {"skipped": "needs CUDA events"}
+            ops = attention_ops(model, cache, b)
             log(f"ctx {ctx} shadowkv step split (ms): {split}")
         finally:
             disable_shadowkv(model)
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, "tokens_per_s": tps,
                 "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
                 "host_gib": stats["host_bytes"] / 2**30, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
-                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split,
+                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split, "attention_ops": ops,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
     # Per decode step a compressed store is read back to bf16, one layer at a time: unpacked codes,
@@ -691,6 +694,7 @@ def throughput_part(args, log, device):
                 stats = cache.stats()
                 tps, ms = _decode_rate(model, cache, b, args.steps)
                 extra = {"fused_steps": cache.fused_steps} if hasattr(cache, "fused_steps") else {}
+                extra["attention_ops"] = attention_ops(model, cache, b)  # after timing, as the full cache's
                 return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "stored_gib_per_seq": per_seq / 2**30,
                         "oom_retries": attempt, **stats, **extra}
             except torch.OutOfMemoryError:
@@ -731,6 +735,7 @@ def throughput_part(args, log, device):
         cache = _pruned_cache(cfg, b, kept, ctx, device)
         tps, ms = _decode_rate(model, cache, b, args.steps)
         return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "kept_tokens": kept,
+                "attention_ops": attention_ops(model, cache, b),
                 "gpu_kv_gib": kv_per_token * kept * b / 2**30, "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
