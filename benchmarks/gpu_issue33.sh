@@ -19,7 +19,8 @@ OUT=${OUT:-/tmp/issue33_out}; mkdir -p "$OUT"
 short=${NEUTRAIN_GIT_COMMIT:0:7}
 name=${NAME:-kv_eval_throughput_issue33}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
+  'transformers', t.__version__)"
 
 t0=$SECONDS
 timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \

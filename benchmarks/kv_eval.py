@@ -312,9 +312,10 @@ def evaluate_config(model, tok, samples, kind: str, options: dict, reference=Non
 # methods, the baselines, then each piece alone and the finer-chunk variants (labels of real_configs).
 # MiniCache's merge of the similar pairs only (+ 4-bit) comes with the methods: it is the setting the issue-33
 # target ``minicache_throughput_over_full`` can count (the best MiniCache setting within 5 points).
-FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "minicache_merge_similar_pairs_4bit", "shadowkv_paper_scaled",
-                  "shadowkv_budget_6pct", *baseline_configs(), "shadowkv_lowrank_keys_only", "shadowkv_sparse_selection_only",
-                  "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0", "minicache_4bit_only",
+FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "minicache_merge_similar_pairs_4bit",
+                  "shadowkv_paper_scaled", "shadowkv_budget_6pct", *baseline_configs(), "shadowkv_lowrank_keys_only",
+                  "shadowkv_sparse_selection_only", "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0",
+                  "minicache_4bit_only",
                   "shadowkv_paper_literal", "minicache_merge_similar_pairs", "shadowkv_budget_12pct",
                   "shadowkv_paper_chunk4", "shadowkv_paper_chunk2", "shadowkv_budget_6pct_chunk4"]
 WITH_FIDELITY = 9  # next-token KL / top-1 for the first 9 (the methods and the baselines); accuracy for all
@@ -670,7 +671,8 @@ def throughput_part(args, log, device):
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, "tokens_per_s": tps,
                 "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
                 "host_gib": stats["host_bytes"] / 2**30, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
-                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split, "attention_ops": ops,
+                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split,
+                "attention_ops": ops,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
     # Per decode step a compressed store is read back to bf16, one layer at a time: unpacked codes,
@@ -1074,7 +1076,8 @@ def shadowkv_over_pruned_target(at64: dict, gaps: dict, entry) -> dict:
         if value is not None:
             out.update(met=None, not_judged="no retrieval-model accuracy for ShadowKV and a press in this run")
     else:
-        out["accuracy_gap_points"] = {"shadowkv_paper_scaled": gaps["shadowkv_paper_scaled"], "best_press": min(press_gaps)}
+        out["accuracy_gap_points"] = {"shadowkv_paper_scaled": gaps["shadowkv_paper_scaled"],
+                                      "best_press": min(press_gaps)}
         out["accuracy_within_3_points"] = abs(gaps["shadowkv_paper_scaled"] - min(press_gaps)) <= 3
         if value is not None:
             out["met"] = out["met"] and out["accuracy_within_3_points"]
@@ -1110,7 +1113,8 @@ def issue20_targets(results: dict) -> dict:
     row = at64.get("shadowkv", {})
     out["shadowkv_throughput_over_full_64k"] = entry(
         row.get("speedup_vs_full"), ">= 2.5", "throughput.contexts.65536.shadowkv.speedup_vs_full",
-        "shadowkv, 64K context, Llama-3-8B shapes", row.get("error") or row.get("skipped") or "no 64K throughput in this run")
+        "shadowkv, 64K context, Llama-3-8B shapes",
+        row.get("error") or row.get("skipped") or "no 64K throughput in this run")
     out["minicache_throughput_over_full"] = minicache_throughput_target(at64, gaps, entry)
     out["shadowkv_over_kvpress_pruned_64k"] = shadowkv_over_pruned_target(at64, gaps, entry)
     for name in ("minicache_throughput_over_full", "shadowkv_over_kvpress_pruned_64k"):

@@ -210,8 +210,9 @@ def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Ten
     Example (one segment of plain rows: the softmax attention of each query head over them):
         >>> from types import SimpleNamespace
         >>> k, v = torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)
-        >>> seg = SimpleNamespace(keys=k, values=v, key_scale=None, key_min=None, value_scale=None, value_min=None,
-        ...                       key_group=1, value_group=1, key_token_scale=None, value_token_scale=None, lengths=None)
+        >>> seg = SimpleNamespace(keys=k, values=v, key_scale=None, key_min=None, value_scale=None,
+        ...                       value_min=None, key_group=1, value_group=1, key_token_scale=None,
+        ...                       value_token_scale=None, lengths=None)
         >>> q = torch.randn(1, 4, 32)
         >>> out = decode_attention(q, [seg], 0.2)  # Triton: compiled on CUDA, its CPU interpreter in the tests
         >>> expect = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=0.2, enable_gqa=True)

@@ -103,7 +103,8 @@ def merge_restore_error(x_prev: torch.Tensor, x_next: torch.Tensor, t: float = 0
     a, c = per_token(x_prev).float(), per_token(x_next).float()
     e, n_prev, n_next, _ = slerp_merge(a, c, t)
     unit = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    errors = [((unit * n[..., None] - x) ** 2).sum() / (x**2).sum().clamp_min(1e-30) for x, n in ((a, n_prev), (c, n_next))]
+    errors = [((unit * n[..., None] - x) ** 2).sum() / (x**2).sum().clamp_min(1e-30)
+              for x, n in ((a, n_prev), (c, n_next))]
     return float(max(errors))
 
 
@@ -134,9 +135,10 @@ def merge_plan(keys: list[torch.Tensor], values: list[torch.Tensor], start_layer
     for first in range(start, layers - 1, 2):
         similarity = min(mean_direction_cosine(keys[first], keys[first + 1]),
                          mean_direction_cosine(values[first], values[first + 1]))
-        error = max(merge_restore_error(keys[first], keys[first + 1], t), merge_restore_error(values[first], values[first + 1], t))
-        pairs.append({"layers": [first, first + 1], "similarity": round(similarity, 6), "restore_error": round(error, 6),
-                      "within_tolerance": error <= tolerance})
+        error = max(merge_restore_error(keys[first], keys[first + 1], t),
+                    merge_restore_error(values[first], values[first + 1], t))
+        pairs.append({"layers": [first, first + 1], "similarity": round(similarity, 6),
+                      "restore_error": round(error, 6), "within_tolerance": error <= tolerance})
     within = [p["similarity"] for p in pairs if p["within_tolerance"]]
     # nothing within the tolerance: a threshold no pair reaches
     threshold = min(within) if within else round(max((p["similarity"] for p in pairs), default=1.0) + 1e-3, 6)
