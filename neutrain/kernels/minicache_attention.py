@@ -227,7 +227,7 @@ def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Ten
     q = query.contiguous()
     block_g = 16 if interpreting() else max(16, triton.next_power_of_2(G))
     # (tokens per block, warps): read off the sm_90 SASS (Triton 3.6), as few registers as keep the loop
-    # unspilled: 4-bit 32 tokens / 4 warps (156 registers), rows 64 / 8 (80)
+    # unspilled: 4-bit 32 tokens / 4 warps (153 registers), rows 64 / 8 (80)
     shapes = [(16, 4) if interpreting() else (32, 4) if seg.key_scale is not None else (64, 8) for seg in segments]
     plans = [_splits(seg.values.shape[2], b * h, block) for seg, (block, _) in zip(segments, shapes)]
     total = sum(n for _, n in plans)
