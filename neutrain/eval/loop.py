@@ -36,16 +36,22 @@ KV_KINDS = KV_CACHES  # the recipe's eval.kv_caches names, listed once in the sc
 def kv_cache_factory(model, kv: str, **kv_options):
     """Yield a zero-argument function making a fresh cache of kind ``kv`` for ``model``.
 
-    ShadowKV switches the model's attention implementation for the duration of the block.
+    ShadowKV and MiniCache switch the model's attention implementation for the duration of the block.
     """
     from transformers import DynamicCache
 
     if kv == "full":
         yield lambda: DynamicCache(config=model.config)
     elif kv == "minicache":
-        from .kv import MiniCache  # lazy: transformers, only when a cache is built
+        # lazy: transformers, only when a cache is built
+        from .kv import MiniCache, disable_minicache_attention, enable_minicache_attention
 
-        yield lambda: MiniCache(model.config, **kv_options)
+        # The fused decode (attention over the stores as kept) needs the model's attention routed to it.
+        enable_minicache_attention(model)
+        try:
+            yield lambda: MiniCache(model.config, **kv_options)
+        finally:
+            disable_minicache_attention(model)
     elif kv == "shadowkv":
         # lazy: transformers, only when a cache is built
         from .kv import ShadowKVCache, disable_shadowkv, enable_shadowkv

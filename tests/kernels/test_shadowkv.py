@@ -38,13 +38,40 @@ def test_shadowkv_offload_uses_kernel_and_matches_device_path():
     model = transformers.AutoModelForCausalLM.from_config(cfg).cuda().eval()
     ids = torch.randint(0, 128, (2, 600), device="cuda")
     tokens = {}
-    for offload in (True, False):
-        enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, offload_values=offload)
+    for offload, device_rows in ((True, 0), (True, 1), (False, 0)):  # all offloaded, a mixed batch, none
+        enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, offload_values=offload,
+                        device_value_rows=device_rows)
         cache = ShadowKVCache.for_model(model)
         before = kernels.COUNTERS["gather_chunks"]
-        tokens[offload] = greedy_decode(model, ids, 16, cache)["tokens"]
+        tokens[offload, device_rows] = greedy_decode(model, ids, 16, cache)["tokens"]
         disable_shadowkv(model)
         assert cache.counters["sparse_steps"] > 0 and cache.counters["dense_prefill"] == 0
         if offload:
             assert kernels.COUNTERS["gather_chunks"] > before and cache.stats()["host_bytes"] > 0
-    assert torch.equal(tokens[True], tokens[False])
+    assert torch.equal(tokens[True, 0], tokens[False, 0]) and torch.equal(tokens[True, 1], tokens[False, 0])
+
+
+@pytest.mark.gpu
+def test_shadowkv_decode_step_records_its_phases():
+    """kv_eval's step split: every sparse layer marks its phases in order, the host gather on its side stream."""
+    import transformers
+
+    from benchmarks.kv_eval import SHADOWKV_PHASES, shadowkv_step_split
+    from neutrain import compat
+    from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                   intermediate_size=512, vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).cuda().eval()
+    enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, device_value_rows=1)
+    try:
+        cache = ShadowKVCache.for_model(model)
+        with torch.inference_mode():
+            model(torch.randint(0, 128, (2, 600), device="cuda"), use_cache=True, **{compat.cache_forward_kwarg(model): cache})
+        split = shadowkv_step_split(model, cache, 2)
+    finally:
+        disable_shadowkv(model)
+    assert split["layers"] == 2 and cache.phase_events is None
+    assert all(split[f"{p}_ms"] >= 0 for p in SHADOWKV_PHASES) and split["host_gather_kernel_ms"] > 0
+    assert 0 < sum(split[f"{p}_ms"] for p in SHADOWKV_PHASES) < split["step_ms"] and split["rest_ms"] > 0

@@ -6,6 +6,8 @@
 * :func:`adjacent_layer_cosine`: MiniCache merges layer ``l`` with ``l + 1`` by interpolating the
   per-token directions of their KV states. The mean cosine of those directions says how much a
   merge changes them (1: nothing lost; the paper measures > 0.9 in deep LLaMA-2 layers).
+* :func:`merge_plan`: which of MiniCache's layer pairs a merge would restore within a tolerance,
+  and the ``min_similarity`` that merges exactly those (chosen per model, from its own states).
 * :func:`needle_chunk_recall`: ShadowKV attends only to the chunks its landmarks select. The
   fraction of the needle's chunks among the selected (or kept-exact outlier) chunks says whether
   the selection finds what the question asks for.
@@ -27,7 +29,7 @@ from transformers import DynamicCache
 
 from neutrain import compat
 
-from .minicache import mean_direction_cosine
+from .minicache import mean_direction_cosine, per_token, slerp_merge
 from .shadowkv import _find_rotary
 from .shadowkv_math import invert_rope, rope_cos_sin
 
@@ -85,6 +87,78 @@ def adjacent_layer_cosine(states: list[torch.Tensor]) -> list[float]:
         [1.0, -1.0]
     """
     return [round(mean_direction_cosine(a, b), 6) for a, b in zip(states[:-1], states[1:])]
+
+
+def merge_restore_error(x_prev: torch.Tensor, x_next: torch.Tensor, t: float = 0.6) -> float:
+    """Relative squared error of MiniCache's restore of a merged pair (no retained tokens), the worse layer's.
+
+    Both layers' states ([b, h, n, d]) are merged by SLERP of their per-token directions and restored
+    with their own norms; returns ``max over the two layers of ||restored - x||^2 / ||x||^2``.
+
+    Example:
+        >>> x = torch.randn(1, 2, 5, 4)
+        >>> merge_restore_error(x, 2 * x) < 1e-10, round(merge_restore_error(x, -x), 3)
+        (True, 4.0)
+    """
+    a, c = per_token(x_prev).float(), per_token(x_next).float()
+    e, n_prev, n_next, _ = slerp_merge(a, c, t)
+    unit = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    errors = [((unit * n[..., None] - x) ** 2).sum() / (x**2).sum().clamp_min(1e-30)
+              for x, n in ((a, n_prev), (c, n_next))]
+    return float(max(errors))
+
+
+def merge_plan(keys: list[torch.Tensor], values: list[torch.Tensor], start_layer: int | None = None,
+               t: float = 0.6, tolerance: float = 0.1) -> dict:
+    """MiniCache's pairs from ``start_layer`` (default ``L // 2``), which of them to merge, and the threshold.
+
+    A pair merges when the restore of its merged keys and of its merged values each loses at most
+    ``tolerance`` of the states' energy (:func:`merge_restore_error`). The pair's similarity is what
+    ``MiniCache(min_similarity=...)`` measures at a prompt (the lower of the keys' and the values'
+    mean direction cosine); ``min_similarity`` is the lowest similarity among the pairs that merge, so the
+    cache merges those pairs, or, when none qualifies, just above the highest (nothing merges).
+
+    Why: how similar adjacent layers are is the model's property (SmolLM2 and the retrieval model:
+    near-orthogonal everywhere, where merging lost 67-90 points), so the threshold is found per model
+    from its own prefill states, not fixed.
+
+    Example:
+        >>> x = [torch.randn(1, 2, 6, 4) for _ in range(4)]
+        >>> x[3] = 3 * x[2]
+        >>> plan = merge_plan(x, x, start_layer=0)
+        >>> plan["merged_pairs"], plan["min_similarity"]
+        ([[2, 3]], 1.0)
+    """
+    layers = len(keys)
+    start = layers // 2 if start_layer is None else start_layer
+    pairs = []
+    for first in range(start, layers - 1, 2):
+        similarity = min(mean_direction_cosine(keys[first], keys[first + 1]),
+                         mean_direction_cosine(values[first], values[first + 1]))
+        error = max(merge_restore_error(keys[first], keys[first + 1], t),
+                    merge_restore_error(values[first], values[first + 1], t))
+        pairs.append({"layers": [first, first + 1], "similarity": round(similarity, 6),
+                      "restore_error": round(error, 6), "within_tolerance": error <= tolerance})
+    within = [p["similarity"] for p in pairs if p["within_tolerance"]]
+    # nothing within the tolerance: a threshold no pair reaches
+    threshold = min(within) if within else round(max((p["similarity"] for p in pairs), default=1.0) + 1e-3, 6)
+    # what the cache does with that threshold (a pair out of tolerance but at least as similar merges too)
+    return {"min_similarity": threshold, "tolerance": tolerance, "t": t, "start_layer": start, "pairs": pairs,
+            "merged_pairs": [p["layers"] for p in pairs if p["similarity"] >= threshold]}
+
+
+@torch.inference_mode()
+def model_merge_plan(model, prompts: Sequence[torch.Tensor], **options) -> dict:
+    """:func:`merge_plan` of ``model`` from the prefill states of ``prompts`` (token id tensors [1, n]), their
+    tokens pooled; ``options`` as :func:`merge_plan`. The calibration prompts should not be the evaluated ones."""
+    keys, values = None, None
+    for ids in prompts:
+        states = prefill_states(model, ids)
+        keys = states["keys"] if keys is None else [torch.cat(p, dim=2) for p in zip(keys, states["keys"])]
+        values = states["values"] if values is None else [torch.cat(p, dim=2) for p in zip(values, states["values"])]
+    plan = merge_plan(keys, values, **options)
+    plan["calibration_prompts"] = len(prompts)
+    return plan
 
 
 def needle_token_positions(tokenizer, prompt: str, needle: str) -> list[int]:

@@ -185,6 +185,9 @@ class _LayerPair:
         self.values = _MergedStream("token", quant_bits, quant_group)
         self.layers: list["MiniCacheLayer"] = []
         self.similarity: float | None = None  # min of the keys' and values' mean cosine at the first merge
+        # Per side: the fused decode's per-token factors and padded retained rows (minicache_attention.pair_state),
+        # built at the first decode step after a merge and dropped by the next merge.
+        self.fused_state: dict[int, dict] = {}
 
 
 class MiniCacheLayer(DynamicLayer):
@@ -202,6 +205,7 @@ class MiniCacheLayer(DynamicLayer):
             self.key_store = make_store(owner.quant_bits, "channel", owner.quant_group)
             self.value_store = make_store(owner.quant_bits, "token", owner.quant_group)
         self.seen = 0
+        self.pending_fused = False  # update stored a decode token without reading: the attention reads the stores
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -218,13 +222,24 @@ class MiniCacheLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
+        fused = self.owner._fused_now(key_states)
+        storing = self.owner._storing  # MiniCache.store: nobody reads this step's states
         if self.role == "exact":
             self.key_store.append(key_states)
             self.value_store.append(value_states)
-            return self.key_store.read(), self.value_store.read()
+            if fused and self.owner.quant_bits is not None:  # unquantized exact layers: SDPA reads them as they are
+                self.pending_fused = True
+                return key_states, value_states
+            return (key_states, value_states) if storing else (self.key_store.read(), self.value_store.read())
         self.pair.keys.push(self.side, key_states)
         self.pair.values.push(self.side, value_states)
-        keys, values = self.pair.keys.read(self.side), self.pair.values.read(self.side)
+        if fused:  # the attention reads the stores and merges after it, if due (minicache_attention)
+            self.pending_fused = True
+            return key_states, value_states
+        if storing:
+            keys, values = key_states, value_states
+        else:
+            keys, values = self.pair.keys.read(self.side), self.pair.values.read(self.side)
         # Layer l runs after layer l-1 in the same forward, so both residuals are complete here;
         # this step's attention already has the exact states, the merge only changes storage.
         if self.role == "second" and self.owner._merge_due(self.pair):
@@ -244,8 +259,22 @@ class MiniCacheLayer(DynamicLayer):
     def nbytes(self) -> int:
         if self.role == "exact":
             return self.key_store.nbytes + self.value_store.nbytes
-        # A pair's storage is counted once, on its first layer.
-        return self.pair.keys.nbytes + self.pair.values.nbytes if self.role == "first" else 0
+        # A pair's storage is counted once, on its first layer; the fused decode's factors and retained rows too.
+        if self.role != "first":
+            return 0
+        fused = [t for state in self.pair.fused_state.values() for t in _tensors(state)]
+        return self.pair.keys.nbytes + self.pair.values.nbytes + sum(t.numel() * t.element_size() for t in fused)
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """The tensors of a fused state (tensors, and the tensor fields of a segment)."""
+    out = []
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif value is not None:
+            out += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
+    return out
 
 
 class MiniCache(Cache):
@@ -266,24 +295,31 @@ class MiniCache(Cache):
             similar adjacent layers are depends on the model (benchmarks/notes_kv_eval.md).
         quant_bits: None, or 4 for KIVI-style quantization of every stored stream.
         quant_group: KIVI group size (tokens per block; channels per group for values).
+        fused_decode: Decode steps attend over the stores in place (one Triton kernel,
+            :mod:`neutrain.eval.kv.minicache_attention`) instead of restoring a bf16 copy of every
+            compressed layer per step. None: on CUDA. Only once the model's attention is
+            ``enable_minicache_attention``'s (the cache sees it at the prefill); otherwise the restore path.
 
     Attributes:
         merges: Number of merged blocks (one per pair and flush); > 0 proves the merge path ran.
         merged_tokens: Token positions merged, summed over pairs.
         unmerged_pairs: Pairs left exact by ``min_similarity``.
         retained_tokens: Token rows kept exactly, summed over pairs and over keys/values.
+        fused_steps: Layer decode steps that ran the fused attention (> 0 proves the kernel path ran).
     """
 
     def __init__(self, config, start_layer: int | None = None, t: float = 0.6, gamma: float = 0.05,
                  retain: str = "distinct", merge_every: int | None = 64, quant_bits: int | None = None,
-                 quant_group: int = 128, min_similarity: float | None = None):
+                 quant_group: int = 128, min_similarity: float | None = None, fused_decode: bool | None = None):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = cfg.num_hidden_layers
         self.start_layer = num_layers // 2 if start_layer is None else start_layer
         self.t, self.gamma, self.retain = t, gamma, retain
         self.merge_every, self.quant_bits, self.quant_group = merge_every, quant_bits, quant_group
-        self.min_similarity = min_similarity
-        self.merges = self.merged_tokens = self.retained_tokens = self.unmerged_pairs = 0
+        self.min_similarity, self.fused_decode = min_similarity, fused_decode
+        self.merges = self.merged_tokens = self.retained_tokens = self.unmerged_pairs = self.fused_steps = 0
+        self.attention_hooked = False  # set by minicache_attention when the model's attention is that one
+        self._storing = False
         layers: list[MiniCacheLayer] = []
         idx = 0
         while idx < num_layers:
@@ -303,7 +339,13 @@ class MiniCache(Cache):
             return pending > 0 and pair.keys.merged_tokens == 0 and pair.similarity is None
         return pending >= self.merge_every
 
+    def _fused_now(self, key_states: torch.Tensor) -> bool:
+        """Whether this update is a decode token the fused attention will read from the stores."""
+        on = key_states.is_cuda if self.fused_decode is None else self.fused_decode
+        return on and self.attention_hooked and key_states.shape[-2] == 1
+
     def _merge(self, pair: _LayerPair) -> None:
+        pair.fused_state = {}
         if self.min_similarity is not None and pair.similarity is None:
             (k0, k1), (v0, v1) = pair.keys.residual, pair.values.residual
             pair.similarity = min(mean_direction_cosine(k0, k1), mean_direction_cosine(v0, v1))
@@ -342,6 +384,15 @@ class MiniCache(Cache):
             "full_bytes": full,
             "compression_ratio": full / stored if stored else float("nan"),
         }
+
+    def store(self, key_states, value_states, layer_idx: int) -> None:
+        """``update`` without reading the layer's states back (merging as ``update`` does): for filling a cache
+        whose attention is computed elsewhere, e.g. a benchmark's random prefill, without a restored copy."""
+        self._storing = True
+        try:
+            self.update(key_states, value_states, layer_idx)
+        finally:
+            self._storing = False
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         b, h, _, d = key_states.shape

@@ -19,23 +19,53 @@ import torch
 
 
 class PlainTokenStore:
-    """A growing ``[batch, heads, tokens, dim]`` tensor (the unquantized counterpart)."""
+    """A growing ``[batch, heads, tokens, dim]`` tensor (the unquantized counterpart).
+
+    Appends write into spare capacity (``SLACK`` tokens, added when it runs out): a decode step's one
+    token then costs one row, not a copy of the whole stream as ``torch.cat`` would (DynamicCache's way).
+    """
+
+    SLACK = 256
 
     def __init__(self):
-        self.data: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None
+        self._len = 0
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        return None if self._buf is None else self._buf[:, :, : self._len]
 
     def append(self, x: torch.Tensor) -> None:
-        self.data = x if self.data is None else torch.cat([self.data, x], dim=-2)
+        n = x.shape[-2]
+        if self._buf is None or self._len + n > self._buf.shape[-2]:
+            b, h, _, d = x.shape
+            # the prompt exactly; slack only once decoding appends (a copy every SLACK steps, not every step)
+            size = self._len + n + (self.SLACK if self._len else 0)
+            grown = torch.empty(b, h, size, d, dtype=x.dtype, device=x.device)
+            if self._len:
+                grown[:, :, : self._len] = self._buf[:, :, : self._len]
+            self._buf = grown
+        self._buf[:, :, self._len : self._len + n] = x
+        self._len += n
 
     def read(self) -> torch.Tensor | None:
         return self.data
 
+    def rows(self, batch_idx: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+        """The rows of the given (batch, token) pairs, [n, h, d]."""
+        return self._buf[batch_idx, :, token_idx]
+
+    def token_norms(self, block: int = 4096) -> torch.Tensor:
+        """Per (batch, token) norm over heads and dims, [b, tokens] fp32."""
+        return torch.linalg.vector_norm(self.data, dim=(1, 3), dtype=torch.float32)
+
     def __len__(self) -> int:
-        return 0 if self.data is None else self.data.shape[-2]
+        return self._len
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+        """Bytes of the tokens held (the <= ``SLACK`` spare rows are not: under 0.4% of a 64K stream)."""
+        return 0 if self._buf is None else self._buf[:, :, : self._len].numel() * self._buf.element_size()
 
 
 def quantize_groups(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,6 +90,24 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, axis: str, group: int,
+               bits: int = 4) -> torch.Tensor:
+    """KIVI groups back to values, [b, h, t, d] in ``scale``'s dtype.
+
+    ``codes`` [b, h, t, d] (or [b, h, t, d/2] packed when ``bits == 4``); ``axis="channel"``: ``scale`` and
+    ``minimum`` are [b, h, t / group, 1, d] (one per channel and group of tokens); ``"token"``:
+    [b, h, t, d / min(group, d), 1] (one per token and group of channels).
+    """
+    codes = unpack_nibbles(codes) if bits == 4 else codes
+    b, h, t, d = codes.shape
+    if axis == "channel":
+        grouped = codes.view(b, h, t // group, group, d)
+    else:
+        gd = min(group, d)
+        grouped = codes.view(b, h, t, d // gd, gd)
+    return torch.addcmul(minimum, grouped.to(scale.dtype), scale).view(b, h, t, d)
 
 
 class QuantizedTokenStore:
@@ -100,17 +148,47 @@ class QuantizedTokenStore:
         return codes, scale, mn
 
     def _dequantize(self) -> torch.Tensor:
-        codes = unpack_nibbles(self.codes) if self.bits == 4 else self.codes
-        b, h, t, d = codes.shape
-        if self.axis == "channel":
-            grouped = codes.view(b, h, t // self.group, self.group, d)
-        else:
-            gd = min(self.group, d)
-            grouped = codes.view(b, h, t, d // gd, gd)
-        return torch.addcmul(self.minimum, grouped.to(self.scale.dtype), self.scale).view(b, h, t, d)
+        return dequantize(self.codes, self.scale, self.minimum, self.axis, self.group, self.bits)
+
+    def rows(self, batch_idx: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+        """The stored (dequantized) rows of the given (batch, token) pairs, [n, h, d] in the input dtype."""
+        out = torch.empty(batch_idx.numel(), *self._row_shape, dtype=self._dtype, device=batch_idx.device)
+        nq = self.num_quantized
+        quantized = token_idx < nq
+        if quantized.any():
+            bi, ti = batch_idx[quantized], token_idx[quantized]
+            codes = self.codes[bi, :, ti]  # [n, h, d or d/2]
+            codes = (unpack_nibbles(codes) if self.bits == 4 else codes).to(self.scale.dtype)
+            n, h, d = codes.shape
+            if self.axis == "channel":  # one range per channel: [n, h, 1, d]
+                g = ti // self.group
+                rows = torch.addcmul(self.minimum[bi, :, g, 0], codes, self.scale[bi, :, g, 0])
+            else:  # one range per group of channels: [n, h, d / gd, 1]
+                gd = min(self.group, d)
+                rows = torch.addcmul(self.minimum[bi, :, ti], codes.view(n, h, d // gd, gd), self.scale[bi, :, ti])
+            out[quantized] = rows.reshape(n, h, d).to(self._dtype)
+        if (~quantized).any():
+            out[~quantized] = self.residual[batch_idx[~quantized], :, token_idx[~quantized] - nq]
+        return out
+
+    def token_norms(self, block: int = 4096) -> torch.Tensor:
+        """Per (batch, token) norm over heads and dims of the stored (dequantized) states, [b, tokens] fp32.
+
+        Dequantized ``block`` tokens at a time: never a copy of the whole stream."""
+        parts = []
+        step = max(self.group, block // self.group * self.group)
+        for start in range(0, self.num_quantized, step):
+            end = min(self.num_quantized, start + step)
+            g0, g1 = (start // self.group, end // self.group) if self.axis == "channel" else (start, end)
+            x = dequantize(self.codes[:, :, start:end], self.scale[:, :, g0:g1], self.minimum[:, :, g0:g1], self.axis,
+                           self.group, self.bits).to(self._dtype)
+            parts.append(torch.linalg.vector_norm(x, dim=(1, 3), dtype=torch.float32))
+        if self.residual is not None and self.residual.shape[-2]:
+            parts.append(torch.linalg.vector_norm(self.residual, dim=(1, 3), dtype=torch.float32))
+        return torch.cat(parts, dim=-1)
 
     def append(self, x: torch.Tensor) -> None:
-        self._dtype = x.dtype
+        self._dtype, self._row_shape = x.dtype, (x.shape[1], x.shape[3])
         self.residual = x if self.residual is None else torch.cat([self.residual, x], dim=-2)
         whole = self.residual.shape[-2] // self.group * self.group
         if not whole:

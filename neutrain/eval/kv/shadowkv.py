@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import compat
+from .routing import route_attention, unroute_attention
 from .shadowkv_math import apply_rope, chunk_tokens, invert_rope, low_rank_keys, rebuild_keys, rope_cos_sin, select_chunks
 
 ATTN_NAME = "shadowkv"
@@ -192,23 +193,24 @@ class ShadowKVLayer(DynamicLayer):
         side stream (the Triton kernel reading pinned host memory directly), and the
         caller makes its stream wait on ``stream`` after launching the key rebuild, so
         the PCIe reads overlap the rebuild. ``stream`` is None when nothing is pending.
+        ``values`` is a list of batch-row blocks (host rows first) for the caller to join
+        once ``stream`` is waited on.
         """
         b, h, k = chunk_ids.shape
         cs, d = self.chunk_size, self.tail_v.shape[-1]
         if not self.offloaded:
             tok = chunk_tokens(chunk_ids, cs)[..., None].expand(-1, -1, -1, d)
-            return self.v_store.gather(2, tok), None
+            return [self.v_store.gather(2, tok)], None
         if self.v_device is not None:  # mixed batch: host rows by the offload path, the rest on the device
             on_host = self.v_store.shape[0]
+            # the host rows first, so their PCIe reads start before anything else; joined by the caller after the
+            # key rebuild (joining here would make the main stream wait for them: no overlap)
+            remote, pending = self._gather_offloaded(chunk_ids[:on_host], device) if on_host else (None, None)
             tok = chunk_tokens(chunk_ids[on_host:], cs)[..., None].expand(-1, -1, -1, d)
             local = self.v_device.gather(2, tok)
-            if not on_host:
-                return local, None
-            remote, pending = self._gather_offloaded(chunk_ids[:on_host], device)
-            if pending is not None:  # the side-stream gather must land before the concatenation reads it
-                torch.cuda.current_stream(device).wait_stream(pending)
-            return torch.cat([remote, local]), None
-        return self._gather_offloaded(chunk_ids, device)
+            return ([remote] if on_host else []) + [local], pending
+        values, pending = self._gather_offloaded(chunk_ids, device)
+        return [values], pending
 
     def _gather_offloaded(self, chunk_ids: torch.Tensor, device):
         b, h, k = chunk_ids.shape
@@ -220,7 +222,9 @@ class ShadowKVLayer(DynamicLayer):
                 main, stream = torch.cuda.current_stream(device), self.owner.copy_stream(device)
                 stream.wait_stream(main)  # the chunk ids are ready on the main stream
                 with torch.cuda.stream(stream):
+                    self.owner.mark("host_gather_start", stream)
                     rows = gather_chunks(self.v_store, chunk_ids)
+                    self.owner.mark("host_gather_end", stream)
                 rows.record_stream(main)
                 self.owner.counters["uva_gathers"] += 1
                 return rows.view(b, h, k * cs, d), stream
@@ -234,20 +238,27 @@ class ShadowKVLayer(DynamicLayer):
         b, hq, m, d = query.shape
         h = self.tail_k.shape[1]
         cs = self.chunk_size
+        mark = self.owner.mark
+        mark("start")
         picked = select_chunks(query, self.landmarks, self.select, module.scaling)
         chunk_ids = self.landmark_chunk.gather(-1, picked)
         tokens = chunk_tokens(chunk_ids, cs)
         if self.owner.options.log_selection:
             self.selection_log.append(chunk_ids)
-        values_sel, pending = self.gather_values(chunk_ids, query.device)
+        mark("selection")
+        blocks, pending = self.gather_values(chunk_ids, query.device)
+        mark("gather_launch")
         if self.exact_k is not None:
             keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)
         else:
             pre = rebuild_keys(self.u, self.sv, tokens)
             cos, sin = rope_cos_sin(rotary, tokens + self.pos0[:, :, None], pre.dtype)
             keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
+        mark("reconstruction")
         if pending is not None:
             torch.cuda.current_stream(query.device).wait_stream(pending)
+        values_sel = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        mark("gather_wait")
         keys = torch.cat([self.outlier_k, keys_sel, self.tail_k], dim=2)
         values = torch.cat([self.outlier_v, values_sel, self.tail_v], dim=2)
         mask = None
@@ -260,6 +271,7 @@ class ShadowKVLayer(DynamicLayer):
         out = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=module.scaling, enable_gqa=hq != h
         )
+        mark("attention")
         return out.transpose(1, 2).contiguous()
 
     # -- accounting
@@ -303,12 +315,21 @@ class ShadowKVCache(Cache):
         )
         self.uva_failed = False
         self._copy_streams: dict = {}
+        self.phase_events: list | None = None  # a list: decode steps record their phases (``mark``)
         super().__init__(layers=[ShadowKVLayer(self) for _ in range(cfg.num_hidden_layers)])
 
     @classmethod
     def for_model(cls, model) -> "ShadowKVCache":
         """A cache with the options given to :func:`enable_shadowkv` for ``model``."""
         return cls(model.config, **getattr(model, "_shadowkv_options", {}))
+
+    def mark(self, name: str, stream=None) -> None:
+        """Record a CUDA event named ``name`` (on ``stream``, else the current one) into ``phase_events`` while
+        that is a list: the phases of a decode step, timed by ``kv_eval.py``. Does nothing otherwise."""
+        if self.phase_events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            self.phase_events.append((name, event))
 
     def budget_tokens(self, prompt_len: int) -> int:
         budget = self.options.budget
@@ -353,10 +374,6 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out
 
 
-def _capture_cache(module, args, kwargs):
-    module._shadowkv_cache = compat.cache_from_module_kwargs(kwargs)
-
-
 def _find_rotary(model):
     for mod in model.modules():
         if type(mod).__name__.endswith("RotaryEmbedding"):
@@ -379,34 +396,13 @@ def enable_shadowkv(model, budget: float = 0.0156, rank: int = 160, chunk_size: 
         The model (modified in place).
     """
     opts = asdict(ShadowKVOptions(budget=budget, rank=rank, chunk_size=chunk_size, outliers=outliers, **options))
-    compat.register_attention_with_sdpa_mask(ATTN_NAME, shadowkv_attention)
-    if not hasattr(model, "_shadowkv_previous_attn"):
-        model._shadowkv_previous_attn = model.config._attn_implementation
     model._shadowkv_options = opts
     rotary = _find_rotary(model)
-    handles = []
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and hasattr(mod, "scaling") and hasattr(mod, "num_key_value_groups"):
-            mod._shadowkv_rotary = rotary
-            handles.append(mod.register_forward_pre_hook(_capture_cache, with_kwargs=True))
-    for handle in getattr(model, "_shadowkv_hooks", []):
-        handle.remove()
-    model._shadowkv_hooks = handles
-    compat.set_attn_implementation(model, ATTN_NAME)
+    route_attention(model, ATTN_NAME, shadowkv_attention, "shadowkv",
+                    setup=lambda mod: setattr(mod, "_shadowkv_rotary", rotary))
     return model
 
 
 def disable_shadowkv(model) -> None:
     """Undo :func:`enable_shadowkv`: remove hooks and restore the previous attention implementation."""
-    for handle in getattr(model, "_shadowkv_hooks", []):
-        handle.remove()
-    for mod in model.modules():
-        for attr in ("_shadowkv_rotary", "_shadowkv_cache"):
-            if hasattr(mod, attr):
-                delattr(mod, attr)
-    if hasattr(model, "_shadowkv_previous_attn"):
-        compat.set_attn_implementation(model, model._shadowkv_previous_attn)
-        del model._shadowkv_previous_attn
-    for attr in ("_shadowkv_hooks", "_shadowkv_options"):
-        if hasattr(model, attr):
-            delattr(model, attr)
+    unroute_attention(model, "shadowkv", module_attrs=("_shadowkv_rotary",), model_attrs=("_shadowkv_options",))

@@ -56,3 +56,40 @@ def test_needle_positions_cover_exactly_the_needle():
     assert needle_token_positions(tok, prompt, "4711") == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="not in the prompt"):
         needle_token_positions(tok, prompt, "999")
+
+
+def test_merge_plan_merges_only_the_similar_pair_of_a_tiny_model():
+    """A 6-layer Llama whose layer 3 repeats layer 2 (same K/V projections, layer 2 adds nothing to the
+    residual stream): the plan merges pair (2, 3) only, and MiniCache with its threshold does the same."""
+    import transformers
+
+    from neutrain import compat
+    from neutrain.eval.kv import MiniCache
+    from neutrain.eval.kv.diagnose import model_merge_plan
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=50)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    layers = model.model.layers
+    with torch.no_grad():
+        layers[2].self_attn.o_proj.weight.zero_()
+        layers[2].mlp.down_proj.weight.zero_()
+        for name in ("k_proj", "v_proj"):
+            getattr(layers[3].self_attn, name).weight.copy_(getattr(layers[2].self_attn, name).weight)
+        layers[3].input_layernorm.weight.copy_(layers[2].input_layernorm.weight)
+    calibration = [torch.randint(0, 50, (1, 40)) for _ in range(2)]
+    plan = model_merge_plan(model, calibration, start_layer=2)
+    assert [p["layers"] for p in plan["pairs"]] == [[2, 3], [4, 5]]
+    assert plan["merged_pairs"] == [[2, 3]] and plan["pairs"][0]["restore_error"] < 1e-6
+    assert plan["pairs"][1]["restore_error"] > plan["tolerance"] and plan["pairs"][1]["similarity"] < plan["min_similarity"]
+    kwarg = compat.cache_forward_kwarg(model)
+    cache = MiniCache(model.config, start_layer=2, gamma=0.0, merge_every=None, min_similarity=plan["min_similarity"] - 1e-4)
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 30)), use_cache=True, **{kwarg: cache})
+    assert cache.merges == 1 and cache.unmerged_pairs == 1
+    assert cache.layers[2].role == "first" and cache.layers[4].role == "exact"
+    dense = MiniCache(model.config, start_layer=2, gamma=0.0, merge_every=None)  # guard: without it both merge
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 30)), use_cache=True, **{kwarg: dense})
+    assert dense.merges == 2

@@ -6,7 +6,8 @@ import json
 from benchmarks.kv_eval import issue20_targets, recorded_real
 
 NAMES = {"shadowkv_throughput_over_full_64k", "minicache_throughput_over_full", "shadowkv_acc_gap_points",
-         "minicache_acc_gap_points", "real_model_shadowkv_acc_gap_points", "real_model_minicache_acc_gap_points"}
+         "minicache_acc_gap_points", "real_model_shadowkv_acc_gap_points", "real_model_minicache_acc_gap_points",
+         "shadowkv_over_kvpress_pruned_64k"}
 
 
 def _results(full_acc=96.0):
@@ -28,6 +29,25 @@ def test_every_target_named_and_judged_from_its_number():
     missing = t["minicache_throughput_over_full"]
     assert missing["value"] is None and missing["met"] is None and "OutOfMemoryError" in missing["not_measured"]
     assert t["real_model_minicache_acc_gap_points"]["value"] == 90.0
+
+
+def test_issue33_minicache_target_is_the_best_setting_within_5_points_and_shadowkv_is_judged_against_pruning():
+    results = _results()
+    results["fidelity"]["gap_points"].update(minicache_merge_4bit=60.0, minicache_4bit_only=4.0, shadowkv_paper_scaled=2.0,
+                                             kvpress_snapkv=30.0, kvpress_streamingllm=1.0)
+    results["throughput"]["contexts"]["65536"].update(
+        minicache_merge={"speedup_vs_full": 0.9}, minicache_merge_4bit={"speedup_vs_full": 2.0},
+        minicache_4bit_only={"speedup_vs_full": 1.5},
+        shadowkv={"speedup_vs_full": 2.6, "tokens_per_s": 260.0}, kvpress_pruned={"tokens_per_s": 200.0})
+    t = issue20_targets(results)
+    mini = t["minicache_throughput_over_full"]  # merge + 4-bit is faster but 60 points off: not counted
+    assert (mini["value"], mini["met"]) == (1.5, True) and "minicache_4bit_only" in mini["derived_from"]
+    ratio = t["shadowkv_over_kvpress_pruned_64k"]
+    assert (ratio["value"], ratio["met"], ratio["accuracy_within_3_points"]) == (1.3, True, True)
+    results["fidelity"]["gap_points"]["kvpress_streamingllm"] = 20.0  # best press now 18 points from ShadowKV
+    assert issue20_targets(results)["shadowkv_over_kvpress_pruned_64k"]["met"] is False
+    results["fidelity"]["gap_points"]["minicache_4bit_only"] = 6.0
+    assert issue20_targets(results)["minicache_throughput_over_full"]["value"] is None
 
 
 def test_gaps_against_a_full_cache_that_does_not_retrieve_are_not_judged():
