@@ -157,10 +157,14 @@ def _plain(model, ids, args, tokenizer):
 
     from neutrain.nn.weight_offload_model import weight_store  # lazy: same reason
 
+    streamed = weight_store(model) is not None
+    # Generation never trains: frozen, the engine fuses each layer's Q/K/V and gate/up projections into
+    # one GEMV each (neutrain.eval.fused_projections). Streamed layers keep their own storage.
+    model.requires_grad_(False)
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.
         engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed,
-                              cuda_graph=False if weight_store(model) is not None else None)
+                              cuda_graph=False if streamed else None, fuse=False if streamed else None)
     except ValueError:
         kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
         return model.generate(ids.to(next(model.parameters()).device), max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)

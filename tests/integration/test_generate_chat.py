@@ -68,11 +68,15 @@ def test_plain_generation_runs_in_the_decode_engine(capsys, export_dir, monkeypa
 
     calls = []
     original = DecodeEngine.generate
-    monkeypatch.setattr(DecodeEngine, "generate", lambda self, *a, **k: (calls.append(k), original(self, *a, **k))[1])
+    monkeypatch.setattr(DecodeEngine, "generate",
+                        lambda self, *a, **k: (calls.append((k, self.fused_groups)), original(self, *a, **k))[1])
     first = _generate(capsys, export_dir, "--temperature", "1.0", "--seed", "3")
     assert _generate(capsys, export_dir, "--temperature", "1.0", "--seed", "3") == first
     others = {_generate(capsys, export_dir, "--temperature", "1.0", "--seed", str(s)) for s in (4, 5, 6)}
-    assert len(calls) == 5 and calls[0]["temperature"] == 1.0
+    assert len(calls) == 5 and calls[0][0]["temperature"] == 1.0
+    # The model is frozen for generation, so each layer's Q/K/V and gate/up run as one GEMV each
+    # (greedy still equals HF's, test above): 2 layers x 2 groups.
+    assert {fused for _, fused in calls} == {4}
     assert others - {first}, "sampling ignored the seed"
 
 
