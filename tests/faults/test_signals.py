@@ -90,7 +90,8 @@ def test_one_sigint_saves_at_the_step_boundary_and_exits_130(tmp_path, monkeypat
                                  "continue with train.resume_from_checkpoint=true"], err
     verify_checkpoint(tmp_path / "out" / "checkpoint-2")
     # The handlers are removed after training: the ones the process had before come back. (Compared with
-    # what this process had, not with Python's default: one CI run found SIGINT already ignored here.)
+    # what this process had, not with Python's default: pytest started as a background job of a
+    # non-interactive shell, `cmd &`, inherits SIGINT ignored, and Python keeps SIG_IGN then.)
     after = {s: signal.getsignal(s) for s in handlers}
     assert after == handlers, f"before training {handlers}, after {after}"
 
