@@ -81,3 +81,29 @@ def assert_same_format(a, b) -> None:
     assert torch.equal(a.stream[: a.stream_words], b.stream[: b.stream_words])
     for field in ("tails", "lane_words", "tile_base"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def triton36_env() -> tuple[dict | None, str | None]:
+    """``(env, None)`` for a child process that compiles with Triton 3.6 (the GPU image's release),
+    or ``(None, skip reason)``. The CPU machines import another Triton (3.9, for the interpreter); the
+    README's test command installs 3.6 into ``.triton36/`` (``NEUTRAIN_TRITON36`` names another), and
+    Triton compiles for sm_90 without a GPU, so the tests can read the kernels' machine code."""
+    import os
+    import re
+
+    import triton
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton.__version__.startswith("3.6."):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        return env, None
+    where = os.environ.get("NEUTRAIN_TRITON36", str(REPO / ".triton36"))
+    init = Path(where, "triton", "__init__.py")
+    if not init.exists() or not re.search(r"__version__ = ['\"]3\.6\.", init.read_text()):
+        return None, (f"needs Triton 3.6 (installed: {triton.__version__}; none at NEUTRAIN_TRITON36={where}): "
+                      "the GPU image's release")
+    env["PYTHONPATH"] = os.pathsep.join([where, str(REPO)])
+    return env, None

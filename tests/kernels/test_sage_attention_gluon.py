@@ -2,8 +2,6 @@
 with Triton 3.6), and on an H100 against the quantized reference, exact fp32 attention and the LSE."""
 
 import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +12,10 @@ import torch
 from neutrain.attention import counters, exact_attention, reset_counters, sage_attention
 from neutrain.attention.quant import LN2, TILE, natural_lse, quantize_attention_inputs
 from neutrain.attention.reference import accuracy_metrics, make_attention_inputs, sage_reference_forward
+from tests.helpers import triton36_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-#: A Triton 3.6 install to compile with when the imported Triton is another release (the CPU
-#: machines run 3.9 for the interpreter; the GPU image runs 3.6). The README's test command puts
-#: one in ``.triton36/`` (``pip install --no-deps --target .triton36 triton==3.6.0``), so CI runs it.
-TRITON36 = os.environ.get("NEUTRAIN_TRITON36", str(ROOT / ".triton36"))
 
 # One compile per variant; printed as a JSON line by the child process.
 _COMPILE_SCRIPT = """
@@ -38,26 +33,10 @@ print("RESULT " + json.dumps(out))
 VARIANTS = [(1, False, 128, False), (2, False, 128, True), (2, False, 64, False), (2, True, 128, True)]
 
 
-def _triton36_env():
-    """How to compile with Triton 3.6 here: (env for a child process) or a skip reason."""
-    import triton
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton.__version__.startswith("3.6."):
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return env, None
-    init = Path(TRITON36, "triton", "__init__.py")
-    if not init.exists() or not re.search(r"__version__ = ['\"]3\.6\.", init.read_text()):
-        return None, (f"needs Triton 3.6 (installed: {triton.__version__}; no 3.6 at NEUTRAIN_TRITON36={TRITON36}): "
-                      "the kernel is written against 3.6's Gluon API")
-    env["PYTHONPATH"] = os.pathsep.join([TRITON36, str(ROOT)])
-    return env, None
-
-
 def test_gluon_forward_compiles_for_sm90_with_wgmma():
     """Offline compile for an H100 (no GPU needed): INT8 and FP8 warpgroup MMAs, the register
     hand-over between partitions (setmaxnreg), no spills, the shared-memory ring within 227 KB."""
-    env, reason = _triton36_env()
+    env, reason = triton36_env()
     if reason:
         pytest.skip(reason)
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(VARIANTS)], env=env, cwd=ROOT,
