@@ -64,6 +64,24 @@ def kernel_override() -> str | None:
     return value or None
 
 
+def cpu_backward() -> str:
+    """Sage's backward route for a CPU call, from ``NEUTRAIN_SAGE_BACKWARD``.
+
+    ``triton`` (unset) is the quantized reference backward. The exact GPU routes (``cudnn``,
+    ``flash``) and ``cpu`` all give ``cpu``: torch's exact CPU kernel fed the quantized forward's
+    O and LSE, the same semantics as the cuDNN route the train-mode table entries name, so a
+    CPU study can follow what a GPU training step would run.
+
+    Example:
+        >>> cpu_backward() in ("triton", "cpu")
+        True
+    """
+    value = os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton").strip().lower()
+    if value not in ("triton", "cudnn", "flash", "cpu"):
+        raise ValueError(f"NEUTRAIN_SAGE_BACKWARD={value!r}: expected triton, cudnn, flash or cpu")
+    return "triton" if value == "triton" else "cpu"
+
+
 def table_path() -> Path:
     return Path(os.environ.get("NEUTRAIN_SAGE_DISPATCH_TABLE", TABLE_PATH))
 
