@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -164,7 +166,13 @@ def main() -> None:
     p.add_argument("--arms", nargs="*", default=list(ARMS))
     p.add_argument("--probe", type=int, default=0, help="time this many steps per arm and write nothing")
     p.add_argument("--out", default=None)
+    p.add_argument("--table", action="store_true", help="print the notes' markdown table of the results file and exit")
     args = p.parse_args()
+    if args.table:
+        from benchmarks._common import RESULTS_DIR
+
+        print(table(json.loads(Path(args.out or RESULTS_DIR, "sage_fidelity.json").read_text())))
+        return
     commit, dirty = git_provenance()  # fail before training if the commit cannot be recorded
     os.environ["NEUTRAIN_SAGE_BACKWARD"] = "cpu"  # the Sage arm's backward: the exact route (see the docstring)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -231,6 +239,25 @@ def summarize(results: dict) -> dict:
     else:
         out["verdict"] = f"delta held-out {sage - sdpa:+.4f} (no seed spread measured: no verdict)"
     return out
+
+
+def table(payload: dict) -> str:
+    """The notes' markdown table of a ``sage_fidelity.json`` payload: held-out loss per evaluation, per arm."""
+    arms = payload["results"]["arms"]
+    steps = [row["step"] for row in next(iter(arms.values()))["heldout"]]
+    lines = ["| arm | attention | seed | " + " | ".join(f"held-out @{s}" for s in steps) + " | s/step (median) | attention ops |",
+             "|---" * (len(steps) + 5) + "|"]
+    for name, arm in arms.items():
+        ops = ", ".join(f"{k} {v}" for k, v in arm["attention_ops"].items()) or "none counted (torch SDPA)"
+        lines.append(f"| {name} | {arm['attention']} | {arm['seed']} | "
+                     + " | ".join(f"{row['heldout_loss']:.4f}" for row in arm["heldout"])
+                     + f" | {arm['median_step_s']} | {ops} |")
+    r = payload["results"]
+    lines.append("")
+    lines.append(f"delta held-out (sage - sdpa) {r.get('delta_heldout_sage_minus_sdpa')}, seed spread "
+                 f"{r.get('seed_spread_heldout', 'not measured')}, same batches {r.get('same_batches')}, "
+                 f"complete {r.get('complete')}: {r['verdict']} (commit {payload.get('git_commit', '?')[:7]})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ shape the table calls slower) runs torch SDPA, with the reason logged once.
 
 ``NEUTRAIN_SAGE_DISPATCH`` overrides the table: ``always`` (sage wherever the kernel
 supports the call: tests, benchmarks), ``never`` (SDPA), ``table`` (default).
-``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file.
+``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file. ``NEUTRAIN_SAGE_BACKWARD`` names the
+backward route under ``always`` on a GPU, and on CPU (:func:`cpu_backward`) for every Sage call.
 
 Sage's forward runs on one of :data:`KERNELS`: ``triton`` (every CUDA GPU, the default) or
 ``gluon`` (the warp-specialized Hopper kernel, capability 9.x only; elsewhere the call keeps the

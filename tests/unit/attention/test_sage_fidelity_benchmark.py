@@ -50,6 +50,12 @@ def test_sage_arm_routes_attention_through_sage_and_both_arms_see_identical_batc
     assert a != b and abs(a - b) < 0.02 * a, (a, b)
     assert sdpa["heldout"][0]["step"] == 0 and sdpa["heldout"][-1]["step"] == STEPS
 
+    # The notes' table shows each arm's held-out curve and its counted attention ops.
+    arms = {"sdpa": {**sdpa, "attention": "sdpa", "seed": 0}, "sage": {**sage, "attention": "neutrain_sage", "seed": 0}}
+    text = sage_fidelity.table({"results": {"arms": arms, **sage_fidelity.summarize(arms)}, "git_commit": "abcdef0"})
+    assert f"| sage | neutrain_sage | 0 | {sage['heldout'][0]['heldout_loss']:.4f}" in text, text
+    assert f"exact_backward:cpu {LAYERS * STEPS}" in text and "none counted (torch SDPA)" in text, text
+
 
 def test_corpus_rows_have_the_asked_length_and_disjoint_held_out_pairs():
     class Chars:  # a character tokenizer: enough to check lengths and which lines a row holds
