@@ -174,6 +174,8 @@ def main() -> None:
         print(table(json.loads(Path(args.out or RESULTS_DIR, "sage_fidelity.json").read_text())))
         return
     commit, dirty = git_provenance()  # fail before training if the commit cannot be recorded
+    # Pinned: the file is written after each arm, and a commit made meanwhile must not be recorded as measured.
+    os.environ["NEUTRAIN_GIT_COMMIT"], os.environ["NEUTRAIN_GIT_DIRTY"] = commit, "1" if dirty else "0"
     os.environ["NEUTRAIN_SAGE_BACKWARD"] = "cpu"  # the Sage arm's backward: the exact route (see the docstring)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = package_file(GGUF, "model.gguf_file")
