@@ -10,7 +10,8 @@ shape the table calls slower) runs torch SDPA, with the reason logged once.
 
 ``NEUTRAIN_SAGE_DISPATCH`` overrides the table: ``always`` (sage wherever the kernel
 supports the call: tests, benchmarks), ``never`` (SDPA), ``table`` (default).
-``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file.
+``NEUTRAIN_SAGE_DISPATCH_TABLE`` points at another table file. ``NEUTRAIN_SAGE_BACKWARD`` names the
+backward route under ``always`` on a GPU, and on CPU (:func:`cpu_backward`) for every Sage call.
 
 Sage's forward runs on one of :data:`KERNELS`: ``triton`` (every CUDA GPU, the default) or
 ``gluon`` (the warp-specialized Hopper kernel, capability 9.x only; elsewhere the call keeps the
@@ -62,6 +63,24 @@ def kernel_override() -> str | None:
     if value and value not in KERNELS:
         raise ValueError(f"NEUTRAIN_SAGE_KERNEL={value!r}: expected one of {KERNELS}")
     return value or None
+
+
+def cpu_backward() -> str:
+    """Sage's backward route for a CPU call, from ``NEUTRAIN_SAGE_BACKWARD``.
+
+    ``triton`` (unset) is the quantized reference backward. The exact GPU routes (``cudnn``,
+    ``flash``) and ``cpu`` all give ``cpu``: torch's exact CPU kernel fed the quantized forward's
+    O and LSE, the same semantics as the cuDNN route the train-mode table entries name, so a
+    CPU study can follow what a GPU training step would run.
+
+    Example:
+        >>> cpu_backward() in ("triton", "cpu")
+        True
+    """
+    value = os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton").strip().lower()
+    if value not in ("triton", "cudnn", "flash", "cpu"):
+        raise ValueError(f"NEUTRAIN_SAGE_BACKWARD={value!r}: expected triton, cudnn, flash or cpu")
+    return "triton" if value == "triton" else "cpu"
 
 
 def table_path() -> Path:

@@ -148,8 +148,10 @@ def neutrain_sage_attention_forward(
         else:
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, sliding_window, query.device)
         return _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux), None
-    backward, config, backend = "triton", None, "auto"
-    if query.is_cuda:  # CPU keeps the quantized reference (build_model gives CPU runs SDPA anyway)
+    # CPU keeps the quantized reference forward (build_model gives CPU runs SDPA anyway); its backward
+    # route is NEUTRAIN_SAGE_BACKWARD's (benchmarks/sage_fidelity.py runs the exact one, as a GPU would).
+    backward, config, backend = dispatch.cpu_backward(), None, "auto"
+    if query.is_cuda:
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         device = torch.cuda.get_device_name(query.device)
         choice = dispatch.choose(device, head_dim, causal, str(query.dtype).removeprefix("torch."), training, q_len)

