@@ -33,6 +33,9 @@ from neutrain.eval.engine import DecodeEngine
 GOALS = {"ar_roofline_fraction_8b": ">= 0.75", "spec_over_ar_T0": ">= 2.0", "spec_over_ar_T1": ">= 1.6",
          "spec_over_hf_assisted_T1": ">= 2.5", "alpha_gain_points_T1": ">= 10", "k4_block_eff_over_sd_T1": ">= 1.15",
          "neuzip_lossless_over_bf16_decode": ">= 0.5 (stretch >= 0.9)"}
+#: Goals a committed record may still carry because it was measured before the goal changed:
+#: issue 32 raised ``ar_roofline_fraction_8b`` from 0.6 to 0.75 after speculative.json (bc2f79f).
+SUPERSEDED_GOALS = {"ar_roofline_fraction_8b": {">= 0.6"}}
 
 STAT_KEYS = ("target_calls", "draft_calls", "committed_tokens", "verified_positions", "accepted_positions")
 

@@ -146,10 +146,14 @@ def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
 @pytest.mark.parametrize("name", ["speculative", "speculative_rounds"])
 def test_issue_19_records_name_every_target_with_its_goal(name):
     # speculative_rounds measures a round's cost on random weights: it names the targets without values.
-    from benchmarks._spec_decode import GOALS
+    # A record measured before a goal changed keeps the goal it was measured against (named in
+    # SUPERSEDED_GOALS); every other goal is today's.
+    from benchmarks._spec_decode import GOALS, SUPERSEDED_GOALS
 
     targets = json.loads((RESULTS / f"{name}.json").read_text())["targets"]
-    assert {k: t["goal"] for k, t in targets.items()} == GOALS
+    assert targets.keys() == GOALS.keys()
+    for key, target in targets.items():
+        assert target["goal"] == GOALS[key] or target["goal"] in SUPERSEDED_GOALS.get(key, ()), (key, target["goal"])
 
 
 def test_step_anatomy_reports_issue_17_targets_only_for_the_setting_they_name():
