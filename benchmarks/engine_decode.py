@@ -14,7 +14,7 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 
 ``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
 projections, o_proj, down_proj, lm_head), the CUDA-event median of cuBLAS (``F.linear``) and of the
-split-K Triton GEMV's configurations (:func:`neutrain.eval.gemv.choose_gemv`, each checked against the
+split-K Triton GEMV's configurations (:func:`choose_gemv`, each checked against the
 fp32 reference first), the fastest per shape, and a step's GEMV time summed over its shapes with
 cuBLAS and with the fastest of each. Where a Triton configuration won, ``engine_graph_gemv`` is the
 engine_graph row with those shapes routed to it (``DecodeEngine(gemv=table)``), and
@@ -56,14 +56,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import git_provenance, write_result  # noqa: E402
+from benchmarks._common import cuda_time_ms, git_provenance, write_result  # noqa: E402
 from benchmarks._spec_decode import GOALS  # noqa: E402  (issue 19's target names and goals)
 from benchmarks._train_peers import memory_row  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
-from neutrain.eval.gemv import choose_gemv, table_from  # noqa: E402
+from neutrain.eval.gemv import gemv_reference, table_from, triton_gemv  # noqa: E402
 
 
 def log(*args):
@@ -130,6 +130,44 @@ def decode_shapes(config) -> dict[str, tuple[int, int]]:
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     return {"qkv_fused": (q + 2 * kv, h), "q": (q, h), "k_or_v": (kv, h), "o": (h, q), "gate_up_fused": (2 * inter, h),
             "gate_or_up": (inter, h), "down": (h, inter), "lm_head": (vocab, h)}
+
+
+#: The Triton GEMV configurations tried per shape: (block_n, block_k, split).
+CANDIDATES = tuple((bn, bk, s) for bn in (8, 16, 32) for bk in (256, 512) for s in (1, 2, 4))
+
+
+def choose_gemv(shapes, dtype=torch.bfloat16, device="cuda", candidates=CANDIDATES, warmup: int = 5,
+                iters: int = 30) -> list[dict]:
+    """Per ``(N, K)``: the median CUDA-event time of ``F.linear`` (cuBLAS) and of every Triton candidate on
+    random inputs, each checked against :func:`~neutrain.eval.gemv.gemv_reference` first; one row per shape
+    with ``times_ms``, ``errors``, the ``best``, ``best_ms``, ``cublas_ms`` and the best's bytes read per second
+    (:func:`~neutrain.eval.gemv.table_from` turns the rows into ``DecodeEngine(gemv=...)``'s table)."""
+    rows = []
+    for n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(n * 7 + k)
+        w = torch.randn(n, k, generator=gen, device=device).to(dtype)
+        x = torch.randn(1, 1, k, generator=gen, device=device).to(dtype)
+        want = gemv_reference(x, w).float()
+        scale = want.abs().max().item()
+        times = {"cublas": cuda_time_ms(lambda: torch.nn.functional.linear(x, w), warmup, iters)}
+        errors = {}
+        for config in candidates:
+            f = triton_gemv(*config)
+            name = "triton_n{}_k{}_s{}".format(*config)
+            try:
+                err = (f(x, w).float() - want).abs().max().item() / scale
+                if err > 2e-2:  # a wrong result never wins
+                    errors[name] = f"max relative error {err:.3g}"
+                    continue
+                times[name] = cuda_time_ms(lambda f=f: f(x, w), warmup, iters)
+            except Exception as exc:  # a config that does not compile here is skipped, with the reason
+                errors[name] = f"{type(exc).__name__}: {exc}"[:200]
+        best = min(times, key=times.get)
+        rows.append({"n": n, "k": k, "times_ms": times, "errors": errors, "best": best,
+                     "best_ms": times[best], "cublas_ms": times["cublas"],
+                     "best_bytes_per_s": n * k * w.element_size() / (times[best] / 1e3)})
+        del w, x
+    return rows
 
 
 def gemv_table(config, dtype) -> dict:

@@ -125,7 +125,7 @@ class DecodeEngine:
             re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
         gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
             the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
-            :func:`~neutrain.eval.gemv.choose_gemv`'s timing); default: cuBLAS for every linear.
+            ``benchmarks/engine_decode.py``'s timing); default: cuBLAS for every linear.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP

@@ -10,7 +10,7 @@ import torch
 
 kgemv = pytest.importorskip("neutrain.kernels.gemv")
 
-from neutrain.eval.gemv import choose_gemv, gemv_reference  # noqa: E402
+from neutrain.eval.gemv import gemv_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,6 +50,8 @@ def test_gemv_refuses_more_than_one_row():
 def test_llama3_8b_shapes_have_a_correct_fastest_gemv():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from benchmarks.engine_decode import choose_gemv
+
     rows = choose_gemv([(6144, 4096), (4096, 14336)], candidates=((16, 256, 1), (16, 512, 4)), iters=10)
     for row in rows:
         assert not row["errors"], row["errors"]
