@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -160,7 +160,7 @@ def choose(device: str, head_dim: int, causal: bool, dtype: str, training: bool,
         choice = lookup(device, head_dim, causal, dtype, mode, seq_len)
     kernel = kernel_override()
     if choice.backend == "sage" and kernel is not None:
-        choice = Choice(choice.backend, choice.backward, choice.reason, kernel)
+        choice = replace(choice, kernel=kernel)
     return choice
 
 

@@ -25,17 +25,22 @@ def test_gather_chunks_reads_pinned_host_memory():
     assert torch.equal(out.cpu(), kernels.gather_chunks_reference(src, ids.cpu()))
 
 
-@pytest.mark.gpu
-def test_shadowkv_offload_uses_kernel_and_matches_device_path():
+def _tiny_cuda_llama():
+    """A 2-layer GQA Llama on the GPU, random weights (seed 0): 600-token prompts fill its sparse decode."""
     import transformers
-
-    from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
-    from neutrain.eval.loop import greedy_decode
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                    intermediate_size=512, vocab_size=128)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).cuda().eval()
+    return transformers.AutoModelForCausalLM.from_config(cfg).cuda().eval()
+
+
+@pytest.mark.gpu
+def test_shadowkv_offload_uses_kernel_and_matches_device_path():
+    from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
+    from neutrain.eval.loop import greedy_decode
+
+    model = _tiny_cuda_llama()
     ids = torch.randint(0, 128, (2, 600), device="cuda")
     tokens = {}
     for offload, device_rows in ((True, 0), (True, 1), (False, 0)):  # all offloaded, a mixed batch, none
@@ -54,16 +59,11 @@ def test_shadowkv_offload_uses_kernel_and_matches_device_path():
 @pytest.mark.gpu
 def test_shadowkv_decode_step_records_its_phases():
     """kv_eval's step split: every sparse layer marks its phases in order, the host gather on its side stream."""
-    import transformers
-
     from benchmarks.kv_eval import SHADOWKV_PHASES, shadowkv_step_split
     from neutrain import compat
     from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                                   intermediate_size=512, vocab_size=128)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).cuda().eval()
+    model = _tiny_cuda_llama()
     enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, device_value_rows=1)
     try:
         cache = ShadowKVCache.for_model(model)

@@ -65,7 +65,8 @@ class PlainTokenStore:
     @property
     def nbytes(self) -> int:
         """Bytes of the tokens held (the <= ``SLACK`` spare rows are not: under 0.4% of a 64K stream)."""
-        return 0 if self._buf is None else self._buf[:, :, : self._len].numel() * self._buf.element_size()
+        data = self.data
+        return 0 if data is None else data.numel() * data.element_size()
 
 
 def quantize_groups(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
