@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print_error(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
-        print("neutrain: interrupted", file=sys.stderr)
+        print_error("interrupted", prefix="neutrain: ")
         return 130
     except Exception as exc:
         # A full disk or read-only file system reaches here as OSError, or wrapped by safetensors / torch.save.

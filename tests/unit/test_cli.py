@@ -80,3 +80,32 @@ def test_the_cli_turns_on_expandable_segments_unless_the_user_chose(monkeypatch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert main(["recipes"]) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+class _Writes:
+    """A stderr that records each ``write`` call."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_an_error_line_and_its_newline_are_one_write(monkeypatch, tmp_path):
+    # Two torchrun workers share a stderr pipe: `print` writes the text and the newline apart, and
+    # their lines fused between the two writes ("...checkpoint-4neutrain: error: ..."). A pipe write
+    # under 4 KiB is atomic, so each error line must be one write.
+    writes = _Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    monkeypatch.setenv("NEUTRAIN_LOG_LEVEL", "verbose")
+    assert main(["recipes"]) == 2
+    errors = [call for call in writes.calls if "neutrain: error: " in call]
+    assert len(errors) == 2 and all(call.startswith("neutrain: error: ") and call.endswith("\n") for call in errors), \
+        writes.calls
+    assert "\n" not in writes.calls  # no newline written on its own
