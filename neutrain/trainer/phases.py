@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -49,10 +50,11 @@ class PhaseRecord:
     device_used: int = 0
     runs: int = 0
     measured: bool = False
+    seconds: float = 0.0  # host wall time inside the phase, nested phases left out (where a run's time goes)
 
     def as_dict(self) -> dict[str, float | int | str]:
         """The record in GiB (measured figures only where CUDA measured them)."""
-        out: dict[str, float | int | str] = {"phase": self.name, "runs": self.runs}
+        out: dict[str, float | int | str] = {"phase": self.name, "runs": self.runs, "seconds": round(self.seconds, 3)}
         if self.measured:
             out.update(peak_allocated_gib=self.peak_allocated / GIB, peak_reserved_gib=self.peak_reserved / GIB,
                        device_used_gib=self.device_used / GIB)
@@ -83,6 +85,7 @@ class PhaseTracker:
         self.cuda = cuda
         self.records: dict[str, PhaseRecord] = {}
         self._stack: list[str] = []
+        self._since = 0.0  # when the innermost phase's time was last credited
         # Set by the run once the budget and the plan are known, for the out-of-memory line.
         self.budget_gib: float | None = None
         self.predicted: dict[str, dict[str, float]] = {}
@@ -96,6 +99,13 @@ class PhaseTracker:
     def current(self) -> str | None:
         """The innermost phase running now, or None."""
         return self._stack[-1] if self._stack else None
+
+    def _credit_time(self) -> None:
+        """Credit the wall time since the last change of phase to the innermost phase (nested ones apart)."""
+        now = time.perf_counter()
+        if self._stack:
+            self.records[self._stack[-1]].seconds += now - self._since
+        self._since = now
 
     def _measuring(self) -> bool:
         if self.cuda is not None:
@@ -137,6 +147,7 @@ class PhaseTracker:
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         rec = self.records.setdefault(name, PhaseRecord(name))
+        self._credit_time()
         self._stack.append(name)
         try:
             yield rec
@@ -145,6 +156,7 @@ class PhaseTracker:
                 exc.neutrain_phase = name
             raise
         finally:
+            self._credit_time()
             self._stack.pop()
             rec.runs += 1
             self._fold(name)

@@ -144,3 +144,20 @@ def test_the_report_puts_each_measured_peak_beside_its_prediction(fake, monkeypa
     assert [(r["step"], r["phase"]) for r in records] == [(7, "build"), (7, "save")]
     table = phase_lines(summary)
     assert table[1].split() == ["build", "0.29", "0.29", "0.78", "0.33"] and table[2].split()[-1] == "-"
+
+
+def test_each_phase_is_credited_its_own_wall_time(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(phases.time, "perf_counter", lambda: now[0])
+    tracker = PhaseTracker(cuda=False)
+    with tracker.phase("train_step"):
+        now[0] += 2.0
+        with tracker.phase("save"):
+            now[0] += 5.0  # the save's time is its own, not the steps'
+        now[0] += 1.0
+    now[0] += 50.0  # outside any phase: nobody's
+    with tracker.phase("train_step"):
+        now[0] += 0.5
+    assert tracker.records["train_step"].seconds == pytest.approx(3.5)
+    assert tracker.records["save"].seconds == pytest.approx(5.0)
+    assert tracker.records["save"].as_dict()["seconds"] == 5.0
