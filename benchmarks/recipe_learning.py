@@ -34,6 +34,7 @@ from benchmarks._common import read_run  # noqa: E402 (after the path is set)
 def run_settings(recipe: str, settings: list[str], steps: int, work: Path, out: Path, limit: float,
                  cpu: bool = False) -> list[dict]:
     """Launch ``recipe`` once per setting (space-separated overrides), all at once; their records."""
+    work.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, setting in enumerate(settings):
         run = work / f"run{i}"
@@ -41,7 +42,7 @@ def run_settings(recipe: str, settings: list[str], steps: int, work: Path, out: 
                f"train.max_steps={steps}", "train.logging_steps=1", "train.save_steps=100000",
                "memory.device_budget_gib=none", "export.format=none", f"train.output_dir={run}",
                *(["train.use_cpu=true"] if cpu else [])]
-        log = open(out / f"recipe_learning_{i}.log", "w")
+        log = open(work / f"recipe_learning_{i}.log", "w")
         procs.append((setting, run, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT),
                       time.perf_counter()))
     records = []

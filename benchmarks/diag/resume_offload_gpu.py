@@ -71,11 +71,11 @@ def main() -> int:
                   f"memory.offload_weights={str(offload).lower()}", f"memory.offload_activations={str(offload).lower()}",
                   "memory.stochastic_rounding=false", "train.max_steps=6", "train.save_steps=4",
                   "train.save_total_limit=3", f"train.output_dir={run}", "export.format=none"]
-        rc1 = launch(common, out / f"resume_offload_{offload}_train.log")
+        rc1 = launch(common, work / f"resume_offload_{offload}_train.log")
         reference = work / f"reference_{offload}"
         if rc1 == 0:
             (run / "checkpoint-6").rename(reference)
-        rc2 = launch([*common, f"train.resume_from_checkpoint={run}/checkpoint-4"], out / f"resume_offload_{offload}_resume.log")
+        rc2 = launch([*common, f"train.resume_from_checkpoint={run}/checkpoint-4"], work / f"resume_offload_{offload}_resume.log")
         rec = {"rc": [rc1, rc2]}
         if rc1 == 0 and rc2 == 0:
             a, b = checkpoint_tensors(reference), checkpoint_tensors(run / "checkpoint-6")
