@@ -152,6 +152,12 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
             rec["resume_bit_identical"] = a == b and len(a) > 0
             rec["resume_tensors_compared"] = len(a)
             rec["resume_tensors_differing"] = sorted(k for k in a if a[k] != b.get(k))[:10]
+            if not rec["resume_bit_identical"] and not SMOKE:  # do the values differ, or only their encoding?
+                sys.path.insert(0, str(HERE / "diag"))
+                from resume_offload_gpu import decoded_differences
+
+                rec["resume_decoded_differences"] = decoded_differences(
+                    reference, run / "checkpoint-22", [k for k in a if a[k] != b.get(k)])
         rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
         flush()
         prompt = ["--prompt", "def ", "--raw", "--max-new-tokens", "16", *(["--device", "cpu"] if SMOKE else [])]
