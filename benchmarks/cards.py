@@ -244,17 +244,18 @@ def pcie4_projection(timing: dict) -> dict | None:
     if not rec or not rec.get("tokens_per_s"):
         return None
     from neutrain.config import load_recipe
-    from neutrain.trainer.planner import offload_traffic, ModelShape
-    from neutrain.trainer.modeling import config_only
+    from neutrain.trainer.fit import apply_changes
+    from neutrain.trainer.planner import estimate_recipe
 
-    recipe = load_recipe(str(ROOT / RECIPE))
-    traffic = offload_traffic(ModelShape.from_config(config_only(recipe.model)))
+    # The configuration the run's fit chose (which layers' weights, whether the activations, are offloaded).
+    recipe = load_recipe(str(ROOT / RECIPE), ["train.micro_batch_size=8"])
+    chosen = estimate_recipe(apply_changes(recipe, (rec.get("choice") or {}).get("changes") or {})).settings
     tokens = 8 * recipe.data["sequence_len"]
     step = tokens / rec["tokens_per_s"]
     # Saved layer inputs (activation offload): bf16 hidden states of every layer, out in forward, back in backward.
-    shape = ModelShape.from_config(config_only(recipe.model))
-    acts = tokens * shape.hidden * 2 * shape.layers
-    h2d, d2h = traffic["h2d_bytes_per_step"] + acts, traffic["d2h_bytes_per_step"] + acts
+    acts = chosen.get("host_activation_bytes", 0)
+    h2d = chosen.get("h2d_bytes_per_step", 0) + acts
+    d2h = chosen.get("d2h_bytes_per_step", 0) + acts
     floor = max(h2d, d2h) / PCIE4_BYTES_PER_S
     return {"measured_step_s": round(step, 3), "h2d_gib": round(h2d / GIB, 2), "d2h_gib": round(d2h / GIB, 2),
             "link_floor_s": round(floor, 3), "tokens_per_s": round(tokens / max(step, floor), 1),

@@ -56,6 +56,11 @@ def run(args) -> int:
     print(fit.line)
     if fit.changes:
         print("chosen configuration: " + ", ".join(f"{k}={v}" for k, v in fit.changes.items() if k))
+        chosen = fit.plan["train_step"].settings
+        if chosen.get("offload_weights"):
+            print(f"decoder layers in host memory: {chosen['offloaded_layers']} of {chosen['layers']} "
+                  f"({', '.join(map(str, chosen['offloaded']))}), {chosen['offload_slots']} on the GPU at once; "
+                  f"PCIe a step: {chosen['h2d_bytes_per_step'] / GIB:.2f} GiB in, {chosen['d2h_bytes_per_step'] / GIB:.2f} GiB out")
         print(plan_table(fit.plan))
     return 0
 

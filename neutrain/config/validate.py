@@ -398,6 +398,9 @@ def _cross_checks(v: dict) -> None:
                           "(it moves the inputs that checkpointed layers keep for their recompute)")
     if mem["offload_weights"]:
         check_weight_offload(mem, train, fused)
+    elif mem["offload_layers"] is not None:
+        raise RecipeError(f"memory.offload_layers: {mem['offload_layers']} layers in host memory needs "
+                          "memory.offload_weights: true")
     if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
         raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
     if mem["adapter"] is not None and fused:

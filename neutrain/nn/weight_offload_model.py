@@ -4,16 +4,76 @@ Two ways: :func:`offload_weights` moves the layers of a built compressed model t
 :func:`streaming_offload` moves each layer as soon as a build (``init_compressed``,
 ``load_compressed``) has placed its last tensor, so a model whose compressed weights exceed the
 device's memory (the Llama-3-70B on an 80 GB H100) is never whole on the device.
+
+Either may take some of the layers only (``memory.offload_layers``): a :class:`LayerPlacement` names
+them, spread evenly through the model, and the store's ring for them. The layers left out stay on the
+device and train exactly as they would with no store (the store only acts on the weights it holds).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 
 import torch
 
 from neutrain.nn.weight_offload import WeightOffload
+
+WHOLE_MODEL_RING = (2, 4)
+"""``(ahead, slots)`` when (nearly) every layer is offloaded: adjacent layers stream back to back, so two are
+fetched ahead (the 8B at 0.956x of in-GPU at batch 8, benchmarks/results/offload.json)."""
+SPREAD_RING = (1, 2)
+"""``(ahead, slots)`` when at most half the layers are offloaded: a resident layer separates any two of
+them, so one fetched ahead has that layer's compute to arrive in, and two slots (the current layer and
+the next) are enough; each slot spared is a layer's payload of device memory."""
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Which decoder layers live in host memory, and the store's ring of device slots for them.
+
+    Attributes:
+        layers: decoder layers in the model.
+        offloaded: indices of the layers in host memory, ascending.
+        ahead, slots: the :class:`~neutrain.nn.weight_offload.WeightOffload` ring.
+
+    Example:
+        >>> LayerPlacement.spread(32, 8).offloaded
+        (2, 6, 10, 14, 18, 22, 26, 30)
+        >>> p = LayerPlacement.spread(32)  # every layer
+        >>> len(p.offloaded), (p.ahead, p.slots)
+        (32, (2, 4))
+    """
+
+    layers: int
+    offloaded: tuple[int, ...]
+    ahead: int
+    slots: int
+
+    @classmethod
+    def spread(cls, layers: int, count: int | None = None) -> "LayerPlacement":
+        """``count`` of ``layers`` decoder layers (None: all), spread evenly: the middle layer of each of
+        ``count`` equal runs, so the offloaded layers are as far apart as they can be and each copy has
+        the most resident compute to hide behind.
+
+        Raises:
+            ValueError: ``count`` is not between 1 and ``layers``.
+        """
+        count = layers if count is None else int(count)
+        if not 1 <= count <= layers:
+            raise ValueError(f"cannot offload {count} of {layers} decoder layers (1 to {layers})")
+        offloaded = tuple((2 * i + 1) * layers // (2 * count) for i in range(count))
+        ahead, slots = SPREAD_RING if 2 * count <= layers else WHOLE_MODEL_RING
+        return cls(layers, offloaded, ahead, slots)
+
+    @property
+    def count(self) -> int:
+        return len(self.offloaded)
+
+    def store(self, device) -> WeightOffload:
+        """An empty store with this placement's ring."""
+        return WeightOffload(device, ahead=self.ahead, slots=self.slots)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -30,26 +90,49 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return best
 
 
-def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = None) -> WeightOffload:
+def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = None,
+                    count: int | None = None) -> WeightOffload:
     """Keep ``model``'s decoder layers' compressed weights in host memory, streamed in per layer.
+
+    ``count``: offload that many decoder layers only (:meth:`LayerPlacement.spread`, whose ring then
+    replaces ``ahead`` and ``slots``); None: every layer, with the ring ``ahead`` / ``slots``.
 
     Returns the :class:`WeightOffload` (also ``model._neutrain_weight_offload``). Embedding and lm_head
     stay on the device. See the module docstring for an example.
+
+    Example:
+        >>> from transformers import LlamaConfig, AutoModelForCausalLM
+        >>> from neutrain.nn import compress_model
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        >>> _ = compress_model(model, progress=False, codec_options={"steps": 16})
+        >>> store = offload_weights(model, count=2)  # layers 1 and 3
+        >>> [layer.weights[0].name.split(".")[2] for layer in store.layers], store.slots
+        (['1', '3'], 2)
     """
     from neutrain.nn.convert import compressed_weights
 
     layers = decoder_layers(model)
     device = compressed_weights(layers[0])[0].device
-    store = WeightOffload(device, ahead=ahead, slots=slots)
-    for layer in layers:
-        store.add_layer(w for w in compressed_weights(layer) if not w.large)
+    if count is None:
+        store, chosen = WeightOffload(device, ahead=ahead, slots=slots), range(len(layers))
+    else:
+        placement = LayerPlacement.spread(len(layers), count)
+        store, chosen = placement.store(device), placement.offloaded
+    for index in chosen:
+        store.add_layer(w for w in compressed_weights(layers[index]) if not w.large)
     return attach(model, store)
 
 
 @contextlib.contextmanager
-def streaming_offload(device, ahead: int = 2, slots: int | None = None):
+def streaming_offload(device, ahead: int = 2, slots: int | None = None, placement: LayerPlacement | None = None):
     """Build a compressed model (``init_compressed``, ``load_compressed``) with each decoder layer moved to
     host memory as soon as its last tensor is placed: the device never holds more than one layer's payload.
+
+    ``placement``: only its layers go to host memory (the others stay on the device as built), through
+    its ring (``ahead``, ``slots`` are then ignored); the build path makes it from the model config,
+    ``LayerPlacement.spread(config.num_hidden_layers, memory.offload_layers)``. None: every layer.
 
     Yields the :class:`WeightOffload`; attach it with :func:`attach` once the model exists.
 
@@ -66,16 +149,19 @@ def streaming_offload(device, ahead: int = 2, slots: int | None = None):
     from neutrain.nn.convert import compressed_weights
     from neutrain.nn.load import after_each_tensor
 
-    store = WeightOffload(device, ahead=ahead, slots=slots)
-    building: list = []  # [the layer module being built]
+    store = WeightOffload(device, ahead=ahead, slots=slots) if placement is None else placement.store(device)
+    chosen = None if placement is None else set(placement.offloaded)
+    building: list = []  # [(the layer module being built, its index)]
 
     def after(model, name):
         match = _LAYER_NAME.match(name) if name is not None else None
         layer = model.get_submodule(match.group(1))[int(match.group(2))] if match else None
-        if building and building[0] is not layer:  # the previous layer is complete
-            store.add_layer(w for w in compressed_weights(building.pop()) if not w.large)
+        if building and building[0][0] is not layer:  # the previous layer is complete
+            done, index = building.pop()
+            if chosen is None or index in chosen:
+                store.add_layer(w for w in compressed_weights(done) if not w.large)
         if layer is not None and not building:
-            building.append(layer)
+            building.append((layer, int(match.group(2))))
 
     with after_each_tensor(after):
         yield store

@@ -7,29 +7,35 @@ off (``benchmarks/train_memory.py`` reports both side by side). That sum is the
 peak *allocated*; a card must hold more: :attr:`Estimate.reserved` adds the
 caching allocator's slack and :attr:`Estimate.device` the CUDA context.
 
-Terms (bytes):
+A step's peak is one moment, so the terms are what is held for the whole step plus what the
+busiest moment adds. Held for the whole step (bytes):
 
 * ``weights``: dense ``P x dtype``; NeuZip ``matrix params x bits/8`` plus dense norms.
-* ``gradients``: a full gradient per parameter for optimizers that step after
-  backward; fused updates keep only the largest single gradient alive: a decoder
-  matrix's when the embedding and lm_head take theirs row block by row block
-  (compressed, untied, an element-wise rule: LOMO, AdamW in backward), else the
-  vocabulary-sized one of the embedding or lm_head, assembled once.
-* ``optimizer_state``: AdamW two moments; AdaLomo factored row/column moments; LOMO none.
-* ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
+* ``weight_slots`` (``memory.offload_weights``): ``memory.offload_layers`` decoder layers' compressed
+  weights live in host memory (``settings["host_weight_bytes"]``, every layer by default) and
+  ``weights`` counts only the rest; the GPU holds ``slots`` of them at once
+  (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`: four when nearly every layer is offloaded,
+  two when the offloaded layers are spread between resident ones). ``settings`` also gives the PCIe
+  bytes of a step (:func:`offload_traffic`).
+* ``decode_buffers``: the two layer-sized decode slots (prefetch), pinned for the whole run.
+* ``gradients`` (optimizers that step after backward) and ``optimizer_state``: AdamW two moments,
+  AdaLomo factored row/column moments, LOMO none; ``optimizer_temporaries``: foreach AdamW's
+  model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
-* ``weight_slots`` (``memory.offload_weights``): the decoder layers' compressed weights live in host
-  memory (``settings["host_weight_bytes"]``); the GPU holds ``slots`` layers of them (default 4: the
-  current layer, the one before and two fetched ahead, :mod:`neutrain.nn.weight_offload`), and
-  ``weights`` counts only the embedding, lm_head and norms. ``settings`` also gives the PCIe bytes of
-  a step (:func:`offload_traffic`).
-* ``decode_buffers``: two layer-sized slots (prefetch) plus one slot for the
-  embedding/lm_head matrix.
-* ``activations``: with checkpointing, each decoder layer keeps its input
-  hidden state and one layer is recomputed at a time; without it, every layer
-  keeps its intermediates.
-* ``logits``: the chunked loss keeps one ``tokens x chunk`` fp32 block; the
-  unchunked Hugging Face loss keeps bf16 logits, their fp32 upcast and gradient.
+* ``activations``: with checkpointing, each decoder layer's saved input (two layers' with
+  ``memory.offload_activations``); without it, every layer's intermediates.
+
+The busiest moment (``settings["peak_moment"]``; both are in ``settings["moments"]``) is the larger of two:
+
+* ``loss``: ``vocab_decode``, the embedding/lm_head matrix decoded whole into the large decode slot
+  (compressed weights; under expandable segments, neutrain's default, the slot is freed after each use,
+  so the decoder layers never see it), ``logits`` (the chunked loss keeps one ``tokens x chunk`` fp32
+  block; the unchunked Hugging Face loss keeps bf16 logits, their fp32 upcast and gradient) and the
+  vocabulary matrix's ``gradients`` for a fused update (row blocks for compressed, untied weights and an
+  element-wise rule, LOMO or AdamW in backward; else the whole matrix);
+* ``layer backward``: ``recompute``, one decoder layer's forward intermediates (rebuilt by the
+  checkpoint; kept anyway without checkpointing) plus the MLP's backward, three ``tokens x
+  intermediate`` gradients at once, and the layer's largest weight ``gradients`` for a fused update.
 
 Example:
     >>> from neutrain.config import load_recipe
@@ -39,9 +45,10 @@ Example:
     term                         GiB
     weights                    10.17
     ...
-    total (peak allocated)     12.30
-    reserved (predicted)       12.44
-    device used (predicted)    13.19
+    total (peak allocated)     12.10
+    reserved (predicted)       12.24
+    device used (predicted)    12.99
+    peak moment           loss
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
+from neutrain.errors import RecipeError
 from neutrain.trainer.modeling import config_only
 
 GIB = 2**30
@@ -121,23 +129,29 @@ HOST_STREAM_ROOM = 0.02
 (:mod:`neutrain.nn.weight_offload`), and the stream is about a quarter of the payload."""
 
 
-def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slots: int = 4) -> dict[str, float]:
+def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slots: int = 4,
+                    offloaded: int | None = None) -> dict[str, float]:
     """Host bytes and PCIe bytes per step of ``memory.offload_weights`` (weights stay compressed both ways).
 
-    Forward fetches every layer but the ``slots`` the previous backward left on the device; backward
-    (checkpoint recompute and update share one fetch) every layer but the ``slots`` forward left; each
-    layer's re-encoded weights go back once.
+    ``offloaded`` of the decoder layers (``memory.offload_layers``; None: all) live in host memory.
+    Forward fetches every one of them but the ``slots`` the previous backward left on the device;
+    backward (checkpoint recompute and update share one fetch) every one but the ``slots`` forward
+    left; each one's re-encoded weights go back once.
 
     Example:
         >>> t = offload_traffic(ModelShape(8192, 28672, 80, 64, 8, 128256, False, 128))
         >>> round(t["host_weight_bytes"] / GIB, 1), round(t["h2d_bytes_per_step"] / GIB, 1)
         (86.7, 164.7)
+        >>> t = offload_traffic(ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), slots=2, offloaded=8)
+        >>> round(t["h2d_bytes_per_step"] / t["layer_bytes"]), round(t["d2h_bytes_per_step"] / t["layer_bytes"])
+        (12, 8)
     """
     layer = sum(r * c for n, r, c in shape.matrices() if n.startswith("layers.0.")) * bits_per_weight / 8
-    fetched = 2 * max(0, shape.layers - slots)
-    return {"layer_bytes": layer, "host_weight_bytes": shape.layers * layer,
-            "host_pinned_bytes": shape.layers * layer * (1 + HOST_STREAM_ROOM),
-            "h2d_bytes_per_step": fetched * layer, "d2h_bytes_per_step": shape.layers * layer}
+    count = shape.layers if offloaded is None else offloaded
+    fetched = 2 * max(0, count - slots)
+    return {"layer_bytes": layer, "offloaded_layers": count, "host_weight_bytes": count * layer,
+            "host_pinned_bytes": count * layer * (1 + HOST_STREAM_ROOM),
+            "h2d_bytes_per_step": fetched * layer, "d2h_bytes_per_step": count * layer}
 
 
 @dataclass
@@ -176,17 +190,25 @@ class Estimate:
         lines.append(f"{'total (peak allocated)':<22}{self.total_gib:>10.2f}")
         lines.append(f"{'reserved (predicted)':<22}{self.reserved / GIB:>10.2f}")
         lines.append(f"{'device used (predicted)':<22}{self.device / GIB:>9.2f}")
-        if self.settings.get("offload_weights"):  # memory.offload_weights: host memory and the link
-            s = self.settings
+        s = self.settings
+        if s.get("peak_moment"):
+            lines.append(f"{'peak moment':<22}{s['peak_moment']}")
+        if s.get("offload_weights"):  # memory.offload_weights: host memory and the link
+            lines.append(f"{'layers in host memory':<22}{s['offloaded_layers']:>7} of {s['layers']}")
             lines.append(f"{'host pinned (weights)':<22}{s['host_weight_bytes'] / GIB:>10.2f}")
             lines.append(f"{'PCIe in / step':<22}{s['h2d_bytes_per_step'] / GIB:>10.2f}")
             lines.append(f"{'PCIe out / step':<22}{s['d2h_bytes_per_step'] / GIB:>10.2f}")
         return "\n".join(lines)
 
 
+MLP_BACKWARD_BLOCKS = 3
+"""``tokens x intermediate`` gradients the MLP's backward holds at once beside its saved intermediates: of
+``act * up`` (from down_proj), of ``up`` and of the activation (then of ``gate``, as that one is freed)."""
+
+
 def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
              checkpointing: bool = True, offload_activations: bool = False, offload_weights: bool = False,
-             offload_slots: int = 4, dtype_bytes: int = 2,
+             offload_layers: int | None = None, offload_slots: int | None = None, dtype_bytes: int = 2,
              chunked_loss: bool | None = None,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
     """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
@@ -200,11 +222,23 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         offload_activations: The checkpointed layers' saved inputs live in host memory
             (:mod:`neutrain.nn.offload`): two layers' inputs stay on the GPU at once (the
             one recomputed and the one being copied back).
-        offload_weights: Decoder layers' compressed weights in host memory, ``offload_slots`` of them
-            on the GPU (see :func:`offload_traffic`; compressed weights only).
+        offload_weights: Decoder layers' compressed weights in host memory (compressed weights only):
+            ``offload_layers`` of them (None: all), spread as
+            :meth:`~neutrain.nn.weight_offload_model.LayerPlacement.spread` spreads them, through its ring
+            of slots (``offload_slots`` overrides it; see :func:`offload_traffic`).
         dtype_bytes: Bytes per weight/activation element (bf16: 2).
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
+
+    Example:
+        >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
+        >>> full = estimate(shape, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo")
+        >>> part = estimate(shape, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo",
+        ...                 offload_weights=True, offload_layers=8)
+        >>> round((full.total - part.total) / GIB, 2), part.settings["offload_slots"]  # 8 layers less 2 slots
+        (1.62, 2)
     """
+    from neutrain.nn.weight_offload_model import LayerPlacement  # lazy: the ring lives with the store
+
     compressed = weights.startswith("neuzip")
     fused = optimizer in FUSED_OPTIMIZERS
     if chunked_loss is None:
@@ -213,26 +247,21 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     h, i_, v = shape.hidden, shape.intermediate, shape.vocab
     kv = shape.kv_heads * shape.head_dim
     t: dict[str, float] = {}
+    offloading = compressed and offload_weights
     if compressed:
         # Lossy k keeps sign + k mantissa bits raw beside the ~2.65-bit entropy-coded exponent.
         bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
         t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
-        t["decode_buffers"] = (2 * shape.largest_layer_matrix() + v * h) * dtype_bytes
-        if offload_weights:
-            traffic = offload_traffic(shape, bits, offload_slots)
+        if offloading:
+            placement = LayerPlacement.spread(shape.layers, offload_layers)
+            slots = offload_slots or placement.slots
+            traffic = offload_traffic(shape, bits, slots, placement.count)
             t["weights"] -= traffic["host_weight_bytes"]
-            t["weight_slots"] = min(offload_slots, shape.layers) * traffic["layer_bytes"] * (1 + 1 / 16)
+            t["weight_slots"] = min(slots, placement.count) * traffic["layer_bytes"] * (1 + 1 / 16)
+        t["decode_buffers"] = 2 * shape.largest_layer_matrix() * dtype_bytes
     else:
         t["weights"] = shape.params() * dtype_bytes
-    if fused:
-        # The largest single gradient alive at once. Compressed, untied and element-wise: the embedding
-        # and lm_head are updated from row blocks (a chunk_numel buffer), so a decoder matrix's gradient.
-        # (AdaLomo's factored statistics need its whole gradient; the other fused rules are element-wise.)
-        streamed = compressed and chunked_loss and not shape.tied and optimizer != "adalomo"
-        largest = max(shape.largest_layer_matrix(), chunk_numel) if streamed else v * h
-        t["gradients"] = largest * dtype_bytes
-        t["update_temporaries"] = 3 * chunk_numel * 4
-    else:
+    if not fused:
         t["gradients"] = shape.params() * dtype_bytes
     if optimizer in ("adamw", "adamw-in-backward"):
         t["optimizer_state"] = 2 * shape.params() * dtype_bytes
@@ -241,35 +270,64 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         t["optimizer_temporaries"] = shape.params() * dtype_bytes
     elif optimizer == "adalomo":
         t["optimizer_state"] = sum((r + c) * 4 for _, r, c in shape.matrices()) + shape.norm_params() * 4
+    if fused:
+        t["update_temporaries"] = 3 * chunk_numel * 4
     layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
     if checkpointing:
-        # Saved layer inputs plus one layer's recompute working set (fitted on an H200, see train_memory.json).
+        # Each layer's saved input (fitted on an H200, see train_memory.json); the recompute is the moment's.
         kept = 2 if offload_activations else shape.layers
-        t["activations"] = kept * tokens * h * dtype_bytes + layer_live
+        t["activations"] = kept * tokens * h * dtype_bytes
     else:
         t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
+
+    # The loss: the vocabulary matrix decoded whole, the logits block and, for a fused update, the vocabulary
+    # matrix's gradient: row blocks of chunk_numel when compressed, untied and element-wise (AdaLomo's
+    # factored statistics need its whole gradient; the other fused rules are element-wise), else whole.
+    loss: dict[str, float] = {}
+    if compressed:
+        loss["vocab_decode"] = v * h * dtype_bytes
     if chunked_loss:
-        t["logits"] = min(loss_chunk_bytes, tokens * v * 4) + tokens * h * 4
+        loss["logits"] = min(loss_chunk_bytes, tokens * v * 4) + tokens * h * 4
     else:
-        t["logits"] = tokens * v * (dtype_bytes + 4 + 4)
+        loss["logits"] = tokens * v * (dtype_bytes + 4 + 4)
+    if fused:
+        streamed = compressed and chunked_loss and not shape.tied and optimizer != "adalomo"
+        loss["gradients"] = (chunk_numel if streamed else v * h) * dtype_bytes
+    # A decoder layer's backward: its intermediates (rebuilt by the checkpoint) and the MLP's gradients.
+    backward = {"recompute": (layer_live if checkpointing else 0) + MLP_BACKWARD_BLOCKS * tokens * i_ * dtype_bytes}
+    if fused:
+        backward["gradients"] = shape.largest_layer_matrix() * dtype_bytes
+    moment, peak = max((("loss", loss), ("layer backward", backward)), key=lambda m: sum(m[1].values()))
+    t.update(peak)
     settings = dict(batch=batch, seq=seq, weights=weights, optimizer=optimizer, checkpointing=checkpointing,
                     offload_activations=offload_activations and checkpointing,
                     host_activation_bytes=shape.layers * tokens * h * dtype_bytes if offload_activations and checkpointing else 0,
-                    chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes)
-    if compressed and offload_weights:
-        settings.update(offload_weights=True, offload_slots=offload_slots, **traffic)
+                    chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
+                    layers=shape.layers, peak_moment=moment, moments={"loss": loss, "layer backward": backward},
+                    layer_slot_bytes=t.get("decode_buffers", 0.0), vocab_slot_bytes=loss.get("vocab_decode", 0.0))
+    if offloading:
+        settings.update(offload_weights=True, offload_slots=slots, offloaded=placement.offloaded, **traffic)
     slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES
     return Estimate(t, settings, slack)
 
 
-def estimate_recipe(recipe: Recipe) -> Estimate:
-    """Estimate a recipe's peak GPU memory from its model config, without building the model."""
-    config = config_only(recipe.model)
+def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate:
+    """Estimate a recipe's peak GPU memory from its model config, without building the model.
+
+    ``shape``: the model's, when the caller has it (else read from the recipe's model config).
+
+    Raises:
+        RecipeError: ``memory.offload_layers`` is more than the model's decoder layers.
+    """
     m, t = recipe.memory, recipe.train
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    shape = shape or ModelShape.from_config(config_only(recipe.model))
+    if m.offload_weights and m.offload_layers is not None and m.offload_layers > shape.layers:
+        raise RecipeError(f"memory.offload_layers: {m.offload_layers} is more than the model's {shape.layers} "
+                          "decoder layers")
     return estimate(
-        ModelShape.from_config(config), batch=t.micro_batch_size, seq=recipe.data.sequence_len,
+        shape, batch=t.micro_batch_size, seq=recipe.data.sequence_len,
         weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
         offload_activations=m.offload_activations, offload_weights=m.offload_weights,
-        dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
+        offload_layers=m.offload_layers, dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
     )

@@ -220,8 +220,14 @@ class NeuTrainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         prepared = self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
                                                               super()._prepare_for_training)
-        if self.memory.offload_weights and weight_store(_unwrap(self.model)) is None:
-            offload_weights(_unwrap(self.model))  # a model built elsewhere: its layers go to host memory now
+        store, asked = weight_store(_unwrap(self.model)), self.memory.offload_layers
+        if self.memory.offload_weights and store is None:
+            # A model built elsewhere: its layers (memory.offload_layers of them) go to host memory now.
+            offload_weights(_unwrap(self.model), count=asked)
+        elif store is not None and asked is not None and len(store.layers) != asked:
+            # The planner counted `asked` layers' worth of device memory and PCIe bytes; say where they differ.
+            logger.warning("memory.offload_layers: %d asked, but the build put %d decoder layers in host memory",
+                           asked, len(store.layers))
         if self.memory.offload_activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
             layers = offload_checkpointed_inputs(_unwrap(self.model))

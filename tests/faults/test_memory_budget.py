@@ -99,8 +99,9 @@ def test_estimate_prints_the_phases_the_budget_and_the_choice(capsys):
     table = out.split("predicted peak by phase (GiB)\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[0] for line in table] == ["phase", "build", "train_step", "save", "resume"]
     assert "budget: 11.00 GiB (memory.device_budget_gib: 11.0)" in out
-    assert "memory: offloading weights and activations: on the GPU it needs 13.21 GiB (phase 'build')" in out
-    assert "chosen configuration: memory.offload_activations=True, memory.offload_weights=True" in out
+    chosen = out.split("chosen configuration: memory.offload_weights=True, memory.offload_layers=", 1)[1].split("\n")[0]
+    assert f"memory: offloading {chosen} of 32 decoder layers' weights: on the GPU it needs 12.24 GiB (phase 'train_step')" in out
+    assert f"decoder layers in host memory: {chosen} of 32 (" in out
     rc = neutrain(["estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=2"])
     captured = capsys.readouterr()
     assert rc == 2 and "nothing fits a budget of 2.00 GiB" in one_error_line(captured.err)
@@ -124,9 +125,11 @@ def test_on_a_gpu_the_fit_is_applied_and_the_budget_is_the_allocators_limit(monk
     recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml"), state, said.append)  # budget: auto
     assert limits == [(auto_budget(total) / total, 0)]  # a device index, as torch requires
     assert isinstance(limits[0][0], float)
-    assert recipe.memory.offload_weights is offloaded and recipe.memory.offload_activations is offloaded
+    assert recipe.memory.offload_weights is offloaded and recipe.memory.offload_activations is False
+    assert (recipe.memory.offload_layers is not None) is offloaded  # a part of the layers: the cheapest that fits
     assert said == [fit.line] and fit.line.startswith(
-        "memory: offloading weights and activations" if offloaded else "memory: fits the")
+        f"memory: offloading {recipe.memory.offload_layers} of 32 decoder layers' weights" if offloaded
+        else "memory: fits the")
     # memory.device_budget_gib: none: no limit, the recipe as it is.
     limits.clear()
     recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml", ["memory.device_budget_gib=none"]), state, said.append)

@@ -36,7 +36,9 @@ def test_checkpointing_and_chunked_loss_reduce_estimate():
     shape = ModelShape.from_config(_llama(False))
     base = dict(batch=4, seq=512, weights="dense", optimizer="lomo")
     assert estimate(shape, checkpointing=True, **base).terms["activations"] < estimate(shape, checkpointing=False, **base).terms["activations"]
-    assert estimate(shape, chunked_loss=True, **base).terms["logits"] <= estimate(shape, chunked_loss=False, **base).terms["logits"]
+    logits = {chunked: estimate(shape, chunked_loss=chunked, **base).settings["moments"]["loss"]["logits"]
+              for chunked in (True, False)}
+    assert logits[True] <= logits[False]
 
 
 def test_streamed_vocabulary_gradients_and_reserved_memory():
@@ -44,16 +46,25 @@ def test_streamed_vocabulary_gradients_and_reserved_memory():
                                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
     vocab_matrix = 128256 * 4096 * 2
 
-    def grads(**kw):
-        return estimate(shape, batch=1, seq=1024, **kw).terms["gradients"]
+    def grads(at="loss", shape=shape, **kw):
+        return estimate(shape, batch=1, seq=1024, **kw).settings["moments"][at]["gradients"]
 
     # Compressed, untied, element-wise: the embedding and lm_head are updated row block by row block.
-    assert grads(weights="neuzip-lossless", optimizer="lomo") == 14336 * 4096 * 2
+    assert grads(weights="neuzip-lossless", optimizer="lomo") == (1 << 24) * 2
     # AdaLomo's factored statistics need the whole gradient; dense weights get it from autograd.
     assert grads(weights="neuzip-lossless", optimizer="adalomo") == vocab_matrix
     assert grads(weights="dense", optimizer="lomo") == vocab_matrix
     tied = ModelShape(**{**shape.__dict__, "tied": True})
-    assert estimate(tied, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo").terms["gradients"] == vocab_matrix
+    assert grads(shape=tied, weights="neuzip-lossless", optimizer="lomo") == vocab_matrix
+    # A decoder layer's backward: its largest matrix's gradient, whatever the vocabulary's update.
+    assert grads("layer backward", weights="neuzip-lossless", optimizer="lomo") == 14336 * 4096 * 2
+    # The step's peak is the busier moment, and only its terms are summed.
+    est = estimate(shape, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo")
+    moments = est.settings["moments"]
+    assert est.settings["peak_moment"] == "loss" and est.terms["vocab_decode"] == vocab_matrix
+    assert sum(moments["loss"].values()) > sum(moments["layer backward"].values()) and "recompute" not in est.terms
+    long = estimate(shape, batch=1, seq=16384, weights="neuzip-lossless", optimizer="lomo")
+    assert long.settings["peak_moment"] == "layer backward" and "vocab_decode" not in long.terms
     # Reserved adds the allocator's slack, growing with the largest activation block; device adds the context.
     small, large = (estimate(shape, batch=1, seq=s, weights="neuzip-lossless", optimizer="lomo") for s in (1024, 16384))
     assert small.total < small.reserved < small.device

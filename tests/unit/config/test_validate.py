@@ -100,6 +100,26 @@ def test_cross_checks():
     assert validate_recipe(raw).memory.offload_activations is True
 
 
+@pytest.mark.parametrize("value, pattern", [
+    (True, r"memory\.offload_layers: expected an integer, got bool True"),
+    (2.5, r"memory\.offload_layers: expected an integer, got float 2\.5"),
+    (0, r"memory\.offload_layers: 0 is below the minimum 1"),
+])
+def test_offload_layers_is_a_count_of_layers(value, pattern):
+    raw = _raw()
+    raw.setdefault("memory", {}).update(weights="neuzip-lossless", offload_weights=True, offload_layers=value)
+    raw["train"]["optimizer"] = "lomo"
+    with pytest.raises(RecipeError, match=pattern):
+        validate_recipe(raw)
+    raw["memory"]["offload_layers"] = 3
+    assert validate_recipe(raw).memory.offload_layers == 3
+    # A count of layers means nothing without weight offload: one line naming both keys.
+    raw["memory"]["offload_weights"] = False
+    with pytest.raises(RecipeError, match=r"^memory\.offload_layers: 3 layers in host memory needs "
+                                          r"memory\.offload_weights: true$"):
+        validate_recipe(raw)
+
+
 def test_shipped_recipes_validate():
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
     assert recipes, "no shipped recipes"

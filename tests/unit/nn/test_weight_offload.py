@@ -11,6 +11,7 @@ from neutrain.nn import (
     compress_model,
 )
 from neutrain.nn.checkpoint import load_compressed_state, save_compressed_checkpoint
+from neutrain.nn.convert import compressed_weights
 from neutrain.nn.weight_offload import PAYLOAD, WeightOffload
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim import LOMO, AdaLomo
@@ -76,6 +77,72 @@ def test_offloaded_training_is_bit_identical(rule, checkpointing):
     assert store.stats.writebacks == len(data) * layer_weights and store.stats.d2h_bytes > 0
     _assert_same(weights(plain), weights(offloaded))
     _assert_same(_blobs(plain), _blobs(offloaded))  # the compressed bytes too (saved from the host store)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
+@pytest.mark.parametrize("rule", ["lomo", "adalomo"])
+def test_some_layers_offloaded_train_bit_identically_to_none(rule, checkpointing):
+    # memory.offload_layers: 2 of 5 layers in host memory (layers 1 and 3), the other three stay on the
+    # device; after three steps every weight and every compressed byte equals the all-resident run's.
+    data = token_batches(3, seed=11)
+    plain = tiny_llama(seed=4, layers=5)
+    compress_model(plain, progress=False, codec_options=CODEC)
+    partial = tiny_llama(seed=4, layers=5)
+    compress_model(partial, progress=False, codec_options=CODEC)
+    if checkpointing:
+        enable_checkpointing(plain), enable_checkpointing(partial)
+    store = offload_weights(partial, count=2)
+    held = {w.name.split(".")[2] for layer in store.layers for w in layer.weights}
+    assert held == {"1", "3"} and (store.ahead, store.slots) == (1, 2)
+    for index, layer in enumerate(partial.model.layers):  # the others keep their payload on the device
+        homes = {w.home for w in compressed_weights(layer)}
+        assert homes == ({store} if index in (1, 3) else {None}), index
+    _steps(plain, _optimizer(plain, rule), data)
+    _steps(partial, _optimizer(partial, rule), data)
+    assert store.stats.writebacks == len(data) * 2 * 7  # only the offloaded layers' updates go back
+    _assert_same(weights(plain), weights(partial))
+    _assert_same(_blobs(plain), _blobs(partial))
+
+
+def test_a_streaming_build_offloads_only_the_placements_layers():
+    from transformers import LlamaConfig
+
+    from neutrain.nn.load import init_compressed
+    from neutrain.nn.weight_offload_model import LayerPlacement, attach, streaming_offload
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    placement = LayerPlacement.spread(cfg.num_hidden_layers, 3)
+    assert placement.offloaded == (1, 3, 5)
+    with streaming_offload("cpu", placement=placement) as store:
+        built, _ = init_compressed(cfg, device="cpu", progress=False, codec_options=CODEC, seed=1)
+    attach(built, store)
+    plain, _ = init_compressed(cfg, device="cpu", progress=False, codec_options=CODEC, seed=1)
+    assert [layer.weights[0].name.split(".")[2] for layer in store.layers] == ["1", "3", "5"]
+    assert all(w.home is None for i in (0, 2, 4) for w in compressed_weights(built.model.layers[i]))
+    data = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    _steps(plain, _optimizer(plain, "lomo"), data)
+    _steps(built, _optimizer(built, "lomo"), data)
+    _assert_same(_blobs(plain), _blobs(built))
+
+
+@pytest.mark.parametrize("count, offloaded, ring", [
+    (1, (16,), (1, 2)), (8, (2, 6, 10, 14, 18, 22, 26, 30), (1, 2)), (16, tuple(range(1, 32, 2)), (1, 2)),
+    (17, None, (2, 4)), (32, tuple(range(32)), (2, 4)),
+])
+def test_a_placement_spreads_its_layers_and_sizes_its_ring(count, offloaded, ring):
+    from neutrain.nn.weight_offload_model import LayerPlacement
+
+    placement = LayerPlacement.spread(32, count)
+    assert placement.count == count == len(set(placement.offloaded))
+    assert list(placement.offloaded) == sorted(placement.offloaded) and 0 <= placement.offloaded[0]
+    assert placement.offloaded[-1] < 32
+    if offloaded is not None:
+        assert placement.offloaded == offloaded
+    assert (placement.ahead, placement.slots) == ring
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match=f"cannot offload {bad} of 32 decoder layers"):
+            LayerPlacement.spread(32, bad)
 
 
 def test_offloaded_layers_hold_no_device_payload_between_uses():

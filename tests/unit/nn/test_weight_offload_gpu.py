@@ -53,6 +53,26 @@ def test_offloaded_training_on_cuda_is_bit_identical(rule):
     store.close()
 
 
+@pytest.mark.parametrize("rule", ["lomo", "adalomo"])
+def test_some_layers_offloaded_on_cuda_train_bit_identically_to_none(rule):
+    # memory.offload_layers: 2 of 5 layers (1 and 3) through the spread ring (2 slots, 1 ahead), the
+    # others resident and prefetched by the decode buffers as without offload.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    data = token_batches(4, seed=6, batch=2, length=64)
+    plain, _ = _model(False)
+    expected = _train(plain, rule, data)
+    model = tiny_llama(seed=4, hidden=256, layers=5).cuda()
+    compress_model(model, progress=False)
+    enable_checkpointing(model)
+    store = offload_weights(model, count=2)
+    got = _train(model, rule, data)
+    assert (len(store.layers), store.slots) == (2, 2) and store.stats.writebacks == 4 * 7 * 2
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    store.close()
+
+
 def test_a_new_slot_waits_for_compute_work_queued_before_it():
     """The 8B's fault: a slot allocated on the compute stream got a block that queued compute kernels
     still wrote, while the copy into it ran at once on the copy stream. Here such a kernel is held back

@@ -1,6 +1,8 @@
 """The planner's memory.offload_weights terms: GPU slots instead of the layers, host bytes, PCIe bytes per step."""
 
-from neutrain.config import load_recipe
+import pytest
+
+from neutrain.config import RecipeError, load_recipe
 from neutrain.nn import causal_lm_loss, compress_model
 from neutrain.nn.weight_offload_model import offload_weights
 from neutrain.optim import LOMO
@@ -65,3 +67,20 @@ def test_the_shipped_70b_recipe_fits_an_80_gb_card_only_offloaded():
     assert 80 * GIB < off.settings["host_weight_bytes"] < 95 * GIB
     plain = estimate_recipe(load_recipe("recipes/llama3_70b_offload.yaml", ["memory.offload_weights=false"]))
     assert plain.reserved > 80 * GIB
+
+
+def test_some_layers_offloaded_take_their_share_of_host_memory_and_the_link():
+    recipe = load_recipe("recipes/llama3_8b.yaml", ["memory.offload_weights=true", "memory.offload_layers=8"])
+    part, every = estimate_recipe(recipe), estimate(
+        ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), batch=1, seq=1024, weights="neuzip-lossless",
+        optimizer="lomo", offload_weights=True)
+    layer = part.settings["layer_bytes"]
+    assert part.settings["offloaded"] == (2, 6, 10, 14, 18, 22, 26, 30) and part.settings["offload_slots"] == 2
+    assert part.settings["host_weight_bytes"] == 8 * layer == every.settings["host_weight_bytes"] / 4
+    assert part.settings["h2d_bytes_per_step"] == 2 * (8 - 2) * layer and part.settings["d2h_bytes_per_step"] == 8 * layer
+    assert part.terms["weight_slots"] == 2 * layer * (1 + 1 / 16)
+    assert abs(part.terms["weights"] - every.terms["weights"] - 24 * layer) < 1  # the 24 resident layers
+    assert "layers in host memory       8 of 32" in part.table()
+    # More layers than the model has: one line naming the key (before anything is built).
+    with pytest.raises(RecipeError, match=r"^memory\.offload_layers: 40 is more than the model's 32 decoder layers$"):
+        estimate_recipe(load_recipe("recipes/llama3_8b.yaml", ["memory.offload_weights=true", "memory.offload_layers=40"]))
