@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Issue 27's cards gate in one device call: benchmarks/cards.py runs the literal user commands (accelerate
-# launch recipes/llama3_8b.yaml ..., neutrain generate ...) at budgets of 22, 14.5, 11 and 7 GiB, then the
-# targets' timing runs, and merges $OUT/cards.json.
-# On a machine of two GPUs (what one call's time allows): GPU 0 runs the 7 and 14.5 GiB journeys at once,
-# then the batch-8 pair (no budget, 7 GiB) alone; GPU 1 runs 11 and 22 GiB at once, then the recipe-batch
-# pair (no budget, 11 GiB) alone. Each process's allocated/reserved peaks are its own; the NVML device
-# figure of a shared GPU counts both journeys (the timing runs give the clean ones).
+# The cards gate on the device: benchmarks/cards.py runs the literal user commands (accelerate launch
+# recipes/llama3_8b.yaml ..., neutrain generate ...) at device budgets of 22, 14.5, 11 and 7 GiB (24, 16,
+# 12 and 8 GB cards; 5 GiB for a 6 GB card), then the targets' timing runs, and merges $OUT/cards.json.
+# Every journey and timing run is alone on its GPU (clean NVML figures); with two GPUs the two lists run
+# side by side. A journey takes about 4-5 minutes on an H100 (two launches, three 10 GiB saves, the
+# 15 GiB hf export, two generates); a timing run about 1.5.
+#   STAGE=journeys: GPU0 runs J0 (default 22,14.5), GPU1 runs J1 (default 7,11)
+#   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the timing runs T1 and journeys J1
+#                   (defaults: b1_none,b1_11,b8_none,b8_7 and none)
+# With one GPU, STAGE's two lists run one after the other on it.
 # Disk: a journey holds up to ~46 GiB (three 10 GiB checkpoints and a 15 GiB export) until it is cleaned:
-# the offloaded journeys (7, 11) work in /dev/shm, the others on disk.
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_cards.sh
+# GPU1's work (the offloaded budgets) goes in /dev/shm, GPU0's on disk.
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 STAGE=journeys bash benchmarks/gpu_cards.sh
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
@@ -21,23 +24,32 @@ source benchmarks/install_carried_wheels.sh > /dev/null
 cp neutrain-recipe.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m neutrain "$@"\n' > /tmp/bin/neutrain && chmod +x /tmp/bin/neutrain
 export PATH=/tmp/bin:$PATH
-JOURNEY=${JOURNEY_LIMIT:-380}
-TIMING=${TIMING_LIMIT:-150}
-cards() { timeout -k 5 "$1" python3 benchmarks/cards.py --part "$2" --budgets "$3" --timing "$4" --work "$5" > "$OUT/cards_$2.out" 2>&1; }
+STAGE=${STAGE:-journeys}
+LIMIT=${LIMIT:-540}  # the whole stage on one GPU, seconds
+cards() {  # part budgets timing workdir
+  timeout -k 5 "$LIMIT" python3 benchmarks/cards.py --part "$1" --budgets "$2" --timing "$3" --work "$4" \
+    > "$OUT/cards_$1.log" 2>&1
+  rm -rf "$4"
+}
+suite() {
+  timeout -k 5 "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/junit_gpu_h100.xml" tests \
+    > "$OUT/gpu_suite.log" 2>&1
+  tail -n 3 "$OUT/gpu_suite.log"
+}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$ngpu" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=0
-    cards "$JOURNEY" j7 7 "" /dev/shm/cards7 & cards "$JOURNEY" j14 14.5 "" /tmp/cards14 & wait
-    cards "$TIMING" t8 "" b8_none,b8_7 /tmp/cards_t8 ) &
-  ( export CUDA_VISIBLE_DEVICES=1
-    cards "$JOURNEY" j11 11 "" /dev/shm/cards11 & cards "$JOURNEY" j22 22 "" /tmp/cards22 & wait
-    cards "$TIMING" t1 "" b1_none,b1_11 /tmp/cards_t1 ) &
-  wait
-  parts=("$OUT"/cards_j7.json "$OUT"/cards_j14.json "$OUT"/cards_j11.json "$OUT"/cards_j22.json "$OUT"/cards_t8.json "$OUT"/cards_t1.json)
+if [ "$STAGE" = journeys ]; then
+  first() { cards j0 "${J0:-22,14.5}" "" /tmp/cards_j0; }
+  second() { cards j1 "${J1:-7,11}" "" /dev/shm/cards_j1; }
 else
-  cards 3000 all 22,14.5,11,7 b1_none,b1_11,b8_none,b8_7 /tmp/cards
-  parts=("$OUT/cards_all.json")
+  first() { suite; }
+  second() { cards t1 "${J1:-}" "${T1:-b1_none,b1_11,b8_none,b8_7}" /dev/shm/cards_t1; }
 fi
-tail -n 4 "$OUT"/cards_*.out
-python3 benchmarks/cards.py --merge "${parts[@]}"
+if [ "$ngpu" -ge 2 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0; first ) &
+  ( export CUDA_VISIBLE_DEVICES=1; second ) &
+  wait
+else
+  first; second
+fi
+grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
 echo "done in ${SECONDS}s"
