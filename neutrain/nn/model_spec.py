@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from neutrain.nn.convert import WEIGHT_MODES
+from neutrain.nn.sources import TensorSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ class ModelSpec:
         codec_options: extra arguments for ``neutrain.compress.compress`` (tests use short lanes).
     """
 
-    source: Any
+    source: TensorSource
     config: Any
     dtype: torch.dtype = torch.bfloat16
     storage_dtype: torch.dtype | None = None

@@ -34,13 +34,23 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
+
+
+class TensorSource(Protocol):
+    """The interface every source offers (see the module docstring)."""
+
+    def keys(self) -> list[str] | None: ...
+
+    def tensors(self, model, device, dtype: torch.dtype) -> Iterator[tuple[str, object]]: ...
+
+    def generation_config(self): ...
 
 
 @dataclasses.dataclass(frozen=True)
