@@ -151,3 +151,20 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
     spec = ModelSpec(source, source.read_config(), torch.bfloat16, codec_options=CODEC)
     with pytest.raises(CheckpointError, match=rf"^checkpoint tensor {names[9]} appears twice$"):
         build(spec, progress=False)
+
+
+@pytest.mark.gpu
+def test_an_offloaded_build_on_cuda_from_shards_decodes_and_computes_as_the_resident_one(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    spec, reference = _source("hf-sharded", tmp_path)
+    resident, _ = build(spec.replace(placement=Placement("neuzip-lossless", device="cuda")), progress=False)
+    offloaded, _ = build(spec.replace(placement=Placement("neuzip-lossless", offload=True, device="cuda")),
+                         progress=False)
+    store = weight_store(offloaded)
+    assert store.cuda and [len(layer.weights) for layer in store.layers] == [7] * LAYERS
+    decoded = {k: v.cpu() for k, v in decompressed_state_dict(offloaded).items()}
+    assert _equal(decoded, reference) == []
+    ids = torch.randint(0, 90, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        assert torch.equal(offloaded.eval()(ids).logits, resident.eval()(ids).logits)
