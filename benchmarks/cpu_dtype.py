@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _default_model(dtype):
     from neutrain.config import load_recipe
     from neutrain.nn.load import init_compressed
-    from neutrain.trainer.modeling import _model_config
+    from neutrain.trainer.modeling import recipe_config
 
     recipe = load_recipe("default")
 
@@ -32,7 +32,7 @@ def _default_model(dtype):
         def __len__(self):
             return recipe.model["tokenizer_vocab_size"]
 
-    config = _model_config({**recipe.model, "tokenizer": "train-bpe"}, _Vocab())
+    config = recipe_config({**recipe.model, "tokenizer": "train-bpe"}, _Vocab())
     config._attn_implementation = "sdpa"
     model, _ = init_compressed(config, "neuzip-lossless", "cpu", dtype=dtype, seed=0, progress=False,
                                storage_dtype=torch.bfloat16)

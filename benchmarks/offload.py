@@ -12,7 +12,7 @@ in-GPU numbers of the same process with it) costs only that part, recorded as on
   (``torch.cuda.set_per_process_memory_fraction``); the saved layer inputs go to host memory too when
   the planner says weights alone would not fit. Target ``offload_8b_over_in_gpu`` (>= 0.85).
 * ``70b``: the Llama-3-70B architecture (``benchmarks/train_70b.py``'s config) built layer by layer on
-  the GPU straight into the host store (``neutrain.nn.weight_offload.streaming_offload``), one sequence
+  the GPU straight into the host store (``neutrain.nn.load.build`` with an offloading placement), one sequence
   of 16,384 tokens per step, >= 3 steps. Targets ``h100_70b_tokens_per_s_16k`` (>= 620) and
   ``h100_70b_peak_reserved_gib`` (<= 70); host memory pinned, bytes moved per step against the link, and
   the timeline of one step per layer (copy in, compute, write-back; decode and encode kernel totals).
@@ -220,8 +220,10 @@ def part_70b(args) -> dict:
     import torch
     from transformers import LlamaConfig
 
-    from neutrain.nn.load import init_compressed
-    from neutrain.nn.weight_offload_model import attach, streaming_offload
+    from neutrain.nn.load import build
+    from neutrain.nn.model_spec import ModelSpec, Placement
+    from neutrain.nn.sources import RandomInit
+    from neutrain.nn.weight_offload_model import weight_store
     from neutrain.optim import LOMO
     from neutrain.trainer.planner import ModelShape, estimate
 
@@ -231,9 +233,9 @@ def part_70b(args) -> dict:
     config = LlamaConfig(**cfg)
     config._attn_implementation = "sdpa"
     t0 = time.perf_counter()
-    with streaming_offload("cuda") as store:
-        model, _ = init_compressed(config, "neuzip-lossless", "cuda", dtype=torch.bfloat16, progress=False)
-    attach(model, store)
+    placement = Placement("neuzip-lossless", offload=True, device="cuda")
+    model, _ = build(ModelSpec(RandomInit(), config, torch.bfloat16, placement=placement), progress=False)
+    store = weight_store(model)
     build_s = time.perf_counter() - t0
     print(f"70b built in {build_s:.0f} s; pinned {store.pinned_bytes / GIB:.1f} GiB; "
           f"device {torch.cuda.memory_reserved() / GIB:.1f} GiB reserved", flush=True)

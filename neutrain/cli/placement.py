@@ -32,7 +32,10 @@ from neutrain.cli.memory import enforce_budget
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
 from neutrain.trainer.fit import resolve_budget
 from neutrain.trainer.phases import device_memory_used
-from neutrain.trainer.modeling import build_model
+from neutrain.nn.architecture import auto_attention
+from neutrain.nn.load import build
+from neutrain.nn.model_spec import ModelSpec, Placement
+from neutrain.nn.sources import SafetensorsFolder
 from neutrain.trainer.planner import NEUZIP_BITS
 
 GIB = 2**30
@@ -105,13 +108,28 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
         return model.to("cuda"), tokenizer, _note(form, dense, compressed, budget)
 
     verify_checkpoint(path)  # checksums, and no file that would run code when loaded
-    config = json.loads((path / "config.json").read_text())
-    cfg = {"base_model": str(path), "gguf_file": None, "init": "pretrained", "config": None,
-           "dtype": _dtype_name(config), "attn_implementation": "sdpa", "trust_remote_code": False,
-           "allow_unknown_config_keys": False, "tokenizer": None}
     tokenizer = _load_tokenizer(path)
-    model = build_model(cfg, tokenizer, weights="neuzip-lossless", offload_weights=form == "neuzip+offload")
-    return model.eval(), tokenizer, _note(form, dense, compressed, budget)
+    return build_form(path, form, "cuda").eval(), tokenizer, _note(form, dense, compressed, budget)
+
+
+def build_form(path: Path, form: str, device: str = "cuda"):
+    """The model of export ``path`` in a compressed ``form`` (``neuzip`` or ``neuzip+offload``) on ``device``,
+    built tensor by tensor from its safetensors shards (:func:`neutrain.nn.load.build`).
+
+    ``neuzip+offload`` moves each decoder layer to host memory as soon as its last tensor is read, so
+    the device never holds the compressed model; a layer split across shards waits for its other part.
+    """
+    import torch
+
+    source = SafetensorsFolder(path)
+    config = source.read_config()
+    dtype = getattr(torch, _dtype_name(json.loads((path / "config.json").read_text())))
+    placement = Placement("neuzip-lossless", offload=form == "neuzip+offload", device=device)
+    # The attention transformers runs this architecture with (sdpa, or eager where it has none).
+    spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False), placement=placement)
+    model, report = build(spec)
+    logger.info("generate: %s", report)
+    return model
 
 
 def _dtype_name(config: dict) -> str:

@@ -19,8 +19,10 @@ from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError
 from neutrain.export.target import EXPORT_INFO, staged_export
 from neutrain.nn import decompressed_state_dict
-from neutrain.nn.checkpoint import MARKER, is_compressed, load_compressed_state
-from neutrain.nn.load import init_compressed
+from neutrain.nn.checkpoint import MARKER, is_compressed
+from neutrain.nn.load import build
+from neutrain.nn.model_spec import ModelSpec, Placement
+from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
 from neutrain.storage.manifest import verify_checkpoint
 
 _DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API's
@@ -29,7 +31,12 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
-    """Load a ``checkpoint-N`` (or export) directory as a causal LM and its tokenizer.
+    """Load a ``checkpoint-N`` (or export) directory as a causal LM and its tokenizer, on the CPU (eval mode).
+
+    A compressed run's checkpoint is rebuilt from its blobs as they are (no re-encoding), a dense
+    checkpoint or export tensor by tensor (:func:`neutrain.nn.load.build`); ``dtype`` ``auto`` keeps the
+    dtype the config names (else the weights'). A NeuZip export loads through transformers'
+    ``from_pretrained`` and neutrain's quantizer, as any user of the export loads it.
 
     Raises:
         CheckpointError: if the directory is missing or incomplete.
@@ -47,10 +54,28 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     if (path / MARKER).exists():
         return _load_compressed_checkpoint(path), _load_tokenizer(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype])
+        if _is_neuzip_export(path):
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype])
+        else:
+            source = SafetensorsFolder(path)
+            config = source.read_config()
+            chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
+            model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    return model, _load_tokenizer(path)
+    return model.eval(), _load_tokenizer(path)
+
+
+def _is_neuzip_export(path: Path) -> bool:
+    from neutrain.export.quantizer import QUANT_METHOD  # lazy: keeps `import neutrain` light
+
+    config = json.loads((path / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
 
 
 def _load_tokenizer(path: Path):
@@ -69,18 +94,10 @@ def _load_tokenizer(path: Path):
 
 def _load_compressed_checkpoint(path: Path):
     """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights)."""
-    import json
-
-    from transformers import AutoConfig
-
-    info = json.loads((path / MARKER).read_text())
-    config = AutoConfig.from_pretrained(str(path))
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
-    if isinstance(dtype, str):
-        dtype = _DTYPES.get(dtype, torch.bfloat16)
-    # A small random model of the right structure receives the saved blobs (replaced wholesale).
-    model, _ = init_compressed(config, info["weights"], "cpu", dtype=dtype, progress=False)
-    load_compressed_state(model, path)
+    source = NeutrainCheckpoint(path)
+    config = source.read_config()
+    model, _ = build(ModelSpec(source, config, _config_dtype(config) or torch.bfloat16, placement=Placement(source.weights)),
+                     progress=False)
     return model.eval()
 
 

@@ -1,15 +1,12 @@
 """GGUF checkpoints (llama.cpp's format): loaded dequantized, then compressed, with their tokenizer.
 
-transformers reads a GGUF file (``from_pretrained(dir, gguf_file=name)``): it maps llama.cpp's
-tensor names to its own, undoes llama.cpp's Q/K row permutation and dequantizes Q8_0/Q4_K/...
-blocks. For dense training neutrain asks it for a plain dense model
-(:func:`neutrain.compat.gguf_dequantized_kwargs`); the model trains and exports with
-``save_pretrained`` as ordinary safetensors. The file's vocabulary, special tokens and chat template
-become the tokenizer (:func:`load_gguf_tokenizer`).
-
-A compressed model is built tensor by tensor (:func:`load_gguf_compressed`): each tensor is read from
-the memory-mapped file, dequantized and compressed before the next, so the dense model never exists
-(issue 29: peak host memory was the dequantized model). A dense model still loads through transformers.
+The file is a tensor source (:class:`GGUFFile`) of the one build path (:func:`neutrain.nn.load.build`):
+llama.cpp's tensor names are mapped to transformers', llama.cpp's Q/K row permutation is undone and
+Q8_0/Q4_K/... blocks are dequantized as transformers' own GGUF loader does, one tensor at a time, each
+placed (and, for a compressed model, compressed) before the next is read: neither the dequantized file
+nor the dense model is ever held whole. A dense model trains and exports with ``save_pretrained`` as
+ordinary safetensors. The file's vocabulary, special tokens and chat template become the tokenizer
+(:func:`load_gguf_tokenizer`).
 
 Example:
     >>> model = load_gguf_model("models", "smollm2-135m-instruct-q8_0.gguf", torch.bfloat16)  # doctest: +SKIP
@@ -23,6 +20,9 @@ import os
 from pathlib import Path
 
 import torch
+
+from neutrain.nn.load import build
+from neutrain.nn.model_spec import ModelSpec, Placement
 
 
 class GGUFLoadError(ValueError):
@@ -52,6 +52,8 @@ def _named_errors(what: str, source: str, name: str):
     """transformers' and gguf's loading errors as one :class:`GGUFLoadError` line naming the file."""
     try:
         yield
+    except GGUFLoadError:
+        raise  # named already (by the source, inside the build)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GGUFLoadError(f"cannot {what} '{os.path.join(source, name)}' ({first})") from None
@@ -74,28 +76,54 @@ def resolve_gguf_path(source: str, name: str) -> str:
     return hf_hub_download(source, name)  # the local cache only under HF_HUB_OFFLINE
 
 
+class GGUFFile:
+    """A GGUF file as a tensor source (see :mod:`neutrain.nn.sources` for the interface).
+
+    Each tensor is read from the memory-mapped file, dequantized and handed over before the next is
+    read (:func:`neutrain.compat.gguf_tensors.gguf_tensors`), named and laid out as transformers
+    loads the file (Q/K rows un-permuted, MoE experts merged): the weights are bit-identical to
+    transformers' whole-file load, and peak host memory is the model being built plus one dequantized
+    tensor.
+
+    Args:
+        source: the directory (or hub id in the local cache) holding the file.
+        name: the file's name in it.
+    """
+
+    def __init__(self, source: str, name: str):
+        self.source, self.name = source, name
+
+    def read_config(self, trust_remote_code: bool = False):
+        """The transformers config the file describes."""
+        return gguf_config(self.source, self.name, trust_remote_code)
+
+    def keys(self) -> list[str] | None:
+        return None  # named as the model's parameters already
+
+    def tensors(self, model, device, dtype: torch.dtype):
+        from neutrain.compat.gguf_tensors import gguf_tensors
+
+        _require_gguf_package()
+        with _named_errors("load", self.source, self.name):
+            yield from gguf_tensors(resolve_gguf_path(self.source, self.name), model, dtype)
+
+    def generation_config(self):
+        return None
+
+
 def load_gguf_model(source: str, name: str, dtype: torch.dtype, attn_implementation: str | None = None,
                     trust_remote_code: bool = False):
-    """The dense causal LM a GGUF file holds, dequantized to ``dtype``, with no quantizer attached.
+    """The dense causal LM a GGUF file holds, dequantized to ``dtype`` on the CPU (eval mode).
+
+    Built tensor by tensor from the file (:class:`GGUFFile`), so the dequantized file is never held
+    beside the model; the weights are those of transformers' ``from_pretrained(..., gguf_file=...)``.
 
     Raises:
-        GGUFLoadError: the ``gguf`` package is missing, or transformers cannot read the file.
+        GGUFLoadError: the ``gguf`` package is missing, or the file cannot be read.
     """
-    from transformers import AutoModelForCausalLM
-
-    from neutrain.compat import gguf_dequantized_kwargs
-
-    _require_gguf_package()
-    with _named_errors("load", source, name):
-        model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=name, dtype=dtype, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code, **gguf_dequantized_kwargs(),
-        )
-    if getattr(model, "hf_quantizer", None) is not None:
-        # Would make save_pretrained refuse the export hours later: say so now.
-        raise GGUFLoadError(f"'{name}' loaded with its weights still packed ({type(model.hf_quantizer).__name__}); "
-                            "this transformers version cannot dequantize it")
-    return model
+    model, _ = load_gguf_compressed(source, name, "dense", dtype, attn_implementation=attn_implementation,
+                                    trust_remote_code=trust_remote_code, progress=False)
+    return model.eval()
 
 
 def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtype, *,
@@ -104,9 +132,8 @@ def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtyp
     """The causal LM a GGUF file holds, built on ``device`` tensor by tensor in the form ``weights`` says.
 
     Each tensor is read from the memory-mapped file, dequantized, and compressed before the next is
-    read (:func:`neutrain.compat.gguf_tensors.gguf_tensors` into :mod:`neutrain.nn.load`'s builder),
-    so peak host memory is the compressed model plus one dequantized tensor, not the dense model. The
-    weights are bit-identical to :func:`load_gguf_model`'s. ``storage_dtype`` as for
+    read (:class:`GGUFFile` into :func:`neutrain.nn.load.build`), so peak host memory is the
+    compressed model plus one dequantized tensor, not the dense model. ``storage_dtype`` as for
     :func:`neutrain.nn.load.load_compressed` (bf16 storage under fp32 compute on CPU).
 
     Returns:
@@ -116,17 +143,17 @@ def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtyp
         >>> model, report = load_gguf_compressed("models", "smollm2-135m-instruct-q8_0.gguf",
         ...                                      "neuzip-lossless", torch.bfloat16)  # doctest: +SKIP
     """
-    from neutrain.compat.gguf_tensors import gguf_tensors
-    from neutrain.nn.load import _build, _skeleton
+    file = GGUFFile(source, name)
+    spec = ModelSpec(file, file.read_config(trust_remote_code), dtype, storage_dtype, attn_implementation,
+                     Placement(weights, device=device), trust_remote_code)
+    return build_gguf(spec, progress=progress)
 
-    config = gguf_config(source, name, trust_remote_code)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    path = resolve_gguf_path(source, name)
-    with _named_errors("load", source, name):
-        skeleton = _skeleton(config, dtype)
-        return _build(config, weights, device, dtype, gguf_tensors(path, skeleton, dtype), progress, None,
-                      model=skeleton, storage_dtype=storage_dtype)
+
+def build_gguf(spec: ModelSpec, progress: bool = True):
+    """:func:`neutrain.nn.load.build` of a spec whose source is a :class:`GGUFFile`, any error while
+    building (an architecture transformers cannot build, a bad tensor) one :class:`GGUFLoadError` naming the file."""
+    with _named_errors("load", spec.source.source, spec.source.name):
+        return build(spec, progress=progress)
 
 
 def load_gguf_tokenizer(source: str, name: str):

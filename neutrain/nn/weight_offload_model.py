@@ -1,9 +1,10 @@
 """Putting a model's decoder layers into a :class:`~neutrain.nn.weight_offload.WeightOffload`.
 
 Two ways: :func:`offload_weights` moves the layers of a built compressed model to host memory;
-:func:`streaming_offload` moves each layer as soon as a build (``init_compressed``,
-``load_compressed``) has placed its last tensor, so a model whose compressed weights exceed the
-device's memory (the Llama-3-70B on an 80 GB H100) is never whole on the device.
+a build with an offloading placement (:class:`neutrain.nn.model_spec.Placement`, ``offload=True``)
+moves each layer as soon as its last tensor is placed (:class:`neutrain.nn.sink.ModelSink`), so a
+model whose compressed weights exceed the device's memory (the Llama-3-70B on an 80 GB H100) is
+never whole on the device.
 
 Either may take some of the layers only (``memory.offload_layers``): a :class:`LayerPlacement` names
 them, spread evenly through the model, and the store's ring for them. The layers left out stay on the
@@ -12,8 +13,6 @@ device and train exactly as they would with no store (the store only acts on the
 
 from __future__ import annotations
 
-import contextlib
-import re
 from dataclasses import dataclass
 
 import torch
@@ -80,13 +79,42 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's decoder layers: the longest ``ModuleList`` whose every entry holds compressed weights."""
     from neutrain.nn.convert import compressed_weights
 
+    best = _longest_list(model, lambda layer: bool(compressed_weights(layer)))
+    if best is None:
+        raise ValueError("no decoder layers with compressed weights to offload (memory.weights must be neuzip-lossless)")
+    return best
+
+
+def layer_names(model: torch.nn.Module) -> list[str]:
+    """The names of the decoder layers of ``model``, built or a meta-device skeleton: the entries of the
+    longest ``ModuleList`` whose every entry holds weights NeuZip compresses (``nn.Linear``, compressed).
+
+    Example:
+        >>> from accelerate import init_empty_weights
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig
+        >>> with init_empty_weights():
+        ...     skeleton = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=2))
+        >>> layer_names(skeleton)
+        ['model.layers.0', 'model.layers.1']
+    """
+    from neutrain.nn.convert import compressed_weights
+
+    def holds_weights(layer):
+        return bool(compressed_weights(layer)) or any(isinstance(m, torch.nn.Linear) for m in layer.modules())
+
+    best = _longest_list(model, holds_weights)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to offload")
+    name = next(n for n, m in model.named_modules() if m is best)
+    return [f"{name}.{i}" for i in range(len(best))]
+
+
+def _longest_list(model: torch.nn.Module, holds) -> torch.nn.ModuleList | None:
     best = None
     for module in model.modules():
         longer = isinstance(module, torch.nn.ModuleList) and len(module) and (best is None or len(module) > len(best))
-        if longer and all(compressed_weights(layer) for layer in module):
+        if longer and all(holds(layer) for layer in module):
             best = module
-    if best is None:
-        raise ValueError("no decoder layers with compressed weights to offload (memory.weights must be neuzip-lossless)")
     return best
 
 
@@ -123,51 +151,6 @@ def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = 
     for index in chosen:
         store.add_layer(w for w in compressed_weights(layers[index]) if not w.large)
     return attach(model, store)
-
-
-@contextlib.contextmanager
-def streaming_offload(device, ahead: int = 2, slots: int | None = None, placement: LayerPlacement | None = None):
-    """Build a compressed model (``init_compressed``, ``load_compressed``) with each decoder layer moved to
-    host memory as soon as its last tensor is placed: the device never holds more than one layer's payload.
-
-    ``placement``: only its layers go to host memory (the others stay on the device as built), through
-    its ring (``ahead``, ``slots`` are then ignored); the build path makes it from the model config,
-    ``LayerPlacement.spread(config.num_hidden_layers, memory.offload_layers)``. None: every layer.
-
-    Yields the :class:`WeightOffload`; attach it with :func:`attach` once the model exists.
-
-    Example:
-        >>> from neutrain.nn.load import init_compressed
-        >>> from transformers import LlamaConfig
-        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        ...                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-        >>> with streaming_offload("cpu") as store:
-        ...     model, _ = init_compressed(cfg, device="cpu", progress=False, codec_options={"steps": 16})
-        >>> attach(model, store) is store, len(store.layers)
-        (True, 2)
-    """
-    from neutrain.nn.convert import compressed_weights
-    from neutrain.nn.load import after_each_tensor
-
-    store = WeightOffload(device, ahead=ahead, slots=slots) if placement is None else placement.store(device)
-    chosen = None if placement is None else set(placement.offloaded)
-    building: list = []  # [(the layer module being built, its index)]
-
-    def after(model, name):
-        match = _LAYER_NAME.match(name) if name is not None else None
-        layer = model.get_submodule(match.group(1))[int(match.group(2))] if match else None
-        if building and building[0][0] is not layer:  # the previous layer is complete
-            done, index = building.pop()
-            if chosen is None or index in chosen:
-                store.add_layer(w for w in compressed_weights(done) if not w.large)
-        if layer is not None and not building:
-            building.append((layer, int(match.group(2))))
-
-    with after_each_tensor(after):
-        yield store
-
-
-_LAYER_NAME = re.compile(r"^(.*\.layers)\.(\d+)\.")
 
 
 def attach(model: torch.nn.Module, store: WeightOffload) -> WeightOffload:

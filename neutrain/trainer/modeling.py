@@ -1,9 +1,12 @@
 """Building the model and tokenizer a recipe's ``model`` section describes.
 
 The model comes from a local Hugging Face directory or a hub id (read from the
-local cache only, never downloaded at run time), or is built from a config
-with random weights (``init: random``) for shape-only runs and for the default
-recipe, which has no weights at hand.
+local cache only, never downloaded at run time), a GGUF file, or is built from a
+config with random weights (``init: random``) for shape-only runs and for the
+default recipe, which has no weights at hand. The section is resolved once into a
+:class:`~neutrain.nn.model_spec.ModelSpec` (:func:`resolve_model`: source, config,
+dtypes, attention, placement), and :func:`neutrain.nn.load.build` builds it, dense,
+compressed or compressed with its layers in host memory, through one path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from typing import Any
 import torch
 
 from neutrain.errors import RecipeError
+from neutrain.nn import gguf
+from neutrain.nn.gguf import GGUFFile
+from neutrain.nn.load import build
+from neutrain.nn.model_spec import ModelSpec, Placement
+from neutrain.nn.sources import RandomInit, SafetensorsFolder
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +154,10 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
     return True
 
 
-def _model_config(model_cfg: dict[str, Any], tokenizer):
+def recipe_config(model_cfg: dict[str, Any], tokenizer):
+    """The transformers config a recipe's ``model.config`` (or its base model's) describes, sized to
+    ``tokenizer`` (a byte or trained vocabulary) and given its special token ids: what a random init builds.
+    """
     from transformers import AutoConfig
 
     cfg = model_cfg["config"]
@@ -190,7 +201,7 @@ def config_only(model_cfg: dict[str, Any]):
         def __len__(self):
             return 259 if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
 
-    return _model_config(model_cfg, _Vocab())
+    return recipe_config(model_cfg, _Vocab())
 
 
 def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, requested: str = "auto") -> str:
@@ -212,8 +223,6 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
         return requested
     names = {v: k for k, v in _DTYPES.items()}
     if model_cfg["init"] == "pretrained" and model_cfg.get("gguf_file"):
-        from neutrain.nn import gguf
-
         source, name = gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
         try:
             return names.get(gguf.gguf_dtype(gguf.resolve_gguf_path(source, name)), "auto")
@@ -236,55 +245,97 @@ def _gguf(model_cfg: dict[str, Any], function: str, *args, **kwargs):
 
     Its errors (no ``gguf`` package, an unreadable file) become one :class:`RecipeError` naming the key.
     """
-    from neutrain.nn import gguf
+    return _gguf_errors(getattr(gguf, function), *_gguf_source(model_cfg), *args, **kwargs)
 
-    source, name = gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+
+def _gguf_source(model_cfg: dict[str, Any]) -> tuple[str, str]:
+    return gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+
+
+def _gguf_errors(function, *args, **kwargs):
     try:
-        return getattr(gguf, function)(source, name, *args, **kwargs)
+        return function(*args, **kwargs)
     except gguf.GGUFLoadError as exc:
         raise RecipeError(f"model.gguf_file: {exc}") from None
 
 
-def _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed, offload_weights=False):
-    """Build straight into NeuZip form, one tensor at a time, on the training device.
+def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+                  offload_weights: bool = False, offload_layers: int | None = None) -> ModelSpec:
+    """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
+    transformers config, compute and storage dtypes, the attention backend and the placement.
 
-    The dense model is never materialised: random init draws each tensor and encodes
-    it at once; a checkpoint is read tensor by tensor from safetensors. With ``dtype: auto``
-    on a CPU without native bf16 the weights are stored bf16 (what NeuZip compresses well) and
-    computed in fp32 (bf16 matrix products are emulated and several times slower there).
+    With ``dtype: auto`` on a CPU without native bf16, NeuZip weights are stored bf16 (what NeuZip
+    compresses well) and computed in fp32 (bf16 matrix products are emulated and several times slower
+    there). ``offload_weights`` (``memory.offload_weights``) keeps the compressed decoder layers in host
+    memory, each moved there as soon as it is built; ``offload_layers`` (``memory.offload_layers``) of them
+    only, spread evenly, when set.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> from neutrain.data import byte_tokenizer
+        >>> spec = resolve_model(load_recipe("default").model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless")
+        >>> type(spec.source).__name__, spec.placement.weights, spec.attention
+        ('RandomInit', 'neuzip-lossless', 'sdpa')
     """
-    from neutrain.nn.load import init_compressed, load_compressed
-    from neutrain.nn.weight_offload_model import attach, streaming_offload
-
-    device = "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
-    if offload_weights:  # memory.offload_weights: each decoder layer goes to host memory once built
-        with streaming_offload(device) as store:
-            model = _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed)
-        attach(model, store)
-        logger.info("memory.offload_weights: %d layers, %.2f GiB in host memory", len(store.layers),
-                    store.host_bytes / 2**30)
-        return model
-    storage = torch.bfloat16 if model_cfg["dtype"] == "auto" and dtype == torch.float32 else None
+    dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
+    if model_cfg["dtype"] == "auto":
+        logger.info(auto_dtype_line(use_cpu))
+    trust = model_cfg["trust_remote_code"]
     if model_cfg["init"] == "random":
-        config = _model_config(model_cfg, tokenizer)
-        config._attn_implementation = attn
-        model, report = init_compressed(config, weights, device, dtype=dtype, seed=seed, storage_dtype=storage)
+        source = RandomInit(seed)  # the same random weights on every process, every resume and every placement
     elif model_cfg.get("gguf_file"):
-        model, report = _gguf(model_cfg, "load_gguf_compressed", weights, dtype, storage_dtype=storage,
-                              attn_implementation=attn, device=device, trust_remote_code=model_cfg["trust_remote_code"])
+        source = GGUFFile(*_gguf_source(model_cfg))
     else:
-        try:
-            model, report = load_compressed(model_cfg["base_model"], weights, device, dtype=dtype,
-                                            config_overrides={"_attn_implementation": attn}, storage_dtype=storage)
-        except OSError as exc:
-            raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' ({str(exc).splitlines()[0]})") from None
-    logger.info("compressed model: %s", report)
-    return model
+        source = SafetensorsFolder(model_cfg["base_model"])
+    try:
+        if model_cfg["init"] == "random":
+            config = recipe_config(model_cfg, tokenizer)
+        elif model_cfg.get("gguf_file"):
+            config = _gguf(model_cfg, "gguf_config", trust_remote_code=trust)
+        else:
+            config = source.read_config(trust)
+    except OSError as exc:
+        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg['base_model']}' from a local "
+                          f"path or the hub cache ({str(exc).splitlines()[0]})") from None
+    # A compressed model is built on the training device; a dense one on the host, as transformers builds
+    # it, for the Trainer (or a distributed mode's sharding) to place.
+    cuda = torch.cuda.is_available() and not use_cpu and weights != "dense"
+    storage = torch.bfloat16 if weights != "dense" and model_cfg["dtype"] == "auto" and dtype == torch.float32 else None
+    offload = offload_weights and weights != "dense"
+    placement = Placement(weights, offload=offload, layers=offload_layers if offload else None,
+                          device="cuda" if cuda else "cpu")
+    return ModelSpec(source, config, dtype, storage, _attention(model_cfg["attn_implementation"], config, use_cpu),
+                     placement, trust_remote_code=trust)
+
+
+def _attention(requested: str, config, use_cpu: bool) -> str:
+    """The attention backend for ``model.attn_implementation``: what the architecture supports, on this device."""
+    from neutrain.nn.architecture import auto_attention, check_attention
+
+    attn = requested
+    if attn == "auto":  # what the architecture supports; SageAttention where measured faster, per call
+        attn = auto_attention(config, cuda=torch.cuda.is_available() and not use_cpu)
+    if attn == "neutrain_sage" and auto_attention(config, cuda=True) != "neutrain_sage":
+        attn = auto_attention(config, cuda=False)  # sdpa, or eager where the architecture has none
+        logger.warning("model.attn_implementation: this architecture takes no registered attention function; "
+                       "using %s", attn)
+    if attn == "neutrain_sage" and (use_cpu or not torch.cuda.is_available()):
+        # The INT8/FP8 kernels need a CUDA GPU; on CPU the quantized torch reference would only
+        # be slower than SDPA, so a recipe that asks for SageAttention trains with SDPA there.
+        attn = auto_attention(config, cuda=False)  # sdpa, or eager where the architecture has none
+        logger.warning("model.attn_implementation: neutrain_sage needs a CUDA GPU; using %s on CPU", attn)
+    check_attention(config, attn)
+    if attn == "neutrain_sage":
+        from neutrain.attention import register
+
+        attn = register()
+    return attn
 
 
 def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
-                offload_weights: bool = False):
-    """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``).
+                offload_weights: bool = False, offload_layers: int | None = None):
+    """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``), tensor by
+    tensor (:func:`resolve_model`, then :func:`neutrain.nn.load.build`).
 
     Example:
         >>> from neutrain.config import load_recipe
@@ -293,51 +344,17 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         >>> type(model).__name__
         'LlamaForCausalLM'
     """
-    from transformers import AutoModelForCausalLM
-
-    dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
-    if model_cfg["dtype"] == "auto":
-        logger.info(auto_dtype_line(use_cpu))
-    from neutrain.nn.architecture import auto_attention, check_attention
-
+    spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers)
     try:
-        architecture = config_only(model_cfg)
+        if isinstance(spec.source, GGUFFile):
+            model, report = _gguf_errors(gguf.build_gguf, spec)
+        else:
+            model, report = build(spec)
     except OSError as exc:
-        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg['base_model']}' from a local "
-                          f"path or the hub cache ({str(exc).splitlines()[0]})") from None
-    attn = model_cfg["attn_implementation"]
-    if attn == "auto":  # what the architecture supports; SageAttention where measured faster, per call
-        attn = auto_attention(architecture, cuda=torch.cuda.is_available() and not use_cpu)
-    if attn == "neutrain_sage" and auto_attention(architecture, cuda=True) != "neutrain_sage":
-        attn = auto_attention(architecture, cuda=False)  # sdpa, or eager where the architecture has none
-        logger.warning("model.attn_implementation: this architecture takes no registered attention function; "
-                       "using %s", attn)
-    if attn == "neutrain_sage" and (use_cpu or not torch.cuda.is_available()):
-        # The INT8/FP8 kernels need a CUDA GPU; on CPU the quantized torch reference would only
-        # be slower than SDPA, so a recipe that asks for SageAttention trains with SDPA there.
-        attn = auto_attention(architecture, cuda=False)  # sdpa, or eager where the architecture has none
-        logger.warning("model.attn_implementation: neutrain_sage needs a CUDA GPU; using %s on CPU", attn)
-    check_attention(architecture, attn)
-    if attn == "neutrain_sage":
-        from neutrain.attention import register
-
-        attn = register()
-    if weights != "dense":
-        return _build_compressed(model_cfg, tokenizer, weights, dtype, attn, use_cpu, seed, offload_weights)
-    if model_cfg["init"] == "random":
-        config = _model_config(model_cfg, tokenizer)
-        torch.manual_seed(seed)  # the same random weights on every process and every resume
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    elif model_cfg.get("gguf_file"):
-        model = _gguf(model_cfg, "load_gguf_model", dtype, attn, model_cfg["trust_remote_code"])
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_cfg["base_model"], dtype=dtype, attn_implementation=attn,
-                trust_remote_code=model_cfg["trust_remote_code"],
-            )
-        except OSError as exc:
-            raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' from a local path or the hub cache ({str(exc).splitlines()[0]})") from None
+        raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' from a local path or the hub "
+                          f"cache ({str(exc).splitlines()[0]})") from None
+    if spec.placement.compressed:
+        logger.info("compressed model: %s", report)
     n = sum(p.numel() for p in model.parameters())
-    logger.info("model: %s, %.1fM parameters, %s, attention %s", type(model).__name__, n / 1e6, dtype, attn)
+    logger.info("model: %s, %.1fM parameters, %s, attention %s", type(model).__name__, n / 1e6, spec.dtype, spec.attention)
     return model

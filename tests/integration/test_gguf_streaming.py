@@ -1,4 +1,4 @@
-"""The GGUF path builds a compressed model tensor by tensor (issue 29 item 3).
+"""The GGUF path builds a model tensor by tensor, dense or compressed.
 
 1. The weights are bit-identical to transformers' whole-file load (Q/K un-permuted, Q8_0 blocks
    decoded in row chunks that split matrices unevenly).
@@ -26,21 +26,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_streamed_gguf_weights_equal_the_whole_file_load(tmp_path, monkeypatch):
-    from neutrain.compat import gguf_tensors
+    from transformers import AutoModelForCausalLM
+
+    from neutrain.compat import gguf_dequantized_kwargs, gguf_tensors
     from neutrain.nn import decompressed_state_dict
     from neutrain.nn.gguf import load_gguf_compressed, load_gguf_model
 
     tok = tiny_tokenizer()
     path = write_gguf(tmp_path / "tiny-q8_0.gguf", tiny_llama(len(tok)), tok, "Q8_0")
     monkeypatch.setattr(gguf_tensors, "ROWS_PER_CHUNK", 7)  # 64 and 128 rows: uneven chunks
+    # transformers' own whole-file load is the reference for both of neutrain's streamed builds.
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.bfloat16,
+                                                 **gguf_dequantized_kwargs())
     dense = load_gguf_model(str(tmp_path), path.name, torch.bfloat16, "sdpa")
     compressed, report = load_gguf_compressed(str(tmp_path), path.name, "neuzip-lossless", torch.bfloat16,
                                               attn_implementation="sdpa", progress=False)
     assert report.converted > 0
-    expected, got = dense.state_dict(), decompressed_state_dict(compressed)
-    assert got.keys() == expected.keys()
-    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
-    assert compressed.config._attn_implementation == "sdpa"
+    expected = whole.state_dict()
+    for got in (dense.state_dict(), decompressed_state_dict(compressed)):
+        assert got.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert compressed.config._attn_implementation == "sdpa" and dense.config._attn_implementation == "sdpa"
 
 
 _MEASURE = r"""
@@ -63,8 +69,10 @@ _skeleton(gguf.gguf_config(source, name), torch.bfloat16)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 baseline = status("VmRSS")
-if os.environ.get("WHOLE_FILE"):  # the path before streaming: the dense model, then compressed
-    model = gguf.load_gguf_model(source, name, torch.bfloat16)
+if os.environ.get("WHOLE_FILE"):  # the path before streaming: transformers' dense load, then compressed
+    from transformers import AutoModelForCausalLM
+    from neutrain.compat import gguf_dequantized_kwargs
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.bfloat16, **gguf_dequantized_kwargs())
     compress_model(model, "neuzip-lossless", progress=False)
 else:
     model, _ = gguf.load_gguf_compressed(source, name, "neuzip-lossless", torch.bfloat16, progress=False)

@@ -42,27 +42,26 @@ def test_sharded_base_streams_into_compressed_form_tensor_by_tensor(tmp_path, ba
     from transformers import AutoModelForCausalLM
 
     from neutrain.trainer.modeling import build_model, resolve_dtype
-    from neutrain.nn import CompressedLinear, load
+    from neutrain.nn import CompressedLinear
+    from neutrain.nn.sources import SafetensorsFolder
 
     def no_dense_load(*args, **kwargs):
         raise AssertionError("the dense model was loaded")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_dense_load)
     read, alive_at_read = [], []
-    build = load._build
+    tensors = SafetensorsFolder.tensors
 
-    def watched_build(config, weights, device, dtype, tensors, *args, **kwargs):
-        def watched():
-            for name, tensor in tensors:
-                # Every matrix read before this one is gone: only its compressed form remains.
-                alive_at_read.append([n for n, ref in read if ref() is not None])
-                if tensor.dim() == 2:
-                    read.append((name, weakref.ref(tensor)))
-                yield name, tensor
-                del tensor
-        return build(config, weights, device, dtype, watched(), *args, **kwargs)
+    def watched_tensors(self, model, device, dtype):
+        for name, tensor in tensors(self, model, device, dtype):
+            # Every matrix read before this one is gone: only its compressed form remains.
+            alive_at_read.append([n for n, ref in read if ref() is not None])
+            if tensor.dim() == 2:
+                read.append((name, weakref.ref(tensor)))
+            yield name, tensor
+            del tensor
 
-    monkeypatch.setattr(load, "_build", watched_build)
+    monkeypatch.setattr(SafetensorsFolder, "tensors", watched_tensors)
     recipe = load_recipe(_base_recipe(tmp_path, base_dir, memory={"weights": "neuzip-lossless"}, train={"optimizer": "adalomo"}))
     model = build_model(recipe.model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless")
     alive_at_read.append([n for n, ref in read if ref() is not None])  # the last one too

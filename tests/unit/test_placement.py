@@ -81,3 +81,49 @@ def test_generate_on_cuda_in_each_form_decodes_as_the_dense_model(tmp_path, budg
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["same"] and (form in out["note"] if form != "dense" else "dense weights" in out["note"])
     assert out["offloaded"] == (form == "streamed from host memory")
+
+
+def _sharded_export(tmp_path, layers=12):
+    """A tiny Llama exported by ``export_hf`` in several shards, with at least one layer split across two of them."""
+    from neutrain.export.hf import export_hf
+
+    tok = byte_tokenizer()
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    path = tmp_path / "export"
+    export_hf(model, path, tok, max_shard_size="60KB")
+    shards = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files_of = {}
+    for name, file in shards.items():
+        if ".layers." in name:
+            files_of.setdefault(name.split(".layers.")[1].split(".")[0], set()).add(file)
+    # What the regression needs: several shards, and a layer whose tensors sit in two of them.
+    assert len(set(shards.values())) >= 3 and max(len(f) for f in files_of.values()) >= 2, files_of
+    return model, path, tok
+
+
+def test_generate_streams_a_sharded_export_from_host_memory(tmp_path):
+    """``neutrain generate`` under a budget that holds not even the compressed model, from a sharded export.
+
+    The streaming store used to move a layer to host memory whenever the next tensor read belonged to
+    another layer; a layer split across shards came back after that, and its first weights were offloaded
+    a second time (``ValueError: weight model.layers.8.self_attn.q_proj.weight is already offloaded``).
+    Here on the CPU (the store copies synchronously), built as ``place_model`` builds the ``neuzip+offload`` form.
+    """
+    from neutrain.cli.placement import build_form
+    from neutrain.eval.engine import DecodeEngine
+    from neutrain.nn import decompressed_state_dict
+    from neutrain.nn.weight_offload_model import weight_store
+
+    dense, path, _ = _sharded_export(tmp_path)
+    model = build_form(path, "neuzip+offload", device="cpu").eval()
+    store = weight_store(model)
+    assert store is not None and len(store.layers) == len(dense.model.layers)
+    assert all(len(layer.weights) == 7 for layer in store.layers)  # q, k, v, o, gate, up, down: each once
+    expected, got = dense.state_dict(), decompressed_state_dict(model)
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    ids = torch.tensor([[3, 17, 99, 5, 42]])
+    want = DecodeEngine(dense, max_len=24).generate(ids, 12, temperature=0.0).tolist()
+    assert DecodeEngine(model, max_len=24, cuda_graph=False, fuse=False).generate(ids, 12, temperature=0.0).tolist() == want

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 import neutrain.nn.load as load
+import neutrain.nn.sources as sources
 from neutrain.compress.checksum import checksum
 from neutrain.nn.checkpoint import WEIGHTS_FILE, load_compressed_state, save_compressed_checkpoint
 from neutrain.nn.convert import decompressed_state_dict
@@ -29,7 +30,7 @@ def _build(seed=0, weights="neuzip-lossless"):
 def test_random_init_draws_no_fp32_copy_of_a_matrix(monkeypatch):
     # Dense weights isolate the initialisation (the codec's own scratch is another matter). It once drew
     # each matrix whole in fp32 and kept that copy beside the bf16 one: two extra matrices at its peak.
-    monkeypatch.setattr(load, "_INIT_BLOCK_ELEMENTS", 512 * 64 // 8, raising=False)
+    monkeypatch.setattr(sources, "_INIT_BLOCK_ELEMENTS", 512 * 64 // 8, raising=False)
     model, peak = host_peak(lambda: None, lambda _: _build(weights="dense"))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = largest_matrix_bytes(model)
@@ -41,13 +42,13 @@ def test_blocked_random_init_is_bit_identical_to_one_fp32_draw():
     for block in (64, 1000, 1 << 22):
         for shape in shapes:
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                load._INIT_BLOCK_ELEMENTS, saved = block, load._INIT_BLOCK_ELEMENTS
+                sources._INIT_BLOCK_ELEMENTS, saved = block, sources._INIT_BLOCK_ELEMENTS
                 try:
                     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
                     expected = torch.empty(shape).normal_(0.0, 0.02, generator=g1).to(dtype)
-                    got = load.random_normal(shape, 0.02, dtype, "cpu", g2)
+                    got = sources.random_normal(shape, 0.02, dtype, "cpu", g2)
                 finally:
-                    load._INIT_BLOCK_ELEMENTS = saved
+                    sources._INIT_BLOCK_ELEMENTS = saved
                 assert torch.equal(got, expected), (block, shape, dtype)
                 # the generator is left where one draw leaves it: the next matrix is the same too
                 assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2)), (block, shape, dtype)

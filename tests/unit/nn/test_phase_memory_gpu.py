@@ -18,7 +18,8 @@ from transformers import LlamaConfig
 
 from neutrain.nn.checkpoint import load_compressed_state, save_compressed_checkpoint
 from neutrain.nn.convert import decompressed_state_dict
-from neutrain.nn.load import init_compressed, random_normal
+from neutrain.nn.load import init_compressed
+from neutrain.nn.sources import random_normal
 
 from .phase_peaks import cuda_peak, largest_matrix_bytes
 

@@ -107,18 +107,21 @@ def test_some_layers_offloaded_train_bit_identically_to_none(rule, checkpointing
 def test_a_streaming_build_offloads_only_the_placements_layers():
     from transformers import LlamaConfig
 
-    from neutrain.nn.load import init_compressed
-    from neutrain.nn.weight_offload_model import LayerPlacement, attach, streaming_offload
+    from neutrain.nn.load import build, init_compressed
+    from neutrain.nn.model_spec import ModelSpec, Placement
+    from neutrain.nn.sources import RandomInit
+    from neutrain.nn.weight_offload_model import LayerPlacement, weight_store
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=64)
-    placement = LayerPlacement.spread(cfg.num_hidden_layers, 3)
-    assert placement.offloaded == (1, 3, 5)
-    with streaming_offload("cpu", placement=placement) as store:
-        built, _ = init_compressed(cfg, device="cpu", progress=False, codec_options=CODEC, seed=1)
-    attach(built, store)
+    assert LayerPlacement.spread(cfg.num_hidden_layers, 3).offloaded == (1, 3, 5)
+    spec = ModelSpec(RandomInit(seed=1), cfg, torch.bfloat16, codec_options=CODEC,
+                     placement=Placement("neuzip-lossless", offload=True, layers=3))
+    built, _ = build(spec, progress=False)
+    store = weight_store(built)
     plain, _ = init_compressed(cfg, device="cpu", progress=False, codec_options=CODEC, seed=1)
     assert [layer.weights[0].name.split(".")[2] for layer in store.layers] == ["1", "3", "5"]
+    assert (store.ahead, store.slots) == (1, 2)  # the spread placement's ring, as the planner counts it
     assert all(w.home is None for i in (0, 2, 4) for w in compressed_weights(built.model.layers[i]))
     data = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     _steps(plain, _optimizer(plain, "lomo"), data)
