@@ -9,6 +9,9 @@ default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA c
 3. ``neuzip+offload``: the decoder layers' compressed weights in pinned host memory, streamed in layer
    by layer (``memory.offload_weights``'s store), for cards that hold not even the compressed model.
 
+A compressed run's ``checkpoint-N`` is placed from its blobs as they are (never encoded again): on the GPU
+when the compressed weights fit, else streamed from host memory as in 3.
+
 The budget is then the allocator's hard limit (``torch.cuda.set_per_process_memory_fraction``), so the
 promise is kept or the command ends in one line. On a CPU, or with ``--device cpu``, the model loads as
 before (``neutrain.export.load_checkpoint_model``).
@@ -35,7 +38,7 @@ from neutrain.trainer.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import SafetensorsFolder
+from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
 from neutrain.trainer.planner import NEUZIP_BITS
 
 GIB = 2**30
@@ -95,12 +98,11 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
     budget = device_budget(budget_gib)
     enforce_budget(budget, torch.cuda.current_device())
     dense, largest = _weight_bytes(path)
-    if (path / MARKER).exists():  # a NeuZip checkpoint or export: its blobs are the compressed form already
-        model, tokenizer = load_checkpoint_model(path)
-        if dense + 2 * largest + MARGIN_BYTES <= budget:
-            return model.to("cuda"), tokenizer, _note("neuzip", dense, dense, budget)
-        return model, tokenizer, (f"generate: on the CPU: the compressed weights ({dense / GIB:.2f} GiB) do not fit the "
-                                  f"device budget ({budget / GIB:.2f} GiB); an export with --format hf streams them")
+    if (path / MARKER).exists():  # a compressed run's checkpoint: its blobs are the compressed form already
+        # Placed as they are (no re-encoding): on the GPU when they fit, else streamed from host memory.
+        form = "neuzip" if dense + 2 * largest + MARGIN_BYTES <= budget else "neuzip+offload"
+        verify_checkpoint(path)
+        return build_form(path, form, "cuda").eval(), _load_tokenizer(path), _note(form, dense, dense, budget)
     compressed = dense / 16 * NEUZIP_BITS
     form = choose_form(dense, compressed, 2 * largest, budget)
     if form == "dense":
@@ -113,15 +115,16 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
 
 
 def build_form(path: Path, form: str, device: str = "cuda"):
-    """The model of export ``path`` in a compressed ``form`` (``neuzip`` or ``neuzip+offload``) on ``device``,
-    built tensor by tensor from its safetensors shards (:func:`neutrain.nn.load.build`).
+    """The model of export or checkpoint ``path`` in a compressed ``form`` (``neuzip`` or ``neuzip+offload``) on
+    ``device``, built tensor by tensor from its safetensors shards (:func:`neutrain.nn.load.build`); a compressed
+    run's checkpoint is placed from its blobs, without re-encoding.
 
     ``neuzip+offload`` moves each decoder layer to host memory as soon as its last tensor is read, so
     the device never holds the compressed model; a layer split across shards waits for its other part.
     """
     import torch
 
-    source = SafetensorsFolder(path)
+    source = NeutrainCheckpoint(path) if (path / MARKER).exists() else SafetensorsFolder(path)
     config = source.read_config()
     dtype = getattr(torch, _dtype_name(json.loads((path / "config.json").read_text())))
     placement = Placement("neuzip-lossless", offload=form == "neuzip+offload", device=device)

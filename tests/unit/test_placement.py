@@ -127,3 +127,52 @@ def test_generate_streams_a_sharded_export_from_host_memory(tmp_path):
     ids = torch.tensor([[3, 17, 99, 5, 42]])
     want = DecodeEngine(dense, max_len=24).generate(ids, 12, temperature=0.0).tolist()
     assert DecodeEngine(model, max_len=24, cuda_graph=False, fuse=False).generate(ids, 12, temperature=0.0).tolist() == want
+
+
+def _compressed_checkpoint(tmp_path, layers=4):
+    from neutrain.nn import compress_model
+    from neutrain.nn.checkpoint import save_compressed_checkpoint
+
+    model = _export(tmp_path / "dense", layers=layers)
+    compress_model(model, progress=False, codec_options={"steps": 16})
+    save_compressed_checkpoint(model, tmp_path / "checkpoint-1", "neuzip-lossless")
+    byte_tokenizer().save_pretrained(tmp_path / "checkpoint-1")
+    return tmp_path / "checkpoint-1"
+
+
+def test_a_compressed_checkpoint_streams_from_host_memory_without_reencoding(tmp_path, monkeypatch):
+    """generate's offloaded form of a run's checkpoint places its blobs as they are (the codec never runs)
+    and decodes as the checkpoint loaded whole."""
+    import neutrain.nn.sink as sink
+    from neutrain.cli.placement import build_form
+    from neutrain.eval.engine import DecodeEngine
+    from neutrain.export import load_checkpoint_model
+    from neutrain.nn.weight_offload_model import weight_store
+
+    path = _compressed_checkpoint(tmp_path)
+    ref, _ = load_checkpoint_model(path)
+    ids = torch.tensor([[3, 17, 99, 5, 42]])
+    want = DecodeEngine(ref.eval(), max_len=24).generate(ids, 8, temperature=0.0).tolist()
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("a checkpoint's compressed weights were encoded again")
+
+    monkeypatch.setattr(sink, "compress", no_encoding, raising=False)
+    model = build_form(path, "neuzip+offload", "cpu").eval()
+    store = weight_store(model)
+    assert store is not None and len(store.layers) == 4
+    got = DecodeEngine(model, max_len=24, cuda_graph=False, fuse=False).generate(ids, 8, temperature=0.0).tolist()
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_a_compressed_checkpoint_under_a_small_budget_is_streamed_on_cuda(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the device machine")
+    path = _compressed_checkpoint(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(path), str((MARGIN_BYTES + 1024) / GIB)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["same"] and out["offloaded"] and "streamed from host memory" in out["note"], out
