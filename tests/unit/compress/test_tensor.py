@@ -201,8 +201,9 @@ def test_a_loaded_tensor_decides_its_sync_free_code_rebuild_as_the_saved_one_wou
     """The encoder that runs without host reads (the GPU's: here Triton's interpreter) decides whether to
     rebuild the code from the coded bits of the *previous* encode. A loaded tensor must know those bits:
     taking them as the code's size at build delayed its rebuild by one update, so a resumed run stored
-    the same values with another code (the checkpoint's stream, tile table and header differed)."""
-    x = torch.randn(64, 256).mul(0.02).bfloat16()
+    the same values with another code (the checkpoint's stream, tile table and header differed).
+    On a GPU machine the kernels run on the GPU."""
+    x = torch.randn(64, 256).mul(0.02).bfloat16().to("cuda" if torch.cuda.is_available() else "cpu")
     ct = compress(x, steps=4, lanes=16, backend="triton", name="lm_head.weight")
     drifted = (x.float() * 1.3).bfloat16()  # coded bits 3.6 % up: past REBUILD_GROWTH, inside the headroom
     ct.recompress_(drifted, backend="triton", sync=False)  # sync-free: no rebuild decided on these values
