@@ -4,7 +4,9 @@ For each device budget (GiB: 22, 14.5, 11 and 7, the room on 24, 16, 12 and 8 GB
 types them:
 
 1. ``accelerate launch recipes/llama3_8b.yaml memory.device_budget_gib=B train.max_steps=22
-   train.save_steps=20 memory.stochastic_rounding=false ...``: the uninterrupted run (checkpoints 20 and 22);
+   train.save_steps=20 memory.stochastic_rounding=false train.deterministic=true ...``: the uninterrupted
+   run (checkpoints 20 and 22; deterministic kernels, else attention's backward makes two runs differ:
+   notes_determinism.md);
    its checkpoint-22 is set aside as the reference;
 2. the same command with ``train.resume_from_checkpoint=<run>/checkpoint-20 export.format=hf``: resumes for
    2 steps, saves checkpoint-22 again and exports; the two checkpoint-22 must hold the same tensors, byte for
@@ -123,8 +125,8 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
     """
     tag = f"{budget:g}"
     run, export = work / f"run_{tag}", work / f"export_{tag}"
-    common = [f"memory.device_budget_gib={budget}", "memory.stochastic_rounding=false", "train.max_steps=22",
-              "train.save_steps=20", "train.save_total_limit=3", f"train.output_dir={run}"]
+    common = [f"memory.device_budget_gib={budget}", "memory.stochastic_rounding=false", "train.deterministic=true",
+              "train.max_steps=22", "train.save_steps=20", "train.save_total_limit=3", f"train.output_dir={run}"]
     rec.update({"budget_gib": budget, "commands": {}, "ok": False})
     rc, secs, tail = sh(launch(common), out / f"cards_{tag}_train.log", limit)
     rec["commands"]["train"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
@@ -151,13 +153,14 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
             b = {k: v for k, v in b.items() if not k.endswith(".name")}
             rec["resume_bit_identical"] = a == b and len(a) > 0
             rec["resume_tensors_compared"] = len(a)
-            rec["resume_tensors_differing"] = sorted(k for k in a if a[k] != b.get(k))[:10]
-            if not rec["resume_bit_identical"] and not SMOKE:  # do the values differ, or only their encoding?
+            differing = sorted(k for k in a if a[k] != b.get(k))
+            rec["resume_tensors_differing_count"] = len(differing)  # the list below is cut at 10
+            rec["resume_tensors_differing"] = differing[:10]
+            if differing and not SMOKE:  # do the values differ, or only their encoding? (the first 40 blobs)
                 sys.path.insert(0, str(HERE / "diag"))
                 from resume_offload_gpu import decoded_differences
 
-                rec["resume_decoded_differences"] = decoded_differences(
-                    reference, run / "checkpoint-22", [k for k in a if a[k] != b.get(k)])
+                rec["resume_decoded_differences"] = decoded_differences(reference, run / "checkpoint-22", differing[:40])
         rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
         flush()
         prompt = ["--prompt", "def ", "--raw", "--max-new-tokens", "16", *(["--device", "cpu"] if SMOKE else [])]

@@ -6,11 +6,13 @@ store it next to ordinary weights:
 ============== ========================= =============================================
 key            dtype / shape             content
 ============== ========================= =============================================
-``header``     int64[9 + ndim]           version, dtype code, kept mantissa bits (-1:
+``header``     int64[10 + ndim]          version, dtype code, kept mantissa bits (-1:
                                          lossless), steps, lanes, elems, numel, coded
-                                         exponent bits when the code was built (the
-                                         rebuild reference, so a resumed run rebuilds
-                                         exactly when the original would), ndim, shape
+                                         exponent bits when the code was built and
+                                         coded exponent bits of this encoding (what
+                                         decides the next rebuild, so a resumed run
+                                         rebuilds exactly when the original would),
+                                         ndim, shape
 ``code_lengths`` uint8[258]              Huffman lengths (0: escaped), escape last
 ``lane_words`` uint8[tiles * lanes]      words per lane
 ``tile_base``  int64[tiles + 1]          word prefix sums per tile
@@ -23,6 +25,9 @@ key            dtype / shape             content
 
 Loading verifies the checksum first, then every size, so a corrupted blob
 raises :class:`CorruptTensorError` naming the tensor instead of decoding garbage.
+
+Version 1 headers (``int64[9 + ndim]``) have no coded bits of the encoding; they load
+with the coded bits at build in their place, as before.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from neutrain.compress.codec import STREAM_PAD_WORDS, num_tiles
 from neutrain.compress.huffman import ESCAPE, MAX_CODE_BITS, NUM_SYMBOLS
 from neutrain.compress.layout import DTYPE_CODES, DTYPES_BY_CODE, Layout, layout_for, tail_nbytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_FIXED = {1: 9, 2: 10}  # header fields before the shape, per version
 BLOB_KEYS = ("header", "code_lengths", "lane_words", "tile_base", "stream", "tails")
 
 
@@ -44,12 +50,12 @@ class CorruptTensorError(ValueError):
 
 
 def make_header(layout: Layout, shape: torch.Size, steps: int, lanes: int, elems: int,
-                coded_bits_at_build: int) -> torch.Tensor:
-    """The ``int64`` header tensor."""
+                coded_bits_at_build: int, coded_bits: int) -> torch.Tensor:
+    """The ``int64`` header tensor (``coded_bits``: the coded exponent bits of the stored encoding)."""
     kept = -1 if layout.lossless else layout.kept
     numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     values = [FORMAT_VERSION, DTYPE_CODES[layout.dtype], kept, steps, lanes, elems, numel, int(coded_bits_at_build),
-              len(shape), *shape]
+              int(coded_bits), len(shape), *shape]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -75,7 +81,7 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     """Verify a state dict and parse its header.
 
     Returns:
-        ``(label, layout, shape, (steps, lanes, elems), code_lengths, coded_bits_at_build)``.
+        ``(label, layout, shape, (steps, lanes, elems), code_lengths, (coded_bits_at_build, coded_bits))``.
 
     Raises:
         CorruptTensorError: missing keys, checksum mismatch or inconsistent sizes,
@@ -93,11 +99,14 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     if stored.numel() != 2 or not torch.equal(stored, checksum(state[key] for key in BLOB_KEYS)):
         raise fail("checksum mismatch (a stored byte changed after saving)")
     header = state["header"].cpu().tolist()
-    if len(header) < 9 or header[0] != FORMAT_VERSION:
-        raise fail(f"unknown header {header[:9]}")
-    _, dtype_code, kept, steps, lanes, elems, numel, coded_bits_at_build, ndim = header[:9]
-    shape = torch.Size(header[9:])
-    if dtype_code not in DTYPES_BY_CODE or len(shape) != ndim or (int(np.prod(shape)) if ndim else 1) != numel:
+    fixed = _FIXED.get(header[0] if header else None)
+    if fixed is None or len(header) < fixed:
+        raise fail(f"unknown header {header[:10]}")
+    _, dtype_code, kept, steps, lanes, elems, numel, coded_bits_at_build = header[:8]
+    coded_bits = header[8] if fixed == 10 else coded_bits_at_build  # version 1: the reference in its place
+    ndim, shape = header[fixed - 1], torch.Size(header[fixed:])
+    if dtype_code not in DTYPES_BY_CODE or len(shape) != ndim or (int(np.prod(shape)) if ndim else 1) != numel \
+            or coded_bits < 0:
         raise fail(f"bad header {header}")
     layout = layout_for(DTYPES_BY_CODE[dtype_code], None if kept < 0 else kept)
     per_byte = 8 // layout.tail_bits if layout.tail_bits < 8 else 1
@@ -126,4 +135,4 @@ def open_sealed(state: dict[str, torch.Tensor], name: str | None = None):
     lane_totals = state["lane_words"].view(tiles, lanes).to(torch.int64).sum(dim=1)
     if not torch.equal(lane_totals.cpu(), (tile_base[1:] - tile_base[:-1]).cpu()):
         raise fail("lane word counts disagree with the tile table")
-    return label, layout, shape, (steps, lanes, elems), lengths.astype(np.uint8), coded_bits_at_build
+    return label, layout, shape, (steps, lanes, elems), lengths.astype(np.uint8), (coded_bits_at_build, coded_bits)

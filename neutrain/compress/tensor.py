@@ -333,9 +333,11 @@ class CompressedTensor:
         return self.tails[: self._tails_used]
 
     def _blobs(self) -> dict[str, torch.Tensor]:
+        # The last sync-free encode's status first: its used length and coded bits go into the blobs.
+        kstream.settle(self, wait=True)
         return {
             "header": fmt.make_header(self.layout, self.shape, self.steps, self.lanes, self.elems,
-                                      self._coded_bits_at_build),
+                                      self._coded_bits_at_build, self._coded_seen),
             "code_lengths": torch.from_numpy(self.code_lengths.copy()),
             "lane_words": self.lane_words,
             "tile_base": self.tile_base,
@@ -348,8 +350,9 @@ class CompressedTensor:
         device = torch.device(device)
         if device == self.device:
             return self
-        return CompressedTensor._from_blobs(self._blobs(), self.name, device, self._coded_bits_at_build, self.layout,
-                                            self.shape, (self.steps, self.lanes, self.elems))
+        blobs = self._blobs()
+        return CompressedTensor._from_blobs(blobs, self.name, device, (self._coded_bits_at_build, self._coded_seen),
+                                            self.layout, self.shape, (self.steps, self.lanes, self.elems))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain tensors (contiguous, safetensors-ready) with a checksum; see :mod:`neutrain.compress.format`.
@@ -367,14 +370,15 @@ class CompressedTensor:
         Raises:
             CorruptTensorError: naming the tensor (``name``, else the stored name).
         """
-        label, layout, shape, (steps, lanes, elems), lengths, coded_bits = fmt.open_sealed(state, name)
+        label, layout, shape, (steps, lanes, elems), lengths, coded = fmt.open_sealed(state, name)
         blobs = dict(state)
         blobs["code_lengths"] = torch.from_numpy(lengths)
         target = torch.device(device) if device is not None else state["stream"].device
-        return cls._from_blobs(blobs, label, target, coded_bits, layout, shape, (steps, lanes, elems))
+        return cls._from_blobs(blobs, label, target, coded, layout, shape, (steps, lanes, elems))
 
     @classmethod
-    def _from_blobs(cls, blobs, name, device, coded_bits, layout, shape, geometry):
+    def _from_blobs(cls, blobs, name, device, coded: tuple[int, int], layout, shape, geometry):
+        """``coded``: (coded exponent bits when the code was built, coded exponent bits of this encoding)."""
         ct = cls(layout, shape, device, *geometry, blobs["code_lengths"].cpu().numpy(), name=name)
         ct.lane_words.copy_(blobs["lane_words"])
         ct.tile_base.copy_(blobs["tile_base"])
@@ -382,7 +386,9 @@ class CompressedTensor:
         # One copy (``.to(...).clone()`` made two of the stream on the device when it came from the host).
         ct.stream = blobs["stream"].to(device=device, dtype=torch.int32, copy=True)
         ct._words = ct.stream.numel()
-        ct._coded_bits_at_build = ct._coded_seen = coded_bits
+        # Both decide when the code is rebuilt next (stream.prepare_sync_free, blocks.block_recode): restored
+        # as the saved tensor had them, a loaded tensor re-encodes the next values into the same bytes.
+        ct._coded_bits_at_build, ct._coded_seen = coded
         return ct
 
 

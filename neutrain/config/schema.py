@@ -111,6 +111,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "save_total_limit": Key(int, 2, "Keep at most this many checkpoints.", min=1, nullable=True),
         "eval_steps": Key(int, None, "Evaluate held-out loss every N steps (null: only at the end).", min=1, nullable=True),
         "seed": Key(int, 42, "Random seed.", min=0, max=_SEED_MAX),
+        "deterministic": Key(bool, False, "Reproducible GPU kernels while training (torch.use_deterministic_algorithms): attention's backward kernels otherwise add in a varying order, so on a GPU two runs of one recipe, or a run and its resume, differ by rounding from the first step. On: bit for bit, at a cost (Llama-3-8B layers on an H200: 1.06-1.32x at 1,024 tokens, up to 4.3x at 16K packed; benchmarks/notes_determinism.md). CPU training is deterministic either way."),
         "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
         "resume_reset_optimizer": Key(bool, False, "Resume the weights and step but start the optimizer state and learning-rate schedule afresh (logged). Without it, a checkpoint missing optimizer.pt, scheduler.pt or a per-rank optimizer shard is refused."),

@@ -63,3 +63,33 @@ def test_offload_weights_refuses_what_it_cannot_compose_with(tmp_path, memory, t
                         train={"optimizer": "lomo", **train})
     with pytest.raises(RecipeError, match=message):
         load_recipe(path)
+
+
+def test_offloaded_lomo_resume_writes_the_checkpoint_of_the_uninterrupted_run(tmp_path):
+    """The 8B recipe's update scaled down (LOMO, per-tensor clip, no stochastic rounding, weights and
+    checkpointed inputs offloaded, embedding rows the tokenizer never produces): 6 steps saving at 4 and 6,
+    then a resume 4 -> 6 writes checkpoint-6 again; both files hold the same bytes, tensor by tensor."""
+    from safetensors import safe_open
+
+    from tests.helpers import TINY_LLAMA
+
+    config = dict(TINY_LLAMA, hidden_size=64, intermediate_size=128, vocab_size=1024)  # the byte tokenizer: 259
+    recipe = load_recipe(write_recipe(
+        tmp_path, model={"dtype": "bfloat16", "config": config},
+        memory={**MEMORY, "offload_weights": True, "offload_activations": True},
+        train={"optimizer": "lomo", "learning_rate": 1e-3, "max_steps": 6, "save_steps": 4, "max_grad_norm": 1.0,
+               "lr_scheduler": "constant", "warmup_steps": 0, "micro_batch_size": 2},
+        eval={"perplexity": False}, export={"format": "none"},
+    ))
+    out = Path(recipe.train["output_dir"])
+    build_trainer(recipe).trainer.train()
+
+    def blobs(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}
+
+    uninterrupted = blobs(out / "checkpoint-6")
+    build_trainer(recipe).trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    resumed = blobs(out / "checkpoint-6")
+    assert uninterrupted.keys() == resumed.keys() and len(uninterrupted) > 100
+    assert [k for k in uninterrupted if not torch.equal(uninterrupted[k], resumed[k])] == []

@@ -184,9 +184,77 @@ def test_resumed_tensor_rebuilds_exactly_like_the_original():
     assert original.rebuilds >= 1
 
 
+def _saved_and_loaded(ct):
+    """A copy of ``ct``'s state dict (as a checkpoint holds it) and the tensor loaded from it."""
+    saved = {k: v.clone() for k, v in ct.state_dict().items()}
+    return saved, CompressedTensor.from_state_dict({k: v.clone() for k, v in saved.items()})
+
+
+def _assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    differing = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not differing, f"blobs differing: {differing}"
+
+
+def test_a_loaded_tensor_decides_its_sync_free_code_rebuild_as_the_saved_one_would():
+    """The encoder that runs without host reads (the GPU's: here Triton's interpreter) decides whether to
+    rebuild the code from the coded bits of the *previous* encode. A loaded tensor must know those bits:
+    taking them as the code's size at build delayed its rebuild by one update, so a resumed run stored
+    the same values with another code (the checkpoint's stream, tile table and header differed).
+    On a GPU machine the kernels run on the GPU."""
+    x = torch.randn(64, 256).mul(0.02).bfloat16().to("cuda" if torch.cuda.is_available() else "cpu")
+    ct = compress(x, steps=4, lanes=16, backend="triton", name="lm_head.weight")
+    drifted = (x.float() * 1.3).bfloat16()  # coded bits 3.6 % up: past REBUILD_GROWTH, inside the headroom
+    ct.recompress_(drifted, backend="triton", sync=False)  # sync-free: no rebuild decided on these values
+    assert ct.rebuilds == 0
+    saved, resumed = _saved_and_loaded(ct)  # saving takes in the encode's status, as a checkpoint does
+    _assert_same_state(resumed, ct)
+    for scale in (1.302, 1.304):  # the next updates, the same on both
+        y = (x.float() * scale).bfloat16()
+        ct.recompress_(y, backend="triton", sync=False)
+        resumed.recompress_(y, backend="triton", sync=False)
+        assert resumed.rebuilds == ct.rebuilds
+        _assert_same_state(resumed, ct)
+    assert ct.rebuilds == 1 and _same_bits(resumed.decompress(backend="triton"), y)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_a_loaded_tensor_chooses_block_or_whole_re_encode_as_the_saved_one_would(backend):
+    """A block-by-block re-encode (row blocks of a vocabulary matrix) keeps the code; the next update
+    re-encodes whole, rebuilding it, when that re-encode's coded bits drifted. A loaded tensor must
+    make the same choice."""
+    from neutrain.compress.blocks import block_recode, tile_numel
+
+    x = torch.randn(64, 256).mul(0.02).bfloat16()
+    ct = compress(x, steps=4, lanes=16, backend=backend, name="model.embed_tokens.weight")
+
+    def update(t, new):
+        recode = block_recode(t, backend)
+        if recode is None:
+            t.recompress_(new, backend=backend)
+            return "whole"
+        tile_len = tile_numel(t)
+        for first in range(0, t.tiles, 2):
+            stop = min(first + 2, t.tiles)
+            block = recode.decode(first, stop, torch.empty((stop - first) * tile_len, dtype=t.dtype))
+            block.copy_(new.reshape(-1)[first * tile_len : first * tile_len + block.numel()])
+            recode.encode(first, block)
+        recode.finish()
+        return "blocks"
+
+    assert update(ct, (x.float() * 1.3).bfloat16()) == "blocks"  # coded bits 3.6 % up, the code kept
+    _, resumed = _saved_and_loaded(ct)
+    y = (x.float() * 1.302).bfloat16()
+    assert update(resumed, y) == update(ct, y) == "whole"
+    assert resumed.rebuilds == ct.rebuilds == 1
+    _assert_same_state(resumed, ct)
+
+
 def test_a_tensor_saved_by_the_previous_codec_still_loads_and_trains():
     """data/codec_b82cf91.safetensors was written by commit b82cf91 (64 steps per lane, before the
-    sync-free encoder and the 32-step default): the format is unchanged, so it loads as it is."""
+    sync-free encoder and the 32-step default), with a version-1 header (no coded bits of the encoding):
+    it loads as it is, and is saved again with a version-2 header."""
     from pathlib import Path
 
     blobs = load_file(str(Path(__file__).parent / "data" / "codec_b82cf91.safetensors"))
@@ -197,5 +265,6 @@ def test_a_tensor_saved_by_the_previous_codec_still_loads_and_trains():
     assert _same_bits(ct.decompress(), original)
     updated = (original.float() * 0.999).bfloat16()
     ct.recompress_(updated, sync=False)
+    assert int(state["header"][0]) == 1 and int(ct.state_dict()["header"][0]) == 2
     again = CompressedTensor.from_state_dict(ct.state_dict())
     assert again.steps == 64 and _same_bits(again.decompress(), updated)
