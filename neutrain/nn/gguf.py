@@ -9,7 +9,7 @@ become the tokenizer (:func:`load_gguf_tokenizer`).
 
 A compressed model is built tensor by tensor (:func:`load_gguf_compressed`): each tensor is read from
 the memory-mapped file, dequantized and compressed before the next, so the dense model never exists
-(issue 29: peak host memory was the dequantized model). A dense model still loads through transformers.
+(loaded whole, the dequantized model was the run's peak host memory). A dense model still loads through transformers.
 
 Example:
     >>> model = load_gguf_model("models", "smollm2-135m-instruct-q8_0.gguf", torch.bfloat16)  # doctest: +SKIP

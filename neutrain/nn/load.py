@@ -139,7 +139,7 @@ _INIT_BLOCK_ELEMENTS = 1 << 22
 def random_normal(shape, std: float, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
     """``N(0, std)`` values of ``shape`` in ``dtype``: the bits of a whole fp32 draw rounded to ``dtype``,
     with scratch far below the fp32 matrix (a 1.96 GiB fp32 tensor for Llama-3-8B's embedding once ran a
-    12 GB card out of memory while the model was built, issue 27).
+    12 GB card out of memory while the model was built).
 
     On CUDA, ``normal_`` draws straight in ``dtype``: each element's Philox number depends only on its
     index and the numel, and is rounded from fp32 to ``dtype`` as ``.to(dtype)`` rounds, so no fp32 copy

@@ -1,7 +1,7 @@
 """The automatic fit: the fastest memory configuration whose every phase fits the device budget.
 
 Why: a user with a 12 GB card should not have to know that the 8B trains there only with its
-weights in host memory (issue 27). Before anything is built, :func:`choose_fit` walks the
+weights in host memory. Before anything is built, :func:`choose_fit` walks the
 configurations from the fastest to the slowest and keeps the first one whose predicted peak
 reserved bytes, over all the phases of the run (:mod:`neutrain.trainer.phase_planner`), fit the
 budget, and whose pinned host bytes fit the host:
@@ -10,7 +10,7 @@ budget, and whose pinned host bytes fit the host:
 2. ``memory.offload_activations`` (checkpointed layers' inputs in host memory; needs
    ``memory.gradient_checkpointing``): 0.95-1.0x of the speed on the GPU;
 3. ``memory.offload_weights`` with activation offload: 0.952x for the 8B at batch 8 x 1024 on an
-   H100 (issue 27); NeuZip-lossless, a fused optimizer, no accumulation;
+   H100; NeuZip-lossless, a fused optimizer, no accumulation;
 4. a smaller ``train.micro_batch_size`` with ``train.gradient_accumulation_steps`` raised to keep the
    rows per optimizer step (halving until one row), activations offloaded where allowed.
 

@@ -1,6 +1,6 @@
 """The planner by phase: the peak device memory of each phase of a run, predicted before anything is built.
 
-:mod:`neutrain.trainer.planner` predicts the training step. A run has more phases (issue 27), and any
+:mod:`neutrain.trainer.planner` predicts the training step. A run has more phases than that, and any
 of them can be the one that does not fit: the build, evaluation, the sample, checkpoint save, resume
 and export. Each phase's estimate is a sum of named terms, each one a buffer the run really holds:
 
