@@ -128,7 +128,7 @@ def test_junit_files_record_the_commit(tmp_path):
 
 
 def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
-    from benchmarks.kv_eval import real_targets
+    from benchmarks._kv_targets import real_targets
 
     both = real_targets({"real": {"gap_points": {"full": 0.0, "shadowkv_paper_chunk4": 5.0,
                                                  "shadowkv_paper_scaled": 45.0, "minicache_merge": 90.0}}})
