@@ -156,7 +156,7 @@ def _retrieval_trainer_classes():
             self.held, self.args, self.log, self.start, self.history = held, args, log, time.time(), []
             self.acc, self.loss = 0.0, float("nan")
             # The best held-out weights so far: held-out accuracy swings by several points between evals
-            # (0.97 then 0.89 in kv_eval_fidelity.json), and a time limit may stop training in a dip.
+            # (0.97 then 0.89 in results/archive/kv_eval_fidelity.json), and a time limit may stop training in a dip.
             self.best_acc, self.best_step, self.best_state, self.restored = -1.0, None, None, False
 
         def on_train_end(self, args, state, control, model=None, **kw):
