@@ -1,4 +1,4 @@
-"""The GGUF path builds a compressed model tensor by tensor (issue 29 item 3).
+"""The GGUF path builds a compressed model tensor by tensor.
 
 1. The weights are bit-identical to transformers' whole-file load (Q/K un-permuted, Q8_0 blocks
    decoded in row chunks that split matrices unevenly).

@@ -1,4 +1,4 @@
-"""The automatic fit (issue 27, item 4): a card of each size gets the fastest configuration that fits it.
+"""The automatic fit: a card of each size gets the fastest configuration that fits it.
 
 The 8B recipe (NeuZip lossless, LOMO, checkpointing) on fake cards of 24, 16, 12 and 8 GB and on the
 budgets the lead's H100 script uses (22, 14.5, 11 and 7 GiB); a key the user set is never changed;

@@ -1,4 +1,4 @@
-"""The planner by phase (issue 27, item 3): each phase's terms are real buffers, and the 8B's figures
+"""The planner by phase: each phase's terms are real buffers, and the 8B's figures
 fall within 10% of what the H100 measured."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_the_8b_training_step_is_within_10_percent_of_the_h100(batch):
 
 
 def test_the_offloaded_8b_is_within_10_percent_of_the_h100():
-    # Issue 27: weights and activations offloaded, batch 8 x 1024: 5.49 GiB reserved, 6.79 GiB device.
+    # Measured on the H100: weights and activations offloaded, batch 8 x 1024: 5.49 GiB reserved, 6.79 GiB device.
     plan = plan_recipe(_8b("train.micro_batch_size=8", "memory.offload_weights=true", "memory.offload_activations=true"))
     train = plan["train_step"]
     assert abs(train.reserved / GIB - 5.49) <= 0.10 * 5.49
@@ -85,7 +85,7 @@ def test_the_offloaded_8b_is_within_10_percent_of_the_h100():
 
 
 def test_the_streaming_phases_stay_near_the_training_step():
-    # Issue 27's target: no phase above 1.05x the training step. Save, resume and export are well inside;
+    # The target: no phase above 1.05x the training step. Save, resume and export are well inside;
     # the build's int32 symbols of the vocabulary matrix (2 GiB) put it at 1.06x for batch 1.
     plan = plan_recipe(_8b())
     train = plan["train_step"].reserved
