@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training on the GPU: the whole GPU test suite, the codec, and what a training step costs in memory and
-# time, one PART per device call (each under 10 minutes), run from the repository root:
+# time, one PART per device call (each part's time limits below), run from the repository root with $OUT set:
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/gpu_training.sh
 #   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
 #                matrix excepted: its own junit) (TEST_LIMIT, 330 s), the codec test file on the GPU (120 s),
