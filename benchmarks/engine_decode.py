@@ -1,4 +1,4 @@
-"""Benchmark: the DecodeEngine's autoregressive decode at batch 1 against Hugging Face, and the HBM roofline (issue 19).
+"""Benchmark: the DecodeEngine's autoregressive decode at batch 1 against Hugging Face, and the HBM roofline.
 
 One process, one GPU, the Llama-3-8B architecture with random N(0, 0.02) weights (the same seed for
 every variant, so dense bf16 and NeuZip lossless hold the same numbers and must decode the same tokens):
@@ -8,8 +8,8 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``engine_eager``: :class:`~neutrain.eval.engine.DecodeEngine` without CUDA graphs;
 * ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU), Q/K/V and
   gate/up fused into one GEMV each (:mod:`neutrain.eval.fused_projections`, the engine's default);
-* ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, issue 32's
-  before). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
+* ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, as
+  before the fusion). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
   fused matrices: outside the engine's fusion context those are the plain separate GEMVs.
 
 ``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
@@ -33,7 +33,7 @@ The roofline is the bytes one decode step must read (every weight but the input 
 which one row is read, plus the KV cache of the context so far, averaged over the decode, plus the
 logits: the lm_head's output and its fp32 copy, read by the sampler) over the bandwidth of a
 device-to-device copy of 2 GiB measured in the same run (CUDA events, median of 20 after warm-up),
-counting bytes read plus written. Targets (issues 19 and 32, fixed names):
+counting bytes read plus written. Targets (fixed names, ``benchmarks/_spec_decode.py``'s ``GOALS``):
 ``ar_roofline_fraction_8b`` = (bytes per token / ``step_ms`` of engine_graph, dense bf16) / copy
 bandwidth, and ``neuzip_lossless_over_bf16_decode``. The JSON also gives the fraction from the whole
 ``generate``'s tokens/s (prefill included), and per engine the model's parameter bytes before and
@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import cuda_time_ms, git_provenance, write_result  # noqa: E402
-from benchmarks._spec_decode import GOALS  # noqa: E402  (issue 19's target names and goals)
+from benchmarks._spec_decode import GOALS  # noqa: E402  (the decode targets' names and goals)
 from benchmarks._train_peers import memory_row  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402

@@ -1,4 +1,4 @@
-"""Learning rates for fine-tuning a pretrained chat model, per optimizer, on CPU (issue 16).
+"""Learning rates for fine-tuning a pretrained chat model, per optimizer, on CPU.
 
 Why: the README's rates come from training from scratch (AdaLomo best at 0.1), which would wreck a
 pretrained model. This sweeps each optimizer's learning rate on a real pretrained model, SmolLM2-135M-
@@ -151,7 +151,7 @@ def main() -> None:
     settings = {"model": path.name, "steps": args.steps, "batch": 8, "exact_match_prompts": args.exact_match, "dtype": "float32", "lr_schedule": "constant",
                 "max_grad_norm": 1.0, "task": "A plus B is C (held-out pairs)", "device": "cpu"}
     write_result("finetune_lr_cpu", settings, results, args.out,
-                 targets_note="learning-rate guidance for fine-tuning (issue 16): no goal, a table to read")
+                 targets_note="learning-rate guidance for fine-tuning: no goal, a table to read")
     print(f"{'optimizer':<18}{'lr':>8}{'task loss':>11}{'exact':>7}{'drift':>8}")
     for r in results:
         print(f"{r['optimizer']:<18}{r['lr'] or '-':>8}{r['task_loss']:>11.3f}{r['exact_match']:>7.2f}{r['drift_loss']:>8.3f}")

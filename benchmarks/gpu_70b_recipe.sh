@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's 70B gate, as a user runs it: the literal `accelerate launch recipes/llama3_70b_offload.yaml`
+# The 70B memory gate (Llama-3-70B trains on one card), as a user runs it: the literal `accelerate launch recipes/llama3_70b_offload.yaml`
 # on one H100 80GB (CUDA_VISIBLE_DEVICES picks it on a machine of several), STEPS steps with a save at the
 # last, then a second launch that resumes from that checkpoint for one step more. Then
 # benchmarks/offload_recipe.py reads both runs' metrics.jsonl and summary.json and nvidia-smi's samples

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20's KV-cache evaluation in ONE device call, under 9 minutes; writes benchmarks/results/kv_eval.json
+# The whole KV-cache evaluation in ONE device call, under 9 minutes; writes benchmarks/results/kv_eval.json
 # (and $OUT/kv_eval.json, $OUT/kv_eval.log):
 #   1. trains the retrieval model (char Llama, 8 x 256) with NeuTrainer until 95% held-out exact match or 200 s;
 #   2. evaluates on it the full cache, MiniCache, ShadowKV, each of their pieces alone, transformers'

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21 in one device call (one H100): the weight-offload GPU test (bit-identical training on CUDA),
+# Weight offload in one device call (one H100, < 10 minutes): the weight-offload GPU test (bit-identical training on CUDA),
 # then benchmarks/offload.py for the parts in PARTS (default: all; each part's time is printed).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/gpu_offload.sh
 #   PARTS=link,8b ... ; then PARTS=70b BENCH_ARGS=--merge GPU_TESTS=0 ...   (two calls, one offload.json:

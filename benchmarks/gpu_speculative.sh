@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H100 (issue 19): benchmarks/speculative.py at full size -- the 8B engine decode
+# Speculative decoding in one device call on one H100: benchmarks/speculative.py at full size -- the 8B engine decode
 # (benchmarks/engine_decode.py, in a subprocess), the ~300M target, both drafts, every decode row -- under
 # a hard time budget so that the whole call ends in < 9.5 minutes. speculative.json, engine_decode.json and
 # speculative.log land in benchmarks/results (the JSONs) and in $OUT.

@@ -1,4 +1,4 @@
-"""Inference and LoRA with NeuZip weights against bf16 and bitsandbytes, one GPU (issue 8).
+"""Inference and LoRA with NeuZip weights against bf16 and bitsandbytes, one GPU.
 
 Three parts, all in one process on one card, results in ``benchmarks/results/inference.json``:
 

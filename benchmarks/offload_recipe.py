@@ -1,4 +1,4 @@
-"""The 70B gate of issue 27 from the literal recipe runs: ``offload.json``'s 70B targets.
+"""The 70B memory gate (a 70B trains on one card) from the literal recipe runs: ``offload.json``'s 70B targets.
 
 ``benchmarks/gpu_70b_recipe.sh`` launches ``recipes/llama3_70b_offload.yaml`` as a user does (train with a
 save, then a resume of one step); this reads what those runs wrote (``metrics.jsonl``, ``summary.json``,

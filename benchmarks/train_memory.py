@@ -1,4 +1,4 @@
-"""Peak memory and throughput of full fine-tuning, Llama-3-8B architecture, one GPU (issue 4).
+"""Peak memory and throughput of full fine-tuning, Llama-3-8B architecture, one GPU.
 
 Variants, each in a fresh subprocess so the allocator starts clean:
 
@@ -8,7 +8,7 @@ Variants, each in a fresh subprocess so the allocator starts clean:
     d  NeuZip lossless + fused LOMO
     e  NeuZip lossless + AdaLomo
     f  dense + AdaLomo (neutrain's fused AdaLomo on dense weights: the peer of e)
-    g  as d, with the decode buffers NOT reserved up front (the allocator A/B of issue 17)
+    g  as d, with the decode buffers NOT reserved up front (the allocator A/B)
     h  peer: Hugging Face Trainer, optim="lomo"
     p  peer: Hugging Face Trainer, optim="paged_adamw_8bit" (bitsandbytes)
     t  peer: torchao AdamW8bit stepped in backward, one optimizer per parameter (torchtune)
@@ -18,7 +18,7 @@ throughput at batch 8 (and batch 1). Each row carries peak allocated/reserved Gi
 the device's used memory (NVML, or cudaMemGetInfo), tokens/s (CUDA events, median after
 warm-up) and the planner's estimate; batch-1 rows carry the allocator's segment map, and
 ``--profile`` variants a profiled batch-8 step (top kernels, host syncs). The JSON's
-``targets`` are issue 17's. Peers live in ``benchmarks/_train_peers.py``.
+``targets`` are the memory and speed goals of :func:`targets_of`. Peers live in ``benchmarks/_train_peers.py``.
 
     python benchmarks/train_memory.py                    # all variants, writes results/train_memory.json
     python benchmarks/train_memory.py --tiny --variants c,d   # CPU/GPU smoke test on a tiny model
@@ -56,7 +56,7 @@ VARIANTS = {
     "q": ("neuzip-lossless", "lomo"),  # d with the side-stream decode-ahead on (neutrain.nn.prefetch)
     "x": ("dense", "lomo"),  # c with the eager update instead of the fused_update kernel (NEUTRAIN_FUSED_UPDATE=0)
 }
-PEERS = ("h", "p", "t", "f")  # issue 17 item 5: what a user would pick instead
+PEERS = ("h", "p", "t", "f")  # what a user would pick instead
 # neutrain's own code paths run with the allocator setting `neutrain train` sets by default
 # (cli/main.py); the Hugging Face, torchao and bitsandbytes peers keep torch's default.
 NEUTRAIN_ALLOC_CONF = "expandable_segments:True"
@@ -133,7 +133,7 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
         return loss
 
     def decode_counts() -> tuple[int, ...]:
-        """Synchronous decodes, decodes ahead launched and used, cycles off the recorded order (issue 30)."""
+        """Synchronous decodes, decodes ahead launched and used, cycles off the recorded order."""
         from neutrain.nn import DECODE_BUFFERS, PREFETCHER, compressed_weights
 
         return (sum(w.decodes for w in compressed_weights(model)), PREFETCHER.launched,
@@ -251,7 +251,7 @@ def _tps(by: dict, key: str, batch: int) -> float | None:
 
 
 def targets_of(rows: list[dict]) -> dict:
-    """Issue 17's targets (names fixed by the issue) from the rows measured; a missing input leaves its target out."""
+    """The memory and speed targets (fixed names) from the rows measured; a missing input leaves its target out."""
     by = {r["variant"]: r for r in rows}
     out: dict = {}
 

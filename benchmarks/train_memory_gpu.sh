@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for train_memory.py (issue 17), run from the repository root of a carried copy:
+# One device call (< 10 minutes: CALL_SECONDS, 570) for train_memory.py, run from the repository root of a carried copy:
 # the benchmark first (an idle GPU: neutrain's variants and the peers, each in its own process),
 # then, in the time left, the GPU tests of tests/kernels and tests/integration and the whole codec
 # test file on the GPU (real Triton: the grouped kernels' bytes against the reference), each with

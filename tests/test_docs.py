@@ -1,4 +1,4 @@
-"""The design notes the code cites exist, with the sections it cites (issue 15, item 8).
+"""The design notes the code cites exist, with the sections it cites.
 
 Comments once cited notes that were not in the repository (``trainer.md §1``,
 ``codec.md §8.2``); every ``<name>.md`` a comment or docstring names must now be a

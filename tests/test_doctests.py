@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # Docstrings whose examples still fail, in files that other branches of the
-# renovation are rewriting (issue 15). strict=True: once fixed there, the entry
+# renovation are rewriting. strict=True: once fixed there, the entry
 # turns into a failure here and must be removed. The fixes are in the report of
 # branch h/docs.
 PENDING: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Every shell command in the README runs in CI, or is listed here with the reason it cannot (issue 34).
+"""Every shell command in the README runs in CI, or is listed here with the reason it cannot.
 
 The README's ```bash blocks are parsed; each command must appear in :data:`README_COMMANDS` as one of:
 

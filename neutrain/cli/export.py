@@ -54,7 +54,7 @@ def run_export_dtype(checkpoint: Path, requested: str) -> str:
     """The dtype ``--dtype`` means for ``checkpoint``: for ``auto``, the dtype the run's own export used
     (read from the run's recipe), so ``neutrain export --dtype auto`` writes what the run wrote.
 
-    Why (issue 34): a CPU run computes in fp32 and exports bf16 (its base's dtype, or NeuZip's), but
+    Why: a CPU run computes in fp32 and exports bf16 (its base's dtype, or NeuZip's), but
     ``--dtype auto`` kept the checkpoint's fp32 tensors. A checkpoint no recipe describes keeps its own dtype.
 
     Example:

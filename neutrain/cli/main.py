@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
     # stranded: on an H100, (d) NeuZip + LOMO at batch 1 used 15.28 instead of 15.57 GiB of device
-    # memory and ran 1.7% faster at batch 8 (benchmarks/results/train_memory_expandable.json).
+    # memory and ran 1.7% faster at batch 8 (benchmarks/results/archive/train_memory_expandable.json).
     # Set before torch touches CUDA; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))

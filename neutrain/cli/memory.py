@@ -111,7 +111,7 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
         entry = rec.as_dict()
         entry.update({f"predicted_{k}": v for k, v in TRACKER.predicted.get(name, {}).items()})
         if entry.get("peak_reserved_gib") and "predicted_reserved_gib" in entry:
-            # Issue 27's planner_phase_max_relative_error is the largest of these over the phases.
+            # The planner's accuracy over a run (its worst phase) is the largest of these.
             entry["reserved_relative_error"] = entry["predicted_reserved_gib"] / entry["peak_reserved_gib"] - 1
         phases[name] = entry
     summary["phase_memory"] = phases

@@ -25,7 +25,7 @@ def run(args) -> int:
 def describe(text: str) -> str:
     """A recipe's description: the first sentence of its first comment paragraph, however many lines it spans.
 
-    Why: taking the first comment line cut a description that wraps mid-sentence (issue 34).
+    Why: taking the first comment line cut a description that wraps mid-sentence.
 
     Example:
         >>> describe("#!/usr/bin/env neutrain\\n# coding: neutrain-recipe\\n# A model trained for 60 steps, then\\n"

@@ -97,7 +97,7 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = Fa
     Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
     output repeats itself, which says less about what it learned. ``chat`` (a run on ``type: messages``
     data) sends the prompt through the chat template as one user turn, as the model was trained: sent raw,
-    a chat fine-tune's sample was empty and the model looked broken although it had learned (issue 34).
+    a chat fine-tune's sample was empty and the model looked broken although it had learned.
     """
     import torch  # lazy: `neutrain --help` stays instant
 
@@ -136,7 +136,7 @@ ADAPTER_BASE = "base"
 def _save_adapter_base(model, tokenizer, out: str) -> None:
     """Write the frozen base of a LoRA run that has no base directory to ``<output_dir>/base`` (once).
 
-    Why (issue 34): checkpoints hold only the adapters, and ``neutrain export <adapter checkpoint>`` needs the
+    Why: checkpoints hold only the adapters, and ``neutrain export <adapter checkpoint>`` needs the
     base they adapt; a random init or a GGUF file has no directory to name, so the export failed with "base
     model directory is unknown or missing (None)". The base is written as the adapters see it (lossy bases
     already rounded), in the dtype its weights are held in, so merging reproduces the trained model.
@@ -351,7 +351,7 @@ def loss_ends(logged: list[dict]) -> dict[str, Any]:
     """The first and last logged training losses, each with the steps it averages.
 
     A logged loss is the mean over the steps since the previous log (``train.logging_steps``), so the
-    summary says so: the first is not the loss of step 1 (issue 34).
+    summary says so: the first is not the loss of step 1.
 
     Example:
         >>> loss_ends([{"loss": 8.0, "step": 20}, {"loss": 5.0, "step": 40}, {"loss": 4.0, "step": 60}])

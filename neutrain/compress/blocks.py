@@ -126,7 +126,7 @@ class BlockRecode:
     def __init__(self, ct, kernel: bool, backend: str):
         self.ct, self.kernel, self.backend = ct, kernel, backend
         # At least 1/32 above the last encode's length, whatever headroom the tensor earned so far
-        # (kstream.capacity_for starts small, issue 30): an overflow here loses the value, so it must
+        # (kstream.capacity_for starts small): an overflow here loses the value, so it must
         # take a step that grows the exponent stream by over 3 % (the margin every tensor had before).
         # Costs ~0.085 bit per weight on the (two) vocabulary matrices while training; none on disk.
         capacity = max(ct.stream.numel(), kstream.capacity_for(ct._words, kstream.MIN_HEADROOM_SHIFT))

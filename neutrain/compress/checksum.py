@@ -9,7 +9,7 @@ Two sums over the concatenated bytes ``b_i`` (``i`` from 0), each ``mod P``:
 ``P = 2**31 - 1``. The value is defined by these formulas alone, so any way of
 computing them exactly gives the bytes every checkpoint already holds.
 
-How, with scratch of 1/64 of the bytes hashed (issue 27: a checksum must not
+How, with scratch of 1/64 of the bytes hashed (a checksum must not
 need a second copy of the model on the GPU). The bytes go in chunks of
 ``_CHUNK``; a chunk at ``offset`` is viewed as rows of ``_ROW`` bytes ``b[r, c]``
 (index ``offset + _ROW * r + c``), so that

@@ -30,8 +30,8 @@ import torch
 
 IN_UPDATE = False
 """Whether compressed weights ask the fused LOMO update to count (``CompressedWeight.count_into``).
-Off: measured on an H100 (Llama-3-8B gate/up, 58.7M weights, ``benchmarks/codec.py --encode-host``,
-issue 30) the update's per-element table load and lane atomics cost more than the count pass they
+Off: measured on an H100 (Llama-3-8B gate/up, 58.7M weights, ``benchmarks/codec.py --encode-host``)
+the update's per-element table load and lane atomics cost more than the count pass they
 save: update + counted encode 0.399 ms against update + two-pass encode 0.371 ms. The path stays
 bit-exact and tested; set it True to use it (e.g. on a card where the count pass is dearer)."""
 

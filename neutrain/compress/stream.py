@@ -21,7 +21,7 @@ tensor. So:
 * The capacity is the used length plus 1/32 (about 0.085 bit per weight), so one step
   would have to grow the exponent stream by more than ~1.5 % to overflow (the growth check
   runs at half the headroom). A tensor can start smaller (``HEADROOM_SHIFT``) and earn
-  room by growing, doubled each time up to 1/32; issue 30 measured why it does not
+  room by growing, doubled each time up to 1/32; a measurement showed why it does not
   (``HEADROOM_SHIFT``'s note). If an encode ever overflows, the tensor keeps its previous
   content, intact, its stream grows and the next look at the status raises
   :class:`StreamOverflowError` naming the tensor: an update is never dropped silently.
@@ -49,13 +49,13 @@ class StreamOverflowError(RuntimeError):
 
 
 HEADROOM_SHIFT = 5
-"""A new stream's headroom is ``words >> HEADROOM_SHIFT`` (1/32) plus 64 words. Issue 30 tried 1/2048
+"""A new stream's headroom is ``words >> HEADROOM_SHIFT`` (1/32) plus 64 words. A trial of 1/2048
 (0.0014 bit per weight instead of 0.085, the in-memory size under 10.8 bits): on an H100 the GPU tests'
 small models then overflowed in their first LOMO steps (a 5,955-word q_proj stream outgrew 66 words of
 headroom, an lm_head of 11,863 words likewise), and each overflow loses that step's update of the tensor
 (reported, not silent). Safety first: 1/32, as before; the doubling below is kept for a smaller start."""
 MIN_HEADROOM_SHIFT = 5
-"""The most headroom a tensor earns by growing: 1/32 (what every tensor had before issue 30)."""
+"""The most headroom a tensor earns by growing: 1/32 (what every tensor had before headroom could grow)."""
 
 
 def capacity_for(words: int, shift: int = HEADROOM_SHIFT) -> int:

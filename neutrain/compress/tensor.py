@@ -359,7 +359,7 @@ class CompressedTensor:
 
         Like ``nn.Module.state_dict``, the blobs are views of this tensor's own storage, not copies:
         a clone of every blob was a second copy of the model on the GPU each time a checkpoint was
-        saved (issue 27). Writers copy one blob at a time to the host; clone to keep a snapshot.
+        saved. Writers copy one blob at a time to the host; clone to keep a snapshot.
         """
         return fmt.seal({key: value.detach().contiguous() for key, value in self._blobs().items()}, self.name)
 

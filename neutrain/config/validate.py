@@ -109,7 +109,7 @@ def _check_text(where: str, value: str, as_file_name: bool) -> None:
 
 
 def _check_range(where: str, key: Key, value: float) -> None:
-    # NaN compares False with every bound, so without this check it passed them all (issue 14, class 6).
+    # NaN compares False with every bound, so without this check it passed them all into the run.
     if not math.isfinite(value):
         raise RecipeError(f"{where}: {value} is not a finite number")
     if key.min is not None and value < key.min:

@@ -81,7 +81,7 @@ def trained_on_chat(datasets: list[dict]) -> bool:
 def template_choice(tokenizer, trained_with_template: bool | None, raw: bool = False) -> tuple[bool, str]:
     """``(use the chat template?, why)`` for a generation prompt.
 
-    Why (issue 34): a model trained from scratch on code got its prompt wrapped in the byte tokenizer's
+    Why: a model trained from scratch on code got its prompt wrapped in the byte tokenizer's
     template, which it never saw, and printed only ``#``. The template is used only when the tokenizer has
     one and the model was trained with it: ``trained_with_template`` is what the run recorded (``None``
     for a model neutrain did not train, e.g. an instruct GGUF, which was trained with its own template).

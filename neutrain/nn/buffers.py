@@ -18,7 +18,7 @@ the size of the largest weight it will hold, the large slot first, and pins them
 (the large slot only under the classic allocator, see below):
 a slot that grows step by step, or a 1 GiB large slot freed and allocated again
 around every loss, can let the caching allocator split its segment for other
-tensors and open a new segment for the next request (issue 17 asks for one
+tensors and open a new segment for the next request (hence one
 preallocated pool). Measured on an H100 (Llama-3-8B, batch 1,
 ``benchmarks/train_memory.py`` variants d and g): peak allocated and reserved
 unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the segment
@@ -38,7 +38,7 @@ decoded again while its tag is current (e.g. read by the optimizer right after
 backward decoded it) is served from the buffer; an updated weight bumps its
 version, so a stale buffer is never mistaken for current data.
 
-*Kept* decodes (issue 30): within a per-device byte budget (:attr:`DecodeBuffers.keep_bytes`),
+*Kept* decodes: within a per-device byte budget (:attr:`DecodeBuffers.keep_bytes`),
 a weight is decoded into a buffer of its own that lives as long as the weight, instead
 of a shared slot. Its tag is the weight's version, so forward, a checkpoint recompute,
 backward and the fused update's read share one decode per step, and the re-encode

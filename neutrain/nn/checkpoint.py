@@ -31,7 +31,7 @@ def is_compressed(model: torch.nn.Module) -> bool:
 def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.PathLike, weights: str) -> None:
     """Write the model's compressed state dict, config and marker into ``output_dir``.
 
-    Tensor by tensor (issue 27): ``model.state_dict()`` holds views of the model's own blobs (the
+    Tensor by tensor: ``model.state_dict()`` holds views of the model's own blobs (the
     codec's checksums are hashed where the blobs lie, with scratch of 1/64 of a blob), and the file is
     written one tensor at a time, each copied to the host just before it is written. So saving takes
     no second copy of the model, on the device or on the host.
@@ -64,7 +64,7 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     """Load a checkpoint written by :func:`save_compressed_checkpoint` into a compressed ``model``.
 
     Every blob's checksum is verified; a corrupted file raises an error naming the tensor.
-    One compressed weight at a time (issue 27): its blobs are read into host memory, checked there and
+    One compressed weight at a time: its blobs are read into host memory, checked there and
     copied into the weight's device, so the device never holds a second copy of the model; the dense
     rest (norms, biases, buffers) is copied in from the host by ``load_state_dict``.
     """

@@ -238,7 +238,7 @@ def decompressed_state_dict(model: torch.nn.Module, device: str | torch.device |
     them upcast to fp32, as the modules use them). Decodes one weight at a time.
     ``device="cpu"`` moves each decoded weight to the host before the next is decoded,
     so the model's device holds one dense matrix at a time, never the dense model
-    (dense export, issue 27); by default the values stay where the model is.
+    (a dense export must fit where the compressed model did); by default the values stay where the model is.
 
     Example:
         >>> lin = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False).bfloat16())

@@ -42,7 +42,7 @@ block re-encode of the lm_head published 3.1 % more coded exponent bits than the
 (22,515,284 against 21,831,076 at lr 1e-4), which forced a code rebuild at the next step; later steps
 were normal (+0.02 %). Values other than the updated weight's were encoded in that first step, and
 the cause is not found: until a GPU run shows the blocked step bit-identical to dense, CUDA weights are
-read and re-encoded whole, as before issue 30. The CPU paths are tested bit-identical."""
+read and re-encoded whole, as before row blocks existed. The CPU paths are tested bit-identical."""
 MIN_GPU_BLOCK_TILES = 1024
 """On a GPU a block is grown (up to :data:`MAX_BLOCK_FRACTION`) to at least this many tiles: one
 program per tile, and an H100 holds ~1,056 resident at 256 threads, so smaller launches leave it idle

@@ -1,6 +1,6 @@
 """Nothing read or written outside the run or checkpoint directory: symlinks and paths that leave it are refused.
 
-Why (issue 28, failure 3): ``summary.json``, ``metrics.jsonl`` and ``training_curves.png``
+Why: ``summary.json``, ``metrics.jsonl`` and ``training_curves.png``
 were written through symlinks pointing outside the run directory; manifest entries such as
 ``../../etc/passwd`` or absolute paths were read, which made export, resume and eval a
 size and hash oracle for any readable file; and a ``model.safetensors`` symlinked outside

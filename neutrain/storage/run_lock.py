@@ -2,7 +2,7 @@
 
 Why: two runs started on one ``output_dir`` both trained to exit 0 with interleaved
 ``metrics.jsonl`` and mixed checkpoints, and a resume started while another run was
-saving deleted that run's ``.tmp-checkpoint-N`` as a leftover (issue 28, failure 2).
+saving deleted that run's ``.tmp-checkpoint-N`` as a leftover.
 
 * :class:`RunLock` takes ``<output_dir>/.neutrain.lock``: an exclusive ``flock`` on the
   file for as long as the run lives (the kernel drops it when the process dies, however

@@ -138,7 +138,7 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
             ax_mem.plot(steps, values, label=label)
     ax_mem.set_xlabel("step")
     ax_mem.set_ylabel("GiB")
-    ax_mem.set_ylim(bottom=0)  # from 0: a run flat at 1.08 GiB looked like a 20x swing on a 0.02 GiB axis (issue 34)
+    ax_mem.set_ylim(bottom=0)  # from 0: a run flat at 1.08 GiB looked like a 20x swing on a 0.02 GiB axis
     if ax_mem.get_lines():  # a run that logged no memory (the draft's distillation) has no legend to draw
         ax_mem.legend()
     ax_mem.grid(alpha=0.3)

@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_dtype(name: str, use_cpu: bool = False) -> torch.dtype:
     """The compute dtype ``model.dtype`` names; ``auto`` is bf16 on a GPU, and on a CPU bf16 only where
     it has native bf16 units (AMX or AVX512-BF16), else fp32: emulated bf16 products are ~6x slower
-    than fp32 ones (issue 29). NeuZip keeps storing bf16 under fp32 compute and upcasts it exactly.
+    than fp32 ones. NeuZip keeps storing bf16 under fp32 compute and upcasts it exactly.
 
     Example:
         >>> resolve_dtype("float32")
@@ -128,7 +128,7 @@ def _tokenizer_spec(model_cfg: dict[str, Any], data_cfg: dict[str, Any], name: s
 def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool:
     """Whether the tokenizer saved in ``saved`` was built for other recipe keys than ``spec`` (then rebuilt).
 
-    Why (issue 28, failure 5): it used to be reused whatever the recipe asked, so the export
+    Why: it used to be reused whatever the recipe asked, so the export
     carried the old vocabulary while ``recipe.yaml`` said another. A stale tokenizer that
     checkpoints in ``output_dir`` were trained with is refused instead: rebuilding it would
     leave them without theirs. One saved before the spec file existed is reused, as it was.

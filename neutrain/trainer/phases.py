@@ -1,6 +1,6 @@
 """The phases of a run, and the device memory each one peaked at.
 
-Why: issue 27's budget is a promise about every phase of a run (build or load, the training steps,
+Why: a memory budget is a promise about every phase of a run (build or load, the training steps,
 evaluation, the sample, checkpoint save, resume and export), not only the training step. The
 planner predicts each phase's peak (:mod:`neutrain.trainer.phase_planner`); this module measures
 it, and remembers which phase is running, so that an allocation over the budget ends the run with

@@ -31,7 +31,7 @@ def format_log_line(logs: dict, step: int, max_steps: int) -> str:
     Empty when the event carries none of these (e.g. only evaluation timings).
     """
     # Before training (an evaluation first, as the draft's distillation does) the Trainer knows no step
-    # count yet: "step 0/0" read as a broken run (issue 34).
+    # count yet: "step 0/0" read as a broken run to a new user.
     parts = ["before training" if step == 0 and not max_steps else f"step {step}/{max_steps}"]
     if "train_runtime" in logs:
         return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean train loss {_num(logs.get('train_loss', float('nan')))}"

@@ -4,7 +4,7 @@ Why: a dense checkpoint resumed with ``memory.weights: neuzip-lossless`` logged 
 step 8" and exited 0 while its trained weights were silently dropped (their names do not
 match a compressed model's, and transformers only warned of missing keys); a different
 hidden size, layer count or optimizer gave a traceback; a different tokenizer or dataset
-was accepted without a word (issue 28, failure 1).
+was accepted without a word.
 
 Every checkpoint gets :data:`RUN_RECORD` (inside the checkpoint, so the manifest checksums
 it like the rest): the recipe keys whose change makes a resume wrong, and the model's

@@ -244,7 +244,7 @@ class NeuTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A fused training step takes the chunked loss whether the weights are compressed or dense: the
         # model's own loss rounds differently (soft-capped logits: Gemma 3 drifted 1 bf16 ulp per step
-        # from its compressed twin, issue 29), and NeuZip lossless promises dense training's exact model.
+        # from its compressed twin), and NeuZip lossless promises dense training's exact model.
         # Not where parameters are sharded (FSDP2, ZeRO-3): the chunked loss reads lm_head.weight directly,
         # which only the head's own forward gathers there.
         fused_training = (self.fused and not self.distributed_mode.sharded and _unwrap(model).training

@@ -1,4 +1,4 @@
-"""Checkpoint trust (issue 14, classes 1, 4, 5, 9, 11): nothing in a checkpoint runs, every byte is checksummed,
+"""Checkpoint trust: nothing in a checkpoint runs, every byte is checksummed,
 missing optimizer state is refused, and a damaged file is one line naming it (exit 2), at resume and export.
 
 Each mode's checkpoint is produced once (module-scoped, 2 steps); planted files are then checked with the
@@ -180,8 +180,8 @@ def test_resume_from_a_planted_pickle_exits_2_and_runs_nothing(mode, checkpoint_
     res = _run(_command(recipe, mode, *overrides))
     assert res.returncode != 0 and not marker.exists(), res.stderr[-3000:]
     # Every rank checks every file and stops with the same line, but torchrun tears the group down as soon
-    # as the first rank exits: on a loaded machine the other rank may be killed before it prints (issue 34
-    # saw 1 line instead of 2). So: at least one line, and every line names the planted file.
+    # as the first rank exits: on a loaded machine the other rank may be killed before it prints (a loaded CI
+    # machine saw 1 line instead of 2). So: at least one line, and every line names the planted file.
     errors = [line for line in res.stderr.splitlines() if line.startswith("neutrain: error: ")]
     assert 1 <= len(errors) <= 2 and all(PLANT_AT_RESUME[mode] in line for line in errors), res.stderr[-3000:]
 

@@ -1,6 +1,6 @@
 """Inputs that ended in a traceback now end in one line: exit 2 (or 1 for the environment), naming the culprit.
 
-Issue 28, failure 9: ``neutrain generate`` with out-of-range numbers, an export whose ``tokenizer.json``
+Before: ``neutrain generate`` with out-of-range numbers, an export whose ``tokenizer.json``
 is malformed, chat templates with a syntax error, an unknown filter or an operation the sandbox refuses,
 an ``output_dir`` with a NUL byte or (under ``LC_ALL=C``) a non-ASCII character, an unknown
 ``NEUTRAIN_LOG_LEVEL``, and a ``trainer_state.json`` with ``max_steps: null``.

@@ -1,6 +1,6 @@
 """Nothing read or written outside the run or checkpoint directory.
 
-Issue 28, failure 3. ``summary.json``, ``metrics.jsonl`` and ``training_curves.png`` were
+Before: ``summary.json``, ``metrics.jsonl`` and ``training_curves.png`` were
 written through symlinks pointing outside the run directory; a manifest entry such as
 ``../../secret`` or an absolute path was read (a size and hash oracle for any readable
 file); a ``model.safetensors`` symlinked outside its checkpoint was loaded silently. Each

@@ -1,4 +1,4 @@
-"""Issue 14, data classes: data that trains nothing, unreadable or empty data, and misleading messages.
+"""Data faults: data that trains nothing, unreadable or empty data, and misleading messages.
 
 Each case goes through ``neutrain.cli.main`` on a tiny recipe and must end with exit code 2 and one line
 on stderr naming the file (and the row, the roles or the lengths), never a traceback. The checks run

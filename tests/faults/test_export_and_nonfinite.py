@@ -1,4 +1,4 @@
-"""Issue 14, classes 2, 7 and 14 (export part): exports never destroy what they would replace, and
+"""Exports never destroy what they would replace, and
 non-finite steps are skipped, logged, counted, and stop the run when they persist.
 
 Everything runs in-process on tiny models: `neutrain.cli.main` for the command line, `NeuTrainer`

@@ -1,4 +1,4 @@
-"""Bad GGUF inputs (issue 16): one ``neutrain: error:`` line naming ``model.gguf_file``, exit 2, no traceback."""
+"""Bad GGUF inputs: one ``neutrain: error:`` line naming ``model.gguf_file``, exit 2, no traceback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""memory.device_budget_gib through the CLI (issue 27): an allocation over the budget ends the run with one
+"""memory.device_budget_gib through the CLI: an allocation over the budget ends the run with one
 line naming the phase; nothing fitting the budget is one line and exit 2 before anything is built; a run
 records the fit and each phase's memory in summary.json and metrics.jsonl.
 

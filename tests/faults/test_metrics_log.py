@@ -1,6 +1,6 @@
 """A torn last line in ``metrics.jsonl`` (a disk-full or killed run) is reported, not fatal.
 
-Issue 28, failure 4: the next resume trained, saved its final checkpoint, then crashed in
+Before: the next resume trained, saved its final checkpoint, then crashed in
 ``callbacks.read_metrics`` (no summary, no export), and a relaunch then said "run already
 finished". Now the line is skipped with one warning naming the file and the line, the
 resumed run's records start on a line of their own, and the run ends with its summary.

@@ -1,6 +1,6 @@
 """Runs that were silently wrong, or failed with a misleading message, now say what is wrong.
 
-Issue 28, failure 10: ``train.max_steps: 0`` trained one step logged "step 1/0"; model files were
+Before: ``train.max_steps: 0`` trained one step logged "step 1/0"; model files were
 written mode 0600 (safetensors 0.8) among 0644 files; ``"text": null`` was reported as a missing field
 of a file that has it; a FIFO or ``/dev/zero`` named ``x.txt`` was blamed on its extension; a read-only
 ``HOME``/``HF_HOME`` was a data error (exit 2); a symlinked checkpoint met when saving failed with

@@ -1,4 +1,4 @@
-"""Sharded runs with an ordinary optimizer (issue 14, class 1): pickle-free checkpoints that resume exactly
+"""Sharded runs with an ordinary optimizer: pickle-free checkpoints that resume exactly
 (FSDP2, and DeepSpeed ZeRO-3 running its own optimizer), or a clear refusal announced at the start (ZeRO-1/2).
 
 Before: a non-fused FSDP2 run wrote Accelerate's DCP checkpoint (``pytorch_model_fsdp_0/.metadata``, ``*.distcp``),

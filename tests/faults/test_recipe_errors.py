@@ -1,8 +1,8 @@
 """Faults in recipes and in the environment: one line on stderr, exit 2 (input) or 1 (environment), never a traceback.
 
-Issue 14, classes 6 (non-finite / out-of-range values), 10 (settings used only after
-training), 11 (tracebacks from recipes and from full or read-only disks), 12 (silently
-accepted unknown model.config keys and duplicate YAML keys) and 14 (relative data paths).
+Cases: non-finite / out-of-range values, settings used only after training, tracebacks from recipes and
+from full or read-only disks, silently accepted unknown model.config keys and duplicate YAML keys,
+and relative data paths.
 Most cases run ``neutrain.cli.main`` in-process; two run ``python -m neutrain`` to prove
 nothing but the one line reaches the terminal.
 """

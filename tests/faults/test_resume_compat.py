@@ -1,6 +1,6 @@
 """Resuming a checkpoint with a recipe that changed what it was trained with, and a stale saved tokenizer.
 
-Issue 28, failures 1 and 5. A dense checkpoint resumed with ``memory.weights:
+Before: a dense checkpoint resumed with ``memory.weights:
 neuzip-lossless`` used to log "resuming at step 2" and exit 0 with its trained weights
 dropped; a different hidden size, layer count or optimizer gave a traceback; a different
 tokenizer or dataset was accepted without a word. Now each is one line, exit 2, naming the

@@ -1,6 +1,6 @@
 """One run per output directory: a live run's lock, a used directory, stale locks and writers' temporaries.
 
-Issue 28, failure 2. Two runs started at once on one directory both exited 0 with
+Before: two runs started at once on one directory both exited 0 with
 interleaved metrics and mixed checkpoints; a resume started during another run's save
 deleted that run's ``.tmp-checkpoint-N``; a new run into a used directory overwrote its
 checkpoints. The lock is exercised by real processes (a run held in the middle of a save,

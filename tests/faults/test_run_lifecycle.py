@@ -1,7 +1,7 @@
 """A run's life across relaunches and kills: finished runs stay untouched, longer runs continue exactly,
 kills during a checkpoint save resume bit-exactly, and neutrain's own temporaries never pile up.
 
-Issue 14, classes 3 (relaunching a finished run) and 13 (leftover temporaries), and the
+Cases: relaunching a finished run, leftover temporaries, and the
 SIGKILL-during-save fault injection. Tiny CPU runs; trainings run in-process through
 ``neutrain.cli.main`` except the ones that are killed.
 """

@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT during training save a checkpoint at the next step boundary, then exit non-zero in one line.
 
-Issue 28, failure 6: schedulers send SIGTERM before they kill a job, and SIGTERM used to end the run
+Why: schedulers send SIGTERM before they kill a job, and SIGTERM used to end the run
 at once, saving nothing since the last ``save_steps`` checkpoint. The SIGTERM test runs a real
 ``neutrain train`` process and signals it as a scheduler would; the SIGINT ones run in-process (a
 training step sends the signal to its own process), which is cheaper and hits the same handler.

@@ -1,6 +1,6 @@
 """Sizes are checked before anything is allocated or built: one line, exit 2.
 
-Issue 28, failure 7: ``model.config`` with ``hidden_size`` or ``vocab_size`` of 1e9 failed in the
+Before: ``model.config`` with ``hidden_size`` or ``vocab_size`` of 1e9 failed in the
 allocator with a traceback, ``num_hidden_layers: 1000000`` hung while building, and a YAML alias bomb
 hung in the first save of ``recipe.yaml``. The preflight now compares the weights' bytes (the planner's
 model shape, in closed form) with the host or GPU memory, bounds the layer count, and the recipe

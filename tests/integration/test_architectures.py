@@ -278,7 +278,7 @@ def _trained_through_recipe(tmp_path, base, weights, attn):
 
 @pytest.mark.parametrize("arch", ["gemma3", "mixtral"])
 def test_recipe_dense_and_compressed_train_the_same_model(tmp_path, arch):
-    """Issue 29: through the recipe path (LOMO, rounding off, ``attn_implementation: auto``) NeuZip lossless
+    """Through the recipe path (LOMO, rounding off, ``attn_implementation: auto``) NeuZip lossless
     trains exactly the dense model. Gemma 3's soft-capped logits made the two drift when a dense model took
     transformers' own loss and a compressed one the chunked loss."""
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""The first hour, as a newcomer lives it (issue 34): what `generate`, `export`, `recipes`, `estimate` and
+"""The first hour, as a newcomer lives it: what `generate`, `export`, `recipes`, `estimate` and
 `--version` say and do, on tiny models (seconds each on 2 cores)."""
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ def test_a_run_announces_its_phases_prints_numbers_and_ends_with_a_sample(tmp_pa
     # The last step is logged although logging_steps (5) > max_steps (3); numbers print as numbers.
     assert "step 3/3  loss " in out
     assert "{'loss'" not in out + err and "'train_runtime'" not in out + err
-    # stderr is a pipe here, as in a log file or CI: no progress bar, so no carriage-return redraws (issue 34);
+    # stderr is a pipe here, as in a log file or CI: no progress bar, so no carriage-return redraws;
     # the log lines still say how training goes. (On a terminal the bars say what they count.)
     assert "\r" not in out + err and "training: 100%" not in err and "tokenising" not in err
     # Warnings a user cannot act on are gone.
     for noise in ("pin_memory", "Setting accelerator to CPU", "Generating train split", "right-padding"):
         assert noise not in out + err, noise
     # The summary says what its losses are (means over logging windows), and ends with the sample: the
-    # prompt and its continuation, sent raw because the model was trained on raw text (issue 34).
+    # prompt and its continuation, sent raw because the model was trained on raw text.
     summary = out[out.index("=== neutrain run summary ==="):]
     assert "(mean of steps 1-3) -> " in summary and "(mean of steps 1-3), 3 steps" in summary
     assert "continuation of eval.sample_prompt, sent raw" in summary

@@ -1,4 +1,4 @@
-"""`neutrain generate` (issue 16): the prompt goes through the model's chat template (``--raw`` opts out),
+"""`neutrain generate`: the prompt goes through the model's chat template (``--raw`` opts out),
 and decoding is greedy unless ``--temperature`` says otherwise."""
 
 import pytest
@@ -81,7 +81,7 @@ def test_plain_generation_runs_in_the_decode_engine(capsys, export_dir, monkeypa
 
 
 def test_speculative_generation_runs_on_the_decode_engines(capsys, export_dir, monkeypatch):
-    # With a draft, the rounds run on DecodeEngines (issue 19); greedy output still equals the target's.
+    # With a draft, the rounds run on DecodeEngines; greedy output still equals the target's.
     import neutrain.speculative as spec
 
     kwargs = []

@@ -143,7 +143,7 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
     ids = torch.randint(0, merged.config.vocab_size, (1, 6))
     assert merged.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
     # A random-init base has no directory: the run wrote it beside the checkpoints, so `neutrain export` of an
-    # adapter checkpoint works (before: "base model directory is unknown or missing (None)", issue 34).
+    # adapter checkpoint works (before: "base model directory is unknown or missing (None)").
     from neutrain.cli import main
 
     assert (Path(recipe.train["output_dir"]) / "base" / "config.json").exists()

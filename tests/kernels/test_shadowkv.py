@@ -59,7 +59,7 @@ def test_shadowkv_offload_uses_kernel_and_matches_device_path():
 @pytest.mark.gpu
 def test_shadowkv_decode_step_records_its_phases():
     """kv_eval's step split: every sparse layer marks its phases in order, the host gather on its side stream."""
-    from benchmarks.kv_eval import SHADOWKV_PHASES, shadowkv_step_split
+    from benchmarks._kv_throughput import SHADOWKV_PHASES, shadowkv_step_split
     from neutrain import compat
     from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
 

@@ -1,4 +1,4 @@
-"""Benchmark records say which code they measured and against which goals (issue 15, item 7).
+"""Benchmark records say which code they measured and against which goals.
 
 Every committed ``benchmarks/results/*.json`` carries a real commit (never "unknown"),
 whether the tree was dirty, and a ``targets`` object; ``write_result`` refuses to write
@@ -128,7 +128,7 @@ def test_junit_files_record_the_commit(tmp_path):
 
 
 def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
-    from benchmarks.kv_eval import real_targets
+    from benchmarks._kv_targets import real_targets
 
     both = real_targets({"real": {"gap_points": {"full": 0.0, "shadowkv_paper_chunk4": 5.0,
                                                  "shadowkv_paper_scaled": 45.0, "minicache_merge": 90.0}}})
@@ -144,7 +144,7 @@ def test_real_model_targets_name_their_setting_and_the_ones_not_measured():
 
 
 @pytest.mark.parametrize("name", ["speculative", "speculative_rounds"])
-def test_issue_19_records_name_every_target_with_its_goal(name):
+def test_decode_records_name_every_target_with_its_goal(name):
     # speculative_rounds measures a round's cost on random weights: it names the targets without values.
     # A record measured before a goal changed keeps the goal it was measured against (named in
     # SUPERSEDED_GOALS); every other goal is today's.
@@ -156,7 +156,7 @@ def test_issue_19_records_name_every_target_with_its_goal(name):
         assert target["goal"] == GOALS[key] or target["goal"] in SUPERSEDED_GOALS.get(key, ()), (key, target["goal"])
 
 
-def test_step_anatomy_reports_issue_17_targets_only_for_the_setting_they_name():
+def test_step_anatomy_reports_memory_targets_only_for_the_setting_they_name():
     from types import SimpleNamespace
 
     from benchmarks.step_anatomy import targets_of

@@ -1,4 +1,4 @@
-"""benchmarks/speculative.py (issue 19): the training pieces it relies on, and its ``--quick`` CPU run end to end."""
+"""benchmarks/speculative.py: the training pieces it relies on, and its ``--quick`` CPU run end to end."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_on_policy_distillation_keeps_the_prefix_and_samples_the_tail_from_the_d
 
 
 @pytest.mark.slow
-def test_quick_run_writes_every_issue_19_target_and_every_row(tmp_path):
+def test_quick_run_writes_every_decode_target_and_every_row(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(NEUTRAIN_GIT_COMMIT="a" * 40, NEUTRAIN_GIT_DIRTY="1", NEUTRAIN_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")

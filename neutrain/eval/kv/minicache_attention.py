@@ -3,7 +3,7 @@
 Without it, every decode step restores each compressed layer to a full bf16 K/V (dequantize,
 rescale the shared direction by the layer's norms, put the retained rows back, concatenate the
 newest tokens) and then runs SDPA over that copy: MiniCache was slower than the cache it
-compresses (0.2-0.45x, issue 33). Here a decode token's attention is computed over *segments*
+compresses (0.2-0.45x the full cache's decode tokens/s). Here a decode token's attention is computed over *segments*
 read in place by one Triton kernel (:mod:`neutrain.kernels.minicache_attention`):
 
 * an exact 4-bit layer: its packed codes with their scales and minima, and its unquantized

@@ -73,7 +73,7 @@ class ShadowKVOptions:
     # ``offload_values`` is on. Why: pinned host memory bounds how many sequences' values can be offloaded;
     # with GPU memory left over, a batch sized by the GPU keeps the overflow rows' values there.
     device_value_rows: int = 0
-    # Diagnosis switches (issue 20): keep the selected chunks' keys exact instead of rebuilding them
+    # Diagnosis switches (where the accuracy goes): keep the selected chunks' keys exact instead of rebuilding them
     # from the rank-``rank`` SVD, so the selection's loss can be measured apart from the SVD's; and
     # log every step's selected chunks (``ShadowKVLayer.selection_log``) for the needle recall.
     exact_keys: bool = False

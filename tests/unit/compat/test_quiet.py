@@ -1,4 +1,4 @@
-"""neutrain.compat.quiet and the run's small print (issue 34, item 7): bars only on a terminal, one peft
+"""neutrain.compat.quiet and the run's small print: bars only on a terminal, one peft
 deprecation hidden and nothing else, and numbers a newcomer can read."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def test_checksum_is_exact_at_the_largest_row_sums():
 
 
 def test_checksum_scratch_is_bounded_by_a_chunk(monkeypatch):
-    """The sums see one chunk at a time, never the tensor whole (issue 27's OOM)."""
+    """The sums see one chunk at a time, never the tensor whole (a whole-tensor pass once ran a card out of memory)."""
     seen = []
     real = ck._sums_numpy
     monkeypatch.setattr(ck, "_sums_numpy", lambda chunk: seen.append(chunk.size) or real(chunk))

@@ -61,7 +61,7 @@ def test_stream_headroom_is_a_32nd_and_growing_keeps_the_data():
     x = torch.randn(512, 512).mul(0.02).bfloat16()
     ct = compress(x)
     words = ct.stream_words
-    assert ct.stream.numel() == words + words // 32 + 64  # a new tensor: 1/32 (issue 30: 1/2048 overflowed)
+    assert ct.stream.numel() == words + words // 32 + 64  # a new tensor: 1/32 (1/2048 overflowed on the GPU)
     for _ in range(2):
         kstream.grow(ct, words)
         assert ct._headroom_shift == 5 and ct.stream.numel() == words + (words >> 5) + 64
@@ -76,7 +76,7 @@ def test_stream_headroom_is_a_32nd_and_growing_keeps_the_data():
 
 def test_a_checkpoint_of_the_old_geometry_loads_decodes_and_keeps_it():
     x = torch.randn(1024, 256).mul(0.02).bfloat16()
-    assert compress(x).steps == 16  # under 8M weights: 16 steps per lane since issue 30
+    assert compress(x).steps == 16  # under 8M weights: 16 steps per lane
     saved = compress(x, steps=32).state_dict()  # what compress chose before
     loaded = CompressedTensor.from_state_dict(saved)
     assert loaded.steps == 32

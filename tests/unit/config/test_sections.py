@@ -1,4 +1,4 @@
-"""Typed recipe sections (issue 15, item 4): generated from the schema table, one default and one name list each."""
+"""Typed recipe sections: generated from the schema table, one default and one name list each."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ SCHEMA_FILE = PACKAGE / "config" / "schema.py"
 
 # ``.get("<schema key>", default)`` calls that are not on a recipe section, or not yet converted:
 # run_state reads a checkpoint's trainer_state.json; distributed/arguments.py is the distributed
-# mode's code, which is being reshaped separately (issue 15, item 2).
+# mode's code, which is being reshaped separately.
 GET_ALLOWED = {("trainer/run_state.py", "max_steps"), ("distributed/arguments.py", "distributed")}
 
 

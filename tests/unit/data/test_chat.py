@@ -1,4 +1,4 @@
-"""Chat fine-tuning data (issue 16): templates, assistant-only labels, EOS, packing without leaks."""
+"""Chat fine-tuning data: templates, assistant-only labels, EOS, packing without leaks."""
 
 import pytest
 import torch

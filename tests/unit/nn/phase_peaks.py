@@ -1,6 +1,6 @@
 """Peak memory a phase (build, save, resume, export) allocates beyond what it started with.
 
-Issue 27: no phase may hold a second copy of the model; its scratch must stay near one matrix.
+No phase may hold a second copy of the model; its scratch must stay near one matrix.
 :func:`host_peak` counts the CPU allocator through torch's profiler (``profile_memory``: every
 allocation and free of the c10 CPU allocator, in order), so a tiny model on the CPU plays the
 device; :func:`cuda_peak` reads the CUDA allocator's own peak.

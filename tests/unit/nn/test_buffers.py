@@ -68,7 +68,7 @@ def test_a_dead_weights_tag_is_never_served_to_a_new_weight(monkeypatch):
 
 
 def test_reserve_allocates_every_slot_once_at_its_largest_and_pins_the_large_slot(monkeypatch):
-    """Issue 17: slots that grow, or a large slot freed after every use, fragment the CUDA allocator."""
+    """Why one pool: slots that grow, or a large slot freed after every use, fragment the CUDA allocator."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     buffers = DecodeBuffers()
     small, big_layer = _weights(1, rows=8) + _weights(1, rows=24)

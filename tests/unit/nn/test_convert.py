@@ -38,7 +38,7 @@ def test_no_dense_copy_survives_conversion():
         b.numel() * b.element_size() for b in model.buffers())
     assert report.converted == 9 and report.bytes_after == compressed_total + rest
     # Everything alive is the compressed weights plus norms/buffers, the decode buffers reserved at
-    # their final sizes (issue 17) and small codec scratch.
+    # their final sizes and small codec scratch.
     from neutrain.nn import DECODE_BUFFERS
 
     decode = DECODE_BUFFERS.nbytes()

@@ -61,7 +61,7 @@ def test_gpu_memory_after_conversion_is_the_compressed_total():
     dense_bytes = torch.cuda.memory_allocated() - base
     report = compress_model(model, progress=False)
     torch.cuda.synchronize()
-    # The decode buffers reserved once at their final sizes (issue 17) are working memory, not weights.
+    # The decode buffers reserved once at their final sizes are working memory, not weights.
     after = torch.cuda.memory_allocated() - base - DECODE_BUFFERS.nbytes()
     compressed = sum(w.nbytes for w in compressed_weights(model))
     assert report.bytes_after == pytest.approx(after, rel=0.02, abs=1 << 20), (report.bytes_after, after)

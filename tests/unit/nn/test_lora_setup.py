@@ -1,4 +1,4 @@
-"""LoRA setup on a compressed base decodes nothing (issue 16: 17 minutes before step 1 on a 135M model).
+"""LoRA setup on a compressed base decodes nothing (it once took 17 minutes before step 1 on a 135M model).
 
 peft reads ``.weight`` of each layer it wraps for its device; on a compressed module that read was a
 full decode. Inside ``shape_only_weights`` it is a shape-only stand-in that refuses value reads.

@@ -1,4 +1,4 @@
-"""Every phase goes tensor by tensor (issue 27): build, save, resume and export never hold a second
+"""Every phase goes tensor by tensor: build, save, resume and export never hold a second
 copy of the model, only scratch of about one matrix. Measured on the CPU allocator (the CPU plays the
 device); tests/unit/nn/test_phase_memory_gpu.py makes the same checks on CUDA."""
 

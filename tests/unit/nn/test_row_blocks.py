@@ -1,4 +1,4 @@
-"""The vocabulary matrix's streamed update decodes and re-encodes it a row block at a time (issue 30).
+"""The vocabulary matrix's streamed update decodes and re-encodes it a row block at a time.
 
 Measured on the CPU allocator (the CPU plays the device, as in test_phase_memory.py): the update's
 peak beyond what was allocated before is a block buffer, the second exponent stream and a chunk's
@@ -44,7 +44,7 @@ def _step(emb, opt, ids):
 
 @pytest.mark.parametrize("by_blocks", [True, False], ids=["blocks", "whole"])
 def test_the_streamed_embedding_update_never_decodes_the_table_whole(by_blocks, monkeypatch):
-    if not by_blocks:  # the read before issue 30: the table decoded whole for the update
+    if not by_blocks:  # the read before row blocks: the table decoded whole for the update
         monkeypatch.setattr(row_blocks_module, "MAX_BLOCK_FRACTION", 0.0)
     table = _table()
     ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))

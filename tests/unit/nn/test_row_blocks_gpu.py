@@ -1,4 +1,4 @@
-"""GPU: block-by-block re-encode of the vocabulary matrices (issue 30) at full tile size, without a
+"""GPU: block-by-block re-encode of the vocabulary matrices at full tile size, without a
 host synchronisation, bit-identical to dense + fused training."""
 
 import copy

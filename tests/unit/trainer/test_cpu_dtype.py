@@ -1,4 +1,4 @@
-"""``model.dtype: auto`` on a CPU: bf16 only with native bf16 units, else fp32 over bf16 storage (issue 29)."""
+"""``model.dtype: auto`` on a CPU: bf16 only with native bf16 units, else fp32 over bf16 storage."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """On CUDA: the budget is the allocator's hard limit, phases measure real peaks, and a run through the CLI
-stays inside its budget in every phase and names the phase of an allocation over it (issue 27).
+stays inside its budget in every phase and names the phase of an allocation over it.
 
 Run on the device machine: ``pytest -m gpu tests/unit/trainer/test_phases_gpu.py``.
 """

@@ -1,4 +1,4 @@
-"""NeuTrainer takes the recipe's typed sections; mappings get the schema's defaults (issue 15, item 4)."""
+"""NeuTrainer takes the recipe's typed sections; mappings get the schema's defaults."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 33, phase 1, in ONE device call (< 6 minutes; run from the repository root; .whl/ carried for
-# optimum-quanto, else the QuantizedCache row records it as unavailable):
+# KV caches on the GPU: their GPU tests and decode throughput at long contexts, in ONE device call
+# (< 6 minutes; run from the repository root; .whl/ carried for optimum-quanto, else the QuantizedCache
+# row records it as unavailable). The whole KV evaluation (accuracy too) is benchmarks/gpu_kv_eval.sh.
 #   1. the GPU tests of the KV code (MiniCache's fused decode kernel against its reference and against the
 #      restore path, the ShadowKV gather and its mixed batch), junit in $OUT/junit_gpu_kv_<sha>.xml;
 #   2. decode throughput at 32K and 64K on Llama-3-8B shapes (benchmarks/kv_eval.py --part throughput): full,
@@ -8,16 +9,16 @@
 #      4-bit / 4-bit only / merge with the fused decode, merge + 4-bit through the old restore path, the
 #      kvpress-pruned cache and QuantizedCache, each batch sized by its own KV bytes under the same GPU budget.
 #      Writes benchmarks/results/$NAME.json (copied to $OUT) and $OUT/kv_throughput.log.
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_issue33.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv.sh
 # Knobs: TEST_LIMIT (s, default 150), BUDGET (the throughput run's own budget, s, default 220), NAME
-# (default kv_eval_throughput_issue33), STEPS (timed decode steps, default 6). A failing part does not stop the other.
+# (default kv_eval_throughput), STEPS (timed decode steps, default 6). A failing part does not stop the other.
 set -o pipefail
 source benchmarks/require_commit.sh
 source benchmarks/install_carried_wheels.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/issue33_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/neutrain-kv}; mkdir -p "$OUT"
 short=${NEUTRAIN_GIT_COMMIT:0:7}
-name=${NAME:-kv_eval_throughput_issue33}
+name=${NAME:-kv_eval_throughput}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', t.__version__)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 32 (phase 1), ONE device call on one H100, < 5 minutes, from the repository root:
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_issue32.sh
+# Serving (decode) on the GPU: the engine's GPU tests, its decode speed against the HBM roofline and a
+# speculative round's cost, in ONE device call on one H100, < 5 minutes, from the repository root:
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_serving.sh
 # 1. the GPU-marked tests of tests/unit/speculative, tests/unit/eval and tests/kernels/test_gemv.py (the engine after its move to
 #    neutrain/eval, fused projections, graph-replayed rounds): junit in $OUT (~1-2 min);
 # 2. benchmarks/engine_decode.py on Llama-3-8B shapes (random weights from a config, nothing downloads):
@@ -12,11 +13,13 @@
 #    a round's split, the device walk's graph time against the host walk), with what is left of ~290 s.
 # A failing or timed-out part does not stop the next; each prints its tail and rc. PARTS (default
 # tests,engine,rounds) picks parts: e.g. the NeuZip ratio in one call of its own:
-#   PARTS=engine WEIGHTS=dense,neuzip-lossless ENGINE_BUDGET=200 ENGINE_LIMIT=280 bash benchmarks/gpu_issue32.sh
+#   PARTS=engine WEIGHTS=dense,neuzip-lossless ENGINE_BUDGET=200 ENGINE_LIMIT=280 bash benchmarks/gpu_serving.sh
+# Writes $OUT/junit_gpu_serving_<sha>.xml, engine_decode.json and speculative_rounds.json (also into
+# benchmarks/results/) and a log per part.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
-OUT=${OUT:-/tmp/neutrain-issue32}
+OUT=${OUT:-/tmp/neutrain-serving}
 mkdir -p "$OUT"
 export OUT PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DISABLE_TQDM=1 TOKENIZERS_PARALLELISM=false
 short=${NEUTRAIN_GIT_COMMIT:0:7}
@@ -26,7 +29,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 PARTS=",${PARTS:-tests,engine,rounds},"
 if [[ $PARTS == *,tests,* ]]; then
 timeout -k 10 "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/speculative tests/unit/eval tests/kernels/test_gemv.py \
-  --junitxml="$OUT/junit_gpu_issue32_$short.xml" -o junit_suite_name="gpu-issue32@$NEUTRAIN_GIT_COMMIT" -rfEs \
+  --junitxml="$OUT/junit_gpu_serving_$short.xml" -o junit_suite_name="gpu-serving@$NEUTRAIN_GIT_COMMIT" -rfEs \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? (${SECONDS}s)"
 grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -30

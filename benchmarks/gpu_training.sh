@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Issue 30's device calls, one PART per call (run from the repository root; needs NEUTRAIN_GIT_COMMIT
-# and NEUTRAIN_GIT_DIRTY; peers' wheels in .whl/):
+# Training on the GPU: the whole GPU test suite, the codec, and what a training step costs in memory and
+# time, one PART per device call (each part's time limits below), run from the repository root with $OUT set:
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/gpu_training.sh
 #   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
-#                matrix excepted: its own junit) and the codec test file on the GPU, then benchmarks/codec.py
-#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers, one process each
-#   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200)
+#                matrix excepted: its own junit) (TEST_LIMIT, 330 s), the codec test file on the GPU (120 s),
+#                then benchmarks/codec.py (170 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU suite's record:
+#                its latest is kept in benchmarks/results/), $OUT/junit_codec_<sha>.xml, logs and codec.json.
+#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/), one process
+#                each, within BUDGET (450 s). Writes train_memory.json (the README's memory table).
+#   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
+# Each JSON lands in benchmarks/results/ and is copied to $OUT.
 set -o pipefail
 source benchmarks/require_commit.sh
 source benchmarks/install_carried_wheels.sh

@@ -1,0 +1,130 @@
+"""The KV-cache benchmark's targets: fixed names, values from the run's numbers, no value where not measured.
+
+The goals and why they are set where they are: ``benchmarks/notes_kv_eval.md``.
+"""
+
+from __future__ import annotations
+
+GOAL_SOURCE = "benchmarks/notes_kv_eval.md"
+"""Where each goal is set and explained."""
+
+
+def real_targets(results: dict) -> dict:
+    """The real-model targets from the gaps measured.
+
+    The ShadowKV target is the paper's 1.56% budget: ``shadowkv_paper_scaled`` (chunks of 8) or,
+    when only those ran, a finer-chunk variant of it (``shadowkv_paper_chunk4``...), named in
+    ``setting``. A target whose setting this run did not evaluate is recorded with no value.
+    """
+    gaps = results.get("real", {}).get("gap_points", {})
+    if not gaps:
+        return {}
+    source = GOAL_SOURCE
+    recorded = results.get("real", {}).get("recorded_from")
+    shadowkv = sorted((label for label in gaps if label.startswith("shadowkv_paper")),
+                      key=lambda label: label != "shadowkv_paper_scaled")
+    minicache = [label for label in gaps if label == "minicache_merge"]
+    out = {}
+    for name, labels, goal in (("real_model_shadowkv_acc_gap_points", shadowkv, 3),
+                               ("real_model_minicache_acc_gap_points", minicache, 5)):
+        if labels:
+            out[name] = {"value": gaps[labels[0]], "goal": f"<= {goal}", "met": gaps[labels[0]] <= goal,
+                         "goal_source": source, "setting": labels[0], "derived_from": f"real.gap_points.{labels[0]}"
+                         + (f" = {recorded}: not measured in this run" if recorded else "")}
+        else:
+            out[name] = {"value": None, "goal": f"<= {goal}", "met": None, "goal_source": source,
+                         "not_measured": f"this run evaluated {', '.join(sorted(gaps))} only"}
+    return out
+
+
+# Throughput row of a MiniCache setting -> the retrieval-model setting whose accuracy it has (the same options).
+MINICACHE_THROUGHPUT_ROWS = {"minicache_merge": "minicache_merge", "minicache_merge_4bit": "minicache_merge_4bit",
+                             "minicache_4bit_only": "minicache_4bit_only"}
+PRESSES = ("kvpress_snapkv", "kvpress_streamingllm", "kvpress_expected_attention")
+
+
+def minicache_throughput_target(at64: dict, gaps: dict, entry) -> dict:
+    """The best MiniCache setting's 64K throughput over the full cache among the settings whose
+    accuracy gap on the retrieval model is <= 5 points (the fused decode rows)."""
+    fits, why = [], []
+    for label, acc in MINICACHE_THROUGHPUT_ROWS.items():
+        row, gap = at64.get(label, {}), gaps.get(acc)
+        if "speedup_vs_full" not in row:
+            why.append(f"{label}: {row.get('error') or row.get('skipped') or 'no 64K throughput in this run'}")
+        elif gap is None:
+            why.append(f"{label}: no accuracy for {acc} in this run")
+        elif gap > 5:
+            why.append(f"{label}: accuracy gap {gap} points > 5")
+        else:
+            fits.append((row["speedup_vs_full"], label, acc, gap))
+    if not fits:
+        return entry(None, ">= 1.2", "throughput.contexts.65536.minicache_*", "best MiniCache setting within 5 points",
+                     "; ".join(why))
+    speedup, label, acc, gap = max(fits)
+    return entry(speedup, ">= 1.2", f"throughput.contexts.65536.{label}.speedup_vs_full",
+                 f"{label}, 64K, Llama-3-8B shapes; accuracy gap {gap} points (fidelity.gap_points.{acc})", None)
+
+
+def shadowkv_over_pruned_target(at64: dict, gaps: dict, entry) -> dict:
+    """ShadowKV's 64K throughput over the kvpress-pruned cache's (one decode rate stands for every
+    press at the same ratio), judged only where the two are within 3 points of accuracy (the best press)."""
+    skv, pruned = at64.get("shadowkv", {}), at64.get("kvpress_pruned", {})
+    value = None
+    if "tokens_per_s" in skv and "tokens_per_s" in pruned:
+        value = skv["tokens_per_s"] / pruned["tokens_per_s"]
+    why = "; ".join(f"{k}: {r.get('error') or r.get('skipped') or 'no 64K throughput'}"
+                    for k, r in (("shadowkv", skv), ("kvpress_pruned", pruned)) if "tokens_per_s" not in r)
+    out = entry(value, ">= 1.0", "throughput.contexts.65536.{shadowkv,kvpress_pruned}.tokens_per_s",
+                "shadowkv vs kvpress-pruned 4x, 64K, Llama-3-8B shapes", why)
+    press_gaps = [gaps[p] for p in PRESSES if gaps.get(p) is not None]
+    if gaps.get("shadowkv_paper_scaled") is None or not press_gaps:
+        out["accuracy_within_3_points"] = None
+        if value is not None:
+            out.update(met=None, not_judged="no retrieval-model accuracy for ShadowKV and a press in this run")
+    else:
+        out["accuracy_gap_points"] = {"shadowkv_paper_scaled": gaps["shadowkv_paper_scaled"],
+                                      "best_press": min(press_gaps)}
+        out["accuracy_within_3_points"] = abs(gaps["shadowkv_paper_scaled"] - min(press_gaps)) <= 3
+        if value is not None:
+            out["met"] = out["met"] and out["accuracy_within_3_points"]
+    return out
+
+
+def kv_targets(results: dict) -> dict:
+    """Every target of the KV-cache benchmark (fixed names) from this run's numbers; a target not measured has
+    no value."""
+    source = GOAL_SOURCE
+
+    def entry(value, goal, derived_from, setting, why_missing):
+        out = {"value": None if value is None else round(value, 3), "goal": goal, "goal_source": source,
+               "setting": setting, "derived_from": derived_from}
+        if value is None:
+            out.update(met=None, not_measured=why_missing)
+        else:
+            out["met"] = value <= float(goal[3:]) if goal.startswith("<=") else value >= float(goal[3:])
+        return out
+
+    out = {}
+    fidelity = results.get("fidelity", {})
+    gaps = fidelity.get("gap_points", {})
+    for name, label, goal in (("shadowkv_acc_gap_points", "shadowkv_paper_scaled", "<= 3"),
+                              ("minicache_acc_gap_points", "minicache_merge", "<= 5")):
+        out[name] = entry(gaps.get(label), goal, f"fidelity.gap_points.{label}", f"{label}, retrieval model",
+                          "the retrieval model's part did not evaluate this setting")
+        if gaps.get(label) is not None and not fidelity.get("gate_full_accuracy_ge_90"):
+            # A gap against a full cache that does not retrieve says nothing about the cache.
+            out[name].update(met=None, not_meaningful=f"the full cache scores {fidelity.get('full_cache_accuracy')}% "
+                                                      "(< 90%): the retrieval model did not train far enough")
+    at64 = results.get("throughput", {}).get("contexts", {}).get("65536", {})
+    row = at64.get("shadowkv", {})
+    out["shadowkv_throughput_over_full_64k"] = entry(
+        row.get("speedup_vs_full"), ">= 2.5", "throughput.contexts.65536.shadowkv.speedup_vs_full",
+        "shadowkv, 64K context, Llama-3-8B shapes",
+        row.get("error") or row.get("skipped") or "no 64K throughput in this run")
+    out["minicache_throughput_over_full"] = minicache_throughput_target(at64, gaps, entry)
+    out["shadowkv_over_kvpress_pruned_64k"] = shadowkv_over_pruned_target(at64, gaps, entry)
+    for name in ("minicache_throughput_over_full", "shadowkv_over_kvpress_pruned_64k"):
+        out[name]["goal_source"] = f"{GOAL_SOURCE} (MiniCache that can save time)"
+    out.update(real_targets(results))
+    return out
+
