@@ -40,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import read_run  # noqa: E402 (after the path is set)
+from benchmarks._checkpoints import checkpoint_tensors, decoded_differences  # noqa: E402 (after the path is set)
+from benchmarks._common import read_run  # noqa: E402
 
 GIB = 2**30
 RECIPE = "recipes/llama3_8b.yaml"
@@ -109,13 +110,6 @@ def phase_table(*runs: dict) -> dict:
     return table
 
 
-def checkpoint_tensors(ckpt: Path) -> dict[str, str]:
-    """{file/tensor: sha256} of a checkpoint's safetensors files, from its manifest."""
-    manifest = json.loads((ckpt / "neutrain_manifest.json").read_text())
-    return {f"{f}/{t}": h for f, e in manifest["files"].items() if f.endswith(".safetensors")
-            for t, h in e.get("tensors", {}).items()}
-
-
 def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, flush) -> dict:
     """The whole user journey at one budget: train 22 with a save at 20, resume 20->22 and export, generate.
 
@@ -157,9 +151,6 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
             rec["resume_tensors_differing_count"] = len(differing)  # the list below is cut at 10
             rec["resume_tensors_differing"] = differing[:10]
             if differing and not SMOKE:  # do the values differ, or only their encoding? (the first 40 blobs)
-                sys.path.insert(0, str(HERE / "diag"))
-                from resume_offload_gpu import decoded_differences
-
                 rec["resume_decoded_differences"] = decoded_differences(reference, run / "checkpoint-22", differing[:40])
         rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
         flush()

@@ -345,9 +345,6 @@ ISSUE_CITATION = re.compile(r"(?<![a-z])issues?[\s_#-]*\d", re.IGNORECASE)
 
 #: Files the lead is rewriting now; the lead removes each entry once its citations are gone.
 LEAD_IN_FLIGHT = {
-    "benchmarks/cards.py", "benchmarks/recipe_learning.py", "benchmarks/gpu_cards.sh", "benchmarks/notes_cards.md",
-    "benchmarks/diag/gluon_sage_smoke.py", "benchmarks/diag/gpu_card_diagnostics.sh",
-    "benchmarks/diag/resume_offload_gpu.py", "benchmarks/diag/row_blocks_gpu_diag.py",
     # Rewritten by the first-hour branch now; drop once merged (its issue citation is on line 3).
     "neutrain/compat/quiet.py",
 }

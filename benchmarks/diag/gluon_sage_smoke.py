@@ -1,4 +1,4 @@
-"""Issue 31, phase 1 (device): the Gluon warp-specialized SageAttention forward against the Triton
+"""Device check: the Gluon warp-specialized SageAttention forward against the Triton
 Sage kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128, causal and not, on the same card.
 
 For each (causal) and method: the output's accuracy against the Triton kernel (whole tensor) and
@@ -147,7 +147,7 @@ def main():
             "value": round(best["tops"], 1), "goal": ">= 800", "unit": "TOPS",
             "derived_from": f"{best['method']}, non-causal, kernel only (quantization {quant_ms:.2f} ms apart)"}
     write_result("gluon_sage_smoke", vars(args) | {"quant_ms": quant_ms}, rows, targets=targets,
-                 targets_note="diagnostic of issue 31 phase 1; attention.json carries the issue's targets")
+                 targets_note="a diagnostic of the Gluon forward; attention.json carries the attention targets")
 
 
 if __name__ == "__main__":

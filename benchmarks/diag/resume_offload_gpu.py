@@ -31,29 +31,6 @@ def launch(args: list[str], log: Path) -> int:
                               stderr=subprocess.STDOUT, cwd=ROOT, timeout=300).returncode
 
 
-def decoded_differences(a: Path, b: Path, names: list[str]) -> dict[str, dict]:
-    """{weight: {"values_differing": n, "numel": N}} for compressed weights among ``names``."""
-    import torch
-    from safetensors import safe_open
-
-    from neutrain.compress import CompressedTensor
-
-    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {}
-    weights = sorted({n.split("/", 1)[1].rpartition(".weight.")[0] + ".weight" for n in names if ".weight." in n})
-    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
-        for w in weights:
-            ta = {k[len(w) + 1:]: fa.get_tensor(k) for k in fa.keys() if k.startswith(w + ".")}
-            tb = {k[len(w) + 1:]: fb.get_tensor(k) for k in fb.keys() if k.startswith(w + ".")}
-            da = CompressedTensor.from_state_dict(ta, name=w, device=DEVICE).decompress()
-            db = CompressedTensor.from_state_dict(tb, name=w, device=DEVICE).decompress()
-            differ = (da.view(torch.int16) != db.view(torch.int16))
-            out[w] = {"values_differing": int(differ.sum()), "numel": da.numel(),
-                      "rows_differing": int(differ.view(da.shape[0], -1).any(dim=1).sum()),
-                      "stream_bytes": [int(ta["stream"].numel()), int(tb["stream"].numel())]}
-    return out
-
-
 def main() -> int:
     out = Path(os.environ.get("OUT", "/tmp/resume-offload-out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -61,8 +38,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "config.json").write_text(json.dumps(CONFIG))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cards import checkpoint_tensors
+    from benchmarks._checkpoints import checkpoint_tensors, decoded_differences
 
     results = {}
     for offload in (True, False):
