@@ -147,7 +147,8 @@ def check_targets(targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str | os.PathLike | None = None,
-                 *, targets: dict[str, dict[str, Any]] | None = None, targets_note: str | None = None) -> Path:
+                 *, targets: dict[str, dict[str, Any]] | None = None, targets_note: str | None = None,
+                 measured_on: dict[str, Any] | None = None) -> Path:
     """Write ``<out_dir or benchmarks/results>/<name>.json`` and return its path.
 
     The file records the device, versions, ``git_commit`` and ``git_dirty`` (see
@@ -156,14 +157,19 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
     benchmark beside the value measured, ``{name: {"value": x, "goal": g}}``.
 
     When ``$OUT`` is set (the device machine), a copy is also written there so the
-    file comes back from a remote run.
+    file comes back from a remote run. ``measured_on`` (``device``, ``cuda``, ``versions``, ``date``)
+    replaces this machine's when the record is assembled elsewhere from parts measured on the device.
 
     Example:
         >>> write_result("codec", {"shape": [4096, 14336]}, {"bits_per_weight": 10.69},
         ...              targets={"bits_per_weight": {"value": 10.69, "goal": "<= 10.9"}})  # doctest: +SKIP
     """
     targets = check_targets({} if targets is None else targets)
-    payload = {"name": name, **environment(), "targets": targets}
+    env = environment()
+    if measured_on:
+        env.update({k: v for k, v in measured_on.items() if k in ("device", "cuda", "versions", "date")},
+                   assembled_on=env["device"])
+    payload = {"name": name, **env, "targets": targets}
     if targets_note or not targets:
         payload["targets_note"] = targets_note or "this benchmark records no goal"
     payload.update({"settings": settings, "results": results})

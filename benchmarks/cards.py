@@ -51,6 +51,8 @@ TIMING = {  # name: (budget or "none", micro batch): each alone on its GPU, for 
     "b1_none": ("none", 1), "b1_11": (11, 1), "b8_none": ("none", 8), "b8_7": (7, 8),
 }
 TIMING_STEPS = 10
+TARGETS = ("card_8gb_over_unbounded_tokens_per_s_batch8", "card_12gb_over_unbounded_tokens_per_s",
+           "max_phase_peak_over_train_step_peak", "planner_phase_max_relative_error", "card_6gb_whole_run_ok")
 GATE_BUDGETS = {22.0, 14.5, 11.0, 7.0}  # 24, 16, 12 and 8 GB cards; 5.0 (a 6 GB card) is a target
 
 
@@ -232,6 +234,16 @@ def targets_of(budgets: list[dict], timing: dict) -> tuple[dict, dict]:
     return t, notes
 
 
+def _missing_note(targets: dict, budgets: list[dict]) -> str | None:
+    """What the parts did not measure, and which journeys failed: said beside the targets."""
+    missing = [n for n in TARGETS if n not in targets]
+    failed = [f"{b['budget_gib']:g} GiB ({', '.join(k for k, c in b['commands'].items() if c['rc'])} rc != 0)"
+              for b in budgets if not b.get("ok")]
+    parts = ([f"not measured in these parts: {', '.join(missing)}"] if missing else []) + \
+        ([f"journeys not ok: {'; '.join(failed)}"] if failed else [])
+    return "; ".join(parts) or None
+
+
 def pcie4_projection(timing: dict) -> dict | None:
     """tok/s of the 8 GB run on a PCIe 4.0 x16 link: the step cannot be shorter than its bytes over the link."""
     rec = timing.get("b8_7")
@@ -290,7 +302,8 @@ def main() -> int:
         write_result("cards", {"recipe": RECIPE, "steps": "22 (save at 20), resume 20->22, export hf, generate 16 tokens",
                                "stochastic_rounding": False, "timing_steps": TIMING_STEPS, "parts": [p["part"] for p in parts],
                                "sharing": args.sharing},
-                     results, targets=targets)
+                     results, targets=targets, targets_note=_missing_note(targets, budgets), measured_on=parts[0].get("measured_on") or
+                     {"device": parts[0]["gpu"], "cuda": None, "versions": None} if parts else None)
         print(json.dumps({"targets": targets, "all_ok": results["all_ok"]}, indent=1))
         return 0
     work = Path(args.work)
@@ -298,7 +311,10 @@ def main() -> int:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke)"
-    record = {"part": args.part, "gpu": gpu, "budgets": [], "timing": {}}
+    from benchmarks._common import environment
+
+    measured_on = {k: v for k, v in environment().items() if k in ("device", "cuda", "versions", "date")}
+    record = {"part": args.part, "gpu": gpu, "measured_on": measured_on, "budgets": [], "timing": {}}
     dest = out / f"cards_{args.part}.json"
     for budget in [float(b) for b in args.budgets.split(",") if b]:  # the gate first, then the targets' timing
         rec: dict = {}
