@@ -156,6 +156,7 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
                 rec["resume_decoded_differences"] = decoded_differences(reference, run / "checkpoint-22", differing[:40])
         rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
         flush()
+    if (export / "config.json").exists():  # the resumed run wrote its export: generate from it
         prompt = ["--prompt", "def ", "--raw", "--max-new-tokens", "16", *(["--device", "cpu"] if SMOKE else [])]
         gen = ["neutrain", "generate", str(export), *prompt, "--device-budget-gib", str(budget)]
         said = out / f"cards_{tag}_generate.txt"
