@@ -2,8 +2,9 @@
 
 One process per GPU, started by ``torchrun``; each run is one mode at one GPU
 count, and rank 0 writes ``multi_gpu_<mode>_<n>gpu.json`` as soon as it ends,
-so a failing mode never loses the others' results. ``--summarize`` merges the
-runs into ``multi_gpu.json`` with scaling efficiency against the 1-GPU run.
+so a failing mode never loses the others' results. ``--summarize`` prints the
+runs merged, with scaling efficiency against the 1-GPU run; ``--summarize --write``
+also writes them to ``multi_gpu.json`` (with the runs' own device and commit).
 
 Setting (the NeuZip/LOMO papers' 8B setting): Llama-3-8B architecture, random init
 (directly on the GPU in bf16, or sharded from the meta device), sequence 1024,
@@ -26,7 +27,8 @@ Usage (one 4-GPU machine)::
 
     torchrun --nproc_per_node 1 benchmarks/multi_gpu.py --mode single
     torchrun --nproc_per_node 4 benchmarks/multi_gpu.py --mode fsdp2
-    python benchmarks/multi_gpu.py --summarize
+    python benchmarks/multi_gpu.py --summarize                          # prints the rows
+    python benchmarks/multi_gpu.py --summarize --write --results-dir "$OUT"   # and writes multi_gpu.json there
     # CPU dry run of the code paths (gloo, tiny model):
     torchrun --nproc_per_node 2 benchmarks/multi_gpu.py --mode replicated --tiny
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,7 +80,9 @@ def parse_args(argv=None):
                    "(e.g. '{\"stage3_prefetch_bucket_size\": 5e8}'); a non-empty value is written as an ablation file")
     p.add_argument("--profile", type=int, default=0, help="after timing, profile this many steps (torch.profiler); "
                    "rank 0 writes the top CUDA kernels to <result>_profile.txt")
-    p.add_argument("--summarize", action="store_true", help="merge multi_gpu_*.json into multi_gpu.json")
+    p.add_argument("--summarize", action="store_true", help="print the runs of multi_gpu_*.json merged into rows")
+    p.add_argument("--write", action="store_true", help="with --summarize: also write them to multi_gpu.json in "
+                   "--results-dir (never over a file git tracks: a committed record is replaced by a deliberate commit)")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or str(RESULTS_DIR))
     args = p.parse_args(argv)
     if not args.summarize and args.mode is None:
@@ -311,18 +316,51 @@ def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) 
 # ----------------------------------------------------------------------------- summary
 
 
-def summarize(results_dir: str, tiny: bool = False) -> Path | None:
-    """Merge the per-run files into ``multi_gpu.json``: rows per mode and GPU count, scaling vs 1 GPU."""
+PROVENANCE = ("device", "cuda", "versions", "git_commit", "git_dirty")
+"""What a merged record takes from the runs it merges: where and from which code they were measured."""
+
+
+def measured_provenance(payloads: list[dict]) -> dict:
+    """The device, versions, commit and date of the runs (the latest run's date); they must agree on device and commit.
+
+    Why: the summary used to record the machine that merged the files (``device: cpu``, today's commit), and
+    the README's table then said "Measured on cpu GPUs".
+    """
+    for key in ("device", "git_commit"):
+        values = sorted({str(p.get(key)) for p in payloads})
+        if len(values) > 1:
+            raise SystemExit(f"--summarize --write: the runs disagree on {key} ({', '.join(values)}); merge the runs of one sweep")
+    return {**{key: payloads[0].get(key) for key in PROVENANCE}, "date": max(str(p.get("date")) for p in payloads)}
+
+
+def _tracked_by_git(path: Path) -> bool:
+    try:
+        subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent, check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
+def summarize(results_dir: str, tiny: bool = False, write: bool = False) -> Path | None:
+    """Print the per-run files merged: rows per mode and GPU count, scaling vs 1 GPU; with ``write``, also write
+    them to ``multi_gpu.json`` in ``results_dir`` (its path is returned), unless git tracks that file.
+
+    A summary never replaces a committed record: merging the committed runs on another machine wrote that
+    machine's name and commit into ``multi_gpu.json``. Written, it carries the runs' own provenance.
+    """
     suffix = "_tiny" if tiny else ""
-    runs = []
-    env = None
+    runs, payloads = [], []
     for path in sorted(Path(results_dir).glob(f"multi_gpu_*gpu{suffix}.json")):
         payload = json.loads(path.read_text())
-        env = env or payload
+        payloads.append(payload)
         runs.append({**payload["results"], "settings": payload["settings"], "device": payload["device"]})
     if not runs:
         print(f"no multi_gpu_*gpu{suffix}.json in {results_dir}")
         return None
+    target = Path(results_dir) / f"multi_gpu{suffix}.json"
+    if write and _tracked_by_git(target):  # refused before anything is printed as if it had been written
+        raise SystemExit(f"--write: {target} is a committed record; write to another --results-dir and commit the "
+                         "new record deliberately")
     single = next((r for r in runs if r["mode"] == "single"), None)
     rows = []
     for r in sorted(runs, key=lambda r: (MODES.index(r["mode"]), r["gpus"])):
@@ -332,12 +370,19 @@ def summarize(results_dir: str, tiny: bool = False) -> Path | None:
             row["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"]
             row["memory_vs_1gpu"] = r["peak_allocated_gib_per_gpu"] / single["peak_allocated_gib_per_gpu"]
         rows.append(row)
-    settings = {k: v for k, v in runs[0]["settings"].items()}
-    path = write_result("multi_gpu" + suffix, settings, rows, out_dir=results_dir)
     for row in rows:
         print(json.dumps(row))
     print(markdown_table(rows))
-    return path
+    if not write:
+        return None
+    record = {"name": target.stem, **measured_provenance(payloads),
+              "targets_note": "merged by --summarize from the runs' own files", "settings": dict(runs[0]["settings"]),
+              "results": rows}
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    os.replace(tmp, target)
+    print(f"wrote {target}")
+    return target
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -353,10 +398,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
-    if args.summarize:
-        summarize(args.results_dir, args.tiny)
+    if args.summarize:  # merges what the runs recorded: their provenance, not this checkout's
+        summarize(args.results_dir, args.tiny, args.write)
     else:
+        git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
         run(args)
 
 

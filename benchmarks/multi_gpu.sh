@@ -62,5 +62,5 @@ if [ "${LAUNCH_TESTS:-1}" = 1 ] && [ "$(left)" -gt 100 ]; then
 else
   echo "skip launch tests (LAUNCH_TESTS=0, or the time budget is spent)"
 fi
-python3 benchmarks/multi_gpu.py --summarize --results-dir "$OUT" $BENCH_ARGS 2>&1 | grep -v WARNING | tail -n 12
+python3 benchmarks/multi_gpu.py --summarize --write --results-dir "$OUT" $BENCH_ARGS 2>&1 | grep -v WARNING | tail -n 12
 echo "done in ${SECONDS}s"

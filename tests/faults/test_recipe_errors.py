@@ -413,8 +413,11 @@ def test_help_documents_exit_codes_and_debug_switch(capsys):
 def test_weight_offload_without_the_host_memory_fails_before_the_model_is_built(tmp_path, capsys, monkeypatch,
                                                                                  nothing_built):
     import neutrain.cli.preflight
+    import neutrain.cli.train
 
     monkeypatch.setattr(neutrain.cli.preflight, "host_memory_available", lambda: 32 << 30)
+    # As on a GPU machine: on a CPU, `neutrain train` refuses weight offload first (it would save nothing there).
+    monkeypatch.setattr(neutrain.cli.train, "_cuda_available", lambda: True)
     out = tmp_path / "out"
     line = _error_line(capsys, ["train", REPO / "recipes" / "llama3_70b_offload.yaml", f"train.output_dir={out}"], 2)
     assert re.search(r"memory\.offload_weights: needs about 8\d\.\d GiB of host memory for the compressed decoder "

@@ -13,7 +13,7 @@ from tests.helpers import write_recipe
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_flow_distils_a_draft_and_decodes_speculatively(tmp_path, capsys, recwarn):
+def test_default_flow_distils_a_draft_decodes_speculatively_and_a_second_distillation_needs_overwrite(tmp_path, capsys, recwarn):
     recipe = load_recipe(write_recipe(
         tmp_path, train={"max_steps": 3, "save_steps": 3},
         distill={"enabled": True, "max_steps": 4, "num_drafts": 2, "draft_len": 3, "max_new_tokens": 12, "on_policy_every": 2},
@@ -38,11 +38,26 @@ def test_default_flow_distils_a_draft_and_decodes_speculatively(tmp_path, capsys
     assert res.returncode == 0, res.stderr
     assert "tokens per target call" in res.stderr
 
-    # `neutrain distill` on its own reads the exported target.
+    # `neutrain distill` on its own reads the exported target. The run distilled a draft already: a second
+    # distillation is refused unless --overwrite (before: it replaced the draft silently and appended its log to
+    # the first one's distill/metrics.jsonl), and then the draft and its log are those of the second one alone.
+    out = Path(recipe.train["output_dir"])
+    kept = {p: p.read_bytes() for p in [*(out / "draft").iterdir(), out / "distill" / "metrics.jsonl"]}
     res = subprocess.run([sys.executable, "-m", "neutrain", "distill", str(recipe.source), "distill.max_steps=2"],
                          capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"neutrain: error: distill: '{out / 'draft'}' holds the draft of an earlier distillation")
+    assert "--overwrite" in res.stderr
+    assert {p: p.read_bytes() for p in kept} == kept
+    res = subprocess.run([sys.executable, "-m", "neutrain", "distill", str(recipe.source), "distill.max_steps=2", "--overwrite"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
-    assert "alpha" in res.stdout
+    assert "alpha" in res.stdout and "replacing the earlier distillation's draft and logs" in res.stdout
+    steps = [json.loads(line)["step"] for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == [1, 2], steps  # the second distillation's 2 steps, not appended to the first one's 4
+    weights = out / "draft" / "model.safetensors"
+    assert weights in kept and weights.read_bytes() != kept[weights]  # the second distillation's draft
 
 
 def test_long_context_eval_runs_each_cache_compressed(tmp_path):

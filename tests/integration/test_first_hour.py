@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -176,3 +182,136 @@ def test_estimate_names_a_tiny_model_in_millions(capsys):
     assert main(["estimate", "recipes/default.yaml"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert re.search(r": \d\.\d\dM parameters,", first) and "0.00B" not in first
+
+
+# ---- offline means offline; what a command cannot do on this machine is one line ---------------------------------
+
+
+def _cli_env(**extra) -> dict:
+    """The environment of a user's shell: no offline switches set (neutrain must not need them), no proxy."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR")
+           and "proxy" not in k.lower()}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class _Hub:
+    """A local server standing in for the Hugging Face hub (``HF_ENDPOINT``): it counts the connections made to it
+    and closes each at once, so a client that tried it fails fast instead of waiting."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))  # a free port: no port shared with other tests
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self):
+        self.server.close()
+        self.thread.join(timeout=10)
+
+
+def test_a_model_that_is_not_on_this_machine_is_one_line_at_once_and_no_network_is_tried(tmp_path):
+    # Before: 99 s and 40 `Retrying` lines against the hub, then an error naming model.tokenizer.
+    hub = _Hub()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        res = subprocess.run([sys.executable, "-m", "neutrain", "recipes/default.yaml", "model.init=pretrained",
+                              "model.base_model=neutrain-tests/not-downloaded", "model.config=null", "model.tokenizer=null",
+                              f"train.output_dir={tmp_path / 'out'}"],
+                             cwd=REPO, env=_cli_env(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf")),
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        hub.close()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds, not wall time: a loaded machine stretches the wall clock, not the work done.
+    cpu_s = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith(
+        "neutrain: error: model.base_model: 'neutrain-tests/not-downloaded' is not a local directory and not in the "
+        f"local Hugging Face cache ({tmp_path / 'hf' / 'hub'})"), res.stderr[-2000:]
+    assert hub.connections == 0, f"{hub.connections} connection(s) to the hub"
+    assert cpu_s < 2.0, f"{cpu_s:.2f} s of CPU time"
+    assert not (tmp_path / "out").exists()
+
+
+TINY_RUN = ["train.max_steps=1", "train.save_steps=1", "data.sequence_len=32", "model.tokenizer_vocab_size=300",
+            "data.datasets=[{path: python-stdlib, type: text, max_files: 2}]", "eval.perplexity=false",
+            "export.format=none", "distill.enabled=false"]
+
+
+def test_weight_offload_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
+    # Before: accepted silently, "memory.offload_weights: 4 layers, 0.00 GiB in host memory".
+    out = tmp_path / "out"
+    assert main(["recipes/default.yaml", "memory.offload_weights=true", "memory.gradient_checkpointing=true",
+                 f"train.output_dir={out}", *TINY_RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "neutrain: error: memory.offload_weights: true moves the decoder layers' weights from GPU memory to host memory, "
+        "and this run trains on the CPU (this machine has no GPU)"), err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs")
+def test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong(tmp_path):
+    # Before: both processes believed they were the main one, and the lock blamed the launch's own second process.
+    # launch/multi_gpu_ddp.yaml, as the README writes it, runs in tests/test_readme_commands.py.
+    config = "launch/fsdp2.yaml"
+    port = socket.create_server(("127.0.0.1", 0))  # a free port for the launcher's store, released just before use
+    free = port.getsockname()[1]
+    port.close()
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
+                          str(free), "-m", "neutrain", "recipes/default.yaml", f"train.output_dir={tmp_path / 'out'}", *TINY_RUN],
+                         cwd=REPO, env=_cli_env(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("neutrain: error:")]
+    assert errors and set(errors) == {
+        "neutrain: error: the launch started 2 processes, but each runs alone: this machine has no GPU for the launch "
+        "configuration's GPU processes. On a CPU, train in one process (`neutrain <recipe>`), or in 2 CPU processes "
+        "(`torchrun --nproc_per_node 2 -m neutrain <recipe>`)"}, res.stderr[-3000:]
+    assert "in use by another neutrain run" not in res.stderr
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+USER_SCRIPT = """
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+from neutrain import NeuTrainer
+from neutrain.data import byte_tokenizer
+
+tok = byte_tokenizer()
+model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+rows = torch.randint(0, len(tok), (8, 16)).tolist()
+trainer = NeuTrainer(model=model, args=TrainingArguments("OUT", max_steps=3, logging_steps=1, report_to=[], save_strategy="no"),
+                     train_dataset=[{"input_ids": r, "labels": r} for r in rows], processing_class=tok)
+trainer.train()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's warning is about a machine without GPUs")
+def test_neutrainer_from_python_writes_lines_into_a_log_and_no_deepspeed_warning(tmp_path):
+    # Before: DeepSpeed's "Setting accelerator to CPU" warning, and progress bars redrawn with carriage returns
+    # into a log file (the command line had both fixed; a script using NeuTrainer had neither).
+    env = _cli_env(HF_HUB_OFFLINE="1")
+    for name in ("TQDM_DISABLE", "DISABLE_TQDM", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        env.pop(name, None)
+    # stdout and stderr are pipes, as a log is; read as bytes (text mode would turn each "\r" into a newline)
+    res = subprocess.run([sys.executable, "-c", USER_SCRIPT.replace("OUT", str(tmp_path / "out"))], cwd=tmp_path, env=env,
+                         capture_output=True, timeout=600)
+    logged = (res.stdout + res.stderr).decode(errors="replace")
+    assert res.returncode == 0, logged[-3000:]
+    assert "step 3/3  loss" in logged
+    for noise in ("\r", "Setting accelerator to CPU", "pin_memory"):
+        assert noise not in logged, f"{noise!r} in the output:\n{logged[-3000:]}"

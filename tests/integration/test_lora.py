@@ -181,3 +181,22 @@ def test_lora_on_a_lossy_base_on_the_gpu_uses_the_decode_kernel():
         merged = merge_lora(peft_model, "neuzip-lossless")
         out = merged(ids).logits.float()
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # bf16: the merged weight is rounded once
+
+
+def test_neutrain_eval_of_a_lora_run_evaluates_its_adapters_on_its_base(tmp_path, capsys):
+    """Before: `neutrain eval recipes/lora_neuzip.yaml` failed: "checkpoint-30 has no config.json"."""
+    from neutrain.cli import main
+
+    out = tmp_path / "lora"
+    overrides = [f"train.output_dir={out}", "train.max_steps=2", "train.save_steps=2", "data.sequence_len=64",
+                 "data.datasets=[{path: python-stdlib, type: text, max_files: 6}]", "model.tokenizer_vocab_size=300",
+                 "eval.max_eval_samples=4", "export.format=none"]
+    assert main(["train", "recipes/lora_neuzip.yaml", *overrides]) == 0
+    heldout = json.loads((out / "summary.json").read_text())["heldout_loss"]
+    capsys.readouterr()
+    assert main(["eval", "recipes/lora_neuzip.yaml", *overrides]) == 0, capsys.readouterr().err
+    results = json.loads((out / "eval" / "eval_results.json").read_text())
+    assert results["checkpoint"] == str(out / "checkpoint-2")
+    # The adapters on the frozen base the run wrote: the run's own held-out loss (same rows, same bf16 weights).
+    assert results["heldout_loss"] == pytest.approx(heldout, rel=1e-3), (results, heldout)
+    assert "held-out loss" in capsys.readouterr().out

@@ -29,10 +29,11 @@ def test_quieting_a_pipe_turns_tqdm_off_and_leaves_a_users_choice(monkeypatch):
 
     monkeypatch.setattr(datasets, "disable_progress_bars", lambda: None)  # no global state changed by the test
     env = {}
-    assert quiet_progress_bars(io.StringIO(), environ=env) is False and env == {"TQDM_DISABLE": "1"}
-    env = {"TQDM_DISABLE": "0"}
+    assert quiet_progress_bars(io.StringIO(), environ=env) is False
+    assert env == {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {"TQDM_DISABLE": "0", "HF_DATASETS_DISABLE_PROGRESS_BARS": "0"}
     quiet_progress_bars(io.StringIO(), environ=env)
-    assert env == {"TQDM_DISABLE": "0"}
+    assert env["TQDM_DISABLE"] == "0" and env["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "0"
     env = {}
     assert quiet_progress_bars(_Terminal(), environ=env) is True and env == {}
 
