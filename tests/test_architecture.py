@@ -321,7 +321,7 @@ def benchmark_imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -
 
 def test_no_import_cycles_between_benchmark_files():
     graph = {name: benchmark_imports_of(path, BENCHMARK_MODULES) for name, path in BENCHMARK_MODULES.items()}
-    cycles = [" <-> ".join(c) for c in _cycles(graph) if not set(c) <= LEAD_IN_FLIGHT_MODULES]
+    cycles = [" <-> ".join(c) for c in _cycles(graph)]
     assert not cycles, "import cycles between benchmark files:\n" + "\n".join(cycles)
 
 
@@ -343,13 +343,6 @@ def test_the_benchmark_cycle_check_sees_bare_and_package_imports(tmp_path):
 
 ISSUE_CITATION = re.compile(r"(?<![a-z])issues?[\s_#-]*\d", re.IGNORECASE)
 
-#: Files the lead is rewriting now; the lead removes each entry once its citations are gone.
-LEAD_IN_FLIGHT = {
-    # Rewritten by the first-hour branch now; drop once merged (its issue citation is on line 3).
-    "neutrain/compat/quiet.py",
-}
-LEAD_IN_FLIGHT_MODULES = {"benchmarks." + p.removeprefix("benchmarks/").removesuffix(".py").replace("/", ".")
-                          for p in LEAD_IN_FLIGHT if p.startswith("benchmarks/") and p.endswith(".py")}
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".json", ".txt", ".yaml", ".toml", ".cfg"}
 
 
@@ -370,7 +363,7 @@ def issue_citations(top: pathlib.Path, root: pathlib.Path = ROOT.parent) -> list
     found = []
     for path in sorted(top.rglob("*")):
         relative = path.relative_to(root)
-        if "__pycache__" in relative.parts or relative.as_posix() in LEAD_IN_FLIGHT:
+        if "__pycache__" in relative.parts:
             continue
         name = ISSUE_CITATION.search(relative.as_posix())
         if name:

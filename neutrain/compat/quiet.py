@@ -1,6 +1,6 @@
 """Noise neutrain causes in other libraries, silenced narrowly: progress bars in logs, and one deprecation.
 
-Why (issue 34, a newcomer's first hour):
+Why (a newcomer's first hour must not be buried in noise they cannot act on):
 
 * **Progress bars in a log file.** tqdm redraws a bar with carriage returns; written to a file or a
   pipe (``neutrain ... > run.log``, CI), every redraw stays, and one line holds hundreds of bar states.
