@@ -8,8 +8,9 @@ saving deleted that run's ``.tmp-checkpoint-N`` as a leftover (issue 28, failure
   file for as long as the run lives (the kernel drops it when the process dies, however
   it dies), and the holder's pid, host and start time written in it, so that a refusal
   names the run that holds the directory. A lock file left by a killed run is stale: its
-  ``flock`` is gone, and on this host its pid is dead, so the next run takes it over (and
-  says so). A lock left by a process on *another* host cannot be checked: refused, naming
+  ``flock`` is gone, and on this host its pid is dead (or taken by a later, unrelated
+  process: the process's own start time is recorded too), so the next run takes it over
+  (and says so). A lock left by a process on *another* host cannot be checked: refused, naming
   the host and the file to delete once that run is known to be dead. The file is emptied
   on release, never deleted: deleting it would let a waiting process lock the old inode
   while a third creates a new file and locks that.
@@ -40,7 +41,7 @@ import socket
 from pathlib import Path
 
 from neutrain.errors import CheckpointError, UserInputError
-from neutrain.storage.leftovers import pid_alive, this_writer
+from neutrain.storage.leftovers import this_writer, writer_alive
 
 logger = logging.getLogger("neutrain")
 
@@ -73,12 +74,14 @@ class RunLock:
     def __init__(self, output_dir: str | os.PathLike):
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
+        self._took = False  # whether this object took the lock (a no-op acquire must not release another's)
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        if self._took:
+            self.release()
 
     def acquire(self) -> "RunLock":
         """Take the lock (creating ``output_dir``); a no-op when this process holds it already."""
@@ -99,6 +102,7 @@ class RunLock:
             os.close(fd)
             raise
         _HELD[key] = fd
+        self._took = True
         return self
 
     def _in_use(self, holder: dict) -> str:
@@ -123,7 +127,7 @@ class RunLock:
                 raise RunDirectoryError(
                     f"train.output_dir '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")
-            if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder):
                 raise RunDirectoryError(self._in_use(holder))
             logger.warning("took over the stale lock %s of a run that is no longer running (%s)",
                            self.path, _holder_text(holder))
