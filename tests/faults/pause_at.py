@@ -46,11 +46,16 @@ def main() -> int:
         return original(*call_args, **kwargs)
 
     setattr(owner, name, paused)
+    return run_reaching(args, reached, target)
+
+
+def run_reaching(args: list[str], reached: list, where: str) -> int:
+    """``neutrain args``; exit 3 when the pause at ``where`` was never reached (``reached`` stays empty)."""
     from neutrain.cli import main as neutrain_main
 
     code = neutrain_main(args)
     if not reached:
-        print(f"the pause at {target} was never reached", file=sys.stderr)
+        print(f"the pause at {where} was never reached", file=sys.stderr)
         return 3
     return code
 
