@@ -14,7 +14,6 @@ memory is the compressed model plus one dense tensor, never the dense model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -303,10 +302,10 @@ def _resolve(path_or_id) -> Path:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / shard for shard in shards]
+    if (directory / "model.safetensors.index.json").exists():
+        from neutrain.storage.confine import indexed_files
+
+        return indexed_files(directory)  # each shard confined to the directory
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
-from neutrain.storage.confine import check_tree, inside
+from neutrain.storage.confine import check_indexes, check_tree, inside
 
 logger = logging.getLogger("neutrain")
 
@@ -278,6 +278,7 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint '{directory}' does not exist or is not a directory")
     check_tree(directory)  # before any file is read: a symlink must not lead the checks outside
+    check_indexes(directory)  # a sharded index must not name a file outside the checkpoint either
     for name in required:
         if not (directory / name).is_file():
             raise CheckpointError(f"checkpoint file '{directory / name}' is missing")

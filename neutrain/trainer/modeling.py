@@ -331,6 +331,9 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     elif model_cfg.get("gguf_file"):
         model = _gguf(model_cfg, "load_gguf_model", dtype, attn, model_cfg["trust_remote_code"])
     else:
+        from neutrain.storage.confine import check_indexes  # lazy: `neutrain --help` stays instant
+
+        check_indexes(model_cfg["base_model"])  # transformers follows a sharded index wherever it points
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_cfg["base_model"], dtype=dtype, attn_implementation=attn,
