@@ -48,7 +48,7 @@ from neutrain import compat
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
-from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, PlotCallback
 from neutrain.trainer.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.trainer.resume_check import write_run_record
@@ -171,6 +171,7 @@ class NeuTrainer(Trainer):
         self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
+        self.add_callback(ChecksummedCheckpoint())  # a checkpoint's trainer_state.json says it has a manifest
         self.add_callback(MetricsFileCallback())
         self.add_callback(PlotCallback())
         # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
@@ -400,6 +401,8 @@ class NeuTrainer(Trainer):
             mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
+        # A state resumed from a checkpoint written before the mark lacks its entry, which the Trainer's save expects.
+        self.state.stateful_callbacks.setdefault(ChecksummedCheckpoint.__name__, {})
         with checkpoint_dir_redirected(self, tmp_run_dir), phase("save"):
             super()._save_checkpoint(model, trial)
         if self.args.world_size > 1:
