@@ -124,9 +124,10 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = Fa
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     path = Path(output_dir) / "recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    from neutrain.storage.durable import write_durably  # lazy: `neutrain --help` stays instant
+
+    # recipe.tmp<pid>: the name neutrain.storage.leftovers clears after a kill
+    write_durably(path, yaml.safe_dump(recipe.to_dict(), sort_keys=False), tmp=path.with_suffix(f".tmp{os.getpid()}"))
 
 
 ADAPTER_BASE = "base"

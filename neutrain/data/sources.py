@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from neutrain.compat.file_modes import fsync_dir
 from neutrain.data.bounds import check_bounds
 from neutrain.errors import DataError
 
@@ -238,7 +239,12 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
     digest = hashlib.sha1("\n".join(str(f.relative_to(root)) for f in files).encode()).hexdigest()[:12]
     out = Path(cache_dir) / f"python-stdlib-{digest}.jsonl"
     if out.exists():
-        return str(out)
+        if _whole_rows(out) == len(files):
+            return str(out)
+        # Cut short (a power cut before it was synced, a full disk, a hand edit): a shorter corpus would train
+        # on other rows than the run that wrote it, so it is written again.
+        logging.getLogger("neutrain").warning("data cache %s holds %d of its %d rows: rebuilt", out, _whole_rows(out),
+                                              len(files))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -246,5 +252,23 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
             rel = str(f.relative_to(root))
             text = f.read_text(encoding="utf-8", errors="replace")
             fh.write(json.dumps({"text": text, "file": rel, "heldout": is_heldout(f)}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())  # on the disk before it is renamed into place
     os.replace(tmp, out)
+    fsync_dir(out.parent)
     return str(out)
+
+
+def _whole_rows(path: Path) -> int:
+    """Rows of a JSON-lines file that end in a newline and parse (one written whole)."""
+    rows = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                json.loads(line)
+            except ValueError:
+                break
+            rows += 1
+    return rows

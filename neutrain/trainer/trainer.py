@@ -52,7 +52,7 @@ from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallbac
 from neutrain.trainer.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.trainer.resume_check import write_run_record
-from neutrain.trainer.run_files import fsync_dir, peak_memory_stats, training_args_as_json
+from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
@@ -63,6 +63,7 @@ from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import watch
+from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import mark_writer
 from neutrain.storage.run_lock import refuse_linked_checkpoints
 from neutrain.storage.manifest import write_manifest
@@ -411,15 +412,17 @@ class NeuTrainer(Trainer):
             if self.run_record is not None:  # what a resume compares against its recipe (neutrain.trainer.resume_check)
                 write_run_record(os.path.join(tmp_run_dir, name), self.run_record)
             write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
+            # On the disk before the rename: after a power cut the renamed checkpoint holds every byte (not
+            # zero-length files), and only then may the one it replaces, or rotation, delete anything.
+            fsync_tree(os.path.join(tmp_run_dir, name))
             final = os.path.join(run_dir, name)
+            old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
             if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place
-                old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
                 os.replace(final, old)
-                os.replace(os.path.join(tmp_run_dir, name), final)
-                shutil.rmtree(old)
-            else:
-                os.replace(os.path.join(tmp_run_dir, name), final)
+            os.replace(os.path.join(tmp_run_dir, name), final)
             fsync_dir(run_dir)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
             shutil.rmtree(tmp_run_dir, ignore_errors=True)
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(tmp_run_dir):
                 self.state.best_model_checkpoint = final

@@ -28,13 +28,19 @@ def hold(gate: Path) -> None:
         time.sleep(0.05)
 
 
-def main() -> int:
-    target, gate, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+def attribute_at(target: str) -> tuple[object, str]:
+    """``(owner, name)`` of ``<module>:<attribute path>``: ``setattr(owner, name, ...)`` replaces it."""
     module_name, path = target.split(":")
     *owners, name = path.split(".")
     owner = importlib.import_module(module_name)
     for attribute in owners:
         owner = getattr(owner, attribute)
+    return owner, name
+
+
+def main() -> int:
+    target, gate, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    owner, name = attribute_at(target)
     original = getattr(owner, name)
     reached = []
 
