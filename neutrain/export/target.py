@@ -37,9 +37,7 @@ from typing import Iterator
 
 from neutrain.errors import UserInputError
 from neutrain.storage.durable import fsync_dir, fsync_tree
-
-EXPORT_INFO = "neutrain_export.json"
-"""Written into every export (format and provenance); also what marks a directory as a neutrain export."""
+from neutrain.storage.manifest import EXPORT_INFO  # written into every export; also what marks one as neutrain's
 
 
 class ExportTargetError(UserInputError):

@@ -54,8 +54,10 @@ TEXT_NAMES = ("LICENSE", "NOTICE", ".gitattributes")
 # sentencepiece's tokenizer.model is a protobuf the tokenizer parses as data.
 DATA_SUFFIXES = (".model",)
 _BLOCK = 1 << 24
+EXPORT_INFO = "neutrain_export.json"
+"""Written into every neutrain export (format and provenance); also what marks a directory as one."""
 # Files that only a neutrain writing manifests writes beside a checkpoint's (or export's) weights.
-WRITTEN_WITH_MANIFEST = ("neutrain_run.json", "training_args.json", "neutrain_export.json")
+WRITTEN_WITH_MANIFEST = ("neutrain_run.json", "training_args.json", EXPORT_INFO)
 MANIFEST_MARK = "ChecksummedCheckpoint"
 """What such a neutrain also records in each checkpoint's ``trainer_state.json`` (a stateful callback's name:
 :class:`neutrain.trainer.callbacks.ChecksummedCheckpoint`), the file a resume cannot do without."""

@@ -42,14 +42,19 @@ from pathlib import Path
 
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.storage.leftovers import this_writer, writer_alive
+from neutrain.storage.manifest import EXPORT_INFO
 
 logger = logging.getLogger("neutrain")
 
 LOCK_FILE = ".neutrain.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 # What a run writes at the top of its output_dir, removed with its checkpoints by train.overwrite_output_dir
-# (its tokenizer too: a train-bpe vocabulary belongs to the data it was trained on).
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "training_curves.png", "tokenizer")
+# (its tokenizer too: a train-bpe vocabulary belongs to the data it was trained on), so that nothing of the old
+# run is left to be taken for the new one's: `neutrain generate RUN/export` served the previous model.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "training_curves.png", "tokenizer", "recipe.yaml", "eval", "distill")
+# Model directories a run writes there (the export, the draft, a LoRA run's frozen base): removed only when
+# they are neutrain's (neutrain_export.json inside); anything else is the user's and the run refuses to touch it.
+RUN_MODEL_DIRS = ("export", "draft", "base")
 
 _HELD: dict[str, int] = {}  # real path of output_dir -> fd of the lock this process holds on it
 
@@ -195,9 +200,11 @@ def check_new_run(output_dir: str | os.PathLike, overwrite: bool) -> list[str]:
 
 
 def clear_previous_run(output_dir: str | os.PathLike, checkpoints: list[str]) -> None:
-    """Delete a previous run's checkpoints and top-level outputs (``train.overwrite_output_dir``), logged."""
+    """Delete a previous run's checkpoints and every other output it wrote in ``output_dir``
+    (``train.overwrite_output_dir``), each logged; a model directory that is not neutrain's is kept."""
     root = Path(output_dir)
-    for name in [*checkpoints, *RUN_OUTPUTS]:
+    models = [name for name in RUN_MODEL_DIRS if (root / name / EXPORT_INFO).is_file() and not (root / name).is_symlink()]
+    for name in [*checkpoints, *RUN_OUTPUTS, *models]:
         path = root / name
         if path.is_symlink() or path.is_file():
             path.unlink()

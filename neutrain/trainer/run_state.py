@@ -72,7 +72,7 @@ def prepare_run(train: dict[str, Any], state) -> RunPlan:
             clean_run_dir(out)
             if not train["resume_from_checkpoint"]:
                 found = check_new_run(out, train["overwrite_output_dir"])
-                if found:
+                if found or train["overwrite_output_dir"]:
                     clear_previous_run(out, found)
     return plan_resume(train)
 
