@@ -44,12 +44,14 @@ logger = logging.getLogger("neutrain")
 #   .tmp-checkpoint-N      NeuTrainer._save_checkpoint (the checkpoint being written)
 #   .tmp-old-checkpoint-N  NeuTrainer._save_checkpoint (checkpoint-N moved aside while it is replaced)
 #   recipe.tmp<pid>        run._save_recipe
+#   summary.json.tmp<pid>  the summary a run writes last (storage.durable.write_durably)
 #   tokenizer.tmp<pid>     modeling.build_tokenizer (byte / train-bpe tokenizers)
 #   .cache/python-stdlib-<hash>.tmp<pid>   data.sources.python_stdlib_corpus
 RUN_DIR_PATTERNS: tuple[tuple[str, str], ...] = (
     ("", r"\.tmp-checkpoint-(?P<step>\d+)"),
     ("", r"\.tmp-old-(?P<restore>checkpoint-\d+)"),
     ("", r"recipe\.tmp(?P<pid>\d+)"),
+    ("", r"summary\.json\.tmp(?P<pid>\d+)"),
     ("", r"tokenizer\.tmp(?P<pid>\d+)"),
     (".cache", r"python-stdlib-[0-9a-f]{12}\.tmp(?P<pid>\d+)"),
 )

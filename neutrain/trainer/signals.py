@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 
 from neutrain.errors import StoppedBySignal, print_error
 
-__all__ = ["StopOnSignal", "StoppedBySignal", "grace_seconds"]
+__all__ = ["SignalDuringPhase", "StopOnSignal", "StoppedBySignal", "grace_seconds", "stopping_at_once"]
 
 logger = logging.getLogger("neutrain")
 
@@ -162,7 +162,54 @@ class StopOnSignal(TrainerCallback):
         """The one line the CLI prints after the checkpoint was saved."""
         if self.stopped_at is None:  # the signal came after the last step: its checkpoint is saved already
             return (f"stopped by {self.signal_name} after the last training step (its checkpoint is saved); "
-                    "evaluation, export and the summary were skipped")
+                    "relaunch with train.resume_from_checkpoint=true to run evaluation, export and the summary")
         checkpoint = os.path.join(output_dir, f"checkpoint-{self.stopped_at}")
         return (f"stopped by {self.signal_name} at step {self.stopped_at}: saved {checkpoint}; "
                 f"continue with train.resume_from_checkpoint=true")
+
+
+class SignalDuringPhase(BaseException):
+    """SIGTERM or SIGINT arrived during a phase that :func:`stopping_at_once` guards.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way may take it for an
+    error of its own and carry on.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+        self.name = signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def stopping_at_once():
+    """Inside the block, SIGTERM and SIGINT raise :class:`SignalDuringPhase` at once; the previous handlers
+    come back after it.
+
+    For the phases after training (evaluation, export, the summary): they keep nothing half-done (an export is
+    staged and renamed), so stopping them at once loses no work, and a relaunch runs them again. Python's
+    default SIGTERM ended the process without a word, leaving the run's lock and an export temporary to
+    the next start. Outside the main thread the block runs unguarded.
+
+    Example:
+        >>> import os
+        >>> try:
+        ...     with stopping_at_once():
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ... except SignalDuringPhase as stop:
+        ...     stop.name
+        'SIGTERM'
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum, frame):
+        raise SignalDuringPhase(signum)
+
+    previous = {s: signal.signal(s, handle) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

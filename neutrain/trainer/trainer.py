@@ -62,7 +62,7 @@ from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
-from neutrain.optim.nonfinite import watch
+from neutrain.optim.nonfinite import NONFINITE_KEY, watch
 from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import mark_writer
 from neutrain.storage.run_lock import refuse_linked_checkpoints
@@ -212,7 +212,9 @@ class NeuTrainer(Trainer):
     @property
     def nonfinite_skipped_steps(self) -> int:
         """Optimizer steps skipped for a non-finite loss or gradient over the whole run (resumes included)."""
-        return 0 if self._nonfinite is None else self._nonfinite.total(self.state.log_history)
+        if self._nonfinite is None:  # no optimizer built (the phases after training of a relaunched run): as logged
+            return max((int(h[NONFINITE_KEY]) for h in self.state.log_history if NONFINITE_KEY in h), default=0)
+        return self._nonfinite.total(self.state.log_history)
 
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
@@ -325,6 +327,18 @@ class NeuTrainer(Trainer):
                 verify_resume(resume_from_checkpoint, self.distributed_mode, self.args.process_index,
                               self.args.world_size, self.resume_reset_optimizer)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def load_trained(self, checkpoint: str) -> None:
+        """The weights and training log of ``checkpoint`` (a run's last step), for the phases after training.
+
+        Verified as a resume would be (checksums, no pickle), without the optimizer state: nothing trains.
+        """
+        from transformers import TrainerState
+
+        self.distributed_mode.check_resume(checkpoint)
+        verify_resume(checkpoint, self.distributed_mode, self.args.process_index, self.args.world_size, True)
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
 
     def reset_optimizer_on_resume(self, checkpoint: str) -> bool:
         """True (and logged) when ``resume_reset_optimizer`` asks to skip the checkpoint's optimizer and schedule."""

@@ -28,6 +28,17 @@ def hold(gate: Path) -> None:
         time.sleep(0.05)
 
 
+def signal_and_collect(proc, signum: int, timeout: float = 240) -> tuple[str, str]:
+    """Send ``signum`` to ``proc`` (a ``subprocess.Popen`` with text pipes), wait for it and return its
+    ``(stdout, stderr)``; a process still running after ``timeout`` seconds is killed (the test then fails)."""
+    try:
+        proc.send_signal(signum)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def attribute_at(target: str) -> tuple[object, str]:
     """``(owner, name)`` of ``<module>:<attribute path>``: ``setattr(owner, name, ...)`` replaces it."""
     module_name, path = target.split(":")
