@@ -199,7 +199,9 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
     from neutrain.storage.run_lock import release  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.signals import follow_launcher  # lazy: `neutrain --help` stays instant
 
+    follow_launcher()  # a scheduler's SIGTERM to `accelerate launch` reaches this process too
     try:
         return _train_from_recipe(recipe, echo)
     finally:
