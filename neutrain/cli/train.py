@@ -179,7 +179,12 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
         processing_class=tokenizer, memory=recipe.memory, train=t,
         resume_reset_optimizer=t["resume_reset_optimizer"],
     )
-    trainer.run_record = run_record(recipe, model, tokenizer)  # in every checkpoint; a resume is checked against it
+    from neutrain.data.sources import file_fingerprints  # lazy: `neutrain --help` stays instant
+
+    train_sets = [entry for entry in recipe.data["datasets"] if entry["split"] == "train"]
+    # In every checkpoint; a resume is checked against it (the data position: the launch and the data's bytes too).
+    trainer.run_record = run_record(recipe, model, tokenizer, processes=state.num_processes,
+                                    files=file_fingerprints(train_sets, cache_dir))
     if resume:  # the same model, weights format, optimizer, tokenizer and data as the checkpoint's run
         check_resume(resume, trainer.run_record, t["resume_reset_optimizer"])
     if state.is_main_process:  # last: a run refused above leaves the recipe of the run it would have resumed
