@@ -23,8 +23,13 @@ from neutrain.cli.distill import distill_from_recipe
 from neutrain.cli.memory import phase_lines, phase_report
 from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
+from neutrain.errors import UserInputError
 
 logger = logging.getLogger("neutrain")
+
+
+class NothingTrained(UserInputError):
+    """Every optimizer step of the run was skipped for a non-finite loss or gradient."""
 
 
 class RunContext:
@@ -89,6 +94,13 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     if tps:
         summary["tokens_per_second"] = sum(tps) / len(tps)
     summary["nonfinite_skipped_steps"] = trainer.nonfinite_skipped_steps
+    if summary["steps"] and summary["nonfinite_skipped_steps"] >= summary["steps"]:
+        # An untrained model must not be evaluated, exported and summarised as if it were the run's result.
+        end_processes(trainer.fused_optimizer)
+        raise NothingTrained(f"every one of the {summary['steps']} training steps had a non-finite loss or gradient and "
+                             f"changed no weight: the model is untrained, so it is neither evaluated nor exported (the "
+                             f"checkpoints in {out} hold the untrained weights); lower train.learning_rate or check "
+                             f"the data")
     summary.update(peak_memory_stats())
     mode = trainer.distributed_mode
     # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and

@@ -39,7 +39,8 @@ def run(args) -> int:
     if (ckpt / "adapter_config.json").exists():
         model, tokenizer = load_adapter_checkpoint(ckpt, base=args.base, dtype=args.dtype)
     else:
-        model, tokenizer = load_checkpoint_model(ckpt, dtype=args.dtype)
+        # In its own dtype: the export checks the weights fit the one asked for before it casts them.
+        model, tokenizer = load_checkpoint_model(ckpt)
     info = {"checkpoint": str(ckpt)}
     chat = trained_with_chat_template(ckpt)
     if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained
