@@ -36,6 +36,29 @@ def configure(sub) -> None:
                    "and a margin); enforced as the allocator's limit")
 
 
+MAX_NEW_TOKENS = 1 << 20
+"""The most tokens one call may ask for (as many as ``data.sequence_len`` allows a training row)."""
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt plus ``--max-new-tokens`` longer than the model's context, before a cache is allocated.
+
+    Why: the decode engine allocates its cache for every token asked for at once; a number past the model's
+    positions failed deep in the allocator (or decoded positions the model never learnt).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_context(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)), 10, 300)
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --max-new-tokens: 300 new tokens after a 10-token prompt exceed the model's context of 256 positions (max_position_embeddings); ask for at most 246
+    """
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
+        raise UserInputError(f"--max-new-tokens: {max_new_tokens} new tokens after a {prompt_tokens}-token prompt exceed "
+                             f"the model's context of {context} positions (max_position_embeddings); ask for at most "
+                             f"{max(context - prompt_tokens, 0)}")
+
+
 def check_arguments(args) -> None:
     """Refuse out-of-range numbers before a model is loaded (they used to fail deep in decoding, with a traceback).
 
@@ -45,6 +68,9 @@ def check_arguments(args) -> None:
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer >= 1
     """
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UserInputError(f"--max-new-tokens: {args.max_new_tokens} is out of range; expected at most "
+                             f"{MAX_NEW_TOKENS:,} (the decode cache is allocated for all of them before the first token)")
     for flag, value, rule in (("--max-new-tokens", args.max_new_tokens, "an integer >= 1"),
                               ("--num-drafts", args.num_drafts, "an integer >= 1"),
                               ("--draft-len", args.draft_len, "an integer >= 1")):
@@ -83,6 +109,7 @@ def run(args) -> int:
     use_template, why = template_choice(tokenizer, trained_with, raw=args.raw)
     ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=not use_template)])
     print(f"[{why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
+    check_context(model, ids.shape[1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))

@@ -14,7 +14,9 @@ adapter has a test in ``tests/unit/compat/`` that fails first when a release mov
 * :mod:`neutrain.compat.accelerate_prepare`: Accelerate's model preparation without DDP;
 * :mod:`neutrain.compat.file_modes`: safetensors 0.8's ``0o600`` files given the umask's mode;
 * :mod:`neutrain.compat.static_cache`: ``StaticCache``'s device-side length and CUDA-graph RNG
-  (the decode engine).
+  (the decode engine);
+* :mod:`neutrain.compat.chat_templates`: transformers' chat-template sandbox (private), which
+  neutrain bounds before data is rendered with a template.
 """
 
 from __future__ import annotations

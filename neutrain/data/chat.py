@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from neutrain.data.template_bounds import check_template_bounds
 from neutrain.errors import RecipeError
 
 # Prefix-stable templates (each message renders the same whatever follows), which assistant-only
@@ -59,11 +60,14 @@ def set_chat_template(tokenizer, value: str | None):
     """Set ``data.chat_template`` on ``tokenizer`` (``None`` keeps the tokenizer's own); returns it.
 
     Raises:
-        RecipeError: for a value that is neither a known name nor Jinja (:func:`check_chat_template`).
+        RecipeError: for a value that is neither a known name nor Jinja (:func:`check_chat_template`), or a
+            template whose rendering is not bounded (:func:`~neutrain.data.template_bounds.check_template_bounds`).
     """
     check_chat_template(value)
     if value is not None:
         tokenizer.chat_template = NAMED_TEMPLATES.get(value, value)
+    # Before any row is rendered with it: a template's cost is bounded (neutrain.data.template_bounds).
+    check_template_bounds(tokenizer, "data.chat_template" if value is not None else "the tokenizer's chat template")
     return tokenizer
 
 
@@ -119,6 +123,7 @@ def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """
     if raw or not getattr(tokenizer, "chat_template", None):
         return list(tokenizer(prompt)["input_ids"])
+    check_template_bounds(tokenizer, "the model's chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     # The template writes its own BOS/special tokens: adding them again would double them.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
