@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint
+from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -67,6 +67,7 @@ def run_eval(args) -> int:
     model, tokenizer = load_checkpoint_model(ckpt)
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
+    check_vocabulary(model, tokenizer, f"checkpoint '{ckpt}'")
     out = os.path.join(recipe.train["output_dir"], "eval")
     results = {"checkpoint": str(ckpt)}
     if recipe.eval["perplexity"]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, run_recipe, trained_with_chat_template
 from neutrain.config.schema import SCHEMA
+from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
 
 
@@ -32,6 +34,7 @@ def run(args) -> int:
     from neutrain.export import export_model, load_checkpoint_model  # lazy: `neutrain --help` stays instant
     from neutrain.export.lora import load_adapter_checkpoint  # lazy: same reason
 
+    check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = args.output or str(ckpt.parent / "export")
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
@@ -49,6 +52,20 @@ def run(args) -> int:
                         info=info, overwrite=args.overwrite, dtype=dtype)
     print(f"exported {ckpt} -> {path} (format {args.format}, dtype {dtype if dtype != 'auto' else str(model.dtype).replace('torch.', '')})")
     return 0
+
+
+def check_shard_size(text: str) -> None:
+    """Refuse a ``--max-shard-size`` that is not a positive size such as ``500MB`` (as ``export.max_shard_size``).
+
+    Example:
+        >>> check_shard_size("abc")
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --max-shard-size: 'abc' is not a size; expected a number and KB, MB, GB or TB, e.g. 500MB or 5GB
+    """
+    shape = re.fullmatch(SCHEMA["export"]["max_shard_size"].pattern, text, flags=re.IGNORECASE)
+    if shape is None or float(re.sub(r"[^\d.]", "", text)) <= 0:
+        raise UserInputError(f"--max-shard-size: '{text}' is not a size; expected a number and KB, MB, GB or TB, "
+                             "e.g. 500MB or 5GB")
 
 
 def run_export_dtype(checkpoint: Path, requested: str) -> str:

@@ -24,6 +24,7 @@ from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
 from neutrain.cli.after_training import RunContext, after_training
+from neutrain.cli.checkpoints import check_vocabulary
 # Where `neutrain eval`, scripts and tests have always found them:
 from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
 from neutrain.cli.memory import fit_memory
@@ -166,6 +167,7 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
     model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights,
                         offload_weights=recipe.memory["offload_weights"])
+    check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 

@@ -146,9 +146,16 @@ def describe_template_error(exc: BaseException) -> str | None:
         from jinja2.sandbox import SecurityError
     except ImportError:  # no jinja2: nothing could have rendered a template
         return None
-    if not isinstance(exc, jinja2.TemplateError):
-        return None
     message = " ".join(str(exc).split())
+    if not isinstance(exc, jinja2.TemplateError):
+        # Any other error raised by the template's own code (``{{ 1/0 }}``, ``{{ text + 1 }}``): Jinja puts the
+        # template's lines in the traceback as frames of the file "<template>".
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != "<template>":
+            tb = tb.tb_next
+        if tb is None:
+            return None
+        return f"the chat template raised an error while rendering (line {tb.tb_lineno}: {type(exc).__name__}: {message})"
     if isinstance(exc, SecurityError):
         return (f"the chat template tried an operation the sandbox forbids ({message}); the sandbox refused it and "
                 "nothing unsafe ran: use a template that only formats the messages")
