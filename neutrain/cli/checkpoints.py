@@ -91,3 +91,22 @@ def trained_with_chat_template(model_dir: Path) -> bool | None:
     if recipe is None or not isinstance(recipe.get("data"), dict):
         return None
     return trained_on_chat(recipe["data"].get("datasets") or [])
+
+
+def check_vocabulary(model, tokenizer, where: str) -> None:
+    """Refuse a tokenizer with more tokens than ``model``'s vocabulary (ids past it index outside the embedding).
+
+    Why: a tokenizer from another model (``model.tokenizer``, or files swapped in an export) ended in
+    ``IndexError: index out of range in self`` from the embedding, mid-generation or at the first step.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_vocabulary(SimpleNamespace(config=SimpleNamespace(vocab_size=64)), [0] * 259, "model.tokenizer")
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: model.tokenizer: the tokenizer has 259 tokens, the model's vocabulary 64 (vocab_size): token ids from 64 on would index outside its embedding; use the tokenizer the model was trained with
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise UserInputError(f"{where}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab} "
+                             f"(vocab_size): token ids from {vocab} on would index outside its embedding; use the "
+                             f"tokenizer the model was trained with")

@@ -154,6 +154,14 @@ def configure(sub) -> None:
 
 
 def run(args) -> int:
-    """Distil the draft a recipe's ``distill`` section describes."""
-    distill_from_recipe(load_recipe(args.recipe, args.overrides), overwrite=args.overwrite)
+    """Distil the draft a recipe's ``distill`` section describes, holding ``train.output_dir``'s run lock.
+
+    Why the lock: the draft, its logs and the target's export live in the run directory; two distillations
+    at once interleaved their logs, and one beside a training run there read an export being replaced.
+    """
+    from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    with RunLock(recipe.train.output_dir):
+        distill_from_recipe(recipe, overwrite=args.overwrite)
     return 0

@@ -19,6 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
+from neutrain.errors import UserInputError
+
 EXIT_ENVIRONMENT = 1
 
 # safetensors (Rust) reports "I/O error: No space left on device (os error 28)".
@@ -94,3 +96,35 @@ def describe_environment_error(exc: BaseException, fallback_path: str | None = N
         reason = " ".join(str(carrier).split())
     return f"{what} ({path}): {reason}"
 
+
+# Variables a launcher (torchrun, accelerate launch, SLURM scripts) sets and Accelerate parses at start-up.
+_COUNTS = {"WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "NODE_RANK": 0, "MASTER_PORT": 0}
+_SWITCHES = ("ACCELERATE_USE_CPU", "ACCELERATE_DEBUG_MODE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+_BOOLEANS = ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0")  # accelerate's str_to_bool
+_PRECISIONS = ("no", "fp8", "fp16", "bf16")
+
+
+def check_launch_environment(environ) -> None:
+    """Refuse launch variables that Accelerate would fail to parse, in one line naming the variable.
+
+    Why: ``WORLD_SIZE=abc`` or ``ACCELERATE_USE_CPU=maybe`` (a typo in a job script) ended in a
+    ``ValueError`` traceback from inside Accelerate's start-up.
+
+    Example:
+        >>> check_launch_environment({"WORLD_SIZE": "abc"})
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: environment variable WORLD_SIZE='abc' is not an integer >= 1 (it is set by launchers: torchrun, accelerate launch); unset it or fix the job script
+    """
+    for name, low in _COUNTS.items():
+        value = environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= low):
+            raise UserInputError(f"environment variable {name}={value!r} is not an integer >= {low} (it is set by "
+                                 "launchers: torchrun, accelerate launch); unset it or fix the job script")
+    for name in _SWITCHES:
+        value = environ.get(name)
+        if value is not None and value.strip().lower() not in _BOOLEANS:
+            raise UserInputError(f"environment variable {name}={value!r} is not a boolean (true/false, 1/0, yes/no)")
+    value = environ.get("ACCELERATE_MIXED_PRECISION")
+    if value is not None and value.strip().lower() not in _PRECISIONS:
+        raise UserInputError(f"environment variable ACCELERATE_MIXED_PRECISION={value!r} is not one of "
+                             f"{', '.join(_PRECISIONS)}")

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint
+from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -66,6 +66,7 @@ def run_eval(args) -> int:
     model, tokenizer = load_model_checkpoint(ckpt)  # a LoRA run's checkpoint: its adapters on its base
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
+    check_vocabulary(model, tokenizer, f"checkpoint '{ckpt}'")
     out = os.path.join(recipe.train["output_dir"], "eval")
     results = {"checkpoint": str(ckpt)}
     if recipe.eval["perplexity"]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_recipe, trained_with_chat_template
 from neutrain.config.schema import SCHEMA
+from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
 
 
@@ -31,11 +33,14 @@ def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
     from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
 
+    check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = args.output or str(ckpt.parent / "export")
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     dtype = run_export_dtype(ckpt, args.dtype)
-    model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype)
+    # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.
+    adapter = (ckpt / "adapter_config.json").exists()
+    model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto")
     info = {"checkpoint": str(ckpt)}
     chat = trained_with_chat_template(ckpt)
     if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained
@@ -44,6 +49,20 @@ def run(args) -> int:
                         info=info, overwrite=args.overwrite, dtype=dtype)
     print(f"exported {ckpt} -> {path} (format {args.format}, dtype {dtype if dtype != 'auto' else str(model.dtype).replace('torch.', '')})")
     return 0
+
+
+def check_shard_size(text: str) -> None:
+    """Refuse a ``--max-shard-size`` that is not a positive size such as ``500MB`` (as ``export.max_shard_size``).
+
+    Example:
+        >>> check_shard_size("abc")
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --max-shard-size: 'abc' is not a size; expected a number and KB, MB, GB or TB, e.g. 500MB or 5GB
+    """
+    shape = re.fullmatch(SCHEMA["export"]["max_shard_size"].pattern, text, flags=re.IGNORECASE)
+    if shape is None or float(re.sub(r"[^\d.]", "", text)) <= 0:
+        raise UserInputError(f"--max-shard-size: '{text}' is not a size; expected a number and KB, MB, GB or TB, "
+                             "e.g. 500MB or 5GB")
 
 
 def run_export_dtype(checkpoint: Path, requested: str) -> str:

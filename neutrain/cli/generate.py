@@ -6,7 +6,8 @@ import math
 import sys
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint, trained_with_chat_template
+from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_with_chat_template
+from neutrain.config.schema import SCHEMA
 from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
 
@@ -36,23 +37,55 @@ def configure(sub) -> None:
                    "and a margin); enforced as the allocator's limit")
 
 
+MAX_NEW_TOKENS = 1 << 20
+"""The most tokens one call may ask for (as many as ``data.sequence_len`` allows a training row)."""
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt plus ``--max-new-tokens`` longer than the model's context, before a cache is allocated.
+
+    Why: the decode engine allocates its cache for every token asked for at once; a number past the model's
+    positions failed deep in the allocator (or decoded positions the model never learnt).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_context(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256)), 10, 300)
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --max-new-tokens: 300 new tokens after a 10-token prompt exceed the model's context of 256 positions (max_position_embeddings); ask for at most 246
+    """
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
+        raise UserInputError(f"--max-new-tokens: {max_new_tokens} new tokens after a {prompt_tokens}-token prompt exceed "
+                             f"the model's context of {context} positions (max_position_embeddings); ask for at most "
+                             f"{max(context - prompt_tokens, 0)}")
+
+
 def check_arguments(args) -> None:
     """Refuse out-of-range numbers before a model is loaded (they used to fail deep in decoding, with a traceback).
 
     Example:
         >>> import argparse
-        >>> check_arguments(argparse.Namespace(max_new_tokens=-1, temperature=0.0, num_drafts=2, draft_len=4))
+        >>> check_arguments(argparse.Namespace(max_new_tokens=-1, temperature=0.0, num_drafts=2, draft_len=4, seed=0))
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer >= 1
     """
-    for flag, value, rule in (("--max-new-tokens", args.max_new_tokens, "an integer >= 1"),
-                              ("--num-drafts", args.num_drafts, "an integer >= 1"),
-                              ("--draft-len", args.draft_len, "an integer >= 1")):
-        if value < 1:
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UserInputError(f"--max-new-tokens: {args.max_new_tokens} is out of range; expected at most "
+                             f"{MAX_NEW_TOKENS:,} (the decode cache is allocated for all of them before the first token)")
+    drafts, length = SCHEMA["distill"]["num_drafts"].max, SCHEMA["distill"]["draft_len"].max  # as the recipe's keys
+    for flag, value, low, high in (("--max-new-tokens", args.max_new_tokens, 1, None),
+                                   ("--num-drafts", args.num_drafts, 1, drafts),
+                                   ("--draft-len", args.draft_len, 1, length),
+                                   ("--seed", args.seed, 0, 2**63 - 1)):
+        if value < low or (high is not None and value > high):
+            rule = f"an integer from {low} to {high:,}" if high is not None else f"an integer >= {low}"
             raise UserInputError(f"{flag}: {value} is out of range; expected {rule}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserInputError(f"--temperature: {args.temperature:g} is out of range; expected a finite number >= 0 "
                              "(0 = greedy)")
+    budget = getattr(args, "device_budget_gib", None)
+    if budget is not None and (not math.isfinite(budget) or budget <= 0):
+        raise UserInputError(f"--device-budget-gib: {budget:g} is out of range; expected a finite number of GiB > 0")
 
 
 def run(args) -> int:
@@ -80,9 +113,11 @@ def run(args) -> int:
         print(where, file=sys.stderr)
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
+    check_vocabulary(model, tokenizer, f"model '{args.model}'")
     use_template, why = template_choice(tokenizer, trained_with, raw=args.raw)
     ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=not use_template)])
     print(f"[{why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
+    check_context(model, ids.shape[1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))

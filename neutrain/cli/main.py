@@ -26,7 +26,7 @@ from pathlib import Path
 
 from neutrain.cli import distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
-from neutrain.cli.environment import EXIT_ENVIRONMENT, describe_environment_error
+from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "recipes":  # every command that loads a model may import DeepSpeed (through transformers)
         name_cpu_accelerator()
     try:
+        check_launch_environment(os.environ)  # before Accelerate parses them
         return COMMANDS[args.command].run(args)
     except UserInputError as exc:
         if os.environ.get("NEUTRAIN_DEBUG") == "1":

@@ -8,9 +8,7 @@ architecture section).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import textwrap
 import time
@@ -25,8 +23,11 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
-from neutrain.cli.distill import distill_from_recipe
-from neutrain.cli.memory import fit_memory, phase_lines, phase_report
+from neutrain.cli.after_training import RunContext, after_training
+from neutrain.cli.checkpoints import check_vocabulary
+# Where `neutrain eval`, scripts and tests have always found them:
+from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
+from neutrain.cli.memory import fit_memory
 from neutrain.cli.preflight import check_launch, check_long_context_prompts, check_weight_offload_device, preflight
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
@@ -91,42 +92,13 @@ def _phase(state, echo: Callable[[str], None], name: str) -> None:
         echo(f"\n== {name} ==")
 
 
-def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = False) -> str:
-    """A continuation of ``eval.sample_prompt`` by the trained model, printed at the end of the run.
-
-    Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
-    output repeats itself, which says less about what it learned. ``chat`` (a run on ``type: messages``
-    data) sends the prompt through the chat template as one user turn, as the model was trained: sent raw,
-    a chat fine-tune's sample was empty and the model looked broken although it had learned.
-    """
-    import torch  # lazy: `neutrain --help` stays instant
-
-    from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
-
-    prompt = eval_cfg["sample_prompt"]
-    device = next(model.parameters()).device
-    use_template, _ = template_choice(tokenizer, chat)
-    ids = torch.tensor([prompt_ids(tokenizer, prompt, raw=not use_template)], device=device)
-    temperature = eval_cfg["sample_temperature"]
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 50} if temperature > 0 else {"do_sample": False}
-    torch.manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg["sample_tokens"],
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                             **sampling)
-    model.train(was_training)
-    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return f"user: {prompt}\nassistant: {answer}" if use_template else prompt + answer
-
-
 def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     path = Path(output_dir) / "recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    from neutrain.storage.durable import write_durably  # lazy: `neutrain --help` stays instant
+
+    # recipe.tmp<pid>: the name neutrain.storage.leftovers clears after a kill
+    write_durably(path, yaml.safe_dump(recipe.to_dict(), sort_keys=False), tmp=path.with_suffix(f".tmp{os.getpid()}"))
 
 
 ADAPTER_BASE = "base"
@@ -146,13 +118,6 @@ def _save_adapter_base(model, tokenizer, out: str) -> None:
     path = Path(out) / ADAPTER_BASE
     if not (path / "config.json").exists():
         export_model(model, str(path), "hf", tokenizer=tokenizer, info={"name": "neutrain LoRA base (frozen)"}, overwrite=True)
-
-
-class RunContext:
-    """What :func:`build_trainer` assembles: the trainer, tokenizer, held-out data and process state."""
-
-    def __init__(self, recipe: Recipe, trainer, tokenizer, heldout, state):
-        self.recipe, self.trainer, self.tokenizer, self.heldout, self.state = recipe, trainer, tokenizer, heldout, state
 
 
 def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
@@ -202,6 +167,7 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
     model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights,
                         offload_weights=recipe.memory["offload_weights"], offload_layers=recipe.memory["offload_layers"])
+    check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 
@@ -215,7 +181,12 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
         processing_class=tokenizer, memory=recipe.memory, train=t,
         resume_reset_optimizer=t["resume_reset_optimizer"],
     )
-    trainer.run_record = run_record(recipe, model, tokenizer)  # in every checkpoint; a resume is checked against it
+    from neutrain.data.sources import file_fingerprints  # lazy: `neutrain --help` stays instant
+
+    train_sets = [entry for entry in recipe.data["datasets"] if entry["split"] == "train"]
+    # In every checkpoint; a resume is checked against it (the data position: the launch and the data's bytes too).
+    trainer.run_record = run_record(recipe, model, tokenizer, processes=state.num_processes,
+                                    files=file_fingerprints(train_sets, cache_dir))
     if resume:  # the same model, weights format, optimizer, tokenizer and data as the checkpoint's run
         check_resume(resume, trainer.run_record, t["resume_reset_optimizer"])
     if state.is_main_process:  # last: a run refused above leaves the recipe of the run it would have resumed
@@ -235,7 +206,9 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
     from neutrain.storage.run_lock import release  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.signals import follow_launcher  # lazy: `neutrain --help` stays instant
 
+    follow_launcher()  # a scheduler's SIGTERM to `accelerate launch` reaches this process too
     try:
         return _train_from_recipe(recipe, echo)
     finally:
@@ -245,9 +218,7 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
 def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
     from accelerate import PartialState
 
-    from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.run_files import peak_memory_stats  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
 
     started = time.perf_counter()
@@ -267,167 +238,43 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
     with phase("build"):
         ctx = build_trainer(recipe, resume=plan.checkpoint)
-    trainer, tokenizer, heldout, state = ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
-    _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
-    from neutrain.trainer.signals import StopOnSignal  # lazy: `neutrain --help` stays instant
+    trainer, state = ctx.trainer, ctx.state
+    if plan.after_training:  # trained to the end before; what came after did not complete
+        if state.is_main_process:
+            echo(plan.message)
+        trainer.load_trained(plan.checkpoint)
+        runtime = None
+    else:
+        _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
+        from neutrain.trainer.signals import StopOnSignal  # lazy: `neutrain --help` stays instant
 
-    stopper = StopOnSignal()  # SIGTERM/SIGINT: save at the next step boundary, then stop (neutrain.trainer.signals)
-    trainer.add_callback(stopper)
-    with stopper.installed(), phase("train_step"):  # saves, resumes and evaluations inside are their own phases
-        result = trainer.train(resume_from_checkpoint=plan.checkpoint)
-    if stopper.signum is not None:
+        stopper = StopOnSignal()  # SIGTERM/SIGINT: save at the next step boundary, then stop (neutrain.trainer.signals)
+        trainer.add_callback(stopper)
+        with stopper.installed(), phase("train_step"):  # saves, resumes and evaluations inside are their own phases
+            result = trainer.train(resume_from_checkpoint=plan.checkpoint)
+        if stopper.signum is not None:
+            end_processes(trainer.fused_optimizer)
+            raise StoppedBySignal(stopper.stop_message(out), stopper.signum)
+        runtime = result.metrics.get("train_runtime")
+    from neutrain.trainer.signals import SignalDuringPhase, stopping_at_once  # lazy: `neutrain --help` stays instant
+
+    stage = ["the phases after training"]  # what a signal interrupts, for its line
+
+    def announce(name: str) -> None:
+        stage[0] = name
+        _phase(state, echo, name)
+
+    try:
+        # Nothing of these phases is kept half-done (the export is staged and renamed): a signal stops them at
+        # once, and a relaunch finishes them from the last checkpoint (neutrain.trainer.run_state).
+        with stopping_at_once():
+            return after_training(ctx, fit, echo, announce, started, runtime)
+    except SignalDuringPhase as stop:
         end_processes(trainer.fused_optimizer)
-        raise StoppedBySignal(stopper.stop_message(out), stopper.signum)
-    summary: dict[str, Any] = {
-        "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
-        "distributed_mode": trainer.distributed_mode.name,
-        "model_wrapper": type(trainer.model_wrapped).__name__,
-        "train_runtime_s": result.metrics.get("train_runtime"),
-    }
-    summary.update(loss_ends([h for h in trainer.state.log_history if "loss" in h]))
-    tps = [h["tokens_per_second"] for h in trainer.state.log_history if "tokens_per_second" in h]
-    if tps:
-        summary["tokens_per_second"] = sum(tps) / len(tps)
-    summary["nonfinite_skipped_steps"] = trainer.nonfinite_skipped_steps
-    summary.update(peak_memory_stats())
-    if recipe.eval["perplexity"] and heldout is not None:
-        _phase(state, echo, "held-out evaluation")
-        metrics = trainer.evaluate()
-        summary["heldout_loss"] = metrics["eval_loss"]
-        summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-    mode = trainer.distributed_mode
-    # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
-    # ZeRO-3 holds only its shards of the model.
-    sharded = mode.sharded
-    if recipe.eval["long_context_tasks"] and sharded:
-        logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
-                       "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
-    elif recipe.eval["long_context_tasks"] and state.is_main_process:
-        _phase(state, echo, "long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
-        with phase("eval"):
-            summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
-    chat = trained_on_chat(recipe.data["datasets"])  # recorded in the export: generation formats prompts alike
-    export_format = recipe.export["format"]
-    if export_format != "none" and mode.export_note:  # the checkpoints hold the model
-        logger.warning("export skipped under %s", mode.export_note)
-        export_format = "none"
-    if export_format != "none":
-        export_dir = recipe.export_dir
-        _phase(state, echo, f"export: {recipe.export['format']}")
-        with phase("export"), mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
-            if state.is_main_process:
-                from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
-                from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant
-
-                dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
-                summary["export_dir"] = export_model(
-                    trainer.model, export_dir, recipe.export["format"], overwrite=True,
-                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
-                    info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
-                          "chat_template": chat,
-                          "steps": summary["steps"], "final_loss": summary.get("loss_last"),
-                          "heldout_perplexity": summary.get("heldout_perplexity")},
-                )
-    if recipe.distill["enabled"] and sharded:
-        logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
-    elif recipe.distill["enabled"] and state.is_main_process:
-        _phase(state, echo, "distillation of a draft, then speculative decoding")
-        # A continued run replaces its own earlier draft, as it replaces its own export.
-        summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer, overwrite=True)
-    if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
-        _phase(state, echo, "sample")
-        with phase("generate"):
-            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"], chat=chat)
-        summary["sample_chat_template"] = chat and bool(getattr(tokenizer, "chat_template", None))
-    summary["wall_time_s"] = time.perf_counter() - started
-    if state.is_main_process:
-        from neutrain.storage.confine import check_output  # lazy: `neutrain --help` stays instant
-
-        phase_report(summary, fit, out, trainer.state.global_step)
-        check_output(Path(out) / "summary.json", out).write_text(json.dumps(summary, indent=2, default=str))
-        echo(format_summary(summary))
-    end_processes(trainer.fused_optimizer)  # before interpreter exit, where gloo's threads could abort
-    return summary
-
-
-def loss_ends(logged: list[dict]) -> dict[str, Any]:
-    """The first and last logged training losses, each with the steps it averages.
-
-    A logged loss is the mean over the steps since the previous log (``train.logging_steps``), so the
-    summary says so: the first is not the loss of step 1.
-
-    Example:
-        >>> loss_ends([{"loss": 8.0, "step": 20}, {"loss": 5.0, "step": 40}, {"loss": 4.0, "step": 60}])
-        {'loss_first': 8.0, 'loss_first_steps': '1-20', 'loss_last': 4.0, 'loss_last_steps': '41-60'}
-    """
-    if not logged:
-        return {}
-
-    def window(i: int) -> str:
-        first = (logged[i - 1]["step"] if i else 0) + 1
-        return str(first) if first == logged[i]["step"] else f"{first}-{logged[i]['step']}"
-
-    return {"loss_first": logged[0]["loss"], "loss_first_steps": window(0),
-            "loss_last": logged[-1]["loss"], "loss_last_steps": window(len(logged) - 1)}
-
-
-def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:
-    """Run the recipe's long-context tasks once per KV cache; returns ``{cache: overall metrics}``.
-
-    ShadowKV's sparse path normally starts at 4K-token prompts (the paper's setting); at the
-    short lengths of a CPU run its threshold and outlier count are scaled down so that the
-    compressed path really runs.
-    """
-    from neutrain.eval import evaluate  # lazy: `neutrain --help` stays instant
-
-    results: dict[str, Any] = {}
-    length = eval_cfg["context_len"]
-    for cache in eval_cfg["kv_caches"]:
-        options: dict[str, Any] = {}
-        if cache == "shadowkv" and length < 4096:
-            options = {"min_prefill": max(16, length // 4), "outliers": 2, "local_chunks": 2, "rank": 32}
-        res = evaluate(model, tokenizer, eval_cfg["long_context_tasks"], kv=cache, length=length,
-                       num_samples=eval_cfg["num_samples"], output_json=os.path.join(out_dir, f"long_context_{cache}.json"), **options)
-        results[cache] = {k: v for k, v in res["overall"].items() if isinstance(v, (int, float, str))}
-    return results
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The short human summary printed at the end of a run."""
-    lines = ["", "=== neutrain run summary ==="]
-    if "loss_first" in s:
-        lines.append(f"loss            {s['loss_first']:.4f} (mean of steps {s.get('loss_first_steps', '?')}) -> "
-                     f"{s['loss_last']:.4f} (mean of steps {s.get('loss_last_steps', '?')}), {s['steps']} steps")
-    if "heldout_perplexity" in s:
-        lines.append(f"held-out        loss {s['heldout_loss']:.4f}, perplexity {s['heldout_perplexity']:.2f}")
-    if "peak_memory_gib" in s:
-        lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")
-    elif "peak_rss_gib" in s:
-        lines.append(f"peak memory     {s['peak_rss_gib']:.2f} GiB process RSS (CPU)")
-    if s.get("memory_fit"):
-        lines.append(f"memory fit      {s['memory_fit']['line'].removeprefix('memory: ')}")
-    lines.extend(phase_lines(s))
-    if s.get("nonfinite_skipped_steps"):
-        lines.append(f"non-finite      {s['nonfinite_skipped_steps']} optimizer steps had a non-finite loss or gradient (skipped)")
-    if "tokens_per_second" in s:
-        lines.append(f"throughput      {s['tokens_per_second']:.0f} tokens/s (training)")
-    for cache, m in s.get("long_context", {}).items():
-        lines.append(f"long context    {cache:<10} accuracy {m.get('accuracy', float('nan')):.1f}%, "
-                     f"KV compression {m.get('compression_ratio', float('nan')):.2f}x, {m.get('tokens_per_s', float('nan')):.0f} tokens/s")
-    if s.get("distill", {}).get("alpha") is not None:
-        dd = s["distill"]
-        lines.append(f"draft           alpha {dd['alpha_before']:.3f} -> {dd['alpha']:.3f}; speculative decode "
-                     f"{dd['block_efficiency']:.2f} tokens per target call ({dd['draft_dir']})")
-    lines.append(f"outputs         {s['output_dir']} (checkpoints, metrics.jsonl, training_curves.png)")
-    if s.get("export_dir"):
-        lines.append(f"export          {s['export_dir']}")
-    lines.append(f"wall time       {s['wall_time_s']:.0f} s")
-    if s.get("sample") is not None:
-        how = ("answer to eval.sample_prompt, sent through the chat template" if s.get("sample_chat_template")
-               else "continuation of eval.sample_prompt, sent raw")
-        lines.append(f"sample          (the trained model's {how})")
-        lines.extend("    " + line for line in s["sample"].splitlines())
-    return "\n".join(lines)
+        raise StoppedBySignal(f"stopped by {stop.name} during {stage[0]}: the training is saved in "
+                              f"{os.path.join(out, f'checkpoint-{trainer.state.global_step}')}; relaunch with "
+                              f"train.resume_from_checkpoint=true to finish evaluation, export and the summary",
+                              stop.signum) from None
 
 
 def _keys_help() -> str:

@@ -16,6 +16,8 @@ One module per upstream library, and a module of its own where a topic is large:
   device-side length and CUDA-graph RNG, for the decode engine); :mod:`neutrain.compat.masks`
   (the packed-sequence probe); :mod:`neutrain.compat.gguf_tensors` (a GGUF file's tensors one at
   a time); :mod:`neutrain.compat.quiet` (progress bars and a peft warning);
+  :mod:`neutrain.compat.chat_templates` (the chat-template sandbox, private, which neutrain bounds
+  before data is rendered with a template);
 * torch: :mod:`neutrain.compat.torch_api` (SDPA's backend order, the private SDPA backward ops,
   the saved-tensor hooks in force); :mod:`neutrain.compat.autograd` ("is a backward running?");
   :mod:`neutrain.compat.cpu_features` (native bf16 on a CPU);

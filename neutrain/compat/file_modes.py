@@ -1,4 +1,5 @@
-"""File modes of what neutrain writes: every file as ``open()`` makes it, ``0o666`` less the umask.
+"""File modes of what neutrain writes (every file as ``open()`` makes it, ``0o666`` less the umask), and
+syncing a directory's entries where the platform can (:func:`fsync_dir`).
 
 Why: safetensors 0.8 creates its files with mode ``0o600`` (owner only), while Python's
 ``open()``, ``torch.save`` and ``json`` writers give ``0o644`` under the usual umask. A
@@ -47,3 +48,21 @@ def honour_umask(directory: str | os.PathLike) -> None:
             st = path.lstat()
             if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
                 os.chmod(path, mode)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it) to disk; a no-op where directories cannot be opened
+    (Windows), which is the platform difference this adapter hides.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_dir(tempfile.mkdtemp())
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,36 @@ from neutrain.errors import RecipeError, one_line
 _POSITIVE_INT = re.compile(r"num_\w*(layers|heads)|\w*_size|head_dim|max_position_embeddings|n_(layer|head|embd|positions)")
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""A model's config.json is a few KiB; more is not a config (and a device file would never end)."""
+
+
+def _read_config_file(path: Path, where: str) -> str:
+    """The text of a config.json, refused unless it is a regular file of at most :data:`MAX_CONFIG_BYTES`.
+
+    Why: a FIFO given as ``model.config`` blocked the run forever, and ``/dev/zero`` was read until memory
+    ran out; the file's kind and size are checked before a byte is read.
+    """
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise RecipeError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode) \
+            else "a device or special file"
+        raise RecipeError(f"{where}: is {kind}, not a config.json file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise RecipeError(f"{where}: {info.st_size:,} bytes, more than a config.json holds ({MAX_CONFIG_BYTES >> 20} MiB)")
+    with open(path, "rb") as fh:
+        return fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+
+
 def _load(cfg: dict | str) -> tuple[dict, str]:
     if isinstance(cfg, dict):
         return dict(cfg), "model.config"
     where = f"model.config ('{cfg}')"
     try:
-        data = json.loads(Path(cfg).read_text(encoding="utf-8"))
+        data = json.loads(_read_config_file(Path(cfg), where))
     except UnicodeDecodeError:
         raise RecipeError(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:

@@ -86,21 +86,36 @@ def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any
     if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
         raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
     if isinstance(value, str):
-        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(("output_dir", ".path")))
+        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "path")
     return value
 
 
-def _check_text(where: str, value: str, as_file_name: bool) -> None:
-    """No NUL byte (no file name or C string holds one); a file name must encode in the file-system encoding.
+# Keys whose string is a path (or a hub id standing for one): held to what a file name can be.
+_PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "model.tokenizer", "model.config",
+                "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
 
-    Why: both used to end in a traceback (``ValueError: embedded null byte``, ``UnicodeEncodeError`` under
-    ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation.
+
+def _check_text(where: str, value: str, as_file_name: bool) -> None:
+    """No NUL byte (no file name or C string holds one); a path has no control character, no surrounding
+    whitespace, and encodes in the file-system encoding.
+
+    Why: a NUL and an unencodable name used to end in a traceback (``ValueError: embedded null byte``,
+    ``UnicodeEncodeError`` under ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation; a
+    newline or a trailing space in a path is almost always a quoting accident on the command line, and the
+    run would write into a directory no one meant.
     """
     if "\0" in value:
         raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
     if as_file_name:
+        bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
+        if bad is not None:
+            raise RecipeError(f"{where}: {value!r} contains the control character {bad!r}; a path is taken as "
+                              "written (check the quoting on the command line)")
+        if not value.strip() or value != value.strip():
+            raise RecipeError(f"{where}: {value!r} is empty or starts or ends with whitespace; a path is taken as "
+                              "written (check the quoting on the command line)")
         try:
             os.fsencode(value)
         except UnicodeEncodeError as exc:
@@ -428,14 +443,52 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+_QUOTES = ("'", '"')
+
+
+def override_value(key: Key | None, text: str) -> Any:
+    """The value of ``section.key=<text>``: YAML for numbers, booleans, lists and mappings; the literal text for a string.
+
+    Why: parsed as YAML, ``train.output_dir=w/runs/exp #2`` became ``w/runs/exp`` (the rest is a YAML
+    comment), and with ``train.overwrite_output_dir=true`` another run's checkpoints were deleted; a
+    newline folded to a space. Where the key takes a string, the text is the value as typed, unless YAML
+    reads it as another type the key accepts (``true`` for ``resume_from_checkpoint``, a number for
+    ``device_budget_gib``, ``null`` where the key may be null) or it is one quoted YAML string
+    (``'"true"'``, for the text ``true`` itself).
+
+    Example:
+        >>> from neutrain.config.schema import SCHEMA
+        >>> override_value(SCHEMA["train"]["output_dir"], "w/runs/exp #2")
+        'w/runs/exp #2'
+        >>> override_value(SCHEMA["train"]["resume_from_checkpoint"], "true")
+        True
+        >>> override_value(SCHEMA["eval"]["sample_prompt"], '"a: b"')
+        'a: b'
+    """
+    parsed = _parse_scalar(text)
+    types = () if key is None else key.type if isinstance(key.type, tuple) else (key.type,)
+    if str not in types or parsed == text:
+        return parsed
+    if isinstance(parsed, str):
+        quoted = text.strip()
+        return parsed if len(quoted) >= 2 and quoted[0] in _QUOTES and quoted[-1] == quoted[0] else text
+    if parsed is None:
+        return None if key.nullable and text.strip() in ("null", "~", "Null", "NULL") else text
+    accepted = tuple(t for t in types if t is not str)
+    number = isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and float in accepted
+    return parsed if isinstance(parsed, accepted) or number else text
+
+
 def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
-    """Apply dotted ``section.key=value`` overrides (values parsed as YAML).
+    """Apply dotted ``section.key=value`` overrides (values as :func:`override_value` reads them).
 
     Example:
         >>> apply_overrides({"train": {}}, ["train.max_steps=10"])["train"]["max_steps"]
         10
         >>> apply_overrides({}, ["train.learning_rate=1e-5"])["train"]  # YAML reads 1e-5 as text; validation converts it
         {'learning_rate': '1e-5'}
+        >>> apply_overrides({}, ["train.output_dir=runs/exp #2"])["train"]
+        {'output_dir': 'runs/exp #2'}
     """
     raw = dict(_check_top_level(raw, "recipe"))
     for item in overrides:
@@ -453,7 +506,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {_short(current)} "
                               f"(so override '{item}' has nowhere to go)")
         sec = dict(current or {})
-        sec[key] = _parse_scalar(text)
+        sec[key] = override_value(SCHEMA[section].get(key), text)
         raw[section] = sec
     return raw
 

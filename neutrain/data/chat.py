@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from neutrain.data.template_bounds import check_template_bounds
 from neutrain.errors import RecipeError
 
 # Prefix-stable templates (each message renders the same whatever follows), which assistant-only
@@ -59,11 +60,14 @@ def set_chat_template(tokenizer, value: str | None):
     """Set ``data.chat_template`` on ``tokenizer`` (``None`` keeps the tokenizer's own); returns it.
 
     Raises:
-        RecipeError: for a value that is neither a known name nor Jinja (:func:`check_chat_template`).
+        RecipeError: for a value that is neither a known name nor Jinja (:func:`check_chat_template`), or a
+            template whose rendering is not bounded (:func:`~neutrain.data.template_bounds.check_template_bounds`).
     """
     check_chat_template(value)
     if value is not None:
         tokenizer.chat_template = NAMED_TEMPLATES.get(value, value)
+    # Before any row is rendered with it: a template's cost is bounded (neutrain.data.template_bounds).
+    check_template_bounds(tokenizer, "data.chat_template" if value is not None else "the tokenizer's chat template")
     return tokenizer
 
 
@@ -119,6 +123,7 @@ def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """
     if raw or not getattr(tokenizer, "chat_template", None):
         return list(tokenizer(prompt)["input_ids"])
+    check_template_bounds(tokenizer, "the model's chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     # The template writes its own BOS/special tokens: adding them again would double them.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -141,9 +146,16 @@ def describe_template_error(exc: BaseException) -> str | None:
         from jinja2.sandbox import SecurityError
     except ImportError:  # no jinja2: nothing could have rendered a template
         return None
-    if not isinstance(exc, jinja2.TemplateError):
-        return None
     message = " ".join(str(exc).split())
+    if not isinstance(exc, jinja2.TemplateError):
+        # Any other error raised by the template's own code (``{{ 1/0 }}``, ``{{ text + 1 }}``): Jinja puts the
+        # template's lines in the traceback as frames of the file "<template>".
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != "<template>":
+            tb = tb.tb_next
+        if tb is None:
+            return None
+        return f"the chat template raised an error while rendering (line {tb.tb_lineno}: {type(exc).__name__}: {message})"
     if isinstance(exc, SecurityError):
         return (f"the chat template tried an operation the sandbox forbids ({message}); the sandbox refused it and "
                 "nothing unsafe ran: use a template that only formats the messages")

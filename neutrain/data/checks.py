@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from neutrain.errors import DataError
-from neutrain.data.formats import IGNORE_INDEX, tokenize_row
+from neutrain.data.formats import IGNORE_INDEX, as_text, tokenize_row
 
 logger = logging.getLogger("neutrain.data")
 
@@ -146,7 +146,7 @@ def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: dict) -> 
     if entry["type"] == "completion":
         field = entry["prompt_field"]
         bos = 1 if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) else 0
-        lengths = [bos + len(tokenizer(r[field], add_special_tokens=False)["input_ids"]) for r in rows if isinstance(r.get(field), str)]
+        lengths = [bos + len(as_text(tokenizer, r[field])) for r in rows if isinstance(r.get(field), str)]
         if lengths and min(lengths) >= n:
             return (f"every prompt is at least data.sequence_len={n} tokens long (prompts of {min(lengths)} to {max(lengths)} "
                     f"tokens), so no completion token fits: raise data.sequence_len or shorten the prompts")

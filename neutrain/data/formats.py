@@ -10,6 +10,10 @@ Formats (``data.datasets[i].type``):
   template; only the roles in ``roles_to_train`` (default: assistant) are
   trained, found from character offsets so any template works.
 
+Text is text: a special token's string in the data (``<|pad|>``, ``<|eos|>``, ``<|im_end|>``) is
+tokenised as the characters it is made of, never as the control token (a dataset of pad strings
+trained nothing). Only a chat template's own markers become special tokens.
+
 A malformed row raises :class:`DataError` naming the file and the row. Every
 tokenised row also says whether it was ``truncated`` at ``sequence_len``, so the
 data checks (:mod:`neutrain.data.checks`) can report how much was cut.
@@ -41,7 +45,7 @@ def _field(row: dict, name: str, kind: type, source: str, index: int) -> Any:
 def tokenize_text(row: dict, tokenizer, entry: dict, sequence_len: int, source: str, index: int) -> list[dict]:
     """One document -> one or more rows of at most ``sequence_len`` tokens, EOS-terminated."""
     text = _field(row, entry["text_field"], str, source, index)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = as_text(tokenizer, text)
     if tokenizer.eos_token_id is not None:
         ids = ids + [tokenizer.eos_token_id]
     rows = []
@@ -56,9 +60,9 @@ def tokenize_completion(row: dict, tokenizer, entry: dict, sequence_len: int, tr
     """Prompt + completion -> one row; the prompt is masked unless ``train_on_inputs``."""
     prompt = _field(row, entry["prompt_field"], str, source, index)
     completion = _field(row, entry["completion_field"], str, source, index)
-    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    p_ids = as_text(tokenizer, prompt)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) else []
-    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    c_ids = as_text(tokenizer, completion)
     if tokenizer.eos_token_id is not None:
         c_ids = c_ids + [tokenizer.eos_token_id]
     full = bos + p_ids + c_ids
@@ -95,8 +99,10 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
             raise
         raise DataError(f"{source}: row {index}: {line}") from None
     enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
-    truncated = len(enc["input_ids"]) > sequence_len
-    ids, offsets = enc["input_ids"][:sequence_len], enc["offset_mapping"][:sequence_len]
+    ids, offsets = _contents_as_text(tokenizer, prev, enc["input_ids"], enc["offset_mapping"], messages, spans,
+                                     source, index)
+    truncated = len(ids) > sequence_len
+    ids, offsets = ids[:sequence_len], offsets[:sequence_len]
     labels = []
     for tok, (start, _end) in zip(ids, offsets):
         role = next((r for a, b, r in spans if a <= start < b), None)
@@ -109,6 +115,56 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
         # tokenizer): without an EOS to learn, the fine-tuned model would not stop generating.
         ids, labels = ids + [eos], labels + [eos]
     return [{"input_ids": ids, "labels": labels, "truncated": truncated}]
+
+
+def as_text(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` with no special token added, and none parsed from it: a special token's
+    string in the text is tokenised as its characters.
+
+    Example:
+        >>> from neutrain.data import byte_tokenizer
+        >>> tok = byte_tokenizer()
+        >>> tok.pad_token_id in as_text(tok, "<|pad|>"), len(as_text(tok, "<|pad|>"))
+        (False, 7)
+    """
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _special_strings(tokenizer) -> set[str]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {*tokenizer.all_special_tokens, *(t.content for t in decoder.values() if getattr(t, "special", False))}
+
+
+def _contents_as_text(tokenizer, text: str, ids: list[int], offsets: list, messages: list[dict], spans: list,
+                      source: str, index: int) -> tuple[list[int], list]:
+    """``ids``/``offsets`` of a rendered conversation, each special token that stands inside a message's content
+    replaced by the tokens of its characters (the template's own markers are left as they are)."""
+    specials = _special_strings(tokenizer)
+    ranges = []
+    for j, message in enumerate(messages):
+        content = message["content"]
+        if not any(special in content for special in specials):
+            continue
+        start = text.find(content, spans[j][0], spans[j][1]) if content else -1
+        if start < 0:
+            found = next(special for special in specials if special in content)
+            raise DataError(f"{source}: row {index}: message {j} holds the special token string {found!r} as text, "
+                            f"and the chat template changes the message text, so it cannot be kept as text; remove "
+                            f"it from the data or use a template that writes the content as it is")
+        ranges.append((start, start + len(content)))
+    if not ranges:
+        return list(ids), list(offsets)
+    special_ids = set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids(s) for s in specials}
+    out_ids, out_offsets = [], []
+    for tok, (a, b) in zip(ids, offsets):
+        if tok in special_ids and any(lo <= a and b <= hi for lo, hi in ranges):
+            pieces = as_text(tokenizer, text[a:b])
+            out_ids += pieces
+            out_offsets += [(a, b)] * len(pieces)
+        else:
+            out_ids.append(tok)
+            out_offsets.append((a, b))
+    return out_ids, out_offsets
 
 
 def _message_spans(tokenizer, messages: list[dict], train_on_inputs: bool, source: str, index: int):

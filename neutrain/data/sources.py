@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from neutrain.compat.file_modes import fsync_dir
 from neutrain.data.bounds import check_bounds
 from neutrain.errors import DataError
 
@@ -104,7 +105,7 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     # datasets logs each failed JSON parse at ERROR level; the DataError below names the row instead.
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     if entry["path"] == "python-stdlib":
-        path = Path(python_stdlib_corpus(cache_dir or os.path.join("outputs", ".cache"), max_files=entry.get("max_files")))
+        path = Path(entry_files(entry, cache_dir)[0])
         ds_type = "json"
     else:
         path = Path(entry["path"])
@@ -131,6 +132,40 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     return datasets.IterableDataset.from_generator(
         _guarded_stream, features=ds.features, gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs}
     )
+
+
+def entry_files(entry: dict[str, Any], cache_dir: str | None = None) -> list[str]:
+    """The files one ``data.datasets`` entry reads (``python-stdlib``: its corpus in ``cache_dir``, written if needed)."""
+    if entry["path"] == "python-stdlib":
+        return [python_stdlib_corpus(cache_dir or os.path.join("outputs", ".cache"), max_files=entry.get("max_files"))]
+    return _files(Path(entry["path"]))
+
+
+def file_fingerprints(datasets: list[dict[str, Any]], cache_dir: str | None = None) -> dict[str, str]:
+    """``{file: "<size> bytes, sha256 <hex>"}`` of every file the recipe's datasets read, in read order.
+
+    Why: which rows a resumed run trains next depends on the data as much as on the recipe; an edited
+    file or a corpus cut short resumed without a word and trained on other rows than the run it continued.
+    Hashed in full (the files are read to tokenise them anyway).
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "d.jsonl")
+        >>> _ = open(path, "w").write('{"text": "hi"}\\n')
+        >>> file_fingerprints([{"path": path}])[path][:9]
+        '15 bytes,'
+    """
+    prints = {}
+    for entry in datasets:
+        for name in entry_files(entry, cache_dir):
+            digest = hashlib.sha256()
+            with open(name, "rb") as fh:
+                while block := fh.read(1 << 24):
+                    digest.update(block)
+            # The corpus is written into each run's own cache: named by what it is, not where it lies.
+            key = f"python-stdlib/{os.path.basename(name)}" if entry["path"] == "python-stdlib" else name
+            prints[key] = f"{os.path.getsize(name)} bytes, sha256 {digest.hexdigest()}"
+    return prints
 
 
 def _check_regular(path: Path) -> None:
@@ -238,7 +273,12 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
     digest = hashlib.sha1("\n".join(str(f.relative_to(root)) for f in files).encode()).hexdigest()[:12]
     out = Path(cache_dir) / f"python-stdlib-{digest}.jsonl"
     if out.exists():
-        return str(out)
+        if _whole_rows(out) == len(files):
+            return str(out)
+        # Cut short (a power cut before it was synced, a full disk, a hand edit): a shorter corpus would train
+        # on other rows than the run that wrote it, so it is written again.
+        logging.getLogger("neutrain").warning("data cache %s holds %d of its %d rows: rebuilt", out, _whole_rows(out),
+                                              len(files))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -246,5 +286,23 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
             rel = str(f.relative_to(root))
             text = f.read_text(encoding="utf-8", errors="replace")
             fh.write(json.dumps({"text": text, "file": rel, "heldout": is_heldout(f)}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())  # on the disk before it is renamed into place
     os.replace(tmp, out)
+    fsync_dir(out.parent)
     return str(out)
+
+
+def _whole_rows(path: Path) -> int:
+    """Rows of a JSON-lines file that end in a newline and parse (one written whole)."""
+    rows = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                json.loads(line)
+            except ValueError:
+                break
+            rows += 1
+    return rows

@@ -16,7 +16,7 @@ import torch
 
 from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
-from neutrain.errors import CheckpointError
+from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export.target import EXPORT_INFO, staged_export
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import MARKER, is_compressed
@@ -99,6 +99,38 @@ def _load_compressed_checkpoint(path: Path):
     model, _ = build(ModelSpec(source, config, _config_dtype(config) or torch.bfloat16, placement=Placement(source.weights)),
                      progress=False)
     return model.eval()
+
+
+def check_representable(model, dtype: torch.dtype | None) -> None:
+    """Refuse to export weights that are not finite, or that ``dtype`` (None: their own) would turn into inf.
+
+    Why: ``export --dtype float16`` of weights beyond 65504 wrote inf under a valid manifest, without a word,
+    and a model whose weights held NaN exported as if it were fine. One pass over the weights, on their device.
+
+    Raises:
+        UserInputError: naming the tensor, its largest magnitude and the dtype's limit.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.fill_(1e5)
+        >>> check_representable(layer, torch.bfloat16)
+        >>> check_representable(layer, torch.float16)
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: export as float16: weight 'weight' has values up to 1e+05, beyond float16's largest, 65504: they would be written as inf. Export as bfloat16 or float32
+    """
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if not bool(torch.isfinite(tensor).all()):
+            raise UserInputError(f"weight '{name}' holds NaN or inf: the model is broken (did the training diverge?), "
+                                 f"and an export would pass it off as a model under a valid checksum")
+        limit = torch.finfo(dtype or tensor.dtype).max
+        largest = float(tensor.detach().abs().max())
+        if largest > limit:
+            target = str(dtype).replace("torch.", "")
+            raise UserInputError(f"export as {target}: weight '{name}' has values up to {largest:.3g}, beyond {target}'s "
+                                 f"largest, {limit:.5g}: they would be written as inf. Export as bfloat16 or float32")
 
 
 def densify(model):
@@ -191,6 +223,7 @@ def export_hf(model, output_dir: str | os.PathLike, tokenizer=None, max_shard_si
 
     with staged_export(output_dir, overwrite) as tmp:  # refuses a target that is not a previous export first
         model = densify(model)
+        check_representable(model, None if dtype == "auto" else _DTYPES[dtype])
         if dtype != "auto" and model.dtype != _DTYPES[dtype]:
             model = model.to(_DTYPES[dtype])
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)

@@ -39,7 +39,6 @@ through ``neutrain train`` instead (``is_qat_trainable`` is False, so
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from neutrain.compress import CompressedTensor
 from neutrain.export.inference import chunk_output_head
 from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight
 from neutrain.nn.convert import build_module, mark_large_weights
+from neutrain.storage.confine import indexed_files
 
 QUANT_METHOD = "neuzip"
 """``quantization_config.quant_method`` of a NeuZip export."""
@@ -113,9 +113,8 @@ def _checkpoint_files(model, given) -> list[str]:
     if given:
         return [str(f) for f in given]
     directory = Path(getattr(model.config, "_name_or_path", "") or getattr(model.config, "name_or_path", ""))
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({str(directory / f) for f in json.loads(index.read_text())["weight_map"].values()})
+    if (directory / "model.safetensors.index.json").exists():
+        return [str(f) for f in indexed_files(directory)]  # each shard confined to the directory
     return [str(f) for f in sorted(directory.glob("*.safetensors"))]
 
 

@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Iterator
 
 from neutrain.errors import UserInputError
-
-EXPORT_INFO = "neutrain_export.json"
-"""Written into every export (format and provenance); also what marks a directory as a neutrain export."""
+from neutrain.storage.durable import fsync_dir, fsync_tree
+from neutrain.storage.manifest import EXPORT_INFO  # written into every export; also what marks one as neutrain's
 
 
 class ExportTargetError(UserInputError):
@@ -138,6 +137,7 @@ def staged_export(output_dir: str | os.PathLike, overwrite: bool = False) -> Ite
     try:
         yield tmp
         check_export_target(out, overwrite)  # nothing of the user's appeared there meanwhile
+        fsync_tree(tmp)  # on the disk before it replaces (and deletes) a previous export
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,21 +145,19 @@ def staged_export(output_dir: str | os.PathLike, overwrite: bool = False) -> Ite
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; a previous export is set aside first and deleted only once ``tmp`` is in place."""
-    if not is_export(out):  # absent, or an empty directory (rename replaces an empty directory)
-        os.replace(tmp, out)
-    else:
+    """Rename ``tmp`` to ``out``; a previous export is set aside first and deleted only once ``tmp`` is in place
+    (and that rename is on the disk: a power cut must not leave neither)."""
+    old = None
+    if is_export(out):
         old = out.with_name(f".tmp-old-{out.name}-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
+    try:  # absent, or an empty directory (rename replaces an empty directory)
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
             os.replace(old, out)
-            raise
+        raise
+    fsync_dir(out.parent)
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(out.parent, os.O_RDONLY)  # make the rename durable: a crash must not bring the old one back
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

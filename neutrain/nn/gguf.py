@@ -50,6 +50,14 @@ def split_source(base_model: str | None, gguf_file: str) -> tuple[str, str]:
 @contextlib.contextmanager
 def _named_errors(what: str, source: str, name: str):
     """transformers' and gguf's loading errors as one :class:`GGUFLoadError` line naming the file."""
+    from neutrain.errors import CheckpointError
+    from neutrain.storage.gguf_header import check_gguf_file  # a header that lies is refused before it is trusted
+
+    try:
+        if os.path.isfile(os.path.join(source, name)):
+            check_gguf_file(os.path.join(source, name))
+    except CheckpointError as exc:
+        raise GGUFLoadError(str(exc)) from None
     try:
         yield
     except GGUFLoadError:

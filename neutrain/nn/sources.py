@@ -254,10 +254,10 @@ def _resolve(path_or_id) -> Path:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / shard for shard in shards]
+    if (directory / "model.safetensors.index.json").exists():
+        from neutrain.storage.confine import indexed_files
+
+        return indexed_files(directory)  # each shard a file inside the directory, whatever the index names
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}")

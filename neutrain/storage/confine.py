@@ -6,6 +6,12 @@ were written through symlinks pointing outside the run directory; manifest entri
 size and hash oracle for any readable file; and a ``model.safetensors`` symlinked outside
 its checkpoint was loaded silently.
 
+The same holds for the files a checkpoint names inside itself: a sharded
+``model.safetensors.index.json`` maps tensors to shard files, and a foreign export's
+index mapping them to ``../..`` or an absolute path made ``generate``, ``export`` and
+``eval`` read (and ``export`` copy) any safetensors file on disk; :func:`indexed_files`
+confines every shard it names before any is opened.
+
 A symlink whose target stays inside the directory is allowed (a user may link
 ``metrics.jsonl`` into a subfolder); one that leaves it, a ``..`` or an absolute path is
 refused in one line naming the path and where it leads.
@@ -24,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path, PurePosixPath
 
@@ -86,3 +93,77 @@ def check_tree(directory: str | os.PathLike) -> None:
             if path.is_symlink() and not _within(path, directory):
                 raise ConfinementError(f"checkpoint file '{path}' is a symlink to {os.path.realpath(path)}, outside "
                                        f"the checkpoint {directory}: refused")
+
+
+INDEX_SUFFIX = ".safetensors.index.json"
+_INDEX_BYTES = 64 << 20  # an index lists tensor names: megabytes for the largest models
+
+
+def indexed_files(directory: str | os.PathLike, index: str = "model.safetensors.index.json") -> list[Path]:
+    """The shard files ``directory/index`` names, each refused unless it is a file inside ``directory``.
+
+    Raises:
+        ConfinementError: a shard path with ``..``, an absolute path, or a symlink leading outside.
+        CheckpointError: an index that is not JSON of the form ``{"weight_map": {tensor: file}}``.
+
+    Example:
+        >>> import json, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> _ = open(f"{root}/model.safetensors.index.json", "w").write(json.dumps({"weight_map": {"w": "../x.safetensors"}}))
+        >>> try:
+        ...     indexed_files(root)
+        ... except ConfinementError as exc:
+        ...     print("refused")
+        refused
+    """
+    directory = Path(directory)
+    path = directory / index
+    try:
+        if path.stat().st_size > _INDEX_BYTES:
+            raise CheckpointError(f"checkpoint file '{path}' has {path.stat().st_size:,} bytes, more than a "
+                                  f"safetensors index holds ({_INDEX_BYTES >> 20} MiB): refused")
+        weight_map = json.loads(path.read_bytes().decode("utf-8"))["weight_map"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"checkpoint file '{path}' is not a safetensors index (expected JSON with a "
+                              f"\"weight_map\" of tensor names to shard file names)")
+    shards = []
+    for name, shard in sorted(weight_map.items(), key=lambda item: item[1]):
+        try:
+            shards.append(inside(directory, shard))
+        except ConfinementError:
+            raise ConfinementError(f"'{path}' maps tensor '{name}' to '{shard}', which leads outside {directory}: "
+                                   f"refused (every shard must be a file inside the model directory)") from None
+    return sorted(set(shards))
+
+
+def check_indexes(directory: str | os.PathLike) -> None:
+    """Confine the shards of every ``*.safetensors.index.json`` at the top of ``directory`` (:func:`indexed_files`).
+
+    A hub id (not a local directory) is checked in its local cache's snapshot, where one is cached.
+
+    Example:
+        >>> import tempfile
+        >>> check_indexes(tempfile.mkdtemp())  # no index: nothing to confine
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        root = _cached_snapshot(str(directory))
+        if root is None:
+            return
+    for index in sorted(root.glob(f"*{INDEX_SUFFIX}")):
+        indexed_files(root, index.name)
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot directory of a hub id whose index is cached, else None (nothing is downloaded)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache  # lazy: only hub ids need it
+    except ImportError:
+        return None
+    try:
+        cached = try_to_load_from_cache(repo_id, "model.safetensors.index.json")
+    except Exception:  # not a valid repo id: the loader names it
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None

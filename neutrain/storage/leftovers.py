@@ -44,12 +44,14 @@ logger = logging.getLogger("neutrain")
 #   .tmp-checkpoint-N      NeuTrainer._save_checkpoint (the checkpoint being written)
 #   .tmp-old-checkpoint-N  NeuTrainer._save_checkpoint (checkpoint-N moved aside while it is replaced)
 #   recipe.tmp<pid>        run._save_recipe
+#   summary.json.tmp<pid>  the summary a run writes last (storage.durable.write_durably)
 #   tokenizer.tmp<pid>     modeling.build_tokenizer (byte / train-bpe tokenizers)
 #   .cache/python-stdlib-<hash>.tmp<pid>   data.sources.python_stdlib_corpus
 RUN_DIR_PATTERNS: tuple[tuple[str, str], ...] = (
     ("", r"\.tmp-checkpoint-(?P<step>\d+)"),
     ("", r"\.tmp-old-(?P<restore>checkpoint-\d+)"),
     ("", r"recipe\.tmp(?P<pid>\d+)"),
+    ("", r"summary\.json\.tmp(?P<pid>\d+)"),
     ("", r"tokenizer\.tmp(?P<pid>\d+)"),
     (".cache", r"python-stdlib-[0-9a-f]{12}\.tmp(?P<pid>\d+)"),
 )
@@ -59,8 +61,42 @@ WRITER_FILE = "writer.json"
 
 
 def this_writer() -> dict:
-    """Who this process is, as a lock file and a temporary's ``writer.json`` record it."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    """Who this process is, as a lock file and a temporary's ``writer.json`` record it.
+
+    ``process`` (where the system tells it) tells this process from a later one that reuses its pid.
+    """
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    identity = process_identity(os.getpid())
+    if identity is not None:
+        record["process"] = identity
+    return record
+
+
+def process_identity(pid: int) -> str | None:
+    """``"<boot id>:<start time in clock ticks>"`` of process ``pid`` (Linux), else None.
+
+    Why: a pid is reused once its process has ended; a lock or a temporary that names a dead run's pid,
+    now taken by an unrelated process, must not count as held by a live run forever. The start time
+    since boot, with the boot's id, is the same only for the same process.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            boot = fh.read().strip()
+        return f"{boot}:{int(fields[19])}"  # field 22 of stat: starttime (fields[0] here is field 3)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def writer_alive(record: dict) -> bool:
+    """Whether the process a lock or ``writer.json`` record names still runs on this host (the same process,
+    where its start time was recorded: not a later one that took its pid)."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not _alive(pid):
+        return False
+    recorded, now = record.get("process"), process_identity(pid)
+    return recorded is None or now is None or recorded == now
 
 
 def mark_writer(temporary: str | os.PathLike) -> None:
@@ -78,10 +114,10 @@ def _live_writer(path: Path) -> int | None:
     """The pid of the live process on this host that ``path/writer.json`` names, else None."""
     try:
         writer = json.loads((path / WRITER_FILE).read_text(encoding="utf-8"))
-        pid, host = int(writer["pid"]), writer["host"]
+        host = writer["host"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no record (an older neutrain), or torn by the kill that left it
-    return pid if host == socket.gethostname() and _alive(pid) else None
+    return writer["pid"] if isinstance(writer, dict) and host == socket.gethostname() and writer_alive(writer) else None
 
 
 def export_leftover_patterns(name: str) -> tuple[str, ...]:

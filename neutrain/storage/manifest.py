@@ -15,7 +15,10 @@ Two threats, two checks, both run before anything in a checkpoint is loaded
   sha256 (and each safetensors tensor's sha256), written last into the
   checkpoint, so a flipped byte in any tensor (dense weights, norms, biases,
   LoRA adapters, optimizer state) is named at load, file and tensor. A
-  checkpoint written before manifests existed loads with a one-line warning.
+  checkpoint written before manifests existed loads with a one-line warning;
+  one written by a neutrain that writes manifests (:func:`written_with_manifest`
+  finds the files only such a neutrain writes) but missing its manifest is
+  damaged and refused: deleting the manifest must not switch the check off.
 
 Example:
     >>> from neutrain.storage.manifest import verify_checkpoint, write_manifest
@@ -38,7 +41,7 @@ from pathlib import Path
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
-from neutrain.storage.confine import check_tree, inside
+from neutrain.storage.confine import check_indexes, check_tree, inside
 
 logger = logging.getLogger("neutrain")
 
@@ -51,6 +54,13 @@ TEXT_NAMES = ("LICENSE", "NOTICE", ".gitattributes")
 # sentencepiece's tokenizer.model is a protobuf the tokenizer parses as data.
 DATA_SUFFIXES = (".model",)
 _BLOCK = 1 << 24
+EXPORT_INFO = "neutrain_export.json"
+"""Written into every neutrain export (format and provenance); also what marks a directory as one."""
+# Files that only a neutrain writing manifests writes beside a checkpoint's (or export's) weights.
+WRITTEN_WITH_MANIFEST = ("neutrain_run.json", "training_args.json", EXPORT_INFO)
+MANIFEST_MARK = "ChecksummedCheckpoint"
+"""What such a neutrain also records in each checkpoint's ``trainer_state.json`` (a stateful callback's name:
+:class:`neutrain.trainer.callbacks.ChecksummedCheckpoint`), the file a resume cannot do without."""
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -168,11 +178,36 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     return target
 
 
+def written_with_manifest(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` must have a manifest (a file only a neutrain that writes one writes), else None.
+
+    Example:
+        >>> import tempfile
+        >>> written_with_manifest(tempfile.mkdtemp()) is None  # a foreign model, or an older neutrain's
+        True
+    """
+    directory = Path(directory)
+    for name in WRITTEN_WITH_MANIFEST:
+        if (directory / name).is_file():
+            return f"it holds {name}"
+    try:
+        state = json.loads((directory / "trainer_state.json").read_text(encoding="utf-8"))
+        marked = MANIFEST_MARK in state.get("stateful_callbacks", {})
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError):
+        marked = False
+    return f"its trainer_state.json records {MANIFEST_MARK}" if marked else None
+
+
 def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None:
     path = directory / MANIFEST
     if not path.is_file():
-        logger.warning("checkpoint '%s' has no %s (written by an older neutrain): its files are not checksummed",
-                       directory, MANIFEST)
+        expected = written_with_manifest(directory)
+        if expected is not None:
+            raise CheckpointError(f"checkpoint '{directory}' has no {MANIFEST}, yet it was written by a neutrain that "
+                                  f"writes one ({expected}): the manifest was deleted or lost, so no file of it can be "
+                                  f"checked; use another checkpoint-N (or export) of the run")
+        logger.warning("checkpoint '%s' has no %s (written before neutrain checksummed its checkpoints, or not by "
+                       "neutrain): its files are not checksummed", directory, MANIFEST)
         return
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -278,6 +313,7 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint '{directory}' does not exist or is not a directory")
     check_tree(directory)  # before any file is read: a symlink must not lead the checks outside
+    check_indexes(directory)  # a sharded index must not name a file outside the checkpoint either
     for name in required:
         if not (directory / name).is_file():
             raise CheckpointError(f"checkpoint file '{directory / name}' is missing")

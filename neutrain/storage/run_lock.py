@@ -8,8 +8,9 @@ saving deleted that run's ``.tmp-checkpoint-N`` as a leftover.
   file for as long as the run lives (the kernel drops it when the process dies, however
   it dies), and the holder's pid, host and start time written in it, so that a refusal
   names the run that holds the directory. A lock file left by a killed run is stale: its
-  ``flock`` is gone, and on this host its pid is dead, so the next run takes it over (and
-  says so). A lock left by a process on *another* host cannot be checked: refused, naming
+  ``flock`` is gone, and on this host its pid is dead (or taken by a later, unrelated
+  process: the process's own start time is recorded too), so the next run takes it over
+  (and says so). A lock left by a process on *another* host cannot be checked: refused, naming
   the host and the file to delete once that run is known to be dead. The file is emptied
   on release, never deleted: deleting it would let a waiting process lock the old inode
   while a third creates a new file and locks that.
@@ -40,15 +41,20 @@ import socket
 from pathlib import Path
 
 from neutrain.errors import CheckpointError, UserInputError
-from neutrain.storage.leftovers import pid_alive, this_writer
+from neutrain.storage.leftovers import this_writer, writer_alive
+from neutrain.storage.manifest import EXPORT_INFO
 
 logger = logging.getLogger("neutrain")
 
 LOCK_FILE = ".neutrain.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 # What a run writes at the top of its output_dir, removed with its checkpoints by train.overwrite_output_dir
-# (its tokenizer too: a train-bpe vocabulary belongs to the data it was trained on).
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "training_curves.png", "tokenizer")
+# (its tokenizer too: a train-bpe vocabulary belongs to the data it was trained on), so that nothing of the old
+# run is left to be taken for the new one's: `neutrain generate RUN/export` served the previous model.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "training_curves.png", "tokenizer", "recipe.yaml", "eval", "distill")
+# Model directories a run writes there (the export, the draft, a LoRA run's frozen base): removed only when
+# they are neutrain's (neutrain_export.json inside); anything else is the user's and the run refuses to touch it.
+RUN_MODEL_DIRS = ("export", "draft", "base")
 
 _HELD: dict[str, int] = {}  # real path of output_dir -> fd of the lock this process holds on it
 
@@ -73,12 +79,14 @@ class RunLock:
     def __init__(self, output_dir: str | os.PathLike):
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_FILE
+        self._took = False  # whether this object took the lock (a no-op acquire must not release another's)
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        if self._took:
+            self.release()
 
     def acquire(self) -> "RunLock":
         """Take the lock (creating ``output_dir``); a no-op when this process holds it already."""
@@ -99,6 +107,7 @@ class RunLock:
             os.close(fd)
             raise
         _HELD[key] = fd
+        self._took = True
         return self
 
     def _in_use(self, holder: dict) -> str:
@@ -123,7 +132,7 @@ class RunLock:
                 raise RunDirectoryError(
                     f"train.output_dir '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")
-            if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder):
                 raise RunDirectoryError(self._in_use(holder))
             logger.warning("took over the stale lock %s of a run that is no longer running (%s)",
                            self.path, _holder_text(holder))
@@ -191,9 +200,11 @@ def check_new_run(output_dir: str | os.PathLike, overwrite: bool) -> list[str]:
 
 
 def clear_previous_run(output_dir: str | os.PathLike, checkpoints: list[str]) -> None:
-    """Delete a previous run's checkpoints and top-level outputs (``train.overwrite_output_dir``), logged."""
+    """Delete a previous run's checkpoints and every other output it wrote in ``output_dir``
+    (``train.overwrite_output_dir``), each logged; a model directory that is not neutrain's is kept."""
     root = Path(output_dir)
-    for name in [*checkpoints, *RUN_OUTPUTS]:
+    models = [name for name in RUN_MODEL_DIRS if (root / name / EXPORT_INFO).is_file() and not (root / name).is_symlink()]
+    for name in [*checkpoints, *RUN_OUTPUTS, *models]:
         path = root / name
         if path.is_symlink() or path.is_file():
             path.unlink()

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from neutrain.storage.confine import check_output
 
@@ -22,6 +23,20 @@ logger = logging.getLogger("neutrain")
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
 _REPORTED: set[tuple[str, int]] = set()  # (file, line) of the damaged lines already warned about
+
+
+class ChecksummedCheckpoint(TrainerCallback, ExportableState):
+    """Records in each checkpoint's ``trainer_state.json`` that the checkpoint carries a checksum manifest.
+
+    The Trainer saves every ``ExportableState`` callback's state under its class name; a checkpoint whose
+    ``trainer_state.json`` names this class but has no manifest is refused as damaged
+    (:func:`neutrain.storage.manifest.written_with_manifest`), whatever else was deleted with the manifest.
+    Its state is empty: restoring it (``restore_callback_states_from_checkpoint``) changes nothing. The class
+    name is :data:`~neutrain.storage.manifest.MANIFEST_MARK`: renaming it would unmark every checkpoint.
+    """
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {}}
 
 
 class MetricsFileCallback(TrainerCallback):

@@ -105,6 +105,9 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
         tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
         (tmp / TOKENIZER_SPEC).write_text(json.dumps(spec, default=str), encoding="utf-8")
+        from neutrain.storage.durable import fsync_tree  # lazy: `neutrain --help` stays instant
+
+        fsync_tree(tmp)  # on the disk before the rename: after a power cut it must not read back empty
         if stale:  # built for another recipe, and no checkpoint uses it (else _stale_tokenizer refused)
             shutil.rmtree(saved)
         if not saved.exists():

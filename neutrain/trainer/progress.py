@@ -49,6 +49,8 @@ def format_log_line(logs: dict, step: int, max_steps: int) -> str:
         parts.append(f"GPU {logs['peak_memory_gib']:.2f} GiB allocated, {logs.get('peak_reserved_gib', float('nan')):.2f} reserved")
     elif logs.get("peak_rss_gib") is not None:
         parts.append(f"RSS {logs['peak_rss_gib']:.2f} GiB")
+    if logs.get("nonfinite_in_window"):
+        parts.append(f"SKIPPED (non-finite loss or gradient: {logs['nonfinite_in_window']} step(s) here changed no weight)")
     if logs.get("nonfinite_skipped_steps"):
         parts.append(f"{logs['nonfinite_skipped_steps']} non-finite steps skipped")
     return "  ".join(parts) if len(parts) > 1 else ""

@@ -11,6 +11,12 @@ it like the rest): the recipe keys whose change makes a resume wrong, and the mo
 shape and tokenizer as built. :func:`check_resume` compares it with the run being built
 and refuses the first difference in one line, naming the key and both values.
 
+The record also holds what the data position depends on (which rows a step takes next): the seed,
+rows per step, accumulation, process count, every ``data`` key but ``num_proc``, and the size and
+sha256 of each training data file. A resume that changes one is refused, saying what it means: a
+changed seed, batch size or sequence length, an edited data file or a corpus cut short used to
+resume with exit 0 and losses that differed from the uninterrupted run.
+
 Weights are not converted between formats: a checkpoint's optimizer state belongs to the
 parameters of its own format, so an exact conversion is a new run. The message says how
 (resume with the checkpoint's own ``memory.weights``, or start a new run from its export).
@@ -52,8 +58,27 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return f"{len(vocab)} tokens, sha256 {digest[:12]}"
 
 
-def run_record(recipe, model, tokenizer) -> dict[str, Any]:
-    """The recipe keys and built shapes a checkpoint of this run must agree with, by recipe key."""
+# What the data position depends on, and what a change would mean for the steps after the checkpoint.
+_ORDER = "it fixes which rows are trained and in which order"
+_ROWS = "it fixes how the text is cut into rows"
+_TOKENS = "it fixes which tokens are trained"
+DATA_POSITION = {
+    "train.seed": "it fixes the order the rows are drawn in",
+    "train.micro_batch_size": "it fixes how many rows each step takes",
+    "train.gradient_accumulation_steps": "it fixes how many rows each step takes",
+    "processes": "each process of the launch takes its share of every step's rows",
+    "data.sequence_len": _ROWS, "data.sample_packing": _ROWS,
+    "data.val_set_size": _ORDER, "data.max_samples": _ORDER, "data.shuffle_seed": _ORDER, "data.streaming": _ORDER,
+    "data.train_on_inputs": _TOKENS, "data.chat_template": _TOKENS, "data.roles_to_train": _TOKENS,
+}
+DATA_FILES = "data.files"
+
+
+def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, str] | None = None) -> dict[str, Any]:
+    """The recipe keys, launch and data a checkpoint of this run must agree with, and the built shapes, by key.
+
+    ``files``: the training data files' fingerprints (:func:`neutrain.data.sources.file_fingerprints`).
+    """
     config = getattr(model, "config", None)
     record: dict[str, Any] = {
         "memory.weights": recipe.memory["weights"],
@@ -61,7 +86,14 @@ def run_record(recipe, model, tokenizer) -> dict[str, Any]:
         "train.optimizer": recipe.train["optimizer"],
         "model.tokenizer": tokenizer_fingerprint(tokenizer),
         "data.datasets": recipe.data["datasets"],
+        "processes": processes,
     }
+    for key in DATA_POSITION:
+        section, _, name = key.partition(".")
+        if name:
+            record[key] = getattr(recipe, section)[name]
+    if files is not None:
+        record[DATA_FILES] = files
     for key in SHAPE_KEYS:
         if config is not None and getattr(config, key, None) is not None:
             record[f"model.config.{key}"] = getattr(config, key)
@@ -111,6 +143,10 @@ def _show(value: Any) -> str:
 
 
 def _advice(key: str, old: Any) -> str:
+    if key in DATA_POSITION:
+        return (f"{DATA_POSITION[key]}, so the steps after the checkpoint would not continue the run it began (other "
+                f"rows, losses that differ from an uninterrupted run). Resume with {key}={_show(old)}, or start a new "
+                f"run in another train.output_dir")
     if key == "memory.weights":
         return (f"resume with memory.weights={old} (a checkpoint's weights and optimizer state are not converted "
                 f"between formats), or export it and start a new run from the export")
@@ -136,11 +172,22 @@ def check_resume(checkpoint_dir: str | os.PathLike, current: dict[str, Any], res
             continue
         new = json.loads(json.dumps(current[key], default=str))  # as the record reads back
         where = _difference(key, old, new)
+        if where is not None and key == DATA_FILES:
+            raise ResumeMismatchError(_changed_file(checkpoint_dir, old, new))
         if where is not None:
             path, was, now = where
             raise ResumeMismatchError(
                 f"cannot resume {checkpoint_dir}: it was trained with {path}={_show(was)}, this recipe has "
                 f"{path}={_show(now)}; {_advice(key, old)}")
+
+
+def _changed_file(checkpoint_dir, old: dict, new: dict) -> str:
+    """The line for training data that differs from the checkpoint's: which file, and how."""
+    name = next(f for f in [*old, *new] if old.get(f) != new.get(f))
+    was, now = old.get(name, "absent"), new.get(name, "absent")
+    return (f"cannot resume {checkpoint_dir}: data file '{name}' is not what it was trained on (then {was}; now {now}), "
+            f"so the rows after the checkpoint would not be those the run would have trained on. Restore the file, or "
+            f"start a new run in another train.output_dir")
 
 
 def _difference(path: str, old: Any, new: Any) -> tuple[str, Any, Any] | None:

@@ -35,15 +35,3 @@ def training_args_as_json(args, output_dir: str) -> None:
     if os.path.isdir(output_dir):
         with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as fh:
             fh.write(args.to_json_string())
-
-
-def fsync_dir(path: str) -> None:
-    """Flush a directory's entries (a rename into it) to disk; a no-op where directories have no fds."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

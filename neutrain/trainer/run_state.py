@@ -5,8 +5,14 @@ once more past ``max_steps``, restarts the schedule and lets checkpoint rotation
 the real final checkpoint. :func:`prepare_run` decides before anything is built:
 
 * **finished** (the checkpoint is at or past ``train.max_steps``, or at the end of its
-  epochs): nothing is trained, evaluated, exported or written; the caller prints
+  epochs, and ``summary.json``, written after every phase that follows training, says
+  so): nothing is trained, evaluated, exported or written; the caller prints
   :attr:`RunPlan.message` and exits 0. The output directory stays byte-identical.
+* **trained, not finished** (:attr:`RunPlan.after_training`: the same, but no summary
+  of that step: a signal, a kill or a full disk stopped the held-out evaluation, the
+  export, the distillation or the summary): nothing is trained; the caller loads the
+  checkpoint's weights and runs every phase after training again. Before, such a
+  relaunch said "run already finished" and the export never came.
 * **continued** (``max_steps`` raised past the checkpoint's own end): training goes on
   from the checkpoint with its optimizer, RNG and data position. What "exactly" means
   depends on the learning-rate schedule, and the log says which case holds:
@@ -46,12 +52,14 @@ logger = logging.getLogger("neutrain")
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What to do: train from ``checkpoint`` (None: from scratch), or nothing when ``finished``."""
+    """What to do: train from ``checkpoint`` (None: from scratch), nothing when ``finished``, or only the phases
+    after training when ``after_training``."""
 
     checkpoint: str | None = None
     finished: bool = False
     step: int = 0
     message: str = ""
+    after_training: bool = False
 
 
 def prepare_run(train: dict[str, Any], state) -> RunPlan:
@@ -72,7 +80,7 @@ def prepare_run(train: dict[str, Any], state) -> RunPlan:
             clean_run_dir(out)
             if not train["resume_from_checkpoint"]:
                 found = check_new_run(out, train["overwrite_output_dir"])
-                if found:
+                if found or train["overwrite_output_dir"]:
                     clear_previous_run(out, found)
     return plan_resume(train)
 
@@ -103,6 +111,10 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
         epochs = float(train["num_epochs"])
         finished = step >= old_total and float(saved.get("epoch", 0.0)) + 1e-6 >= epochs
         target = f"train.num_epochs {epochs:g}"
+    if finished and not summarised(out, step):
+        message = (f"neutrain: {resume} is the last step ({step}, {target}) but the phases after training did not "
+                   f"complete (no summary.json of it): running evaluation, export and the summary again")
+        return RunPlan(checkpoint=str(resume), step=step, message=message, after_training=True)
     if finished:
         message = (f"neutrain: run already finished: {resume} is at step {step} ({target}). "
                    f"Nothing was trained, evaluated, exported or written. To train further raise {target.split()[0]}; "
@@ -115,6 +127,19 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
         logger.warning("continuing the finished run in %s to %s; the schedule is rebuilt for the new length "
                        "(its learning rates are in metrics.jsonl)", out, target)
     return RunPlan(checkpoint=str(resume), step=step)
+
+
+SUMMARY = "summary.json"
+"""Written last by a run, after every phase that follows training: its ``steps`` mark the run done."""
+
+
+def summarised(output_dir: str | os.PathLike, step: int) -> bool:
+    """Whether ``output_dir/summary.json`` is the summary of a run that finished at ``step``."""
+    try:
+        summary = json.loads((Path(output_dir) / SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("steps") == step
 
 
 def schedule_note(train: dict[str, Any], step: int, old_total: int, new_total: int) -> str:

@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 
 from neutrain.errors import StoppedBySignal, print_error
 
-__all__ = ["StopOnSignal", "StoppedBySignal", "grace_seconds"]
+__all__ = ["SignalDuringPhase", "StopOnSignal", "StoppedBySignal", "follow_launcher", "grace_seconds", "stopping_at_once"]
 
 logger = logging.getLogger("neutrain")
 
@@ -162,7 +162,106 @@ class StopOnSignal(TrainerCallback):
         """The one line the CLI prints after the checkpoint was saved."""
         if self.stopped_at is None:  # the signal came after the last step: its checkpoint is saved already
             return (f"stopped by {self.signal_name} after the last training step (its checkpoint is saved); "
-                    "evaluation, export and the summary were skipped")
+                    "relaunch with train.resume_from_checkpoint=true to run evaluation, export and the summary")
         checkpoint = os.path.join(output_dir, f"checkpoint-{self.stopped_at}")
         return (f"stopped by {self.signal_name} at step {self.stopped_at}: saved {checkpoint}; "
                 f"continue with train.resume_from_checkpoint=true")
+
+
+class SignalDuringPhase(BaseException):
+    """SIGTERM or SIGINT arrived during a phase that :func:`stopping_at_once` guards.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way may take it for an
+    error of its own and carry on.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+        self.name = signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def stopping_at_once():
+    """Inside the block, SIGTERM and SIGINT raise :class:`SignalDuringPhase` at once; the previous handlers
+    come back after it.
+
+    For the phases after training (evaluation, export, the summary): they keep nothing half-done (an export is
+    staged and renamed), so stopping them at once loses no work, and a relaunch runs them again. Python's
+    default SIGTERM ended the process without a word, leaving the run's lock and an export temporary to
+    the next start. Outside the main thread the block runs unguarded.
+
+    Example:
+        >>> import os
+        >>> try:
+        ...     with stopping_at_once():
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ... except SignalDuringPhase as stop:
+        ...     stop.name
+        'SIGTERM'
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum, frame):
+        raise SignalDuringPhase(signum)
+
+    previous = {s: signal.signal(s, handle) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# How launchers appear in their own command line: a module run with -m, or a console script's name.
+_LAUNCHER_MODULES = ("accelerate.commands.launch", "torch.distributed.run", "torch.distributed.launch")
+_LAUNCHER_SCRIPTS = ("torchrun", "accelerate-launch")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """Whether a process with command line ``argv`` is ``accelerate launch`` or ``torchrun``.
+
+    Example:
+        >>> is_launcher(["/usr/bin/python3", "/usr/local/bin/accelerate", "launch", "-m", "neutrain", "r.yaml"])
+        True
+        >>> is_launcher(["bash", "-c", "neutrain train r.yaml"])
+        False
+    """
+    head = argv[:4]
+    names = [os.path.basename(a) for a in head]
+    return (any(a in _LAUNCHER_MODULES for a in head) or any(n in _LAUNCHER_SCRIPTS for n in names)
+            or ("accelerate" in names and "launch" in head))
+
+
+def follow_launcher() -> bool:
+    """When a launcher started this process, have the kernel send it SIGTERM once the launcher dies; returns
+    whether it did.
+
+    Why: SIGTERM to ``accelerate launch`` (what a scheduler preempting the job sends to the process it
+    started) ended only the launcher; the trainer it had started was orphaned, kept the run's lock,
+    trained to the end and never saved at the signal. With the parent-death signal set, the trainer gets
+    SIGTERM too and saves at the next step boundary (:class:`StopOnSignal`). Only under a launcher: a run
+    started from a shell must outlive that shell (``nohup``). Linux only (``prctl``); elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as fh:
+            argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return False
+    if not is_launcher(argv):
+        return False
+    import ctypes  # lazy: only under a launcher
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        logger.warning("could not ask to be signalled when the launcher ends (errno %d)", ctypes.get_errno())
+        return False
+    if os.getppid() != parent:  # the launcher died before the request was made: as if signalled now
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

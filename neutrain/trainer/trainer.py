@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -49,12 +50,12 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
-from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback
+from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
 from neutrain.trainer.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback
 from neutrain.trainer.resume_check import write_run_record
-from neutrain.trainer.run_files import fsync_dir, peak_memory_stats, training_args_as_json
+from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
@@ -64,7 +65,8 @@ from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
-from neutrain.optim.nonfinite import watch
+from neutrain.optim.nonfinite import NONFINITE_KEY, watch
+from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import mark_writer
 from neutrain.storage.run_lock import refuse_linked_checkpoints
 from neutrain.storage.manifest import write_manifest
@@ -175,6 +177,7 @@ class NeuTrainer(Trainer):
         self._nonfinite = None  # the optimizer's NonFiniteMonitor (neutrain.optim.nonfinite), once it exists
         self._tokens_since_log = 0
         self._last_log_time: float | None = None
+        self.add_callback(ChecksummedCheckpoint())  # a checkpoint's trainer_state.json says it has a manifest
         self.add_callback(MetricsFileCallback())
         self.add_callback(PlotCallback())
         # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
@@ -215,7 +218,9 @@ class NeuTrainer(Trainer):
     @property
     def nonfinite_skipped_steps(self) -> int:
         """Optimizer steps skipped for a non-finite loss or gradient over the whole run (resumes included)."""
-        return 0 if self._nonfinite is None else self._nonfinite.total(self.state.log_history)
+        if self._nonfinite is None:  # no optimizer built (the phases after training of a relaunched run): as logged
+            return max((int(h[NONFINITE_KEY]) for h in self.state.log_history if NONFINITE_KEY in h), default=0)
+        return self._nonfinite.total(self.state.log_history)
 
     def _bind_after_prepare(self, model) -> None:
         """FSDP2/DeepSpeed replace parameters in ``accelerator.prepare``: hook the fused update to the new ones."""
@@ -337,6 +342,18 @@ class NeuTrainer(Trainer):
         with deterministic_kernels(self.train_section.deterministic):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def load_trained(self, checkpoint: str) -> None:
+        """The weights and training log of ``checkpoint`` (a run's last step), for the phases after training.
+
+        Verified as a resume would be (checksums, no pickle), without the optimizer state: nothing trains.
+        """
+        from transformers import TrainerState
+
+        self.distributed_mode.check_resume(checkpoint)
+        verify_resume(checkpoint, self.distributed_mode, self.args.process_index, self.args.world_size, True)
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+
     def reset_optimizer_on_resume(self, checkpoint: str) -> bool:
         """True (and logged) when ``resume_reset_optimizer`` asks to skip the checkpoint's optimizer and schedule."""
         if self.resume_reset_optimizer:
@@ -395,10 +412,28 @@ class NeuTrainer(Trainer):
                 logs["nonfinite_skips"] = opt.nonfinite_skips
             if self._nonfinite is not None:
                 logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
+                self._mark_skipped_window(logs)
             if isinstance(getattr(self, "_tr_loss", None), torch.Tensor):
                 # The Trainer resets its running loss by subtracting it from itself, which keeps a NaN for good.
                 self._tr_loss.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         super().log(logs, *args, **kwargs)
+
+    def _mark_skipped_window(self, logs: dict) -> None:
+        """Say in a loss record that steps it covers were skipped (``nonfinite_in_window``); when all were, its loss
+        is NaN (the finite loss of a step whose gradient was not is kept as ``skipped_loss``).
+
+        Why: a step skipped for a non-finite gradient has a finite loss, and its record looked like a step that
+        trained; the log is read as the history of the weights.
+        """
+        # The previous loss record (restored with the log on a resume) opens this window.
+        last = next((h for h in reversed(self.state.log_history) if "loss" in h), {})
+        last_step, last_skipped = last.get("step", 0), last.get(NONFINITE_KEY, 0)
+        in_window = self.nonfinite_skipped_steps - last_skipped
+        if in_window <= 0:
+            return
+        logs["nonfinite_in_window"] = in_window
+        if in_window >= self.state.global_step - last_step and math.isfinite(logs["loss"]):
+            logs["skipped_loss"], logs["loss"] = logs["loss"], float("nan")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -419,6 +454,8 @@ class NeuTrainer(Trainer):
             mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
+        # A state resumed from a checkpoint written before the mark lacks its entry, which the Trainer's save expects.
+        self.state.stateful_callbacks.setdefault(ChecksummedCheckpoint.__name__, {})
         with checkpoint_dir_redirected(self, tmp_run_dir), phase("save"):
             super()._save_checkpoint(model, trial)
         if self.args.world_size > 1:
@@ -427,15 +464,17 @@ class NeuTrainer(Trainer):
             if self.run_record is not None:  # what a resume compares against its recipe (neutrain.trainer.resume_check)
                 write_run_record(os.path.join(tmp_run_dir, name), self.run_record)
             write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
+            # On the disk before the rename: after a power cut the renamed checkpoint holds every byte (not
+            # zero-length files), and only then may the one it replaces, or rotation, delete anything.
+            fsync_tree(os.path.join(tmp_run_dir, name))
             final = os.path.join(run_dir, name)
+            old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
             if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place
-                old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
                 os.replace(final, old)
-                os.replace(os.path.join(tmp_run_dir, name), final)
-                shutil.rmtree(old)
-            else:
-                os.replace(os.path.join(tmp_run_dir, name), final)
+            os.replace(os.path.join(tmp_run_dir, name), final)
             fsync_dir(run_dir)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
             shutil.rmtree(tmp_run_dir, ignore_errors=True)
             if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(tmp_run_dir):
                 self.state.best_model_checkpoint = final

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
+
+from tests.faults.pause_at import hold, run_reaching
 
 
 def main() -> int:
@@ -26,22 +27,11 @@ def main() -> int:
     def paused(directory, *rest, **kwargs):
         if os.path.basename(str(directory)) == f"checkpoint-{step}" and not reached:
             reached.append(True)
-            (gate / "paused").write_text(str(os.getpid()))
-            deadline = time.monotonic() + 300
-            while not (gate / "go").exists():
-                if time.monotonic() > deadline:
-                    os._exit(4)
-                time.sleep(0.05)
+            hold(gate)
         return original(directory, *rest, **kwargs)
 
     trainer.write_manifest = paused
-    from neutrain.cli import main as neutrain_main
-
-    code = neutrain_main(args)
-    if not reached:
-        print(f"the pause at checkpoint-{step} was never reached", file=sys.stderr)
-        return 3
-    return code
+    return run_reaching(args, reached, f"checkpoint-{step}")
 
 
 if __name__ == "__main__":

@@ -230,8 +230,7 @@ def test_a_flipped_byte_is_refused_at_resume_export_and_eval_and_old_checkpoints
     assert main(["eval", str(copy), f"train.output_dir={tmp_path / 'eval'}", "--recipe", str(recipe)]) == 2
     _one_error_line(capsys.readouterr().err, "model.safetensors", "model.layers.0.input_layernorm.weight")
     # A checkpoint from before manifests: loads, with one warning.
-    old = _copy(checkpoint, tmp_path / "old")
-    (old / MANIFEST).unlink()
+    old = _as_written_before_manifests(_copy(checkpoint, tmp_path / "old"))
     with caplog.at_level("WARNING", logger="neutrain"):
         assert main(["export", str(old), "--output", str(tmp_path / "old-export")]) == 0
     warnings = [r.getMessage() for r in caplog.records if MANIFEST in r.getMessage()]
@@ -246,6 +245,46 @@ def test_a_flipped_byte_is_refused_at_resume_export_and_eval_and_old_checkpoints
         load_checkpoint_model(export)
 
 
+def _as_written_before_manifests(checkpoint: Path) -> Path:
+    """``checkpoint`` as a neutrain from before manifests wrote it: no manifest, none of the files (or the
+    trainer_state.json mark) that came with them."""
+    from neutrain.storage.manifest import MANIFEST_MARK, WRITTEN_WITH_MANIFEST
+
+    for name in (MANIFEST, *WRITTEN_WITH_MANIFEST):
+        (checkpoint / name).unlink(missing_ok=True)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["stateful_callbacks"].pop(MANIFEST_MARK)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    return checkpoint
+
+
+@pytest.mark.parametrize("also_deleted", [(), ("neutrain_run.json", "training_args.json")], ids=["manifest", "manifest-and-its-companions"])
+def test_a_checkpoint_of_this_version_without_its_manifest_is_refused_as_damaged(checkpoint_of, tmp_path, capsys,
+                                                                                also_deleted):
+    """Deleting the manifest switched the checksums off: a flipped weight resumed after a warning blaming
+    "an older neutrain". A checkpoint this version wrote is refused without it, whatever else was deleted."""
+    recipe, checkpoint = checkpoint_of("single")
+    copy = _copy(checkpoint, tmp_path)
+    _flip(copy / "model.safetensors", "model.layers.0.input_layernorm.weight")
+    for name in (MANIFEST, *also_deleted):
+        (copy / name).unlink(missing_ok=True)
+    out = tmp_path / "resumed"
+    for command in (["train", str(recipe), f"train.output_dir={out}", "train.max_steps=4",
+                     f"train.resume_from_checkpoint={copy}"],
+                    ["export", str(copy), "--output", str(tmp_path / "export")]):
+        assert main(command) == 2, command
+        line = _one_error_line(capsys.readouterr().err, f"checkpoint '{copy}' has no {MANIFEST}, yet it was written by "
+                                                        "a neutrain that writes one")
+        assert "older" not in line
+    assert not (out / "checkpoint-4").exists() and not (tmp_path / "export").exists()
+    # An export is checked the same way: its neutrain_export.json says it had a manifest.
+    export = tmp_path / "an-export"
+    assert main(["export", str(checkpoint), "--output", str(export)]) == 0
+    (export / MANIFEST).unlink()
+    assert main(["generate", str(export), "--prompt", "x", "--max-new-tokens", "1", "--device", "cpu"]) == 2
+    _one_error_line(capsys.readouterr().err, "neutrain_export.json")
+
+
 def test_a_corrupt_compressed_weight_names_the_file_and_the_tensor(checkpoint_of, tmp_path):
     from neutrain.export import load_checkpoint_model
 
@@ -255,7 +294,7 @@ def test_a_corrupt_compressed_weight_names_the_file_and_the_tensor(checkpoint_of
     _flip(copy / "model.safetensors", blob)
     with pytest.raises(CheckpointError, match=rf"model\.safetensors' fails its sha256 checksum in tensor '{re.escape(blob)}'"):
         load_checkpoint_model(copy)
-    (copy / MANIFEST).unlink()  # as written by an older neutrain: the codec's own checksum catches it
+    _as_written_before_manifests(copy)  # as an older neutrain wrote it: the codec's own checksum catches it
     with pytest.raises(CheckpointError) as err:
         load_checkpoint_model(copy)
     message = str(err.value)
@@ -318,7 +357,7 @@ def test_a_damaged_file_is_one_line_at_resume_and_export(damage, checkpoint_of, 
     for manifest in (True, False):
         copy = _copy(checkpoint, tmp_path / f"manifest-{manifest}")
         if not manifest:
-            (copy / MANIFEST).unlink()  # the file's own format check, as for an older checkpoint
+            _as_written_before_manifests(copy)  # the file's own format check, as for an older checkpoint
         spoil(copy / file)
         assert main(["train", str(recipe), f"train.output_dir={tmp_path / 'resumed'}", "train.max_steps=3",
                      f"train.resume_from_checkpoint={copy}"]) == 2

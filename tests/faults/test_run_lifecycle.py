@@ -151,12 +151,17 @@ def test_plan_resume_decides_finished_from_max_steps_or_epochs(tmp_path):
     assert plan_resume(_train(tmp_path / "none")).checkpoint is None  # nothing to resume yet: from scratch
     _checkpoint(tmp_path / "steps", 2, max_steps=4)
     last = _checkpoint(tmp_path / "steps", 4, max_steps=4)
+    # Trained to the end, but no summary of it: only the phases after training are run again.
+    unfinished = plan_resume(_train(tmp_path / "steps", max_steps=4))
+    assert unfinished.after_training and not unfinished.finished and unfinished.checkpoint == str(last)
+    (tmp_path / "steps" / "summary.json").write_text('{"steps": 4}')  # written after the last of them
     assert plan_resume(_train(tmp_path / "steps", max_steps=4)).finished
     assert plan_resume(_train(tmp_path / "steps", max_steps=3)).finished  # lowered below the checkpoint
     raised = plan_resume(_train(tmp_path / "steps", max_steps=8))
     assert not raised.finished and raised.checkpoint == str(last) and raised.step == 4
     # Epoch-based: finished once the saved epoch reaches num_epochs at the run's last step.
     _checkpoint(tmp_path / "epochs", 10, max_steps=10, epoch=1.0)
+    (tmp_path / "epochs" / "summary.json").write_text('{"steps": 10}')
     assert plan_resume(_train(tmp_path / "epochs", num_epochs=1.0)).finished
     assert not plan_resume(_train(tmp_path / "epochs", num_epochs=1.5)).finished
     _checkpoint(tmp_path / "mid", 5, max_steps=10, epoch=0.5)

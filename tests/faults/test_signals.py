@@ -20,6 +20,7 @@ import pytest
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import verify_checkpoint
 from neutrain.trainer.callbacks import read_metrics
+from tests.faults.pause_at import signal_and_collect
 from tests.faults.test_run_lifecycle import QUIET, _subprocess_env
 from tests.helpers import write_recipe
 
@@ -40,15 +41,10 @@ def test_sigterm_saves_a_checkpoint_at_a_step_boundary_exits_143_in_one_line_and
     env = {**_subprocess_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "neutrain", "train", str(recipe)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:  # the per-step log lines: wait until training is under way
-            if line.startswith("step 3/"):
-                break
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    for line in proc.stdout:  # the per-step log lines: wait until training is under way
+        if line.startswith("step 3/"):
+            break
+    stdout, stderr = signal_and_collect(proc, signal.SIGTERM, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     errors = _error_lines(stderr)
     assert len(errors) == 1 and errors[0].startswith("neutrain: error: stopped by SIGTERM at step "), stderr[-3000:]

@@ -41,3 +41,18 @@ def test_packed_sequence_probe_is_skipped_only_for_neutrains_own_contiguous_forw
     assert calls == [(2, 6)]  # the plain forward still probes
     causal_lm_loss(model, ids, ids, position_ids=torch.arange(6)[None])
     assert len(calls) == 2  # positions given: they may be packed, so transformers decides
+
+
+def test_template_environment_is_transformers_chat_template_sandbox_and_a_copy_of_it():
+    """neutrain bounds chat templates in transformers' own environment (its filters, globals and tags)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from neutrain.compat.chat_templates import template_environment
+
+    env = template_environment()
+    assert isinstance(env, ImmutableSandboxedEnvironment)
+    rendered = env.from_string("{% set ns = namespace(x=1) %}{% generation %}{{ [ns.x] | tojson }}{% endgeneration %}").render()
+    assert rendered == "[1]"
+    env.globals["range"] = None  # the copy is neutrain's to change; transformers' cached one is untouched
+    assert _compile_jinja_template("").environment.globals["range"] is not None
