@@ -94,10 +94,15 @@ def trained_with_chat_template(model_dir: Path) -> bool | None:
 
 
 def check_vocabulary(model, tokenizer, where: str) -> None:
-    """Refuse a tokenizer with more tokens than ``model``'s vocabulary (ids past it index outside the embedding).
+    """Refuse a tokenizer that can put token ids past ``model``'s vocabulary into its inputs (they index outside
+    the embedding).
 
     Why: a tokenizer from another model (``model.tokenizer``, or files swapped in an export) ended in
     ``IndexError: index out of range in self`` from the embedding, mid-generation or at the first step.
+    Text reaches the model through the base vocabulary and the non-special added tokens (special-token
+    strings in text are tokenised as text), and the pad, bos and eos ids go into inputs too. A special
+    token past the vocabulary that is none of those (transformers' GGUF conversion appends an
+    ``<|endoftext|>`` the file's model does not have) never reaches the embedding, and is allowed.
 
     Example:
         >>> from types import SimpleNamespace
@@ -106,7 +111,15 @@ def check_vocabulary(model, tokenizer, where: str) -> None:
         neutrain.errors.UserInputError: model.tokenizer: the tokenizer has 259 tokens, the model's vocabulary 64 (vocab_size): token ids from 64 on would index outside its embedding; use the tokenizer the model was trained with
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and len(tokenizer) > vocab:
-        raise UserInputError(f"{where}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab} "
-                             f"(vocab_size): token ids from {vocab} on would index outside its embedding; use the "
-                             f"tokenizer the model was trained with")
+    if not isinstance(vocab, int) or len(tokenizer) <= vocab:
+        return
+    base = getattr(tokenizer, "vocab_size", None)
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(base, int) and isinstance(added, dict):
+        in_inputs = {getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")}
+        past = [i for i, token in added.items() if i >= vocab and (not token.special or i in in_inputs)]
+        if base <= vocab and not past:
+            return
+    raise UserInputError(f"{where}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab} "
+                         f"(vocab_size): token ids from {vocab} on would index outside its embedding; use the "
+                         f"tokenizer the model was trained with")
