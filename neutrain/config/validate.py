@@ -473,7 +473,7 @@ def override_value(key: Key | None, text: str) -> Any:
         quoted = text.strip()
         return parsed if len(quoted) >= 2 and quoted[0] in _QUOTES and quoted[-1] == quoted[0] else text
     if parsed is None:
-        return None if key.nullable and text.strip() in ("null", "~", "Null", "NULL") else text
+        return None if key.nullable and text.strip() in ("", "null", "~", "Null", "NULL") else text
     accepted = tuple(t for t in types if t is not str)
     number = isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and float in accepted
     return parsed if isinstance(parsed, accepted) or number else text

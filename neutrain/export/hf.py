@@ -8,6 +8,7 @@ with plain ``AutoModelForCausalLM.from_pretrained`` and no neutrain import.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,8 @@ def check_representable(model, dtype: torch.dtype | None) -> None:
     """Refuse to export weights that are not finite, or that ``dtype`` (None: their own) would turn into inf.
 
     Why: ``export --dtype float16`` of weights beyond 65504 wrote inf under a valid manifest, without a word,
-    and a model whose weights held NaN exported as if it were fine. One pass over the weights, on their device.
+    and a model whose weights held NaN exported as if it were fine. One reduction per tensor, on its device, with no
+    temporary the size of the tensor (the export phase holds one weight at a time).
 
     Raises:
         UserInputError: naming the tensor, its largest magnitude and the dtype's limit.
@@ -122,11 +124,12 @@ def check_representable(model, dtype: torch.dtype | None) -> None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        if not bool(torch.isfinite(tensor).all()):
+        low, high = (float(x) for x in torch.aminmax(tensor.detach()))  # NaN and inf show in the extremes
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise UserInputError(f"weight '{name}' holds NaN or inf: the model is broken (did the training diverge?), "
                                  f"and an export would pass it off as a model under a valid checksum")
         limit = torch.finfo(dtype or tensor.dtype).max
-        largest = float(tensor.detach().abs().max())
+        largest = max(-low, high)
         if largest > limit:
             target = str(dtype).replace("torch.", "")
             raise UserInputError(f"export as {target}: weight '{name}' has values up to {largest:.3g}, beyond {target}'s "

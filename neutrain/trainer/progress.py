@@ -20,9 +20,36 @@ import math
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from neutrain.optim.nonfinite import NONFINITE_KEY
+
 
 def _num(value: float) -> str:
     return "nan" if isinstance(value, float) and math.isnan(value) else f"{value:.4g}"
+
+
+def mark_skipped_window(logs: dict, log_history: list[dict], step: int) -> None:
+    """Say in a loss record that steps it covers were skipped for a non-finite loss or gradient.
+
+    ``logs`` carries the run's ``nonfinite_skipped_steps`` so far; the previous loss record in ``log_history``
+    (restored with the log on a resume) opens the window. Adds ``nonfinite_in_window``; when every step of the
+    window was skipped, the loss is logged as NaN and the computed one kept as ``skipped_loss``.
+
+    Why: a step skipped for a non-finite gradient has a finite loss, and its record looked like a step that
+    trained; the log is read as the history of the weights.
+
+    Example:
+        >>> logs = {"loss": 2.5, "nonfinite_skipped_steps": 1}
+        >>> mark_skipped_window(logs, [{"step": 2, "loss": 2.7, "nonfinite_skipped_steps": 0}], step=3)
+        >>> logs["nonfinite_in_window"], logs["loss"], logs["skipped_loss"]
+        (1, nan, 2.5)
+    """
+    last = next((h for h in reversed(log_history) if "loss" in h), {})
+    in_window = logs.get(NONFINITE_KEY, 0) - last.get(NONFINITE_KEY, 0)
+    if in_window <= 0:
+        return
+    logs["nonfinite_in_window"] = in_window
+    if in_window >= step - last.get("step", 0) and math.isfinite(logs["loss"]):
+        logs["skipped_loss"], logs["loss"] = logs["loss"], float("nan")
 
 
 def format_log_line(logs: dict, step: int, max_steps: int) -> str:

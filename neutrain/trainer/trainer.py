@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
@@ -53,7 +52,7 @@ from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
 from neutrain.trainer.phases import phase
-from neutrain.trainer.progress import LabelledProgressCallback
+from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
 from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
@@ -412,28 +411,11 @@ class NeuTrainer(Trainer):
                 logs["nonfinite_skips"] = opt.nonfinite_skips
             if self._nonfinite is not None:
                 logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
-                self._mark_skipped_window(logs)
+                mark_skipped_window(logs, self.state.log_history, self.state.global_step)
             if isinstance(getattr(self, "_tr_loss", None), torch.Tensor):
                 # The Trainer resets its running loss by subtracting it from itself, which keeps a NaN for good.
                 self._tr_loss.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         super().log(logs, *args, **kwargs)
-
-    def _mark_skipped_window(self, logs: dict) -> None:
-        """Say in a loss record that steps it covers were skipped (``nonfinite_in_window``); when all were, its loss
-        is NaN (the finite loss of a step whose gradient was not is kept as ``skipped_loss``).
-
-        Why: a step skipped for a non-finite gradient has a finite loss, and its record looked like a step that
-        trained; the log is read as the history of the weights.
-        """
-        # The previous loss record (restored with the log on a resume) opens this window.
-        last = next((h for h in reversed(self.state.log_history) if "loss" in h), {})
-        last_step, last_skipped = last.get("step", 0), last.get(NONFINITE_KEY, 0)
-        in_window = self.nonfinite_skipped_steps - last_skipped
-        if in_window <= 0:
-            return
-        logs["nonfinite_in_window"] = in_window
-        if in_window >= self.state.global_step - last_step and math.isfinite(logs["loss"]):
-            logs["skipped_loss"], logs["loss"] = logs["loss"], float("nan")
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -42,8 +42,7 @@ def _errors(err: str) -> list[str]:
 
 
 def test_hostile_sizes_and_files_are_refused_or_bounded(tmp_path):
-    from neutrain.data import byte_tokenizer
-    from tests.faults.test_export_and_nonfinite import _tiny_llama
+    from tests.faults.test_last_tracebacks import _model
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
@@ -52,8 +51,7 @@ def test_hostile_sizes_and_files_are_refused_or_bounded(tmp_path):
     fifo = tmp_path / "config.fifo"
     os.mkfifo(fifo)
     model = tmp_path / "model"
-    _tiny_llama(0).save_pretrained(model)  # max_position_embeddings 256
-    byte_tokenizer().save_pretrained(model)
+    _model(model, 259)  # the byte tokenizer's vocabulary; max_position_embeddings 256
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
     cases = {
         "fifo": ["train", str(recipe), f"model.config={fifo}"],
