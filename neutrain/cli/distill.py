@@ -60,8 +60,9 @@ def earlier_distillation(output_dir: str | os.PathLike, overwrite: bool) -> list
     out = Path(output_dir)
     found = [p for p in (out / DRAFT_DIR, *(out / LOG_DIR / name for name in LOG_FILES)) if p.exists()]
     if found and not overwrite:
-        raise UserInputError(f"distill: '{out / DRAFT_DIR}' holds the draft of an earlier distillation (its logs are in "
-                             f"'{out / LOG_DIR}'); pass --overwrite to replace both, or move them elsewhere first")
+        what = (f"'{out / DRAFT_DIR}' holds the draft of an earlier distillation (its logs are in '{out / LOG_DIR}')"
+                if found[0].name == DRAFT_DIR else f"'{out / LOG_DIR}' holds the logs of an earlier distillation")
+        raise UserInputError(f"distill: {what}; pass --overwrite to replace both, or move them elsewhere first")
     return found
 
 

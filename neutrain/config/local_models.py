@@ -64,7 +64,11 @@ def find_model_name(key: str, name: str, files: tuple[str, ...]) -> None:
     Raises:
         RecipeError: one line naming ``key``, the name, where it was looked for and what to do.
     """
-    if Path(name).expanduser().is_dir():
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not any((local / file).is_file() for file in files):  # else transformers fails later, with a traceback
+            raise RecipeError(f"{key}: the directory '{name}' holds no {' or '.join(files)}: it is not a Hugging Face "
+                              f"{'tokenizer' if files == TOKENIZER_FILES else 'model'} directory")
         return
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
     if looks_like_path or not _REPO_ID.fullmatch(name):

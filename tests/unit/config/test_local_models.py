@@ -35,8 +35,9 @@ def hub_cache(tmp_path, monkeypatch):
 def test_a_hub_id_in_the_cache_or_a_local_directory_is_accepted(hub_cache, tmp_path):
     hub_cache("someone/cached-model", "config.json", "tokenizer_config.json")
     check_model_names({**PRETRAINED, "base_model": "someone/cached-model"})
-    check_model_names({**PRETRAINED, "base_model": str(tmp_path)})
-    check_model_names({**PRETRAINED, "base_model": str(tmp_path), "tokenizer": "someone/cached-model"})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    check_model_names({**PRETRAINED, "base_model": str(tmp_path / "model"), "tokenizer": "someone/cached-model"})
 
 
 def test_a_hub_id_not_in_the_cache_names_the_key_the_user_set(hub_cache):
@@ -52,11 +53,23 @@ def test_a_hub_id_not_in_the_cache_names_the_key_the_user_set(hub_cache):
         check_model_names({**PRETRAINED, "base_model": "someone/config-only", "tokenizer": "someone/no-tokenizer"})
 
 
+def test_a_directory_without_the_files_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"^model\.base_model: the directory '.*empty' holds no config\.json: it is "
+                                          r"not a Hugging Face model directory$"):
+        check_model_names({**PRETRAINED, "base_model": str(tmp_path / "empty")})
+    with pytest.raises(RecipeError, match=r"^model\.tokenizer: the directory '.*empty' holds no tokenizer_config\.json "
+                                          r"or tokenizer\.json"):
+        check_model_names({**PRETRAINED, "base_model": str(tmp_path), "tokenizer": str(tmp_path / "empty")})
+
+
 def test_a_path_that_does_not_exist_is_named_as_a_path(tmp_path):
     with pytest.raises(RecipeError, match=r"^model\.base_model: '/no/such/model' is not a directory"):
         check_model_names({**PRETRAINED, "base_model": "/no/such/model"})
     with pytest.raises(RecipeError, match=r"^model\.tokenizer: '\./tok' is not a directory"):
-        check_model_names({**PRETRAINED, "base_model": str(tmp_path), "tokenizer": "./tok"})
+        check_model_names({**PRETRAINED, "base_model": "/no/such/model", "tokenizer": "./tok", "init": "random",
+                           "config": {"model_type": "llama"}})
 
 
 def test_a_gguf_repo_must_hold_the_file_and_built_tokenizers_need_nothing(hub_cache):

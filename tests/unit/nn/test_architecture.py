@@ -1,5 +1,7 @@
 """Module-specific behaviour kept under NeuZip: logit transforms, scaled embeddings, refusals, attention choice."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -220,7 +222,11 @@ def test_attention_choice_on_a_missing_base_model_is_a_recipe_error(tmp_path):
     from neutrain.trainer.modeling import build_model
     from tests.helpers import write_recipe
 
+    # A model directory that is gone by the time the model is built (a missing one is refused while the recipe loads).
+    (tmp_path / "no-such-model").mkdir()
+    (tmp_path / "no-such-model" / "config.json").write_text("{}")
     recipe = load_recipe(write_recipe(tmp_path, model={"init": "pretrained", "config": None,
                                                        "base_model": str(tmp_path / "no-such-model")}))
+    shutil.rmtree(tmp_path / "no-such-model")
     with pytest.raises(RecipeError, match=r"^model\.base_model: cannot load the config of '.*no-such-model'"):
         build_model(recipe.model, byte_tokenizer(), use_cpu=True)
