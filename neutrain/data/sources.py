@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -241,6 +242,21 @@ def _guarded_stream(files: list[str], ds_type: str, kwargs: dict[str, Any]):
         yield row
 
 
+@functools.lru_cache(maxsize=4)
+def _stdlib_sources(root: str) -> tuple[Path, ...]:
+    """The standard library's source files the corpus draws from (listed once per process: a walk of the whole
+    library takes a quarter of a second, and each run asks for the corpus more than once)."""
+    # encodings/ is mostly generated charmap tables (cp1252.py, mac_roman.py...): data, not the Python
+    # a model should learn to write.
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "pydoc_data",
+            "encodings"}
+    base = Path(root)
+    return tuple(sorted(
+        p for p in base.rglob("*.py")
+        if not (set(p.relative_to(base).parts[:-1]) & skip) and 2_000 <= p.stat().st_size <= 200_000
+    ))
+
+
 def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
     """Write the standard library's ``.py`` sources to ``<cache_dir>/python-stdlib.jsonl``.
 
@@ -252,14 +268,8 @@ def python_stdlib_corpus(cache_dir: str, max_files: int | None = None) -> str:
         >>> path = python_stdlib_corpus("/tmp/neutrain-cache", max_files=50)
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    # encodings/ is mostly generated charmap tables (cp1252.py, mac_roman.py...): data, not the Python
-    # a model should learn to write.
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip", "pydoc_data",
-            "encodings"}
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if not (set(p.relative_to(root).parts[:-1]) & skip) and 2_000 <= p.stat().st_size <= 200_000
-    )
+    files = list(_stdlib_sources(str(root)))
+
     def is_heldout(f: Path) -> bool:
         return int(hashlib.md5(str(f.relative_to(root)).encode()).hexdigest(), 16) % 20 == 0
 
