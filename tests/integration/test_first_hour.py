@@ -250,6 +250,7 @@ TINY_RUN = ["train.max_steps=1", "train.save_steps=1", "data.sequence_len=32", "
             "export.format=none", "distill.enabled=false"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs")
 def test_weight_offload_on_a_cpu_is_refused_in_one_line(tmp_path, capsys):
     # Before: accepted silently, "memory.offload_weights: 4 layers, 0.00 GiB in host memory".
     out = tmp_path / "out"
