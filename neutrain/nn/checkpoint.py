@@ -123,15 +123,14 @@ def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases
         device = weight.device
         try:
             loaded = CompressedTensor.from_state_dict(blobs, name=prefix[:-1], device="cpu")  # checked on the host
-            if tuple(loaded.shape) != tuple(weight.shape):
-                raise ValueError(f"loaded {loaded.dtype} {tuple(loaded.shape)} for {weight.dtype} {tuple(weight.shape)}")
             if weight.home is None:
-                # Drop the weight's old blobs before the new ones are allocated on the device: of about the
-                # same sizes, the new ones then take the blocks just freed. Allocated while the old ones
-                # lived, they left a hole beside every weight, and the resumed run's first step had 0.9 GiB
-                # reserved but unusable: out of memory at an 11 GiB budget that the uninterrupted run met
-                # (Llama-3-8B, 10.06 GiB allocated, 10.97 reserved; benchmarks/notes_cards.md).
-                weight.ct = loaded
+                # Swap the host copy in first (replace_ checks the shape), which drops the weight's old
+                # device blobs before the new ones are allocated: of about the same sizes, the new ones
+                # then take the blocks just freed. Allocated while the old ones lived, they left a hole
+                # beside every weight, and the resumed run's first step had 0.9 GiB reserved but unusable:
+                # out of memory at an 11 GiB budget that the uninterrupted run met (Llama-3-8B, 10.06 GiB
+                # allocated, 10.97 reserved; benchmarks/notes_cards.md).
+                weight.replace_(loaded)
             weight.replace_(loaded.to(device))
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint file '{path}': {prefix[:-1]}: {exc}") from None

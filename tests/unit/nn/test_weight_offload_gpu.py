@@ -13,11 +13,13 @@ from .nn_helpers import enable_checkpointing, tiny_llama, token_batches
 pytestmark = pytest.mark.gpu
 
 
-def _model(offload, slots=3):
+def _model(offload, slots=3, count=None):
+    """The 5-layer model, compressed and checkpointed; with ``offload``, its store (``count`` layers of it:
+    :meth:`LayerPlacement.spread`, whose ring then replaces ``slots``)."""
     model = tiny_llama(seed=4, hidden=256, layers=5).cuda()
     compress_model(model, progress=False)
     enable_checkpointing(model)
-    return model, (offload_weights(model, ahead=1, slots=slots) if offload else None)
+    return model, (offload_weights(model, ahead=1, slots=slots, count=count) if offload else None)
 
 
 def _train(model, rule, data):
@@ -62,10 +64,7 @@ def test_some_layers_offloaded_on_cuda_train_bit_identically_to_none(rule):
     data = token_batches(4, seed=6, batch=2, length=64)
     plain, _ = _model(False)
     expected = _train(plain, rule, data)
-    model = tiny_llama(seed=4, hidden=256, layers=5).cuda()
-    compress_model(model, progress=False)
-    enable_checkpointing(model)
-    store = offload_weights(model, count=2)
+    model, store = _model(True, count=2)
     got = _train(model, rule, data)
     assert (len(store.layers), store.slots) == (2, 2) and store.stats.writebacks == 4 * 7 * 2
     for name in expected:
