@@ -1,45 +1,72 @@
 #!/usr/bin/env bash
-# The 70B memory gate (Llama-3-70B trains on one card), as a user runs it: the literal `accelerate launch recipes/llama3_70b_offload.yaml`
-# on one H100 80GB (CUDA_VISIBLE_DEVICES picks it on a machine of several), STEPS steps with a save at the
-# last, then a second launch that resumes from that checkpoint for one step more. Then
-# benchmarks/offload_recipe.py reads both runs' metrics.jsonl and summary.json and nvidia-smi's samples
-# (device memory in use) into $OUT/offload.json (merged into an offload.json of benchmarks/offload.py's
-# parts from the same call, if $OUT holds one).
+# The 70B gate (Llama-3-70B trains, saves, resumes and exports on one card), as a user runs it: the literal
+# `accelerate launch recipes/llama3_70b_offload.yaml` on one H100 80GB (CUDA_VISIBLE_DEVICES picks it on a
+# machine of several), STEPS steps with a save at the last; a second launch that resumes from that
+# checkpoint for one step more and saves; then `neutrain export <that checkpoint> --format neuzip`.
+# benchmarks/offload_recipe.py reads the runs' metrics.jsonl and summary.json, the export and nvidia-smi's
+# samples (device memory in use) into $OUT/offload.json (merged into benchmarks/offload.py's parts if $OUT
+# holds one).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_70b_recipe.sh
-# STAGES=train,resume (default) or one of them, in two back-to-back device calls when one is too short
-# (the machine keeps /tmp while it is warm). Disk: the compressed 70B checkpoint is ~89 GiB, so the first
-# run writes to RUN_DIR on disk (128 GiB on a 2-GPU machine) and the resumed run's own final checkpoint
-# goes to RESUME_DIR (default /dev/shm): two of them do not fit one disk of that machine.
+# STAGES=train,resume,export (default) or a part of them, in back-to-back device calls when one is too short:
+# the machine keeps /tmp and /dev/shm while it is warm, and the stage times and nvidia-smi samples are kept
+# in STATE (on /tmp) so the last call's record has them all. About 5 minutes for train, 7 for resume+export.
+# Disk and host memory of a 2-GPU H100 machine (128 GiB disk, 256 GiB host): the compressed 70B checkpoint
+# is ~89 GiB and the run pins ~87 GiB of layers. The first run saves to RUN_DIR on disk; the resumed run
+# saves to RESUME_DIR in /dev/shm; the export stage deletes the first run's checkpoint (this script's own
+# scratch, already resumed from and recorded) so the export can go to disk beside nothing else.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
 OUT=${OUT:-/tmp/neutrain-70b}
-mkdir -p "$OUT"
+STATE=${STATE:-/tmp/neutrain-70b-state}
+mkdir -p "$OUT" "$STATE"
 export OUT PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-source benchmarks/install_carried_wheels.sh
+source benchmarks/install_carried_wheels.sh > /dev/null
+# What `pip install` gives a user and the device copy lacks: the recipe codec and the `neutrain` command.
+cp neutrain-recipe.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m neutrain "$@"\n' > /tmp/bin/neutrain && chmod +x /tmp/bin/neutrain
+export PATH=/tmp/bin:$PATH
 RUN_DIR=${RUN_DIR:-/tmp/llama3_70b_offload}
 RESUME_DIR=${RESUME_DIR:-/dev/shm/llama3_70b_offload_resumed}
-STEPS=${STEPS:-5}
-STAGES=${STAGES:-train,resume}
+EXPORT_DIR=${EXPORT_DIR:-/tmp/llama3_70b_export}
+STEPS=${STEPS:-4}
+STAGES=${STAGES:-train,resume,export}
 gpu=${CUDA_VISIBLE_DEVICES:-0}
 free -g | head -2; df -h /tmp /dev/shm | tail -2
-nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 >> "$OUT/nvsmi_70b.csv" &
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 >> "$STATE/nvsmi_70b.csv" &
 smi=$!
+stage() {  # name seconds rc
+  echo "$1_s=$2" >> "$STATE/70b_stages.txt"; echo "$1_rc=$3" >> "$STATE/70b_stages.txt"
+}
 if [[ $STAGES == *train* ]]; then
   t0=$SECONDS
   accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$STEPS" train.save_steps="$STEPS" \
-    train.output_dir="$RUN_DIR" > "$OUT/70b_train.log" 2>&1
-  echo "70b train rc=$? ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_train.log"
-  echo "train_s=$((SECONDS - t0))" >> "$OUT/70b_stages.txt"
+    train.output_dir="$RUN_DIR" > "$STATE/70b_train.log" 2>&1
+  rc=$?; echo "70b train rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$STATE/70b_train.log"
+  stage train $((SECONDS - t0)) $rc
 fi
 if [[ $STAGES == *resume* ]]; then
   t0=$SECONDS
   accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$((STEPS + 1))" train.save_steps="$((STEPS + 1))" \
-    train.output_dir="$RESUME_DIR" train.resume_from_checkpoint="$RUN_DIR/checkpoint-$STEPS" > "$OUT/70b_resume.log" 2>&1
-  echo "70b resume rc=$? ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_resume.log"
-  echo "resume_s=$((SECONDS - t0))" >> "$OUT/70b_stages.txt"
+    train.output_dir="$RESUME_DIR" train.resume_from_checkpoint="$RUN_DIR/checkpoint-$STEPS" > "$STATE/70b_resume.log" 2>&1
+  rc=$?; echo "70b resume rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$STATE/70b_resume.log"
+  stage resume $((SECONDS - t0)) $rc
+fi
+if [[ $STAGES == *export* ]]; then
+  resumed="$RESUME_DIR/checkpoint-$((STEPS + 1))"
+  if [ -d "$resumed" ] && [ -d "$RUN_DIR/checkpoint-$STEPS" ]; then
+    # Recorded before the first run's checkpoint is deleted to make room for the export on disk.
+    python3 benchmarks/offload_recipe.py --describe "$RUN_DIR/checkpoint-$STEPS" > "$STATE/70b_checkpoint.json"
+    rm -rf "$RUN_DIR/checkpoint-$STEPS"
+  fi
+  t0=$SECONDS
+  neutrain export "$resumed" --format neuzip --output "$EXPORT_DIR" > "$STATE/70b_export.log" 2>&1
+  rc=$?; echo "70b export rc=$rc ($((SECONDS - t0)) s)"; tail -n 8 "$STATE/70b_export.log"
+  stage export $((SECONDS - t0)) $rc
 fi
 kill "$smi" 2>/dev/null
+cp "$STATE"/70b_*.log "$STATE"/70b_stages.txt "$OUT/" 2>/dev/null
 python3 benchmarks/offload_recipe.py --train "$RUN_DIR" --resume "$RESUME_DIR" --steps "$STEPS" \
-  --nvsmi "$OUT/nvsmi_70b.csv" --stages "$OUT/70b_stages.txt"
+  --nvsmi "$STATE/nvsmi_70b.csv" --stages "$STATE/70b_stages.txt" --checkpoint-record "$STATE/70b_checkpoint.json" \
+  --export "$EXPORT_DIR"
 echo "done in ${SECONDS}s"

@@ -6,7 +6,7 @@
 # side by side. A journey takes about 4-5 minutes on an H100 (two launches, three 10 GiB saves, the
 # 15 GiB hf export, two generates); a timing run about 1.5.
 #   STAGE=journeys: GPU0 runs J0 (default 22,14.5), GPU1 runs J1 (default 7,11)
-#   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the timing runs T1 and journeys J1
+#   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the journeys J1 and timing runs T1 (T1= for none)
 #                   (defaults: b1_none,b1_11,b8_none,b8_7 and none)
 #   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call)
 # With one GPU, STAGE's two lists run one after the other on it.
@@ -49,7 +49,7 @@ if [ "$STAGE" = journeys ]; then
   second() { cards j1 "${J1:-7,11}" "" /dev/shm/cards_j1; }
 else
   first() { suite; }
-  second() { cards t1 "${J1:-}" "${T1:-b1_none,b1_11,b8_none,b8_7}" /dev/shm/cards_t1; }
+  second() { cards t1 "${J1-}" "${T1-b1_none,b1_11,b8_none,b8_7}" /dev/shm/cards_t1; }
 fi
 if [ "$ngpu" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=0; first ) &

@@ -1,12 +1,14 @@
 """The 70B memory gate (a 70B trains on one card) from the literal recipe runs: ``offload.json``'s 70B targets.
 
 ``benchmarks/gpu_70b_recipe.sh`` launches ``recipes/llama3_70b_offload.yaml`` as a user does (train with a
-save, then a resume of one step); this reads what those runs wrote (``metrics.jsonl``, ``summary.json``,
-the checkpoint's presence) and nvidia-smi's samples of device memory in use, and writes them, with the
-targets ``h100_70b_tokens_per_s_16k`` and ``h100_70b_peak_reserved_gib``, into ``offload.json``: merged
-into the file of ``benchmarks/offload.py``'s parts when ``$OUT`` (or ``benchmarks/results``) holds one.
+save, a resume of one step with a save, then ``neutrain export --format neuzip``); this reads what those
+commands wrote (``metrics.jsonl``, ``summary.json``, the checkpoint and the export) and nvidia-smi's
+samples of device memory in use, and writes them, with the targets ``h100_70b_tokens_per_s_16k`` and
+``h100_70b_peak_reserved_gib``, into ``offload.json``: merged into the file of ``benchmarks/offload.py``'s
+parts when ``$OUT`` (or ``benchmarks/results``) holds one.
 
-    python benchmarks/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 5
+    python benchmarks/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 4 --export /tmp/...
+    python benchmarks/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ def device_used_gib(csv_path: Path | None) -> float | None:
     return round(max(used) / 1024, 2) if used else None
 
 
+def describe(directory: Path) -> dict:
+    """Whether ``directory`` holds a saved model (files, and a ``config.json``), and its size in GiB."""
+    files = [f for f in directory.rglob("*") if f.is_file()] if directory.is_dir() else []
+    return {"saved": bool(files) and (directory / "config.json").exists(),
+            "gib": round(sum(f.stat().st_size for f in files) / GIB, 2) if files else None,
+            "safetensors_files": sum(f.suffix == ".safetensors" for f in files)}
+
+
+def read_stages(path: Path | None) -> tuple[dict, dict]:
+    """``(seconds, exit codes)`` by stage from the ``<stage>_s=`` / ``<stage>_rc=`` lines of gpu_70b_recipe.sh."""
+    seconds, codes = {}, {}
+    if path is None or not path.exists():
+        return seconds, codes
+    for key, value in (line.split("=", 1) for line in path.read_text().split() if "=" in line):
+        stage, _, kind = key.rpartition("_")
+        (codes if kind == "rc" else seconds)[stage] = int(value) if kind == "rc" else float(value)
+    return seconds, codes
+
+
 def summarise(run: dict, first_step: int) -> dict:
     """tok/s (median over the steps after the first of the launch: the first includes warm-up) and peaks."""
     steps = run["steps"]
@@ -59,31 +80,46 @@ def summarise(run: dict, first_step: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", type=Path, required=True)
-    ap.add_argument("--resume", type=Path, required=True)
+    ap.add_argument("--describe", type=Path, help="print what a checkpoint directory holds (JSON) and exit")
+    ap.add_argument("--train", type=Path)
+    ap.add_argument("--resume", type=Path)
+    ap.add_argument("--export", type=Path, help="the `neutrain export --format neuzip` directory")
+    ap.add_argument("--checkpoint-record", type=Path,
+                    help="--describe's output for the first run's checkpoint, written before it was deleted")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--nvsmi", type=Path)
     ap.add_argument("--stages", type=Path, help="key=seconds lines written by gpu_70b_recipe.sh")
     args = ap.parse_args()
+    if args.describe is not None:
+        print(json.dumps(describe(args.describe)))
+        return 0
+    if args.train is None or args.resume is None:
+        ap.error("--train and --resume are required (or --describe)")
 
     from benchmarks._common import RESULTS_DIR, write_result
 
     train, resume = read_run(args.train), read_run(args.resume)
     checkpoint = args.train / f"checkpoint-{args.steps}"
+    saved = describe(checkpoint)
+    if not saved["saved"] and args.checkpoint_record and args.checkpoint_record.exists():
+        saved = json.loads(args.checkpoint_record.read_text())  # deleted after the resume to make room
+    exported = describe(args.export) if args.export else {"saved": False, "gib": None}
+    seconds, codes = read_stages(args.stages)
     results = {
         "train": summarise(train, first_step=1),
         "resume": summarise(resume, first_step=args.steps + 1),
-        "checkpoint_saved": checkpoint.is_dir() and any(checkpoint.iterdir()),
-        "checkpoint_gib": round(sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / GIB, 2)
-        if checkpoint.is_dir() else None,
+        "checkpoint_saved": saved["saved"],
+        "checkpoint_gib": saved["gib"],
         "resumed_steps": [s.get("step") for s in resume["steps"]],
+        "resumed_checkpoint_saved": describe(args.resume / f"checkpoint-{args.steps + 1}")["saved"],
+        "export_neuzip": exported,
         "device_used_gib": device_used_gib(args.nvsmi),
+        "stage_seconds": seconds,
+        "stage_exit_codes": codes,
     }
-    if args.stages and args.stages.exists():
-        results["stage_seconds"] = {k: float(v) for k, v in
-                                    (line.split("=", 1) for line in args.stages.read_text().split() if "=" in line)}
     ok = (results["checkpoint_saved"] and len(train["steps"]) >= args.steps
-          and results["resumed_steps"] == [args.steps + 1])
+          and results["resumed_steps"] == [args.steps + 1] and exported["saved"]
+          and codes.get("train") == 0 and codes.get("resume") == 0 and codes.get("export") == 0)
     results["gate_ok"] = ok
     tps = results["train"]["tokens_per_s"]
     reserved = max(v for v in (results["train"]["peak_reserved_gib"], results["resume"]["peak_reserved_gib"], 0) if v is not None)

@@ -82,3 +82,62 @@ def test_an_unknown_part_is_refused_in_one_line():
                                                                "NEUTRAIN_GIT_DIRTY": "0", "PYTHONPATH": str(ROOT)},
                           check=False)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "'bogus'" in proc.stderr
+
+
+def _run_dir(path: Path, steps: list[int], *, checkpoint: int | None = None) -> Path:
+    """A run directory as `neutrain train` leaves it: metrics.jsonl, summary.json, maybe a checkpoint."""
+    import json
+
+    path.mkdir(parents=True)
+    lines = [json.dumps({"step": s, "loss": 10.0 - s, "tokens_per_second": 600.0 + s, "peak_reserved_gib": 40.0})
+             for s in steps]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (path / "summary.json").write_text(json.dumps({"peak_reserved_gib": 41.5}))
+    if checkpoint is not None:
+        ckpt = path / f"checkpoint-{checkpoint}"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text("{}")
+        (ckpt / "model.safetensors").write_bytes(b"\0" * 4096)
+    return path
+
+
+def _offload_recipe(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    import json
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), *args], cwd=ROOT,
+                         env={**os.environ, "OUT": str(out), "NEUTRAIN_GIT_COMMIT": "0" * 40, "NEUTRAIN_GIT_DIRTY": "0"},
+                         capture_output=True, text=True, timeout=120)
+    record = out / "offload.json"
+    return res.returncode, (json.loads(record.read_text()) if record.exists() else {"stderr": res.stderr})
+
+
+def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp_path):
+    train = _run_dir(tmp_path / "train", [1, 2, 3, 4])
+    resume = _run_dir(tmp_path / "resume", [5], checkpoint=5)
+    # The first run's checkpoint was deleted after the resume (to make room for the export): its record stands in.
+    record = tmp_path / "checkpoint.json"
+    saved = _run_dir(tmp_path / "kept", [], checkpoint=4) / "checkpoint-4"
+    described = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), "--describe", str(saved)],
+                               capture_output=True, text=True, cwd=ROOT).stdout
+    record.write_text(described)
+    export = _run_dir(tmp_path / "export", [], checkpoint=None)
+    (export / "config.json").write_text("{}")
+    (export / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 64)
+    stages = tmp_path / "stages.txt"
+    common = ["--train", str(train), "--resume", str(resume), "--steps", "4", "--stages", str(stages),
+              "--checkpoint-record", str(record), "--export", str(export)]
+
+    stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\nexport_s=100\nexport_rc=0\n")
+    rc, out = _offload_recipe(tmp_path, *common)
+    result = out["results"]["70b_recipe"]
+    assert rc == 0 and result["gate_ok"] is True, out
+    assert result["checkpoint_saved"] is True and result["stage_exit_codes"] == {"train": 0, "resume": 0, "export": 0}
+    assert result["export_neuzip"]["saved"] and result["export_neuzip"]["safetensors_files"] == 1
+    assert out["targets"]["h100_70b_tokens_per_s_16k"]["value"] == 603.0  # median of steps 2-4 (after the first)
+
+    stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\nexport_s=100\nexport_rc=1\n")
+    rc, out = _offload_recipe(tmp_path, *common)
+    assert rc == 1 and out["results"]["70b_recipe"]["gate_ok"] is False
