@@ -8,7 +8,7 @@
 #   STAGE=journeys: GPU0 runs J0 (default 22,14.5), GPU1 runs J1 (default 7,11)
 #   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the journeys J1 and timing runs T1 (T1= for none)
 #                   (defaults: b1_none,b1_11,b8_none,b8_7 and none)
-#   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call)
+#   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call; T= for none)
 # With one GPU, STAGE's two lists run one after the other on it.
 # Disk: a journey holds up to ~46 GiB (three 10 GiB checkpoints and a 15 GiB export) until it is cleaned:
 # GPU1's work (the offloaded budgets) goes in /dev/shm, GPU0's on disk.
@@ -39,7 +39,7 @@ suite() {
 }
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$STAGE" = one ]; then
-  cards one "${J:-11}" "${T:-b1_none,b1_11}" /dev/shm/cards_one
+  cards one "${J-11}" "${T-b1_none,b1_11}" /dev/shm/cards_one
   grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0

@@ -199,7 +199,7 @@ def _plain(model, ids, args, tokenizer):
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.
         engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed,
-                              cuda_graph=False if streamed else None, fuse=False if streamed else None)
+                              cuda_graph=False if streamed else None)
     except ValueError:
         kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
         return model.generate(ids.to(next(model.parameters()).device), max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)

@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print_error(f"NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
                     f"of {', '.join(_LOG_LEVELS)} (or a number)")
         return EXIT_USER_ERROR
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # neutrain's own lines at the chosen level; other libraries' only from WARNING on, unless asked for DEBUG:
+    # their INFO lines (datasets: "JAX version 0.11.2 available.") say nothing a user can act on.
+    logging.basicConfig(level=level if level <= logging.DEBUG else max(level, logging.WARNING),
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("neutrain").setLevel(level)
     quiet_progress_bars()  # a log file or pipe gets lines, not carriage-return bar redraws
     if args.command != "recipes":  # every command that loads a model may import DeepSpeed (through transformers)
         name_cpu_accelerator()

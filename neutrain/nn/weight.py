@@ -110,6 +110,16 @@ class CompressedWeight:
             self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
         return out
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Decode into ``out`` (contiguous, the weight's shape and stored dtype), e.g. a member's row block of
+        a fused projection buffer (:mod:`neutrain.eval.fused_projections`); no decode buffer is used or kept."""
+        self.decodes += 1
+        self._resident()
+        self.ct.decompress(out=out)
+        if self.home is not None:
+            self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
+        return out
+
     def decode_for_compute(self) -> torch.Tensor:
         """:meth:`decode`, upcast to :attr:`compute_dtype` when that differs (a temporary per use)."""
         weight = self.decode()

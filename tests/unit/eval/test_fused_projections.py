@@ -160,12 +160,7 @@ def test_unfuse_gives_each_projection_its_own_storage():
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_compressed_or_hooked_projections_are_left_alone():
-    from neutrain.nn import compress_model
-
-    compressed = tiny(8)
-    compress_model(compressed, progress=False)
-    assert fuse_projections(compressed) == 0
+def test_hooked_projections_are_left_alone():
     hooked = tiny(8)
     hooked.model.layers[0].mlp.up_proj.register_forward_hook(lambda *a: None)
     assert fuse_projections(hooked) == 3  # the hooked layer's gate/up group stays as it was
@@ -211,3 +206,27 @@ def test_cuda_graph_fused_engine_equals_unfused_and_adds_no_memory():
     unfused_err, fused_err = (want - ref).abs().max().item(), (got - ref).abs().max().item()
     assert fused_err <= 2 * unfused_err + 1e-3, (fused_err, unfused_err)
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: Q/K/V with biases
+def test_a_compressed_model_fuses_its_groups_and_decodes_the_dense_models_logits_bit_for_bit(family):
+    """A compressed group decodes its members into one matrix and runs the dense model's fused product on it:
+    the same logits, bit for bit, as the dense model in the engine (on a GPU the kernel depends on the shape,
+    so an unfused compressed model would differ in the last bits)."""
+    from neutrain.nn.convert import compress_model
+
+    dense = tiny(3, family, dtype=torch.bfloat16)
+    compressed = copy.deepcopy(dense)
+    compress_model(compressed, progress=False)
+    for model in (dense, compressed):
+        model.requires_grad_(False)
+    reference, engine = DecodeEngine(dense, max_len=48), DecodeEngine(compressed, max_len=48)
+    assert reference.fused_groups == 4 and engine.fused_groups == 4
+    want_tokens, want = _decode_logits(reference, PROMPT, 20)
+    tokens, got = _decode_logits(engine, PROMPT, 20)
+    assert tokens == want_tokens and torch.equal(got, want)
+    # One scratch matrix for every group, of the largest group's size (gate/up: 2 x 96 rows of 64).
+    scratches = {m._neutrain_group.weight.data_ptr() for m in compressed.modules() if hasattr(m, "_neutrain_group")}
+    assert len(scratches) == 1
+    assert unfuse_projections(compressed) == 4 and DecodeEngine(compressed, max_len=48, fuse=False).fused_groups == 0
+    assert torch.equal(_decode_logits(DecodeEngine(compressed, max_len=48, fuse=False), PROMPT, 20)[1], want)
