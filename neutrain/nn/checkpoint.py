@@ -109,6 +109,7 @@ def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases
     keys = set(handle.keys()) | set(aliases)
     done: set[str] = set()
     placed: set[int] = set()  # a tied lm_head shares the embedding's weight: loaded once
+    staged = []  # (name, weight, host copy, device): placed on the device once every old blob is gone
     for name, module in model.named_modules():
         weight = getattr(module, "compressed", None)
         prefix = f"{name}.weight."
@@ -123,16 +124,26 @@ def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases
         device = weight.device
         try:
             loaded = CompressedTensor.from_state_dict(blobs, name=prefix[:-1], device="cpu")  # checked on the host
-            if weight.home is None:
-                # Swap the host copy in first (replace_ checks the shape), which drops the weight's old
-                # device blobs before the new ones are allocated: of about the same sizes, the new ones
-                # then take the blocks just freed. Allocated while the old ones lived, they left a hole
-                # beside every weight, and the resumed run's first step had 0.9 GiB reserved but unusable:
-                # out of memory at an 11 GiB budget that the uninterrupted run met (Llama-3-8B, 10.06 GiB
-                # allocated, 10.97 reserved; benchmarks/notes_cards.md).
-                weight.replace_(loaded)
-            weight.replace_(loaded.to(device))
+            if weight.home is not None:  # offloaded: its host store adopts the blobs
+                weight.replace_(loaded.to(device))
+            else:
+                weight.replace_(loaded)  # the host copy stands in (replace_ checks the shape): the old device blobs go
+                staged.append((prefix[:-1], weight, loaded, device))
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint file '{path}': {prefix[:-1]}: {exc}") from None
         del blobs, loaded
+    # Every old blob is gone before the first new one is placed. Replaced one weight at a time, each new blob was
+    # allocated among the still-live blobs of the other weights, of slightly other sizes: the CUDA allocator was
+    # left with holes it could neither fill nor hand back, and the resumed run's first step ran out of memory at
+    # an 11 GiB budget that the uninterrupted run met (Llama-3-8B, 10.06 GiB allocated, 10.95 reserved, twice:
+    # freeing each weight's old blobs just before its new ones did not help; benchmarks/notes_cards.md). Placed
+    # after an empty cache, the blobs lie as a fresh build lays them. The host holds the compressed weights
+    # meanwhile (10.2 GiB for the 8B).
+    if staged and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for label, weight, loaded, device in staged:
+        try:
+            weight.replace_(loaded.to(device))
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint file '{path}': {label}: {exc}") from None
     return done

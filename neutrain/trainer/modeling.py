@@ -23,6 +23,7 @@ import torch
 from neutrain.errors import RecipeError
 from neutrain.nn import gguf
 from neutrain.nn.gguf import GGUFFile
+from neutrain.nn.convert import parameter_count
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import RandomInit, SafetensorsFolder
@@ -358,6 +359,7 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
                           f"cache ({str(exc).splitlines()[0]})") from None
     if spec.placement.compressed:
         logger.info("compressed model: %s", report)
-    n = sum(p.numel() for p in model.parameters())
-    logger.info("model: %s, %.1fM parameters, %s, attention %s", type(model).__name__, n / 1e6, spec.dtype, spec.attention)
+    n = parameter_count(model)
+    logger.info("model: %s, %s parameters, %s, attention %s", type(model).__name__,
+                f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", spec.dtype, spec.attention)
     return model

@@ -1,8 +1,8 @@
-"""Loading a checkpoint's compressed weights into a built model: the old blobs go before the new ones come.
+"""Loading a checkpoint's compressed weights into a built model: every old blob goes before the first new one comes.
 
-On a GPU, new blobs allocated while the old ones still lived left a hole beside every weight, and a resumed
-run ran out of memory under a budget the uninterrupted run met. The order is what this checks (the CUDA
-allocator's holes themselves need a GPU: tests/unit/nn/test_phase_memory_gpu.py)."""
+On a GPU, new blobs allocated among the still-live blobs of other weights left holes the allocator could not
+hand back, and a resumed run ran out of memory under a budget the uninterrupted run met. The order is what
+this checks (the CUDA allocator's holes themselves need a GPU: tests/unit/nn/test_phase_memory_gpu.py)."""
 
 import weakref
 
@@ -27,7 +27,7 @@ def _model(seed):
     return model
 
 
-def test_each_weights_old_blobs_are_released_before_its_new_ones_are_placed(tmp_path, monkeypatch):
+def test_every_old_blob_is_released_before_the_first_new_one_is_placed(tmp_path, monkeypatch):
     save_compressed_checkpoint(_model(0), tmp_path, "neuzip-lossless")
     other = _model(1)
     old = {w.name: weakref.ref(w.ct) for w in compressed_weights(other)}
@@ -35,7 +35,8 @@ def test_each_weights_old_blobs_are_released_before_its_new_ones_are_placed(tmp_
     to = CompressedTensor.to
 
     def checked_to(self, device):
-        assert old[self.name]() is None, f"{self.name}: its old blobs were alive when the new ones were placed"
+        alive = [name for name, ref in old.items() if ref() is not None]
+        assert not alive, f"{self.name} was placed while the old blobs of {alive} were alive"
         placed.append(self.name)
         return to(self, device)
 
