@@ -4,8 +4,8 @@ Every benchmark measures neutrain and its baseline in the same process on the
 same card, and writes ``benchmarks/results/<name>.json`` through
 :func:`write_result`, which records the device, library versions, git commit,
 whether the tree was dirty, the date and the targets beside the settings and
-numbers. ``benchmarks/make_table.py`` turns those files into the README's
-results table.
+numbers. ``benchmarks/make_table.py`` turns those files into the results
+tables of ``docs/`` (``docs/results.md`` and the tables on the topic pages).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
 
     The file records the device, versions, ``git_commit`` and ``git_dirty`` (see
     :func:`git_provenance`, which raises rather than write "unknown"), the settings,
-    the results and ``targets``: each goal the issue or README sets for this
+    the results and ``targets``: each goal the issue or the docs set for this
     benchmark beside the value measured, ``{name: {"value": x, "goal": g}}``.
 
     When ``$OUT`` is set (the device machine), a copy is also written there so the

@@ -292,7 +292,7 @@ def _add_top_level(path: Path, fields: dict) -> None:
 
 
 def gpu_headline(summary: dict, targets: dict) -> str:
-    """One line for the README table, from the measured numbers only."""
+    """One line for the results table (docs/results.md), from the measured numbers only."""
     return (f"Llama-3-8B shapes: {summary['bits_per_weight']:.3f} bits/w (bound {summary['entropy_bound_bits']:.3f});"
             f" decode {summary['decode_TBps_out']:.2f} TB/s ({targets['decode_over_copy']['value']:.2f}x copy),"
             f" recompress_ {summary['recompress_api_TBps_in']:.2f} TB/s"

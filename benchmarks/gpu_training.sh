@@ -7,7 +7,7 @@
 #                then benchmarks/codec.py (170 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU suite's record:
 #                its latest is kept in benchmarks/results/), $OUT/junit_codec_<sha>.xml, logs and codec.json.
 #   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/), one process
-#                each, within BUDGET (450 s). Writes train_memory.json (the README's memory table).
+#                each, within BUDGET (450 s). Writes train_memory.json (docs/memory.md's table).
 #   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
 # Each JSON lands in benchmarks/results/ and is copied to $OUT.
 set -o pipefail

@@ -1,7 +1,13 @@
-"""Generate the README's results table from ``benchmarks/results/*.json``.
+"""Generate the documentation's results tables from ``benchmarks/results/*.json``.
 
-    python benchmarks/make_table.py          # rewrite the table between the README markers
-    python benchmarks/make_table.py --check  # exit 1 if the README is out of date
+    python benchmarks/make_table.py          # rewrite every table between its markers
+    python benchmarks/make_table.py --check  # exit 1 if any page is out of date
+
+The tables live in ``docs/``, each between ``<!-- <name>:begin -->`` and
+``<!-- <name>:end -->`` (:data:`SECTIONS` says which page holds which): the table of
+every record in ``docs/results.md``, and the tables of single benchmarks on the page
+of their topic. A page that has lost its markers is an error, so a table cannot
+silently stop being written.
 
 Each result file may carry ``results["headline"]``: a short string with the
 numbers that matter (the benchmark writes it from what it measured). The table
@@ -17,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -133,7 +139,7 @@ TM_LABELS = {
 
 
 def train_memory_table() -> str | None:
-    """The per-variant table of benchmarks/results/train_memory.json (README's memory section)."""
+    """The per-variant table of benchmarks/results/train_memory.json (docs/memory.md)."""
     data = _result("train_memory")
     if data is None:
         return None
@@ -159,7 +165,7 @@ INF_BEGIN, INF_END = "<!-- inference:begin -->", "<!-- inference:end -->"
 
 
 def inference_table() -> str | None:
-    """Decode rows of benchmarks/results/inference.json (README's inference section)."""
+    """Decode rows of benchmarks/results/inference.json (docs/export-and-inference.md)."""
     data = _result("inference")
     if data is None:
         return None
@@ -232,7 +238,7 @@ MG_BEGIN, MG_END = "<!-- multi_gpu:begin -->", "<!-- multi_gpu:end -->"
 
 
 def multi_gpu_table() -> str | None:
-    """Per-mode scaling rows of benchmarks/results/multi_gpu.json (README's launching section)."""
+    """Per-mode scaling rows of benchmarks/results/multi_gpu.json (docs/launching.md)."""
     data = _result("multi_gpu")
     if data is None:
         return None
@@ -248,32 +254,53 @@ def multi_gpu_table() -> str | None:
 
 
 def _missing(name: str) -> str:
-    """What a README section says when its result file is absent (never run, or archived as unreliable)."""
+    """What a table's place says when its result file is absent (never run, or archived as unreliable)."""
     return (f"No current result: `benchmarks/results/{name}.json` is absent (archived records and why: "
             f"`benchmarks/results/archive/README.md`). Run `benchmarks/{name}.py` to regenerate this section.")
 
 
-def _replace(text: str, begin: str, end: str, body: str | None) -> str:
-    if body is None or begin not in text:
-        return text
+# A section whose result file is gone says so (``_missing``), rather than keeping numbers no file backs.
+SECTIONS = [
+    ("results.md", BEGIN, END, table),
+    ("memory.md", CONV_BEGIN, CONV_END, lambda: convergence_table() or _missing("convergence")),
+    ("memory.md", TM_BEGIN, TM_END, lambda: train_memory_table() or _missing("train_memory")),
+    ("launching.md", MG_BEGIN, MG_END, lambda: multi_gpu_table() or _missing("multi_gpu")),
+    ("export-and-inference.md", INF_BEGIN, INF_END, lambda: inference_table() or _missing("inference")),
+]
+"""(page in docs/, begin marker, end marker, the table's text)."""
+
+
+def _replace(text: str, begin: str, end: str, body: str) -> str:
     start, stop = text.index(begin) + len(begin), text.index(end)
     return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
+def pages() -> dict[Path, tuple[str, str]]:
+    """Each page that holds a table: (its text now, its text with every table regenerated).
+
+    Raises SystemExit naming the page and marker when a page lacks a table's markers.
+    """
+    out: dict[Path, tuple[str, str]] = {}
+    for name, begin, end, body in SECTIONS:
+        path = DOCS / name
+        old, new = out.get(path) or (path.read_text(), path.read_text())
+        if begin not in new or end not in new:
+            raise SystemExit(f"{path.relative_to(ROOT)} has no {begin} ... {end}: put the markers back where the table belongs")
+        out[path] = (old, _replace(new, begin, end, body()))
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    text = README.read_text()
-    new = _replace(text, BEGIN, END, table())
-    # A section whose result file is gone says so, rather than keeping numbers no file backs.
-    new = _replace(new, TM_BEGIN, TM_END, train_memory_table() or _missing("train_memory"))
-    new = _replace(new, INF_BEGIN, INF_END, inference_table() or _missing("inference"))
-    new = _replace(new, CONV_BEGIN, CONV_END, convergence_table() or _missing("convergence"))
-    new = _replace(new, MG_BEGIN, MG_END, multi_gpu_table() or _missing("multi_gpu"))
+    stale = {path: new for path, (old, new) in pages().items() if old != new}
     if args.check:
-        return 0 if new == text else 1
-    README.write_text(new)
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run `python benchmarks/make_table.py`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in stale.items():
+        path.write_text(text)
     return 0
 
 

@@ -324,7 +324,7 @@ def measured_provenance(payloads: list[dict]) -> dict:
     """The device, versions, commit and date of the runs (the latest run's date); they must agree on device and commit.
 
     Why: the summary used to record the machine that merged the files (``device: cpu``, today's commit), and
-    the README's table then said "Measured on cpu GPUs".
+    the multi-GPU table (docs/launching.md) then said "Measured on cpu GPUs".
     """
     for key in ("device", "git_commit"):
         values = sorted({str(p.get(key)) for p in payloads})
@@ -386,7 +386,7 @@ def summarize(results_dir: str, tiny: bool = False, write: bool = False) -> Path
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The README rows: one per mode and GPU count."""
+    """The table rows: one per mode and GPU count."""
     lines = ["| mode | GPUs | tokens/s per GPU | scaling vs 1 GPU | peak allocated GiB per GPU | vs 1 GPU | step s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,4 +1,5 @@
-"""The design notes the code cites exist, with the sections it cites.
+"""The design notes the code cites exist, with the sections it cites; the README and docs/ link only to files
+that exist, and every docs page is listed.
 
 Comments once cited notes that were not in the repository (``trainer.md §1``,
 ``codec.md §8.2``); every ``<name>.md`` a comment or docstring names must now be a
@@ -30,6 +31,40 @@ def test_the_docs_index_lists_every_note():
     notes = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
     assert notes, "docs/ holds no notes"
     assert [n for n in notes if f"({n})" not in index] == []
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# "[text](target)" outside code: a relative target is a path from the page's own directory.
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The relative link targets of a Markdown text, without their #anchor; code blocks and spans skipped.
+
+    Example:
+        >>> relative_links("[a](docs/x.md) [b](https://e.org) [c](y.md#s) `[d](z.md)`\\n```\\n[e](w.md)\\n```\\n")
+        ['docs/x.md', 'y.md']
+    """
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = [t.split("#", 1)[0] for t in LINK.findall(text)]
+    return [t for t in targets if t and not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_of_the_readme_and_docs_resolve(page: Path):
+    # The README's detail moved into docs/ pages that link to each other and back; a renamed page must not
+    # leave a dead link behind.
+    dead = [t for t in relative_links(page.read_text()) if not (page.parent / t).exists()]
+    assert dead == [], f"{page.relative_to(ROOT)} links to paths that do not exist: {dead}"
+
+
+def test_the_readme_lists_every_docs_page():
+    # The README's "Documentation" list is how a newcomer finds the pages.
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    design = {"trainer.md", "codec.md", "attention.md", "kvcache.md", "specdec.md"}  # listed in docs/README.md
+    assert [n for n in pages if n not in design and f"(docs/{n})" not in readme] == []
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,7 +1,8 @@
-"""Every shell command in the README runs in CI, in the README's order and as written, or is listed here with
-the reason it cannot.
+"""Every shell command in the README and in ``docs/`` runs in CI, in their order and as written, or is listed
+here with the reason it cannot.
 
-The README's ```bash blocks are parsed, in order; each command must appear in :data:`README_COMMANDS` as one of:
+The ```bash blocks of the README, then of each page of ``docs/`` by name (:func:`pages`), are parsed in order;
+each command must appear in :data:`README_COMMANDS` as one of:
 
 * :class:`Run`: run here as written, one after the other in one scratch directory that sees the repository's
   ``recipes/`` and ``launch/`` (so each example meets the output directories the ones before it wrote, as a
@@ -12,7 +13,9 @@ The README's ```bash blocks are parsed, in order; each command must appear in :d
 * :class:`NotInCI`: cannot run here (installing into a fresh virtual environment, a placeholder recipe for
   several GPUs), and why.
 
-A command added to the README and missing here fails :func:`test_every_readme_command_is_run_or_listed`.
+A command added to the README or a docs page and missing here fails
+:func:`test_every_readme_command_is_run_or_listed`. The first-hour commands (quick start, real-model
+walkthrough) stay in the README; the docs pages hold the commands of their topic.
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+
+
+def pages() -> list[Path]:
+    """The README, then every page of ``docs/`` by name: the order their commands run in (the README's quick
+    start writes the ``outputs/default`` that later commands read)."""
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def documented_commands() -> list[str]:
+    """The commands of every page of :func:`pages`, in order."""
+    return [command for page in pages() for command in readme_commands(page.read_text())]
+
 BIN = Path(sys.executable).parent
 
 # Two steps on 8 files of the default recipe's corpus, a small tokenizer, a 2-step draft: seconds per phase,
@@ -99,7 +114,7 @@ README_COMMANDS = {
     # Recipes and overrides
     "neutrain recipes/default.yaml train.learning_rate=0.05 train.max_steps=200 data.sequence_len=512 train.output_dir=outputs/overrides":
         Run(SUMMARY),
-    # Launching
+    # Launching (the README's single-node forms)
     "neutrain train recipes/default.yaml train.output_dir=outputs/train": Run(SUMMARY),
     "python -m neutrain recipes/default.yaml train.output_dir=outputs/python-m": Run(SUMMARY),
     "accelerate launch --config_file launch/single_gpu.yaml -m neutrain recipes/default.yaml train.output_dir=outputs/accelerate":
@@ -108,13 +123,14 @@ README_COMMANDS = {
         Run(SUMMARY),
     "accelerate launch --config_file launch/multi_gpu_ddp.yaml -m neutrain recipes/default.yaml train.output_dir=outputs/ddp":
         Refused(NO_GPU),
+    # docs/launching.md: several GPUs with fused updates
     "accelerate launch --num_processes 4 -m neutrain recipe.yaml": NotInCI(PLACEHOLDER),
     "accelerate launch --config_file launch/fsdp2.yaml --num_processes 4 -m neutrain recipe.yaml": NotInCI(PLACEHOLDER),
     # Export: the quick start's run (here its tiny version) is outputs/default.
     "neutrain export outputs/default --format hf --output outputs/default/export-hf": Run("(format hf, dtype bfloat16)", tiny=False),
     "neutrain export outputs/default --format neuzip --output outputs/default/export-neuzip": Run("(format neuzip", tiny=False),
 }
-"""README command -> how CI covers it."""
+"""Command of the README or a docs page -> how CI covers it."""
 
 
 def readme_commands(text: str) -> list[str]:
@@ -134,11 +150,14 @@ def readme_commands(text: str) -> list[str]:
 
 
 def test_every_readme_command_is_run_or_listed():
-    found = readme_commands(README.read_text())
+    found = documented_commands()
     missing = [c for c in found if c not in README_COMMANDS]
     stale = [c for c in README_COMMANDS if c not in found]
-    assert not missing, f"README commands that no test runs and no entry explains (add them to README_COMMANDS): {missing}"
-    assert not stale, f"README_COMMANDS entries the README no longer has: {stale}"
+    repeated = sorted({c for c in found if found.count(c) > 1})
+    assert not missing, f"README or docs commands that no test runs and no entry explains (add them to README_COMMANDS): {missing}"
+    assert not stale, f"README_COMMANDS entries that neither the README nor docs/ has any more: {stale}"
+    # A command written twice would run twice, and the second run would meet the first one's output directory.
+    assert not repeated, f"commands written on more than one page (keep one, refer to it from the other): {repeated}"
     for command, how in README_COMMANDS.items():
         if isinstance(how, Elsewhere):
             path, name = how.test.split("::")
@@ -170,14 +189,14 @@ def _env() -> dict:
     return env
 
 
-IN_ORDER = [(command, README_COMMANDS.get(command)) for command in readme_commands(README.read_text())]
+IN_ORDER = [(command, README_COMMANDS.get(command)) for command in documented_commands()]
 RUNS = [(command, how) for command, how in IN_ORDER if isinstance(how, (Run, Refused))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("readme", "how"), RUNS, ids=[c[:70] for c, _ in RUNS])
 def test_readme_command_runs_in_order_as_written(readme, how, scratch):
-    """Parametrized in the README's order: each command meets what the ones before it wrote (``outputs/``)."""
+    """Parametrized in the pages' order: each command meets what the ones before it wrote (``outputs/``)."""
     command = readme.rsplit(how.after, 1)[1] if isinstance(how, Run) and how.after else readme
     if not isinstance(how, Run) or how.tiny:
         command = f"{command} {TINY}"

@@ -1,8 +1,8 @@
 """The default run: recipe -> model, data -> NeuTrainer -> evaluation -> export -> summary.
 
 ``neutrain train`` and ``accelerate launch -m neutrain`` call :func:`train_from_recipe`.
-A run goes left to right and nothing reaches back (see the README's
-architecture section).
+A run goes left to right and nothing reaches back (see
+docs/architecture.md).
 """
 
 from __future__ import annotations

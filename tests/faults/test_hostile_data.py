@@ -2,7 +2,7 @@
 
 Before: a jsonl row nested 100,000 deep crashed pyarrow (SIGSEGV, exit 139, no message) or
 raised RecursionError; a 207 MB single-line text file aborted the tokenizer's Rust code (exit 134). Both
-are now bounded (neutrain.data.bounds, stated in the README's data section): exit 2, one line naming the
+are now bounded (neutrain.data.bounds, stated in docs/models-and-data.md): exit 2, one line naming the
 file and the row.
 """
 
