@@ -416,8 +416,10 @@ def throughput_part(args, log, device):
                     out["fused_steps"] = cache.fused_steps
                 out.update(kernel_record(model, cache, b))  # after timing, as the full cache's
                 peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+                # reserved above allocated: what the allocator's fragmentation cost
+                reserved = torch.cuda.max_memory_reserved() / GIB if cuda else None
                 return {"batch": b, **out, **sizing, "oom_retries": attempt, **stats, "peak_gpu_gib": peak,
-                        "predicted_peak_gib": budget.predicted_peak(b, per_seq) / GIB}
+                        "peak_reserved_gib": reserved, "predicted_peak_gib": budget.predicted_peak(b, per_seq) / GIB}
             except torch.OutOfMemoryError as exc:
                 failure = f"OutOfMemoryError at batch {b}: {str(exc)[:200]}"
             # Outside the handler: the traceback (and the half-built cache its frames hold) is gone now.
