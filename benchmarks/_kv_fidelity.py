@@ -259,10 +259,14 @@ def fidelity_part(args, device, log):
     configs = {**real_configs(model, ctx, min_similarity), **baseline_configs()}
     seconds = {}
     diagnosis = {"skipped": "the run's time budget (--budget-seconds)"}
+    if args.skip_diagnosis:
+        diagnosis = {"skipped": "--skip-diagnosis"}
     for n, label in enumerate(FIDELITY_ORDER):
-        if n == DIAGNOSE_AFTER and DEADLINE.left() >= args.reserve_seconds:
+        if n == DIAGNOSE_AFTER and not args.skip_diagnosis and DEADLINE.left() >= args.reserve_seconds:
             # The same measurements as on the real model (neutrain/eval/kv/diagnose.py), on the trained model.
             diagnosis = diagnose_model(model, tok, samples["niah_single"][: args.diag_samples], ctx, log)
+        if args.only and label not in args.only:
+            continue
         kind, options = configs[label]
         if DEADLINE.left() < args.reserve_seconds:
             results[label] = {"kv": label, "options": options, "skipped": "the run's time budget (--budget-seconds)"}

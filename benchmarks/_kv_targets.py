@@ -41,6 +41,46 @@ def real_targets(results: dict) -> dict:
 MINICACHE_THROUGHPUT_ROWS = {"minicache_merge": "minicache_merge", "minicache_merge_4bit": "minicache_merge_4bit",
                              "minicache_4bit_only": "minicache_4bit_only"}
 PRESSES = ("kvpress_snapkv", "kvpress_streamingllm", "kvpress_expected_attention")
+# Every throughput row -> the accuracy settings that stand beside it (the same cache and options): the pruned
+# cache's decode stands for every press at its ratio, the restore path decodes the same store as the fused one.
+ROW_ACCURACY = {"full": ("full",), "full_repeat": ("full",), "shadowkv": ("shadowkv_paper_scaled",),
+                **{row: (acc,) for row, acc in MINICACHE_THROUGHPUT_ROWS.items()},
+                "minicache_merge_4bit_restore": ("minicache_merge_4bit",), "kvpress_pruned": PRESSES,
+                "quantized_cache_4bit": ("quantized_cache_4bit",)}
+
+
+def _accuracy_of(part: dict, label: str, what: str) -> dict:
+    """One setting's accuracy in a part's record (``fidelity`` or ``real``), or why there is none."""
+    if not part or "gap_points" not in part:
+        return {"setting": label, "missing": f"no {what} accuracy in this run: {part.get('skipped', 'not run')}"
+                if part else f"no {what} accuracy in this run"}
+    out = {"setting": label}
+    if part.get("recorded_from"):
+        out["recorded_from"] = part["recorded_from"]
+    gap = part["gap_points"].get(label)
+    if gap is None:
+        cache = part.get("caches", {}).get(label, {})
+        reason = (cache.get("unavailable") or cache.get("error") or cache.get("skipped")
+                  or ("not in the recorded run" if part.get("recorded_from") else "setting not evaluated"))
+        return {**out, "missing": reason}
+    out.update(gap_points=gap, accuracy=None if part.get("full_cache_accuracy") is None
+               else round(part["full_cache_accuracy"] - gap, 2))
+    overall = part.get("caches", {}).get(label, {}).get("overall", {})
+    if "compression_ratio" in overall:
+        out["compression_ratio"] = round(overall["compression_ratio"], 3)
+    return out
+
+
+def attach_accuracy(results: dict) -> None:
+    """Put beside every throughput row the accuracy of its setting on the retrieval model and on the real model
+    (this run's, or the recorded run's, cited), or the reason it has none: a throughput figure counts only
+    beside its accuracy."""
+    fidelity, real = results.get("fidelity", {}), results.get("real", {})
+    for rows in results.get("throughput", {}).get("contexts", {}).values():
+        for label, row in rows.items():
+            settings = ROW_ACCURACY.get(label, (label,))
+            row["accuracy"] = {"retrieval_model": [_accuracy_of(fidelity, s, "retrieval-model") for s in settings],
+                               "real_model": [_accuracy_of(real, s, "real-model") for s in settings]}
 
 
 def minicache_throughput_target(at64: dict, gaps: dict, entry) -> dict:

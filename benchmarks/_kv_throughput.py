@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import sys
 import time
 
@@ -22,9 +23,12 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
+from benchmarks._gpu_state import around, attention_kernel
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
+from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_build_bytes_per_seq)
 from neutrain import compat
 from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv
+from neutrain.eval.kv.minicache_attention import pair_state
 
 def llama3_8b_config():
     return transformers.LlamaConfig(
@@ -53,6 +57,12 @@ class PreallocatedLayer(DynamicLayer):
         return self.length
 
 
+def _rewind(cache, length: int) -> None:
+    """Put a preallocated full cache back at ``length`` tokens: every timing of it starts from the same context."""
+    for layer in cache.layers:
+        layer.length = length
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -71,6 +81,20 @@ def _decode_rate(model, cache, batch, steps, warmup=2):
         _sync()
     dt = time.perf_counter() - t0
     return batch * steps / dt, dt / steps * 1e3
+
+
+def timed(model, cache, batch, steps, warmup: int = 2) -> dict:
+    """Decode tokens/s and ms a step of ``cache`` at ``batch``, with the GPU's clocks, power and temperature
+    on either side of the timed steps (``benchmarks/_gpu_state.py``)."""
+    (tps, ms), state = around(lambda: _decode_rate(model, cache, batch, steps, warmup))
+    return {"tokens_per_s": tps, "ms_per_step": ms, "gpu_state": state}
+
+
+def kernel_record(model, cache, batch) -> dict:
+    """The attention ops one more decode step runs, and the kernel they name (after timing: the profiler
+    costs nothing above)."""
+    ops = attention_ops(model, cache, batch)
+    return {"attention_ops": ops, "attention_kernel": attention_kernel(ops)}
 
 
 def attention_ops(model, cache, batch) -> dict[str, int]:
@@ -182,7 +206,13 @@ def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: in
     return cache
 
 
-def _minicache(model, cfg, batch, ctx, device, chunk: int = 4096, **options):
+MINICACHE_CHUNK = 1024
+"""Tokens per block of the throughput part's MiniCache prefill: a merged pair's block goes through SLERP in
+fp32 at ~48 bytes an element (``_kv_sizing.MERGE_BLOCK_BYTES``), 48 MiB a sequence at 1,024 tokens of
+Llama-3-8B's keys against 190 MiB at 4,096, and that is memory the batch cannot use."""
+
+
+def _minicache(model, cfg, batch, ctx, device, chunk: int = MINICACHE_CHUNK, **options):
     """A MiniCache after a ``ctx``-token prefill of random states, merged for real.
 
     The prompt is fed in blocks of ``chunk`` tokens, every layer per block (a chunked prefill), each
@@ -202,6 +232,15 @@ def _minicache(model, cfg, batch, ctx, device, chunk: int = 4096, **options):
             if layer.role == "second" and layer.pair.keys.residual_length():
                 cache._merge(layer.pair)
     cache.merge_every = None
+    return cache
+
+
+def _prepare_fused(cache: MiniCache) -> MiniCache:
+    """Build what the fused decode's first step would (each merged side's per-token factors and padded
+    retained rows), so that ``stored_bytes`` counts it before a batch is sized by it."""
+    for layer in cache.layers:
+        if layer.role != "exact" and layer.pair.keys.merged_tokens:
+            pair_state(layer.pair, layer.side)
     return cache
 
 
@@ -246,15 +285,28 @@ def _host_gib(requested: float) -> float:
     return max(0.05, min(requested, 0.8 * avail))
 
 
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+"""The SDPA backends the full cache is timed under, each forced in turn beside the dispatcher's own choice:
+its 64K figure moved from 132 to 78 to 64 tokens/s between H100 runs of the same code and batch, and the
+backend the dispatcher picks is the first suspect. The baseline is the fastest of them."""
+
+
+def smoke_config(size: str):
+    """The stand-in model of a CPU smoke run and the card it pretends to have (numbers mean nothing there).
+    ``small``: 4 x 256, ~20 MiB of KV headroom beside the 0.5 GiB margin; ``tiny``: 4 x 128 for a test."""
+    hidden = 128 if size == "tiny" else 256
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    return cfg, int(0.52 * GIB)
+
+
 def throughput_part(args, log, device):
     from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention
     from neutrain.kernels import minicache_attention as mc_kernels
     from neutrain.kernels import shadowkv as skv_kernels
 
-    if args.smoke:  # tiny stand-in on CPU: exercises the code, numbers mean nothing
-        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                                       num_key_value_heads=2, vocab_size=128)
-        total = int(0.52 * 2**30)  # ~20 MiB of KV headroom beside the 0.5 GiB margin: small batches for the interpreter
+    if args.smoke:  # stand-in on CPU: exercises the code, numbers mean nothing
+        cfg, total = smoke_config(args.smoke)
     else:
         cfg = llama3_8b_config()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -267,27 +319,48 @@ def throughput_part(args, log, device):
     kv_per_token = 2 * layers * heads * d * 2
     v_host_per_token = kv_per_token // 2
     host_gib = args.host_gib if args.smoke else _host_gib(args.host_gib)
-    host_bytes = int(host_gib * 2**30)
+    host_bytes = int(host_gib * GIB)
     t0 = time.perf_counter()
     # Page-locking faults every page in (zero-filled by the OS): no fill needed, and decode cost ignores values.
     host_values = torch.empty(host_bytes // 2, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
     log(f"pinned {host_gib:.1f} GiB host buffer in {time.perf_counter() - t0:.1f}s")
-    results = {"weights_gib": weights / 2**30, "card_gib": total / 2**30, "host_pinned_gib": host_gib,
-               "pin_seconds": round(time.perf_counter() - t0, 1), "contexts": {},
+    budget = Budget(card=total, weights=weights, margin=int(args.margin_gib * GIB))
+    cuda = device.type == "cuda"
+    results = {"weights_gib": weights / GIB, "card_gib": total / GIB, "host_pinned_gib": host_gib,
+               "pin_seconds": round(time.perf_counter() - t0, 1), "margin_gib": args.margin_gib, "contexts": {},
                # Importing kvpress wraps every registered attention function, the full cache's included: a
                # throughput run after that import times the wrapper too (kv_eval.json at bc2f79f did).
-               "kvpress_imported": "kvpress" in sys.modules}
-    headroom = total - weights - int(args.margin_gib * 2**30)
+               "kvpress_imported": "kvpress" in sys.modules,
+               "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")}
     rank, outliers = (160, 48) if not args.smoke else (16, 2)
+    chunk = MINICACHE_CHUNK if not args.smoke else 128
+    warm = 1 if args.smoke == "tiny" else 2  # the tiny smoke's fused kernel runs in the interpreter: a few calls
 
     def full(ctx):
-        # Largest batch whose K+V (+ decode steps) fits beside the weights.
-        b = max(1, headroom // (kv_per_token * (ctx + 16)))
+        # Largest batch whose K+V (+ the decode's working memory) fits beside the weights; no build transient.
+        per_seq = kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx)
+        b = budget.batch(per_seq)
         cache = _full_cache(cfg, b, ctx, 16, device)
-        tps, ms = _decode_rate(model, cache, b, args.steps)
-        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms,
-                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / 2**30, "host_gib": 0.0,
-                "attention_ops": attention_ops(model, cache, b)}  # after timing: the profiler costs nothing above
+        out = {"batch": b, **timed(model, cache, b, args.steps, warm), "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB,
+               "host_gib": 0.0, **kernel_record(model, cache, b)}
+        # The same cache under each SDPA backend forced, from the same length: the baseline is the fastest.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = {"default_dispatch": {k: out[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}}
+        for name in SDPA_BACKENDS if cuda else ("FLASH_ATTENTION",):
+            _rewind(cache, ctx)
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    row = timed(model, cache, b, args.steps, warm)
+                    _rewind(cache, ctx)
+                    row.update(kernel_record(model, cache, b))
+                backends[name.lower()] = {k: row[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}
+            except RuntimeError as exc:  # this backend does not take these shapes (or is not built here)
+                backends[name.lower()] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        best = max((k for k in backends if "tokens_per_s" in backends[k]), key=lambda k: backends[k]["tokens_per_s"])
+        out.update(sdpa_backends=backends, baseline_backend=best, default_dispatch_tokens_per_s=out["tokens_per_s"],
+                   tokens_per_s=backends[best]["tokens_per_s"], ms_per_step=backends[best]["ms_per_step"])
+        return out
 
     def shadowkv(ctx):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,
@@ -296,6 +369,7 @@ def throughput_part(args, log, device):
         per_seq = int(1.1 * layers * 2 * (ctx * rank + chunks * heads * (d + 4)
                                           + (outliers * 8 + 64 + 2 * 1024) * 2 * heads * d))
         v_per_seq = v_host_per_token * ctx
+        headroom = budget.headroom
         b_host = host_bytes // v_per_seq
         if b_host * per_seq >= headroom:
             b, rows = max(1, headroom // per_seq), 0
@@ -306,91 +380,102 @@ def throughput_part(args, log, device):
         try:
             before = skv_kernels.COUNTERS["gather_chunks"]
             cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            tps, ms = _decode_rate(model, cache, b, args.steps)
+            out = timed(model, cache, b, args.steps, warm)
             stats = cache.stats()
-            split = shadowkv_step_split(model, cache, b) if device.type == "cuda" else {"skipped": "needs CUDA events"}
-            ops = attention_ops(model, cache, b)
+            split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
+            out.update(kernel_record(model, cache, b))
             log(f"ctx {ctx} shadowkv step split (ms): {split}")
         finally:
             disable_shadowkv(model)
-        return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, "tokens_per_s": tps,
-                "ms_per_step": ms, "gpu_kv_gib": stats["device_bytes"] / 2**30,
-                "host_gib": stats["host_bytes"] / 2**30, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
+        return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, **out,
+                "gpu_kv_gib": stats["device_bytes"] / GIB,
+                "host_gib": stats["host_bytes"] / GIB, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
                 "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split,
-                "attention_ops": ops,
-                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+                "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
 
-    # Per decode step a compressed store is read back to bf16, one layer at a time: unpacked codes,
-    # their bf16 copy, the dequantized and the concatenated tensor, for keys and values, and for a merged
-    # pair the shared direction kept for its second layer. Measured on an H200 at 64K (kv_eval_gpu_smoke_h200):
-    # MiniCache merge + 4-bit ran out of memory at 31 sequences with 16 bytes an element budgeted (so 40
-    # for it); QuantizedCache fitted at 16.
-    restore_per_seq = lambda ctx, per_element: per_element * heads * ctx * d  # noqa: E731
-
-    def sized_run(ctx, build, stored_of, per_element):
-        """Build one sequence to measure its stored bytes, size the batch by them, build and time it;
-        on an out-of-memory error retry at 3/4 of the batch (twice at most)."""
-        per_seq = stored_of(build(1))
-        b = max(1, int(headroom // (per_seq + restore_per_seq(ctx, per_element))))
-        if args.smoke:  # the fused kernel runs in Triton's CPU interpreter there: a few sequences, not dozens
-            b = min(b, 2)
+    def sized_run(ctx, build, stored_of, transient_per_seq):
+        """Build one sequence to measure what it stores, size the batch by that plus the build's and the decode's
+        transient memory (``_kv_sizing``), build and time it; on an out-of-memory error retry at 3/4 of the batch
+        (twice at most), the failed attempt's memory freed first."""
+        stored = stored_of(build(1))
+        per_seq = stored + transient_per_seq
+        b = budget.batch(per_seq, cap={"small": 2, "tiny": 1}.get(args.smoke))  # the smoke's kernel is interpreted
+        sizing = {"stored_gib_per_seq": stored / GIB, "transient_gib_per_seq": transient_per_seq / GIB,
+                  "sized_batch": b}
         for attempt in range(3):
-            cache = None
+            failure = None
             try:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 cache = build(b)
                 stats = cache.stats()
-                tps, ms = _decode_rate(model, cache, b, args.steps)
-                extra = {"fused_steps": cache.fused_steps} if hasattr(cache, "fused_steps") else {}
-                extra["attention_ops"] = attention_ops(model, cache, b)  # after timing, as the full cache's
-                return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "stored_gib_per_seq": per_seq / 2**30,
-                        "oom_retries": attempt, **stats, **extra}
-            except torch.OutOfMemoryError:
-                del cache
-                gc.collect()
+                out = timed(model, cache, b, args.steps, warm)
+                if hasattr(cache, "fused_steps"):
+                    out["fused_steps"] = cache.fused_steps
+                out.update(kernel_record(model, cache, b))  # after timing, as the full cache's
+                peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+                # reserved above allocated: what the allocator's fragmentation cost
+                reserved = torch.cuda.max_memory_reserved() / GIB if cuda else None
+                return {"batch": b, **out, **sizing, "oom_retries": attempt, **stats, "peak_gpu_gib": peak,
+                        "peak_reserved_gib": reserved, "predicted_peak_gib": budget.predicted_peak(b, per_seq) / GIB}
+            except torch.OutOfMemoryError as exc:
+                failure = f"OutOfMemoryError at batch {b}: {str(exc)[:200]}"
+            # Outside the handler: the traceback (and the half-built cache its frames hold) is gone now.
+            cache = None
+            gc.collect()
+            if cuda:
                 torch.cuda.empty_cache()
-                if attempt == 2 or b == 1:
-                    raise
-                b = max(1, b * 3 // 4)
+            if attempt == 2 or b == 1:
+                raise torch.OutOfMemoryError(failure)
+            log(f"ctx {ctx}: {failure}; retrying at {max(1, b * 3 // 4)}")
+            b = max(1, b * 3 // 4)
 
     def minicache(ctx, quant_bits, fused=True, start_layer=None):
-        # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it. The fused
-        # decode reads the stores in place, so no per-step restore copy is budgeted (the restore path: 40 bytes
-        # an element, above).
+        # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it (with the
+        # fused decode's factors and retained rows). The restore path also copies one layer per step.
         opts = dict(gamma=0.05, quant_bits=quant_bits, quant_group=64, fused_decode=fused, start_layer=start_layer)
+        merged = start_layer is None or start_layer < layers - 1
+        transient = max(minicache_build_bytes_per_seq(cfg, ctx, chunk, quant_bits, merged),
+                        decode_bytes_per_seq(cfg, ctx, None if fused else "minicache"))
         before = dict(mc_kernels.COUNTERS)
         if fused:
             enable_minicache_attention(model)
         try:
-            out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, **opts), lambda c: c.stored_bytes(),
-                            0 if fused else 40)
+            out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, chunk=chunk, **opts),
+                            lambda c: (_prepare_fused(c) if fused else c).stored_bytes(), transient)
         finally:
             disable_minicache_attention(model)
-        out["gpu_kv_gib"] = out.pop("stored_bytes") / 2**30
+        out["gpu_kv_gib"] = out.pop("stored_bytes") / GIB
         out["kernel_calls"] = mc_kernels.COUNTERS["calls"] - before["calls"]
-        return {**out, "merge": "prefill only (chunks of 4,096 tokens)" if start_layer is None else "none (4-bit only)",
+        if out["kernel_calls"] and "triton:minicache" not in (out["attention_kernel"] or ""):
+            # Triton's CPU interpreter runs the kernel as Python: no profiler op names it (the smoke run)
+            out["attention_kernel"] = "+".join(filter(None, ["triton:minicache", out["attention_kernel"]]))
+        return {**out, "merge": f"prefill only (chunks of {chunk:,} tokens)" if merged else "none (4-bit only)",
                 "decode": "fused kernel over the stores" if fused else "restore to bf16, then SDPA"}
 
     def quantized(ctx):
-        out = sized_run(ctx, lambda b: _quantized_cache(model, cfg, b, ctx, device), lambda c: c.stats()["device_bytes"], 16)
-        out["gpu_kv_gib"] = out.pop("device_bytes") / 2**30
+        out = sized_run(ctx, lambda b: _quantized_cache(model, cfg, b, ctx, device), lambda c: c.stats()["device_bytes"],
+                        decode_bytes_per_seq(cfg, ctx, "quantized"))
+        out["gpu_kv_gib"] = out.pop("device_bytes") / GIB
         return {**out, "backend": "quanto (torch unpack), 4-bit, group 64, residual 128"}
 
     def pruned(ctx):
         kept = int(round(ctx * (1 - PRESS_RATIO)))
         # DynamicCache re-copies a layer per step (torch.cat): one layer's K+V of headroom for that.
-        b = max(1, int(headroom * layers / (layers + 1)) // (kv_per_token * (kept + 16)))
+        b = max(1, int(budget.headroom * layers / (layers + 1)) // (kv_per_token * (kept + 16)))
         cache = _pruned_cache(cfg, b, kept, ctx, device)
-        tps, ms = _decode_rate(model, cache, b, args.steps)
-        return {"batch": b, "tokens_per_s": tps, "ms_per_step": ms, "kept_tokens": kept,
-                "attention_ops": attention_ops(model, cache, b),
-                "gpu_kv_gib": kv_per_token * kept * b / 2**30, "compression_ratio": ctx / kept,
+        return {"batch": b, **timed(model, cache, b, args.steps, warm), "kept_tokens": kept, **kernel_record(model, cache, b),
+                "gpu_kv_gib": kv_per_token * kept * b / GIB, "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
+    reserve = getattr(args, "accuracy_seconds", 0) or 0
+
     def guarded(label, fn, *a):
-        if DEADLINE.left() < 35:  # the longest row (MiniCache at 64K, an out-of-memory retry) takes ~30 s
-            out = {"skipped": "the run's time budget (--budget-seconds)"}
+        if DEADLINE.left() < 35 + reserve:  # the longest row (MiniCache at 64K, an out-of-memory retry) takes ~30 s
+            out = {"skipped": "the run's time budget (--budget-seconds"
+                              + (f", less {reserve:.0f} s kept for the accuracy parts)" if reserve else ")")}
         else:
             start = time.time()
             try:
@@ -399,24 +484,27 @@ def throughput_part(args, log, device):
                 out = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             out["seconds"] = round(time.time() - start, 1)
         gc.collect()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
         log(f"{label}: {out}")
         return out
 
     # MiniCache: the fused decode for each setting, "4-bit only" (what merging only similar pairs leaves when
     # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
+    # The full cache again at the end: a baseline that moved within the call shows there.
     runs = [("full", full, ()), ("shadowkv", shadowkv, ()), ("minicache_merge_4bit", minicache, (4,)),
             ("kvpress_pruned", pruned, ()), ("minicache_4bit_only", minicache, (4, True, layers)),
-            ("minicache_merge", minicache, (None,)), ("minicache_merge_4bit_restore", minicache, (4, False)),
-            ("quantized_cache_4bit", quantized, ())]
+            ("minicache_merge", minicache, (None,)), ("full_repeat", full, ()),
+            ("minicache_merge_4bit_restore", minicache, (4, False)), ("quantized_cache_4bit", quantized, ())]
     for ctx in args.contexts:  # the most important measurements of every context first
         results["contexts"][str(ctx)] = {}
     for label, fn, extra in runs:
         for ctx in args.contexts:
             row = results["contexts"][str(ctx)]
             row[label] = guarded(f"ctx {ctx} {label}", fn, ctx, *extra)
-            if label != "full" and "tokens_per_s" in row[label] and "tokens_per_s" in row["full"]:
-                row[label]["speedup_vs_full"] = row[label]["tokens_per_s"] / row["full"]["tokens_per_s"]
+            full_row = row["full"]
+            if label != "full" and "tokens_per_s" in row[label] and "tokens_per_s" in full_row:
+                row[label]["speedup_vs_full"] = row[label]["tokens_per_s"] / full_row["tokens_per_s"]
+                row[label]["speedup_vs_full_default_dispatch"] = (row[label]["tokens_per_s"]
+                                                                  / full_row["default_dispatch_tokens_per_s"])
     return results
-

@@ -27,6 +27,7 @@ if ! have kvpress; then
   add .whl/kvpress-*.whl
   have cachetools || add .whl/cachetools-*.whl
   have fire || add .whl/fire-*.whl
+  have six || add .whl/six-*.whl  # fire's; the GPU image has it
   have termcolor || add .whl/termcolor-*.whl
 fi
 have optimum.quanto || add .whl/optimum_quanto-*.whl

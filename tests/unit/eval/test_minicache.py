@@ -8,7 +8,7 @@ from neutrain.eval.kv import MiniCache
 from neutrain.eval.kv.minicache import retention_mask, slerp_merge
 from neutrain.eval.kv.quant import QuantizedTokenStore, pack_nibbles, unpack_nibbles
 
-from eval_helpers import decode_logits, tiny_llama
+from eval_helpers import LiveBytes, decode_logits, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +312,17 @@ def test_store_keeps_what_update_keeps(quant_bits):
             torch.testing.assert_close(b.key_store.read(), a.key_store.read(), atol=0, rtol=0)
         else:
             torch.testing.assert_close(b.pair.values.read(b.side), a.pair.values.read(a.side), atol=0, rtol=0)
+
+
+def test_a_quantized_store_keeps_no_view_of_the_block_it_was_given():
+    """After quantizing, the few tokens left over are copied out: a view of them kept the whole appended block
+    alive (a prompt's bf16 keys behind every 4-bit layer, which ``nbytes`` did not count; the 32K throughput run
+    ran out of memory on it)."""
+    store = QuantizedTokenStore(axis="channel", bits=4, group=8)
+    with LiveBytes() as live:
+        block = torch.randn(2, 2, 8 * 40 + 3, 16)
+        store.append(block)
+        del block
+        assert store.residual.shape[-2] == 3
+        assert store.residual.untyped_storage().nbytes() == store.residual.numel() * store.residual.element_size()
+        assert live.now == store.nbytes  # nothing alive but what the store counts

@@ -36,6 +36,18 @@ def test_missing_package_is_one_clear_error(monkeypatch):
         smollm2_gguf()
 
 
+def test_a_named_gguf_file_stands_in_for_the_package(monkeypatch, tmp_path):
+    """A device script that put the file together from carried parts names it: no package needed."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    path = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path.write_bytes(b"GGUF")
+    monkeypatch.setenv("NEUTRAIN_SMOLLM2_GGUF", str(path))
+    assert smollm2_gguf() == path
+    monkeypatch.setenv("NEUTRAIN_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
+    with pytest.raises(RealModelUnavailable, match="names no file"):
+        smollm2_gguf()
+
+
 @needs_smollm2
 def test_smollm2_loads_as_llama_with_its_tokenizer_and_retrieves_a_needle():
     """The packaged GGUF becomes a LlamaForCausalLM; with the full cache it finds the needle at 256 tokens."""

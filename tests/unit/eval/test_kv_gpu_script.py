@@ -1,0 +1,46 @@
+"""benchmarks/gpu_kv.sh, the KV table's one device call, runs its whole path on CPU with SMOKE=1 (stand-in shapes,
+the settings beside the throughput rows; ~20 s on 2 cores): its record has every throughput row with its batch,
+attention kernel and GPU state (or the reason it did not run), and beside each its accuracy on the retrieval model
+and on the real model (or the reason there is none)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python3"  # the script calls python3: this interpreter (a symlink would lose its venv)
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NEUTRAIN_SMOLLM2_GGUF")}
+    env.update(SMOKE="1", OUT=str(out), NEUTRAIN_GIT_COMMIT="0" * 40, NEUTRAIN_GIT_DIRTY="1",
+               PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT))
+    res = subprocess.run(["bash", "benchmarks/gpu_kv.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = (out / "kv_eval.log").read_text() if (out / "kv_eval.log").exists() else ""
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:] + log[-3000:]
+    record = json.loads((out / "kv_eval_smoke.json").read_text())
+    rows = record["results"]["throughput"]["contexts"]["128"]
+    assert {"full", "shadowkv", "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge", "kvpress_pruned",
+            "full_repeat", "minicache_merge_4bit_restore", "quantized_cache_4bit"} <= set(rows)
+    for label, row in rows.items():
+        if "error" in row or "skipped" in row:  # e.g. QuantizedCache without optimum-quanto: the reason is kept
+            assert (row.get("error") or row.get("skipped")).strip(), label
+        else:
+            assert row["batch"] >= 1 and row["tokens_per_s"] > 0, label
+            assert row["attention_kernel"], (label, row.get("attention_ops"))
+            assert {"before", "after"} <= set(row["gpu_state"]) and "sm_clock_mhz" in row["gpu_state"]["after"], label
+        for model in ("retrieval_model", "real_model"):
+            entries = row["accuracy"][model]
+            assert entries and all("gap_points" in e or e.get("missing") for e in entries), (label, model, entries)
+    assert "triton:minicache" in rows["minicache_merge_4bit"]["attention_kernel"]
+    assert set(rows["full"]["sdpa_backends"]) >= {"default_dispatch", "flash_attention"}
+    assert record["results"]["fidelity"]["caches"]["full"]["overall"]["samples"] >= 1
+    assert "shadowkv_throughput_over_full_64k" in record["targets"]
+    assert "x full" in res.stdout  # the summary table the device call prints
