@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--train", type=Path)
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--export", type=Path, help="the `neutrain export --format neuzip` directory")
+    ap.add_argument("--results-dir", type=Path, help="where offload.json is merged and written (default benchmarks/results)")
     ap.add_argument("--checkpoint-record", type=Path,
                     help="--describe's output for the first run's checkpoint, written before it was deleted")
     ap.add_argument("--steps", type=int, default=5)
@@ -133,7 +134,8 @@ def main() -> int:
     # One offload.json: the parts benchmarks/offload.py measured in this call (if any) keep their place.
     merged_results, settings = {}, {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps,
                                     "tokens_per_step": TOKENS_PER_STEP}
-    for base in (Path(os.environ["OUT"]) if os.environ.get("OUT") else None, RESULTS_DIR):
+    results_dir = args.results_dir or RESULTS_DIR
+    for base in (Path(os.environ["OUT"]) if os.environ.get("OUT") else None, results_dir):
         prior = base / "offload.json" if base else None
         if prior and prior.exists():
             old = json.loads(prior.read_text())
@@ -142,7 +144,7 @@ def main() -> int:
             targets = {**{k: v for k, v in old.get("targets", {}).items() if not k.startswith("h100_70b")}, **targets}
             break
     merged_results["70b_recipe"] = results
-    write_result("offload", settings, merged_results, targets=targets)
+    write_result("offload", settings, merged_results, targets=targets, out_dir=results_dir)
     print(json.dumps({"targets": targets, "gate_ok": ok, "device_used_gib": results["device_used_gib"]}, indent=1))
     return 0 if ok else 1
 

@@ -107,7 +107,10 @@ def _offload_recipe(tmp_path: Path, *args: str) -> tuple[int, dict]:
 
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), *args], cwd=ROOT,
+    results = tmp_path / "results"  # never the repository's benchmarks/results
+    results.mkdir(exist_ok=True)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), *args,
+                          "--results-dir", str(results)], cwd=ROOT,
                          env={**os.environ, "OUT": str(out), "NEUTRAIN_GIT_COMMIT": "0" * 40, "NEUTRAIN_GIT_DIRTY": "0"},
                          capture_output=True, text=True, timeout=120)
     record = out / "offload.json"
