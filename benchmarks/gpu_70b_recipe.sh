@@ -10,10 +10,10 @@
 # STAGES=train,resume,export (default) or a part of them, in back-to-back device calls when one is too short:
 # the machine keeps /tmp and /dev/shm while it is warm, and the stage times and nvidia-smi samples are kept
 # in STATE (on /tmp) so the last call's record has them all. About 5 minutes for train, 7 for resume+export.
-# Disk and host memory of a 2-GPU H100 machine (128 GiB disk, 256 GiB host): the compressed 70B checkpoint
-# is ~89 GiB and the run pins ~87 GiB of layers. The first run saves to RUN_DIR on disk; the resumed run
-# saves to RESUME_DIR in /dev/shm; the export stage deletes the first run's checkpoint (this script's own
-# scratch, already resumed from and recorded) so the export can go to disk beside nothing else.
+# Disk and host memory: the compressed 70B checkpoint is ~89 GiB and the run pins ~87 GiB of layers. The
+# first run saves to RUN_DIR on disk; the resumed run saves to RESUME_DIR in /dev/shm; the export goes to
+# disk. On a 128 GiB disk (2-GPU machine) the export stage first deletes the first run's checkpoint (this
+# script's own scratch, already resumed from and recorded); a 4-GPU machine's 235 GiB disk holds both.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
@@ -39,39 +39,43 @@ echo "memory.device_budget_gib=$BUDGET on $(nvidia-smi --query-gpu=name --format
 free -g | head -2; df -h /tmp /dev/shm | tail -2
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 >> "$STATE/nvsmi_70b.csv" &
 smi=$!
-stage() {  # name seconds rc; the logs go to $OUT at once: a call cut by its time limit keeps them
+stage() {  # name seconds rc; each command logs straight into $OUT (a call cut by its limit keeps it), and STATE
+  # keeps a copy for the record of a later call
   echo "$1_s=$2" >> "$STATE/70b_stages.txt"; echo "$1_rc=$3" >> "$STATE/70b_stages.txt"
-  cp "$STATE"/70b_*.log "$STATE"/70b_stages.txt "$OUT/" 2>/dev/null
+  cp "$OUT/70b_$1.log" "$STATE/" 2>/dev/null; cp "$STATE/70b_stages.txt" "$OUT/"
 }
 if [[ $STAGES == *train* ]]; then
   t0=$SECONDS
   accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$STEPS" train.save_steps="$STEPS" \
-    memory.device_budget_gib="$BUDGET" train.output_dir="$RUN_DIR" > "$STATE/70b_train.log" 2>&1
-  rc=$?; echo "70b train rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$STATE/70b_train.log"
+    memory.device_budget_gib="$BUDGET" train.output_dir="$RUN_DIR" > "$OUT/70b_train.log" 2>&1
+  rc=$?; echo "70b train rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_train.log"
   stage train $((SECONDS - t0)) $rc
 fi
 if [[ $STAGES == *resume* ]]; then
   t0=$SECONDS
   accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$((STEPS + 1))" train.save_steps="$((STEPS + 1))" \
     memory.device_budget_gib="$BUDGET" train.output_dir="$RESUME_DIR" train.resume_from_checkpoint="$RUN_DIR/checkpoint-$STEPS" \
-    > "$STATE/70b_resume.log" 2>&1
-  rc=$?; echo "70b resume rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$STATE/70b_resume.log"
+    > "$OUT/70b_resume.log" 2>&1
+  rc=$?; echo "70b resume rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_resume.log"
   stage resume $((SECONDS - t0)) $rc
 fi
 if [[ $STAGES == *export* ]]; then
   resumed="$RESUME_DIR/checkpoint-$((STEPS + 1))"
   if [ -d "$resumed" ] && [ -d "$RUN_DIR/checkpoint-$STEPS" ]; then
-    # Recorded before the first run's checkpoint is deleted to make room for the export on disk.
     python3 benchmarks/offload_recipe.py --describe "$RUN_DIR/checkpoint-$STEPS" > "$STATE/70b_checkpoint.json"
-    rm -rf "$RUN_DIR/checkpoint-$STEPS"
+    mkdir -p "$(dirname "$EXPORT_DIR")"
+    free_gib=$(( $(df --output=avail -k "$(dirname "$EXPORT_DIR")" | tail -1) / 1048576 ))
+    if [ "$free_gib" -lt 95 ]; then  # a 128 GiB disk: the first run's checkpoint (recorded above) makes room
+      echo "export: ${free_gib} GiB free on disk: deleting $RUN_DIR/checkpoint-$STEPS (resumed from, recorded)"
+      rm -rf "$RUN_DIR/checkpoint-$STEPS"
+    fi
   fi
   t0=$SECONDS
-  neutrain export "$resumed" --format neuzip --output "$EXPORT_DIR" > "$STATE/70b_export.log" 2>&1
-  rc=$?; echo "70b export rc=$rc ($((SECONDS - t0)) s)"; tail -n 8 "$STATE/70b_export.log"
+  neutrain export "$resumed" --format neuzip --output "$EXPORT_DIR" > "$OUT/70b_export.log" 2>&1
+  rc=$?; echo "70b export rc=$rc ($((SECONDS - t0)) s)"; tail -n 8 "$OUT/70b_export.log"
   stage export $((SECONDS - t0)) $rc
 fi
 kill "$smi" 2>/dev/null
-cp "$STATE"/70b_*.log "$STATE"/70b_stages.txt "$OUT/" 2>/dev/null
 python3 benchmarks/offload_recipe.py --train "$RUN_DIR" --resume "$RESUME_DIR" --steps "$STEPS" \
   --nvsmi "$STATE/nvsmi_70b.csv" --stages "$STATE/70b_stages.txt" --checkpoint-record "$STATE/70b_checkpoint.json" \
   --export "$EXPORT_DIR"

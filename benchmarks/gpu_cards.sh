@@ -9,6 +9,8 @@
 #   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the journeys J1 and timing runs T1 (T1= for none)
 #                   (defaults: b1_none,b1_11,b8_none,b8_7 and none)
 #   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call; T= for none)
+#   STAGE=spread:   GPU k runs the GPU suite first if SUITE=k, then journeys J_k and timing runs T_k, every GPU
+#                   at once, work in /dev/shm (a 4-GPU machine: J_0=22 J_1=14.5 J_2=11 J_3=7 in one call)
 # With one GPU, STAGE's two lists run one after the other on it.
 # Disk: a journey holds up to ~46 GiB (three 10 GiB checkpoints and a 15 GiB export) until it is cleaned:
 # GPU1's work (the offloaded budgets) goes in /dev/shm, GPU0's on disk.
@@ -38,6 +40,21 @@ suite() {
   tail -n 3 "$OUT/gpu_suite.log"
 }
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$STAGE" = spread ]; then
+  for k in $(seq 0 $((ngpu - 1))); do
+    j="J_$k"; t="T_$k"
+    if [ -z "${!j-}${!t-}" ] && [ "${SUITE-}" != "$k" ]; then continue; fi
+    (
+      export CUDA_VISIBLE_DEVICES=$k
+      if [ "${SUITE-}" = "$k" ]; then suite; fi
+      if [ -n "${!j-}${!t-}" ]; then cards "g$k" "${!j-}" "${!t-}" "/dev/shm/cards_g$k"; fi
+    ) &
+  done
+  wait
+  grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
+  echo "done in ${SECONDS}s"
+  exit 0
+fi
 if [ "$STAGE" = one ]; then
   cards one "${J-11}" "${T-b1_none,b1_11}" /dev/shm/cards_one
   grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
