@@ -364,9 +364,9 @@ class NeuTrainer(Trainer):
         with phase("resume"):
             loaded = self.distributed_mode.load_model(self, resume_from_checkpoint, model, self._load_whole_weights)
             if torch.cuda.is_available():
-                # Each loaded blob was allocated while the one it replaces was still alive, so the freed
-                # blobs leave holes between live ones: the resumed run's first step then reserved 13.48 GiB
-                # against 12.11 uninterrupted (Llama-3-8B, benchmarks/notes_cards.md). Hand them back.
+                # What the load freed and did not reuse (the random init's blobs, the device checksum's
+                # chunks) goes back before the first step: a resumed step reserved 1.3 GiB more than the
+                # uninterrupted one for the same allocations (Llama-3-8B, benchmarks/notes_cards.md).
                 torch.cuda.empty_cache()
             return loaded
 
