@@ -74,6 +74,22 @@ def test_stream_headroom_is_a_32nd_and_growing_keeps_the_data():
         assert ct._headroom_shift == shift and ct.stream.numel() == words + (words >> shift) + 64
 
 
+def test_a_loaded_tensor_has_the_headroom_of_a_fresh_one_so_its_first_update_grows_nothing():
+    """A resumed run's first sync-free re-encode grew every stream loaded without headroom (a new stream allocated
+    while the old lived): Llama-3-8B's resumed first step then ran out of memory at an 11 GiB budget."""
+    from neutrain.compress import stream as kstream
+
+    x = torch.randn(512, 512).mul(0.02).bfloat16()
+    ct = compress(x)
+    loaded = CompressedTensor.from_state_dict(ct.state_dict())
+    assert loaded.stream_words == ct.stream_words
+    assert loaded.stream.numel() == kstream.capacity_for(ct.stream_words) == ct.stream.numel()
+    assert not kstream.needs_growth(loaded.stream_words, loaded.stream.numel(), loaded._headroom_shift)
+    assert torch.equal(loaded.state_dict()["stream"], ct.state_dict()["stream"])  # the same saved bytes
+    assert _same_bits(loaded.decompress(), x)
+    assert loaded.to("cpu").stream.numel() == loaded.stream.numel()
+
+
 def test_a_checkpoint_of_the_old_geometry_loads_decodes_and_keeps_it():
     x = torch.randn(1024, 256).mul(0.02).bfloat16()
     assert compress(x).steps == 16  # under 8M weights: 16 steps per lane
