@@ -225,6 +225,11 @@ def test_a_compressed_model_fuses_its_groups_and_decodes_the_dense_models_logits
     want_tokens, want = _decode_logits(reference, PROMPT, 20)
     tokens, got = _decode_logits(engine, PROMPT, 20)
     assert tokens == want_tokens and torch.equal(got, want)
+    # The fused path ran: one product a group (F.linear; an unfused compressed layer multiplies with mm).
+    counter = _CountLinear()
+    with torch.no_grad(), projection_fusion(compressed), counter:
+        compressed(PROMPT)
+    assert counter.calls == 4  # 2 layers x (QKV, gate/up)
     # One scratch matrix for every group, of the largest group's size (gate/up: 2 x 96 rows of 64).
     scratches = {m._neutrain_group.weight.data_ptr() for m in compressed.modules() if hasattr(m, "_neutrain_group")}
     assert len(scratches) == 1
