@@ -140,7 +140,8 @@ def load_neuzip_modules(model: torch.nn.Module, files: list[str], device: torch.
         # A tied pair was written twice: share one compressed tensor when the bytes are identical.
         identity = tuple(blobs["checksum"].tolist()) + tuple(blobs["header"].tolist())
         weight = shared.get(identity)
-        if weight is None or not torch.equal(weight.ct.stream.cpu(), blobs["stream"].to(torch.int32)):
+        if weight is None or not torch.equal(weight.ct.stream[: weight.ct.stream_words].cpu(),
+                                             blobs["stream"].to(torch.int32)):  # the used words (a stream has headroom)
             ct = CompressedTensor.from_state_dict(blobs, name=f"{name}.weight", device=device)
             weight = CompressedWeight(ct, requires_grad=False, name=f"{name}.weight")
             shared[identity] = weight

@@ -415,6 +415,10 @@ class WeightOffload:
     def adopt(self, weight) -> None:
         """``weight`` got a new ``CompressedTensor`` (checkpoint loading): its payload becomes the host copy."""
         payload = {name: getattr(weight.ct, name) for name in PAYLOAD}  # before flush() vacates its layer
+        if "stream" in payload:
+            # The used words only, as a checkpoint holds them: a loaded stream comes with headroom, and a host
+            # buffer sized for it could outgrow the weight's room in the arena and pin a second buffer.
+            payload["stream"] = payload["stream"][: weight.ct.stream_words]
         self.flush()
         for name, tensor in payload.items():  # into the weight's room: a resumed 70B must not pin twice
             self._host_like(weight, name, tensor).copy_(tensor)

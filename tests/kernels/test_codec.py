@@ -106,9 +106,10 @@ def _check_long_codes(n, kind, steps, lanes, elems, tiles):
     for ct in cts.values():
         got = ct.decompress(out=torch.full_like(x, float("nan")), backend="triton")
         assert torch.equal(got.view(torch.int16), x.view(torch.int16))
-    # Exactly as a checkpoint holds it: no stream word past the 3 padding words to read.
+    # Exactly as a checkpoint holds it: no stream word past the 3 padding words to read (a loaded tensor gets
+    # headroom; cut here so that a read past the used words would fall outside the stream).
     loaded = CompressedTensor.from_state_dict(ref.state_dict())
-    assert loaded.stream.numel() == loaded.stream_words
+    loaded.stream = loaded.stream[: loaded.stream_words].clone()
     assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), x.view(torch.int16))
 
 
@@ -273,17 +274,18 @@ def test_sync_free_overflow_keeps_the_tensor_and_raises_later_in_interpreter():
     assert torch.equal(ct.decompress(backend="triton").view(torch.int16), wide.view(torch.int16))
 
 
-def test_sync_free_recompress_grows_a_loaded_stream_in_interpreter():
+def test_sync_free_recompress_grows_a_stream_without_headroom_in_interpreter():
     from neutrain.compress import CompressedTensor
 
     x = _sample((16, 16))
     loaded = CompressedTensor.from_state_dict(compress(x, steps=4, lanes=16, backend="reference").state_dict())
-    assert loaded.stream.numel() == loaded.stream_words  # exactly as stored: no headroom
-    y = (x.float() * 1.01).bfloat16()
     words = loaded.stream_words
+    assert loaded.stream.numel() == kstream.capacity_for(words)  # loaded with a fresh encode's headroom
+    loaded.stream = loaded.stream[:words].clone()  # none left: the next sync-free encode must grow first
+    y = (x.float() * 1.01).bfloat16()
     loaded.recompress_(y, backend="triton", sync=False)
     assert loaded.stream.numel() > loaded.stream_words
-    # A checkpoint stores no headroom: the first growth gives the initial headroom, not a doubled one.
+    # A stream that had no headroom to outgrow gets the initial headroom, not a doubled one.
     assert loaded._headroom_shift == kstream.HEADROOM_SHIFT
     assert loaded.stream.numel() == kstream.capacity_for(words)
     assert torch.equal(loaded.decompress(backend="triton").view(torch.int16), y.view(torch.int16))
