@@ -22,10 +22,7 @@ STATE=${STATE:-/tmp/neutrain-70b-state}
 mkdir -p "$OUT" "$STATE"
 export OUT PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 source benchmarks/install_carried_wheels.sh > /dev/null
-# What `pip install` gives a user and the device copy lacks: the recipe codec and the `neutrain` command.
-cp neutrain-recipe.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
-mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m neutrain "$@"\n' > /tmp/bin/neutrain && chmod +x /tmp/bin/neutrain
-export PATH=/tmp/bin:$PATH
+source benchmarks/install_user_commands.sh
 RUN_DIR=${RUN_DIR:-/tmp/llama3_70b_offload}
 RESUME_DIR=${RESUME_DIR:-/dev/shm/llama3_70b_offload_resumed}
 EXPORT_DIR=${EXPORT_DIR:-/tmp/llama3_70b_export}

@@ -22,11 +22,7 @@ OUT=${OUT:-/tmp/neutrain-cards-out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 source benchmarks/install_carried_wheels.sh > /dev/null
-# What `pip install` gives a user and the device copy lacks: the recipe codec (`accelerate launch recipe.yaml`)
-# and the `neutrain` command.
-cp neutrain-recipe.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
-mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m neutrain "$@"\n' > /tmp/bin/neutrain && chmod +x /tmp/bin/neutrain
-export PATH=/tmp/bin:$PATH
+source benchmarks/install_user_commands.sh
 STAGE=${STAGE:-journeys}
 LIMIT=${LIMIT:-540}  # the whole stage on one GPU, seconds
 cards() {  # part budgets timing workdir

@@ -58,10 +58,10 @@ def allowed_sync() -> Iterator[None]:
     """
     # Setting the mode at all makes torch warn that it is a prototype ("UserWarning: Synchronization debug
     # mode ..." in every `neutrain generate`): left alone when it is off, as it is outside such a test.
-    if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() == 0:
+    previous = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if previous == 0:
         yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
         yield

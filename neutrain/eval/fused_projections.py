@@ -63,18 +63,21 @@ class _Group:
         self._served: set[int] = set()
 
     def intact(self) -> bool:
-        """Whether every member's parameters still sit at their offsets of the fused tensors (host metadata only)."""
-        for member, (start, _) in zip(self.members, self.bounds):
-            weight = member.weight
-            if weight.device != self.weight.device or weight.dtype != self.weight.dtype:
-                return False
-            row = self.weight.stride(0) * self.weight.element_size()
-            if weight.data_ptr() != self.weight.data_ptr() + start * row:
-                return False
-            if (member.bias is None) != (self.bias is None) or (
-                    self.bias is not None and member.bias.data_ptr() != self.bias.data_ptr() + start * self.bias.element_size()):
-                return False
-        return True
+        """Whether every member's weight and bias still sit at their offsets of the fused tensors (host metadata only)."""
+        return all(self._weight_intact(member, start, end) and self._bias_intact(member, start)
+                   for member, (start, end) in zip(self.members, self.bounds))
+
+    def _weight_intact(self, member, start: int, end: int) -> bool:
+        weight = member.weight
+        row = self.weight.stride(0) * self.weight.element_size()
+        return weight.device == self.weight.device and weight.dtype == self.weight.dtype and \
+            weight.data_ptr() == self.weight.data_ptr() + start * row
+
+    def _bias_intact(self, member, start: int) -> bool:
+        if self.bias is None:
+            return member.bias is None
+        return member.bias is not None and \
+            member.bias.data_ptr() == self.bias.data_ptr() + start * self.bias.element_size()
 
     def fused_weight(self) -> torch.Tensor:
         """The group's ``[sum of out_features, in_features]`` matrix."""
@@ -117,18 +120,11 @@ class _CompressedGroup(_Group):
         super().__init__(members, scratch, bias, bounds)
         self.rows, self.cols = bounds[-1][1], members[0].in_features
 
-    def intact(self) -> bool:
-        """Whether the members still hold weights this group can decode into its scratch, and their biases sit
-        at their offsets of the fused bias."""
-        for member, (start, end) in zip(self.members, self.bounds):
-            weight = member.compressed
-            if weight.dtype != self.weight.dtype or weight.device != self.weight.device or \
-                    weight.compute_dtype != weight.dtype or tuple(weight.shape) != (end - start, self.cols):
-                return False
-            if (member.bias is None) != (self.bias is None) or (
-                    self.bias is not None and member.bias.data_ptr() != self.bias.data_ptr() + start * self.bias.element_size()):
-                return False
-        return True
+    def _weight_intact(self, member, start: int, end: int) -> bool:
+        """Whether the member still holds a weight this group can decode into its rows of the scratch."""
+        weight = member.compressed
+        return weight.dtype == self.weight.dtype and weight.device == self.weight.device and \
+            weight.compute_dtype == weight.dtype and tuple(weight.shape) == (end - start, self.cols)
 
     def fused_weight(self) -> torch.Tensor:
         fused = self.weight[: self.rows * self.cols].view(self.rows, self.cols)
@@ -164,23 +160,6 @@ def _compressed_fusable(members: list) -> bool:
     return same and len({m.bias is None for m in members}) == 1 and first.device.type != "meta"
 
 
-def _fuse_compressed_group(members: list[CompressedLinear], scratch: torch.Tensor) -> None:
-    bounds, start = [], 0
-    for m in members:
-        bounds.append((start, start + m.out_features))
-        start += m.out_features
-    bias = None
-    if members[0].bias is not None:
-        with torch.no_grad():
-            bias = torch.cat([m.bias.detach() for m in members])
-            for m, (a, b) in zip(members, bounds):
-                m.bias.data = bias[a:b]
-    group = _CompressedGroup(members, bias, bounds, scratch)
-    for index, m in enumerate(members):
-        m.__class__ = FusedCompressedLinear
-        m._neutrain_group, m._neutrain_index = group, index
-
-
 def _fusable(members: list) -> bool:
     if not all(type(m) is nn.Linear for m in members):  # subclasses (compressed, LoRA, fused already) are not ours
         return False
@@ -193,21 +172,27 @@ def _fusable(members: list) -> bool:
     return same and len(biases) == 1 and first.device.type != "meta"
 
 
-def _fuse_group(members: list[nn.Linear]) -> None:
+def _fuse_group(members: list, scratch: torch.Tensor | None = None) -> None:
+    """Fuse ``members`` in place: plain linears into one matrix; compressed ones (``scratch`` given) to decode
+    into their rows of ``scratch``. Either way their biases become row blocks of one fused bias."""
     bounds, start = [], 0
     for m in members:
         bounds.append((start, start + m.out_features))
         start += m.out_features
     with torch.no_grad():
-        weight = torch.cat([m.weight.detach() for m in members], 0)
         bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
+        weight = torch.cat([m.weight.detach() for m in members], 0) if scratch is None else None
         for m, (a, b) in zip(members, bounds):
-            m.weight.data = weight[a:b]  # same Parameter, now a row block: the old storage is freed
+            if weight is not None:
+                m.weight.data = weight[a:b]  # same Parameter, now a row block: the old storage is freed
             if bias is not None:
                 m.bias.data = bias[a:b]
-    group = _Group(members, weight, bias, bounds)
+    if scratch is None:
+        group, cls = _Group(members, weight, bias, bounds), FusedMemberLinear
+    else:
+        group, cls = _CompressedGroup(members, bias, bounds, scratch), FusedCompressedLinear
     for index, m in enumerate(members):
-        m.__class__ = FusedMemberLinear
+        m.__class__ = cls
         m._neutrain_group, m._neutrain_index = group, index
 
 
@@ -254,7 +239,7 @@ def fuse_projections(model: nn.Module) -> int:
         scratch = torch.empty(size, dtype=first.dtype, device=first.device)
         for members in compressed:
             if members[0].compressed.dtype == first.dtype and members[0].compressed.device == first.device:
-                _fuse_compressed_group(members, scratch)
+                _fuse_group(members, scratch)
                 count += 1
     model._neutrain_fused_groups = _groups(model)  # what projection_fusion toggles, found once
     return count

@@ -96,8 +96,8 @@ def parameter_count(model: torch.nn.Module) -> int:
         >>> before, parameter_count(model)
         (32, 32)
     """
-    seen = {id(p): p.numel() for p in model.parameters() if not getattr(p, COMPRESSED_KEY_ATTR, False)}
-    return sum(seen.values()) + sum(weight.numel for weight in compressed_weights(model))
+    dense = sum(p.numel() for p in model.parameters() if not getattr(p, COMPRESSED_KEY_ATTR, False))
+    return dense + sum(weight.numel for weight in compressed_weights(model))
 
 
 def compressed_weights(model: torch.nn.Module) -> list[CompressedWeight]:

@@ -105,17 +105,17 @@ class CompressedWeight:
         out = DECODE_BUFFERS.kept_view(self)  # within the keep budget: a buffer of its own, reused until write_
         if out is None:
             out = DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self))
-        out = self.ct.decompress(out=out)
-        if self.home is not None:
-            self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
-        return out
+        return self._decompress_into(out)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Decode into ``out`` (contiguous, the weight's shape and stored dtype), e.g. a member's row block of
         a fused projection buffer (:mod:`neutrain.eval.fused_projections`); no decode buffer is used or kept."""
         self.decodes += 1
         self._resident()
-        self.ct.decompress(out=out)
+        return self._decompress_into(out)
+
+    def _decompress_into(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.ct.decompress(out=out)
         if self.home is not None:
             self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
         return out
