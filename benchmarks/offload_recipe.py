@@ -141,6 +141,11 @@ def main() -> int:
             old = json.loads(prior.read_text())
             merged_results = old.get("results", {})
             settings = {**old.get("settings", {}), **settings}
+            # The record's commit and date are this run's: the parts it keeps say where they were measured.
+            kept = settings.setdefault("kept_parts", {})
+            for part in merged_results:
+                if part != "70b_recipe" and part not in kept:
+                    kept[part] = {"git_commit": old.get("git_commit"), "date": old.get("date"), "device": old.get("device")}
             targets = {**{k: v for k, v in old.get("targets", {}).items() if not k.startswith("h100_70b")}, **targets}
             break
     merged_results["70b_recipe"] = results

@@ -145,3 +145,22 @@ def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp
     stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\nexport_s=100\nexport_rc=1\n")
     rc, out = _offload_recipe(tmp_path, *common)
     assert rc == 1 and out["results"]["70b_recipe"]["gate_ok"] is False
+
+
+def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_measured_at(tmp_path):
+    import json
+
+    train = _run_dir(tmp_path / "train", [1, 2, 3, 4])
+    resume = _run_dir(tmp_path / "resume", [5], checkpoint=5)
+    (tmp_path / "out").mkdir()
+    earlier = {"git_commit": "a" * 40, "date": "2026-01-02T03:04:05+00:00", "device": "an earlier card",
+               "settings": {}, "targets": {}, "results": {"8b": {"tokens_per_s": 1.0}}}
+    (tmp_path / "out" / "offload.json").write_text(json.dumps(earlier))
+    stages = tmp_path / "stages.txt"
+    stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\n")
+    rc, out = _offload_recipe(tmp_path, "--train", str(train), "--resume", str(resume), "--steps", "4",
+                              "--stages", str(stages))
+    assert out["results"]["8b"] == {"tokens_per_s": 1.0} and "70b_recipe" in out["results"], out
+    assert out["git_commit"] == "0" * 40  # this run's
+    assert out["settings"]["kept_parts"] == {"8b": {"git_commit": "a" * 40, "date": "2026-01-02T03:04:05+00:00",
+                                                    "device": "an earlier card"}}
