@@ -17,11 +17,21 @@ tried for merge + 4-bit (67, 50, 37): each 4-bit store also kept its last append
 ``neutrain/eval/kv/quant.py``) and the fp32 merge of 4,096-token blocks took ~190 MiB a sequence on top.
 The block constants below were measured on CPU (``tests/unit/eval/test_kv_sizing.py`` holds the build to
 them with a tracker of live tensor bytes) and rounded up.
+
+The H200 run at d100cd9 ran the 4-bit MiniCache rows out of memory at every batch again (merge + 4-bit 125,
+93, 69 at 32K). Two causes, neither in the stored bytes: the benchmark fills the cache without the model, so
+the cache had not seen the fused attention, and the first decode step restored layer 0 to bf16 before the
+attention took over (7.81 GiB at 125 sequences: 64 MiB, one layer's keys, a sequence); and a failed
+attempt's cache stayed alive on the model's attention modules (the routing hook keeps the last cache it
+saw), so every retry built beside it. The throughput part now marks its caches as seen by the fused
+attention, drops the hook's reference before a retry (:func:`run_with_backoff` halves the batch down to 1),
+and sizes the fused decode's first step (:func:`fused_decode_bytes_per_seq`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 GIB = 2**30
 
@@ -76,6 +86,36 @@ def decode_bytes_per_seq(cfg, ctx: int, restore: str | None = None) -> int:
     return logits + activations + copy
 
 
+# The fused decode's first step builds each merged side's per-token factors from the direction's token norms
+# (``QuantizedTokenStore.token_norms``), dequantizing this many tokens at a time: per element the unpacked
+# codes (1 byte and its two halves), the bf16 values, their scaled copy and an fp32 copy for the norm.
+NORM_BLOCK_TOKENS = 4096
+QUANT_NORM_BYTES = 10
+PLAIN_NORM_BYTES = 4  # a plain direction's norm is taken over the whole stream at once, in fp32
+
+
+def fused_decode_bytes_per_seq(cfg, ctx: int, quant_bits: int | None, merged: bool) -> int:
+    """The first fused decode step's working memory per sequence: the logits and activations of any decode
+    step, and the per-token factors of the merged sides, built from the direction's token norms (a block of
+    dequantized tokens at a time for 4-bit stores, the whole stream in fp32 for plain ones). Nothing of a
+    layer is restored: the cache must have seen the fused attention before the step (``_minicache`` marks it)."""
+    heads, d = kv_width(cfg)
+    norms = 0
+    if merged:
+        norms = (QUANT_NORM_BYTES * min(NORM_BLOCK_TOKENS, ctx) if quant_bits else PLAIN_NORM_BYTES * ctx) * heads * d
+    return decode_bytes_per_seq(cfg, ctx) + norms
+
+
+def minicache_transient_bytes_per_seq(cfg, ctx: int, chunk: int, quant_bits: int | None, merged: bool,
+                                      fused: bool) -> int:
+    """What a MiniCache row needs per sequence beyond its stored bytes: the larger of the chunked prefill's
+    transient and the decode step's (fused, or the restore path's per-step bf16 copy of one layer)."""
+    build = minicache_build_bytes_per_seq(cfg, ctx, chunk, quant_bits, merged)
+    decode = fused_decode_bytes_per_seq(cfg, ctx, quant_bits, merged) if fused else \
+        decode_bytes_per_seq(cfg, ctx, "minicache")
+    return max(build, decode)
+
+
 def minicache_build_bytes_per_seq(cfg, ctx: int, chunk: int, quant_bits: int | None, merged: bool) -> int:
     """The transient peak per sequence of filling a MiniCache with a chunked prefill of ``ctx`` tokens in
     blocks of ``chunk``: the block's working tensors (a merged pair's fp32 SLERP, or the quantization of an
@@ -116,3 +156,51 @@ def minicache_stored_bytes_per_token(cfg, quant_bits: int | None, quant_group: i
 
     retained = retained_fraction * 2 * (2 * width * dtype_bytes + 8)  # per stream: both sides' rows, an int32 pair
     return exact * 2 * stream() + pairs * (2 * stream() + 4 * 4 + retained)
+
+
+@dataclass
+class Attempt:
+    """One try of a row at a batch: what failed, if anything."""
+
+    batch: int
+    error: str | None = None
+
+
+@dataclass
+class Backoff:
+    """The batches a row tried before one fitted (or batch 1 failed too)."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def record(self) -> list[dict]:
+        return [{"batch": a.batch, **({"error": a.error} if a.error else {})} for a in self.attempts]
+
+
+def run_with_backoff(batch: int, attempt: Callable[[int], dict], release: Callable[[], None],
+                     log: Callable[[str], None] = lambda msg: None, label: str = "") -> tuple[dict, Backoff]:
+    """``attempt(batch)``, halving the batch after each out-of-memory error down to 1.
+
+    ``release()`` runs after a failure and before the next try: it must drop every reference to the failed
+    attempt's tensors (the H200 run's retries built beside the failed cache, which the model's attention hook
+    still held, and failed at 3/4 and 9/16 of a batch that only a restored layer had overflowed). Returns the
+    result and every attempt; re-raises the error of batch 1.
+    """
+    import torch
+
+    backoff = Backoff()
+    while True:
+        failure = None
+        try:
+            out = attempt(batch)
+        except torch.OutOfMemoryError as exc:
+            failure = f"OutOfMemoryError at batch {batch}: {str(exc)[:200]}"
+        if failure is None:
+            backoff.attempts.append(Attempt(batch))
+            return out, backoff
+        # Outside the handler: the traceback, and the half-built cache its frames hold, are gone now.
+        backoff.attempts.append(Attempt(batch, failure))
+        release()
+        if batch == 1:
+            raise torch.OutOfMemoryError(failure)
+        batch = max(1, batch // 2)
+        log(f"{label}: {failure}; retrying at {batch}")

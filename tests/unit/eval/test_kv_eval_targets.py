@@ -134,7 +134,7 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
         cache = _kv_throughput._shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
         layer = cache.layers[0]
         assert layer.chunk_size == 2 and layer.outlier_k.shape[2] == 16 and layer.select == 4
-        _kv_throughput._decode_rate(model, cache, batch, steps=1, warmup=0)
+        _kv_throughput._step_times(model, cache, batch, steps=1, warmup=0)
     finally:
         disable_shadowkv(model)
     assert cache.counters["sparse_steps"] == cfg.num_hidden_layers
