@@ -233,14 +233,39 @@ def summarize(results: dict) -> dict:
     ops = results["sage"]["attention_ops"]
     out["sage_ran_sage"] = ops.get("reference", 0) > 0 and ops.get("exact_backward:cpu", 0) > 0 and not ops.get("fallback")
     if "sdpa_seed2" in results:
-        spread = abs(results["sdpa_seed2"]["final_heldout_loss"] - sdpa)
-        out["seed_spread_heldout"] = round(spread, 5)
-        lossless = abs(sage - sdpa) <= spread
-        out["verdict"] = (f"{'lossless' if lossless else 'not lossless'} fine-tuning: |delta held-out| "
-                          f"{abs(sage - sdpa):.4f} {'<=' if lossless else '>'} seed-to-seed spread {spread:.4f}")
+        out.update(judge(results))
     else:
         out["verdict"] = f"delta held-out {sage - sdpa:+.4f} (no seed spread measured: no verdict)"
     return out
+
+
+def judge(results: dict) -> dict:
+    """Whether Sage fine-tunes without loss: its held-out excess over SDPA against the seed-to-seed spread.
+
+    Judged over the evaluations after the first third of training, where the curves have settled: early on
+    the data order dominates (two SDPA seeds differed by 0.064 at step 50 of 300), and the final evaluation
+    alone is one sample (the same seeds differed by 0.0005 at step 300 and by 0.017 at step 150). The spread
+    is the mean |difference| of the two SDPA data orders at those steps. One-sided: a held-out loss below
+    SDPA's has lost nothing, so only Sage's excess over SDPA (its largest, at any of those steps) counts.
+
+    Example:
+        >>> arm = lambda *h: {"heldout": [{"step": 50 * i, "heldout_loss": v} for i, v in enumerate(h)]}
+        >>> judge({"sdpa": arm(1.0, 0.5, 0.45, 0.44), "sage": arm(1.0, 0.48, 0.451, 0.43),
+        ...        "sdpa_seed2": arm(1.0, 0.47, 0.46, 0.445)})["verdict"].split(":")[0]
+        'lossless fine-tuning'
+    """
+    curves = {name: {row["step"]: row["heldout_loss"] for row in results[name]["heldout"]}
+              for name in ("sdpa", "sage", "sdpa_seed2")}
+    last = max(curves["sdpa"])
+    steps = sorted(s for s in curves["sdpa"] if s >= last / 3 and s in curves["sage"] and s in curves["sdpa_seed2"])
+    spread = sum(abs(curves["sdpa_seed2"][s] - curves["sdpa"][s]) for s in steps) / len(steps)
+    excess = max(curves["sage"][s] - curves["sdpa"][s] for s in steps)
+    lossless = excess <= spread
+    return {"seed_spread_heldout": round(spread, 5), "sage_largest_excess_heldout": round(excess, 5),
+            "judged_steps": steps,
+            "verdict": (f"{'lossless' if lossless else 'not lossless'} fine-tuning: over steps {steps[0]}-{steps[-1]} "
+                        f"Sage's held-out loss exceeds SDPA's by at most {excess:+.4f}, "
+                        f"{'within' if lossless else 'beyond'} the seed-to-seed spread {spread:.4f}")}
 
 
 def table(payload: dict) -> str:
@@ -255,10 +280,13 @@ def table(payload: dict) -> str:
                      + " | ".join(f"{row['heldout_loss']:.4f}" for row in arm["heldout"])
                      + f" | {arm['median_step_s']} | {ops} |")
     r = payload["results"]
+    judged = summarize(arms)  # today's rule over the recorded curves; the record keeps the verdict it was written with
     lines.append("")
-    lines.append(f"delta held-out (sage - sdpa) {r.get('delta_heldout_sage_minus_sdpa')}, seed spread "
-                 f"{r.get('seed_spread_heldout', 'not measured')}, same batches {r.get('same_batches')}, "
-                 f"complete {r.get('complete')}: {r['verdict']} (commit {payload.get('git_commit', '?')[:7]})")
+    lines.append(f"delta held-out at the end (sage - sdpa) {r.get('delta_heldout_sage_minus_sdpa')}, same batches "
+                 f"{r.get('same_batches')}, complete {r.get('complete')} (commit {payload.get('git_commit', '?')[:7]}): "
+                 f"{judged['verdict']}")
+    if r.get("verdict") != judged["verdict"]:
+        lines.append(f"(the record's own verdict, by the rule it was written with: {r.get('verdict')})")
     return "\n".join(lines)
 
 
