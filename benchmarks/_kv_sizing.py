@@ -30,7 +30,7 @@ and sizes the fused decode's first step (:func:`fused_decode_bytes_per_seq`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 GIB = 2**30
@@ -158,36 +158,18 @@ def minicache_stored_bytes_per_token(cfg, quant_bits: int | None, quant_group: i
     return exact * 2 * stream() + pairs * (2 * stream() + 4 * 4 + retained)
 
 
-@dataclass
-class Attempt:
-    """One try of a row at a batch: what failed, if anything."""
-
-    batch: int
-    error: str | None = None
-
-
-@dataclass
-class Backoff:
-    """The batches a row tried before one fitted (or batch 1 failed too)."""
-
-    attempts: list[Attempt] = field(default_factory=list)
-
-    def record(self) -> list[dict]:
-        return [{"batch": a.batch, **({"error": a.error} if a.error else {})} for a in self.attempts]
-
-
 def run_with_backoff(batch: int, attempt: Callable[[int], dict], release: Callable[[], None],
-                     log: Callable[[str], None] = lambda msg: None, label: str = "") -> tuple[dict, Backoff]:
+                     log: Callable[[str], None] = lambda msg: None, label: str = "") -> tuple[dict, list[dict]]:
     """``attempt(batch)``, halving the batch after each out-of-memory error down to 1.
 
     ``release()`` runs after a failure and before the next try: it must drop every reference to the failed
     attempt's tensors (the H200 run's retries built beside the failed cache, which the model's attention hook
     still held, and failed at 3/4 and 9/16 of a batch that only a restored layer had overflowed). Returns the
-    result and every attempt; re-raises the error of batch 1.
+    result and every attempt (``{"batch": b}``, with ``"error"`` where it failed); re-raises the error of batch 1.
     """
     import torch
 
-    backoff = Backoff()
+    attempts: list[dict] = []
     while True:
         failure = None
         try:
@@ -195,10 +177,10 @@ def run_with_backoff(batch: int, attempt: Callable[[int], dict], release: Callab
         except torch.OutOfMemoryError as exc:
             failure = f"OutOfMemoryError at batch {batch}: {str(exc)[:200]}"
         if failure is None:
-            backoff.attempts.append(Attempt(batch))
-            return out, backoff
+            attempts.append({"batch": batch})
+            return out, attempts
         # Outside the handler: the traceback, and the half-built cache its frames hold, are gone now.
-        backoff.attempts.append(Attempt(batch, failure))
+        attempts.append({"batch": batch, "error": failure})
         release()
         if batch == 1:
             raise torch.OutOfMemoryError(failure)

@@ -521,8 +521,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             return {"batch": batch, **out, **stats, "peak_gpu_gib": peak, "peak_reserved_gib": reserved,
                     "predicted_peak_gib": budget.predicted_peak(batch, per_seq) / GIB}
 
-        out, backoff = run_with_backoff(b, attempt, lambda: release_memory(model, cuda), log, f"ctx {ctx}")
-        return {**out, **sizing, "oom_retries": len(backoff.attempts) - 1, "attempts": backoff.record()}
+        out, attempts = run_with_backoff(b, attempt, lambda: release_memory(model, cuda), log, f"ctx {ctx}")
+        return {**out, **sizing, "oom_retries": len(attempts) - 1, "attempts": attempts}
 
     def minicache(ctx, quant_bits, fused=True, start_layer=None):
         # The memory merging and 4-bit save is turned into batch: one sequence is built to measure it (with the

@@ -203,11 +203,11 @@ def test_the_backoff_halves_down_to_batch_1_and_frees_each_failed_attempt_first(
             raise torch.OutOfMemoryError(f"CUDA out of memory at {batch}")
         return {"batch": batch}
 
-    out, backoff = sizing.run_with_backoff(125, attempt, lambda: released.append(tried[-1]))
+    out, attempts = sizing.run_with_backoff(125, attempt, lambda: released.append(tried[-1]))
     assert out == {"batch": 1}
     assert tried == [125, 62, 31, 15, 7, 3, 1] and released == tried[:-1]
-    assert [a["batch"] for a in backoff.record()] == tried
-    assert all("out of memory" in a["error"] for a in backoff.record()[:-1]) and "error" not in backoff.record()[-1]
+    assert [a["batch"] for a in attempts] == tried
+    assert all("out of memory" in a["error"] for a in attempts[:-1]) and "error" not in attempts[-1]
 
 
 def test_the_backoff_raises_when_batch_1_fails_too():
