@@ -33,7 +33,7 @@ The roofline is the bytes one decode step must read (every weight but the input 
 which one row is read, plus the KV cache of the context so far, averaged over the decode, plus the
 logits: the lm_head's output and its fp32 copy, read by the sampler) over the bandwidth of a
 device-to-device copy of 2 GiB measured in the same run (CUDA events, median of 20 after warm-up),
-counting bytes read plus written. Targets (fixed names, ``benchmarks/_spec_decode.py``'s ``GOALS``):
+counting bytes read plus written. Targets (fixed names, ``benchmarks/_spec_decode.py``'s ``ENGINE_TARGETS``):
 ``ar_roofline_fraction_8b`` = (bytes per token / ``step_ms`` of engine_graph, dense bf16) / copy
 bandwidth, and ``neuzip_lossless_over_bf16_decode``. The JSON also gives the fraction from the whole
 ``generate``'s tokens/s (prefill included), and per engine the model's parameter bytes before and
