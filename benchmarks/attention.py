@@ -4,15 +4,21 @@ Steps, all in one run (one device call):
 
 1. Backward routes: torch's private cuDNN and flash SDPA backward kernels, fed an O and
    natural-log LSE, must reproduce autograd's gradients (GQA too) before they are timed.
-2. Forward autotune at 8K (d=128): block/warps/stages, the hand-pipelined loop, one K scale
-   per tile; each candidate must match the default kernel's output.
-3. Sweep over N (default 8K, 16K, 32K), causal and not, B=4, H=32, d=128: forward (with
-   quantization, and the kernel alone) and forward+backward for sage with each backward
-   route, cuDNN and flash. Median of CUDA-event timings after warm-up; peak memory.
+2. Forward autotune of the Triton kernel at 8K (d=128): block/warps/stages, the hand-pipelined
+   loop, one K scale per tile; each candidate must pass the fidelity gate against fp32.
+3. Sweep over N (``--sizes``, default 8K, 16K, 4K, 1K, 256, 32K in that order), causal and not,
+   B=4, H=32, d=128, for each Sage forward kernel: Triton's and, on Hopper with the Triton release
+   it is written for, the warp-specialized Gluon one (elsewhere its rows say why it was skipped).
+   Each kernel alone, then ``sage_attention`` on it (quantization included) forward and
+   forward+backward with each backward route (``--routes``), and SDPA's cuDNN and flash.
+   Median of CUDA-event timings after warm-up; peak memory. Results and table are written after
+   every length, so a run cut off by its timeout keeps what it measured.
 4. The dispatch table (``neutrain/attention/dispatch_table.json``): per (device, d, causal,
-   mode) sage only where it was measured faster than cuDNN, plus the autotuned kernel config.
+   mode) the faster Sage kernel (``"kernel"``), and sage only where it was measured faster than
+   cuDNN by the margin (``benchmarks/_attention_table.py``), plus the autotuned Triton config.
 5. Optionally (``--train-step``) the Llama-3-8B training step, sage vs cuDNN SDPA
-   (``benchmarks/attention_train_step.py``), for ``train_step_over_sdpa``.
+   (``benchmarks/attention_train_step.py``), for ``train_step_over_sdpa``; or, after a
+   separate step run, ``--fold-train-step FILE`` puts its record in and recomputes the targets.
 
 FLOPs: forward 4*B*H*d*N^2 (halved causal), forward+backward 3.5x that (SageAttention's bench).
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _attention_table import KERNELS, build_table, method_name, targets, train_step_choice  # noqa: E402
 from _common import cuda_time_ms, write_result  # noqa: E402
 
 from neutrain.attention import dispatch, exact_attention, sage_attention  # noqa: E402
@@ -144,8 +152,37 @@ def sass_profile(config, d=128, causal=False):
     return prof
 
 
-def time_point(b, h, d, n, causal, config, routes, gen, accuracy_max_n, iters):
-    """All methods at one (N, causal): forward and forward+backward rows."""
+def gluon_skip_reason(qi) -> str | None:
+    """Why the Gluon forward cannot take this call here (None when it runs): dispatch would run Triton's."""
+    from neutrain.attention.sage import gluon_runs
+
+    if gluon_runs(qi, None):
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"capability {major}.{minor} is not Hopper (9.x)"
+    try:
+        import triton
+        from neutrain.kernels.sage_attention_gluon import GLUON_TRITON_VERSIONS, gluon_available
+    except ImportError as exc:
+        return f"this Triton has no Gluon ({exc})"
+    if not gluon_available():
+        return f"Triton {triton.__version__} is not a release the Gluon kernel is written for {GLUON_TRITON_VERSIONS}"
+    return "the Gluon kernel does not compute this call (gluon_supports)"
+
+
+def _kernel_row(n, causal, method, fn, warm, iters, flops):
+    try:
+        ms = cuda_time_ms(fn, warm, iters)
+    except Exception as exc:  # a kernel that fails here is recorded and the sweep goes on
+        return {"n": n, "causal": causal, "method": method, "skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return {"n": n, "causal": causal, "method": method, "fwd_ms": ms, "fwd_tops": flops / ms / 1e9}
+
+
+def time_point(b, h, d, n, causal, config, routes, baselines, gen, accuracy_max_n, iters):
+    """All methods at one (N, causal): each Sage forward kernel alone, then ``sage_attention`` on each kernel
+    (Triton's ``sage+<route>``, Gluon's ``gluon+<route>``) with each backward route, and SDPA's backends:
+    forward and forward+backward rows. A kernel that cannot run here gets a row saying why."""
     from neutrain.kernels import sage_attention as kernels
 
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
@@ -156,96 +193,83 @@ def time_point(b, h, d, n, causal, config, routes, gen, accuracy_max_n, iters):
     fwd_flops, fb_flops = attention_flops(b, h, n, d, causal), attention_flops(b, h, n, d, causal, True)
     qi = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE if config["k_tile_scale"] else 16)
     launch = kernels.ForwardConfig(config["block_m"], config["num_warps"], config["num_stages"], config["pipeline"])
-    kernel_ms = cuda_time_ms(lambda: kernels.sage_attention_forward(qi, causal, config=launch), warm, iters)
     quant_ms = cuda_time_ms(lambda: quantize_attention_inputs(q, k, v, d ** -0.5, k_group=qi.k_group), warm, iters)
+    rows.append({**_kernel_row(n, causal, "sage_kernel", lambda: kernels.sage_attention_forward(qi, causal, config=launch),
+                               warm, iters, fwd_flops), "quant_ms": quant_ms})
+    gluon_skip = gluon_skip_reason(qi)
+    if gluon_skip is None:
+        from neutrain.kernels.sage_attention_gluon import sage_attention_forward_gluon
+
+        # The default GluonConfig: the one sage_attention(backend="gluon"), and so dispatch, launches.
+        rows.append({**_kernel_row(n, causal, "gluon_kernel", lambda: sage_attention_forward_gluon(qi, causal),
+                                   warm, iters, fwd_flops), "quant_ms": quant_ms})
+    else:
+        rows.append({"n": n, "causal": causal, "method": "gluon_kernel", "skipped": gluon_skip})
     del qi
-    rows.append({"n": n, "causal": causal, "method": "sage_kernel", "fwd_ms": kernel_ms,
-                 "fwd_tops": fwd_flops / kernel_ms / 1e9, "quant_ms": quant_ms})
-    methods = {f"sage+{r}": (lambda q_, k_, v_, c, r=r: sage_attention(q_, k_, v_, causal=c, backward=r, config=config))
-               for r in ("triton", *routes)}
-    methods["sdpa_cudnn"], methods["sdpa_flash"] = _sdpa("cudnn"), _sdpa("flash")
+    methods = {}
+    for kernel in KERNELS:
+        if kernel == "gluon" and gluon_skip is not None:
+            rows += [{"n": n, "causal": causal, "method": method_name(kernel, r), "kernel": kernel, "backward": r,
+                      "skipped": gluon_skip} for r in routes]
+            continue
+        for r in routes:
+            methods[method_name(kernel, r)] = (kernel, r, lambda q_, k_, v_, c, r=r, kernel=kernel: sage_attention(
+                q_, k_, v_, causal=c, backward=r, config=config, backend=kernel))
+    for backend in baselines:
+        methods[f"sdpa_{backend}"] = (None, None, _sdpa(backend))
     fwd_done = {}
-    for name, fn in methods.items():
+    for name, (kernel, route, fn) in methods.items():
         row = {"n": n, "causal": causal, "method": name}
-        fwd_key = "sage" if name.startswith("sage") else name
-        if fwd_key not in fwd_done:  # the sage forward is the same whatever the backward route
-            with torch.no_grad():
-                out = fn(q, k, v, causal)
-                if exact is not None:
-                    row.update({f"acc_{key}": val for key, val in accuracy_metrics(out[:1, :4], exact).items()})
-                del out
-                fwd_done[fwd_key] = cuda_time_ms(lambda: fn(q, k, v, causal), warm, iters)
-        row["fwd_ms"] = fwd_done[fwd_key]
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        if kernel is not None:
+            row.update(kernel=kernel, backward=route)
+        fwd_key = kernel or name  # one kernel's forward is the same whatever the backward route
+        try:
+            if fwd_key not in fwd_done:
+                with torch.no_grad():
+                    out = fn(q, k, v, causal)
+                    if exact is not None:
+                        row.update({f"acc_{key}": val for key, val in accuracy_metrics(out[:1, :4], exact).items()})
+                    del out
+                    fwd_done[fwd_key] = cuda_time_ms(lambda: fn(q, k, v, causal), warm, iters)
+            row["fwd_ms"] = fwd_done[fwd_key]
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
-        def fwd_bwd():
-            qg.grad = kg.grad = vg.grad = None
-            fn(qg, kg, vg, causal).backward(grad)
+            def fwd_bwd():
+                qg.grad = kg.grad = vg.grad = None
+                fn(qg, kg, vg, causal).backward(grad)
 
-        fwd_bwd()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        row["fwd_bwd_ms"] = cuda_time_ms(fwd_bwd, warm, iters)
-        row["fwd_bwd_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["fwd_tops"] = fwd_flops / row["fwd_ms"] / 1e9
-        row["fwd_bwd_tops"] = fb_flops / row["fwd_bwd_ms"] / 1e9
-        del qg, kg, vg
+            fwd_bwd()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            row["fwd_bwd_ms"] = cuda_time_ms(fwd_bwd, warm, iters)
+            row["fwd_bwd_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["fwd_tops"] = fwd_flops / row["fwd_ms"] / 1e9
+            row["fwd_bwd_tops"] = fb_flops / row["fwd_bwd_ms"] / 1e9
+            del qg, kg, vg
+        except Exception as exc:  # recorded, never compared; the other methods still run
+            row["skipped"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         torch.cuda.empty_cache()
         rows.append(row)
         print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     return rows
 
 
-def build_table(device, d, rows, routes, margin):
-    """Dispatch entries from the sweep rows: forward = sage (quantization included) vs cuDNN forward;
-    train = the fastest sage forward+backward route vs cuDNN forward+backward."""
-    entries = []
-    for causal in (False, True):
-        by_n: dict[int, dict] = {}
-        for r in rows:
-            if r["causal"] == causal:
-                by_n.setdefault(r["n"], {})[r["method"]] = r
-        fwd_pts, train_pts = [], []
-        for n, m in sorted(by_n.items()):
-            if "sdpa_cudnn" not in m:
-                continue
-            fwd_pts.append({"n": n, "sage_ms": m["sage+triton"]["fwd_ms"], "sdpa_ms": m["sdpa_cudnn"]["fwd_ms"]})
-            best = min((f"sage+{r}" for r in ("triton", *routes) if f"sage+{r}" in m), key=lambda k: m[k]["fwd_bwd_ms"])
-            train_pts.append({"n": n, "sage_ms": m[best]["fwd_bwd_ms"], "sdpa_ms": m["sdpa_cudnn"]["fwd_bwd_ms"],
-                              "backward": best.split("+")[1]})
-        entries += dispatch.build_entries(device, d, causal, "bfloat16", "forward", fwd_pts, margin)
-        entries += dispatch.build_entries(device, d, causal, "bfloat16", "train", train_pts, margin)
-    return entries
+def read_table(path) -> dict:
+    """The table file's contents ({} when missing or unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
-def targets(rows, train_step):
-    """The issue's three ratios: minimum over the sweep's (N, causal) of cuDNN time / sage time."""
-    fwd, fb = [], []
-    by = {}
-    for r in rows:
-        by.setdefault((r["n"], r["causal"]), {})[r["method"]] = r
-    for m in by.values():
-        if "sdpa_cudnn" not in m:
-            continue
-        fwd.append(m["sdpa_cudnn"]["fwd_ms"] / m["sage+triton"]["fwd_ms"])
-        fb.append(m["sdpa_cudnn"]["fwd_bwd_ms"] / min(v["fwd_bwd_ms"] for k, v in m.items() if k.startswith("sage+")))
-    step = (train_step or {}).get("speedup_vs_cudnn", {}).get("16384")
-    return {"fwd_over_cudnn_min": {"value": round(min(fwd), 4) if fwd else None, "goal": 1.3},
-            "fwd_bwd_over_cudnn_min": {"value": round(min(fb), 4) if fb else None, "goal": 1.05},
-            "train_step_over_sdpa": {"value": round(step, 4) if step else None, "goal": 1.03}}
-
-
-def merged_table(path, device, d, config, entries, margin, tuned=True):
+def merged_table(path, device, d, config, entries, margin, tuned=True, old=None):
     """The table file with this run's measurements merged in.
 
     Earlier entries of the same (device, head dim) whose lengths overlap this run's measured
     range are replaced; other devices, head dims and lengths stay, so short and long sequences
     can be measured in separate runs. The kernel config is replaced only by an autotuned one.
     """
-    try:
-        old = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        old = {}
+    old = read_table(path) if old is None else old
     lo = min((e["seq_min"] for e in entries), default=0)
     hi = max((e["seq_max"] for e in entries), default=-1)
     kept = [e for e in old.get("entries", [])
@@ -257,28 +281,61 @@ def merged_table(path, device, d, config, entries, margin, tuned=True):
             "kernel_configs": configs, "entries": kept + entries}
 
 
-def _write(args, device, d, rows, routes_report, tune, config, profile, entries, train_step):
-    """Write the dispatch table and benchmarks/results/<name>.json; return the results object."""
+def _write(args, device, d, rows, routes_report, tune, config, profile, train_step, base_table=None):
+    """Write the dispatch table and benchmarks/results/<name>.json from the rows so far; return the results.
+
+    Called after every length of the sweep (a run cut off by its timeout keeps what it measured) and
+    again with the training step. ``base_table`` is the table file as it was before this run, so each
+    write merges this run's entries into the same starting point.
+    """
+    entries, left_out = build_table(device, d, rows, args.margin)
     picked = [e for e in entries if e["backend"] == "sage"]
     proof = all(all(ev["speedup"] >= args.margin for ev in e["evidence"]) for e in picked)
     if args.table:
-        table = merged_table(args.table, device, d, config, entries, args.margin, tuned=not args.no_autotune)
-        Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
+        table = merged_table(args.table, device, d, config, entries, args.margin, tuned=not args.no_autotune,
+                             old=base_table)
+        tmp = Path(args.table).with_suffix(".json.tmp")  # replaced whole: a timeout mid-write leaves the old table
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, args.table)
     settings = {"batch": args.batch, "heads": args.heads, "head_dim": d, "sizes": args.sizes, "iters": args.iters,
+                "routes": args.routes, "baselines": args.baselines,
                 "flops": "fwd 4*B*H*d*N^2 (/2 causal); fwd+bwd 3.5x fwd",
                 "timing": "median of CUDA-event timings after warm-up",
-                "accuracy": f"batch 0, heads 0-3 vs exact fp32 attention, N <= {args.accuracy_max_n}"}
-    tg = targets(rows, train_step)
-    results = {"targets": tg, "rows": rows, "backward_routes": routes_report,
+                "accuracy": f"batch 0, heads 0-3 vs exact fp32 attention, N <= {args.accuracy_max_n}",
+                "kernels": "Sage forward on Triton (the autotuned ForwardConfig) and on Gluon (its default GluonConfig, "
+                           "what backend='gluon' launches), each followed by every backward route"}
+    tg = targets(rows, train_step, entries, d)
+    gluon_skips = sorted({r["skipped"] for r in rows if r["method"] == "gluon_kernel" and r.get("skipped")})
+    measured = sorted({r["n"] for r in rows})
+    results = {"targets": tg, "rows": rows, "measured_n": measured, "backward_routes": routes_report,
+               "gluon": {"runs": not gluon_skips, "skipped_because": gluon_skips},
                "autotune_8k_ms": {str(k): v for k, v in tune.items()}, "forward_config": config,
-               "sass_profile": profile, "dispatch_entries": entries,
+               "sass_profile": profile, "dispatch_entries": entries, "kernels_left_out_of_table": left_out,
                "dispatch_picks_sage": [f"d={e['head_dim']} causal={e['causal']} {e['mode']} N={e['seq_min']}-{e['seq_max']}"
-                                       for e in picked],
-               "dispatch_proof_every_sage_pick_measured_faster": proof, "train_step": train_step,
+                                       f" kernel={e['kernel']}" for e in picked],
+               "dispatch_kernels": {k: sum(e["kernel"] == k for e in entries) for k in KERNELS},
+               "dispatch_proof_every_sage_pick_measured_faster": proof,
+               "train_step_choice": train_step_choice(rows), "train_step": train_step,
                "headline": f"d={d}: " + ", ".join(f"{k} {v['value']} (goal {v['goal']})" for k, v in tg.items()
                                                   if v["value"] is not None)
                + f"; dispatch picks sage for {len(picked)} of {len(entries)} measured shapes"}
-    print("wrote", write_result(args.name, settings, results), flush=True)
+    print("wrote", write_result(args.name, settings, results, targets=tg), flush=True)
+    return results
+
+
+def fold_train_step(name: str, train_step_path: str, table: str) -> dict:
+    """Put a training-step record (``attention_train_step.py --out``) into ``<name>.json`` and recompute its
+    targets: the device script runs the step after the sweep, in its own process and timeout."""
+    record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    results, settings = record["results"], record["settings"]
+    path = Path(train_step_path)
+    train_step = json.loads(path.read_text()) if path.exists() else {"failed": True, "missing": str(path)}
+    results["train_step"] = train_step
+    results["targets"] = targets(results["rows"], train_step, results["dispatch_entries"], settings["head_dim"])
+    results["headline"] = (f"d={settings['head_dim']}: " + ", ".join(
+        f"{k} {v['value']} (goal {v['goal']})" for k, v in results["targets"].items() if v["value"] is not None)
+        + results["headline"][results["headline"].rfind(";"):])
+    print("wrote", write_result(name, settings, results, targets=results["targets"]), flush=True)
     return results
 
 
@@ -290,26 +347,44 @@ CANDIDATES = [dict(block_m=m, num_warps=w, num_stages=s, pipeline=p, k_tile_scal
                                       (128, 8, 4, False, True), (64, 4, 2, False, True), (64, 4, 3, False, True))]
 
 
+#: Default sweep: the long lengths the targets read first, short ones for the table's ranges, 32K (the
+#: dearest: ~40% of the sweep's time) last; every length is written as soon as it is measured.
+DEFAULT_SIZES = "8192,16384,4096,1024,256,32768"
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="8192,16384,32768")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="sequence lengths, measured in this order")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--accuracy-max-n", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=10, help="timed repetitions (halved at 32K)")
     parser.add_argument("--margin", type=float, default=1.02, help="sage must be this much faster to be picked")
+    parser.add_argument("--routes", default=",".join(("triton", *ROUTES)),
+                        help="backward routes timed after each Sage forward (cudnn/flash only where validated)")
+    parser.add_argument("--baselines", default="cudnn,flash", help="SDPA backends timed (cudnn is the table's rival)")
     parser.add_argument("--no-autotune", action="store_true")
     parser.add_argument("--train-step", action="store_true", help="also time the 8B training step (8K, 16K)")
     parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--fold-train-step", metavar="JSON",
+                        help="only put this attention_train_step.py record into <name>.json and recompute its targets")
     parser.add_argument("--table", default=str(dispatch.TABLE_PATH), help="dispatch table to write ('' = none)")
     parser.add_argument("--name", default="attention")
     args = parser.parse_args()
+    if args.fold_train_step:
+        tg = fold_train_step(args.name, args.fold_train_step, args.table)["targets"]
+        print("targets:", json.dumps(tg)[:2000])
+        return
+    if "cudnn" not in args.baselines.split(","):
+        parser.error("--baselines must include cudnn: the table and the targets compare against it")
     b, h, d = args.batch, args.heads, args.head_dim
     device = torch.cuda.get_device_name(0)
     start = time.time()
+    base_table = read_table(args.table) if args.table else {}
     routes_report = validate_routes(d)
-    routes = tuple(r for r in ROUTES if routes_report[r]["ok"])
+    routes = tuple(r for r in args.routes.split(",") if r == "triton" or routes_report.get(r, {}).get("ok"))
+    baselines = tuple(args.baselines.split(","))
     tune = {}
     if args.no_autotune:  # the shipped (autotuned) config for this card and head dim, else the default
         config = dispatch.kernel_config(device, d) or CANDIDATES[0]
@@ -325,31 +400,34 @@ def main():
     profile = {"chosen": profile, "candidates": {json.dumps(c, sort_keys=True): sass_profile(c, d) for c in CANDIDATES}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    common = dict(args=args, device=device, d=d, rows=rows, routes_report=routes_report, tune=tune, config=config,
+                  profile=profile, base_table=base_table)
     for n in [int(s) for s in args.sizes.split(",")]:
         iters = max(3, args.iters // 2) if n >= 32768 else args.iters  # 32K: ~0.1-1.2 s per call
         for causal in (False, True):
-            rows += time_point(b, h, d, n, causal, config, routes, gen, args.accuracy_max_n, iters)
+            rows += time_point(b, h, d, n, causal, config, routes, baselines, gen, args.accuracy_max_n, iters)
         torch.cuda.empty_cache()
         print(f"N={n} done ({time.time() - start:.0f} s)", flush=True)
-    entries = build_table(device, d, rows, routes, args.margin)
-    common = dict(args=args, device=device, d=d, rows=rows, routes_report=routes_report, tune=tune, config=config,
-                  profile=profile, entries=entries)
-    results = _write(**common, train_step=None)  # a cut-off training-step run keeps the sweep
+        results = _write(**common, train_step=None)  # a run cut off by its timeout keeps every length so far
     if args.train_step:
-        best_route = min(routes or ("triton",), key=lambda r: sum(x["fwd_bwd_ms"] for x in rows if x["method"] == f"sage+{r}"))
+        choice = results["train_step_choice"]
         out = Path("/tmp/attention_train_step.json")
         subprocess.run([sys.executable, str(Path(__file__).with_name("attention_train_step.py")), "--seqs", "8192,16384",
-                        "--steps", str(args.train_steps), "--backward", best_route, "--out", str(out),
-                        "--timeout", "150"], check=False)
+                        "--steps", str(args.train_steps), "--backward", choice["backward"], "--kernel",
+                        choice["kernel"], "--out", str(out), "--timeout", "150"], check=False)
         train_step = json.loads(out.read_text()) if out.exists() else {"failed": True}
         results = _write(**common, train_step=train_step)
     tg = results["targets"]
     print(f"{'N':>6} {'causal':>6} {'method':>12} {'fwd ms':>8} {'fwd TOPS':>8} {'f+b ms':>8} {'f+b TOPS':>8} {'cos':>8} {'relL1':>7}")
     for r in rows:
+        if r.get("skipped"):
+            print(f"{r['n']:>6} {str(r['causal']):>6} {r['method']:>12} skipped: {r['skipped'][:100]}")
+            continue
         print(f"{r['n']:>6} {str(r['causal']):>6} {r['method']:>12} {r['fwd_ms']:8.2f} {r.get('fwd_tops', 0):8.0f} "
               f"{r.get('fwd_bwd_ms', 0):8.2f} {r.get('fwd_bwd_tops', 0):8.0f} {r.get('acc_cos', float('nan')):8.5f} "
               f"{r.get('acc_rel_l1', float('nan')):7.4f}")
-    print("targets:", tg, "| sage picked for:", results["dispatch_picks_sage"] or "nothing",
+    print("targets:", {k: (v["value"], v["goal"]) for k, v in tg.items()}, "| sage picked for:",
+          results["dispatch_picks_sage"] or "nothing", "| kernels named:", results["dispatch_kernels"],
           "| proof:", results["dispatch_proof_every_sage_pick_measured_faster"])
 
 

@@ -4,11 +4,14 @@ checkpointing, batch 1) with SageAttention against cuDNN SDPA, at several sequen
 Each variant runs in a fresh subprocess (clean allocator). The attention variants go through
 the same registered function ``neutrain_sage``, with the dispatch forced:
 
-    sage   NEUTRAIN_SAGE_DISPATCH=always (+ NEUTRAIN_SAGE_BACKWARD, the backward route)
+    sage   NEUTRAIN_SAGE_DISPATCH=always (+ NEUTRAIN_SAGE_BACKWARD, the backward route, and
+           NEUTRAIN_SAGE_KERNEL, the forward kernel: triton, or gluon on Hopper)
     cudnn  NEUTRAIN_SAGE_DISPATCH=never: torch SDPA with cuDNN first, no mask tensor
     sdpa   transformers' own "sdpa" (what a recipe without neutrain_sage gets)
 
-    python benchmarks/attention_train_step.py --seqs 8192,16384 --variants sage,cudnn --out step.json
+    python benchmarks/attention_train_step.py --seqs 8192,16384 --variants sage,cudnn --kernel gluon --out step.json
+
+The record is written after every variant, so a run cut off by its timeout keeps the finished ones.
 """
 
 from __future__ import annotations
@@ -79,13 +82,16 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
     return result
 
 
-def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: str, timeout: float) -> list[dict]:
-    """Every variant in its own subprocess; a variant that fails or times out is recorded as such."""
+def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: str, timeout: float,
+        kernel: str = "triton", done=lambda rows: None) -> list[dict]:
+    """Every variant in its own subprocess; a variant that fails or times out is recorded as such.
+    ``done(rows)`` is called after each variant."""
     rows = []
     for variant in variants:
         env = dict(os.environ)
         env["NEUTRAIN_SAGE_DISPATCH"] = {"sage": "always", "cudnn": "never"}.get(variant, "table")
         env["NEUTRAIN_SAGE_BACKWARD"] = backward
+        env["NEUTRAIN_SAGE_KERNEL"] = kernel
         cmd = [sys.executable, __file__, "--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(steps)]
         cmd += ["--tiny"] if tiny else []
         t = time.perf_counter()
@@ -96,8 +102,11 @@ def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: 
         except subprocess.TimeoutExpired:
             row = {"variant": variant, "failed": True, "timeout_s": timeout}
         row["wall_s"] = round(time.perf_counter() - t, 1)
+        if variant == "sage":
+            row["kernel"] = kernel
         print(json.dumps(row)[:800], flush=True)
         rows.append(row)
+        done(rows)
     return rows
 
 
@@ -118,6 +127,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="8192,16384")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--backward", default="cudnn", help="sage's backward route (triton, cudnn, flash)")
+    ap.add_argument("--kernel", default="triton", choices=("triton", "gluon"), help="sage's forward kernel")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -127,9 +137,12 @@ def main() -> int:
     if args.child:
         print("RESULT " + json.dumps(run_child(args.child, seqs, args.steps, args.tiny)))
         return 0
-    rows = run(args.variants.split(","), seqs, args.steps, args.tiny, args.backward, args.timeout)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "speedup_vs_cudnn": speedups(rows, seqs)}, indent=2))
+
+    def write(rows):
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows, "speedup_vs_cudnn": speedups(rows, seqs)}, indent=2))
+
+    run(args.variants.split(","), seqs, args.steps, args.tiny, args.backward, args.timeout, args.kernel, write)
     return 0
 
 

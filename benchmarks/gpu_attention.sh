@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # SageAttention on the GPU, one device call, the steps named as arguments (in the order given):
-#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, tests/unit/attention; TEST_TIMEOUT, 240 s):
-#          $OUT/junit_attention.xml and $OUT/tests.log;
-#   bench  benchmarks/attention.py (route validation, autotune, the sweep against cuDNN/flash SDPA, the dispatch
-#          table; BENCH_TIMEOUT, 420 s): benchmarks/results/attention.json (BENCH_ARGS="--name ..." for another
-#          setting), neutrain/attention/dispatch_table.json (copied to $OUT) and $OUT/bench.log;
-#   step   benchmarks/attention_train_step.py, the 8B training step with each attention (STEP_TIMEOUT, 300 s):
-#          $OUT/train_step.json;
+#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, the fidelity gate on a real model's
+#          activations tests/kernels/test_sage_attention_real_activations.py, tests/unit/attention; TEST_TIMEOUT,
+#          240 s): $OUT/junit_attention.xml and $OUT/tests.log;
+#   bench  benchmarks/attention.py (route validation, autotune, the sweep of the Triton and Gluon Sage forwards
+#          against cuDNN/flash SDPA, the dispatch table naming the faster kernel; BENCH_TIMEOUT, 420 s; results written
+#          after every length): benchmarks/results/attention.json (also in $OUT; BENCH_ARGS="--sizes ... --routes ..."
+#          to trim), neutrain/attention/dispatch_table.json (copied to $OUT) and $OUT/bench.log;
+#   step   benchmarks/attention_train_step.py, the 8B training step, Sage against cuDNN SDPA (STEP_TIMEOUT, 300 s), Sage
+#          on the kernel and backward route bench chose for it (attention.json's train_step_choice; STEP_KERNEL,
+#          STEP_BACKWARD override), then folded into attention.json (train_step_over_sdpa): $OUT/train_step.json;
+#   profile  Nsight Compute (ncu --clock-control none; SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats,
+#          MemoryWorkloadAnalysis, Occupancy, LaunchStats; one launch, kernel-name filter) of the Gluon Sage forward
+#          and of cuDNN's SDPA forward at B=4, H=32, N=16K, d=128 non-causal (benchmarks/diag/attention_one_shape.py;
+#          PROFILE_METHODS, "gluon cudnn"; PROFILE_TIMEOUT per method, 60 s): $OUT/ncu_<method>.txt (and .ncu-rep);
+#          without a usable ncu (none installed, or no counter access as under gVisor) it says why and goes on;
 #   gluon  the Gluon warp-specialized forward (Hopper): its GPU tests (fidelity against the quantized reference
 #          and fp32, LSE, backend routing, SASS of the device's compile; TEST_TIMEOUT, 120 s), then
 #          benchmarks/diag/gluon_sage_smoke.py (Gluon with 1 and 2 consumer warpgroups against the Triton Sage
 #          kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128; SMOKE_TIMEOUT, 105 s): $OUT/junit_gluon_attention_<sha>.xml,
 #          $OUT/gluon_tests.log, $OUT/smoke.log and gluon_sage_smoke.json; < 4 minutes, needs NEUTRAIN_GIT_COMMIT.
 # Each step has its own timeout (a deadlocked kernel is killed with its process) and none stops the others.
-#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [gluon]
+#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [profile] [gluon]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT=${OUT:-/tmp/attention_out}; mkdir -p "$OUT"
@@ -22,14 +30,47 @@ for step in "$@"; do
   case $step in
     tests)
       timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider tests/kernels/test_sage_attention.py \
-        tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
+        tests/kernels/test_sage_attention_real_activations.py tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
         >"$OUT/tests.log" 2>&1
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-420}" python benchmarks/attention.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -vE "^\{" | tail -60
       cp neutrain/attention/dispatch_table.json "$OUT/" 2>/dev/null ;;
     step)
-      timeout "${STEP_TIMEOUT:-300}" python benchmarks/attention_train_step.py ${STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | tail -5 ;;
+      # The kernel and route the sweep found fastest for causal training (the 8B step's shape); triton/cudnn without it.
+      read -r kernel route < <(python -c "import json; c = json.load(open('benchmarks/results/attention.json'))['results']\
+['train_step_choice']; print(c['kernel'], c['backward'])" 2>/dev/null || echo triton cudnn)
+      kernel=${STEP_KERNEL:-$kernel} route=${STEP_BACKWARD:-$route}
+      echo "step: sage on kernel $kernel, backward $route"
+      timeout "${STEP_TIMEOUT:-300}" python benchmarks/attention_train_step.py --kernel "$kernel" --backward "$route" \
+        ${STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | tail -5
+      python benchmarks/attention.py --fold-train-step "$OUT/train_step.json" ${FOLD_ARGS:-} 2>&1 | tail -2 ;;
+    profile)
+      ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -z "$ncu_bin" ]; then
+        echo "profile: no ncu on this machine (not on PATH, not under /usr/local/cuda*/bin or /opt/nvidia): skipped"
+        continue
+      fi
+      "$ncu_bin" --version | tail -1
+      for method in ${PROFILE_METHODS:-gluon cudnn}; do
+        filter=$(python benchmarks/diag/attention_one_shape.py --method "$method" --print-filter)
+        timeout "${PROFILE_TIMEOUT:-60}" "$ncu_bin" --clock-control none --launch-count 1 -k "regex:$filter" \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --export "$OUT/ncu_$method" --force-overwrite \
+          python benchmarks/diag/attention_one_shape.py --method "$method" --b 4 --h 32 --n 16384 --d 128 --repeat 1 \
+          >"$OUT/ncu_$method.txt" 2>&1
+        rc=$?
+        if [ $rc -ne 0 ] || ! grep -q "Section: GPU Speed Of Light" "$OUT/ncu_$method.txt"; then
+          # gVisor and containers without GPU performance-counter access fail here; the reason is in ncu's own lines.
+          echo "profile $method: ncu gave no report (rc=$rc):"; grep -E "==(ERROR|WARNING|PROF)==" "$OUT/ncu_$method.txt" | head -5
+          tail -n 3 "$OUT/ncu_$method.txt"
+        else
+          echo "profile $method: $OUT/ncu_$method.txt"
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|No Eligible" \
+            "$OUT/ncu_$method.txt" | head -12
+        fi
+      done ;;
     gluon)
       source benchmarks/require_commit.sh
       short=${NEUTRAIN_GIT_COMMIT:0:7}
@@ -45,7 +86,7 @@ for step in "$@"; do
       echo "smoke rc=$? (${SECONDS}s)"
       tail -n 45 "$OUT/smoke.log" ;;
     *)
-      echo "unknown step '$step': expected tests, bench, step or gluon" >&2; exit 2 ;;
+      echo "unknown step '$step': expected tests, bench, step, profile or gluon" >&2; exit 2 ;;
   esac
 done
 echo "done in ${SECONDS}s"

