@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from train_memory import LLAMA3_8B, TINY, _device_used_gib  # noqa: E402
+from _train_peers import device_used_gib  # noqa: E402
+from train_memory import LLAMA3_8B, TINY  # noqa: E402
 
 
 def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
@@ -74,7 +75,7 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
             result[str(seq)] = {
                 "step_s": med, "step_times_s": [round(t, 4) for t in times], "tokens_per_s": seq / med,
                 "losses": losses, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": _device_used_gib(),
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": device_used_gib(),
                 "counters": {k: v for k, v in counters.items()}}
         except torch.OutOfMemoryError as exc:
             result[str(seq)] = {"oom": True, "error": str(exc).splitlines()[0][:200]}

@@ -131,3 +131,16 @@ def test_training_step_runs_the_fastest_causal_kernel_and_route():
     choice = table.train_step_choice(_rows(_gluon_wins_long))
     assert (choice["kernel"], choice["backward"]) == ("gluon", "cudnn")
     assert table.train_step_choice([])["kernel"] == "triton"
+
+
+def test_the_training_step_benchmark_imports_as_the_device_runs_it():
+    # The device runs the script by path (benchmarks/ first on sys.path); a name it imports from a sibling
+    # module that no longer exists fails only there, after the sweep has spent its time.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "benchmarks/attention_train_step.py", "--help"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
