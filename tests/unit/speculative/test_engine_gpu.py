@@ -12,6 +12,7 @@ import torch
 
 from neutrain.speculative import generate
 from neutrain.speculative import rounds as rounds_module
+from neutrain.speculative.device_walk import DEVICE_SCHEMES
 from tests.unit.speculative.test_generate import chi_square, chi_square_threshold
 from tests.unit.speculative.test_generate_engine import _sequence_probs, tiny_llama
 
@@ -67,7 +68,7 @@ def test_one_host_synchronisation_per_round(temperature, k, scheme):
     assert out.sequences.shape == (1, 45)
 
 
-@pytest.mark.parametrize("k,scheme", [(1, "sd"), (2, "specinfer"), (3, "importance")])
+@pytest.mark.parametrize("k,scheme", [(1, "sd"), (2, "specinfer"), (2, "spectr"), (3, "importance")])
 def test_graph_replayed_greedy_equals_hf_greedy(k, scheme):
     torch.backends.cuda.matmul.allow_tf32 = False
     target, draft = _cuda_models(torch.float32)
@@ -86,7 +87,7 @@ def test_graph_replayed_greedy_equals_hf_greedy(k, scheme):
         assert rounds is built
 
 
-@pytest.mark.parametrize("k,scheme", [(2, "importance"), (1, "sd"), (2, "specinfer")])  # sd/specinfer: device walk
+@pytest.mark.parametrize("k,scheme", [(2, "importance"), (1, "sd"), (2, "specinfer"), (2, "spectr")])  # sd/specinfer: device walk
 def test_graph_replayed_sampling_follows_the_target_and_is_seeded(k, scheme):
     target, draft = _cuda_models(torch.float32, vocab=4, sharpen=30.0)
     prompt, steps, n = [1, 2], 3, 400
@@ -101,7 +102,7 @@ def test_graph_replayed_sampling_follows_the_target_and_is_seeded(k, scheme):
         key = tuple(out.sequences[0, len(prompt):].tolist())
         counts[key] = counts.get(key, 0) + 1
         accepted += out.stats.accepted_positions
-    assert _generate_module()._ROUNDS[target].walk_on_device == (scheme != "importance")
+    assert _generate_module()._ROUNDS[target].walk_on_device == (scheme in DEVICE_SCHEMES)
     cpu_target = target.float().cpu()
     stat, dof = chi_square(counts, _sequence_probs(cpu_target, prompt, steps, 1.0), n)
     assert stat < chi_square_threshold(dof), (stat, dof)
