@@ -78,12 +78,18 @@ def test_exact_backward_route_meets_the_gradient_gate_on_real_activations():
     assert all(g["finite"] and g["cos"] >= GRAD_COS for g in grads), grads
 
 
+_EXACT_ROUTE_MISSES = pytest.mark.xfail(
+    strict=True, reason="measured on an H200: cuDNN's exact backward fed the quantized forward's O and LSE gives "
+                        "dQ cos 0.99774 against fp32 on this layer, as the CPU counterpart above does")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", ["triton", "cudnn"])
+@pytest.mark.parametrize("backward", ["triton", pytest.param("cudnn", marks=_EXACT_ROUTE_MISSES)])
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
 def test_kernel_meets_the_gate_on_real_activations(kernel, backward, record_property):
-    """Each forward kernel with each backward route the dispatch table names (the quantized Triton
-    backward, or cuDNN's exact one fed Sage's O and LSE)."""
+    """Each forward kernel with each backward route the dispatch table can name (the quantized Triton
+    backward, or cuDNN's exact one fed Sage's O and LSE). Strict where it misses: the day the cuDNN
+    route passes, its marker must go."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if kernel == "gluon" and not ON_HOPPER:
