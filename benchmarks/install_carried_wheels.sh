@@ -21,7 +21,9 @@ fi
 # The peers of train_memory.py: torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
 if [ "${CARRIED_WHEELS:-all}" != kv ]; then
   have torchao || add .whl/torchao-*.whl
-  have bitsandbytes || add .whl/bitsandbytes-*.whl
+  # bitsandbytes' wheel (41 MiB) does not fit one call beside a part of the real model's GGUF: it may travel
+  # in a call of its own as .carry/bnb/ (a carried path stays on the warm machine).
+  have bitsandbytes || add .whl/bitsandbytes-*.whl .carry/bnb/bitsandbytes-*.whl
   have lomo_optim || add .whl/lomo_optim-*.whl
 fi
 # The KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
