@@ -15,6 +15,9 @@ L/2, SLERP t=0.6, per-token norms kept, gamma=0.05 distinct retention; keys post
   next token's query (the full run's query, so each layer's error is its own, not propagated);
 * ``next_token``: whether the first answer token (greedy) survives, full vs MiniCache.
 
+Writes ``benchmarks/results/profiles/<--name>.json`` (``write_result``: commit, settings, and the KV targets
+by name, none of which this study measures).
+
 Usage:
     PYTHONPATH=. python benchmarks/diag/minicache_cpu_diag.py [--len 512] [--start-layer 15] [--t 0.6] [--gamma 0.05]
 """
@@ -22,15 +25,22 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from neutrain.eval.kv import MiniCache
-from neutrain.eval.kv.minicache import per_token
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import write_result  # noqa: E402
+from _kv_targets import targets_of_a_study  # noqa: E402
+
+from neutrain.eval.kv import MiniCache  # noqa: E402
+from neutrain.eval.kv.minicache import per_token  # noqa: E402
+
+PROFILES = Path(__file__).resolve().parents[1] / "results" / "profiles"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -135,7 +145,7 @@ def main():
     p.add_argument("--start-layer", type=int, default=None)
     p.add_argument("--t", type=float, default=0.6)
     p.add_argument("--gamma", type=float, default=0.05)
-    p.add_argument("--json", default=None, help="write the result here too")
+    p.add_argument("--name", default="minicache_smollm2_layers", help="the record's name (under results/profiles)")
     args = p.parse_args()
     model, tok = load_smollm2()
     sample = generate_task("niah_single", tok, args.len, 1, seed=42)[0]
@@ -151,9 +161,10 @@ def main():
         print(f"{m['layer']:5} {m['side']:4} {m['key_rel_error']:6} {m['key_rel_error_closed_form']:20} "
               f"{m['value_rel_error']:6} {m['attention_output_rel_error']:13} {m['retained_keys']:9}")
     print("next token", res["next_token"], res["stats"])
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+    settings = {"model": "SmolLM2-135M-Instruct", "task": "niah_single", "seed": 42, "tokens": args.len,
+                "start_layer": args.start_layer, "t": args.t, "gamma": args.gamma, "device": "cpu"}
+    targets = targets_of_a_study({}, "this study measures per-layer restore and attention errors, not accuracy")
+    print("wrote", write_result(args.name, settings, res, PROFILES, targets=targets))
 
 
 if __name__ == "__main__":
