@@ -43,6 +43,10 @@ class WireError(ValueError):
     """The bytes are not a well-formed protobuf message."""
 
 
+#: An unverified fixed-width value's wire type -> (type name, float format, integer format, integer key).
+FIXED_WIDTH = {WIRE_I64: ("fixed64?", "<d", "<Q", "as_uint64"), WIRE_I32: ("fixed32?", "<f", "<I", "as_uint32")}
+
+
 def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
@@ -170,22 +174,10 @@ def decode_value(buf: bytes) -> dict | None:
         return {"type": "uint64", "value": raw}
     # Anything else: keep the raw reading, flagged.
     note = f"value field {field}, wire type {wire}: type not verified"
-    if wire == WIRE_I64:
-        return {
-            "type": "fixed64?",
-            "value": struct.unpack("<d", raw)[0],
-            "as_uint64": struct.unpack("<Q", raw)[0],
-            "ambiguous": True,
-            "note": note,
-        }
-    if wire == WIRE_I32:
-        return {
-            "type": "fixed32?",
-            "value": struct.unpack("<f", raw)[0],
-            "as_uint32": struct.unpack("<I", raw)[0],
-            "ambiguous": True,
-            "note": note,
-        }
+    if wire in FIXED_WIDTH:  # read both ways: a float and an unsigned integer of the same bytes
+        name, as_float, as_int, int_key = FIXED_WIDTH[wire]
+        return {"type": name, "value": struct.unpack(as_float, raw)[0], int_key: struct.unpack(as_int, raw)[0],
+                "ambiguous": True, "note": note}
     if wire == WIRE_VARINT:
         return {"type": "varint?", "value": raw, "ambiguous": True, "note": note}
     return {
