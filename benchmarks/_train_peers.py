@@ -25,19 +25,17 @@ import torch
 
 
 def device_used_gib() -> float | None:
-    """The device's used memory as NVML reports it (what another process could not have).
+    """The device's used memory as NVML reports it (what another process could not have), as the trainer's
+    phase records read it.
 
     Through torch, which maps the CUDA index to NVML's through ``CUDA_VISIBLE_DEVICES``: NVML numbers
     every GPU of the host, so NVML's own index 0 is another card than ``cuda:0`` when a run is given
     the second GPU (two benchmarks side by side then each read the other's memory)."""
+    from neutrain.trainer.phases import device_memory_used
+
     if not torch.cuda.is_available():
         return None
-    index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    try:
-        return torch.cuda.device_memory_used(index) / 2**30
-    except Exception:  # no NVML binding here: the driver's free figure for the same device
-        free, total = torch.cuda.mem_get_info(index)
-        return (total - free) / 2**30
+    return device_memory_used(torch.cuda.current_device() if torch.cuda.is_initialized() else 0) / 2**30
 
 
 def memory_row() -> dict[str, float | None]:
