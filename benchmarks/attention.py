@@ -153,21 +153,9 @@ def sass_profile(config, d=128, causal=False):
     return prof
 
 
-def _gluon_runs_here() -> bool:
-    """The Gluon forward can run on this device (Hopper, a Triton release with the Gluon kernel)."""
-    try:
-        from neutrain.kernels.sage_attention_gluon import gluon_available
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability()[0] == 9 and gluon_available()
-
-
-def gluon_skip_reason(qi) -> str | None:
-    """Why the Gluon forward cannot take this call here (None when it runs): dispatch would run Triton's."""
-    from neutrain.attention.sage import gluon_runs
-
-    if gluon_runs(qi, None):
-        return None
+def gluon_unavailable_reason() -> str | None:
+    """Why the Gluon forward cannot run on this device at all (None when it can: Hopper, and a Triton release
+    the kernel is written for)."""
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         return f"capability {major}.{minor} is not Hopper (9.x)"
@@ -178,7 +166,16 @@ def gluon_skip_reason(qi) -> str | None:
         return f"this Triton has no Gluon ({exc})"
     if not gluon_available():
         return f"Triton {triton.__version__} is not a release the Gluon kernel is written for {GLUON_TRITON_VERSIONS}"
-    return "the Gluon kernel does not compute this call (gluon_supports)"
+    return None
+
+
+def gluon_skip_reason(qi) -> str | None:
+    """Why the Gluon forward cannot take this call here (None when it runs): dispatch would run Triton's."""
+    from neutrain.attention.sage import gluon_runs
+
+    if gluon_runs(qi, None):
+        return None
+    return gluon_unavailable_reason() or "the Gluon kernel does not compute this call (gluon_supports)"
 
 
 def _kernel_row(n, causal, method, fn, warm, iters, flops):
@@ -398,7 +395,7 @@ def main():
     routes = tuple(r for r in args.routes.split(",") if r == "triton" or routes_report.get(r, {}).get("ok"))
     baselines = tuple(args.baselines.split(","))
     # Which backward routes may train: each (kernel, route) on a real model's layer against fp32 (seconds).
-    fidelity_kernels = ["triton"] + (["gluon"] if _gluon_runs_here() else [])
+    fidelity_kernels = ["triton"] + (["gluon"] if gluon_unavailable_reason() is None else [])
     fidelity = route_fidelity("cuda", fidelity_kernels, list(routes))
     print("route fidelity (real activations):", {r: {k: (p.get("fwd_cos"), p.get("grad_cos"), p["passes"])
                                                      for k, p in ks.items()} for r, ks in fidelity["by_route"].items()},
