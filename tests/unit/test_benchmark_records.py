@@ -26,7 +26,8 @@ ARCHIVE = RESULTS / "archive"
 SHA = re.compile(r"[0-9a-f]{7,40}")
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*RESULTS.glob("*.json"), *(RESULTS / "profiles").glob("*.json")]),
+                         ids=lambda p: p.name)
 def test_committed_records_name_their_commit_dirty_flag_and_targets(path: Path):
     data = json.loads(path.read_text())
     assert SHA.fullmatch(str(data.get("git_commit"))), f"{path.name}: git_commit {data.get('git_commit')!r}"
@@ -167,3 +168,18 @@ def test_step_anatomy_reports_memory_targets_only_for_the_setting_they_name():
     assert got["d_device_used_gib_batch1"]["met"] and not got["d_peak_reserved_gib_batch1"]["met"]
     assert targets_of(SimpleNamespace(variant="d", batch=8, tiny=False), memory) == {}
     assert targets_of(SimpleNamespace(variant="c", batch=1, tiny=False), memory) == {}
+
+
+def test_a_kv_study_names_every_target_and_values_only_what_it_measured():
+    # A diagnostic or a sweep (benchmarks/diag/minicache_*.py) records the seven KV targets by name, like
+    # kv_eval.json: the real-model gap where it evaluated the benchmark's setting, the rest with no value.
+    from benchmarks._kv_targets import REAL_GOALS, kv_targets, targets_of_a_study
+
+    names = {*kv_targets({}), *REAL_GOALS}
+    sweep = targets_of_a_study({"real": {"gap_points": {"full": 0.0, "minicache_merge": 100.0}}}, "a sweep")
+    assert set(sweep) == names and len(names) == 7
+    assert sweep["real_model_minicache_acc_gap_points"]["value"] == 100.0
+    assert sweep["real_model_minicache_acc_gap_points"]["met"] is False
+    assert all(e["not_measured"] == "a sweep" for n, e in sweep.items() if n != "real_model_minicache_acc_gap_points")
+    layers = targets_of_a_study({}, "per-layer errors")
+    assert set(layers) == names and all(e["value"] is None and e["goal"] for e in layers.values())
