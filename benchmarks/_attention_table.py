@@ -60,20 +60,23 @@ def sage_rows(methods: dict[str, dict], kernel: str) -> dict[str, dict]:
     return {name[len(prefix):]: row for name, row in methods.items() if name.startswith(prefix)}
 
 
-def kernel_times(methods: dict[str, dict], kernel: str) -> dict | None:
-    """One kernel at one point: ``{"fwd_ms", "fwd_bwd_ms", "backward"}`` (its fastest route), or None."""
-    routes = {route: row for route, row in sage_rows(methods, kernel).items() if "fwd_bwd_ms" in row}
+def kernel_times(methods: dict[str, dict], kernel: str, routes_allowed=None) -> dict | None:
+    """One kernel at one point: ``{"fwd_ms", "fwd_bwd_ms", "backward"}`` (its fastest route among
+    ``routes_allowed``, every measured one when None), or None."""
+    routes = {route: row for route, row in sage_rows(methods, kernel).items()
+              if "fwd_bwd_ms" in row and (routes_allowed is None or route in routes_allowed)}
     if not routes:
         return None
     best = min(routes, key=lambda route: routes[route]["fwd_bwd_ms"])
     return {"fwd_ms": routes[best]["fwd_ms"], "fwd_bwd_ms": routes[best]["fwd_bwd_ms"], "backward": best}
 
 
-def _points(points: dict[tuple[int, bool], dict[str, dict]], causal: bool, kernel: str, mode: str) -> list[dict]:
+def _points(points: dict[tuple[int, bool], dict[str, dict]], causal: bool, kernel: str, mode: str,
+            train_routes=None) -> list[dict]:
     key = "fwd_ms" if mode == "forward" else "fwd_bwd_ms"
     out = []
     for (n, c), methods in sorted(points.items()):
-        times = kernel_times(methods, kernel)
+        times = kernel_times(methods, kernel, train_routes if mode == "train" else None)
         if c != causal or times is None or key not in methods.get("sdpa_cudnn", {}):
             continue
         out.append({"n": n, "sage_ms": times[key], "sdpa_ms": methods["sdpa_cudnn"][key],
@@ -85,8 +88,13 @@ def _min_speedup(entry: dict) -> float:
     return min(ev["speedup"] for ev in entry["evidence"])
 
 
-def build_table(device: str, d: int, rows: list[dict], margin: float) -> tuple[list[dict], dict]:
+def build_table(device: str, d: int, rows: list[dict], margin: float,
+                train_routes=None) -> tuple[list[dict], dict]:
     """``(entries, left_out)``: dispatch entries per (causal, mode), each naming the faster Sage kernel.
+
+    ``train_routes``: the backward routes a train entry may name (those that passed the fidelity gate on
+    real activations, :func:`benchmarks._attention_fidelity.route_fidelity`; every measured one when None):
+    a faster route that loses accuracy must not be what ``auto`` trains with.
 
     Per (causal, mode), each kernel measured at every length Triton was gets its own entries from
     :func:`dispatch.build_entries`; a kernel missing at some of them is left out of that family (its
@@ -99,7 +107,7 @@ def build_table(device: str, d: int, rows: list[dict], margin: float) -> tuple[l
     entries, left_out = [], {}
     for causal in (False, True):
         for mode in dispatch.MODES:
-            per_kernel = {k: _points(points, causal, k, mode) for k in KERNELS}
+            per_kernel = {k: _points(points, causal, k, mode, train_routes) for k in KERNELS}
             lengths = [p["n"] for p in per_kernel["triton"]]
             ran = {}
             for kernel, pts in per_kernel.items():
@@ -208,15 +216,16 @@ def targets(rows: list[dict], train_step: dict | None, entries: list[dict], d: i
     return out
 
 
-def train_step_choice(rows: list[dict]) -> dict:
+def train_step_choice(rows: list[dict], train_routes=None) -> dict:
     """The Sage kernel and backward route for the 8B training step (causal): the pair with the least summed
-    forward+backward time over the causal lengths >= :data:`TARGET_MIN_N` that every pair ran at."""
+    forward+backward time over the causal lengths >= :data:`TARGET_MIN_N` that every pair ran at, among
+    ``train_routes`` (every measured route when None)."""
     totals: dict[tuple[str, str], list[float]] = {}
     points = {key: m for key, m in by_point(rows).items() if key[1] and key[0] >= TARGET_MIN_N}
     for methods in points.values():
         for kernel in KERNELS:
             for route, row in sage_rows(methods, kernel).items():
-                if "fwd_bwd_ms" in row:
+                if "fwd_bwd_ms" in row and (train_routes is None or route in train_routes):
                     totals.setdefault((kernel, route), []).append(row["fwd_bwd_ms"])
     complete = {pair: sum(ms) for pair, ms in totals.items() if len(ms) == len(points)}
     if not complete:

@@ -24,10 +24,14 @@ class Deadline:
         self.start(seconds)
 
     def start(self, seconds: float | None) -> None:
-        self.end = time.time() + seconds if seconds else None
+        self.begun = time.time()
+        self.end = self.begun + seconds if seconds else None
 
     def left(self) -> float:
         return float("inf") if self.end is None else self.end - time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.begun
 
 
 DEADLINE = Deadline(None)

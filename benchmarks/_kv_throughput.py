@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks._gpu_state import around, attention_kernel
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
-from benchmarks._kv_plan import MIN_STEPS, TimePlan
+from benchmarks._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS, TimePlan
 from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
                                    run_with_backoff)
 from neutrain import compat
@@ -72,18 +72,20 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def steps_within(deadline: float | None, step_seconds: float, most: int, least: int = MIN_STEPS) -> int:
+def steps_within(deadline: float | None, step_seconds: float, most: int) -> int:
     """Timed steps that fit before ``deadline`` at ``step_seconds`` each, the profiled step after them left
-    room for: between ``least`` and ``most`` (``most`` without a deadline)."""
+    room for: at most ``most`` (all of them without a deadline), at least one, and at least ``MIN_STEPS`` when
+    those take under ``CHEAP_STEPS_SECONDS`` together (a cheap row's median is not cut to one step)."""
     if deadline is None:
         return most
     fit = int((deadline - time.time()) / max(step_seconds, 1e-6)) - 1
-    return max(least, min(most, fit))
+    least = MIN_STEPS if step_seconds * MIN_STEPS <= CHEAP_STEPS_SECONDS else 1
+    return max(min(least, most), min(most, fit))
 
 
 def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[float]:
     """Seconds of each timed decode step (synchronized one by one), after ``warmup`` steps; the count is
-    ``steps``, or fewer when the row's ``deadline`` comes first (never under ``MIN_STEPS``)."""
+    ``steps``, or fewer when the row's ``deadline`` comes first (``steps_within``: at least one)."""
     kwarg = compat.cache_forward_kwarg(model)
     ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
     step = lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})  # noqa: E731
@@ -94,7 +96,7 @@ def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[flo
             step()
             _sync()
             last = time.perf_counter() - t0
-        for _ in range(steps_within(deadline, last, steps, min(MIN_STEPS, steps))):
+        for _ in range(steps_within(deadline, last, steps)):
             t0 = time.perf_counter()
             step()
             _sync()
@@ -105,10 +107,15 @@ def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[flo
 def timed(model, cache, batch, steps, warmup: int = 2, deadline: float | None = None) -> dict:
     """Decode tokens/s and ms a step of ``cache`` at ``batch`` from the median timed step, with the GPU's clocks,
     power and temperature on either side of the timed steps (``benchmarks/_gpu_state.py``)."""
+    left = None if deadline is None else round(deadline - time.time(), 1)
     seconds, state = around(lambda: _step_times(model, cache, batch, steps, warmup, deadline))
     median = statistics.median(seconds)
-    return {"tokens_per_s": batch / median, "ms_per_step": median * 1e3, "timed_steps": len(seconds),
-            "step_ms": [round(s * 1e3, 3) for s in seconds], "gpu_state": state}
+    out = {"tokens_per_s": batch / median, "ms_per_step": median * 1e3, "timed_steps": len(seconds),
+           "step_ms": [round(s * 1e3, 3) for s in seconds], "gpu_state": state}
+    if len(seconds) < steps:
+        out["steps_cut"] = (f"{len(seconds)} of {steps} timed steps: the row's cap had {left} s left after its "
+                            f"build, and its warm-up showed {median:.2f} s a step")
+    return out
 
 
 def drop_captured_caches(model) -> None:
@@ -375,9 +382,11 @@ SIZING_TOKENS = 4096
 a compressed cache stores grows with its tokens, and a 64K build of one sequence takes seconds of Python
 (a store call per layer and chunk) that the plan has no room for."""
 
-ROWS = ("full", "shadowkv", "minicache_merge_4bit", "kvpress_pruned", "minicache_4bit_only", "minicache_merge",
-        "full_repeat", "minicache_merge_4bit_restore", "quantized_cache_4bit")
-"""Every throughput row, in the order they run (every context of one before the next)."""
+ROWS = ("full", "shadowkv", "kvpress_pruned", "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge",
+        "full_repeat", "quantized_cache_4bit", "minicache_merge_4bit_restore")
+"""Every throughput row, in the order they run (every context of one before the next): the baseline and the cheap
+rows first, the MiniCache rows, the full cache again, then the slow rows (QuantizedCache and the restore path,
+1-2 s a step), which a run behind its plan cuts to fewer timed steps (``_kv_plan``), never to none."""
 
 
 def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: TimePlan | None = None):
@@ -414,8 +423,9 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                # throughput run after that import times the wrapper too (kv_eval.json at bc2f79f did).
                "kvpress_imported": "kvpress" in sys.modules,
                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
-               "timing": f"median of {min(MIN_STEPS, args.steps)}-{args.steps} timed steps after the warm-up, "
-                         "each synchronized"}
+               "timing": f"median of 1-{args.steps} timed steps after the warm-up, each synchronized: at most "
+                         f"--steps, fewer (at least 1, {MIN_STEPS} when they are cheap) when the row's cap comes "
+                         "first (steps_cut)"}
     rank, outliers = (160, 48) if not args.smoke else (16, 2)
     chunk = MINICACHE_CHUNK if not args.smoke else 128
     warm = 1 if args.smoke == "tiny" else 2  # the tiny smoke's fused kernel runs in the interpreter: a few calls
@@ -562,23 +572,26 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
-    reserve = plan.after_rows() if plan else (getattr(args, "accuracy_seconds", 0) or 0)
+    order = [(label, ctx) for label in ROWS for ctx in args.contexts]  # the order the rows run in
 
     def guarded(ctx, label, fn, *a):
-        cap = plan.rows.get((label, ctx)) if plan else None
-        if DEADLINE.left() < MIN_ROW_SECONDS + reserve:
-            out = {"skipped": "the run's time budget (--budget-seconds"
-                              + (f", less {reserve:.0f} s kept for the accuracy parts)" if reserve else ")")}
-        else:
-            start = time.time()
-            row_end[0] = start + cap if cap else None
-            try:
-                out = fn(ctx, *a)
-            except Exception as exc:  # noqa: BLE001 - record and go on: one OOM must not lose the other numbers
-                out = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            out["seconds"] = round(time.time() - start, 1)
-            if cap:
-                out["planned_seconds"] = cap
+        # No row is skipped for time: its cap (the plan's seconds, or its share of what is left when the run is
+        # behind) bounds its timed steps only (steps_within).
+        planned = plan.rows.get((label, ctx)) if plan else None
+        cap = plan.cap((label, ctx), order[order.index((label, ctx)) + 1:], DEADLINE.left()) if plan else None
+        start = time.time()
+        row_end[0] = start + cap if cap is not None else None
+        try:
+            out = fn(ctx, *a)
+        except Exception as exc:  # noqa: BLE001 - record and go on: one OOM must not lose the other numbers
+            out = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out["seconds"] = round(time.time() - start, 1)
+        if planned is not None:
+            out["planned_seconds"] = planned
+            if cap < planned:
+                out["cap_seconds"] = round(cap, 1)
+                out["cap_note"] = ("the run was behind its plan when the row started: its share of the seconds left "
+                                   "before the accuracy parts'")
         release_memory(model, cuda)
         log(f"ctx {ctx} {label}: {out}")
         return out
@@ -603,10 +616,6 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 row[label]["speedup_vs_full_default_dispatch"] = (row[label]["tokens_per_s"]
                                                                   / full_row["default_dispatch_tokens_per_s"])
     return results
-
-
-MIN_ROW_SECONDS = 5
-"""A row starts only while this much is left before the later parts' seconds."""
 
 
 def host_buffer_gib(args) -> float:

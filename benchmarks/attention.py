@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _attention_fidelity import route_fidelity  # noqa: E402
 from _attention_table import KERNELS, build_table, method_name, targets, train_step_choice  # noqa: E402
 from _common import cuda_time_ms, write_result  # noqa: E402
 
@@ -150,6 +151,15 @@ def sass_profile(config, d=128, causal=False):
         prof[attr] = getattr(compiled, attr, None)
     prof["shared_bytes"] = getattr(getattr(compiled, "metadata", None), "shared", None)
     return prof
+
+
+def _gluon_runs_here() -> bool:
+    """The Gluon forward can run on this device (Hopper, a Triton release with the Gluon kernel)."""
+    try:
+        from neutrain.kernels.sage_attention_gluon import gluon_available
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] == 9 and gluon_available()
 
 
 def gluon_skip_reason(qi) -> str | None:
@@ -281,14 +291,15 @@ def merged_table(path, device, d, config, entries, margin, tuned=True, old=None)
             "kernel_configs": configs, "entries": kept + entries}
 
 
-def _write(args, device, d, rows, routes_report, tune, config, profile, train_step, base_table=None):
+def _write(args, device, d, rows, routes_report, tune, config, profile, train_step, base_table=None, fidelity=None):
     """Write the dispatch table and benchmarks/results/<name>.json from the rows so far; return the results.
 
     Called after every length of the sweep (a run cut off by its timeout keeps what it measured) and
     again with the training step. ``base_table`` is the table file as it was before this run, so each
     write merges this run's entries into the same starting point.
     """
-    entries, left_out = build_table(device, d, rows, args.margin)
+    train_routes = (fidelity or {}).get("admissible_train_routes")
+    entries, left_out = build_table(device, d, rows, args.margin, train_routes)
     picked = [e for e in entries if e["backend"] == "sage"]
     proof = all(all(ev["speedup"] >= args.margin for ev in e["evidence"]) for e in picked)
     if args.table:
@@ -315,7 +326,8 @@ def _write(args, device, d, rows, routes_report, tune, config, profile, train_st
                                        f" kernel={e['kernel']}" for e in picked],
                "dispatch_kernels": {k: sum(e["kernel"] == k for e in entries) for k in KERNELS},
                "dispatch_proof_every_sage_pick_measured_faster": proof,
-               "train_step_choice": train_step_choice(rows), "train_step": train_step,
+               "route_fidelity": fidelity, "train_step_choice": train_step_choice(rows, train_routes),
+               "train_step": train_step,
                "headline": f"d={d}: " + ", ".join(f"{k} {v['value']} (goal {v['goal']})" for k, v in tg.items()
                                                   if v["value"] is not None)
                + f"; dispatch picks sage for {len(picked)} of {len(entries)} measured shapes"}
@@ -385,6 +397,12 @@ def main():
     routes_report = validate_routes(d)
     routes = tuple(r for r in args.routes.split(",") if r == "triton" or routes_report.get(r, {}).get("ok"))
     baselines = tuple(args.baselines.split(","))
+    # Which backward routes may train: each (kernel, route) on a real model's layer against fp32 (seconds).
+    fidelity_kernels = ["triton"] + (["gluon"] if _gluon_runs_here() else [])
+    fidelity = route_fidelity("cuda", fidelity_kernels, list(routes))
+    print("route fidelity (real activations):", {r: {k: (p.get("fwd_cos"), p.get("grad_cos"), p["passes"])
+                                                     for k, p in ks.items()} for r, ks in fidelity["by_route"].items()},
+          "-> train routes", fidelity["admissible_train_routes"], flush=True)
     tune = {}
     if args.no_autotune:  # the shipped (autotuned) config for this card and head dim, else the default
         config = dispatch.kernel_config(device, d) or CANDIDATES[0]
@@ -401,7 +419,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     common = dict(args=args, device=device, d=d, rows=rows, routes_report=routes_report, tune=tune, config=config,
-                  profile=profile, base_table=base_table)
+                  profile=profile, base_table=base_table, fidelity=fidelity)
     for n in [int(s) for s in args.sizes.split(",")]:
         iters = max(3, args.iters // 2) if n >= 32768 else args.iters  # 32K: ~0.1-1.2 s per call
         for causal in (False, True):

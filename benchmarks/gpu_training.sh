@@ -6,8 +6,10 @@
 #                matrix excepted: its own junit) (TEST_LIMIT, 330 s), the codec test file on the GPU (120 s),
 #                then benchmarks/codec.py (170 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU suite's record:
 #                its latest is kept in benchmarks/results/), $OUT/junit_codec_<sha>.xml, logs and codec.json.
-#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/), one process
-#                each, within BUDGET (450 s). Writes train_memory.json (docs/memory.md's table).
+#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/, bitsandbytes'
+#                also in .carry/bnb/), one process each, within BUDGET (450 s). Writes train_memory.json
+#                (docs/memory.md's table). Beside another benchmark on a two-GPU machine, give each its GPU
+#                with CUDA_VISIBLE_DEVICES: the device-used figures follow it (torch maps it to NVML's index).
 #   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
 # Each JSON lands in benchmarks/results/ and is copied to $OUT.
 set -o pipefail

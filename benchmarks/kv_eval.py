@@ -24,7 +24,7 @@ Usage:
     NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv.sh   # kv_eval.json, < 10 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
     PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, small shapes: every code path, ~5 min
-    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/kv_eval.py --part all --smoke tiny  # the rows' path, ~20 s
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/kv_eval.py --part all --smoke tiny  # rows + real model, 1-3 min
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main():
     p.add_argument("--samples", type=int, default=25)
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--steps", type=int, default=6,
-                   help="timed decode steps of a throughput row at most (fewer, down to 3, when its cap comes first)")
+                   help="timed decode steps of a throughput row at most (fewer, down to 1, when its cap comes first)")
     p.add_argument("--host-gib", type=float, default=72.0)
     p.add_argument("--margin-gib", type=float, default=6.0)
     p.add_argument("--name", default="kv_eval")
@@ -88,12 +88,8 @@ def main():
     p.add_argument("--reserve-seconds", type=float, default=0,
                    help="seconds of the budget the accuracy settings leave for later work (--part fidelity; --part all "
                         "measures throughput first)")
-    p.add_argument("--accuracy-seconds", type=float, default=300,
-                   help="--part throughput: seconds of the budget the rows leave (--part all plans its own)")
     args = p.parse_args()
     DEADLINE.start(args.budget_seconds)
-    if args.part != "all":
-        args.accuracy_seconds = 0  # no accuracy part follows the throughput rows
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     if args.smoke:
         args.layers, args.hidden, args.train_len, args.eval_len = 4, 128, 700, 700
@@ -103,7 +99,7 @@ def main():
     if args.smoke == "tiny":  # the whole path in seconds: the settings beside the throughput rows only
         args.layers, args.hidden, args.train_len, args.eval_len, args.max_steps = 2, 128, 400, 700, 2
         args.contexts, args.steps, args.real_len, args.skip_diagnosis = [128], 1, 256, True
-        args.only = sorted({s for settings in ROW_ACCURACY.values() for s in settings} - {"full"})
+        args.only = beside_rows()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     settings = vars(args).copy()
@@ -136,15 +132,24 @@ def main():
     log(f"wrote {path}")
 
 
+def beside_rows() -> list[str]:
+    """The accuracy settings beside the throughput rows, in the rows' order (each row's first setting before the
+    second press): a part cut short still has an accuracy for as many rows as it could."""
+    firsts = [ROW_ACCURACY[row][0] for row in ROWS]
+    rest = [s for row in ROWS for s in ROW_ACCURACY[row][1:]]
+    return [s for s in dict.fromkeys(firsts + rest) if s != "full"]
+
+
 def real_model_here(args) -> bool | str:
-    """True when SmolLM2 can be loaded, else why not."""
+    """True when SmolLM2 can be loaded, else why not (the tiny smoke runs it too: 1 prompt of 256 tokens, the
+    settings beside the rows, ~20 s of loading on CPU)."""
     from neutrain.eval.real_model import RealModelUnavailable, smollm2_gguf
 
     try:
         smollm2_gguf()
     except RealModelUnavailable as exc:
         return str(exc)
-    return True if args.smoke != "tiny" else "the tiny smoke leaves the real model out (CPU minutes)"
+    return True
 
 
 def all_parts(args, settings, device, log) -> tuple[dict, dict]:
@@ -155,6 +160,14 @@ def all_parts(args, settings, device, log) -> tuple[dict, dict]:
 
     real_here = real_model_here(args)
     cuda = device.type == "cuda"
+    timeline = []
+
+    def mark(part: str) -> None:
+        """When each part starts, in seconds of the run and seconds left: the next plan's calibration."""
+        left = DEADLINE.left()
+        timeline.append({"part": part, "seconds": round(DEADLINE.elapsed(), 1),
+                         "left": None if left == float("inf") else round(left, 1)})
+        log(f"timeline: {part} at {timeline[-1]['seconds']} s ({timeline[-1]['left']} s left)")
     if DEADLINE.end is not None:
         plan = time_plan(DEADLINE.left(), ROWS, args.contexts, real_here is True, host_buffer_gib(args),
                          args.train_seconds)
@@ -163,12 +176,14 @@ def all_parts(args, settings, device, log) -> tuple[dict, dict]:
         args.train_seconds = plan.train
     else:
         plan = None
+    mark("retrieval model")
     log(f"retrieval model: training for at most {args.train_seconds:.0f} s ({DEADLINE.left():.0f} s left)")
     run_rows = cuda or args.smoke
     host = PinnedBuffer(int(host_buffer_gib(args) * 2**30), cuda, log) if run_rows else None
     trained = trained_retrieval_model(args, device, log)
     gc.collect()
-    results = {"time_plan": plan.lines() if plan else None}
+    results = {"time_plan": plan.lines() if plan else None, "timeline": timeline}
+    mark("throughput rows")
     if run_rows:
         # Before anything imports kvpress: its import wraps every attention function (the full cache's too), and
         # a baseline timed through that wrapper flatters the caches beside it.
@@ -183,15 +198,18 @@ def all_parts(args, settings, device, log) -> tuple[dict, dict]:
     else:
         log("throughput part needs CUDA; skipped")
     args.reserve_seconds = (plan.real + plan.close) if plan else 0
+    mark("retrieval-model settings")
     results["fidelity"] = fidelity_part(args, device, log, trained)
+    mark("real model")
     if real_here is True:
-        # The settings beside the throughput rows only, and no diagnosis (the CPU record has it): the call's time.
-        beside_rows = sorted({s for row in ROWS for s in ROW_ACCURACY.get(row, ())} - {"full"})
-        real_args = argparse.Namespace(**{**vars(args), "only": args.only or beside_rows,
+        # The settings beside the throughput rows only (each row's first setting, then the other two presses), and
+        # no diagnosis (the CPU record has it): the call's time.
+        real_args = argparse.Namespace(**{**vars(args), "only": args.only or beside_rows(),
                                           "reserve_seconds": plan.close if plan else 0})
         results["real"] = real_part(real_args, log, device, diagnose=False)
     else:
         results["real"] = recorded_real(real_here)
+    mark("record")
     attach_accuracy(results)
     targets = kv_targets(results)
     log("targets: " + ", ".join(f"{k} {v['value']} ({v['goal']})" for k, v in targets.items()))

@@ -11,39 +11,26 @@ On the CPU the pure-PyTorch reference of the same quantized math runs, so CI rea
 the gate on it; the GPU tests run the Triton kernel and, on Hopper, the Gluon forward.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
-from neutrain.attention import counters, exact_attention, reset_counters, sage_attention
-from neutrain.attention.reference import accuracy_metrics
+from benchmarks._attention_fidelity import FIXTURE, FWD_COS, GRAD_COS, fixture, route_fidelity
+from benchmarks._attention_fidelity import against_fp32 as _measure
+from neutrain.attention import counters
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "smollm2_attention_layer.safetensors"
-FWD_COS, GRAD_COS = 0.999, 0.998  # the fidelity gate, against fp32
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _fixture(device="cpu"):
-    tensors = load_file(str(FIXTURE), device=device)
-    return tensors["q"], tensors["k"], tensors["v"], tensors["do"]
+    return fixture(device)
 
 
 def _against_fp32(device, backend, backward):
     """(forward metrics, [dq, dk, dv] metrics) of Sage against fp32 attention on the fixture."""
-    q, k, v, do = _fixture(device)
-    qe, ke, ve = (t.float().requires_grad_() for t in (q, k, v))
-    exact = exact_attention(qe, ke, ve, causal=True)
-    exact.backward(do.float())
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    reset_counters()
-    out = sage_attention(qg, kg, vg, causal=True, backend=backend, backward=backward)
-    out.backward(do)
-    assert counters["fallback"] == 0, dict(counters)
-    fwd = accuracy_metrics(out, exact)
-    grads = [accuracy_metrics(a.grad, b.grad) for a, b in ((qg, qe), (kg, ke), (vg, ve))]
+    result = _measure(device, backend, backward)
+    assert result["fallbacks"] == 0, result["counters"]
+    fwd, grads = result["fwd"], result["grads"]
     print(backend, backward, "fwd", round(fwd["cos"], 6), "grads", [round(g["cos"], 6) for g in grads])
     return fwd, grads
 
@@ -100,3 +87,13 @@ def test_kernel_meets_the_gate_on_real_activations(kernel, backward, record_prop
     assert counters["kernel"] == 1 and counters["kernel_gluon"] == (kernel == "gluon"), dict(counters)
     assert fwd["cos"] >= FWD_COS and fwd["rel_l1"] <= 0.03, fwd
     assert all(g["finite"] and g["cos"] >= GRAD_COS for g in grads), grads
+
+
+def test_route_fidelity_admits_for_training_only_the_routes_that_pass_on_the_real_layer():
+    # The benchmark's dispatch table takes its train routes from this report: on the CPU the quantized
+    # backward ("triton") passes and the exact one ("cpu", the cuDNN route's math) misses on dQ.
+    report = route_fidelity("cpu", ["reference"], ["triton", "cpu"])
+    assert report["admissible_train_routes"] == ["triton"]
+    assert report["by_route"]["cpu"]["reference"]["forward_passes"]
+    assert not report["by_route"]["cpu"]["reference"]["passes"]
+    assert min(report["by_route"]["cpu"]["reference"]["grad_cos"]) < GRAD_COS

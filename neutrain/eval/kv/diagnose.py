@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -108,6 +109,22 @@ def merge_restore_error(x_prev: torch.Tensor, x_next: torch.Tensor, t: float = 0
     return float(max(errors))
 
 
+def tolerance_similarity(t: float = 0.6, tolerance: float = 0.1) -> float:
+    """The cosine between two layers' token vectors at which MiniCache's restore loses ``tolerance`` (squared,
+    relative) of the worse layer's vector.
+
+    SLERP puts the merged direction at angle ``t * Omega`` from layer ``l - 1`` and ``(1 - t) * Omega`` from
+    layer ``l``; restored with its own norm, a vector loses ``2 - 2 cos(angle)`` of its squared norm. So the
+    worse side meets ``tolerance`` up to ``Omega* = arccos(1 - tolerance / 2) / max(t, 1 - t)``.
+
+    Example:
+        >>> round(tolerance_similarity(0.6, 0.1), 3), tolerance_similarity(0.5, 0.0)
+        (0.863, 1.0)
+    """
+    omega = math.acos(max(-1.0, min(1.0, 1.0 - tolerance / 2))) / max(t, 1.0 - t)
+    return math.cos(min(omega, math.pi))
+
+
 def merge_plan(keys: list[torch.Tensor], values: list[torch.Tensor], start_layer: int | None = None,
                t: float = 0.6, tolerance: float = 0.1) -> dict:
     """MiniCache's pairs from ``start_layer`` (default ``L // 2``), which of them to merge, and the threshold.
@@ -116,7 +133,9 @@ def merge_plan(keys: list[torch.Tensor], values: list[torch.Tensor], start_layer
     ``tolerance`` of the states' energy (:func:`merge_restore_error`). The pair's similarity is what
     ``MiniCache(min_similarity=...)`` measures at a prompt (the lower of the keys' and the values'
     mean direction cosine); ``min_similarity`` is the lowest similarity among the pairs that merge, so the
-    cache merges those pairs, or, when none qualifies, just above the highest (nothing merges).
+    cache merges those pairs, or, when none qualifies, :func:`tolerance_similarity` (the cosine a pair needs
+    for its merge to meet the tolerance at all; near-orthogonal pairs, whose cosine is noise around 0 from
+    prompt to prompt, never reach it, so the cache merges nothing on the evaluated prompts either).
 
     Why: how similar adjacent layers are is the model's property (SmolLM2 and the retrieval model:
     near-orthogonal everywhere, where merging lost 67-90 points), so the threshold is found per model
@@ -140,8 +159,9 @@ def merge_plan(keys: list[torch.Tensor], values: list[torch.Tensor], start_layer
         pairs.append({"layers": [first, first + 1], "similarity": round(similarity, 6),
                       "restore_error": round(error, 6), "within_tolerance": error <= tolerance})
     within = [p["similarity"] for p in pairs if p["within_tolerance"]]
-    # nothing within the tolerance: a threshold no pair reaches
-    threshold = min(within) if within else round(max((p["similarity"] for p in pairs), default=1.0) + 1e-3, 6)
+    # Nothing within the tolerance: the similarity at which a merge starts to meet it (not "just above the
+    # highest calibration pair": on near-orthogonal layers that is noise around 0, which other prompts cross).
+    threshold = min(within) if within else round(tolerance_similarity(t, tolerance), 6)
     # what the cache does with that threshold (a pair out of tolerance but at least as similar merges too)
     return {"min_similarity": threshold, "tolerance": tolerance, "t": t, "start_layer": start, "pairs": pairs,
             "merged_pairs": [p["layers"] for p in pairs if p["similarity"] >= threshold]}

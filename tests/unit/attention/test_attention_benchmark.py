@@ -133,6 +133,20 @@ def test_training_step_runs_the_fastest_causal_kernel_and_route():
     assert table.train_step_choice([])["kernel"] == "triton"
 
 
+def test_train_entries_name_only_the_routes_that_passed_the_fidelity_gate():
+    # cuDNN's backward is 3x faster in these rows, but a route that misses the gradient gate on real
+    # activations must never be what auto trains with: with only the Triton route admitted, gluon's
+    # forward + Triton backward (120/1.4 = 86 ms against cuDNN SDPA's 40) loses and SDPA trains.
+    rows = _rows(_gluon_wins_long)
+    entries, _ = table.build_table(DEV, 128, rows, margin=1.02, train_routes=["triton"])
+    train = [e for e in entries if e["mode"] == "train"]
+    assert train and all(e["backward"] == "triton" for e in train)
+    assert _lookup(entries, 16384, mode="train").backend == "sdpa"
+    assert _lookup(entries, 16384, mode="forward").backend == "sage"   # the forward needs no backward route
+    choice = table.train_step_choice(rows, ["triton"])
+    assert (choice["kernel"], choice["backward"]) == ("gluon", "triton")
+
+
 def test_the_training_step_benchmark_imports_as_the_device_runs_it():
     # The device runs the script by path (benchmarks/ first on sys.path); a name it imports from a sibling
     # module that no longer exists fails only there, after the sweep has spent its time.

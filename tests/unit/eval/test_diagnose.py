@@ -1,5 +1,7 @@
 """Diagnosis measures: key spectrum, adjacent-layer cosine, needle token positions, prefill states."""
 
+import math
+
 import pytest
 import torch
 
@@ -93,3 +95,48 @@ def test_merge_plan_merges_only_the_similar_pair_of_a_tiny_model():
     with torch.no_grad():
         model(torch.randint(0, 50, (1, 30)), use_cache=True, **{kwarg: dense})
     assert dense.merges == 2
+
+
+def test_merge_plan_with_no_similar_pair_merges_nothing_on_other_prompts():
+    """Near-orthogonal adjacent layers (SmolLM2, the retrieval model): no pair is within the tolerance, and
+    the threshold must keep every pair exact on other prompts too. A threshold just above the calibration
+    pairs' highest cosine (noise around 0) is crossed by other prompts' noise, and those pairs merge."""
+    from neutrain.eval.kv import MiniCache
+    from neutrain.eval.kv.diagnose import merge_plan
+    from neutrain.eval.kv.minicache import mean_direction_cosine
+
+    torch.manual_seed(0)
+    draw = lambda: [torch.randn(1, 2, 64, 8) for _ in range(8)]  # noqa: E731 - 4 pairs from layer 0
+    keys, values = draw(), draw()
+    plan = merge_plan(keys, values, start_layer=0)
+    assert plan["merged_pairs"] == [] and not any(p["within_tolerance"] for p in plan["pairs"])
+    model = tiny_llama(layers=8)
+    merged, crossing = 0, 0
+    for _ in range(25):  # other prompts: fresh draws of the same near-orthogonal states
+        k, v = draw(), draw()
+        for first in range(0, 8, 2):
+            similarity = min(mean_direction_cosine(k[first], k[first + 1]), mean_direction_cosine(v[first], v[first + 1]))
+            crossing += similarity >= plan["min_similarity"]
+        cache = MiniCache(model.config, start_layer=0, merge_every=None, min_similarity=plan["min_similarity"])
+        for layer in range(8):
+            cache.update(k[layer], v[layer], layer)
+        merged += cache.merges
+    assert crossing == 0 and merged == 0
+    from neutrain.eval.kv.diagnose import tolerance_similarity
+
+    assert plan["min_similarity"] == round(tolerance_similarity(0.6, 0.1), 6)  # about 0.86
+
+
+def test_tolerance_similarity_is_where_the_restore_error_meets_the_tolerance():
+    """At the returned cosine, the worse layer of a merged pair loses exactly ``tolerance`` (no retention)."""
+    from neutrain.eval.kv.diagnose import merge_restore_error, tolerance_similarity
+
+    for t, tol in ((0.6, 0.1), (0.3, 0.05), (0.5, 0.2)):
+        c = tolerance_similarity(t, tol)
+        u = torch.randn(1, 1, 1, 16)
+        u = u / u.norm()
+        w = torch.randn(1, 1, 1, 16)
+        w = w - (w * u).sum() * u
+        w = w / w.norm()
+        other = c * u + math.sqrt(1 - c * c) * w  # cosine c with u
+        assert abs(merge_restore_error(u, 2.0 * other, t) - tol) < 1e-4
