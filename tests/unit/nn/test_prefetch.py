@@ -40,11 +40,15 @@ def test_recorded_order_is_forward_then_per_layer_recompute_and_backward(prefetc
     assert plan[:n] == order  # forward
     layers = sorted({name.split(".self_attn")[0].split(".mlp")[0] for name in order}, reverse=True)
     rest = plan[n:]
-    assert len(rest) == 2 * n
-    for i, layer in enumerate(layers):  # backward: each layer recomputed (forward order), then its backward
+    # The recompute stops before each layer's last projection (down_proj), as dense's does: nothing its
+    # backward needs comes after the product's input, saved ahead of the product (neutrain.nn.linear).
+    assert len(rest) == 2 * n - len(layers)
+    at = 0
+    for layer in layers:  # backward: each layer recomputed (forward order) but its last product, then its backward
         mine = [name for name in order if name.startswith(layer + ".")]
-        recompute, backward = rest[2 * i * len(mine):(2 * i + 1) * len(mine)], rest[(2 * i + 1) * len(mine):(2 * i + 2) * len(mine)]
-        assert recompute == mine and sorted(backward) == sorted(mine), (layer, recompute, backward)
+        recompute, backward = rest[at:at + len(mine) - 1], rest[at + len(mine) - 1:at + 2 * len(mine) - 1]
+        at += 2 * len(mine) - 1
+        assert recompute == mine[:-1] and sorted(backward) == sorted(mine), (layer, recompute, backward)
     assert backward[-1] == order[0]  # the backward of the first layer's first projection comes last
     assert prefetcher.recording == prefetcher.plan  # step 2's cycle, in the same order
     assert prefetcher.mismatches == mismatches
