@@ -3,27 +3,38 @@
 # time, one PART per device call (each part's time limits below), run from the repository root with $OUT set:
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/gpu_training.sh
 #   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
-#                matrix excepted: its own junit) (TEST_LIMIT, 330 s), the codec test file on the GPU (120 s),
-#                then benchmarks/codec.py (170 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU suite's record:
-#                its latest is kept in benchmarks/results/), $OUT/junit_codec_<sha>.xml, logs and codec.json.
+#                matrix excepted: PART=sdpa) (TEST_LIMIT, 330 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU
+#                suite's record: its latest is kept in benchmarks/results/) and gpu_tests.log.
+#   PART=sdpa    compressed training = dense under each SDPA backend, 16 architectures (SDPA_LIMIT, 120 s).
+#                Writes $OUT/junit_sdpa_backends_<sha>.xml.
+#   PART=codec   the codec test file on the GPU (120 s), then benchmarks/codec.py (170 s). Writes
+#                $OUT/junit_codec_<sha>.xml, codec_bench.log and codec.json.
 #   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/, bitsandbytes'
 #                also in .carry/bnb/), one process each, within BUDGET (450 s). Writes train_memory.json
 #                (docs/memory.md's table). Beside another benchmark on a two-GPU machine, give each its GPU
 #                with CUDA_VISIBLE_DEVICES: the device-used figures follow it (torch maps it to NVML's index).
 #   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
-# Each JSON lands in benchmarks/results/ and is copied to $OUT.
+# PART may list several, run in order: PART=tests,sdpa,codec. Each JSON lands in benchmarks/results/ and is
+# copied to $OUT.
 set -o pipefail
 source benchmarks/require_commit.sh
 source benchmarks/install_carried_wheels.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 short=${NEUTRAIN_GIT_COMMIT:0:7}
-case "${PART:?PART=tests|memory|70b}" in
+run_part() {
+case "$1" in
   tests)
     timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit tests/kernels tests/integration \
       -k "not sdpa_backend" --junitxml="$OUT/junit_gpu_$short.xml" -o junit_suite_name="gpu@$NEUTRAIN_GIT_COMMIT" \
       > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
+    echo "gpu tests rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25 ;;
+  sdpa)
+    timeout "${SDPA_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_architectures.py \
+      -k sdpa_backend --junitxml="$OUT/junit_sdpa_backends_$short.xml" \
+      -o junit_suite_name="sdpa_backends@$NEUTRAIN_GIT_COMMIT" > "$OUT/sdpa_backends.log" 2>&1
+    echo "sdpa backends rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/sdpa_backends.log" | tail -10 ;;
+  codec)
     timeout "${CODEC_TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_codec.py \
       --junitxml="$OUT/junit_codec_$short.xml" -o junit_suite_name="codec-gpu@$NEUTRAIN_GIT_COMMIT" 2>&1 | tail -4
     timeout "${CODEC_BENCH_LIMIT:-170}" python3 benchmarks/codec.py > "$OUT/codec_bench.log" 2>&1
@@ -38,5 +49,11 @@ case "${PART:?PART=tests|memory|70b}" in
     python3 benchmarks/train_70b.py --seqs "${SEQS:-16384,32768}" --fallback 0 --offload-seqs 32768 ${CLIP:+--clip-mode "$CLIP"} \
       2>&1 | tee "$OUT/train_70b.log" | tail -30
     cp benchmarks/results/train_70b.json "$OUT/" ;;
+  *) echo "gpu_training.sh: unknown PART '$1' (tests, sdpa, codec, memory, 70b)" >&2; return 2 ;;
 esac
+}
+IFS=, read -ra parts <<< "${PART:?PART=tests|sdpa|codec|memory|70b, or a comma list}"
+status=0
+for part in "${parts[@]}"; do run_part "$part" || status=$?; done
 echo "done in ${SECONDS}s"
+exit $status
