@@ -234,3 +234,28 @@ def train_step_choice(rows: list[dict], train_routes=None) -> dict:
     return {"kernel": kernel, "backward": route,
             "why": f"least summed causal forward+backward ms over N >= {TARGET_MIN_N} "
                    f"({', '.join(f'{k}+{r} {v:.1f}' for (k, r), v in sorted(complete.items()))})"}
+
+
+def auto_step_summary(steps: list[dict], earlier: dict | None = None) -> dict:
+    """``attention_train_step.py --variants auto,sdpa`` records, one per model, as attention.json keeps them:
+    ``auto_train_step[model]`` holds the rows, sdpa's step time over auto's per length (``auto_over_sdpa``)
+    and the kernels auto's attention calls ran, per length (its counters without the reasons);
+    ``auto_over_sdpa_min`` is the least ratio over every model and length, the check that a recipe with
+    ``neutrain_sage`` (the committed table) never trains slower than plain SDPA. ``earlier`` keeps models
+    folded before that these records do not replace.
+
+    Example:
+        >>> step = {"model": "default", "auto_over_sdpa": {"256": 1.01},
+        ...         "rows": [{"variant": "auto", "256": {"counters": {"fallback": 8, "fallback:table": 8}}}]}
+        >>> auto_step_summary([step])["auto_train_step"]["default"]["auto_kernels"]
+        {'256': {'fallback': 8}}
+    """
+    folded = dict(earlier or {})
+    for step in steps:
+        auto = next((r for r in step["rows"] if r["variant"] == "auto"), {})
+        kernels = {seq: {k: v for k, v in row["counters"].items() if ":" not in k}
+                   for seq, row in auto.items() if isinstance(row, dict) and "counters" in row}
+        folded[step["model"]] = {"auto_over_sdpa": step["auto_over_sdpa"], "auto_kernels": kernels,
+                                 "rows": step["rows"]}
+    ratios = [r for m in folded.values() for r in m["auto_over_sdpa"].values()]
+    return {"auto_train_step": folded, "auto_over_sdpa_min": min(ratios) if ratios else None}

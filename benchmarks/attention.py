@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _attention_fidelity import route_fidelity  # noqa: E402
-from _attention_table import KERNELS, build_table, method_name, targets, train_step_choice  # noqa: E402
+from _attention_table import (KERNELS, auto_step_summary, build_table, method_name, targets,  # noqa: E402
+                              train_step_choice)
 from _common import cuda_time_ms, write_result  # noqa: E402
 
 from neutrain.attention import dispatch, exact_attention, sage_attention  # noqa: E402
@@ -348,6 +349,17 @@ def fold_train_step(name: str, train_step_path: str, table: str) -> dict:
     return results
 
 
+def fold_auto_step(name: str, paths: list[str]) -> dict:
+    """Put ``attention_train_step.py --variants auto,sdpa`` records (one per model) into ``<name>.json``
+    (``results["auto_train_step"]`` and ``auto_over_sdpa_min``: :func:`auto_step_summary`)."""
+    record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    results, settings = record["results"], record["settings"]
+    results.update(auto_step_summary([json.loads(Path(p).read_text()) for p in paths],
+                                     results.get("auto_train_step", {})))
+    print("wrote", write_result(name, settings, results, targets=results["targets"]), flush=True)
+    return results
+
+
 # (BLOCK_M, warps, stages, hand-pipelined loop, one K scale per tile). BLOCK_M 64 with 4 warps
 # and 2 stages fits two CTAs per SM (~104 KB shared memory, <= 255 registers each): two
 # independent warpgroups whose MMA and softmax phases can interleave without a shared barrier.
@@ -378,9 +390,16 @@ def main():
     parser.add_argument("--train-steps", type=int, default=5)
     parser.add_argument("--fold-train-step", metavar="JSON",
                         help="only put this attention_train_step.py record into <name>.json and recompute its targets")
+    parser.add_argument("--fold-auto-step", metavar="JSON", nargs="+",
+                        help="only put these attention_train_step.py --variants auto,sdpa records into <name>.json")
     parser.add_argument("--table", default=str(dispatch.TABLE_PATH), help="dispatch table to write ('' = none)")
     parser.add_argument("--name", default="attention")
     args = parser.parse_args()
+    if args.fold_auto_step:
+        results = fold_auto_step(args.name, args.fold_auto_step)
+        print("auto over sdpa:", {m: v["auto_over_sdpa"] for m, v in results["auto_train_step"].items()},
+              "min", results["auto_over_sdpa_min"])
+        return
     if args.fold_train_step:
         tg = fold_train_step(args.name, args.fold_train_step, args.table)["targets"]
         print("targets:", json.dumps(tg)[:2000])

@@ -1,5 +1,6 @@
-"""One training step of the Llama-3-8B architecture (NeuZip lossless + fused LOMO, activation
-checkpointing, batch 1) with SageAttention against cuDNN SDPA, at several sequence lengths.
+"""One training step (NeuZip lossless + fused LOMO, activation checkpointing) with SageAttention
+against cuDNN SDPA, at several sequence lengths, on the Llama-3-8B architecture at batch 1 (``--model 8b``)
+or on the default recipe's model at its batch of 8 (``--model default``, ``recipes/default.yaml``).
 
 Each variant runs in a fresh subprocess (clean allocator). The attention variants go through
 the same registered function ``neutrain_sage``, with the dispatch forced:
@@ -8,8 +9,12 @@ the same registered function ``neutrain_sage``, with the dispatch forced:
            NEUTRAIN_SAGE_KERNEL, the forward kernel: triton, or gluon on Hopper)
     cudnn  NEUTRAIN_SAGE_DISPATCH=never: torch SDPA with cuDNN first, no mask tensor
     sdpa   transformers' own "sdpa" (what a recipe without neutrain_sage gets)
+    auto   NEUTRAIN_SAGE_DISPATCH=table: what a recipe with neutrain_sage gets (the committed dispatch table);
+           its counters say which kernel each attention call ran. ``auto_over_sdpa`` is sdpa's step time over
+           auto's: below 1, the table costs training time against plain SDPA.
 
     python benchmarks/attention_train_step.py --seqs 8192,16384 --variants sage,cudnn --kernel gluon --out step.json
+    python benchmarks/attention_train_step.py --model default --seqs 256 --steps 40 --variants auto,sdpa --out d.json
 
 The record is written after every variant, so a run cut off by its timeout keeps the finished ones.
 """
@@ -32,7 +37,24 @@ from _train_peers import device_used_gib  # noqa: E402
 from train_memory import LLAMA3_8B, TINY  # noqa: E402
 
 
-def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
+def default_recipe_model() -> tuple[dict, int]:
+    """The default recipe's model config (its tokenizer's vocabulary) and micro batch, read from the recipe."""
+    import yaml
+
+    recipe = yaml.safe_load((HERE.parent / "recipes" / "default.yaml").read_text())
+    config = {k: v for k, v in recipe["model"]["config"].items() if k != "model_type"}
+    config["vocab_size"] = recipe["model"]["tokenizer_vocab_size"]
+    return config, recipe["train"]["micro_batch_size"]
+
+
+def model_config(model: str) -> tuple[dict, int]:
+    """(LlamaConfig keywords, batch) of ``--model``."""
+    if model == "default":
+        return default_recipe_model()
+    return dict(TINY if model == "tiny" else LLAMA3_8B), 1
+
+
+def run_child(variant: str, seqs: list[int], steps: int, model: str) -> dict:
     import torch
     from transformers import LlamaConfig
 
@@ -41,8 +63,9 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
     from neutrain.nn.load import init_compressed
     from neutrain.optim import OPTIMIZERS
 
-    config = LlamaConfig(**(TINY if tiny else LLAMA3_8B))
-    config.max_position_embeddings = max(seqs)
+    keywords, batch = model_config(model)
+    config = LlamaConfig(**keywords)
+    config.max_position_embeddings = max(seqs, default=1)
     config._attn_implementation = "sdpa" if variant == "sdpa" else register()
     t0 = time.perf_counter()
     model, _ = init_compressed(config, "neuzip-lossless", "cuda", dtype=torch.bfloat16, progress=False)
@@ -51,10 +74,11 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
     model.config.use_cache = False
     model.train()
     opt = OPTIMIZERS["lomo"](model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
-    result = {"variant": variant, "build_s": round(build_s, 1), "backward_route": os.environ.get("NEUTRAIN_SAGE_BACKWARD")}
+    result = {"variant": variant, "model": model, "batch": batch, "build_s": round(build_s, 1),
+              "backward_route": os.environ.get("NEUTRAIN_SAGE_BACKWARD")}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for seq in seqs:
-        ids = torch.randint(0, config.vocab_size, (1, seq), device="cuda", generator=gen)
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
         try:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -73,7 +97,7 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
             warm = times[2:] if len(times) > 3 else times[1:]
             med = sorted(warm)[len(warm) // 2]
             result[str(seq)] = {
-                "step_s": med, "step_times_s": [round(t, 4) for t in times], "tokens_per_s": seq / med,
+                "step_s": med, "step_times_s": [round(t, 5) for t in times], "tokens_per_s": batch * seq / med,
                 "losses": losses, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": device_used_gib(),
                 "counters": {k: v for k, v in counters.items()}}
@@ -83,7 +107,7 @@ def run_child(variant: str, seqs: list[int], steps: int, tiny: bool) -> dict:
     return result
 
 
-def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: str, timeout: float,
+def run(variants: list[str], seqs: list[int], steps: int, model: str, backward: str, timeout: float,
         kernel: str = "triton", done=lambda rows: None) -> list[dict]:
     """Every variant in its own subprocess; a variant that fails or times out is recorded as such.
     ``done(rows)`` is called after each variant."""
@@ -94,7 +118,7 @@ def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: 
         env["NEUTRAIN_SAGE_BACKWARD"] = backward
         env["NEUTRAIN_SAGE_KERNEL"] = kernel
         cmd = [sys.executable, __file__, "--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(steps)]
-        cmd += ["--tiny"] if tiny else []
+        cmd += ["--model", model]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -111,12 +135,12 @@ def run(variants: list[str], seqs: list[int], steps: int, tiny: bool, backward: 
     return rows
 
 
-def speedups(rows: list[dict], seqs: list[int], base: str = "cudnn") -> dict:
-    """{seq: baseline step time / sage step time} where both ran."""
+def speedups(rows: list[dict], seqs: list[int], base: str = "cudnn", variant: str = "sage") -> dict:
+    """{seq: baseline step time / ``variant``'s step time} where both ran."""
     by = {r["variant"]: r for r in rows}
     out = {}
     for seq in seqs:
-        s, b = by.get("sage", {}).get(str(seq), {}), by.get(base, {}).get(str(seq), {})
+        s, b = by.get(variant, {}).get(str(seq), {}), by.get(base, {}).get(str(seq), {})
         if "step_s" in s and "step_s" in b:
             out[str(seq)] = b["step_s"] / s["step_s"]
     return out
@@ -129,21 +153,25 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--backward", default="cudnn", help="sage's backward route (triton, cudnn, flash)")
     ap.add_argument("--kernel", default="triton", choices=("triton", "gluon"), help="sage's forward kernel")
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--model", choices=("8b", "default", "tiny"), default="8b",
+                    help="8b: Llama-3-8B at batch 1; default: recipes/default.yaml's model at its micro batch")
+    ap.add_argument("--tiny", action="store_true", help="the same as --model tiny")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
+    model = "tiny" if args.tiny else args.model
     if args.child:
-        print("RESULT " + json.dumps(run_child(args.child, seqs, args.steps, args.tiny)))
+        print("RESULT " + json.dumps(run_child(args.child, seqs, args.steps, model)))
         return 0
 
     def write(rows):
         if args.out:
-            Path(args.out).write_text(json.dumps({"rows": rows, "speedup_vs_cudnn": speedups(rows, seqs)}, indent=2))
+            Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "speedup_vs_cudnn": speedups(rows, seqs),
+                                                  "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}, indent=2))
 
-    run(args.variants.split(","), seqs, args.steps, args.tiny, args.backward, args.timeout, args.kernel, write)
+    run(args.variants.split(","), seqs, args.steps, model, args.backward, args.timeout, args.kernel, write)
     return 0
 
 

@@ -10,6 +10,10 @@
 #   step   benchmarks/attention_train_step.py, the 8B training step, Sage against cuDNN SDPA (STEP_TIMEOUT, 300 s), Sage
 #          on the kernel and backward route bench chose for it (attention.json's train_step_choice; STEP_KERNEL,
 #          STEP_BACKWARD override), then folded into attention.json (train_step_over_sdpa): $OUT/train_step.json;
+#   auto   what a recipe with neutrain_sage trains with (the committed dispatch table) against plain SDPA:
+#          benchmarks/attention_train_step.py --variants auto,sdpa on the 8B step (1K, the 8B recipe's length, 8K, 16K) and on the default
+#          recipe's model (its 8 x 256 batch), folded into attention.json (auto_train_step, auto_over_sdpa_min;
+#          AUTO_TIMEOUT per model, 240 s): $OUT/auto_step_8b.json, $OUT/auto_step_default.json;
 #   profile  Nsight Compute (ncu --clock-control none; SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats,
 #          MemoryWorkloadAnalysis, Occupancy, LaunchStats; one launch, kernel-name filter) of the Gluon Sage forward
 #          and of cuDNN's SDPA forward at B=4, H=32, N=16K, d=128 non-causal (benchmarks/diag/attention_one_shape.py;
@@ -21,7 +25,7 @@
 #          kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128; SMOKE_TIMEOUT, 105 s): $OUT/junit_gluon_attention_<sha>.xml,
 #          $OUT/gluon_tests.log, $OUT/smoke.log and gluon_sage_smoke.json; < 4 minutes, needs NEUTRAIN_GIT_COMMIT.
 # Each step has its own timeout (a deadlocked kernel is killed with its process) and none stops the others.
-#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [profile] [gluon]
+#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [auto] [profile] [gluon]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT=${OUT:-/tmp/attention_out}; mkdir -p "$OUT"
@@ -45,6 +49,12 @@ for step in "$@"; do
       timeout "${STEP_TIMEOUT:-300}" python benchmarks/attention_train_step.py --kernel "$kernel" --backward "$route" \
         ${STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | tail -5
       python benchmarks/attention.py --fold-train-step "$OUT/train_step.json" ${FOLD_ARGS:-} 2>&1 | tail -2 ;;
+    auto)
+      timeout "${AUTO_TIMEOUT:-240}" python benchmarks/attention_train_step.py --model 8b --seqs 1024,8192,16384 --steps 6 \
+        --variants auto,sdpa --timeout 110 --out "$OUT/auto_step_8b.json" 2>&1 | tail -3
+      timeout "${AUTO_TIMEOUT:-240}" python benchmarks/attention_train_step.py --model default --seqs 256 --steps 60 \
+        --variants auto,sdpa --timeout 95 --out "$OUT/auto_step_default.json" 2>&1 | tail -3
+      python benchmarks/attention.py --fold-auto-step "$OUT"/auto_step_8b.json "$OUT"/auto_step_default.json 2>&1 | tail -2 ;;
     profile)
       ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$ncu_bin" ]; then

@@ -158,3 +158,36 @@ def test_the_training_step_benchmark_imports_as_the_device_runs_it():
     proc = subprocess.run([sys.executable, "benchmarks/attention_train_step.py", "--help"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _auto_step(model, sdpa_s, auto_s, auto_counters):
+    """An ``attention_train_step.py --variants auto,sdpa`` record with the given step times per length."""
+    rows = [{"variant": "auto", **{seq: {"step_s": t, "counters": auto_counters} for seq, t in auto_s.items()}},
+            {"variant": "sdpa", **{seq: {"step_s": t, "counters": {}} for seq, t in sdpa_s.items()}}]
+    from benchmarks.attention_train_step import speedups
+
+    seqs = [int(s) for s in auto_s]
+    return {"model": model, "rows": rows, "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}
+
+
+def test_the_auto_step_check_takes_the_least_ratio_over_every_model_and_length():
+    counters = {"fallback": 64, "fallback:dispatch table: sdpa": 64}
+    big = _auto_step("8b", {"1024": 1.0, "8192": 2.0}, {"1024": 1.0, "8192": 2.1}, counters)
+    small = _auto_step("default", {"256": 0.02}, {"256": 0.019}, counters)
+    summary = table.auto_step_summary([big, small])
+    assert summary["auto_train_step"]["8b"]["auto_over_sdpa"] == {"1024": 1.0, "8192": pytest.approx(2.0 / 2.1)}
+    assert summary["auto_over_sdpa_min"] == pytest.approx(2.0 / 2.1)
+    assert summary["auto_train_step"]["default"]["auto_kernels"] == {"256": {"fallback": 64}}
+    # A later fold of one model keeps the other's and recomputes the least ratio.
+    again = table.auto_step_summary([_auto_step("8b", {"1024": 1.0}, {"1024": 0.99}, counters)],
+                                    summary["auto_train_step"])
+    assert set(again["auto_train_step"]) == {"8b", "default"}
+    assert again["auto_over_sdpa_min"] == pytest.approx(1.0 / 0.99)  # default's 0.02 / 0.019 is larger
+
+
+def test_the_training_step_reads_the_default_recipes_model_and_batch():
+    from benchmarks.attention_train_step import model_config
+
+    config, batch = model_config("default")
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], batch) == (256, 4, 4096, 8)
+    assert "model_type" not in config and model_config("8b")[1] == 1
