@@ -54,7 +54,7 @@ def model_config(model: str) -> tuple[dict, int]:
     return dict(TINY if model == "tiny" else LLAMA3_8B), 1
 
 
-def run_child(variant: str, seqs: list[int], steps: int, model: str) -> dict:
+def run_child(variant: str, seqs: list[int], steps: int, model_name: str) -> dict:
     import torch
     from transformers import LlamaConfig
 
@@ -63,7 +63,7 @@ def run_child(variant: str, seqs: list[int], steps: int, model: str) -> dict:
     from neutrain.nn.load import init_compressed
     from neutrain.optim import OPTIMIZERS
 
-    keywords, batch = model_config(model)
+    keywords, batch = model_config(model_name)
     config = LlamaConfig(**keywords)
     config.max_position_embeddings = max(seqs, default=1)
     config._attn_implementation = "sdpa" if variant == "sdpa" else register()
@@ -74,7 +74,7 @@ def run_child(variant: str, seqs: list[int], steps: int, model: str) -> dict:
     model.config.use_cache = False
     model.train()
     opt = OPTIMIZERS["lomo"](model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
-    result = {"variant": variant, "model": model, "batch": batch, "build_s": round(build_s, 1),
+    result = {"variant": variant, "model": model_name, "batch": batch, "build_s": round(build_s, 1),
               "backward_route": os.environ.get("NEUTRAIN_SAGE_BACKWARD")}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for seq in seqs:
