@@ -7,7 +7,8 @@ the same registered function ``neutrain_sage``, with the dispatch forced:
 
     sage   NEUTRAIN_SAGE_DISPATCH=always (+ NEUTRAIN_SAGE_BACKWARD, the backward route, and
            NEUTRAIN_SAGE_KERNEL, the forward kernel: triton, or gluon on Hopper)
-    cudnn  NEUTRAIN_SAGE_DISPATCH=never: torch SDPA with cuDNN first, no mask tensor
+    cudnn  NEUTRAIN_SAGE_DISPATCH=never: the registered function's SDPA path, which is transformers' sdpa
+           function (the variant's name is the records')
     sdpa   transformers' own "sdpa" (what a recipe without neutrain_sage gets)
     auto   NEUTRAIN_SAGE_DISPATCH=table: what a recipe with neutrain_sage gets (the committed dispatch table);
            its counters say which kernel each attention call ran. ``auto_over_sdpa`` is sdpa's step time over

@@ -14,15 +14,26 @@ torch SDPA (or a small math path for softcap/sinks), counted and logged once.
 On a GPU every supported call then asks :mod:`neutrain.attention.dispatch` whether the
 benchmark measured SageAttention faster than cuDNN SDPA for that device and shape
 (forward-only when no gradient is being recorded, forward+backward otherwise); where
-it did not, the call runs SDPA (cuDNN first), also counted and logged once.
+it did not, the call is transformers' own ``sdpa`` attention, the very function a model built
+with ``attn_implementation="sdpa"`` calls (also counted and logged once), so a recipe asking for
+``neutrain_sage`` never trains slower than one asking for SDPA where the table picks SDPA.
+
+Whether a row is packed is read on the host (a device synchronisation) once per ``position_ids``
+tensor, not once per layer: the decoder passes the same tensor to every layer, and activation
+checkpointing's recompute passes it again (:func:`packed_segments`). Inside
+:func:`neutrain.compat.masks.contiguous_positions` (``causal_lm_loss`` calling the decoder without
+positions) nothing is read at all.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from neutrain import compat
+from neutrain.compat.masks import positions_are_contiguous
 from neutrain.attention import dispatch
 from neutrain.attention.counters import record_fallback
 from neutrain.attention.sage import SUPPORTED_HEAD_DIMS, sage_attention
@@ -56,6 +67,39 @@ def segments_from_position_ids(position_ids: torch.Tensor | None, batch: int, n:
     if not bool(starts.any()):
         return None
     return starts.cumsum(-1, dtype=torch.int32)
+
+
+# (weak reference to position_ids, its version counter, (batch, n), the segments found): the last answer.
+# One module-level entry, not thread-local: the recompute of activation checkpointing runs on the
+# autograd engine's thread and must find the forward's answer.
+_LAST_PACKING: tuple | None = None
+
+
+def packed_segments(position_ids: torch.Tensor | None, batch: int, n: int) -> torch.Tensor | None:
+    """:func:`segments_from_position_ids`, read once per ``position_ids`` tensor and contents.
+
+    The answer is kept for the tensor it was read from (a weak reference and its version counter, so an
+    in-place change or a new tensor reads again); inside ``contiguous_positions()`` it is ``None`` unread.
+
+    Example:
+        >>> pos = torch.tensor([[0, 1, 2, 0, 1]])
+        >>> packed_segments(pos, 1, 5).tolist()
+        [[0, 0, 0, 1, 1]]
+        >>> packed_segments(pos, 1, 5) is packed_segments(pos, 1, 5)  # read once
+        True
+    """
+    global _LAST_PACKING
+    if position_ids is None or position_ids.shape[-1] != n:
+        return None
+    if position_ids.is_inference():  # no version counter to key on: generation, not training
+        return segments_from_position_ids(position_ids, batch, n)
+    key = (position_ids._version, (batch, n))
+    last = _LAST_PACKING
+    if last is not None and last[0]() is position_ids and last[1] == key:
+        return last[2]
+    segments = None if positions_are_contiguous() else segments_from_position_ids(position_ids, batch, n)
+    _LAST_PACKING = (weakref.ref(position_ids), key, segments)
+    return segments
 
 
 def _fallback_mask(q_len, kv_len, causal, padding, segments, sliding_window, device):
@@ -99,6 +143,16 @@ def _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux):
     return (probs @ value).transpose(1, 2).contiguous()
 
 
+def dispatch_device(query: torch.Tensor) -> str | None:
+    """The device name the dispatch table is read for, or ``None``: a CPU call runs Sage's reference.
+
+    Example:
+        >>> dispatch_device(torch.zeros(1)) is None
+        True
+    """
+    return torch.cuda.get_device_name(query.device) if query.is_cuda else None
+
+
 def neutrain_sage_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,7 +172,6 @@ def neutrain_sage_attention_forward(
     scaling = head_dim ** -0.5 if scaling is None else scaling
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-    segments = segments_from_position_ids(kwargs.get("position_ids"), query.shape[0], kv_len)
     softcap, sliding_window, s_aux = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
     reason = None
     if q_len == 1:
@@ -139,6 +192,8 @@ def neutrain_sage_attention_forward(
         reason = "q_len != kv_len (prefill with a cache)"
     elif attention_mask is not None and padding is None:
         reason = f"{attention_mask.dim()}D attention mask"
+    # Decode and prefill with a cache never need it: segments only split a training row (q_len == kv_len).
+    segments = packed_segments(kwargs.get("position_ids"), query.shape[0], kv_len) if q_len == kv_len else None
     if reason is not None:
         record_fallback(reason)
         if attention_mask is not None and padding is None:
@@ -151,30 +206,21 @@ def neutrain_sage_attention_forward(
     # CPU keeps the quantized reference forward (build_model gives CPU runs SDPA anyway); its backward
     # route is NEUTRAIN_SAGE_BACKWARD's (benchmarks/sage_fidelity.py runs the exact one, as a GPU would).
     backward, config, backend = dispatch.cpu_backward(), None, "auto"
-    if query.is_cuda:
+    device = dispatch_device(query)
+    if device is not None:
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        device = torch.cuda.get_device_name(query.device)
         choice = dispatch.choose(device, head_dim, causal, str(query.dtype).removeprefix("torch."), training, q_len)
         if choice.backend != "sage":
             record_fallback(f"dispatch: {choice.reason}")
-            if padding is None and segments is None:
-                return _sdpa_fast(query, key, value, causal, scaling), None
+            if padding is None and segments is None:  # exactly what attn_implementation="sdpa" runs
+                return compat.sdpa_attention()(module, query, key, value, None, dropout=0.0, scaling=scaling,
+                                               is_causal=causal)
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, None, query.device)
             return _fallback(query, key, value, mask, 0.0, scaling, None, None), None
         backward, config, backend = choice.backward, dispatch.kernel_config(device, head_dim), choice.kernel
     out = sage_attention(query, key, value, causal=causal, scale=scaling, segment_ids=segments,
                          key_padding_mask=padding, backward=backward, config=config, backend=backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _sdpa_fast(query, key, value, causal, scaling):
-    """SDPA without a mask tensor, cuDNN first (the fastest backend on Hopper), as [B, L, H, D]."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # cuDNN takes no enable_gqa; repeated heads cost one copy of K and V
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    with compat.sdpa_prefer_cudnn():
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling)
-    return out.transpose(1, 2).contiguous()
 
 
 def register() -> str:

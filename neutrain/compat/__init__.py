@@ -18,7 +18,7 @@ One module per upstream library, and a module of its own where a topic is large:
   a time); :mod:`neutrain.compat.quiet` (progress bars and a peft warning);
   :mod:`neutrain.compat.chat_templates` (the chat-template sandbox, private, which neutrain bounds
   before data is rendered with a template);
-* torch: :mod:`neutrain.compat.torch_api` (SDPA's backend order, the private SDPA backward ops,
+* torch: :mod:`neutrain.compat.torch_api` (the private SDPA backward ops,
   the saved-tensor hooks in force); :mod:`neutrain.compat.autograd` ("is a backward running?");
   :mod:`neutrain.compat.cpu_features` (native bf16 on a CPU);
 * accelerate: :mod:`neutrain.compat.accelerate_prepare` (model preparation without DDP);
@@ -42,7 +42,6 @@ from neutrain.compat.torch_api import (
     SDPA_BACKWARD_ROUTES,
     saved_tensor_hooks_active,
     sdpa_backward,
-    sdpa_prefer_cudnn,
 )
 from neutrain.compat.transformers_api import (
     cache_batch_size,
@@ -86,7 +85,6 @@ __all__ = [
     "saved_tensor_hooks_active",
     "sdpa_attention",
     "sdpa_backward",
-    "sdpa_prefer_cudnn",
     "set_attn_implementation",
     "use_one_gpu_per_process",
     "weight_conversions",

@@ -63,3 +63,16 @@ def contiguous_positions():
         yield
     finally:
         _CONTIGUOUS.reset(token)
+
+
+def positions_are_contiguous() -> bool:
+    """True inside :func:`contiguous_positions`: every row's positions are ``arange(seq)`` (nothing packed).
+
+    Example:
+        >>> with contiguous_positions():
+        ...     positions_are_contiguous()
+        True
+        >>> positions_are_contiguous()
+        False
+    """
+    return _CONTIGUOUS.get()

@@ -13,25 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
-
-
-def sdpa_prefer_cudnn():
-    """Context manager: SDPA tries cuDNN, then flash, efficient and math, in that order.
-
-    torch >= 2.6 honours the order through ``sdpa_kernel(..., set_priority=True)``; older
-    releases only restrict the set (their own order puts flash before cuDNN).
-
-    The second branch serves torch < 2.6, below ``pyproject.toml``'s ``torch>=2.6``: it can go.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-        return sdpa_kernel(order, set_priority=True)
-    return sdpa_kernel(order)  # pragma: no cover - torch < 2.6
-
-
 # --- Private SDPA backward ops (attention) ---
 # SageAttention's "exact backward" route hands its quantized forward's O and log-sum-exp to
 # the bf16 backward kernels that torch ships. Those ops are private (aten::_scaled_dot_product_*),
