@@ -241,8 +241,9 @@ def auto_step_summary(steps: list[dict], earlier: dict | None = None) -> dict:
     ``auto_train_step[model]`` holds the rows, sdpa's step time over auto's per length (``auto_over_sdpa``)
     and the kernels auto's attention calls ran, per length (its counters without the reasons);
     ``auto_over_sdpa_min`` is the least ratio over every model and length, the check that a recipe with
-    ``neutrain_sage`` (the committed table) never trains slower than plain SDPA. ``earlier`` keeps models
-    folded before that these records do not replace.
+    ``neutrain_sage`` (the committed table) never trains slower than plain SDPA. Records of one model (its
+    lengths run apart, with different step counts) merge; ``earlier`` keeps models folded before that these
+    records do not name.
 
     Example:
         >>> step = {"model": "default", "auto_over_sdpa": {"256": 1.01},
@@ -250,12 +251,14 @@ def auto_step_summary(steps: list[dict], earlier: dict | None = None) -> dict:
         >>> auto_step_summary([step])["auto_train_step"]["default"]["auto_kernels"]
         {'256': {'fallback': 8}}
     """
-    folded = dict(earlier or {})
-    for step in steps:
-        auto = next((r for r in step["rows"] if r["variant"] == "auto"), {})
-        kernels = {seq: {k: v for k, v in row["counters"].items() if ":" not in k}
-                   for seq, row in auto.items() if isinstance(row, dict) and "counters" in row}
-        folded[step["model"]] = {"auto_over_sdpa": step["auto_over_sdpa"], "auto_kernels": kernels,
-                                 "rows": step["rows"]}
+    fresh: dict[str, dict] = {}
+    for step in steps:  # records of one model (lengths run apart) merge; a model folded before is replaced
+        entry = fresh.setdefault(step["model"], {"auto_over_sdpa": {}, "auto_kernels": {}, "rows": []})
+        entry["auto_over_sdpa"].update(step["auto_over_sdpa"])
+        entry["rows"] += step["rows"]
+        for row in (r for r in step["rows"] if r["variant"] == "auto"):
+            entry["auto_kernels"].update({seq: {k: v for k, v in cell["counters"].items() if ":" not in k}
+                                          for seq, cell in row.items() if isinstance(cell, dict) and "counters" in cell})
+    folded = {**(earlier or {}), **fresh}
     ratios = [r for m in folded.values() for r in m["auto_over_sdpa"].values()]
     return {"auto_train_step": folded, "auto_over_sdpa_min": min(ratios) if ratios else None}

@@ -345,18 +345,20 @@ def fold_train_step(name: str, train_step_path: str, table: str) -> dict:
     results["headline"] = (f"d={settings['head_dim']}: " + ", ".join(
         f"{k} {v['value']} (goal {v['goal']})" for k, v in results["targets"].items() if v["value"] is not None)
         + results["headline"][results["headline"].rfind(";"):])
-    print("wrote", write_result(name, settings, results, targets=results["targets"]), flush=True)
+    print("wrote", write_result(name, settings, results, targets=results["targets"], measured_on=record), flush=True)
     return results
 
 
 def fold_auto_step(name: str, paths: list[str]) -> dict:
     """Put ``attention_train_step.py --variants auto,sdpa`` records (one per model) into ``<name>.json``
-    (``results["auto_train_step"]`` and ``auto_over_sdpa_min``: :func:`auto_step_summary`)."""
+    (``results["auto_train_step"]`` and ``auto_over_sdpa_min``: :func:`auto_step_summary`). Like
+    :func:`fold_train_step`, the record keeps the sweep's device, versions and date (``measured_on``), so a
+    fold made on another machine says where it was assembled."""
     record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
     results, settings = record["results"], record["settings"]
     results.update(auto_step_summary([json.loads(Path(p).read_text()) for p in paths],
                                      results.get("auto_train_step", {})))
-    print("wrote", write_result(name, settings, results, targets=results["targets"]), flush=True)
+    print("wrote", write_result(name, settings, results, targets=results["targets"], measured_on=record), flush=True)
     return results
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -109,41 +110,56 @@ def run_child(variant: str, seqs: list[int], steps: int, model_name: str) -> dic
 
 
 def run(variants: list[str], seqs: list[int], steps: int, model: str, backward: str, timeout: float,
-        kernel: str = "triton", done=lambda rows: None) -> list[dict]:
-    """Every variant in its own subprocess; a variant that fails or times out is recorded as such.
+        kernel: str = "triton", done=lambda rows: None, rounds: int = 1) -> list[dict]:
+    """Every variant in its own subprocess, ``rounds`` times, the order reversed every other round (A B B A:
+    a drift of the card over the run falls on both); a variant that fails or times out is recorded as such.
     ``done(rows)`` is called after each variant."""
     rows = []
-    for variant in variants:
-        env = dict(os.environ)
-        env["NEUTRAIN_SAGE_DISPATCH"] = {"sage": "always", "cudnn": "never"}.get(variant, "table")
-        env["NEUTRAIN_SAGE_BACKWARD"] = backward
-        env["NEUTRAIN_SAGE_KERNEL"] = kernel
-        cmd = [sys.executable, __file__, "--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(steps)]
-        cmd += ["--model", model]
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            row = json.loads(line[7:]) if line else {"variant": variant, "failed": True, "stderr": proc.stderr[-1500:]}
-        except subprocess.TimeoutExpired:
-            row = {"variant": variant, "failed": True, "timeout_s": timeout}
-        row["wall_s"] = round(time.perf_counter() - t, 1)
-        if variant == "sage":
-            row["kernel"] = kernel
-        print(json.dumps(row)[:800], flush=True)
-        rows.append(row)
-        done(rows)
+    for round_ in range(rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            env = dict(os.environ)
+            env["NEUTRAIN_SAGE_DISPATCH"] = {"sage": "always", "cudnn": "never"}.get(variant, "table")
+            env["NEUTRAIN_SAGE_BACKWARD"] = backward
+            env["NEUTRAIN_SAGE_KERNEL"] = kernel
+            cmd = [sys.executable, __file__, "--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps",
+                   str(steps), "--model", model]
+            t = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                row = json.loads(line[7:]) if line else {"variant": variant, "failed": True,
+                                                         "stderr": proc.stderr[-1500:]}
+            except subprocess.TimeoutExpired:
+                row = {"variant": variant, "failed": True, "timeout_s": timeout}
+            row["wall_s"] = round(time.perf_counter() - t, 1)
+            row["round"] = round_
+            if variant == "sage":
+                row["kernel"] = kernel
+            print(json.dumps(row)[:800], flush=True)
+            rows.append(row)
+            done(rows)
     return rows
 
 
+def step_time(rows: list[dict], variant: str, seq: int) -> float | None:
+    """The median over rounds of ``variant``'s median step at ``seq`` (``None`` where it never ran).
+
+    Example:
+        >>> rows = [{"variant": "auto", "256": {"step_s": 0.3}}, {"variant": "auto", "256": {"step_s": 0.1}}]
+        >>> step_time(rows, "auto", 256), step_time(rows, "sdpa", 256)
+        (0.2, None)
+    """
+    times = [r[str(seq)]["step_s"] for r in rows if r["variant"] == variant and "step_s" in r.get(str(seq), {})]
+    return statistics.median(times) if times else None
+
+
 def speedups(rows: list[dict], seqs: list[int], base: str = "cudnn", variant: str = "sage") -> dict:
-    """{seq: baseline step time / ``variant``'s step time} where both ran."""
-    by = {r["variant"]: r for r in rows}
+    """{seq: baseline step time / ``variant``'s step time} where both ran (:func:`step_time` of each)."""
     out = {}
     for seq in seqs:
-        s, b = by.get(variant, {}).get(str(seq), {}), by.get(base, {}).get(str(seq), {})
-        if "step_s" in s and "step_s" in b:
-            out[str(seq)] = b["step_s"] / s["step_s"]
+        s, b = step_time(rows, variant, seq), step_time(rows, base, seq)
+        if s and b:
+            out[str(seq)] = b / s
     return out
 
 
@@ -158,6 +174,7 @@ def main() -> int:
                     help="8b: Llama-3-8B at batch 1; default: recipes/default.yaml's model at its micro batch")
     ap.add_argument("--tiny", action="store_true", help="the same as --model tiny")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, A B B A")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
@@ -172,7 +189,7 @@ def main() -> int:
             Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "speedup_vs_cudnn": speedups(rows, seqs),
                                                   "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}, indent=2))
 
-    run(args.variants.split(","), seqs, args.steps, model, args.backward, args.timeout, args.kernel, write)
+    run(args.variants.split(","), seqs, args.steps, model, args.backward, args.timeout, args.kernel, write, args.rounds)
     return 0
 
 

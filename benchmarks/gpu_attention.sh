@@ -11,9 +11,10 @@
 #          on the kernel and backward route bench chose for it (attention.json's train_step_choice; STEP_KERNEL,
 #          STEP_BACKWARD override), then folded into attention.json (train_step_over_sdpa): $OUT/train_step.json;
 #   auto   what a recipe with neutrain_sage trains with (the committed dispatch table) against plain SDPA:
-#          benchmarks/attention_train_step.py --variants auto,sdpa on the 8B step (1K, the 8B recipe's length, 8K, 16K) and on the default
-#          recipe's model (its 8 x 256 batch), folded into attention.json (auto_train_step, auto_over_sdpa_min;
-#          AUTO_TIMEOUT per model, 240 s): $OUT/auto_step_8b.json, $OUT/auto_step_default.json;
+#          benchmarks/attention_train_step.py --variants auto,sdpa --rounds 2 (A B B A) on the 8B step (1K, the 8B
+#          recipe's length; 8K, 16K) and on the default recipe's model (its 8 x 256 batch), folded into
+#          attention.json (auto_train_step, auto_over_sdpa_min; AUTO_TIMEOUT per run, 240 s; ~6 min in all):
+#          $OUT/auto_step_8b_1k.json, $OUT/auto_step_8b.json, $OUT/auto_step_default.json;
 #   profile  Nsight Compute (ncu --clock-control none; SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats,
 #          MemoryWorkloadAnalysis, Occupancy, LaunchStats; one launch, kernel-name filter) of the Gluon Sage forward
 #          and of cuDNN's SDPA forward at B=4, H=32, N=16K, d=128 non-causal (benchmarks/diag/attention_one_shape.py;
@@ -50,11 +51,14 @@ for step in "$@"; do
         ${STEP_ARGS:-} --out "$OUT/train_step.json" 2>&1 | tail -5
       python benchmarks/attention.py --fold-train-step "$OUT/train_step.json" ${FOLD_ARGS:-} 2>&1 | tail -2 ;;
     auto)
-      timeout "${AUTO_TIMEOUT:-240}" python benchmarks/attention_train_step.py --model 8b --seqs 1024,8192,16384 --steps 6 \
-        --variants auto,sdpa --timeout 110 --out "$OUT/auto_step_8b.json" 2>&1 | tail -3
-      timeout "${AUTO_TIMEOUT:-240}" python benchmarks/attention_train_step.py --model default --seqs 256 --steps 60 \
-        --variants auto,sdpa --timeout 95 --out "$OUT/auto_step_default.json" 2>&1 | tail -3
-      python benchmarks/attention.py --fold-auto-step "$OUT"/auto_step_8b.json "$OUT"/auto_step_default.json 2>&1 | tail -2 ;;
+      # A B B A rounds; the 8B's 1K step is short and noisy (0.54-0.88 s a step in one run): 20 steps there.
+      step_auto() { timeout "${AUTO_TIMEOUT:-240}" python benchmarks/attention_train_step.py --variants auto,sdpa --rounds 2 \
+        --timeout 110 "$@" 2>&1 | tail -2; }
+      step_auto --model 8b --seqs 1024 --steps 20 --out "$OUT/auto_step_8b_1k.json"
+      step_auto --model 8b --seqs 8192,16384 --steps 5 --out "$OUT/auto_step_8b.json"
+      step_auto --model default --seqs 256 --steps 60 --out "$OUT/auto_step_default.json"
+      python benchmarks/attention.py --fold-auto-step "$OUT"/auto_step_8b_1k.json "$OUT"/auto_step_8b.json \
+        "$OUT"/auto_step_default.json 2>&1 | tail -2 ;;
     profile)
       ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$ncu_bin" ]; then

@@ -87,6 +87,7 @@ if [ "${TESTS:-0}" = 1 ]; then
   timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
     tests/kernels/test_minicache_attention.py tests/kernels/test_shadowkv.py \
     tests/unit/eval/test_minicache.py tests/unit/eval/test_shadowkv.py tests/unit/eval/test_diagnose.py \
+    tests/unit/eval/test_kv_compression_off.py \
     --junitxml="$OUT/junit_gpu_kv_$short.xml" -o junit_suite_name="gpu-kv@$NEUTRAIN_GIT_COMMIT" \
     > "$OUT/gpu_kv_tests.log" 2>&1
   echo "gpu kv tests rc=$? ($((SECONDS - t0)) s)"

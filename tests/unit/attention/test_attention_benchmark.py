@@ -191,3 +191,41 @@ def test_the_training_step_reads_the_default_recipes_model_and_batch():
     config, batch = model_config("default")
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], batch) == (256, 4, 4096, 8)
     assert "model_type" not in config and model_config("8b")[1] == 1
+
+
+def test_records_of_one_model_merge_and_a_refold_replaces_only_the_models_it_names():
+    counters = {"fallback": 8, "fallback:dispatch table: sdpa": 8}
+    short = _auto_step("8b", {"1024": 1.0}, {"1024": 1.02}, counters)
+    long = _auto_step("8b", {"8192": 2.0, "16384": 4.0}, {"8192": 2.0, "16384": 4.1}, counters)
+    small = _auto_step("default", {"256": 0.02}, {"256": 0.02}, counters)
+    first = table.auto_step_summary([short, long, small])
+    assert set(first["auto_train_step"]["8b"]["auto_over_sdpa"]) == {"1024", "8192", "16384"}
+    assert set(first["auto_train_step"]["8b"]["auto_kernels"]) == {"1024", "8192", "16384"}
+    assert len(first["auto_train_step"]["8b"]["rows"]) == 4
+    assert first["auto_over_sdpa_min"] == pytest.approx(4.0 / 4.1)  # 16K: the least of 1/1.02, 1, 4/4.1
+    again = table.auto_step_summary([_auto_step("8b", {"8192": 2.0}, {"8192": 1.9}, counters)],
+                                    first["auto_train_step"])
+    assert set(again["auto_train_step"]["8b"]["auto_over_sdpa"]) == {"8192"}  # the model's old lengths go
+    assert again["auto_train_step"]["default"] == first["auto_train_step"]["default"]
+
+
+def test_rounds_run_the_variants_a_b_b_a_and_the_step_time_is_the_median_over_rounds(monkeypatch):
+    import json
+    import subprocess
+
+    from benchmarks import attention_train_step as step
+
+    calls, times = [], {"auto": iter([1.0, 3.0, 2.0]), "sdpa": iter([2.0, 2.0, 2.0])}
+
+    def fake_run(cmd, **kwargs):
+        variant = cmd[cmd.index("--child") + 1]
+        calls.append((variant, kwargs["env"]["NEUTRAIN_SAGE_DISPATCH"]))
+        row = {"variant": variant, "256": {"step_s": next(times[variant])}}
+        return subprocess.CompletedProcess(cmd, 0, stdout="RESULT " + json.dumps(row), stderr="")
+
+    monkeypatch.setattr(step.subprocess, "run", fake_run)
+    rows = step.run(["auto", "sdpa"], [256], 5, "default", "triton", 10.0, rounds=3)
+    assert calls == [("auto", "table"), ("sdpa", "table"), ("sdpa", "table"), ("auto", "table"),
+                     ("auto", "table"), ("sdpa", "table")]
+    assert [r["round"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert step.speedups(rows, [256], "sdpa", "auto") == {"256": 1.0}  # auto's median of 1, 3, 2 is 2

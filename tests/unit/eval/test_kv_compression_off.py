@@ -5,7 +5,9 @@ with its compression switched off (MiniCache keeping every token of every pair, 
 the fused kernel's; ShadowKV at full rank with every chunk selected, values on the device, offloaded, or
 both in one batch; the pruned cache unpruned; the benchmark's preallocated full cache; the decode engine;
 kvpress presses at ratio 0). Each decodes the same two prompts greedily and must give DynamicCache's
-tokens. :func:`test_every_cache_kind_is_in_the_table` fails when a cache kind is added without a case here.
+tokens, on this CPU and, the same table, on a GPU (``-m gpu``: the Triton gather, the fused MiniCache
+kernel and the pinned host values run there). :func:`test_every_cache_kind_is_in_the_table` fails when a
+cache kind is added without a case here.
 
 transformers' ``QuantizedCache`` has no such setting: it quantizes the whole prompt whatever its residual
 length (``QuantizedLayer.update``), so it is listed in :data:`NO_OFF_SWITCH` instead.
@@ -48,7 +50,8 @@ def preallocated(model):
 
     def make():
         shape = (2, cfg.num_key_value_heads, PROMPT + NEW, d)
-        return Cache(layers=[PreallocatedLayer(torch.zeros(shape), torch.zeros(shape), 0)
+        device = model.device
+        return Cache(layers=[PreallocatedLayer(torch.zeros(shape, device=device), torch.zeros(shape, device=device), 0)
                              for _ in range(cfg.num_hidden_layers)])
 
     yield make
@@ -106,6 +109,24 @@ def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens(model
         assert cache.fused_steps > 0 and cache.merges > 0
     if case == "minicache_retain_every_token":
         assert cache.merges > 1 and cache.retained_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return tiny_llama(layers=4, hidden=128).cuda()
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(gpu_model, prompts):
+    return greedy_decode(gpu_model, prompts.cuda(), NEW, DynamicCache(config=gpu_model.config))["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens_on_the_gpu(gpu_model, prompts,
+                                                                                      gpu_reference, case):
+    test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens(gpu_model, prompts.cuda(), gpu_reference,
+                                                                          case)
 
 
 def test_the_decode_engine_decodes_the_dynamic_cache_tokens(model, prompts, reference):
