@@ -258,7 +258,8 @@ def auto_step_summary(steps: list[dict], earlier: dict | None = None) -> dict:
         entry["rows"] += step["rows"]
         for row in (r for r in step["rows"] if r["variant"] == "auto"):
             entry["auto_kernels"].update({seq: {k: v for k, v in cell["counters"].items() if ":" not in k}
-                                          for seq, cell in row.items() if isinstance(cell, dict) and "counters" in cell})
+                                          for seq, cell in row.items()
+                                          if isinstance(cell, dict) and "counters" in cell})
     folded = {**(earlier or {}), **fresh}
     ratios = [r for m in folded.values() for r in m["auto_over_sdpa"].values()]
     return {"auto_train_step": folded, "auto_over_sdpa_min": min(ratios) if ratios else None}

@@ -40,13 +40,12 @@ from train_memory import LLAMA3_8B, TINY  # noqa: E402
 
 
 def default_recipe_model() -> tuple[dict, int]:
-    """The default recipe's model config (its tokenizer's vocabulary) and micro batch, read from the recipe."""
-    import yaml
+    """The default recipe's model config (its tokenizer's vocabulary) and micro batch, as its loader reads them."""
+    from neutrain.config import load_recipe
 
-    recipe = yaml.safe_load((HERE.parent / "recipes" / "default.yaml").read_text())
-    config = {k: v for k, v in recipe["model"]["config"].items() if k != "model_type"}
-    config["vocab_size"] = recipe["model"]["tokenizer_vocab_size"]
-    return config, recipe["train"]["micro_batch_size"]
+    recipe = load_recipe("default")
+    config = {k: v for k, v in recipe.model["config"].items() if k != "model_type"}
+    return {**config, "vocab_size": recipe.model["tokenizer_vocab_size"]}, recipe.train["micro_batch_size"]
 
 
 def model_config(model: str) -> tuple[dict, int]:
@@ -67,7 +66,7 @@ def run_child(variant: str, seqs: list[int], steps: int, model_name: str) -> dic
 
     keywords, batch = model_config(model_name)
     config = LlamaConfig(**keywords)
-    config.max_position_embeddings = max(seqs, default=1)
+    config.max_position_embeddings = max(seqs)
     config._attn_implementation = "sdpa" if variant == "sdpa" else register()
     t0 = time.perf_counter()
     model, _ = init_compressed(config, "neuzip-lossless", "cuda", dtype=torch.bfloat16, progress=False)
@@ -172,24 +171,24 @@ def main() -> int:
     ap.add_argument("--kernel", default="triton", choices=("triton", "gluon"), help="sage's forward kernel")
     ap.add_argument("--model", choices=("8b", "default", "tiny"), default="8b",
                     help="8b: Llama-3-8B at batch 1; default: recipes/default.yaml's model at its micro batch")
-    ap.add_argument("--tiny", action="store_true", help="the same as --model tiny")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, A B B A")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
-    model = "tiny" if args.tiny else args.model
     if args.child:
-        print("RESULT " + json.dumps(run_child(args.child, seqs, args.steps, model)))
+        print("RESULT " + json.dumps(run_child(args.child, seqs, args.steps, args.model)))
         return 0
 
     def write(rows):
         if args.out:
-            Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "speedup_vs_cudnn": speedups(rows, seqs),
-                                                  "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}, indent=2))
+            record = {"model": args.model, "rows": rows, "speedup_vs_cudnn": speedups(rows, seqs),
+                      "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}
+            Path(args.out).write_text(json.dumps(record, indent=2))
 
-    run(args.variants.split(","), seqs, args.steps, model, args.backward, args.timeout, args.kernel, write, args.rounds)
+    run(args.variants.split(","), seqs, args.steps, args.model, args.backward, args.timeout, args.kernel, write,
+        args.rounds)
     return 0
 
 

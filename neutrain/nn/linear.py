@@ -41,7 +41,10 @@ from neutrain.nn.weight import CompressedWeight
 
 
 class _SavedInput(torch.autograd.Function):
-    """Identity on the input that saves it for the product's backward, packed before the product runs."""
+    """Identity on the input that saves it for the product's backward, packed before the product runs.
+
+    ``key`` is the weight's gradient key: it makes the output require grad, so this node exists (and saves
+    ``x``) even where ``x`` itself needs no gradient, as the first layer's input."""
 
     @staticmethod
     def forward(ctx, x, key):
