@@ -212,7 +212,10 @@ def neutrain_sage_attention_forward(
         choice = dispatch.choose(device, head_dim, causal, str(query.dtype).removeprefix("torch."), training, q_len)
         if choice.backend != "sage":
             record_fallback(f"dispatch: {choice.reason}")
-            if padding is None and segments is None:  # exactly what attn_implementation="sdpa" runs
+            # Exactly what attn_implementation="sdpa" runs, where transformers' function can expand GQA: it
+            # repeats K/V by the module's num_key_value_groups, which a bare or foreign module may lack.
+            groups = query.shape[1] // key.shape[1]
+            if padding is None and segments is None and getattr(module, "num_key_value_groups", 1) == groups:
                 return compat.sdpa_attention()(module, query, key, value, None, dropout=0.0, scaling=scaling,
                                                is_causal=causal)
             mask = _fallback_mask(q_len, kv_len, causal, padding, segments, None, query.device)
