@@ -36,14 +36,18 @@ suite() {
   tail -n 3 "$OUT/gpu_suite.log"
 }
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+# GPU k of this script is the k-th GPU the caller made visible (not physical GPU k: a caller that gave this
+# script GPU 3 alone must not get GPU 0), and its work folder carries that GPU's id, so two callers on two GPUs
+# never share (nor delete) one folder.
+IFS=, read -ra visible <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((ngpu - 1)))}"
 if [ "$STAGE" = spread ]; then
   for k in $(seq 0 $((ngpu - 1))); do
     j="J_$k"; t="T_$k"
     if [ -z "${!j-}${!t-}" ] && [ "${SUITE-}" != "$k" ]; then continue; fi
     (
-      export CUDA_VISIBLE_DEVICES=$k
+      export CUDA_VISIBLE_DEVICES=${visible[$k]}
       if [ "${SUITE-}" = "$k" ]; then suite; fi
-      if [ -n "${!j-}${!t-}" ]; then cards "g$k" "${!j-}" "${!t-}" "/dev/shm/cards_g$k"; fi
+      if [ -n "${!j-}${!t-}" ]; then cards "g$k" "${!j-}" "${!t-}" "/dev/shm/cards_gpu${visible[$k]}"; fi
     ) &
   done
   wait
@@ -52,7 +56,7 @@ if [ "$STAGE" = spread ]; then
   exit 0
 fi
 if [ "$STAGE" = one ]; then
-  cards one "${J-11}" "${T-b1_none,b1_11}" /dev/shm/cards_one
+  cards one "${J-11}" "${T-b1_none,b1_11}" "/dev/shm/cards_one_gpu${visible[0]}"
   grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0
@@ -65,8 +69,8 @@ else
   second() { cards t1 "${J1-}" "${T1-b1_none,b1_11,b8_none,b8_7}" /dev/shm/cards_t1; }
 fi
 if [ "$ngpu" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=0; first ) &
-  ( export CUDA_VISIBLE_DEVICES=1; second ) &
+  ( export CUDA_VISIBLE_DEVICES=${visible[0]}; first ) &
+  ( export CUDA_VISIBLE_DEVICES=${visible[1]}; second ) &
   wait
 else
   first; second
