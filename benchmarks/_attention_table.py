@@ -260,6 +260,31 @@ def auto_step_summary(steps: list[dict], earlier: dict | None = None) -> dict:
             entry["auto_kernels"].update({seq: {k: v for k, v in cell["counters"].items() if ":" not in k}
                                           for seq, cell in row.items()
                                           if isinstance(cell, dict) and "counters" in cell})
+    for entry in fresh.values():
+        entry["round_spread"], entry["losses_identical"] = _rounds_agreement(entry["rows"])
     folded = {**(earlier or {}), **fresh}
     ratios = [r for m in folded.values() for r in m["auto_over_sdpa"].values()]
-    return {"auto_train_step": folded, "auto_over_sdpa_min": min(ratios) if ratios else None}
+    # A ratio under 1 by less than the rounds' own spread (one variant against itself) is not a slowdown.
+    within = [r >= 1.0 - m.get("round_spread", {}).get(seq, 0.0)
+              for m in folded.values() for seq, r in m["auto_over_sdpa"].items()]
+    return {"auto_train_step": folded, "auto_over_sdpa_min": min(ratios) if ratios else None,
+            "auto_never_slower_within_spread": all(within) if within else None}
+
+
+def _rounds_agreement(rows: list[dict]) -> tuple[dict, dict]:
+    """Per length: the largest relative spread of one variant's step time over its rounds (max / min - 1),
+    and whether every row's losses (both variants, every round) are the same numbers: a deterministic
+    step run by the same attention function gives the same losses; a nondeterministic backward does not."""
+    spread, identical = {}, {}
+    seqs = {seq for row in rows for seq, cell in row.items() if isinstance(cell, dict) and "step_s" in cell}
+    for seq in sorted(seqs, key=int):
+        by_variant: dict[str, list[float]] = {}
+        losses = []
+        for row in rows:
+            cell = row.get(seq)
+            if isinstance(cell, dict) and "step_s" in cell:
+                by_variant.setdefault(row["variant"], []).append(cell["step_s"])
+                losses.append(cell.get("losses"))
+        spread[seq] = max(max(t) / min(t) - 1.0 for t in by_variant.values())
+        identical[seq] = None if None in losses else all(loss == losses[0] for loss in losses)
+    return spread, identical

@@ -356,6 +356,8 @@ def fold_auto_step(name: str, paths: list[str]) -> dict:
     fold made on another machine says where it was assembled."""
     record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
     results, settings = record["results"], record["settings"]
+    # The record's git_commit becomes the auto step's (this fold's); the sweep's commit is kept beside it.
+    results.setdefault("sweep_git_commit", record.get("git_commit"))
     results.update(auto_step_summary([json.loads(Path(p).read_text()) for p in paths],
                                      results.get("auto_train_step", {})))
     print("wrote", write_result(name, settings, results, targets=results["targets"], measured_on=record), flush=True)

@@ -229,3 +229,23 @@ def test_rounds_run_the_variants_a_b_b_a_and_the_step_time_is_the_median_over_ro
                      ("auto", "table"), ("sdpa", "table")]
     assert [r["round"] for r in rows] == [0, 0, 1, 1, 2, 2]
     assert step.speedups(rows, [256], "sdpa", "auto") == {"256": 1.0}  # auto's median of 1, 3, 2 is 2
+
+
+def test_a_ratio_under_one_by_less_than_the_rounds_own_spread_is_not_a_slowdown():
+    def row(variant, step_s, losses):
+        return {"variant": variant, "16384": {"step_s": step_s, "losses": losses, "counters": {}}}
+
+    same, other = [12.5, 12.4], [12.5, 12.41]
+    rows = [row("auto", 2.618, same), row("sdpa", 2.620, same), row("sdpa", 2.626, same), row("auto", 2.633, same)]
+    step = {"model": "8b", "rows": rows, "auto_over_sdpa": {"16384": 2.623 / 2.6255}}  # medians: 0.999
+    summary = table.auto_step_summary([step])
+    entry = summary["auto_train_step"]["8b"]
+    assert entry["round_spread"]["16384"] == pytest.approx(2.633 / 2.618 - 1)
+    assert entry["losses_identical"] == {"16384": True}
+    assert summary["auto_never_slower_within_spread"] is True
+    rows[3] = row("auto", 2.90, other)  # auto's second round 10 % slower: its spread is that large too
+    step["auto_over_sdpa"] = {"16384": 2.623 / 2.759}
+    tight = [row("auto", 2.80, same), row("sdpa", 2.62, same), row("sdpa", 2.621, same), row("auto", 2.81, same)]
+    slow = table.auto_step_summary([{"model": "8b", "rows": tight, "auto_over_sdpa": {"16384": 2.6205 / 2.805}}])
+    assert slow["auto_never_slower_within_spread"] is False  # 7 % slower, rounds within 0.4 %
+    assert table.auto_step_summary([step])["auto_train_step"]["8b"]["losses_identical"] == {"16384": False}
