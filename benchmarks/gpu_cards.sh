@@ -62,11 +62,11 @@ if [ "$STAGE" = one ]; then
   exit 0
 fi
 if [ "$STAGE" = journeys ]; then
-  first() { cards j0 "${J0:-22,14.5}" "" /tmp/cards_j0; }
-  second() { cards j1 "${J1:-7,11}" "" /dev/shm/cards_j1; }
+  first() { cards j0 "${J0:-22,14.5}" "" "/tmp/cards_j0_gpu${visible[0]}"; }
+  second() { cards j1 "${J1:-7,11}" "" "/dev/shm/cards_j1_gpu${visible[1]:-${visible[0]}}"; }
 else
   first() { suite; }
-  second() { cards t1 "${J1-}" "${T1-b1_none,b1_11,b8_none,b8_7}" /dev/shm/cards_t1; }
+  second() { cards t1 "${J1-}" "${T1-b1_none,b1_11,b8_none,b8_7}" "/dev/shm/cards_t1_gpu${visible[1]:-${visible[0]}}"; }
 fi
 if [ "$ngpu" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=${visible[0]}; first ) &

@@ -245,6 +245,7 @@ def test_a_ratio_under_one_by_less_than_the_rounds_own_spread_is_not_a_slowdown(
     assert summary["auto_never_slower_within_spread"] is True
     rows[3] = row("auto", 2.90, other)  # auto's second round 10 % slower: its spread is that large too
     step["auto_over_sdpa"] = {"16384": 2.623 / 2.759}
+    assert table.auto_step_summary([step])["auto_never_slower_within_spread"] is True
     tight = [row("auto", 2.80, same), row("sdpa", 2.62, same), row("sdpa", 2.621, same), row("auto", 2.81, same)]
     slow = table.auto_step_summary([{"model": "8b", "rows": tight, "auto_over_sdpa": {"16384": 2.6205 / 2.805}}])
     assert slow["auto_never_slower_within_spread"] is False  # 7 % slower, rounds within 0.4 %
