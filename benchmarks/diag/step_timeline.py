@@ -109,6 +109,41 @@ def _tables(prof, top: int = 25) -> dict:
     return {"top_kernels": rank(kernels), "top_host_self": rank(host)}
 
 
+def phase_peaks(model, step) -> dict:
+    """Peak allocated and reserved GiB of one step's phases: forward, the loss's backward (the lm_head), the
+    decoder's backward, the embedding's update. Read from the allocator's host-side statistics at tensor hooks
+    on the final norm's and the embedding's outputs, so nothing is synchronised inside the step."""
+    import torch
+
+    peaks: dict[str, dict] = {}
+    gib = 2**30
+
+    def mark(name):
+        peaks[name] = {"allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 3),
+                       "reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 3)}
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_output(name):
+        def forward_hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(lambda grad: mark(name))
+        return forward_hook
+
+    decoder = model.get_decoder()
+    handles = [decoder.norm.register_forward_hook(on_output("loss_backward")),
+               decoder.embed_tokens.register_forward_hook(on_output("decoder_backward"))]
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(mark)
+        mark("embedding_update")
+    finally:
+        for h in handles:
+            h.remove()
+    return peaks
+
+
 def run_child(key: str, tiny: bool, batches: list[int], steps: int, out: Path) -> dict:
     import torch
 
@@ -124,8 +159,10 @@ def run_child(key: str, tiny: bool, batches: list[int], steps: int, out: Path) -
     for batch in batches:
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
 
-        def step():
+        def step(after_forward=None):
             loss = causal_lm_loss(model, ids, ids)
+            if after_forward is not None:
+                after_forward("forward")
             opt.backward(loss)
             opt.step()
             return loss
@@ -179,6 +216,7 @@ def run_child(key: str, tiny: bool, batches: list[int], steps: int, out: Path) -
         row["cprofile_cumulative"] = s.getvalue().splitlines()[:70]
         if cuda:
             row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            row["phase_peaks"] = phase_peaks(model, step)
         result[f"batch{batch}"] = row
     return result
 
@@ -201,7 +239,9 @@ def main() -> int:
         (out / f"timeline_{args.child}.json").write_text(json.dumps(res, indent=1))
         return 0
     rows = {}
-    for key in args.variants.split(","):
+    variants = args.variants.split(",")
+    for i, key in enumerate(variants):  # a variant listed twice (d,c,d,c) runs twice: rounds against host drift
+        name = key if variants.count(key) == 1 else f"{key}{variants[:i].count(key) + 1}"
         cmd = [sys.executable, __file__, "--child", key, "--batches", args.batches, "--steps", str(args.steps),
                "--out", str(out)] + (["--tiny"] if args.tiny else [])
         try:
@@ -209,14 +249,19 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             rc = "timeout"
         f = out / f"timeline_{key}.json"
-        rows[key] = json.loads(f.read_text()) if f.exists() else {"rc": rc}
+        rows[name] = json.loads(f.read_text()) if f.exists() else {"rc": rc}
+        if f.exists():
+            f.rename(out / f"timeline_{name}.json")
     (out / "timeline.json").write_text(json.dumps(rows, indent=1))
-    print(f"{'variant':8} {'batch':>5} {'step ms':>8} {'issue ms':>8} {'busy ms':>8} {'idle ms':>8} {'kernels':>7}")
+    print(f"{'variant':8} {'batch':>5} {'step ms':>8} {'issue ms':>8} {'busy ms':>8} {'idle ms':>8} {'kernels':>7} "
+          f"{'resv GiB':>8}  phase peaks (allocated GiB)")
     for key, r in rows.items():
         for b in batches:
             x = r.get(f"batch{b}", {})
+            phases = " ".join(f"{n}={v['allocated_gib']}" for n, v in x.get("phase_peaks", {}).items())
             print(f"{key:8} {b:5} {x.get('step_s', 0) * 1e3:8.1f} {x.get('host_issue_s', 0) * 1e3:8.1f} "
-                  f"{x.get('device_busy_ms', 0):8.1f} {x.get('device_idle_ms', 0):8.1f} {x.get('kernels', 0):7}")
+                  f"{x.get('device_busy_ms', 0):8.1f} {x.get('device_idle_ms', 0):8.1f} {x.get('kernels', 0):7} "
+                  f"{x.get('peak_reserved_gib', 0):8.2f}  {phases}")
     return 0
 
 

@@ -157,5 +157,4 @@ def encode_many(cts: list[CompressedTensor], xs: list[torch.Tensor], *, backend:
         km.count_group(table, counts, scratch, steps, lanes, elems)
         cum = torch.cumsum(scratch, dim=1)
         km.pack_group(table, counts, cum, steps, lanes, elems, all(ct.numel % elems == 0 for ct in ready))
-        for ct in ready:
-            ct.status.publish()
+        kstream.publish_many([ct.status for ct in ready])

@@ -122,6 +122,23 @@ class StreamStatus:
         return words, coded, overflow
 
 
+def publish_many(statuses: list[StreamStatus]) -> None:
+    """:meth:`StreamStatus.publish` for the statuses of one grouped encode: their copies, then one event they
+    share (an event recorded per tensor cost as much host time as a grouped encode's launches)."""
+    if not statuses:
+        return
+    device = statuses[0].device
+    cuda = device.type == "cuda"
+    for status in statuses:
+        status._host.copy_(status.tensor, non_blocking=cuda)
+    event = False
+    if cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    for status in statuses:
+        status._event = event
+
+
 def kernel_scratch(ct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lane counts ``uint8[tiles * lanes]``, tile words/bits ``int64[2, tiles]``, their prefix sums)."""
     scratch = getattr(ct, "_scratch", None)

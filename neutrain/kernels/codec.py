@@ -417,6 +417,7 @@ _COUNT = Launcher(_count_wide_kernel)
 _SCAN = Launcher(_scan_tiles_kernel)
 _PACK = Launcher(_pack_wide_kernel)
 _FINISH = Launcher(_finish_count_kernel)
+_DECODE = Launcher(_decode_wide_kernel)
 
 
 def count_lossless(x: torch.Tensor, enc_table, counts, scratch, steps, lanes, elems, num_warps=None, cum=None):
@@ -465,10 +466,12 @@ def decode(stream, lane_words, tile_base, tails, lut, out: torch.Tensor, numel, 
     if programs:
         ids = tile_base if tile_ids is None else tile_ids  # any pointer will do when unused
         if kept == 7:
-            COMPILED["decode"] = _decode_wide_kernel[(programs,)](
-                stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel, S=steps, L=lanes,
-                E=elems, EVEN=numel % elems == 0, HAS_IDS=tile_ids is not None, FUNNEL=not interpreting(),
-                PAIRS=elems == 4 and numel % 4 == 0 and out.data_ptr() % 8 == 0,
+            # Through the compiled launcher (kernels.launch): training decodes each weight up to three times
+            # a step, and at batch 1 Triton's dispatch (~70 us a launch on an H200 host) outlasted the decode.
+            COMPILED["decode"] = _DECODE(
+                (programs,), (stream, lane_words, tile_base, tails, lut, ids, out.view(torch.int16), numel),
+                {"S": steps, "L": lanes, "E": elems, "EVEN": numel % elems == 0, "HAS_IDS": tile_ids is not None,
+                 "FUNNEL": not interpreting(), "PAIRS": elems == 4 and numel % 4 == 0 and out.data_ptr() % 8 == 0},
                 num_warps=_num_warps(lanes, num_warps))
         else:
             assert elems == 1, "lossy tails pack across lanes: one element per lane and step"

@@ -24,6 +24,7 @@ import triton.language as tl
 from neutrain.kernels import interpreting
 from neutrain.kernels.codec import _count_lossless, _decode_lossless, _pack_lossless
 from neutrain.kernels.codec_common import COMPILED, COUNTERS, _block_steps, _num_warps
+from neutrain.kernels.launch import Launcher
 
 ROWS = 11
 (ROW_STARTS, ROW_NUMEL, ROW_DATA, ROW_ENC, ROW_STREAM, ROW_LANE_WORDS, ROW_TILE_BASE, ROW_TAILS, ROW_LUT,
@@ -104,15 +105,20 @@ def _pack_group_kernel(table_ptr, counts_ptr, cum_ptr, G, T: tl.constexpr, S: tl
                    remaining, S, L, E, EVEN)
 
 
+# Through the compiled launchers (kernels.launch): training runs these once per layer and pass, from Python.
+_DECODE = Launcher(_decode_group_kernel)
+_COUNT = Launcher(_count_group_kernel)
+_PACK = Launcher(_pack_group_kernel)
+
+
 def decode_group(table: torch.Tensor, tiles: int, steps: int, lanes: int, elems: int, even: bool,
                  num_warps=None, aligned: bool = False) -> None:
     """Decode every tile of the table's tensors into their outputs (one launch); ``aligned``: every
     output starts on 8 bytes (then, with ``even`` and 4 elements, a lane stores a step as one word)."""
     if tiles:
-        COMPILED["decode_group"] = _decode_group_kernel[(tiles,)](
-            table, T=table.shape[1], S=steps, L=lanes, E=elems, EVEN=even, FUNNEL=not interpreting(),
-            PAIRS=aligned and even and elems == 4,
-            num_warps=_num_warps(lanes, num_warps))
+        COMPILED["decode_group"] = _DECODE((tiles,), (table,), {
+            "T": table.shape[1], "S": steps, "L": lanes, "E": elems, "EVEN": even, "FUNNEL": not interpreting(),
+            "PAIRS": aligned and even and elems == 4}, num_warps=_num_warps(lanes, num_warps))
     COUNTERS["decode"] += 1
 
 
@@ -121,9 +127,9 @@ def count_group(table: torch.Tensor, counts: torch.Tensor, scratch: torch.Tensor
     """Pass 1 of every tensor of the table: lane counts and tile words / bits over all their tiles."""
     tiles = scratch.shape[1]
     if tiles:
-        COMPILED["count_group"] = _count_group_kernel[(tiles,)](
-            table, counts, scratch, tiles, T=table.shape[1], S=steps, L=lanes, E=elems,
-            BS=_block_steps(steps, lanes * elems), num_warps=_num_warps(lanes, num_warps))
+        COMPILED["count_group"] = _COUNT((tiles,), (table, counts, scratch, tiles), {
+            "T": table.shape[1], "S": steps, "L": lanes, "E": elems, "BS": _block_steps(steps, lanes * elems)},
+            num_warps=_num_warps(lanes, num_warps))
     COUNTERS["count"] += 1
 
 
@@ -132,7 +138,7 @@ def pack_group(table: torch.Tensor, counts: torch.Tensor, cum: torch.Tensor, ste
     """Pass 2 of every tensor of the table; each commits only if its stream fits (see ``_pack_lossless``)."""
     tiles = cum.shape[1]
     if tiles:
-        COMPILED["pack_group"] = _pack_group_kernel[(tiles,)](
-            table, counts, cum, tiles, T=table.shape[1], S=steps, L=lanes, E=elems, EVEN=even,
+        COMPILED["pack_group"] = _PACK((tiles,), (table, counts, cum, tiles), {
+            "T": table.shape[1], "S": steps, "L": lanes, "E": elems, "EVEN": even},
             num_warps=_num_warps(lanes, num_warps))
     COUNTERS["pack"] += 1

@@ -123,6 +123,7 @@ class DecodeBuffers:
         self._released: dict[tuple, torch.cuda.Event] = {}  # main stream done with the slot's last content
         self._recent: dict[tuple, str] = {}
         self._pinned: set[tuple] = set()  # slots allocated by reserve(): never shrunk or released
+        self._lent: set[tuple] = set()  # large slots pinned by shared_large() only, until give_back_lent()
         self.prefetch_hits = 0
         self.allocated = False
         # Kept decodes: weight -> [its own buffer, the version it holds or None, finalizer]. Weak keys: a
@@ -130,6 +131,9 @@ class DecodeBuffers:
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._kept_bytes: dict[torch.device, int] = {}
         self.keep_bytes: dict[torch.device, int] = {}  # budget per device; missing: default_keep_bytes
+        # Called with the device before anything is decoded into its large slot, and with None on clear():
+        # the layer groups (neutrain.nn.groups) share the large slot's memory and must give it up first.
+        self.large_listeners: list = []
 
     def reserve(self, weights, pin_large: bool | None = None) -> int:
         """Allocate each slot once at the size of the largest of ``weights`` it will hold; return bytes.
@@ -178,6 +182,9 @@ class DecodeBuffers:
         stream. ``self.allocated`` tells whether the call allocated a new buffer.
         """
         key = (weight.device, weight.dtype, slot)
+        if slot == LARGE_SLOT:
+            for listener in self.large_listeners:
+                listener(weight.device)
         self._wait(key)  # a pending prefetch must finish before its buffer is reused or freed
         buffer = self._buffers.get(key)
         self.allocated = buffer is None or buffer.numel() < weight.numel
@@ -209,9 +216,7 @@ class DecodeBuffers:
         if entry is None:
             nbytes = weight.numel * weight.dtype.itemsize
             device = weight.device
-            budget = self.keep_bytes.get(device)
-            if budget is None:
-                budget = self.keep_bytes[device] = default_keep_bytes(device)
+            budget = self.keep_budget(device)
             if weight.home is not None or self._kept_bytes.get(device, 0) + nbytes > budget:
                 return None
             buffer = torch.empty(weight.numel, dtype=weight.dtype, device=device)
@@ -219,6 +224,13 @@ class DecodeBuffers:
             self._kept_bytes[device] = self._kept_bytes.get(device, 0) + nbytes
         entry[1] = weight.version
         return entry[0].view(weight.shape)
+
+    def keep_budget(self, device: torch.device) -> int:
+        """Bytes of kept decodes allowed on ``device`` (:func:`default_keep_bytes` unless set)."""
+        budget = self.keep_bytes.get(device)
+        if budget is None:
+            budget = self.keep_bytes[device] = default_keep_bytes(device)
+        return budget
 
     def kept_nbytes(self, device: torch.device | None = None) -> int:
         """Bytes of kept decodes (on ``device``, or on all)."""
@@ -274,8 +286,38 @@ class DecodeBuffers:
             self._tags.pop(key, None)
             self._buffers.pop(key, None)
 
+    def shared_large(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The large slot's memory (at least ``numel`` elements), lent to the layer groups while no vocabulary
+        matrix is decoded: pinned from now on, its tag dropped (what it held is about to be overwritten)."""
+        key = (device, dtype, LARGE_SLOT)
+        for listener in self.large_listeners:  # whoever held it lets go (a caller that holds it too)
+            listener(device)
+        self._wait(key)
+        self._tags.pop(key, None)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            self._buffers.pop(key, None)
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        if key not in self._pinned:
+            self._pinned.add(key)
+            self._lent.add(key)
+        return buffer
+
+    def give_back_lent(self) -> None:
+        """After training: the layer groups let go of the large slots they were lent, and those are freed (the
+        export and generation that follow count on the room; a later group decode lends them again)."""
+        for listener in self.large_listeners:
+            listener(None)
+        for key in self._lent:
+            self._pinned.discard(key)
+            self._tags.pop(key, None)
+            self._buffers.pop(key, None)
+        self._lent.clear()
+
     def clear(self) -> None:
         """Free every buffer (e.g. before measuring memory), kept ones included."""
+        for listener in self.large_listeners:
+            listener(None)
         for key in list(self._events):
             self._wait(key)
         for weight in list(self._kept.keys()):
@@ -285,6 +327,7 @@ class DecodeBuffers:
         self._tags.clear()
         self._recent.clear()
         self._pinned.clear()
+        self._lent.clear()
 
     def nbytes(self) -> int:
         """Bytes of the shared slots (kept decodes: :meth:`kept_nbytes`)."""

@@ -20,6 +20,7 @@ import torch
 
 from neutrain.nn.architecture import check_linear, embedding_scale
 from neutrain.nn.buffers import DECODE_BUFFERS
+from neutrain.nn.groups import form_groups
 from neutrain.nn.embedding import CompressedEmbedding
 from neutrain.nn.experts import compress_expert_stack, expert_stacks
 from neutrain.nn.linear import CompressedLinear
@@ -224,7 +225,9 @@ def mark_large_weights(model: torch.nn.Module) -> None:
         # stayed reserved for the whole run: measured on an H100 (Llama-3-8B, expandable segments),
         # 14.06 GiB reserved for 11.49 GiB allocated after warm-up (benchmarks/step_anatomy.py).
         torch.cuda.empty_cache()
-    DECODE_BUFFERS.reserve(weights)
+    # Grouped layers decode into their own buffers (neutrain.nn.groups): the layer slots are for the rest.
+    form_groups(model, compressed_weights, lambda device: DECODE_BUFFERS.keep_budget(device) > 0)
+    DECODE_BUFFERS.reserve([w for w in weights if w.group is None])
 
 
 def build_module(dense_module: torch.nn.Module, compressed: CompressedWeight, name: str = "",

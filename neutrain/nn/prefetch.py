@@ -120,7 +120,8 @@ class Prefetcher:
             self.mismatches += 1
 
     def _launch(self, target) -> None:
-        if target is None or target.large or target.home is not None:  # offloaded: payload may not be on the device
+        # Offloaded: the payload may not be on the device; grouped: decoded with its layer (neutrain.nn.groups).
+        if target is None or target.large or target.home is not None or target.group is not None:
             return
         cuda = target.device.type == "cuda"
         if not (cuda or self.eager_cpu) or DECODE_BUFFERS.keeps(target) or DECODE_BUFFERS.holds(target):

@@ -53,7 +53,9 @@ class CompressedWeight:
 
     def __init__(self, ct, requires_grad: bool = True, name: str | None = None,
                  compute_dtype: torch.dtype | None = None):
-        self.ct = ct
+        self._ct = ct
+        self.group = None  # a neutrain.nn.groups.WeightGroup: decoded and re-encoded with its layer
+        self.group_index = 0
         self.compute_dtype = compute_dtype or ct.dtype
         self.name = name
         self.version = 0
@@ -70,8 +72,20 @@ class CompressedWeight:
 
     # ------------------------------------------------------------ properties
     @property
+    def ct(self):
+        """The compressed tensor, current: an update still waiting in its layer group's buffer is encoded first."""
+        group = self.group
+        if group is not None and group.pending[self.group_index]:
+            group.flush()
+        return self._ct
+
+    @ct.setter
+    def ct(self, ct) -> None:
+        self._ct = ct
+
+    @property
     def shape(self) -> torch.Size:
-        return torch.Size(self.ct.shape)
+        return self._ct.shape
 
     @property
     def numel(self) -> int:
@@ -79,11 +93,11 @@ class CompressedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.ct.dtype
+        return self._ct.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.ct.device
+        return self._ct.device
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +111,9 @@ class CompressedWeight:
     def decode(self) -> torch.Tensor:
         """The dense weight: in its kept buffer (valid until the next ``write_``), or in a shared decode
         buffer (valid until two more layer decodes), see :mod:`neutrain.nn.buffers`."""
+        group = self.group
+        if group is not None:
+            return group.view(self)
         cached = DECODE_BUFFERS.cached(self)
         if cached is not None:
             return cached
@@ -153,13 +170,15 @@ class CompressedWeight:
         (:mod:`neutrain.compress.counted`), or None; :meth:`write_` then reads the weight once."""
         from neutrain.compress import counted  # lazy: only the fused update asks
 
-        if not counted.IN_UPDATE or self.home is not None:
+        if not counted.IN_UPDATE or self.home is not None or self.group is not None:
             return None
         return counted.begin(self.ct, weight)
 
     def write_(self, weight: torch.Tensor) -> None:
         # No host read: the re-encode sizes its stream on the device (neutrain.compress.stream),
         # so backward never waits for the GPU here.
+        if self.group is not None and self.group.took(self, weight):
+            return  # updated in its layer's buffer: encoded with the layer (neutrain.nn.groups)
         self._resident(writing=True)
         self.ct.recompress_(weight, sync=False)
         if self.home is not None:
@@ -193,7 +212,12 @@ class CompressedWeight:
         """
         if tuple(ct.shape) != tuple(self.shape):
             raise ValueError(f"{self.name}: loaded {ct.dtype} {tuple(ct.shape)} for {self.dtype} {tuple(self.shape)}")
-        self.ct = ct
+        if self.group is not None:
+            if (ct.dtype, ct.device) != self.group.key:  # the group's buffers hold the old dtype: ungroup
+                self.group.dissolve()
+            else:
+                self.group.forget(self)
+        self._ct = ct
         if self.home is not None:
             self.home.adopt(self)
         self.version += 1

@@ -159,6 +159,8 @@ class WeightOffload:
         for weight in layer.weights:
             if weight.home is not None:
                 raise ValueError(f"weight {weight.name} is already offloaded")
+            if weight.group is not None:  # offloaded layers decode per weight, from their host payloads
+                weight.group.dissolve()
             weight.home, weight._offload_layer, weight._flushed = self, layer, None
         pinned = self._to_host(layer.weights, {w: {n: getattr(w.ct, n) for n in PAYLOAD} for w in layer.weights})
         for weight in layer.weights:

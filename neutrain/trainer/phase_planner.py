@@ -102,6 +102,9 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
     before_training = train.terms["weights"]  # the store's slots come with the first fetch
     after_training = before_training + train.terms.get("weight_slots", 0.0)
     layer_slots, vocab_slot = s.get("layer_slot_bytes", 0.0), s.get("vocab_slot_bytes", 0.0)
+    # Layer groups (neutrain.nn.groups) hold the vocabulary slot through training (a save between steps holds
+    # it too); it is given back when training ends, before the export.
+    held = layer_slots + (vocab_slot if "vocab_slot" in train.terms else 0.0)
     largest = _largest_matrix(shape)
     dense, payload = largest * dtype_bytes, largest * bits / 8
     h, kv, v = shape.hidden, shape.kv_heads * shape.head_dim, shape.vocab
@@ -125,7 +128,7 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
         "decode_buffers": layer_slots + vocab_slot, "kv_cache": shape.layers * 2 * kv * context * dtype_bytes,
         "activations": prompt_tokens * h * dtype_bytes + layer_live(prompt_tokens),
         "logits": 2 * v * 4})  # the last position's fp32 logits and the sampling probabilities
-    plan["save"] = phase(after_training, {"decode_buffers": layer_slots,
+    plan["save"] = phase(after_training, {"decode_buffers": held,
                                           "scratch": CHECKSUM_SCRATCH_BYTES if compressed else dense})
     plan["resume"] = phase(before_training, {"decode_buffers": layer_slots + vocab_slot,
                                              "scratch": payload if compressed else dense})

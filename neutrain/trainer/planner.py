@@ -17,7 +17,10 @@ busiest moment adds. Held for the whole step (bytes):
   (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`: four when nearly every layer is offloaded,
   two when the offloaded layers are spread between resident ones). ``settings`` also gives the PCIe
   bytes of a step (:func:`offload_traffic`).
-* ``decode_buffers``: the two layer-sized decode slots (prefetch), pinned for the whole run.
+* ``decode_buffers``: the two layer-sized decode slots (prefetch), pinned for the whole run, for layers that
+  decode one matrix at a time. Where a decoder layer fits in the vocabulary matrix's slot and no layer lives in
+  host memory, the layers are decoded as groups into that slot's memory (:mod:`neutrain.nn.groups`): then
+  ``vocab_slot`` is held for the whole step instead, and the loss adds no ``vocab_decode``.
 * ``gradients`` (optimizers that step after backward) and ``optimizer_state``: AdamW two moments,
   AdaLomo factored row/column moments, LOMO none; ``optimizer_temporaries``: foreach AdamW's
   model-sized temporaries inside ``step()``.
@@ -122,6 +125,11 @@ class ModelShape:
 
     def largest_layer_matrix(self) -> int:
         return max(r * c for n, r, c in self.matrices() if n.startswith("layers."))
+
+    def layer_matrix_params(self) -> int:
+        """One decoder layer's matrices together (what a layer group decodes at once, :mod:`neutrain.nn.groups`)."""
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        return 2 * q * h + 2 * kv * h + 3 * self.intermediate * h
 
 
 HOST_STREAM_ROOM = 0.02
@@ -259,6 +267,10 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
             t["weights"] -= traffic["host_weight_bytes"]
             t["weight_slots"] = min(slots, placement.count) * traffic["layer_bytes"] * (1 + 1 / 16)
         t["decode_buffers"] = 2 * shape.largest_layer_matrix() * dtype_bytes
+        if not offloading and shape.layer_matrix_params() <= v * h:
+            # Layers decode as groups into the vocabulary matrix's slot, held all step (neutrain.nn.groups).
+            t["vocab_slot"] = v * h * dtype_bytes
+            t["decode_buffers"] = 0.0
     else:
         t["weights"] = shape.params() * dtype_bytes
     if not fused:
@@ -284,7 +296,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     # matrix's gradient: row blocks of chunk_numel when compressed, untied and element-wise (AdaLomo's
     # factored statistics need its whole gradient; the other fused rules are element-wise), else whole.
     loss: dict[str, float] = {}
-    if compressed:
+    if compressed and "vocab_slot" not in t:
         loss["vocab_decode"] = v * h * dtype_bytes
     if chunked_loss:
         loss["logits"] = min(loss_chunk_bytes, tokens * v * 4) + tokens * h * 4
@@ -304,7 +316,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
                     host_activation_bytes=shape.layers * tokens * h * dtype_bytes if offload_activations and checkpointing else 0,
                     chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
                     layers=shape.layers, peak_moment=moment, moments={"loss": loss, "layer backward": backward},
-                    layer_slot_bytes=t.get("decode_buffers", 0.0), vocab_slot_bytes=loss.get("vocab_decode", 0.0))
+                    layer_slot_bytes=t.get("decode_buffers", 0.0),
+                    vocab_slot_bytes=t.get("vocab_slot", loss.get("vocab_decode", 0.0)))
     if offloading:
         settings.update(offload_weights=True, offload_slots=slots, offloaded=placement.offloaded, **traffic)
     slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES

@@ -58,7 +58,7 @@ from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
-from neutrain.nn import CompressedLinear, causal_lm_loss
+from neutrain.nn import DECODE_BUFFERS, CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.offload import offload_checkpointed_inputs
@@ -338,8 +338,11 @@ class NeuTrainer(Trainer):
                 self.distributed_mode.check_resume(resume_from_checkpoint)
                 verify_resume(resume_from_checkpoint, self.distributed_mode, self.args.process_index,
                               self.args.world_size, self.resume_reset_optimizer)
-        with deterministic_kernels(self.train_section.deterministic):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with deterministic_kernels(self.train_section.deterministic):
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            DECODE_BUFFERS.give_back_lent()  # the layer groups' slot: export and generation plan without it
 
     def load_trained(self, checkpoint: str) -> None:
         """The weights and training log of ``checkpoint`` (a run's last step), for the phases after training.
