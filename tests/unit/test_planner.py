@@ -29,7 +29,8 @@ def test_llama3_8b_shape_and_ordering():
     assert est["densesgd"].total > est["denselomo"].total + 13 * GIB
     assert est["denselomo"].total - est["neuzip-losslesslomo"].total > 3.5 * GIB
     assert est["denseadamw"].total > est["densesgd"].total + 29 * GIB
-    assert 12 * GIB < est["neuzip-losslesslomo"].total < 16 * GIB
+    # Measured: 11.87 GiB peak allocated at batch 1 on an H200 (benchmarks/results/train_memory.json, variant d).
+    assert 11.5 * GIB < est["neuzip-losslesslomo"].total < 12.5 * GIB
 
 
 def test_checkpointing_and_chunked_loss_reduce_estimate():
@@ -58,11 +59,20 @@ def test_streamed_vocabulary_gradients_and_reserved_memory():
     assert grads(shape=tied, weights="neuzip-lossless", optimizer="lomo") == vocab_matrix
     # A decoder layer's backward: its largest matrix's gradient, whatever the vocabulary's update.
     assert grads("layer backward", weights="neuzip-lossless", optimizer="lomo") == 14336 * 4096 * 2
-    # The step's peak is the busier moment, and only its terms are summed.
+    # The step's peak is the busier moment, and only its terms are summed. A Llama-3-8B layer fits the
+    # vocabulary matrix's slot, so the layers decode as groups into it (neutrain.nn.groups): the slot is held
+    # all step, and the loss's moment does not add it again.
     est = estimate(shape, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo")
     moments = est.settings["moments"]
-    assert est.settings["peak_moment"] == "loss" and est.terms["vocab_decode"] == vocab_matrix
-    assert sum(moments["loss"].values()) > sum(moments["layer backward"].values()) and "recompute" not in est.terms
+    assert est.terms["vocab_slot"] == vocab_matrix and est.terms["decode_buffers"] == 0
+    assert "vocab_decode" not in moments["loss"]
+    busiest = max(moments, key=lambda m: sum(moments[m].values()))
+    assert est.settings["peak_moment"] == busiest and all(k in est.terms for k in moments[busiest])
+    # With layers in host memory nothing is grouped: two layer slots, and the loss decodes the matrix whole.
+    offloaded = estimate(shape, batch=1, seq=1024, weights="neuzip-lossless", optimizer="lomo",
+                         offload_weights=True, offload_layers=8)
+    assert "vocab_slot" not in offloaded.terms and offloaded.terms["decode_buffers"] == 2 * 14336 * 4096 * 2
+    assert offloaded.settings["peak_moment"] == "loss" and offloaded.terms["vocab_decode"] == vocab_matrix
     long = estimate(shape, batch=1, seq=16384, weights="neuzip-lossless", optimizer="lomo")
     assert long.settings["peak_moment"] == "layer backward" and "vocab_decode" not in long.terms
     # Reserved adds the allocator's slack, growing with the largest activation block; device adds the context.
