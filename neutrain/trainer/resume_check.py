@@ -17,9 +17,12 @@ sha256 of each training data file. A resume that changes one is refused, saying 
 changed seed, batch size or sequence length, an edited data file or a corpus cut short used to
 resume with exit 0 and losses that differed from the uninterrupted run.
 
-Weights are not converted between formats: a checkpoint's optimizer state belongs to the
-parameters of its own format, so an exact conversion is a new run. The message says how
-(resume with the checkpoint's own ``memory.weights``, or start a new run from its export).
+Dense and NeuZip-lossless weights hold the same values, and a compressed model keeps the dense one's
+parameters in the same order (a placeholder stands for each compressed weight), so the optimizer state
+of either fits the other: a checkpoint of one resumes into the other (``memory.weights: auto`` may
+resolve differently on another card; :func:`neutrain.nn.checkpoint.load_weights` reads either format).
+Any other change of the weights (lossy, an adapter) is refused: the message says how (resume with the
+checkpoint's own ``memory.weights``, or start a new run from its export).
 Checkpoints written before the record existed are compared on what they do hold: the
 weight format (``neutrain_weights.json``) and the model shape (``config.json``).
 
@@ -41,6 +44,8 @@ from neutrain.errors import CheckpointError, UserInputError
 from neutrain.nn.checkpoint import MARKER as WEIGHTS_MARKER  # a compressed checkpoint's weight format
 
 RUN_RECORD = "neutrain_run.json"
+LOSSLESS = ("dense", "neuzip-lossless")
+"""Weight storages that hold the same values: a checkpoint of one resumes into the other."""
 RECORD_FORMAT = "neutrain-run-1"
 # The model config entries that fix the shapes of the weights and of the optimizer state.
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -170,6 +175,8 @@ def check_resume(checkpoint_dir: str | os.PathLike, current: dict[str, Any], res
     for key, old in saved.items():
         if key not in current or (key == "train.optimizer" and reset_optimizer):
             continue
+        if key == "memory.weights" and {old, current[key]} <= set(LOSSLESS):
+            continue  # the same values either way (see the module docstring)
         new = json.loads(json.dumps(current[key], default=str))  # as the record reads back
         where = _difference(key, old, new)
         if where is not None and key == DATA_FILES:
