@@ -95,7 +95,9 @@ CPU_FLOPS_PER_S = 299e9
 """A whole training step's products per second on a 2-core CPU with AMX (bf16), host work folded in:
 benchmarks/results/cpu_train.json ``real_model`` (SmolLM2-135M, batch 16 x 128, dense AdaLomo, 363.3
 tok/s). Large matrices multiply faster (about 2 TFLOP/s for one 4096 x 14336 product there), so for an
-8B this rate overstates the step, likely by 1.5-3x; it only has to tell seconds from minutes."""
+8B this rate overstates the step, likely by 1.5-3x; at a few hundred tokens a step Python's per-operation cost
+dominates and it understates it (the cards benchmark's CPU smoke run, 64 tokens a step, took 10x longer). It
+only has to tell seconds from minutes."""
 
 CPU_CODEC_BYTES_PER_S = 569e6
 """Dense bytes the CPU codec decodes or re-encodes per second in a step: cpu_train.json ``real_model``,
