@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from neutrain.cli.preflight import host_memory_available
+from neutrain.cli.preflight import host_memory_for
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 
@@ -58,7 +58,7 @@ def _weights_without_fit(recipe: Recipe, why: str, echo: Callable[[str], None] |
     return apply_changes(recipe, {"memory.weights": weights})
 
 
-def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None) -> Recipe:
+def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None, processes: int = 1) -> Recipe:
     """The recipe with ``memory.weights: auto`` resolved against this machine (no budget: the card's memory, on
     a CPU the host's), for a trainer built without :func:`fit_memory` (``build_trainer`` from Python)."""
     if recipe.memory.weights != "auto":
@@ -70,7 +70,7 @@ def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None) ->
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
     try:
-        fit = choose_fit(recipe, None, host_memory_available(), gpu=gpu, card=card)
+        fit = choose_fit(recipe, None, host_memory_for(processes), gpu=gpu, card=card)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return _weights_without_fit(recipe, f"no fit: {' '.join(str(exc).split())}", echo)
     if echo is not None:
@@ -132,7 +132,7 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
             # The planner models one whole model per process; a sharded run holds a part of it. Choosing
             # from whole-model figures would offload (or refuse) what fits: the budget is only enforced.
             raise ValueError("a sharded run (FSDP or DeepSpeed) holds part of the model, which the planner does not model")
-        fit = choose_fit(recipe, budget, host_memory_available(), gpu=device is not None, card=card)
+        fit = choose_fit(recipe, budget, host_memory_for(getattr(state, "num_processes", 1)), gpu=device is not None, card=card)
     except RecipeError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:

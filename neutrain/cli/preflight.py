@@ -192,6 +192,22 @@ def host_memory_available() -> int | None:
     return None
 
 
+def host_memory_for(processes: int) -> int | None:
+    """Host bytes one of ``processes`` may plan with: what is available now, alone; with several processes on
+    the host, its total over their count, which every process reads alike (each one's own reading of what is
+    available could resolve ``memory.weights: auto`` otherwise on another rank)."""
+    if processes <= 1:
+        return host_memory_available()
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 // processes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def check_host_memory(recipe: Recipe, available: int | None) -> None:
     """``memory.offload_weights`` / ``offload_activations`` need host memory the planner can predict.
 

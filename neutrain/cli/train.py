@@ -149,7 +149,7 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
     # memory.weights: auto, where no fit ran before (a trainer built from Python): resolved against this machine.
-    recipe = settle_weights(recipe, logger.info if state.is_main_process else None)
+    recipe = settle_weights(recipe, logger.info if state.is_main_process else None, state.num_processes)
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
     if state.is_main_process:  # one run per output_dir (taken already when it existed: neutrain.trainer.run_state)
         from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant

@@ -81,12 +81,13 @@ def test_a_dense_fp32_checkpoint_is_not_resumed_into_bf16_neuzip(tmp_path):
 
 def test_auto_weights_resolve_before_the_build_and_the_run_says_which(tmp_path, monkeypatch):
     import neutrain.cli.memory as memory
+    import neutrain.cli.preflight as preflight
 
     said = []
     eight_b = load_recipe("recipes/llama3_8b.yaml", ["train.use_cpu=true"])  # planned only, never built
-    monkeypatch.setattr(memory, "host_memory_available", lambda: 64 * 2**30)
+    monkeypatch.setattr(preflight, "host_memory_available", lambda: 64 * 2**30)
     assert memory.settle_weights(eight_b, said.append).memory.weights == "dense"
-    monkeypatch.setattr(memory, "host_memory_available", lambda: 14 * 2**30)  # 16.8 GiB dense does not fit
+    monkeypatch.setattr(preflight, "host_memory_available", lambda: 14 * 2**30)  # 16.8 GiB dense does not fit
     assert memory.settle_weights(eight_b, said.append).memory.weights == "neuzip-lossless"
     assert said[0].startswith("memory: weights dense (needs 16.78 GiB of the host's 64.00 GiB; NeuZip would be used")
     assert said[1].startswith("memory: weights neuzip-lossless (dense needs 16.78 GiB of the host's 14.00 GiB)")
