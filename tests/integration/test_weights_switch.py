@@ -17,13 +17,14 @@ import torch
 from neutrain.cli.train import build_trainer
 from neutrain.config import load_recipe
 from neutrain.nn import CompressedLinear, decompressed_state_dict
+from neutrain.nn.weight_offload_model import weight_store
 from neutrain.trainer.callbacks import read_metrics
 from tests.helpers import write_recipe
 
 
-def _recipe(tmp_path: Path, weights: str):
+def _recipe(tmp_path: Path, weights: str, **memory):
     return load_recipe(write_recipe(
-        tmp_path, model={"dtype": "bfloat16"}, memory={"weights": weights, "stochastic_rounding": True},
+        tmp_path, model={"dtype": "bfloat16"}, memory={"weights": weights, "stochastic_rounding": True, **memory},
         train={"optimizer": "adalomo", "learning_rate": 5e-2, "max_steps": 4, "save_steps": 2,
                "lr_scheduler": "constant", "warmup_steps": 0},
         eval={"perplexity": False}, export={"format": "none"}))
@@ -33,15 +34,16 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 
-def _train(tmp_path: Path, weights: str, resume: Path | None = None):
+def _train(tmp_path: Path, weights: str, resume: Path | None = None, **memory):
     """Train to step 4 (from ``resume``, a checkpoint-2 copied into this run's directory); (losses, weights)."""
-    recipe = _recipe(tmp_path, weights)
+    recipe = _recipe(tmp_path, weights, **memory)
     out = Path(recipe.train.output_dir)
     if resume is not None:
         shutil.copytree(resume, out / resume.name)
         resume = out / resume.name
     ctx = build_trainer(recipe, resume=None if resume is None else str(resume))
     assert isinstance(ctx.trainer.model.model.layers[0].mlp.up_proj, CompressedLinear) == (weights != "dense")
+    assert (weight_store(ctx.trainer.model) is not None) == bool(memory.get("offload_weights"))
     ctx.trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return _losses(out), decompressed_state_dict(ctx.trainer.model)
 
@@ -63,6 +65,10 @@ def test_a_run_switches_between_dense_and_neuzip_at_a_resume_bit_for_bit(tmp_pat
     _assert_same(to_compressed, dense, "dense checkpoint resumed compressed")
     to_dense = _train(tmp_path / "c2d", "dense", resume=tmp_path / "compressed" / "out" / "checkpoint-2")
     _assert_same(to_dense, dense, "compressed checkpoint resumed dense")
+    # A small card: the dense checkpoint resumed with a decoder layer's compressed weights in host memory.
+    to_offloaded = _train(tmp_path / "d2o", "neuzip-lossless", resume=tmp_path / "dense" / "out" / "checkpoint-2",
+                          offload_weights=True, offload_layers=1)
+    _assert_same(to_offloaded, dense, "dense checkpoint resumed compressed, a layer offloaded")
 
 
 def test_a_dense_fp32_checkpoint_is_not_resumed_into_bf16_neuzip(tmp_path):
