@@ -253,7 +253,8 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
 def _unconstrained(fits: list[Fit], weights: str, recipe: Recipe) -> Fit | None:
     """The configuration of ``weights`` that offloads nothing at the recipe's micro-batch."""
     for f in fits:
-        m, t = apply_changes(recipe, f.changes).memory, apply_changes(recipe, f.changes).train
+        chosen = apply_changes(recipe, f.changes)
+        m, t = chosen.memory, chosen.train
         if (f.weights == weights and not m.offload_activations and not m.offload_weights
                 and t.micro_batch_size == recipe.train.micro_batch_size):
             return f
@@ -296,10 +297,11 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
                 f"reserved in phase '{name}', {_gib(worst.device)} device); {speed}")
     first = _unconstrained(fits, chosen.weights, recipe)
     first_name, first_peak = first.peak if first is not None else (name, worst)
-    why = (f"on the GPU it needs {_gib(first_peak.reserved)} (phase '{first_name}')"
+    as_is = "on the GPU it" if gpu else "at its micro-batch size it"  # a CPU offloads nothing
+    why = (f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
            if first is None or not first.fits(budget, None)
-           else f"on the GPU it needs {_gib(first.host_bytes)} of host memory" if first.host_bytes
-           else f"on the GPU it is predicted slower ({rate(first.step.tokens_per_s)} tok/s)")
+           else f"{as_is} needs {_gib(first.host_bytes)} of host memory" if first.host_bytes
+           else f"{as_is} is predicted slower ({rate(first.step.tokens_per_s)} tok/s)")
     label = chosen.label.split(", ", 1)[1] if auto else chosen.label  # the head names the weights
     pcie = pcie_bytes(chosen.plan["train_step"])
     return (f"{head if auto else 'memory: '}{label}: {why}, the budget is {_gib(budget)}; predicted peak "
