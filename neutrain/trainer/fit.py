@@ -283,8 +283,10 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     speed = f"predicted {rate(step.tokens_per_s)} tok/s ({duration(step.step_s)} a step on {'an H200' if gpu else 'this CPU'})"
     name, worst = chosen.peak
     if budget is None:
+        setting = recipe.memory.device_budget_gib  # none, or auto with no card to resolve it against
         if not auto:
-            return f"memory: no device budget (memory.device_budget_gib: none), the recipe's configuration as it is; {speed}"
+            return (f"memory: no device budget (memory.device_budget_gib: {setting}"
+                    + (", and no GPU" if setting == "auto" else "") + f"), the recipe's configuration as it is; {speed}")
         room = (f"the card's {_gib(limit)}" if card else "no card to check") if gpu else f"the host's {_gib(limit or 0)}"
         return (f"memory: {_weights_clause(recipe, chosen, fits, limit, room)}; no device budget, the recipe's other "
                 f"keys as they are; {speed}")
