@@ -4,11 +4,16 @@
 # 12 and 8 GB cards; 5 GiB for a 6 GB card), then the targets' timing runs, and merges $OUT/cards.json.
 # Every journey and timing run is alone on its GPU (clean NVML figures); with two GPUs the two lists run
 # side by side. A journey takes about 4-5 minutes on an H100 (two launches, three 10 GiB saves, the
-# 15 GiB hf export, two generates); a timing run about 1.5.
+# 15 GiB hf export, two generates); a timing run about 1.5. The timing runs (cards.py's TIMING): the shipped
+# recipe (memory.weights: auto) with no budget and at 11, 7 and 5 GiB, at batch 1 and 8 (b1_none ... b8_7),
+# and dense weights with no budget at batch 1 (b1_dense); each records the fit's predicted tok/s beside its own.
 #   STAGE=journeys: GPU0 runs J0 (default 22,14.5), GPU1 runs J1 (default 7,11)
 #   STAGE=rest:     GPU0 runs the GPU test suite (junit), GPU1 the journeys J1 and timing runs T1 (T1= for none)
-#                   (defaults: b1_none,b1_11,b8_none,b8_7 and none)
-#   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call; T= for none)
+#                   (defaults: every timing run, about 12 minutes: raise LIMIT, or spread them as below)
+#   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call; T= for none;
+#                   defaults: J=11, T=b1_dense,b1_none,b1_11: the three runs of the batch-1 speed targets)
+#   A 4-GPU call for the timing targets alone: STAGE=spread T_0=b1_dense,b1_none T_1=b1_11,b1_7 T_2=b1_5,b8_none
+#   T_3=b8_11,b8_7 (about 3 minutes each GPU).
 #   STAGE=spread:   GPU k runs the GPU suite first if SUITE=k, then journeys J_k and timing runs T_k, every GPU
 #                   at once, work in /dev/shm (a 4-GPU machine: J_0=22 J_1=14.5 J_2=11 J_3=7 in one call)
 # With one GPU, STAGE's two lists run one after the other on it.
@@ -56,7 +61,7 @@ if [ "$STAGE" = spread ]; then
   exit 0
 fi
 if [ "$STAGE" = one ]; then
-  cards one "${J-11}" "${T-b1_none,b1_11}" "/dev/shm/cards_one_gpu${visible[0]}"
+  cards one "${J-11}" "${T-b1_dense,b1_none,b1_11}" "/dev/shm/cards_one_gpu${visible[0]}"
   grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0
@@ -66,7 +71,7 @@ if [ "$STAGE" = journeys ]; then
   second() { cards j1 "${J1:-7,11}" "" "/dev/shm/cards_j1_gpu${visible[1]:-${visible[0]}}"; }
 else
   first() { suite; }
-  second() { cards t1 "${J1-}" "${T1-b1_none,b1_11,b8_none,b8_7}" "/dev/shm/cards_t1_gpu${visible[1]:-${visible[0]}}"; }
+  second() { cards t1 "${J1-}" "${T1-b1_dense,b1_none,b1_11,b1_7,b1_5,b8_none,b8_11,b8_7}" "/dev/shm/cards_t1_gpu${visible[1]:-${visible[0]}}"; }
 fi
 if [ "$ngpu" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=${visible[0]}; first ) &

@@ -8,6 +8,7 @@ budget and the configuration the run would choose for it (:mod:`neutrain.trainer
 from __future__ import annotations
 
 from neutrain.config import load_recipe
+from neutrain.errors import RecipeError
 
 
 def configure(sub) -> None:
@@ -30,31 +31,42 @@ def _card_total(recipe) -> int | None:
 
 def run(args) -> int:
     """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
+    from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.fit import choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
 
     recipe = load_recipe(args.recipe, args.overrides)
-    est = estimate_recipe(recipe)
-    st = est.settings
-    print(f"{recipe.source}: {parameter_count(st['params'])} parameters, batch {st['batch']} x {st['seq']} tokens, "
-          f"weights {st['weights']}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
-    print(est.table())
-    print("\npredicted peak by phase (GiB)")
-    print(plan_table(plan_recipe(recipe, est)))
     setting = recipe.memory.device_budget_gib
     card = _card_total(recipe)
     budget = resolve_budget(setting, card)
+    host = host_memory_available()
+    gpu = card is not None or budget is not None  # a budget plans for a GPU, wherever this runs
+    fit = choose_fit(recipe, budget, host, gpu=gpu, card=card)  # nothing fits: one line, exit 2
+    asked = apply_changes(recipe, {"memory.weights": fit.weights}) if recipe.memory.weights == "auto" else recipe
+    est = estimate_recipe(asked)
+    st = est.settings
+    auto = " (memory.weights: auto)" if asked is not recipe else ""
+    print(f"{recipe.source}: {parameter_count(st['params'])} parameters, batch {st['batch']} x {st['seq']} tokens, "
+          f"weights {st['weights']}{auto}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
+    print(est.table())
+    print("\npredicted peak by phase (GiB)")
+    print(plan_table(plan_recipe(asked, est)))
     if budget is None:
         why = "none" if setting == "none" else "auto, and this machine has no GPU to resolve it against"
-        print(f"\nbudget: {why} (memory.device_budget_gib); no configuration is chosen")
-        return 0
-    print(f"\nbudget: {budget / GIB:.2f} GiB (memory.device_budget_gib: {setting}"
-          + (f", a {card / GIB:.2f} GiB card" if setting == "auto" else "") + ")")
-    fit = choose_fit(recipe, budget, host_memory_available(), gpu=True)  # nothing fits: one line, exit 2
+        print(f"\nbudget: {why} (memory.device_budget_gib); " + (
+            "only the weights are chosen" if auto else "the recipe's configuration as it is"))
+    else:
+        print(f"\nbudget: {budget / GIB:.2f} GiB (memory.device_budget_gib: {setting}"
+              + (f", a {card / GIB:.2f} GiB card" if setting == "auto" else "") + ")")
+    print(configurations_table(fit, gpu))
     print(fit.line)
-    if fit.changes:
+    try:
+        check_step_time(recipe, fit, gpu)
+    except RecipeError as refused:
+        print(f"neutrain train refuses it here: {refused}")
+    if set(fit.changes) - {"memory.weights"}:
         print("chosen configuration: " + ", ".join(f"{k}={v}" for k, v in fit.changes.items() if k))
         chosen = fit.plan["train_step"].settings
         if chosen.get("offload_weights"):
@@ -63,6 +75,31 @@ def run(args) -> int:
                   f"PCIe a step: {chosen['h2d_bytes_per_step'] / GIB:.2f} GiB in, {chosen['d2h_bytes_per_step'] / GIB:.2f} GiB out")
         print(plan_table(fit.plan))
     return 0
+
+
+def configurations_table(fit, gpu: bool) -> str:
+    """Every configuration family the fit tried (its fastest member that fits, else its smallest): predicted
+    peak reserved and host memory (GiB), predicted tokens/s, whether it fits, and which was chosen.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> from neutrain.trainer.fit import choose_fit
+        >>> print(configurations_table(choose_fit(load_recipe("llama3_8b"), 22 * 2**30, 64 * 2**30), True))
+        ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        configurations (tok/s predicted on an H200, fastest first)
+          reserved      host     tok/s  fits  configuration
+             16.78      0.00     3,114  yes   dense weights on the GPU  <- chosen
+             16.55      0.25     3,094  yes   dense weights, offloading activations
+        ...
+    """
+    from neutrain.trainer.step_time import rate  # lazy: `neutrain --help` stays instant
+
+    lines = [f"\nconfigurations (tok/s predicted on {'an H200' if gpu else 'this CPU'}, fastest first)",
+             f"  {'reserved':>8}{'host':>10}{'tok/s':>10}  fits  configuration"]
+    for row in fit.tried:
+        lines.append(f"  {row['predicted_reserved_gib']:>8.2f}{row['host_gib']:>10.2f}{rate(row['predicted_tokens_per_s']):>10}"
+                     f"  {'yes' if row['fits'] else 'no':<4}  {row['choice']}" + ("  <- chosen" if row["chosen"] else ""))
+    return "\n".join(lines)
 
 
 def parameter_count(n: int) -> str:

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from neutrain.cli.preflight import host_memory_available
+from neutrain.cli.preflight import host_memory_for
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 
@@ -41,15 +41,75 @@ def enforce_budget(budget: int, device: int) -> float:
     return fraction
 
 
+SLOW_STEP_S = 120.0
+"""A step predicted longer than this (:mod:`neutrain.trainer.step_time`) is refused before the build unless
+``train.allow_slow_device``: the 8B recipe on a 2-core CPU printed one line and then nothing for more than 11
+minutes while it built, and would have taken minutes a step after that. The CPU recipes predict under 10 s."""
+
+
+def _weights_without_fit(recipe: Recipe, why: str, echo: Callable[[str], None] | None) -> Recipe:
+    """``memory.weights: auto`` where no fit can be made: NeuZip lossless where the recipe can train it (the
+    same model in less memory), else dense; said in one line."""
+    from neutrain.trainer.configurations import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
+
+    weights = weight_options(recipe)[-1]
+    if echo is not None:
+        echo(f"memory: weights {weights} (memory.weights: auto, and {why})")
+    return apply_changes(recipe, {"memory.weights": weights})
+
+
+def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None, processes: int = 1) -> Recipe:
+    """The recipe with ``memory.weights: auto`` resolved against this machine (no budget: the card's memory, on
+    a CPU the host's), for a trainer built without :func:`fit_memory` (``build_trainer`` from Python)."""
+    if recipe.memory.weights != "auto":
+        return recipe
+    import torch  # lazy: `neutrain --help` stays instant
+
+    from neutrain.trainer.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
+
+    gpu = not recipe.train.use_cpu and torch.cuda.is_available()
+    card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
+    try:
+        fit = choose_fit(recipe, None, host_memory_for(processes), gpu=gpu, card=card)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _weights_without_fit(recipe, f"no fit: {' '.join(str(exc).split())}", echo)
+    if echo is not None:
+        echo(fit.line)
+    return apply_changes(recipe, fit.changes)
+
+
+def check_step_time(recipe: Recipe, fit, gpu: bool) -> None:
+    """Refuse, before the build, a run whose step is predicted longer than :data:`SLOW_STEP_S` on a CPU.
+
+    Raises:
+        RecipeError: one line with the predicted time per step here and on the GPU the rates are measured on,
+            and what to run instead (``train.allow_slow_device=true`` runs it anyway).
+    """
+    if gpu or fit is None or fit.step is None or recipe.train.allow_slow_device or fit.step.step_s <= SLOW_STEP_S:
+        return
+    from neutrain.trainer.fit import choose_fit  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.step_time import duration, rate  # lazy: `neutrain --help` stays instant
+
+    on_gpu = choose_fit(recipe, None, None, gpu=True)
+    name = recipe.source or "this recipe"
+    raise RecipeError(
+        f"train.allow_slow_device: {name} is a GPU recipe: a step is predicted to take {duration(fit.step.step_s)} on "
+        f"this CPU ({rate(fit.step.tokens_per_s)} tok/s), {duration(on_gpu.step.step_s)} on an H200 with "
+        f"{on_gpu.peak[1].reserved / 2**30:.1f} GiB of GPU memory; on a CPU use recipes/default.yaml, or set "
+        "train.allow_slow_device=true to train here anyway")
+
+
 def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
     """Resolve the budget, choose the configuration, enforce the budget; returns ``(recipe, fit or None)``.
 
     ``fit`` is None where the planner cannot read the model config without building it (the build then
     names what is wrong) and for sharded runs (FSDP, DeepSpeed: each process holds part of the model);
-    the budget is enforced all the same.
+    the budget is enforced all the same, and ``memory.weights: auto`` is resolved without a fit
+    (NeuZip lossless where the recipe can train it; sharded runs: dense).
 
     Raises:
-        RecipeError: nothing fits (one line naming the smallest budget and host memory that would; exit 2).
+        RecipeError: nothing fits (one line naming the smallest budget and host memory that would; exit 2), or
+            a CPU step is predicted longer than :data:`SLOW_STEP_S` (:func:`check_step_time`).
     """
     import torch  # lazy: `neutrain --help` stays instant
 
@@ -72,14 +132,17 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
             # The planner models one whole model per process; a sharded run holds a part of it. Choosing
             # from whole-model figures would offload (or refuse) what fits: the budget is only enforced.
             raise ValueError("a sharded run (FSDP or DeepSpeed) holds part of the model, which the planner does not model")
-        fit = choose_fit(recipe, budget, host_memory_available(), gpu=device is not None)
+        fit = choose_fit(recipe, budget, host_memory_for(getattr(state, "num_processes", 1)), gpu=device is not None, card=card)
     except RecipeError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("memory: no automatic fit (%s); the recipe's configuration is kept",
-                       " ".join(str(exc).split()))
+        why = " ".join(str(exc).split())
+        logger.warning("memory: no automatic fit (%s); the recipe's configuration is kept", why)
         fit = None
+        if recipe.memory.weights == "auto":
+            recipe = _weights_without_fit(recipe, f"no automatic fit: {why}", echo if state.is_main_process else None)
     if fit is not None:
+        check_step_time(recipe, fit, device is not None)  # the recipe as asked: its GPU figures choose their own weights
         recipe = apply_changes(recipe, fit.changes)
         TRACKER.predicted = predicted_gib(fit.plan)
         if state.is_main_process:

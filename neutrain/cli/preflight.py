@@ -192,6 +192,22 @@ def host_memory_available() -> int | None:
     return None
 
 
+def host_memory_for(processes: int) -> int | None:
+    """Host bytes one of ``processes`` may plan with: what is available now, alone; with several processes on
+    the host, its total over their count, which every process reads alike (each one's own reading of what is
+    available could resolve ``memory.weights: auto`` otherwise on another rank)."""
+    if processes <= 1:
+        return host_memory_available()
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 // processes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def check_host_memory(recipe: Recipe, available: int | None) -> None:
     """``memory.offload_weights`` / ``offload_activations`` need host memory the planner can predict.
 
@@ -212,8 +228,11 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
     mem = recipe.memory
     if available is None or not (mem["offload_weights"] or mem["offload_activations"]):
         return
+    from neutrain.trainer.configurations import apply_changes  # lazy: torch-free checks stay fast
     from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: torch-free checks stay fast
 
+    if mem["weights"] == "auto":  # the host bytes are the activations', and offloaded weights are NeuZip's
+        recipe = apply_changes(recipe, {"memory.weights": "neuzip-lossless" if mem["offload_weights"] else "dense"})
     try:
         settings = estimate_recipe(recipe).settings
     except (OSError, ValueError, KeyError, TypeError):

@@ -27,7 +27,7 @@ from neutrain.cli.after_training import RunContext, after_training
 from neutrain.cli.checkpoints import check_vocabulary
 # Where `neutrain eval`, scripts and tests have always found them:
 from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
-from neutrain.cli.memory import fit_memory
+from neutrain.cli.memory import fit_memory, settle_weights
 from neutrain.cli.preflight import check_launch, check_long_context_prompts, check_weight_offload_device, preflight
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
@@ -148,6 +148,8 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     t = recipe.train
     out = t["output_dir"]
     state = PartialState(cpu=t["use_cpu"])
+    # memory.weights: auto, where no fit ran before (a trainer built from Python): resolved against this machine.
+    recipe = settle_weights(recipe, logger.info if state.is_main_process else None, state.num_processes)
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
     if state.is_main_process:  # one run per output_dir (taken already when it existed: neutrain.trainer.run_state)
         from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant

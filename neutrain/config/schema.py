@@ -60,7 +60,7 @@ OPTIMIZERS = ("adamw", "sgd", *FUSED_OPTIMIZERS)
 KV_CACHES = ("full", "minicache", "shadowkv")  # eval.kv_caches (neutrain.eval)
 _LOSSY = ("neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
-_WEIGHTS = ("dense", "neuzip-lossless", *_LOSSY)
+_WEIGHTS = ("auto", "dense", "neuzip-lossless", *_LOSSY)
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -118,20 +118,21 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "overwrite_output_dir": Key(bool, False, "A new run (no resume_from_checkpoint) into an output_dir that holds another run's checkpoints is refused unless this is true; then everything that run wrote in output_dir is deleted first: checkpoints, metrics.jsonl, summary.json, training_curves.png, recipe.yaml, tokenizer, eval/, distill/ and its export/, draft/ and base/ (a directory there that is not a neutrain export is kept)."),
         "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
+        "allow_slow_device": Key(bool, False, "Train even where a step is predicted to take more than 2 minutes on this device (a GPU-sized recipe on a CPU, which is otherwise refused before the build, naming the predicted time per step and the recipe to use instead)."),
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),
         "deepspeed": Key(str, None, "DeepSpeed JSON config path (see launch/).", path="file", nullable=True),
         "fsdp": Key(str, None, "FSDP options, as TrainingArguments.fsdp (e.g. 'full_shard auto_wrap').", nullable=True),
         "fsdp_config": Key((dict, str), None, "FSDP config mapping or JSON path (fsdp_version: 2 recommended).", nullable=True),
     },
     "memory": {
-        "weights": Key(str, "dense", "Weight storage: dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
+        "weights": Key(str, "dense", "Weight storage: auto (resolved before the build: dense where the run fits memory.device_budget_gib dense, with no budget the card's memory or on a CPU the host's; NeuZip lossless where it must, with the fit's other levers; the run prints which and why, and both train the same model bit for bit), dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
         "gradient_checkpointing": Key(bool, False, "Recompute activations in backward (decoding compressed weights again)."),
         "offload_activations": Key(bool, False, "With gradient_checkpointing on a GPU: keep each layer's saved input in pinned host memory (frees layers x tokens x hidden x 2 bytes of GPU memory; a copy each way per step)."),
         "offload_weights": Key(bool, False, "neuzip-lossless with a fused optimizer: keep the decoder layers' compressed weights in pinned host memory, streamed to the GPU a few layers ahead and written back after each update (trains models whose compressed weights exceed the GPU; host memory must hold them)."),
         "offload_layers": Key(int, None, "With offload_weights: how many decoder layers go to host memory, spread evenly through the model (e.g. 8 of 32: layers 2, 6, ..., 30); the others stay on the GPU and train exactly as without offload. Fewer layers stream fewer bytes per step. null: every layer, or as many as memory.device_budget_gib needs when the fit chooses.", min=1, nullable=True),
         "stochastic_rounding": Key(bool, True, "Fused updates: round fp32 updates to bf16 stochastically so small steps survive."),
         "clip_mode": Key(str, "per_tensor", "Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm), global_exact (two-pass backward, 2x backward cost).", choices=("per_tensor", "global_stale", "global_exact")),
-        "device_budget_gib": Key((float, str, bool), "auto", "Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5 GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks the cheapest configuration whose every phase fits it with 5% to spare and whose pinned host memory fits the host: fully on the GPU, else the offload a step waits least for on PCIe (memory.offload_activations, memory.offload_weights with as few memory.offload_layers as fit, or both), then a smaller train.micro_batch_size with more accumulation; a key set in the recipe or on the command line is never changed. On CPU it is only recorded and planned against (`neutrain estimate` prints each phase's predicted peak).", gt=0.0, nullable=True),
+        "device_budget_gib": Key((float, str, bool), "auto", "Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5 GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks, of the configurations whose every phase fits it with 5% to spare and whose pinned host memory fits the host, the one with the shortest predicted step (neutrain.trainer.step_time): dense or NeuZip weights (memory.weights: auto), memory.offload_activations, memory.offload_weights with memory.offload_layers, a smaller train.micro_batch_size with more accumulation; a key set in the recipe or on the command line is never changed (memory.weights: auto leaves the weights to the fit). On CPU it is only recorded and planned against (`neutrain estimate` prints each phase's predicted peak).", gt=0.0, nullable=True),
         "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),
         "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
         "lora_r": Key(int, 16, "LoRA rank.", min=1),

@@ -199,8 +199,9 @@ def _validate_datasets(entries: list, base_dir: Path | None) -> list[dict]:
 
 def check_weight_offload(mem: Mapping[str, Any], train: Mapping[str, Any], fused: bool) -> None:
     """``memory.offload_weights`` streams compressed decoder layers from host memory: what it composes with."""
-    if mem["weights"] != "neuzip-lossless" or mem["adapter"] is not None:
-        raise RecipeError(f"memory.offload_weights: needs memory.weights: neuzip-lossless and no adapter "
+    # auto: the fit then resolves the weights to neuzip-lossless, the only storage the host store holds.
+    if mem["weights"] not in ("neuzip-lossless", "auto") or mem["adapter"] is not None:
+        raise RecipeError(f"memory.offload_weights: needs memory.weights: neuzip-lossless (or auto) and no adapter "
                           f"(got weights {mem['weights']}, adapter {mem['adapter']})")
     if not fused:
         raise RecipeError(f"memory.offload_weights: needs a fused optimizer ({', '.join(FUSED_OPTIMIZERS)}), "

@@ -147,3 +147,4 @@ def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint file '{path}': {label}: {exc}") from None
     return done
+

@@ -1,65 +1,47 @@
-"""The automatic fit: the cheapest memory configuration whose every phase fits the device budget.
+"""The automatic fit: of the configurations whose every phase fits the device budget, the fastest.
 
 Why: a user with a 12 GB card should not have to know which of the 8B's weights must live in host
-memory for it to train there. Before anything is built, :func:`choose_fit` predicts every phase of the
-run (:mod:`neutrain.trainer.phase_planner`) for each configuration, cheapest first, and keeps the first
-whose predicted peak reserved bytes fit the budget (leaving :data:`FIT_HEADROOM` of it) and whose pinned
-host bytes fit the host.
+memory for it to train there, and a user with a 24 GB card should not pay for compression the card does
+not need. Before anything is built, :func:`choose_fit` predicts every phase of the run
+(:mod:`neutrain.trainer.phase_planner`) and one step's time (:mod:`neutrain.trainer.step_time`) for each
+configuration (:mod:`neutrain.trainer.configurations`: dense or NeuZip weights, activations or k layers
+in host memory, a smaller micro-batch), keeps those whose predicted peak reserved bytes fit the budget
+(leaving :data:`FIT_HEADROOM` of it) and whose pinned host bytes fit the host, and takes the one with the
+shortest predicted step. They all train the same model: lossless compression, offload and accumulation
+change memory and speed, never a weight.
 
-The levers, from none to all:
-
-* ``memory.offload_activations`` (checkpointed layers' inputs in host memory; needs
-  ``memory.gradient_checkpointing``);
-* ``memory.offload_weights`` with ``memory.offload_layers: k``: k decoder layers in host memory, spread
-  between resident ones (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`), the others trained
-  on the GPU as before; k runs from the fewest that save anything (more layers than the store's slots)
-  to every layer; NeuZip-lossless, a fused optimizer, no accumulation;
-* both;
-* then a smaller ``train.micro_batch_size`` with ``train.gradient_accumulation_steps`` raised to keep the
-  rows per optimizer step (halving until one row), activations offloaded where allowed.
-
-Cheapest means the fewest bytes a step waits for on the PCIe link (:func:`link_cost`): the activation
-copies run on the compute stream, so all of them; the weight store copies on streams of its own, of
-which :data:`COPY_HIDDEN_SHARE` overlapped compute where it was measured. So the fit takes the fewest
-layers that fit, and activation offload only where it saves more than the layers it replaces would cost.
-
-The embedding and lm_head are no lever: the loss decodes the lm_head whole, so its payload (0.67 GiB for
-the 8B) would be on the device beside its decoded copy at the step's peak anyway; keeping both
-vocabulary matrices in host memory lowers that peak by the embedding's payload alone, while a step
-copies them in and out (about 3 GiB for the 8B) at its two ends, where no compute overlaps. Five spread
-decoder layers (two slots) save more, 0.79 GiB, for about 0.6 GiB of waiting.
+``memory.weights: auto`` leaves the weights to the fit: dense where the run fits dense, NeuZip where it
+must. With no budget (``memory.device_budget_gib: none``, or ``auto`` on a CPU) only the weights are
+chosen, against the card's memory (on a CPU, the host's); the other keys stay as the recipe has them.
 
 A key set explicitly (in the recipe file or on the command line, :attr:`Recipe.explicit`) keeps its
-value in every configuration tried. If none fits, :class:`~neutrain.errors.RecipeError` names the
-smallest budget and host memory that would (exit 2).
+value in every configuration tried, ``memory.weights`` unless it says ``auto``. If none fits,
+:class:`~neutrain.errors.RecipeError` names the smallest budget and host memory that would (exit 2).
 
 Example:
     >>> from neutrain.config import load_recipe
     >>> fit = choose_fit(load_recipe("llama3_8b"), budget=11 * GIB, host=64 * GIB)
     >>> fit.label, fit.changes
-    ("offloading 9 of 32 decoder layers' weights", {'memory.offload_weights': True, 'memory.offload_layers': 9})
+    ("NeuZip weights, offloading 9 of 32 decoder layers' weights", {'memory.weights': 'neuzip-lossless', 'memory.offload_weights': True, 'memory.offload_layers': 9})
     >>> print(fit.line)  # doctest: +ELLIPSIS
-    memory: offloading 9 of 32 decoder layers' weights: on the GPU it needs 12.24 GiB (phase 'train_step'), the budget is 11.00 GiB...
+    memory: weights neuzip-lossless (dense needs 16.78 GiB), offloading 9 of 32 decoder layers' weights: on the GPU it needs 12.24 GiB (phase 'train_step'), the budget is 11.00 GiB; predicted peak 10.34 GiB ...; predicted 1,686 tok/s (0.61 s a step on an H200)
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
-from neutrain.config.validate import check_weight_offload
+from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
-from neutrain.nn.weight_offload_model import LayerPlacement
+from neutrain.trainer.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
 from neutrain.trainer.modeling import config_only
 from neutrain.trainer.phase_planner import peak_phase, plan_recipe, predicted_gib
-from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape, estimate_recipe
+from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
+from neutrain.trainer.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
 
-COPY_HIDDEN_SHARE = 0.794
-"""Share of the weight store's copy time that overlapped compute in the 8B's step with every layer
-streamed (H200, batch 8 x 1024: benchmarks/results/offload.json, ``8b.offloaded.timeline.copy_hidden_share``).
-Spread layers have more resident compute between them to hide behind, so for them this is a bound."""
+__all__ = ["AUTO_MARGIN_BYTES", "FIT_HEADROOM", "Fit", "apply_changes", "auto_budget", "candidates", "choose_fit",
+           "link_cost", "pcie_bytes", "resolve_budget"]
 
 FIT_HEADROOM = 0.05
 """Share of the budget a configuration must leave free: the budget is the allocator's hard limit, and the
@@ -73,7 +55,8 @@ def pcie_bytes(train: Estimate) -> float:
     Example:
         >>> from neutrain.config import load_recipe
         >>> from neutrain.trainer.planner import estimate_recipe
-        >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.offload_weights=true", "memory.offload_layers=8"]))
+        >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless", "memory.offload_weights=true",
+        ...                                                 "memory.offload_layers=8"]))
         >>> round(pcie_bytes(est) / GIB, 2)  # 12 layers in (two stay in the slots at each turn), 8 out
         5.53
     """
@@ -82,18 +65,16 @@ def pcie_bytes(train: Estimate) -> float:
 
 
 def link_cost(train: Estimate) -> float:
-    """Bytes over PCIe a training step waits for (the fit's ordering; see the module docstring).
+    """Bytes over PCIe a training step waits for: those the copy streams do not hide (``COPY_HIDDEN_SHARE``).
 
     Example:
         >>> from neutrain.config import load_recipe
         >>> from neutrain.trainer.planner import estimate_recipe
-        >>> acts = estimate_recipe(load_recipe("llama3_8b", ["memory.offload_activations=true"]))
-        >>> link_cost(acts) / GIB  # 32 layers x 1024 tokens x 4096 x 2 bytes, out and back in
-        0.5
+        >>> acts = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=dense", "memory.offload_activations=true"]))
+        >>> round(link_cost(acts) / GIB, 3)  # 32 layers x 1024 tokens x 4096 x 2 bytes, out and back in
+        0.103
     """
-    s = train.settings
-    weights = s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0)
-    return 2 * s.get("host_activation_bytes", 0) + (1 - COPY_HIDDEN_SHARE) * weights
+    return (1 - COPY_HIDDEN_SHARE) * pcie_bytes(train)
 
 
 AUTO_MARGIN_BYTES = 0.5 * GIB
@@ -130,7 +111,7 @@ def resolve_budget(setting: float | str, card_total: int | None) -> int | None:
 
 @dataclass
 class Fit:
-    """A configuration tried (or chosen): the recipe keys it changes and its predicted phases."""
+    """A configuration tried (or chosen): the recipe keys it changes, its predicted phases and step."""
 
     label: str
     changes: dict[str, Any]
@@ -139,6 +120,8 @@ class Fit:
     budget: int | None = None
     line: str = ""
     tried: list[dict[str, Any]] = field(default_factory=list)
+    step: StepTime | None = None
+    weights: str | None = None
 
     @property
     def peak(self) -> tuple[str, Estimate]:
@@ -154,16 +137,26 @@ class Fit:
         return ((budget is None or self.peak[1].reserved <= budget * (1 - FIT_HEADROOM))
                 and (host is None or self.host_bytes <= host))
 
+    def row(self, budget: int | None, host: int | None) -> dict[str, Any]:
+        """Its entry in ``memory_fit.tried`` and in ``neutrain estimate``'s table."""
+        return {"choice": self.label, "weights": self.weights, "peak_phase": self.peak[0],
+                "predicted_reserved_gib": self.peak[1].reserved / GIB, "host_gib": self.host_bytes / GIB,
+                "link_cost_gib": self.link_bytes / GIB,
+                "predicted_tokens_per_s": self.step.tokens_per_s if self.step else None,
+                "fits": self.fits(budget, host)}
+
     def as_dict(self) -> dict[str, Any]:
         """What ``summary.json`` records as ``memory_fit``."""
         name, worst = self.peak
         train = self.plan["train_step"]
-        return {"choice": self.label, "changes": self.changes, "line": self.line,
+        return {"choice": self.label, "changes": self.changes, "line": self.line, "weights": self.weights,
                 "budget_gib": None if self.budget is None else self.budget / GIB,
                 "peak_phase": name, "predicted_reserved_gib": worst.reserved / GIB,
                 "predicted_device_gib": worst.device / GIB, "host_gib": self.host_bytes / GIB,
                 "offloaded_layers": list(train.settings.get("offloaded", ())),
                 "pcie_gib_per_step": pcie_bytes(train) / GIB, "link_cost_gib": self.link_bytes / GIB,
+                "predicted_tokens_per_s": self.step.tokens_per_s if self.step else None,
+                "predicted_step": self.step.as_dict() if self.step else None,
                 "phases": predicted_gib(self.plan), "tried": self.tried}
 
 
@@ -172,146 +165,76 @@ def _host_bytes(plan: dict[str, Estimate]) -> float:
     return s.get("host_pinned_bytes", 0) + s.get("host_activation_bytes", 0)
 
 
-def apply_changes(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """The recipe with ``{"section.key": value}`` changed (sections are frozen: new ones are made)."""
-    by_section: dict[str, dict[str, Any]] = {}
-    for dotted, value in changes.items():
-        section, key = dotted.split(".")
-        by_section.setdefault(section, {})[key] = value
-    return dataclasses.replace(recipe, **{s: dataclasses.replace(getattr(recipe, s), **kv)
-                                          for s, kv in by_section.items()})
-
-
-def _valid(recipe: Recipe) -> bool:
-    m, t = recipe.memory, recipe.train
-    if m.offload_activations and not m.gradient_checkpointing:
-        return False
-    if m.offload_weights:
-        try:
-            check_weight_offload(m, t, t.optimizer in FUSED_OPTIMIZERS)
-        except RecipeError:
-            return False
-    elif m.offload_layers is not None:
-        return False
-    return True
-
-
-def placement_label(recipe: Recipe, layers: int) -> str:
-    """What a configuration keeps in host memory, in words (the fit's one line and ``memory_fit.choice``).
-
-    Example:
-        >>> from neutrain.config import load_recipe
-        >>> placement_label(load_recipe("llama3_8b", ["memory.offload_weights=true", "memory.offload_layers=8"]), 32)
-        "offloading 8 of 32 decoder layers' weights"
-    """
-    m = recipe.memory
-    if not m.offload_weights:
-        return "offloading activations" if m.offload_activations else "on the GPU"
-    if m.offload_layers is None or m.offload_layers >= layers:
-        return "offloading weights and activations" if m.offload_activations else "offloading weights"
-    part = f"{m.offload_layers} of {layers} decoder layers' weights"
-    return f"offloading activations and {part}" if m.offload_activations else f"offloading {part}"
-
-
-def _layer_counts(layers: int) -> list[int | None]:
-    """``memory.offload_layers`` values worth trying: those that free more than their slots take, then all."""
-    counts = [k for k in range(1, layers)
-              if k > min(LayerPlacement.spread(layers, k).slots, k) * (1 + 1 / 16)]
-    return [*counts, None]
-
-
-def _value(recipe: Recipe, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(recipe, section), key)
-
-
-@dataclass
-class _Candidate:
-    label: str
-    changes: dict[str, Any]
-    recipe: Recipe
-    train: Estimate
-
-
-def _ranked(recipe: Recipe, shape: ModelShape, gpu: bool) -> list[_Candidate]:
-    """The configurations to try, cheapest first (see the module docstring); explicit keys are left out
-    of the changes, and configurations the explicit keys make the same are tried once."""
-    none = {"memory.offload_activations": False, "memory.offload_weights": False, "memory.offload_layers": None}
-    offload = [none]
-    if gpu:
-        offload.append({**none, "memory.offload_activations": True})
-        offload += [{"memory.offload_activations": act, "memory.offload_weights": True, "memory.offload_layers": k}
-                    for act in (False, True) for k in _layer_counts(shape.layers)]
-    seen: set[tuple] = set()
-
-    def take(changes: dict[str, Any], prefix: str = "") -> _Candidate | None:
-        changes = {k: v for k, v in changes.items() if k not in recipe.explicit}
-        chosen = apply_changes(recipe, changes)
-        m, t = chosen.memory, chosen.train
-        layers = m.offload_layers if m.offload_layers is not None and m.offload_layers < shape.layers else None
-        key = (m.offload_activations, m.offload_weights, layers if m.offload_weights else None,
-               t.micro_batch_size, t.gradient_accumulation_steps)
-        if not _valid(chosen) or key in seen:
-            return None
-        seen.add(key)
-        changes = {k: v for k, v in changes.items() if v != _value(recipe, k)}  # what it really changes
-        return _Candidate(prefix + placement_label(chosen, shape.layers), changes, chosen, estimate_recipe(chosen, shape))
-
-    ranked = sorted((c for c in map(take, offload) if c is not None), key=lambda c: link_cost(c.train))
-    t = recipe.train
-    rows = t.micro_batch_size * t.gradient_accumulation_steps
-    mb = t.micro_batch_size
-    # Both keys change together (the rows per step stay): either one set by the user rules this out.
-    batch_keys_free = not {"train.micro_batch_size", "train.gradient_accumulation_steps"} & recipe.explicit
-    while batch_keys_free and mb > 1 and mb % 2 == 0:
-        mb //= 2
-        for changes in offload[:2]:  # weight offload does not accumulate
-            batch = {"train.micro_batch_size": mb, "train.gradient_accumulation_steps": rows // mb}
-            prefix = f"micro_batch_size {mb} x {rows // mb} accumulation steps ({rows} rows a step), "
-            ranked += [c for c in [take({**changes, **batch}, prefix)] if c is not None]
-    return ranked
-
-
 def candidates(recipe: Recipe, gpu: bool = True) -> list[tuple[str, dict[str, Any]]]:
-    """The configurations to try, cheapest first, as (label, changes); explicit keys are left out of the changes.
+    """Every configuration the fit may take, as (label, changes); explicit keys are left out of the changes.
 
     On CPU (``gpu=False``) nothing is offloaded (host and device memory are one).
     """
-    shape = ModelShape.from_config(config_only(recipe.model))
-    return [(c.label, c.changes) for c in _ranked(recipe, shape, gpu)]
+    return [(c.label, c.changes) for c in configurations(recipe, gpu=gpu)]
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool = True) -> Fit:
-    """The first of :func:`candidates` whose every phase fits ``budget`` and whose host bytes fit ``host``.
+def _evaluate(candidate: Candidate, shape: ModelShape, budget: int | None, gpu: bool) -> Fit:
+    plan = plan_recipe(candidate.recipe, candidate.train, shape)
+    step = step_time(candidate.train, shape, GPU if gpu else CPU, candidate.recipe.train.gradient_accumulation_steps)
+    return Fit(candidate.label, candidate.changes, plan, _host_bytes(plan), budget, step=step, weights=candidate.weights)
+
+
+TIE_SHARE = 0.01
+"""Predicted steps closer than this share are a tie (the model is calibrated to 15%, not 1%): of tied
+configurations the fit takes the one that changes the fewest keys, then the one that moves the fewest
+bytes over PCIe (fewer layers streamed)."""
+
+
+def _fastest(fits: list[Fit]) -> Fit:
+    """The shortest predicted step (ties: :data:`TIE_SHARE`)."""
+    best = min(f.step.step_s for f in fits)
+    tied = [f for f in fits if f.step.step_s <= best * (1 + TIE_SHARE)]
+    return min(tied, key=lambda f: (len(f.changes), pcie_bytes(f.plan["train_step"]), f.step.step_s))
+
+
+def _tried(fits: list[Fit], families: list[tuple], budget: int | None, host: int | None) -> list[Fit]:
+    """One configuration of each family (its streamed-layer counts aside): the fastest that fits, else the
+    smallest; fastest first. This is ``neutrain estimate``'s table and ``memory_fit.tried``."""
+    by_family: dict[tuple, list[Fit]] = {}
+    for fit, family in zip(fits, families):
+        by_family.setdefault(family, []).append(fit)
+    shown = []
+    for members in by_family.values():
+        fitting = [f for f in members if f.fits(budget, host)]
+        shown.append(_fastest(fitting) if fitting else min(members, key=lambda f: f.peak[1].reserved))
+    return sorted(shown, key=lambda f: f.step.step_s)
+
+
+def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool = True,
+               card: int | None = None) -> Fit:
+    """The fastest configuration whose every phase fits ``budget`` and whose host bytes fit ``host``.
 
     Args:
         recipe: The validated recipe (with :attr:`Recipe.explicit`).
-        budget: Device budget in bytes (None: no budget, the recipe runs as it is).
+        budget: Device budget in bytes (None: no budget; only ``memory.weights: auto`` is resolved, against
+            ``card`` on a GPU or ``host`` on a CPU).
         host: Host memory available in bytes (None: unknown, not checked).
-        gpu: Whether the run is on a GPU (offloading is only tried there).
+        gpu: Whether the run is on a GPU (offloading is only tried there; the step is predicted with
+            :data:`~neutrain.trainer.step_time.GPU`'s rates, else the CPU's).
+        card: The card's total memory in bytes, for ``memory.weights: auto`` without a budget.
 
     Raises:
-        RecipeError: nothing fits; the message names the smallest budget and host memory that would.
+        RecipeError: nothing fits a budget; the message names the smallest budget and host memory that would.
     """
     shape = ModelShape.from_config(config_only(recipe.model))
-    if budget is None:
-        plan = plan_recipe(recipe, shape=shape)
-        fit = Fit("as configured", {}, plan, _host_bytes(plan))
-        fit.line = "memory: no device budget (memory.device_budget_gib: none), the recipe's configuration as it is"
-        return fit
-    tried: list[Fit] = []
-    for candidate in _ranked(recipe, shape, gpu):
-        plan = plan_recipe(candidate.recipe, candidate.train, shape)
-        fit = Fit(candidate.label, candidate.changes, plan, _host_bytes(plan), budget)
-        tried.append(fit)
-        if fit.fits(budget, host):
-            break
-    else:
-        smallest = min(tried, key=lambda f: f.peak[1].reserved)
+    auto = recipe.memory.weights == AUTO
+    options = configurations(recipe, shape, gpu, levers=budget is not None)
+    fits = [_evaluate(c, shape, budget, gpu) for c in options]
+    limit = budget
+    if budget is None:  # the weights alone, against the card's memory (a CPU: the host's)
+        limit = (auto_budget(card) if card else None) if gpu else host
+    ok = [f for f in fits if f.fits(limit, host)]
+    if budget is not None and not ok:
+        smallest = min(fits, key=lambda f: f.peak[1].reserved)
         name, worst = smallest.peak
         hosted = f" and {_gib(smallest.host_bytes)} of host memory" if smallest.host_bytes else ""
         have = f" with {_gib(host)} of host memory available" if host is not None else ""
@@ -320,22 +243,70 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
             f"({smallest.label}) needs a budget of {_gib(worst.reserved / (1 - FIT_HEADROOM))} (phase '{name}', "
             f"{_gib(worst.reserved)} predicted){hosted}; use a larger "
             "card or budget, a host with more memory, or a smaller data.sequence_len or train.micro_batch_size")
-    fit.tried = [{"choice": f.label, "peak_phase": f.peak[0], "predicted_reserved_gib": f.peak[1].reserved / GIB,
-                  "host_gib": f.host_bytes / GIB, "link_cost_gib": f.link_bytes / GIB,
-                  "fits": f.fits(budget, host)} for f in tried]
-    name, worst = fit.peak
+    chosen = _fastest(ok) if ok else min(fits, key=lambda f: f.peak[1].reserved)
+    shown = _tried(fits, [c.family for c in options], limit, host)
+    chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
+    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card))
+    return chosen
+
+
+def _unconstrained(fits: list[Fit], weights: str, recipe: Recipe) -> Fit | None:
+    """The configuration of ``weights`` that offloads nothing at the recipe's micro-batch."""
+    for f in fits:
+        chosen = apply_changes(recipe, f.changes)
+        m, t = chosen.memory, chosen.train
+        if (f.weights == weights and not m.offload_activations and not m.offload_weights
+                and t.micro_batch_size == recipe.train.micro_batch_size):
+            return f
+    return None
+
+
+def _weights_clause(recipe: Recipe, chosen: Fit, fits: list[Fit], limit: int | None, room: str) -> str:
+    """``weights dense (...)`` / ``weights neuzip-lossless (...)``: what ``auto`` resolved to, and why."""
+    dense = _unconstrained(fits, "dense", recipe)
+    if chosen.weights == "dense":
+        if dense is None or len({f.weights for f in fits}) == 1:
+            return "weights dense (NeuZip needs a fused optimizer)"
+        need = dense.peak[1].reserved
+        return (f"weights dense (needs {_gib(need)} of {room}; NeuZip would be used below "
+                f"{_gib(need / (1 - FIT_HEADROOM))})")
+    if dense is not None and not dense.fits(limit, None):
+        of = "" if room.endswith("budget") else f" of {room}"  # a budget is named after the clause
+        return f"weights {chosen.weights} (dense needs {_gib(dense.peak[1].reserved)}{of})"
+    return f"weights {chosen.weights} (predicted faster here than dense)"
+
+
+def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limit: int | None, gpu: bool,
+          auto: bool, card: bool) -> str:
+    """The run's one memory line: what was chosen, why, its predicted peak and its predicted speed."""
+    step = chosen.step
+    speed = f"predicted {rate(step.tokens_per_s)} tok/s ({duration(step.step_s)} a step on {'an H200' if gpu else 'this CPU'})"
+    name, worst = chosen.peak
+    if budget is None:
+        setting = recipe.memory.device_budget_gib  # none, or auto with no card to resolve it against
+        if not auto:
+            return (f"memory: no device budget (memory.device_budget_gib: {setting}"
+                    + (", and no GPU" if setting == "auto" else "") + f"), the recipe's configuration as it is; {speed}")
+        room = (f"the card's {_gib(limit)}" if card else "no card to check") if gpu else f"the host's {_gib(limit or 0)}"
+        return (f"memory: {_weights_clause(recipe, chosen, fits, limit, room)}; no device budget, the recipe's other "
+                f"keys as they are; {speed}")
+    head = f"memory: {_weights_clause(recipe, chosen, fits, limit, f'the {_gib(budget)} budget')}, " if auto else "memory: "
+    m = apply_changes(recipe, chosen.changes).memory
     where = "on the GPU" if gpu else "(CPU: recorded, not enforced)"
-    if fit is tried[0]:
-        fit.line = (f"memory: fits the {_gib(budget)} budget {where} (predicted peak {_gib(worst.reserved)} "
-                    f"reserved in phase '{name}', {_gib(worst.device)} device)")
-    else:
-        first_name, first = tried[0].peak
-        why = (f"on the GPU it needs {_gib(first.reserved)} (phase '{first_name}')"
-               if first.reserved > budget * (1 - FIT_HEADROOM)
-               else f"on the GPU it needs {_gib(tried[0].host_bytes)} of host memory")
-        pcie = pcie_bytes(fit.plan["train_step"])
-        fit.line = (f"memory: {fit.label}: {why}, the budget is {_gib(budget)}; predicted peak "
-                    f"{_gib(worst.reserved)} reserved in phase '{name}'"
-                    + (f", {_gib(fit.host_bytes)} of host memory" if fit.host_bytes else "")
-                    + (f", {_gib(pcie)} over PCIe a step" if pcie else ""))
-    return fit
+    batch_changed = "train.micro_batch_size" in chosen.changes
+    if not (m.offload_activations or m.offload_weights or batch_changed):
+        return (f"{head}fits the {_gib(budget)} budget {where} (predicted peak {_gib(worst.reserved)} "
+                f"reserved in phase '{name}', {_gib(worst.device)} device); {speed}")
+    first = _unconstrained(fits, chosen.weights, recipe)
+    first_name, first_peak = first.peak if first is not None else (name, worst)
+    as_is = "on the GPU it" if gpu else "at its micro-batch size it"  # a CPU offloads nothing
+    why = (f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
+           if first is None or not first.fits(budget, None)
+           else f"{as_is} needs {_gib(first.host_bytes)} of host memory" if first.host_bytes
+           else f"{as_is} is predicted slower ({rate(first.step.tokens_per_s)} tok/s)")
+    label = chosen.label.split(", ", 1)[1] if auto else chosen.label  # the head names the weights
+    pcie = pcie_bytes(chosen.plan["train_step"])
+    return (f"{head if auto else 'memory: '}{label}: {why}, the budget is {_gib(budget)}; predicted peak "
+            f"{_gib(worst.reserved)} reserved in phase '{name}'"
+            + (f", {_gib(chosen.host_bytes)} of host memory" if chosen.host_bytes else "")
+            + (f", {_gib(pcie)} over PCIe a step" if pcie else "") + f"; {speed}")

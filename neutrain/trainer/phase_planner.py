@@ -38,7 +38,8 @@ measured peaks, in the GPU and offloaded.
 
 Example:
     >>> from neutrain.config import load_recipe
-    >>> plan = plan_recipe(load_recipe("llama3_8b", ["export.format=hf", "eval.sample_prompt=Once upon a time"]))
+    >>> plan = plan_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless", "export.format=hf",
+    ...                                              "eval.sample_prompt=Once upon a time"]))
     >>> list(plan)  # the recipe evaluates no held-out perplexity
     ['build', 'train_step', 'generate', 'save', 'resume', 'export']
     >>> name, worst = peak_phase(plan)
@@ -185,7 +186,7 @@ def plan_table(plan: dict[str, Estimate]) -> str:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> print(plan_table(plan_recipe(load_recipe("llama3_8b"))).splitlines()[0])
+        >>> print(plan_table(plan_recipe(load_recipe("llama3_8b", ["memory.weights=dense"]))).splitlines()[0])
         phase        allocated  reserved    device  terms (GiB)
     """
     lines = [f"{'phase':<12}{'allocated':>10}{'reserved':>10}{'device':>10}  terms (GiB)"]

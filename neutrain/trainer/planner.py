@@ -43,7 +43,7 @@ The busiest moment (``settings["peak_moment"]``; both are in ``settings["moments
 Example:
     >>> from neutrain.config import load_recipe
     >>> from neutrain.trainer.planner import estimate_recipe
-    >>> est = estimate_recipe(load_recipe("llama3_8b"))
+    >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless"]))
     >>> print(est.table())  # doctest: +ELLIPSIS
     term                         GiB
     weights                    10.17
@@ -331,8 +331,12 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate
 
     Raises:
         RecipeError: ``memory.offload_layers`` is more than the model's decoder layers.
+        ValueError: ``memory.weights: auto``, which the fit resolves first (:mod:`neutrain.trainer.fit`):
+            the memory depends on what it resolves to.
     """
     m, t = recipe.memory, recipe.train
+    if m.weights == "auto":
+        raise ValueError("memory.weights: auto is resolved by the fit (neutrain.trainer.fit) before the planner runs")
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     shape = shape or ModelShape.from_config(config_only(recipe.model))
     if m.offload_weights and m.offload_layers is not None and m.offload_layers > shape.layers:

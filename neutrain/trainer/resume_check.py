@@ -17,9 +17,13 @@ sha256 of each training data file. A resume that changes one is refused, saying 
 changed seed, batch size or sequence length, an edited data file or a corpus cut short used to
 resume with exit 0 and losses that differed from the uninterrupted run.
 
-Weights are not converted between formats: a checkpoint's optimizer state belongs to the
-parameters of its own format, so an exact conversion is a new run. The message says how
-(resume with the checkpoint's own ``memory.weights``, or start a new run from its export).
+Dense and NeuZip-lossless weights hold the same values, and a compressed model keeps the dense one's
+parameters in the same order (a placeholder stands for each compressed weight), so the optimizer state
+of either fits the other: a checkpoint of one resumes into the other where both store the same dtype
+(:data:`WEIGHTS_DTYPE`; ``memory.weights: auto`` may resolve differently on another card;
+:func:`neutrain.nn.checkpoint_weights.load_weights` reads either format).
+Any other change of the weights (lossy, an adapter) is refused: the message says how (resume with the
+checkpoint's own ``memory.weights``, or start a new run from its export).
 Checkpoints written before the record existed are compared on what they do hold: the
 weight format (``neutrain_weights.json``) and the model shape (``config.json``).
 
@@ -41,6 +45,10 @@ from neutrain.errors import CheckpointError, UserInputError
 from neutrain.nn.checkpoint import MARKER as WEIGHTS_MARKER  # a compressed checkpoint's weight format
 
 RUN_RECORD = "neutrain_run.json"
+LOSSLESS = ("dense", "neuzip-lossless")
+"""Weight storages that hold the same values: a checkpoint of one resumes into the other (in one dtype)."""
+WEIGHTS_DTYPE = "model.weights_dtype"
+"""The dtype the weights are stored in (NeuZip: bf16): consulted only when the storage switches."""
 RECORD_FORMAT = "neutrain-run-1"
 # The model config entries that fix the shapes of the weights and of the optimizer state.
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,7 +105,22 @@ def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, st
     for key in SHAPE_KEYS:
         if config is not None and getattr(config, key, None) is not None:
             record[f"model.config.{key}"] = getattr(config, key)
+    dtype = _weights_dtype(model)
+    if dtype is not None:
+        record[WEIGHTS_DTYPE] = dtype
     return record
+
+
+def _weights_dtype(model) -> str | None:
+    """The dtype a model stores its weight matrices in (a compressed weight's, else the first matrix's)."""
+    for module in model.modules():
+        weight = getattr(module, "compressed", None)
+        if weight is not None:
+            return str(weight.dtype).removeprefix("torch.")
+    for param in model.parameters():
+        if param.dim() >= 2:
+            return str(param.dtype).removeprefix("torch.")
+    return None
 
 
 def write_run_record(checkpoint_dir: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -170,6 +193,16 @@ def check_resume(checkpoint_dir: str | os.PathLike, current: dict[str, Any], res
     for key, old in saved.items():
         if key not in current or (key == "train.optimizer" and reset_optimizer):
             continue
+        if key == WEIGHTS_DTYPE:
+            continue  # compared below, where the storage switches
+        if key == "memory.weights" and {old, current[key]} <= set(LOSSLESS):
+            was, now = saved.get(WEIGHTS_DTYPE), current.get(WEIGHTS_DTYPE)
+            if old == current[key] or was is None or now is None or was == now:
+                continue  # the same values either way (see the module docstring)
+            raise ResumeMismatchError(
+                f"cannot resume {checkpoint_dir}: it was trained with memory.weights={old} ({was} weights), this "
+                f"recipe has memory.weights={current[key]} ({now} weights); the two resume into each other only in "
+                f"one dtype: resume with memory.weights={old}, or start a new run from its export")
         new = json.loads(json.dumps(current[key], default=str))  # as the record reads back
         where = _difference(key, old, new)
         if where is not None and key == DATA_FILES:

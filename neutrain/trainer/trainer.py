@@ -94,7 +94,7 @@ def _compressed_weights_name(memory: MemorySection) -> str:
     model, which then holds lossless weights: lossy ones are frozen bases, trained only under an
     adapter and saved as adapters. (NeuTrainer used without a recipe, on a model compressed by hand.)
     """
-    return "neuzip-lossless" if memory.weights == "dense" else memory.weights
+    return "neuzip-lossless" if memory.weights in ("dense", "auto") else memory.weights
 
 
 def _unwrap(model):
@@ -380,11 +380,13 @@ class NeuTrainer(Trainer):
 
     def _load_whole_weights(self, resume_from_checkpoint, model=None):
         """A checkpoint's whole weights: neutrain's compressed files, else the Trainer's own loading."""
-        from neutrain.nn.checkpoint import MARKER, load_compressed_state
+        from neutrain.nn.checkpoint_weights import load_weights
 
-        if not os.path.exists(os.path.join(resume_from_checkpoint, MARKER)):
+        target = _unwrap(model if model is not None else self.model)
+        # Dense or compressed, either way (memory.weights: auto may resolve otherwise on another card); a LoRA
+        # checkpoint holds adapters only, which the Trainer loads.
+        if is_peft_model(target) or not load_weights(target, resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_compressed_state(_unwrap(model if model is not None else self.model), resume_from_checkpoint)
 
     # ---- logging -------------------------------------------------------------------------
 

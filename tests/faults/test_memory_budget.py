@@ -71,7 +71,8 @@ def test_a_run_records_the_fit_and_each_phase_beside_its_prediction(tmp_path, ca
     assert "memory: fits the 2.00 GiB budget" in out  # the one line, printed before the build
     out_dir = tmp_path / "out"
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["memory_fit"]["choice"] == "on the GPU" and summary["memory_fit"]["budget_gib"] == 2
+    assert summary["memory_fit"]["choice"] == "in memory" and summary["memory_fit"]["budget_gib"] == 2  # a CPU
+    assert summary["memory_fit"]["weights"] == "dense" and summary["memory_fit"]["predicted_tokens_per_s"] > 0
     ran = ["build", "train_step", "eval", "generate", "save", "export"]
     assert list(summary["phase_memory"]) == [p for p in PHASES if p in ran]
     for name, entry in summary["phase_memory"].items():
@@ -96,12 +97,24 @@ def test_estimate_prints_the_phases_the_budget_and_the_choice(capsys):
     rc = neutrain(["estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=11"])
     out = capsys.readouterr().out
     assert rc == 0
+    assert out.splitlines()[0].endswith("weights neuzip-lossless (memory.weights: auto), optimizer lomo, checkpointing True")
     table = out.split("predicted peak by phase (GiB)\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[0] for line in table] == ["phase", "build", "train_step", "save", "resume"]
     assert "budget: 11.00 GiB (memory.device_budget_gib: 11.0)" in out
-    chosen = out.split("chosen configuration: memory.offload_weights=True, memory.offload_layers=", 1)[1].split("\n")[0]
-    assert f"memory: offloading {chosen} of 32 decoder layers' weights: on the GPU it needs 12.24 GiB (phase 'train_step')" in out
+    prefix = "chosen configuration: memory.weights=neuzip-lossless, memory.offload_weights=True, memory.offload_layers="
+    chosen = out.split(prefix, 1)[1].split("\n")[0]
+    assert (f"memory: weights neuzip-lossless (dense needs 16.78 GiB), offloading {chosen} of 32 decoder layers' "
+            "weights: on the GPU it needs 12.24 GiB (phase 'train_step')") in out
     assert f"decoder layers in host memory: {chosen} of 32 (" in out
+    # Every configuration family tried, with its predicted peak, host memory and speed; the chosen one marked.
+    rows = out.split("configurations (tok/s predicted on an H200, fastest first)\n", 1)[1].split("\nmemory: ", 1)[0]
+    rows = rows.splitlines()[1:]
+    assert [row.split("  ")[-1] for row in rows if row.endswith("<- chosen")] == ["<- chosen"]
+    assert any(row.endswith("no    dense weights on the GPU") for row in rows)
+    assert any(row.endswith(f"yes   NeuZip weights, offloading {chosen} of 32 decoder layers' weights  <- chosen")
+               for row in rows)
+    speeds = [float(row.split()[2].replace(",", "")) for row in rows]
+    assert speeds == sorted(speeds, reverse=True) and len(rows) >= 5  # fastest first
     rc = neutrain(["estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=2"])
     captured = capsys.readouterr()
     assert rc == 2 and "nothing fits a budget of 2.00 GiB" in one_error_line(captured.err)
@@ -125,12 +138,13 @@ def test_on_a_gpu_the_fit_is_applied_and_the_budget_is_the_allocators_limit(monk
     recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml"), state, said.append)  # budget: auto
     assert limits == [(auto_budget(total) / total, 0)]  # a device index, as torch requires
     assert isinstance(limits[0][0], float)
+    assert recipe.memory.weights == "neuzip-lossless"  # dense (16.8 GiB) fits neither card
     assert recipe.memory.offload_weights is offloaded and recipe.memory.offload_activations is False
-    assert (recipe.memory.offload_layers is not None) is offloaded  # a part of the layers: the cheapest that fits
-    assert said == [fit.line] and fit.line.startswith(
-        f"memory: offloading {recipe.memory.offload_layers} of 32 decoder layers' weights" if offloaded
-        else "memory: fits the")
-    # memory.device_budget_gib: none: no limit, the recipe as it is.
+    assert (recipe.memory.offload_layers is not None) is offloaded  # a part of the layers: the fastest that fits
+    assert said == [fit.line] and fit.line.startswith("memory: weights neuzip-lossless (dense needs 16.78 GiB), " + (
+        f"offloading {recipe.memory.offload_layers} of 32 decoder layers' weights" if offloaded else "fits the"))
+    # memory.device_budget_gib: none: no limit, the recipe as it is but for the weights, which the card holds dense.
     limits.clear()
     recipe, fit = fit_memory(load_recipe("recipes/llama3_8b.yaml", ["memory.device_budget_gib=none"]), state, said.append)
-    assert limits == [] and fit.changes == {} and recipe.memory.offload_weights is False
+    assert limits == [] and recipe.memory.offload_weights is False
+    assert fit.changes == {"memory.weights": "neuzip-lossless" if card_gb < 18 else "dense"}

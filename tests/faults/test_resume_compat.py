@@ -4,7 +4,8 @@ Before: a dense checkpoint resumed with ``memory.weights:
 neuzip-lossless`` used to log "resuming at step 2" and exit 0 with its trained weights
 dropped; a different hidden size, layer count or optimizer gave a traceback; a different
 tokenizer or dataset was accepted without a word. Now each is one line, exit 2, naming the
-key and both values, before anything trains. Tiny CPU runs, in-process.
+key and both values, before anything trains (a switch between dense and NeuZip lossless in
+one dtype resumes: tests/integration/test_weights_switch.py). Tiny CPU runs, in-process.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _resume_copy(trained: Path, tmp_path: Path) -> Path:
     return out
 
 
+# A switch between dense and NeuZip lossless is no longer among these: it resumes bit for bit
+# (tests/integration/test_weights_switch.py); lossy weights are refused (below).
 @pytest.mark.parametrize("change, key, old, new", [
-    ({"memory": {"weights": "neuzip-lossless"}}, "memory.weights", "dense", "neuzip-lossless"),
     ({"model": {"config": {"hidden_size": 64}}}, "model.config.hidden_size", "32", "64"),
     ({"model": {"config": {"num_hidden_layers": 3}}}, "model.config.num_hidden_layers", "2", "3"),
     ({"train": {"optimizer": "lomo"}}, "train.optimizer", "adalomo", "lomo"),
@@ -88,8 +90,16 @@ def test_a_checkpoint_without_a_run_record_is_compared_on_its_weights_format(tra
     assert legacy["memory.weights"] == "dense" and legacy["model.config.num_hidden_layers"] == 2
     assert "train.optimizer" not in legacy
     check_resume(checkpoint, {**record, "train.optimizer": "lomo"})  # not recorded: nothing to compare
-    with pytest.raises(ResumeMismatchError, match="memory.weights=dense, this recipe has memory.weights=neuzip-lossless"):
-        check_resume(checkpoint, {**record, "memory.weights": "neuzip-lossless"})
+    with pytest.raises(ResumeMismatchError, match="memory.weights=dense, this recipe has memory.weights=neuzip-lossy-3"):
+        check_resume(checkpoint, {**record, "memory.weights": "neuzip-lossy-3"})
+    # Dense and NeuZip lossless hold the same values: a switch resumes where the dtype is the same (an older
+    # checkpoint does not record it: the weights reader compares the tensors' own dtypes).
+    check_resume(checkpoint, {**record, "memory.weights": "neuzip-lossless"})
+    check_resume(trained / "out" / "checkpoint-2", {**record, "memory.weights": "neuzip-lossless"})
+    with pytest.raises(ResumeMismatchError, match=r"memory.weights=dense \(float32 weights\), this recipe has "
+                                                  r"memory.weights=neuzip-lossless \(bfloat16 weights\)"):
+        check_resume(trained / "out" / "checkpoint-2",
+                     {**record, "memory.weights": "neuzip-lossless", "model.weights_dtype": "bfloat16"})
 
 
 # ---- failure 5: a stale tokenizer in <output_dir>/tokenizer -------------------------------------------

@@ -70,7 +70,8 @@ def test_the_shipped_70b_recipe_fits_an_80_gb_card_only_offloaded():
 
 
 def test_some_layers_offloaded_take_their_share_of_host_memory_and_the_link():
-    recipe = load_recipe("recipes/llama3_8b.yaml", ["memory.offload_weights=true", "memory.offload_layers=8"])
+    recipe = load_recipe("recipes/llama3_8b.yaml", ["memory.weights=neuzip-lossless", "memory.offload_weights=true",
+                                                  "memory.offload_layers=8"])
     part, every = estimate_recipe(recipe), estimate(
         ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), batch=1, seq=1024, weights="neuzip-lossless",
         optimizer="lomo", offload_weights=True)
@@ -83,4 +84,5 @@ def test_some_layers_offloaded_take_their_share_of_host_memory_and_the_link():
     assert "layers in host memory       8 of 32" in part.table()
     # More layers than the model has: one line naming the key (before anything is built).
     with pytest.raises(RecipeError, match=r"^memory\.offload_layers: 40 is more than the model's 32 decoder layers$"):
-        estimate_recipe(load_recipe("recipes/llama3_8b.yaml", ["memory.offload_weights=true", "memory.offload_layers=40"]))
+        estimate_recipe(load_recipe("recipes/llama3_8b.yaml", ["memory.weights=neuzip-lossless", "memory.offload_weights=true",
+                                                             "memory.offload_layers=40"]))

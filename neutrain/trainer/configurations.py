@@ -1,0 +1,196 @@
+"""The configurations the automatic fit chooses among: the recipe keys each changes, its label, its estimate.
+
+The levers, each tried only where the recipe leaves its key to the fit (:attr:`Recipe.explicit`; for the
+weights, ``memory.weights: auto``):
+
+* ``memory.weights``: dense or NeuZip lossless. Lossless compression changes memory and speed, never the
+  result (the same bits a step), so this is the fit's to choose;
+* ``memory.offload_activations`` (checkpointed layers' inputs in host memory; needs
+  ``memory.gradient_checkpointing``);
+* ``memory.offload_weights`` with ``memory.offload_layers: k``: k decoder layers in host memory, spread
+  between resident ones (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`), the others trained
+  on the GPU as before; k runs from the fewest that save anything (more layers than the store's slots)
+  to every layer; NeuZip lossless, a fused optimizer, no accumulation;
+* both;
+* then a smaller ``train.micro_batch_size`` with ``train.gradient_accumulation_steps`` raised to keep the
+  rows per optimizer step (halving until one row), activations offloaded where allowed.
+
+The embedding and lm_head are no lever: the loss decodes the lm_head whole, so its payload (0.67 GiB for
+the 8B) would be on the device beside its decoded copy at the step's peak anyway; keeping both
+vocabulary matrices in host memory lowers that peak by the embedding's payload alone, while a step
+copies them in and out (about 3 GiB for the 8B) at its two ends, where no compute overlaps. Five spread
+decoder layers (two slots) save more, 0.79 GiB, for about 0.6 GiB of waiting.
+
+Example:
+    >>> from neutrain.config import load_recipe
+    >>> [c.label for c in configurations(load_recipe("llama3_8b"), gpu=False)]
+    ['dense weights in memory', 'NeuZip weights in memory']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
+from neutrain.config.validate import check_weight_offload
+from neutrain.errors import RecipeError
+from neutrain.nn.weight_offload_model import LayerPlacement
+from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
+
+AUTO = "auto"
+WEIGHTS = ("dense", "neuzip-lossless")
+"""What ``memory.weights: auto`` resolves to: the two storages that train the same model."""
+WEIGHTS_LABEL = {"dense": "dense weights", "neuzip-lossless": "NeuZip weights"}
+
+
+def apply_changes(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
+    """The recipe with ``{"section.key": value}`` changed (sections are frozen: new ones are made)."""
+    by_section: dict[str, dict[str, Any]] = {}
+    for dotted, value in changes.items():
+        section, key = dotted.split(".")
+        by_section.setdefault(section, {})[key] = value
+    return dataclasses.replace(recipe, **{s: dataclasses.replace(getattr(recipe, s), **kv)
+                                          for s, kv in by_section.items()})
+
+
+def weight_options(recipe: Recipe) -> list[str]:
+    """The storages the fit may give the weights: the recipe's own, or for ``auto`` dense and, where the
+    recipe could train it (a fused optimizer, or a frozen base under an adapter), NeuZip lossless.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> weight_options(load_recipe("llama3_8b")), weight_options(load_recipe("llama3_8b", ["memory.weights=dense"]))
+        (['dense', 'neuzip-lossless'], ['dense'])
+    """
+    m, t = recipe.memory, recipe.train
+    if m.weights != AUTO:
+        return [m.weights]
+    if m.adapter is None and t.optimizer not in FUSED_OPTIMIZERS:
+        return ["dense"]  # NeuZip weights are updated inside backward
+    if t.fsdp or t.deepspeed or t.distributed in ("fsdp2", "deepspeed"):
+        return ["dense"]  # sharding splits dense weights only
+    return list(WEIGHTS)
+
+
+def valid(recipe: Recipe) -> bool:
+    """Whether the recipe's memory keys compose (what validation would accept of them)."""
+    m, t = recipe.memory, recipe.train
+    if m.offload_activations and not m.gradient_checkpointing:
+        return False
+    if m.offload_weights:
+        if m.weights != "neuzip-lossless":
+            return False
+        try:
+            check_weight_offload(m, t, t.optimizer in FUSED_OPTIMIZERS)
+        except RecipeError:
+            return False
+    elif m.offload_layers is not None:
+        return False
+    return True
+
+
+def placement_label(recipe: Recipe, layers: int, gpu: bool = True) -> str:
+    """What a configuration keeps in host memory, in words (the fit's one line and ``memory_fit.choice``);
+    on a CPU (``gpu=False``) nothing is offloaded: ``in memory``.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> placement_label(load_recipe("llama3_8b", ["memory.offload_weights=true", "memory.offload_layers=8"]), 32)
+        "offloading 8 of 32 decoder layers' weights"
+    """
+    m = recipe.memory
+    if not m.offload_weights:
+        return "offloading activations" if m.offload_activations else "on the GPU" if gpu else "in memory"
+    if m.offload_layers is None or m.offload_layers >= layers:
+        return "offloading weights and activations" if m.offload_activations else "offloading weights"
+    part = f"{m.offload_layers} of {layers} decoder layers' weights"
+    return f"offloading activations and {part}" if m.offload_activations else f"offloading {part}"
+
+
+def layer_counts(layers: int) -> list[int | None]:
+    """``memory.offload_layers`` values worth trying: those that free more than their slots take, then all."""
+    counts = [k for k in range(1, layers)
+              if k > min(LayerPlacement.spread(layers, k).slots, k) * (1 + 1 / 16)]
+    return [*counts, None]
+
+
+def _value(recipe: Recipe, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(recipe, section), key)
+
+
+@dataclass
+class Candidate:
+    """One configuration: its label, family (what it is, the number of streamed layers aside), the keys it
+    changes, the recipe with them, and its training step's estimate."""
+
+    label: str
+    family: tuple
+    changes: dict[str, Any]
+    recipe: Recipe
+    train: Estimate
+
+    @property
+    def weights(self) -> str:
+        return self.recipe.memory.weights
+
+
+def configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = True,
+                   levers: bool = True) -> list[Candidate]:
+    """Every configuration the fit may take (see the module docstring); explicit keys are left out of the
+    changes, and configurations the explicit keys make the same are listed once.
+
+    ``gpu=False`` (a CPU: host and device memory are one) offloads nothing; ``levers=False`` varies the
+    weights alone (no device budget: the recipe's other keys stay as they are).
+    """
+    if shape is None:
+        from neutrain.trainer.modeling import config_only  # lazy: the model's config only
+
+        shape = ModelShape.from_config(config_only(recipe.model))
+    auto = recipe.memory.weights == AUTO
+    none = {"memory.offload_activations": False, "memory.offload_weights": False, "memory.offload_layers": None}
+    offload = [none]
+    if gpu and levers:
+        offload.append({**none, "memory.offload_activations": True})
+        offload += [{"memory.offload_activations": act, "memory.offload_weights": True, "memory.offload_layers": k}
+                    for act in (False, True) for k in layer_counts(shape.layers)]
+    if not levers:
+        offload = [{}]
+    seen: set[tuple] = set()
+    found: list[Candidate] = []
+
+    def take(changes: dict[str, Any], prefix: str = "") -> None:
+        changes = {k: v for k, v in changes.items() if k not in recipe.explicit or (k == "memory.weights" and auto)}
+        chosen = apply_changes(recipe, changes)
+        m, t = chosen.memory, chosen.train
+        layers = m.offload_layers if m.offload_layers is not None and m.offload_layers < shape.layers else None
+        key = (m.weights, m.offload_activations, m.offload_weights, layers if m.offload_weights else None,
+               t.micro_batch_size, t.gradient_accumulation_steps)
+        if not valid(chosen) or key in seen:
+            return
+        seen.add(key)
+        changes = {k: v for k, v in changes.items() if v != _value(recipe, k)}  # what it really changes
+        label = prefix + placement_label(chosen, shape.layers, gpu)
+        if auto:
+            label = f"{WEIGHTS_LABEL[m.weights]} {label}" if label in ("on the GPU", "in memory") \
+                else f"{WEIGHTS_LABEL[m.weights]}, {label}"
+        family = (m.weights, m.offload_activations, m.offload_weights, t.micro_batch_size)
+        found.append(Candidate(label, family, changes, chosen, estimate_recipe(chosen, shape)))
+
+    t = recipe.train
+    rows = t.micro_batch_size * t.gradient_accumulation_steps
+    # Both keys change together (the rows per step stay): either one set by the user rules this out.
+    batch_keys_free = levers and not {"train.micro_batch_size", "train.gradient_accumulation_steps"} & recipe.explicit
+    for weights in weight_options(recipe):
+        for changes in offload:
+            take({"memory.weights": weights, **changes})
+        mb = t.micro_batch_size
+        while batch_keys_free and mb > 1 and mb % 2 == 0:
+            mb //= 2
+            for changes in offload[:2]:  # weight offload does not accumulate
+                batch = {"train.micro_batch_size": mb, "train.gradient_accumulation_steps": rows // mb}
+                take({"memory.weights": weights, **changes, **batch},
+                     f"micro_batch_size {mb} x {rows // mb} accumulation steps ({rows} rows a step), ")
+    return found

@@ -1,0 +1,264 @@
+"""The step-time model: how long one training step of a configuration takes, predicted from its shape.
+
+Why: the automatic fit (:mod:`neutrain.trainer.fit`) chooses between configurations that all fit the
+card (dense or NeuZip weights, k layers streamed from host memory, activations offloaded, a smaller
+micro-batch) and they train the same model, so the one to take is the fastest. Bytes over PCIe alone do
+not say that: at batch 1 the 8B's step is set by the host (one Python launch chain per weight), at batch
+8 by the device, and NeuZip adds codec work on both sides.
+
+One step is ``max(host, device) + link`` (on a CPU, where host and device are one, ``host + device``):
+
+* ``device``: the step's matrix products (decoder and lm_head matrices, then attention, which runs at
+  its own rate) over a measured rate, plus bytes over bandwidth: each fused update reads the weight and
+  its gradient and writes the weight back; NeuZip decodes each matrix :attr:`Rates.decodes_checkpointed`
+  times a step and re-encodes it once;
+* ``host``: a launch and Python cost per trained tensor, more for a compressed one (decode, update,
+  re-encode launched from Python);
+* ``link``: the PCIe bytes of the step (weights streamed both ways, activations out and back) that the
+  copy streams do not hide behind compute (:data:`COPY_HIDDEN_SHARE`).
+
+Every rate is a constant below, in one place, each with the record it was calibrated on: after new GPU
+runs, recalibrating is an edit here (``tests/unit/trainer/test_step_time.py`` holds the model within 15%
+of every timing row of ``benchmarks/results/cards.json``, and says which row a new constant misses).
+
+Example:
+    >>> from neutrain.config import load_recipe
+    >>> t = recipe_step_time(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless"]))
+    >>> round(t.host_s, 2), round(t.device_s, 2), t.bound  # batch 1: the host sets the pace
+    (0.58, 0.31, 'host')
+    >>> 1700 < t.tokens_per_s < 1800  # cards.json measured 1,764.6 tok/s
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neutrain.trainer.planner import Estimate, ModelShape
+
+GEMM_FLOPS_PER_S = 515e12
+"""Matrix products of a training step, bf16, per second on an H200. Calibrated on
+benchmarks/results/train_memory.json, variant c (dense fused LOMO, Llama-3-8B shapes, batch 8 x 1024,
+checkpointing) at batch 8: a 0.992 s step, device-bound (its profile: 967 ms busy), less its update and
+attention."""
+
+ATTENTION_FLOPS_PER_S = 245e12
+"""Attention's products (causal, counted as if each row were one document; forward, recompute and a
+backward of 2.5 forwards) per second on an H200. Calibrated on benchmarks/results/offload.json,
+``70b_recipe.train.tokens_per_s`` (609.7 at 16K tokens, every layer streamed), where attention is 13% of
+the step's products; at 1K tokens it is 2%, so the 8B records barely constrain it."""
+
+MEMORY_BYTES_PER_S = 3.81e12
+"""Device memory traffic (read plus write) per second on an H200: benchmarks/results/codec.json,
+``summary.copy_TBps_out`` 1.905 TB/s written, as much read. The fused updates' bytes go over it."""
+
+CODEC_BYTES_PER_S = 333e9
+"""Dense bytes NeuZip decodes or re-encodes per second inside a training step on an H200 (each decode
+and the re-encode of every matrix counted). Calibrated on the NeuZip step over the dense one at batch 8:
+benchmarks/results/cards.json ``timing.b8_none`` (7,002 tok/s, 1.170 s) against train_memory.json c at
+batch 8 (0.992 s). The codec's kernels alone run faster (codec.json: decode 0.94 TB/s, re-encode 0.48 TB/s,
+50 ms a step for the 8B); in the step they cost 178 ms, their synchronous launches included."""
+
+HOST_S_PER_TENSOR = 1.13e-3
+"""Host seconds per trained tensor per micro-batch (forward, recompute and backward launches, the fused
+update's Python): a dense 8B step at batch 1 is host-bound, 330 ms for 291 tensors in the
+benchmarks/diag/step_timeline.py profile on an H200 at a73232e (157 ms of it device-busy, 12,691 kernels);
+the committed record, train_memory.json c at batch 1 (dcf57b4), measured 308 ms."""
+
+HOST_S_PER_COMPRESSED = 1.11e-3
+"""Host seconds a NeuZip matrix adds per micro-batch (its decodes, update and re-encode launched from
+Python). Calibrated on benchmarks/results/cards.json ``timing.b1_none`` (the NeuZip recipe at batch 1,
+1,764.6 tok/s: 580 ms, host-bound) against the dense host cost above, over the 8B's 226 matrices; the
+step_timeline profile at a73232e measured 565 ms."""
+
+PCIE_BYTES_PER_S = 50.69e9
+"""Host-device copy bandwidth, each way while both run, on an H200: benchmarks/results/offload.json,
+``link.both_ways_gb_s_each``."""
+
+COPY_HIDDEN_SHARE = 0.794
+"""Share of the step's copy time that overlapped compute in the 8B's step with every layer streamed and
+activations offloaded (H200, batch 8 x 1024: benchmarks/results/offload.json,
+``8b.offloaded.timeline.copy_hidden_share``). Applied to every copied byte, weights and activations:
+cards.json's ``b8_7`` (activations and 27 layers offloaded) took 34 ms more than ``b8_none``, less than
+its activation copies alone would cost unhidden (about 85 ms)."""
+
+DECODES_CHECKPOINTED = 2.7
+"""NeuZip decodes per matrix per step with activation checkpointing: train_memory.json d,
+``decodes_per_step.sync`` 611 over the 8B's 226 matrices (forward, recompute, and backward where the
+recompute's buffer was reused)."""
+
+DECODES_UNCHECKPOINTED = 2.0
+"""Without checkpointing on a GPU: forward and backward, the two-slot decode pool keeping no layer between
+them (cpu_train.json measured 1.9 with the GPU's slots on a CPU, ``decodes_per_weight_per_step``)."""
+
+CPU_FLOPS_PER_S = 299e9
+"""A whole training step's products per second on a 2-core CPU with AMX (bf16), host work folded in:
+benchmarks/results/cpu_train.json ``real_model`` (SmolLM2-135M, batch 16 x 128, dense AdaLomo, 363.3
+tok/s). Large matrices multiply faster (about 2 TFLOP/s for one 4096 x 14336 product there), so for an
+8B this rate overstates the step, likely by 1.5-3x; at a few hundred tokens a step Python's per-operation cost
+dominates and it understates it (the cards benchmark's CPU smoke run, 64 tokens a step, took 10x longer). It
+only has to tell seconds from minutes."""
+
+CPU_CODEC_BYTES_PER_S = 569e6
+"""Dense bytes the CPU codec decodes or re-encodes per second in a step: cpu_train.json ``real_model``,
+compressed (311.1 tok/s) against dense (363.3), one decode and one re-encode of 135M weights a step
+(``decodes_per_weight_per_step`` 1.0: a CPU keeps the decoded weight from forward to backward)."""
+
+UPDATE_PASSES = {"adamw": 7, "adamw-in-backward": 7}
+"""Weight-sized passes over device memory per update: 3 (read the weight and its gradient, write the
+weight; LOMO, AdaLomo, SGD, part of the record GEMM_FLOPS_PER_S is calibrated on) unless named here;
+AdamW also reads and writes its two moments (derived, not measured)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One device's rates (see the constants above)."""
+
+    name: str
+    gemm_flops_per_s: float
+    attention_flops_per_s: float
+    memory_bytes_per_s: float | None  # None: folded into the FLOP rate (the CPU's is a whole step's)
+    codec_bytes_per_s: float
+    host_s_per_tensor: float
+    host_s_per_compressed: float
+    link_bytes_per_s: float
+    decodes_checkpointed: float
+    decodes_uncheckpointed: float
+    serial: bool  # host and device are one: their times add
+
+
+GPU = Rates("H200", GEMM_FLOPS_PER_S, ATTENTION_FLOPS_PER_S, MEMORY_BYTES_PER_S, CODEC_BYTES_PER_S,
+            HOST_S_PER_TENSOR, HOST_S_PER_COMPRESSED, PCIE_BYTES_PER_S, DECODES_CHECKPOINTED,
+            DECODES_UNCHECKPOINTED, serial=False)
+CPU = Rates("this CPU", CPU_FLOPS_PER_S, CPU_FLOPS_PER_S, None, CPU_CODEC_BYTES_PER_S, 0.0, 0.0, float("inf"),
+            2.0, 1.0, serial=True)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's predicted parts (seconds) and what they give."""
+
+    host_s: float
+    device_s: float
+    link_s: float
+    tokens: int
+    serial: bool = False
+
+    @property
+    def step_s(self) -> float:
+        inner = self.host_s + self.device_s if self.serial else max(self.host_s, self.device_s)
+        return inner + self.link_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def bound(self) -> str:
+        """What sets the pace: ``host``, ``device`` or ``link``."""
+        if self.link_s > max(self.host_s, self.device_s):
+            return "link"
+        return "host" if self.host_s > self.device_s else "device"
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "host_s": self.host_s,
+                "device_s": self.device_s, "link_s": self.link_s, "bound": self.bound}
+
+
+def step_flops(shape: ModelShape, batch: int, seq: int, checkpointing: bool) -> tuple[float, float]:
+    """``(matrix products, attention products)`` of one micro-batch's forward and backward, in FLOPs.
+
+    A product of an ``m x k`` by a ``k x n`` matrix is ``2mkn``; backward is twice the forward for a
+    matrix and 2.5 times for attention; checkpointing runs the decoder layers' forward again.
+
+    Example:
+        >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
+        >>> gemm, attention = step_flops(shape, 1, 1024, True)
+        >>> round(gemm / 1e12, 1), round(attention / 1e12, 2)
+        (60.4, 1.24)
+    """
+    tokens = batch * seq
+    vocab_matrices = 1 if shape.tied else 2
+    decoder = shape.matrix_params() - vocab_matrices * shape.vocab * shape.hidden
+    passes = 4 if checkpointing else 3
+    gemm = (2 * decoder * passes + 2 * shape.vocab * shape.hidden * 3) * tokens
+    # Causal: each token's query meets seq / 2 keys on average, in QK^T and again in PV.
+    attention = 2 * seq * shape.heads * shape.head_dim * shape.layers * tokens * (passes + 0.5)
+    return gemm, attention
+
+
+def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulation: int = 1) -> StepTime:
+    """Predict one optimizer step of the configuration whose training-step estimate is ``train``.
+
+    Args:
+        train: :func:`~neutrain.trainer.planner.estimate`'s result (its settings say the batch, weights,
+            optimizer, checkpointing and the PCIe bytes).
+        shape: The model's shape.
+        rates: :data:`GPU` or :data:`CPU`.
+        accumulation: Micro-batches per step (each runs forward and backward; the update runs once).
+    """
+    s = train.settings
+    compressed = str(s["weights"]).startswith("neuzip")
+    ckpt = bool(s["checkpointing"])
+    gemm, attention = step_flops(shape, s["batch"], s["seq"], ckpt)
+    matrices = 7 * shape.layers + (1 if shape.tied else 2)
+    tensors = matrices + 2 * shape.layers + 1  # and the norms
+    params = shape.params()
+    weight_bytes = s.get("bits_per_weight", 16) / 8 if not compressed else 2  # the update runs on the decoded bf16
+    device = accumulation * (gemm / rates.gemm_flops_per_s + attention / rates.attention_flops_per_s)
+    if rates.memory_bytes_per_s is not None:
+        passes = UPDATE_PASSES.get(s["optimizer"], 3)
+        accumulated = (accumulation - 1) * 8 if accumulation > 1 else 0  # an fp32 sum read and written
+        device += params * (passes * weight_bytes + accumulated) / rates.memory_bytes_per_s
+    if compressed:
+        decodes = rates.decodes_checkpointed if ckpt else rates.decodes_uncheckpointed
+        dense = shape.matrix_params() * 2
+        device += (accumulation * decodes + 1) * dense / rates.codec_bytes_per_s
+    host = accumulation * (tensors * rates.host_s_per_tensor + (matrices * rates.host_s_per_compressed if compressed else 0))
+    copied = s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0) + 2 * s.get("host_activation_bytes", 0)
+    link = (1 - COPY_HIDDEN_SHARE) * copied / rates.link_bytes_per_s
+    return StepTime(host, device, link, accumulation * s["batch"] * s["seq"], rates.serial)
+
+
+def recipe_step_time(recipe, rates: Rates = GPU, shape: ModelShape | None = None) -> StepTime:
+    """:func:`step_time` of a recipe as it is (its ``memory.weights`` resolved: ``auto`` is not a storage).
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> dense = recipe_step_time(load_recipe("llama3_8b", ["memory.weights=dense"]))
+        >>> round(dense.step_s, 2), dense.bound
+        (0.33, 'host')
+    """
+    from neutrain.trainer.modeling import config_only  # lazy: the model's config only
+    from neutrain.trainer.planner import estimate_recipe
+
+    shape = shape or ModelShape.from_config(config_only(recipe.model))
+    return step_time(estimate_recipe(recipe, shape), shape, rates, recipe.train.gradient_accumulation_steps)
+
+
+def rate(tokens_per_s: float) -> str:
+    """Tokens per second as the run's lines print them.
+
+    Example:
+        >>> rate(3114.07), rate(4.97), rate(0.028)
+        ('3,114', '5.0', '0.028')
+    """
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 10 else f"{tokens_per_s:.2g}" if tokens_per_s < 1 else f"{tokens_per_s:.1f}"
+
+
+def duration(seconds: float) -> str:
+    """A step's time as people say it.
+
+    Example:
+        >>> duration(0.333), duration(42.0), duration(206.0), duration(7300.0)
+        ('0.33 s', '42 s', '3 min 26 s', '2 h 1 min')
+    """
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"

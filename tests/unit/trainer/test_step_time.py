@@ -1,0 +1,108 @@
+"""The step-time model against the GPU's records: within 15% of every timing row of cards.json.
+
+The fit ranks configurations by :mod:`neutrain.trainer.step_time`, so the model has to say how fast each
+really ran. Its rates are constants calibrated on committed records; when new GPU runs recalibrate them,
+these tests say whether the model still lands on every measured row, and which one it misses.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from neutrain.config import load_recipe
+from neutrain.trainer import step_time as model
+from neutrain.trainer.fit import apply_changes
+from neutrain.trainer.planner import ModelShape, estimate_recipe
+from neutrain.trainer.step_time import CPU, GPU, step_time
+
+REPO = Path(__file__).resolve().parents[3]
+RESULTS = REPO / "benchmarks" / "results"
+CARDS = json.loads((RESULTS / "cards.json").read_text())
+TIMING = {name: row for name, row in CARDS["results"]["timing"].items() if row.get("tokens_per_s")}
+LLAMA3_8B = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)
+
+
+def predicted_tokens_per_s(row: dict) -> float:
+    """The model's tok/s for the configuration a timing row ran: the recipe with the row's overrides, then
+    the fit's changes. Rows from before ``memory.weights: auto`` ran the recipe's NeuZip weights."""
+    overrides = row.get("overrides") or [f"train.micro_batch_size={row['micro_batch_size']}"]
+    recipe = load_recipe(REPO / CARDS["settings"]["recipe"], overrides)
+    changes = dict((row.get("choice") or {}).get("changes") or {})
+    if recipe.memory.weights == "auto" and "memory.weights" not in changes:
+        changes["memory.weights"] = row.get("weights") or "neuzip-lossless"
+    chosen = apply_changes(recipe, changes)
+    return step_time(estimate_recipe(chosen, LLAMA3_8B), LLAMA3_8B, GPU,
+                     chosen.train.gradient_accumulation_steps).tokens_per_s
+
+
+@pytest.mark.parametrize("name", sorted(TIMING))
+def test_the_model_lands_within_15_percent_of_every_cards_timing_row(name):
+    row = TIMING[name]
+    predicted = predicted_tokens_per_s(row)
+    error = predicted / row["tokens_per_s"] - 1
+    assert abs(error) <= 0.15, (f"{name}: predicted {predicted:,.0f} tok/s, measured {row['tokens_per_s']:,.1f} "
+                                f"({error:+.1%}); recalibrate neutrain/trainer/step_time.py's constants")
+    if row.get("predicted_tokens_per_s") is not None:  # what the run's own fit predicted, recorded beside it
+        assert abs(row["predicted_tokens_per_s"] / row["tokens_per_s"] - 1) <= 0.15, name
+
+
+def test_the_records_hold_the_timing_rows_the_model_is_held_to():
+    # The 8B NeuZip recipe with no budget and 9 layers streamed at batch 1, in the GPU and with activations and
+    # 27 layers streamed at batch 8: the host-bound, device-bound and link-bound sides of the model.
+    assert {"b1_none", "b1_11", "b8_none", "b8_7"} <= set(TIMING)
+
+
+def _constants() -> dict[str, str]:
+    """``{name: docstring}`` of step_time's module-level numbers (a string right after the assignment)."""
+    tree = ast.parse(Path(model.__file__).read_text())
+    found = {}
+    for node, after in zip(tree.body, tree.body[1:]):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.isupper() and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, (int, float))):
+            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+            found[node.targets[0].id] = doc
+    return found
+
+
+def test_every_rate_is_a_constant_naming_the_record_it_was_calibrated_on():
+    constants = _constants()
+    assert {"GEMM_FLOPS_PER_S", "ATTENTION_FLOPS_PER_S", "CODEC_BYTES_PER_S", "HOST_S_PER_TENSOR",
+            "HOST_S_PER_COMPRESSED", "PCIE_BYTES_PER_S", "COPY_HIDDEN_SHARE", "CPU_FLOPS_PER_S"} <= set(constants)
+    for name, doc in constants.items():
+        records = re.findall(r"([a-z_0-9]+\.json)", doc)
+        assert records, f"{name}: its docstring names no record"
+        assert all((RESULTS / record).is_file() for record in records), (name, records)
+    # The rates the fit uses are these constants, not copies of them.
+    assert GPU.gemm_flops_per_s == model.GEMM_FLOPS_PER_S and GPU.host_s_per_tensor == model.HOST_S_PER_TENSOR
+    assert GPU.link_bytes_per_s == model.PCIE_BYTES_PER_S and CPU.gemm_flops_per_s == model.CPU_FLOPS_PER_S
+
+
+def test_a_step_is_the_slower_of_host_and_device_plus_the_unhidden_link():
+    def predict(*overrides):
+        recipe = load_recipe(REPO / "recipes" / "llama3_8b.yaml", list(overrides))
+        return step_time(estimate_recipe(recipe, LLAMA3_8B), LLAMA3_8B, GPU)
+
+    # Batch 1 is host-bound, NeuZip's host longer than dense's; batch 8 is device-bound.
+    dense, neuzip = predict("memory.weights=dense"), predict("memory.weights=neuzip-lossless")
+    assert dense.bound == neuzip.bound == "host" and neuzip.host_s > dense.host_s
+    assert dense.step_s == dense.host_s and dense.link_s == 0
+    wide = predict("memory.weights=neuzip-lossless", "train.micro_batch_size=8")
+    assert wide.bound == "device" and wide.step_s == wide.device_s and wide.host_s == neuzip.host_s
+    # Streaming layers adds their unhidden copy time and nothing else.
+    streamed = predict("memory.weights=neuzip-lossless", "memory.offload_weights=true", "memory.offload_layers=9")
+    bytes_ = streamed.link_s * model.PCIE_BYTES_PER_S / (1 - model.COPY_HIDDEN_SHARE)
+    assert streamed.step_s == pytest.approx(neuzip.step_s + streamed.link_s) and bytes_ == pytest.approx(6.354 * 2**30, rel=1e-3)
+    # On a CPU host and device are one: their times add.
+    recipe = load_recipe(REPO / "recipes" / "llama3_8b.yaml", ["memory.weights=dense"])
+    cpu = step_time(estimate_recipe(recipe, LLAMA3_8B), LLAMA3_8B, CPU)
+    assert cpu.serial and cpu.step_s == cpu.host_s + cpu.device_s + cpu.link_s
+    # Accumulation: every micro-batch runs forward and backward, so the step takes about as many times longer.
+    halves = step_time(estimate_recipe(apply_changes(recipe, {"train.micro_batch_size": 1}), LLAMA3_8B), LLAMA3_8B,
+                       GPU, accumulation=8)
+    assert halves.tokens == 8 * 1024 and halves.host_s == pytest.approx(8 * dense.host_s)
