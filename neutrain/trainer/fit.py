@@ -24,7 +24,7 @@ Example:
     >>> fit.label, fit.changes
     ("NeuZip weights, offloading 9 of 32 decoder layers' weights", {'memory.weights': 'neuzip-lossless', 'memory.offload_weights': True, 'memory.offload_layers': 9})
     >>> print(fit.line)  # doctest: +ELLIPSIS
-    memory: weights neuzip-lossless (dense needs 16.78 GiB), offloading 9 of 32 decoder layers' weights: on the GPU it needs 12.24 GiB (phase 'train_step'), the budget is 11.00 GiB; predicted peak 10.34 GiB ...; predicted 1,686 tok/s (0.61 s a step on an H200)
+    memory: weights neuzip-lossless (dense needs 16.78 GiB), offloading 9 of 32 decoder layers' weights: on the GPU it needs 12.04 GiB (phase 'train_step'), the budget is 11.00 GiB; predicted peak 10.34 GiB ...; predicted 1,686 tok/s (0.61 s a step on an H200)
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ One step is ``max(host, device) + link`` (on a CPU, where host and device are on
 
 Every rate is a constant below, in one place, each with the record it was calibrated on: after new GPU
 runs, recalibrating is an edit here (``tests/unit/trainer/test_step_time.py`` holds the model within 15%
-of every timing row of ``benchmarks/results/cards.json``, and says which row a new constant misses).
+of the training steps of ``benchmarks/results/train_memory.json`` and of the timing rows of
+``benchmarks/results/cards.json`` that ran the current code's paths, and says which row a new constant misses).
 
 Example:
     >>> from neutrain.config import load_recipe
     >>> t = recipe_step_time(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless"]))
     >>> round(t.host_s, 2), round(t.device_s, 2), t.bound  # batch 1: the host sets the pace
-    (0.58, 0.31, 'host')
-    >>> 1700 < t.tokens_per_s < 1800  # cards.json measured 1,764.6 tok/s
+    (0.42, 0.26, 'host')
+    >>> 2300 < t.tokens_per_s < 2550  # train_memory.json measured 2,420 tok/s
     True
 """
 
@@ -70,6 +71,24 @@ HOST_S_PER_COMPRESSED = 1.11e-3
 Python). Calibrated on benchmarks/results/cards.json ``timing.b1_none`` (the NeuZip recipe at batch 1,
 1,764.6 tok/s: 580 ms, host-bound) against the dense host cost above, over the 8B's 226 matrices; the
 step_timeline profile at a73232e measured 565 ms."""
+
+HOST_S_PER_GROUPED = 4.16e-4
+"""Host seconds a NeuZip matrix adds per micro-batch when its decoder layer is decoded and re-encoded as a
+group (:mod:`neutrain.nn.groups`: grouped launches, no per-matrix slot bookkeeping; the layers of a model none
+of whose layers live in host memory). Calibrated on benchmarks/results/train_memory.json (c0ee2cc), d at
+batch 1 (2,420 tok/s: 423 ms, host-bound) against the dense host cost above, over the 8B's 226 matrices. The
+batch-1 figures move between calls (the same commit's first call measured d 404 ms, c 376 ms)."""
+
+CODEC_BYTES_PER_S_GROUPED = 391e9
+"""As :data:`CODEC_BYTES_PER_S`, for grouped layers: benchmarks/results/train_memory.json (c0ee2cc), d
+against c at batch 8 (1.106 s against 0.991 s), three dense passes (two decodes and the re-encode) of the 8B's
+matrices in the 115 ms between them (the per-tensor clip's second lm_head pass, about 17 ms, folded in)."""
+
+DECODES_GROUPED = 2.0
+"""Decodes per matrix per step for grouped layers, with or without checkpointing: the forward's, and the
+recompute's or (without checkpointing) the backward's own, the loss's vocabulary matrix having taken the group
+buffer in between (train_memory.json's d: ``decodes_per_step.sync`` 450, the 224 decoder matrices twice and the two vocabulary
+matrices)."""
 
 PCIE_BYTES_PER_S = 50.69e9
 """Host-device copy bandwidth, each way while both run, on an H200: benchmarks/results/offload.json,
@@ -199,6 +218,7 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
     """
     s = train.settings
     compressed = str(s["weights"]).startswith("neuzip")
+    grouped = compressed and "vocab_slot" in train.terms  # the planner's sign of layer groups
     ckpt = bool(s["checkpointing"])
     gemm, attention = step_flops(shape, s["batch"], s["seq"], ckpt)
     matrices = 7 * shape.layers + (1 if shape.tied else 2)
@@ -211,10 +231,14 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
         accumulated = (accumulation - 1) * 8 if accumulation > 1 else 0  # an fp32 sum read and written
         device += params * (passes * weight_bytes + accumulated) / rates.memory_bytes_per_s
     if compressed:
-        decodes = rates.decodes_checkpointed if ckpt else rates.decodes_uncheckpointed
+        if grouped and not rates.serial:
+            decodes, codec_rate, per_matrix = DECODES_GROUPED, CODEC_BYTES_PER_S_GROUPED, HOST_S_PER_GROUPED
+        else:
+            decodes = rates.decodes_checkpointed if ckpt else rates.decodes_uncheckpointed
+            codec_rate, per_matrix = rates.codec_bytes_per_s, rates.host_s_per_compressed
         dense = shape.matrix_params() * 2
-        device += (accumulation * decodes + 1) * dense / rates.codec_bytes_per_s
-    host = accumulation * (tensors * rates.host_s_per_tensor + (matrices * rates.host_s_per_compressed if compressed else 0))
+        device += (accumulation * decodes + 1) * dense / codec_rate
+    host = accumulation * (tensors * rates.host_s_per_tensor + (matrices * per_matrix if compressed else 0))
     copied = s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0) + 2 * s.get("host_activation_bytes", 0)
     link = (1 - COPY_HIDDEN_SHARE) * copied / rates.link_bytes_per_s
     return StepTime(host, device, link, accumulation * s["batch"] * s["seq"], rates.serial)

@@ -104,7 +104,7 @@ def test_estimate_prints_the_phases_the_budget_and_the_choice(capsys):
     prefix = "chosen configuration: memory.weights=neuzip-lossless, memory.offload_weights=True, memory.offload_layers="
     chosen = out.split(prefix, 1)[1].split("\n")[0]
     assert (f"memory: weights neuzip-lossless (dense needs 16.78 GiB), offloading {chosen} of 32 decoder layers' "
-            "weights: on the GPU it needs 12.24 GiB (phase 'train_step')") in out
+            "weights: on the GPU it needs 12.04 GiB (phase 'train_step')") in out
     assert f"decoder layers in host memory: {chosen} of 32 (" in out
     # Every configuration family tried, with its predicted peak, host memory and speed; the chosen one marked.
     rows = out.split("configurations (tok/s predicted on an H200, fastest first)\n", 1)[1].split("\nmemory: ", 1)[0]

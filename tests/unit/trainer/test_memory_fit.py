@@ -52,7 +52,9 @@ def _assert_fastest_that_fits(fit, budget):
 
 @pytest.mark.parametrize("card_gb, batch, expected", [
     (24, 1, DENSE), (16, 1, NEUZIP), (12, 1, "layers"), (8, 1, "layers"),
-    (24, 8, DENSE), (16, 8, ACT), (12, 8, "layers"), (8, 8, BOTH),
+    # 16 GB at batch 8: NeuZip on the GPU holds the vocabulary slot all step (its layers decode as groups into
+    # it, neutrain.nn.groups), so with activations offloaded it no longer fits; streaming 9 layers does.
+    (24, 8, DENSE), (16, 8, "layers"), (12, 8, "layers"), (8, 8, BOTH),
 ])
 def test_a_fake_card_of_each_size_picks_the_fastest_configuration_that_fits(card_gb, batch, expected):
     budget = resolve_budget("auto", card_gb * 10**9)  # as torch reports a card: bytes
