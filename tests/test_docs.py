@@ -127,6 +127,18 @@ def test_the_docs_describe_the_default_recipes_draft_as_it_is():
     words = {1: "one", 2: "two", 3: "three", 4: "four"}
     assert f"({words[default['distill']['num_drafts']]} drafts" in readme
     assert f"K = {default['distill']['num_drafts']} drafts" in (ROOT / "recipes" / "default.yaml").read_text()
+    # The round cost the README and the recipe state is the one the payoff rule computes for these models.
+    from types import SimpleNamespace
+
+    from neutrain.speculative.payoff import round_cost
+
+    cfg = {k: v for k, v in default["model"]["config"].items() if k != "model_type"}
+    target = SimpleNamespace(config=SimpleNamespace(**cfg, vocab_size=default["model"]["tokenizer_vocab_size"]))
+    draft = SimpleNamespace(config=SimpleNamespace(**{**vars(target.config), "num_hidden_layers": layers}))
+    cost = f"{round_cost(target, [draft], default['distill']['draft_len']):.2f}"
+    for page in (ROOT / "README.md", ROOT / "recipes" / "default.yaml", ROOT / "docs" / "evaluation-and-speculative.md"):
+        stated = re.findall(r"(\d\.\d\d) (?:needed|target steps)", " ".join(page.read_text().replace("#", " ").split()))
+        assert stated and set(stated) == {cost}, (page.name, stated, cost)
 
 
 def test_the_readme_states_the_quick_starts_steps_and_size():

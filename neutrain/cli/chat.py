@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from neutrain.cli.generate import add_device_arguments, add_sampling_arguments, check_arguments, decode, load_for_generation
+from neutrain.cli.generate import (add_device_arguments, add_model_argument, add_sampling_arguments, check_arguments, decode,
+                                   load_for_generation)
 from neutrain.errors import UserInputError
 
 
@@ -28,8 +29,7 @@ def configure(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model loaded once (its chat template applied), reading stdin",
                        description="Load MODEL once and answer each line of stdin as a user turn of a conversation in "
                        "the model's chat template (greedy unless --temperature > 0). Ctrl-D or Ctrl-C ends it.")
-    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
-                   "a directory holding one GGUF file, or package:<module>/<file>.gguf")
+    add_model_argument(p)
     p.add_argument("--system", help="a system message opening the conversation (where the chat template has one)")
     p.add_argument("--raw", action="store_true", help="no chat template: continue each line as it is, without history")
     add_sampling_arguments(p)

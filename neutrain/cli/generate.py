@@ -24,8 +24,7 @@ def configure(sub) -> None:
     p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
                        description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
                        "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
-    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
-                   "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
+    add_model_argument(p)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="prompt text: one user turn in the model's chat template when the "
                          "tokenizer has one and the model was trained with it (the run records this); stderr says which")
@@ -40,6 +39,12 @@ def configure(sub) -> None:
     p.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
     add_sampling_arguments(p)
     add_device_arguments(p)
+
+
+def add_model_argument(p) -> None:
+    """The ``model`` argument (``generate`` and ``chat``)."""
+    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
+                   "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
 
 
 def add_sampling_arguments(p) -> None:

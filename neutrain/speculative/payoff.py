@@ -8,7 +8,7 @@ decoded token multiplies (the decoder layers and the output head; the embedding 
 nothing). The K rows of a draft step share one pass over its weights and count once.
 
 Why: the quick start's draft is a quarter of a 4M-parameter target (its embedding and head are most of
-it), so a round costs 2.8 target steps; at acceptance 0 it committed 1.0 token a round and
+it), so a round costs 2.77 target steps; at acceptance 0 it committed 1.0 token a round and
 ``neutrain generate --draft`` took 88 s where plain decoding took 42 s.
 :class:`Probe` measures the first rounds and stops speculating when they do not pay; the output law is
 unchanged, since every committed token is an exact sample from the target and plain decoding continues it.

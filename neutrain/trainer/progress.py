@@ -75,7 +75,8 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0,
             # resumed ones too: one step after a resume at 4 read 2.685 for a loss of 13.43 (the 70B recipe).
             loss = loss * step / (step - first_step)
             steps = f" (step {step})" if step - first_step == 1 else f" (steps {first_step + 1}-{step})"
-        return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean train loss {_num(loss)}{steps}"
+        name = "train loss" if names[0] == "loss" else names[0]
+        return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean {name} {_num(loss)}{steps}"
     if "loss" in logs:
         parts.append(f"{names[0]} {_num(logs['loss'])}")
     if "eval_loss" in logs:

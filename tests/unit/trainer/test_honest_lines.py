@@ -28,6 +28,8 @@ def test_the_drafts_losses_are_named_distillation_losses(tmp_path):
                               "held-out distillation loss (forward KL to the target)")
     line = format_log_line({"eval_loss": 3.653, "eval_acceptance": 0.21}, step=20, max_steps=20, names=progress.names)
     assert line == "step 20/20  held-out distillation loss (forward KL to the target) 3.653  acceptance alpha 0.210"
+    done = format_log_line({"train_runtime": 7.0, "train_loss": 1.192}, step=8, max_steps=8, names=progress.names)
+    assert done == "step 8/8  training done in 7.0 s, mean distillation loss (forward KL to the target) 1.192"
     assert format_log_line({"loss": 2.0}, step=5, max_steps=20) == "step 5/20  loss 2"  # the target's stay as they were
 
 
