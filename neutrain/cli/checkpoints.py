@@ -66,6 +66,45 @@ def run_recipe(model_dir: Path) -> dict | None:
     return raw if isinstance(raw, dict) else None
 
 
+def run_facts(checkpoint: Path) -> dict:
+    """What the run that wrote ``checkpoint`` recorded about it, for an export's model card: the base model and
+    the recipe (the run's ``recipe.yaml``), the steps, last training loss and held-out perplexity
+    (``trainer_state.json``); an export's own ``neutrain_export.json`` facts carry over. Empty when nothing says.
+
+    Why: ``neutrain export`` wrote a card whose "Training" section was an empty heading.
+
+    Example:
+        >>> run_facts(Path("outputs/default/checkpoint-240"))["steps"]  # doctest: +SKIP
+        240
+    """
+    import json
+    import math
+
+    facts: dict = {}
+    for name in (EXPORT_INFO, "trainer_state.json"):
+        try:
+            data = json.loads((Path(checkpoint) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if name == EXPORT_INFO:
+            facts.update({k: v for k, v in data.items() if k != "format"})
+            continue
+        history = [h for h in data.get("log_history") or [] if isinstance(h, dict)]
+        losses = [h["loss"] for h in history if isinstance(h.get("loss"), (int, float))]
+        evals = [h["eval_loss"] for h in history if isinstance(h.get("eval_loss"), (int, float))]
+        facts.update(steps=data.get("global_step"), final_loss=losses[-1] if losses else None,
+                     heldout_perplexity=math.exp(min(evals[-1], 50.0)) if evals else None)
+    recipe = run_recipe(Path(checkpoint))
+    model = recipe.get("model") if recipe else None
+    if isinstance(model, dict):
+        facts.setdefault("base_model", model.get("base_model") or model.get("gguf_file")
+                         or ("random init" if model.get("init") == "random" else None))
+        facts.setdefault("recipe", str(Path(checkpoint).parent / "recipe.yaml"))
+    return {k: v for k, v in facts.items() if v is not None}
+
+
 def trained_with_chat_template(model_dir: Path) -> bool | None:
     """Whether the model in ``model_dir`` was trained on chat-template-rendered data, as its run recorded it:
     the export's ``neutrain_export.json`` (``chat_template``), else the run's recipe (``type: messages``);

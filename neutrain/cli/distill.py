@@ -91,6 +91,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
     from neutrain.export import export_hf  # lazy: `neutrain --help` stays instant
     from neutrain.export.hf import densify  # lazy: `neutrain --help` stays instant
     from neutrain.speculative import generate  # lazy: `neutrain --help` stays instant
+    from neutrain.speculative.payoff import pays, round_cost  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.distill import DistillationTrainer  # lazy: `neutrain --help` stays instant
 
     d, t = recipe.distill, recipe.train
@@ -125,22 +126,44 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
     )
     alpha_before = trainer.evaluate()["eval_acceptance"] if heldout is not None else None
     trainer.train()
-    report: dict[str, Any] = {"draft_dir": export_hf(trainer.model, out, tokenizer=tokenizer, info={"name": "neutrain draft"}, overwrite=True),
-                              "draft_parameters": sum(p.numel() for p in draft.parameters())}
+    report: dict[str, Any] = {"draft_parameters": sum(p.numel() for p in draft.parameters())}
     if heldout is not None:
         report["alpha_before"] = alpha_before
         report["alpha"] = trainer.evaluate()["eval_acceptance"]
+    info = {"name": "neutrain draft", "distilled_from": recipe.distill.target or "the run's trained model",
+            "recipe": recipe.source, "steps": d["max_steps"], "acceptance": report.get("alpha")}
+    report["draft_dir"] = export_hf(trainer.model, out, tokenizer=tokenizer, info=info, overwrite=True)
+    if heldout is not None:
         prompt = torch.tensor([heldout[0]["input_ids"][:32]], device=next(target.parameters()).device)
         gen = torch.Generator(device="cpu").manual_seed(t["seed"])
         res = generate(target, trainer.model.eval(), prompt, num_drafts=d["num_drafts"], draft_len=d["draft_len"],
                        scheme=d["scheme"] if d["num_drafts"] > 1 or d["scheme"] == "sd" else "sd",
                        temperature=d["temperature"], max_new_tokens=d["max_new_tokens"], generator=gen)
+        # Whether the draft pays at all: a round costs the verification plus draft_len draft steps.
+        cost = round_cost(target, [trainer.model], d["draft_len"])
         report.update(block_efficiency=res.stats.block_efficiency, token_acceptance=res.stats.acceptance,
+                      round_cost=cost, pays=pays(res.stats.block_efficiency, cost),
                       sample=tokenizer.decode(res.sequences[0, prompt.shape[1]:]))
         echo(f"draft: {report['draft_parameters'] / 1e6:.1f}M parameters, alpha {alpha_before:.3f} -> {report['alpha']:.3f} "
              f"after {d['max_steps']} distillation steps; speculative decode ({d['scheme']}, K={d['num_drafts']}, "
-             f"gamma={d['draft_len']}): {report['block_efficiency']:.2f} tokens per target call")
+             f"gamma={d['draft_len']}): {payoff_words(report)}")
     return report
+
+
+def payoff_words(report: dict[str, Any]) -> str:
+    """The speculative decode's tokens per target call beside what a round costs, and whether the draft pays.
+
+    Example:
+        >>> payoff_words({"block_efficiency": 1.84, "round_cost": 2.77, "pays": False})
+        '1.84 tokens per target call, below the 2.77 target steps a round costs: this draft does not pay, and `neutrain generate --draft` drops it after its first rounds'
+    """
+    words = f"{report['block_efficiency']:.2f} tokens per target call"
+    if "round_cost" not in report:
+        return words
+    if report["pays"]:
+        return f"{words}, above the {report['round_cost']:.2f} target steps a round costs: the draft pays"
+    return (f"{words}, below the {report['round_cost']:.2f} target steps a round costs: this draft does not pay, and "
+            "`neutrain generate --draft` drops it after its first rounds")
 
 
 def configure(sub) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_recipe, trained_with_chat_template
+from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
 from neutrain.config.schema import SCHEMA
 from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
@@ -41,7 +41,7 @@ def run(args) -> int:
     # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.
     adapter = (ckpt / "adapter_config.json").exists()
     model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto")
-    info = {"checkpoint": str(ckpt)}
+    info = {**run_facts(ckpt), "checkpoint": str(ckpt)}  # the card's "Training" section, from the run's record
     chat = trained_with_chat_template(ckpt)
     if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained
         info["chat_template"] = chat

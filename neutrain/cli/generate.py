@@ -1,9 +1,16 @@
-"""``neutrain generate``: sample from a model, with exact (multi-draft) speculative decoding when a draft is given."""
+"""``neutrain generate``: sample from a model, with exact (multi-draft) speculative decoding when a draft is given.
+
+The model is loaded once for a ``--prompt`` or for every prompt of an ``--input-file`` (outputs in order, as
+JSON lines); ``neutrain chat`` (:mod:`neutrain.cli.chat`) loads it the same way. A draft that does not pay
+(:mod:`neutrain.speculative.payoff`) is measured on the first rounds and dropped, in one line.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_with_chat_template
@@ -17,18 +24,42 @@ def configure(sub) -> None:
     p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
                        description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
                        "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
-    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
-                   "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
-    p.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template when the "
-                   "tokenizer has one and the model was trained with it (the run records this); stderr says which")
-    p.add_argument("--raw", action="store_true", help="tokenize --prompt as it is, without the chat template")
-    p.add_argument("--draft", help="draft model directory (same tokenizer)")
+    add_model_argument(p)
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="prompt text: one user turn in the model's chat template when the "
+                         "tokenizer has one and the model was trained with it (the run records this); stderr says which")
+    prompts.add_argument("--input-file", help="prompts from a file, the model loaded once: one prompt per line, or JSON "
+                         "lines (.jsonl) with a \"prompt\" field; stdout gets one JSON line per prompt, in order, "
+                         "{\"prompt\": ..., \"output\": ...} (a JSONL record's other fields kept)")
+    p.add_argument("--raw", action="store_true", help="tokenize the prompt as it is, without the chat template")
+    p.add_argument("--draft", help="draft model directory (same tokenizer); dropped, in one line, when its first "
+                   "rounds show it does not pay")
     p.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
     p.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
     p.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
+    add_sampling_arguments(p)
+    add_device_arguments(p)
+
+
+def add_model_argument(p) -> None:
+    """The ``model`` argument (``generate`` and ``chat``)."""
+    p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
+                   "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
+
+
+def add_sampling_arguments(p) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p``, ``--max-new-tokens`` and ``--seed`` (``generate`` and ``chat``)."""
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default 0: all), "
+                   "as transformers' top_k")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose probability "
+                   "reaches p (default 1.0: all), after --top-k, as transformers' top_p")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_device_arguments(p) -> None:
+    """``--device`` and ``--device-budget-gib`` (``generate`` and ``chat``)."""
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto (default): the GPU when there is one, in the form that fits its budget (dense, NeuZip "
                    "lossless, or NeuZip streamed from host memory; one line says which), else the CPU")
@@ -68,37 +99,50 @@ def check_arguments(args) -> None:
         >>> check_arguments(argparse.Namespace(max_new_tokens=-1, temperature=0.0, num_drafts=2, draft_len=4, seed=0))
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer >= 1
+        >>> check_arguments(argparse.Namespace(max_new_tokens=8, temperature=1.0, top_p=1.5))
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --top-p: 1.5 is out of range; expected a number in (0, 1] (1 = no top-p)
     """
     if args.max_new_tokens > MAX_NEW_TOKENS:
         raise UserInputError(f"--max-new-tokens: {args.max_new_tokens} is out of range; expected at most "
                              f"{MAX_NEW_TOKENS:,} (the decode cache is allocated for all of them before the first token)")
     drafts, length = SCHEMA["distill"]["num_drafts"].max, SCHEMA["distill"]["draft_len"].max  # as the recipe's keys
     for flag, value, low, high in (("--max-new-tokens", args.max_new_tokens, 1, None),
-                                   ("--num-drafts", args.num_drafts, 1, drafts),
-                                   ("--draft-len", args.draft_len, 1, length),
-                                   ("--seed", args.seed, 0, 2**63 - 1)):
+                                   ("--num-drafts", getattr(args, "num_drafts", 1), 1, drafts),
+                                   ("--draft-len", getattr(args, "draft_len", 1), 1, length),
+                                   ("--seed", getattr(args, "seed", 0), 0, 2**63 - 1),
+                                   ("--top-k", getattr(args, "top_k", 0), 0, None)):
         if value < low or (high is not None and value > high):
             rule = f"an integer from {low} to {high:,}" if high is not None else f"an integer >= {low}"
             raise UserInputError(f"{flag}: {value} is out of range; expected {rule}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserInputError(f"--temperature: {args.temperature:g} is out of range; expected a finite number >= 0 "
                              "(0 = greedy)")
+    top_p = getattr(args, "top_p", 1.0)
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise UserInputError(f"--top-p: {top_p:g} is out of range; expected a number in (0, 1] (1 = no top-p)")
     budget = getattr(args, "device_budget_gib", None)
     if budget is not None and (not math.isfinite(budget) or budget <= 0):
         raise UserInputError(f"--device-budget-gib: {budget:g} is out of range; expected a finite number of GiB > 0")
 
 
-def run(args) -> int:
-    """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
-    import torch  # lazy: `neutrain --help` stays instant
+@dataclass
+class Loaded:
+    """A model loaded for generation, its tokenizer, whether prompts go through its chat template and why,
+    and where it was placed (a line for stderr, or None)."""
 
-    check_arguments(args)
+    model: object
+    tokenizer: object
+    use_template: bool
+    why: str
+    where: str | None
 
-    from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
-    from neutrain.cli.placement import place_model  # lazy: same reason
-    from neutrain.data.chat import prompt_ids, template_choice  # lazy: same reason
-    from neutrain.export import load_checkpoint_model  # lazy: same reason
-    from neutrain.speculative import generate  # lazy: same reason
+
+def load_for_generation(args) -> Loaded:
+    """Load ``args.model`` once (a GGUF file, an export, a checkpoint or a run's output_dir) as ``generate`` and
+    ``chat`` use it; stderr gets the placement line, if any."""
+    from neutrain.cli.placement import place_model  # lazy: `neutrain --help` stays instant
+    from neutrain.data.chat import template_choice  # lazy: same reason
 
     gguf = gguf_file(Path(args.model))
     where = None
@@ -115,27 +159,109 @@ def run(args) -> int:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
     check_vocabulary(model, tokenizer, f"model '{args.model}'")
     use_template, why = template_choice(tokenizer, trained_with, raw=args.raw)
-    ids = torch.tensor([prompt_ids(tokenizer, args.prompt, raw=not use_template)])
-    print(f"[{why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
-    check_context(model, ids.shape[1], args.max_new_tokens)
+    return Loaded(model.eval(), tokenizer, use_template, why, where)
+
+
+def read_prompts(path: str) -> list[dict]:
+    """The prompts of ``--input-file``, each as a record with a ``prompt``: a .jsonl/.json file's JSON lines (each
+    an object with a string ``prompt``; its other fields are kept), else the file's non-blank lines.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> f = pathlib.Path(tempfile.mkdtemp()) / "p.jsonl"
+        >>> _ = f.write_text('{"prompt": "hi", "id": 1}\\n{"text": "x"}\\n')
+        >>> read_prompts(str(f))
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a string "prompt" field
+    """
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserInputError(f"--input-file: '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise UserInputError(f"--input-file: '{path}' is a directory; expected a file of prompts") from None
+    except UnicodeDecodeError as exc:
+        raise UserInputError(f"--input-file: '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if file.suffix.lower() not in (".jsonl", ".json"):
+        return [{"prompt": line} for line in lines if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a string "
+                                 "\"prompt\" field")
+        records.append(record)
+    return records
+
+
+def decode(loaded: Loaded, ids, args, draft=None) -> tuple[object, list[str]]:
+    """Decode after prompt ``ids [1, n]`` as ``args`` say; returns the prompt and new tokens and the lines for stderr.
+
+    With ``draft``: speculative rounds, measured on the first ones (:class:`~neutrain.speculative.payoff.Probe`);
+    a draft that does not pay is dropped and plain decoding continues from the committed tokens (the same law).
+    """
+    import torch  # lazy: `neutrain --help` stays instant
+
+    from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
+    from neutrain.speculative import generate  # lazy: same reason
+    from neutrain.speculative.payoff import Probe, round_cost  # lazy: same reason
+
+    model, tokenizer = loaded.model, loaded.tokenizer
     torch.manual_seed(args.seed)
+    truncated = args.top_k or args.top_p < 1.0
+    if draft is None or (truncated and args.temperature > 0):
+        notes = ["[--top-k/--top-p: speculative verification samples the untruncated law; decoding without the "
+                 "draft]"] if draft is not None else []
+        return _plain(model, ids, args, tokenizer), notes
+    scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
+    # The rounds run on decode engines (one CUDA graph and one host sync per round) when both models
+    # have only full-attention layers; otherwise on growing DynamicCaches, with the same output law.
+    engine = static_cache_refusal(model) is None and static_cache_refusal(draft) is None
+    probe = Probe(round_cost(model, [draft], args.draft_len))
+    res = generate(model, draft, ids.to(next(model.parameters()).device), num_drafts=args.num_drafts,
+                   draft_len=args.draft_len, scheme=scheme, temperature=args.temperature,
+                   max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                   generator=torch.Generator().manual_seed(args.seed), engine=engine, keep_going=probe)
+    out = res.sequences
+    if not res.stopped:
+        return out, [f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, "
+                     f"acceptance {res.stats.acceptance:.2f}]"]
+    rest = args.max_new_tokens - (out.shape[1] - ids.shape[1])
+    return _plain(model, out.cpu(), args, tokenizer, max_new_tokens=rest), [probe.line(args.draft_len, res.stats.acceptance)]
+
+
+def run(args) -> int:
+    """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation(s)."""
+    import torch  # lazy: `neutrain --help` stays instant
+
+    check_arguments(args)
+    records = read_prompts(args.input_file) if args.input_file else None  # before the model loads
+
+    from neutrain.data.chat import prompt_ids  # lazy: same reason
+    from neutrain.export import load_checkpoint_model  # lazy: same reason
+
+    loaded = load_for_generation(args)
+    draft = None
     if args.draft:
         draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
-        draft = draft.to(next(model.parameters()).device)
-        scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
-        # The rounds run on decode engines (one CUDA graph and one host sync per round) when both models
-        # have only full-attention layers; otherwise on growing DynamicCaches, with the same output law.
-        engine = static_cache_refusal(model) is None and static_cache_refusal(draft) is None
-        res = generate(model.eval(), draft.eval(), ids.to(next(model.parameters()).device), num_drafts=args.num_drafts, draft_len=args.draft_len, scheme=scheme,
-                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                       generator=torch.Generator().manual_seed(args.seed), engine=engine)
-        out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
-    else:
-        out, note = _plain(model.eval(), ids, args, tokenizer), ""
-    print(tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True))
-    if note:
-        print(note, file=sys.stderr)
-    if where:  # on a GPU: what the generation took, beside the budget the note named
+        draft = draft.to(next(loaded.model.parameters()).device).eval()
+    for i, record in enumerate(records or [{"prompt": args.prompt}]):
+        ids = torch.tensor([prompt_ids(loaded.tokenizer, record["prompt"], raw=not loaded.use_template)])
+        if i == 0:
+            print(f"[{loaded.why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
+        check_context(loaded.model, ids.shape[1], args.max_new_tokens)
+        out, notes = decode(loaded, ids, args, draft)
+        text = loaded.tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True)
+        print(text if records is None else json.dumps({**record, "output": text}, ensure_ascii=False), flush=True)
+        for note in notes:
+            print(note, file=sys.stderr)
+    if loaded.where:  # on a GPU: what the generation took, beside the budget the note named
         from neutrain.cli.placement import peak_line  # lazy: same reason
 
         print(peak_line(), file=sys.stderr)
@@ -181,28 +307,31 @@ def _load_gguf(path: Path):
     return (model.cuda() if cuda else model), tokenizer
 
 
-def _plain(model, ids, args, tokenizer):
+def _plain(model, ids, args, tokenizer, max_new_tokens: int | None = None):
     """Autoregressive decoding in neutrain's decode engine (static cache, sampling on the device, a CUDA
     graph per token on a GPU): greedy equals Hugging Face's ``generate`` token for token, and T > 0 draws
-    from the model's own ``softmax(logits / T)`` (no top-k or top-p). Models the engine cannot hold
-    (sliding-window attention) go through ``model.generate``."""
+    from the model's own ``softmax(logits / T)``, truncated by ``--top-k`` and ``--top-p`` as transformers'
+    warpers do. Models the engine cannot hold (sliding-window attention) go through ``model.generate``."""
     from neutrain.speculative import (
         DecodeEngine,  # lazy: `neutrain --help` stays instant
     )
 
     from neutrain.nn.weight_offload_model import weight_store  # lazy: same reason
 
+    new = args.max_new_tokens if max_new_tokens is None else max_new_tokens
     streamed = weight_store(model) is not None
     # Generation never trains: frozen, the engine fuses each layer's Q/K/V and gate/up projections into
     # one GEMV each (neutrain.eval.fused_projections). Streamed layers keep their own storage.
     model.requires_grad_(False)
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.
-        engine = DecodeEngine(model, max_len=ids.shape[1] + args.max_new_tokens, seed=args.seed,
-                              cuda_graph=False if streamed else None)
+        engine = DecodeEngine(model, max_len=ids.shape[1] + new, seed=args.seed, cuda_graph=False if streamed else None)
     except ValueError:
-        kwargs = {"do_sample": args.temperature > 0, **({"temperature": args.temperature} if args.temperature > 0 else {})}
-        return model.generate(ids.to(next(model.parameters()).device), max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
+        # top_k 0 and top_p 1.0 stated: a model's generation_config may default to others (top_k 50).
+        kwargs = ({"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+                  if args.temperature > 0 else {"do_sample": False})
+        return model.generate(ids.to(next(model.parameters()).device), max_new_tokens=new,
+                              pad_token_id=tokenizer.pad_token_id, **kwargs).cpu()
     device = next(model.parameters()).device
-    return engine.generate(ids.to(device), args.max_new_tokens, temperature=args.temperature,
+    return engine.generate(ids.to(device), new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0).cpu()

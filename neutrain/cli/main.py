@@ -6,7 +6,8 @@
     neutrain export <checkpoint> --format hf|neuzip|neuzip-lossy-<k> [--output DIR]  # inference export
     neutrain estimate <recipe> [overrides]                      # predict peak GPU memory, loading nothing
     neutrain distill  <recipe> [overrides]                      # distil a draft from the trained target
-    neutrain generate <model> --prompt TEXT [--draft DIR]       # (speculative) sampling
+    neutrain generate <model> --prompt TEXT [--draft DIR]       # (speculative) sampling; --input-file FILE for many
+    neutrain chat     <model>                                   # a conversation on stdin, the model loaded once
     neutrain recipes                                            # list shipped recipes
 
 Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
@@ -24,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from neutrain.cli import distill, estimate, export, generate, recipes, train
+from neutrain.cli import chat, distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
@@ -34,7 +35,7 @@ from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_err
 EXIT_USER_ERROR = 2
 
 COMMANDS = {"train": train, "eval": eval_command, "export": export, "estimate": estimate, "distill": distill,
-            "generate": generate, "recipes": recipes}
+            "generate": generate, "chat": chat, "recipes": recipes}
 """Each command is one module of this package with ``configure(subparsers)`` and ``run(args) -> exit code``."""
 
 
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         if os.environ.get("NEUTRAIN_DEBUG") == "1":
             raise
-        print_error(one_line(exc))
+        if not getattr(exc, "main_rank_only", False) or os.environ.get("RANK", "0") == "0":
+            print_error(one_line(exc))  # a refusal every process of a launch reaches is said once, by the first
         return EXIT_USER_ERROR
     except StoppedBySignal as exc:  # SIGTERM/SIGINT: the checkpoint is saved (neutrain.trainer.signals)
         print_error(str(exc))

@@ -191,7 +191,8 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
 
 
 def phase_lines(summary: dict[str, Any]) -> list[str]:
-    """The summary's short table: each phase's measured peaks beside the planner's prediction (GiB).
+    """The summary's short table: each phase's measured peaks beside the planner's prediction (GiB); none when no
+    phase was measured (a CPU run).
 
     Example:
         >>> for line in phase_lines({"phase_memory": {"save": {"phase": "save", "runs": 1, "peak_allocated_gib": 12.0,
@@ -203,8 +204,13 @@ def phase_lines(summary: dict[str, Any]) -> list[str]:
     def cell(value: float | None, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
 
+    phases = summary.get("phase_memory") or {}
+    if not any(e.get("peak_reserved_gib") is not None for e in phases.values()):
+        # Nothing measured (a CPU run has no device allocator): a table of dashes beside GPU predictions says
+        # nothing about this run, whose memory is the summary's process RSS.
+        return []
     rows = []
-    for name, e in (summary.get("phase_memory") or {}).items():
+    for name, e in phases.items():
         if e.get("peak_reserved_gib") is None and e.get("predicted_reserved_gib") is None:
             continue
         rows.append(f"  {name:<14}{cell(e.get('peak_allocated_gib'), 10)}{cell(e.get('peak_reserved_gib'), 10)}"

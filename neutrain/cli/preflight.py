@@ -118,13 +118,38 @@ def check_launch(num_processes: int, cuda_available: bool, environ: Mapping[str,
     if world <= num_processes:
         return
     if not cuda_available:
-        raise UserInputError(
+        refusal = UserInputError(
             f"the launch started {world} processes, but each runs alone: this machine has no GPU for the launch "
             "configuration's GPU processes. On a CPU, train in one process (`neutrain <recipe>`), or in "
             f"{world} CPU processes (`torchrun --nproc_per_node {world} -m neutrain <recipe>`)")
+        refusal.main_rank_only = True  # every process finds it: the launch's first one says it
+        raise refusal
     raise UserInputError(f"the launch started {world} processes (WORLD_SIZE), but this one sees a run of "
                          f"{num_processes}: the processes disagree on the launch. Check the launch configuration "
                          "(num_processes, distributed_type) and that every process sees its GPU")
+
+
+def cpu_processes(environ: Mapping[str, str], cuda_available: bool) -> bool:
+    """True for processes a plain launcher (``torchrun``) started on a machine without GPUs: they train together
+    on the CPU (gloo), as ``train.use_cpu: true`` makes them.
+
+    Why: the README's ``torchrun --nproc_per_node 2 -m neutrain recipes/default.yaml`` was refused ("each runs
+    alone"): Accelerate joins launched processes on the CPU only when told to use it, and the shipped recipes
+    do not say so. An ``accelerate launch`` of a GPU configuration (Accelerate's variables set) is still
+    refused by :func:`check_launch`: it asked for GPUs.
+
+    Example:
+        >>> cpu_processes({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, cuda_available=False)
+        True
+        >>> cpu_processes({"WORLD_SIZE": "2", "LOCAL_RANK": "0", "ACCELERATE_MIXED_PRECISION": "no"}, cuda_available=False)
+        False
+    """
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    accelerate = any(name.startswith("ACCELERATE_") for name in environ)
+    return world > 1 and "LOCAL_RANK" in environ and not cuda_available and not accelerate
 
 
 def check_weight_offload_device(memory: Mapping[str, Any], use_cpu: bool, cuda_available: bool) -> None:

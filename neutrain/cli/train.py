@@ -23,12 +23,14 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
+from neutrain.cli.advice import warn_about_settings
 from neutrain.cli.after_training import RunContext, after_training
 from neutrain.cli.checkpoints import check_vocabulary
 # Where `neutrain eval`, scripts and tests have always found them:
 from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
 from neutrain.cli.memory import fit_memory, settle_weights
-from neutrain.cli.preflight import check_launch, check_long_context_prompts, check_weight_offload_device, preflight
+from neutrain.cli.preflight import (check_launch, check_long_context_prompts, check_weight_offload_device, cpu_processes,
+                                    preflight)
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
 from neutrain.errors import StoppedBySignal
@@ -151,6 +153,8 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     # memory.weights: auto, where no fit ran before (a trainer built from Python): resolved against this machine.
     recipe = settle_weights(recipe, logger.info if state.is_main_process else None, state.num_processes)
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
+    if state.is_main_process:
+        warn_about_settings(recipe)  # e.g. a from-scratch learning rate on a pretrained model
     if state.is_main_process:  # one run per output_dir (taken already when it existed: neutrain.trainer.run_state)
         from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
 
@@ -301,7 +305,10 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Train ``args.recipe`` with ``args.overrides``: the whole default run (see :func:`train_from_recipe`)."""
-    recipe = load_recipe(args.recipe, args.overrides)
+    overrides = list(args.overrides)
+    if cpu_processes(os.environ, _cuda_available()):  # `torchrun --nproc_per_node N -m neutrain <recipe>` on a CPU
+        overrides.append("train.use_cpu=true")
+    recipe = load_recipe(args.recipe, overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
     # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.
     check_weight_offload_device(recipe.memory, recipe.train["use_cpu"], _cuda_available())

@@ -108,10 +108,11 @@ def template_choice(tokenizer, trained_with_template: bool | None, raw: bool = F
     return True, "chat template: the model's own (it was trained with it)"
 
 
-def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+def prompt_ids(tokenizer, prompt: str | list[dict], raw: bool = False) -> list[int]:
     """Token ids for a generation prompt: one user turn in the chat template plus the assistant header.
 
-    ``raw`` (or a tokenizer without a chat template) tokenizes the text as it is.
+    ``raw`` (or a tokenizer without a chat template) tokenizes the text as it is. ``prompt`` may also be a
+    conversation, ``[{"role": ..., "content": ...}, ...]`` ending with a user turn (``neutrain chat``).
 
     Example:
         >>> from neutrain.data import byte_tokenizer
@@ -122,9 +123,10 @@ def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> list[int]:
         'hi'
     """
     if raw or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(prompt)["input_ids"])
+        return list(tokenizer(prompt if isinstance(prompt, str) else prompt[-1]["content"])["input_ids"])
     check_template_bounds(tokenizer, "the model's chat template")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # The template writes its own BOS/special tokens: adding them again would double them.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -44,6 +44,7 @@ from neutrain.compat.static_cache import (
 )
 from neutrain.eval.fused_projections import fuse_projections, projection_fusion
 from neutrain.eval.gemv import GemvDispatch
+from neutrain.eval.truncation import check_truncation, truncate
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -69,9 +70,12 @@ def allowed_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, generator: torch.Generator | None):
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, generator: torch.Generator | None,
+                  top_k: int = 0, top_p: float = 1.0):
     """Next tokens ``[B]`` from ``logits [B, V]``: argmax if ``temperature`` is None, else a draw from
-    ``softmax(logits / temperature)`` (exponential race in float64; no host synchronisation).
+    ``softmax(logits / temperature)`` (exponential race in float64; no host synchronisation), truncated to the
+    top ``top_k`` tokens and the ``top_p`` nucleus first when asked (:mod:`neutrain.eval.truncation`: as
+    transformers does, on the float32 scores).
 
     Example:
         >>> import torch
@@ -81,7 +85,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, genera
     if temperature is None:
         return logits.argmax(-1)
     race = torch.empty(logits.shape, dtype=torch.float64, device=logits.device).exponential_(generator=generator)
-    return (logits.to(torch.float64) / temperature - race.log()).argmax(-1)
+    if top_k or top_p < 1.0:
+        scores = truncate(logits.float() / temperature.float(), top_k, top_p).to(torch.float64)
+    else:
+        scores = logits.to(torch.float64) / temperature
+    return (scores - race.log()).argmax(-1)
 
 
 @functools.cache
@@ -153,7 +161,8 @@ class DecodeEngine:
         self._columns = torch.arange(self.max_len, device=self.device)
         self._temperature = torch.ones((), dtype=torch.float64, device=self.device)
         self._greedy = True
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._truncation = (0, 1.0)  # (top_k, top_p) of the sampling mode; (0, 1.0) = none
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.host_length = 0  # the same length, counted on the host (no synchronisation needed)
         if fuse is None:
@@ -191,10 +200,12 @@ class DecodeEngine:
             )
         return out.logits[:, -1:] if last_only else out.logits
 
-    def _set_mode(self, temperature: float) -> None:
+    def _set_mode(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_truncation(top_k, top_p)
         self._greedy = temperature == 0
+        self._truncation = (top_k, float(top_p))
         if not self._greedy:
             self._temperature.fill_(float(temperature))
 
@@ -203,7 +214,7 @@ class DecodeEngine:
         if self.logits is None:
             self.logits = torch.empty(logits.shape, dtype=torch.float32, device=self.device)
         self.logits.copy_(logits)
-        nxt = sample_tokens(self.logits, None if self._greedy else self._temperature, self.generator)
+        nxt = sample_tokens(self.logits, None if self._greedy else self._temperature, self.generator, *self._truncation)
         self.tokens.index_copy_(1, index, nxt[:, None])
 
     # --- cache surgery for speculative decoding (host-known lengths, device-side copies) ---
@@ -236,8 +247,9 @@ class DecodeEngine:
     # --- public API ---
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
-        """Start a new sequence: cache ``input_ids [batch, n]`` and sample the first new token.
+    def prefill(self, input_ids: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """Start a new sequence: cache ``input_ids [batch, n]`` and sample the first new token (``top_k`` and
+        ``top_p`` truncate the sampling law at T > 0, as transformers' warpers do).
 
         Returns the new tokens ``[batch]`` (a view of the token buffer, still on the device).
         """
@@ -246,7 +258,7 @@ class DecodeEngine:
         n = input_ids.shape[1]
         if not 1 <= n < self.max_len:
             raise ValueError(f"a prompt of {n} tokens does not leave room in max_len={self.max_len}")
-        self._set_mode(temperature)
+        self._set_mode(temperature, top_k, top_p)
         set_static_cache_length(self.cache, 0)
         self.tokens[:, :n].copy_(input_ids)
         positions = self._columns[:n]
@@ -269,7 +281,7 @@ class DecodeEngine:
         if self.host_length + 1 >= self.max_len:
             raise ValueError(f"the sequence would exceed max_len={self.max_len}")
         if self.use_graph:
-            graph = self._graphs.get(self._greedy)
+            graph = self._graphs.get(self._mode_key())
             if graph is None:
                 with allowed_sync():  # once per engine and mode: capture synchronises the device
                     graph = self._capture()
@@ -278,6 +290,10 @@ class DecodeEngine:
             self._step_body()
         self.host_length += 1
         return self.tokens[:, self.host_length]
+
+    def _mode_key(self) -> tuple:
+        """One captured graph per sampling mode: greedy, or sampling with its truncation (baked into the graph)."""
+        return (True,) if self._greedy else (False, *self._truncation)
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Capture :meth:`_step_body` for the current sampling mode (the state is left as it was)."""
@@ -295,7 +311,7 @@ class DecodeEngine:
         register_graph_generator(graph, self.generator)
         with torch.cuda.graph(graph, pool=self._pool):
             self._step_body()  # recorded, not run: the state is still ``start``
-        self._graphs[self._greedy] = graph
+        self._graphs[self._mode_key()] = graph
         return graph
 
     @torch.no_grad()
@@ -320,6 +336,8 @@ class DecodeEngine:
         eos_token_id: int | None = None,
         pad_token_id: int = 0,
         check_every: int = 32,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> torch.Tensor:
         """Prompt plus up to ``max_new_tokens`` tokens, ``[batch, n + new]`` on the model's device.
 
@@ -331,7 +349,7 @@ class DecodeEngine:
         n = input_ids.shape[1]
         if max_new_tokens < 1 or n + max_new_tokens > self.max_len:
             raise ValueError(f"{n} prompt + {max_new_tokens} new tokens do not fit max_len={self.max_len}")
-        self.prefill(input_ids, temperature)
+        self.prefill(input_ids, temperature, top_k, top_p)
         self.decode_after_prefill(n, max_new_tokens, eos_token_id, check_every)
         out = self.tokens[:, : self.host_length + 1].clone()
         if eos_token_id is None:

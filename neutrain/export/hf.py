@@ -164,6 +164,27 @@ def densify(model):
     return dense.eval()
 
 
+CARD_FACTS = (("base_model", "base model"), ("distilled_from", "distilled from"), ("recipe", "recipe"),
+              ("checkpoint", "checkpoint"), ("steps", "steps"), ("final_loss", "final training loss"),
+              ("heldout_perplexity", "held-out perplexity"), ("acceptance", "acceptance rate alpha"))
+"""The model card's "Training" facts, in order, as ``info`` keys and the words the card uses."""
+
+
+def training_facts(info: dict[str, Any]) -> list[str]:
+    """The card's "Training" lines for the facts ``info`` holds; none, and no section, when it holds none.
+
+    Example:
+        >>> training_facts({"steps": 240, "final_loss": 4.676325607, "name": "x"})
+        ['- steps: 240', '- final training loss: 4.676']
+    """
+    lines = []
+    for key, label in CARD_FACTS:
+        value = info.get(key)
+        if value is not None and value != "":
+            lines.append(f"- {label}: {value:.4g}" if isinstance(value, float) else f"- {label}: {value}")
+    return lines
+
+
 def _model_card(model, info: dict[str, Any]) -> str:
     n = sum(p.numel() for p in model.parameters())
     lines = [
@@ -173,16 +194,14 @@ def _model_card(model, info: dict[str, Any]) -> str:
         "---",
         f"# {info.get('name', 'neutrain export')}",
         "",
-        f"A {type(model).__name__} with {n / 1e6:.1f}M parameters, fine-tuned with neutrain and exported as dense "
+        f"A {type(model).__name__} with {n / 1e6:.1f}M parameters, trained with neutrain and exported as dense "
         f"{str(model.dtype).replace('torch.', '')} safetensors.",
         "",
-        "## Training",
     ]
-    for key in ("base_model", "recipe", "steps", "final_loss", "heldout_perplexity"):
-        if info.get(key) is not None:
-            lines.append(f"- {key.replace('_', ' ')}: {info[key]}")
+    facts = training_facts(info)
+    if facts:  # an empty heading read as a card whose writer forgot the run
+        lines += ["## Training", *facts, ""]
     lines += [
-        "",
         "## Use",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",

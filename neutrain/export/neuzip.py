@@ -42,6 +42,7 @@ from neutrain.storage.manifest import write_manifest
 from neutrain.compress import compress
 from neutrain.compress.layout import LOSSY_MANTISSA_BITS
 from neutrain.errors import UserInputError
+from neutrain.export.hf import training_facts
 from neutrain.export.target import EXPORT_INFO, check_export_target, staged_export
 from neutrain.nn.convert import default_targets
 from neutrain.nn.weight_offload_model import write_safetensors as write_one_file
@@ -173,6 +174,7 @@ def _model_card(model, mantissa_bits: int | None, info: dict) -> str:
         "---", "library_name: transformers", "tags: [neutrain, neuzip, causal-lm]", "---",
         f"# {info.get('name', 'neutrain NeuZip export')}", "",
         f"A {type(model).__name__} exported by neutrain with NeuZip-compressed weights, {mode}.", "",
+        *(["## Training", *facts, ""] if (facts := training_facts(info)) else []),
         "## Use", "",
         "`import neutrain` registers the `neuzip` quantizer with transformers; without it this folder",
         "does not load (transformers reports a size mismatch for every compressed weight).", "",

@@ -24,6 +24,7 @@ which is the target's greedy decode token for token.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,8 +65,11 @@ class SpeculativeStats:
 
 @dataclass
 class SpeculativeOutput:
+    """The prompt and new tokens, the counters, and whether ``keep_going`` stopped the rounds early."""
+
     sequences: torch.Tensor
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    stopped: bool = False
 
 
 def warp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -146,6 +150,7 @@ def generate(
     generator: torch.Generator | None = None,
     top_s: int = 5,
     engine: bool = False,
+    keep_going: Callable[[SpeculativeStats], bool] | None = None,
 ) -> SpeculativeOutput:
     """Exact speculative sampling from ``target`` with one or several drafts (batch 1).
 
@@ -168,6 +173,10 @@ def generate(
         engine: keep the target's and the drafts' KV caches in static
             :class:`~neutrain.eval.engine.DecodeEngine` caches (models with
             full-attention layers) instead of growing ``DynamicCache`` s.
+        keep_going: called with the stats after each round; False ends the
+            rounds there (``stopped`` in the output), with every committed token
+            kept: e.g. :class:`~neutrain.speculative.payoff.Probe`, which stops a
+            draft that does not pay, so the caller decodes the rest without it.
 
     Returns:
         :class:`SpeculativeOutput` with ``sequences`` (prompt + new tokens) and stats.
@@ -194,7 +203,7 @@ def generate(
 
     if engine:
         return _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme, temperature,
-                                    draft_temperature, max_new_tokens, eos_token_id, generator, top_s)
+                                    draft_temperature, max_new_tokens, eos_token_id, generator, top_s, keep_going)
     device = model_device(target)
     seq = input_ids[0].tolist()
     prompt_len = len(seq)
@@ -207,8 +216,9 @@ def generate(
     # microseconds each, where on a GPU every step would be a launch plus a sync.
     host_generator = _generator_on(generator, torch.device("cpu"))
     generator = _generator_on(generator, torch.device(device))
+    stopped = False
 
-    while not _finished(seq, prompt_len, max_new_tokens, eos_token_id):
+    while not stopped and not _finished(seq, prompt_len, max_new_tokens, eos_token_id):
         n = len(seq)
         drafts, dists = [], []  # drafts[k] = token list; dists[k][t] = q row draft k sampled token t from
         for state in states:
@@ -236,8 +246,10 @@ def generate(
             best = max(matched, key=matched.get)
             state.keep(best if len(states) == 1 else 0, n, matched[best], draft_len)
         seq.extend(committed)
+        stopped = keep_going is not None and not keep_going(stats)
     seq = seq[: prompt_len + max_new_tokens]
-    return SpeculativeOutput(torch.tensor(seq, device=input_ids.device)[None], stats)
+    return SpeculativeOutput(torch.tensor(seq, device=input_ids.device)[None], stats,
+                             stopped and not _finished(seq, prompt_len, max_new_tokens, eos_token_id))
 
 
 def _law(logits: torch.Tensor, temperature: float):
@@ -277,7 +289,7 @@ def _rounds_for(target, models: list, k_drafts: int, draft_len: int, room: int) 
 
 
 def _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme, temperature, draft_temperature,
-                         max_new_tokens, eos_token_id, generator, top_s) -> SpeculativeOutput:
+                         max_new_tokens, eos_token_id, generator, top_s, keep_going=None) -> SpeculativeOutput:
     """``generate(..., engine=True)``: device-resident rounds, one host synchronisation each.
 
     At T = 0, and for SpecTr and importance sampling, the draft and verify laws come to the host as
@@ -293,8 +305,8 @@ def _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme,
     on_device = temperature > 0 and scheme in DEVICE_SCHEMES  # SD/SpecInfer: the walk in the round's graph
     rounds.start(input_ids, temperature, draft_temperature, seed, walk_on_device=on_device)
     paths = [[1 + k * draft_len + depth for depth in range(draft_len)] for k in range(k_drafts)]
-    stats, made, ended = SpeculativeStats(), 0, False
-    while made < max_new_tokens and not ended:
+    stats, made, ended, stopped = SpeculativeStats(), 0, False, False
+    while made < max_new_tokens and not ended and not stopped:
         if on_device:
             walked = rounds.run_walk()
             count, chain, verified, accepted = walked[draft_len + 1 :]
@@ -310,5 +322,6 @@ def _generate_on_engines(target, models, input_ids, k_drafts, draft_len, scheme,
         stats.draft_calls += draft_len * len(models)
         committed = _count(stats, result, eos_token_id)
         made, ended = made + len(committed), eos_token_id is not None and committed[-1] == eos_token_id
+        stopped = keep_going is not None and not keep_going(stats)
     out = rounds.finish(prompt_len + min(made, max_new_tokens))
-    return SpeculativeOutput(out.to(input_ids.device), stats)
+    return SpeculativeOutput(out.to(input_ids.device), stats, stopped and not ended and made < max_new_tokens)

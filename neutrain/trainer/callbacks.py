@@ -71,13 +71,17 @@ class PlotCallback(TrainerCallback):
     """Plot loss (train and held-out), learning rate and peak memory per step to ``training_curves.png``.
 
     Drawn at the end of training and again after each evaluation, so the held-out loss of
-    the evaluation that follows training is in the picture too.
+    the evaluation that follows training is in the picture too. ``names``: what the two losses are
+    (the trainer's ``loss_names``).
     """
+
+    def __init__(self, names: tuple[str, str] = ("loss", "held-out loss")):
+        self.names = names
 
     def _plot(self, args, state):
         if state.is_world_process_zero:
             out = args.output_dir
-            plot_metrics(check_output(Path(out) / METRICS_FILE, out), check_output(Path(out) / PLOT_FILE, out))
+            plot_metrics(check_output(Path(out) / METRICS_FILE, out), check_output(Path(out) / PLOT_FILE, out), self.names)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._plot(args, state)
@@ -118,47 +122,71 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [by_step[k] for k in sorted(by_step, key=lambda k: (k[1], k[0]))]
 
 
-def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> str | None:
-    """Draw loss (train, held-out), learning rate and peak memory side by side; returns the PNG path (None: no data)."""
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike,
+                 names: tuple[str, str] = ("loss", "held-out loss")) -> str | None:
+    """Draw loss (train, held-out), learning rate and peak memory side by side; returns the PNG path.
+
+    None, and no file, when the metrics hold no training step: an evaluation alone (``neutrain eval``) is
+    one number, which its own output prints; drawn, it was one point beside two empty panels.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    everything = read_metrics(metrics_path)
+    fig = draw_metrics(read_metrics(metrics_path), names)
+    if fig is None:
+        return None
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return str(png_path)
+
+
+def _legend_below(ax) -> None:
+    """The axes' legend under its x label, outside the data: inside, "best" still covered a line that spans the
+    whole width (a flat memory curve sat under the legend on the top border)."""
+    labels = ax.get_legend_handles_labels()[1]
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if max(map(len, labels)) > 24 else 2, frameon=False)
+
+
+def draw_metrics(everything: list[dict], names: tuple[str, str] = ("loss", "held-out loss")):
+    """The figure of :func:`plot_metrics` for metrics records (:func:`read_metrics`); None without a training step."""
+    import matplotlib.pyplot as plt
+
     records = [r for r in everything if "loss" in r]
     evals = [r for r in everything if "eval_loss" in r]
-    if not records and not evals:
+    if not records:
         return None
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_lr, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
-    if records:
-        ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
+    fig, (ax_loss, ax_lr, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
+    ax_loss.plot(steps, [r["loss"] for r in records], label=f"train {names[0]}" if names[0] == "loss" else names[0])
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label=names[1])
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
-    ax_loss.legend()
+    _legend_below(ax_loss)
     ax_loss.grid(alpha=0.3)
     lrs = [(r["step"], r["learning_rate"]) for r in records if isinstance(r.get("learning_rate"), (int, float))]
     if lrs:
         ax_lr.plot(*zip(*lrs), color="tab:green", label="learning rate")
-        ax_lr.legend()
+        _legend_below(ax_lr)
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)
+    highest = 0.0
     for key, label in (("peak_memory_gib", "peak GPU allocated"), ("peak_reserved_gib", "peak GPU reserved"), ("peak_rss_gib", "peak process RSS")):
         values = [r.get(key) for r in records]
-        if any(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in values):
-            ax_mem.plot(steps, values, label=label)
+        drawn = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+        if drawn:
+            ax_mem.plot(steps, [v if v is not None else math.nan for v in values], label=label)
+            highest = max(highest, *drawn)
     ax_mem.set_xlabel("step")
     ax_mem.set_ylabel("GiB")
-    ax_mem.set_ylim(bottom=0)  # from 0: a run flat at 1.08 GiB looked like a 20x swing on a 0.02 GiB axis
+    # From 0: a run flat at 1.08 GiB looked like a 20x swing on a 0.02 GiB axis; with a fifth of headroom
+    # above the highest point, so a flat line does not lie on the top border.
+    ax_mem.set_ylim(bottom=0, top=highest * 1.2 if highest > 0 else None)
     if ax_mem.get_lines():  # a run that logged no memory (the draft's distillation) has no legend to draw
-        ax_mem.legend()
+        _legend_below(ax_mem)
     ax_mem.grid(alpha=0.3)
     fig.suptitle("neutrain: loss, learning rate and memory")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return str(png_path)
+    return fig

@@ -21,6 +21,8 @@ import torch
 from neutrain.distill.losses import DIVERGENCES, token_acceptance, token_divergence
 from neutrain.trainer import NeuTrainer
 
+DIVERGENCE_NAMES = {"fkl": "forward KL", "rkl": "reverse KL", "tvd": "total variation", "jsd": "JSD"}
+
 
 class DistillationTrainer(NeuTrainer):
     """Distil ``model`` (the draft) from ``teacher_model`` (the target).
@@ -59,6 +61,10 @@ class DistillationTrainer(NeuTrainer):
     ):
         if divergence not in DIVERGENCES:
             raise ValueError(f"unknown divergence {divergence!r}; expected one of {DIVERGENCES}")
+        # Before NeuTrainer builds its progress callback, which names the losses: the draft's loss is a
+        # divergence from the target, printed beside the target's cross-entropy but not comparable with it.
+        name = f"distillation loss ({DIVERGENCE_NAMES[divergence]} to the target)"
+        self.loss_names = (name, f"held-out {name}")
         super().__init__(*args, **kwargs)
         self.teacher_model = teacher_model.eval().requires_grad_(False)
         self.divergence, self.temperature, self.jsd_beta = divergence, temperature, jsd_beta

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
+import time
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
@@ -52,11 +53,13 @@ def mark_skipped_window(logs: dict, log_history: list[dict], step: int) -> None:
         logs["skipped_loss"], logs["loss"] = logs["loss"], float("nan")
 
 
-def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) -> str:
+def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0,
+                    names: tuple[str, str] = ("loss", "held-out loss")) -> str:
     """One log event as a line: the step, then loss, held-out loss, learning rate, grad norm, speed and memory.
 
     Empty when the event carries none of these (e.g. only evaluation timings). ``first_step``: the step this
-    launch started from (a resumed run's checkpoint step).
+    launch started from (a resumed run's checkpoint step). ``names``: what the training and the held-out loss
+    are (a draft's are distillation losses, not comparable with its target's cross-entropy).
 
     Example:
         >>> format_log_line({"train_runtime": 258.1, "train_loss": 2.685}, step=5, max_steps=5, first_step=4)
@@ -72,11 +75,14 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) 
             # resumed ones too: one step after a resume at 4 read 2.685 for a loss of 13.43 (the 70B recipe).
             loss = loss * step / (step - first_step)
             steps = f" (step {step})" if step - first_step == 1 else f" (steps {first_step + 1}-{step})"
-        return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean train loss {_num(loss)}{steps}"
+        name = "train loss" if names[0] == "loss" else names[0]
+        return f"{parts[0]}  training done in {logs['train_runtime']:.1f} s, mean {name} {_num(loss)}{steps}"
     if "loss" in logs:
-        parts.append(f"loss {_num(logs['loss'])}")
+        parts.append(f"{names[0]} {_num(logs['loss'])}")
     if "eval_loss" in logs:
-        parts.append(f"held-out loss {_num(logs['eval_loss'])}")
+        parts.append(f"{names[1]} {_num(logs['eval_loss'])}")
+    if "eval_acceptance" in logs:
+        parts.append(f"acceptance alpha {logs['eval_acceptance']:.3f}")
     if "learning_rate" in logs:
         parts.append(f"lr {_num(logs['learning_rate'])}")
     if logs.get("grad_norm") is not None:
@@ -94,20 +100,60 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) 
     return "  ".join(parts) if len(parts) > 1 else ""
 
 
-class LabelledProgressCallback(TrainerCallback):
-    """Progress bars named after what they count (``label`` for training, "held-out eval"), and readable log lines."""
+def format_duration(seconds: float) -> str:
+    """A duration as a log line shows it: ``45s``, ``3m05s``, ``2h07m``.
 
-    def __init__(self, label: str = "training", bars: bool = True):
-        self.label, self.bars = label, bars
+    Example:
+        >>> format_duration(44.6), format_duration(185), format_duration(7620)
+        ('45s', '3m05s', '2h07m')
+    """
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def timing_suffix(elapsed: float, step: int, first_step: int, max_steps: int) -> str:
+    """``elapsed 3m05s  ETA 1m10s`` for a training line written without a progress bar (a log file, a pipe).
+
+    The rate is this launch's: steps since ``first_step`` (a resumed run's checkpoint) over the time since its
+    training began. No ETA before a step is done or once the last one is.
+
+    Example:
+        >>> timing_suffix(60.0, step=30, first_step=10, max_steps=50)
+        'elapsed 1m00s  ETA 1m00s'
+    """
+    text = f"elapsed {format_duration(elapsed)}"
+    done = step - first_step
+    if done > 0 and 0 < step < max_steps:
+        text += f"  ETA {format_duration(elapsed / done * (max_steps - step))}"
+    return text
+
+
+class LabelledProgressCallback(TrainerCallback):
+    """Progress bars named after what they count (``label`` for training, "held-out eval"), and readable log lines.
+
+    A resumed run's bar starts at the checkpoint's step. Without bars (stderr is a log file or a pipe), each
+    training line carries the elapsed time and an ETA instead, which the bar would have shown.
+    """
+
+    def __init__(self, label: str = "training", bars: bool = True, names: tuple[str, str] = ("loss", "held-out loss")):
+        self.label, self.bars, self.names = label, bars, names
         self.training_bar = None
         self.prediction_bar = None
         self.current_step = 0
         self.first_step = 0  # the step this launch started from (a resumed run's)
+        self.started: float | None = None  # when this launch's training began (monotonic clock)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.bars:
-            self.training_bar = tqdm(total=state.max_steps, desc=self.label, unit="step", dynamic_ncols=True)
+            # From the resumed step: a bar back at 0/200 read as a run that had lost its checkpoint.
+            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.label, unit="step",
+                                     dynamic_ncols=True)
         self.current_step = self.first_step = state.global_step
+        self.started = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.max_steps and state.global_step >= state.max_steps:
@@ -135,7 +181,10 @@ class LabelledProgressCallback(TrainerCallback):
         self._close_prediction_bar()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        line = format_log_line(logs or {}, state.global_step, state.max_steps, self.first_step)
+        logs = logs or {}
+        line = format_log_line(logs, state.global_step, state.max_steps, self.first_step, self.names)
+        if line and "loss" in logs and not self.bars and self.started is not None:
+            line += "  " + timing_suffix(time.monotonic() - self.started, state.global_step, self.first_step, state.max_steps)
         if state.is_world_process_zero and line:  # an event with none of these numbers prints nothing
             (self.training_bar.write if self.training_bar is not None else tqdm.write)(line)
 

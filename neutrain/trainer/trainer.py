@@ -139,6 +139,8 @@ class NeuTrainer(Trainer):
 
     progress_label = "training"
     """What the training progress bar is called (the distillation trainer says "distilling the draft")."""
+    loss_names = ("loss", "held-out loss")
+    """What the log lines call the training and the held-out loss (the distillation trainer names its divergence)."""
 
     # compute_loss returns the mean over the micro-batch's tokens (num_items_in_batch aware).
     loss_is_scaled_for_ga = None
@@ -178,12 +180,13 @@ class NeuTrainer(Trainer):
         self._last_log_time: float | None = None
         self.add_callback(ChecksummedCheckpoint())  # a checkpoint's trainer_state.json says it has a manifest
         self.add_callback(MetricsFileCallback())
-        self.add_callback(PlotCallback())
+        self.add_callback(PlotCallback(self.loss_names))
         # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
         # Bars only on a terminal: in a log file or pipe every redraw stays, carriage returns and all.
-        self.add_callback(LabelledProgressCallback(self.progress_label, bars=not self.args.disable_tqdm and progress_bars_wanted()))
+        self.add_callback(LabelledProgressCallback(self.progress_label, bars=not self.args.disable_tqdm and progress_bars_wanted(),
+                                                   names=self.loss_names))
 
     # ---- fused updates and compressed weights ---------------------------------------------
 
@@ -318,6 +321,10 @@ class NeuTrainer(Trainer):
         if not is_compressed(model):
             super()._save(output_dir, state_dict)
             return training_args_as_json(self.args, output_dir or self.args.output_dir)
+        if not self.args.should_save:
+            # transformers calls _save on every process of a replicated run and leaves the guard to it: two CPU
+            # processes (torchrun) both wrote model.safetensors and one rename failed ("No such file").
+            return
         output_dir = output_dir or self.args.output_dir
         save_compressed_checkpoint(model, output_dir, _compressed_weights_name(self.memory))
         if self.processing_class is not None:
@@ -404,8 +411,11 @@ class NeuTrainer(Trainer):
             now = time.perf_counter()
             if self._last_log_time is not None and now > self._last_log_time:
                 # Global throughput: every process sees its own shard of the batch.
-                tokens = int(self._tokens_since_log)
-                logs["tokens_per_second"] = tokens * self.args.world_size / (now - self._last_log_time)
+                tokens = int(self._tokens_since_log) * self.args.world_size
+                logs["tokens_per_second"] = tokens / (now - self._last_log_time)
+                # The window's own tokens and seconds: the run's throughput is their sums' ratio, not a mean of
+                # window rates (a slow window, a save in it, weighs as much as a fast one in a mean).
+                logs["window_tokens"], logs["window_seconds"] = tokens, now - self._last_log_time
             self._tokens_since_log, self._last_log_time = 0, now
             logs.update(peak_memory_stats())
             opt = self.fused_optimizer

@@ -1,6 +1,8 @@
 """`neutrain generate`: the prompt goes through the model's chat template (``--raw`` opts out),
 and decoding is greedy unless ``--temperature`` says otherwise."""
 
+import json
+
 import pytest
 import torch
 
@@ -91,3 +93,70 @@ def test_speculative_generation_runs_on_the_decode_engines(capsys, export_dir, m
     assert kwargs and kwargs[0]["engine"] is True
     tok = byte_tokenizer()
     assert out == _greedy(export_dir, prompt_ids(tok, "def add(a, b):", raw=True), 12)
+
+
+def test_an_input_file_gives_each_prompt_its_own_output_in_order(capsys, export_dir, tmp_path):
+    # Before: one prompt per command, the model loaded again for each.
+    prompts = ["def add(a, b):", "class Point:", "import os"]
+    singles = [_generate_prompt(capsys, export_dir, p) for p in prompts]
+    text = tmp_path / "prompts.txt"
+    text.write_text("\n".join([prompts[0], "", *prompts[1:]]) + "\n")  # a blank line is no prompt
+    assert main(["generate", str(export_dir), "--input-file", str(text), "--max-new-tokens", "12"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in rows] == prompts and [r["output"] for r in rows] == singles
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    assert main(["generate", str(export_dir), "--input-file", str(jsonl), "--max-new-tokens", "12"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert rows == [{"id": i, "prompt": p, "output": o} for i, (p, o) in enumerate(zip(prompts, singles))]
+
+
+def test_a_bad_input_file_is_one_line_before_the_model_loads(capsys, export_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    assert main(["generate", str(export_dir), "--input-file", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 2: expected a JSON object with a string \"prompt\" field" in err, err
+    assert main(["generate", str(export_dir), "--input-file", str(tmp_path / "absent.txt")]) == 2
+    assert "--input-file: " in capsys.readouterr().err
+
+
+def _generate_prompt(capsys, export_dir, prompt) -> str:
+    assert main(["generate", str(export_dir), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out[:-1]  # the output and print's newline
+    return out.split("\n", 1)[1] if "Setting accelerator to CPU" in out.split("\n", 1)[0] else out
+
+
+def test_chat_keeps_the_conversation_in_the_template_and_ends_at_eof(capsys, export_dir, monkeypatch):
+    # Before: no chat command; each turn a new `generate`, the model loaded again and the conversation lost.
+    import io
+
+    import neutrain.cli.chat as chat
+
+    seen = []
+    original = chat.decode
+    monkeypatch.setattr(chat, "decode", lambda loaded, ids, args, draft=None: (seen.append(ids), original(loaded, ids, args))[1])
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n\nclass Point:\n"))
+    assert main(["chat", str(export_dir), "--max-new-tokens", "12", "--system", "be brief"]) == 0
+    out, err = capsys.readouterr()
+    replies = out.splitlines()[-2:]
+    tok = byte_tokenizer()
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    assert seen[0].tolist()[0] == prompt_ids(tok, first)
+    assert replies[0] == _greedy(export_dir, prompt_ids(tok, first), 12).strip()
+    second = [*first, {"role": "assistant", "content": replies[0]}, {"role": "user", "content": "class Point:"}]
+    assert len(seen) == 2 and seen[1].tolist()[0] == prompt_ids(tok, second)  # the whole conversation, in the template
+    assert "each line is a user turn" in err and "Traceback" not in err
+
+
+def test_chat_ends_cleanly_on_ctrl_c(capsys, export_dir, monkeypatch):
+    class Interrupted:
+        def readline(self):
+            raise KeyboardInterrupt
+
+        def isatty(self):
+            return False
+
+    monkeypatch.setattr("sys.stdin", Interrupted())
+    assert main(["chat", str(export_dir)]) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -93,3 +93,31 @@ def test_cpu_run_of_a_bf16_base_exports_bf16(tmp_path, base_dir):
     base = AutoModelForCausalLM.from_pretrained(str(base_dir))
     assert loaded.dtype == torch.bfloat16
     assert not torch.equal(loaded.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+
+
+def test_a_from_scratch_rate_on_a_pretrained_base_warns_in_one_line(tmp_path, base_dir, caplog):
+    # Before: recipes/default.yaml copied with model.base_model set kept AdaLomo's from-scratch 0.1, which wrecks a
+    # pretrained model within a few steps, and nothing said so.
+    import logging
+
+    from neutrain.cli.train import build_trainer
+
+    recipe = load_recipe(_base_recipe(tmp_path, base_dir, train={"optimizer": "adalomo", "learning_rate": 0.1}))
+    with caplog.at_level(logging.WARNING, logger="neutrain"):
+        build_trainer(recipe)
+    lines = [r.getMessage() for r in caplog.records if "learning_rate" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("train.learning_rate: 0.1 is a from-scratch rate for adalomo, and model ")
+    assert "fine-tuning with adalomo uses 5e-4 (recipes/smollm2_chat.yaml" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="neutrain"):  # the fine-tuning rate: no warning
+        build_trainer(load_recipe(_base_recipe(tmp_path / "ok", base_dir, train={"optimizer": "adalomo", "learning_rate": 5e-4})))
+    assert not [r for r in caplog.records if "learning_rate" in r.getMessage()]
+
+
+def test_the_learning_rate_advice_per_optimizer():
+    from neutrain.cli.advice import learning_rate_advice
+
+    assert learning_rate_advice("adamw", 2e-5, "base") is None and learning_rate_advice("adamw", 1e-3, "base")
+    assert learning_rate_advice("lomo", 1e-3, "base") is None and learning_rate_advice("lomo", 0.1, "base")
+    assert learning_rate_advice("adalomo", 0.1, None) is None  # from scratch: the rate is right

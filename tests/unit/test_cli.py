@@ -109,3 +109,28 @@ def test_an_error_line_and_its_newline_are_one_write(monkeypatch, tmp_path):
     assert len(errors) == 2 and all(call.startswith("neutrain: error: ") and call.endswith("\n") for call in errors), \
         writes.calls
     assert "\n" not in writes.calls  # no newline written on its own
+
+
+@pytest.mark.parametrize("rank,printed", [("0", True), ("1", False)])
+def test_a_launch_refusal_is_said_by_the_first_process_only(monkeypatch, capsys, rank, printed):
+    # Before: each process of `accelerate launch --config_file launch/multi_gpu_ddp.yaml` on a CPU printed it.
+    from neutrain.cli import preflight
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(preflight, "_cuda_available", lambda: False)
+    monkeypatch.setattr("neutrain.cli.train._train_from_recipe",
+                        lambda recipe, echo: preflight.check_launch(1, False, {"WORLD_SIZE": "2"}))
+    assert main(["train", "default"]) == 2
+    err = capsys.readouterr().err
+    assert (err.count("neutrain: error: the launch started 2 processes") == 1) == printed, err
+    assert printed or err == ""
+
+
+def test_processes_torchrun_starts_on_a_cpu_train_on_the_cpu():
+    from neutrain.cli.preflight import cpu_processes
+
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1"}
+    assert cpu_processes(torchrun, cuda_available=False)
+    assert not cpu_processes(torchrun, cuda_available=True)  # GPUs: NCCL, as Accelerate picks
+    assert not cpu_processes({**torchrun, "ACCELERATE_DYNAMO_BACKEND": "NO"}, cuda_available=False)  # a GPU config
+    assert not cpu_processes({"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cuda_available=False)
