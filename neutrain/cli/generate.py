@@ -132,7 +132,11 @@ def run(args) -> int:
         out, note = res.sequences, f"[{scheme}, K={args.num_drafts}: {res.stats.block_efficiency:.2f} tokens per target call, acceptance {res.stats.acceptance:.2f}]"
     else:
         out, note = _plain(model.eval(), ids, args, tokenizer), ""
-    print(tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True))
+    new = out[0, ids.shape[1]:].cpu()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    print(text)
+    if not text.strip():  # a blank line alone looked like a fault of the command, or of the terminal
+        print(f"[{_no_text(new.tolist(), tokenizer)}]", file=sys.stderr)
     if note:
         print(note, file=sys.stderr)
     if where:  # on a GPU: what the generation took, beside the budget the note named
@@ -140,6 +144,24 @@ def run(args) -> int:
 
         print(peak_line(), file=sys.stderr)
     return 0
+
+
+def _no_text(new: list[int], tokenizer) -> str:
+    """Why the generation printed no text: what its tokens were.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> _no_text([2], SimpleNamespace(eos_token_id=2, all_special_ids=[0, 2]))
+        'the model generated no text: its first new token ended the sequence (EOS)'
+    """
+    if not new:
+        return "the model generated no token"
+    if new[0] == tokenizer.eos_token_id:
+        return "the model generated no text: its first new token ended the sequence (EOS)"
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    if all(t in special for t in new):
+        return f"the model generated {len(new)} token(s), all special tokens (not text)"
+    return f"the model generated {len(new)} token(s) of whitespace only"
 
 
 def gguf_file(path: Path) -> Path | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import errno
-import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from neutrain.errors import RecipeError, UserInputError
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
+from neutrain.files import read_json_object
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -75,15 +75,9 @@ def check_report_to(report_to: str | list) -> None:
 
 
 def _json_file(key: str, path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RecipeError(f"{key}: file '{path}' does not exist (relative to the current directory {Path.cwd()})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecipeError(f"{key}: '{path}' is not a valid JSON file ({exc})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{key}: '{path}' holds a JSON {type(data).__name__}, expected an object")
-    return data
+    # The one reader: the kind before it is opened (a FIFO hung here, /dev/zero ran out of memory), a size
+    # bound, the encoding, and a parse error with its line and column.
+    return read_json_object(path, f"{key}: file '{path}'", RecipeError)
 
 
 def check_distributed(train: dict, num_processes: int) -> None:

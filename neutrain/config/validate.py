@@ -21,9 +21,12 @@ from typing import Any, Iterable
 import yaml
 
 from neutrain.errors import RecipeError
+from neutrain.files import check_kind, read_bytes
+from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import check_draft_config, check_model_config
-from neutrain.config.recipe_yaml import parse_recipe_text
+from neutrain.config.model_values import check_config_values
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
 from neutrain.config.sections import Section
 
@@ -83,12 +86,14 @@ def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any
         raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, key.choices))}.{_suggest(str(value), map(str, key.choices))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         _check_range(where, key, value)
+    if isinstance(value, (list, dict)):
+        _check_nested(where, value, key.items)
     if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
         raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
     if isinstance(value, str):
         _check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
     if key.path and isinstance(value, str):
-        value = resolve_path(where, value, base_dir, key.path, "path")
+        value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
     return value
 
 
@@ -124,6 +129,34 @@ def _check_text(where: str, value: str, as_file_name: bool) -> None:
                               "(e.g. LC_ALL=C.UTF-8) or an ASCII path") from None
 
 
+def _check_nested(where: str, value: list | dict, items: Any = None) -> None:
+    """What every value inside a list or mapping must be, whatever its key: a list's elements of type ``items``
+    (when the key names one), string mapping keys, finite numbers and no NUL character at any depth.
+
+    Why here and not per key: a key added to the schema gets these checks by construction; a NaN inside
+    ``train.fsdp_config`` or a number in ``data.roles_to_train`` reached the libraries the run drives.
+    """
+    if items is not None and isinstance(value, list):
+        for i, element in enumerate(value):
+            if not isinstance(element, items) or isinstance(element, bool) is not (items is bool):
+                raise RecipeError(f"{where}[{i}]: expected {_type_name(items)}, got {type(element).__name__} "
+                                  f"{_short(element)}")
+    stack: list[tuple[str, Any]] = [(where, value)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise RecipeError(f"{at}: the key {k!r} is not a string (write it in quotes)")
+                stack.append((f"{at}.{k}", v))
+        elif isinstance(item, list):
+            stack.extend((f"{at}[{i}]", v) for i, v in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise RecipeError(f"{at}: {item} is not a finite number")
+        elif isinstance(item, str) and "\0" in item:
+            raise RecipeError(f"{at}: {_short(item)} contains a NUL byte, which no setting can hold")
+
+
 def _check_range(where: str, key: Key, value: float) -> None:
     # NaN compares False with every bound, so without this check it passed them all into the run.
     if not math.isfinite(value):
@@ -147,20 +180,21 @@ def resolve_path(where: str, value: str, base_dir: Path | None, kind: str = "any
     Example:
         >>> resolve_path("train.deepspeed", "/etc/hostname", None, "file")
         '/etc/hostname'
+        >>> resolve_path("train.deepspeed", "/dev/zero", None, "file")
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: train.deepspeed: path '/dev/zero' is a character device, not a regular file
     """
     p = Path(value).expanduser()
-    if not p.is_absolute() and base_dir is not None and not p.exists() and (base_dir / p).exists():
+    if not p.is_absolute() and base_dir is not None and not os.path.lexists(p) and os.path.lexists(base_dir / p):
         p = base_dir / p
-    if not p.exists():
+    if not os.path.lexists(p):
         looked = ""
         if not p.is_absolute():
             looked = f" (relative paths are looked up in the current directory {Path.cwd()}"
             looked += f", then in the recipe's directory {Path(base_dir).resolve()})" if base_dir is not None else ")"
         raise RecipeError(f"{where}: {noun} '{value}' does not exist{looked}")
-    if kind == "file" and not p.is_file():
-        raise RecipeError(f"{where}: {noun} '{value}' is a directory, expected a file")
-    if kind == "dir" and not p.is_dir():
-        raise RecipeError(f"{where}: {noun} '{value}' is a file, expected a directory")
+    # Its kind by stat, nothing opened: a FIFO, a device or a directory is named as what it is.
+    check_kind(p, f"{where}: {noun} '{value}'", RecipeError, want=kind)
     return str(p)
 
 
@@ -377,11 +411,16 @@ def _check_gguf_file(model: dict) -> None:
         gguf = model["gguf_file"] = package_file(gguf, "model.gguf_file")
     if not gguf.lower().endswith(".gguf"):
         raise RecipeError(f"model.gguf_file: '{gguf}' is not a .gguf file name")
-    if not model["base_model"] and not Path(gguf).is_file():
+    if not model["base_model"] and not os.path.lexists(gguf):
         raise RecipeError(f"model.gguf_file: '{gguf}' does not exist (relative to the current directory {Path.cwd()}); "
                           "or give model.base_model, the directory or hub id that holds it")
-    if model["base_model"] and Path(model["base_model"]).is_dir() and not (Path(model["base_model"]) / gguf).is_file():
-        raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+    if not model["base_model"]:
+        check_kind(gguf, f"model.gguf_file: '{gguf}'", RecipeError)  # a FIFO would block the reader
+    elif Path(model["base_model"]).is_dir():
+        inside = Path(model["base_model"]) / gguf
+        if not os.path.lexists(inside):
+            raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+        check_kind(inside, f"model.gguf_file: '{inside}'", RecipeError)
     if model["init"] == "random":
         raise RecipeError("model.gguf_file: a GGUF checkpoint is loaded with model.init: pretrained, not random")
 
@@ -394,8 +433,8 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError("model.base_model: required when model.init is 'pretrained' (or set model.init: random with model.config)")
     if model["init"] == "random" and model["config"] is None and not model["base_model"]:
         raise RecipeError("model.config: required when model.init is 'random' and no base_model gives a config")
-    if isinstance(model["config"], str) and not Path(model["config"]).exists():
-        raise RecipeError(f"model.config: config file '{model['config']}' does not exist (relative to the current directory {Path.cwd()})")
+    if v["distill"]["draft_config"]:  # the values the draft's build uses, whatever its target's config is
+        check_config_values(v["distill"]["draft_config"], "distill.draft_config", RecipeError)
     if model["config"] is not None:
         check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
         if v["distill"]["draft_config"]:
@@ -524,7 +563,8 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         10
     """
     p = resolve_recipe_path(path)
-    raw = _check_top_level(parse_recipe_text(p.read_bytes(), str(p)), str(p))
+    data = read_bytes(p, f"recipe file '{p}'", MAX_RECIPE_BYTES, RecipeError)  # its kind checked before it is opened
+    raw = _check_top_level(parse_recipe_text(data, str(p)), str(p))
     raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, source=str(p), base_dir=p.parent)
 
@@ -532,8 +572,8 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
 def recipe_dirs() -> list[Path]:
     """Where shipped recipes are looked up: ``$NEUTRAIN_RECIPES``, ./recipes, and the source checkout's recipes/."""
     dirs = []
-    if os.environ.get("NEUTRAIN_RECIPES"):
-        dirs.append(Path(os.environ["NEUTRAIN_RECIPES"]))
+    if knob("NEUTRAIN_RECIPES"):
+        dirs.append(Path(knob("NEUTRAIN_RECIPES")))
     dirs.append(Path.cwd() / "recipes")
     dirs.append(Path(__file__).resolve().parents[2] / "recipes")
     seen, out = set(), []
@@ -549,11 +589,11 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.is_file():
         return p
-    if p.suffix not in (".yaml", ".yml") or not p.exists():
+    if p.suffix not in (".yaml", ".yml") or not os.path.lexists(p):
         for d in recipe_dirs():
             for cand in (d / f"{path}.yaml", d / str(path)):
                 if cand.is_file():
                     return cand
-    if p.is_dir():
-        raise RecipeError(f"recipe '{path}' is a directory, expected a YAML file")
+    if os.path.lexists(p):  # a directory, a FIFO, a device, a dangling link: named as what it is
+        check_kind(p, f"recipe file '{path}'", RecipeError)
     raise RecipeError(f"recipe file '{path}' does not exist (see `neutrain recipes` for shipped recipes)")

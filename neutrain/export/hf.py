@@ -62,6 +62,8 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
             config = source.read_config()
             chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
             model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
+    except CheckpointError:
+        raise  # names the file and what is wrong in it already
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return model.eval(), _load_tokenizer(path)
