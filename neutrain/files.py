@@ -241,3 +241,40 @@ def read_json_object(path: str | os.PathLike, label: str, error: type[Exception]
     if not isinstance(value, dict):
         raise error(f"{label} holds a JSON {type(value).__name__}, expected an object")
     return value
+
+
+MAX_FOLDER_TEXT_BYTES = 1 << 30
+"""A model folder's JSON, template and vocabulary files: a tokenizer.json of a large vocabulary is tens of MiB."""
+_TEXT_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+
+
+def check_folder(directory: str | os.PathLike, label: str, error: type[Exception],
+                 limit: int = MAX_FOLDER_TEXT_BYTES) -> None:
+    """Refuse a model or tokenizer folder holding an entry that is neither a regular file nor a directory (a FIFO
+    named ``tokenizer.json`` blocked the library that opened it), or a text file over ``limit`` bytes.
+
+    Only the folder's own entries are looked at (by ``stat``: nothing is opened). Its files are read by
+    transformers, which cannot be handed a bound; this is the check made before it is called.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> os.mkfifo(os.path.join(folder, "tokenizer.json"))
+        >>> check_folder(folder, "model.tokenizer: 'tok'", ValueError)
+        Traceback (most recent call last):
+        ValueError: model.tokenizer: 'tok' holds tokenizer.json, which is a FIFO (named pipe), not a regular file
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        raise error(f"{label} cannot be listed ({exc.strerror or exc})") from None
+    for name in names:
+        try:
+            info = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue  # a dangling link: nothing reads it, or its reader says so
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise error(f"{label} holds {name}, which is {kind_word(info.st_mode)}, not a regular file")
+        if stat.S_ISREG(info.st_mode) and name.endswith(_TEXT_SUFFIXES) and info.st_size > limit:
+            raise error(f"{label} holds {name}, {info.st_size:,} bytes, more than the {_size(limit)} such a file may "
+                        "hold")

@@ -89,6 +89,28 @@ def check_distributed(train: dict, num_processes: int) -> None:
     distributed_request(train).check_processes(num_processes)  # raises on contradicting keys first
 
 
+def accumulation_note(rows: int | None, micro_batch: int, accumulation: int, processes: int = 1) -> str | None:
+    """The warning for ``train.gradient_accumulation_steps`` past the micro-batches one epoch has, else None.
+
+    Why: an optimizer step accumulates at most the micro-batches left in the epoch, so accumulating 8 (or
+    1000) over a 3-row epoch trained exactly as accumulating 3, and the recipe's number said otherwise.
+
+    Example:
+        >>> accumulation_note(3, 1, 8)
+        'train.gradient_accumulation_steps: 8 micro-batches per optimizer step, but an epoch has only 3 (3 rows at train.micro_batch_size 1 on 1 process(es)): each step accumulates at most the epoch, so the run trains as with 3'
+        >>> accumulation_note(100, 4, 8) is None
+        True
+    """
+    if not rows:
+        return None
+    per_epoch = -(-rows // (micro_batch * processes))
+    if accumulation <= per_epoch:
+        return None
+    return (f"train.gradient_accumulation_steps: {accumulation} micro-batches per optimizer step, but an epoch has only "
+            f"{per_epoch} ({rows} rows at train.micro_batch_size {micro_batch} on {processes} process(es)): each step "
+            f"accumulates at most the epoch, so the run trains as with {per_epoch}")
+
+
 def check_launch(num_processes: int, cuda_available: bool, environ: Mapping[str, str] = os.environ) -> None:
     """Every process the launcher started joined this run (``WORLD_SIZE`` of them), else none trains.
 

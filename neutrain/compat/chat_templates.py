@@ -6,6 +6,9 @@ filters (``tojson``), globals (``raise_exception``, ``namespace``, ``strftime_no
 a template costs to render (:mod:`neutrain.data.template_bounds`) neutrain renders it in the very same
 environment, and that is reached only here.
 
+Rendering itself stays transformers' (``apply_chat_template``); :func:`compiled_with` only makes it
+compile templates in such an environment for the duration of a block.
+
 Example:
     >>> env = template_environment()
     >>> env.from_string("{{ 'a' | tojson }}").render()
@@ -13,6 +16,9 @@ Example:
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 
 def template_environment():
@@ -28,3 +34,22 @@ def template_environment():
     env = base.overlay()
     env.globals, env.filters = dict(base.globals), dict(base.filters)
     return env
+
+
+@contextlib.contextmanager
+def compiled_with(compile_template: Callable):
+    """Inside the block, ``apply_chat_template`` compiles its template with ``compile_template`` (a template
+    string -> a ``jinja2.Template``) instead of transformers' cached compiler; the compiler is restored after.
+
+    Why: a template must render under neutrain's bounds for every conversation (a loop gated on a message's
+    content escaped a check made once on a probe), and transformers looks its compiler up by module name at
+    each call, so replacing it is the one seam that leaves transformers' rendering as it is.
+    """
+    import transformers.utils.chat_template_utils as utils
+
+    original = utils._compile_jinja_template
+    utils._compile_jinja_template = compile_template
+    try:
+        yield
+    finally:
+        utils._compile_jinja_template = original

@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from neutrain.compat.file_modes import fsync_dir
 from neutrain.data.bounds import check_bounds
 from neutrain.errors import DataError
+from neutrain.files import check_kind
 
 _EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
 
@@ -171,15 +171,8 @@ def file_fingerprints(datasets: list[dict[str, Any]], cache_dir: str | None = No
 
 def _check_regular(path: Path) -> None:
     """Refuse a data path that is neither a regular file nor a directory (a FIFO would block, /dev/zero never ends)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:  # missing: the recipe check named it already, or the reader will
-        return
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return
-    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
-    raise DataError(f"{path}: is {kind}, not a regular file; data must be files (or a directory of them)")
+    if os.path.lexists(path):  # missing: the recipe check named it already, or the reader will
+        check_kind(path, f"data file '{path}'", DataError, want="any")
 
 
 # Where ``datasets`` writes its cache, most specific first: the variable a user would change.

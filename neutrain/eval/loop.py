@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from neutrain.config.schema import KV_CACHES
+from neutrain.eval.perplexity import perplexity_of
 
 from .. import compat
 from .engine import DecodeEngine
@@ -202,7 +203,7 @@ def perplexity(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
         total_nll += nll.item()
         total_tokens += ids.shape[1] - 1
-    return math.exp(total_nll / total_tokens) if total_tokens else float("nan")
+    return perplexity_of(total_nll / total_tokens) if total_tokens else float("nan")
 
 
 # ---------------------------------------------------------------- task loop
@@ -316,7 +317,8 @@ def format_table(results: dict[str, Any]) -> str:
             cells += [f"{r.get('kl', float('nan')):.4f}", f"{r.get('top1_agreement', float('nan')):.3f}"]
         lines.append(" | ".join(cells))
     if results.get("perplexity") is not None:
-        lines.append(f"perplexity: {results['perplexity']:.3f}")
+        value = results["perplexity"]
+        lines.append(f"perplexity: {value:.3f}" if math.isfinite(value) and value < 1e6 else f"perplexity: {value:.3g}")
     return "\n".join(lines)
 
 

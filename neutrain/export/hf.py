@@ -19,6 +19,7 @@ from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export.target import EXPORT_INFO, staged_export
+from neutrain.files import check_folder
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import MARKER, is_compressed
 from neutrain.nn.load import build
@@ -86,6 +87,7 @@ def _load_tokenizer(path: Path):
 
     for cand in (path, path.parent / "tokenizer"):
         if (cand / "tokenizer_config.json").exists():
+            check_folder(cand, f"tokenizer files in '{cand}'", CheckpointError)  # a FIFO there blocked the load
             try:
                 return AutoTokenizer.from_pretrained(str(cand))
             except Exception as exc:  # a malformed tokenizer.json raises KeyError, ValueError, Rust's Exception...

@@ -42,6 +42,7 @@ import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
+from neutrain.files import check_folder
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
 from neutrain.storage.manifest import safetensors_header
 
@@ -152,6 +153,7 @@ class SafetensorsFolder:
     def directory(self) -> Path:
         if self._directory is None:
             self._directory = _resolve(self.path_or_id)
+            check_folder(self._directory, self.label, CheckpointError)  # no FIFO where a reader will open a file
         return self._directory
 
     def read_config(self, trust_remote_code: bool = False):
