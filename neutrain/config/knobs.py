@@ -119,7 +119,7 @@ def _parse(name: str, k: Knob, raw: str) -> Any:
     if k.type == "path":
         try:
             mode = os.stat(text).st_mode
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL byte, which no path holds
             raise _Refused("no such file or directory") from None
         if not (stat.S_ISDIR(mode) if k.directory else stat.S_ISREG(mode)):
             raise _Refused(f"it is {kind_word(mode)}")

@@ -71,7 +71,8 @@ def parse_recipe_text(data: bytes, name: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{name}:{at} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # PyYAML's reader folds its text
+        raise RecipeError(f"{name}:{at} is not valid YAML ({problem})") from None
 
 
 MAX_RECIPE_BYTES = 1 << 20

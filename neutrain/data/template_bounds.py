@@ -181,9 +181,9 @@ _RENDERER: list[_Renderer] = []
 
 
 @contextlib.contextmanager
-def bounded_rendering(seconds: float = RENDER_SECONDS):
+def bounded_rendering(seconds: float | None = None):
     """Inside the block, ``tokenizer.apply_chat_template`` renders under the module's limits (values, loop
-    steps, ``seconds`` in all); going past one raises :class:`TemplateCostError`.
+    steps, ``seconds`` in all, :data:`RENDER_SECONDS` by default); going past one raises :class:`TemplateCostError`.
 
     Example:
         >>> from neutrain.data import byte_tokenizer
@@ -198,6 +198,7 @@ def bounded_rendering(seconds: float = RENDER_SECONDS):
     if not _RENDERER:
         _RENDERER.append(_Renderer())
     renderer = _RENDERER[0]
+    seconds = RENDER_SECONDS if seconds is None else seconds
     renderer.budget.start(seconds)
     try:
         with compiled_with(renderer.compile), _alarm(seconds, renderer.budget):
