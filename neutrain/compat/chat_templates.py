@@ -28,9 +28,10 @@ def template_environment():
     cached environment as it was. The environment comes from compiling an empty template: compiling a hostile
     one there would already run it in part (Jinja folds constant expressions such as ``'x' * 10**9``).
     """
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    import transformers.utils.chat_template_utils as utils
 
-    base = _compile_jinja_template("").environment
+    compile_template = _REPLACED[-1] if _REPLACED else utils._compile_jinja_template  # transformers' own, in a block
+    base = compile_template("").environment
     env = base.overlay()
     env.globals, env.filters = dict(base.globals), dict(base.filters)
     return env
@@ -48,8 +49,14 @@ def compiled_with(compile_template: Callable):
     import transformers.utils.chat_template_utils as utils
 
     original = utils._compile_jinja_template
+    _REPLACED.append(_REPLACED[-1] if _REPLACED else original)
     utils._compile_jinja_template = compile_template
     try:
         yield
     finally:
         utils._compile_jinja_template = original
+        _REPLACED.pop()
+
+
+_REPLACED: list[Callable] = []
+"""transformers' own compiler while :func:`compiled_with` has replaced it (what :func:`template_environment` copies)."""

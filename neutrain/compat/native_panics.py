@@ -25,7 +25,7 @@ import tempfile
 import threading
 from typing import Callable
 
-_CAPTURE: list = []  # one scratch file per process, reused by every block
+_CAPTURE: list[int] = []  # one scratch file per process (its descriptor; the file is unlinked), reused by every block
 _LOCK = threading.Lock()
 
 
@@ -51,14 +51,16 @@ def native_panics(describe: Callable[[str], BaseException]):
         return
     try:
         if not _CAPTURE:
-            _CAPTURE.append(tempfile.TemporaryFile())
+            fd, name = tempfile.mkstemp(prefix="neutrain-stderr-")
+            os.unlink(name)
+            _CAPTURE.append(fd)
         scratch = _CAPTURE[0]
         for stream in (sys.stderr, sys.__stderr__):
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.flush()
         saved = os.dup(2)
-        os.dup2(scratch.fileno(), 2)
+        os.dup2(scratch, 2)
         panicked = False
         try:
             yield
@@ -74,12 +76,12 @@ def native_panics(describe: Callable[[str], BaseException]):
                         stream.flush()
             os.dup2(saved, 2)
             os.close(saved)
-            written = os.lseek(scratch.fileno(), 0, os.SEEK_CUR)
+            written = os.lseek(scratch, 0, os.SEEK_CUR)
             if written:
-                os.lseek(scratch.fileno(), 0, os.SEEK_SET)
-                captured = os.read(scratch.fileno(), written)
-                os.lseek(scratch.fileno(), 0, os.SEEK_SET)
-                os.ftruncate(scratch.fileno(), 0)
+                os.lseek(scratch, 0, os.SEEK_SET)
+                captured = os.read(scratch, written)
+                os.lseek(scratch, 0, os.SEEK_SET)
+                os.ftruncate(scratch, 0)
                 while captured and not panicked:
                     captured = captured[os.write(2, captured):]
     finally:

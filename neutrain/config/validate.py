@@ -9,11 +9,8 @@ key and what was expected.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
-import re
-import sys
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Iterable
@@ -29,6 +26,7 @@ from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
 from neutrain.config.sections import Section
+from neutrain.config.values import check_value, resolve_path, shown, suggest
 
 DATASET_KEYS: dict[str, Key] = {
     "path": Key(str, REQUIRED, "File, directory, or 'python-stdlib'."),
@@ -45,169 +43,16 @@ DATASET_KEYS: dict[str, Key] = {
 SPECIAL_DATA_PATHS = ("python-stdlib",)
 
 
-def _suggest(name: str, options: Iterable[str]) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" Did you mean '{match[0]}'?" if match else ""
-
-
-def _type_name(t: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
-    if isinstance(t, tuple):
-        return " or ".join(names.get(x, x.__name__) for x in t)
-    return names.get(t, t.__name__)
-
-
-def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
-    if value is None:
-        if key.nullable or key.default is None:
-            return None
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got null")
-    types = key.type if isinstance(key.type, tuple) else (key.type,)
-    ok = False
-    for t in types:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value, ok = float(value), True
-            break
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-            break
-        if t not in (int, float) and isinstance(value, t):
-            ok = True
-            break
-    if not ok and float in types and isinstance(value, str):
-        # YAML 1.1 reads "1e-5" (no dot) as a string; accept numeric strings for floats.
-        try:
-            value, ok = float(value), True
-        except ValueError:
-            pass
-    if not ok:
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got {type(value).__name__} {value!r}")
-    if key.choices is not None and value not in key.choices:
-        raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, key.choices))}.{_suggest(str(value), map(str, key.choices))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check_range(where, key, value)
-    if isinstance(value, (list, dict)):
-        _check_nested(where, value, key.items)
-    if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
-        raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
-    if isinstance(value, str):
-        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
-    if key.path and isinstance(value, str):
-        value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
-    return value
-
-
-# Keys whose string is a path (or a hub id standing for one): held to what a file name can be.
-_PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "model.tokenizer", "model.config",
-                "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
-
-
-def _check_text(where: str, value: str, as_file_name: bool) -> None:
-    """No NUL byte (no file name or C string holds one); a path has no control character, no surrounding
-    whitespace, and encodes in the file-system encoding.
-
-    Why: a NUL and an unencodable name used to end in a traceback (``ValueError: embedded null byte``,
-    ``UnicodeEncodeError`` under ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation; a
-    newline or a trailing space in a path is almost always a quoting accident on the command line, and the
-    run would write into a directory no one meant.
-    """
-    if "\0" in value:
-        raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
-    if as_file_name:
-        bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
-        if bad is not None:
-            raise RecipeError(f"{where}: {value!r} contains the control character {bad!r}; a path is taken as "
-                              "written (check the quoting on the command line)")
-        if not value.strip() or value != value.strip():
-            raise RecipeError(f"{where}: {value!r} is empty or starts or ends with whitespace; a path is taken as "
-                              "written (check the quoting on the command line)")
-        try:
-            os.fsencode(value)
-        except UnicodeEncodeError as exc:
-            raise RecipeError(f"{where}: {value!r} has {value[exc.start]!r}, which the file-system encoding "
-                              f"({sys.getfilesystemencoding()}, from the locale) cannot write; use a UTF-8 locale "
-                              "(e.g. LC_ALL=C.UTF-8) or an ASCII path") from None
-
-
-def _check_nested(where: str, value: list | dict, items: Any = None) -> None:
-    """What every value inside a list or mapping must be, whatever its key: a list's elements of type ``items``
-    (when the key names one), string mapping keys, finite numbers and no NUL character at any depth.
-
-    Why here and not per key: a key added to the schema gets these checks by construction; a NaN inside
-    ``train.fsdp_config`` or a number in ``data.roles_to_train`` reached the libraries the run drives.
-    """
-    if items is not None and isinstance(value, list):
-        for i, element in enumerate(value):
-            if not isinstance(element, items) or isinstance(element, bool) is not (items is bool):
-                raise RecipeError(f"{where}[{i}]: expected {_type_name(items)}, got {type(element).__name__} "
-                                  f"{_short(element)}")
-    stack: list[tuple[str, Any]] = [(where, value)]
-    while stack:
-        at, item = stack.pop()
-        if isinstance(item, dict):
-            for k, v in item.items():
-                if not isinstance(k, str):
-                    raise RecipeError(f"{at}: the key {k!r} is not a string (write it in quotes)")
-                stack.append((f"{at}.{k}", v))
-        elif isinstance(item, list):
-            stack.extend((f"{at}[{i}]", v) for i, v in enumerate(item))
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise RecipeError(f"{at}: {item} is not a finite number")
-        elif isinstance(item, str) and "\0" in item:
-            raise RecipeError(f"{at}: {_short(item)} contains a NUL byte, which no setting can hold")
-
-
-def _check_range(where: str, key: Key, value: float) -> None:
-    # NaN compares False with every bound, so without this check it passed them all into the run.
-    if not math.isfinite(value):
-        raise RecipeError(f"{where}: {value} is not a finite number")
-    if key.min is not None and value < key.min:
-        raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
-    if key.max is not None and value > key.max:
-        raise RecipeError(f"{where}: {value} is above the maximum {key.max}")
-    if key.gt is not None and not value > key.gt:
-        raise RecipeError(f"{where}: {value} must be greater than {key.gt}")
-    if key.lt is not None and not value < key.lt:
-        raise RecipeError(f"{where}: {value} must be less than {key.lt}")
-
-
-def resolve_path(where: str, value: str, base_dir: Path | None, kind: str = "any", noun: str = "path") -> str:
-    """A recipe path as it will be used: as given (relative to the current directory), else relative to the recipe.
-
-    The current directory wins when the path exists in both; the error for a missing path names both
-    places it looked, so a relative path never fails without saying what it was relative to.
-
-    Example:
-        >>> resolve_path("train.deepspeed", "/etc/hostname", None, "file")
-        '/etc/hostname'
-        >>> resolve_path("train.deepspeed", "/dev/zero", None, "file")
-        Traceback (most recent call last):
-        neutrain.errors.RecipeError: train.deepspeed: path '/dev/zero' is a character device, not a regular file
-    """
-    p = Path(value).expanduser()
-    if not p.is_absolute() and base_dir is not None and not os.path.lexists(p) and os.path.lexists(base_dir / p):
-        p = base_dir / p
-    if not os.path.lexists(p):
-        looked = ""
-        if not p.is_absolute():
-            looked = f" (relative paths are looked up in the current directory {Path.cwd()}"
-            looked += f", then in the recipe's directory {Path(base_dir).resolve()})" if base_dir is not None else ")"
-        raise RecipeError(f"{where}: {noun} '{value}' does not exist{looked}")
-    # Its kind by stat, nothing opened: a FIFO, a device or a directory is named as what it is.
-    check_kind(p, f"{where}: {noun} '{value}'", RecipeError, want=kind)
-    return str(p)
-
-
 def _validate_mapping(where: str, raw: dict, keys: dict[str, Key], base_dir: Path | None) -> dict:
     if not isinstance(raw, dict):
         raise RecipeError(f"{where}: expected a mapping, got {type(raw).__name__}")
     for name in raw:
         if name not in keys:
-            raise RecipeError(f"{where}: unknown key '{name}'.{_suggest(str(name), keys)}")
+            raise RecipeError(f"{where}: unknown key '{name}'.{suggest(str(name), keys)}")
     out = {}
     for name, key in keys.items():
         if name in raw:
-            out[name] = _check_value(f"{where}.{name}", key, raw[name], base_dir)
+            out[name] = check_value(f"{where}.{name}", key, raw[name], base_dir)
         elif key.default is REQUIRED:
             raise RecipeError(f"{where}: missing required key '{name}'")
         else:
@@ -265,7 +110,7 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
     raw = _check_top_level(raw, where)
     for section in raw:
         if section not in SCHEMA:
-            raise RecipeError(f"{where}: unknown section '{section}'.{_suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
+            raise RecipeError(f"{where}: unknown section '{section}'.{suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
     values = {}
     for section, keys in SCHEMA.items():
         section_raw = raw.get(section)
@@ -304,7 +149,7 @@ def device_budget_setting(value: Any) -> float | str:
             return number
     elif isinstance(value, float) and not isinstance(value, bool):
         return value  # the schema's range check has run
-    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {_short(value)}")
+    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {shown(value)}")
 
 
 def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path | None = None) -> Section:
@@ -335,13 +180,8 @@ def _check_top_level(raw: Any, where: str) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {_short(raw)}")
+        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {shown(raw)}")
     return raw
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # Keyword arguments each schedule takes (transformers.optimization's schedule functions); a wrong name
@@ -359,9 +199,9 @@ def _check_scheduler(train: dict) -> None:
         where = f"train.lr_scheduler_kwargs.{key}"
         if key not in allowed:
             takes = ", ".join(allowed) or "no options"
-            raise RecipeError(f"{where}: lr_scheduler {name} takes {takes}.{_suggest(str(key), allowed)}")
+            raise RecipeError(f"{where}: lr_scheduler {name} takes {takes}.{suggest(str(key), allowed)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise RecipeError(f"{where}: expected a finite number, got {_short(value)}")
+            raise RecipeError(f"{where}: expected a finite number, got {shown(value)}")
         if value < 0 or (key in ("timescale",) and value == 0):
             raise RecipeError(f"{where}: {value} must be {'> 0' if key == 'timescale' else '>= 0'}")
     if name == "cosine_with_min_lr":
@@ -468,7 +308,7 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
         if cache not in KV_CACHES:
-            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{_suggest(str(cache), KV_CACHES)}")
+            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -539,10 +379,10 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raise RecipeError(f"override '{item}': expected section.key=value with one dot, e.g. train.learning_rate=1e-5")
         section, key = parts
         if section not in SCHEMA:
-            raise RecipeError(f"override '{item}': unknown section '{section}'.{_suggest(section, SECTIONS)}")
+            raise RecipeError(f"override '{item}': unknown section '{section}'.{suggest(section, SECTIONS)}")
         current = raw.get(section)
         if current is not None and not isinstance(current, dict):
-            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {_short(current)} "
+            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {shown(current)} "
                               f"(so override '{item}' has nowhere to go)")
         sec = dict(current or {})
         sec[key] = override_value(SCHEMA[section].get(key), text)

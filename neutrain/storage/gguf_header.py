@@ -80,6 +80,8 @@ class _Header:
 
     def text(self, what: str, longest: int = 1 << 16) -> bytes:
         n = self.u64(f"the length of {what}")
+        if n > self.size - self.pos:
+            self.take(n, what)  # says it runs past the end of the file
         if n > longest:
             raise _Short(f"{what} is {n:,} bytes long (at most {longest:,})")
         return self.take(n, what)
