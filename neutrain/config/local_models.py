@@ -77,7 +77,7 @@ def find_model_name(key: str, name: str, files: tuple[str, ...]) -> None:
         check_kind(local, f"{key}: '{name}'", RecipeError, want="dir")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
     if looks_like_path or not _REPO_ID.fullmatch(name):
-        raise RecipeError(f"{key}: '{name}' is not a directory (relative to the current directory {Path.cwd()})")
+        raise RecipeError(f"{key}: '{name}' does not exist (relative to the current directory {Path.cwd()})")
     if in_hub_cache(name, files):
         return
     raise RecipeError(f"{key}: '{name}' is not a local directory and not in the local Hugging Face cache "
