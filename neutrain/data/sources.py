@@ -103,8 +103,9 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     """
     import datasets
 
-    # datasets logs each failed JSON parse at ERROR level; the DataError below names the row instead.
-    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    # datasets logs each failed parse at ERROR level (for csv, twice); the DataError below is the one line instead.
+    for kind in ("json", "csv", "text", "parquet"):
+        logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}").setLevel(logging.CRITICAL)
     if entry["path"] == "python-stdlib":
         path = Path(entry_files(entry, cache_dir)[0])
         ds_type = "json"
@@ -207,6 +208,8 @@ def _read_error(files: list[str], ds_type: str, exc: BaseException) -> DataError
     if all(_is_blank(f) for f in files):
         return DataError(f"{', '.join(files)}: no rows (it is empty)")
     detail = _locate_bad_json_row(files) if ds_type == "json" else None
+    while type(exc).__name__ == "DatasetGenerationError" and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # the parser's own error says where (pandas: "at row 2")
     first_line = str(exc).splitlines()[0] if str(exc) else ""
     return DataError(detail or f"{', '.join(files)}: could not be read as {ds_type} ({type(exc).__name__}: {first_line})")
 

@@ -175,3 +175,14 @@ def test_a_model_config_given_inline_is_still_checked_as_a_mapping(tmp_path):
     from neutrain.config import load_recipe
 
     assert load_recipe(write_recipe(tmp_path, model={"config": TINY_LLAMA})).model.config["hidden_size"] == 32
+
+
+def test_a_csv_that_does_not_parse_is_one_line_naming_the_file_and_row(tmp_path, capsys):
+    path = tmp_path / "rows.csv"
+    path.write_text('text,label\nhello,1\n"unterminated,2\n')
+    recipe = write_recipe(tmp_path, data={"datasets": [{"path": str(path), "type": "text"}]}, export={"format": "none"},
+                          eval={"perplexity": False})
+    assert main(["train", str(recipe)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"neutrain: error: {path}: could not be read as csv") \
+        and "row 2" in lines[0], lines
