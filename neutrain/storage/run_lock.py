@@ -133,7 +133,7 @@ class RunLock:
                 raise RunDirectoryError(
                     f"train.output_dir '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")
-            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder) and self._may_hold(pid, holder):
+            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder, self.path):
                 raise RunDirectoryError(self._in_use(holder))
             logger.warning("took over the stale lock %s of a run that is no longer running (%s)",
                            self.path, _holder_text(holder))
@@ -142,55 +142,9 @@ class RunLock:
         os.pwrite(fd, data, 0)
         os.fsync(fd)
 
-    def _may_hold(self, pid: int, holder: dict) -> bool:
-        """Whether live process ``pid`` may be the run a lock record names.
-
-        A record with the process's identity (its start time, since this format) was checked against the
-        pid by ``writer_alive``. One in the previous release's format names only a pid, and a pid alive
-        now is often another process's (a container's ``pid 1``, reused after a reboot): that record
-        blocked every run with "pid 1 on host vm". A run keeps its lock file open for its whole life, so
-        the process is its holder only if it has this file open; where its descriptors cannot be read
-        (another user's), only a process whose command line could be neutrain's counts.
-        """
-        if holder.get("process") is not None:
-            return True
-        held = holds_open(pid, self.path)
-        if held is not None:
-            return held
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                command = fh.read().replace(b"\0", b" ").lower()
-        except OSError:
-            return True  # nothing to tell it by: a live pid is a live run
-        return any(word in command for word in (b"neutrain", b"python", b"accelerate", b"torchrun", b".yaml", b".yml"))
-
     def release(self) -> None:
         """Empty the lock file and drop the ``flock`` (see :func:`release`)."""
         release(self.output_dir)
-
-
-def holds_open(pid: int, path: str | os.PathLike) -> bool | None:
-    """Whether process ``pid`` has the file ``path`` open (Linux ``/proc``), or None where that cannot be read.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile() as fh:
-        ...     holds_open(os.getpid(), fh.name)
-        True
-    """
-    try:
-        target = os.stat(path)
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for name in names:
-        try:
-            info = os.stat(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino):
-            return True
-    return False
 
 
 def release(output_dir: str | os.PathLike) -> None:

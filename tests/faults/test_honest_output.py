@@ -181,6 +181,16 @@ def test_a_lock_in_the_previous_format_counts_only_while_its_pid_holds_the_file(
             other.wait()
 
 
+def test_a_temporary_checkpoint_whose_old_format_record_names_pid_1_is_cleaned(tmp_path):
+    from neutrain.storage.leftovers import clean_run_dir
+
+    temporary = tmp_path / ".tmp-checkpoint-2"
+    temporary.mkdir()
+    (temporary / "writer.json").write_text(json.dumps({"pid": 1, "host": socket.gethostname(),
+                                                       "started": "2026-11-20T10:00:00+0000"}))
+    assert clean_run_dir(tmp_path) and not temporary.exists()
+
+
 # ---- standard output's failures are standard output's --------------------------------------------------------
 
 def _neutrain(args, stdout, env=None):

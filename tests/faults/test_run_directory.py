@@ -151,7 +151,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_or_foreign_one_refused(tmp_path, 
 
 
 def _has_open(pid: int, path) -> bool:
-    from neutrain.storage.run_lock import holds_open
+    from neutrain.storage.leftovers import holds_open
 
     return bool(holds_open(pid, path))
 
