@@ -67,7 +67,8 @@ def guard_stdout() -> bool:
     """Replace ``sys.stdout`` by a writer of the same settings over :class:`_StdoutFile`; False where
     ``sys.stdout`` is not the process's own (a test capturing it) or has no file descriptor."""
     current = sys.stdout
-    if current is None or current is not sys.__stdout__ or isinstance(getattr(current, "buffer", None), _Guarded):
+    if current is None or current is not sys.__stdout__ or isinstance(getattr(current, "buffer", None),
+                                                                      (_Guarded, _StdoutFile)):
         return False
     try:
         fd = current.fileno()
@@ -75,8 +76,12 @@ def guard_stdout() -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     raw = _StdoutFile(fd, "wb", closefd=False)
-    sys.stdout = io.TextIOWrapper(_Guarded(raw), encoding=current.encoding, errors=current.errors,
-                                  line_buffering=current.line_buffering, write_through=False)
+    # Layered as Python layered it: unbuffered (python -u, PYTHONUNBUFFERED) stays unbuffered, so a log
+    # followed with `tail -f` still sees each line as it is printed.
+    unbuffered = isinstance(getattr(current, "buffer", None), io.RawIOBase)
+    sys.stdout = io.TextIOWrapper(raw if unbuffered else _Guarded(raw), encoding=current.encoding,
+                                  errors=current.errors, line_buffering=current.line_buffering,
+                                  write_through=current.write_through)
     return True
 
 
