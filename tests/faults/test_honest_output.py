@@ -110,7 +110,7 @@ def test_overrides_after_an_option_are_overrides(command):
 
 
 def test_eval_of_a_checkpoint_takes_overrides_after_the_recipe_option(tmp_path, capsys, caplog):
-    """The issue's command line, end to end; the same run shows the accumulation warning on a 3-row epoch."""
+    """The command line the help shows, options first, end to end; the same run warns about accumulation on a 3-row epoch."""
     data, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     data.write_text("".join(json.dumps({"text": f"row {i} " * 5}) + "\n" for i in range(3)))  # one row each
     held.write_text("".join(json.dumps({"text": f"held {i} " * 5}) + "\n" for i in range(4)))

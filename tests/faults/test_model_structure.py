@@ -45,7 +45,7 @@ def _corrupt(data: bytes, how: str) -> bytes:
     _, gate_type = _field(data, "blk.1.ffn_gate.weight")
     up_offset, gate_offset = up_type + 4, gate_type + 4
     gate = struct.unpack_from("<Q", data, gate_offset)[0]
-    if how == "shared":  # the case: two tensors, one range
+    if how == "shared":  # two tensors, one range: it loaded and generated without a word
         struct.pack_into("<Q", data, up_offset, gate)
     elif how == "overlapping":
         struct.pack_into("<Q", data, up_offset, gate + 64)
