@@ -5,11 +5,11 @@ functions alike (a lazy import is still a dependency), plus
 ``importlib.import_module("neutrain...")`` with a literal name. The layer order
 is the one drawn in ``docs/architecture.md``:
 
-    errors, compat ← config, data, storage ← kernels ← compress ← optim ← nn
+    errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn
         ← attention, eval, export, distributed ← speculative ← distill ← trainer ← cli
 
 A module may import its own package and any package of a strictly lower layer.
-``config`` and ``data`` stand apart: they may import only ``errors`` and ``compat``.
+``config`` and ``data`` stand apart: they may import only ``errors``, ``files`` and ``compat``.
 
 Imports sit at module top. In the packages of :data:`LAZY_MARKED`, an import of a
 neutrain module inside a function must say why on its line (or in the comment right above) with
@@ -28,7 +28,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "neutrain"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "compat"),
+    ("errors", "files", "compat"),
     ("config", "data", "storage"),
     ("kernels",),
     ("compress",),

@@ -22,15 +22,16 @@ Triton kernel). A table entry names its kernel (``"kernel"``, ``triton`` when ab
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+from neutrain.config.knobs import SAGE_KERNELS, SAGE_POLICIES, knob
+
 TABLE_PATH = Path(__file__).with_name("dispatch_table.json")
-POLICIES = ("table", "always", "never")
+POLICIES = SAGE_POLICIES
 MODES = ("forward", "train")
-KERNELS = ("triton", "gluon")
+KERNELS = SAGE_KERNELS
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,7 @@ class Choice:
 
 def policy() -> str:
     """The ``NEUTRAIN_SAGE_DISPATCH`` policy (``table`` when unset)."""
-    value = os.environ.get("NEUTRAIN_SAGE_DISPATCH", "table").strip().lower()
-    if value not in POLICIES:
-        raise ValueError(f"NEUTRAIN_SAGE_DISPATCH={value!r}: expected one of {POLICIES}")
-    return value
+    return knob("NEUTRAIN_SAGE_DISPATCH")
 
 
 def kernel_override() -> str | None:
@@ -59,10 +57,7 @@ def kernel_override() -> str | None:
         >>> kernel_override() in (None, *KERNELS)
         True
     """
-    value = os.environ.get("NEUTRAIN_SAGE_KERNEL", "").strip().lower()
-    if value and value not in KERNELS:
-        raise ValueError(f"NEUTRAIN_SAGE_KERNEL={value!r}: expected one of {KERNELS}")
-    return value or None
+    return knob("NEUTRAIN_SAGE_KERNEL")
 
 
 def cpu_backward() -> str:
@@ -77,14 +72,11 @@ def cpu_backward() -> str:
         >>> cpu_backward() in ("triton", "cpu")
         True
     """
-    value = os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton").strip().lower()
-    if value not in ("triton", "cudnn", "flash", "cpu"):
-        raise ValueError(f"NEUTRAIN_SAGE_BACKWARD={value!r}: expected triton, cudnn, flash or cpu")
-    return "triton" if value == "triton" else "cpu"
+    return "triton" if knob("NEUTRAIN_SAGE_BACKWARD") == "triton" else "cpu"
 
 
 def table_path() -> Path:
-    return Path(os.environ.get("NEUTRAIN_SAGE_DISPATCH_TABLE", TABLE_PATH))
+    return Path(knob("NEUTRAIN_SAGE_DISPATCH_TABLE") or TABLE_PATH)
 
 
 @lru_cache(maxsize=4)
@@ -153,7 +145,7 @@ def choose(device: str, head_dim: int, causal: bool, dtype: str, training: bool,
     mode = "train" if training else "forward"
     p = policy()
     if p == "always":
-        choice = Choice("sage", os.environ.get("NEUTRAIN_SAGE_BACKWARD", "triton"), "NEUTRAIN_SAGE_DISPATCH=always")
+        choice = Choice("sage", knob("NEUTRAIN_SAGE_BACKWARD"), "NEUTRAIN_SAGE_DISPATCH=always")
     elif p == "never":
         return Choice("sdpa", reason="NEUTRAIN_SAGE_DISPATCH=never")
     else:

@@ -32,10 +32,10 @@ kernel's inner loops never need bounds checks.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from neutrain.config.knobs import knob
 
 # The format shared with the kernels lives below both layers; re-exported here for the reference and callers.
 from neutrain.kernels.sage_format import (  # noqa: F401
@@ -120,7 +120,7 @@ def quantize_attention_inputs(
     n = q.shape[2]
     n_pad = round_up(n, TILE)
     fold = softmax_scale * LOG2E
-    if q.is_cuda and not smooth_q and os.environ.get("NEUTRAIN_SAGE_FUSED_QUANT", "1") != "0":
+    if q.is_cuda and not smooth_q and knob("NEUTRAIN_SAGE_FUSED_QUANT"):
         return _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad)
     with torch.no_grad():
         # Smooth K with a detached mean: exact for the softmax, so no gradient flows through it.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from neutrain.cli.memory import phase_lines, phase_report
 from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
 from neutrain.errors import UserInputError
+from neutrain.eval.perplexity import perplexity_record, perplexity_text
 
 logger = logging.getLogger("neutrain")
 
@@ -112,7 +112,7 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
         announce("held-out evaluation")
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
-        summary["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
+        summary["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound (eval.perplexity)
     if recipe.eval["long_context_tasks"] and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
@@ -233,8 +233,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if "loss_first" in s:
         lines.append(f"loss            {s['loss_first']:.4f} (mean of steps {s.get('loss_first_steps', '?')}) -> "
                      f"{s['loss_last']:.4f} (mean of steps {s.get('loss_last_steps', '?')}), {s['steps']} steps")
-    if "heldout_perplexity" in s:
-        lines.append(f"held-out        loss {s['heldout_loss']:.4f}, perplexity {s['heldout_perplexity']:.2f}")
+    if "heldout_loss" in s:
+        lines.append(f"held-out        {perplexity_text(s['heldout_loss'])}")
     if "peak_memory_gib" in s:
         lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")
     elif "peak_rss_gib" in s:

@@ -7,6 +7,7 @@ from pathlib import Path
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.export.target import EXPORT_INFO
+from neutrain.files import check_kind
 
 
 def last_checkpoint(path: Path) -> Path:
@@ -18,8 +19,8 @@ def last_checkpoint(path: Path) -> Path:
     """
     from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
 
-    if not path.exists():
-        raise UserInputError(f"checkpoint '{path}' does not exist")
+    # By kind before anything inside is looked at: a FIFO or a device was "no config.json inside" (neutrain.files).
+    check_kind(path, f"checkpoint '{path}'", UserInputError, want="dir")
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if path.is_dir():

@@ -7,7 +7,6 @@ checkpoint/export directory, with ``--recipe`` supplying data and eval settings.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_mod
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
+from neutrain.eval.perplexity import perplexity_record, perplexity_text
 
 # Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
 _DATA_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".text", ".md")
@@ -81,8 +81,8 @@ def run_eval(args) -> int:
         trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
         metrics = trainer.evaluate()
         results["heldout_loss"] = metrics["eval_loss"]
-        results["heldout_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-        print(f"held-out loss {results['heldout_loss']:.4f}  perplexity {results['heldout_perplexity']:.2f}  ({len(heldout)} rows, {ckpt})")
+        results["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound
+        print(f"held-out {perplexity_text(metrics['eval_loss'])}  ({len(heldout)} rows, {ckpt})")
     if recipe.eval["long_context_tasks"]:
 
         results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)

@@ -257,8 +257,11 @@ def run(args) -> int:
             print(f"[{loaded.why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
         check_context(loaded.model, ids.shape[1], args.max_new_tokens)
         out, notes = decode(loaded, ids, args, draft)
-        text = loaded.tokenizer.decode(out[0, ids.shape[1]:].cpu(), skip_special_tokens=True)
+        new = out[0, ids.shape[1]:].cpu()
+        text = loaded.tokenizer.decode(new, skip_special_tokens=True)
         print(text if records is None else json.dumps({**record, "output": text}, ensure_ascii=False), flush=True)
+        if not text.strip():  # a blank line alone looked like a fault of the command, or of the terminal
+            print(f"[{_no_text(new.tolist(), loaded.tokenizer)}]", file=sys.stderr)
         for note in notes:
             print(note, file=sys.stderr)
     if loaded.where:  # on a GPU: what the generation took, beside the budget the note named
@@ -266,6 +269,24 @@ def run(args) -> int:
 
         print(peak_line(), file=sys.stderr)
     return 0
+
+
+def _no_text(new: list[int], tokenizer) -> str:
+    """Why the generation printed no text: what its tokens were.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> _no_text([2], SimpleNamespace(eos_token_id=2, all_special_ids=[0, 2]))
+        'the model generated no text: its first new token ended the sequence (EOS)'
+    """
+    if not new:
+        return "the model generated no token"
+    if new[0] == tokenizer.eos_token_id:
+        return "the model generated no text: its first new token ended the sequence (EOS)"
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    if all(t in special for t in new):
+        return f"the model generated {len(new)} token(s), all special tokens (not text)"
+    return f"the model generated {len(new)} token(s) of whitespace only"
 
 
 def gguf_file(path: Path) -> Path | None:

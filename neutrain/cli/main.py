@@ -23,13 +23,14 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from neutrain.cli import chat, distill, estimate, export, generate, recipes, train
 from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
+from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.quiet import quiet_progress_bars
+from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
 
 EXIT_USER_ERROR = 2
@@ -59,24 +60,51 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _argv_with_default_command(argv: list[str]) -> list[str]:
-    if argv and argv[0] not in {*COMMANDS, "-h", "--help", "--version"} and (argv[0].endswith((".yaml", ".yml")) or Path(argv[0]).is_file()):
+    # Any path that exists, whatever its kind: `neutrain <a FIFO>` is then refused as the recipe it was
+    # meant to be (naming its kind), not as an unknown command.
+    if argv and argv[0] not in {*COMMANDS, "-h", "--help", "--version"} and (argv[0].endswith((".yaml", ".yml")) or os.path.lexists(argv[0])):
         return ["train", *argv]
     return argv
 
 
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that dotted overrides may follow an option.
+
+    Why: ``neutrain eval CKPT --recipe R eval.max_eval_samples=2`` was "unrecognized arguments", while
+    ``eval CKPT eval.max_eval_samples=2 --recipe R`` worked: argparse fills a ``nargs="*"`` positional only
+    from the arguments before the first option. Every command that takes overrides takes them anywhere.
+    """
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if not a.startswith("-") and "=" in a]
+    if extra and (len(overrides) != len(extra) or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*(args.overrides or []), *overrides]
+    return args
 
 
-def _log_level(value: str) -> int | None:
-    """``NEUTRAIN_LOG_LEVEL`` as a ``logging`` level (a name in any case, or a number), else None."""
-    name = value.strip().upper()
-    if name in _LOG_LEVELS:
-        return getattr(logging, name)
-    return int(name) if name.isdigit() else None
+def _debug() -> bool:
+    """``NEUTRAIN_DEBUG`` (False when it is not a boolean: its own one-line error says so)."""
+    try:
+        return knob("NEUTRAIN_DEBUG")
+    except UserInputError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
+    guard_stdout()  # before anything is printed: its failures are stdout's, never the run's (cli.stdout)
+    try:
+        try:
+            return _main(argv)
+        finally:  # also after argparse's --help and its errors (SystemExit): a full stdout is said here, once
+            flush_stdout()
+    except StdoutError as exc:
+        print_error(str(exc))
+        return EXIT_ENVIRONMENT
+
+
+def _main(argv: list[str] | None) -> int:
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
     # stranded: on an H100, (d) NeuZip + LOMO at batch 1 used 15.28 instead of 15.57 GiB of device
     # memory and ran 1.7% faster at batch 8 (benchmarks/results/archive/train_memory_expandable.json).
@@ -89,28 +117,33 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
-    level = _log_level(os.environ.get("NEUTRAIN_LOG_LEVEL", "INFO"))
-    if level is None:
-        print_error(f"NEUTRAIN_LOG_LEVEL={os.environ['NEUTRAIN_LOG_LEVEL']!r} is not a log level; expected one "
-                    f"of {', '.join(_LOG_LEVELS)} (or a number)")
+    try:  # every NEUTRAIN_* variable, before any is used (neutrain.config.knobs)
+        unknown = check_environment()
+        level = knob("NEUTRAIN_LOG_LEVEL")
+    except UserInputError as exc:
+        print_error(one_line(exc))
         return EXIT_USER_ERROR
     # neutrain's own lines at the chosen level; other libraries' only from WARNING on, unless asked for DEBUG:
     # their INFO lines (datasets: "JAX version 0.11.2 available.") say nothing a user can act on.
     logging.basicConfig(level=level if level <= logging.DEBUG else max(level, logging.WARNING),
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("neutrain").setLevel(level)
+    for line in unknown:
+        logging.getLogger("neutrain").warning("%s", line)
     quiet_progress_bars()  # a log file or pipe gets lines, not carriage-return bar redraws
     if args.command != "recipes":  # every command that loads a model may import DeepSpeed (through transformers)
         name_cpu_accelerator()
     try:
         check_launch_environment(os.environ)  # before Accelerate parses them
-        return COMMANDS[args.command].run(args)
+        code = COMMANDS[args.command].run(args)
+        flush_stdout()  # a full stdout is reported here, as stdout's, not at interpreter exit
+        return code
     except UserInputError as exc:
-        if os.environ.get("NEUTRAIN_DEBUG") == "1":
+        if _debug():
             raise
         if not getattr(exc, "main_rank_only", False) or os.environ.get("RANK", "0") == "0":
             print_error(one_line(exc))  # a refusal every process of a launch reaches is said once, by the first
@@ -121,10 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted", prefix="neutrain: ")
         return 130
+    except StdoutError as exc:  # not the run's disk: the stream the command prints to
+        print_error(str(exc))
+        return EXIT_ENVIRONMENT
     except Exception as exc:
         # A full disk or read-only file system reaches here as OSError, or wrapped by safetensors / torch.save.
-        if os.environ.get("NEUTRAIN_DEBUG") == "1":
+        if _debug():
             raise
+        cause = exc
+        while cause is not None and not isinstance(cause, StdoutError):  # wrapped by a library on its way up
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            print_error(str(cause))
+            return EXIT_ENVIRONMENT
         if "torch" in sys.modules:  # a device out of memory: the phase it happened in, the budget, the plan
             from neutrain.trainer.phases import out_of_memory_line  # lazy: imports torch, loaded already here
 

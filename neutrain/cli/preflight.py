@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import errno
-import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from neutrain.errors import RecipeError, UserInputError
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.export.target import check_export_target
+from neutrain.files import read_json_object
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -75,15 +75,9 @@ def check_report_to(report_to: str | list) -> None:
 
 
 def _json_file(key: str, path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RecipeError(f"{key}: file '{path}' does not exist (relative to the current directory {Path.cwd()})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecipeError(f"{key}: '{path}' is not a valid JSON file ({exc})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{key}: '{path}' holds a JSON {type(data).__name__}, expected an object")
-    return data
+    # The one reader: the kind before it is opened (a FIFO hung here, /dev/zero ran out of memory), a size
+    # bound, the encoding, and a parse error with its line and column.
+    return read_json_object(path, f"{key}: file '{path}'", RecipeError)
 
 
 def check_distributed(train: dict, num_processes: int) -> None:
@@ -93,6 +87,28 @@ def check_distributed(train: dict, num_processes: int) -> None:
     if train["deepspeed"]:
         _json_file("train.deepspeed", train["deepspeed"])
     distributed_request(train).check_processes(num_processes)  # raises on contradicting keys first
+
+
+def accumulation_note(rows: int | None, micro_batch: int, accumulation: int, processes: int = 1) -> str | None:
+    """The warning for ``train.gradient_accumulation_steps`` past the micro-batches one epoch has, else None.
+
+    Why: an optimizer step accumulates at most the micro-batches left in the epoch, so accumulating 8 (or
+    1000) over a 3-row epoch trained exactly as accumulating 3, and the recipe's number said otherwise.
+
+    Example:
+        >>> accumulation_note(3, 1, 8)
+        'train.gradient_accumulation_steps: 8 micro-batches per optimizer step, but an epoch has only 3 (3 rows at train.micro_batch_size 1 on 1 process(es)): each step accumulates at most the epoch, so the run trains as with 3'
+        >>> accumulation_note(100, 4, 8) is None
+        True
+    """
+    if not rows:
+        return None
+    per_epoch = -(-rows // (micro_batch * processes))
+    if accumulation <= per_epoch:
+        return None
+    return (f"train.gradient_accumulation_steps: {accumulation} micro-batches per optimizer step, but an epoch has only "
+            f"{per_epoch} ({rows} rows at train.micro_batch_size {micro_batch} on {processes} process(es)): each step "
+            f"accumulates at most the epoch, so the run trains as with {per_epoch}")
 
 
 def check_launch(num_processes: int, cuda_available: bool, environ: Mapping[str, str] = os.environ) -> None:

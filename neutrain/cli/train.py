@@ -29,8 +29,9 @@ from neutrain.cli.checkpoints import check_vocabulary
 # Where `neutrain eval`, scripts and tests have always found them:
 from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
 from neutrain.cli.memory import fit_memory, settle_weights
-from neutrain.cli.preflight import (check_launch, check_long_context_prompts, check_weight_offload_device, cpu_processes,
-                                    preflight)
+from neutrain.cli.preflight import (
+    accumulation_note, check_launch, check_long_context_prompts, check_weight_offload_device, cpu_processes, preflight,
+)
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
 from neutrain.errors import StoppedBySignal
@@ -166,6 +167,10 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
     if heldout is not None and recipe.eval["max_eval_samples"]:
         heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
+    note = accumulation_note(len(train_ds) if hasattr(train_ds, "__len__") else None, t["micro_batch_size"],
+                             t["gradient_accumulation_steps"], state.num_processes)
+    if note is not None and state.is_main_process:
+        logger.warning("%s", note)
     weights, adapter = recipe.memory["weights"], recipe.memory["adapter"]
     if adapter:
         from neutrain.nn.lora import build_weights_for  # lazy: `neutrain --help` stays instant

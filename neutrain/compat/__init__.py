@@ -24,7 +24,9 @@ One module per upstream library, and a module of its own where a topic is large:
 * accelerate: :mod:`neutrain.compat.accelerate_prepare` (model preparation without DDP);
 * peft: :mod:`neutrain.compat.peft_lora` (the custom LoRA layer registry);
 * DeepSpeed: :mod:`neutrain.compat.deepspeed_env` (its accelerator detection on a CPU machine);
-* safetensors: :mod:`neutrain.compat.file_modes` (0.8's ``0o600`` files given the umask's mode).
+* safetensors: :mod:`neutrain.compat.file_modes` (0.8's ``0o600`` files given the umask's mode);
+* tokenizers: :mod:`neutrain.compat.native_panics` (a Rust panic, such as a regex past its backtracking
+  limit, as one line instead of pyo3's ``PanicException`` and the panic hook's printout).
 
 The adapters of ``transformers_api`` and ``torch_api`` are also importable from this package
 (``from neutrain.compat import cache_forward_kwarg``), as callers have always imported them.

@@ -29,13 +29,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from neutrain.compress.codec import STREAM_PAD_WORDS
+from neutrain.config.knobs import knob
 from neutrain.compress.huffman import ESCAPE, LITERAL_BITS, MAX_CODE_BITS, NAN_SYMBOL
 from neutrain.compress.layout import Layout, splits_bytewise
 
@@ -61,7 +61,7 @@ def available() -> bool:
 
     ``NEUTRAIN_CPU_CODEC=torch`` forces the PyTorch path (to compare or to rule the kernels out).
     """
-    return numba is not None and os.environ.get("NEUTRAIN_CPU_CODEC", "").lower() != "torch"
+    return numba is not None and knob("NEUTRAIN_CPU_CODEC") != "torch"
 
 
 def enabled(device: torch.device, backend: str) -> bool:

@@ -19,12 +19,14 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from neutrain.errors import RecipeError
+from neutrain.files import check_folder, check_kind
 
 BUILT_TOKENIZERS = ("byte", "train-bpe")
 """``model.tokenizer`` values neutrain builds itself (nothing to find)."""
@@ -69,10 +71,13 @@ def find_model_name(key: str, name: str, files: tuple[str, ...]) -> None:
         if not any((local / file).is_file() for file in files):  # else transformers fails later, with a traceback
             raise RecipeError(f"{key}: the directory '{name}' holds no {' or '.join(files)}: it is not a Hugging Face "
                               f"{'tokenizer' if files == TOKENIZER_FILES else 'model'} directory")
+        check_folder(local, f"{key}: '{name}'", RecipeError)  # no FIFO or device where transformers will read
         return
+    if os.path.lexists(local):  # a file, a FIFO, a device: named as what it is
+        check_kind(local, f"{key}: '{name}'", RecipeError, want="dir")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
     if looks_like_path or not _REPO_ID.fullmatch(name):
-        raise RecipeError(f"{key}: '{name}' is not a directory (relative to the current directory {Path.cwd()})")
+        raise RecipeError(f"{key}: '{name}' does not exist (relative to the current directory {Path.cwd()})")
     if in_hub_cache(name, files):
         return
     raise RecipeError(f"{key}: '{name}' is not a local directory and not in the local Hugging Face cache "

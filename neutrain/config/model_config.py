@@ -16,56 +16,18 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import json
 import math
-import re
-import stat
-from pathlib import Path
 from typing import Any
 
+from neutrain.config.model_values import check_config_values
 from neutrain.errors import RecipeError, one_line
-
-# Integer keys that count or size something: zero or negative values build nothing meaningful.
-_POSITIVE_INT = re.compile(r"num_\w*(layers|heads)|\w*_size|head_dim|max_position_embeddings|n_(layer|head|embd|positions)")
-
-
-MAX_CONFIG_BYTES = 16 << 20
-"""A model's config.json is a few KiB; more is not a config (and a device file would never end)."""
-
-
-def _read_config_file(path: Path, where: str) -> str:
-    """The text of a config.json, refused unless it is a regular file of at most :data:`MAX_CONFIG_BYTES`.
-
-    Why: a FIFO given as ``model.config`` blocked the run forever, and ``/dev/zero`` was read until memory
-    ran out; the file's kind and size are checked before a byte is read.
-    """
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise RecipeError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode) \
-            else "a device or special file"
-        raise RecipeError(f"{where}: is {kind}, not a config.json file")
-    if info.st_size > MAX_CONFIG_BYTES:
-        raise RecipeError(f"{where}: {info.st_size:,} bytes, more than a config.json holds ({MAX_CONFIG_BYTES >> 20} MiB)")
-    with open(path, "rb") as fh:
-        return fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
-
+from neutrain.files import read_json_object
 
 def _load(cfg: dict | str) -> tuple[dict, str]:
     if isinstance(cfg, dict):
         return dict(cfg), "model.config"
-    where = f"model.config ('{cfg}')"
-    try:
-        data = json.loads(_read_config_file(Path(cfg), where))
-    except UnicodeDecodeError:
-        raise RecipeError(f"{where}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise RecipeError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    return data, where
+    # A FIFO blocked the run and /dev/zero was read until memory ran out: the one reader checks the kind first.
+    return read_json_object(cfg, f"model.config: file '{cfg}'", RecipeError), "model.config"
 
 
 def _known_keys(cls, defaults: dict) -> set[str]:
@@ -77,7 +39,8 @@ def _known_keys(cls, defaults: dict) -> set[str]:
     return keys - {"self"}
 
 
-def _check_value(where: str, key: str, value: Any, default: Any) -> None:
+def _check_type(where: str, key: str, value: Any, default: Any) -> None:
+    """``value`` has the type of the class's default for ``key`` (its range: :mod:`neutrain.config.model_values`)."""
     at = f"{where}.{key}"
     if isinstance(value, float) and not math.isfinite(value):
         raise RecipeError(f"{at}: {value} is not a finite number")
@@ -89,16 +52,10 @@ def _check_value(where: str, key: str, value: Any, default: Any) -> None:
     elif isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise RecipeError(f"{at}: expected an integer, got {type(value).__name__} {value!r}")
-        if _POSITIVE_INT.fullmatch(key) and value < 1:
-            raise RecipeError(f"{at}: {value} must be a positive integer")
     elif isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)" if isinstance(value, str) else ""
             raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}{hint}")
-        if "dropout" in key and not 0 <= value <= 1:
-            raise RecipeError(f"{at}: {value} is outside [0, 1]")
-        if key.endswith("eps") and value <= 0:
-            raise RecipeError(f"{at}: {value} must be greater than 0")
 
 
 def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
@@ -152,7 +109,8 @@ def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> No
     attribute_map = getattr(cls, "attribute_map", {}) or {}
     for key in keys:
         if key in values:
-            _check_value(where, key, values[key], defaults.get(attribute_map.get(key, key)))
+            _check_type(where, key, values[key], defaults.get(attribute_map.get(key, key)))
+    check_config_values(values, where, RecipeError, [k for k in keys if k in values])
     try:
         built = cls(**values)
     except Exception as exc:  # noqa: BLE001 (config classes raise ValueError, TypeError or strict-dataclass errors by version)

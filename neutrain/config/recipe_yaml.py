@@ -1,4 +1,4 @@
-"""Reading a recipe file: UTF-8 text, YAML without duplicate keys.
+"""Reading a recipe file: text (UTF-8, or UTF-16/32 by its byte-order mark), YAML without duplicate keys.
 
 Why not plain ``yaml.safe_load``: PyYAML keeps the last of two equal keys, so a
 recipe that sets ``learning_rate`` twice trains with whichever comes second and
@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from neutrain.errors import RecipeError
+from neutrain.files import decode_text
 
 
 class _DuplicateKey(Exception):
@@ -42,29 +43,24 @@ class StrictSafeLoader(yaml.SafeLoader):
 
 
 def parse_recipe_text(data: bytes, name: str) -> Any:
-    """Decode ``data`` as UTF-8 and parse it as YAML, refusing duplicate keys.
+    """Decode ``data`` (:func:`neutrain.files.decode_text`) and parse it as YAML, refusing duplicate keys.
 
     Args:
         data: The recipe file's bytes.
         name: The file name, for messages.
 
     Raises:
-        RecipeError: for non-UTF-8 bytes (naming the offset), invalid YAML (naming line and
+        RecipeError: for bytes that are not text (naming the line and offset), invalid YAML (naming line and
             column) or a key given twice in one mapping (naming the key and both lines).
 
     Example:
         >>> parse_recipe_text(b"train:\\n  max_steps: 3\\n", "r.yaml")
         {'train': {'max_steps': 3}}
     """
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise RecipeError(f"{name}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, offset {exc.start}); "
-                          "save the recipe as UTF-8") from None
     if len(data) > MAX_RECIPE_BYTES:
         raise RecipeError(f"{name}: {len(data):,} bytes, more than a recipe's bound of {MAX_RECIPE_BYTES >> 20} MiB "
                           "(recipes are a few KiB; data goes in data files)")
+    text = decode_text(data, name, RecipeError)  # UTF-8, or UTF-16/32 by its byte-order mark
     try:
         return _load_bounded(text, name)
     except RecursionError:
@@ -75,7 +71,8 @@ def parse_recipe_text(data: bytes, name: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{name}:{at} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # PyYAML's reader folds its text
+        raise RecipeError(f"{name}:{at} is not valid YAML ({problem})") from None
 
 
 MAX_RECIPE_BYTES = 1 << 20

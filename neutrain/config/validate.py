@@ -9,11 +9,8 @@ key and what was expected.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
-import re
-import sys
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Iterable
@@ -21,11 +18,15 @@ from typing import Any, Iterable
 import yaml
 
 from neutrain.errors import RecipeError
+from neutrain.files import check_kind, read_bytes
+from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import check_draft_config, check_model_config
-from neutrain.config.recipe_yaml import parse_recipe_text
+from neutrain.config.model_values import check_config_values
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
 from neutrain.config.sections import Section
+from neutrain.config.values import check_value, resolve_path, shown, suggest
 
 DATASET_KEYS: dict[str, Key] = {
     "path": Key(str, REQUIRED, "File, directory, or 'python-stdlib'."),
@@ -42,138 +43,16 @@ DATASET_KEYS: dict[str, Key] = {
 SPECIAL_DATA_PATHS = ("python-stdlib",)
 
 
-def _suggest(name: str, options: Iterable[str]) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" Did you mean '{match[0]}'?" if match else ""
-
-
-def _type_name(t: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
-    if isinstance(t, tuple):
-        return " or ".join(names.get(x, x.__name__) for x in t)
-    return names.get(t, t.__name__)
-
-
-def _check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
-    if value is None:
-        if key.nullable or key.default is None:
-            return None
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got null")
-    types = key.type if isinstance(key.type, tuple) else (key.type,)
-    ok = False
-    for t in types:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value, ok = float(value), True
-            break
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-            break
-        if t not in (int, float) and isinstance(value, t):
-            ok = True
-            break
-    if not ok and float in types and isinstance(value, str):
-        # YAML 1.1 reads "1e-5" (no dot) as a string; accept numeric strings for floats.
-        try:
-            value, ok = float(value), True
-        except ValueError:
-            pass
-    if not ok:
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got {type(value).__name__} {value!r}")
-    if key.choices is not None and value not in key.choices:
-        raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, key.choices))}.{_suggest(str(value), map(str, key.choices))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check_range(where, key, value)
-    if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
-        raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
-    if isinstance(value, str):
-        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
-    if key.path and isinstance(value, str):
-        value = resolve_path(where, value, base_dir, key.path, "path")
-    return value
-
-
-# Keys whose string is a path (or a hub id standing for one): held to what a file name can be.
-_PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "model.tokenizer", "model.config",
-                "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
-
-
-def _check_text(where: str, value: str, as_file_name: bool) -> None:
-    """No NUL byte (no file name or C string holds one); a path has no control character, no surrounding
-    whitespace, and encodes in the file-system encoding.
-
-    Why: a NUL and an unencodable name used to end in a traceback (``ValueError: embedded null byte``,
-    ``UnicodeEncodeError`` under ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation; a
-    newline or a trailing space in a path is almost always a quoting accident on the command line, and the
-    run would write into a directory no one meant.
-    """
-    if "\0" in value:
-        raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
-    if as_file_name:
-        bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
-        if bad is not None:
-            raise RecipeError(f"{where}: {value!r} contains the control character {bad!r}; a path is taken as "
-                              "written (check the quoting on the command line)")
-        if not value.strip() or value != value.strip():
-            raise RecipeError(f"{where}: {value!r} is empty or starts or ends with whitespace; a path is taken as "
-                              "written (check the quoting on the command line)")
-        try:
-            os.fsencode(value)
-        except UnicodeEncodeError as exc:
-            raise RecipeError(f"{where}: {value!r} has {value[exc.start]!r}, which the file-system encoding "
-                              f"({sys.getfilesystemencoding()}, from the locale) cannot write; use a UTF-8 locale "
-                              "(e.g. LC_ALL=C.UTF-8) or an ASCII path") from None
-
-
-def _check_range(where: str, key: Key, value: float) -> None:
-    # NaN compares False with every bound, so without this check it passed them all into the run.
-    if not math.isfinite(value):
-        raise RecipeError(f"{where}: {value} is not a finite number")
-    if key.min is not None and value < key.min:
-        raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
-    if key.max is not None and value > key.max:
-        raise RecipeError(f"{where}: {value} is above the maximum {key.max}")
-    if key.gt is not None and not value > key.gt:
-        raise RecipeError(f"{where}: {value} must be greater than {key.gt}")
-    if key.lt is not None and not value < key.lt:
-        raise RecipeError(f"{where}: {value} must be less than {key.lt}")
-
-
-def resolve_path(where: str, value: str, base_dir: Path | None, kind: str = "any", noun: str = "path") -> str:
-    """A recipe path as it will be used: as given (relative to the current directory), else relative to the recipe.
-
-    The current directory wins when the path exists in both; the error for a missing path names both
-    places it looked, so a relative path never fails without saying what it was relative to.
-
-    Example:
-        >>> resolve_path("train.deepspeed", "/etc/hostname", None, "file")
-        '/etc/hostname'
-    """
-    p = Path(value).expanduser()
-    if not p.is_absolute() and base_dir is not None and not p.exists() and (base_dir / p).exists():
-        p = base_dir / p
-    if not p.exists():
-        looked = ""
-        if not p.is_absolute():
-            looked = f" (relative paths are looked up in the current directory {Path.cwd()}"
-            looked += f", then in the recipe's directory {Path(base_dir).resolve()})" if base_dir is not None else ")"
-        raise RecipeError(f"{where}: {noun} '{value}' does not exist{looked}")
-    if kind == "file" and not p.is_file():
-        raise RecipeError(f"{where}: {noun} '{value}' is a directory, expected a file")
-    if kind == "dir" and not p.is_dir():
-        raise RecipeError(f"{where}: {noun} '{value}' is a file, expected a directory")
-    return str(p)
-
-
 def _validate_mapping(where: str, raw: dict, keys: dict[str, Key], base_dir: Path | None) -> dict:
     if not isinstance(raw, dict):
         raise RecipeError(f"{where}: expected a mapping, got {type(raw).__name__}")
     for name in raw:
         if name not in keys:
-            raise RecipeError(f"{where}: unknown key '{name}'.{_suggest(str(name), keys)}")
+            raise RecipeError(f"{where}: unknown key '{name}'.{suggest(str(name), keys)}")
     out = {}
     for name, key in keys.items():
         if name in raw:
-            out[name] = _check_value(f"{where}.{name}", key, raw[name], base_dir)
+            out[name] = check_value(f"{where}.{name}", key, raw[name], base_dir)
         elif key.default is REQUIRED:
             raise RecipeError(f"{where}: missing required key '{name}'")
         else:
@@ -232,7 +111,7 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
     raw = _check_top_level(raw, where)
     for section in raw:
         if section not in SCHEMA:
-            raise RecipeError(f"{where}: unknown section '{section}'.{_suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
+            raise RecipeError(f"{where}: unknown section '{section}'.{suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
     values = {}
     for section, keys in SCHEMA.items():
         section_raw = raw.get(section)
@@ -271,7 +150,7 @@ def device_budget_setting(value: Any) -> float | str:
             return number
     elif isinstance(value, float) and not isinstance(value, bool):
         return value  # the schema's range check has run
-    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {_short(value)}")
+    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {shown(value)}")
 
 
 def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path | None = None) -> Section:
@@ -302,13 +181,8 @@ def _check_top_level(raw: Any, where: str) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {_short(raw)}")
+        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {shown(raw)}")
     return raw
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # Keyword arguments each schedule takes (transformers.optimization's schedule functions); a wrong name
@@ -326,9 +200,9 @@ def _check_scheduler(train: dict) -> None:
         where = f"train.lr_scheduler_kwargs.{key}"
         if key not in allowed:
             takes = ", ".join(allowed) or "no options"
-            raise RecipeError(f"{where}: lr_scheduler {name} takes {takes}.{_suggest(str(key), allowed)}")
+            raise RecipeError(f"{where}: lr_scheduler {name} takes {takes}.{suggest(str(key), allowed)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise RecipeError(f"{where}: expected a finite number, got {_short(value)}")
+            raise RecipeError(f"{where}: expected a finite number, got {shown(value)}")
         if value < 0 or (key in ("timescale",) and value == 0):
             raise RecipeError(f"{where}: {value} must be {'> 0' if key == 'timescale' else '>= 0'}")
     if name == "cosine_with_min_lr":
@@ -378,11 +252,16 @@ def _check_gguf_file(model: dict) -> None:
         gguf = model["gguf_file"] = package_file(gguf, "model.gguf_file")
     if not gguf.lower().endswith(".gguf"):
         raise RecipeError(f"model.gguf_file: '{gguf}' is not a .gguf file name")
-    if not model["base_model"] and not Path(gguf).is_file():
+    if not model["base_model"] and not os.path.lexists(gguf):
         raise RecipeError(f"model.gguf_file: '{gguf}' does not exist (relative to the current directory {Path.cwd()}); "
                           "or give model.base_model, the directory or hub id that holds it")
-    if model["base_model"] and Path(model["base_model"]).is_dir() and not (Path(model["base_model"]) / gguf).is_file():
-        raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+    if not model["base_model"]:
+        check_kind(gguf, f"model.gguf_file: '{gguf}'", RecipeError)  # a FIFO would block the reader
+    elif Path(model["base_model"]).is_dir():
+        inside = Path(model["base_model"]) / gguf
+        if not os.path.lexists(inside):
+            raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+        check_kind(inside, f"model.gguf_file: '{inside}'", RecipeError)
     if model["init"] == "random":
         raise RecipeError("model.gguf_file: a GGUF checkpoint is loaded with model.init: pretrained, not random")
 
@@ -395,8 +274,8 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError("model.base_model: required when model.init is 'pretrained' (or set model.init: random with model.config)")
     if model["init"] == "random" and model["config"] is None and not model["base_model"]:
         raise RecipeError("model.config: required when model.init is 'random' and no base_model gives a config")
-    if isinstance(model["config"], str) and not Path(model["config"]).exists():
-        raise RecipeError(f"model.config: config file '{model['config']}' does not exist (relative to the current directory {Path.cwd()})")
+    if v["distill"]["draft_config"]:  # the values the draft's build uses, whatever its target's config is
+        check_config_values(v["distill"]["draft_config"], "distill.draft_config", RecipeError)
     if model["config"] is not None:
         check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
         if v["distill"]["draft_config"]:
@@ -430,7 +309,7 @@ def _cross_checks(v: dict) -> None:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train['optimizer']}")
     for cache in v["eval"]["kv_caches"]:
         if cache not in KV_CACHES:
-            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{_suggest(str(cache), KV_CACHES)}")
+            raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -501,10 +380,10 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raise RecipeError(f"override '{item}': expected section.key=value with one dot, e.g. train.learning_rate=1e-5")
         section, key = parts
         if section not in SCHEMA:
-            raise RecipeError(f"override '{item}': unknown section '{section}'.{_suggest(section, SECTIONS)}")
+            raise RecipeError(f"override '{item}': unknown section '{section}'.{suggest(section, SECTIONS)}")
         current = raw.get(section)
         if current is not None and not isinstance(current, dict):
-            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {_short(current)} "
+            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {shown(current)} "
                               f"(so override '{item}' has nowhere to go)")
         sec = dict(current or {})
         sec[key] = override_value(SCHEMA[section].get(key), text)
@@ -525,7 +404,8 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         10
     """
     p = resolve_recipe_path(path)
-    raw = _check_top_level(parse_recipe_text(p.read_bytes(), str(p)), str(p))
+    data = read_bytes(p, f"recipe file '{p}'", MAX_RECIPE_BYTES, RecipeError)  # its kind checked before it is opened
+    raw = _check_top_level(parse_recipe_text(data, str(p)), str(p))
     raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, source=str(p), base_dir=p.parent)
 
@@ -533,8 +413,8 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
 def recipe_dirs() -> list[Path]:
     """Where shipped recipes are looked up: ``$NEUTRAIN_RECIPES``, ./recipes, and the source checkout's recipes/."""
     dirs = []
-    if os.environ.get("NEUTRAIN_RECIPES"):
-        dirs.append(Path(os.environ["NEUTRAIN_RECIPES"]))
+    if knob("NEUTRAIN_RECIPES"):
+        dirs.append(Path(knob("NEUTRAIN_RECIPES")))
     dirs.append(Path.cwd() / "recipes")
     dirs.append(Path(__file__).resolve().parents[2] / "recipes")
     seen, out = set(), []
@@ -550,11 +430,11 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.is_file():
         return p
-    if p.suffix not in (".yaml", ".yml") or not p.exists():
+    if p.suffix not in (".yaml", ".yml") or not os.path.lexists(p):
         for d in recipe_dirs():
             for cand in (d / f"{path}.yaml", d / str(path)):
                 if cand.is_file():
                     return cand
-    if p.is_dir():
-        raise RecipeError(f"recipe '{path}' is a directory, expected a YAML file")
+    if os.path.lexists(p):  # a directory, a FIFO, a device, a dangling link: named as what it is
+        check_kind(p, f"recipe file '{path}'", RecipeError)
     raise RecipeError(f"recipe file '{path}' does not exist (see `neutrain recipes` for shipped recipes)")

@@ -8,9 +8,15 @@ first, with plain byte operations:
 
 * a line holds at most :data:`MAX_LINE_BYTES` (16 MiB: a row of 16 MiB of text is about 4M
   tokens, far beyond any ``sequence_len``);
-* a JSON row nests at most :data:`MAX_JSON_DEPTH` (100) arrays and objects (chat data nests 3).
+* a JSON row nests at most :data:`MAX_JSON_DEPTH` (100) arrays and objects (chat data nests 3);
+* the file is UTF-8 text (a UTF-8 byte-order mark is fine): a UTF-16 or UTF-32 file (told by its mark)
+  and a line that is not UTF-8 are named, with the line and byte, instead of a ``UnicodeDecodeError``
+  from the reader with no row;
+* no JSON string holds a lone surrogate (a ``\\ud800`` escape no low surrogate follows): Python's
+  parser takes it, but it is no character, and ``datasets`` then failed with no row named.
 
-A file over either bound is a :class:`~neutrain.errors.DataError` naming the file and the row.
+A file over a bound is a :class:`~neutrain.errors.DataError` naming the file, the row and (for a
+surrogate) the key.
 
 Example:
     >>> json_depth(b'{"messages": [{"role": "user", "content": "[[[not nesting]]]"}]}')
@@ -19,14 +25,18 @@ Example:
 
 from __future__ import annotations
 
+import codecs
+import json
 import re
 
 from neutrain.errors import DataError
+from neutrain.files import detect_encoding, lone_surrogate
 
 MAX_LINE_BYTES = 16 << 20
 MAX_JSON_DEPTH = 100
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string: brackets inside it do not nest
 _BRACKET = re.compile(rb"[\[\]{}]")
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # \ud800-\udfff written as a JSON escape
 
 
 def json_depth(text: bytes, limit: int | None = None) -> int:
@@ -52,15 +62,28 @@ def check_bounds(files: list[str], ds_type: str) -> None:
         return
     for f in files:
         with open(f, "rb") as fh:
-            first = fh.read(1)
-            fh.seek(0)
-            if ds_type == "json" and first == b"[":  # one JSON document: its nesting counts as a whole
+            head = fh.read(4)
+            encoding = detect_encoding(head)
+            if encoding != "utf-8" and encoding != "utf-8-sig":
+                raise DataError(f"{f}: is {encoding.upper()} text (by its byte-order mark); data files are read as "
+                                f"UTF-8: convert it (iconv -f {encoding.upper()} -t UTF-8)")
+            start = len(codecs.BOM_UTF8) if encoding == "utf-8-sig" else 0
+            fh.seek(start)
+            if ds_type == "json" and head[start:start + 1] == b"[":  # one JSON document: its nesting counts as a whole
                 _check_document(f, fh)
                 continue
             for i, line in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b"")):
+                where = f"row {i} (line {i + 1})" if ds_type == "json" else f"line {i + 1}"
                 if len(line) > MAX_LINE_BYTES:
-                    raise DataError(f"{f}: row {i} (line {i + 1}) is longer than {MAX_LINE_BYTES >> 20} MiB, neutrain's "
+                    raise DataError(f"{f}: {where} is longer than {MAX_LINE_BYTES >> 20} MiB, neutrain's "
                                     "bound on a line; split it into shorter lines or rows")
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{f}: {where} is not UTF-8 text (byte 0x{line[exc.start]:02x} at offset "
+                                    f"{exc.start} of the line); save the file as UTF-8") from None
+                if ds_type == "json" and _SURROGATE_ESCAPE.search(line):
+                    _check_surrogates(f, where, line)
                 # A row cannot nest deeper than it has opening brackets: count exactly only when it might.
                 if ds_type == "json" and line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH:
                     if json_depth(line, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
@@ -68,8 +91,35 @@ def check_bounds(files: list[str], ds_type: str) -> None:
                                         "levels deep, neutrain's bound on JSON nesting")
 
 
+def _check_surrogates(name: str, where: str, line: bytes) -> None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return  # not JSON at all: the reader's error names the row
+    found = lone_surrogate(row)
+    if found is not None:
+        raise DataError(f"{name}: {where}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a UTF-16 "
+                        "pair, no character): not valid Unicode text; fix or drop the row")
+
+
 def _check_document(name: str, fh) -> None:
     text = fh.read()
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = text.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{name}: is not UTF-8 text (byte 0x{text[exc.start]:02x} at line {line}); save the file "
+                        "as UTF-8") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            rows = json.loads(text)
+        except ValueError:
+            rows = None
+        for i, row in enumerate(rows if isinstance(rows, list) else []):
+            found = lone_surrogate(row)
+            if found is not None:
+                raise DataError(f"{name}: row {i}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a "
+                                "UTF-16 pair, no character): not valid Unicode text; fix or drop the row")
     if text.count(b"[") + text.count(b"{") > MAX_JSON_DEPTH and json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise DataError(f"{name}: nests arrays or objects more than {MAX_JSON_DEPTH} levels deep, neutrain's bound "
                         "on JSON nesting")

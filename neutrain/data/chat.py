@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from neutrain.data.template_bounds import check_template_bounds
-from neutrain.errors import RecipeError
+from neutrain.compat.native_panics import native_panics
+from neutrain.data.template_bounds import TemplateCostError, bounded_rendering, check_template_bounds
+from neutrain.errors import RecipeError, UserInputError
 
 # Prefix-stable templates (each message renders the same whatever follows), which assistant-only
 # masking needs. Markers that are not tokens of the vocabulary are learnt as ordinary text.
@@ -122,13 +123,32 @@ def prompt_ids(tokenizer, prompt: str | list[dict], raw: bool = False) -> list[i
         >>> tok.decode(prompt_ids(tok, "hi", raw=True))
         'hi'
     """
+    panic = lambda message: UserInputError(tokenizer_panic("--prompt", message))  # noqa: E731
     if raw or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(prompt if isinstance(prompt, str) else prompt[-1]["content"])["input_ids"])
+        with native_panics(panic):
+            return list(tokenizer(prompt if isinstance(prompt, str) else prompt[-1]["content"])["input_ids"])
     check_template_bounds(tokenizer, "the model's chat template")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        with bounded_rendering():  # this prompt, under the bounds the probe was checked with
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateCostError as exc:
+        raise UserInputError(f"--prompt: the model's chat template {exc} on this prompt (its cost depends on the "
+                             "text); use --raw, or a template that only formats the messages") from None
     # The template writes its own BOS/special tokens: adding them again would double them.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    with native_panics(panic):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tokenizer_panic(where: str, message: str) -> str:
+    """The line for a tokenizer whose native code panicked on ``where``'s text (``message``: the panic's).
+
+    Example:
+        >>> tokenizer_panic("d.jsonl: row 4", "Onig: Regex search error: retry-limit-in-match over")
+        "d.jsonl: row 4: the tokenizer's native code stopped on this text (Onig: Regex search error: retry-limit-in-match over): a regex of its normalizer or pre-tokenizer backtracks without end here; fix the tokenizer's regex, or drop the text"
+    """
+    return (f"{where}: the tokenizer's native code stopped on this text ({message}): a regex of its normalizer or "
+            "pre-tokenizer backtracks without end here; fix the tokenizer's regex, or drop the text")
 
 
 def describe_template_error(exc: BaseException) -> str | None:

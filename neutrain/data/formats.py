@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from neutrain.data.chat import describe_template_error
+from neutrain.compat.native_panics import native_panics
+from neutrain.data.chat import describe_template_error, tokenizer_panic
+from neutrain.data.template_bounds import TemplateCostError, bounded_rendering
 from neutrain.errors import DataError
 
 IGNORE_INDEX = -100
@@ -92,7 +94,11 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
         raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template; this one has "
                         "none: set data.chat_template (e.g. chatml)")
     try:
-        spans, prev = _message_spans(tokenizer, messages, train_on_inputs, source, index)
+        with bounded_rendering():  # every row under the template's bounds, not the probe alone
+            spans, prev = _message_spans(tokenizer, messages, train_on_inputs, source, index)
+    except TemplateCostError as exc:
+        raise DataError(f"{source}: row {index}: the chat template {exc} on this row's messages (its cost depends "
+                        "on their content); use a template that only formats the messages, or drop the row") from None
     except Exception as exc:
         line = describe_template_error(exc)
         if line is None:
@@ -193,10 +199,17 @@ def _assistant_content_start(tokenizer, before: list[dict], start: int, text: st
 
 
 def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> list[dict]:
-    """Dispatch on ``entry['type']``; returns zero or more tokenised rows."""
+    """Dispatch on ``entry['type']``; returns zero or more tokenised rows.
+
+    A panic of the tokenizer's native code on the row (a normalizer or pre-tokenizer regex past its
+    backtracking limit) is a :class:`DataError` naming the row, without the panic's printout.
+    """
     kind, n = entry["type"], data_cfg["sequence_len"]
-    if kind == "text":
-        return tokenize_text(row, tokenizer, entry, n, source, index)
-    if kind == "completion":
-        return tokenize_completion(row, tokenizer, entry, n, data_cfg["train_on_inputs"], source, index)
-    return tokenize_messages(row, tokenizer, entry, n, data_cfg["train_on_inputs"], data_cfg["roles_to_train"], source, index)
+    with native_panics(lambda message: DataError(tokenizer_panic(f"{source}: row {index}", message))):
+        if kind == "text":
+            return tokenize_text(row, tokenizer, entry, n, source, index)
+        if kind == "completion":
+            return tokenize_completion(row, tokenizer, entry, n, data_cfg["train_on_inputs"], source, index)
+        return tokenize_messages(row, tokenizer, entry, n, data_cfg["train_on_inputs"], data_cfg["roles_to_train"],
+                                 source, index)
+

@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from neutrain.compat.file_modes import fsync_dir
 from neutrain.data.bounds import check_bounds
 from neutrain.errors import DataError
+from neutrain.files import check_kind
 
 _EXT_TO_TYPE = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
 
@@ -103,8 +103,9 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     """
     import datasets
 
-    # datasets logs each failed JSON parse at ERROR level; the DataError below names the row instead.
-    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+    # datasets logs each failed parse at ERROR level (for csv, twice); the DataError below is the one line instead.
+    for kind in ("json", "csv", "text", "parquet"):
+        logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}").setLevel(logging.CRITICAL)
     if entry["path"] == "python-stdlib":
         path = Path(entry_files(entry, cache_dir)[0])
         ds_type = "json"
@@ -171,15 +172,8 @@ def file_fingerprints(datasets: list[dict[str, Any]], cache_dir: str | None = No
 
 def _check_regular(path: Path) -> None:
     """Refuse a data path that is neither a regular file nor a directory (a FIFO would block, /dev/zero never ends)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:  # missing: the recipe check named it already, or the reader will
-        return
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return
-    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
-    raise DataError(f"{path}: is {kind}, not a regular file; data must be files (or a directory of them)")
+    if os.path.lexists(path):  # missing: the recipe check named it already, or the reader will
+        check_kind(path, f"data file '{path}'", DataError, want="any")
 
 
 # Where ``datasets`` writes its cache, most specific first: the variable a user would change.
@@ -214,6 +208,8 @@ def _read_error(files: list[str], ds_type: str, exc: BaseException) -> DataError
     if all(_is_blank(f) for f in files):
         return DataError(f"{', '.join(files)}: no rows (it is empty)")
     detail = _locate_bad_json_row(files) if ds_type == "json" else None
+    while type(exc).__name__ == "DatasetGenerationError" and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # the parser's own error says where (pandas: "at row 2")
     first_line = str(exc).splitlines()[0] if str(exc) else ""
     return DataError(detail or f"{', '.join(files)}: could not be read as {ds_type} ({type(exc).__name__}: {first_line})")
 

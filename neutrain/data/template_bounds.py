@@ -1,14 +1,24 @@
-"""Bounding what a chat template may cost to render, checked once before any data is rendered with it.
+"""Bounding what a chat template may cost to render: once on a probe before any data, then on every conversation.
 
 Why: a chat template is code from a recipe or a downloaded model, and Jinja's sandbox stops escapes
 but not expansion: ``{{ 'x' * 10**9 }}``, nested ``range`` loops, a namespace value doubled in a loop
-or a content repeated a million times made every row render for minutes or take gigabytes.
-:func:`check_template_bounds` renders the template once, on a short probe conversation, in
-transformers' own environment (:mod:`neutrain.compat.chat_templates`) with limits: no value over
-:data:`MAX_VALUE` characters (``*``, ``+``, calls, namespace values), at most :data:`MAX_LOOP_STEPS`
-``range`` steps, and an output of at most :data:`OUTPUT_FACTOR` times the conversation's text plus
-:data:`OUTPUT_SLACK` characters. A template over a limit is refused in one line; one that cannot
-render the probe at all is left to the rendering of the data, which reports its own error.
+or a content repeated a million times made every row render for minutes or take gigabytes. A check on a
+probe conversation alone was not enough: a loop gated on a message's content (``{% if 'x' in
+message.content %}``) costs nothing on the probe and hung ``generate`` on the prompt that held an ``x``.
+
+Both renderings go through transformers' own environment (:mod:`neutrain.compat.chat_templates`) with
+limits: no value over :data:`MAX_VALUE` characters (``*``, ``+``, calls, namespace values), at most
+:data:`MAX_LOOP_STEPS` ``range`` steps, and at most :data:`RENDER_SECONDS` of rendering, checked at every
+attribute, item, call and operator the template runs (and, in the main thread, by a timer for a loop that
+runs none of them).
+
+* :func:`check_template_bounds` renders the template once, on a short probe conversation, also bounding
+  its output to :data:`OUTPUT_FACTOR` times the conversation's text plus :data:`OUTPUT_SLACK` characters;
+  a template over a limit is refused in one line before the data is read; one that cannot render the probe
+  at all is left to the rendering of the data, which reports its own error.
+* :func:`bounded_rendering` is the block inside which ``apply_chat_template`` renders a row or a prompt
+  under the same limits; going past one raises :class:`TemplateCostError`, which the caller names (the row,
+  the prompt).
 
 Example:
     >>> from neutrain.data import byte_tokenizer
@@ -22,19 +32,45 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
+import time
 
+from neutrain.compat.chat_templates import compiled_with, template_environment
 from neutrain.errors import RecipeError
 
 MAX_VALUE = 1 << 20
 MAX_LOOP_STEPS = 1_000_000
 OUTPUT_FACTOR = 64
 OUTPUT_SLACK = 1 << 16
+RENDER_SECONDS = 10.0
+"""Rendering one conversation (all its prefixes, for a training row) takes milliseconds; ten seconds is a loop."""
 _PROBE = [{"role": role, "content": f"probe {role} text " * 8} for role in ("user", "assistant", "user", "assistant")]
 
 
-class _TooCostly(Exception):
-    """What the bounded environment raises: the template went past a limit (the message says which)."""
+class TemplateCostError(Exception):
+    """A chat template went past a rendering limit (the message says which, starting with a verb: "loops ...")."""
+
+
+class _TooCostly(TemplateCostError):
+    """Raised inside the template's own code by the bounded environment."""
+
+
+class _Budget:
+    """The loop steps and time one rendering has left."""
+
+    def __init__(self):
+        self.steps, self.deadline, self.seconds = 0, math.inf, 0.0
+
+    def start(self, seconds: float) -> None:
+        self.steps, self.seconds, self.deadline = 0, seconds, time.monotonic() + seconds
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            self.deadline = math.inf  # said once
+            raise _TooCostly(f"takes more than {self.seconds:g} s to render one conversation")
 
 
 def _size(value) -> int | None:
@@ -48,12 +84,12 @@ def _check_value(value, what: str = "builds a value"):
     return value
 
 
-def _bounded(env) -> None:
-    """Limit ``env`` (a template environment overlay) in place: values, loop steps, namespace writes."""
+def _bounded(env, budget: _Budget) -> None:
+    """Limit ``env`` (a template environment overlay) in place: values, loop steps, namespace writes, time."""
     table = env.binop_table
-    steps = [0]
 
     def call_binop(context, operator, left, right):
+        budget.tick()
         if operator == "*":  # a sequence repeated: refused before it is built
             count, seq = (right, left) if isinstance(right, int) else (left, right)
             if isinstance(count, int) and _size(seq) is not None and len(seq) * count > MAX_VALUE:
@@ -63,19 +99,30 @@ def _bounded(env) -> None:
             raise _TooCostly(f"computes {left} ** {right} (more than 4096 bits)")
         return _check_value(table[operator](left, right))
 
-    call = env.call
+    call, getattr_, getitem = env.call, env.getattr, env.getitem
 
     def bounded_call(context, obj, *args, **kwargs):
+        budget.tick()
         if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_VALUE for a in (*args, *kwargs.values())):
             raise _TooCostly(f"calls {getattr(obj, '__name__', 'a function')} with a size over {MAX_VALUE:,}")
         return _check_value(call(context, obj, *args, **kwargs))
 
     def counted_range(*args):
         for value in range(*args):
-            steps[0] += 1
-            if steps[0] > MAX_LOOP_STEPS:
+            budget.steps += 1
+            if budget.steps > MAX_LOOP_STEPS:
                 raise _TooCostly(f"loops more than {MAX_LOOP_STEPS:,} times")
+            if budget.steps % 1024 == 0:
+                budget.tick()
             yield value
+
+    def timed_getattr(obj, attribute):
+        budget.tick()
+        return getattr_(obj, attribute)
+
+    def timed_getitem(obj, argument):
+        budget.tick()
+        return getitem(obj, argument)
 
     namespace = env.globals.get("namespace")
     if isinstance(namespace, type):
@@ -86,7 +133,80 @@ def _bounded(env) -> None:
         env.globals["namespace"] = BoundedNamespace
     env.intercepted_binops = frozenset(("*", "**", "+"))
     env.call_binop, env.call = call_binop, bounded_call
+    env.getattr, env.getitem = timed_getattr, timed_getitem
     env.globals["range"] = counted_range
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float, budget: _Budget):
+    """In the main thread, a timer that stops a loop whose body runs nothing the budget sees; elsewhere nothing."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer") \
+            or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN, None) \
+            or signal.getitimer(signal.ITIMER_REAL)[0]:
+        yield  # another user of the timer (a test runner's timeout): the budget's own checks remain
+        return
+
+    def expired(signum, frame):
+        budget.deadline = -math.inf
+        budget.tick()
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds + 0.5)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _Renderer:
+    """One bounded environment per process, its compiled templates, and the budget of the rendering under way."""
+
+    def __init__(self):
+        self.budget = _Budget()
+        self.env = template_environment()
+        _bounded(self.env, self.budget)
+        self.compiled: dict[str, object] = {}
+
+    def compile(self, template: str):
+        found = self.compiled.get(template)
+        if found is None:
+            if len(self.compiled) > 16:
+                self.compiled.clear()
+            found = self.compiled[template] = self.env.from_string(template)
+        return found
+
+
+_RENDERER: list[_Renderer] = []
+
+
+@contextlib.contextmanager
+def bounded_rendering(seconds: float | None = None):
+    """Inside the block, ``tokenizer.apply_chat_template`` renders under the module's limits (values, loop
+    steps, ``seconds`` in all, :data:`RENDER_SECONDS` by default); going past one raises :class:`TemplateCostError`.
+
+    Example:
+        >>> from neutrain.data import byte_tokenizer
+        >>> tok = byte_tokenizer()
+        >>> tok.chat_template = ("{% if 'loop' in messages[0]['content'] %}{% for i in range(10000) %}"
+        ...                      "{% for j in range(10000) %}{% endfor %}{% endfor %}{% endif %}")
+        >>> with bounded_rendering():
+        ...     tok.apply_chat_template([{"role": "user", "content": "loop"}], tokenize=False)
+        Traceback (most recent call last):
+        neutrain.data.template_bounds.TemplateCostError: loops more than 1,000,000 times
+    """
+    if not _RENDERER:
+        _RENDERER.append(_Renderer())
+    renderer = _RENDERER[0]
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    renderer.budget.start(seconds)
+    try:
+        with compiled_with(renderer.compile), _alarm(seconds, renderer.budget):
+            yield
+    except _TooCostly as exc:
+        raise TemplateCostError(str(exc)) from None
+    finally:
+        renderer.budget.deadline = math.inf
 
 
 def check_template_bounds(tokenizer, where: str = "data.chat_template") -> None:
@@ -100,11 +220,10 @@ def check_template_bounds(tokenizer, where: str = "data.chat_template") -> None:
         return
     import jinja2  # lazy: only templates need it
 
-    from neutrain.compat.chat_templates import template_environment  # lazy: imports transformers
-
+    budget = _Budget()
     try:
         env = template_environment()
-        _bounded(env)
+        _bounded(env, budget)
         compiled = env.from_string(template)
     except jinja2.TemplateError:
         return  # not valid Jinja: the rendering of the data names the error
@@ -112,12 +231,14 @@ def check_template_bounds(tokenizer, where: str = "data.chat_template") -> None:
     limit = OUTPUT_FACTOR * text + OUTPUT_SLACK
     rendered = 0
     special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+    budget.start(RENDER_SECONDS)
     try:
-        for chunk in compiled.generate(messages=_PROBE, add_generation_prompt=True, **special):
-            rendered += len(chunk)
-            if rendered > limit:
-                raise _TooCostly(f"writes more than {limit:,} characters for a {len(_PROBE)}-message conversation of "
-                                 f"{text} characters")
+        with _alarm(RENDER_SECONDS, budget):
+            for chunk in compiled.generate(messages=_PROBE, add_generation_prompt=True, **special):
+                rendered += len(chunk)
+                if rendered > limit:
+                    raise _TooCostly(f"writes more than {limit:,} characters for a {len(_PROBE)}-message conversation "
+                                     f"of {text} characters")
     except _TooCostly as exc:
         raise RecipeError(f"{where}: the chat template {exc}; rendering every row of the data would take unbounded "
                           f"time or memory: use a template that only formats the messages") from None

@@ -54,21 +54,27 @@ def byte_tokenizer():
 
 
 LONGEST_WORD = 256
-"""Characters of one run without whitespace that the BPE trainer sees at a time (longer runs are cut)."""
+"""Characters of one run of whitespace, or of anything else, that the BPE trainer sees at a time (longer runs
+are cut)."""
 
 
 def bounded_words(texts: Iterable[str], longest: int = LONGEST_WORD) -> Iterator[str]:
-    """``texts``, each run of more than ``longest`` non-space characters cut into pieces of ``longest``.
+    """``texts``, each run of more than ``longest`` non-space characters, or of more than ``longest`` whitespace
+    characters, cut into pieces of ``longest``.
 
     Why: the BPE trainer's work grows faster than linearly with the length of one word (each merge rescans
-    it): a single 1 MB word ran past 170 s, far below the 16 MiB line bound. Real words are far shorter,
-    so their counts, and the vocabulary learnt from them, are unchanged.
+    it): a single 1 MB word ran past 170 s, far below the 16 MiB line bound. The byte-level pre-tokenizer
+    makes a run of whitespace one word too (``\\s+``), so a 1 MB run of spaces hung the trainer the same way
+    once words without spaces were cut. Real words and indents are far shorter, so their counts, and the
+    vocabulary learnt from them, are unchanged.
 
     Example:
         >>> list(bounded_words(["a " + "x" * 10 + " b"], longest=4))
         ['a ', 'xxxx', 'xxxx', 'xx', ' b']
+        >>> list(bounded_words(["a" + " " * 9 + "b"], longest=4))
+        ['a', '    ', '    ', ' ', 'b']
     """
-    long_run = re.compile(r"\S{%d,}" % (longest + 1))
+    long_run = re.compile(r"\S{%d,}|\s{%d,}" % (longest + 1, longest + 1))
     for text in texts:
         start = 0
         for run in long_run.finditer(text):

@@ -12,13 +12,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from neutrain.errors import RecipeError, UserInputError
+from neutrain.files import read_json_object
 
 # FSDP2 defaults for ``train.distributed: fsdp2``: one fully_shard unit per decoder layer (the model's
 # _no_split_modules), sharded checkpoints (each rank writes its shards; resume needs the same process count).
@@ -60,8 +59,8 @@ def _deepspeed(fsdp: str, fsdp_config, deepspeed) -> dict[str, Any]:
 def _fsdp2(fsdp: str, fsdp_config, deepspeed) -> dict[str, Any]:
     if deepspeed:
         raise UserInputError("train.distributed: fsdp2 contradicts train.deepspeed")
-    if isinstance(fsdp_config, str):
-        fsdp_config = json.loads(Path(fsdp_config).read_text())
+    if isinstance(fsdp_config, str):  # read as the recipe check read it (neutrain.files)
+        fsdp_config = read_json_object(fsdp_config, f"train.fsdp_config: file '{fsdp_config}'", RecipeError)
     fsdp_config = {**FSDP2_DEFAULTS, **(fsdp_config or {})}
     if fsdp_config["fsdp_version"] != 2:
         raise UserInputError("train.distributed: fsdp2 with fsdp_config.fsdp_version != 2")

@@ -24,7 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from .loop import KV_KINDS, format_table, kv_cache_factory, perplexity, run_tasks, write_json
+from .loop import KV_KINDS, format_table, kv_cache_factory, mean_loss, perplexity, run_tasks, write_json
+from .perplexity import perplexity_record
 from .tasks import TASKS, Sample, char_tokenizer, generate_task
 
 __all__ = ["evaluate", "TASKS", "Sample", "generate_task", "char_tokenizer", "format_table", "perplexity"]
@@ -66,7 +67,8 @@ def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | 
         **kv_options: Passed to ``MiniCache(...)`` or ``enable_shadowkv(...)``.
 
     Returns:
-        ``{"kv", "options", "tasks": {task: metrics}, "overall": metrics, "perplexity", "table", "per_sample"}``;
+        ``{"kv", "options", "tasks": {task: metrics}, "overall": metrics, "perplexity", "perplexity_loss", "table",
+        "per_sample"}``;
         metrics hold ``accuracy`` (exact match, %), ``partial`` (RULER string_match_all, %),
         ``tokens_per_s``, ``kv_device_bytes``, ``kv_host_bytes``, ``compression_ratio``
         (full bytes / device bytes, measured), ``peak_gpu_bytes`` and the cache ``counters``.
@@ -83,7 +85,9 @@ def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | 
                 reference = run_tasks(model, tokenizer, samples, make_full, keep_logits=True)["per_sample"]
         with kv_cache_factory(model, kv, **kv_options) as make_cache:
             results = run_tasks(model, tokenizer, samples, make_cache, reference=reference)
-        results["perplexity"] = perplexity(model, tokenizer, ppl_texts, ppl_max_length) if ppl_texts else None
+        loss = mean_loss(model, tokenizer, ppl_texts, ppl_max_length) if ppl_texts else None
+        results["perplexity_loss"] = loss  # printed beside the perplexity (neutrain.eval.perplexity)
+        results["perplexity"] = None if loss is None else perplexity_record(loss)  # null past its bound
     finally:
         model.train(was_training)
     results = {"kv": kv, "options": dict(kv_options), **results}

@@ -13,7 +13,6 @@ exact-match rate, a sample counting only if every reference is present.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from neutrain.config.schema import KV_CACHES
+from neutrain.eval.perplexity import perplexity_of, perplexity_text
 
 from .. import compat
 from .engine import DecodeEngine
@@ -191,7 +191,14 @@ def next_token_fidelity(reference_logits: torch.Tensor, logits: torch.Tensor) ->
 # ---------------------------------------------------------------- perplexity
 @torch.inference_mode()
 def perplexity(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -> float:
-    """Token-level perplexity of ``texts`` (each truncated to ``max_length`` tokens), full attention."""
+    """Token-level perplexity of ``texts`` (each truncated to ``max_length`` tokens), full attention:
+    :func:`neutrain.eval.perplexity.perplexity_of` of :func:`mean_loss`."""
+    return perplexity_of(mean_loss(model, tokenizer, texts, max_length))
+
+
+@torch.inference_mode()
+def mean_loss(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -> float:
+    """Mean next-token loss (nats) over the tokens of ``texts`` (each truncated to ``max_length``); NaN for none."""
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     for text in texts:
@@ -202,7 +209,7 @@ def perplexity(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
         total_nll += nll.item()
         total_tokens += ids.shape[1] - 1
-    return math.exp(total_nll / total_tokens) if total_tokens else float("nan")
+    return total_nll / total_tokens if total_tokens else float("nan")
 
 
 # ---------------------------------------------------------------- task loop
@@ -315,8 +322,8 @@ def format_table(results: dict[str, Any]) -> str:
         if has_fid:
             cells += [f"{r.get('kl', float('nan')):.4f}", f"{r.get('top1_agreement', float('nan')):.3f}"]
         lines.append(" | ".join(cells))
-    if results.get("perplexity") is not None:
-        lines.append(f"perplexity: {results['perplexity']:.3f}")
+    if results.get("perplexity_loss") is not None:
+        lines.append(perplexity_text(results["perplexity_loss"]))
     return "\n".join(lines)
 
 

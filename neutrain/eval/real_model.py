@@ -18,12 +18,12 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from neutrain.config.knobs import EnvironmentVariableError, knob
 from neutrain.nn.gguf import load_gguf_model, load_gguf_tokenizer
 
 from .tasks import Sample, count_tokens
@@ -51,10 +51,11 @@ def smollm2_gguf() -> Path:
     Raises:
         RealModelUnavailable: the package is not installed or its file is missing (or the named file is).
     """
-    named = os.environ.get(GGUF_ENV)
+    try:
+        named = knob(GGUF_ENV)
+    except EnvironmentVariableError as exc:
+        raise RealModelUnavailable(str(exc)) from None
     if named:
-        if not Path(named).is_file():
-            raise RealModelUnavailable(f"{GGUF_ENV}={named} names no file")
         return Path(named)
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -19,6 +19,7 @@ from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export.target import EXPORT_INFO, staged_export
+from neutrain.files import check_folder
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import MARKER, is_compressed
 from neutrain.nn.load import build
@@ -62,6 +63,8 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
             config = source.read_config()
             chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
             model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
+    except CheckpointError:
+        raise  # names the file and what is wrong in it already
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return model.eval(), _load_tokenizer(path)
@@ -84,6 +87,7 @@ def _load_tokenizer(path: Path):
 
     for cand in (path, path.parent / "tokenizer"):
         if (cand / "tokenizer_config.json").exists():
+            check_folder(cand, f"tokenizer files in '{cand}'", CheckpointError)  # a FIFO there blocked the load
             try:
                 return AutoTokenizer.from_pretrained(str(cand))
             except Exception as exc:  # a malformed tokenizer.json raises KeyError, ValueError, Rust's Exception...

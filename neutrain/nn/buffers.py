@@ -58,6 +58,8 @@ import weakref
 
 import torch
 
+from neutrain.config.knobs import knob
+
 _SERIALS = itertools.count()
 
 
@@ -87,9 +89,9 @@ def default_keep_bytes(device: torch.device) -> int:
         >>> default_keep_bytes(torch.device("cuda", 0))
         0
     """
-    override = os.environ.get("NEUTRAIN_KEEP_DECODED_MIB")
-    if override is not None and override.strip():
-        return int(float(override) * 2**20)
+    override = knob("NEUTRAIN_KEEP_DECODED_MIB")  # finite and in range: neutrain.config.knobs
+    if override is not None:
+        return int(override * 2**20)
     if device.type != "cpu":
         return 0
     try:

@@ -60,8 +60,8 @@ def _named_errors(what: str, source: str, name: str):
         raise GGUFLoadError(str(exc)) from None
     try:
         yield
-    except GGUFLoadError:
-        raise  # named already (by the source, inside the build)
+    except (GGUFLoadError, CheckpointError):
+        raise  # named already (by the source or the build's checks of its values)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GGUFLoadError(f"cannot {what} '{os.path.join(source, name)}' ({first})") from None
@@ -100,6 +100,10 @@ class GGUFFile:
 
     def __init__(self, source: str, name: str):
         self.source, self.name = source, name
+
+    @property
+    def label(self) -> str:
+        return f"GGUF file '{os.path.join(self.source, self.name)}'"
 
     def read_config(self, trust_remote_code: bool = False):
         """The transformers config the file describes."""

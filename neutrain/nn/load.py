@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from neutrain.config.model_values import check_config_values
+from neutrain.errors import CheckpointError
 from neutrain.nn.convert import _progress
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sink import ModelSink
@@ -42,6 +44,9 @@ def build(spec: ModelSpec, *, progress: bool = True):
         >>> type(model.model.layers[0].self_attn.q_proj).__name__, len(model._neutrain_weight_offload.layers)
         ('CompressedLinear', 2)
     """
+    label = getattr(spec.source, "label", None)  # a file's: its values are checked as a recipe's are at load
+    if label is not None:
+        check_config_values(spec.config.to_dict(), f"{label}: config", CheckpointError)
     if spec.attention is not None:
         spec.config._attn_implementation = spec.attention
     model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code)
@@ -49,6 +54,8 @@ def build(spec: ModelSpec, *, progress: bool = True):
                      source_keys=spec.source.keys())
     for name, tensor in _progress(spec.source.tensors(model, spec.placement.device, spec.dtype), progress,
                                   "loading weights"):
+        if label is not None and isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            check_finite(label, name, tensor)
         sink.put(name, tensor)
         del tensor  # before the source reads the next one
     model, report = sink.finish()
@@ -56,6 +63,29 @@ def build(spec: ModelSpec, *, progress: bool = True):
     if generation is not None:
         model.generation_config = generation
     return model, report
+
+
+def check_finite(label: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor holding NaN or inf, naming the file, the tensor and the first such element.
+
+    Why: a NaN in a foreign export's norm weight made every logit NaN, and ``generate`` printed a blank line
+    with exit 0. One reduction decides (a NaN or inf makes the fp32 sum non-finite); only a tensor whose sum
+    is not finite, or overflows, is searched element by element.
+
+    Example:
+        >>> check_finite("model 'm'", "model.norm.weight", torch.tensor([1.0, float("nan")]))
+        Traceback (most recent call last):
+        neutrain.errors.CheckpointError: model 'm': tensor 'model.norm.weight' holds 1 NaN or infinite value(s) (the first nan, at index 1); the file is corrupt or was saved from a diverged model
+    """
+    if torch.isfinite(tensor.sum(dtype=torch.float32)):
+        return
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    if count:
+        first = int(bad.flatten().nonzero()[0])
+        raise CheckpointError(f"{label}: tensor '{name}' holds {count} NaN or infinite value(s) (the first "
+                              f"{tensor.flatten()[first].item()}, at index {first}); the file is corrupt or was saved "
+                              "from a diverged model")
 
 
 def load_compressed(

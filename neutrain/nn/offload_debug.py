@@ -27,9 +27,9 @@ Example:
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from neutrain.config.knobs import knob
 
 ENV = "NEUTRAIN_OFFLOAD_SYNC_DEBUG"
 PAYLOAD = ("stream", "tails", "lane_words", "tile_base")
@@ -40,8 +40,8 @@ class OffloadFaultError(RuntimeError):
 
 
 def enabled() -> bool:
-    """Whether ``NEUTRAIN_OFFLOAD_SYNC_DEBUG`` asks for the checks (any value but empty or ``0``)."""
-    return os.environ.get(ENV, "").strip() not in ("", "0")
+    """Whether ``NEUTRAIN_OFFLOAD_SYNC_DEBUG`` asks for the checks (a true boolean: 1, true, yes, on)."""
+    return knob(ENV)
 
 
 def check(store, what: str, weight) -> None:

@@ -8,7 +8,9 @@ into one sink (:class:`neutrain.nn.sink.ModelSink`), dense, compressed or compre
 * ``tensors(model, device, dtype)``: the tensors, one at a time, for the skeleton ``model``
   (meta-device parameters); a dense ``torch.Tensor``, or a ``CompressedTensor`` that a neutrain
   checkpoint holds already encoded (placed as it is, or decoded for a dense model);
-* ``generation_config()``: the folder's ``generation_config.json``, if it has one.
+* ``generation_config()``: the folder's ``generation_config.json``, if it has one;
+* ``label`` (files only): the file or folder in words; a source with one has its config's values and its
+  floating tensors checked as they are read (finite, in range), one without (random init) does not.
 
 The order of the tensors is the source's own: a sharded checkpoint may split a decoder layer across
 files, in any key order. The sink, not the source, decides when a layer is complete.
@@ -40,7 +42,9 @@ import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
+from neutrain.files import check_folder
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
+from neutrain.storage.manifest import safetensors_header
 
 
 class TensorSource(Protocol):
@@ -140,9 +144,16 @@ class SafetensorsFolder:
         self._directory: Path | None = None
 
     @property
+    def label(self) -> str:
+        """The model in one line's words, first in its errors (its config's values and its tensors are checked
+        as they are read: :func:`neutrain.nn.load.build`)."""
+        return f"model '{self.path_or_id}'"
+
+    @property
     def directory(self) -> Path:
         if self._directory is None:
             self._directory = _resolve(self.path_or_id)
+            check_folder(self._directory, self.label, CheckpointError)  # no FIFO where a reader will open a file
         return self._directory
 
     def read_config(self, trust_remote_code: bool = False):
@@ -153,7 +164,10 @@ class SafetensorsFolder:
         return AutoConfig.from_pretrained(str(self.path_or_id), trust_remote_code=trust_remote_code)
 
     def files(self) -> list[Path]:
-        return _safetensors_files(self.directory)
+        files = _safetensors_files(self.directory)
+        for file in files:  # every tensor inside the data section and with bytes of its own, before a read
+            safetensors_header(file)
+        return files
 
     def keys(self) -> list[str] | None:
         from safetensors import safe_open

@@ -8,11 +8,11 @@ update is one row chunk of fp32 temporaries.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
 
+from neutrain.config.knobs import knob
 from neutrain.kernels import triton_available
 from neutrain.optim.fused import FusedOptimizer
 from neutrain.optim.rule import scaled, weight_rows
@@ -22,7 +22,7 @@ def use_fused_kernel(weight: torch.Tensor) -> bool:
     """Whether LOMO updates ``weight`` with the one-kernel ``fused_update`` (CUDA, Triton; off with
     ``NEUTRAIN_FUSED_UPDATE=0``, the A/B switch of ``benchmarks/train_memory.py``)."""
     return (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float32) and triton_available()
-            and os.environ.get("NEUTRAIN_FUSED_UPDATE", "1") != "0")
+            and knob("NEUTRAIN_FUSED_UPDATE"))
 
 
 class LOMO(FusedOptimizer):

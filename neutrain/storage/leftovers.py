@@ -89,14 +89,58 @@ def process_identity(pid: int) -> str | None:
         return None
 
 
-def writer_alive(record: dict) -> bool:
+def writer_alive(record: dict, holding: str | os.PathLike | None = None) -> bool:
     """Whether the process a lock or ``writer.json`` record names still runs on this host (the same process,
-    where its start time was recorded: not a later one that took its pid)."""
+    where its start time was recorded: not a later one that took its pid).
+
+    A record in the previous release's format names only a pid, and a pid alive now is often another
+    process's (a container's ``pid 1``, or one reused since): such a record blocked every run with "pid 1
+    on host vm". Its process counts as the writer only if it has ``holding`` open (a run keeps its lock
+    file open for its whole life), or, where that cannot be read or there is no such file, only if its
+    command line could be neutrain's.
+    """
     pid = record.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or not _alive(pid):
         return False
     recorded, now = record.get("process"), process_identity(pid)
-    return recorded is None or now is None or recorded == now
+    if recorded is not None:
+        return now is None or recorded == now
+    held = holds_open(pid, holding) if holding is not None else None
+    return held if held is not None else _could_be_neutrain(pid)
+
+
+def holds_open(pid: int, path: str | os.PathLike) -> bool | None:
+    """Whether process ``pid`` has the file ``path`` open (Linux ``/proc``), or None where that cannot be read.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as fh:
+        ...     holds_open(os.getpid(), fh.name)
+        True
+    """
+    try:
+        target = os.stat(path)
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            info = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
+def _could_be_neutrain(pid: int) -> bool:
+    """Whether ``pid``'s command line could be a neutrain run's (True where it cannot be read: a live pid counts)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            command = fh.read().replace(b"\0", b" ").lower()
+    except OSError:
+        return True
+    return any(word in command for word in (b"neutrain", b"python", b"accelerate", b"torchrun", b".yaml", b".yml"))
 
 
 def mark_writer(temporary: str | os.PathLike) -> None:

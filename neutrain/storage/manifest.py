@@ -42,6 +42,7 @@ from pathlib import Path
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
 from neutrain.storage.confine import check_indexes, check_tree, inside
+from neutrain.storage.tensor_layout import check_ranges
 
 logger = logging.getLogger("neutrain")
 
@@ -91,7 +92,7 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint file '{path}' is not a safetensors file (bad header)")
     data = size - 8 - length
-    end = 0
+    end, ranges = 0, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -109,6 +110,8 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
             raise CheckpointError(f"checkpoint file '{path}' is truncated: tensor '{name}' ends at byte {stop} of "
                                   f"{data} data bytes")
         end = max(end, stop)
+        ranges.append((name, begin, stop))
+    check_ranges(f"checkpoint file '{path}'", ranges, data, CheckpointError)  # no two tensors share bytes
     if end != data:
         raise CheckpointError(f"checkpoint file '{path}': {data - end} bytes after the last tensor (corrupt or appended)")
     return 8 + length, header

@@ -10,7 +10,8 @@ saving deleted that run's ``.tmp-checkpoint-N`` as a leftover.
   names the run that holds the directory. A lock file left by a killed run is stale: its
   ``flock`` is gone, and on this host its pid is dead (or taken by a later, unrelated
   process: the process's own start time is recorded too), so the next run takes it over
-  (and says so). A lock left by a process on *another* host cannot be checked: refused, naming
+  (and says so); a record in the previous release's format (no start time) counts only while its
+  pid has the lock file open. A lock left by a process on *another* host cannot be checked: refused, naming
   the host and the file to delete once that run is known to be dead. The file is emptied
   on release, never deleted: deleting it would let a waiting process lock the old inode
   while a third creates a new file and locks that.
@@ -132,7 +133,7 @@ class RunLock:
                 raise RunDirectoryError(
                     f"train.output_dir '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")
-            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder):
+            if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder, self.path):
                 raise RunDirectoryError(self._in_use(holder))
             logger.warning("took over the stale lock %s of a run that is no longer running (%s)",
                            self.path, _holder_text(holder))

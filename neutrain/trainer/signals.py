@@ -37,6 +37,7 @@ from typing import Callable
 
 from transformers import TrainerCallback
 
+from neutrain.config.knobs import KNOBS, knob
 from neutrain.errors import StoppedBySignal, print_error
 
 __all__ = ["SignalDuringPhase", "StopOnSignal", "StoppedBySignal", "follow_launcher", "grace_seconds", "stopping_at_once"]
@@ -44,25 +45,16 @@ __all__ = ["SignalDuringPhase", "StopOnSignal", "StoppedBySignal", "follow_launc
 logger = logging.getLogger("neutrain")
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
-DEFAULT_GRACE_S = 120.0
+DEFAULT_GRACE_S = KNOBS["NEUTRAIN_STOP_GRACE_S"].default
 """Seconds from the signal to the step boundary before the process gives up saving (``NEUTRAIN_STOP_GRACE_S``).
 Two minutes: a scheduler's grace period (Kubernetes 30 s by default, SLURM ``KillWait`` 30 s, often raised for
 training jobs) is what really bounds it; this bound only keeps a hung step from holding the job forever."""
 
 
 def grace_seconds() -> float:
-    """``NEUTRAIN_STOP_GRACE_S`` or :data:`DEFAULT_GRACE_S` (a bad value is named, and the default used)."""
-    raw = os.environ.get("NEUTRAIN_STOP_GRACE_S")
-    if raw is None:
-        return DEFAULT_GRACE_S
-    try:
-        value = float(raw)
-        if value > 0:
-            return value
-    except ValueError:
-        pass
-    logger.warning("NEUTRAIN_STOP_GRACE_S=%r is not a positive number of seconds; using %g", raw, DEFAULT_GRACE_S)
-    return DEFAULT_GRACE_S
+    """``NEUTRAIN_STOP_GRACE_S`` or :data:`DEFAULT_GRACE_S` (a value that is not a number of seconds > 0 and at
+    most a week, which a timer can wait, is refused in one line: neutrain.config.knobs)."""
+    return knob("NEUTRAIN_STOP_GRACE_S")
 
 
 def _give_up(message: str, signum: int) -> None:

@@ -66,8 +66,8 @@ def test_hostile_sizes_and_files_are_refused_or_bounded(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     said = {
-        "fifo": f"model.config ('{fifo}'): is a FIFO (named pipe), not a config.json file",
-        "device": "model.config ('/dev/zero'): is a device or special file, not a config.json file",
+        "fifo": f"model.config: file '{fifo}' is a FIFO (named pipe), not a regular file",
+        "device": "model.config: file '/dev/zero' is a character device, not a regular file",
         "template": "data.chat_template: the chat template loops more than 1,000,000 times",
         "huge": "--max-new-tokens: 1000000000000 is out of range; expected at most 1,048,576",
         "context": "--max-new-tokens: 300 new tokens after a 2-token prompt exceed the model's context of 256 positions",

@@ -121,8 +121,9 @@ def test_a_non_ascii_output_dir_under_lc_all_c_is_refused(tmp_path):
 def test_an_unknown_log_level_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv("NEUTRAIN_LOG_LEVEL", "verbose")
     line = _one_line_error(capsys, ["recipes"])
-    assert line == ("neutrain: error: NEUTRAIN_LOG_LEVEL='verbose' is not a log level; expected one of DEBUG, INFO, "
-                    "WARNING, ERROR, CRITICAL (or a number)")
+    assert line == ("neutrain: error: environment variable NEUTRAIN_LOG_LEVEL='verbose': not a log level; expected a log "
+                    "level (DEBUG, INFO, WARNING, ERROR, CRITICAL, any case) or a number from 0 to 50 (the level of "
+                    "neutrain's log lines)")
     monkeypatch.setenv("NEUTRAIN_LOG_LEVEL", "warning")  # any case of a real level is fine
     assert neutrain(["recipes"]) == 0
 

@@ -36,7 +36,7 @@ def test_a_line_longer_than_the_bound_is_refused_before_the_tokenizer_sees_it(tm
         fh.write(b"x" * ((16 << 20) + 10))  # one line, no newline: what aborted the tokenizer at 207 MB
     recipe = _recipe(tmp_path, {}, [{"path": "big.txt", "type": "text"}])
     line = _one_line_error(capsys, ["train", str(recipe)])
-    assert f"{big}: row 1 (line 2) is longer than 16 MiB" in line
+    assert f"{big}: line 2 is longer than 16 MiB" in line
 
 
 def test_brackets_inside_strings_do_not_count_and_ordinary_nesting_passes():

@@ -63,7 +63,8 @@ def test_a_fifo_or_device_named_txt_is_said_to_be_no_regular_file(tmp_path, caps
     recipe = _recipe(tmp_path, {}, [{"path": "x.txt", "type": "text"}])
     line = _one_line_error(capsys, ["train", str(recipe)])
     what = "a FIFO (named pipe)" if kind == "fifo" else "a character device"
-    assert line == f"neutrain: error: {path}: is {what}, not a regular file; data must be files (or a directory of them)"
+    assert line == (f"neutrain: error: data.datasets[0].path: data file '{path}' is {what}, not a regular file or a "
+                    "directory")
 
 
 def test_a_read_only_hf_home_is_an_environment_error_naming_the_variable(tmp_path, capsys, monkeypatch):

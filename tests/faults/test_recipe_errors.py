@@ -88,7 +88,7 @@ def test_every_float_key_refuses_non_finite(section, name, bad):
     ("data.val_set_size=.nan", r"data\.val_set_size: nan is not a finite number"),
     ("memory.lora_dropout=1", r"memory\.lora_dropout: 1\.0 must be less than 1"),
     ("distill.temperature=inf", r"distill\.temperature: inf is not a finite number"),
-    (("train.lr_scheduler=cosine", "train.lr_scheduler_kwargs={num_cycles: .nan}"), r"train\.lr_scheduler_kwargs\.num_cycles: expected a finite number, got nan"),
+    (("train.lr_scheduler=cosine", "train.lr_scheduler_kwargs={num_cycles: .nan}"), r"train\.lr_scheduler_kwargs\.num_cycles: nan is not a finite number"),
 ])
 def test_non_finite_and_out_of_range_values_exit_2(tmp_path, capsys, override, pattern):
     overrides = [override] if isinstance(override, str) else list(override)
@@ -170,7 +170,7 @@ def _recipe_file(tmp_path: Path, content: bytes | str) -> Path:
     ("- train\n- data\n", [], r"r\.yaml: expected a mapping of sections .*, got list \['train', 'data'\]"),
     ("- train\n- data\n", ["train.max_steps=3"], r"r\.yaml: expected a mapping of sections .*, got list"),
     ("just words\n", ["train.max_steps=3"], r"r\.yaml: expected a mapping of sections .*, got str 'just words'"),
-    (b"# r\xe9sum\xe9 of the run\ntrain:\n  max_steps: 3\n", [], r"r\.yaml: not UTF-8 text \(byte 0xe9 at line 1, offset 3\)"),
+    (b"# r\xe9sum\xe9 of the run\ntrain:\n  max_steps: 3\n", [], r"r\.yaml is not UTF-8 text \(byte 0xe9 at line 1, offset 3\)"),
     ("train: 5\n", ["train.max_steps=3"], r"train: expected a mapping of keys, got int 5 \(so override 'train\.max_steps=3' has nowhere to go\)"),
     ("data:\n  datasets: [python-stdlib]\ntrain: 5\n", [], r"train: expected a mapping, got int"),
 ])
@@ -182,11 +182,11 @@ def test_malformed_recipe_files_exit_2(tmp_path, capsys, content, overrides, pat
 @pytest.mark.parametrize("sections,pattern", [
     ({"model": {"dtype": "float16"}, "train": {"optimizer": "lomo"}},
      r"model\.dtype: float16 weights cannot be trained by the fused optimizer lomo"),
-    ({"model": {"config": {**TINY_LLAMA, "hidden_size": -1}}}, r"model\.config\.hidden_size: -1 must be a positive integer"),
+    ({"model": {"config": {**TINY_LLAMA, "hidden_size": -1}}}, r"model\.config\.hidden_size: -1 must be a whole number from 1 to 2,147,483,647 \(a size or count\)"),
     ({"model": {"config": {**TINY_LLAMA, "hidden_size": "big"}}}, r"model\.config\.hidden_size: expected an integer, got str 'big'"),
     ({"model": {"config": {**TINY_LLAMA, "rms_norm_eps": "1e-5"}}},
      r"model\.config\.rms_norm_eps: expected a number, got str '1e-5' \(YAML reads 1e-5 without a dot as a string"),
-    ({"model": {"config": {**TINY_LLAMA, "attention_dropout": 1.5}}}, r"model\.config\.attention_dropout: 1\.5 is outside \[0, 1\]"),
+    ({"model": {"config": {**TINY_LLAMA, "attention_dropout": 1.5}}}, r"model\.config\.attention_dropout: 1\.5 must be a finite number from 0 to 1 \(a dropout probability\)"),
     ({"model": {"config": {**TINY_LLAMA, "num_attention_heads": 5}}}, r"model\.config: LlamaConfig refuses these values: .*5"),
     ({"model": {"config": {**TINY_LLAMA, "model_type": "lama"}}}, r"model\.config\.model_type: unknown model type 'lama'\. Did you mean 'llama'\?"),
 ])
@@ -199,7 +199,7 @@ def test_model_config_json_file_is_checked(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "llama", "hidden_size": 32,}')
     line = _error_line(capsys, [write_recipe(tmp_path, model={"config": str(config)})], 2)
-    assert re.search(r"model\.config \('.*config\.json'\): not valid JSON", line), line
+    assert re.search(r"model\.config: file '.*config\.json' is not valid JSON \(.* at line 1, column \d+\)", line), line
 
 
 # ---- class 12: unknown model.config keys and duplicate YAML keys ---------------------------------------------

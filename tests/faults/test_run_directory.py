@@ -119,10 +119,20 @@ def test_a_stale_lock_is_taken_over_and_a_live_or_foreign_one_refused(tmp_path, 
     assert "took over the stale lock" in caplog.text and json.loads(lock.read_text())["pid"] == os.getpid()
     release(out)
     assert lock.read_text() == ""
-    # A file system without flock: only the record speaks. A live pid on this host is a live run.
-    lock.write_text(json.dumps({"pid": os.getppid(), "host": here, "started": "now"}))
-    with pytest.raises(RunDirectoryError, match=f"in use by another neutrain run \\(pid {os.getppid()} on host"):
-        RunLock(out).acquire()
+    # A file system without flock: only the record speaks. A live pid on this host that has the file open
+    # (as a run keeps its lock open) is a live run.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(60)",
+                               str(lock)])
+    try:
+        lock.write_text(json.dumps({"pid": holder.pid, "host": here, "started": "now"}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _has_open(holder.pid, lock):
+            time.sleep(0.05)
+        with pytest.raises(RunDirectoryError, match=f"in use by another neutrain run \\(pid {holder.pid} on host"):
+            RunLock(out).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
     # Another host's pid cannot be checked from here: refused, naming the file to delete.
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": "now"}))
     with pytest.raises(RunDirectoryError, match=f"on another host .*elsewhere.example.*delete {lock}"):
@@ -138,6 +148,12 @@ def test_a_stale_lock_is_taken_over_and_a_live_or_foreign_one_refused(tmp_path, 
             RunLock(out).acquire()
     finally:
         os.close(fd)
+
+
+def _has_open(pid: int, path) -> bool:
+    from neutrain.storage.leftovers import holds_open
+
+    return bool(holds_open(pid, path))
 
 
 def test_only_a_dead_writers_temporary_checkpoint_is_cleaned(tmp_path):

@@ -103,12 +103,15 @@ def test_shipped_table_names_no_unmeasured_kernel():
             assert e.get("evidence"), e
 
 
-def test_missing_or_broken_table_means_sdpa(tmp_path, monkeypatch):
+def test_a_broken_table_means_sdpa_and_a_missing_one_is_named(tmp_path, monkeypatch):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    for path in (bad, tmp_path / "missing.json"):
-        monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH_TABLE", str(path))
-        assert dispatch.choose(DEV, 128, True, "bfloat16", True, 8192).backend == "sdpa"
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH_TABLE", str(bad))
+    assert dispatch.choose(DEV, 128, True, "bfloat16", True, 8192).backend == "sdpa"
+    # A table named but absent is a typo in the variable, not a choice of SDPA (neutrain.config.knobs).
+    monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH_TABLE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="NEUTRAIN_SAGE_DISPATCH_TABLE=.*missing.json.*no such file"):
+        dispatch.choose(DEV, 128, True, "bfloat16", True, 8192)
 
 
 def test_shipped_table_picks_sage_only_with_measured_wins():

@@ -56,3 +56,22 @@ def test_template_environment_is_transformers_chat_template_sandbox_and_a_copy_o
     assert rendered == "[1]"
     env.globals["range"] = None  # the copy is neutrain's to change; transformers' cached one is untouched
     assert _compile_jinja_template("").environment.globals["range"] is not None
+
+
+def test_compiled_with_is_the_compiler_apply_chat_template_uses_inside_the_block_only():
+    """neutrain renders rows under its bounds by handing transformers' rendering another compiler, for a block."""
+    from neutrain.compat.chat_templates import compiled_with, template_environment
+    from neutrain.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{{ messages[0]['content'] }}"
+    seen = []
+
+    def compile_template(template):
+        seen.append(template)
+        return template_environment().from_string("[" + template + "]")
+
+    with compiled_with(compile_template):
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    assert seen == [tok.chat_template]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"

@@ -65,9 +65,9 @@ def test_a_directory_without_the_files_is_named(tmp_path):
 
 
 def test_a_path_that_does_not_exist_is_named_as_a_path(tmp_path):
-    with pytest.raises(RecipeError, match=r"^model\.base_model: '/no/such/model' is not a directory"):
+    with pytest.raises(RecipeError, match=r"^model\.base_model: '/no/such/model' does not exist"):
         check_model_names({**PRETRAINED, "base_model": "/no/such/model"})
-    with pytest.raises(RecipeError, match=r"^model\.tokenizer: '\./tok' is not a directory"):
+    with pytest.raises(RecipeError, match=r"^model\.tokenizer: '\./tok' does not exist"):
         check_model_names({**PRETRAINED, "base_model": "/no/such/model", "tokenizer": "./tok", "init": "random",
                            "config": {"model_type": "llama"}})
 

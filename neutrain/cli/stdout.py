@@ -1,0 +1,96 @@
+"""Standard output's own failures, told apart from the run's.
+
+Why: ``neutrain ... | head -2`` (the reader gone: EPIPE) and ``neutrain ... > /dev/full`` (ENOSPC) ended
+a command with "Broken pipe (outputs/run)" or "disk full (outputs/run)": a failed ``print`` raises an
+``OSError`` with no file name, and the top level named the run directory, the only path it knew, so
+the user looked for a fault in the run's disk. :func:`guard_stdout` puts a writer over file
+descriptor 1 that knows it is standard output:
+
+* a reader that has gone (EPIPE) is no error of the command's: what follows goes to ``/dev/null``, as
+  ``head`` asked, and the command ends as it would have, quietly (a run in progress is not lost
+  because its reader left);
+* any other failure (a full disk, an I/O error) raises :class:`StdoutError`, which the top level prints
+  as ``stdout: <reason>``, exit 1; later writes are dropped, so the interpreter's own last flush does
+  not print a second, raw error.
+
+Only the process's real standard output is guarded (a test's captured stream is left as it is).
+
+Example:
+    >>> guard_stdout()  # doctest: +SKIP
+    >>> print("x" * 10_000)  # into a closed pipe: nothing raised  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import sys
+
+
+class StdoutError(Exception):
+    """Standard output could not be written (not a broken pipe): the message says why."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(f"stdout: {reason} (the command's output could not be written; its other files are "
+                         "unaffected)")
+        self.errno = code
+
+
+def _discard(fd: int) -> None:
+    """Point ``fd`` at ``/dev/null``: every later write to it, by anyone, succeeds and goes nowhere."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+class _StdoutFile(io.FileIO):
+    """File descriptor 1, whose write failures are standard output's (see the module doc)."""
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            _discard(self.fileno())
+            return len(memoryview(data))
+        except OSError as exc:
+            _discard(self.fileno())  # reported once, here: the rest of the output is dropped
+            raise StdoutError(exc.errno or errno.EIO, exc.strerror or os.strerror(exc.errno or errno.EIO)) from None
+
+
+def guard_stdout() -> bool:
+    """Replace ``sys.stdout`` by a writer of the same settings over :class:`_StdoutFile`; False where
+    ``sys.stdout`` is not the process's own (a test capturing it) or has no file descriptor."""
+    current = sys.stdout
+    if current is None or current is not sys.__stdout__ or isinstance(getattr(current, "buffer", None),
+                                                                      (_Guarded, _StdoutFile)):
+        return False
+    try:
+        fd = current.fileno()
+        current.flush()
+    except (OSError, ValueError, AttributeError):
+        return False
+    raw = _StdoutFile(fd, "wb", closefd=False)
+    # Layered as Python layered it: unbuffered (python -u, PYTHONUNBUFFERED) stays unbuffered, so a log
+    # followed with `tail -f` still sees each line as it is printed.
+    unbuffered = isinstance(getattr(current, "buffer", None), io.RawIOBase)
+    sys.stdout = io.TextIOWrapper(raw if unbuffered else _Guarded(raw), encoding=current.encoding,
+                                  errors=current.errors, line_buffering=current.line_buffering,
+                                  write_through=current.write_through)
+    return True
+
+
+class _Guarded(io.BufferedWriter):
+    """The buffered layer over :class:`_StdoutFile` (a type of its own, so a second guard sees the first)."""
+
+
+def flush_stdout() -> None:
+    """Flush standard output now (a command's last act), so that a failure is reported as :class:`StdoutError`
+    while the top level can still say so, not at interpreter exit."""
+    if sys.stdout is not None:
+        sys.stdout.flush()

@@ -1,0 +1,112 @@
+"""The model-config values a build uses, each with the range it must have: one table, for every config.
+
+Why a table: a config's values reach the model unchecked wherever they come from. A recipe's
+``model.config`` was checked key by key against its class's defaults, but a foreign model's
+``config.json`` or a GGUF file's metadata (``llama.attention.layer_norm_rms_epsilon``) was trusted: an
+``rms_norm_eps`` of 0, a negative ``rope_theta`` or a NaN ``initializer_range`` built a model that
+trained or generated NaN in silence. :data:`RULES` names each value a build reads (sizes, counts,
+epsilons, rotary bases and factors, dropouts, caps) and :func:`check_config_values` holds any mapping
+to it: the recipe's ``model.config`` and ``distill.draft_config`` at load
+(:mod:`neutrain.config.model_config`), and every config a model is built from, the foreign ones
+included (``neutrain.nn.load.build``). A value outside its rule is one line naming where it came from,
+the key and the value; any non-finite number anywhere in the config is refused the same way.
+
+Example:
+    >>> check_config_values({"hidden_size": 64, "rms_norm_eps": 0.0}, "model.config", ValueError)
+    Traceback (most recent call last):
+    ValueError: model.config.rms_norm_eps: 0.0 must be a finite number > 0 and < 1 (a norm's epsilon)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+_SIZE_MAX = 2**31 - 1
+"""Largest size or count (int32 indexing; a larger one is a corrupt value, not a model)."""
+
+# (key pattern, kind, words): the pattern must match the whole key, at any depth (rope_scaling.factor).
+RULES: tuple[tuple[str, str, str], ...] = (
+    (r"vocab_size|hidden_size|n_embd|d_model|embed_dim|intermediate_size|n_inner|ffn_dim|"
+     r"(moe|shared_expert)_intermediate_size|num_hidden_layers|n_layers?|num_layers|num_attention_heads|n_heads?|"
+     r"num_key_value_heads|n_kv_heads|"
+     r"max_position_embeddings|n_positions|n_ctx|original_max_position_embeddings|num_(local_)?experts|"
+     r"n_routed_experts|num_experts_per_tok|n_shared_experts", "size", "a size or count"),
+    (r"head_dim|(qk_(nope|rope)_|v_)head_dim|(kv|q)_lora_rank|sliding_window|attention_chunk_size", "size0", "a size (0: derived, or off)"),
+    (r"\w*norm_eps|\w*norm_epsilon|rms_eps", "epsilon", "a norm's epsilon"),
+    (r"rope_theta|rope_local_base_freq|factor|(low|high)_freq_factor|beta_(fast|slow)|attention_factor|"
+     r"partial_rotary_factor",
+     "positive", "a rotary embedding's base or factor"),
+    (r"\w*(attn|final|attention)_logit_softcapping|logit_scale|embedding_multiplier|residual_multiplier|"
+     r"attention_multiplier|logits_scaling", "positive", "a scale or cap"),
+    (r"\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
+    (r"initializer_range|\w*_init_std", "non-negative", "the random init's standard deviation"),
+    (r"tie_word_embeddings|attention_bias|mlp_bias|use_cache", "boolean", "a switch"),
+)
+_COMPILED = tuple((re.compile(pattern), kind, words) for pattern, kind, words in RULES)
+
+
+def _rule_of(key: str) -> tuple[str, str] | None:
+    return next(((kind, words) for pattern, kind, words in _COMPILED if pattern.fullmatch(key)), None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _problem(kind: str, value: Any) -> str | None:
+    """Why ``value`` breaks rule ``kind`` (None when it keeps it; None is left to the config class's default)."""
+    if value is None:
+        return None
+    if kind == "boolean":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind in ("size", "size0"):
+        low = 1 if kind == "size" else 0
+        whole = _number(value) and math.isfinite(value) and float(value).is_integer()
+        return None if whole and low <= value <= _SIZE_MAX else f"must be a whole number from {low} to {_SIZE_MAX:,}"
+    if kind == "probability" and isinstance(value, bool):  # a switch named like a dropout (ESM's token_dropout)
+        return None
+    if not _number(value) or not math.isfinite(value):
+        return "must be a finite number"
+    if kind == "epsilon" and not 0 < value < 1:
+        return "must be a finite number > 0 and < 1"
+    if kind == "positive" and not value > 0:
+        return "must be a finite number > 0"
+    if kind == "probability" and not 0 <= value <= 1:
+        return "must be a finite number from 0 to 1"
+    if kind == "non-negative" and not value >= 0:
+        return "must be a finite number >= 0"
+    return None
+
+
+def check_config_values(values: dict, where: str, error: type[Exception], keys: list[str] | None = None) -> None:
+    """Refuse a config whose values break :data:`RULES`, or that holds a non-finite number anywhere.
+
+    Args:
+        values: The config as a mapping (``config.to_dict()``, a ``config.json``, a recipe's ``model.config``).
+        where: What it is, first in every message (``model.config``, ``GGUF file 'x.gguf'``).
+        error: The error class to raise (a recipe's or a checkpoint's).
+        keys: Only these top-level keys (and what they hold) are checked; None: every key.
+
+    Raises:
+        error: ``"<where>.<key>: <value> <rule> (<what the key is>)"``.
+    """
+    stack = [(f"{where}.{key}", key, values[key]) for key in (values if keys is None else keys) if key in values]
+    while stack:
+        at, key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{at}.{k}", str(k), v) for k, v in value.items())
+            continue
+        if isinstance(value, (list, tuple)):  # per-layer values, rope_scaling's long_factor: each element
+            stack.extend((f"{at}[{i}]", key, v) for i, v in enumerate(value) if _number(v) or isinstance(v, dict))
+            continue
+        rule = _rule_of(key)
+        # NaN is no setting anywhere; inf is one for a few (Mamba's time_step_limit), not for a ruled key.
+        if isinstance(value, float) and (math.isnan(value) or (rule is not None and math.isinf(value))):
+            raise error(f"{at}: {value} is not a finite number" + (f" ({rule[1]})" if rule else ""))
+        if rule is None:
+            continue
+        problem = _problem(rule[0], value)
+        if problem is not None:
+            raise error(f"{at}: {value!r} {problem} ({rule[1]})")

@@ -1,0 +1,280 @@
+"""The one reader of the files a user names: a recipe, a JSON config, a chat template, a tokenizer file.
+
+Why one reader: each of these used to be opened in its own way, and each way had its own hole. A FIFO
+given as a recipe was reported as missing ("does not exist"), as a ``train.fsdp_config`` it blocked the run
+forever; ``/dev/zero`` read until memory ran out or was called "a directory"; a file in another encoding
+ended in a ``UnicodeDecodeError`` traceback. Here every such file goes through the same steps:
+
+* its kind is checked before it is opened (:func:`check_kind`): a missing path, a directory, a FIFO, a
+  character or block device and a socket each get their own word;
+* it is opened without blocking and checked again on the open descriptor (a path swapped for a FIFO
+  between the two cannot hang the read), then read up to a bound of bytes (:func:`read_bytes`);
+* its encoding is detected (:func:`decode_text`): UTF-8, or UTF-16/32 with a byte-order mark; anything
+  else names the line and the byte offset where it stops being text;
+* a JSON file's parse error names the line and column, and a string holding a lone surrogate (a ``\\ud800``
+  escape that no character follows up) names the key it sits under (:func:`parse_json`).
+
+Each failure is one line, raised as the caller's error class (this module imports nothing of neutrain's,
+so every layer may use it: a :class:`~neutrain.errors.RecipeError` for
+a recipe key, a :class:`~neutrain.errors.DataError` for data), starting with the caller's ``label``,
+which names the key or the file. Data files themselves are read by ``datasets``; their scan before it
+(``neutrain.data.bounds``) takes its kinds and encoding rules from here.
+
+Example:
+    >>> from neutrain.errors import RecipeError
+    >>> try:
+    ...     read_bytes("/dev/zero", "train.fsdp_config: file '/dev/zero'", 1 << 20, RecipeError)
+    ... except RecipeError as exc:
+    ...     print(exc)
+    train.fsdp_config: file '/dev/zero' is a character device, not a regular file
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import stat
+from typing import Any
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind_word(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (``"a regular file"``, ``"a FIFO (named pipe)"``, ...).
+
+    Example:
+        >>> kind_word(os.stat("/dev/null").st_mode), kind_word(os.stat("/").st_mode)
+        ('a character device', 'a directory')
+    """
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((word for test, word in _KINDS if test(mode)), "a special file")
+
+
+def check_kind(path: str | os.PathLike, label: str, error: type[Exception],
+               want: str = "file") -> os.stat_result:
+    """The ``stat`` of ``path``, refused unless it is what ``want`` says: ``"file"`` (a regular file),
+    ``"dir"`` (a directory) or ``"any"`` (either). Nothing is opened, so a FIFO cannot block here.
+
+    Raises:
+        error: ``"<label> does not exist"``, or ``"<label> is <kind>, not <wanted>"``.
+
+    Example:
+        >>> from neutrain.errors import RecipeError
+        >>> check_kind("/", "model.config: file '/'", RecipeError)
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: model.config: file '/' is a directory, not a regular file
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        dangling = os.path.islink(path)
+        raise error(f"{label} does not exist" + (" (it is a symbolic link to a missing path)" if dangling else "")) \
+            from None
+    except NotADirectoryError:
+        raise error(f"{label} does not exist (a part of the path is a file, not a directory)") from None
+    except OSError as exc:
+        raise error(f"{label} cannot be read ({exc.strerror or exc})") from None
+    mode = info.st_mode
+    regular, folder = stat.S_ISREG(mode), stat.S_ISDIR(mode)
+    if (want == "file" and not regular) or (want == "dir" and not folder) or (want == "any" and not (regular or folder)):
+        wanted = {"file": "a regular file", "dir": "a directory", "any": "a regular file or a directory"}[want]
+        raise error(f"{label} is {kind_word(mode)}, not {wanted}")
+    return info
+
+
+def read_bytes(path: str | os.PathLike, label: str, limit: int, error: type[Exception]) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them (more is refused, not cut).
+
+    The kind is checked before the file is opened and again on the open descriptor, and the open does not
+    block (``O_NONBLOCK``), so a path that is, or becomes, a FIFO or a device is refused, never read.
+
+    Raises:
+        error: one line starting with ``label``: the kind, the size over ``limit``, or the read's failure.
+    """
+    info = check_kind(path, label, error)
+    if info.st_size > limit:
+        raise error(f"{label} is {info.st_size:,} bytes, more than the {_size(limit)} such a file may hold")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise error(f"{label} cannot be opened ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # swapped between the two checks
+            raise error(f"{label} is {kind_word(mode)}, not a regular file")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise error(f"{label} cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if total > limit:  # grew while it was read
+        raise error(f"{label} holds more than the {_size(limit)} such a file may hold")
+    return b"".join(chunks)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n:,} bytes"
+
+
+# Byte-order marks, longest first (UTF-32-LE's starts with UTF-16-LE's).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def detect_encoding(head: bytes) -> str:
+    """The encoding a file starting with ``head`` is read in: its byte-order mark's, else ``utf-8``.
+
+    Example:
+        >>> detect_encoding(codecs.BOM_UTF16_LE + b"{"), detect_encoding(b"{}")
+        ('utf-16', 'utf-8')
+    """
+    return next((name for bom, name in _BOMS if head.startswith(bom)), "utf-8")
+
+
+def decode_text(data: bytes, label: str, error: type[Exception]) -> str:
+    """``data`` as text in its detected encoding (:func:`detect_encoding`); a NUL byte is refused as binary.
+
+    Raises:
+        error: naming the line and byte offset where the bytes stop being text in that encoding.
+
+    Example:
+        >>> decode_text(codecs.BOM_UTF16_LE + "a: 1".encode("utf-16-le"), "r.yaml", ValueError)
+        'a: 1'
+        >>> decode_text(b"a: caf\\xe9\\n", "r.yaml", ValueError)
+        Traceback (most recent call last):
+        ValueError: r.yaml is not UTF-8 text (byte 0xe9 at line 1, offset 6); save it as UTF-8
+    """
+    encoding = detect_encoding(data[:4])
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        name = "UTF-8" if encoding.startswith("utf-8") else encoding.upper() + " (by its byte-order mark)"
+        raise error(f"{label} is not {name} text (byte 0x{data[exc.start]:02x} at line {line}, offset {exc.start}); "
+                    "save it as UTF-8") from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise error(f"{label} holds a NUL character (line {text.count(chr(10), 0, nul) + 1}): a binary file, not text")
+    return text
+
+
+def read_text(path: str | os.PathLike, label: str, limit: int, error: type[Exception]) -> str:
+    """:func:`read_bytes` then :func:`decode_text`."""
+    return decode_text(read_bytes(path, label, limit, error), label, error)
+
+
+def lone_surrogate(value: Any, key: str = "") -> tuple[str, str] | None:
+    """``(key path, character)`` of the first string in ``value`` holding an unpaired UTF-16 surrogate, else None.
+
+    Why: JSON may escape one (``"\\ud800"``) and Python's parser takes it, but it is no character: a
+    tokenizer, pyarrow or a UTF-8 writer fails on it later, far from the row that held it.
+
+    Example:
+        >>> lone_surrogate({"messages": [{"role": "user", "content": "a\\ud800"}]})
+        ('messages[0].content', '\\ud800')
+    """
+    stack = [(key, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            bad = next((c for c in item if "\ud800" <= c <= "\udfff"), None)
+            if bad is not None:
+                return where or "(the value)", bad
+        elif isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(list(item.items())))
+            stack.extend((f"{where}.{k}" if where else str(k), k) for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def parse_json(text: str, label: str, error: type[Exception]) -> Any:
+    """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key.
+
+    Example:
+        >>> parse_json('{"a": 1, "b": }', "fsdp.json", ValueError)
+        Traceback (most recent call last):
+        ValueError: fsdp.json is not valid JSON (Expecting value at line 1, column 15)
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{label} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise error(f"{label} nests too deep to read (JSON nesting beyond Python's recursion limit)") from None
+    found = lone_surrogate(value)
+    if found is not None:
+        raise error(f"{label}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a UTF-16 pair, "
+                    "no character): not valid Unicode text")
+    return value
+
+
+MAX_CONFIG_BYTES = 16 << 20
+"""A JSON config (``config.json``, an FSDP or DeepSpeed config) is a few KiB; more is not a config."""
+
+
+def read_json_object(path: str | os.PathLike, label: str, error: type[Exception],
+                     limit: int = MAX_CONFIG_BYTES) -> dict:
+    """A JSON file that must hold an object (a config): read, decoded and parsed as the module doc says.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ds.json")
+        >>> _ = open(path, "w").write("[1]")
+        >>> read_json_object(path, "train.deepspeed: file 'ds.json'", ValueError)
+        Traceback (most recent call last):
+        ValueError: train.deepspeed: file 'ds.json' holds a JSON list, expected an object
+    """
+    value = parse_json(read_text(path, label, limit, error), label, error)
+    if not isinstance(value, dict):
+        raise error(f"{label} holds a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+MAX_FOLDER_TEXT_BYTES = 1 << 30
+"""A model folder's JSON, template and vocabulary files: a tokenizer.json of a large vocabulary is tens of MiB."""
+_TEXT_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+
+
+def check_folder(directory: str | os.PathLike, label: str, error: type[Exception],
+                 limit: int = MAX_FOLDER_TEXT_BYTES) -> None:
+    """Refuse a model or tokenizer folder holding an entry that is neither a regular file nor a directory (a FIFO
+    named ``tokenizer.json`` blocked the library that opened it), or a text file over ``limit`` bytes.
+
+    Only the folder's own entries are looked at (by ``stat``: nothing is opened). Its files are read by
+    transformers, which cannot be handed a bound; this is the check made before it is called.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> os.mkfifo(os.path.join(folder, "tokenizer.json"))
+        >>> check_folder(folder, "model.tokenizer: 'tok'", ValueError)
+        Traceback (most recent call last):
+        ValueError: model.tokenizer: 'tok' holds tokenizer.json, which is a FIFO (named pipe), not a regular file
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        raise error(f"{label} cannot be listed ({exc.strerror or exc})") from None
+    for name in names:
+        try:
+            info = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue  # a dangling link: nothing reads it, or its reader says so
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise error(f"{label} holds {name}, which is {kind_word(info.st_mode)}, not a regular file")
+        if stat.S_ISREG(info.st_mode) and name.endswith(_TEXT_SUFFIXES) and info.st_size > limit:
+            raise error(f"{label} holds {name}, {info.st_size:,} bytes, more than the {_size(limit)} such a file may "
+                        "hold")
