@@ -52,7 +52,7 @@ def mark_skipped_window(logs: dict, log_history: list[dict], step: int) -> None:
         logs["skipped_loss"], logs["loss"] = logs["loss"], float("nan")
 
 
-def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) -> str:
+def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0, stage: str | None = None) -> str:
     """One log event as a line: the step, then loss, held-out loss, learning rate, grad norm, speed and memory.
 
     Empty when the event carries none of these (e.g. only evaluation timings). ``first_step``: the step this
@@ -64,7 +64,9 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) 
     """
     # Before training (an evaluation first, as the draft's distillation does) the Trainer knows no step
     # count yet: "step 0/0" read as a broken run to a new user.
-    parts = ["before training" if step == 0 and not max_steps else f"step {step}/{max_steps}"]
+    # ``stage`` names what is evaluated when nothing trains (`neutrain eval` of a trained checkpoint): "before
+    # training" said the opposite of the truth there.
+    parts = [stage or ("before training" if step == 0 and not max_steps else f"step {step}/{max_steps}")]
     if "train_runtime" in logs:
         loss, steps = logs.get("train_loss", float("nan")), ""
         if 0 < first_step < step:
@@ -97,8 +99,9 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0) 
 class LabelledProgressCallback(TrainerCallback):
     """Progress bars named after what they count (``label`` for training, "held-out eval"), and readable log lines."""
 
-    def __init__(self, label: str = "training", bars: bool = True):
+    def __init__(self, label: str = "training", bars: bool = True, stage: str | None = None):
         self.label, self.bars = label, bars
+        self.stage = stage  # what the log lines are of when nothing trains (see format_log_line)
         self.training_bar = None
         self.prediction_bar = None
         self.current_step = 0
@@ -135,7 +138,7 @@ class LabelledProgressCallback(TrainerCallback):
         self._close_prediction_bar()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        line = format_log_line(logs or {}, state.global_step, state.max_steps, self.first_step)
+        line = format_log_line(logs or {}, state.global_step, state.max_steps, self.first_step, self.stage)
         if state.is_world_process_zero and line:  # an event with none of these numbers prints nothing
             (self.training_bar.write if self.training_bar is not None else tqdm.write)(line)
 
