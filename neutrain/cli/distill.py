@@ -69,7 +69,11 @@ def earlier_distillation(output_dir: str | os.PathLike, overwrite: bool) -> list
 def _load_target(recipe: Recipe):
     from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
 
+    from neutrain.cli.checkpoints import recover_export  # lazy: `neutrain --help` stays instant
+
     path = recipe.distill.target or recipe.default_export_dir
+    if not Path(path).exists():
+        recover_export(Path(path))  # set aside by an interrupted export: put back, and said so
     if not Path(path).is_dir():
         raise UserInputError(f"distill.target: '{path}' does not exist (train first, or set distill.target)")
     model, tokenizer = load_checkpoint_model(path)
@@ -167,7 +171,10 @@ def run(args) -> int:
     from neutrain.storage.run_dir import close_all, open_run  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
 
+    from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
+
     recipe = load_recipe(args.recipe, args.overrides)
+    refuse_inside_model(recipe.train.output_dir, "train.output_dir")  # its draft/ would change a checkpoint or export
     with RunLock(recipe.train.output_dir):
         try:
             open_run(recipe.train.output_dir, create=False)  # the draft and its logs are listed as the run's

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint
+from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint, recover_export
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -51,6 +51,8 @@ def run_eval(args) -> int:
     from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
+    if not target.exists():
+        recover_export(target)  # set aside by an interrupted export: put back, and said so
     if problem := _not_evaluable(target):
         raise UserInputError(problem)
     if target.suffix in (".yaml", ".yml") or not target.is_dir():

@@ -64,12 +64,22 @@ def planned_paths(recipe, processes: int = 1) -> dict[str, list[str]]:
     return paths
 
 
-def _limit(path: str, name: str, default: int) -> int:
-    existing = Path(path)
-    while not existing.exists() and existing != existing.parent:
+def _existing(path: str | os.PathLike) -> Path:
+    """The nearest folder at or above ``path`` that exists (a name too long to look up counts as absent)."""
+    existing = Path(os.path.abspath(path))
+    while existing != existing.parent:
+        try:
+            if existing.exists():
+                break
+        except OSError:  # ENAMETOOLONG: the very thing being checked
+            pass
         existing = existing.parent
+    return existing
+
+
+def _limit(path: str, name: str, default: int) -> int:
     try:
-        return os.pathconf(existing, name)
+        return os.pathconf(_existing(path), name)
     except (OSError, ValueError):
         return default
 
@@ -155,9 +165,7 @@ def export_bytes(model, fmt: str, dtype: str) -> int:
 
 def free_bytes(path: str | os.PathLike) -> tuple[int, Path, int]:
     """``(free bytes, existing folder measured, its device)`` for the file system ``path`` will be written on."""
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _existing(path)
     return shutil.disk_usage(existing).free, existing, os.stat(existing).st_dev
 
 
