@@ -55,6 +55,8 @@ _MAX_BYTES = 16 << 20  # a line per name: far below this for any run
 # What a run may write at the top of its directory besides checkpoint-N (checked before it trains).
 PLANNED = ("recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "training_args.json", "tokenizer",
            ".cache", "eval", "export", "draft", "distill", "base")
+# Files a run writes there (the rest of PLANNED are directories).
+FILE_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "training_args.json")
 # Model directories a run writes (deleted by an overwrite only while they still hold a neutrain model).
 MODEL_DIRS = ("export", "draft", "base")
 # Content-addressed (keyed by the data's hash), so as valid for the next run as for the last: an overwrite keeps it.
@@ -83,7 +85,7 @@ def read_ledger(root: str | os.PathLike) -> Ledger | None:
             raise RunDirectoryError(f"'{path}' has {path.stat().st_size:,} bytes, more than a run's identity file "
                                     f"holds: it is not neutrain's; move it out of the run directory")
         lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no run there (or no directory at all: its check names it)
         return None
     records = []
     for line in lines:
@@ -257,6 +259,8 @@ def clear_owned(root: str | os.PathLike, ledger: Ledger) -> list[str]:
         if name in KEPT_ON_OVERWRITE:
             continue
         path = Path(root) / name
+        if name in FILE_OUTPUTS and path.is_dir() and not path.is_symlink():
+            continue  # a file the run wrote, replaced by a directory since: the user's now
         is_model = name in MODEL_DIRS or CHECKPOINT_NAME.fullmatch(name)
         if is_model and not path.is_symlink() and not any((path / f).is_file() for f in (EXPORT_INFO, MANIFEST,
                                                                                           "trainer_state.json")):

@@ -25,7 +25,7 @@ from typing import Any
 
 from neutrain.storage.run_dir import (KEPT_ON_OVERWRITE, PLANNED, Ledger, clear_owned, entries, legacy_run, open_run, owned_checkpoints,
                                       read_ledger, unowned_planned, write_identity)
-from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints
+from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints, refuse_linked_checkpoints
 
 logger = logging.getLogger("neutrain")
 
@@ -94,6 +94,7 @@ def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
     Refuses (:class:`RunDirectoryError`, one line) a directory the run may not use; clears a previous run's
     listed outputs on ``overwrite``. A relaunch of the same run is left to :func:`same_run` and the resume plan.
     """
+    refuse_linked_checkpoints(output_dir)  # named as the link it is, before it counts as anyone's
     ledger = read_ledger(output_dir)
     if ledger is None:
         _take_unmarked(output_dir, recipe, resume, overwrite)
