@@ -45,7 +45,7 @@ from typing import Any
 from neutrain.storage.durable import fsync_dir, write_durably
 from neutrain.storage.leftovers import WRITER_FILE
 from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, written_with_manifest
-from neutrain.storage.run_lock import CHECKPOINT_NAME, RunDirectoryError, previous_checkpoints
+from neutrain.storage.run_lock import CHECKPOINT_NAME, RunDirectoryError, names_in, previous_checkpoints
 
 logger = logging.getLogger("neutrain")
 
@@ -129,11 +129,7 @@ def _append(root: Path, record: dict) -> None:
 
 def entries(root: str | os.PathLike) -> list[str]:
     """The names in ``root`` other than neutrain's housekeeping (lock, identity, temporaries it clears)."""
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(n for n in names if not _HOUSEKEEPING.fullmatch(n))
+    return sorted(n for n in names_in(root) if not _HOUSEKEEPING.fullmatch(n))
 
 
 class OpenRun:

@@ -219,12 +219,17 @@ def _release(path: Path) -> None:
     os.close(fd)
 
 
-def previous_checkpoints(output_dir: str | os.PathLike) -> list[str]:
-    """The ``checkpoint-N`` directories in ``output_dir``, sorted by step."""
+def names_in(directory: str | os.PathLike) -> list[str]:
+    """The names in ``directory``; none when it is missing or not a directory."""
     try:
-        names = os.listdir(output_dir)
+        return os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def previous_checkpoints(output_dir: str | os.PathLike) -> list[str]:
+    """The ``checkpoint-N`` directories in ``output_dir``, sorted by step."""
+    names = names_in(output_dir)
     found = [n for n in names if CHECKPOINT_NAME.fullmatch(n) and os.path.isdir(os.path.join(output_dir, n))]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
 

@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import MANIFEST, verify_checkpoint
+from tests.faults.pause_at import wait_until_paused
 from tests.helpers import one_error_line, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +173,6 @@ def test_no_output_lies_inside_another_runs_checkpoint_or_export(run, tmp_path, 
     verify_checkpoint(run / "export")
 
 
-_HOLD = REPO / "tests" / "faults" / "pause_at.py"
 
 
 def _env() -> dict[str, str]:
@@ -193,11 +192,7 @@ def test_an_export_directory_is_written_by_one_run_at_a_time_and_names_its_run(t
                              str(gate), "train", str(first)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (gate / "paused").exists():
-            assert held.poll() is None, held.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the first run never reached its training"
-            time.sleep(0.1)
+        wait_until_paused(held, gate, "its training")
         assert neutrain(["train", str(second)]) == 2  # the first run holds the export directory
         line = one_error_line(capsys.readouterr().err)
         assert f"export.output_dir '{shared}' is in use by another neutrain run (pid {held.pid}" in line, line
