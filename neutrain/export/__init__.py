@@ -20,7 +20,6 @@ import re
 
 from neutrain.errors import UserInputError
 from neutrain.storage.leftovers import clean_export_leftovers
-from neutrain.storage.run_dir import claim
 
 FORMATS = ("hf", "neuzip", "neuzip-lossless", "neuzip-lossy-<k>")
 
@@ -40,6 +39,8 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.
         model = merge_lora(model, "dense")
+    from neutrain.storage.run_dir import claim  # lazy: keeps `import neutrain` light
+
     clean_export_leftovers(output_dir)  # of an earlier export killed or failed beside output_dir
     claim(output_dir)  # inside a run's directory: listed as the run's (neutrain.storage.run_dir)
     try:

@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import MANIFEST, verify_checkpoint
-from tests.faults.pause_at import wait_until_paused
 from tests.helpers import one_error_line, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,38 +174,35 @@ def test_no_output_lies_inside_another_runs_checkpoint_or_export(run, tmp_path, 
 
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "NEUTRAIN_LOG_LEVEL": "WARNING"}
+_HOLDER = ("import sys, time\n"
+           "from neutrain.storage.run_lock import ExportLock\n"
+           "ExportLock(sys.argv[1]).acquire()\n"
+           "print('held', flush=True)\n"
+           "time.sleep(300)\n")
 
 
 def test_an_export_directory_is_written_by_one_run_at_a_time_and_names_its_run(tmp_path, capsys):
     shared = tmp_path / "shared-export"
-    first = write_recipe(tmp_path / "a", train={"max_steps": 2, "save_steps": 2}, eval={"perplexity": False},
-                         export={"format": "hf", "output_dir": str(shared)})
-    second = write_recipe(tmp_path / "b", train={"max_steps": 2, "save_steps": 2, "seed": 7},
-                          eval={"perplexity": False}, export={"format": "hf", "output_dir": str(shared)})
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    held = subprocess.Popen([sys.executable, "-m", "tests.faults.pause_at", "neutrain.trainer.trainer:NeuTrainer.train",
-                             str(gate), "train", str(first)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    recipe = write_recipe(tmp_path / "a", train={"max_steps": 2, "save_steps": 2}, eval={"perplexity": False},
+                          export={"format": "hf", "output_dir": str(shared)})
+    # Another run holding the export directory (its lock, taken as a run takes it at its start).
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(shared)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        wait_until_paused(held, gate, "its training")
-        assert neutrain(["train", str(second)]) == 2  # the first run holds the export directory
+        assert holder.stdout.readline().strip() == "held", holder.communicate()[1][-2000:]
+        assert neutrain(["train", str(recipe)]) == 2
         line = one_error_line(capsys.readouterr().err)
-        assert f"export.output_dir '{shared}' is in use by another neutrain run (pid {held.pid}" in line, line
-        assert not (tmp_path / "b" / "out" / "checkpoint-2").exists()  # refused before it trained
-        (gate / "go").write_text("")
-        _, err = held.communicate(timeout=240)
-        assert held.returncode == 0, err[-3000:]
+        assert f"export.output_dir '{shared}' is in use by another neutrain run (pid {holder.pid}" in line, line
+        assert not (tmp_path / "a" / "out" / "checkpoint-2").exists()  # refused before it trained
     finally:
-        if held.poll() is None:
-            held.kill()
+        holder.kill()
+        holder.wait()
+    capsys.readouterr()
+    assert neutrain(["train", str(recipe)]) == 0  # the holder is dead: its lock is taken over
     info = json.loads((shared / "neutrain_export.json").read_text())
     checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
     content = hashlib.sha256((checkpoint / MANIFEST).read_bytes()).hexdigest()  # every file's sha256, hashed
     assert info["checkpoint"] == str(checkpoint) and info["checkpoint_sha256"] == content
     ledger = (tmp_path / "a" / "out" / ".neutrain-run").read_text().splitlines()[0]
     assert info["run"] == {"output_dir": str(checkpoint.parent), "id": json.loads(ledger)["run"]}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "gate", "shared-export"]  # no lock file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "shared-export"]  # no lock file left behind
