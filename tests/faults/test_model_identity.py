@@ -18,27 +18,22 @@ import pytest
 
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import MANIFEST
-from tests.helpers import TINY_LLAMA, one_error_line, write_recipe
+from tests.helpers import TINY_LLAMA, finished_run, one_error_line, write_recipe
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A finished dense fp32 run (checkpoint-2) with an hf export."""
-    base = tmp_path_factory.mktemp("model")
-    recipe = write_recipe(base, train={"max_steps": 2, "save_steps": 2}, eval={"perplexity": False},
-                          export={"format": "hf"})
-    assert neutrain(["train", str(recipe)]) == 0
-    return base / "out"
+    return finished_run(tmp_path_factory.mktemp("model"), train={"max_steps": 2, "save_steps": 2},
+                        eval={"perplexity": False}, export={"format": "hf"})
 
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory) -> Path:
     """A finished LoRA run on a random base, which it wrote to <out>/base."""
-    base = tmp_path_factory.mktemp("lora")
-    recipe = write_recipe(base, train={"max_steps": 2, "save_steps": 2}, eval={"perplexity": False},
-                          export={"format": "none"}, memory={"weights": "dense", "adapter": "lora", "lora_r": 4})
-    assert neutrain(["train", str(recipe)]) == 0
-    return base / "out"
+    return finished_run(tmp_path_factory.mktemp("lora"), train={"max_steps": 2, "save_steps": 2},
+                        eval={"perplexity": False}, export={"format": "none"},
+                        memory={"weights": "dense", "adapter": "lora", "lora_r": 4})
 
 
 def _flip(path: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from neutrain.cli import main as neutrain
-from tests.helpers import write_recipe
+from tests.helpers import finished_run, write_recipe
 
 
 def _bytes(root: Path) -> dict[str, bytes]:
@@ -33,10 +33,8 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("runs")
     outs = []
     for name, seed in (("run", 1), ("other", 2)):
-        recipe = write_recipe(base / name, train={"max_steps": 2, "save_steps": 2, "seed": seed},
-                              eval={"perplexity": True}, export={"format": "hf"})
-        assert neutrain(["train", str(recipe)]) == 0
-        outs.append(base / name / "out")
+        outs.append(finished_run(base / name, train={"max_steps": 2, "save_steps": 2, "seed": seed},
+                                 eval={"perplexity": True}, export={"format": "hf"}))
     assert neutrain(["eval", str(outs[0].parent / "tiny.yaml")]) == 0  # RUN's own eval/eval_results.json
     return outs[0], outs[1]
 

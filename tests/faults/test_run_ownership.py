@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import MANIFEST, verify_checkpoint
-from tests.helpers import one_error_line, write_recipe
+from tests.helpers import finished_run, one_error_line, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"eval": {"perplexity": False}, "export": {"format": "none"}}
@@ -41,11 +41,8 @@ def _tree(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A finished tiny run with a checkpoint and an export (its recipe beside it)."""
-    base = tmp_path_factory.mktemp("owned")
-    recipe = write_recipe(base, train={"max_steps": 2, "save_steps": 2}, eval={"perplexity": False},
-                          export={"format": "hf"})
-    assert neutrain(["train", str(recipe)]) == 0
-    return base / "out"
+    return finished_run(tmp_path_factory.mktemp("owned"), train={"max_steps": 2, "save_steps": 2},
+                        eval={"perplexity": False}, export={"format": "hf"})
 
 
 def test_a_symlinked_output_dir_re_pointed_during_the_run_changes_nothing_where_it_now_points(tmp_path, monkeypatch):
