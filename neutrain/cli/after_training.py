@@ -118,6 +118,9 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
     elif recipe.eval["long_context_tasks"] and state.is_main_process:
         announce("long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
+        from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
+        claim(os.path.join(out, "eval"))
         with phase("eval"):
             summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
     chat = trained_on_chat(recipe.data["datasets"])  # recorded in the export: generation formats prompts alike
@@ -133,12 +136,16 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
                 from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
                 from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant
 
+                from neutrain.cli.export import source_record  # lazy: `neutrain --help` stays instant
+
                 dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
+                # The run and its last checkpoint, by content: a later command can tell when that path holds other weights.
+                source = source_record(Path(out) / f"checkpoint-{summary['steps']}")
                 summary["export_dir"] = export_model(
                     trainer.model, export_dir, recipe.export["format"], overwrite=True,
                     tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
                     info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
-                          "chat_template": chat,
+                          "chat_template": chat, **source,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )
@@ -161,6 +168,9 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
         from neutrain.storage.durable import write_durably  # lazy: `neutrain --help` stays instant
         from neutrain.trainer.run_state import SUMMARY  # lazy: `neutrain --help` stays instant
 
+        from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
+        claim(Path(out) / SUMMARY)
         # Last, and on the disk: it marks every phase done, so a relaunch finds the run finished.
         write_durably(check_output(Path(out) / SUMMARY, out), json.dumps(summary, indent=2, default=str))
         echo(format_summary(summary))

@@ -19,6 +19,8 @@ def last_checkpoint(path: Path) -> Path:
     """
     from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
 
+    if not path.exists():
+        recover_export(path)  # an interrupted `export --overwrite` set it aside: put back, and said so
     # By kind before anything inside is looked at: a FIFO or a device was "no config.json inside" (neutrain.files).
     check_kind(path, f"checkpoint '{path}'", UserInputError, want="dir")
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
@@ -30,12 +32,25 @@ def last_checkpoint(path: Path) -> Path:
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
 
 
-def load_model_checkpoint(checkpoint: Path, base: str | None = None, dtype: str = "auto"):
+def recover_export(path: Path) -> list[str]:
+    """Put back an export that an interrupted replacement set aside beside ``path`` (and clear its half-written
+    successor), each action logged; returns the actions.
+
+    Why: a crash inside ``neutrain export RUN --overwrite``, after the old export was moved aside, left neither
+    export, and each later command blamed something else ("does not exist", "not a checkpoint").
+    """
+    from neutrain.storage.leftovers import clean_export_leftovers  # lazy: `neutrain --help` stays instant
+
+    return clean_export_leftovers(path)
+
+
+def load_model_checkpoint(checkpoint: Path, base: str | None = None, dtype: str = "auto", force_base: bool = False):
     """``(model, tokenizer)`` of a checkpoint or export; a LoRA adapter checkpoint comes with its base.
 
     Why: a LoRA run's checkpoints hold only the adapters (``adapter_config.json``, no ``config.json``);
     ``neutrain eval`` of such a run failed with "has no config.json". The base is ``base``, else the one the
-    adapter config names, else the ``<output_dir>/base`` the run wrote (:mod:`neutrain.export.lora`).
+    adapter config names, else the ``<output_dir>/base`` the run wrote (:mod:`neutrain.export.lora`); it must be the
+    base the adapters were trained on unless ``force_base``.
 
     Example:
         >>> model, tokenizer = load_model_checkpoint(Path("outputs/lora_neuzip/checkpoint-30"))  # doctest: +SKIP
@@ -43,7 +58,8 @@ def load_model_checkpoint(checkpoint: Path, base: str | None = None, dtype: str 
     if (Path(checkpoint) / "adapter_config.json").exists():
         from neutrain.export.lora import load_adapter_checkpoint  # lazy: `neutrain --help` stays instant
 
-        return load_adapter_checkpoint(checkpoint, base=base, dtype=dtype)
+        return load_adapter_checkpoint(checkpoint, base=base, dtype=dtype, force_base=force_base,
+                                       key="--base" if base else "its base")
     from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
 
     return load_checkpoint_model(checkpoint, dtype=dtype)

@@ -69,7 +69,11 @@ def earlier_distillation(output_dir: str | os.PathLike, overwrite: bool) -> list
 def _load_target(recipe: Recipe):
     from neutrain.export import load_checkpoint_model  # lazy: `neutrain --help` stays instant
 
+    from neutrain.cli.checkpoints import recover_export  # lazy: `neutrain --help` stays instant
+
     path = recipe.distill.target or recipe.default_export_dir
+    if not Path(path).exists():
+        recover_export(Path(path))  # set aside by an interrupted export: put back, and said so
     if not Path(path).is_dir():
         raise UserInputError(f"distill.target: '{path}' does not exist (train first, or set distill.target)")
     model, tokenizer = load_checkpoint_model(path)
@@ -94,9 +98,13 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
     from neutrain.speculative.payoff import pays, round_cost  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.distill import DistillationTrainer  # lazy: `neutrain --help` stays instant
 
+    from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
     d, t = recipe.distill, recipe.train
     out = os.path.join(t["output_dir"], DRAFT_DIR)
     earlier = earlier_distillation(t["output_dir"], overwrite)  # before anything loads
+    for name in (DRAFT_DIR, LOG_DIR, ".cache"):  # the run's own (refused when they are there and not the run's)
+        claim(os.path.join(t["output_dir"], name))
     if earlier:
         check_export_target(out, overwrite=True, key="distill: the draft directory")  # only a previous export is replaced
         echo(f"draft: replacing the earlier distillation's draft and logs in {t['output_dir']}")
@@ -183,9 +191,17 @@ def run(args) -> int:
     Why the lock: the draft, its logs and the target's export live in the run directory; two distillations
     at once interleaved their logs, and one beside a training run there read an export being replaced.
     """
+    from neutrain.storage.run_dir import close_all, open_run  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
 
+    from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
+
     recipe = load_recipe(args.recipe, args.overrides)
+    refuse_inside_model(recipe.train.output_dir, "train.output_dir")  # its draft/ would change a checkpoint or export
     with RunLock(recipe.train.output_dir):
-        distill_from_recipe(recipe, overwrite=args.overwrite)
+        try:
+            open_run(recipe.train.output_dir, create=False)  # the draft and its logs are listed as the run's
+            distill_from_recipe(recipe, overwrite=args.overwrite)
+        finally:
+            close_all()
     return 0

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint
+from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint, recover_export
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -51,6 +51,8 @@ def run_eval(args) -> int:
     from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
+    if not target.exists():
+        recover_export(target)  # set aside by an interrupted export: put back, and said so
     if problem := _not_evaluable(target):
         raise UserInputError(problem)
     if target.suffix in (".yaml", ".yml") or not target.is_dir():
@@ -61,16 +63,28 @@ def run_eval(args) -> int:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
         recipe = load_recipe(args.recipe, args.overrides)
         ckpt = last_checkpoint(target)
-    run_dir = recipe.train["output_dir"]
+    from neutrain.cli.outputs import eval_label  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import claim, open_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.progress import LabelledProgressCallback  # lazy: `neutrain --help` stays instant
+
+    run_dir = note_resolved("train.output_dir", recipe.train["output_dir"])  # where it leads now, to the end
+    refuse_inside_model(run_dir, "train.output_dir")  # its eval/ and .cache/ would change a checkpoint or export
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
     model, tokenizer = load_model_checkpoint(ckpt)  # a LoRA run's checkpoint: its adapters on its base
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
     check_vocabulary(model, tokenizer, f"checkpoint '{ckpt}'")
-    out = os.path.join(recipe.train["output_dir"], "eval")
+    # The run's own model writes eval/; another model's writes under its own name, never over the run's results.
+    label = eval_label(ckpt, Path(run_dir))
+    out = os.path.join(run_dir, "eval", label) if label else os.path.join(run_dir, "eval")
+    open_run(run_dir, create=False)  # a run's directory lists what its evaluations write there too
+    claim(out)
     results = {"checkpoint": str(ckpt)}
     if recipe.eval["perplexity"]:
-        _, heldout = build_datasets(recipe.data, tokenizer, os.path.join(recipe.train["output_dir"], ".cache"))
+        claim(os.path.join(run_dir, ".cache"))
+        _, heldout = build_datasets(recipe.data, tokenizer, os.path.join(run_dir, ".cache"))
         if heldout is None:
             raise UserInputError("data: no held-out data (set data.val_set_size or a dataset with split: validation)")
         if recipe.eval["max_eval_samples"]:
@@ -79,6 +93,13 @@ def run_eval(args) -> int:
                                   report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False,
                                   dataloader_pin_memory=not recipe.train["use_cpu"] and torch.cuda.is_available())
         trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
+        # Nothing trains: no training log or curves (they would append unnamed rows beside the run's), and the log
+        # line names the checkpoint, not "before training".
+        for callback in (MetricsFileCallback, PlotCallback):
+            trainer.remove_callback(callback)
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, LabelledProgressCallback):
+                callback.stage = f"evaluation of {ckpt.name}"
         metrics = trainer.evaluate()
         results["heldout_loss"] = metrics["eval_loss"]
         results["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound
@@ -89,7 +110,11 @@ def run_eval(args) -> int:
         for cache, m in results["long_context"].items():
             print(f"long context {cache}: accuracy {m.get('accuracy', float('nan')):.1f}%, KV compression {m.get('compression_ratio', float('nan')):.2f}x")
     Path(out).mkdir(parents=True, exist_ok=True)
-    check_output(Path(out) / "eval_results.json", run_dir).write_text(json.dumps(results, indent=2, default=str))
+    from neutrain.storage.durable import write_durably  # lazy: `neutrain --help` stays instant
+
+    write_durably(check_output(Path(out) / "eval_results.json", run_dir), json.dumps(results, indent=2, default=str))
+    if label:
+        print(f"results of {ckpt} (not the run in {run_dir}) written to {out}")
     return 0
 
 
@@ -104,4 +129,9 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Run ``neutrain eval`` (see :func:`run_eval`)."""
-    return run_eval(args)
+    from neutrain.storage.run_dir import close_all  # lazy: `neutrain --help` stays instant
+
+    try:
+        return run_eval(args)
+    finally:
+        close_all()  # the run directory it listed its outputs in is not held past the command

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +20,10 @@ def configure(sub) -> None:
                    "a LoRA adapter checkpoint is merged into its base first")
     p.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "
                    "with from_pretrained after `import neutrain`) or neuzip-lossy-<k> (k = 0, 1, 3, 7 mantissa bits)")
-    p.add_argument("--base", help="base model directory of a LoRA adapter checkpoint (default: its adapter_config.json's)")
+    p.add_argument("--base", help="base model directory of a LoRA adapter checkpoint (default: its adapter_config.json's); "
+                   "refused unless it is the base the adapters were trained on (their run records it)")
+    p.add_argument("--force-base", action="store_true", help="merge the adapters onto --base even when it is not the "
+                   "base they were trained on (the export records the base it was given)")
     p.add_argument("--output", help="target directory (default: <checkpoint>/../export); an existing one is refused "
                    "unless it is a previous neutrain export and --overwrite is given")
     p.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
@@ -32,23 +36,56 @@ def configure(sub) -> None:
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
     from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_lock import ExportLock  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
     check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
-    out = args.output or str(ckpt.parent / "export")
+    out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once
+    refuse_inside_model(out, "--output", may_be_one=True)  # never inside a checkpoint or another export
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     dtype = run_export_dtype(ckpt, args.dtype)
     # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.
     adapter = (ckpt / "adapter_config.json").exists()
-    model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto")
-    info = {**run_facts(ckpt), "checkpoint": str(ckpt)}  # the card's "Training" section, from the run's record
+    model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto",
+                                             force_base=args.force_base)
+    # The card's "Training" section from the run's record, and what the export was made from (path, content hash,
+    # run), so that a later command can tell when that path holds other weights.
+    info = {**run_facts(ckpt), **source_record(ckpt)}
+    if getattr(model, "neutrain_base", None):  # an adapter checkpoint: the base it was merged onto
+        info["base"] = model.neutrain_base
     chat = trained_with_chat_template(ckpt)
     if chat is not None:  # what `neutrain generate` reads to format prompts as the model was trained
         info["chat_template"] = chat
-    path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
-                        info=info, overwrite=args.overwrite, dtype=dtype)
+    with ExportLock(out, "--output"):  # one writer at a time: a run exporting there, or another export
+        path = export_model(model, out, args.format, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
+                            info=info, overwrite=args.overwrite, dtype=dtype)
     print(f"exported {ckpt} -> {path} (format {args.format}, dtype {dtype if dtype != 'auto' else str(model.dtype).replace('torch.', '')})")
     return 0
+
+
+def source_record(checkpoint: Path) -> dict:
+    """What an export records of the checkpoint it was made from: its path, its content hash (the sha256 of its
+    manifest) and the run that wrote it, so that a later command can tell when the path holds other weights.
+
+    Example:
+        >>> source_record(Path("outputs/default/checkpoint-240"))["checkpoint"]  # doctest: +SKIP
+        '/home/me/outputs/default/checkpoint-240'
+    """
+    from neutrain.storage.manifest import content_hash  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import read_ledger  # lazy: `neutrain --help` stays instant
+
+    real = Path(os.path.realpath(checkpoint))
+    # A run that saved no checkpoint of its last step (train.save_final: false) records only the run.
+    info: dict = {"checkpoint": str(real), "checkpoint_sha256": content_hash(real)} if real.is_dir() else {}
+    try:
+        ledger = read_ledger(real.parent)
+    except UserInputError:
+        ledger = None
+    if ledger is not None:
+        info["run"] = {"output_dir": str(real.parent), "id": ledger.run}
+    return info
 
 
 def check_shard_size(text: str) -> None:

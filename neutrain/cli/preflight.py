@@ -25,8 +25,10 @@ from typing import Any
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
+from neutrain.cli.outputs import check_output_places
 from neutrain.export.target import check_export_target
 from neutrain.files import read_json_object
+from neutrain.trainer.disk_plan import check_path_lengths
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -412,9 +414,11 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
             exc = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
             exc.add_note("export.output_dir is not writable")
             raise exc
+    check_output_places(recipe)  # no output inside another run's checkpoint or export
     if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
         check_export_target(recipe.export_dir, overwrite=True,
                             key="export.output_dir", keep=(("train.output_dir", out),))
+    check_path_lengths(recipe, num_processes)  # every folder's longest planned path fits the file system
     check_host_memory(recipe, host_memory_available())
     check_model_size(recipe, host_memory_available(), None if recipe.train["use_cpu"] else device_memory_total())
     # Last: it creates train.output_dir, which must not happen for a run refused above.

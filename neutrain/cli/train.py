@@ -29,6 +29,7 @@ from neutrain.cli.checkpoints import check_vocabulary
 # Where `neutrain eval`, scripts and tests have always found them:
 from neutrain.cli.after_training import format_summary, generate_sample, long_context_eval, loss_ends  # noqa: F401
 from neutrain.cli.memory import fit_memory, settle_weights
+from neutrain.cli.outputs import check_output_places, check_run_disk
 from neutrain.cli.preflight import (
     accumulation_note, check_launch, check_long_context_prompts, check_weight_offload_device, cpu_processes, preflight,
 )
@@ -99,6 +100,9 @@ def _save_recipe(recipe: Recipe, output_dir: str) -> None:
     path = Path(output_dir) / "recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     from neutrain.storage.durable import write_durably  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
+    claim(path)
 
     # recipe.tmp<pid>: the name neutrain.storage.leftovers clears after a kill
     write_durably(path, yaml.safe_dump(recipe.to_dict(), sort_keys=False), tmp=path.with_suffix(f".tmp{os.getpid()}"))
@@ -120,15 +124,29 @@ def _save_adapter_base(model, tokenizer, out: str) -> None:
 
     path = Path(out) / ADAPTER_BASE
     if not (path / "config.json").exists():
+        from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
+        claim(path)
         export_model(model, str(path), "hf", tokenizer=tokenizer, info={"name": "neutrain LoRA base (frozen)"}, overwrite=True)
 
 
-def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
+def _adapter_base(recipe: Recipe, out: str) -> str | None:
+    """The content fingerprint of a LoRA run's frozen base (its checkpoints record it; an export merges onto no
+    other base): ``<output_dir>/base`` when the run wrote it, else ``model.base_model`` when it is a local directory."""
+    from neutrain.storage.fingerprint import model_fingerprint  # lazy: `neutrain --help` stays instant
+
+    base = Path(out) / ADAPTER_BASE if not recipe.model["base_model"] else Path(recipe.model["base_model"])
+    return model_fingerprint(base) if base.is_dir() else None
+
+
+def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | None = None) -> RunContext:
     """Build tokenizer, data, model and :class:`~neutrain.trainer.trainer.NeuTrainer` from a recipe, without training.
 
     ``resume``: the checkpoint the run will resume, refused (one line) when it was trained with another
     weights format, model shape, optimizer, tokenizer or dataset (:mod:`neutrain.trainer.resume_check`)
-    before the recipe copy in ``output_dir`` is replaced.
+    before the recipe copy in ``output_dir`` is replaced. ``identity``: the recipe the run's identity file
+    records (:func:`neutrain.trainer.ownership.identity_recipe` of the recipe as launched, before the memory
+    fit changed it); default: this recipe's.
 
     Example:
         >>> import tempfile
@@ -156,11 +174,18 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
     if state.is_main_process:
         warn_about_settings(recipe)  # e.g. a from-scratch learning rate on a pretrained model
+    cache_dir = os.path.join(out, ".cache")
     if state.is_main_process:  # one run per output_dir (taken already when it existed: neutrain.trainer.run_state)
-        from neutrain.storage.run_lock import RunLock  # lazy: `neutrain --help` stays instant
+        from neutrain.storage.run_dir import claim, open_run  # lazy: `neutrain --help` stays instant
+        from neutrain.storage.run_lock import ExportLock, RunLock  # lazy: `neutrain --help` stays instant
+        from neutrain.trainer.ownership import identity_recipe  # lazy: `neutrain --help` stays instant
 
         RunLock(out).acquire()
-    cache_dir = os.path.join(out, ".cache")
+        open_run(out, identity or identity_recipe(recipe))  # the run's identity, and the names it writes
+        if recipe.export["format"] != "none":  # one run at a time writes an export directory
+            ExportLock(recipe.export_dir, "export.output_dir" if recipe.export["output_dir"] else
+                       "train.output_dir's export").acquire()
+        claim(cache_dir)
     with state.main_process_first():
         tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
         check_long_context_prompts(tokenizer, recipe.eval)
@@ -197,7 +222,8 @@ def build_trainer(recipe: Recipe, resume: str | None = None) -> RunContext:
     train_sets = [entry for entry in recipe.data["datasets"] if entry["split"] == "train"]
     # In every checkpoint; a resume is checked against it (the data position: the launch and the data's bytes too).
     trainer.run_record = run_record(recipe, model, tokenizer, processes=state.num_processes,
-                                    files=file_fingerprints(train_sets, cache_dir))
+                                    files=file_fingerprints(train_sets, cache_dir),
+                                    base=_adapter_base(recipe, out) if adapter and state.is_main_process else None)
     if resume:  # the same model, weights format, optimizer, tokenizer and data as the checkpoint's run
         check_resume(resume, trainer.run_record, t["resume_reset_optimizer"])
     if state.is_main_process:  # last: a run refused above leaves the recipe of the run it would have resumed
@@ -216,19 +242,39 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
         >>> # the whole default run (training, evaluation, export): minutes on a CPU, so not run here
         >>> summary = train_from_recipe(load_recipe("default", ["train.max_steps=4"]))  # doctest: +SKIP
     """
-    from neutrain.storage.run_lock import release  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import close_run  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_lock import release, release_export  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.signals import follow_launcher  # lazy: `neutrain --help` stays instant
 
     follow_launcher()  # a scheduler's SIGTERM to `accelerate launch` reaches this process too
+    recipe = resolved_outputs(recipe)
     try:
         return _train_from_recipe(recipe, echo)
     finally:
-        release(recipe.train["output_dir"])  # a no-op where this process took none (other ranks, a refusal)
+        # No-ops where this process took none (other ranks, a refusal).
+        release_export(recipe.export_dir)
+        release(recipe.train["output_dir"])
+        close_run(recipe.train["output_dir"])
+
+
+def resolved_outputs(recipe: Recipe) -> Recipe:
+    """``recipe`` with ``train.output_dir`` and ``export.output_dir`` resolved once, where a symlink is on their way
+    (:func:`neutrain.trainer.ownership.note_resolved`): the run writes where they led at its start, to its end."""
+    import dataclasses
+
+    from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
+
+    train = dataclasses.replace(recipe.train, output_dir=note_resolved("train.output_dir", recipe.train.output_dir))
+    export = recipe.export
+    if export.output_dir:
+        export = dataclasses.replace(export, output_dir=note_resolved("export.output_dir", export.output_dir, False))
+    return dataclasses.replace(recipe, train=train, export=export)
 
 
 def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
     from accelerate import PartialState
 
+    from neutrain.trainer.ownership import identity_recipe, planned_names  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
 
@@ -237,8 +283,10 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     out = recipe.train["output_dir"]
     # Before any process touches output_dir: processes a launch left on their own would each act as the main one.
     check_launch(PartialState(cpu=recipe.train["use_cpu"]).num_processes, _cuda_available())
+    check_output_places(recipe)  # before anything is written: no output inside another run's checkpoint or export
+    identity = identity_recipe(recipe)  # as launched: the memory fit below may change keys
     # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
-    plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]))
+    plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]), identity, planned_names(recipe))
     if plan.finished:
         if PartialState().is_main_process:
             echo(plan.message)
@@ -248,8 +296,10 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
     recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
     with phase("build"):
-        ctx = build_trainer(recipe, resume=plan.checkpoint)
+        ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity)
     trainer, state = ctx.trainer, ctx.state
+    if state.is_main_process and not plan.after_training:  # the room for every save and the export, before step 1
+        check_run_disk(ctx, plan.step)
     if plan.after_training:  # trained to the end before; what came after did not complete
         if state.is_main_process:
             echo(plan.message)

@@ -39,7 +39,10 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     if is_peft_model(model):
         # Merged densely: the NeuZip export below compresses the merged weights at its own k.
         model = merge_lora(model, "dense")
+    from neutrain.storage.run_dir import claim  # lazy: keeps `import neutrain` light
+
     clean_export_leftovers(output_dir)  # of an earlier export killed or failed beside output_dir
+    claim(output_dir)  # inside a run's directory: listed as the run's (neutrain.storage.run_dir)
     try:
         if fmt == "hf":
             from neutrain.export.hf import export_hf  # lazy: keeps `import neutrain` light

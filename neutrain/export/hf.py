@@ -8,6 +8,7 @@ with plain ``AutoModelForCausalLM.from_pretrained`` and no neutrain import.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
-from neutrain.export.target import EXPORT_INFO, staged_export
+from neutrain.export.target import EXPORT_INFO, source_changed, staged_export
 from neutrain.files import check_folder
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import MARKER, is_compressed
@@ -27,6 +28,7 @@ from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
 from neutrain.storage.manifest import verify_checkpoint
 
+logger = logging.getLogger("neutrain")
 _DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API's
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -47,6 +49,9 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
 
     path = Path(path)
     verify_checkpoint(path)  # checksums, and no file that would run code when loaded
+    changed = source_changed(path)
+    if changed:
+        logger.warning("%s", changed)
     if not (path / "config.json").exists():
         raise CheckpointError(f"checkpoint '{path}' has no config.json (is it a checkpoint-N directory?)")
     weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,7 +23,10 @@ from neutrain.errors import CheckpointError
 from neutrain.export.hf import densify, load_checkpoint_model
 from neutrain.nn import CompressedLinear, CompressedWeight
 from neutrain.nn.lora import load_adapters, mantissa_bits_of
+from neutrain.storage.fingerprint import model_fingerprint
 from neutrain.storage.manifest import verify_checkpoint
+
+logger = logging.getLogger("neutrain")
 
 
 def _merged_weight(layer) -> torch.Tensor:
@@ -80,11 +84,16 @@ def merge_lora(model, weights: str = "dense", codec_options: dict | None = None)
     return base_model.eval()
 
 
-def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
+def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto", force_base: bool = False,
+                            key: str = "--base"):
     """``(peft_model, tokenizer)`` for an adapter checkpoint: its base (``base`` or the adapter config's) plus adapters.
 
+    The base is checked against the one the adapters were trained on (:func:`check_adapter_base`), and, when
+    neutrain wrote it, against its manifest.
+
     Raises:
-        CheckpointError: when no base model directory is known.
+        CheckpointError: when no base model directory is known, or the base is not the adapters' own (unless
+            ``force_base``).
     """
     path = Path(path)
     verify_checkpoint(path)
@@ -94,7 +103,47 @@ def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto"):
     if not base or not Path(base).is_dir():
         raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
                               f"({base!r}); pass --base DIR")
+    fingerprint = check_adapter_base(path, base, force_base, key)
     model, tokenizer = load_checkpoint_model(base, dtype=dtype)
     if tokenizer is None and (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return load_adapters(model, path), tokenizer
+    model = load_adapters(model, path)
+    model.neutrain_base = {"path": str(base), "fingerprint": fingerprint}  # what an export of it records
+    return model, tokenizer
+
+
+RUN_RECORD = "neutrain_run.json"  # written into every checkpoint by neutrain.trainer.resume_check
+BASE_KEY = "model.base"
+
+
+def recorded_base(checkpoint) -> str | None:
+    """The fingerprint of the base an adapter checkpoint's run trained on, as its record holds it (None: not recorded)."""
+    try:
+        saved = json.loads((Path(checkpoint) / RUN_RECORD).read_text(encoding="utf-8"))
+        value = saved["record"].get(BASE_KEY)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def check_adapter_base(checkpoint, base, force: bool = False, key: str = "--base") -> str:
+    """Refuse a ``base`` that is not the model the adapters of ``checkpoint`` were trained on; returns its fingerprint.
+
+    Why: merged onto another model (another vocabulary and tokenizer even) the adapters gave an export that
+    generated garbage, and nothing was recorded. ``force`` (``neutrain export --force-base``) merges anyway,
+    with a warning, and the export records the base it was given.
+    """
+    now = model_fingerprint(base)
+    recorded = recorded_base(checkpoint)
+    if recorded is None:
+        logger.warning("adapter checkpoint '%s' records no base (written before neutrain recorded one): the base "
+                       "'%s' cannot be checked against the one its adapters were trained on", checkpoint, base)
+    elif recorded != now and not force:
+        raise CheckpointError(
+            f"{key} '{base}' is not the base adapter checkpoint '{checkpoint}' was trained on (by content: trained on "
+            f"{recorded[:24]}..., this one is {now[:24]}...): merged onto another model its adapters give a broken "
+            f"model. Give the run's own base, or pass --force-base to merge anyway")
+    elif recorded != now:
+        logger.warning("--force-base: merging the adapters of %s onto '%s', which is not the base they were trained "
+                       "on; the export records it", checkpoint, base)
+    return now

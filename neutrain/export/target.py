@@ -37,7 +37,9 @@ from typing import Iterator
 
 from neutrain.errors import UserInputError
 from neutrain.storage.durable import fsync_dir, fsync_tree
+from neutrain.storage.leftovers import restore_set_aside_export
 from neutrain.storage.manifest import EXPORT_INFO  # written into every export; also what marks one as neutrain's
+from neutrain.storage.manifest import content_hash
 
 
 class ExportTargetError(UserInputError):
@@ -64,6 +66,33 @@ def is_export(path: str | os.PathLike) -> bool:
     if not isinstance(info, dict) or not isinstance(info.get("format"), str):
         return False
     return not any(entry.is_dir() for entry in path.iterdir())
+
+
+def source_changed(path: str | os.PathLike) -> str | None:
+    """Why the export in ``path`` is no longer the model at the checkpoint path it records, else None.
+
+    Why: an export made by ``neutrain export RUN --output RUN/export-hf`` still named ``RUN/checkpoint-4`` after
+    the run was overwritten, and that path then held other weights; nothing said so. The export records the
+    checkpoint's content hash (the sha256 of its manifest), compared here with what the path holds now.
+
+    Example:
+        >>> import tempfile
+        >>> source_changed(tempfile.mkdtemp()) is None  # no record: nothing to compare
+        True
+    """
+    try:
+        info = json.loads((Path(path) / EXPORT_INFO).read_text(encoding="utf-8"))
+        checkpoint, recorded = info["checkpoint"], info["checkpoint_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(checkpoint, str) and isinstance(recorded, str)) or not Path(checkpoint).is_dir():
+        return None  # rotated away or moved: the export keeps its own weights, and no other model claims the path
+    now = content_hash(checkpoint)
+    if now == recorded:
+        return None
+    return (f"export '{path}' was made from {checkpoint} (content sha256 {recorded[:12]}), which now holds other "
+            f"weights (sha256 {now[:12] if now else 'unknown: no manifest'}): the export is not the model at that path "
+            f"any more, and the path is not the export's source")
 
 
 def _describe(path: Path) -> str:
@@ -94,6 +123,8 @@ def check_export_target(path: str | os.PathLike, overwrite: bool, key: str = "ou
         ExportTargetError: --output 'outputs/run' exists and is not a neutrain export (a directory holding ...
     """
     path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        restore_set_aside_export(path)  # a previous export an interrupted replacement set aside is put back first
     for keep_key, directory in keep:
         kept = Path(os.path.abspath(directory))
         if kept == Path(os.path.abspath(path)) or Path(os.path.abspath(path)) in kept.parents:

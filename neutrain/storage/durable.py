@@ -54,9 +54,17 @@ def write_durably(path: str | os.PathLike, text: str, tmp: str | os.PathLike | N
     """Write ``text`` to ``path`` through the temporary name ``tmp`` (default ``<path>.tmp<pid>``), synced
     before it is renamed into place."""
     tmp = tmp or f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk (or any failure) leaves no partial file behind: what it would have replaced stays.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -188,6 +188,13 @@ def clean_export_leftovers(output_dir: str | os.PathLike) -> list[str]:
     return _clean(out.parent, export_leftover_patterns(out.name))
 
 
+def restore_set_aside_export(output_dir: str | os.PathLike) -> list[str]:
+    """Put back a previous export an interrupted replacement set aside beside ``output_dir`` (its half-written
+    successor, if any, is left to :func:`clean_export_leftovers`)."""
+    out = Path(output_dir)
+    return _clean(out.parent, export_leftover_patterns(out.name)[1:])
+
+
 def _clean(directory: Path, patterns: tuple[str, ...]) -> list[str]:
     try:
         entries = sorted(os.listdir(directory))
@@ -207,7 +214,8 @@ def _clean(directory: Path, patterns: tuple[str, ...]) -> list[str]:
         restore = groups.get("restore")
         if restore and not (directory / restore).exists():
             os.replace(path, directory / restore)
-            action = f"restored {directory / restore} from {name} (a replacement was interrupted before it arrived)"
+            action = (f"restored {directory / restore} from {name}: an interrupted replacement had set it aside, and "
+                      f"its successor never arrived")
         else:
             _remove(path)
             action = f"removed {path} (temporary left by an interrupted or failed write)"

@@ -37,7 +37,7 @@ import pickle
 import struct
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
@@ -181,6 +181,35 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     return target
 
 
+def content_hash(directory: str | os.PathLike) -> str | None:
+    """sha256 of ``directory``'s manifest, which names every file's sha256: one hash for the whole content
+    (None without a manifest).
+
+    Example:
+        >>> import tempfile
+        >>> content_hash(tempfile.mkdtemp()) is None
+        True
+    """
+    try:
+        return hashlib.sha256((Path(directory) / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def verify_if_neutrain(directory: str | os.PathLike) -> bool:
+    """Verify ``directory`` as a checkpoint (:func:`verify_checkpoint`) when neutrain wrote it (it has a manifest, or
+    a file only a neutrain that writes one writes); returns whether it did. A foreign model is left to its loader.
+
+    Why: a ``model.base_model`` (or a LoRA base) that is a neutrain checkpoint or export with a flipped byte was
+    trained on: only the commands that load a checkpoint as such checked it.
+    """
+    directory = Path(directory)
+    if not directory.is_dir() or not ((directory / MANIFEST).is_file() or written_with_manifest(directory)):
+        return False
+    verify_checkpoint(directory)
+    return True
+
+
 def written_with_manifest(directory: str | os.PathLike) -> str | None:
     """Why ``directory`` must have a manifest (a file only a neutrain that writes one writes), else None.
 
@@ -219,6 +248,14 @@ def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None
         files = None
     if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain manifest (corrupt or replaced)")
+    # Every file is checked, not only those listed: a file the manifest does not name (added since, or its
+    # entry deleted to hide a changed byte) would otherwise load unchecked.
+    listed = {PurePosixPath(rel).as_posix() for rel in files}
+    unlisted = [p for p in _files(directory) if p.relative_to(directory).as_posix() not in listed]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise CheckpointError(f"checkpoint file '{unlisted[0]}'{more} is not listed in {MANIFEST}: it was added (or its "
+                              f"entry removed) after the checkpoint was written, so it cannot be checked; refused")
     for rel, expected in sorted(files.items()):
         file = inside(directory, rel)  # '../../etc/passwd' would make the check a size and hash oracle
         if not file.is_file():

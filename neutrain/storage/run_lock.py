@@ -15,9 +15,13 @@ saving deleted that run's ``.tmp-checkpoint-N`` as a leftover.
   the host and the file to delete once that run is known to be dead. The file is emptied
   on release, never deleted: deleting it would let a waiting process lock the old inode
   while a third creates a new file and locks that.
-* :func:`check_new_run` refuses a fresh run (no resume) into a directory that holds
-  another run's ``checkpoint-N`` unless ``train.overwrite_output_dir`` is set, and
-  :func:`clear_previous_run` then removes that run's outputs, so nothing is mixed.
+* :class:`ExportLock` is the same lock on an export directory, in a file beside it
+  (``.neutrain-export-<name>.lock``): the export is renamed into place, so a lock inside it
+  would go with the directory it replaces. A run holds it from its start to its end, so two
+  runs with one ``export.output_dir`` cannot both export there (the first one's summary named
+  the second one's model); ``neutrain export`` holds it while it writes.
+
+What a new run may do with a directory another run used is :mod:`neutrain.storage.run_dir`'s.
 
 Only the main process of a launch takes the lock: the other ranks are the same run.
 A process that already holds a directory's lock takes it again at once (a run built
@@ -37,27 +41,18 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 from pathlib import Path
 
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.storage.leftovers import this_writer, writer_alive
-from neutrain.storage.manifest import EXPORT_INFO
 
 logger = logging.getLogger("neutrain")
 
 LOCK_FILE = ".neutrain.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
-# What a run writes at the top of its output_dir, removed with its checkpoints by train.overwrite_output_dir
-# (its tokenizer too: a train-bpe vocabulary belongs to the data it was trained on), so that nothing of the old
-# run is left to be taken for the new one's: `neutrain generate RUN/export` served the previous model.
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "training_curves.png", "tokenizer", "recipe.yaml", "eval", "distill")
-# Model directories a run writes there (the export, the draft, a LoRA run's frozen base): removed only when
-# they are neutrain's (neutrain_export.json inside); anything else is the user's and the run refuses to touch it.
-RUN_MODEL_DIRS = ("export", "draft", "base")
 
-_HELD: dict[str, int] = {}  # real path of output_dir -> fd of the lock this process holds on it
+_HELD: dict[str, int] = {}  # real path of the lock file -> fd of the lock this process holds on it
 
 
 class RunDirectoryError(UserInputError):
@@ -77,9 +72,12 @@ class RunLock:
     another live run holds it.
     """
 
+    key = "train.output_dir"
+    """What the user calls the directory, for the messages."""
+
     def __init__(self, output_dir: str | os.PathLike):
         self.output_dir = Path(output_dir)
-        self.path = self.output_dir / LOCK_FILE
+        self.path = lock_path(output_dir)
         self._took = False  # whether this object took the lock (a no-op acquire must not release another's)
 
     def __enter__(self) -> "RunLock":
@@ -90,30 +88,35 @@ class RunLock:
             self.release()
 
     def acquire(self) -> "RunLock":
-        """Take the lock (creating ``output_dir``); a no-op when this process holds it already."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        key = os.path.realpath(self.output_dir)
+        """Take the lock (creating the directory it lies in); a no-op when this process holds it already."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.path)
         if key in _HELD:  # this process already runs here
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
+        for _ in range(3):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                raise RunDirectoryError(self._in_use(self._read(fd))) from None
-            self._take_over(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        _HELD[key] = fd
-        self._took = True
-        return self
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                    raise RunDirectoryError(self._in_use(self._read(fd))) from None
+                if not _same_file(fd, self.path):  # its holder deleted it on release meanwhile: lock the new one
+                    os.close(fd)
+                    continue
+                self._take_over(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            _HELD[key] = fd
+            self._took = True
+            return self
+        raise RunDirectoryError(self._in_use({}))
 
     def _in_use(self, holder: dict) -> str:
-        return (f"train.output_dir '{self.output_dir}' is in use by another neutrain run ({_holder_text(holder)}; "
-                f"lock {self.path}): wait for it to end, or choose another train.output_dir")
+        return (f"{self.key} '{self.output_dir}' is in use by another neutrain run ({_holder_text(holder)}; "
+                f"lock {self.path}): wait for it to end, or choose another {self.key}")
 
     def _read(self, fd: int) -> dict:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -131,7 +134,7 @@ class RunLock:
             pid = holder.get("pid")
             if holder.get("host") != socket.gethostname():
                 raise RunDirectoryError(
-                    f"train.output_dir '{self.output_dir}' is locked by a neutrain run on another host "
+                    f"{self.key} '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")
             if isinstance(pid, int) and pid != os.getpid() and writer_alive(holder, self.path):
                 raise RunDirectoryError(self._in_use(holder))
@@ -144,15 +147,70 @@ class RunLock:
 
     def release(self) -> None:
         """Empty the lock file and drop the ``flock`` (see :func:`release`)."""
-        release(self.output_dir)
+        _release(self.path)
+
+
+class ExportLock(RunLock):
+    """The lock of an export directory, in a file beside it (see the module doc), deleted when released: it
+    sits in the user's folder, not in a run directory. (A process that locked the file just before it was
+    deleted finds it gone and locks the new one: :meth:`RunLock.acquire` checks the inode.)"""
+
+    key = "export.output_dir"
+
+    def __init__(self, export_dir: str | os.PathLike, key: str = "export.output_dir"):
+        super().__init__(export_dir)
+        self.path = export_lock_path(export_dir)
+        self.key = key
+
+    def release(self) -> None:
+        release_export(self.output_dir)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+def lock_path(output_dir: str | os.PathLike) -> Path:
+    """The lock file of the run directory ``output_dir``."""
+    return Path(output_dir) / LOCK_FILE
+
+
+def export_lock_path(export_dir: str | os.PathLike) -> Path:
+    """The lock file of the export directory ``export_dir``: beside it, named after it.
+
+    Example:
+        >>> export_lock_path("outputs/run/export").name
+        '.neutrain-export-export.lock'
+    """
+    path = Path(os.path.abspath(export_dir))
+    return path.with_name(f".neutrain-export-{path.name}.lock")
 
 
 def release(output_dir: str | os.PathLike) -> None:
-    """Release this process's lock on ``output_dir``, if it holds one (a no-op otherwise).
+    """Release this process's lock on the run directory ``output_dir``, if it holds one (a no-op otherwise).
 
     The file is emptied, so the next run finds no holder to check, and kept (see the module doc).
     """
-    fd = _HELD.pop(os.path.realpath(output_dir), None)
+    _release(lock_path(output_dir))
+
+
+def release_export(export_dir: str | os.PathLike) -> None:
+    """Release this process's lock on the export directory ``export_dir``, if it holds one, deleting its file."""
+    path = export_lock_path(export_dir)
+    if os.path.realpath(path) in _HELD:
+        try:
+            os.unlink(path)  # while the flock is held: nobody else can hold this inode now
+        except OSError:
+            pass
+    _release(path)
+
+
+def _release(path: Path) -> None:
+    fd = _HELD.pop(os.path.realpath(path), None)
     if fd is None:
         return
     try:
@@ -162,12 +220,17 @@ def release(output_dir: str | os.PathLike) -> None:
     os.close(fd)
 
 
-def previous_checkpoints(output_dir: str | os.PathLike) -> list[str]:
-    """The ``checkpoint-N`` directories in ``output_dir``, sorted by step."""
+def names_in(directory: str | os.PathLike) -> list[str]:
+    """The names in ``directory``; none when it is missing or not a directory."""
     try:
-        names = os.listdir(output_dir)
+        return os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def previous_checkpoints(output_dir: str | os.PathLike) -> list[str]:
+    """The ``checkpoint-N`` directories in ``output_dir``, sorted by step."""
+    names = names_in(output_dir)
     found = [n for n in names if CHECKPOINT_NAME.fullmatch(n) and os.path.isdir(os.path.join(output_dir, n))]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
 
@@ -186,31 +249,3 @@ def refuse_linked_checkpoints(run_dir: str | os.PathLike) -> None:
         if entry.startswith("checkpoint-") and os.path.islink(path):
             raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); neutrain does not replace or "
                                   f"delete checkpoints through links: move that checkpoint into {run_dir}, or remove the link")
-
-
-def check_new_run(output_dir: str | os.PathLike, overwrite: bool) -> list[str]:
-    """Refuse a fresh run into a directory holding another run's checkpoints, unless ``overwrite``; returns them."""
-    refuse_linked_checkpoints(output_dir)  # named as the link it is, before it counts as another run's
-    found = previous_checkpoints(output_dir)
-    if found and not overwrite:
-        raise RunDirectoryError(
-            f"train.output_dir '{output_dir}' holds another run's checkpoints ({', '.join(found[-3:])}): a new run "
-            f"would mix its metrics and checkpoints with them. Resume it with train.resume_from_checkpoint=true, "
-            f"choose another train.output_dir, or set train.overwrite_output_dir=true to delete them")
-    return found
-
-
-def clear_previous_run(output_dir: str | os.PathLike, checkpoints: list[str]) -> None:
-    """Delete a previous run's checkpoints and every other output it wrote in ``output_dir``
-    (``train.overwrite_output_dir``), each logged; a model directory that is not neutrain's is kept."""
-    root = Path(output_dir)
-    models = [name for name in RUN_MODEL_DIRS if (root / name / EXPORT_INFO).is_file() and not (root / name).is_symlink()]
-    for name in [*checkpoints, *RUN_OUTPUTS, *models]:
-        path = root / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
-        else:
-            continue
-        logger.warning("train.overwrite_output_dir: deleted %s of the previous run", path)

@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from neutrain.storage.confine import check_output
+from neutrain.storage.run_dir import claim
 
 logger = logging.getLogger("neutrain")
 
@@ -39,6 +40,18 @@ class ChecksummedCheckpoint(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {}}
 
 
+class NoFinalSave(TrainerCallback):
+    """``train.save_final: false``: no checkpoint at the last step unless it is a multiple of ``save_steps``.
+
+    The Trainer saves at the last step whatever ``save_steps`` says; a benchmark that saves nothing needs a
+    way to say so (and then needs no room on the disk).
+    """
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps and state.global_step % args.save_steps:
+            control.should_save = False
+
+
 class MetricsFileCallback(TrainerCallback):
     """Append every log event to ``<output_dir>/metrics.jsonl`` (main process only)."""
 
@@ -58,6 +71,7 @@ def append_metrics(output_dir: str | os.PathLike, records: list[dict]) -> None:
         >>> append_metrics("outputs/run", [{"step": 3, "loss": 2.5}])  # doctest: +SKIP
     """
     path = check_output(Path(output_dir) / METRICS_FILE, output_dir)
+    claim(path)  # the run lists what it writes (neutrain.storage.run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as fh:
         # A line torn by a full disk has no newline: these records must not be glued to it.
@@ -81,6 +95,7 @@ class PlotCallback(TrainerCallback):
     def _plot(self, args, state):
         if state.is_world_process_zero:
             out = args.output_dir
+            claim(Path(out) / PLOT_FILE)
             plot_metrics(check_output(Path(out) / METRICS_FILE, out), check_output(Path(out) / PLOT_FILE, out), self.names)
 
     def on_train_end(self, args, state, control, **kwargs):

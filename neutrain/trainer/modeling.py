@@ -84,6 +84,10 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
     name = model_cfg["tokenizer"] or model_cfg["base_model"]
     spec = _tokenizer_spec(model_cfg, data_cfg, name)
     stale = False
+    if name in ("byte", "train-bpe"):
+        from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
+
+        claim(saved)  # the run's own: one it did not write is neither reused nor replaced
     if name in ("byte", "train-bpe") and (saved / "tokenizer.json").exists():
         stale = _stale_tokenizer(saved, spec, output_dir)
         if not stale:
@@ -348,6 +352,11 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         >>> type(model).__name__
         'LlamaForCausalLM'
     """
+    base = model_cfg["base_model"]
+    if base and Path(base).is_dir():
+        from neutrain.storage.manifest import verify_if_neutrain  # lazy: `neutrain --help` stays instant
+
+        verify_if_neutrain(base)  # a neutrain checkpoint or export as the base: its checksums, before a tensor is read
     spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers)
     try:
         if isinstance(spec.source, GGUFFile):

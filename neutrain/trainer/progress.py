@@ -54,7 +54,7 @@ def mark_skipped_window(logs: dict, log_history: list[dict], step: int) -> None:
 
 
 def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0,
-                    names: tuple[str, str] = ("loss", "held-out loss")) -> str:
+                    names: tuple[str, str] = ("loss", "held-out loss"), stage: str | None = None) -> str:
     """One log event as a line: the step, then loss, held-out loss, learning rate, grad norm, speed and memory.
 
     Empty when the event carries none of these (e.g. only evaluation timings). ``first_step``: the step this
@@ -67,7 +67,9 @@ def format_log_line(logs: dict, step: int, max_steps: int, first_step: int = 0,
     """
     # Before training (an evaluation first, as the draft's distillation does) the Trainer knows no step
     # count yet: "step 0/0" read as a broken run to a new user.
-    parts = ["before training" if step == 0 and not max_steps else f"step {step}/{max_steps}"]
+    # ``stage`` names what is evaluated when nothing trains (`neutrain eval` of a trained checkpoint): "before
+    # training" said the opposite of the truth there.
+    parts = [stage or ("before training" if step == 0 and not max_steps else f"step {step}/{max_steps}")]
     if "train_runtime" in logs:
         loss, steps = logs.get("train_loss", float("nan")), ""
         if 0 < first_step < step:
@@ -139,8 +141,10 @@ class LabelledProgressCallback(TrainerCallback):
     training line carries the elapsed time and an ETA instead, which the bar would have shown.
     """
 
-    def __init__(self, label: str = "training", bars: bool = True, names: tuple[str, str] = ("loss", "held-out loss")):
+    def __init__(self, label: str = "training", bars: bool = True, names: tuple[str, str] = ("loss", "held-out loss"),
+                 stage: str | None = None):
         self.label, self.bars, self.names = label, bars, names
+        self.stage = stage  # what the log lines are of when nothing trains (see format_log_line)
         self.training_bar = None
         self.prediction_bar = None
         self.current_step = 0
@@ -182,7 +186,7 @@ class LabelledProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        line = format_log_line(logs, state.global_step, state.max_steps, self.first_step, self.names)
+        line = format_log_line(logs, state.global_step, state.max_steps, self.first_step, self.names, self.stage)
         if line and "loss" in logs and not self.bars and self.started is not None:
             line += "  " + timing_suffix(time.monotonic() - self.started, state.global_step, self.first_step, state.max_steps)
         if state.is_world_process_zero and line:  # an event with none of these numbers prints nothing

@@ -55,6 +55,47 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
+# Every recipe key of the sections that define the model a checkpoint restores, and the record entry that
+# holds it (a resume that changes one is refused): the built config whole (rope_theta, norm epsilon, ...,
+# not only the shapes), the dtype the weights are trained in, the vocabulary, the weights format and the
+# adapter with its settings, and a LoRA run's frozen base by its content (its checkpoints hold only adapters).
+MODEL_KEYS = {
+    "model.config": "model.config", "model.base_model": "model.config", "model.gguf_file": "model.config",
+    "model.init": "model.config", "model.dtype": "model.dtype", "model.tokenizer": "model.tokenizer",
+    "model.tokenizer_vocab_size": "model.tokenizer", "memory.weights": "memory.weights",
+    "memory.adapter": "memory.adapter", "memory.lora_r": "memory.lora_r", "memory.lora_alpha": "memory.lora_alpha",
+    "memory.lora_dropout": "memory.lora_dropout", "memory.lora_target_modules": "memory.lora_target_modules",
+}
+# The other keys of those sections, and why a resume may change them.
+NOT_MODEL_KEYS = {
+    "model.allow_unknown_config_keys": "a validation switch: the config it lets through is compared",
+    "model.attn_implementation": "the same attention, computed by another kernel",
+    "model.trust_remote_code": "a permission: the config it loads is compared",
+    "memory.gradient_checkpointing": "recomputes the same activations",
+    "memory.offload_activations": "where activations wait, not their values",
+    "memory.offload_weights": "where the weights live, not their values",
+    "memory.offload_layers": "where the weights live, not their values",
+    "memory.stochastic_rounding": "how the optimizer rounds its updates, not the model",
+    "memory.clip_mode": "how the optimizer clips, not the model",
+    "memory.device_budget_gib": "a memory limit the run plans against",
+    "memory.loss_chunk_size": "the same loss, computed in chunks",
+}
+# Entries of a model config that say nothing about what the model computes (or are compared elsewhere).
+_CONFIG_IGNORED = ("architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "pad_token_id",
+                   "bos_token_id", "eos_token_id", "output_attentions", "output_hidden_states", "return_dict",
+                   "attn_implementation", "quantization_config")
+BASE_KEY = "model.base"
+"""The record entry of a LoRA run's frozen base: :func:`neutrain.storage.fingerprint.model_fingerprint`."""
+
+
+def config_record(config) -> dict[str, Any] | None:
+    """The entries of a model config that define what the model computes, as JSON data (None without a config)."""
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    data = json.loads(json.dumps(config.to_dict(), default=str))
+    return {k: v for k, v in sorted(data.items()) if not k.startswith("_") and k not in _CONFIG_IGNORED}
+
+
 class ResumeMismatchError(UserInputError):
     """The checkpoint to resume was trained with something the recipe now changes."""
 
@@ -82,20 +123,31 @@ DATA_POSITION = {
 DATA_FILES = "data.files"
 
 
-def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, str] | None = None) -> dict[str, Any]:
-    """The recipe keys, launch and data a checkpoint of this run must agree with, and the built shapes, by key.
+def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, str] | None = None,
+               base: str | None = None) -> dict[str, Any]:
+    """The recipe keys, launch and data a checkpoint of this run must agree with, and the built model, by key.
 
     ``files``: the training data files' fingerprints (:func:`neutrain.data.sources.file_fingerprints`).
+    ``base``: a LoRA run's frozen base, by content (:func:`neutrain.storage.fingerprint.model_fingerprint`).
     """
+    from neutrain.trainer.modeling import resolve_dtype  # lazy: modeling imports the model stack
+
     config = getattr(model, "config", None)
+    memory = recipe.memory
     record: dict[str, Any] = {
-        "memory.weights": recipe.memory["weights"],
-        "memory.adapter": recipe.memory["adapter"],
+        "memory.weights": memory["weights"],
+        "memory.adapter": memory["adapter"],
         "train.optimizer": recipe.train["optimizer"],
         "model.tokenizer": tokenizer_fingerprint(tokenizer),
+        "model.dtype": str(resolve_dtype(recipe.model["dtype"], recipe.train["use_cpu"])).replace("torch.", ""),
         "data.datasets": recipe.data["datasets"],
         "processes": processes,
     }
+    if memory["adapter"]:
+        record.update({key: memory[key.split(".")[1]] for key in
+                       ("memory.lora_r", "memory.lora_alpha", "memory.lora_dropout", "memory.lora_target_modules")})
+        if base is not None:
+            record[BASE_KEY] = base
     for key in DATA_POSITION:
         section, _, name = key.partition(".")
         if name:
@@ -108,6 +160,9 @@ def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, st
     dtype = _weights_dtype(model)
     if dtype is not None:
         record[WEIGHTS_DTYPE] = dtype
+    built = config_record(config)
+    if built is not None:
+        record["model.config"] = built
     return record
 
 
@@ -175,6 +230,12 @@ def _advice(key: str, old: Any) -> str:
                 f"between formats), or export it and start a new run from the export")
     if key == "train.optimizer":
         return f"resume with train.optimizer={old}, or set train.resume_reset_optimizer=true to start its state afresh"
+    if key == "model.dtype":
+        return (f"resume with model.dtype={old} (the weights would be rounded to the new dtype, or trained in another "
+                f"precision than they were), or export it and start a new run from the export")
+    if key == BASE_KEY:
+        return ("its adapters were trained on another base (by content): resume with the base the run was trained on "
+                "(model.base_model), or start a new run in another train.output_dir")
     return f"resume with the checkpoint's {key}, or start a new run in another train.output_dir"
 
 

@@ -45,7 +45,9 @@ from typing import Any
 from neutrain.errors import CheckpointError
 from neutrain.storage.confine import check_run_outputs, check_tree
 from neutrain.storage.leftovers import clean_run_dir
-from neutrain.storage.run_lock import RunLock, check_new_run, clear_previous_run
+from neutrain.storage.run_dir import PLANNED
+from neutrain.storage.run_lock import RunDirectoryError, RunLock
+from neutrain.trainer.ownership import same_run, take_directory
 
 logger = logging.getLogger("neutrain")
 
@@ -62,15 +64,19 @@ class RunPlan:
     after_training: bool = False
 
 
-def prepare_run(train: dict[str, Any], state) -> RunPlan:
+def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = None,
+                planned: tuple[str, ...] = PLANNED) -> RunPlan:
     """Lock ``train['output_dir']`` and clear leftover temporaries (main process), then plan the resume (every process).
 
     ``state`` is Accelerate's ``PartialState``: the other processes wait until the main one
     has cleaned (a restored checkpoint must be seen by all), then each reads the same files.
     An existing directory is locked here, before anything in it is touched
-    (:mod:`neutrain.storage.run_lock`; a new one once the preflight has created it), and a
-    new run into one that holds another run's checkpoints is refused unless
-    ``train.overwrite_output_dir`` clears them.
+    (:mod:`neutrain.storage.run_lock`; a new one once the preflight has created it), and the run may
+    write only into an empty directory or its own run (:mod:`neutrain.trainer.ownership`): a new run
+    into another run's is refused unless ``train.overwrite_output_dir`` deletes what that run wrote.
+    ``recipe`` (:func:`~neutrain.trainer.ownership.identity_recipe`) tells a relaunch of the same run
+    from another run: a finished one is left as it is, as a resume would leave it. ``planned``: the names
+    the run will write there (:func:`~neutrain.trainer.ownership.planned_names`).
     """
     out = train["output_dir"]
     with state.main_process_first():
@@ -78,10 +84,15 @@ def prepare_run(train: dict[str, Any], state) -> RunPlan:
             RunLock(out).acquire()
             check_run_outputs(out)  # a symlink among its outputs must not lead the run's writes outside it
             clean_run_dir(out)
-            if not train["resume_from_checkpoint"]:
-                found = check_new_run(out, train["overwrite_output_dir"])
-                if found or train["overwrite_output_dir"]:
-                    clear_previous_run(out, found)
+            take_directory(out, recipe, bool(train["resume_from_checkpoint"]), train["overwrite_output_dir"], planned)
+    if not train["resume_from_checkpoint"] and not train["overwrite_output_dir"] and same_run(out, recipe):
+        plan = plan_resume({**train, "resume_from_checkpoint": True})
+        if plan.finished or plan.after_training:
+            return plan
+        raise RunDirectoryError(
+            f"train.output_dir '{out}' holds this run's checkpoints (the same recipe, stopped at step {plan.step}): "
+            f"continue it with train.resume_from_checkpoint=true, or set train.overwrite_output_dir=true to start it "
+            f"again")
     return plan_resume(train)
 
 

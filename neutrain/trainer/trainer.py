@@ -49,7 +49,7 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import checkpoint_dir_redirected
 from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
-from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, PlotCallback
+from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, NoFinalSave, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
 from neutrain.trainer.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
@@ -67,6 +67,8 @@ from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import NONFINITE_KEY, watch
 from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import mark_writer
+from neutrain.storage.run_dir import claim, held, rotate_owned
+from neutrain.storage.run_dir import verify as verify_run
 from neutrain.storage.run_lock import refuse_linked_checkpoints
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
@@ -181,6 +183,8 @@ class NeuTrainer(Trainer):
         self.add_callback(ChecksummedCheckpoint())  # a checkpoint's trainer_state.json says it has a manifest
         self.add_callback(MetricsFileCallback())
         self.add_callback(PlotCallback(self.loss_names))
+        if not self.train_section.save_final:
+            self.add_callback(NoFinalSave())
         # Labelled bars and readable log lines instead of transformers' (neutrain.trainer.progress).
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
@@ -439,16 +443,33 @@ class NeuTrainer(Trainer):
 
         Why: ``Trainer`` writes straight into ``checkpoint-N``; a run killed halfway
         leaves a directory that ``get_last_checkpoint`` picks up and cannot resume.
-        Rotation of old checkpoints happens only after the rename.
+        Rotation of old checkpoints happens only after the rename, and deletes only checkpoints the
+        run lists as its own (:mod:`neutrain.storage.run_dir`). A save that fails (a full disk, any
+        error) removes its temporary and puts back a checkpoint of the same step it had set aside.
         """
         run_dir = self._get_output_dir(trial=trial)
         name = f"checkpoint-{self.state.global_step}"
         tmp_run_dir = os.path.join(run_dir, f"{TMP_PREFIX}{name}")
+        final = os.path.join(run_dir, name)
+        old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
         if self.args.should_save:
             refuse_linked_checkpoints(run_dir)  # before anything is written: no temporaries are left behind
+            claim(final)  # the run's own, before it exists: rotation and an overwrite delete only these
             if os.path.isdir(tmp_run_dir):
                 shutil.rmtree(tmp_run_dir)  # leftovers of a run killed while saving
             mark_writer(tmp_run_dir)  # a start elsewhere leaves it alone while this process lives
+        try:
+            self._write_checkpoint(model, trial, run_dir, name, tmp_run_dir, final, old)
+        except BaseException:
+            if self.args.should_save:
+                shutil.rmtree(tmp_run_dir, ignore_errors=True)
+                if os.path.isdir(old) and not os.path.isdir(final):
+                    os.replace(old, final)  # the checkpoint of this step that was being replaced
+            raise
+        if self.args.world_size > 1:
+            self.args.distributed_state.wait_for_everyone()
+
+    def _write_checkpoint(self, model, trial, run_dir: str, name: str, tmp_run_dir: str, final: str, old: str) -> None:
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
         # A state resumed from a checkpoint written before the mark lacks its entry, which the Trainer's save expects.
@@ -457,24 +478,26 @@ class NeuTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         if self.args.world_size > 1:
             self.args.distributed_state.wait_for_everyone()
-        if self.args.should_save:
-            if self.run_record is not None:  # what a resume compares against its recipe (neutrain.trainer.resume_check)
-                write_run_record(os.path.join(tmp_run_dir, name), self.run_record)
-            write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
-            # On the disk before the rename: after a power cut the renamed checkpoint holds every byte (not
-            # zero-length files), and only then may the one it replaces, or rotation, delete anything.
-            fsync_tree(os.path.join(tmp_run_dir, name))
-            final = os.path.join(run_dir, name)
-            old = os.path.join(run_dir, f"{TMP_PREFIX}old-{name}")
-            if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place
-                os.replace(final, old)
-            os.replace(os.path.join(tmp_run_dir, name), final)
-            fsync_dir(run_dir)
-            if os.path.isdir(old):
-                shutil.rmtree(old)
-            shutil.rmtree(tmp_run_dir, ignore_errors=True)
-            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(tmp_run_dir):
-                self.state.best_model_checkpoint = final
+        if not self.args.should_save:
+            return
+        if self.run_record is not None:  # what a resume compares against its recipe (neutrain.trainer.resume_check)
+            write_run_record(os.path.join(tmp_run_dir, name), self.run_record)
+        write_manifest(os.path.join(tmp_run_dir, name))  # last: every rank's files are complete
+        # On the disk before the rename: after a power cut the renamed checkpoint holds every byte (not
+        # zero-length files), and only then may the one it replaces, or rotation, delete anything.
+        fsync_tree(os.path.join(tmp_run_dir, name))
+        verify_run(run_dir)  # still the directory the run started in
+        if os.path.isdir(final):  # re-saving the same step: keep the old one until the new one is in place
+            os.replace(final, old)
+        os.replace(os.path.join(tmp_run_dir, name), final)
+        fsync_dir(run_dir)
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        shutil.rmtree(tmp_run_dir, ignore_errors=True)
+        if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(tmp_run_dir):
+            self.state.best_model_checkpoint = final
+        found = held(run_dir + os.sep + name)
+        if found is not None:
+            rotate_owned(found[0], self.args.save_total_limit, keep=(self.state.best_model_checkpoint,))
+        else:  # a NeuTrainer used on its own, in a directory no run holds: the Trainer's rotation, as before
             compat.rotate_checkpoints(self, run_dir)
-        if self.args.world_size > 1:
-            self.args.distributed_state.wait_for_everyone()

@@ -28,6 +28,16 @@ def hold(gate: Path) -> None:
         time.sleep(0.05)
 
 
+def wait_until_paused(proc, gate: Path, what: str, timeout: float = 240) -> None:
+    """Wait for ``proc`` (a ``subprocess.Popen`` run of this module) to write ``gate/paused``; fail the test when it
+    exits first or ``timeout`` seconds pass, naming ``what`` it never reached."""
+    deadline = time.monotonic() + timeout
+    while not (gate / "paused").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"the run never reached {what}"
+        time.sleep(0.1)
+
+
 def signal_and_collect(proc, signum: int, timeout: float = 240) -> tuple[str, str]:
     """Send ``signum`` to ``proc`` (a ``subprocess.Popen`` with text pipes), wait for it and return its
     ``(stdout, stderr)``; a process still running after ``timeout`` seconds is killed (the test then fails)."""

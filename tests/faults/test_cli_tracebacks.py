@@ -133,6 +133,7 @@ def test_trainer_state_with_max_steps_null_is_named(tmp_path, capsys):
     checkpoint = tmp_path / "out" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": None, "epoch": 0.1}))
-    line = _one_line_error(capsys, ["train", str(recipe), "train.resume_from_checkpoint=true"])
+    line = _one_line_error(capsys, ["train", str(recipe), f"train.resume_from_checkpoint={checkpoint}",
+                                    f"train.output_dir={tmp_path / 'resumed'}"])
     assert line == (f"neutrain: error: checkpoint '{checkpoint}': trainer_state.json has max_steps: null, expected a "
                     "number; resume from an earlier checkpoint-N")

@@ -67,10 +67,14 @@ def test_eval_refuses_an_eval_directory_symlinked_outside_the_run(checkpoint, tm
 def test_a_symlink_that_stays_inside_the_run_directory_is_followed(tmp_path):
     recipe = write_recipe(tmp_path, train={"max_steps": 1, "save_steps": 1}, **QUIET)
     out = tmp_path / "out"
-    (out / "logs").mkdir(parents=True)
-    (out / "metrics.jsonl").symlink_to(out / "logs" / "metrics.jsonl")
     assert neutrain(["train", str(recipe)]) == 0
-    assert json.loads((out / "logs" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    # The user moves the run's log into a subfolder and links it back; the continued run writes through the link.
+    (out / "logs").mkdir()
+    (out / "metrics.jsonl").rename(out / "logs" / "metrics.jsonl")
+    (out / "metrics.jsonl").symlink_to(out / "logs" / "metrics.jsonl")
+    assert neutrain(["train", str(recipe), "train.max_steps=2", "train.resume_from_checkpoint=true"]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 1 and 2 in steps
 
 
 def _forge_entry(checkpoint: Path, rel: str, target: Path) -> None:

@@ -343,9 +343,12 @@ def test_full_disk_while_writing_metrics_exits_1(tmp_path, capsys, monkeypatch):
 
 
 def test_metrics_path_taken_by_a_directory_exits_1(tmp_path, capsys):
-    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)
-    recipe = write_recipe(tmp_path, train={**RUN, "save_steps": 100}, eval={"perplexity": False}, export={"format": "none"})
-    line = _error_line(capsys, [recipe], 1, after_training=True)
+    recipe = write_recipe(tmp_path, train=RUN, eval={"perplexity": False}, export={"format": "none"})
+    assert main([str(recipe)]) == 0  # the run, whose own metrics.jsonl is then replaced by a directory
+    (tmp_path / "out" / "metrics.jsonl").unlink()
+    (tmp_path / "out" / "metrics.jsonl").mkdir()
+    capsys.readouterr()
+    line = _error_line(capsys, [recipe, "train.resume_from_checkpoint=true", "train.max_steps=2"], 1, after_training=True)
     assert line == f"neutrain: error: is a directory ({tmp_path / 'out' / 'metrics.jsonl'}): Is a directory"
 
 
@@ -367,14 +370,16 @@ def test_torch_save_failure_on_a_full_disk_exits_1(tmp_path, capsys, monkeypatch
     import torch
 
     original = torch.save
+    free = [1 << 30]  # room at the start (the check before the first step passes); the disk fills during the run
 
     def save(obj, f, *args, **kwargs):  # torch's C++ writer reports a full disk without errno
         if str(f).endswith("optimizer.pt"):
+            free[0] = 0
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         return original(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 31, (1 << 31) - free[0], free[0]))
     recipe = write_recipe(tmp_path, train=RUN, eval={"perplexity": False}, export={"format": "none"})
     assert _error_line(capsys, [recipe], 1, after_training=True) == f"neutrain: error: disk full ({tmp_path / 'out'}): No space left on device"
 

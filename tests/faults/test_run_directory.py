@@ -16,12 +16,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from neutrain.cli import main as neutrain
+from tests.faults.pause_at import wait_until_paused
 from tests.helpers import write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,11 +60,7 @@ def test_a_second_run_and_a_resume_during_a_save_are_refused_and_the_save_surviv
     first = subprocess.Popen([sys.executable, "-m", "tests.faults.pause_during_save", "2", str(gate), "train", str(recipe)],
                              cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (gate / "paused").exists():
-            assert first.poll() is None, first.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the first run never reached its save"
-            time.sleep(0.1)
+        wait_until_paused(first, gate, "its save")
         # Both started while the first run is writing checkpoint-2: a new run and a resume.
         others = [subprocess.Popen([sys.executable, "-m", "neutrain", "train", str(recipe), *extra], cwd=REPO, env=_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,211 @@
+"""What a run will write to disk, checked before its first step: the length of every path, and the space.
+
+Why: an ``export.output_dir`` whose name was too long for the file system failed only after all the
+training, with a message naming a hidden staging folder instead of the key; a full disk was found at the
+final save (a 70B trained for minutes, then "disk full"), and the save left its partial files behind, so
+the next run on that disk failed too. Both are known before the first step:
+
+* **Paths.** Each output folder's longest planned path (the temporary checkpoint and the names inside it,
+  the export's staging and set-aside names, the lock beside it) is measured against the file system's
+  ``NAME_MAX`` for each name and ``PATH_MAX`` for the whole (:func:`check_path_lengths`).
+* **Space.** A checkpoint's size is the bytes its weights are saved in (the model's own tensors:
+  dense, NeuZip blobs or LoRA adapters) plus the optimizer state the optimizer keeps (AdamW's two
+  moments); at most ``train.save_total_limit`` of them are kept, with one more while it is written;
+  the export is written beside the previous one. Only what will certainly be needed is counted (the
+  RNG states, scheduler and tokenizer are left out), so the check refuses only a certain failure
+  (:func:`check_disk_space`). A run that saves nothing (``train.save_steps`` past ``train.max_steps``
+  with ``train.save_final: false``, and no export) needs no room.
+
+Example:
+    >>> planned_saves(start=0, max_steps=10, save_steps=4, save_final=True)
+    3
+    >>> planned_saves(start=0, max_steps=10, save_steps=20, save_final=False)
+    0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+from neutrain.errors import RecipeError
+
+GIB = 1 << 30
+_PID_DIGITS = 7  # pid_max is at most 4194304 on Linux
+_PID = "9" * _PID_DIGITS
+# The longest names neutrain and the Trainer write inside a checkpoint and an export.
+CHECKPOINT_FILES = (f".neutrain_manifest.json.tmp{_PID}", "model-00001-of-00001.safetensors",
+                    "model.safetensors.index.json", "special_tokens_map.json", "rng_state_9999.pth")
+EXPORT_FILES = (f".neutrain_manifest.json.tmp{_PID}", "model-00001-of-00001.safetensors",
+                "model.safetensors.index.json", "generation_config.json")
+
+
+def planned_paths(recipe, processes: int = 1) -> dict[str, list[str]]:
+    """The longest paths a run writes, by the key that names their folder (absolute)."""
+    t = recipe.train
+    out = os.path.abspath(t.output_dir)
+    step = f"checkpoint-{t.max_steps if t.max_steps > 0 else 10 ** 9 - 1}"  # by epochs: a step of nine digits
+    paths = {"train.output_dir": [
+        *(os.path.join(out, f".tmp-{step}", step, name) for name in CHECKPOINT_FILES),
+        os.path.join(out, f".tmp-old-{step}"), os.path.join(out, f"tokenizer.tmp{_PID}", "tokenizer_config.json"),
+        os.path.join(out, f"summary.json.tmp{_PID}"), os.path.join(out, ".cache", f"python-stdlib-{'0' * 12}.tmp{_PID}"),
+        os.path.join(out, "eval", "long_context_shadowkv.json"), os.path.join(out, "distill", "training_curves.png"),
+    ]}
+    if recipe.export.format != "none":
+        export = Path(os.path.abspath(recipe.export_dir))
+        key = "export.output_dir" if recipe.export.output_dir else "train.output_dir"
+        paths.setdefault(key, []).extend([
+            *(str(export.with_name(f".tmp-{export.name}-{_PID}") / name) for name in EXPORT_FILES),
+            str(export.with_name(f".tmp-old-{export.name}-{_PID}")), str(export.with_name(f".neutrain-export-{export.name}.lock")),
+            *(str(export / name) for name in EXPORT_FILES),
+        ])
+    return paths
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    """The nearest folder at or above ``path`` that exists (a name too long to look up counts as absent)."""
+    existing = Path(os.path.abspath(path))
+    while existing != existing.parent:
+        try:
+            if existing.exists():
+                break
+        except OSError:  # ENAMETOOLONG: the very thing being checked
+            pass
+        existing = existing.parent
+    return existing
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(_existing(path), name)
+    except (OSError, ValueError):
+        return default
+
+
+def check_path_lengths(recipe, processes: int = 1) -> None:
+    """Refuse, naming the key, an output folder whose planned paths the file system cannot hold.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> try:
+        ...     check_path_lengths(load_recipe("default", ["train.output_dir=" + "x" * 300]))
+        ... except RecipeError as e:
+        ...     print(str(e)[:16], "is too long" in str(e))
+        train.output_dir True
+    """
+    for key, paths in planned_paths(recipe, processes).items():
+        value = recipe.train.output_dir if key == "train.output_dir" else recipe.export.output_dir
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        for path in paths:
+            name_max, path_max = _limit(path, "PC_NAME_MAX", 255), _limit(path, "PC_PATH_MAX", 4096)
+            for part in Path(path).parts:
+                if len(os.fsencode(part)) > name_max:
+                    raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes '{path}', "
+                                      f"whose name '{part[:40]}...' has {len(os.fsencode(part))} bytes, more than the "
+                                      f"{name_max} a name may have there (NAME_MAX); choose a shorter {key}")
+            if len(os.fsencode(path)) >= path_max:
+                raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes a path of "
+                                  f"{len(os.fsencode(path))} bytes ('{path[:60]}...'), more than the {path_max} a path "
+                                  f"may have there (PATH_MAX); choose a shorter {key}")
+
+
+def planned_saves(start: int, max_steps: int, save_steps: int, save_final: bool) -> int:
+    """Checkpoints a run saves from step ``start`` to ``max_steps``: every ``save_steps``, and the last step unless
+    ``save_final`` is off."""
+    if max_steps <= start:
+        return 0
+    saves = max_steps // save_steps - start // save_steps
+    if save_final and max_steps % save_steps:
+        saves += 1
+    return saves
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype) if tensor.numel() else None
+        if key is not None and key in seen:
+            continue  # tied weights are saved once
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def checkpoint_bytes(model, optimizer: str) -> int:
+    """Bytes a checkpoint of ``model`` certainly takes: its saved tensors, and the optimizer's moments."""
+    from neutrain.nn.lora import adapter_state_dict, is_peft_model  # lazy: only a run's planning needs them
+
+    state = adapter_state_dict(model) if is_peft_model(model) else model.state_dict()
+    weights = _unique_bytes(state.values())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    moments = 0
+    if optimizer == "adamw":  # torch's AdamW keeps two moments in each parameter's dtype
+        moments = 2 * sum(p.numel() * p.element_size() for p in trainable)
+    elif optimizer == "adamw-in-backward":  # two fp32 moments per weight (neutrain.optim.adamw)
+        moments = 2 * 4 * sum(p.numel() for p in trainable)
+    return weights + moments
+
+
+def export_bytes(model, fmt: str, dtype: str) -> int:
+    """Bytes an export of ``model`` in ``fmt`` certainly takes (dense: every weight in the export's dtype; NeuZip:
+    the bits its codec cannot go below)."""
+    if fmt == "none":
+        return 0
+    params = sum(p.numel() for p in model.parameters())
+    if fmt == "hf":
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+        if width is None:  # auto: the weights' own dtype (NeuZip decodes to it)
+            width = min((p.element_size() for p in model.parameters() if p.is_floating_point()), default=2)
+        return params * width
+    bits = int(fmt.rsplit("-", 1)[1]) + 3 if "lossy" in fmt else 10  # sign, mantissa, the exponent's entropy
+    return params * bits // 8
+
+
+def free_bytes(path: str | os.PathLike) -> tuple[int, Path, int]:
+    """``(free bytes, existing folder measured, its device)`` for the file system ``path`` will be written on."""
+    existing = _existing(path)
+    return shutil.disk_usage(existing).free, existing, os.stat(existing).st_dev
+
+
+def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> None:
+    """Refuse, in one line naming the free space and the space needed, a run whose saves and export cannot fit.
+
+    Args:
+        recipe: The run's recipe.
+        model: The built model (its tensors give the checkpoint's size).
+        start: The step the run starts from (a resumed checkpoint's).
+        existing: Checkpoints of the run already on the disk (they count towards ``save_total_limit``).
+        steps: The step the run ends at (``train.max_steps``, or what the epochs come to).
+    """
+    t = recipe.train
+    saves = planned_saves(start, steps, t.save_steps, t.save_final)
+    limit = t.save_total_limit
+    held = min(existing + saves, limit + 1) if limit else existing + saves  # one more while a save is written
+    slots = max(0, held - existing) if saves else 0
+    size = checkpoint_bytes(model, t.optimizer)
+    from neutrain.trainer.modeling import export_dtype  # lazy: modeling imports the model stack
+
+    export = export_bytes(model, recipe.export.format, export_dtype(
+        recipe.model, recipe.memory.weights, t.use_cpu, recipe.export.dtype))
+    needs: dict[int, list] = {}
+    free_out, where_out, dev_out = free_bytes(t.output_dir)
+    needs[dev_out] = [free_out, where_out, slots * size, "train.output_dir"]
+    if export:
+        free_exp, where_exp, dev_exp = free_bytes(recipe.export_dir)
+        entry = needs.setdefault(dev_exp, [free_exp, where_exp, 0, "export.output_dir"])
+        entry[2] += export
+    for free, where, need, key in needs.values():
+        if need <= free:
+            continue
+        parts = []
+        if slots and key == "train.output_dir":
+            parts.append(f"{slots} checkpoint(s) of {size / GIB:.2f} GiB (train.save_total_limit "
+                         f"{limit if limit else 'unset'}, plus the one being written)")
+        if export and (key == "export.output_dir" or len(needs) == 1):
+            parts.append(f"a {export / GIB:.2f} GiB export ({recipe.export.format})")
+        raise RecipeError(
+            f"{key}: {where} has {free / GIB:.2f} GiB free, and this run needs {math.ceil(need / GIB * 100) / 100:.2f} "
+            f"GiB there ({' and '.join(parts)}): free space, lower train.save_total_limit or export.format, or save "
+            f"nothing (train.save_steps past train.max_steps and train.save_final: false)")

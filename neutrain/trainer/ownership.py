@@ -1,0 +1,168 @@
+"""Which directory a run may write into, decided once at its start, from the identity file a run leaves there.
+
+A run writes into an empty directory, or into its own run (:mod:`neutrain.storage.run_dir`):
+
+* no identity file and nothing in it: a new run (the identity is written when the directory is created);
+* no identity file, but files: refused, whatever the flags say (``train.overwrite_output_dir`` deletes
+  only what a neutrain run lists as written, and such a directory lists nothing). A directory an earlier
+  neutrain (before identity files) trained in is taken over by a resume; an overwrite of it is refused;
+* an identity file: a resume continues it; a new launch with the recipe the run was started with is the
+  same run (finished: "run already finished", as a resume would say; stopped: refused, naming it as this
+  run's, not another's); a new launch with another recipe is refused while the directory holds the run's
+  checkpoints, unless ``train.overwrite_output_dir`` deletes what the run listed (nothing else).
+
+Example:
+    >>> identity_recipe(load_recipe("default"))["train"]["seed"]  # doctest: +SKIP
+    42
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from neutrain.storage.run_dir import (KEPT_ON_OVERWRITE, PLANNED, Ledger, clear_owned, entries, legacy_run, open_run, owned_checkpoints,
+                                      read_ledger, unowned_planned, write_identity)
+from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints, refuse_linked_checkpoints
+
+logger = logging.getLogger("neutrain")
+
+# Keys that say how to launch, not what the run is: a relaunch that changes them is the same run.
+LAUNCH_KEYS = {"train": ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")}
+
+
+def identity_recipe(recipe) -> dict[str, Any]:
+    """The recipe as the identity file records it: plain JSON data, without the keys of :data:`LAUNCH_KEYS`."""
+    data = json.loads(json.dumps(recipe.to_dict(), default=str))
+    for section, keys in LAUNCH_KEYS.items():
+        for key in keys:
+            data.get(section, {}).pop(key, None)
+    return data
+
+
+def first_difference(old: Any, new: Any, path: str = "") -> str | None:
+    """``"key: old -> new"`` for the first recipe key that differs, else None.
+
+    Example:
+        >>> first_difference({"train": {"seed": 1}}, {"train": {"seed": 2}})
+        'train.seed: 1 -> 2'
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new), key=str):
+            found = first_difference(old.get(key), new.get(key), f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+        return None
+    if old == new:
+        return None
+    show = lambda v: (s if len(s := json.dumps(v, default=str)) <= 60 else s[:57] + "...")  # noqa: E731
+    return f"{path}: {show(old)} -> {show(new)}"
+
+
+def planned_names(recipe) -> tuple[str, ...]:
+    """The names at the top of ``train.output_dir`` this run will write (besides its checkpoints)."""
+    m, names = recipe.model, ["recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", ".cache"]
+    if (m["tokenizer"] or m["base_model"]) in ("byte", "train-bpe"):
+        names.append("tokenizer")
+    if recipe.eval["long_context_tasks"]:
+        names.append("eval")
+    if recipe.export["format"] != "none" and not recipe.export["output_dir"]:
+        names.append("export")
+    if recipe.distill["enabled"]:
+        names += ["draft", "distill"]
+    if recipe.memory["adapter"] and not m["base_model"]:
+        names.append("base")
+    return tuple(names)
+
+
+def same_run(output_dir: str, recipe: dict[str, Any] | None) -> bool:
+    """Whether ``output_dir`` holds the checkpoints of a run started with ``recipe`` (a relaunch of that run)."""
+    try:
+        ledger = read_ledger(output_dir)
+    except RunDirectoryError:
+        return False
+    return (recipe is not None and ledger is not None and ledger.recipe == recipe
+            and bool(owned_checkpoints(output_dir, ledger)))
+
+
+def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool,
+                   planned: tuple[str, ...] = PLANNED) -> None:
+    """Decide, on the main process and under the run lock, whether this run may write into ``output_dir``.
+
+    Refuses (:class:`RunDirectoryError`, one line) a directory the run may not use; clears a previous run's
+    listed outputs on ``overwrite``. A relaunch of the same run is left to :func:`same_run` and the resume plan.
+    """
+    refuse_linked_checkpoints(output_dir)  # named as the link it is, before it counts as anyone's
+    ledger = read_ledger(output_dir)
+    if ledger is None:
+        _take_unmarked(output_dir, recipe, resume, overwrite)
+        return
+    mine = owned_checkpoints(output_dir, ledger)
+    if not resume and mine and not overwrite:
+        if recipe is not None and ledger.recipe == recipe:
+            return  # the same run relaunched: its resume plan says finished, or refuses naming it as this run's
+        change = first_difference(ledger.recipe, recipe) if recipe is not None else None
+        raise RunDirectoryError(
+            f"train.output_dir '{output_dir}' holds another run's checkpoints ({', '.join(mine[-3:])})"
+            f"{f', started with another recipe ({change})' if change else ''}: a new run would mix its metrics and checkpoints "
+            f"with them. Resume it with train.resume_from_checkpoint=true, choose another train.output_dir, or set "
+            f"train.overwrite_output_dir=true to delete what that run wrote")
+    if not resume and overwrite:
+        clear_owned(output_dir, ledger)
+        # A new run: what the old one listed is gone, but for the data cache it keeps (KEPT_ON_OVERWRITE).
+        ledger = write_identity(output_dir, recipe, [n for n in KEPT_ON_OVERWRITE if n in ledger.wrote])
+    _refuse_unowned(output_dir, ledger, planned)
+    if not resume and not mine:
+        open_run(output_dir).set_recipe(recipe)  # a run that saved nothing, relaunched with this recipe
+
+
+def _take_unmarked(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool) -> None:
+    found = entries(output_dir)
+    if not found:
+        return  # empty: the identity is written when the run opens it
+    if legacy_run(output_dir) and resume:
+        # Written by a neutrain from before identity files: a resume takes it over, listing what a run writes there.
+        wrote = [n for n in found if n in PLANNED or n in previous_checkpoints(output_dir)]
+        write_identity(output_dir, recipe, wrote)
+        logger.warning("train.output_dir %s: a run of an earlier neutrain (no %s); resumed, its files %s taken as "
+                       "this run's", output_dir, ".neutrain-run", ", ".join(wrote))
+        return
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    if legacy_run(output_dir):
+        why = ("holds checkpoints of an earlier neutrain, which did not record what it wrote, so an overwrite "
+               "cannot tell its files from yours" if overwrite else "holds another run's checkpoints")
+        hint = ("resume it with train.resume_from_checkpoint=true, delete it yourself, or choose another "
+                "train.output_dir")
+    else:
+        why = "is not empty and holds no neutrain run"
+        hint = ("choose an empty or new train.output_dir (neutrain writes only into an empty directory or its own "
+                "run, and train.overwrite_output_dir deletes only what a neutrain run wrote)")
+    raise RunDirectoryError(f"train.output_dir '{output_dir}' {why} ({shown}): nothing was written; {hint}")
+
+
+def _refuse_unowned(output_dir: str, ledger: Ledger, planned: tuple[str, ...]) -> None:
+    """Refuse, before training, a name the run will write (or a ``checkpoint-N`` it would take for its own: a
+    resume picks the last one) that is there and was not written by it."""
+    found = unowned_planned(output_dir, ledger, planned)
+    if found:
+        raise RunDirectoryError(
+            f"train.output_dir '{output_dir}' holds {', '.join(found)}, which the run there did not write and this "
+            f"run would write over: move {'them' if len(found) > 1 else 'it'} out of the run directory")
+
+
+def note_resolved(key: str, given: str, itself: bool = True) -> str:
+    """``given`` resolved once (symlinks followed) when a symlink is on its way, logged; else as it is.
+    ``itself=False``: only the folders above it are resolved (an export's own path that is a link is refused).
+
+    Why: the run writes through this path for hours; a symlink re-pointed meanwhile sent the later
+    checkpoints, the export and the metrics into another folder, and rotation deleted that folder's files.
+    """
+    absolute = os.path.abspath(given)
+    real = os.path.realpath(absolute) if itself else os.path.join(os.path.realpath(os.path.dirname(absolute)),
+                                                                  os.path.basename(absolute))
+    if real == absolute:
+        return given
+    logger.info("%s '%s' is %s (a symlink on the way, resolved once: the run writes there to its end)", key, given, real)
+    return real
