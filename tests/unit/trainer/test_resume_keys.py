@@ -32,7 +32,7 @@ CHANGES = {  # override -> the key path the refusal names
     "model.config.hidden_size=64": "model.config.hidden_size",
     "model.config.max_position_embeddings=512": "model.config.max_position_embeddings",
     "model.tokenizer_vocab_size=400": "model.tokenizer",
-    "memory.weights=neuzip-lossless": "memory.weights",
+    "memory.weights=neuzip-lossy-3": "memory.weights",  # lossy: other values (dense <-> lossless resumes)
     "memory.adapter=lora": "memory.adapter",
     "memory.lora_r=8": "memory.lora_r",
     "memory.lora_alpha=64": "memory.lora_alpha",
@@ -69,7 +69,7 @@ def _record(tmp_path, overrides, base="sampled:one"):
 
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_resume_that_changes_a_model_defining_key_is_refused_naming_it(tmp_path, change):
-    lora = change.startswith("memory.lora") or change == "base"
+    lora = change.startswith("memory.lora") or change in ("base", "memory.weights=neuzip-lossy-3")  # a lossy base trains adapters
     before = LORA if lora else []
     saved = _record(tmp_path, before)
     checkpoint = tmp_path / "checkpoint-2"
@@ -84,9 +84,11 @@ def test_a_resume_that_changes_a_model_defining_key_is_refused_naming_it(tmp_pat
 
 
 @pytest.mark.parametrize("change", ["model.attn_implementation=eager", "memory.gradient_checkpointing=true",
-                                    "memory.loss_chunk_size=16", "memory.clip_mode=global_stale"])
+                                    "memory.loss_chunk_size=16", "memory.clip_mode=global_stale",
+                                    "memory.weights=neuzip-lossless"])  # the same values, stored compressed
 def test_a_resume_may_change_how_the_same_model_is_computed(tmp_path, change):
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
-    write_run_record(checkpoint, _record(tmp_path, []))
-    check_resume(checkpoint, _record(tmp_path, [change]))
+    before = ["train.optimizer=lomo"] if change.startswith("memory.weights") else []  # as compressed weights train
+    write_run_record(checkpoint, _record(tmp_path, before))
+    check_resume(checkpoint, _record(tmp_path, [*before, change]))
