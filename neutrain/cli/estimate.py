@@ -10,11 +10,10 @@ from __future__ import annotations
 from neutrain.config import load_recipe
 
 
-def configure(sub) -> None:
-    """Add the ``estimate`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
-                       description="Predict peak GPU memory, phase by phase, from the model config and the recipe (no "
-                                   "weights are loaded), and the configuration the run picks for memory.device_budget_gib.")
+def configure(p) -> None:
+    """The ``estimate`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Predict peak GPU memory, phase by phase, from the model config and the recipe (no "
+                     "weights are loaded), and the configuration the run picks for memory.device_budget_gib.")
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
 

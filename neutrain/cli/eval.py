@@ -93,10 +93,9 @@ def run_eval(args) -> int:
     return 0
 
 
-def configure(sub) -> None:
-    """Add the ``eval`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("eval", help="evaluate a recipe's model or a checkpoint",
-                       description="Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks.")
+def configure(p) -> None:
+    """The ``eval`` command's description and arguments, on its subparser ``p``."""
+    p.description = "Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks."
     p.add_argument("target", help="recipe YAML (evaluates its output_dir's last checkpoint) or a checkpoint/export directory")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--recipe", help="recipe that supplies data and eval settings when TARGET is a checkpoint")

@@ -11,10 +11,9 @@ from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
 
 
-def configure(sub) -> None:
-    """Add the ``export`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("export", help="export a checkpoint for inference",
-                       description="Write a checkpoint as an inference model directory.")
+def configure(p) -> None:
+    """The ``export`` command's description and arguments, on its subparser ``p``."""
+    p.description = "Write a checkpoint as an inference model directory."
     p.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint); "
                    "a LoRA adapter checkpoint is merged into its base first")
     p.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "

@@ -12,11 +12,10 @@ from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
 
 
-def configure(sub) -> None:
-    """Add the ``generate`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
-                       description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
-                       "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
+def configure(p) -> None:
+    """The ``generate`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
+                     "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
     p.add_argument("model", help="model directory (an export or checkpoint, or a run's output_dir), a GGUF file, "
                    "a directory holding one GGUF file, or package:<module>/<file>.gguf (a GGUF an installed package ships)")
     p.add_argument("--prompt", required=True, help="prompt text: one user turn in the model's chat template when the "
