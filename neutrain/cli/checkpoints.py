@@ -7,6 +7,7 @@ from pathlib import Path
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.export.target import EXPORT_INFO
+from neutrain.storage.run_lock import previous_checkpoints
 
 
 def last_checkpoint(path: Path) -> Path:
@@ -16,16 +17,15 @@ def last_checkpoint(path: Path) -> Path:
         >>> last_checkpoint(Path("outputs/default"))  # doctest: +SKIP
         PosixPath('outputs/default/checkpoint-240')
     """
-    from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
-
     if not path.exists():
         raise UserInputError(f"checkpoint '{path}' does not exist")
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if path.is_dir():
-        last = get_last_checkpoint(str(path))
-        if last:
-            return Path(last)
+        # The directory scan transformers' get_last_checkpoint does, without importing transformers (and torch).
+        found = previous_checkpoints(path)
+        if found:
+            return path / found[-1]
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
 
 

@@ -7,6 +7,7 @@ budget and the configuration the run would choose for it (:mod:`neutrain.trainer
 
 from __future__ import annotations
 
+from neutrain.compat.deepspeed_env import no_gpu_device_nodes
 from neutrain.config import load_recipe
 
 
@@ -19,10 +20,16 @@ def configure(p) -> None:
 
 
 def _card_total(recipe) -> int | None:
-    """This machine's GPU memory in bytes (what ``memory.device_budget_gib: auto`` resolves against), or None."""
-    import torch  # lazy: `neutrain --help` stays instant
+    """This machine's GPU memory in bytes (what ``memory.device_budget_gib: auto`` resolves against), or None.
 
-    if recipe.train.use_cpu or not torch.cuda.is_available():
+    torch is imported only where a GPU may be there: on a host without GPU device files an estimate
+    stays arithmetic on the config.
+    """
+    if recipe.train.use_cpu or recipe.memory.device_budget_gib != "auto" or no_gpu_device_nodes():
+        return None
+    import torch  # lazy: only a host that may have a GPU asks torch for it
+
+    if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 

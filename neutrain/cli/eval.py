@@ -43,12 +43,7 @@ def _not_evaluable(target: Path) -> str | None:
 
 def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
-    import torch  # lazy: `neutrain --help` stays instant
-    from transformers import TrainingArguments
-
-    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
     from neutrain.storage.confine import check_output, check_run_outputs  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
     if problem := _not_evaluable(target):
@@ -63,6 +58,13 @@ def run_eval(args) -> int:
         ckpt = last_checkpoint(target)
     run_dir = recipe.train["output_dir"]
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
+    # Only now, with the target and recipe known good, the heavy imports: a mistake above is one line at once.
+    import torch  # lazy: after the checks
+    from transformers import TrainingArguments
+
+    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: after the checks
+    from neutrain.trainer import NeuTrainer  # lazy: after the checks
+
     model, tokenizer = load_model_checkpoint(ckpt)  # a LoRA run's checkpoint: its adapters on its base
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")

@@ -30,8 +30,9 @@ def configure(p) -> None:
 
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
-    from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+    from neutrain.export import check_format, export_model  # lazy: `neutrain --help` stays instant
 
+    check_format(args.format)  # every argument and path is checked before anything heavy is imported
     check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = args.output or str(ckpt.parent / "export")

@@ -89,9 +89,16 @@ def check_arguments(args) -> None:
 
 def run(args) -> int:
     """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation."""
-    import torch  # lazy: `neutrain --help` stays instant
-
+    # Arguments and paths first: a mistake is refused in one line before torch and the model load.
     check_arguments(args)
+    gguf = gguf_file(Path(args.model))
+    directory = last_checkpoint(Path(args.model)) if gguf is None else None
+    try:
+        draft_dir = last_checkpoint(Path(args.draft)) if args.draft else None
+    except UserInputError as exc:
+        raise UserInputError(f"--draft: {exc}") from None
+
+    import torch  # lazy: only once the arguments are known good
 
     from neutrain.compat.static_cache import static_cache_refusal  # lazy: same reason
     from neutrain.cli.placement import place_model  # lazy: same reason
@@ -99,12 +106,10 @@ def run(args) -> int:
     from neutrain.export import load_checkpoint_model  # lazy: same reason
     from neutrain.speculative import generate  # lazy: same reason
 
-    gguf = gguf_file(Path(args.model))
     where = None
     if gguf is not None:
         (model, tokenizer), trained_with = _load_gguf(gguf), None
     else:
-        directory = last_checkpoint(Path(args.model))
         # On a GPU, the form that fits the device budget (neutrain.cli.placement); on a CPU, as it is.
         model, tokenizer, where = place_model(directory, args.device, args.device_budget_gib)
         trained_with = trained_with_chat_template(directory)
@@ -119,7 +124,7 @@ def run(args) -> int:
     check_context(model, ids.shape[1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     if args.draft:
-        draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
+        draft, _ = load_checkpoint_model(draft_dir)
         draft = draft.to(next(model.parameters()).device)
         scheme = args.scheme or ("sd" if args.num_drafts == 1 else "importance")
         # The rounds run on decode engines (one CUDA graph and one host sync per round) when both models
