@@ -52,6 +52,7 @@ def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_commit
     assert "| replicated | 4 |" in res.stdout
 
 
+@pytest.mark.slow
 def test_write_records_the_runs_own_provenance_and_refuses_a_committed_record(tmp_path, committed_files):
     for path in RESULTS.glob("multi_gpu_*gpu.json"):
         shutil.copy(path, tmp_path / path.name)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -26,6 +28,7 @@ print('BAD' if bad else 'OK', bad)
 """
 
 
+@pytest.mark.slow
 def test_transformers_and_trainer_do_not_import_kernels_from_repo_root():
     # Run from the repository root, where a stray top-level kernels/ would shadow HF's package.
     res = subprocess.run([sys.executable, "-c", PROBE, str(REPO)], cwd=REPO, capture_output=True, text=True, timeout=300,

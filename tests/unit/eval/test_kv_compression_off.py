@@ -96,6 +96,7 @@ def reference(model, prompts):
     return greedy_decode(model, prompts, NEW, DynamicCache(config=model.config))["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens(model, prompts, reference, case):
     with CASES[case](model) as make:

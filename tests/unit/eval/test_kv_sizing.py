@@ -59,6 +59,7 @@ def test_a_build_holds_no_more_than_its_stored_bytes_and_the_planned_transient(n
     assert peak - stored > 0.2 * batch * transient  # the plan is a bound, not a wild one
 
 
+@pytest.mark.slow
 def test_the_old_batch_overflows_a_card_the_new_batch_fits():
     """On a pretend card, the batch from the stored bytes alone builds past the card; the planned batch does not."""
     cfg, ctx, chunk, options = small_config(), 4096, 256, SETTINGS["merge_4bit"]
@@ -136,6 +137,7 @@ def test_the_llama3_8b_minicache_rows_fit_an_h200(row, ctx):
     assert batch >= 8 and need <= budget.headroom, (batch, need / sizing.GIB, budget.headroom / sizing.GIB)
 
 
+@pytest.mark.slow
 def test_a_fused_cache_decodes_every_layer_in_the_kernel_from_its_first_step():
     """The benchmark fills its MiniCache without the model; its first decode step must still run every layer through
     the fused kernel. Before, layer 0 took the restore path (the cache had not yet seen the fused attention), and

@@ -239,6 +239,7 @@ def _fused_and_restored(model, ids, prompt_len, **options):
 
 @pytest.mark.parametrize("options", [dict(gamma=0.05, merge_every=4),
                                      dict(gamma=0.05, quant_bits=4, quant_group=8, merge_every=None)])
+@pytest.mark.slow
 def test_fused_decode_matches_the_restore_path(options):
     """The kernel's decode (CPU interpreter) gives the restore path's logits; merges after a step still happen."""
     from neutrain.kernels import minicache_attention as kernels

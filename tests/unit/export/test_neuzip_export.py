@@ -149,6 +149,7 @@ def test_import_neutrain_stays_light_and_registers_lazily(tmp_path):
     assert res.stdout.split() == ["[]", "True"], res.stdout
 
 
+@pytest.mark.slow
 def test_loading_without_neutrain_fails_loudly(tmp_path):
     out = export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST)
     res = _run(f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(out)!r})",

@@ -72,6 +72,7 @@ def test_resuming_loads_one_weight_at_a_time_and_exactly(tmp_path):
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_neuzip_export_copies_no_blob_and_decodes_to_the_trained_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 

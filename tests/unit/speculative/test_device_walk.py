@@ -33,6 +33,7 @@ def _round(k, dl, identical, gen, root=0):
     return p, q, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,identical", [(1, True), (2, True), (3, True), (2, False), (3, False)])
 def test_committed_tokens_follow_the_target(k, identical):
     gen = torch.Generator().manual_seed(k + 10 * identical)

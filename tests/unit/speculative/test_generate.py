@@ -133,6 +133,7 @@ def sample_counts(target, draft, k, scheme, temp, draft_temp, prompt, steps, n):
     return counts, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafts,k,scheme,temp,draft_temp", CONFIGS)
 def test_sequences_follow_target_chi_square(drafts, k, scheme, temp, draft_temp):
     vocab, steps, n = 4, 3, 800

@@ -88,6 +88,7 @@ def _sequence_probs(model, prompt, steps, temperature):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_drafts,k,scheme,temp,draft_temp", CONFIGS)
 def test_engine_sequences_follow_the_target_chi_square(n_drafts, k, scheme, temp, draft_temp):
     target, draft = _models(n_drafts, vocab=4, sharpen=30.0)
