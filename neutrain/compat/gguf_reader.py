@@ -203,7 +203,9 @@ def _metadata_reader_patches(index) -> list:
         from transformers.integrations.gguf import reader as module
     except ImportError:  # 5.17: no such reader, the GGUFReader patch covers it
         return []
-    real = module.read_gguf_metadata
+    real = getattr(module, "read_gguf_metadata", None)
+    if real is None:  # a release without it reads through gguf.GGUFReader, patched already
+        return []
 
     def read_gguf_metadata(path, string_arrays=()):
         return _metadata_as_transformers_reads_it(index, string_arrays) if _same_file(path, index) else real(path, string_arrays)
