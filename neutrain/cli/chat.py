@@ -24,11 +24,10 @@ from neutrain.cli.generate import (add_device_arguments, add_model_argument, add
 from neutrain.errors import UserInputError
 
 
-def configure(sub) -> None:
-    """Add the ``chat`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("chat", help="chat with a model loaded once (its chat template applied), reading stdin",
-                       description="Load MODEL once and answer each line of stdin as a user turn of a conversation in "
-                       "the model's chat template (greedy unless --temperature > 0). Ctrl-D or Ctrl-C ends it.")
+def configure(p) -> None:
+    """The ``chat`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Load MODEL once and answer each line of stdin as a user turn of a conversation in "
+                     "the model's chat template (greedy unless --temperature > 0). Ctrl-D or Ctrl-C ends it.")
     add_model_argument(p)
     p.add_argument("--system", help="a system message opening the conversation (where the chat template has one)")
     p.add_argument("--raw", action="store_true", help="no chat template: continue each line as it is, without history")

@@ -8,6 +8,7 @@ from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.export.target import EXPORT_INFO
 from neutrain.files import check_kind
+from neutrain.storage.run_lock import previous_checkpoints
 
 
 def last_checkpoint(path: Path) -> Path:
@@ -17,8 +18,6 @@ def last_checkpoint(path: Path) -> Path:
         >>> last_checkpoint(Path("outputs/default"))  # doctest: +SKIP
         PosixPath('outputs/default/checkpoint-240')
     """
-    from transformers.trainer_utils import get_last_checkpoint  # lazy: `neutrain --help` stays instant
-
     if not path.exists():
         recover_export(path)  # an interrupted `export --overwrite` set it aside: put back, and said so
     # By kind before anything inside is looked at: a FIFO or a device was "no config.json inside" (neutrain.files).
@@ -26,9 +25,10 @@ def last_checkpoint(path: Path) -> Path:
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
     if path.is_dir():
-        last = get_last_checkpoint(str(path))
-        if last:
-            return Path(last)
+        # The directory scan transformers' get_last_checkpoint does, without importing transformers (and torch).
+        found = previous_checkpoints(path)
+        if found:
+            return path / found[-1]
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
 
 

@@ -174,11 +174,10 @@ def payoff_words(report: dict[str, Any]) -> str:
             "`neutrain generate --draft` drops it after its first rounds")
 
 
-def configure(sub) -> None:
-    """Add the ``distill`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("distill", help="distil a small draft from a trained target (recipe's distill section)",
-                       description="Distil a draft from distill.target (default <train.output_dir>/export), report alpha, "
-                       "export it to <train.output_dir>/draft and decode speculatively with it.")
+def configure(p) -> None:
+    """The ``distill`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Distil a draft from distill.target (default <train.output_dir>/export), report alpha, "
+                     "export it to <train.output_dir>/draft and decode speculatively with it.")
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.max_steps=200")
     p.add_argument("--overwrite", action="store_true",

@@ -7,24 +7,30 @@ budget and the configuration the run would choose for it (:mod:`neutrain.trainer
 
 from __future__ import annotations
 
+from neutrain.compat.deepspeed_env import no_gpu_device_nodes
 from neutrain.config import load_recipe
 from neutrain.errors import RecipeError
 
 
-def configure(sub) -> None:
-    """Add the ``estimate`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("estimate", help="predict peak GPU memory of a recipe before loading anything",
-                       description="Predict peak GPU memory, phase by phase, from the model config and the recipe (no "
-                                   "weights are loaded), and the configuration the run picks for memory.device_budget_gib.")
+def configure(p) -> None:
+    """The ``estimate`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Predict peak GPU memory, phase by phase, from the model config and the recipe (no "
+                     "weights are loaded), and the configuration the run picks for memory.device_budget_gib.")
     p.add_argument("recipe", help="recipe YAML file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
 
 
 def _card_total(recipe) -> int | None:
-    """This machine's GPU memory in bytes (what ``memory.device_budget_gib: auto`` resolves against), or None."""
-    import torch  # lazy: `neutrain --help` stays instant
+    """This machine's GPU memory in bytes (what ``memory.device_budget_gib: auto`` resolves against), or None.
 
-    if recipe.train.use_cpu or not torch.cuda.is_available():
+    torch is imported only where a GPU may be there: on a host without GPU device files an estimate
+    stays arithmetic on the config.
+    """
+    if recipe.train.use_cpu or recipe.memory.device_budget_gib != "auto" or no_gpu_device_nodes():
+        return None
+    import torch  # lazy: only a host that may have a GPU asks torch for it
+
+    if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 

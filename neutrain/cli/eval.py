@@ -43,12 +43,7 @@ def _not_evaluable(target: Path) -> str | None:
 
 def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
-    import torch  # lazy: `neutrain --help` stays instant
-    from transformers import TrainingArguments
-
-    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: `neutrain --help` stays instant
     from neutrain.storage.confine import check_output, check_run_outputs  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer import NeuTrainer  # lazy: `neutrain --help` stays instant
 
     target = Path(args.target)
     if not target.exists():
@@ -72,6 +67,13 @@ def run_eval(args) -> int:
     run_dir = note_resolved("train.output_dir", recipe.train["output_dir"])  # where it leads now, to the end
     refuse_inside_model(run_dir, "train.output_dir")  # its eval/ and .cache/ would change a checkpoint or export
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
+    # Only now, with the target and recipe known good, the heavy imports: a mistake above is one line at once.
+    import torch  # lazy: after the checks
+    from transformers import TrainingArguments
+
+    from neutrain.data import Collator, build_datasets, pad_token_id  # lazy: after the checks
+    from neutrain.trainer import NeuTrainer  # lazy: after the checks
+
     model, tokenizer = load_model_checkpoint(ckpt)  # a LoRA run's checkpoint: its adapters on its base
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
@@ -118,10 +120,9 @@ def run_eval(args) -> int:
     return 0
 
 
-def configure(sub) -> None:
-    """Add the ``eval`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("eval", help="evaluate a recipe's model or a checkpoint",
-                       description="Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks.")
+def configure(p) -> None:
+    """The ``eval`` command's description and arguments, on its subparser ``p``."""
+    p.description = "Held-out loss/perplexity for a checkpoint (with the recipe's data), plus long-context tasks."
     p.add_argument("target", help="recipe YAML (evaluates its output_dir's last checkpoint) or a checkpoint/export directory")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--recipe", help="recipe that supplies data and eval settings when TARGET is a checkpoint")

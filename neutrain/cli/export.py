@@ -12,10 +12,9 @@ from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
 
 
-def configure(sub) -> None:
-    """Add the ``export`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("export", help="export a checkpoint for inference",
-                       description="Write a checkpoint as an inference model directory.")
+def configure(p) -> None:
+    """The ``export`` command's description and arguments, on its subparser ``p``."""
+    p.description = "Write a checkpoint as an inference model directory."
     p.add_argument("checkpoint", help="a checkpoint-N directory (or an output_dir: its last checkpoint); "
                    "a LoRA adapter checkpoint is merged into its base first")
     p.add_argument("--format", default="hf", help="hf (dense safetensors), neuzip (lossless NeuZip, loads compressed "
@@ -35,11 +34,12 @@ def configure(sub) -> None:
 
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
-    from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
+    from neutrain.export import check_format, export_model  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_lock import ExportLock  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
+    check_format(args.format)  # every argument and path is checked before anything heavy is imported
     check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
     out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once

@@ -19,11 +19,10 @@ from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
 
 
-def configure(sub) -> None:
-    """Add the ``generate`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("generate", help="generate text, speculatively when a draft is given",
-                       description="Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
-                       "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
+def configure(p) -> None:
+    """The ``generate`` command's description and arguments, on its subparser ``p``."""
+    p.description = ("Generate from MODEL (greedy unless --temperature > 0), the prompt wrapped in the "
+                     "model's chat template unless --raw; with --draft, exact (multi-draft) speculative sampling.")
     add_model_argument(p)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="prompt text: one user turn in the model's chat template when the "
@@ -138,18 +137,25 @@ class Loaded:
     where: str | None
 
 
-def load_for_generation(args) -> Loaded:
+def model_source(args) -> tuple[Path | None, Path | None]:
+    """``(GGUF file, checkpoint directory)`` of ``args.model``, one of them None: checked before torch loads, so
+    a wrong path is refused in one line at once."""
+    gguf = gguf_file(Path(args.model))
+    return gguf, (last_checkpoint(Path(args.model)) if gguf is None else None)
+
+
+def load_for_generation(args, source: tuple[Path | None, Path | None] | None = None) -> Loaded:
     """Load ``args.model`` once (a GGUF file, an export, a checkpoint or a run's output_dir) as ``generate`` and
-    ``chat`` use it; stderr gets the placement line, if any."""
+    ``chat`` use it (``source``: :func:`model_source`'s answer, when already asked); stderr gets the placement
+    line, if any."""
     from neutrain.cli.placement import place_model  # lazy: `neutrain --help` stays instant
     from neutrain.data.chat import template_choice  # lazy: same reason
 
-    gguf = gguf_file(Path(args.model))
+    gguf, directory = source or model_source(args)
     where = None
     if gguf is not None:
         (model, tokenizer), trained_with = _load_gguf(gguf), None
     else:
-        directory = last_checkpoint(Path(args.model))
         # On a GPU, the form that fits the device budget (neutrain.cli.placement); on a CPU, as it is.
         model, tokenizer, where = place_model(directory, args.device, args.device_budget_gib)
         trained_with = trained_with_chat_template(directory)
@@ -238,18 +244,24 @@ def decode(loaded: Loaded, ids, args, draft=None) -> tuple[object, list[str]]:
 
 def run(args) -> int:
     """Generate from ``args.model`` (speculatively with ``args.draft``) and print the continuation(s)."""
-    import torch  # lazy: `neutrain --help` stays instant
-
+    # Arguments, paths and prompts first: a mistake is refused in one line before torch and the model load.
     check_arguments(args)
-    records = read_prompts(args.input_file) if args.input_file else None  # before the model loads
+    source = model_source(args)
+    try:
+        draft_dir = last_checkpoint(Path(args.draft)) if args.draft else None
+    except UserInputError as exc:
+        raise UserInputError(f"--draft: {exc}") from None
+    records = read_prompts(args.input_file) if args.input_file else None
+
+    import torch  # lazy: only once the arguments are known good
 
     from neutrain.data.chat import prompt_ids  # lazy: same reason
     from neutrain.export import load_checkpoint_model  # lazy: same reason
 
-    loaded = load_for_generation(args)
+    loaded = load_for_generation(args, source)
     draft = None
-    if args.draft:
-        draft, _ = load_checkpoint_model(last_checkpoint(Path(args.draft)))
+    if draft_dir is not None:
+        draft, _ = load_checkpoint_model(draft_dir)
         draft = draft.to(next(loaded.model.parameters()).device).eval()
     for i, record in enumerate(records or [{"prompt": args.prompt}]):
         ids = torch.tensor([prompt_ids(loaded.tokenizer, record["prompt"], raw=not loaded.use_template)])

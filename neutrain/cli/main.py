@@ -20,12 +20,11 @@ it happened in (:func:`neutrain.trainer.phases.out_of_memory_line`). NEUTRAIN_DE
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 
-from neutrain.cli import chat, distill, estimate, export, generate, recipes, train
-from neutrain.cli import eval as eval_command
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
@@ -35,12 +34,36 @@ from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_err
 
 EXIT_USER_ERROR = 2
 
-COMMANDS = {"train": train, "eval": eval_command, "export": export, "estimate": estimate, "distill": distill,
-            "generate": generate, "chat": chat, "recipes": recipes}
-"""Each command is one module of this package with ``configure(subparsers)`` and ``run(args) -> exit code``."""
+COMMANDS = {
+    "train": "train with a recipe (default when the first argument is a YAML file)",
+    "eval": "evaluate a recipe's model or a checkpoint",
+    "export": "export a checkpoint for inference",
+    "estimate": "predict peak GPU memory of a recipe before loading anything",
+    "distill": "distil a small draft from a trained target (recipe's distill section)",
+    "generate": "generate text, speculatively when a draft is given",
+    "chat": "chat with a model on the terminal, the model loaded once",
+    "recipes": "list the shipped recipes",
+}
+"""Each command, with its line in ``neutrain --help``, is the module ``neutrain.cli.<command>`` with
+``configure(parser)`` (its arguments, on the subparser made here) and ``run(args) -> exit code``.
+
+Why by name: a command's module is imported only when that command runs. Importing all of them put
+every command's imports in front of ``neutrain --help`` and of every argument error."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def command_module(name: str):
+    """The module of command ``name`` (imported now, on first use)."""
+    return importlib.import_module(f"neutrain.cli.{name}")
+
+
+def _command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` runs: its first argument that is not an option, when it names one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the arguments of ``command`` only: the other commands are listed by name and line."""
     p = argparse.ArgumentParser(
         prog="neutrain",
         description="neutrain: full fine-tuning of LLMs in far less memory (NeuZip-compressed weights, fused updates).",
@@ -54,8 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     # import upward in the layer order; a parent package is in sys.modules whenever its submodule runs).
     p.add_argument("--version", action="version", version=f"neutrain {sys.modules['neutrain'].__version__}")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for command in COMMANDS.values():
-        command.configure(sub)
+    for name, line in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=line, description=line[:1].upper() + line[1:] + ".")
+        if name == command:
+            command_module(name).configure(sub_parser)
     return p
 
 
@@ -116,7 +141,7 @@ def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))
-    parser = _parser()
+    parser = _parser(_command_named(argv))
     args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
@@ -139,7 +164,7 @@ def _main(argv: list[str] | None) -> int:
         name_cpu_accelerator()
     try:
         check_launch_environment(os.environ)  # before Accelerate parses them
-        code = COMMANDS[args.command].run(args)
+        code = command_module(args.command).run(args)
         flush_stdout()  # a full stdout is reported here, as stdout's, not at interpreter exit
         return code
     except UserInputError as exc:

@@ -353,7 +353,7 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
         model.config: the weights alone need abo
     """
     from neutrain.trainer.planner import GIB, NEUZIP_BITS, ModelShape  # lazy: torch-free checks stay fast
-    from neutrain.trainer.modeling import config_only  # lazy: same reason
+    from neutrain.trainer.model_config import config_only  # lazy: same reason
 
     try:
         shape = ModelShape.from_config(config_only(recipe.model))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from neutrain.config import recipe_dirs
 
 
-def configure(sub) -> None:
-    """Add the ``recipes`` command to the ``neutrain`` parser's subcommands."""
-    sub.add_parser("recipes", help="list the shipped recipes", description="List shipped recipes, one line each.")
+def configure(p) -> None:
+    """The ``recipes`` command's description (it takes no arguments), on its subparser ``p``."""
+    p.description = "List shipped recipes, one line each."
 
 
 def run(args) -> int:

@@ -349,11 +349,10 @@ def _keys_help() -> str:
     return "\n".join(lines)
 
 
-def configure(sub) -> None:
-    """Add the ``train`` command to the ``neutrain`` parser's subcommands."""
-    p = sub.add_parser("train", help="train with a recipe (default when the first argument is a YAML file)",
-                       description="Train, evaluate held-out perplexity, export and print a summary.",
-                       epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+def configure(p) -> None:
+    """The ``train`` command's description, arguments and every recipe key (the epilog), on its subparser ``p``."""
+    p.description = "Train, evaluate held-out perplexity, export and print a summary."
+    p.epilog, p.formatter_class = _keys_help(), argparse.RawDescriptionHelpFormatter
     p.add_argument("recipe", help="recipe YAML file, or the name of a shipped recipe (see `neutrain recipes`)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=1e-5 train.max_steps=100")
 

@@ -15,7 +15,8 @@ One module per upstream library, and a module of its own where a topic is large:
   ``Trainer._get_output_dir`` seam); :mod:`neutrain.compat.static_cache` (``StaticCache``'s
   device-side length and CUDA-graph RNG, for the decode engine); :mod:`neutrain.compat.masks`
   (the packed-sequence probe); :mod:`neutrain.compat.gguf_tensors` (a GGUF file's tensors one at
-  a time); :mod:`neutrain.compat.quiet` (progress bars and a peft warning);
+  a time); :mod:`neutrain.compat.gguf_reader` (transformers' and gguf's GGUF readers answered from
+  one parsed header); :mod:`neutrain.compat.quiet` (progress bars and a peft warning);
   :mod:`neutrain.compat.chat_templates` (the chat-template sandbox, private, which neutrain bounds
   before data is rendered with a template);
 * torch: :mod:`neutrain.compat.torch_api` (the private SDPA backward ops,

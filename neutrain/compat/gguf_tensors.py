@@ -8,10 +8,11 @@ would load: llama.cpp names mapped to the model's parameter names, llama's Q/K r
 merges them. Those rules live in transformers' private ``modeling_gguf_pytorch_utils``
 (``load_gguf_checkpoint`` with ``return_tensors=False`` reads only the metadata,
 ``TENSOR_PROCESSORS``, ``get_gguf_hf_weights_map``); this adapter is the one place that touches them.
-The ``gguf`` package's reader memory-maps the file, so a tensor's bytes are read when it is dequantized.
+The file is memory-mapped once (its parsed header, :mod:`neutrain.compat.gguf_reader`), so a tensor's
+bytes are read when it is dequantized.
 
 Example:
-    >>> for name, tensor in gguf_tensors("tiny.gguf", skeleton, torch.bfloat16):  # doctest: +SKIP
+    >>> for name, tensor in gguf_tensors(read_gguf("tiny.gguf"), skeleton, torch.bfloat16):  # doctest: +SKIP
     ...     print(name, tuple(tensor.shape))
     model.embed_tokens.weight (300, 64)
 """
@@ -26,32 +27,33 @@ import numpy as np
 import torch
 
 
-def gguf_tensors(path: str, model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(parameter name, tensor in dtype)`` for each tensor of the GGUF file at ``path``.
+def gguf_tensors(index, model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(parameter name, tensor in dtype)`` for each tensor of the GGUF file ``index`` describes
+    (a :class:`neutrain.storage.gguf_header.GGUFIndex`: the header parsed once, shared with the config
+    and tokenizer readers through :mod:`neutrain.compat.gguf_reader`).
 
     ``model`` is the skeleton being filled (meta-device parameters are fine): its state dict names are
     what llama.cpp's names map to. Each tensor is dequantized to fp32 by the ``gguf`` package (as
     transformers does), processed, cast to ``dtype`` and handed over; nothing else is kept, and the
     file's pages read for it are given back to the kernel, so peak memory is one dequantized tensor.
     """
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
         load_gguf_checkpoint,
-        read_field,
     )
 
-    parsed = load_gguf_checkpoint(path, return_tensors=False)  # metadata only: config, tokenizer
+    from neutrain.compat.gguf_reader import checkpoint_metadata, gguf_reader, reading_from
+
+    parsed = checkpoint_metadata(index, load_gguf_checkpoint)  # metadata only: config, tokenizer
     parsed.pop("tokenizer", None)
-    reader = GGUFReader(path)
-    architecture = read_field(reader, "general.architecture")[0]
-    # The parsed key-value fields (a 50k-token vocabulary is ~150 MB of small arrays) are not needed
-    # past this point; the tensors keep the memory map alive.
-    reader.fields.clear()
+    reader = gguf_reader(index)
+    architecture = index.metadata["general.architecture"]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])  # load_gguf_checkpoint always parses one
-    mapping = get_gguf_hf_weights_map(model, processor)
+    with reading_from(index):  # the name tables, built once instead of once per module
+        mapping = get_gguf_hf_weights_map(model, processor)
     parsed["tensors"] = {}  # processors that merge several tensors (MoE experts) put their results here
     for tensor in reader.tensors:
         _trim_heap()  # the consumer has compressed the previous tensor by now

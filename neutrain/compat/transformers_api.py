@@ -257,23 +257,24 @@ def gguf_dequantized_kwargs() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def gguf_special_tokens(path: str) -> dict[str, int]:
-    """``{"bos_token": id, "eos_token": id, ...}`` as the GGUF file's metadata declares them.
+def gguf_special_tokens(metadata) -> dict[str, int]:
+    """``{"bos_token": id, "eos_token": id, ...}`` as a GGUF file's metadata (its parsed header's) declares them.
 
     Why: transformers 5.17 builds the tokenizer of a ``gpt2``-type GGUF vocabulary (Llama 3, SmolLM,
     Qwen 2) with ``eos_token`` set to the BOS token, so a fine-tuned model would be taught to stop on
-    the wrong token; 5.24 reads them right. The ids are read here with the ``gguf`` package and set on
-    the tokenizer (:func:`neutrain.nn.gguf.load_gguf_tokenizer`) on every version.
+    the wrong token; 5.24 reads them right. The ids are read from the file's metadata and set on the
+    tokenizer (:func:`neutrain.nn.gguf.load_gguf_tokenizer`) on every version.
 
     Needed while 5.17 is supported; can go with it.
-    """
-    from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    Example:
+        >>> gguf_special_tokens({"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+        {'bos_token': 1, 'eos_token': 2}
+    """
     out: dict[str, int] = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
-        field = reader.fields.get(f"tokenizer.ggml.{key}")
-        if field is not None:
-            out[name] = int(field.parts[field.data[0]][0])
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            out[name] = int(value)
     return out

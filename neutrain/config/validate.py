@@ -9,6 +9,7 @@ key and what was expected.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from pathlib import Path
@@ -437,4 +438,23 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
                     return cand
     if os.path.lexists(p):  # a directory, a FIFO, a device, a dangling link: named as what it is
         check_kind(p, f"recipe file '{path}'", RecipeError)
-    raise RecipeError(f"recipe file '{path}' does not exist (see `neutrain recipes` for shipped recipes)")
+    nearest = _nearest_recipe(p)
+    raise RecipeError(f"recipe file '{path}' does not exist{f'; did you mean {nearest!r}?' if nearest else ''} "
+                      "(see `neutrain recipes` for shipped recipes)")
+
+
+def _nearest_recipe(path: Path) -> str | None:
+    """The recipe a path that does not exist was probably meant to be: the nearest shipped recipe name for a
+    bare name (``defualt``), the nearest YAML file in its own directory for a path; None when nothing is near.
+
+    Example:
+        >>> _nearest_recipe(Path("defualt"))
+        'default'
+    """
+    if path.parent != Path("."):
+        names = {q.name: str(q) for q in path.parent.glob("*.y*ml")} if path.parent.is_dir() else {}
+        match = difflib.get_close_matches(path.name, list(names), n=1, cutoff=0.6)
+        return names[match[0]] if match else None
+    stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    match = difflib.get_close_matches(stem, sorted({q.stem for d in recipe_dirs() for q in d.glob("*.yaml")}), n=1, cutoff=0.6)
+    return match[0] if match else None

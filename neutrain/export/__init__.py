@@ -22,6 +22,23 @@ from neutrain.errors import UserInputError
 from neutrain.storage.leftovers import clean_export_leftovers
 
 FORMATS = ("hf", "neuzip", "neuzip-lossless", "neuzip-lossy-<k>")
+LOSSY_KS = (0, 1, 3, 7)
+"""The k of ``neuzip-lossy-<k>``: :data:`neutrain.compress.layout.LOSSY_MANTISSA_BITS`, named here without
+importing the codec, so a bad ``--format`` is refused before anything heavy loads."""
+
+
+def check_format(fmt: str) -> None:
+    """Refuse an export format that is not one of :data:`FORMATS` (a lossy k the codec does not offer too).
+
+    Example:
+        >>> check_format("neuzip-lossy-5")
+        Traceback (most recent call last):
+        neutrain.errors.UserInputError: export format 'neuzip-lossy-5' is not available (available: hf, neuzip, neuzip-lossless, neuzip-lossy-<k>; k = 0, 1, 3 or 7)
+    """
+    match = re.fullmatch(r"neuzip(?:-lossless|-lossy-(\d+))?", fmt or "")
+    if fmt != "hf" and (match is None or (match.group(1) is not None and int(match.group(1)) not in LOSSY_KS)):
+        raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)}; "
+                             f"k = {', '.join(map(str, LOSSY_KS[:-1]))} or {LOSSY_KS[-1]})")
 
 
 def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -> str:
@@ -31,8 +48,7 @@ def export_model(model, output_dir, fmt: str = "hf", tokenizer=None, **kwargs) -
     and that only with ``overwrite=True`` (:mod:`neutrain.export.target`); other keyword arguments go to
     :func:`export_hf` or :func:`export_neuzip`.
     """
-    if fmt != "hf" and not re.match(r"^neuzip(-lossless|-lossy-\d+)?$", fmt or ""):
-        raise UserInputError(f"export format '{fmt}' is not available (available: {', '.join(FORMATS)})")
+    check_format(fmt)
     from neutrain.export.lora import merge_lora  # lazy: keeps `import neutrain` light
     from neutrain.nn.lora import is_peft_model  # lazy: keeps `import neutrain` light
 

@@ -13,13 +13,13 @@ is the dense model plus one compressed tensor.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import torch
 
 from neutrain.nn.architecture import check_linear, embedding_scale
 from neutrain.nn.buffers import DECODE_BUFFERS
+from neutrain.nn.build_progress import build_progress
 from neutrain.nn.groups import form_groups
 from neutrain.nn.embedding import CompressedEmbedding
 from neutrain.nn.experts import compress_expert_stack, expert_stacks
@@ -170,7 +170,7 @@ def compress_model(
     names = [n for n in default_targets(model) if targets is None or targets(n, model.get_submodule(n))]
     shared: dict[int, CompressedWeight] = {}
     weight_before = weight_after = 0
-    for name in _progress(names, progress, "compressing weights"):
+    for name in build_progress(names, "compressing weights", len(names), progress):
         module = model.get_submodule(name)
         dense = module.weight
         if mantissa_bits is not None and dense.requires_grad:
@@ -286,12 +286,3 @@ def decompressed_state_dict(model: torch.nn.Module, device: str | torch.device |
             if bname not in module._non_persistent_buffers_set:
                 put(prefix + bname, b.detach())
     return out
-
-
-
-def _progress(items, enabled: bool, desc: str):
-    if not enabled or os.environ.get("DISABLE_TQDM", "0") == "1":
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, unit="tensor")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from neutrain.errors import CheckpointError
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 
@@ -50,21 +51,25 @@ def split_source(base_model: str | None, gguf_file: str) -> tuple[str, str]:
 @contextlib.contextmanager
 def _named_errors(what: str, source: str, name: str):
     """transformers' and gguf's loading errors as one :class:`GGUFLoadError` line naming the file."""
-    from neutrain.errors import CheckpointError
-    from neutrain.storage.gguf_header import check_gguf_file  # a header that lies is refused before it is trusted
-
-    try:
-        if os.path.isfile(os.path.join(source, name)):
-            check_gguf_file(os.path.join(source, name))
-    except CheckpointError as exc:
-        raise GGUFLoadError(str(exc)) from None
     try:
         yield
     except (GGUFLoadError, CheckpointError):
-        raise  # named already (by the source or the build's checks of its values)
+        raise  # named already (by the source, inside the build, the header check or the build's checks of its values)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GGUFLoadError(f"cannot {what} '{os.path.join(source, name)}' ({first})") from None
+
+
+def gguf_index(source: str, name: str):
+    """The parsed header of GGUF file ``name`` in ``source``, shared by every reader of it in this process
+    (:func:`neutrain.storage.gguf_header.read_gguf`): a header that lies is refused before it is trusted."""
+    from neutrain.errors import CheckpointError
+    from neutrain.storage.gguf_header import read_gguf
+
+    try:
+        return read_gguf(resolve_gguf_path(source, name))
+    except CheckpointError as exc:
+        raise GGUFLoadError(str(exc)) from None
 
 
 def _require_gguf_package() -> None:
@@ -112,12 +117,17 @@ class GGUFFile:
     def keys(self) -> list[str] | None:
         return None  # named as the model's parameters already
 
+    def tensor_count(self) -> int:
+        """How many tensors the file holds (what a progress line counts to)."""
+        with _named_errors("read", self.source, self.name):
+            return len(gguf_index(self.source, self.name).tensors)
+
     def tensors(self, model, device, dtype: torch.dtype):
         from neutrain.compat.gguf_tensors import gguf_tensors
 
         _require_gguf_package()
         with _named_errors("load", self.source, self.name):
-            yield from gguf_tensors(resolve_gguf_path(self.source, self.name), model, dtype)
+            yield from gguf_tensors(gguf_index(self.source, self.name), model, dtype)
 
     def generation_config(self):
         return None
@@ -134,7 +144,7 @@ def load_gguf_model(source: str, name: str, dtype: torch.dtype, attn_implementat
         GGUFLoadError: the ``gguf`` package is missing, or the file cannot be read.
     """
     model, _ = load_gguf_compressed(source, name, "dense", dtype, attn_implementation=attn_implementation,
-                                    trust_remote_code=trust_remote_code, progress=False)
+                                    trust_remote_code=trust_remote_code)
     return model.eval()
 
 
@@ -176,11 +186,14 @@ def load_gguf_tokenizer(source: str, name: str):
     from transformers import AutoTokenizer
 
     from neutrain.compat import gguf_special_tokens
+    from neutrain.compat.gguf_reader import reading_from
 
     _require_gguf_package()
     with _named_errors("load the tokenizer of", source, name):
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
-        ids = gguf_special_tokens(resolve_gguf_path(source, name))
+        index = gguf_index(source, name)
+        with reading_from(index):  # transformers' readers answer from the header parsed once
+            tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+        ids = gguf_special_tokens(index.metadata)
     vocab = len(tokenizer)
     tokenizer.add_special_tokens({k: tokenizer.convert_ids_to_tokens(v) for k, v in ids.items() if 0 <= v < vocab})
     return tokenizer
@@ -190,9 +203,12 @@ def gguf_config(source: str, name: str, trust_remote_code: bool = False):
     """The transformers config a GGUF file describes (no weights read)."""
     from transformers import AutoConfig
 
+    from neutrain.compat.gguf_reader import reading_from
+
     _require_gguf_package()
     with _named_errors("read the config of", source, name):
-        return AutoConfig.from_pretrained(source, gguf_file=name, trust_remote_code=trust_remote_code)
+        with reading_from(gguf_index(source, name)):  # transformers' readers answer from the header parsed once
+            return AutoConfig.from_pretrained(source, gguf_file=name, trust_remote_code=trust_remote_code)
 
 
 def gguf_dtype(path: str) -> torch.dtype:
@@ -205,10 +221,12 @@ def gguf_dtype(path: str) -> torch.dtype:
         >>> gguf_dtype("models/tiny-f16.gguf")  # doctest: +SKIP
         torch.float16
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
+
+    from neutrain.storage.gguf_header import read_gguf
 
     plain = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
              GGMLQuantizationType.BF16: torch.bfloat16}
-    types = {t.tensor_type for t in GGUFReader(path).tensors if len(t.shape) >= 2}
+    types = {t.ggml_type for t in read_gguf(path).tensors if len(t.dims) >= 2}
     dtypes = {plain.get(t, torch.bfloat16) for t in types}
     return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16

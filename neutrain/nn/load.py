@@ -21,7 +21,7 @@ import torch
 
 from neutrain.config.model_values import check_config_values
 from neutrain.errors import CheckpointError
-from neutrain.nn.convert import _progress
+from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sink import ModelSink
 from neutrain.nn.sources import RandomInit, SafetensorsFolder
@@ -52,8 +52,9 @@ def build(spec: ModelSpec, *, progress: bool = True):
     model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code)
     sink = ModelSink(model, spec.placement, storage_dtype=spec.storage_dtype, codec_options=spec.codec_options,
                      source_keys=spec.source.keys())
-    for name, tensor in _progress(spec.source.tensors(model, spec.placement.device, spec.dtype), progress,
-                                  "loading weights"):
+    count = getattr(spec.source, "tensor_count", None)
+    for name, tensor in build_progress(spec.source.tensors(model, spec.placement.device, spec.dtype), "loading weights",
+                                       count() if count else None, progress):
         if label is not None and isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             check_finite(label, name, tensor)
         sink.put(name, tensor)

@@ -36,7 +36,6 @@ from typing import Any
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.config.validate import check_weight_offload
 from neutrain.errors import RecipeError
-from neutrain.nn.weight_offload_model import LayerPlacement
 from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
 
 AUTO = "auto"
@@ -111,6 +110,8 @@ def placement_label(recipe: Recipe, layers: int, gpu: bool = True) -> str:
 
 def layer_counts(layers: int) -> list[int | None]:
     """``memory.offload_layers`` values worth trying: those that free more than their slots take, then all."""
+    from neutrain.nn.weight_offload_model import LayerPlacement  # lazy: torch, only when a budget is fitted
+
     counts = [k for k in range(1, layers)
               if k > min(LayerPlacement.spread(layers, k).slots, k) * (1 + 1 / 16)]
     return [*counts, None]

@@ -35,7 +35,7 @@ from typing import Any
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.trainer.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
-from neutrain.trainer.modeling import config_only
+from neutrain.trainer.model_config import config_only
 from neutrain.trainer.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
 from neutrain.trainer.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time

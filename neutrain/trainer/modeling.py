@@ -27,6 +27,8 @@ from neutrain.nn.convert import parameter_count
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import RandomInit, SafetensorsFolder
+# Where callers have always found them (the planner imports them from model_config, without torch):
+from neutrain.trainer.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
         if not stale:
             return AutoTokenizer.from_pretrained(str(saved))
     if model_cfg["tokenizer"] is None and model_cfg.get("gguf_file"):
-        tok = _gguf(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
+        tok = gguf_call(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
     elif name == "byte":
         tok = byte_tokenizer()
     elif name == "train-bpe":
@@ -162,56 +164,6 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
     return True
 
 
-def recipe_config(model_cfg: dict[str, Any], tokenizer):
-    """The transformers config a recipe's ``model.config`` (or its base model's) describes, sized to
-    ``tokenizer`` (a byte or trained vocabulary) and given its special token ids: what a random init builds.
-    """
-    from transformers import AutoConfig
-
-    cfg = model_cfg["config"]
-    if cfg is None and model_cfg.get("gguf_file"):
-        config = _gguf(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
-    elif cfg is None:
-        config = AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
-    else:
-        if isinstance(cfg, str):
-            cfg = json.loads(Path(cfg).read_text())
-        cfg = dict(cfg)
-        model_type = cfg.pop("model_type", None)
-        if not model_type:
-            raise RecipeError("model.config: needs a 'model_type' (e.g. llama)")
-        try:
-            config = AutoConfig.for_model(model_type, **cfg)
-        except ValueError as exc:
-            raise RecipeError(f"model.config.model_type: {exc}") from None
-    explicit_vocab = isinstance(model_cfg["config"], dict) and "vocab_size" in model_cfg["config"]
-    if model_cfg["tokenizer"] in ("byte", "train-bpe") and not explicit_vocab:
-        config.vocab_size = len(tokenizer)
-    if config.vocab_size < len(tokenizer):
-        raise RecipeError(f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(tokenizer, attr, None)
-        if value is not None:
-            setattr(config, attr, value)
-    return config
-
-
-def config_only(model_cfg: dict[str, Any]):
-    """The model config a recipe describes, without loading weights or a tokenizer (for the planner)."""
-    from transformers import AutoConfig
-
-    if model_cfg["config"] is None and model_cfg.get("gguf_file"):
-        return _gguf(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
-    if model_cfg["config"] is None:
-        return AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
-
-    class _Vocab:  # stands in for a tokenizer built at train time
-        def __len__(self):
-            return 259 if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
-
-    return recipe_config(model_cfg, _Vocab())
-
-
 def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, requested: str = "auto") -> str:
     """The dtype an export of this run is written in: ``requested``, or for ``auto`` the base model's.
 
@@ -248,25 +200,6 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
     return "auto"
 
 
-def _gguf(model_cfg: dict[str, Any], function: str, *args, **kwargs):
-    """Call ``neutrain.nn.gguf.<function>(source, name, ...)`` for the recipe's ``model.gguf_file``.
-
-    Its errors (no ``gguf`` package, an unreadable file) become one :class:`RecipeError` naming the key.
-    """
-    return _gguf_errors(getattr(gguf, function), *_gguf_source(model_cfg), *args, **kwargs)
-
-
-def _gguf_source(model_cfg: dict[str, Any]) -> tuple[str, str]:
-    return gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
-
-
-def _gguf_errors(function, *args, **kwargs):
-    try:
-        return function(*args, **kwargs)
-    except gguf.GGUFLoadError as exc:
-        raise RecipeError(f"model.gguf_file: {exc}") from None
-
-
 def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                   offload_weights: bool = False, offload_layers: int | None = None) -> ModelSpec:
     """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
@@ -292,14 +225,14 @@ def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, s
     if model_cfg["init"] == "random":
         source = RandomInit(seed)  # the same random weights on every process, every resume and every placement
     elif model_cfg.get("gguf_file"):
-        source = GGUFFile(*_gguf_source(model_cfg))
+        source = GGUFFile(*gguf_source(model_cfg))
     else:
         source = SafetensorsFolder(model_cfg["base_model"])
     try:
         if model_cfg["init"] == "random":
             config = recipe_config(model_cfg, tokenizer)
         elif model_cfg.get("gguf_file"):
-            config = _gguf(model_cfg, "gguf_config", trust_remote_code=trust)
+            config = gguf_call(model_cfg, "gguf_config", trust_remote_code=trust)
         else:
             config = source.read_config(trust)
     except OSError as exc:
@@ -360,7 +293,7 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
     spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers)
     try:
         if isinstance(spec.source, GGUFFile):
-            model, report = _gguf_errors(gguf.build_gguf, spec)
+            model, report = gguf_errors(gguf.build_gguf, spec)
         else:
             model, report = build(spec)
     except OSError as exc:

@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Any
 
 from neutrain.config.schema import Recipe
-from neutrain.trainer.modeling import config_only
+from neutrain.trainer.model_config import config_only
 from neutrain.trainer.planner import (
     ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, ModelShape, estimate, estimate_recipe,
 )

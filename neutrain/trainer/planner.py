@@ -61,7 +61,7 @@ from typing import Any
 
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
-from neutrain.trainer.modeling import config_only
+from neutrain.trainer.model_config import config_only
 
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02); tests/unit/compress/test_codec.py
@@ -245,8 +245,6 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         >>> round((full.total - part.total) / GIB, 2), part.settings["offload_slots"]  # 8 layers less 2 slots
         (1.62, 2)
     """
-    from neutrain.nn.weight_offload_model import LayerPlacement  # lazy: the ring lives with the store
-
     compressed = weights.startswith("neuzip")
     fused = optimizer in FUSED_OPTIMIZERS
     if chunked_loss is None:
@@ -261,6 +259,9 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
         t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
         if offloading:
+            # lazy: the ring lives with the store, whose module imports torch and the codec
+            from neutrain.nn.weight_offload_model import LayerPlacement
+
             placement = LayerPlacement.spread(shape.layers, offload_layers)
             slots = offload_slots or placement.slots
             traffic = offload_traffic(shape, bits, slots, placement.count)

@@ -42,7 +42,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import PrinterCallback, ProgressCallback, Trainer
+
+from neutrain.compat.deepspeed_env import name_cpu_accelerator
+
+# Before transformers' Trainer can import DeepSpeed: on a machine without a GPU, DeepSpeed's accelerator
+# detection printed a warning into every script that used NeuTrainer from Python (the CLI names it itself).
+name_cpu_accelerator()
+
+from transformers import PrinterCallback, ProgressCallback, Trainer  # noqa: E402
 
 from neutrain import compat
 from neutrain.compat.quiet import progress_bars_wanted

@@ -117,6 +117,7 @@ def test_malformed_targets_are_refused_before_anything_is_written(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_junit_files_record_the_commit(tmp_path):
     env = {**os.environ, "NEUTRAIN_GIT_COMMIT": "abcdef1", "NEUTRAIN_GIT_DIRTY": "1"}
     junit = tmp_path / "junit.xml"

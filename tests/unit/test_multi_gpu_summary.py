@@ -37,6 +37,7 @@ def committed_files():
             path.unlink()
 
 
+@pytest.mark.slow
 def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_committed_file(committed_files):
     # Before: it rewrote multi_gpu.json with `device: cpu` (the machine that merged), and make_table.py then put
     # "Measured on cpu GPUs" into the multi-GPU table (now in docs/launching.md).
@@ -52,6 +53,7 @@ def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_commit
     assert "| replicated | 4 |" in res.stdout
 
 
+@pytest.mark.slow
 def test_write_records_the_runs_own_provenance_and_refuses_a_committed_record(tmp_path, committed_files):
     for path in RESULTS.glob("multi_gpu_*gpu.json"):
         shutil.copy(path, tmp_path / path.name)

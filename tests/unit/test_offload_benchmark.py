@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from benchmarks import offload
 from benchmarks._isolated import failure_line, run_part
 
@@ -76,6 +78,7 @@ def test_the_8b_processes_fill_one_record_and_a_failed_half_sets_no_target():
     assert offload.targets_of(results, False) == {}  # a debug run's timings are no measurement
 
 
+@pytest.mark.slow
 def test_an_unknown_part_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--parts", "8b,bogus"],
                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "NEUTRAIN_GIT_COMMIT": "0" * 40,
@@ -117,6 +120,7 @@ def _offload_recipe(tmp_path: Path, *args: str) -> tuple[int, dict]:
     return res.returncode, (json.loads(record.read_text()) if record.exists() else {"stderr": res.stderr})
 
 
+@pytest.mark.slow
 def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp_path):
     train = _run_dir(tmp_path / "train", [1, 2, 3, 4])
     resume = _run_dir(tmp_path / "resume", [5], checkpoint=5)
@@ -147,6 +151,7 @@ def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp
     assert rc == 1 and out["results"]["70b_recipe"]["gate_ok"] is False
 
 
+@pytest.mark.slow
 def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_measured_at(tmp_path):
     import json
 

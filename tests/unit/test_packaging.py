@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -26,6 +28,7 @@ print('BAD' if bad else 'OK', bad)
 """
 
 
+@pytest.mark.slow
 def test_transformers_and_trainer_do_not_import_kernels_from_repo_root():
     # Run from the repository root, where a stray top-level kernels/ would shadow HF's package.
     res = subprocess.run([sys.executable, "-c", PROBE, str(REPO)], cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -76,3 +79,16 @@ def test_editable_wheel_ships_the_recipe_pth_too(tmp_path):
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=build, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     _assert_ships_recipe_pth(tmp_path / res.stdout.strip().splitlines()[-1])
+
+
+def test_the_cpu_install_brings_no_triton():
+    """Triton (about 1 GB) runs nothing on a CPU: neither the dependencies nor the ``cpu`` extra name it; the
+    test extra does, for the kernel tests on its CPU interpreter. torch's CUDA wheels bring it on a GPU."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in reqs}  # noqa: E731
+    assert "triton" not in names(project["dependencies"])
+    assert "triton" not in names(project["optional-dependencies"]["cpu"])
+    assert "triton" in names(project["optional-dependencies"]["test"])

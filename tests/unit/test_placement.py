@@ -166,6 +166,7 @@ def _sharded_export(tmp_path, layers=12):
     return model, path, tok
 
 
+@pytest.mark.slow
 def test_generate_streams_a_sharded_export_from_host_memory(tmp_path):
     """``neutrain generate`` under a budget that holds not even the compressed model, from a sharded export.
 
@@ -202,6 +203,7 @@ def _compressed_checkpoint(tmp_path, layers=4):
     return tmp_path / "checkpoint-1"
 
 
+@pytest.mark.slow
 def test_a_compressed_checkpoint_streams_from_host_memory_without_reencoding(tmp_path, monkeypatch):
     """generate's offloaded form of a run's checkpoint places its blobs as they are (the codec never runs)
     and decodes as the checkpoint loaded whole."""

@@ -147,6 +147,7 @@ def test_train_entries_name_only_the_routes_that_passed_the_fidelity_gate():
     assert (choice["kernel"], choice["backward"]) == ("gluon", "triton")
 
 
+@pytest.mark.slow
 def test_the_training_step_benchmark_imports_as_the_device_runs_it():
     # The device runs the script by path (benchmarks/ first on sys.path); a name it imports from a sibling
     # module that no longer exists fails only there, after the sweep has spent its time.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -23,6 +24,7 @@ def _arm(attention: str, train, heldout, seed: int = 0) -> dict:
                                  eval_every=STEPS, eval_batch=4, log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_sage_arm_routes_attention_through_sage_and_both_arms_see_identical_batches(monkeypatch):
     monkeypatch.setenv("NEUTRAIN_SAGE_BACKWARD", "cpu")  # what the benchmark sets: the exact backward route
     gen = torch.Generator().manual_seed(1)

@@ -30,6 +30,7 @@ def _run(q, k, v, causal, **kw):
     return accuracy_metrics(out, exact), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_and_gradients_match_exact_attention(head_dim, causal, record_property):

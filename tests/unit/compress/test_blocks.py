@@ -40,6 +40,7 @@ def _copy(ct):
     return CompressedTensor.from_state_dict({k: v.clone() for k, v in ct.state_dict().items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_tiles", [1, 3])
 def test_block_recode_writes_the_bytes_of_a_whole_encode(backend, block_tiles):
@@ -57,6 +58,7 @@ def test_block_recode_writes_the_bytes_of_a_whole_encode(backend, block_tiles):
         assert torch.equal(getattr(ct, field), getattr(whole, field)), field
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_recode_of_a_partial_last_tile(backend):
     w = _weights(rows=37, cols=29)  # 1073 elements: the last of 5 tiles is partial
@@ -89,6 +91,7 @@ def test_no_block_recode_when_the_code_is_due_for_a_rebuild_or_lossy():
     assert block_recode(compress(w, 3, steps=4, lanes=16, backend="reference"), "reference") is None
 
 
+@pytest.mark.slow
 def test_an_overflowing_block_recode_is_reported_not_silent():
     w = _weights()
     ct = compress(w, steps=4, lanes=16, backend="triton")
@@ -112,6 +115,7 @@ def test_aligned_rows_are_whole_tiles():
         assert (aligned // 2) * 96 % 256 != 0 or aligned // 2 % rows != 0  # the smallest such multiple
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_repeated_block_recodes_keep_the_stream_capacity(backend):
     # The second stream has 1/32 headroom over the last length (an overflow there loses the value),

@@ -94,6 +94,7 @@ LLAMA3_8B = [((4096, 4096), 64), ((1024, 4096), 64), ((14336, 4096), 64), ((4096
 """Llama-3-8B's weight matrices and how many of each (as in benchmarks/codec.py)."""
 
 
+@pytest.mark.slow
 def test_lossless_bits_per_weight_on_llama3_8b_shapes_match_the_planner():
     """``CompressedTensor.nbytes`` (stream capacity, tails, lane counts, tile table, code tables: what the
     planner's NEUZIP_BITS stands for), count-weighted over Llama-3-8B at N(0, 0.02) as benchmarks/codec.py
@@ -148,6 +149,7 @@ def _decode_both(ct, tiles=None):
     return spec, fast
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", ["model", 0, 9])
 def test_jumping_decoder_equals_the_step_by_step_specification(monkeypatch, rounds):
     if rounds != "model":  # both extremes: a walk of every step, and jumping all the way

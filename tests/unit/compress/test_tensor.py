@@ -213,6 +213,7 @@ def _assert_same_state(a, b):
     assert not differing, f"blobs differing: {differing}"
 
 
+@pytest.mark.slow
 def test_a_loaded_tensor_decides_its_sync_free_code_rebuild_as_the_saved_one_would():
     """The encoder that runs without host reads (the GPU's: here Triton's interpreter) decides whether to
     rebuild the code from the coded bits of the *previous* encode. A loaded tensor must know those bits:

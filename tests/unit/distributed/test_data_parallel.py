@@ -4,6 +4,9 @@ import pytest
 
 from tests.unit.distributed.dist_helpers import assert_same_training, run_cases
 
+# Two gloo processes against one: a multi-process launch, outside the quick subset.
+pytestmark = pytest.mark.distributed
+
 # Clipping at 0.5 is active on these tiny models, so the clip coefficients (global norm of the
 # averaged gradient, exact or stale) and AdaLomo's RMS statistics are all exercised.
 CASES = [

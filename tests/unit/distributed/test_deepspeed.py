@@ -2,6 +2,9 @@
 
 import pytest
 
+# Two gloo processes against one: a multi-process launch, outside the quick subset.
+pytestmark = pytest.mark.distributed
+
 pytest.importorskip("deepspeed")
 
 from tests.unit.distributed.dist_helpers import assert_same_training, run_cases  # noqa: E402

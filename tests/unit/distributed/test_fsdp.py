@@ -4,6 +4,9 @@ import pytest
 
 from tests.unit.distributed.dist_helpers import assert_same_training, run_cases
 
+# Two gloo processes against one: a multi-process launch, outside the quick subset.
+pytestmark = pytest.mark.distributed
+
 CASES = [
     {"optimizer": "lomo", "clip_mode": "global_stale", "max_grad_norm": 0.5},
     {"optimizer": "adalomo", "clip_mode": "per_tensor", "max_grad_norm": 0.5},

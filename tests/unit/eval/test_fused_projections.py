@@ -55,6 +55,7 @@ class _CountLinear(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: Q/K/V with biases
 def test_fused_engine_decodes_the_unfused_logits_and_tokens(family):
     plain, fused = tiny(1, family), tiny(1, family)
@@ -208,6 +209,7 @@ def test_cuda_graph_fused_engine_equals_unfused_and_adds_no_memory():
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1.6e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: Q/K/V with biases
 def test_a_compressed_model_fuses_its_groups_and_decodes_the_dense_models_logits_bit_for_bit(family):
     """A compressed group decodes its members into one matrix and runs the dense model's fused product on it:

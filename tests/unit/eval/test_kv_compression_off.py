@@ -96,6 +96,7 @@ def reference(model, prompts):
     return greedy_decode(model, prompts, NEW, DynamicCache(config=model.config))["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens(model, prompts, reference, case):
     with CASES[case](model) as make:
@@ -129,6 +130,7 @@ def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens_on_th
                                                                           case)
 
 
+@pytest.mark.slow
 def test_the_decode_engine_decodes_the_dynamic_cache_tokens(model, prompts, reference):
     """The evaluation loop's full cache (a static cache in the decode engine, one prompt at a time)."""
     from neutrain.eval.engine import DecodeEngine

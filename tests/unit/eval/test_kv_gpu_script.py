@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

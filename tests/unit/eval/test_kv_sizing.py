@@ -27,6 +27,7 @@ def _build(cfg, batch, ctx, chunk, options):
                                      fused_decode=True, **options))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_the_stored_bytes_formula_is_what_the_cache_measures(name):
     """The layout's arithmetic (merged pairs share one direction, 4-bit codes packed with their ranges, fp32 norms,
@@ -40,6 +41,7 @@ def test_the_stored_bytes_formula_is_what_the_cache_measures(name):
     assert planned * batch * ctx == pytest.approx(cache.stored_bytes(), rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 @pytest.mark.parametrize("ctx, chunk", [(2048, 512), (2048, 256)])
 def test_a_build_holds_no_more_than_its_stored_bytes_and_the_planned_transient(name, ctx, chunk):
@@ -59,6 +61,7 @@ def test_a_build_holds_no_more_than_its_stored_bytes_and_the_planned_transient(n
     assert peak - stored > 0.2 * batch * transient  # the plan is a bound, not a wild one
 
 
+@pytest.mark.slow
 def test_the_old_batch_overflows_a_card_the_new_batch_fits():
     """On a pretend card, the batch from the stored bytes alone builds past the card; the planned batch does not."""
     cfg, ctx, chunk, options = small_config(), 4096, 256, SETTINGS["merge_4bit"]
@@ -136,6 +139,7 @@ def test_the_llama3_8b_minicache_rows_fit_an_h200(row, ctx):
     assert batch >= 8 and need <= budget.headroom, (batch, need / sizing.GIB, budget.headroom / sizing.GIB)
 
 
+@pytest.mark.slow
 def test_a_fused_cache_decodes_every_layer_in_the_kernel_from_its_first_step():
     """The benchmark fills its MiniCache without the model; its first decode step must still run every layer through
     the fused kernel. Before, layer 0 took the restore path (the cache had not yet seen the fused attention), and
@@ -220,6 +224,7 @@ def test_the_backoff_raises_when_batch_1_fails_too():
         sizing.run_with_backoff(4, attempt, lambda: None)
 
 
+@pytest.mark.slow
 def test_a_failed_attempt_leaves_no_cache_on_the_model():
     """The attention routing keeps the last cache on each attention module; after a failed attempt that is the
     whole failed cache, and the next attempt built beside it. Releasing drops it."""

@@ -110,6 +110,7 @@ def test_timed_steps_fit_the_rows_cap_down_to_one(seconds_left, step, most, expe
     assert steps_within(deadline, step, most) == expected
 
 
+@pytest.mark.slow
 def test_no_row_is_skipped_when_the_run_is_out_of_time(monkeypatch):
     """Every row of the tiny stand-in, with the run's time already spent: each is measured (at least one timed
     step), records its cap and says when its steps were cut; none is skipped (the old guard skipped them all)."""

@@ -30,6 +30,7 @@ def test_fidelity_of_identical_logits():
     assert other["kl"] > 0.01 and other["top1_agreement"] < 1.0
 
 
+@pytest.mark.slow
 def test_scoring_uses_the_generation(setup):
     """A sample whose answer is what the model greedily emits scores 1; another answer scores 0."""
     model, tok = setup
@@ -50,6 +51,7 @@ def test_scoring_uses_the_generation(setup):
     ("minicache", {"merge_every": 8}, "merges"),
     ("shadowkv", {"min_prefill": 256, "outliers": 2, "budget": 0.1, "rank": 16}, "sparse_steps"),
 ])
+@pytest.mark.slow
 def test_evaluate_each_cache(setup, tmp_path, kv, options, counter):
     model, tok = setup
     out = tmp_path / f"{kv}.json"

@@ -1,5 +1,6 @@
 """The evaluation loop decodes the full cache in the decode engine: same tokens, same logits, same scores."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -13,6 +14,7 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
+@pytest.mark.slow
 def test_engine_decode_equals_the_dynamic_cache_loop(setup):
     model, tok = setup
     engine = DecodeEngine(model, max_len=64)
@@ -36,6 +38,7 @@ def test_engine_decode_stops_at_eos_like_the_loop(setup):
     assert torch.equal(out[:, :first], ref)  # the engine may look for EOS only every few tokens
 
 
+@pytest.mark.slow
 def test_run_tasks_uses_the_engine_for_the_full_cache_only(setup, monkeypatch):
     model, tok = setup
     samples = {"probe": [Sample("probe", "One of the numbers is: ", ["1"], 6),

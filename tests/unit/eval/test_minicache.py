@@ -22,6 +22,7 @@ def _greedy(model, ids, steps, cache):
     return greedy_decode(model, ids, steps, cache)["tokens"]
 
 
+@pytest.mark.slow
 def test_retain_every_token_matches_dynamic_cache(model4):
     """gamma=1 keeps every pair exactly: same logits and tokens as DynamicCache, merges ran in prefill and decode."""
     ids = torch.randint(0, 97, (2, 60))
@@ -37,6 +38,7 @@ def test_retain_every_token_matches_dynamic_cache(model4):
     assert greedy_cache.merges > 1
 
 
+@pytest.mark.slow
 def test_merging_without_retention_changes_outputs(model4):
     """Guard: the merge is real (gamma=0 on unrelated layers perturbs logits)."""
     ids = torch.randint(0, 97, (1, 48))
@@ -157,6 +159,7 @@ def test_measured_ratios_merge_and_quantized(model4):
     assert r_quant > 2.5 * r_merge
 
 
+@pytest.mark.slow
 def test_min_similarity_leaves_dissimilar_pairs_exact(model4):
     """A threshold above every pair's cosine merges nothing: same logits as DynamicCache; none merges all."""
     ids = torch.randint(0, 97, (1, 60))
@@ -188,6 +191,7 @@ def test_min_similarity_measures_the_pair_cosine(model4):
     assert quantized.unmerged_pairs == 1 and quantized.stats()["compression_ratio"] > 2  # exact layers still 4-bit
 
 
+@pytest.mark.slow
 def test_merge_at_prefill_only(model4):
     """merge_every=None merges the prompt once per pair and never while decoding; with gamma=1 it is exact."""
     ids = torch.randint(0, 97, (2, 60))
@@ -239,6 +243,7 @@ def _fused_and_restored(model, ids, prompt_len, **options):
 
 @pytest.mark.parametrize("options", [dict(gamma=0.05, merge_every=4),
                                      dict(gamma=0.05, quant_bits=4, quant_group=8, merge_every=None)])
+@pytest.mark.slow
 def test_fused_decode_matches_the_restore_path(options):
     """The kernel's decode (CPU interpreter) gives the restore path's logits; merges after a step still happen."""
     from neutrain.kernels import minicache_attention as kernels
@@ -254,6 +259,7 @@ def test_fused_decode_matches_the_restore_path(options):
     torch.testing.assert_close(fused, restored, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_fused_decode_without_compression_is_token_identical_to_dynamic_cache():
     """gamma=1 keeps every token exact: through the retained-rows segment, the same greedy tokens as DynamicCache."""
     from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention

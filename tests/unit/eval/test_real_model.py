@@ -48,6 +48,7 @@ def test_a_named_gguf_file_stands_in_for_the_package(monkeypatch, tmp_path):
         smollm2_gguf()
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_loads_as_llama_with_its_tokenizer_and_retrieves_a_needle():
     """The packaged GGUF becomes a LlamaForCausalLM; with the full cache it finds the needle at 256 tokens."""

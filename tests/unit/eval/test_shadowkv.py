@@ -44,6 +44,7 @@ def _assert_sparse(cache, layers):
     assert c["dense_prefill"] == 0 and c["dense_steps"] == 0
 
 
+@pytest.mark.slow
 def test_full_rank_full_budget_matches_dynamic_cache(model):
     """Compression turned off (rank = h*d, every chunk selected): same logits and greedy tokens."""
     ids = torch.randint(0, 97, (1, 166))
@@ -63,6 +64,7 @@ def test_full_rank_full_budget_matches_dynamic_cache(model):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.slow
 def test_sparse_budget_selects_budget_and_tracks_positions(model):
     """Small budget and rank: k chunks per head per step, logical length and positions stay right."""
     ids = torch.randint(0, 97, (2, 176))
@@ -77,6 +79,7 @@ def test_sparse_budget_selects_budget_and_tracks_positions(model):
     assert (out - decode_logits(model, ids, 136, DynamicCache(config=model.config))).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_multi_token_append_after_prefill(model):
     """Several tokens at once after prefill (q_len > 1) stay causal among themselves."""
     ids = torch.randint(0, 97, (1, 150))
@@ -93,6 +96,7 @@ def test_multi_token_append_after_prefill(model):
     torch.testing.assert_close(out, ref[:, 136:], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_offload_path_equals_on_device_path(model):
     """Values gathered chunk-wise from (pinned) CPU memory == gathered token-wise on the device."""
     ids = torch.randint(0, 97, (2, 156))
@@ -175,6 +179,7 @@ def test_outliers_are_the_least_coherent_chunks(model):
         torch.testing.assert_close(layer.landmarks[0, head], mean[0, head, layer.landmark_chunk[0, head], 0])
 
 
+@pytest.mark.slow
 def test_exact_keys_with_every_chunk_selected_matches_dynamic_cache(model):
     """exact_keys (diagnosis switch): at a low rank the keys are not rebuilt from the SVD, so with every
     chunk selected the cache is the full cache; without the switch the same rank changes the logits."""
@@ -188,6 +193,7 @@ def test_exact_keys_with_every_chunk_selected_matches_dynamic_cache(model):
     assert (low_rank - ref).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_selection_log_records_each_sparse_step(model):
     """log_selection keeps every decode step's chosen chunk ids per layer, and the needle recall reads them."""
     from neutrain.eval.kv.diagnose import needle_chunk_recall
@@ -207,6 +213,7 @@ def test_selection_log_records_each_sparse_step(model):
     assert quiet.layers[0].selection_log == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 2])
 def test_device_value_rows_equal_the_offloaded_path(model, rows):
     """A batch whose last ``rows`` rows keep their values on the device decodes exactly as the all-offloaded one."""
@@ -232,6 +239,7 @@ def test_attention_takes_dropout_before_scaling_as_transformers_does():
     assert ours == list(inspect.signature(sdpa_attention_forward).parameters)[:7]
 
 
+@pytest.mark.slow
 def test_a_small_budget_is_spent_in_finer_chunks(model):
     """min_selected_chunks (default 8): a 16-token budget is 8 chunks of 2, not 2 chunks of 8; the outliers and the
     local window keep their tokens. The result is exactly ShadowKV configured with chunks of 2 by hand."""

@@ -141,6 +141,7 @@ def _run(code, cwd):
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_import_neutrain_stays_light_and_registers_lazily(tmp_path):
     res = _run("import sys, neutrain; heavy = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
                "print(heavy)\n"
@@ -149,6 +150,7 @@ def test_import_neutrain_stays_light_and_registers_lazily(tmp_path):
     assert res.stdout.split() == ["[]", "True"], res.stdout
 
 
+@pytest.mark.slow
 def test_loading_without_neutrain_fails_loudly(tmp_path):
     out = export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST)
     res = _run(f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(out)!r})",

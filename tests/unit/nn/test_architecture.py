@@ -128,6 +128,7 @@ def test_auto_attention_picks_what_the_architecture_supports(tmp_path):
         build_model(sdpa.model, byte_tokenizer(), use_cpu=True)
 
 
+@pytest.mark.slow
 def test_moe_experts_train_like_dense_under_activation_checkpointing():
     import copy
 

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from neutrain.compress import compress
@@ -86,6 +87,7 @@ def test_model_gradients_match_an_fp32_twin_bit_for_bit():
         assert torch.equal(dense.model.norm.weight.grad, compressed.model.norm.weight.grad)
 
 
+@pytest.mark.slow
 def test_fused_training_rounds_updates_back_to_bf16_storage():
     _, compressed, _ = _fp32_twins(tie=True)
     start = {w.name: w.dense() for w in compressed_weights(compressed)}

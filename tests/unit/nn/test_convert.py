@@ -4,6 +4,7 @@ import copy
 import gc
 import weakref
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -24,6 +25,7 @@ def _live_tensor_bytes():
     return sum(storages.values())
 
 
+@pytest.mark.slow
 def test_no_dense_copy_survives_conversion():
     baseline = _live_tensor_bytes()
     model = tiny_llama(layers=1, hidden=256)
@@ -47,6 +49,7 @@ def test_no_dense_copy_survives_conversion():
     assert report.bits_per_weight < 15
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_of_compressed_model_and_optimizer(tmp_path):
     _, model = dense_and_compressed()
     data = token_batches(4, seed=9)

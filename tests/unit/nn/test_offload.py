@@ -24,6 +24,7 @@ def _train(model, data, offload):
     return decompressed_state_dict(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressed", [False, True], ids=["dense", "neuzip"])
 def test_offloaded_checkpoints_train_bit_identically(compressed):
     dense, packed = dense_and_compressed()

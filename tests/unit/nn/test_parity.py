@@ -30,6 +30,7 @@ def _assert_identical_and_trained(dense, compressed, start):
     ],
     ids=["lomo-nearest", "adalomo-stochastic"],
 )
+@pytest.mark.slow
 def test_compressed_matches_dense_bit_for_bit(make_opt):
     dense, compressed = dense_and_compressed()
     assert isinstance(compressed.lm_head, CompressedLinear)
@@ -100,6 +101,7 @@ def test_streamed_lm_head_update_matches_full_gradient(block_rows, chunk_rows, s
     _check_streamed_lm_head(block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks, monkeypatch)
 
 
+@pytest.mark.slow
 def test_streamed_update_in_the_fused_kernel_order_shares_the_reader_buffer(monkeypatch):
     # LOMO's fused kernel path (CUDA) asks for a chunk's gradient before its weight rows, so the loss's
     # reader moves to the next block first and must have the update re-encode the block it holds.

@@ -54,12 +54,14 @@ def test_blocked_random_init_is_bit_identical_to_one_fp32_draw():
                 assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2)), (block, shape, dtype)
 
 
+@pytest.mark.slow
 def test_saving_a_checkpoint_copies_no_blob(tmp_path):
     # It once cloned every blob (model.state_dict()) and built the whole file in memory (save_file).
     model, peak = host_peak(_build, lambda m: (save_compressed_checkpoint(m, tmp_path, "neuzip-lossless"), m)[1])
     assert peak <= largest_matrix_bytes(model) // 4, peak / largest_matrix_bytes(model)
 
 
+@pytest.mark.slow
 def test_resuming_loads_one_weight_at_a_time_and_exactly(tmp_path):
     trained = _build(seed=0)
     save_compressed_checkpoint(trained, tmp_path, "neuzip-lossless")
@@ -72,6 +74,7 @@ def test_resuming_loads_one_weight_at_a_time_and_exactly(tmp_path):
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_neuzip_export_copies_no_blob_and_decodes_to_the_trained_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 

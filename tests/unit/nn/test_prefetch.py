@@ -54,6 +54,7 @@ def test_recorded_order_is_forward_then_per_layer_recompute_and_backward(prefetc
     assert prefetcher.mismatches == mismatches
 
 
+@pytest.mark.slow
 def test_prefetch_in_recorded_order_is_always_used_and_training_stays_bit_identical(prefetcher):
     dense, compressed = dense_and_compressed()
     enable_checkpointing(compressed)

@@ -42,6 +42,7 @@ def _step(emb, opt, ids):
     opt.step()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("by_blocks", [True, False], ids=["blocks", "whole"])
 def test_the_streamed_embedding_update_never_decodes_the_table_whole(by_blocks, monkeypatch):
     if not by_blocks:  # the read before row blocks: the table decoded whole for the update
@@ -106,6 +107,7 @@ def _allocations(phase):
     return peak, max(sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("by_blocks", [True, False], ids=["blocks", "whole"])
 def test_a_training_step_never_decodes_the_lm_head_or_the_embedding_whole(by_blocks, monkeypatch):
     # Loss forward, both backward passes and the updates read the 8192 x 64 lm_head (and the embedding

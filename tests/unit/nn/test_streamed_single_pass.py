@@ -78,6 +78,7 @@ def _logits_products_per_step(monkeypatch, **clip) -> list[int]:
     return per_step
 
 
+@pytest.mark.slow
 def test_single_pass_drops_the_second_lm_head_gradient_pass(monkeypatch):
     chunks = 256 // 32  # vocabulary / chunk rows
     # forward: one product per chunk; backward: two passes (norm, then update) or one

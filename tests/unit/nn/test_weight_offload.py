@@ -61,6 +61,7 @@ def _assert_same(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
 @pytest.mark.parametrize("rule", ["lomo", "adalomo"])
 def test_offloaded_training_is_bit_identical(rule, checkpointing):
@@ -79,6 +80,7 @@ def test_offloaded_training_is_bit_identical(rule, checkpointing):
     _assert_same(_blobs(plain), _blobs(offloaded))  # the compressed bytes too (saved from the host store)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
 @pytest.mark.parametrize("rule", ["lomo", "adalomo"])
 def test_some_layers_offloaded_train_bit_identically_to_none(rule, checkpointing):
@@ -104,6 +106,7 @@ def test_some_layers_offloaded_train_bit_identically_to_none(rule, checkpointing
     _assert_same(_blobs(plain), _blobs(partial))
 
 
+@pytest.mark.slow
 def test_a_streaming_build_offloads_only_the_placements_layers():
     from transformers import LlamaConfig
 
@@ -161,6 +164,7 @@ def test_offloaded_layers_hold_no_device_payload_between_uses():
     assert store.device_bytes > 0
 
 
+@pytest.mark.slow
 def test_resume_with_offload_equals_the_uninterrupted_run(tmp_path):
     data = token_batches(4, seed=7)
     straight, _ = _model(offload=True)

@@ -65,6 +65,7 @@ def plain_run():
 
 @pytest.mark.parametrize(("slots", "ahead", "debug"), [(2, 1, True), (4, 2, False)],
                          ids=["2-slots-sync-debug", "4-slots"])
+@pytest.mark.slow
 def test_many_layers_through_few_slots_train_bit_identically(plain_run, slots, ahead, debug):
     data, expected = plain_run
     model = unequal_llama()
@@ -84,6 +85,7 @@ def test_many_layers_through_few_slots_train_bit_identically(plain_run, slots, a
     assert all(store._owner[layer.slot] is layer for layer in owners)  # the ring's two views agree
 
 
+@pytest.mark.slow
 def test_looking_further_ahead_than_the_slots_hold_does_not_thrash():
     model = unequal_llama()
     store = offload_weights(model, ahead=2, slots=2)

@@ -33,6 +33,7 @@ def _round(k, dl, identical, gen, root=0):
     return p, q, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,identical", [(1, True), (2, True), (3, True), (2, False), (3, False)])
 def test_committed_tokens_follow_the_target(k, identical):
     gen = torch.Generator().manual_seed(k + 10 * identical)
@@ -71,6 +72,7 @@ def test_acceptance_at_the_root_is_the_schemes_formula():
     assert abs(hits / n - want) < 4 * (want * (1 - want) / n) ** 0.5, (hits / n, want)
 
 
+@pytest.mark.slow
 def test_generate_walks_sd_and_specinfer_on_the_device_and_fetches_only_the_outcome():
     """``generate(engine=True)`` at T > 0: SD/SpecInfer rounds fetch ``draft_len + 5`` ints (the walk ran in
     the round), SpecTr keeps the host walk and its fp32 logits; T = 0 keeps the argmax walk."""

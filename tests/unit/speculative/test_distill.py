@@ -1,5 +1,6 @@
 """DistillationTrainer on CPU: the draft moves toward the target and alpha is reported."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
@@ -24,6 +25,7 @@ def collate(batch):
     return {k: torch.tensor([r[k] for r in batch]) for k in batch[0]}
 
 
+@pytest.mark.slow
 def test_distillation_raises_acceptance(tmp_path):
     target, draft = tiny(0, 64, 2).eval(), tiny(1, 32, 1)
     with torch.no_grad():  # a peaked target, so that a random draft starts far from it

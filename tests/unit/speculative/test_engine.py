@@ -34,6 +34,7 @@ def hf_greedy(model, prompt, new, **kw):
 PROMPTS = torch.tensor([[4, 9, 33, 2, 17], [40, 1, 8, 8, 30]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_greedy_equals_hf_greedy(attn, batch):
@@ -44,6 +45,7 @@ def test_greedy_equals_hf_greedy(attn, batch):
     assert torch.equal(out, reference)
 
 
+@pytest.mark.slow
 def test_engine_is_reusable_and_steps_one_token_at_a_time():
     model = tiny_llama(1)
     engine = DecodeEngine(model, max_len=32)
@@ -55,6 +57,7 @@ def test_engine_is_reusable_and_steps_one_token_at_a_time():
         assert engine.host_length == int(engine.length) == prompt.shape[1] + 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 def test_eos_stops_rows_like_hf(batch):
     model = tiny_llama(2)

@@ -66,6 +66,7 @@ def test_tree_logits_equal_sequential(attn):
     assert worst < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [False, True])  # DynamicCache, or the DecodeEngine's static caches
 @pytest.mark.parametrize("k,scheme", [(1, "sd"), (2, "specinfer"), (3, "spectr"), (3, "importance")])
 def test_greedy_equals_target_greedy(k, scheme, engine):
@@ -133,6 +134,7 @@ def sample_counts(target, draft, k, scheme, temp, draft_temp, prompt, steps, n):
     return counts, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafts,k,scheme,temp,draft_temp", CONFIGS)
 def test_sequences_follow_target_chi_square(drafts, k, scheme, temp, draft_temp):
     vocab, steps, n = 4, 3, 800
@@ -149,6 +151,7 @@ def test_sequences_follow_target_chi_square(drafts, k, scheme, temp, draft_temp)
     assert wrong > 3 * chi_square_threshold(wrong_dof)
 
 
+@pytest.mark.slow
 def test_chi_square_catches_a_residual_bug(monkeypatch):
     """Power check: drawing rejections from p instead of norm((p - q)^+) must fail the test."""
     import neutrain.speculative.verify as verify

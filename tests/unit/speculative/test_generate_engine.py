@@ -53,6 +53,7 @@ def _run(target, draft, k, scheme, temp, draft_temp, seed, new=20, draft_len=3):
                     generator=torch.Generator().manual_seed(seed), engine=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_drafts,k,scheme,temp,draft_temp", CONFIGS)
 def test_engine_sampling_is_seeded_and_uses_the_drafts(n_drafts, k, scheme, temp, draft_temp):
     target, draft = _models(n_drafts, sharpen=6.0)
@@ -88,6 +89,7 @@ def _sequence_probs(model, prompt, steps, temperature):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_drafts,k,scheme,temp,draft_temp", CONFIGS)
 def test_engine_sequences_follow_the_target_chi_square(n_drafts, k, scheme, temp, draft_temp):
     target, draft = _models(n_drafts, vocab=4, sharpen=30.0)

@@ -172,6 +172,7 @@ def test_importance_uses_the_drafts():
     assert acceptance_formula("importance", p, q.expand(2, -1)) > acceptance_formula("sd", p, q) + 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,k", [("sd", 1), ("specinfer", 2), ("spectr", 3), ("importance", 2), ("importance", 3)])
 def test_verify_step_samples_the_plan(scheme, k):
     """Monte-Carlo: verify_step's tokens and acceptances follow output_distribution (chi-square)."""

@@ -38,6 +38,7 @@ def test_offload_moves_the_layers_to_host_and_keeps_slots_on_the_gpu():
     assert "host pinned" not in plain.table()
 
 
+@pytest.mark.slow
 def test_predicted_copies_per_step_match_the_store():
     layers, slots = 6, 4
     model = tiny_llama(seed=1, layers=layers)

@@ -1,0 +1,111 @@
+"""Commands start in seconds: what each one imports, counted in a fresh interpreter (never timed).
+
+A command's module is imported only when it runs, ``estimate`` is arithmetic on a config (no
+Trainer, peft, datasets, model code or codec), and every argument or file mistake is refused in one
+line before torch is imported at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Modules whose import is what made a command slow to start: the Trainer (with peft and datasets behind
+# it), the model code, the NeuZip codec (numba) and the Triton kernels.
+HEAVY = ("transformers.trainer", "transformers.modeling_utils", "peft", "datasets", "numba", "triton",
+         "neutrain.nn", "neutrain.trainer.trainer")
+
+_PROBE = """
+import json, sys
+from neutrain.cli.main import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+sys.stdout.flush()
+print("\\nIMPORTED " + json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
+"""
+
+
+def imports_of(*argv, cwd: Path = REPO) -> tuple[int, set[str], str]:
+    """``(exit code, modules imported, stderr without the probe's line)`` of ``neutrain *argv`` in a new interpreter."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-c", _PROBE, *map(str, argv)], capture_output=True, text=True, env=env,
+                         cwd=cwd, timeout=300)
+    head, _, probe = res.stderr.rpartition("\nIMPORTED ")
+    assert probe, res.stderr
+    found = json.loads(probe)
+    return found["code"], set(found["modules"]), head
+
+
+def _loaded(modules: set[str], names) -> list[str]:
+    return [n for n in names if n in modules]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["recipes"], ["train", "--help"], ["generate", "--help"],
+                                  ["export", "--help"], ["eval", "--help"], ["estimate", "--help"]])
+def test_help_version_and_recipes_import_neither_torch_nor_transformers(argv):
+    code, modules, _ = imports_of(*argv)
+    assert code == 0
+    assert not _loaded(modules, ("torch", "transformers", *HEAVY))
+
+
+def test_only_the_command_that_runs_is_imported():
+    _, modules, _ = imports_of("recipes")
+    others = [m for m in ("train", "eval", "export", "estimate", "distill", "generate") if f"neutrain.cli.{m}" in modules]
+    assert not others
+
+
+def test_estimate_imports_no_trainer_model_code_or_codec():
+    code, modules, _ = imports_of("estimate", "recipes/default.yaml")
+    assert code == 0
+    assert not _loaded(modules, HEAVY)
+
+
+def test_argument_and_file_errors_come_before_torch(tmp_path):
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    cases = {
+        "does not exist": ["export", tmp_path / "missing"],
+        "export format 'neuzip-lossy-5' is not available": ["export", checkpoint, "--format", "neuzip-lossy-5"],
+        "is not a neutrain export": ["export", checkpoint, "--output", taken],
+        "checkpoint '.*gone' does not exist": ["generate", tmp_path / "gone", "--prompt", "hi"],
+        "the package 'json' has no file": ["generate", "package:json/none.gguf", "--prompt", "hi"],
+        "--max-new-tokens: 0 is out of range": ["generate", checkpoint, "--prompt", "hi", "--max-new-tokens", "0"],
+        "--draft: checkpoint .*no-draft' does not exist": ["generate", checkpoint, "--prompt", "hi", "--draft", tmp_path / "no-draft"],
+        "recipe file 'nope' does not exist": ["train", "nope"],
+    }
+    import re
+
+    for expected, argv in cases.items():
+        code, modules, stderr = imports_of(*argv)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and re.search(expected, lines[0]), (argv, stderr)
+        assert "torch" not in modules, (argv, "imported torch before refusing")
+
+
+def test_unknown_recipe_names_the_nearest(tmp_path):
+    code, _, stderr = imports_of("train", "defualt")
+    assert code == 2 and "did you mean 'default'?" in stderr, stderr
+    code, _, stderr = imports_of("estimate", "recipes/defualt.yaml")
+    assert code == 2 and "did you mean 'recipes/default.yaml'?" in stderr, stderr
+    code, _, stderr = imports_of("train", "zzzzzz")
+    assert code == 2 and "did you mean" not in stderr, stderr
+
+
+def test_light_format_check_knows_the_codecs_lossy_modes():
+    from neutrain.compress.layout import LOSSY_MANTISSA_BITS
+    from neutrain.export import LOSSY_KS
+
+    assert LOSSY_KS == LOSSY_MANTISSA_BITS
