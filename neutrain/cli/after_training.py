@@ -23,7 +23,6 @@ from neutrain.cli.memory import phase_lines, phase_report
 from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
 from neutrain.errors import UserInputError
-from neutrain.eval.perplexity import perplexity_record, perplexity_text
 
 logger = logging.getLogger("neutrain")
 
@@ -112,6 +111,8 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
         announce("held-out evaluation")
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
+        from neutrain.eval.perplexity import perplexity_record  # lazy: the eval package brings torch
+
         summary["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound (eval.perplexity)
     if recipe.eval["long_context_tasks"] and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
@@ -244,6 +245,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"loss            {s['loss_first']:.4f} (mean of steps {s.get('loss_first_steps', '?')}) -> "
                      f"{s['loss_last']:.4f} (mean of steps {s.get('loss_last_steps', '?')}), {s['steps']} steps")
     if "heldout_loss" in s:
+        from neutrain.eval.perplexity import perplexity_text  # lazy: the eval package brings torch
+
         lines.append(f"held-out        {perplexity_text(s['heldout_loss'])}")
     if "peak_memory_gib" in s:
         lines.append(f"peak memory     {s['peak_memory_gib']:.2f} GiB allocated, {s['peak_reserved_gib']:.2f} GiB reserved (GPU)")

@@ -95,7 +95,8 @@ def run_facts(checkpoint: Path) -> dict:
         240
     """
     import json
-    import math
+
+    from neutrain.eval.perplexity import perplexity_record  # lazy: the eval package brings torch
 
     facts: dict = {}
     for name in (EXPORT_INFO, "trainer_state.json"):
@@ -112,7 +113,7 @@ def run_facts(checkpoint: Path) -> dict:
         losses = [h["loss"] for h in history if isinstance(h.get("loss"), (int, float))]
         evals = [h["eval_loss"] for h in history if isinstance(h.get("eval_loss"), (int, float))]
         facts.update(steps=data.get("global_step"), final_loss=losses[-1] if losses else None,
-                     heldout_perplexity=math.exp(min(evals[-1], 50.0)) if evals else None)
+                     heldout_perplexity=perplexity_record(evals[-1]) if evals else None)
     recipe = run_recipe(Path(checkpoint))
     model = recipe.get("model") if recipe else None
     if isinstance(model, dict):

@@ -14,7 +14,6 @@ from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_mod
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
-from neutrain.eval.perplexity import perplexity_record, perplexity_text
 
 # Suffixes of data files (a .json may be either data or a recipe, so it is left to the recipe loader).
 _DATA_SUFFIXES = (".jsonl", ".csv", ".parquet", ".txt", ".text", ".md")
@@ -104,10 +103,11 @@ def run_eval(args) -> int:
                 callback.stage = f"evaluation of {ckpt.name}"
         metrics = trainer.evaluate()
         results["heldout_loss"] = metrics["eval_loss"]
+        from neutrain.eval.perplexity import perplexity_record, perplexity_text  # lazy: the eval package brings torch
+
         results["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound
         print(f"held-out {perplexity_text(metrics['eval_loss'])}  ({len(heldout)} rows, {ckpt})")
     if recipe.eval["long_context_tasks"]:
-
         results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)
         for cache, m in results["long_context"].items():
             print(f"long context {cache}: accuracy {m.get('accuracy', float('nan')):.1f}%, KV compression {m.get('compression_ratio', float('nan')):.2f}x")

@@ -84,6 +84,9 @@ KNOBS: dict[str, Knob] = {
     "NEUTRAIN_CPU_CODEC": Knob(str, "auto", "the CPU codec: auto (compiled when numba is installed) or torch",
                                choices=("auto", "numba", "torch")),
     "NEUTRAIN_SMOLLM2_GGUF": Knob("path", None, "the SmolLM2 GGUF file the real-model evaluation loads"),
+    "NEUTRAIN_LAYER_GROUPS": Knob(str, "auto", "decoder layers decoded and re-encoded as groups: auto (on a GPU, where "
+                                  "a layer fits the vocabulary matrix's slot), 1 (always) or 0 (never)",
+                                  choices=("auto", "1", "0")),
 }
 
 

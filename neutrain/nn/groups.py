@@ -32,11 +32,11 @@ default) are never grouped: their paths are per weight.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
+from neutrain.config.knobs import knob
 from neutrain.nn.buffers import DECODE_BUFFERS
 
 ALIGN = 128
@@ -45,14 +45,8 @@ grouped decode, whose lanes store four bf16 values as one 8-byte word only at 8-
 
 
 def _setting() -> str:
-    value = os.environ.get("NEUTRAIN_LAYER_GROUPS", "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("1", "true", "on"):
-        return "on"
-    if value in ("0", "false", "off"):
-        return "off"
-    raise ValueError(f"NEUTRAIN_LAYER_GROUPS must be auto, 1 or 0, not {value!r}")
+    """``NEUTRAIN_LAYER_GROUPS`` (:mod:`neutrain.config.knobs`) as ``auto``, ``on`` or ``off``."""
+    return {"auto": "auto", "1": "on", "0": "off"}[knob("NEUTRAIN_LAYER_GROUPS")]
 
 
 class _Buffer:

@@ -81,7 +81,9 @@ def test_a_run_records_the_fit_and_each_phase_beside_its_prediction(tmp_path, ca
     by_phase = {r["phase"]: r for r in records if "phase" in r}
     assert set(by_phase) == set(ran) and all(r["step"] == 2 for r in by_phase.values())
     assert by_phase["save"]["predicted_allocated_gib"] == summary["phase_memory"]["save"]["predicted_allocated_gib"]
-    assert "memory by phase" in out and "memory fit      fits the 2.00 GiB budget" in out
+    # The summary's table is left out on a CPU, where no phase's GPU memory was measured (all dashes); the
+    # record above keeps every phase's prediction.
+    assert "memory by phase" not in out and "memory fit      fits the 2.00 GiB budget" in out
     # A longer relaunch resumes from checkpoint-2: the resume is its own phase, recorded at step 4.
     rc, out, err = _run(capsys, recipe, "train.max_steps=4", "train.resume_from_checkpoint=true", "eval.perplexity=false",
                         "export.format=none")

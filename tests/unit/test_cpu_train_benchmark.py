@@ -66,7 +66,7 @@ def test_a_skipped_real_model_is_named_with_no_value_and_the_reason(monkeypatch)
     monkeypatch.setenv("NEUTRAIN_SMOLLM2_GGUF", "/nonexistent/SmolLM2-135M-Instruct.Q4_1.gguf")  # a missing GGUF
     args.no_real_model = False
     _, missing = cpu_train.real_model_run(args)
-    assert "could not be loaded" in missing["skipped"] and "names no file" in missing["skipped"]
+    assert "could not be loaded" in missing["skipped"] and "no such file" in missing["skipped"]
     assert "not measured" in cpu_train.targets_of({"compressed_over_dense": 0.9, "real_model": missing})[
         cpu_train.TARGET_REAL]["note"]
 

@@ -50,6 +50,6 @@ def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp
     assert record["results"]["fidelity"]["caches"]["full"]["overall"]["samples"] >= 1
     assert "shadowkv_throughput_over_full_64k" in record["targets"]
     assert "x full" in res.stdout  # the summary table the device call prints
-    assert "names no file" in record["results"]["real"]["skipped"]  # the real model left out, and why
+    assert "no such file" in record["results"]["real"]["skipped"]  # the real model left out, and why
     assert [t["part"] for t in record["results"]["timeline"]] == [
         "retrieval model", "throughput rows", "retrieval-model settings", "real model", "record"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from neutrain.compress import compress
+from neutrain.errors import UserInputError
 from neutrain.nn import CompressedWeight, compress_model, compressed_weights
 from neutrain.nn.groups import LAYER_GROUPS, LayerGroups, WeightGroup, form_groups
 from neutrain.optim import LOMO, AdaLomo
@@ -158,7 +159,7 @@ def test_groups_form_by_default_only_on_a_gpu_and_where_a_layer_fits_the_vocabul
     monkeypatch.setenv("NEUTRAIN_LAYER_GROUPS", "0")
     assert form_groups(model, compressed_weights, lambda device: False) == 0
     monkeypatch.setenv("NEUTRAIN_LAYER_GROUPS", "sometimes")
-    with pytest.raises(ValueError, match="NEUTRAIN_LAYER_GROUPS"):
+    with pytest.raises(UserInputError, match="NEUTRAIN_LAYER_GROUPS"):
         form_groups(model, compressed_weights, lambda device: False)
 
 
