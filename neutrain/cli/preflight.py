@@ -383,6 +383,14 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def check_machine_holds(recipe: Recipe) -> None:
+    """Refuse ``recipe`` where this machine cannot hold what it keeps in memory: the host bytes its offload
+    needs first (the more specific line names the offload key), then the weights themselves."""
+    host = host_memory_available()
+    check_host_memory(recipe, host)
+    check_model_size(recipe, host, None if recipe.train["use_cpu"] else device_memory_total())
+
+
 def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     """Check what would otherwise fail only after the model is built or after training.
 
@@ -419,7 +427,6 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         check_export_target(recipe.export_dir, overwrite=True,
                             key="export.output_dir", keep=(("train.output_dir", out),))
     check_path_lengths(recipe, num_processes)  # every folder's longest planned path fits the file system
-    check_host_memory(recipe, host_memory_available())
-    check_model_size(recipe, host_memory_available(), None if recipe.train["use_cpu"] else device_memory_total())
+    check_machine_holds(recipe)
     # Last: it creates train.output_dir, which must not happen for a run refused above.
     check_writable_dir(out, "train.output_dir")

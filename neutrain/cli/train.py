@@ -31,8 +31,8 @@ from neutrain.cli.after_training import format_summary, generate_sample, long_co
 from neutrain.cli.memory import fit_memory, settle_weights
 from neutrain.cli.outputs import check_output_places, check_run_disk
 from neutrain.cli.preflight import (
-    accumulation_note, check_launch, check_long_context_prompts, check_model_size, check_weight_offload_device,
-    cpu_processes, device_memory_total, host_memory_available, preflight,
+    accumulation_note, check_launch, check_long_context_prompts, check_machine_holds, check_weight_offload_device,
+    cpu_processes, preflight,
 )
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
@@ -295,7 +295,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
                 "world_size": PartialState().num_processes}
     # A model this machine cannot hold at all is said as that, before the fit judges how long its steps would take.
-    check_model_size(recipe, host_memory_available(), None if recipe.train["use_cpu"] else device_memory_total())
+    check_machine_holds(recipe)
     # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
     recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
     with phase("build"):

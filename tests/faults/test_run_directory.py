@@ -157,11 +157,20 @@ def test_only_a_dead_writers_temporary_checkpoint_is_cleaned(tmp_path):
     from neutrain.storage.leftovers import clean_run_dir
 
     here = socket.gethostname()
-    writers = {".tmp-checkpoint-2": os.getppid(), ".tmp-checkpoint-4": _dead_pid()}  # alive (pytest's parent), dead
-    for name, pid in writers.items():
-        (tmp_path / name / name[5:]).mkdir(parents=True)
-        (tmp_path / name / "writer.json").write_text(json.dumps({"pid": pid, "host": here, "started": "now"}))
-    actions = clean_run_dir(tmp_path)
+    # Alive: another process that records itself as a running save does (pid and start time), and waits.
+    # (This process cannot stand in: a run's own old temporaries are stale to it.) Dead: a pid no process holds.
+    saver = subprocess.Popen([sys.executable, "-c", "import json, sys; from neutrain.storage.leftovers import "
+                              "this_writer; print(json.dumps(this_writer()), flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        writers = {".tmp-checkpoint-2": json.loads(saver.stdout.readline()),
+                   ".tmp-checkpoint-4": {"pid": _dead_pid(), "host": here, "started": "now"}}
+        for name, record in writers.items():
+            (tmp_path / name / name[5:]).mkdir(parents=True)
+            (tmp_path / name / "writer.json").write_text(json.dumps(record))
+        actions = clean_run_dir(tmp_path)
+    finally:
+        saver.communicate("")
     assert (tmp_path / ".tmp-checkpoint-2" / "checkpoint-2").is_dir()  # its writer is running: kept
     assert not (tmp_path / ".tmp-checkpoint-4").exists()
     assert actions == [f"removed {tmp_path / '.tmp-checkpoint-4'} (temporary left by an interrupted or failed write)"]
