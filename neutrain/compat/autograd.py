@@ -28,3 +28,16 @@ import torch
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass (its hooks, a checkpoint's recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_checkpointed_region() -> bool:
+    """True inside a non-reentrant activation checkpoint's forward or its recompute.
+
+    Why: there autograd keeps no tensor a forward saves beyond the recompute that precedes the layer's own
+    backward, so a weight that lives in a buffer shared between layers may be handed to native products (its
+    memory holds this layer's values whenever they are read). ``torch.utils.checkpoint`` marks those regions
+    only by installing its saved-tensor hooks; the top hooks' module is the one line to change if that moves.
+    False where it cannot tell: the caller then takes the path that saves nothing from the shared buffer.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"

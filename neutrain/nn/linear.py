@@ -34,7 +34,9 @@ runs, so dense never ran it. Saved ahead, the recompute stops where dense's does
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from neutrain.compat.autograd import in_checkpointed_region
 from neutrain.nn.prefetch import PREFETCHER
 from neutrain.nn.state import CompressedModuleMixin
 from neutrain.nn.weight import CompressedWeight
@@ -119,6 +121,13 @@ class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad_enabled = torch.is_grad_enabled()
+        weight = self.compressed
+        group = weight.group
+        if group is not None and weight.compute_dtype == weight.dtype and (
+                not grad_enabled or in_checkpointed_region()):
+            # The layer's matrices sit decoded in its group's buffer: the native product, as nn.Linear runs it
+            # (the gradient reaches the fused update through the leaf's hook: neutrain.nn.groups.WeightGroup.leaf).
+            return F.linear(x, group.leaf(weight) if grad_enabled else group.view(weight), self.bias)
         saved = None
         if grad_enabled and self.weight_key.requires_grad:  # the weight gradient needs x: saved before the product
             x_needs_grad = x.requires_grad

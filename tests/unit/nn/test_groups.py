@@ -6,6 +6,7 @@ training stays bit for bit dense training; the GPU twin (test_groups_gpu.py) run
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -182,3 +183,38 @@ def test_the_group_buffer_is_the_large_slots_memory_and_a_vocabulary_decode_take
     assert torch.equal(q_proj._ct.decompress().view(torch.int16), new.view(torch.int16))
     assert torch.equal(q_proj.decode().view(torch.int16), new.view(torch.int16))
     assert view.data_ptr() == q_proj.decode().data_ptr()
+
+
+def _backward_nodes(output: torch.Tensor) -> Counter:
+    seen, names, todo = set(), Counter(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names[type(node).__name__] += 1
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
+def test_a_checkpointed_grouped_layer_runs_native_products_and_an_unchecked_one_keeps_its_own(grouped,
+                                                                                          checkpointing):
+    # Inside a checkpoint nothing saved outlives the layer's backward, so the layer's products are nn.Linear's
+    # own (no Python autograd node a matrix: the host cost that set a small batch's pace). Outside one, the
+    # forward's saved weights would be overwritten by the next layer's decode: the product keeps a node that
+    # decodes again in backward.
+    model = tiny_llama(layers=2)
+    compress_model(model, progress=False, codec_options=CODEC)
+    if checkpointing:
+        enable_checkpointing(model)
+    LOMO(model.parameters(), lr=0.1).bind(model)
+    ids = token_batches(1, seed=1)[0]
+    out = model(input_ids=ids, labels=ids).loss
+    functions = _backward_nodes(out)["_CompressedLinearFunctionBackward"]
+    # The vocabulary matrix (lm_head) is never grouped: one function node either way.
+    assert functions == (1 if checkpointing else 1 + 2 * 7)
+    out.backward()  # every member updated once, through its leaf's hook or its function
+    groups = {w.group for w in compressed_weights(model) if w.group is not None}
+    assert groups and all(w.version == 1 for g in groups for w in g.members)
+    assert all(leaf is None or leaf.grad is None for g in groups for leaf in g.leaves)  # no .grad kept
