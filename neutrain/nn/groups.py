@@ -32,6 +32,7 @@ default) are never grouped: their paths are per weight.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -69,6 +70,9 @@ class LayerGroups:
         DECODE_BUFFERS.large_listeners.append(self.release)  # the buffers are the large slot's memory
         self.decodes = 0  # grouped decodes run (one per layer and pass)
         self.encodes = 0  # grouped encodes run (one per layer and step)
+
+    def __deepcopy__(self, memo):
+        return self  # process-wide: the buffers are the large decode slot's memory, of which there is one
 
     def register(self, group: "WeightGroup") -> None:
         self._numel[group.key] = max(self._numel.get(group.key, 0), group.numel)
@@ -122,8 +126,12 @@ class WeightGroup:
         (True, True)
     """
 
-    def __init__(self, members, registry: LayerGroups = LAYER_GROUPS):
+    def __init__(self, members, registry: LayerGroups = LAYER_GROUPS, native: bool = True):
         members = list(members)
+        # Whether the layer's products may run natively (:meth:`leaf`): not where the layer also decodes a
+        # large weight (a mixture of experts' stacks), whose decode takes this buffer's memory between the
+        # layer's recompute and its products' backward.
+        self.native = native
         first = members[0]
         self.key = (first.device, first.dtype)
         if any((m.device, m.dtype) != self.key for m in members):
@@ -143,6 +151,19 @@ class WeightGroup:
         for i, m in enumerate(members):
             m.group, m.group_index = self, i
         registry.register(self)
+
+    def __deepcopy__(self, memo):
+        """A copy of the model gets its own group over the copied members, holding no buffer: the buffers are the
+        registry's (shared, not copied: a copied registry would not hear the vocabulary decode take them back)."""
+        new = WeightGroup.__new__(WeightGroup)
+        memo[id(self)] = new
+        n = len(self.members)
+        new.native, new.key, new.registry = self.native, self.key, self.registry
+        new.offsets, new.numel = list(self.offsets), self.numel
+        new.versions, new.pending, new.leaves = [None] * n, [False] * n, [None] * n
+        new.buffer, new.views = None, None
+        new.members = [copy.deepcopy(m, memo) for m in self.members]
+        return new
 
     def _bind(self, buf: _Buffer) -> None:
         self.buffer = buf
@@ -285,7 +306,8 @@ def form_groups(model: torch.nn.Module, weights_of, keeps) -> int:
     layers = []
     for modules in _layer_lists(model):
         for layer in modules:
-            members = [w for w in weights_of(layer) if not w.large]
+            weights = weights_of(layer)
+            members = [w for w in weights if not w.large]
             if len(members) < 2 or any(w.group is not None for w in members):
                 continue
             if any(w.home is not None or w.device.type != "cuda" and setting != "on" for w in members):
@@ -294,14 +316,14 @@ def form_groups(model: torch.nn.Module, weights_of, keeps) -> int:
                 continue
             if not all(w.ct.layout.lossless for w in members):
                 continue
-            layers.append(members)
+            layers.append((members, len(members) == len(weights)))
     if not layers:
         return 0
     if setting == "auto":
         large = [w.numel for w in weights_of(model) if w.large]
-        largest_layer = max(sum(-(-w.numel // ALIGN) * ALIGN for w in members) for members in layers)
+        largest_layer = max(sum(-(-w.numel // ALIGN) * ALIGN for w in members) for members, _ in layers)
         if not large or largest_layer > max(large):
             return 0
-    for members in layers:
-        WeightGroup(members)
+    for members, native in layers:
+        WeightGroup(members, native=native)
     return len(layers)

@@ -123,7 +123,7 @@ class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
         grad_enabled = torch.is_grad_enabled()
         weight = self.compressed
         group = weight.group
-        if group is not None and weight.compute_dtype == weight.dtype and (
+        if group is not None and group.native and weight.compute_dtype == weight.dtype and (
                 not grad_enabled or in_checkpointed_region()):
             # The layer's matrices sit decoded in its group's buffer: the native product, as nn.Linear runs it
             # (the gradient reaches the fused update through the leaf's hook: neutrain.nn.groups.WeightGroup.leaf).

@@ -27,6 +27,8 @@ the vocabulary matrices, so those are never decoded whole.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from neutrain.nn.buffers import DECODE_BUFFERS
@@ -69,6 +71,17 @@ class CompressedWeight:
                                  requires_grad=requires_grad)
         setattr(key, COMPRESSED_KEY_ATTR, True)
         self.key = key
+
+    def __deepcopy__(self, memo):
+        """A copy takes the compressed bytes as they are, so an update still waiting in the layer group's buffer is
+        encoded first (the group itself copies unbound: :meth:`neutrain.nn.groups.WeightGroup.__deepcopy__`)."""
+        if self.group is not None and any(self.group.pending):
+            self.group.flush()
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        return new
 
     # ------------------------------------------------------------ properties
     @property
