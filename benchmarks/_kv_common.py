@@ -42,7 +42,8 @@ PRESS_RATIO = 0.75
 
 
 def baseline_configs() -> dict[str, tuple[str, dict]]:
-    """transformers' QuantizedCache and kvpress presses (optional packages; recorded as unavailable without them)."""
+    """transformers' QuantizedCache and kvpress presses (optional packages; recorded as unavailable without them),
+    each by its registered cache name."""
     return {
         "quantized_cache_4bit": ("quantized", dict(nbits=4, group=64, residual=128)),
         "kvpress_snapkv": ("kvpress:snapkv", dict(compression_ratio=PRESS_RATIO)),
@@ -52,13 +53,13 @@ def baseline_configs() -> dict[str, tuple[str, dict]]:
 
 
 def evaluate_config(model, tok, samples, kind: str, options: dict, reference=None):
-    """``run_tasks`` for one cache setting. A baseline whose package is missing, or any failure, is returned
-    as ``{"unavailable": reason}`` / ``{"error": ...}`` instead of raised: one setting must not end the run."""
-    from neutrain.eval.kv.baselines import BaselineUnavailable, baseline_factory
+    """``run_tasks`` for one cache setting (``kind``: a registered cache, neutrain.eval.kv.registry). A baseline
+    whose package is missing, or any failure, is returned as ``{"unavailable": reason}`` / ``{"error": ...}``
+    instead of raised: one setting must not end the run."""
+    from neutrain.eval.kv.baselines import BaselineUnavailable
 
-    factory = kv_cache_factory if kind in ("full", "minicache", "shadowkv") else baseline_factory
     try:
-        with factory(model, kind, **options) as make:
+        with kv_cache_factory(model, kind, **options) as make:
             return run_tasks(model, tok, samples, make, reference=reference)
     except BaselineUnavailable as exc:
         return {"unavailable": str(exc)}

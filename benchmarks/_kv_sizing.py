@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from neutrain.eval.kv.registry import kv_cache_specs
+
 GIB = 2**30
 
 # Bytes a chunked prefill holds beyond the stores, per element of one block (batch x chunk x kv heads x
@@ -40,10 +42,9 @@ GIB = 2**30
 MERGE_BLOCK_BYTES = 48
 QUANT_BLOCK_BYTES = 16
 PLAIN_BLOCK_BYTES = 8
-# The restore path's per-step copy of one compressed layer, per element of that layer's keys (and values):
-# MiniCache merge + 4-bit ran out of memory at 31 sequences with 16 budgeted (H200, 64K), so 40 for it;
-# transformers' QuantizedCache fitted at 16.
-RESTORE_BYTES = {"minicache": 40, "quantized": 16}
+# The restore path's per-step copy of one compressed layer, per element of that layer's keys (and values): each
+# cache's own cost, declared with it (restore_bytes, neutrain/eval/kv/registry.py).
+RESTORE_BYTES = {spec.name: spec.restore_bytes for spec in kv_cache_specs() if spec.restore_bytes}
 
 
 @dataclass

@@ -62,7 +62,7 @@ def run_child(variant: str, seqs: list[int], steps: int, model_name: str) -> dic
     from neutrain.attention import counters, register, reset_counters
     from neutrain.nn import causal_lm_loss
     from neutrain.nn.load import init_compressed
-    from neutrain.optim import OPTIMIZERS
+    from neutrain.optim import optimizer_spec
 
     keywords, batch = model_config(model_name)
     config = LlamaConfig(**keywords)
@@ -74,7 +74,8 @@ def run_child(variant: str, seqs: list[int], steps: int, model_name: str) -> dic
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    opt = OPTIMIZERS["lomo"](model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+    rule = optimizer_spec("lomo").resolve()
+    opt = rule(model.parameters(), lr=1e-5, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
     result = {"variant": variant, "model": model_name, "batch": batch, "build_s": round(build_s, 1),
               "backward_route": os.environ.get("NEUTRAIN_SAGE_BACKWARD")}
     gen = torch.Generator(device="cuda").manual_seed(0)

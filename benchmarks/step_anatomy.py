@@ -152,7 +152,7 @@ def main() -> int:
     from benchmarks.train_memory import LLAMA3_8B, TINY, VARIANTS
     from neutrain.nn import causal_lm_loss
     from neutrain.nn.load import init_compressed
-    from neutrain.optim import OPTIMIZERS
+    from neutrain.optim import optimizer_spec
 
     git_provenance()
     weights, opt_name = VARIANTS[args.variant]
@@ -166,7 +166,8 @@ def main() -> int:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
+    rule = optimizer_spec(opt_name).resolve()
+    opt = rule(model.parameters(), lr=1e-4, clip_mode="per_tensor", max_grad_norm=1.0).bind(model)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
 
     def step():

@@ -107,9 +107,10 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
     if opt_name == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     elif opt_name in ("lomo", "adalomo"):
-        from neutrain.optim import OPTIMIZERS
+        from neutrain.optim import optimizer_spec
 
-        opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode=clip_mode, max_grad_norm=1.0).bind(model)
+        rule = optimizer_spec(opt_name).resolve()
+        opt = rule(model.parameters(), lr=1e-4, clip_mode=clip_mode, max_grad_norm=1.0).bind(model)
     result: dict = {"variant": key, "weights": weights, "optimizer": opt_name, "build_s": round(build_s, 1),
                     "device_used_idle_gib": idle_gib}
     if opt_name in ("lomo", "adalomo"):

@@ -36,6 +36,17 @@ def _register_neuzip_quantizer() -> None:
 _register_neuzip_quantizer()
 
 
+def _register_optimizers_and_caches() -> None:
+    # A recipe's train.optimizer and eval.kv_caches are checked against the names the registries fill
+    # (neutrain.config.schema.Names), so both are imported before any recipe can be read; neither imports torch.
+    # lazy: a function, so the imports run once at package import and leave no module-level name behind.
+    from neutrain.eval.kv import registry as kv_caches  # noqa: F401
+    from neutrain.optim import registry as optimizers  # noqa: F401  # lazy: as above
+
+
+_register_optimizers_and_caches()
+
+
 def __getattr__(name: str):
     target = _LAZY.get(name)
     if target is None:

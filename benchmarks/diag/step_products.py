@@ -119,12 +119,12 @@ def build(variant: str, config_kwargs: dict, device: str):
 
 def one_variant(variant: str, args, config_kwargs: dict) -> dict:
     from neutrain.nn import causal_lm_loss, compressed_weights
-    from neutrain.optim import OPTIMIZERS
+    from neutrain.optim import optimizer_spec
 
     model, config = build(variant, config_kwargs, args.device)
     opt_kwargs = {"chunk_numel": args.chunk_numel} if args.chunk_numel else {}
-    opt = OPTIMIZERS["lomo"](model.parameters(), lr=1e-4, clip_mode=args.clip_mode, max_grad_norm=1.0,
-                             **opt_kwargs).bind(model)
+    rule = optimizer_spec("lomo").resolve()
+    opt = rule(model.parameters(), lr=1e-4, clip_mode=args.clip_mode, max_grad_norm=1.0, **opt_kwargs).bind(model)
     loss_kwargs = {"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}
     gen = torch.Generator().manual_seed(1)
 

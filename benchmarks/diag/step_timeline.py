@@ -58,10 +58,11 @@ def _build(key: str, tiny: bool, device: str):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    from neutrain.optim import OPTIMIZERS
+    from neutrain.optim import optimizer_spec
 
-    opt = OPTIMIZERS[opt_name](model.parameters(), lr=1e-4, clip_mode=os.environ.get("CLIP", "per_tensor"),
-                               max_grad_norm=1.0).bind(model)
+    rule = optimizer_spec(opt_name).resolve()
+    opt = rule(model.parameters(), lr=1e-4, clip_mode=os.environ.get("CLIP", "per_tensor"),
+               max_grad_norm=1.0).bind(model)
     return model, opt, config
 
 

@@ -13,6 +13,7 @@ CLI prints the help from it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ class Key:
         type: Python type(s) accepted (``float`` also accepts ints).
         default: Value when the recipe omits the key (``REQUIRED`` if mandatory).
         help: One line shown by ``neutrain train --help``.
-        choices: Allowed values, if a closed set.
+        choices: Allowed values: a closed set, or the :class:`Names` a registry fills.
         min / max: Inclusive numeric bounds.
         gt / lt: Exclusive numeric bounds (a learning rate must be > 0, a beta < 1).
         pattern: Regular expression a string value must match in full.
@@ -43,7 +44,7 @@ class Key:
     type: Any
     default: Any
     help: str
-    choices: tuple | None = None
+    choices: Sequence | None = None
     min: float | None = None
     max: float | None = None
     gt: float | None = None
@@ -59,11 +60,51 @@ REQUIRED = object()
 # Seeds reach numpy, whose generator takes 0 <= seed < 2**32.
 _SEED_MAX = 2**32 - 1
 
-# The names below are listed here once; validation, the trainer, the planner, the optimizer factory and the
-# evaluation import them.
-FUSED_OPTIMIZERS = ("lomo", "adalomo", "adamw-in-backward")  # update inside backward (neutrain.optim)
-OPTIMIZERS = ("adamw", "sgd", *FUSED_OPTIMIZERS)
-KV_CACHES = ("full", "minicache", "shadowkv")  # eval.kv_caches (neutrain.eval)
+
+class Names(Sequence[str]):
+    """The values a recipe key may take that a higher package defines, in the order they were registered.
+
+    Why open: the recipe sits below the packages that implement fused optimizers and KV caches, so it cannot
+    list them; each registry (``neutrain.optim.registry``, ``neutrain.eval.kv.registry``) adds a name here as it
+    registers an implementation, and the package root imports both registries before any recipe is read.
+    Read live: a check sees every name registered before it runs.
+
+    Example:
+        >>> caches = Names("full")
+        >>> caches.add("paged")
+        >>> list(caches), "paged" in caches
+        (['full', 'paged'], True)
+    """
+
+    def __init__(self, *fixed: str, then: Names | None = None):
+        self._fixed, self._added, self._then = tuple(fixed), [], then
+
+    def add(self, name: str) -> None:
+        if name in self:
+            raise ValueError(f"{name!r} is registered already")
+        self._added.append(name)
+
+    def remove(self, name: str) -> None:
+        self._added.remove(name)
+
+    def _all(self) -> tuple[str, ...]:
+        return (*self._fixed, *self._added, *(self._then or ()))
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"Names{self._all()}"
+
+
+# The names a recipe may give train.optimizer and eval.kv_caches: the Trainer's own optimizers, then what the
+# registries add (validation, the trainer and the planner read these).
+FUSED_OPTIMIZERS = Names()  # update inside backward: neutrain.optim.registry
+OPTIMIZERS = Names("adamw", "sgd", then=FUSED_OPTIMIZERS)
+KV_CACHES = Names()  # eval.kv_caches: neutrain.eval.kv.registry
 _LOSSY = ("neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
 _WEIGHTS = ("auto", "dense", "neuzip-lossless", *_LOSSY)

@@ -21,14 +21,36 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Iterable
 
-from .loop import KV_KINDS, format_table, kv_cache_factory, mean_loss, perplexity, run_tasks, write_json
+from .kv.registry import kv_cache_spec
 from .perplexity import perplexity_record
 from .tasks import TASKS, Sample, char_tokenizer, generate_task
 
 __all__ = ["evaluate", "TASKS", "Sample", "generate_task", "char_tokenizer", "format_table", "perplexity"]
+
+
+def __getattr__(name: str):
+    # The loop's table is imported on first access (PEP 562): the package root reads the KV cache registry
+    # (neutrain.eval.kv.registry), which must not import torch, and importing it runs this file first.
+    if name != "format_table":
+        raise AttributeError(f"module 'neutrain.eval' has no attribute {name!r}")
+    value = importlib.import_module("neutrain.eval.loop").format_table
+    globals()[name] = value
+    return value
+
+
+def perplexity(model, tokenizer, texts: Iterable[str], max_length: int = 1024) -> float:
+    """Token-level perplexity of ``texts`` with full attention: :func:`neutrain.eval.loop.perplexity`.
+
+    Defined after the submodule of the same name is imported (above), so that this name stays the function.
+    """
+    # lazy: the loop brings torch, which importing this package must not
+    from .loop import perplexity as loop_perplexity
+
+    return loop_perplexity(model, tokenizer, texts, max_length)
 
 
 def _samples(tasks, tokenizer, length: int, num_samples: int, seed: int) -> dict[str, list[Sample]]:
@@ -55,7 +77,8 @@ def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | 
         model: A causal LM (any device; samples run one at a time, batch 1).
         tokenizer: Its tokenizer; task lengths are counted in its tokens.
         tasks: Task names from :data:`TASKS`, ``Sample`` objects, or ``{name: [Sample, ...]}``.
-        kv: ``"full"`` (``DynamicCache``), ``"minicache"`` or ``"shadowkv"``.
+        kv: a registered cache (:mod:`neutrain.eval.kv.registry`): ``"full"`` (``DynamicCache``),
+            ``"minicache"``, ``"shadowkv"``, a baseline, or one of your own.
         length: Total tokens per sample (prompt + answer budget) for generated tasks.
         num_samples: Samples per generated task.
         seed: Generator seed (RULER default 42).
@@ -64,7 +87,7 @@ def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | 
         fidelity: Also decode with the full cache and report next-token KL and top-1
             agreement of ``kv`` against it, teacher-forced on the full cache's tokens.
         output_json: Write the results there (tensors dropped).
-        **kv_options: Passed to ``MiniCache(...)`` or ``enable_shadowkv(...)``.
+        **kv_options: Passed to the cache's factory (``MiniCache(...)``, ``enable_shadowkv(...)``).
 
     Returns:
         ``{"kv", "options", "tasks": {task: metrics}, "overall": metrics, "perplexity", "perplexity_loss", "table",
@@ -73,8 +96,10 @@ def evaluate(model, tokenizer, tasks: Iterable[str] | dict[str, list[Sample]] | 
         ``tokens_per_s``, ``kv_device_bytes``, ``kv_host_bytes``, ``compression_ratio``
         (full bytes / device bytes, measured), ``peak_gpu_bytes`` and the cache ``counters``.
     """
-    if kv not in KV_KINDS:
-        raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+    # lazy: the loop brings torch, which importing this package must not
+    from .loop import format_table, kv_cache_factory, mean_loss, run_tasks, write_json
+
+    kv_cache_spec(kv)  # an unknown cache is refused before the model is touched
     was_training = model.training
     model.eval()
     try:

@@ -21,48 +21,29 @@ from typing import Any
 
 import torch
 
-from neutrain.config.schema import KV_CACHES
+from neutrain.eval.kv.registry import kv_cache_spec
 from neutrain.eval.perplexity import perplexity_of, perplexity_text
 
 from .. import compat
 from .engine import DecodeEngine
 from .tasks import Sample
 
-KV_KINDS = KV_CACHES  # the recipe's eval.kv_caches names, listed once in the schema
-
 
 # ---------------------------------------------------------------- caches
-@contextmanager
 def kv_cache_factory(model, kv: str, **kv_options):
-    """Yield a zero-argument function making a fresh cache of kind ``kv`` for ``model``.
-
-    ShadowKV and MiniCache switch the model's attention implementation for the duration of the block.
+    """A context yielding a zero-argument function that makes a fresh cache of kind ``kv`` for ``model``:
+    the registered cache ``kv``'s factory (:mod:`neutrain.eval.kv.registry`), given ``kv_options`` over the
+    spec's own. ShadowKV and MiniCache switch the model's attention implementation for the duration of the block.
     """
+    return kv_cache_spec(kv).open(model, **kv_options)
+
+
+@contextmanager
+def full_cache_factory(model):
+    """The full cache: transformers' ``DynamicCache``, every key and value kept."""
     from transformers import DynamicCache
 
-    if kv == "full":
-        yield lambda: DynamicCache(config=model.config)
-    elif kv == "minicache":
-        # lazy: transformers, only when a cache is built
-        from .kv import MiniCache, disable_minicache_attention, enable_minicache_attention
-
-        # The fused decode (attention over the stores as kept) needs the model's attention routed to it.
-        enable_minicache_attention(model)
-        try:
-            yield lambda: MiniCache(model.config, **kv_options)
-        finally:
-            disable_minicache_attention(model)
-    elif kv == "shadowkv":
-        # lazy: transformers, only when a cache is built
-        from .kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
-
-        enable_shadowkv(model, **kv_options)
-        try:
-            yield lambda: ShadowKVCache.for_model(model)
-        finally:
-            disable_shadowkv(model)
-    else:
-        raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+    yield lambda: DynamicCache(config=model.config)
 
 
 def cache_bytes(cache) -> dict[str, float]:

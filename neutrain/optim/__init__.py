@@ -11,28 +11,43 @@ Example:
     True
 """
 
-from neutrain.optim.adalomo import AdaLomo
-from neutrain.optim.adamw import AdamWInBackward
-from neutrain.optim.clipping import ClipMode
-from neutrain.optim.fused import FusedOptimizer
-from neutrain.optim.factory import OPTIMIZERS, build_fused_optimizer, fused_param_groups
-from neutrain.optim.lomo import LOMO
-from neutrain.optim.rounding import stochastic_round_to_bf16
-from neutrain.optim.sharding import Sharding
-from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR, DenseWeightIO, WeightIO
+from __future__ import annotations
 
-__all__ = [
-    "AdaLomo",
-    "AdamWInBackward",
-    "ClipMode",
-    "COMPRESSED_KEY_ATTR",
-    "DenseWeightIO",
-    "FusedOptimizer",
-    "LOMO",
-    "OPTIMIZERS",
-    "Sharding",
-    "WeightIO",
-    "build_fused_optimizer",
-    "fused_param_groups",
-    "stochastic_round_to_bf16",
-]
+import importlib
+
+# name -> module, imported on first access (PEP 562): the registry (neutrain.optim.registry) is read by the
+# recipe check and the planner, which must not import torch, and importing it runs this file first.
+_LAZY = {
+    "AdaLomo": "neutrain.optim.adalomo",
+    "AdamWInBackward": "neutrain.optim.adamw",
+    "ClipMode": "neutrain.optim.clipping",
+    "COMPRESSED_KEY_ATTR": "neutrain.optim.weight_io",
+    "DenseWeightIO": "neutrain.optim.weight_io",
+    "FusedOptimizer": "neutrain.optim.fused",
+    "LOMO": "neutrain.optim.lomo",
+    "OptimizerSpec": "neutrain.optim.registry",
+    "Sharding": "neutrain.optim.sharding",
+    "StateCost": "neutrain.optim.registry",
+    "WeightIO": "neutrain.optim.weight_io",
+    "build_fused_optimizer": "neutrain.optim.factory",
+    "fused_param_groups": "neutrain.optim.factory",
+    "optimizer_spec": "neutrain.optim.registry",
+    "optimizer_specs": "neutrain.optim.registry",
+    "register_optimizer": "neutrain.optim.registry",
+    "stochastic_round_to_bf16": "neutrain.optim.rounding",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neutrain.optim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -2,22 +2,16 @@
 
 The trainer's single entry point: it groups parameters (no weight decay for
 vectors such as norms and biases, as Hugging Face's Trainer does), picks the
-rule by name and binds the optimizer to the model's backward.
+registered optimizer by name (:mod:`neutrain.optim.registry`) and binds it to the model's backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from neutrain.config.schema import FUSED_OPTIMIZERS
-from neutrain.optim.adalomo import AdaLomo
-from neutrain.optim.adamw import AdamWInBackward
 from neutrain.optim.fused import FusedOptimizer
-from neutrain.optim.lomo import LOMO
+from neutrain.optim.registry import optimizer_spec
 from neutrain.optim.weight_io import COMPRESSED_KEY_ATTR
-
-# Keyed by the recipe's names (train.optimizer), which the schema lists once.
-OPTIMIZERS: dict[str, type[FusedOptimizer]] = dict(zip(FUSED_OPTIMIZERS, (LOMO, AdaLomo, AdamWInBackward), strict=True))
 
 
 def fused_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -39,7 +33,8 @@ def build_fused_optimizer(
 
     Args:
         model: the model (dense, compressed by ``neutrain.nn.compress_model``, or mixed).
-        name: ``"lomo"``, ``"adalomo"`` or ``"adamw-in-backward"``.
+        name: a registered fused optimizer (:func:`~neutrain.optim.registry.optimizer_specs`): ``"lomo"``,
+            ``"adalomo"``, ``"adamw-in-backward"`` and any other registered.
         lr: learning rate (schedulers change ``param_groups[i]["lr"]`` live).
         weight_decay: for matrices; vectors get none.
         **options: rule hyperparameters (``betas``, ``eps``, ...) and fused options
@@ -55,8 +50,5 @@ def build_fused_optimizer(
         >>> [g["weight_decay"] for g in opt.param_groups], len(opt.hooks.handles)
         ([0.1, 0.0], 4)
     """
-    try:
-        cls = OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"unknown fused optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
-    return cls(fused_param_groups(model, weight_decay), lr=lr, **options).bind(model)
+    factory = optimizer_spec(name).resolve()
+    return factory(fused_param_groups(model, weight_decay), lr=lr, **options).bind(model)

@@ -30,7 +30,9 @@ import os
 import shutil
 from pathlib import Path
 
+from neutrain.config.schema import FUSED_OPTIMIZERS
 from neutrain.errors import RecipeError
+from neutrain.optim.registry import optimizer_spec
 
 GIB = 1 << 30
 _PID_DIGITS = 7  # pid_max is at most 4194304 on Linux
@@ -143,8 +145,10 @@ def checkpoint_bytes(model, optimizer: str) -> int:
     moments = 0
     if optimizer == "adamw":  # torch's AdamW keeps two moments in each parameter's dtype
         moments = 2 * sum(p.numel() * p.element_size() for p in trainable)
-    elif optimizer == "adamw-in-backward":  # two fp32 moments per weight (neutrain.optim.adamw)
-        moments = 2 * 4 * sum(p.numel() for p in trainable)
+    elif optimizer in FUSED_OPTIMIZERS:  # what the optimizer's spec says its state holds
+        matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in trainable if p.dim() >= 2 and p.numel()]
+        vectors = sum(p.numel() for p in trainable if p.dim() < 2)
+        moments = int(optimizer_spec(optimizer).state.bytes(sum(p.numel() for p in trainable), matrices, vectors))
     return weights + moments
 
 

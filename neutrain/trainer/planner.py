@@ -21,9 +21,10 @@ busiest moment adds. Held for the whole step (bytes):
   decode one matrix at a time. Where a decoder layer fits in the vocabulary matrix's slot and no layer lives in
   host memory, the layers are decoded as groups into that slot's memory (:mod:`neutrain.nn.groups`): then
   ``vocab_slot`` is held for the whole step instead, and the loss adds no ``vocab_decode``.
-* ``gradients`` (optimizers that step after backward) and ``optimizer_state``: AdamW two moments,
-  AdaLomo factored row/column moments, LOMO none; ``optimizer_temporaries``: foreach AdamW's
-  model-sized temporaries inside ``step()``.
+* ``gradients`` (optimizers that step after backward) and ``optimizer_state``: AdamW two moments in the
+  weights' dtype; a fused optimizer what its spec says (:class:`~neutrain.optim.registry.StateCost`:
+  AdamW in backward two fp32 moments, AdaLomo factored row/column moments, LOMO none);
+  ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
 * ``activations``: with checkpointing, each decoder layer's saved input (two layers' with
   ``memory.offload_activations``); without it, every layer's intermediates.
@@ -61,6 +62,7 @@ from typing import Any
 
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
+from neutrain.optim.registry import optimizer_spec
 from neutrain.trainer.model_config import config_only
 
 GIB = 2**30
@@ -225,7 +227,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         shape: The model's shape.
         batch, seq: Micro-batch rows and tokens per row.
         weights: ``dense`` or ``neuzip-*``.
-        optimizer: ``adamw``, ``sgd``, ``lomo``, ``adalomo`` or ``adamw-in-backward``.
+        optimizer: ``adamw``, ``sgd``, or a fused optimizer (``lomo``, ``adalomo``, ``adamw-in-backward``, any
+            registered: its state's bytes and whether its update is element-wise come from its spec).
         checkpointing: Activation checkpointing per decoder layer.
         offload_activations: The checkpointed layers' saved inputs live in host memory
             (:mod:`neutrain.nn.offload`): two layers' inputs stay on the GPU at once (the
@@ -249,6 +252,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     """
     compressed = weights.startswith("neuzip")
     fused = optimizer in FUSED_OPTIMIZERS
+    spec = optimizer_spec(optimizer) if fused else None  # its state and whether its update is element-wise
     if chunked_loss is None:
         chunked_loss = compressed
     tokens = batch * seq
@@ -278,14 +282,15 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         t["weights"] = shape.params() * dtype_bytes
     if not fused:
         t["gradients"] = shape.params() * dtype_bytes
-    if optimizer in ("adamw", "adamw-in-backward"):
-        t["optimizer_state"] = 2 * shape.params() * dtype_bytes
     if optimizer == "adamw":
-        # torch's foreach AdamW (the CUDA default) builds model-sized temporaries in its step.
+        # torch's AdamW keeps two moments in the weights' dtype; its foreach step (the CUDA default) builds
+        # model-sized temporaries.
+        t["optimizer_state"] = 2 * shape.params() * dtype_bytes
         t["optimizer_temporaries"] = shape.params() * dtype_bytes
-    elif optimizer == "adalomo":
-        t["optimizer_state"] = sum((r + c) * 4 for _, r, c in shape.matrices()) + shape.norm_params() * 4
     if fused:
+        state = spec.state.bytes(shape.params(), ((r, c) for _, r, c in shape.matrices()), shape.norm_params())
+        if state:
+            t["optimizer_state"] = state
         t["update_temporaries"] = 3 * chunk_numel * 4
     layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
     if checkpointing:
@@ -297,7 +302,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
 
     # The loss: the vocabulary matrix decoded whole, the logits block and, for a fused update, the vocabulary
     # matrix's gradient: row blocks of chunk_numel when compressed, untied and element-wise (AdaLomo's
-    # factored statistics need its whole gradient; the other fused rules are element-wise), else whole.
+    # factored statistics need its whole gradient), else whole.
     loss: dict[str, float] = {}
     if compressed and "vocab_slot" not in t:
         loss["vocab_decode"] = v * h * dtype_bytes
@@ -306,7 +311,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     else:
         loss["logits"] = tokens * v * (dtype_bytes + 4 + 4)
     if fused:
-        streamed = compressed and chunked_loss and not shape.tied and optimizer != "adalomo"
+        streamed = compressed and chunked_loss and not shape.tied and spec.elementwise
         loss["gradients"] = (chunk_numel if streamed else v * h) * dtype_bytes
     # A decoder layer's backward: its intermediates (rebuilt by the checkpoint) and the MLP's gradients.
     backward = {"recompute": (layer_live if checkpointing else 0) + MLP_BACKWARD_BLOCKS * tokens * i_ * dtype_bytes}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neutrain.optim.registry import optimizer_spec
 from neutrain.trainer.planner import Estimate, ModelShape
 
 GEMM_FLOPS_PER_S = 515e12
@@ -123,10 +124,23 @@ CPU_CODEC_BYTES_PER_S = 569e6
 compressed (311.1 tok/s) against dense (363.3), one decode and one re-encode of 135M weights a step
 (``decodes_per_weight_per_step`` 1.0: a CPU keeps the decoded weight from forward to backward)."""
 
-UPDATE_PASSES = {"adamw": 7, "adamw-in-backward": 7}
-"""Weight-sized passes over device memory per update: 3 (read the weight and its gradient, write the
-weight; LOMO, AdaLomo, SGD, part of the record GEMM_FLOPS_PER_S is calibrated on) unless named here;
-AdamW also reads and writes its two moments (derived, not measured)."""
+ORDINARY_UPDATE_PASSES = {"adamw": 7, "sgd": 3}
+"""Weight-sized passes over device memory per update of the Trainer's own optimizers: SGD 3 (read the weight and
+its gradient, write the weight, as LOMO and AdaLomo do, part of the record GEMM_FLOPS_PER_S is calibrated on);
+AdamW 7, also reading and writing its two moments (derived, not measured). A fused optimizer's passes are its
+spec's ``update_passes`` (:mod:`neutrain.optim.registry`)."""
+
+
+def update_passes(optimizer: str) -> int:
+    """Weight-sized passes over device memory of one update by ``optimizer``.
+
+    Example:
+        >>> update_passes("adamw"), update_passes("lomo"), update_passes("adamw-in-backward")
+        (7, 3, 7)
+    """
+    if optimizer in ORDINARY_UPDATE_PASSES:
+        return ORDINARY_UPDATE_PASSES[optimizer]
+    return optimizer_spec(optimizer).update_passes
 
 
 @dataclass(frozen=True)
@@ -227,7 +241,7 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
     weight_bytes = s.get("bits_per_weight", 16) / 8 if not compressed else 2  # the update runs on the decoded bf16
     device = accumulation * (gemm / rates.gemm_flops_per_s + attention / rates.attention_flops_per_s)
     if rates.memory_bytes_per_s is not None:
-        passes = UPDATE_PASSES.get(s["optimizer"], 3)
+        passes = update_passes(s["optimizer"])
         accumulated = (accumulation - 1) * 8 if accumulation > 1 else 0  # an fp32 sum read and written
         device += params * (passes * weight_bytes + accumulated) / rates.memory_bytes_per_s
     if compressed:

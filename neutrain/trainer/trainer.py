@@ -72,6 +72,7 @@ from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
 from neutrain.optim.nonfinite import NONFINITE_KEY, watch
+from neutrain.optim.registry import optimizer_spec
 from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import mark_writer
 from neutrain.storage.run_dir import claim, held, rotate_owned
@@ -126,9 +127,9 @@ def _has_output_head(model) -> bool:
 class NeuTrainer(Trainer):
     """A ``transformers.Trainer`` with neutrain's logging, plots and atomic checkpoints.
 
-    Fused updates: with ``train={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` each
-    weight is updated inside backward (``neutrain.optim``), compressed weights included; the
-    optimizer's ``step()`` is bookkeeping only, ``max_grad_norm`` clips per the ``clip_mode``, and the
+    Fused updates: with ``train={"optimizer": "lomo" | "adalomo" | "adamw-in-backward"}`` (or any optimizer
+    registered in :mod:`neutrain.optim.registry`) each weight is updated inside backward, compressed weights
+    included; the optimizer's ``step()`` is bookkeeping only, ``max_grad_norm`` clips per the ``clip_mode``, and the
     logged ``grad_norm`` is the real global norm the optimizer measured.
 
     Args:
@@ -213,8 +214,7 @@ class NeuTrainer(Trainer):
                 stochastic_rounding=self.memory.stochastic_rounding, seed=self.args.seed,
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             )
-            if self.train_section.optimizer == "adamw-in-backward":
-                options.update(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+            options.update(optimizer_spec(self.train_section.optimizer).options(self.args))  # betas, eps, ...
             if self.distributed_mode.sharded:  # each rank updates its shards (optim.sharding)
                 options.update(sharding=PARAMETER_SHARDS)
             # Matrices get weight decay, norms and biases none (as the Trainer does for AdamW).

@@ -1,12 +1,36 @@
-"""Compressed KV caches for evaluation: MiniCache (depth merging) and ShadowKV (sparse, offloaded).
+"""KV caches for evaluation: MiniCache (depth merging), ShadowKV (sparse, offloaded), the baselines, and the
+registry that names them all (:mod:`neutrain.eval.kv.registry`).
 
 Example:
     >>> from neutrain.eval.kv import MiniCache, enable_shadowkv, disable_shadowkv  # doctest: +SKIP
 """
 
-from .minicache import MiniCache
-from .minicache_attention import disable_minicache_attention, enable_minicache_attention
-from .shadowkv import ShadowKVCache, disable_shadowkv, enable_shadowkv
+from __future__ import annotations
 
-__all__ = ["MiniCache", "ShadowKVCache", "enable_shadowkv", "disable_shadowkv", "enable_minicache_attention",
-           "disable_minicache_attention"]
+import importlib
+
+# name -> module, imported on first access (PEP 562): the package root reads the registry, which must not
+# import torch, and importing it runs this file first.
+_LAZY = {
+    "MiniCache": "neutrain.eval.kv.minicache",
+    "ShadowKVCache": "neutrain.eval.kv.shadowkv",
+    "enable_shadowkv": "neutrain.eval.kv.shadowkv",
+    "disable_shadowkv": "neutrain.eval.kv.shadowkv",
+    "enable_minicache_attention": "neutrain.eval.kv.minicache_attention",
+    "disable_minicache_attention": "neutrain.eval.kv.minicache_attention",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neutrain.eval.kv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -6,11 +6,14 @@ or does not import with the installed transformers, so a benchmark records the r
 
 * :func:`quantized_cache_factory`: transformers' ``QuantizedCache`` (KIVI-style: 4-bit groups, a
   full-precision residual of the newest tokens), with ``stats()`` measuring the bytes it holds.
-* :func:`press_cache_factory`: a kvpress press (SnapKV, StreamingLLM, ExpectedAttention, ...) prunes the
+* :func:`press_cache_factory`: a kvpress press (SnapKV, StreamingLLM, ExpectedAttention) prunes the
   prompt's KV at prefill. kvpress's own pipeline then passes explicit ``position_ids`` to every decode
   step, because the pruned cache is shorter than the prompt; neutrain's loop passes none, so the cache
   here (:class:`PrunedCache`) reports the *logical* length (tokens seen), which makes the model place
   new tokens at the right RoPE positions, while masks are sized by the keys it really holds.
+
+Both are registered caches (:mod:`neutrain.eval.kv.registry`): ``"quantized"`` and ``"kvpress:<press>"``, one
+per press of :data:`PRESSES`, which ``kv_cache_factory`` makes as it makes any other.
 
 Example:
     >>> with press_cache_factory(model, "snapkv", compression_ratio=0.75) as make:  # doctest: +SKIP
@@ -247,16 +250,3 @@ def press_cache_factory(model, press: str, compression_ratio: float = 0.75):
         for layer in inner.layers:
             if "rotary_emb" in layer.self_attn._modules:
                 del layer.self_attn._modules["rotary_emb"]
-
-
-@contextmanager
-def baseline_factory(model, kind: str, **options):
-    """``kind`` ``"quantized"`` (options of :func:`quantized_cache_factory`) or ``"kvpress:<press>"``."""
-    if kind == "quantized":
-        with quantized_cache_factory(model, **options) as make:
-            yield make
-    elif kind.startswith("kvpress:"):
-        with press_cache_factory(model, kind.split(":", 1)[1], **options) as make:
-            yield make
-    else:
-        raise ValueError(f"unknown baseline {kind!r}: expected 'quantized' or 'kvpress:<{'|'.join(PRESSES)}>'")

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -240,3 +241,15 @@ def enable_minicache_attention(model):
 def disable_minicache_attention(model) -> None:
     """Undo :func:`enable_minicache_attention`."""
     unroute_attention(model, "minicache")
+
+
+@contextmanager
+def minicache_cache_factory(model, **options):
+    """The registry's factory of ``"minicache"``: :class:`MiniCache` (``options`` are its own) for ``model``, its
+    attention routed to :func:`minicache_attention` inside the block (the fused decode attends over the stores
+    as they are kept)."""
+    enable_minicache_attention(model)
+    try:
+        yield lambda: MiniCache(model.config, **options)
+    finally:
+        disable_minicache_attention(model)

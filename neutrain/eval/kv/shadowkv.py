@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -406,3 +407,14 @@ def enable_shadowkv(model, budget: float = 0.0156, rank: int = 160, chunk_size: 
 def disable_shadowkv(model) -> None:
     """Undo :func:`enable_shadowkv`: remove hooks and restore the previous attention implementation."""
     unroute_attention(model, "shadowkv", module_attrs=("_shadowkv_rotary",), model_attrs=("_shadowkv_options",))
+
+
+@contextmanager
+def shadowkv_cache_factory(model, **options):
+    """The registry's factory of ``"shadowkv"``: ShadowKV attention inside the block (``options`` of
+    :func:`enable_shadowkv`), a :class:`ShadowKVCache` per sample."""
+    enable_shadowkv(model, **options)
+    try:
+        yield lambda: ShadowKVCache.for_model(model)
+    finally:
+        disable_shadowkv(model)

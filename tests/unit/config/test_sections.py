@@ -79,13 +79,16 @@ def test_each_name_list_is_written_once(names):
     assert not found, "names listed again:\n" + "\n".join(found)
 
 
-def test_consumers_use_the_schema_names():
-    from neutrain.eval.loop import KV_KINDS
-    from neutrain.optim.factory import OPTIMIZERS as FACTORY
+def test_the_schema_names_are_the_registries():
+    """The recipe's names are what the registries registered, each registered once."""
+    from neutrain.eval.kv.registry import kv_cache_specs
+    from neutrain.optim.registry import optimizer_specs
     from neutrain.trainer import trainer
 
-    assert tuple(FACTORY) == FUSED_OPTIMIZERS and KV_KINDS is KV_CACHES and trainer.FUSED_OPTIMIZERS is FUSED_OPTIMIZERS
-    assert set(FUSED_OPTIMIZERS) < set(OPTIMIZERS) == set(SCHEMA["train"]["optimizer"].choices)
+    assert tuple(FUSED_OPTIMIZERS) == tuple(spec.name for spec in optimizer_specs())
+    assert tuple(KV_CACHES) == tuple(spec.name for spec in kv_cache_specs() if spec.in_recipes)
+    assert trainer.FUSED_OPTIMIZERS is FUSED_OPTIMIZERS and SCHEMA["train"]["optimizer"].choices is OPTIMIZERS
+    assert set(FUSED_OPTIMIZERS) < set(OPTIMIZERS) and len(set(OPTIMIZERS)) == len(OPTIMIZERS)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

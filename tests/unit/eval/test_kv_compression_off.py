@@ -22,7 +22,8 @@ from transformers.cache_utils import Cache
 
 from eval_helpers import tiny_llama
 from neutrain.eval.kv import baselines
-from neutrain.eval.loop import KV_KINDS, engine_greedy_decode, greedy_decode, kv_cache_factory
+from neutrain.eval.kv.registry import kv_cache_specs
+from neutrain.eval.loop import engine_greedy_decode, greedy_decode, kv_cache_factory
 
 PROMPT, NEW = 136, 8
 # ShadowKV's sparse path on a 136-token prompt: 16 chunks of 8 after the local window (test_shadowkv.py's SMALL)
@@ -144,6 +145,6 @@ def test_the_decode_engine_decodes_the_dynamic_cache_tokens(model, prompts, refe
 def test_every_cache_kind_is_in_the_table():
     """Each kind the evaluation loop and the baselines know has a compression-off case (or a reason it has none)."""
     covered = {case.split("_")[0] for case in CASES} | set(NO_OFF_SWITCH)
-    kinds = set(KV_KINDS) | {"quantized", "kvpress"}
+    kinds = {spec.name.split(":")[0] for spec in kv_cache_specs()}  # every press of kvpress: one family
     assert kinds <= covered, sorted(kinds - covered)
     assert {f"kvpress_{n}_ratio_0" for n in baselines.PRESSES} <= set(CASES)
