@@ -58,12 +58,14 @@ def _check_type(where: str, key: str, value: Any, default: Any) -> None:
             raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}{hint}")
 
 
-def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
+def check_model_config(cfg: dict | str, allow_unknown: bool = False, config_class: bool = True) -> None:
     """Check a recipe's ``model.config`` (mapping or config.json path) against its config class.
 
     Args:
         cfg: The inline mapping (with ``model_type``) or the path of a config.json.
         allow_unknown: Accept keys the config class does not define (they go into config.json as given).
+        config_class: False: neutrain's value rules only (:mod:`neutrain.config.model_values`), for a caller
+            that reads the shape and builds nothing; the class (transformers, and torch behind it) is not imported.
 
     Raises:
         RecipeError: naming the key and value: a missing or unknown ``model_type``, a value of the
@@ -75,6 +77,9 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
         neutrain.errors.RecipeError: model.config: unknown key 'hiden_size' for LlamaConfig. Did you mean 'hidden_size'? ...
     """
     values, where = _load(cfg)
+    if not config_class:
+        check_config_values(values, where, RecipeError, [k for k in values if k != "model_type"])
+        return
     _check(values, where, list(values), allow_unknown)
 
 
