@@ -22,8 +22,7 @@ from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
 from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
-from neutrain.config.model_config import check_draft_config, check_model_config
-from neutrain.config.model_shape import plain_shape_config
+from neutrain.config.model_config import check_draft_config, check_model_config, plain_shape_config
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
@@ -104,9 +103,10 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
         source: File name, for messages.
         base_dir: Directory relative paths may also be resolved against.
         shape_only: The caller reads the model's shape and builds nothing (``neutrain estimate``): a
-            ``model.config`` whose shape is read without transformers (:mod:`neutrain.config.model_shape`)
-            is held to neutrain's value rules only, and its config class's own check (unknown keys, the
-            class's refusals), which imports transformers and torch, is left to the command that builds it.
+            ``model.config`` whose shape is read without transformers
+            (:func:`~neutrain.config.model_config.plain_shape_config`) is held to neutrain's value rules
+            only, and its config class's own check (unknown keys, the class's refusals), which imports
+            transformers and torch, is left to the command that builds it.
 
     Returns:
         A :class:`Recipe`.

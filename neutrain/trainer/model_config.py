@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from neutrain.config.model_shape import BYTE_VOCAB, plain_shape_config
+from neutrain.config.model_config import BYTE_VOCAB, plain_shape_config
 from neutrain.errors import RecipeError
 
 
@@ -68,8 +68,8 @@ def config_only(model_cfg: dict[str, Any]):
 
 def shape_config(model_cfg: dict[str, Any]):
     """What the memory planner reads of the model's config (``ModelShape.from_config``): the recipe's own
-    numbers where its mapping holds them all (:mod:`neutrain.config.model_shape`, no transformers import),
-    else the config :func:`config_only` builds."""
+    numbers where its mapping holds them all (:func:`~neutrain.config.model_config.plain_shape_config`, no
+    transformers import), else the config :func:`config_only` builds."""
     return plain_shape_config(model_cfg) or config_only(model_cfg)
 
 

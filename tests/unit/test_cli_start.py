@@ -80,6 +80,7 @@ def test_estimate_of_a_recipe_giving_its_shape_imports_neither_transformers_nor_
         assert not _loaded(modules, ("torch", "numpy"))
 
 
+@pytest.mark.slow  # the budget's layer placement imports torch (neutrain.nn)
 def test_estimate_fitting_a_budget_imports_no_transformers():
     code, modules, stderr = imports_of("estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=11")
     assert code == 0, stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from neutrain.config import RecipeError, load_recipe, validate_recipe
-from neutrain.config.model_shape import DERIVED_HEAD_DIM, plain_shape_config
+from neutrain.config.model_config import DERIVED_HEAD_DIM, plain_shape_config
 from neutrain.trainer.model_config import config_only, shape_config
 from neutrain.trainer.planner import ModelShape
 from tests.helpers import TINY_LLAMA, TINY_RECIPE, load_shipped_recipe
