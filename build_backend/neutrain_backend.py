@@ -1,7 +1,8 @@
 """setuptools' PEP 517/660 backend, plus ``neutrain-recipe.pth`` at the root of every wheel it builds.
 
 The .pth registers the ``neutrain-recipe`` source encoding (neutrain/config/recipe_codec.py) that
-lets ``accelerate launch recipes/x.yaml`` run a recipe. setuptools has no way to place a file at
+lets ``accelerate launch recipes/x.yaml`` run a recipe, and ends a launch its processes refused without
+the launcher's traceback (neutrain/compat/elastic.py). setuptools has no way to place a file at
 the root of site-packages for both kinds of install: ``data-files`` land in ``sys.prefix``, and its
 editable wheels carry neither data files nor extra build outputs. So the finished wheel, regular
 (``pip install .``) or editable (``pip install -e .``), gets the file added here, with its line

@@ -116,3 +116,14 @@ def triton36_env() -> tuple[dict | None, str | None]:
                       "the GPU image's release")
     env["PYTHONPATH"] = os.pathsep.join([where, str(REPO)])
     return env, None
+
+
+def launcher(module: str) -> list[str]:
+    """``python -m <module>`` (torchrun's ``torch.distributed.run``, ``accelerate.commands.launch``) with this
+    checkout's ``neutrain-recipe.pth`` in force, as site runs the installed one at start-up: the environment's
+    may come from another checkout, or an install older than the line."""
+    code = (f"import runpy, site; site.addsitedir({str(REPO)!r}); "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    import sys
+
+    return [sys.executable, "-c", code]

@@ -209,6 +209,9 @@ def test_readme_command_runs_in_order_as_written(readme, how, scratch):
             pytest.skip("a GPU machine: the refusal is for machines without GPUs")
         errors = {line for line in res.stderr.splitlines() if line.startswith("neutrain: error:")}
         assert res.returncode != 0 and errors == {how.line}, f"{command}\n{res.stderr[-3000:]}"
+        # The launcher's traceback is left out by the installed neutrain-recipe.pth (neutrain.compat.elastic).
+        assert "Traceback" not in res.stderr, (f"{command}: the launcher's traceback (is this checkout's "
+                                               f"neutrain-recipe.pth installed? pip install -e .)\n{res.stderr[-3000:]}")
         return
     assert res.returncode == 0, f"{command}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     assert how.expect in res.stdout, f"{command}: {how.expect!r} not in its output:\n{res.stdout[-2000:]}"

@@ -43,7 +43,7 @@ def run(args) -> int:
     from neutrain.trainer.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, shape_only=True)  # no transformers where the shape is given
     setting = recipe.memory.device_budget_gib
     card = _card_total(recipe)
     budget = resolve_budget(setting, card)

@@ -28,6 +28,7 @@ import sys
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
+from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
@@ -116,6 +117,21 @@ def _debug() -> bool:
         return False
 
 
+def _refuse(line: str, main_rank_only: bool) -> None:
+    """Print a refusal's one line, once per launch, and record it where torch elastic's launcher looks.
+
+    Outside torch elastic each process says its own refusal, except one that every process reaches
+    (``main_rank_only``): the first says that one. Under torch elastic only the first process says a
+    refusal, every process writes its line to the error file the launcher gave it, and the launcher prints
+    the lines no process said, without its traceback (:mod:`neutrain.compat.elastic`).
+    """
+    first = os.environ.get("RANK", "0") == "0"
+    said = first or not (main_rank_only or error_file() is not None)
+    if said:
+        print_error(line)
+    record_refusal(f"neutrain: error: {line}", said)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
     guard_stdout()  # before anything is printed: its failures are stdout's, never the run's (cli.stdout)
@@ -170,8 +186,7 @@ def _main(argv: list[str] | None) -> int:
     except UserInputError as exc:
         if _debug():
             raise
-        if not getattr(exc, "main_rank_only", False) or os.environ.get("RANK", "0") == "0":
-            print_error(one_line(exc))  # a refusal every process of a launch reaches is said once, by the first
+        _refuse(one_line(exc), getattr(exc, "main_rank_only", False))
         return EXIT_USER_ERROR
     except StoppedBySignal as exc:  # SIGTERM/SIGINT: the checkpoint is saved (neutrain.trainer.signals)
         print_error(str(exc))

@@ -353,10 +353,10 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
         model.config: the weights alone need abo
     """
     from neutrain.trainer.planner import GIB, NEUZIP_BITS, ModelShape  # lazy: torch-free checks stay fast
-    from neutrain.trainer.model_config import config_only  # lazy: same reason
+    from neutrain.trainer.model_config import shape_config  # lazy: same reason
 
     try:
-        shape = ModelShape.from_config(config_only(recipe.model))
+        shape = ModelShape.from_config(shape_config(recipe.model))
     except (OSError, ImportError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return  # the config cannot be read without building: the build names what is wrong
     if shape.layers > MAX_LAYERS:

@@ -21,7 +21,8 @@ One module per upstream library, and a module of its own where a topic is large:
   before data is rendered with a template);
 * torch: :mod:`neutrain.compat.torch_api` (the private SDPA backward ops,
   the saved-tensor hooks in force); :mod:`neutrain.compat.autograd` ("is a backward running?");
-  :mod:`neutrain.compat.cpu_features` (native bf16 on a CPU);
+  :mod:`neutrain.compat.cpu_features` (native bf16 on a CPU); :mod:`neutrain.compat.elastic` (torch elastic's
+  launcher after a refusal: its error files and its ``ChildFailedError``);
 * accelerate: :mod:`neutrain.compat.accelerate_prepare` (model preparation without DDP);
 * peft: :mod:`neutrain.compat.peft_lora` (the custom LoRA layer registry);
 * DeepSpeed: :mod:`neutrain.compat.deepspeed_env` (its accelerator detection on a CPU machine);

@@ -9,7 +9,14 @@ default. Each is now one :class:`RecipeError` at load time; an unknown key
 suggests the closest key the class defines, unless the recipe opts in with
 ``model.allow_unknown_config_keys: true``.
 
-transformers is imported lazily: only recipes with a ``model.config`` pay for it.
+transformers is imported lazily: only recipes with a ``model.config`` pay for it, and not ``neutrain
+estimate`` where the mapping gives the model's shape: :func:`plain_shape_config` reads it without the class.
+Why: the planner needs eight numbers of a config, and building the class to get them imported transformers'
+config machinery, and torch behind it: five of the estimate's seven seconds on a 2-core CPU. Where the
+mapping holds every number the planner reads, and the architecture derives the rest the one way
+:data:`DERIVED_HEAD_DIM` names, they are read from it; anything else (another architecture, a key
+missing, a value of another type, a hub id) gives None, and the class is built as before, with the same
+answers and the same errors.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import os
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from neutrain.config.model_values import check_config_values
@@ -58,12 +68,14 @@ def _check_type(where: str, key: str, value: Any, default: Any) -> None:
             raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}{hint}")
 
 
-def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
+def check_model_config(cfg: dict | str, allow_unknown: bool = False, config_class: bool = True) -> None:
     """Check a recipe's ``model.config`` (mapping or config.json path) against its config class.
 
     Args:
         cfg: The inline mapping (with ``model_type``) or the path of a config.json.
         allow_unknown: Accept keys the config class does not define (they go into config.json as given).
+        config_class: False: neutrain's value rules only (:mod:`neutrain.config.model_values`), for a caller
+            that reads the shape and builds nothing; the class (transformers, and torch behind it) is not imported.
 
     Raises:
         RecipeError: naming the key and value: a missing or unknown ``model_type``, a value of the
@@ -75,6 +87,9 @@ def check_model_config(cfg: dict | str, allow_unknown: bool = False) -> None:
         neutrain.errors.RecipeError: model.config: unknown key 'hiden_size' for LlamaConfig. Did you mean 'hidden_size'? ...
     """
     values, where = _load(cfg)
+    if not config_class:
+        check_config_values(values, where, RecipeError, [k for k in values if k != "model_type"])
+        return
     _check(values, where, list(values), allow_unknown)
 
 
@@ -126,3 +141,81 @@ def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> No
         hint = f" Did you mean '{match[0]}'?" if match else ""
         raise RecipeError(f"{where}: unknown key '{key}' for {cls.__name__}.{hint} "
                           "(set model.allow_unknown_config_keys: true to keep it in config.json anyway)")
+
+
+DERIVED_HEAD_DIM = frozenset({"llama", "mistral", "qwen2"})
+"""Architectures whose config class, given no ``head_dim``, uses ``hidden_size // num_attention_heads``
+(``tests/unit/config/test_model_shape.py`` holds each to its transformers class)."""
+
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+"""The counts every plain read needs given: their class defaults differ between architectures."""
+
+BYTE_VOCAB = 259
+"""The byte tokenizer's vocabulary (256 bytes and three special tokens), what ``model.tokenizer: byte`` sizes to."""
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _mapping(model: Mapping[str, Any]) -> dict | None:
+    """The config mapping the model section names, or None where only transformers can read it."""
+    cfg = model["config"]
+    if cfg is None:
+        base = model.get("base_model")
+        if model.get("gguf_file") or not (base and os.path.isdir(base)):
+            return None  # a GGUF file or a hub id: read by transformers
+        cfg = os.path.join(base, "config.json")
+    try:
+        return _load(cfg)[0]
+    except RecipeError:
+        return None  # the config class's reader names what is wrong
+
+
+def _tokenizer_size(model: Mapping[str, Any]) -> int | None:
+    """The vocabulary a recipe's own tokenizer will have, as the planner counts it before one is built."""
+    return BYTE_VOCAB if model.get("tokenizer") == "byte" else model.get("tokenizer_vocab_size")
+
+
+def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
+    """The config attributes the memory planner reads, from the model section's mapping alone, or None.
+
+    The vocabulary is the one the built config would have: a random init's is the trained or byte
+    tokenizer's size unless an inline ``model.config`` names ``vocab_size``; a base model keeps its own.
+
+    Example:
+        >>> cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        ...        "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True}
+        >>> shape = plain_shape_config({"config": cfg, "tokenizer": "train-bpe", "tokenizer_vocab_size": 8192})
+        >>> shape.vocab_size, shape.head_dim, shape.num_key_value_heads
+        (8192, 64, 1)
+        >>> plain_shape_config({"config": {**cfg, "model_type": "gemma"}, "tokenizer": "byte"}) is None
+        True
+    """
+    values = _mapping(model)
+    if values is None or values.get("model_type") not in DERIVED_HEAD_DIM:
+        return None
+    if not all(_whole(values.get(key)) for key in SIZES) or not isinstance(values.get("tie_word_embeddings"), bool):
+        return None
+    heads, hidden = values["num_attention_heads"], values["hidden_size"]
+    if hidden % heads or heads % values["num_key_value_heads"]:
+        return None  # refused by the class or the build, in their own words
+    head_dim = values.get("head_dim")
+    if head_dim is None:
+        head_dim = hidden // heads
+    elif not _whole(head_dim):
+        return None
+    vocab = values.get("vocab_size")
+    if model["config"] is not None:  # sized to the recipe's own tokenizer, as the built config is
+        words = _tokenizer_size(model)
+        inline_vocab = isinstance(model["config"], Mapping) and "vocab_size" in model["config"]
+        vocab = words if model.get("tokenizer") in ("byte", "train-bpe") and not inline_vocab else vocab
+        if not _whole(words) or not _whole(vocab) or vocab < words:
+            return None  # the config class's path sizes or refuses it, in its own words
+    if not _whole(vocab):
+        return None
+    return SimpleNamespace(hidden_size=hidden, num_attention_heads=heads,
+                           intermediate_size=values["intermediate_size"],
+                           num_hidden_layers=values["num_hidden_layers"],
+                           num_key_value_heads=values["num_key_value_heads"], vocab_size=vocab,
+                           tie_word_embeddings=values["tie_word_embeddings"], head_dim=head_dim)

@@ -10,7 +10,8 @@ line (after the shebang), a PEP 263 encoding declaration that YAML reads as a co
 When python opens such a file it looks the codec up; the one-line ``neutrain-recipe.pth`` that
 every wheel of the package carries (build_backend/neutrain_backend.py adds it, for ``pip install .``
 and ``pip install -e .`` alike) registers a search function that imports this module only for that
-name, so interpreter start-up imports nothing more.
+name, so interpreter start-up imports nothing more. The same line wraps ``sys.excepthook`` for the
+launchers that run recipes (:data:`PTH_LINE`), importing nothing either until a launch fails.
 The codec "decodes" the whole file to one statement calling neutrain's CLI on the file itself
 with the script's arguments, so ``python recipes/x.yaml key=value`` is
 ``python -m neutrain train recipes/x.yaml key=value``. Nothing else reads recipes through this
@@ -47,10 +48,16 @@ SCRIPT = (
     "sys.exit(_neutrain_main(['train', __file__, *sys.argv[1:]]))\n"
 )
 
-#: The line of ``neutrain-recipe.pth``: registers a lookup that imports this module only for NAME.
+#: The line of ``neutrain-recipe.pth``: registers a lookup that imports this module only for NAME, and wraps
+#: ``sys.excepthook`` so that a launcher's ``ChildFailedError`` (torchrun, ``accelerate launch``) goes to
+#: :func:`neutrain.compat.elastic.excepthook`, imported only then: a launch that ended in neutrain's one-line
+#: refusals ends without the launcher's traceback. Every other exception reaches the hook that was there.
 PTH_LINE = (
-    "import codecs; codecs.register(lambda name: __import__('neutrain.config.recipe_codec', "
-    f"fromlist=['search']).search(name) if name == {NORMALISED!r} else None)\n"
+    "import codecs, sys; codecs.register(lambda name: __import__('neutrain.config.recipe_codec', "
+    f"fromlist=['search']).search(name) if name == {NORMALISED!r} else None); "
+    "sys.excepthook = (lambda previous: lambda kind, value, tb: __import__('neutrain.compat.elastic', "
+    "fromlist=['excepthook']).excepthook(previous, kind, value, tb) if kind.__name__ == 'ChildFailedError' "
+    "else previous(kind, value, tb))(sys.excepthook)\n"
 )
 
 

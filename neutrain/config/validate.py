@@ -22,7 +22,7 @@ from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
 from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
-from neutrain.config.model_config import check_draft_config, check_model_config
+from neutrain.config.model_config import check_draft_config, check_model_config, plain_shape_config
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
@@ -94,13 +94,19 @@ def check_weight_offload(mem: Mapping[str, Any], train: Mapping[str, Any], fused
         raise RecipeError("memory.offload_weights: one process per model copy only (not with FSDP or DeepSpeed)")
 
 
-def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None = None) -> Recipe:
+def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None = None,
+                    shape_only: bool = False) -> Recipe:
     """Validate a raw recipe mapping and fill defaults.
 
     Args:
         raw: The parsed YAML (sections mapping to key/value mappings).
         source: File name, for messages.
         base_dir: Directory relative paths may also be resolved against.
+        shape_only: The caller reads the model's shape and builds nothing (``neutrain estimate``): a
+            ``model.config`` whose shape is read without transformers
+            (:func:`~neutrain.config.model_config.plain_shape_config`) is held to neutrain's value rules
+            only, and its config class's own check (unknown keys, the class's refusals), which imports
+            transformers and torch, is left to the command that builds it.
 
     Returns:
         A :class:`Recipe`.
@@ -119,7 +125,7 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
         values[section] = _validate_mapping(section, {} if section_raw is None else section_raw, keys, base_dir)
     values["data"]["datasets"] = _validate_datasets(values["data"]["datasets"], base_dir)
     values["memory"]["device_budget_gib"] = device_budget_setting(values["memory"]["device_budget_gib"])
-    _cross_checks(values)
+    _cross_checks(values, shape_only)
     explicit = frozenset(f"{section}.{key}" for section, keys in raw.items() if isinstance(keys, dict) for key in keys)
     return Recipe(**{section: SECTION_TYPES[section](**v) for section, v in values.items()}, source=source,
                   explicit=explicit)
@@ -267,7 +273,7 @@ def _check_gguf_file(model: dict) -> None:
         raise RecipeError("model.gguf_file: a GGUF checkpoint is loaded with model.init: pretrained, not random")
 
 
-def _cross_checks(v: dict) -> None:
+def _cross_checks(v: dict, shape_only: bool = False) -> None:
     model, data, train = v["model"], v["data"], v["train"]
     _check_gguf_file(model)
     check_model_names(model)  # on this machine (a directory or the hub cache), before transformers is imported
@@ -278,8 +284,9 @@ def _cross_checks(v: dict) -> None:
     if v["distill"]["draft_config"]:  # the values the draft's build uses, whatever its target's config is
         check_config_values(v["distill"]["draft_config"], "distill.draft_config", RecipeError)
     if model["config"] is not None:
-        check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
-        if v["distill"]["draft_config"]:
+        config_class = not (shape_only and plain_shape_config(model) is not None)
+        check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"], config_class=config_class)
+        if v["distill"]["draft_config"] and config_class:
             check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
     _check_scheduler(train)
     if train["max_steps"] == 0:  # the Trainer would still train one step, logged as "step 1/0"
@@ -392,12 +399,13 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     return raw
 
 
-def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recipe:
+def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = (), shape_only: bool = False) -> Recipe:
     """Read, override and validate a recipe file.
 
     Args:
         path: A YAML recipe, or the name of a shipped recipe (``default`` -> ``recipes/default.yaml``).
         overrides: Dotted ``section.key=value`` strings.
+        shape_only: Only the model's shape is read (:func:`validate_recipe`).
 
     Example:
         >>> recipe = load_recipe("default", ["train.max_steps=10"])
@@ -408,7 +416,7 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
     data = read_bytes(p, f"recipe file '{p}'", MAX_RECIPE_BYTES, RecipeError)  # its kind checked before it is opened
     raw = _check_top_level(parse_recipe_text(data, str(p)), str(p))
     raw = apply_overrides(raw, overrides)
-    return validate_recipe(raw, source=str(p), base_dir=p.parent)
+    return validate_recipe(raw, source=str(p), base_dir=p.parent, shape_only=shape_only)
 
 
 def recipe_dirs() -> list[Path]:

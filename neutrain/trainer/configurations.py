@@ -36,6 +36,7 @@ from typing import Any
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.config.validate import check_weight_offload
 from neutrain.errors import RecipeError
+from neutrain.trainer.model_config import shape_config
 from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
 
 AUTO = "auto"
@@ -147,9 +148,7 @@ def configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = 
     weights alone (no device budget: the recipe's other keys stay as they are).
     """
     if shape is None:
-        from neutrain.trainer.modeling import config_only  # lazy: the model's config only
-
-        shape = ModelShape.from_config(config_only(recipe.model))
+        shape = ModelShape.from_config(shape_config(recipe.model))
     auto = recipe.memory.weights == AUTO
     none = {"memory.offload_activations": False, "memory.offload_weights": False, "memory.offload_layers": None}
     offload = [none]

@@ -35,7 +35,7 @@ from typing import Any
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.trainer.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
-from neutrain.trainer.model_config import config_only
+from neutrain.trainer.model_config import shape_config
 from neutrain.trainer.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
 from neutrain.trainer.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
@@ -225,7 +225,7 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     Raises:
         RecipeError: nothing fits a budget; the message names the smallest budget and host memory that would.
     """
-    shape = ModelShape.from_config(config_only(recipe.model))
+    shape = ModelShape.from_config(shape_config(recipe.model))
     auto = recipe.memory.weights == AUTO
     options = configurations(recipe, shape, gpu, levers=budget is not None)
     fits = [_evaluate(c, shape, budget, gpu) for c in options]

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from neutrain.config.model_config import BYTE_VOCAB, plain_shape_config
 from neutrain.errors import RecipeError
 
 
@@ -60,9 +61,16 @@ def config_only(model_cfg: dict[str, Any]):
 
     class _Vocab:  # stands in for a tokenizer built at train time
         def __len__(self):
-            return 259 if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
+            return BYTE_VOCAB if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
 
     return recipe_config(model_cfg, _Vocab())
+
+
+def shape_config(model_cfg: dict[str, Any]):
+    """What the memory planner reads of the model's config (``ModelShape.from_config``): the recipe's own
+    numbers where its mapping holds them all (:func:`~neutrain.config.model_config.plain_shape_config`, no
+    transformers import), else the config :func:`config_only` builds."""
+    return plain_shape_config(model_cfg) or config_only(model_cfg)
 
 
 def gguf_call(model_cfg: dict[str, Any], function: str, *args, **kwargs):

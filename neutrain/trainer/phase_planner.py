@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Any
 
 from neutrain.config.schema import Recipe
-from neutrain.trainer.model_config import config_only
+from neutrain.trainer.model_config import shape_config
 from neutrain.trainer.planner import (
     ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, ModelShape, estimate, estimate_recipe,
 )
@@ -151,7 +151,7 @@ def plan_recipe(recipe: Recipe, train: Estimate | None = None, shape: ModelShape
     without ``eval.sample_prompt``, ``export`` with ``export.format: none``. Build, training step, save
     and resume are always there (a save may come at any ``train.save_steps``, a resume at any relaunch).
     """
-    shape = shape or ModelShape.from_config(config_only(recipe.model))
+    shape = shape or ModelShape.from_config(shape_config(recipe.model))
     train = train or estimate_recipe(recipe, shape)
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     ev, ex = recipe.eval, recipe.export

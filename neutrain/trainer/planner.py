@@ -63,7 +63,7 @@ from typing import Any
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
 from neutrain.optim.registry import optimizer_spec
-from neutrain.trainer.model_config import config_only
+from neutrain.trainer.model_config import shape_config
 
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02); tests/unit/compress/test_codec.py
@@ -346,7 +346,7 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate
     if m.weights == "auto":
         raise ValueError("memory.weights: auto is resolved by the fit (neutrain.trainer.fit) before the planner runs")
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
-    shape = shape or ModelShape.from_config(config_only(recipe.model))
+    shape = shape or ModelShape.from_config(shape_config(recipe.model))
     if m.offload_weights and m.offload_layers is not None and m.offload_layers > shape.layers:
         raise RecipeError(f"memory.offload_layers: {m.offload_layers} is more than the model's {shape.layers} "
                           "decoder layers")

@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neutrain.optim.registry import optimizer_spec
-from neutrain.trainer.planner import Estimate, ModelShape
+from neutrain.trainer.model_config import shape_config
+from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
 
 GEMM_FLOPS_PER_S = 515e12
 """Matrix products of a training step, bf16, per second on an H200. Calibrated on
@@ -267,10 +268,7 @@ def recipe_step_time(recipe, rates: Rates = GPU, shape: ModelShape | None = None
         >>> round(dense.step_s, 2), dense.bound
         (0.33, 'host')
     """
-    from neutrain.trainer.modeling import config_only  # lazy: the model's config only
-    from neutrain.trainer.planner import estimate_recipe
-
-    shape = shape or ModelShape.from_config(config_only(recipe.model))
+    shape = shape or ModelShape.from_config(shape_config(recipe.model))
     return step_time(estimate_recipe(recipe, shape), shape, rates, recipe.train.gradient_accumulation_steps)
 
 

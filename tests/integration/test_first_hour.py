@@ -20,7 +20,7 @@ from neutrain.cli import main
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.data import byte_tokenizer
 from neutrain.data.chat import prompt_ids, template_choice
-from tests.helpers import write_recipe
+from tests.helpers import launcher, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 name_cpu_accelerator()  # as `neutrain` does before anything imports DeepSpeed (the tests import transformers first)
@@ -272,7 +272,7 @@ def test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong(tmp_path):
     port = socket.create_server(("127.0.0.1", 0))  # a free port for the launcher's store, released just before use
     free = port.getsockname()[1]
     port.close()
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
+    res = subprocess.run([*launcher("accelerate.commands.launch"), "--config_file", config, "--main_process_port",
                           str(free), "-m", "neutrain", "recipes/default.yaml", f"train.output_dir={tmp_path / 'out'}", *TINY_RUN],
                          cwd=REPO, env=_cli_env(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600)
     assert res.returncode != 0
@@ -283,6 +283,8 @@ def test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong(tmp_path):
         "configuration's GPU processes. On a CPU, train in one process (`neutrain <recipe>`), or in 2 CPU processes "
         "(`torchrun --nproc_per_node 2 -m neutrain <recipe>`)"], res.stderr[-3000:]
     assert "in use by another neutrain run" not in res.stderr
+    # Before: then torch elastic's traceback and its "neutrain FAILED" report.
+    assert "Traceback" not in res.stderr and "FAILED" not in res.stderr, res.stderr[-3000:]
     assert not (tmp_path / "out" / "checkpoint-1").exists()
 
 

@@ -126,6 +126,22 @@ def test_a_launch_refusal_is_said_by_the_first_process_only(monkeypatch, capsys,
     assert printed or err == ""
 
 
+@pytest.mark.parametrize("rank,printed", [("0", True), ("1", False)])
+def test_under_torch_elastic_the_first_process_says_a_refusal_and_each_records_it(monkeypatch, capsys, tmp_path,
+                                                                                  rank, printed):
+    # Before: each process of `torchrun --nproc-per-node 2 -m neutrain <recipe with a bad key>` printed the line.
+    import json
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert main(["train", "default", "train.max_steps=0"]) == 2
+    err = capsys.readouterr().err
+    line = "neutrain: error: train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train train.num_epochs epochs"
+    assert err == (line + "\n" if printed else "")
+    recorded = json.loads((tmp_path / "error.json").read_text())
+    assert recorded["message"]["message"] == line and recorded["neutrain_refusal"] == {"said": printed}
+
+
 def test_processes_torchrun_starts_on_a_cpu_train_on_the_cpu():
     from neutrain.cli.preflight import cpu_processes
 

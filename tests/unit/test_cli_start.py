@@ -69,6 +69,24 @@ def test_estimate_imports_no_trainer_model_code_or_codec():
     assert not _loaded(modules, HEAVY)
 
 
+@pytest.mark.parametrize("recipe", ["recipes/default.yaml", "recipes/llama3_8b.yaml"])
+def test_estimate_of_a_recipe_giving_its_shape_imports_neither_transformers_nor_torch(recipe):
+    from neutrain.compat.deepspeed_env import no_gpu_device_nodes
+
+    code, modules, stderr = imports_of("estimate", recipe)
+    assert code == 0, stderr
+    assert not _loaded(modules, ("transformers", "huggingface_hub", "safetensors", *HEAVY))
+    if no_gpu_device_nodes():  # with GPU device files, `device_budget_gib: auto` asks torch for the card's size
+        assert not _loaded(modules, ("torch", "numpy"))
+
+
+@pytest.mark.slow  # the budget's layer placement imports torch (neutrain.nn)
+def test_estimate_fitting_a_budget_imports_no_transformers():
+    code, modules, stderr = imports_of("estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=11")
+    assert code == 0, stderr
+    assert not _loaded(modules, ("transformers", "huggingface_hub", "safetensors"))
+
+
 def test_argument_and_file_errors_come_before_torch(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
