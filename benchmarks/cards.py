@@ -20,8 +20,12 @@ prediction, and tok/s; then timing runs (:data:`TIMING`): the shipped recipe (``
 budget and at 11, 7 and 5 GiB, at batch 1 and 8, and dense weights with no budget at batch 1. Each timing row
 records the weights and configuration its fit chose and the step time the fit predicted for it
 (:mod:`neutrain.trainer.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
-``--merge`` writes ``cards.json`` with the targets from the parts.
+``--merge`` writes ``cards.json`` with the targets from the parts; each part's record holds the targets its own
+runs give. The timing run ``gen_9`` (:mod:`benchmarks._generate_timing`, not in the default list) times
+``neutrain generate`` of the recipe's model under 9 GiB against the same export dense and unbounded, for
+``generate_9gib_over_dense_tokens_per_s``.
 
+    python benchmarks/cards.py --part gen --budgets "" --timing gen_9
     python benchmarks/cards.py --part gpu0 --budgets 7,14.5 --timing b8_none,b8_7
     python benchmarks/cards.py --merge $OUT/cards_gpu0.json $OUT/cards_gpu1.json
     python benchmarks/cards.py --smoke --part smoke --budgets "" --timing b1_none,b1_dense   # the flow on a CPU
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._checkpoints import checkpoint_tensors, decoded_differences  # noqa: E402 (after the path is set)
 from benchmarks._common import read_run  # noqa: E402
+from benchmarks._generate_timing import GENERATE, TARGET as GENERATE_TARGET, generate_run, generate_target  # noqa: E402
 
 GIB = 2**30
 RECIPE = "recipes/llama3_8b.yaml"
@@ -60,7 +65,7 @@ TIMING_STEPS = 10
 TARGETS = ("card_8gb_over_unbounded_tokens_per_s_batch8", "card_12gb_over_unbounded_tokens_per_s",
            "max_phase_peak_over_train_step_peak", "planner_phase_max_relative_error", "card_6gb_whole_run_ok",
            "auto_unbounded_over_dense_tokens_per_s_batch1", "card_12gb_over_dense_unbounded_tokens_per_s_batch1",
-           "fit_step_time_max_relative_error")
+           "fit_step_time_max_relative_error", GENERATE_TARGET)
 GATE_BUDGETS = {22.0, 14.5, 11.0, 7.0}  # 24, 16, 12 and 8 GB cards; 5.0 (a 6 GB card) is a target
 
 
@@ -237,6 +242,9 @@ def targets_of(budgets: list[dict], timing: dict) -> tuple[dict, dict]:
         worst = max(misses)
         t["fit_step_time_max_relative_error"] = {"value": round(worst[0], 3), "goal": "<= 0.15", "met": worst[0] <= 0.15,
                                                  "at": worst[1], "rows": len(misses)}
+    generate = generate_target(timing)
+    if generate:  # a budgeted generate against the dense one on a card that holds it, in the same call
+        t[GENERATE_TARGET] = generate
     six = [b for b in budgets if b.get("budget_gib") == 5.0]
     if six:  # a 6 GB card: every command of the journey at 5 GiB, batch 1, resume bit-identical
         t["card_6gb_whole_run_ok"] = {"value": bool(six[0].get("ok")), "goal": True, "met": bool(six[0].get("ok"))}
@@ -303,7 +311,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all")
     ap.add_argument("--budgets", default="22,14.5,11,7")
-    ap.add_argument("--timing", default=",".join(TIMING))
+    ap.add_argument("--timing", default=",".join(TIMING), help=f"comma list of {', '.join([*TIMING, *GENERATE])}")
     ap.add_argument("--work", default="/tmp/neutrain-cards")
     ap.add_argument("--limit", type=float, default=420, help="seconds one command may run")
     ap.add_argument("--merge", nargs="+", type=Path)
@@ -356,8 +364,10 @@ def main() -> int:
     for name in [n for n in args.timing.split(",") if n]:
         record["timing"][name] = {"rc": None, "note": "started, not finished"}
         dest.write_text(json.dumps(record, indent=1))
-        record["timing"][name] = timing_run(name, work, out, args.limit)
+        record["timing"][name] = (generate_run(name, RECIPE, work, out, args.limit, sh, bool(SMOKE)) if name in GENERATE
+                                  else timing_run(name, work, out, args.limit))
         print(name, {k: v for k, v in record["timing"][name].items() if k not in ("phases", "summary")}, flush=True)
+        record["targets"] = targets_of(record["budgets"], record["timing"])[0]  # what this part's runs give
         dest.write_text(json.dumps(record, indent=1))
     return 0
 

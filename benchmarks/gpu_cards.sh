@@ -12,6 +12,8 @@
 #                   (defaults: every timing run, about 12 minutes: raise LIMIT, or spread them as below)
 #   STAGE=one:      one GPU runs journeys J and timing runs T, one after the other (a short call; T= for none;
 #                   defaults: J=11, T=b1_dense,b1_none,b1_11: the three runs of the batch-1 speed targets)
+#   STAGE=one J= T=gen_9: the generate target alone (generate_9gib_over_dense_tokens_per_s: the recipe's model
+#                   written as an export, `neutrain generate` of it under 9 GiB, then dense with no budget; ~3 minutes)
 #   A 4-GPU call for the timing targets alone: STAGE=spread T_0=b1_dense,b1_none T_1=b1_11,b1_7 T_2=b1_5,b8_none
 #   T_3=b8_11,b8_7 (about 3 minutes each GPU).
 #   STAGE=spread:   GPU k runs the GPU suite first if SUITE=k, then journeys J_k and timing runs T_k, every GPU
@@ -56,13 +58,13 @@ if [ "$STAGE" = spread ]; then
     ) &
   done
   wait
-  grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
+  grep -h "^budget\|^b[0-9]\|^gen_" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0
 fi
 if [ "$STAGE" = one ]; then
   cards one "${J-11}" "${T-b1_dense,b1_none,b1_11}" "/dev/shm/cards_one_gpu${visible[0]}"
-  grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
+  grep -h "^budget\|^b[0-9]\|^gen_" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0
 fi
@@ -80,5 +82,5 @@ if [ "$ngpu" -ge 2 ]; then
 else
   first; second
 fi
-grep -h "^budget\|^b[0-9]" "$OUT"/cards_*.log
+grep -h "^budget\|^b[0-9]\|^gen_" "$OUT"/cards_*.log
 echo "done in ${SECONDS}s"

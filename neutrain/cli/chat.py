@@ -69,6 +69,8 @@ def run(args) -> int:
     loaded = load_for_generation(args)
     tokenizer, history = loaded.tokenizer, loaded.use_template
     context = getattr(loaded.model.config, "max_position_embeddings", None)
+    if loaded.residency is not None:  # on a GPU: the positions whose KV cache the placement holds
+        context = min(context, loaded.residency.positions) if isinstance(context, int) else loaded.residency.positions
     mode = "each line is a user turn of the conversation" if history else "each line is continued on its own"
     print(f"[{loaded.why}; {mode}; Ctrl-D or Ctrl-C ends]", file=sys.stderr)
     messages = [{"role": "system", "content": args.system}] if args.system and history else []
@@ -88,7 +90,7 @@ def run(args) -> int:
                 print(f"neutrain: {exc}", file=sys.stderr)
                 continue
             if dropped:
-                print(f"[the {dropped} oldest turns no longer fit the model's context of {context} positions: dropped]",
+                print(f"[the {dropped} oldest turns no longer fit the context of {context} positions: dropped]",
                       file=sys.stderr)
             ids = torch.tensor([prompt_ids(tokenizer, turn, raw=not history)])
             check_context(loaded.model, ids.shape[1], args.max_new_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,13 +129,15 @@ def check_arguments(args) -> None:
 @dataclass
 class Loaded:
     """A model loaded for generation, its tokenizer, whether prompts go through its chat template and why,
-    and where it was placed (a line for stderr, or None)."""
+    where it was placed (a line for stderr, or None) and the placement decided on a GPU
+    (:class:`~neutrain.cli.residency.Residency`: its ``positions`` are the most one sequence may hold)."""
 
     model: object
     tokenizer: object
     use_template: bool
     why: str
     where: str | None
+    residency: object | None = None
 
 
 def model_source(args) -> tuple[Path | None, Path | None]:
@@ -144,28 +147,35 @@ def model_source(args) -> tuple[Path | None, Path | None]:
     return gguf, (last_checkpoint(Path(args.model)) if gguf is None else None)
 
 
-def load_for_generation(args, source: tuple[Path | None, Path | None] | None = None) -> Loaded:
+def load_for_generation(args, source: tuple[Path | None, Path | None] | None = None, prompts: list[str] | None = None,
+                        extra_bytes: float = 0.0) -> Loaded:
     """Load ``args.model`` once (a GGUF file, an export, a checkpoint or a run's output_dir) as ``generate`` and
     ``chat`` use it (``source``: :func:`model_source`'s answer, when already asked); stderr gets the placement
-    line, if any."""
-    from neutrain.cli.placement import place_model  # lazy: `neutrain --help` stays instant
+    line, if any.
+
+    On a GPU the placement holds the KV cache of the longest of ``prompts`` (None: a chat, up to
+    :data:`~neutrain.cli.placement.CHAT_POSITIONS` positions) and ``--max-new-tokens``, beside ``extra_bytes`` (a draft model).
+    """
+    from neutrain.cli.placement import longest_prompt, place_model  # lazy: `neutrain --help` stays instant
     from neutrain.data.chat import template_choice  # lazy: same reason
 
     gguf, directory = source or model_source(args)
-    where = None
+    where = residency = None
     if gguf is not None:
         (model, tokenizer), trained_with = _load_gguf(gguf), None
     else:
-        # On a GPU, the form that fits the device budget (neutrain.cli.placement); on a CPU, as it is.
-        model, tokenizer, where = place_model(directory, args.device, args.device_budget_gib)
         trained_with = trained_with_chat_template(directory)
+        # On a GPU, the placement that fits the device budget (neutrain.cli.placement); on a CPU, as it is.
+        model, tokenizer, where, residency = place_model(
+            directory, args.device, args.device_budget_gib, new_tokens=args.max_new_tokens, extra_bytes=extra_bytes,
+            prompt_tokens=lambda tokenizer: longest_prompt(tokenizer, trained_with, args, prompts, directory))
     if where:
         print(where, file=sys.stderr)
     if tokenizer is None:
         raise UserInputError(f"model '{args.model}' has no tokenizer files")
     check_vocabulary(model, tokenizer, f"model '{args.model}'")
     use_template, why = template_choice(tokenizer, trained_with, raw=args.raw)
-    return Loaded(model.eval(), tokenizer, use_template, why, where)
+    return Loaded(model.eval(), tokenizer, use_template, why, where, residency)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -255,31 +265,37 @@ def run(args) -> int:
 
     import torch  # lazy: only once the arguments are known good
 
+    from neutrain.cli.placement import draft_bytes  # lazy: same reason
     from neutrain.data.chat import prompt_ids  # lazy: same reason
     from neutrain.export import load_checkpoint_model  # lazy: same reason
 
-    loaded = load_for_generation(args, source)
+    asked = records or [{"prompt": args.prompt}]
+    loaded = load_for_generation(args, source, [r["prompt"] for r in asked], draft_bytes(draft_dir))
     draft = None
     if draft_dir is not None:
         draft, _ = load_checkpoint_model(draft_dir)
         draft = draft.to(next(loaded.model.parameters()).device).eval()
-    for i, record in enumerate(records or [{"prompt": args.prompt}]):
+    made, seconds = 0, 0.0
+    for i, record in enumerate(asked):
         ids = torch.tensor([prompt_ids(loaded.tokenizer, record["prompt"], raw=not loaded.use_template)])
         if i == 0:
             print(f"[{loaded.why}]", file=sys.stderr)  # once the template rendered: a broken one is the error's one line
         check_context(loaded.model, ids.shape[1], args.max_new_tokens)
+        start = time.perf_counter()
         out, notes = decode(loaded, ids, args, draft)
-        new = out[0, ids.shape[1]:].cpu()
+        new = out[0, ids.shape[1]:].cpu()  # on the host: the device's work is done
+        made, seconds = made + new.numel(), seconds + time.perf_counter() - start
         text = loaded.tokenizer.decode(new, skip_special_tokens=True)
         print(text if records is None else json.dumps({**record, "output": text}, ensure_ascii=False), flush=True)
         if not text.strip():  # a blank line alone looked like a fault of the command, or of the terminal
             print(f"[{_no_text(new.tolist(), loaded.tokenizer)}]", file=sys.stderr)
         for note in notes:
             print(note, file=sys.stderr)
-    if loaded.where:  # on a GPU: what the generation took, beside the budget the note named
-        from neutrain.cli.placement import peak_line  # lazy: same reason
+    from neutrain.cli.placement import peak_line, rate_line  # lazy: same reason
 
-        print(peak_line(), file=sys.stderr)
+    print(rate_line(made, seconds, loaded.residency), file=sys.stderr)
+    if loaded.where:  # on a GPU: what the generation took, beside the budget the note named
+        print(peak_line(loaded.residency), file=sys.stderr)
     return 0
 
 

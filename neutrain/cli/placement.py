@@ -1,24 +1,28 @@
 """Where ``neutrain generate`` puts a model: the GPU when there is one, in the form that fits its budget.
 
 A user who fine-tuned an 8B on a 12 GB card generates on that card too. Before anything is read, the
-model's bytes (from its safetensors files) are weighed against the device budget (``--device-budget-gib``,
-default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA context and a margin), and the first form that fits is taken:
+model's config and safetensors headers are weighed against the device budget (``--device-budget-gib``,
+default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA context and a margin), and
+:func:`neutrain.cli.residency.decide` picks the fastest placement that fits, as one
+:class:`~neutrain.cli.residency.Residency`:
 
 1. ``dense``: the weights as stored, on the GPU (fastest decode);
 2. ``neuzip``: NeuZip lossless on the GPU, compressed one tensor at a time while reading (bit-exact);
-3. ``neuzip+offload``: the decoder layers' compressed weights in pinned host memory, streamed in layer
-   by layer (``memory.offload_weights``'s store), for cards that hold not even the compressed model.
+3. ``neuzip+offload``: NeuZip lossless with as many decoder layers on the GPU as the budget holds and the
+   rest streamed from pinned host memory layer by layer (``memory.offload_layers``'s store and spread).
 
 A compressed run's ``checkpoint-N`` is placed from its blobs as they are (never encoded again): on the GPU
-when the compressed weights fit, else streamed from host memory as in 3.
+when the compressed weights fit, else with the layers that do not fit streamed, as in 3.
 
 The budget is then the allocator's hard limit (``torch.cuda.set_per_process_memory_fraction``), so the
 promise is kept or the command ends in one line. On a CPU, or with ``--device cpu``, the model loads as
 before (``neutrain.export.load_checkpoint_model``).
 
 Example:
-    >>> from neutrain.cli.placement import choose_form
-    >>> choose_form(dense=16.0 * 2**30, compressed=10.9 * 2**30, scratch=1.0 * 2**30, budget=14.5 * 2**30)
+    >>> from neutrain.cli.residency import decide
+    >>> from neutrain.trainer.planner import ModelShape
+    >>> decide(ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), int(14.5 * GIB), prompt_tokens=16,
+    ...        new_tokens=64).form
     'neuzip'
 """
 
@@ -27,11 +31,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 from neutrain.errors import UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import MARKER, _load_tokenizer
 from neutrain.cli.memory import enforce_budget
+from neutrain.cli.residency import Residency, decide
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
 from neutrain.trainer.fit import resolve_budget
 from neutrain.trainer.phases import device_memory_used
@@ -39,23 +45,14 @@ from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
-from neutrain.trainer.planner import NEUZIP_BITS
+from neutrain.trainer.planner import NEUZIP_BITS, ModelShape
 
 GIB = 2**30
-MARGIN_BYTES = 0.5 * GIB  # decode scratch of small tensors, the static KV cache of a short generation, logits
 logger = logging.getLogger("neutrain")
 
-
-def choose_form(dense: float, compressed: float, scratch: float, budget: float) -> str:
-    """The first of ``dense``, ``neuzip``, ``neuzip+offload`` whose bytes fit ``budget``.
-
-    ``scratch``: the decode buffers of the compressed forms (the largest matrix, dense).
-    """
-    if dense + MARGIN_BYTES <= budget:
-        return "dense"
-    if compressed + scratch + MARGIN_BYTES <= budget:
-        return "neuzip"
-    return "neuzip+offload"
+CHAT_POSITIONS = 4096
+"""Positions a chat's placement plans its KV cache for (at most the model's context): a conversation grows turn by
+turn, so it cannot be measured before the model loads; the oldest turns are dropped beyond it."""
 
 
 def _weight_bytes(path: Path) -> tuple[int, int]:
@@ -81,10 +78,14 @@ def device_budget(requested: float | None) -> int:
     return min(resolve_budget("auto" if requested is None else requested, total), total)
 
 
-def place_model(path: Path, device: str = "auto", budget_gib: float | None = None):
-    """``(model, tokenizer, note)``: the model of checkpoint or export ``path`` on ``device`` in the form that fits.
+def place_model(path: Path, device: str = "auto", budget_gib: float | None = None, *,
+                prompt_tokens: int | Callable[[object], int] = 64, new_tokens: int = 64, extra_bytes: float = 0.0):
+    """``(model, tokenizer, note, residency)``: the model of checkpoint or export ``path`` on ``device`` in the
+    placement that fits a generation of ``new_tokens`` after prompts of at most ``prompt_tokens`` tokens (or
+    ``prompt_tokens(tokenizer)``: counted with the folder's tokenizer, read before the model).
 
-    ``note`` is the one line that says where the model went on a GPU and why (None on the CPU).
+    ``extra_bytes``: device memory something else of the generation takes (a draft model). ``note`` is the one
+    line that says where the model went on a GPU and why, ``residency`` the decision itself (both None on the CPU).
     """
     import torch
 
@@ -94,40 +95,87 @@ def place_model(path: Path, device: str = "auto", budget_gib: float | None = Non
         raise UserInputError("--device cuda: no CUDA GPU is visible")
     if not use_cuda:
         model, tokenizer = load_checkpoint_model(path)
-        return model, tokenizer, None  # as it always was: nothing to say
+        return model, tokenizer, None, None  # as it always was: nothing to say
     budget = device_budget(budget_gib)
     enforce_budget(budget, torch.cuda.current_device())
-    dense, largest = _weight_bytes(path)
-    if (path / MARKER).exists():  # a compressed run's checkpoint: its blobs are the compressed form already
-        # Placed as they are (no re-encoding): on the GPU when they fit, else streamed from host memory.
-        form = "neuzip" if dense + 2 * largest + MARGIN_BYTES <= budget else "neuzip+offload"
-        verify_checkpoint(path)
-        return build_form(path, form, "cuda").eval(), _load_tokenizer(path), _note(form, dense, dense, budget)
-    compressed = dense / 16 * NEUZIP_BITS
-    form = choose_form(dense, compressed, 2 * largest, budget)
-    if form == "dense":
-        model, tokenizer = load_checkpoint_model(path)
-        return model.to("cuda"), tokenizer, _note(form, dense, compressed, budget)
-
-    verify_checkpoint(path)  # checksums, and no file that would run code when loaded
-    tokenizer = _load_tokenizer(path)
-    return build_form(path, form, "cuda").eval(), tokenizer, _note(form, dense, compressed, budget)
+    setting = "--device-budget-gib" + ("" if budget_gib is not None else " (auto: the card less the CUDA context and a margin)")
+    return place_on(path, "cuda", budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, extra_bytes=extra_bytes,
+                    setting=setting)
 
 
-def build_form(path: Path, form: str, device: str = "cuda"):
+def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int | Callable[[object], int] = 64,
+             new_tokens: int = 64, extra_bytes: float = 0.0, setting: str = "--device-budget-gib"):
+    """:func:`place_model`'s placement on ``device`` under ``budget`` bytes, the allocator's limit already set:
+    ``(model, tokenizer, note, residency)``, the decision made once and the model built as it says."""
+    verify_checkpoint(path)  # checksums, and no file that would run code when loaded: before any file is read
+    tokenizer = _load_tokenizer(path)  # the prompts' lengths size the KV cache the placement must hold
+    if callable(prompt_tokens):
+        prompt_tokens = prompt_tokens(tokenizer)
+    residency = resolve(path, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, extra_bytes=extra_bytes,
+                        setting=setting)
+    note = _note(residency, path)
+    if residency.form == "dense":
+        model, _ = load_checkpoint_model(path, verified=True)
+        return model.to(device), tokenizer, note, residency
+    model = build_form(path, residency.form, device, streamed=len(residency.streamed)).eval()
+    return model, tokenizer, note, residency
+
+
+def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: int, extra_bytes: float = 0.0,
+            setting: str = "--device-budget-gib") -> Residency:
+    """The :class:`~neutrain.cli.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
+    its config and safetensors headers alone (nothing is read or built)."""
+    total, _ = _weight_bytes(path)
+    encoded = (path / MARKER).exists()  # a compressed run's checkpoint: its blobs are the compressed form already
+    config = (NeutrainCheckpoint(path) if encoded else SafetensorsFolder(path)).read_config()
+    dtype_bytes = 4 if _dtype_name(json.loads((path / "config.json").read_text())) == "float32" else 2
+    shape = _shape(getattr(config, "text_config", None) or config)
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + new_tokens > context:
+        new_tokens = max(context - prompt_tokens, 1)  # more is refused once loaded, in check_context's own words
+    # The files' bytes against those the shape counts: more when the shape misses weights (a mixture's experts).
+    modeled = shape.params() * (NEUZIP_BITS / 8 if encoded else dtype_bytes)
+    return decide(shape, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype_bytes=dtype_bytes,
+                  weight_scale=total / modeled, dense=not encoded, encoded=encoded,
+                  extra={"draft": float(extra_bytes)} if extra_bytes else None, setting=setting)
+
+
+def _shape(config) -> ModelShape:
+    """The planner's shape of ``config``; a config without ``intermediate_size`` (GPT-2's ``n_inner``) gets its
+    MLP width from the names such configs use, the default four times the hidden size."""
+    if getattr(config, "intermediate_size", None) is None:
+        hidden = config.hidden_size
+        width = getattr(config, "n_inner", None) or getattr(config, "ffn_dim", None) or 4 * hidden
+        return ModelShape.from_config(_Widened(config, width))
+    return ModelShape.from_config(config)
+
+
+class _Widened:
+    """``config`` with an ``intermediate_size``: a view for :meth:`ModelShape.from_config`."""
+
+    def __init__(self, config, intermediate_size: int):
+        self._config, self.intermediate_size = config, intermediate_size
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None = None):
     """The model of export or checkpoint ``path`` in a compressed ``form`` (``neuzip`` or ``neuzip+offload``) on
     ``device``, built tensor by tensor from its safetensors shards (:func:`neutrain.nn.load.build`); a compressed
     run's checkpoint is placed from its blobs, without re-encoding.
 
-    ``neuzip+offload`` moves each decoder layer to host memory as soon as its last tensor is read, so
-    the device never holds the compressed model; a layer split across shards waits for its other part.
+    ``neuzip+offload`` streams ``streamed`` decoder layers (None: every one), spread through the model as
+    :class:`~neutrain.cli.residency.Residency` names them: each moves to host memory as soon as its last tensor
+    is read, so the device never holds them; a layer split across shards waits for its other part.
     """
     import torch
 
     source = NeutrainCheckpoint(path) if (path / MARKER).exists() else SafetensorsFolder(path)
     config = source.read_config()
     dtype = getattr(torch, _dtype_name(json.loads((path / "config.json").read_text())))
-    placement = Placement("neuzip-lossless", offload=form == "neuzip+offload", device=device)
+    offload = form == "neuzip+offload"
+    placement = Placement("neuzip-lossless", offload=offload, layers=streamed if offload else None, device=device)
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
     spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False), placement=placement)
     model, report = build(spec)
@@ -140,17 +188,60 @@ def _dtype_name(config: dict) -> str:
     return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
 
 
-def _note(form: str, dense: float, compressed: float, budget: float) -> str:
-    what = {"dense": "dense weights on the GPU", "neuzip": "NeuZip lossless weights on the GPU (bit-exact)",
-            "neuzip+offload": "NeuZip lossless weights streamed from host memory (bit-exact)"}[form]
-    return (f"generate: {what}: weights {dense / GIB:.2f} GiB dense, {compressed / GIB:.2f} GiB compressed, "
-            f"device budget {budget / GIB:.2f} GiB")
+def _note(residency: Residency, path: Path) -> str:
+    """``generate: <the decision>; weights D GiB dense, C GiB compressed`` (the files' own bytes, and the form's)."""
+    total, _ = _weight_bytes(path)
+    if (path / MARKER).exists():
+        weights = f"weights {total / GIB:.2f} GiB compressed"
+    else:
+        weights = f"weights {total / GIB:.2f} GiB dense, {total / 16 * NEUZIP_BITS / GIB:.2f} GiB compressed"
+    return f"generate: {residency.line}; {weights}"
 
 
-def peak_line() -> str:
-    """``generate: peak GPU memory A GiB allocated, R reserved, D in use on the device at the end`` (D: all processes)."""
+def peak_line(residency: Residency | None = None) -> str:
+    """``generate: peak GPU memory A GiB allocated, R reserved, D in use on the device at the end`` (D: all
+    processes), and the peak the placement predicted."""
     import torch
 
     used = device_memory_used(torch.cuda.current_device())  # NVML, as the run's phase records read it
+    predicted = f"; predicted {residency.predicted.reserved / GIB:.2f} reserved" if residency is not None else ""
     return (f"generate: peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated, "
-            f"{torch.cuda.max_memory_reserved() / GIB:.2f} reserved, {used / GIB:.2f} in use on the device at the end")
+            f"{torch.cuda.max_memory_reserved() / GIB:.2f} reserved, {used / GIB:.2f} in use on the device at the end"
+            f"{predicted}")
+
+
+def longest_prompt(tokenizer, trained_with, args, prompts: list[str] | None, directory: Path) -> int:
+    """Tokens of the longest of ``prompts`` as they will be sent (through the chat template or raw); for a chat
+    (None), the positions it may grow to less the new tokens."""
+    from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
+
+    if prompts is None:
+        context = json.loads((directory / "config.json").read_text()).get("max_position_embeddings")
+        positions = min(context, CHAT_POSITIONS) if isinstance(context, int) else CHAT_POSITIONS
+        return max(positions - args.max_new_tokens, 1)
+    if tokenizer is None:  # refused once the model is named (no tokenizer files)
+        return 1
+    use_template, _ = template_choice(tokenizer, trained_with, raw=args.raw)
+    return max(len(prompt_ids(tokenizer, prompt, raw=not use_template)) for prompt in prompts)
+
+
+def rate_line(tokens: int, seconds: float, residency=None) -> str:
+    """``generate: N new tokens in S s (R tok/s, prefill included)``, and where the layers were.
+
+    Example:
+        >>> rate_line(128, 3.2)
+        'generate: 128 new tokens in 3.20 s (40.0 tok/s, prefill included)'
+    """
+    rate = tokens / seconds if seconds > 0 else 0.0
+    line = f"generate: {tokens} new tokens in {seconds:.2f} s ({rate:.1f} tok/s, prefill included)"
+    if residency is not None:
+        line += (f"; {residency.resident} of {residency.layers} decoder layers on the GPU, "
+                 f"{len(residency.streamed)} streamed from host memory")
+    return line
+
+
+def draft_bytes(draft_dir: Path | None) -> float:
+    """The draft model's weight bytes (its safetensors headers), which share the device with the model."""
+    if draft_dir is None:
+        return 0.0
+    return float(_weight_bytes(draft_dir)[0])

@@ -34,13 +34,14 @@ _DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
+def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified: bool = False):
     """Load a ``checkpoint-N`` (or export) directory as a causal LM and its tokenizer, on the CPU (eval mode).
 
     A compressed run's checkpoint is rebuilt from its blobs as they are (no re-encoding), a dense
     checkpoint or export tensor by tensor (:func:`neutrain.nn.load.build`); ``dtype`` ``auto`` keeps the
     dtype the config names (else the weights'). A NeuZip export loads through transformers'
-    ``from_pretrained`` and neutrain's quantizer, as any user of the export loads it.
+    ``from_pretrained`` and neutrain's quantizer, as any user of the export loads it. ``verified``: the caller
+    ran :func:`~neutrain.storage.manifest.verify_checkpoint` on it already (its checksums read every byte).
 
     Raises:
         CheckpointError: if the directory is missing or incomplete.
@@ -48,7 +49,8 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto"):
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    verify_checkpoint(path)  # checksums, and no file that would run code when loaded
+    if not verified:
+        verify_checkpoint(path)  # checksums, and no file that would run code when loaded
     changed = source_changed(path)
     if changed:
         logger.warning("%s", changed)

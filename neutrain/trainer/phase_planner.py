@@ -108,13 +108,10 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
     held = layer_slots + (vocab_slot if "vocab_slot" in train.terms else 0.0)
     largest = _largest_matrix(shape)
     dense, payload = largest * dtype_bytes, largest * bits / 8
-    h, kv, v = shape.hidden, shape.kv_heads * shape.head_dim, shape.vocab
+    h, v = shape.hidden, shape.vocab
 
     def phase(model: float, terms: dict[str, float], slack: float = ALLOCATOR_SLACK_BYTES) -> Estimate:
         return Estimate({"model": model, **terms}, dict(s), slack)
-
-    def layer_live(tokens: int) -> float:  # one decoder layer's intermediates (planner.estimate's count)
-        return tokens * (4 * h + 2 * kv + 3 * shape.intermediate) * dtype_bytes
 
     encode = largest * ENCODE_SCRATCH_BYTES if compressed else 0
     plan = {"build": phase(before_training, {"scratch": max(dense + encode, layer_slots + vocab_slot)}),
@@ -123,12 +120,10 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
     logits = (min(loss_chunk_bytes, tokens * v * 4) + tokens * h * 4 if s["chunked_loss"]
               else tokens * v * (dtype_bytes + 4))
     plan["eval"] = phase(after_training, {"decode_buffers": layer_slots + vocab_slot,
-                                          "activations": tokens * h * dtype_bytes + layer_live(tokens), "logits": logits})
-    context = prompt_tokens + sample_tokens
-    plan["generate"] = phase(after_training, {
-        "decode_buffers": layer_slots + vocab_slot, "kv_cache": shape.layers * 2 * kv * context * dtype_bytes,
-        "activations": prompt_tokens * h * dtype_bytes + layer_live(prompt_tokens),
-        "logits": 2 * v * 4})  # the last position's fp32 logits and the sampling probabilities
+                                          "activations": tokens * h * dtype_bytes + _layer_live(shape, tokens, dtype_bytes),
+                                          "logits": logits})
+    plan["generate"] = phase(after_training, {"decode_buffers": layer_slots + vocab_slot,
+                                              **generation_terms(shape, prompt_tokens, sample_tokens, 1, dtype_bytes)})
     plan["save"] = phase(after_training, {"decode_buffers": held,
                                           "scratch": CHECKSUM_SCRATCH_BYTES if compressed else dense})
     plan["resume"] = phase(before_training, {"decode_buffers": layer_slots + vocab_slot,
@@ -142,6 +137,76 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
             scratch = CHECKSUM_SCRATCH_BYTES if compressed else dense + largest * ENCODE_SCRATCH_BYTES
         plan["export"] = phase(after_training, {"decode_buffers": layer_slots, "scratch": scratch})
     return plan
+
+
+def _layer_live(shape: ModelShape, tokens: int, dtype_bytes: int) -> float:
+    """One decoder layer's intermediates for ``tokens`` tokens (:func:`~neutrain.trainer.planner.estimate`'s count)."""
+    kv = shape.kv_heads * shape.head_dim
+    return tokens * (4 * shape.hidden + 2 * kv + 3 * shape.intermediate) * dtype_bytes
+
+
+def generation_terms(shape: ModelShape, prompt_tokens: int, new_tokens: int, batch: int = 1,
+                     dtype_bytes: int = 2) -> dict[str, float]:
+    """What a generation adds to the resident model, for ``batch`` rows: the KV cache (prompt plus new tokens,
+    every layer), the prompt's prefill working set, the last position's fp32 logits and sampling probabilities.
+
+    Example:
+        >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
+        >>> round(generation_terms(shape, 16, 112)["kv_cache"] / 2**20)  # 128 positions x 128 KiB
+        16
+    """
+    kv = shape.kv_heads * shape.head_dim
+    return {"kv_cache": batch * shape.layers * 2 * kv * (prompt_tokens + new_tokens) * dtype_bytes,
+            "activations": batch * (prompt_tokens * shape.hidden * dtype_bytes + _layer_live(shape, prompt_tokens, dtype_bytes)),
+            "logits": batch * 2 * shape.vocab * 4}
+
+
+def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", streamed: int = 0, prompt_tokens: int,
+                    new_tokens: int, batch: int = 1, dtype_bytes: int = 2, bits_per_weight: float = NEUZIP_BITS,
+                    encoded: bool = False, extra: dict[str, float] | None = None) -> dict[str, Estimate]:
+    """``neutrain generate``'s phases on a device, with ``streamed`` decoder layers in host memory (0: none).
+
+    The resident weights, the weight store's slots and the decode buffers are the training step's terms for
+    the same placement (:func:`~neutrain.trainer.planner.estimate` with ``memory.offload_layers: streamed``,
+    the layers spread as training spreads them), so a layer costs the same on both sides of the planner; the
+    generation adds its own terms (:func:`generation_terms`) and the decode engine's fused projections.
+
+    Args:
+        weights: ``dense`` (loaded on the host and moved whole: no build phase on the device) or ``neuzip-lossless``
+            (built on the device tensor by tensor: the build's scratch, as a run's).
+        encoded: the source holds compressed blobs (a compressed run's checkpoint), placed as they are: the build
+            encodes nothing.
+        extra: more terms the generation holds (a draft model's weights).
+
+    Example:
+        >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
+        >>> plan = generation_plan(shape, streamed=14, prompt_tokens=16, new_tokens=112)
+        >>> round(peak_phase(plan)[1].reserved / GIB, 2)  # 18 layers resident, 2 slots for the 14 streamed
+        8.43
+    """
+    offload = streamed > 0
+    # Any optimizer: the terms taken from the step's estimate (weights, slots, decode buffers) do not depend on one.
+    train = estimate(shape, batch=batch, seq=prompt_tokens + new_tokens, weights=weights, optimizer="lomo",
+                     offload_weights=offload, offload_layers=streamed if offload else None, dtype_bytes=dtype_bytes,
+                     bits_per_weight=bits_per_weight)
+    plan = phase_estimates(shape, train, eval_batch=batch, prompt_tokens=prompt_tokens, sample_tokens=new_tokens,
+                           dtype_bytes=dtype_bytes, export_format="none")
+    generate = plan["generate"]
+    generate.terms.update(generation_terms(shape, prompt_tokens, new_tokens, batch, dtype_bytes))
+    # The engine runs each layer's Q/K/V and gate/up as one product (neutrain.eval.fused_projections): compressed
+    # groups decode into one scratch matrix of the largest group; dense ones are concatenated, the largest group's
+    # copy beside its members while it is made.
+    h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
+    generate.terms["projection_scratch"] = max((q + 2 * kv) * h, 2 * shape.intermediate * h) * dtype_bytes
+    generate.terms.update(extra or {})
+    if weights == "dense":
+        return {"generate": generate}
+    build = plan["build"]
+    if encoded:  # one compressed blob read at a time, then the decode buffers reserved
+        s = generate.settings
+        build.terms["scratch"] = max(_largest_matrix(shape) * bits_per_weight / 8,
+                                     s["layer_slot_bytes"] + s["vocab_slot_bytes"])
+    return {"build": build, "generate": generate}
 
 
 def plan_recipe(recipe: Recipe, train: Estimate | None = None, shape: ModelShape | None = None) -> dict[str, Estimate]:
