@@ -1,0 +1,242 @@
+"""``zgemv``: ``y = x @ W.T`` for one row of ``x`` (or up to 8, for speculative verification) with ``W`` in
+the zgemv layout (:mod:`neutrain.compress.zgemv`), decoded in registers and never written out.
+
+At batch 1 a decode step reads every weight once, so its time is bytes over bandwidth; the layout is 12
+bits a weight against bf16's 16. Each program owns ``BLOCK_N`` rows and walks a slice of the row's groups
+(8 weights, three 32-bit words: the codes and two words of low bytes), ``BLOCK_K / 8`` groups at a time:
+
+* a pair of weights becomes two bf16 patterns in one register with a rotate, a shift and two masks (the
+  layout puts the bits where they go); no base is added: ``w'`` carries exponent ``2c + e0`` and the row's
+  base returns as one power-of-two scale of the row's sum, with ``x`` pre-scaled by ``2**X_SHIFT`` so the
+  products are the same real numbers as ``x * w`` (exact in fp32);
+* each half of the register is one fp32 (a shift, a mask) times its ``x`` column, accumulated in fp32 in a
+  ``BLOCK_N x BLOCK_K / 8`` tile and reduced once at the end;
+* the escapes of the program's rows (a CSR list, rare) are added by the first K slice as
+  ``x[col] * value``, in a fixed order;
+* ``split > 1`` writes fp32 partial sums ``[split, M, N]``; the last slice of a row block to finish (a counter
+  per row block, reset by that slice) adds them in slice order, so one launch does it all and the sum is the
+  same on every call (a greedy decode repeats itself). ``serial=False`` leaves the sum to a second kernel, as
+  :mod:`neutrain.kernels.gemv` does.
+
+With ``M > 1`` rows of ``x`` each decoded pair is used ``M`` times (an ``M x BLOCK_N x BLOCK_K / 8``
+accumulator), so verifying a few drafted tokens reads the weight once too. The pure-PyTorch reference is
+:func:`neutrain.compress.zgemv.zgemv_reference`; which configuration is fastest per shape is measured by
+``benchmarks/zgemv.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from neutrain.kernels.gemv import _sum_partials_kernel
+
+X_SHIFT = 80  # the layout's (neutrain.compress.zgemv.X_SHIFT); kernels may not import compress
+MAX_ROWS = 8
+_X_SCALE = tl.constexpr(2.0**X_SHIFT)
+_X_SHIFT = tl.constexpr(X_SHIFT)
+
+
+@triton.jit
+def _pair(code, raw_lo, raw_hi, P: tl.constexpr):
+    """Pair ``P`` of a group as two fp32 (``w'``, see the layout): low lane, high lane."""
+    if P == 0:
+        rot = code
+    else:
+        rot = (code << (4 * P)) | (code >> (32 - 4 * P))
+    raw = raw_lo if P < 2 else raw_hi
+    if P % 2 == 1:
+        raw = raw >> 8
+    bits = (rot & 0x87008700) | (raw & 0x00FF00FF)
+    return (bits << 16).to(tl.float32, bitcast=True), (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pair(x_ptr, xw_ptr, m, K, G, gs, g_ok, P: tl.constexpr, X_WORDS: tl.constexpr, EVEN: tl.constexpr,
+            M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``m`` of ``x`` at pair ``P``'s columns ``P * 2G + 2 gs`` and ``+ 1``, in fp32, times ``2**X_SHIFT``."""
+    if BLOCK_M != M:
+        g_ok = g_ok & (m < M)
+    if X_WORDS:  # bf16 x, K even: one 32-bit word holds both columns
+        word = P * G + gs
+        if EVEN and BLOCK_M == M:  # K == 8 G: every word of the slice exists
+            xw = tl.load(xw_ptr + m * (K // 2) + word)
+        else:
+            xw = tl.load(xw_ptr + m * (K // 2) + word, mask=g_ok & (word < K // 2), other=0)
+        xw = xw.to(tl.uint32, bitcast=True)
+        xa = (xw << 16).to(tl.float32, bitcast=True)
+        xb = (xw & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        col = P * 2 * G + 2 * gs
+        xa = tl.load(x_ptr + m * K + col, mask=g_ok & (col < K), other=0).to(tl.float32)
+        xb = tl.load(x_ptr + m * K + col + 1, mask=g_ok & (col + 1 < K), other=0).to(tl.float32)
+    return xa * _X_SCALE, xb * _X_SCALE
+
+
+@triton.jit
+def _escapes(x_ptr, esc_ptr_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, rows, ms, pid_n, N, K,
+             M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr):
+    """``sum x[col] * value`` over the escapes of these rows, in list order: ``[BLOCK_N]`` (``[BLOCK_M, BLOCK_N]``)."""
+    if BLOCK_M == 1:
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = tl.load(esc_ptr_ptr + pid_n * BLOCK_N)
+    last = tl.load(esc_ptr_ptr + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N))
+    for e in range(first, last, ESC_BLOCK):
+        idx = e + tl.arange(0, ESC_BLOCK)
+        ok = idx < last
+        row = tl.load(esc_row_ptr + idx, mask=ok, other=-1)
+        col = tl.load(esc_col_ptr + idx, mask=ok, other=0)
+        val = tl.load(esc_val_ptr + idx, mask=ok, other=0).to(tl.int32)
+        val = ((val & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # the exact bf16, NaN payloads included
+        hit = row[:, None] == rows[None, :]
+        if BLOCK_M == 1:
+            xv = tl.load(x_ptr + col, mask=ok, other=0).to(tl.float32)
+            out += tl.sum(tl.where(hit, (xv * val)[:, None], 0.0), axis=0)
+        else:
+            xv = tl.load(x_ptr + ms[:, None] * K + col[None, :], mask=ok[None, :] & (ms[:, None] < M),
+                         other=0).to(tl.float32)
+            out += tl.sum(tl.where(hit[None, :, :], (xv * val[None, :])[:, :, None], 0.0), axis=1)
+    return out
+
+
+@triton.jit
+def _zgemv_kernel(x_ptr, xw_ptr, codes_ptr, raw_lo_ptr, raw_hi_ptr, base_ptr, esc_ptr_ptr, esc_row_ptr, esc_col_ptr,
+                  esc_val_ptr, out_ptr, part_ptr, count_ptr, N, K, G, g_per_split, split,
+                  M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                  ESC_BLOCK: tl.constexpr, X_WORDS: tl.constexpr, EVEN: tl.constexpr, PARTIAL: tl.constexpr,
+                  SERIAL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    # Escapes first: their dependent loads (list, then x) wait while the stream below runs, not at the tail.
+    if pid_k == 0:
+        extra = _escapes(x_ptr, esc_ptr_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, rows, ms, pid_n, N, K,
+                         M, BLOCK_M, BLOCK_N, ESC_BLOCK)
+    elif BLOCK_M == 1:
+        extra = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        extra = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
+    start = pid_k * g_per_split
+    # The weight tile is [BLOCK_N, BLOCK_G], or [1, BLOCK_N, BLOCK_G] beside x's [BLOCK_M, 1, BLOCK_G]: built in
+    # the accumulator's rank from the start, a decoded pair broadcasts over the rows of x without a shuffle.
+    if BLOCK_M == 1:
+        row_off = rows[:, None].to(tl.int64) * G
+        row_in = row_ok[:, None]
+    else:
+        row_off = rows[None, :, None].to(tl.int64) * G
+        row_in = row_ok[None, :, None]
+    for g in range(start, tl.minimum(start + g_per_split, G), BLOCK_G):  # the last slice may be shorter
+        gs = g + tl.arange(0, BLOCK_G)
+        if BLOCK_M == 1:
+            g_at = gs[None, :]
+            m_at = 0
+            g_x = gs
+        else:
+            g_at = gs[None, None, :]
+            m_at = ms[:, None, None]
+            g_x = g_at
+        g_ok = g_x < G
+        off = row_off + g_at
+        if EVEN:  # no masks: no zeroing of the load targets, no predicates
+            code = tl.load(codes_ptr + off).to(tl.uint32, bitcast=True)
+            raw_lo = tl.load(raw_lo_ptr + off).to(tl.uint32, bitcast=True)
+            raw_hi = tl.load(raw_hi_ptr + off).to(tl.uint32, bitcast=True)
+        else:
+            ok = row_in & (g_at < G)
+            code = tl.load(codes_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            raw_lo = tl.load(raw_lo_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            raw_hi = tl.load(raw_hi_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        for p in tl.static_range(4):
+            lo, hi = _pair(code, raw_lo, raw_hi, p)
+            xa, xb = _x_pair(x_ptr, xw_ptr, m_at, K, G, g_x, g_ok, p, X_WORDS, EVEN, M, BLOCK_M)
+            if BLOCK_M == 1:
+                acc += lo * xa[None, :]
+                acc += hi * xb[None, :]
+            else:
+                acc += lo * xa
+                acc += hi * xb
+    # The row's base returns as 2**(2 hb - 2 - X_SHIFT), in two factors (each a normal fp32 for every base).
+    shift = 2 * tl.load(base_ptr + rows, mask=row_ok, other=1).to(tl.int32) - 2 - _X_SHIFT
+    half = shift >> 1
+    f1 = ((half + 127) << 23).to(tl.float32, bitcast=True)
+    f2 = ((shift - half + 127) << 23).to(tl.float32, bitcast=True)
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1) * f1 * f2 + extra
+        at, keep = rows, row_ok
+    else:
+        y = tl.sum(acc, axis=2) * f1[None, :] * f2[None, :] + extra
+        at, keep = ms[:, None] * N + rows[None, :], (ms[:, None] < M) & row_ok[None, :]
+    if not PARTIAL:
+        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        tl.store(part_ptr + pid_k * M * N + at, y, mask=keep)
+        if SERIAL:  # the last slice of this row block to finish adds the partials, in slice order
+            tl.debug_barrier()  # every thread's partial is written before the count goes up
+            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == split - 1:
+                tl.debug_barrier()
+                total = tl.load(part_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
+                for s in range(1, split):
+                    total += tl.load(part_ptr + s * M * N + at, mask=keep, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=keep)
+                tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (and a CUDA graph's replay)
+
+
+def _check(x: torch.Tensor, zw, block_n: int, block_k: int, split: int) -> tuple[int, int, int]:
+    n, k = zw.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"zgemv: x has {x.shape[-1]} columns, the weight {tuple(zw.shape)} needs {k}")
+    m = x.numel() // k if k else 0
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"zgemv takes 1 to {MAX_ROWS} rows of x, got {m} (shape {tuple(x.shape)})")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"zgemv: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.device != zw.codes.device:
+        raise ValueError(f"zgemv: x is on {x.device}, the weight on {zw.codes.device}")
+    if split < 1 or block_n < 1 or block_k < 8 or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"zgemv: block_n and block_k must be powers of two (block_k >= 8) and split >= 1 "
+                         f"(got {block_n}, {block_k}, {split})")
+    return m, n, k
+
+
+def zgemv(x: torch.Tensor, zw, *, block_n: int = 32, block_k: int = 256, split: int = 1, num_warps: int = 4,
+          serial: bool = True) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` of 1 to 8 rows (``[K]``, ``[M, K]``, ``[1, M, K]``, ...) and ``zw`` a
+    :class:`~neutrain.compress.zgemv.ZgemvWeight` ``[N, K]`` on the same device; fp32 accumulation,
+    output in ``x``'s dtype and leading shape. ``block_k`` weights of a row per step (a multiple of 8),
+    ``split`` slices of K whose partial sums are added in slice order: by the last slice of each row block
+    (``serial``, one launch; the weight's ``counters`` track the slices) or by a second kernel. Products
+    are exact while ``|x| < 2**48`` (larger gives inf).
+
+    Example:
+        >>> # zw = ZgemvWeight.from_bf16(layer.weight); y = zgemv(x, zw, split=4)  # == F.linear(x, layer.weight)
+    """
+    m, n, k = _check(x, zw, block_n, block_k, split)
+    lead = x.shape[:-1]
+    x = x.reshape(m, k).contiguous()
+    g = zw.codes.shape[1]
+    block_g = block_k // 8
+    per_split = triton.cdiv(triton.cdiv(g, split), block_g) * block_g
+    split = triton.cdiv(g, per_split)  # no empty slice
+    words = x.dtype == torch.bfloat16 and k % 2 == 0 and x.data_ptr() % 4 == 0
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), split)
+    even = n % block_n == 0 and g % block_g == 0 and k == 8 * g  # every tile whole: the unmasked loop
+    _zgemv_kernel[grid](x, x.view(torch.int32) if words else x, zw.codes, zw.raw[0], zw.raw[1], zw.base, zw.esc_ptr,
+                        zw.esc_row, zw.esc_col, zw.esc_val, out, part, zw.counters, n, k, g, per_split, split, M=m,
+                        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_G=block_g, ESC_BLOCK=16,
+                        X_WORDS=words, EVEN=even, PARTIAL=split > 1, SERIAL=serial, num_warps=num_warps)
+    if split > 1 and not serial:
+        block = 1024 if m * n >= 1024 else triton.next_power_of_2(m * n)
+        _sum_partials_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT=split, BLOCK=block)
+    return out.view(*lead, n)
