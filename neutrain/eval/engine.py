@@ -137,7 +137,7 @@ class DecodeEngine:
         gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
             the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
             ``benchmarks/engine_decode.py``'s timing); default: cuBLAS for every linear.
-        zgemv: for a NeuZip model: True, or ``{(N, K): (block_n, block_k, split, num_warps)}``, converts each
+        zgemv: for a NeuZip model: True, or ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``, converts each
             compressed bf16 matrix (fused groups as one) to the 12-bit zgemv layout once, and decode steps read
             it through ``zgemv``, decoded in registers, instead of decoding the matrix to bf16 first
             (:mod:`neutrain.eval.zgemv`; about 12 more bits a weight while the engine's model holds them);

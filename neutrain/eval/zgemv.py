@@ -17,8 +17,9 @@ A weight updated after the conversion (its ``version`` moved) is not read stale:
 compressed path until :func:`attach_zgemv` runs again. Memory: the layouts sit beside the NeuZip payloads,
 about 12 more bits a weight while attached; :func:`detach_zgemv` frees them.
 
-``table`` gives a configuration per weight shape, ``{(N, K): (block_n, block_k, split, num_warps)}``
-(``benchmarks/zgemv.py`` measures them); a shape not in it gets :func:`default_config`.
+``table`` gives a configuration per weight shape, ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``
+(``benchmarks/zgemv.py`` measures them: its keys ``zgemv_n64_k256_s8_w4_p1`` read in this order); a shape not
+in it gets :func:`default_config`.
 """
 
 from __future__ import annotations
@@ -35,25 +36,26 @@ from neutrain.nn import CompressedLinear
 MAX_ROWS = 8  # the kernel's (neutrain.kernels.zgemv.MAX_ROWS), read here without importing Triton
 
 
-def default_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """``(block_n, block_k, split, num_warps)``: 64 x 256 tiles, split along K until the grid has about two
-    programs an SM (a short, wide matrix like Llama-3-8B's 4096 x 14336 ``down_proj`` otherwise leaves SMs idle).
+def default_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, bool]:
+    """``(block_n, block_k, split, num_warps, prmt)``: 64 x 256 tiles, split along K until the grid has about
+    two programs an SM (a short, wide matrix like Llama-3-8B's 4096 x 14336 ``down_proj`` otherwise leaves SMs
+    idle), lanes placed by byte permutes.
 
     Example:
         >>> default_config(4096, 14336), default_config(128256, 4096)
-        ((64, 256, 8, 4), (64, 256, 1, 4))
+        ((64, 256, 8, 4, True), (64, 256, 1, 4, True))
     """
     blocks = -(-n // 64)
     split = 1
     while split < 8 and blocks * split < 2 * sms and k // (split * 2) >= 1024:
         split *= 2
-    return 64, 256, split, 4
+    return 64, 256, split, 4, True
 
 
 class _Attached:
     """A matrix's zgemv layout, the configuration it runs with and the weight versions it was built from."""
 
-    def __init__(self, weights: list, zw: ZgemvWeight, config: tuple[int, int, int, int]):
+    def __init__(self, weights: list, zw: ZgemvWeight, config: tuple):
         self.weights, self.zw, self.config = weights, zw, config
         self.versions = [w.version for w in weights]
         self.active = False
@@ -66,8 +68,8 @@ class _Attached:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from neutrain.kernels.zgemv import zgemv  # lazy: Triton only where a kernel runs
 
-        block_n, block_k, split, num_warps = self.config
-        y = zgemv(x, self.zw, block_n=block_n, block_k=block_k, split=split, num_warps=num_warps)
+        block_n, block_k, split, num_warps, prmt = self.config
+        y = zgemv(x, self.zw, block_n=block_n, block_k=block_k, split=split, num_warps=num_warps, prmt=bool(prmt))
         return y if bias is None else y + bias.to(y.dtype)
 
 
