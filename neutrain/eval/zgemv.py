@@ -14,7 +14,8 @@ training keep the compressed path. Both kinds of matrices are covered:
   and training path).
 
 A weight updated after the conversion (its ``version`` moved) is not read stale: those calls take the
-compressed path until :func:`attach_zgemv` runs again. Memory: the layouts sit beside the NeuZip payloads,
+compressed path until :func:`attach_zgemv` runs again (a CUDA graph captured before the update replays the
+path it captured: make a new engine after training steps). Memory: the layouts sit beside the NeuZip payloads,
 about 12 more bits a weight while attached; :func:`detach_zgemv` frees them.
 
 ``table`` gives a configuration per weight shape, ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``

@@ -20,8 +20,9 @@ bits a weight against bf16's 16. Each program owns ``BLOCK_N`` rows and walks a 
   same on every call (a greedy decode repeats itself). ``serial=False`` leaves the sum to a second kernel, as
   :mod:`neutrain.kernels.gemv` does.
 
-With ``M > 1`` rows of ``x`` each decoded pair is used ``M`` times (an ``M x BLOCK_N x BLOCK_K / 8``
-accumulator), so verifying a few drafted tokens reads the weight once too. The pure-PyTorch reference is
+With ``M > 1`` rows of ``x`` each decoded pair is used ``M`` times (one accumulator per row of x, in the
+registers that hold the pair), so verifying a few drafted tokens reads the weight once too; more rows a
+thread (``block_n`` 32 or 64) then share each load and scaling of x. The pure-PyTorch reference is
 :func:`neutrain.compress.zgemv.zgemv_reference`; which configuration is fastest per shape is measured by
 ``benchmarks/zgemv.py``.
 """
@@ -82,14 +83,11 @@ def _pair(code, raw_lo, raw_hi, P: tl.constexpr, PRMT: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def _x_pair(x_ptr, xw_ptr, m, K, G, gs, g_ok, P: tl.constexpr, X_WORDS: tl.constexpr, EVEN: tl.constexpr,
-            M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows ``m`` of ``x`` at pair ``P``'s columns ``P * 2G + 2 gs`` and ``+ 1``, in fp32, times ``2**X_SHIFT``."""
-    if BLOCK_M != M:
-        g_ok = g_ok & (m < M)
+def _x_pair(x_ptr, xw_ptr, m, K, G, gs, g_ok, P: tl.constexpr, X_WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """Row ``m`` of ``x`` at pair ``P``'s columns ``P * 2G + 2 gs`` and ``+ 1``, in fp32, times ``2**X_SHIFT``."""
     if X_WORDS:  # bf16 x, K even: one 32-bit word holds both columns
         word = P * G + gs
-        if EVEN and BLOCK_M == M:  # K == 8 G: every word of the slice exists
+        if EVEN:  # K == 8 G: every word of the slice exists
             xw = tl.load(xw_ptr + m * (K // 2) + word)
         else:
             xw = tl.load(xw_ptr + m * (K // 2) + word, mask=g_ok & (word < K // 2), other=0)
@@ -104,30 +102,51 @@ def _x_pair(x_ptr, xw_ptr, m, K, G, gs, g_ok, P: tl.constexpr, X_WORDS: tl.const
 
 
 @triton.jit
-def _escape_sum(x_ptr, row, col, val, ok, rows, ms, K, M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``sum x[col] * value`` over a chunk of escapes, per row of the block (``[BLOCK_N]``, ``[BLOCK_M, BLOCK_N]``)."""
+def _accumulate(acc, lo, hi, x_ptr, xw_ptr, m: tl.constexpr, K, G, gs, g_ok, P: tl.constexpr,
+                X_WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """``acc`` (row ``m`` of x's ``[BLOCK_N, BLOCK_G]`` sums) plus a decoded pair times its two x columns."""
+    xa, xb = _x_pair(x_ptr, xw_ptr, m, K, G, gs, g_ok, P, X_WORDS, EVEN)
+    acc += lo * xa[None, :]
+    acc += hi * xb[None, :]
+    return acc
+
+
+@triton.jit
+def _escape_sum(x_ptr, row, col, val, ok, rows):
+    """``sum x[col] * value`` over a chunk of escapes, per row of the block ``[BLOCK_N]``."""
     val = ((val.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # the exact bf16, NaN payloads too
-    hit = row[:, None] == rows[None, :]
-    if BLOCK_M == 1:
-        xv = tl.load(x_ptr + col, mask=ok, other=0).to(tl.float32)
-        return tl.sum(tl.where(hit, (xv * val)[:, None], 0.0), axis=0)
+    xv = tl.load(x_ptr + col, mask=ok, other=0).to(tl.float32)
+    return tl.sum(tl.where(row[:, None] == rows[None, :], (xv * val)[:, None], 0.0), axis=0)
+
+
+@triton.jit
+def _finish_row(acc, m: tl.constexpr, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val,
+                e_ok, first, last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M: tl.constexpr,
+                ESC_BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
+    """Row ``m`` of x: the row sums scaled by the rows' bases, plus the escapes, stored (or its partial)."""
+    y = tl.sum(acc, axis=1) * f1 * f2 + _escape_sum(x_ptr + m * K, e_row, e_col, e_val, e_ok, rows)
+    for e in range(first + (pid_k + split) * ESC_BLOCK, last, split * ESC_BLOCK):  # more than a chunk: rare
+        idx = e + tl.arange(0, ESC_BLOCK)
+        ok = idx < last
+        y += _escape_sum(x_ptr + m * K, tl.load(esc_row_ptr + idx, mask=ok, other=-1),
+                         tl.load(esc_col_ptr + idx, mask=ok, other=0), tl.load(esc_val_ptr + idx, mask=ok, other=0),
+                         ok, rows)
+    if PARTIAL:
+        tl.store(part_ptr + pid_k * M * N + m * N + rows, y, mask=row_ok)
     else:
-        xv = tl.load(x_ptr + ms[:, None] * K + col[None, :], mask=ok[None, :] & (ms[:, None] < M),
-                     other=0).to(tl.float32)
-        return tl.sum(tl.where(hit[None, :, :], (xv * val[None, :])[:, :, None], 0.0), axis=1)
+        tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _zgemv_kernel(x_ptr, xw_ptr, codes_ptr, raw_lo_ptr, raw_hi_ptr, base_ptr, esc_ptr_ptr, esc_row_ptr, esc_col_ptr,
                   esc_val_ptr, out_ptr, part_ptr, count_ptr, N, K, G, g_per_split, split,
-                  M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                  ESC_BLOCK: tl.constexpr, X_WORDS: tl.constexpr, EVEN: tl.constexpr, PARTIAL: tl.constexpr,
-                  SERIAL: tl.constexpr, PRMT: tl.constexpr, ASM: tl.constexpr):
+                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, ESC_BLOCK: tl.constexpr,
+                  X_WORDS: tl.constexpr, EVEN: tl.constexpr, PARTIAL: tl.constexpr, SERIAL: tl.constexpr,
+                  PRMT: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    ms = tl.arange(0, BLOCK_M)
     # The escapes of the block's rows, in chunks of ESC_BLOCK dealt to the K slices in turn (slice s adds
     # chunks s, s + split, ...). A slice's first chunk is read before the stream and used after it, so its
     # latency hides behind the stream; further chunks (rare) are read at the end.
@@ -138,81 +157,94 @@ def _zgemv_kernel(x_ptr, xw_ptr, codes_ptr, raw_lo_ptr, raw_hi_ptr, base_ptr, es
     e_row = tl.load(esc_row_ptr + idx, mask=e_ok, other=-1)
     e_col = tl.load(esc_col_ptr + idx, mask=e_ok, other=0)
     e_val = tl.load(esc_val_ptr + idx, mask=e_ok, other=0)
-    if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
+    # One [BLOCK_N, BLOCK_G] accumulator per row of x, each in the weight tile's own layout: a decoded pair
+    # feeds every row of x from the registers that hold it (a 3-D tile would move it through shared memory).
+    acc0 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 2:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 3:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 4:
+        acc4 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 5:
+        acc5 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 6:
+        acc6 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    if M > 7:
+        acc7 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     start = pid_k * g_per_split
-    # The weight tile is [BLOCK_N, BLOCK_G], or [1, BLOCK_N, BLOCK_G] beside x's [BLOCK_M, 1, BLOCK_G]: built in
-    # the accumulator's rank from the start, a decoded pair broadcasts over the rows of x without a shuffle.
-    if BLOCK_M == 1:
-        row_off = rows[:, None].to(tl.int64) * G
-        row_in = row_ok[:, None]
-    else:
-        row_off = rows[None, :, None].to(tl.int64) * G
-        row_in = row_ok[None, :, None]
+    row_off = rows[:, None].to(tl.int64) * G
     for g in range(start, tl.minimum(start + g_per_split, G), BLOCK_G):  # the last slice may be shorter
         gs = g + tl.arange(0, BLOCK_G)
-        if BLOCK_M == 1:
-            g_at = gs[None, :]
-            m_at = 0
-            g_x = gs
-        else:
-            g_at = gs[None, None, :]
-            m_at = ms[:, None, None]
-            g_x = g_at
-        g_ok = g_x < G
-        off = row_off + g_at
+        g_ok = gs < G
+        off = row_off + gs[None, :]
         if EVEN:  # no masks: no zeroing of the load targets, no predicates
             code = tl.load(codes_ptr + off).to(tl.uint32, bitcast=True)
             raw_lo = tl.load(raw_lo_ptr + off).to(tl.uint32, bitcast=True)
             raw_hi = tl.load(raw_hi_ptr + off).to(tl.uint32, bitcast=True)
         else:
-            ok = row_in & (g_at < G)
+            ok = row_ok[:, None] & g_ok[None, :]
             code = tl.load(codes_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
             raw_lo = tl.load(raw_lo_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
             raw_hi = tl.load(raw_hi_ptr + off, mask=ok, other=0).to(tl.uint32, bitcast=True)
         for p in tl.static_range(4):
             lo, hi = _pair(code, raw_lo, raw_hi, p, PRMT, ASM)
-            xa, xb = _x_pair(x_ptr, xw_ptr, m_at, K, G, g_x, g_ok, p, X_WORDS, EVEN, M, BLOCK_M)
-            if BLOCK_M == 1:
-                acc += lo * xa[None, :]
-                acc += hi * xb[None, :]
-            else:
-                acc += lo * xa
-                acc += hi * xb
+            acc0 = _accumulate(acc0, lo, hi, x_ptr, xw_ptr, 0, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 1:
+                acc1 = _accumulate(acc1, lo, hi, x_ptr, xw_ptr, 1, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 2:
+                acc2 = _accumulate(acc2, lo, hi, x_ptr, xw_ptr, 2, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 3:
+                acc3 = _accumulate(acc3, lo, hi, x_ptr, xw_ptr, 3, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 4:
+                acc4 = _accumulate(acc4, lo, hi, x_ptr, xw_ptr, 4, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 5:
+                acc5 = _accumulate(acc5, lo, hi, x_ptr, xw_ptr, 5, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 6:
+                acc6 = _accumulate(acc6, lo, hi, x_ptr, xw_ptr, 6, K, G, gs, g_ok, p, X_WORDS, EVEN)
+            if M > 7:
+                acc7 = _accumulate(acc7, lo, hi, x_ptr, xw_ptr, 7, K, G, gs, g_ok, p, X_WORDS, EVEN)
     # The row's base returns as 2**(2 hb - 2 - X_SHIFT), in two factors (each a normal fp32 for every base).
     shift = 2 * tl.load(base_ptr + rows, mask=row_ok, other=1).to(tl.int32) - 2 - _X_SHIFT
     half = shift >> 1
     f1 = ((half + 127) << 23).to(tl.float32, bitcast=True)
     f2 = ((shift - half + 127) << 23).to(tl.float32, bitcast=True)
-    if BLOCK_M == 1:
-        y = tl.sum(acc, axis=1) * f1 * f2
-        at, keep = rows, row_ok
-    else:
-        y = tl.sum(acc, axis=2) * f1[None, :] * f2[None, :]
-        at, keep = ms[:, None] * N + rows[None, :], (ms[:, None] < M) & row_ok[None, :]
-    y += _escape_sum(x_ptr, e_row, e_col, e_val, e_ok, rows, ms, K, M, BLOCK_M)
-    for e in range(first + (pid_k + split) * ESC_BLOCK, last, split * ESC_BLOCK):
-        idx = e + tl.arange(0, ESC_BLOCK)
-        e_ok = idx < last
-        y += _escape_sum(x_ptr, tl.load(esc_row_ptr + idx, mask=e_ok, other=-1),
-                         tl.load(esc_col_ptr + idx, mask=e_ok, other=0), tl.load(esc_val_ptr + idx, mask=e_ok, other=0),
-                         e_ok, rows, ms, K, M, BLOCK_M)
-    if not PARTIAL:
-        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=keep)
-    else:
-        tl.store(part_ptr + pid_k * M * N + at, y, mask=keep)
-        if SERIAL:  # the last slice of this row block to finish adds the partials, in slice order
-            tl.debug_barrier()  # every thread's partial is written before the count goes up
-            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if done == split - 1:
-                tl.debug_barrier()
-                total = tl.load(part_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
+    _finish_row(acc0, 0, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 1:
+        _finish_row(acc1, 1, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 2:
+        _finish_row(acc2, 2, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 3:
+        _finish_row(acc3, 3, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 4:
+        _finish_row(acc4, 4, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 5:
+        _finish_row(acc5, 5, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 6:
+        _finish_row(acc6, 6, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if M > 7:
+        _finish_row(acc7, 7, f1, f2, x_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr, e_row, e_col, e_val, e_ok, first,
+                    last, rows, row_ok, pid_k, split, K, N, out_ptr, part_ptr, M, ESC_BLOCK, PARTIAL)
+    if PARTIAL and SERIAL:  # the last slice of this row block to finish adds the partials, in slice order
+        tl.debug_barrier()  # every thread's partials are written before the count goes up
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == split - 1:
+            tl.debug_barrier()
+            for m in tl.static_range(M):
+                total = tl.load(part_ptr + m * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
                 for s in range(1, split):
-                    total += tl.load(part_ptr + s * M * N + at, mask=keep, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=keep)
-                tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (and a CUDA graph's replay)
+                    total += tl.load(part_ptr + (s * M + m) * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m * N + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (and a CUDA graph's replay)
 
 
 def _check(x: torch.Tensor, zw, block_n: int, block_k: int, split: int) -> tuple[int, int, int]:
@@ -260,7 +292,7 @@ def zgemv(x: torch.Tensor, zw, *, block_n: int = 32, block_k: int = 256, split: 
     even = n % block_n == 0 and g % block_g == 0 and k == 8 * g  # every tile whole: the unmasked loop
     _zgemv_kernel[grid](x, x.view(torch.int32) if words else x, zw.codes, zw.raw[0], zw.raw[1], zw.base, zw.esc_ptr,
                         zw.esc_row, zw.esc_col, zw.esc_val, out, part, zw.counters, n, k, g, per_split, split, M=m,
-                        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_G=block_g, ESC_BLOCK=16,
+                        BLOCK_N=block_n, BLOCK_G=block_g, ESC_BLOCK=16,
                         X_WORDS=words, EVEN=even, PARTIAL=split > 1, SERIAL=serial, PRMT=prmt,
                         ASM=not interpreting(), num_warps=num_warps)
     if split > 1 and not serial:
