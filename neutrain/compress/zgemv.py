@@ -28,7 +28,8 @@ column ``j = p * Kp / 4 + 2 g + lane`` is pair ``p`` (0..3), group ``g``, lane `
 columns are contiguous. ``codes[n, g]`` (int32) holds a group's 8 codes so that ``rotl(word, 4 p) &
 0x87008700`` puts pair ``p``'s signs at bits 15 and 31 and its ``c`` at bits 8..10 and 24..26; ``raw[q, n,
 g]`` holds pairs ``2q`` and ``2q + 1``'s low bytes so that ``(word >> 8 (p % 2)) & 0x00FF00FF`` is pair
-``p``'s. One OR later the pair is two bf16 patterns in one register.
+``p``'s. One OR later the pair is two bf16 patterns in one register; or (the kernel's default) one byte
+permute per lane puts each pattern into the high half of its own fp32.
 """
 
 from __future__ import annotations
