@@ -236,7 +236,7 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
                 before = parameter_bytes(model)
                 engine = DecodeEngine(model, prompt.shape[1] + new, **engines[method])
                 extra = {"fused_groups": engine.fused_groups, "parameter_bytes_before_engine": before,
-                         "gemv_table": {f"{n}x{k}": c for (n, k), c in (gemv or {}).items()} if method.endswith("gemv")
+                         "gemv_table": {f"{n}x{k}": c for (n, k), c in (gemv or {}).items()} if method == "engine_graph_gemv"
                          else None,
                          "parameter_bytes_after_engine": parameter_bytes(model)}
                 if engine.zgemv_matrices:
