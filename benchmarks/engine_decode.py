@@ -10,7 +10,11 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
   gate/up fused into one GEMV each (:mod:`neutrain.eval.fused_projections`, the engine's default);
 * ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, as
   before the fusion). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
-  fused matrices: outside the engine's fusion context those are the plain separate GEMVs.
+  fused matrices: outside the engine's fusion context those are the plain separate GEMVs;
+* ``engine_graph_zgemv`` (NeuZip weights, CUDA): engine_graph with ``zgemv=True``: each compressed matrix
+  converted once to the 12-bit zgemv layout (:mod:`neutrain.eval.zgemv`) and read by the GEMV that decodes it in
+  registers, instead of decoding it to bf16 first; its row records the layout's bits per weight, and
+  ``neuzip_lossless_over_bf16_decode`` takes the faster of engine_graph and this row (its ``method`` says which).
 
 ``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
 projections, o_proj, down_proj, lm_head), the CUDA-event median of cuBLAS (``F.linear``) and of the
@@ -222,7 +226,8 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
                     gemv: dict | None = None) -> tuple[list[dict], dict]:
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
     engines = {"engine_eager": dict(cuda_graph=False, fuse=True), "engine_graph": dict(fuse=True),
-               "engine_graph_gemv": dict(fuse=True, gemv=gemv), "engine_graph_unfused": dict(fuse=False)}
+               "engine_graph_gemv": dict(fuse=True, gemv=gemv), "engine_graph_unfused": dict(fuse=False),
+               "engine_graph_zgemv": dict(fuse=True, zgemv=True)}
     rows, outputs = [], {}
     for method in methods:
         engine, run, extra = None, None, {}
@@ -231,9 +236,13 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
                 before = parameter_bytes(model)
                 engine = DecodeEngine(model, prompt.shape[1] + new, **engines[method])
                 extra = {"fused_groups": engine.fused_groups, "parameter_bytes_before_engine": before,
-                         "gemv_table": {f"{n}x{k}": c for (n, k), c in (gemv or {}).items()} if method.endswith("gemv")
+                         "gemv_table": {f"{n}x{k}": c for (n, k), c in (gemv or {}).items()} if method == "engine_graph_gemv"
                          else None,
                          "parameter_bytes_after_engine": parameter_bytes(model)}
+                if engine.zgemv_matrices:
+                    layouts = [a.zw for a in model._neutrain_zgemv]
+                    extra.update(zgemv_matrices=engine.zgemv_matrices, zgemv_bits_per_weight=8 * sum(
+                        z.nbytes() for z in layouts) / sum(z.shape[0] * z.shape[1] for z in layouts))
                 run = lambda e=engine: e.generate(prompt, new)  # noqa: E731
             else:
                 run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
@@ -255,6 +264,10 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
             continue
         finally:
             engine = run = None  # the engine's static cache and graph pool go before the next method's
+            if method == "engine_graph_zgemv":
+                from neutrain.eval.zgemv import detach_zgemv  # lazy: the row's layouts go with it
+
+                detach_zgemv(model)
             free(device)
         outputs[method] = out.cpu()
         sec = statistics.median(secs)
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run")
     parser.add_argument("--weights", default="dense,neuzip-lossless,neuzip-lossy-3")
     parser.add_argument("--methods", default=None,
-                        help="comma list of engine_graph, engine_eager, hf_generate (default: all that apply; "
+                        help="comma list of engine_graph, engine_graph_zgemv, engine_eager, hf_generate (default: all that apply; "
                              "hf_generate on dense weights only)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
@@ -302,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.3f} GB per token "
         f"(weights {read['weights'] / 1e9:.3f}, KV {read['kv'] / 1e9:.4f}, logits {read['logits'] / 1e9:.5f}); "
         f"roofline {roofline:.0f} tok/s")
-    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_unfused", "hf_generate"]
+    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_zgemv", "engine_graph_unfused",
+                        "hf_generate"]
                        if device.type == "cuda" else ["engine_eager", "hf_generate"])
     methods = args.methods.split(",") if args.methods else default_methods
     if args.skip_hf:
@@ -352,10 +366,15 @@ def main(argv: list[str] | None = None) -> dict:
                 "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
                 "method": fastest, "layers": config.num_hidden_layers, "step_ms": fastest_step,
                 "from_generate_tokens_per_s": tps("dense", fastest) / roofline if tps("dense", fastest) else None}
-        lossless = tps("neuzip-lossless", best_method)
+        lossless_method = max((m for m in (best_method, "engine_graph_zgemv") if tps("neuzip-lossless", m)),
+                              key=lambda m: tps("neuzip-lossless", m), default=best_method)
+        lossless = tps("neuzip-lossless", lossless_method)
         if dense and lossless:
+            bits = next((r.get("zgemv_bits_per_weight") for r in rows if r["weights"] == "neuzip-lossless"
+                         and r.get("method") == lossless_method), None)
             targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense,
-                                                          "goal": GOALS["neuzip_lossless_over_bf16_decode"]}
+                                                          "goal": GOALS["neuzip_lossless_over_bf16_decode"],
+                                                          "method": lossless_method, "bits_per_weight": bits}
         lossy = tps("neuzip-lossy-3", best_method)
         ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
         unfused_step = step("dense", "engine_graph_unfused")
@@ -389,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
         build_s = time.perf_counter() - built
         table = table_from(gemv.get("shapes", {}).values())
         chosen = [m for m in methods if (m != "hf_generate" or weights == "dense")  # HF on NeuZip: inference.json
-                  and (m != "engine_graph_gemv" or (table and weights == "dense"))]  # only where Triton won
+                  and (m != "engine_graph_gemv" or (table and weights == "dense"))  # only where Triton won
+                  and (m != "engine_graph_zgemv" or weights.startswith("neuzip"))]
         variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device, table)
         for row in variant_rows:
             row.update(weights=weights, build_s=build_s)

@@ -45,6 +45,7 @@ from neutrain.compat.static_cache import (
 from neutrain.eval.fused_projections import fuse_projections, projection_fusion
 from neutrain.eval.gemv import GemvDispatch
 from neutrain.eval.truncation import check_truncation, truncate
+from neutrain.eval.zgemv import attach_zgemv, zgemv_decoding
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -136,6 +137,12 @@ class DecodeEngine:
         gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
             the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
             ``benchmarks/engine_decode.py``'s timing); default: cuBLAS for every linear.
+        zgemv: for a NeuZip model: True, or ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``, converts each
+            compressed bf16 matrix (fused groups as one) to the 12-bit zgemv layout once, and decode steps read
+            it through ``zgemv``, decoded in registers, instead of decoding the matrix to bf16 first
+            (:mod:`neutrain.eval.zgemv`; about 12 more bits a weight while the engine's model holds them);
+            ``zgemv_matrices`` counts them. Inputs of more than 8 rows (a prefill) keep the compressed path.
+            Default: off.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -144,7 +151,7 @@ class DecodeEngine:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
-                 fuse: bool | None = None, gemv: dict | None = None):
+                 fuse: bool | None = None, gemv: dict | None = None, zgemv: bool | dict | None = None):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -169,6 +176,7 @@ class DecodeEngine:
             fuse = not any(p.requires_grad for p in model.parameters())
         self.fused_groups = fuse_projections(model) if fuse else 0
         self.gemv = GemvDispatch(gemv) if gemv else None
+        self.zgemv_matrices = attach_zgemv(model, zgemv if isinstance(zgemv, dict) else None) if zgemv else 0
 
     # --- the model call shared by prefill, the decode step and verification ---
 
@@ -189,7 +197,8 @@ class DecodeEngine:
         mask.masked_fill_(blocked, torch.finfo(self.dtype).min)
         extra = {"logits_to_keep": int(last_only)} if _takes_logits_to_keep(type(self.model)) else {}
         fusion = projection_fusion(self.model) if self.fused_groups else contextlib.nullcontext()
-        with fusion, self.gemv if self.gemv is not None else contextlib.nullcontext():
+        compressed = zgemv_decoding(self.model) if self.zgemv_matrices else contextlib.nullcontext()
+        with fusion, compressed, self.gemv if self.gemv is not None else contextlib.nullcontext():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[None, None].expand(self.batch, 1, q, self.max_len),

@@ -83,10 +83,14 @@ class _Group:
         """The group's ``[sum of out_features, in_features]`` matrix."""
         return self.weight
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's one product on ``x``: every member's output side by side."""
+        return nn.functional.linear(x, self.fused_weight(), self.bias)
+
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output: its row block of the group's one GEMV on ``x`` (computed at the first call)."""
         if self._input is not x or index in self._served:  # a new input: one GEMV for the whole group
-            self._input, self._output, self._served = x, nn.functional.linear(x, self.fused_weight(), self.bias), set()
+            self._input, self._output, self._served = x, self.product(x), set()
         self._served.add(index)
         start, end = self.bounds[index]
         out = self._output[..., start:end]
@@ -119,12 +123,18 @@ class _CompressedGroup(_Group):
                  scratch: torch.Tensor):
         super().__init__(members, scratch, bias, bounds)
         self.rows, self.cols = bounds[-1][1], members[0].in_features
+        self.zgemv = None  # the group's matrix in the zgemv layout, when attached (neutrain.eval.zgemv)
 
     def _weight_intact(self, member, start: int, end: int) -> bool:
         """Whether the member still holds a weight this group can decode into its rows of the scratch."""
         weight = member.compressed
         return weight.dtype == self.weight.dtype and weight.device == self.weight.device and \
             weight.compute_dtype == weight.dtype and tuple(weight.shape) == (end - start, self.cols)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zgemv is not None and self.zgemv.usable(x):  # a decode step: the compressed matrix read once
+            return self.zgemv(x, self.bias)
+        return super().product(x)
 
     def fused_weight(self) -> torch.Tensor:
         fused = self.weight[: self.rows * self.cols].view(self.rows, self.cols)
@@ -260,15 +270,21 @@ def projection_fusion(model: nn.Module) -> Iterator[None]:
     The decode engine wraps its model calls in this; a CUDA graph captured inside keeps the fused GEMVs.
     """
     groups = getattr(model, "_neutrain_fused_groups", None)
-    groups = _groups(model) if groups is None else groups
-    previous = [g.active for g in groups]
-    for g in groups:
-        g.active = True
+    with activated(_groups(model) if groups is None else groups):
+        yield
+
+
+@contextlib.contextmanager
+def activated(items: list) -> Iterator[None]:
+    """Set ``active`` on each of ``items`` while the context lasts, then back to what it was (nested calls too)."""
+    previous = [item.active for item in items]
+    for item in items:
+        item.active = True
     try:
         yield
     finally:
-        for g, was in zip(groups, previous):
-            g.active = was
+        for item, was in zip(items, previous):
+            item.active = was
 
 
 def unfuse_projections(model: nn.Module) -> int:
