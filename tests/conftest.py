@@ -48,6 +48,22 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_start_from_free_device_memory(request):
+    """A GPU test starts with neutrain's process-wide device buffers freed (the decode slots and the layer groups'
+    buffer, which outlive the models of earlier tests): what a test measures of the allocator, or the budget it
+    sets, must not depend on which tests ran before it in the same process."""
+    if HAS_CUDA and "gpu" in request.keywords:
+        import gc
+
+        from neutrain.nn.buffers import DECODE_BUFFERS
+
+        gc.collect()
+        DECODE_BUFFERS.clear()
+        torch.cuda.empty_cache()
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _junit_records_commit(request):
     """With ``--junitxml``, the report's ``<properties>`` name the commit tested and whether the tree was dirty.

@@ -29,7 +29,7 @@ Example:
     >>> from neutrain.trainer.planner import ModelShape
     >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
     >>> print(decide(shape, 9 * GIB, prompt_tokens=16, new_tokens=112).line)
-    NeuZip lossless weights (bit-exact), keeping 18 of 32 decoder layers on the GPU, streaming 14 from host memory (3.87 GiB over PCIe a token); predicted peak 8.43 GiB reserved, budget 9.00 GiB
+    NeuZip lossless weights (bit-exact), keeping 18 of 32 decoder layers on the GPU, streaming 14 from host memory (3.87 GiB over PCIe a token); predicted peak 8.49 GiB reserved, budget 9.00 GiB
     >>> decide(shape, 22 * GIB, prompt_tokens=16, new_tokens=112).form
     'dense'
 """

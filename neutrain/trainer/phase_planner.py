@@ -68,6 +68,13 @@ symbols (4 bytes a weight), which the Triton path never allocates."""
 CHECKSUM_SCRATCH_BYTES = 96 * 2**20
 """The checksum of a device blob: 4 MiB chunks, each upcast to int64 by torch's reductions (neutrain.compress.checksum)."""
 _EXPORT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS's workspace on Hopper and later (4 MiB before), which torch takes from the caching allocator at a stream's
+first product, one per stream: inside the budget's limit, so a generation counts it."""
+DECODE_STREAMS = 2
+"""Streams the decode engine runs products on: the main one and the one its CUDA graph is captured on. Measured
+on an H200: a generation at the least budget its plan allowed without this term ran out of memory at its first
+product (tests/unit/test_placement.py, the generate test in each form)."""
 
 
 def _largest_matrix(shape: ModelShape) -> int:
@@ -158,7 +165,8 @@ def generation_terms(shape: ModelShape, prompt_tokens: int, new_tokens: int, bat
     kv = shape.kv_heads * shape.head_dim
     return {"kv_cache": batch * shape.layers * 2 * kv * (prompt_tokens + new_tokens) * dtype_bytes,
             "activations": batch * (prompt_tokens * shape.hidden * dtype_bytes + _layer_live(shape, prompt_tokens, dtype_bytes)),
-            "logits": batch * 2 * shape.vocab * 4}
+            "logits": batch * 2 * shape.vocab * 4,
+            "cublas_workspaces": DECODE_STREAMS * CUBLAS_WORKSPACE_BYTES}
 
 
 def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", streamed: int = 0, prompt_tokens: int,
@@ -182,7 +190,7 @@ def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", stre
         >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
         >>> plan = generation_plan(shape, streamed=14, prompt_tokens=16, new_tokens=112)
         >>> round(peak_phase(plan)[1].reserved / GIB, 2)  # 18 layers resident, 2 slots for the 14 streamed
-        8.43
+        8.49
     """
     offload = streamed > 0
     # Any optimizer: the terms taken from the step's estimate (weights, slots, decode buffers) do not depend on one.

@@ -28,7 +28,7 @@ def _decide(shape: ModelShape, gib: float | None, **kwargs) -> Residency:
 
 @pytest.mark.parametrize(("gib", "form", "resident"), [
     (22, "dense", 32), (16.5, "dense", 32), (14.5, "neuzip", 32), (12.7, "neuzip", 32),
-    (11.5, "neuzip+offload", 27), (11, "neuzip+offload", 25), (9, "neuzip+offload", 18), (7, "neuzip+offload", 9),
+    (11.5, "neuzip+offload", 26), (11, "neuzip+offload", 25), (9, "neuzip+offload", 18), (7, "neuzip+offload", 9),
     (5, "neuzip+offload", 2)])
 def test_an_8b_keeps_on_the_card_the_layers_its_budget_holds(gib, form, resident):
     # Measured on an H200 before: 9 GiB streamed all 32 layers (3.97 GiB allocated, the same as under 5 GiB).
@@ -40,8 +40,8 @@ def test_an_8b_keeps_on_the_card_the_layers_its_budget_holds(gib, form, resident
 def test_the_line_says_what_stays_what_streams_and_the_predicted_peak():
     r = _decide(LLAMA3_8B, 9)
     assert r.line == ("NeuZip lossless weights (bit-exact), keeping 18 of 32 decoder layers on the GPU, streaming 14 "
-                      "from host memory (3.87 GiB over PCIe a token); predicted peak 8.43 GiB reserved, budget 9.00 GiB")
-    assert r.summary()["streamed_layers"] == 14 and r.summary()["predicted_reserved_gib"] == pytest.approx(8.43, abs=0.005)
+                      "from host memory (3.87 GiB over PCIe a token); predicted peak 8.49 GiB reserved, budget 9.00 GiB")
+    assert r.summary()["streamed_layers"] == 14 and r.summary()["predicted_reserved_gib"] == pytest.approx(8.49, abs=0.005)
     assert "all 32 decoder layers resident" in _decide(LLAMA3_8B, 14.5).line
 
 
