@@ -3,7 +3,7 @@
 # time, one PART per device call (each part's time limits below), run from the repository root with $OUT set:
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/gpu_training.sh
 #   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
-#                matrix excepted: PART=sdpa) (TEST_LIMIT, 330 s). Writes $OUT/junit_gpu_<sha>.xml (the GPU
+#                matrix excepted: PART=sdpa) (TEST_LIMIT, 330 s; TEST_WORKERS processes, 4, one a file). Writes $OUT/junit_gpu_<sha>.xml (the GPU
 #                suite's record: its latest is kept in benchmarks/results/) and gpu_tests.log.
 #   PART=sdpa    compressed training = dense under each SDPA backend, 16 architectures (SDPA_LIMIT, 120 s).
 #                Writes $OUT/junit_sdpa_backends_<sha>.xml.
@@ -25,10 +25,16 @@ short=${NEUTRAIN_GIT_COMMIT:0:7}
 run_part() {
 case "$1" in
   tests)
-    timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit tests/kernels tests/integration \
-      -k "not sdpa_backend" --junitxml="$OUT/junit_gpu_$short.xml" -o junit_suite_name="gpu@$NEUTRAIN_GIT_COMMIT" \
-      > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25 ;;
+    # Several workers, a test file each at a time (pytest-xdist, in the image): a fresh machine spends most of the
+    # suite compiling Triton kernels (measured on an H200: about 500 s in one process cold, 177 s warm), and the
+    # workers compile side by side. Each test's memory figures are its own process's allocator's, and NVML's
+    # device-used figure is only checked to exceed them, so the workers do not disturb one another.
+    workers=()
+    python3 -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-4}" -gt 1 ] && workers=(-n "${TEST_WORKERS:-4}" --dist loadfile)
+    timeout "${TEST_LIMIT:-330}" python3 -m pytest -v -p no:cacheprovider "${workers[@]}" -m gpu tests/unit tests/kernels \
+      tests/integration -k "not sdpa_backend" --durations=15 --junitxml="$OUT/junit_gpu_$short.xml" \
+      -o junit_suite_name="gpu@$NEUTRAIN_GIT_COMMIT" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$? (${SECONDS}s)"; grep -E "^(FAILED|ERROR)|FAILED|passed|failed" "$OUT/gpu_tests.log" | sort -u | tail -25 ;;
   sdpa)
     timeout "${SDPA_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_architectures.py \
       -k sdpa_backend --junitxml="$OUT/junit_sdpa_backends_$short.xml" \
