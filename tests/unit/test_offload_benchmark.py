@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offload
+from benchmarks import offload, offload_recipe
 from benchmarks._isolated import failure_line, run_part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,32 +104,35 @@ def _run_dir(path: Path, steps: list[int], *, checkpoint: int | None = None) -> 
     return path
 
 
-def _offload_recipe(tmp_path: Path, *args: str) -> tuple[int, dict]:
+def _offload_recipe(tmp_path: Path, monkeypatch, *args: str) -> tuple[int, dict]:
+    """``python benchmarks/offload_recipe.py ARGS`` with ``$OUT`` set: (exit code, the offload.json it wrote).
+
+    In this process: the script only reads and writes JSON, and a child process spent seconds importing torch
+    (``benchmarks._common``) for it."""
     import json
-    import os
 
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     results = tmp_path / "results"  # never the repository's benchmarks/results
     results.mkdir(exist_ok=True)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), *args,
-                          "--results-dir", str(results)], cwd=ROOT,
-                         env={**os.environ, "OUT": str(out), "NEUTRAIN_GIT_COMMIT": "0" * 40, "NEUTRAIN_GIT_DIRTY": "0"},
-                         capture_output=True, text=True, timeout=120)
+    for name, value in {"OUT": str(out), "NEUTRAIN_GIT_COMMIT": "0" * 40, "NEUTRAIN_GIT_DIRTY": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["offload_recipe.py", *args, "--results-dir", str(results)])
+    rc = offload_recipe.main()
     record = out / "offload.json"
-    return res.returncode, (json.loads(record.read_text()) if record.exists() else {"stderr": res.stderr})
+    return rc, (json.loads(record.read_text()) if record.exists() else {})
 
 
-@pytest.mark.slow
-def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp_path):
+def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp_path, monkeypatch, capsys):
     train = _run_dir(tmp_path / "train", [1, 2, 3, 4])
     resume = _run_dir(tmp_path / "resume", [5], checkpoint=5)
     # The first run's checkpoint was deleted after the resume (to make room for the export): its record stands in.
     record = tmp_path / "checkpoint.json"
     saved = _run_dir(tmp_path / "kept", [], checkpoint=4) / "checkpoint-4"
-    described = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_recipe.py"), "--describe", str(saved)],
-                               capture_output=True, text=True, cwd=ROOT).stdout
-    record.write_text(described)
+    monkeypatch.setattr(sys, "argv", ["offload_recipe.py", "--describe", str(saved)])
+    capsys.readouterr()
+    assert offload_recipe.main() == 0
+    record.write_text(capsys.readouterr().out)
     export = tmp_path / "export"
     export.mkdir()
     (export / "config.json").write_text("{}")
@@ -139,7 +142,7 @@ def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp
               "--checkpoint-record", str(record), "--export", str(export)]
 
     stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\nexport_s=100\nexport_rc=0\n")
-    rc, out = _offload_recipe(tmp_path, *common)
+    rc, out = _offload_recipe(tmp_path, monkeypatch, *common)
     result = out["results"]["70b_recipe"]
     assert rc == 0 and result["gate_ok"] is True, out
     assert result["checkpoint_saved"] is True and result["stage_exit_codes"] == {"train": 0, "resume": 0, "export": 0}
@@ -147,12 +150,11 @@ def test_the_70b_gate_needs_train_resume_and_export_each_with_exit_code_zero(tmp
     assert out["targets"]["h100_70b_tokens_per_s_16k"]["value"] == 603.0  # median of steps 2-4 (after the first)
 
     stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\nexport_s=100\nexport_rc=1\n")
-    rc, out = _offload_recipe(tmp_path, *common)
+    rc, out = _offload_recipe(tmp_path, monkeypatch, *common)
     assert rc == 1 and out["results"]["70b_recipe"]["gate_ok"] is False
 
 
-@pytest.mark.slow
-def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_measured_at(tmp_path):
+def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_measured_at(tmp_path, monkeypatch):
     import json
 
     train = _run_dir(tmp_path / "train", [1, 2, 3, 4])
@@ -163,7 +165,7 @@ def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_mea
     (tmp_path / "out" / "offload.json").write_text(json.dumps(earlier))
     stages = tmp_path / "stages.txt"
     stages.write_text("train_s=300\ntrain_rc=0\nresume_s=200\nresume_rc=0\n")
-    rc, out = _offload_recipe(tmp_path, "--train", str(train), "--resume", str(resume), "--steps", "4",
+    rc, out = _offload_recipe(tmp_path, monkeypatch, "--train", str(train), "--resume", str(resume), "--steps", "4",
                               "--stages", str(stages))
     assert out["results"]["8b"] == {"tokens_per_s": 1.0} and "70b_recipe" in out["results"], out
     assert out["git_commit"] == "0" * 40  # this run's

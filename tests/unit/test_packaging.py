@@ -74,7 +74,11 @@ def _assert_ships_recipe_pth(wheel):
 def test_editable_wheel_ships_the_recipe_pth_too(tmp_path):
     """`pip install -e .` (PEP 660) builds through build_editable: the launch codec must come with it."""
     build = tmp_path / "build"
-    shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info", "outputs", "runs"))
+    # Without the environment the README's commands create in the checkout (.venv, .triton36: gigabytes, which
+    # the build never reads; copying them was most of this test's time in CI).
+    shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", ".venv", ".triton36", ".hypothesis", ".whl",
+                                                                 ".carry", "__pycache__", "build", "dist", "*.egg-info",
+                                                                 "outputs", "runs"))
     code = "import sys; sys.path.insert(0, 'build_backend'); import neutrain_backend as b; print(b.build_editable(sys.argv[1]))"
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=build, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -38,8 +38,8 @@ def tiny_llama(tie=False, seed=0, **kw):
     return model.train()
 
 
-def dense_and_compressed(tie=False, seed=0, codec=CODEC):
-    dense = tiny_llama(tie, seed)
+def dense_and_compressed(tie=False, seed=0, codec=CODEC, layers=2):
+    dense = tiny_llama(tie, seed, layers=layers)
     compressed = copy.deepcopy(dense)
     if tie:
         assert compressed.lm_head.weight is compressed.model.embed_tokens.weight
