@@ -69,12 +69,13 @@ CHECKSUM_SCRATCH_BYTES = 96 * 2**20
 """The checksum of a device blob: 4 MiB chunks, each upcast to int64 by torch's reductions (neutrain.compress.checksum)."""
 _EXPORT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
-"""cuBLAS's workspace on Hopper and later (4 MiB before), which torch takes from the caching allocator at a stream's
-first product, one per stream: inside the budget's limit, so a generation counts it."""
+"""cuBLAS's workspace on Hopper and later (4 MiB before; counted at Hopper's size on every card), which torch takes
+from the caching allocator at a stream's first product, one per stream: inside the budget's limit, so a
+generation counts it. Seen on an H200: a generation at the least budget its plan allowed without this term ran
+out of memory asking for 32 MiB at its first product (tests/unit/test_placement.py, the generate test in each form)."""
 DECODE_STREAMS = 2
-"""Streams the decode engine runs products on: the main one and the one its CUDA graph is captured on. Measured
-on an H200: a generation at the least budget its plan allowed without this term ran out of memory at its first
-product (tests/unit/test_placement.py, the generate test in each form)."""
+"""Streams the decode engine runs products on, each with its own workspace: the main one and the one its CUDA
+graph is captured on."""
 
 
 def _largest_matrix(shape: ModelShape) -> int:
@@ -155,7 +156,8 @@ def _layer_live(shape: ModelShape, tokens: int, dtype_bytes: int) -> float:
 def generation_terms(shape: ModelShape, prompt_tokens: int, new_tokens: int, batch: int = 1,
                      dtype_bytes: int = 2) -> dict[str, float]:
     """What a generation adds to the resident model, for ``batch`` rows: the KV cache (prompt plus new tokens,
-    every layer), the prompt's prefill working set, the last position's fp32 logits and sampling probabilities.
+    every layer), the prompt's prefill working set, the last position's fp32 logits and sampling probabilities,
+    and cuBLAS's workspace on each stream the decode engine runs products on.
 
     Example:
         >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
