@@ -79,6 +79,13 @@ class ShadowKVOptions:
     # log every step's selected chunks (``ShadowKVLayer.selection_log``) for the needle recall.
     exact_keys: bool = False
     log_selection: bool = False
+    # Decode one-token steps through the Triton kernel of neutrain/kernels/shadowkv_fused_decode.py: the keys are
+    # rebuilt inside the attention (never written out), one launch a layer, and the tail lives in a fixed-capacity
+    # buffer with its length on the device, so the step reads no host-side length. Off until measured on a GPU.
+    fused_decode: bool = False
+    # Free tail slots the fused path's buffer is allocated with (it grows by reallocation when they run out;
+    # a CUDA-graph capture needs them to cover the tokens it will generate).
+    tail_capacity: int = 256
 
 
 class ShadowKVLayer(DynamicLayer):
@@ -89,14 +96,21 @@ class ShadowKVLayer(DynamicLayer):
         self.owner = owner
         self.mode = "empty"  # -> "dense" after the first update -> "sparse" after compression
         self.seen = 0
+        # The fused path's tail: buffers [b, h, capacity, d] and the tokens in them, on the device (tail_len)
+        # and on the host (tail_count, for the views and the growth); tail_len None: the tail is tail_k/tail_v.
+        self.tail_len = None
+        self.tail_count = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
         if self.mode == "sparse":
-            self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
-            self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
+            if self.tail_len is not None:
+                self._append_tail(key_states, value_states)
+            else:
+                self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
+                self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
             return key_states, value_states
         self.mode = "dense"
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -186,6 +200,33 @@ class ShadowKVLayer(DynamicLayer):
         self.mode = "sparse"
         return True
 
+    # -- the fused path's tail
+    def _tail_buffers(self) -> None:
+        """Move the tail into buffers with ``tail_capacity`` free slots and a device-side length."""
+        b, h, n, d = self.tail_k.shape
+        cap = n + max(1, self.owner.options.tail_capacity)
+        kbuf, vbuf = self.tail_k.new_empty(b, h, cap, d), self.tail_v.new_empty(b, h, cap, d)
+        kbuf[:, :, :n], vbuf[:, :, :n] = self.tail_k, self.tail_v
+        self._tail_kbuf, self._tail_vbuf = kbuf, vbuf
+        self.tail_len = torch.full((1,), n, dtype=torch.int32, device=kbuf.device)
+        self.tail_count = n
+        self.tail_k, self.tail_v = kbuf[:, :, :n], vbuf[:, :, :n]
+
+    def _append_tail(self, key_states, value_states) -> None:
+        """Write new tokens at the device-held length: a replayed step writes where that step's length says, not
+        where a captured host offset did. Growth (out of slots) reallocates, decided by the host's count."""
+        m = key_states.shape[-2]
+        if self.tail_count + m > self._tail_kbuf.shape[2]:
+            self.tail_k, self.tail_v = self._tail_kbuf[:, :, : self.tail_count], self._tail_vbuf[:, :, : self.tail_count]
+            self._tail_buffers()
+        at = self.tail_len.long() + torch.arange(m, device=self.tail_len.device)
+        self._tail_kbuf.index_copy_(2, at, key_states.to(self._tail_kbuf.dtype))
+        self._tail_vbuf.index_copy_(2, at, value_states.to(self._tail_vbuf.dtype))
+        self.tail_len += m
+        self.tail_count += m
+        self.tail_k = self._tail_kbuf[:, :, : self.tail_count]
+        self.tail_v = self._tail_vbuf[:, :, : self.tail_count]
+
     # -- decode
     def gather_values(self, chunk_ids: torch.Tensor, device):
         """Start gathering the selected chunks' values, [b, h, k * chunk, d] on ``device``.
@@ -249,6 +290,8 @@ class ShadowKVLayer(DynamicLayer):
         mark("selection")
         blocks, pending = self.gather_values(chunk_ids, query.device)
         mark("gather_launch")
+        if self.owner.options.fused_decode and m == 1 and self.exact_k is None:
+            return self._fused_attention(module, query, rotary, chunk_ids, blocks, pending)
         if self.exact_k is not None:
             keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)
         else:
@@ -275,12 +318,35 @@ class ShadowKVLayer(DynamicLayer):
         mark("attention")
         return out.transpose(1, 2).contiguous()
 
+    def _fused_attention(self, module, query, rotary, chunk_ids, blocks, pending) -> torch.Tensor:
+        """The one-token step through ``shadowkv_fused_decode``; the phases keep their names for the step split,
+        ``reconstruction`` empty (the rebuild is inside ``attention``)."""
+        from ...kernels.shadowkv_fused_decode import shadowkv_fused_decode  # lazy: Triton
+
+        mark = self.owner.mark
+        if self.tail_len is None:
+            self._tail_buffers()
+        mark("reconstruction")
+        if pending is not None:
+            torch.cuda.current_stream(query.device).wait_stream(pending)
+        values_sel = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        mark("gather_wait")
+        out = shadowkv_fused_decode(query[:, :, 0], self.u, self.sv, chunk_ids, values_sel, self.outlier_k,
+                                    self.outlier_v, self._tail_kbuf, self._tail_vbuf, self.tail_len, self.pos0,
+                                    rotary, self.chunk_size, module.scaling)
+        self.owner.counters["sparse_steps"] += 1
+        self.owner.counters["fused_steps"] += 1
+        self.owner.counters["selected_chunks"] += int(chunk_ids.numel())
+        mark("attention")
+        return out[:, None]  # [b, 1, hq, d], as the unfused path's transpose
+
     # -- accounting
     def device_bytes(self) -> int:
         if self.mode != "sparse":
             return _nbytes(self.keys, self.values)
+        tail = (self._tail_kbuf, self._tail_vbuf) if self.tail_len is not None else (self.tail_k, self.tail_v)
         parts = [self.u, self.sv, self.exact_k, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
-                 self.tail_k, self.tail_v]
+                 *tail]
         return _nbytes(*parts, getattr(self, "v_device", None)) + (0 if self.offloaded else _nbytes(self.v_store))
 
     def host_bytes(self) -> int:
@@ -304,7 +370,8 @@ class ShadowKVCache(Cache):
             the ones whose budget was spent in finer chunks: ``min_selected_chunks``), ``sparse_steps``
             (decode attentions on the sparse path), ``selected_chunks``, ``dense_prefill``
             (prompts left dense because they were too short), ``dense_steps`` and
-            ``uva_gathers`` (value gathers by the Triton kernel from pinned host memory).
+            ``uva_gathers`` (value gathers by the Triton kernel from pinned host memory), ``fused_steps`` (of the
+            sparse steps, those through ``shadowkv_fused_decode``: ``fused_decode``).
     """
 
     def __init__(self, config, **options):
@@ -312,7 +379,7 @@ class ShadowKVCache(Cache):
         self.options = ShadowKVOptions(**options)
         self.counters = dict.fromkeys(
             ("compressed_layers", "refined_chunk_layers", "sparse_steps", "selected_chunks", "dense_prefill",
-             "dense_steps", "uva_gathers"), 0
+             "dense_steps", "uva_gathers", "fused_steps"), 0
         )
         self.uva_failed = False
         self._copy_streams: dict = {}

@@ -263,3 +263,23 @@ def test_a_small_budget_is_spent_in_finer_chunks(model):
     fraction = ShadowKVCache(model.config, budget=0.0156).layers[0]
     assert fraction.geometry(4096) == (8, 48, 32) and fraction.geometry(300) == (2, 192, 32)
     assert ShadowKVCache(model.config, budget=5, chunk_size=1).layers[0].geometry(300)[0] == 1
+
+
+@pytest.mark.parametrize("values", ["offloaded", "mixed_rows"])
+def test_fused_decode_gives_the_unfused_logits(values):
+    """fused_decode: the one-token steps through the Triton kernel (the interpreter here) decode the unfused path's
+    logits, the tail in its fixed-capacity buffer growing past its free slots (2) on the way."""
+    from neutrain.kernels import shadowkv_fused_decode as kernels
+
+    model = tiny_llama(layers=2, hidden=128)  # head dim 32: the kernel's tl.dot needs halves of 16 channels
+    ids = torch.randint(0, 97, (2, 140))
+    opts = dict(budget=24, rank=8, device_value_rows=1 if values == "mixed_rows" else 0, **SMALL)
+    ref, _ = _run(model, ids, 136, **opts)
+    before = kernels.COUNTERS["shadowkv_fused_decode"]
+    out, cache = _run(model, ids, 136, fused_decode=True, tail_capacity=2, **opts)
+    _assert_sparse(cache, 2)
+    assert cache.counters["fused_steps"] == cache.counters["sparse_steps"] == 2 * 4
+    assert kernels.COUNTERS["shadowkv_fused_decode"] == before + 2 * 4
+    layer = cache.layers[0]
+    assert int(layer.tail_len) == layer.tail_count == layer.tail_k.shape[2] == 140 - layer.context
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
