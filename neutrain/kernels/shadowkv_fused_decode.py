@@ -189,7 +189,7 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
     ieee = q.dtype == torch.float32
     group = hq // h
     # (tokens per block, rank per block, warps): small on the interpreter, where every lane is Python
-    block_n, block_r, warps = (16, 16, 4) if interpreting() else (64, 32, 8)
+    block_n, block_r, warps = (32, 32, 4) if interpreting() else (64, 32, 8)
     _shadowkv_fused_decode_kernel[(b * h,)](
         q, u, sv, ids, values_sel, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0, inv_freq, out,
         h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], 1 if pos0.numel() > 1 else 0,

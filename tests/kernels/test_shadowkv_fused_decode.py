@@ -34,12 +34,13 @@ def _inputs(b, h, group, d, rank, cs, k, outliers, cap, tail, rows_pos0, dtype=t
 
 # (batch, kv heads, group, head dim, rank, chunk, selected chunks, outlier tokens, tail capacity, tail length, pos0
 # per row): GQA groups of 1-4 (3: a group that pads), head dims 64 and 128, odd chunk counts, a rank that is not a
-# multiple of the rank block, a tail shorter than its buffer, none at all, and longer than a token block.
+# multiple of the rank block, more selected tokens than a token block, a tail shorter than its buffer, none at all,
+# and longer than a token block (32 on the interpreter).
 SHAPES = [
     (2, 2, 2, 64, 24, 4, 3, 5, 20, 13, True),
     (1, 1, 4, 128, 40, 2, 5, 3, 16, None, False),
     (2, 1, 3, 64, 16, 8, 1, 16, 24, 0, True),
-    (1, 2, 1, 128, 17, 2, 9, 1, 40, 33, False),
+    (1, 2, 1, 128, 17, 4, 9, 1, 40, 33, False),
 ]
 
 

@@ -217,7 +217,8 @@ class ShadowKVLayer(DynamicLayer):
         where a captured host offset did. Growth (out of slots) reallocates, decided by the host's count."""
         m = key_states.shape[-2]
         if self.tail_count + m > self._tail_kbuf.shape[2]:
-            self.tail_k, self.tail_v = self._tail_kbuf[:, :, : self.tail_count], self._tail_vbuf[:, :, : self.tail_count]
+            n = self.tail_count
+            self.tail_k, self.tail_v = self._tail_kbuf[:, :, :n], self._tail_vbuf[:, :, :n]
             self._tail_buffers()
         at = self.tail_len.long() + torch.arange(m, device=self.tail_len.device)
         self._tail_kbuf.index_copy_(2, at, key_states.to(self._tail_kbuf.dtype))

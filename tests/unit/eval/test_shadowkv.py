@@ -265,6 +265,7 @@ def test_a_small_budget_is_spent_in_finer_chunks(model):
     assert ShadowKVCache(model.config, budget=5, chunk_size=1).layers[0].geometry(300)[0] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", ["offloaded", "mixed_rows"])
 def test_fused_decode_gives_the_unfused_logits(values):
     """fused_decode: the one-token steps through the Triton kernel (the interpreter here) decode the unfused path's
