@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import compat
 from .routing import route_attention, unroute_attention
+from .shadowkv_fused_decode import FusedDecodeLayer
 from .shadowkv_math import apply_rope, chunk_tokens, invert_rope, low_rank_keys, rebuild_keys, rope_cos_sin, select_chunks
 
 ATTN_NAME = "shadowkv"
@@ -88,7 +89,7 @@ class ShadowKVOptions:
     tail_capacity: int = 256
 
 
-class ShadowKVLayer(DynamicLayer):
+class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
     """One layer: dense until the attention function compresses the prefill, sparse after."""
 
     def __init__(self, owner: "ShadowKVCache"):
@@ -96,10 +97,6 @@ class ShadowKVLayer(DynamicLayer):
         self.owner = owner
         self.mode = "empty"  # -> "dense" after the first update -> "sparse" after compression
         self.seen = 0
-        # The fused path's tail: buffers [b, h, capacity, d] and the tokens in them, on the device (tail_len)
-        # and on the host (tail_count, for the views and the growth); tail_len None: the tail is tail_k/tail_v.
-        self.tail_len = None
-        self.tail_count = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -107,7 +104,7 @@ class ShadowKVLayer(DynamicLayer):
         self.seen += key_states.shape[-2]
         if self.mode == "sparse":
             if self.tail_len is not None:
-                self._append_tail(key_states, value_states)
+                self.append_tail(key_states, value_states)
             else:
                 self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
                 self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
@@ -200,34 +197,6 @@ class ShadowKVLayer(DynamicLayer):
         self.mode = "sparse"
         return True
 
-    # -- the fused path's tail
-    def _tail_buffers(self) -> None:
-        """Move the tail into buffers with ``tail_capacity`` free slots and a device-side length."""
-        b, h, n, d = self.tail_k.shape
-        cap = n + max(1, self.owner.options.tail_capacity)
-        kbuf, vbuf = self.tail_k.new_empty(b, h, cap, d), self.tail_v.new_empty(b, h, cap, d)
-        kbuf[:, :, :n], vbuf[:, :, :n] = self.tail_k, self.tail_v
-        self._tail_kbuf, self._tail_vbuf = kbuf, vbuf
-        self.tail_len = torch.full((1,), n, dtype=torch.int32, device=kbuf.device)
-        self.tail_count = n
-        self.tail_k, self.tail_v = kbuf[:, :, :n], vbuf[:, :, :n]
-
-    def _append_tail(self, key_states, value_states) -> None:
-        """Write new tokens at the device-held length: a replayed step writes where that step's length says, not
-        where a captured host offset did. Growth (out of slots) reallocates, decided by the host's count."""
-        m = key_states.shape[-2]
-        if self.tail_count + m > self._tail_kbuf.shape[2]:
-            n = self.tail_count
-            self.tail_k, self.tail_v = self._tail_kbuf[:, :, :n], self._tail_vbuf[:, :, :n]
-            self._tail_buffers()
-        at = self.tail_len.long() + torch.arange(m, device=self.tail_len.device)
-        self._tail_kbuf.index_copy_(2, at, key_states.to(self._tail_kbuf.dtype))
-        self._tail_vbuf.index_copy_(2, at, value_states.to(self._tail_vbuf.dtype))
-        self.tail_len += m
-        self.tail_count += m
-        self.tail_k = self._tail_kbuf[:, :, : self.tail_count]
-        self.tail_v = self._tail_vbuf[:, :, : self.tail_count]
-
     # -- decode
     def gather_values(self, chunk_ids: torch.Tensor, device):
         """Start gathering the selected chunks' values, [b, h, k * chunk, d] on ``device``.
@@ -292,7 +261,7 @@ class ShadowKVLayer(DynamicLayer):
         blocks, pending = self.gather_values(chunk_ids, query.device)
         mark("gather_launch")
         if self.owner.options.fused_decode and m == 1 and self.exact_k is None:
-            return self._fused_attention(module, query, rotary, chunk_ids, blocks, pending)
+            return self.fused_attention(module, query, rotary, chunk_ids, blocks, pending)
         if self.exact_k is not None:
             keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)
         else:
@@ -319,35 +288,12 @@ class ShadowKVLayer(DynamicLayer):
         mark("attention")
         return out.transpose(1, 2).contiguous()
 
-    def _fused_attention(self, module, query, rotary, chunk_ids, blocks, pending) -> torch.Tensor:
-        """The one-token step through ``shadowkv_fused_decode``; the phases keep their names for the step split,
-        ``reconstruction`` empty (the rebuild is inside ``attention``)."""
-        from ...kernels.shadowkv_fused_decode import shadowkv_fused_decode  # lazy: Triton
-
-        mark = self.owner.mark
-        if self.tail_len is None:
-            self._tail_buffers()
-        mark("reconstruction")
-        if pending is not None:
-            torch.cuda.current_stream(query.device).wait_stream(pending)
-        values_sel = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        mark("gather_wait")
-        out = shadowkv_fused_decode(query[:, :, 0], self.u, self.sv, chunk_ids, values_sel, self.outlier_k,
-                                    self.outlier_v, self._tail_kbuf, self._tail_vbuf, self.tail_len, self.pos0,
-                                    rotary, self.chunk_size, module.scaling)
-        self.owner.counters["sparse_steps"] += 1
-        self.owner.counters["fused_steps"] += 1
-        self.owner.counters["selected_chunks"] += int(chunk_ids.numel())
-        mark("attention")
-        return out[:, None]  # [b, 1, hq, d], as the unfused path's transpose
-
     # -- accounting
     def device_bytes(self) -> int:
         if self.mode != "sparse":
             return _nbytes(self.keys, self.values)
-        tail = (self._tail_kbuf, self._tail_vbuf) if self.tail_len is not None else (self.tail_k, self.tail_v)
         parts = [self.u, self.sv, self.exact_k, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
-                 *tail]
+                 *self.tail_tensors()]
         return _nbytes(*parts, getattr(self, "v_device", None)) + (0 if self.offloaded else _nbytes(self.v_store))
 
     def host_bytes(self) -> int:
