@@ -397,6 +397,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention
     from neutrain.kernels import minicache_attention as mc_kernels
     from neutrain.kernels import shadowkv as skv_kernels
+    from neutrain.kernels import shadowkv_fused_decode as skv_fused_kernels
 
     if args.smoke:  # stand-in on CPU: exercises the code, numbers mean nothing
         cfg, total = smoke_config(args.smoke)
@@ -491,6 +492,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         enable_shadowkv(model, budget=0.0156, rank=rank, chunk_size=8, outliers=outliers, fused_decode=fused)
         try:
             before = skv_kernels.COUNTERS["gather_chunks"]
+            fused_before = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"]
             cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -498,6 +500,11 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             stats = cache.stats()
             split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
             out.update(kernel_record(model, cache, b))
+            out["fused_kernel_launches"] = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"] - fused_before
+            if out["fused_kernel_launches"] and "triton:shadowkv_fused" not in (out["attention_kernel"] or ""):
+                # Triton's CPU interpreter runs the kernel as Python: no profiler op names it (the smoke run)
+                named = [out["attention_kernel"], "triton:shadowkv_fused_decode"]
+                out["attention_kernel"] = "+".join(filter(None, named))
             log(f"ctx {ctx} shadowkv{'_fused_decode' if fused else ''} step split (ms): {split}")
         finally:
             disable_shadowkv(model)
