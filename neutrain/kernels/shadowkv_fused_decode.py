@@ -188,8 +188,13 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
         out = torch.empty(b, hq, d, dtype=query.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     group = hq // h
-    # (tokens per block, rank per block, warps): small on the interpreter, where every lane is Python
-    block_n, block_r, warps = (32, 32, 4) if interpreting() else (64, 32, 8)
+    # (tokens per block, rank per block, warps): on sm_90 (bf16, read off the cubin of Triton 3.9) the largest token
+    # block that keeps the loop off the stack: head dim 64, 64 tokens (127 registers); 128, 32 tokens (126; 64
+    # tokens take 212 and a stack). Small on the interpreter, where every lane is Python.
+    if interpreting():
+        block_n, block_r, warps = 32, 32, 4
+    else:
+        block_n, block_r, warps = (64 if d <= 64 else 32), 32, 8
     _shadowkv_fused_decode_kernel[(b * h,)](
         q, u, sv, ids, values_sel, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0, inv_freq, out,
         h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], 1 if pos0.numel() > 1 else 0,
