@@ -284,3 +284,27 @@ def test_fused_decode_gives_the_unfused_logits(values):
     layer = cache.layers[0]
     assert int(layer.tail_len) == layer.tail_count == layer.tail_k.shape[2] == 140 - layer.context
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_fused_decode_steps_launch_on_the_same_tensors(model, monkeypatch):
+    """What a CUDA graph of the step needs: while the tail buffer has free slots, every fused step of a layer
+    launches the kernel with the same shapes, and on the same storage for the layer's state (factors, outliers,
+    tail buffers and length, positions; the query, chunk ids and gathered values are the step's own), the tail's
+    length moving on the device only."""
+    from neutrain.kernels import shadowkv_fused_decode as kernels
+
+    launches = []
+    real = kernels.shadowkv_fused_decode
+    state = (1, 2, 5, 6, 7, 8, 9, 10)  # u, sv, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0
+
+    def spy(*args, **kwargs):
+        launches.append([tuple(a.shape) for a in args if torch.is_tensor(a)] + [args[i].data_ptr() for i in state])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "shadowkv_fused_decode", spy)
+    wide = tiny_llama(layers=1, hidden=128)  # head dim 32
+    ids = torch.randint(0, 97, (1, 140))
+    _, cache = _run(wide, ids, 136, budget=24, rank=8, fused_decode=True, tail_capacity=8, **SMALL)
+    assert len(launches) == 4 and all(step == launches[0] for step in launches[1:])
+    assert int(cache.layers[0].tail_len) == 140 - cache.layers[0].context
