@@ -4,7 +4,8 @@ Llama-3-8B architecture, random bf16 weights, contexts 32K and 64K. Decode token
 batch that fits for the full cache (preallocated, in-place writes: the fair baseline; transformers'
 DynamicCache would re-copy the whole cache each step), ShadowKV (values in pinned host memory, the
 batch sized by GPU memory: overflow rows keep their values on the GPU; its step split by phase with
-CUDA events; once unfused, once through neutrain/kernels/shadowkv_fused_decode.py at the same batch),
+CUDA events; once unfused, then at the same batch through neutrain/kernels/shadowkv_fused_decode.py, its values
+gathered first or read by the kernel where they are stored),
 MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
 neutrain/kernels/minicache_attention.py; merge + 4-bit once through the old restore path), a
 kvpress-pruned cache and QuantizedCache. The caches are filled with random states of the target
@@ -384,8 +385,9 @@ SIZING_TOKENS = 4096
 a compressed cache stores grows with its tokens, and a 64K build of one sequence takes seconds of Python
 (a store call per layer and chunk) that the plan has no room for."""
 
-ROWS = ("full", "shadowkv", "shadowkv_fused_decode", "kvpress_pruned", "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge",
-        "full_repeat", "quantized_cache_4bit", "minicache_merge_4bit_restore")
+ROWS = ("full", "shadowkv", "shadowkv_fused_decode", "shadowkv_fused_decode_store_reads", "kvpress_pruned",
+        "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge", "full_repeat", "quantized_cache_4bit",
+        "minicache_merge_4bit_restore")
 """Every throughput row, in the order they run (every context of one before the next): the baseline and the cheap
 rows first, the MiniCache rows, the full cache again, then the slow rows (QuantizedCache and the restore path,
 1-2 s a step), which a run behind its plan cuts to fewer timed steps (``_kv_plan``), never to none."""
@@ -472,7 +474,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         first = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend")
         return full(ctx, (first.upper(),) if first and first != "default_dispatch" else ())
 
-    def shadowkv(ctx, fused=False):
+    def shadowkv(ctx, fused=False, store_reads=False):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,
         # the rest keep them on the GPU (device_value_rows) as long as the GPU has room.
         chunks = ctx // 8
@@ -489,7 +491,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         if args.smoke:  # the fused row's kernel runs in Triton's interpreter there: both rows at a batch it takes
             b = min(b, {"small": 2, "tiny": 1}[args.smoke])
             rows = min(rows, b)
-        enable_shadowkv(model, budget=0.0156, rank=rank, chunk_size=8, outliers=outliers, fused_decode=fused)
+        enable_shadowkv(model, budget=0.0156, rank=rank, chunk_size=8, outliers=outliers, fused_decode=fused,
+                        fused_store_reads=store_reads)
         try:
             before = skv_kernels.COUNTERS["gather_chunks"]
             fused_before = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"]
@@ -505,7 +508,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 # Triton's CPU interpreter runs the kernel as Python: no profiler op names it (the smoke run)
                 named = [out["attention_kernel"], "triton:shadowkv_fused_decode"]
                 out["attention_kernel"] = "+".join(filter(None, named))
-            log(f"ctx {ctx} shadowkv{'_fused_decode' if fused else ''} step split (ms): {split}")
+            log(f"ctx {ctx} shadowkv (fused {fused}, store reads {store_reads}) step split (ms): {split}")
         finally:
             disable_shadowkv(model)
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, **out,
@@ -615,6 +618,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
     # The full cache again at the end: a baseline that moved within the call shows there.
     runs = {"full": (full, ()), "shadowkv": (shadowkv, ()), "shadowkv_fused_decode": (shadowkv, (True,)),
+            "shadowkv_fused_decode_store_reads": (shadowkv, (True, True)),
             "minicache_merge_4bit": (minicache, (4,)),
             "kvpress_pruned": (pruned, ()), "minicache_4bit_only": (minicache, (4, True, layers)),
             "minicache_merge": (minicache, (None,)), "full_repeat": (full_repeat, ()),

@@ -11,7 +11,11 @@ online softmax over three segments:
 * the selected chunks: for each block of their tokens, the rows of ``U`` ([b, n, r], shared by the heads) times
   the head's ``SV`` ([b, h, r, d]) in fp32, RoPE at the token's original position (cos/sin from the rotary
   module's ``inv_freq`` in fp32, times its ``attention_scaling``), then the scores; the keys live in registers
-  only. Their values come already gathered, ``[b, h, k * chunk, d]``;
+  only. Their values come already gathered, ``[b, h, k * chunk, d]``, or are read from where they are stored
+  (``value_stores``): the first rows' from pinned host memory over PCIe (the chunk-major store the gather kernel
+  of :mod:`neutrain.kernels.shadowkv` reads; the same layout per (row, head) as ``[ctx, d]``), the others' from
+  the device. Why: a separate gather must finish before the attention starts, while reads inside the kernel
+  overlap the other programs' key rebuilds;
 * the tail (local window and generated tokens) read from a fixed-capacity buffer up to a length held on the
   device, so that nothing about the step depends on a host-side length (a CUDA graph can replay it).
 
@@ -81,10 +85,10 @@ def _dense_segment(q_lo, q_hi, k_base, v_base, length, m_i, l_i, acc,
 
 @triton.jit
 def _shadowkv_fused_decode_kernel(
-    q_ptr, u_ptr, sv_ptr, ids_ptr, vsel_ptr, ok_ptr, ov_ptr, tk_ptr, tv_ptr, tail_len_ptr, pos0_ptr, inv_freq_ptr,
-    out_ptr, H, G, K, O, N, R, CAP, s_pos0, rope_scale, qk_scale,
+    q_ptr, u_ptr, sv_ptr, ids_ptr, vsel_ptr, vh_ptr, ok_ptr, ov_ptr, tk_ptr, tv_ptr, tail_len_ptr, pos0_ptr,
+    inv_freq_ptr, out_ptr, H, G, K, O, N, R, CAP, B_HOST, CTX, s_pos0, rope_scale, qk_scale,
     CS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, FROM_STORE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
@@ -110,7 +114,13 @@ def _shadowkv_fused_decode_kernel(
     # -- selected chunks, keys rebuilt from U and SV, RoPE at their original positions
     u_base = u_ptr + b.to(tl.int64) * N * R
     sv_base = sv_ptr + bh.to(tl.int64) * R * D
-    v_base = vsel_ptr + bh.to(tl.int64) * K * CS * D
+    if FROM_STORE:  # rows below B_HOST in the host store, the rest in the device store, both [CTX, D] a head
+        if b < B_HOST:
+            v_base = vh_ptr + bh.to(tl.int64) * CTX * D
+        else:
+            v_base = vsel_ptr + (bh - B_HOST * H).to(tl.int64) * CTX * D
+    else:
+        v_base = vsel_ptr + bh.to(tl.int64) * K * CS * D
     pos0 = tl.load(pos0_ptr + b * s_pos0)
     inv_freq = tl.load(inv_freq_ptr + i)
     for n0 in range(0, K * CS, BLOCK_N):
@@ -139,7 +149,11 @@ def _shadowkv_fused_decode_kernel(
         k_lo = lo * cos - hi * sin
         k_hi = hi * cos + lo * sin
         s = _scores(q_lo, q_hi, k_lo, k_hi, IEEE)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * D + dd[None, :], mask=nmask[:, None], other=0.0)
+        if FROM_STORE:
+            v_row = tok
+        else:
+            v_row = n.to(tl.int64)
+        v = tl.load(v_base + v_row[:, None] * D + dd[None, :], mask=nmask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_step(s, nmask, v, m_i, l_i, acc, IEEE)
 
     # -- tail: local window and generated tokens, up to the device-held length
@@ -154,20 +168,25 @@ def _shadowkv_fused_decode_kernel(
 
 
 def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlier_v, tail_k, tail_v, tail_len,
-                          pos0, rotary, chunk_size: int, scaling: float, out=None) -> torch.Tensor:
+                          pos0, rotary, chunk_size: int, scaling: float, value_stores=None, out=None) -> torch.Tensor:
     """Attention of one query token per row over outliers, rebuilt selected chunks and the tail.
 
     Args:
         query: [b, hq, d] (``hq`` a multiple of the KV heads ``h``).
         u, sv: The low-rank pre-RoPE keys, [b, n, r] and [b, h, r, d].
         chunk_ids: [b, h, k] selected chunk ids (token ``c * chunk_size + j`` for ``j < chunk_size``).
-        values_sel: [b, h, k * chunk_size, d], the selected chunks' values in ``chunk_ids``' order.
+        values_sel: [b, h, k * chunk_size, d], the selected chunks' values in ``chunk_ids``' order (None with
+            ``value_stores``).
         outlier_k, outlier_v: [b, h, O, d].
         tail_k, tail_v: [b, h, capacity, d]; the first ``tail_len`` positions are attended.
         tail_len: int32 tensor [1] on the device (or None: the whole capacity).
         pos0: [1 or b, 1] position of each row's first token (RoPE positions are ``token + pos0``).
         rotary: the model's rotary module (``inv_freq``, ``attention_scaling``).
         scaling: Softmax scale.
+        value_stores: ``(host, device)``: read the selected values from their stores instead of ``values_sel``:
+            ``host`` [b_host, h, chunks, chunk_size * d] for the first ``b_host`` rows (pinned host memory on
+            CUDA), ``device`` [b - b_host, h, chunks * chunk_size, d] for the rest; either may be None. Both
+            must be contiguous (never copied here: the host store is the whole context's values).
 
     Returns:
         [b, hq, d] in ``query``'s dtype (written into ``out`` when given).
@@ -177,8 +196,19 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
     n, r = u.shape[1], u.shape[2]
     if d % 32:
         raise ValueError(f"head dim {d}: tl.dot needs halves of at least 16 channels, a multiple of 16")
-    args = [t.contiguous() for t in (query, u, sv, values_sel, outlier_k, outlier_v, tail_k, tail_v)]
-    q, u, sv, values_sel, outlier_k, outlier_v, tail_k, tail_v = args
+    args = [t.contiguous() for t in (query, u, sv, outlier_k, outlier_v, tail_k, tail_v)]
+    q, u, sv, outlier_k, outlier_v, tail_k, tail_v = args
+    host_rows, ctx = 0, 0
+    if value_stores is not None:
+        host, device = (None if t is not None and t.shape[0] == 0 else t for t in value_stores)
+        if any(t is not None and not t.is_contiguous() for t in (host, device)):
+            raise ValueError("shadowkv_fused_decode reads the value stores in place: they must be contiguous")
+        host_rows = 0 if host is None else host.shape[0]
+        ctx = host.shape[2] * chunk_size if host is not None else device.shape[2]
+        values_sel = device if device is not None else host
+        host_ptr = host if host is not None else values_sel
+    else:
+        values_sel = host_ptr = values_sel.contiguous()
     ids = chunk_ids.contiguous().to(torch.int32)
     if tail_len is None:
         tail_len = torch.full((1,), tail_k.shape[2], dtype=torch.int32, device=q.device)
@@ -190,17 +220,18 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
     group = hq // h
     # (tokens per block, rank per block, warps): on sm_90 (bf16, read off the cubin of Triton 3.9) the largest token
     # block that keeps the loop off the stack: head dim 64, 64 tokens (127 registers); 128, 32 tokens (126; 64
-    # tokens take 212 and a stack). Small on the interpreter, where every lane is Python.
+    # tokens take 212 and a stack); reading the value stores takes more (211 with a 32-byte stack, 192). Small on
+    # the interpreter, where every lane is Python.
     if interpreting():
         block_n, block_r, warps = 32, 32, 4
     else:
         block_n, block_r, warps = (64 if d <= 64 else 32), 32, 8
     _shadowkv_fused_decode_kernel[(b * h,)](
-        q, u, sv, ids, values_sel, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0, inv_freq, out,
-        h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], 1 if pos0.numel() > 1 else 0,
+        q, u, sv, ids, values_sel, host_ptr, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0, inv_freq, out,
+        h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], host_rows, ctx, 1 if pos0.numel() > 1 else 0,
         float(getattr(rotary, "attention_scaling", 1.0)), scaling * 1.4426950408889634,
         CS=chunk_size, D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_R=block_r, IEEE=ieee, num_warps=warps,
+        BLOCK_R=block_r, IEEE=ieee, FROM_STORE=value_stores is not None, num_warps=warps,
     )
     COUNTERS["shadowkv_fused_decode"] += 1
     return out

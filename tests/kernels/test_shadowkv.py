@@ -58,8 +58,9 @@ def test_shadowkv_offload_uses_kernel_and_matches_device_path():
 
 @pytest.mark.gpu
 def test_fused_decode_gives_the_unfused_tokens_on_gpu():
-    """fused_decode on the GPU (fp32 model: the kernel's exact-fp32 dots), all rows offloaded and a mixed batch:
-    the unfused path's greedy tokens."""
+    """fused_decode on the GPU (fp32 model: the kernel's exact-fp32 dots), all rows offloaded and a mixed batch,
+    the values gathered first or read by the kernel from pinned host memory and the device rows' store: the
+    unfused path's greedy tokens."""
     from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
     from neutrain.eval.loop import greedy_decode
     from neutrain.kernels import shadowkv_fused_decode as fused_kernels
@@ -68,16 +69,18 @@ def test_fused_decode_gives_the_unfused_tokens_on_gpu():
     ids = torch.randint(0, 128, (2, 600), device="cuda")
     for rows in (0, 1):
         tokens = {}
-        for fused in (False, True):
+        for fused, store_reads in ((False, False), (True, False), (True, True)):
             enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, device_value_rows=rows,
-                            fused_decode=fused, tail_capacity=8)
+                            fused_decode=fused, tail_capacity=8, fused_store_reads=store_reads)
             cache = ShadowKVCache.for_model(model)
             before = fused_kernels.COUNTERS["shadowkv_fused_decode"]
-            tokens[fused] = greedy_decode(model, ids, 16, cache)["tokens"]
+            tokens[fused, store_reads] = greedy_decode(model, ids, 16, cache)["tokens"]
             disable_shadowkv(model)
             launched = fused_kernels.COUNTERS["shadowkv_fused_decode"] - before
             assert (launched > 0) == fused and cache.counters["fused_steps"] == launched
-        assert torch.equal(tokens[True], tokens[False])
+            assert (cache.counters["uva_gathers"] > 0) == (not store_reads), (fused, store_reads)
+        assert torch.equal(tokens[True, False], tokens[False, False])
+        assert torch.equal(tokens[True, True], tokens[False, False])
 
 
 @pytest.mark.gpu
@@ -103,8 +106,9 @@ def test_shadowkv_decode_step_records_its_phases(fused):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_decode"])
-def test_shadowkv_layer_step_makes_no_host_sync(fused):
+@pytest.mark.parametrize("fused,store_reads", [(False, False), (True, False), (True, True)],
+                         ids=["unfused", "fused_decode", "fused_decode_store_reads"])
+def test_shadowkv_layer_step_makes_no_host_sync(fused, store_reads):
     """A sparse layer's decode step (the tail append, the selection, the host rows' value gather on its side stream,
     the attention) asks the host for nothing: no ``.item()``, no shape read off device data, so one CUDA graph can
     hold the step. A mixed batch (one row's values on the device) takes both gather paths."""
@@ -112,7 +116,8 @@ def test_shadowkv_layer_step_makes_no_host_sync(fused):
     from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
 
     model = _tiny_cuda_llama()
-    enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, device_value_rows=1, fused_decode=fused)
+    enable_shadowkv(model, budget=64, rank=32, outliers=4, min_prefill=256, device_value_rows=1, fused_decode=fused,
+                    fused_store_reads=store_reads)
     try:
         cache = ShadowKVCache.for_model(model)
         with torch.inference_mode():

@@ -84,3 +84,32 @@ def test_fused_decode_bf16_on_gpu_is_within_bf16_of_the_fp32_reference(d, record
     err = (out.float() - ref).abs().max().item()
     record_property("max_abs_error_vs_fp32", err)
     assert err < 3e-2
+
+
+def _stores(inputs, host_rows):
+    """The selected values' stores as the cache keeps them: the first ``host_rows`` rows chunk-major
+    ([rows, h, chunks, chunk * d], the host layout), the rest token-major ([rows, h, ctx, d], the device layout);
+    ``values_sel`` gathered from them, as the unfused path would."""
+    b, h, k = inputs["chunk_ids"].shape
+    d, cs = inputs["query"].shape[-1], inputs["chunk_size"]
+    g = torch.Generator().manual_seed(1)
+    store = torch.randn(b, h, inputs["u"].shape[1], d, generator=g)
+    host = store[:host_rows].reshape(host_rows, h, -1, cs * d).contiguous() if host_rows else None
+    device = store[host_rows:].contiguous() if host_rows < b else None
+    tokens = (inputs["chunk_ids"][..., None] * cs + torch.arange(cs)).flatten(-2)
+    return (host, device), store.gather(2, tokens[..., None].expand(-1, -1, -1, d))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}g{}d{}r{}cs{}k{}".format(*s[:7]))
+def test_fused_decode_reads_the_value_stores(shape):
+    """value_stores: the selected values read in the kernel from the host rows' chunk-major store and the device
+    rows' token-major one (all host, mixed, all device) = the same values gathered first."""
+    inputs = _inputs(*shape)
+    b = shape[0]
+    for host_rows in sorted({0, b // 2, b}):
+        stores, gathered = _stores(inputs, host_rows)
+        out = kernels.shadowkv_fused_decode(**{**inputs, "values_sel": None}, value_stores=stores)
+        torch.testing.assert_close(out, shadowkv_fused_decode_reference(**{**inputs, "values_sel": gathered}),
+                                   atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, shadowkv_fused_decode_reference(**{**inputs, "values_sel": None},
+                                                                        value_stores=stores), atol=2e-5, rtol=2e-5)

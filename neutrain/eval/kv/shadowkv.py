@@ -87,6 +87,9 @@ class ShadowKVOptions:
     # Free tail slots the fused path's buffer is allocated with (it grows by reallocation when they run out;
     # a CUDA-graph capture needs them to cover the tokens it will generate).
     tail_capacity: int = 256
+    # With fused_decode: the kernel reads the selected values where they are stored (the host rows' over PCIe from
+    # pinned memory) instead of waiting for a separate gather, so the reads overlap the key rebuilds.
+    fused_store_reads: bool = False
 
 
 class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
@@ -258,9 +261,13 @@ class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
         if self.owner.options.log_selection:
             self.selection_log.append(chunk_ids)
         mark("selection")
+        fused = self.owner.options.fused_decode and m == 1 and self.exact_k is None
+        if fused and self.owner.options.fused_store_reads and not self.owner.uva_failed:
+            mark("gather_launch")  # nothing to gather: the kernel reads the stores
+            return self.fused_attention(module, query, rotary, chunk_ids, None, None)
         blocks, pending = self.gather_values(chunk_ids, query.device)
         mark("gather_launch")
-        if self.owner.options.fused_decode and m == 1 and self.exact_k is None:
+        if fused:
             return self.fused_attention(module, query, rotary, chunk_ids, blocks, pending)
         if self.exact_k is not None:
             keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)

@@ -60,7 +60,8 @@ class FusedDecodeLayer:
 
     def fused_attention(self, module, query, rotary, chunk_ids, blocks, pending) -> torch.Tensor:
         """The one-token step from the selected ``chunk_ids`` and their value ``blocks`` (joined once the side
-        stream's gather, ``pending``, is waited for): ``[b, 1, hq, d]``, as the unfused path returns."""
+        stream's gather, ``pending``, is waited for), or with ``blocks`` None read by the kernel from the value
+        stores (``fused_store_reads``): ``[b, 1, hq, d]``, as the unfused path returns."""
         from ...kernels.shadowkv_fused_decode import shadowkv_fused_decode  # lazy: Triton
 
         mark = self.owner.mark
@@ -69,11 +70,16 @@ class FusedDecodeLayer:
         mark("reconstruction")
         if pending is not None:
             torch.cuda.current_stream(query.device).wait_stream(pending)
-        values_sel = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        stores = None
+        if blocks is None:  # host rows first (v_store), the device rows after (v_device); or all on the device
+            stores = (self.v_store, self.v_device) if self.offloaded else (None, self.v_store)
+            values_sel = None
+        else:
+            values_sel = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         mark("gather_wait")
         out = shadowkv_fused_decode(query[:, :, 0], self.u, self.sv, chunk_ids, values_sel, self.outlier_k,
                                     self.outlier_v, self._tail_kbuf, self._tail_vbuf, self.tail_len, self.pos0,
-                                    rotary, self.chunk_size, module.scaling)
+                                    rotary, self.chunk_size, module.scaling, value_stores=stores)
         counters = self.owner.counters
         counters["sparse_steps"] += 1
         counters["fused_steps"] += 1

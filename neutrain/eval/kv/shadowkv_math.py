@@ -90,13 +90,19 @@ def rebuild_keys(u: torch.Tensor, sv: torch.Tensor, tokens: torch.Tensor) -> tor
 
 
 def shadowkv_fused_decode_reference(query, u, sv, chunk_ids, values_sel, outlier_k, outlier_v, tail_k, tail_v,
-                                    tail_len, pos0, rotary, chunk_size: int, scaling: float) -> torch.Tensor:
+                                    tail_len, pos0, rotary, chunk_size: int, scaling: float,
+                                    value_stores=None) -> torch.Tensor:
     """What :func:`neutrain.kernels.shadowkv_fused_decode.shadowkv_fused_decode` computes, with the cache's
     unfused arithmetic: keys rebuilt (:func:`rebuild_keys`), RoPE'd at ``token + pos0``, concatenated after the
-    outliers and before the first ``tail_len`` tail tokens, then SDPA. Same arguments; [b, hq, d]."""
+    outliers and before the first ``tail_len`` tail tokens, then SDPA; with ``value_stores`` the selected values
+    gathered from them first. Same arguments; [b, hq, d]."""
     b, hq, d = query.shape
     h = chunk_ids.shape[1]
     tokens = chunk_tokens(chunk_ids, chunk_size)
+    if value_stores is not None:
+        rows = [s.reshape(s.shape[0], h, -1, d) for s in value_stores if s is not None]  # [rows, h, ctx, d] each
+        store = torch.cat([r.to(query.device) for r in rows])
+        values_sel = store.gather(2, tokens[..., None].expand(-1, -1, -1, d))
     pre = rebuild_keys(u, sv, tokens)
     cos, sin = rope_cos_sin(rotary, tokens + pos0.reshape(-1, 1, 1), pre.dtype)
     keys_sel = apply_rope(pre, cos, sin).to(query.dtype)

@@ -266,18 +266,20 @@ def test_a_small_budget_is_spent_in_finer_chunks(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("values", ["offloaded", "mixed_rows"])
+@pytest.mark.parametrize("values", ["offloaded", "mixed_rows", "mixed_rows_store_reads"])
 def test_fused_decode_gives_the_unfused_logits(values):
     """fused_decode: the one-token steps through the Triton kernel (the interpreter here) decode the unfused path's
-    logits, the tail in its fixed-capacity buffer growing past its free slots (2) on the way."""
+    logits, the tail in its fixed-capacity buffer growing past its free slots (2) on the way; with
+    fused_store_reads the kernel reads the values from the host rows' and the device rows' stores."""
     from neutrain.kernels import shadowkv_fused_decode as kernels
 
     model = tiny_llama(layers=2, hidden=128)  # head dim 32: the kernel's tl.dot needs halves of 16 channels
     ids = torch.randint(0, 97, (2, 140))
-    opts = dict(budget=24, rank=8, device_value_rows=1 if values == "mixed_rows" else 0, **SMALL)
+    opts = dict(budget=24, rank=8, device_value_rows=1 if values.startswith("mixed_rows") else 0, **SMALL)
     ref, _ = _run(model, ids, 136, **opts)
     before = kernels.COUNTERS["shadowkv_fused_decode"]
-    out, cache = _run(model, ids, 136, fused_decode=True, tail_capacity=2, **opts)
+    out, cache = _run(model, ids, 136, fused_decode=True, tail_capacity=2,
+                      fused_store_reads=values.endswith("store_reads"), **opts)
     _assert_sparse(cache, 2)
     assert cache.counters["fused_steps"] == cache.counters["sparse_steps"] == 2 * 4
     assert kernels.COUNTERS["shadowkv_fused_decode"] == before + 2 * 4
