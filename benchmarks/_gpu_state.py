@@ -99,7 +99,7 @@ _BACKENDS = (
     ("_segment_kernel", "triton:minicache"), ("_combine_kernel", "triton:minicache"),
     ("cudnn", "sdpa:cudnn"), ("flash_attention_for_cpu", "sdpa:cpu_flash"), ("flash", "sdpa:flash"),
     ("efficient_attention", "sdpa:efficient"), ("fmha", "sdpa:efficient"), ("_math", "sdpa:math"),
-    ("gather_chunks", "triton:shadowkv_gather"),
+    ("gather_chunks", "triton:shadowkv_gather"), ("_shadowkv_fused_decode_kernel", "triton:shadowkv_fused_decode"),
 )
 
 

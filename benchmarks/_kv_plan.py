@@ -38,7 +38,8 @@ CHEAP_STEPS_SECONDS = 1.0
 # backends), the MiniCache rows with MIN_STEPS, the slow rows last with 2 (the restore path's 1.1 s steps; the
 # QuantizedCache from its H100 rows at the H200's batch).
 ROW_SECONDS = {
-    "full": (5, 4), "shadowkv": (4, 4), "kvpress_pruned": (3, 3), "minicache_merge_4bit": (16, 16),
+    "full": (5, 4), "shadowkv": (4, 4), "shadowkv_fused_decode": (4, 4),
+    "shadowkv_fused_decode_store_reads": (4, 4), "kvpress_pruned": (3, 3), "minicache_merge_4bit": (16, 16),
     "minicache_4bit_only": (9, 10), "minicache_merge": (8, 10), "full_repeat": (3, 4),
     "quantized_cache_4bit": (14, 14), "minicache_merge_4bit_restore": (11, 12),
 }

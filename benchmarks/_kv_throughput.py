@@ -4,7 +4,9 @@ Llama-3-8B architecture, random bf16 weights, contexts 32K and 64K. Decode token
 batch that fits for the full cache (preallocated, in-place writes: the fair baseline; transformers'
 DynamicCache would re-copy the whole cache each step), ShadowKV (values in pinned host memory, the
 batch sized by GPU memory: overflow rows keep their values on the GPU; its step split by phase with
-CUDA events), MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
+CUDA events; once unfused, then at the same batch through neutrain/kernels/shadowkv_fused_decode.py, its values
+gathered first or read by the kernel where they are stored),
+MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
 neutrain/kernels/minicache_attention.py; merge + 4-bit once through the old restore path), a
 kvpress-pruned cache and QuantizedCache. The caches are filled with random states of the target
 length instead of running a 64K prefill per sequence: decode cost does not depend on the values,
@@ -187,7 +189,8 @@ def attention_ops(model, cache, batch) -> dict[str, int]:
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         _sync()
     # SDPA's backends, and neutrain's own decode kernels (MiniCache's segment/combine, ShadowKV's gather)
-    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks",
+    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks"
+                         r"|_shadowkv_fused_decode_kernel",
                          re.IGNORECASE)
     return {e.key[:160]: e.count for e in prof.key_averages() if pattern.search(e.key)}
 
@@ -382,8 +385,9 @@ SIZING_TOKENS = 4096
 a compressed cache stores grows with its tokens, and a 64K build of one sequence takes seconds of Python
 (a store call per layer and chunk) that the plan has no room for."""
 
-ROWS = ("full", "shadowkv", "kvpress_pruned", "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge",
-        "full_repeat", "quantized_cache_4bit", "minicache_merge_4bit_restore")
+ROWS = ("full", "shadowkv", "shadowkv_fused_decode", "shadowkv_fused_decode_store_reads", "kvpress_pruned",
+        "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge", "full_repeat", "quantized_cache_4bit",
+        "minicache_merge_4bit_restore")
 """Every throughput row, in the order they run (every context of one before the next): the baseline and the cheap
 rows first, the MiniCache rows, the full cache again, then the slow rows (QuantizedCache and the restore path,
 1-2 s a step), which a run behind its plan cuts to fewer timed steps (``_kv_plan``), never to none."""
@@ -395,6 +399,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     from neutrain.eval.kv import disable_minicache_attention, enable_minicache_attention
     from neutrain.kernels import minicache_attention as mc_kernels
     from neutrain.kernels import shadowkv as skv_kernels
+    from neutrain.kernels import shadowkv_fused_decode as skv_fused_kernels
 
     if args.smoke:  # stand-in on CPU: exercises the code, numbers mean nothing
         cfg, total = smoke_config(args.smoke)
@@ -469,7 +474,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         first = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend")
         return full(ctx, (first.upper(),) if first and first != "default_dispatch" else ())
 
-    def shadowkv(ctx):
+    def shadowkv(ctx, fused=False, store_reads=False):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,
         # the rest keep them on the GPU (device_value_rows) as long as the GPU has room.
         chunks = ctx // 8
@@ -483,9 +488,14 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         else:
             rows = int((headroom - b_host * per_seq) // (per_seq + v_per_seq))
             b = b_host + rows
-        enable_shadowkv(model, budget=0.0156, rank=rank, chunk_size=8, outliers=outliers)
+        if args.smoke:  # the fused row's kernel runs in Triton's interpreter there: both rows at a batch it takes
+            b = min(b, {"small": 2, "tiny": 1}[args.smoke])
+            rows = min(rows, b)
+        enable_shadowkv(model, budget=0.0156, rank=rank, chunk_size=8, outliers=outliers, fused_decode=fused,
+                        fused_store_reads=store_reads)
         try:
             before = skv_kernels.COUNTERS["gather_chunks"]
+            fused_before = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"]
             cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -493,13 +503,19 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             stats = cache.stats()
             split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
             out.update(kernel_record(model, cache, b))
-            log(f"ctx {ctx} shadowkv step split (ms): {split}")
+            out["fused_kernel_launches"] = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"] - fused_before
+            if out["fused_kernel_launches"] and "triton:shadowkv_fused" not in (out["attention_kernel"] or ""):
+                # Triton's CPU interpreter runs the kernel as Python: no profiler op names it (the smoke run)
+                named = [out["attention_kernel"], "triton:shadowkv_fused_decode"]
+                out["attention_kernel"] = "+".join(filter(None, named))
+            log(f"ctx {ctx} shadowkv (fused {fused}, store reads {store_reads}) step split (ms): {split}")
         finally:
             disable_shadowkv(model)
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, **out,
                 "gpu_kv_gib": stats["device_bytes"] / GIB,
                 "host_gib": stats["host_bytes"] / GIB, "uva_kernel_launches": skv_kernels.COUNTERS["gather_chunks"] - before,
-                "sparse_steps": stats["sparse_steps"], "uva_gathers": stats["uva_gathers"], "step_split": split,
+                "sparse_steps": stats["sparse_steps"], "fused_steps": stats["fused_steps"],
+                "uva_gathers": stats["uva_gathers"], "step_split": split,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
 
     def sized_run(ctx, build, stored_of, transient_per_seq):
@@ -572,7 +588,9 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 "compression_ratio": ctx / kept,
                 "what": f"decode after any kvpress press at compression_ratio {PRESS_RATIO} (PrunedCache)"}
 
-    order = [(label, ctx) for label in ROWS for ctx in args.contexts]  # the order the rows run in
+    chosen = getattr(args, "rows", None)
+    labels = [label for label in ROWS if chosen is None or label == "full" or label in chosen]
+    order = [(label, ctx) for label in labels for ctx in args.contexts]  # the order the rows run in
 
     def guarded(ctx, label, fn, *a):
         # No row is skipped for time: its cap (the plan's seconds, or its share of what is left when the run is
@@ -599,13 +617,15 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     # MiniCache: the fused decode for each setting, "4-bit only" (what merging only similar pairs leaves when
     # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
     # The full cache again at the end: a baseline that moved within the call shows there.
-    runs = {"full": (full, ()), "shadowkv": (shadowkv, ()), "minicache_merge_4bit": (minicache, (4,)),
+    runs = {"full": (full, ()), "shadowkv": (shadowkv, ()), "shadowkv_fused_decode": (shadowkv, (True,)),
+            "shadowkv_fused_decode_store_reads": (shadowkv, (True, True)),
+            "minicache_merge_4bit": (minicache, (4,)),
             "kvpress_pruned": (pruned, ()), "minicache_4bit_only": (minicache, (4, True, layers)),
             "minicache_merge": (minicache, (None,)), "full_repeat": (full_repeat, ()),
             "minicache_merge_4bit_restore": (minicache, (4, False)), "quantized_cache_4bit": (quantized, ())}
     for ctx in args.contexts:  # the most important measurements of every context first
         results["contexts"][str(ctx)] = {}
-    for label in ROWS:
+    for label in labels:
         fn, extra = runs[label]
         for ctx in args.contexts:
             row = results["contexts"][str(ctx)]

@@ -7,8 +7,10 @@
 #      (benchmarks/_kv_sizing.py; after an out-of-memory error the batch halves, down to 1), each under its cap
 #      (the median of 1 to STEPS timed steps: fewer when the cap comes first, says steps_cut; no row is skipped),
 #      in this order: full cache (timed under each SDPA backend, the fastest is the baseline), ShadowKV (+ its
-#      step split), the kvpress-pruned cache, MiniCache merge + 4-bit / 4-bit only / merge through the fused
-#      decode, the full cache again, then the slow rows: QuantizedCache, merge + 4-bit through the restore path;
+#      step split), ShadowKV through its fused decode kernel (same batch, + its step split; its values gathered
+#      first, then read by the kernel from their stores), the kvpress-pruned cache, MiniCache merge + 4-bit /
+#      4-bit only / merge through the fused decode, the full cache again, then the slow rows: QuantizedCache,
+#      merge + 4-bit through the restore path;
 #      each row records its batch, its attempts, the attention kernel that ran and the GPU's clocks, power and
 #      temperature around it;
 #   3. every setting on the retrieval model, those beside the rows first: the methods, QuantizedCache and kvpress
@@ -86,6 +88,7 @@ if [ "${TESTS:-0}" = 1 ]; then
   t0=$SECONDS
   timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
     tests/kernels/test_minicache_attention.py tests/kernels/test_shadowkv.py \
+    tests/kernels/test_shadowkv_fused_decode.py \
     tests/unit/eval/test_minicache.py tests/unit/eval/test_shadowkv.py tests/unit/eval/test_diagnose.py \
     tests/unit/eval/test_kv_compression_off.py \
     --junitxml="$OUT/junit_gpu_kv_$short.xml" -o junit_suite_name="gpu-kv@$NEUTRAIN_GIT_COMMIT" \

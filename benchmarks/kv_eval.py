@@ -65,6 +65,8 @@ def main():
     p.add_argument("--stop-acc", type=float, default=0.97)
     p.add_argument("--samples", type=int, default=25)
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=None,
+                   help="throughput part: these rows only, in their usual order (the full cache always: the baseline)")
     p.add_argument("--steps", type=int, default=6,
                    help="timed decode steps of a throughput row at most (fewer, down to 1, when its cap comes first)")
     p.add_argument("--host-gib", type=float, default=72.0)

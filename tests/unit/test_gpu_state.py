@@ -71,6 +71,7 @@ def test_around_samples_both_sides_of_the_timed_region(monkeypatch):
     ({"_segment_kernel": 64, "_combine_kernel": 16, "aten::_scaled_dot_product_cudnn_attention": 16},
      "triton:minicache+sdpa:cudnn"),
     ({"gather_chunks": 32, "aten::_scaled_dot_product_flash_attention": 32}, "sdpa:flash+triton:shadowkv_gather"),
+    ({"_shadowkv_fused_decode_kernel": 32, "gather_chunks": 32}, "triton:shadowkv_gather+triton:shadowkv_fused_decode"),
     ({"some_attention_op": 1}, "other"),
     ({}, None),
 ])

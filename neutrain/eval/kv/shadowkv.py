@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ... import compat
 from .routing import route_attention, unroute_attention
+from .shadowkv_fused_decode import FusedDecodeLayer
 from .shadowkv_math import apply_rope, chunk_tokens, invert_rope, low_rank_keys, rebuild_keys, rope_cos_sin, select_chunks
 
 ATTN_NAME = "shadowkv"
@@ -79,9 +80,19 @@ class ShadowKVOptions:
     # log every step's selected chunks (``ShadowKVLayer.selection_log``) for the needle recall.
     exact_keys: bool = False
     log_selection: bool = False
+    # Decode one-token steps through the Triton kernel of neutrain/kernels/shadowkv_fused_decode.py: the keys are
+    # rebuilt inside the attention (never written out), one launch a layer, and the tail lives in a fixed-capacity
+    # buffer with its length on the device, so the step reads no host-side length. Off until measured on a GPU.
+    fused_decode: bool = False
+    # Free tail slots the fused path's buffer is allocated with (it grows by reallocation when they run out;
+    # a CUDA-graph capture needs them to cover the tokens it will generate).
+    tail_capacity: int = 256
+    # With fused_decode: the kernel reads the selected values where they are stored (the host rows' over PCIe from
+    # pinned memory) instead of waiting for a separate gather, so the reads overlap the key rebuilds.
+    fused_store_reads: bool = False
 
 
-class ShadowKVLayer(DynamicLayer):
+class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
     """One layer: dense until the attention function compresses the prefill, sparse after."""
 
     def __init__(self, owner: "ShadowKVCache"):
@@ -95,8 +106,11 @@ class ShadowKVLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
         if self.mode == "sparse":
-            self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
-            self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
+            if self.tail_len is not None:
+                self.append_tail(key_states, value_states)
+            else:
+                self.tail_k = torch.cat([self.tail_k, key_states], dim=-2)
+                self.tail_v = torch.cat([self.tail_v, value_states], dim=-2)
             return key_states, value_states
         self.mode = "dense"
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -247,8 +261,14 @@ class ShadowKVLayer(DynamicLayer):
         if self.owner.options.log_selection:
             self.selection_log.append(chunk_ids)
         mark("selection")
+        fused = self.owner.options.fused_decode and m == 1 and self.exact_k is None
+        if fused and self.owner.options.fused_store_reads and not self.owner.uva_failed:
+            mark("gather_launch")  # nothing to gather: the kernel reads the stores
+            return self.fused_attention(module, query, rotary, chunk_ids, None, None)
         blocks, pending = self.gather_values(chunk_ids, query.device)
         mark("gather_launch")
+        if fused:
+            return self.fused_attention(module, query, rotary, chunk_ids, blocks, pending)
         if self.exact_k is not None:
             keys_sel = self.exact_k.gather(2, tokens[..., None].expand(-1, -1, -1, d)).to(query.dtype)
         else:
@@ -280,7 +300,7 @@ class ShadowKVLayer(DynamicLayer):
         if self.mode != "sparse":
             return _nbytes(self.keys, self.values)
         parts = [self.u, self.sv, self.exact_k, self.landmarks, self.landmark_chunk, self.outlier_k, self.outlier_v,
-                 self.tail_k, self.tail_v]
+                 *self.tail_tensors()]
         return _nbytes(*parts, getattr(self, "v_device", None)) + (0 if self.offloaded else _nbytes(self.v_store))
 
     def host_bytes(self) -> int:
@@ -304,7 +324,8 @@ class ShadowKVCache(Cache):
             the ones whose budget was spent in finer chunks: ``min_selected_chunks``), ``sparse_steps``
             (decode attentions on the sparse path), ``selected_chunks``, ``dense_prefill``
             (prompts left dense because they were too short), ``dense_steps`` and
-            ``uva_gathers`` (value gathers by the Triton kernel from pinned host memory).
+            ``uva_gathers`` (value gathers by the Triton kernel from pinned host memory), ``fused_steps`` (of the
+            sparse steps, those through ``shadowkv_fused_decode``: ``fused_decode``).
     """
 
     def __init__(self, config, **options):
@@ -312,7 +333,7 @@ class ShadowKVCache(Cache):
         self.options = ShadowKVOptions(**options)
         self.counters = dict.fromkeys(
             ("compressed_layers", "refined_chunk_layers", "sparse_steps", "selected_chunks", "dense_prefill",
-             "dense_steps", "uva_gathers"), 0
+             "dense_steps", "uva_gathers", "fused_steps"), 0
         )
         self.uva_failed = False
         self._copy_streams: dict = {}

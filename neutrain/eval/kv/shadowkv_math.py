@@ -89,4 +89,26 @@ def rebuild_keys(u: torch.Tensor, sv: torch.Tensor, tokens: torch.Tensor) -> tor
     return torch.matmul(rows, sv)
 
 
-# ---------------------------------------------------------------- cache
+def shadowkv_fused_decode_reference(query, u, sv, chunk_ids, values_sel, outlier_k, outlier_v, tail_k, tail_v,
+                                    tail_len, pos0, rotary, chunk_size: int, scaling: float,
+                                    value_stores=None) -> torch.Tensor:
+    """What :func:`neutrain.kernels.shadowkv_fused_decode.shadowkv_fused_decode` computes, with the cache's
+    unfused arithmetic: keys rebuilt (:func:`rebuild_keys`), RoPE'd at ``token + pos0``, concatenated after the
+    outliers and before the first ``tail_len`` tail tokens, then SDPA; with ``value_stores`` the selected values
+    gathered from them first. Same arguments; [b, hq, d]."""
+    b, hq, d = query.shape
+    h = chunk_ids.shape[1]
+    tokens = chunk_tokens(chunk_ids, chunk_size)
+    if value_stores is not None:
+        rows = [s.reshape(s.shape[0], h, -1, d) for s in value_stores if s is not None]  # [rows, h, ctx, d] each
+        store = torch.cat([r.to(query.device) for r in rows])
+        values_sel = store.gather(2, tokens[..., None].expand(-1, -1, -1, d))
+    pre = rebuild_keys(u, sv, tokens)
+    cos, sin = rope_cos_sin(rotary, tokens + pos0.reshape(-1, 1, 1), pre.dtype)
+    keys_sel = apply_rope(pre, cos, sin).to(query.dtype)
+    n_tail = tail_k.shape[2] if tail_len is None else int(tail_len.reshape(-1)[0])  # a host read: reference only
+    keys = torch.cat([outlier_k, keys_sel, tail_k[:, :, :n_tail]], dim=2)
+    values = torch.cat([outlier_v, values_sel, tail_v[:, :, :n_tail]], dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(query[:, :, None], keys, values, scale=scaling,
+                                                           enable_gqa=hq != h)
+    return out[:, :, 0]

@@ -3,8 +3,8 @@
 One table, :data:`CASES`, names every cache the evaluation and the throughput benchmark decode with, each
 with its compression switched off (MiniCache keeping every token of every pair, on the restore path and
 the fused kernel's; ShadowKV at full rank with every chunk selected, values on the device, offloaded, or
-both in one batch; the pruned cache unpruned; the benchmark's preallocated full cache; the decode engine;
-kvpress presses at ratio 0). Each decodes the same two prompts greedily and must give DynamicCache's
+both in one batch, and through its fused decode kernel; the pruned cache unpruned; the benchmark's
+preallocated full cache; the decode engine; kvpress presses at ratio 0). Each decodes the same two prompts greedily and must give DynamicCache's
 tokens, on this CPU and, the same table, on a GPU (``-m gpu``: the Triton gather, the fused MiniCache
 kernel and the pinned host values run there). :func:`test_every_cache_kind_is_in_the_table` fails when a
 cache kind is added without a case here.
@@ -78,6 +78,9 @@ CASES = {
                                                                                    **SHADOWKV_OFF),
     "shadowkv_full_rank_every_chunk_mixed_rows": lambda m: kv_cache_factory(m, "shadowkv", offload_values=True,
                                                                              device_value_rows=1, **SHADOWKV_OFF),
+    "shadowkv_full_rank_every_chunk_fused_decode": lambda m: kv_cache_factory(m, "shadowkv", offload_values=True,
+                                                                               device_value_rows=1, fused_decode=True,
+                                                                               **SHADOWKV_OFF),
     "shadowkv_exact_keys_every_chunk": lambda m: kv_cache_factory(m, "shadowkv", exact_keys=True, rank=2,
                                                                   **{k: v for k, v in SHADOWKV_OFF.items() if k != "rank"}),
     "pruned_cache_unpruned": lambda m: nullfactory(lambda: baselines.PrunedCache(config=m.config)),
@@ -107,6 +110,7 @@ def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens(model
     counters = getattr(cache, "counters", {})
     if case.startswith("shadowkv"):  # the sparse path ran, not the dense fallback
         assert counters["sparse_steps"] > 0 and counters["dense_prefill"] == 0, counters
+        assert (counters["fused_steps"] > 0) == case.endswith("fused_decode"), counters
     if case == "minicache_retain_every_token_fused_decode":
         assert cache.fused_steps > 0 and cache.merges > 0
     if case == "minicache_retain_every_token":

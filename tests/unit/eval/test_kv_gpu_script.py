@@ -46,6 +46,8 @@ def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp
             entries = row["accuracy"][model]
             assert entries and all("gap_points" in e or e.get("missing") for e in entries), (label, model, entries)
     assert "triton:minicache" in rows["minicache_merge_4bit"]["attention_kernel"]
+    assert "triton:shadowkv_fused_decode" in rows["shadowkv_fused_decode"]["attention_kernel"]
+    assert rows["shadowkv_fused_decode"]["fused_steps"] > 0 and rows["shadowkv"]["fused_steps"] == 0
     assert set(rows["full"]["sdpa_backends"]) >= {"default_dispatch", "flash_attention"}
     assert record["results"]["fidelity"]["caches"]["full"]["overall"]["samples"] >= 1
     assert "shadowkv_throughput_over_full_64k" in record["targets"]

@@ -263,3 +263,50 @@ def test_a_small_budget_is_spent_in_finer_chunks(model):
     fraction = ShadowKVCache(model.config, budget=0.0156).layers[0]
     assert fraction.geometry(4096) == (8, 48, 32) and fraction.geometry(300) == (2, 192, 32)
     assert ShadowKVCache(model.config, budget=5, chunk_size=1).layers[0].geometry(300)[0] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("values", ["offloaded", "mixed_rows", "mixed_rows_store_reads"])
+def test_fused_decode_gives_the_unfused_logits(values):
+    """fused_decode: the one-token steps through the Triton kernel (the interpreter here) decode the unfused path's
+    logits, the tail in its fixed-capacity buffer growing past its free slots (2) on the way; with
+    fused_store_reads the kernel reads the values from the host rows' and the device rows' stores."""
+    from neutrain.kernels import shadowkv_fused_decode as kernels
+
+    model = tiny_llama(layers=2, hidden=128)  # head dim 32: the kernel's tl.dot needs halves of 16 channels
+    ids = torch.randint(0, 97, (2, 140))
+    opts = dict(budget=24, rank=8, device_value_rows=1 if values.startswith("mixed_rows") else 0, **SMALL)
+    ref, _ = _run(model, ids, 136, **opts)
+    before = kernels.COUNTERS["shadowkv_fused_decode"]
+    out, cache = _run(model, ids, 136, fused_decode=True, tail_capacity=2,
+                      fused_store_reads=values.endswith("store_reads"), **opts)
+    _assert_sparse(cache, 2)
+    assert cache.counters["fused_steps"] == cache.counters["sparse_steps"] == 2 * 4
+    assert kernels.COUNTERS["shadowkv_fused_decode"] == before + 2 * 4
+    layer = cache.layers[0]
+    assert int(layer.tail_len) == layer.tail_count == layer.tail_k.shape[2] == 140 - layer.context
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_fused_decode_steps_launch_on_the_same_tensors(model, monkeypatch):
+    """What a CUDA graph of the step needs: while the tail buffer has free slots, every fused step of a layer
+    launches the kernel with the same shapes, and on the same storage for the layer's state (factors, outliers,
+    tail buffers and length, positions; the query, chunk ids and gathered values are the step's own), the tail's
+    length moving on the device only."""
+    from neutrain.kernels import shadowkv_fused_decode as kernels
+
+    launches = []
+    real = kernels.shadowkv_fused_decode
+    state = (1, 2, 5, 6, 7, 8, 9, 10)  # u, sv, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0
+
+    def spy(*args, **kwargs):
+        launches.append([tuple(a.shape) for a in args if torch.is_tensor(a)] + [args[i].data_ptr() for i in state])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "shadowkv_fused_decode", spy)
+    wide = tiny_llama(layers=1, hidden=128)  # head dim 32
+    ids = torch.randint(0, 97, (1, 140))
+    _, cache = _run(wide, ids, 136, budget=24, rank=8, fused_decode=True, tail_capacity=8, **SMALL)
+    assert len(launches) == 4 and all(step == launches[0] for step in launches[1:])
+    assert int(cache.layers[0].tail_len) == 140 - cache.layers[0].context
