@@ -166,9 +166,9 @@ def zgemv_decoding(model: torch.nn.Module) -> Iterator[None]:
 
 
 def zgemv_payload_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Device bytes of the weights of the model's compressed linears: ``payload`` (their NeuZip tensors, or the code tables a
-    released one keeps), ``zgemv`` (the attached layouts) and ``released`` (how many weights are served by a layout
-    alone). The benchmark's memory row and the tests read it."""
+    """Device bytes of the weights of the model's compressed linears: ``payload`` (their NeuZip tensors, or the
+    code tables a released one keeps), ``zgemv`` (the attached layouts) and ``released`` (how many weights are
+    served by a layout alone). The benchmark's memory row and the tests read it."""
     weights = {id(m.compressed): m.compressed for m in model.modules() if isinstance(m, CompressedLinear)}
     attached = getattr(model, "_neutrain_zgemv", None) or []
     return {"payload": zgemv_release.payload_bytes(list(weights.values())),

@@ -134,10 +134,9 @@ def test_reference_is_the_fp32_product_of_the_exact_weight():
 @pytest.mark.parametrize("shape", [(256, 256), (1 << 12, 16), (128, 512), (64, 1021)])
 def test_decode_into_row_blocks_and_rows_are_every_pattern_exactly(shape):
     """The serving decode (int32 words, chunked; a row block of a fused group's layout; gathered rows) gives the
-    bits ``to_bf16`` gives: every bf16 pattern, with K of 1021 (3 columns of padding) padded to 65,344."""
+    bits ``to_bf16`` gives, on every bf16 pattern (65,344 of them at K = 1021, 3 columns of padding)."""
     flat = ALL_BF16[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(7))]
-    w = torch.cat([flat, flat[: shape[0] * shape[1] - flat.numel()]]).reshape(shape) if math.prod(shape) > flat.numel() \
-        else flat[: math.prod(shape)].reshape(shape)
+    w = flat.repeat(-(-math.prod(shape) // flat.numel()))[: math.prod(shape)].reshape(shape)
     zw = ZgemvWeight.from_bf16(w)
     assert zw.escapes > 0
     out = torch.full(shape, float("nan"), dtype=torch.bfloat16)

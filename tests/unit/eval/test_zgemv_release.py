@@ -127,3 +127,67 @@ def test_reading_the_payload_restores_it_and_a_wrong_layout_is_refused():
     with pytest.raises(RuntimeError, match="differs from the released one"):
         detach_zgemv(model)
     assert up.compressed.released  # the layout still serves it: nothing is lost
+
+
+@pytest.mark.slow
+def test_engine_decode_benchmark_measures_the_replace_row_and_gives_the_payloads_back():
+    """benchmarks/engine_decode.py's zgemv rows on the CPU (Triton's interpreter), so the GPU script cannot rot:
+    the replace row decodes the beside row's tokens, records what the payloads hold, and restores them after."""
+    from benchmarks.engine_decode import measure_variant
+
+    model = _compressed(seed=SEED + 3, drift=False)
+    weights = _linear_weights(model)
+    before = {id(w): _blobs(w) for w in weights}
+    prompt = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(SEED + 3))
+    rows, outputs = measure_variant(model, prompt, 3, 1, ["engine_graph_zgemv", "engine_graph_zgemv_replace"],
+                                    torch.device("cpu"))
+    beside, served = rows
+    assert "error" not in beside and "error" not in served and "detach_error" not in served, rows
+    assert torch.equal(outputs["engine_graph_zgemv"], outputs["engine_graph_zgemv_replace"])
+    assert beside["zgemv_payload_bytes"]["released"] == 0 and served["zgemv_payload_bytes"]["released"] == len(weights)
+    assert served["zgemv_payload_bytes"]["payload"] < beside["zgemv_payload_bytes"]["payload"]
+    assert served["tokens_per_s"] > 0 and served["zgemv_bits_per_weight"] > 12
+    for w in weights:  # the row's detach gave every payload back, exact
+        assert not w.released and all(torch.equal(w.ct.state_dict()[k], v) for k, v in before[id(w)].items())
+
+
+@pytest.mark.gpu
+def test_replace_mode_on_the_gpu_graphs_memory_and_exact_restore():
+    """On CUDA: the device memory drops by the payloads' bytes; the engine's graphed steps in replace mode decode the
+    zgemv mode's tokens and logits; the Triton encoder restores every payload in the bytes it had (twice here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from neutrain.nn.convert import compress_model
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None,
+                         bos_token_id=None, pad_token_id=0)
+    beside = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    compress_model(beside, progress=False)
+    beside.requires_grad_(False)
+    served = copy.deepcopy(beside)
+    weights = _linear_weights(served)
+    before = {id(w): _blobs(w) for w in weights}
+    prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(SEED)).cuda()
+    want_tokens, want = _decode_logits(DecodeEngine(beside, max_len=40, zgemv=True), prompt, 6)
+    del beside
+    allocated = []
+    for release in (False, True):  # the same layouts; in replace mode without the payloads
+        attach_zgemv(served, release=release)
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+        held = zgemv_payload_bytes(served)
+        detach_zgemv(served)
+    payload = zgemv_payload_bytes(served)["payload"]
+    assert allocated[0] - allocated[1] >= 0.9 * (payload - held["payload"]) > 0, (allocated, payload, held)
+    engine = DecodeEngine(served, max_len=40, zgemv="replace")
+    assert engine.use_graph and zgemv_payload_bytes(served)["released"] == len(weights)
+    tokens, got = _decode_logits(engine, prompt, 6)
+    assert tokens == want_tokens and torch.equal(got, want)
+    del engine
+    detach_zgemv(served)
+    for w in weights:
+        got = w.ct.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in before[id(w)].items()), w.name
