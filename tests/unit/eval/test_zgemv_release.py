@@ -122,6 +122,13 @@ def test_reading_the_payload_restores_it_and_a_wrong_layout_is_refused():
     blobs = o_proj._ct.restore().state_dict()
     assert o_proj.ct is o_proj._ct and not o_proj.released  # an optimizer's write or export gets it, for good
     assert all(torch.equal(o_proj.ct.state_dict()[k], v) for k, v in blobs.items())
+    down = model.model.layers[0].mlp.down_proj
+    new = (torch.randn(down.compressed.shape) * 0.02).bfloat16()
+    down.compressed.write_(new)  # an optimizer's write on a released weight: restored, then re-encoded
+    assert not down.compressed.released and down._neutrain_zgemv.versions != [down.compressed.version]
+    with torch.no_grad():  # the compressed path serves the new values (the layout is stale now)
+        x = torch.randn(3, 96).bfloat16()
+        assert torch.equal(down(x), torch.nn.functional.linear(x, new))
     up = model.model.layers[0].mlp.up_proj
     up._neutrain_zgemv.zw.raw[0, 0, 0] ^= 1 << 9  # one bit of one low byte
     with pytest.raises(RuntimeError, match="differs from the released one"):
