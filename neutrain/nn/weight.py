@@ -18,6 +18,10 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
   then upcast per use, gradients arrive in fp32 and the fused update rounds back
   to the stored bf16.
 
+While a serving mode holds the weight in another exact form, a :class:`PayloadStandIn` takes the compressed
+tensor's place: decodes read that form, and :attr:`CompressedWeight.ct` restores the payload first
+(:mod:`neutrain.eval.zgemv_release`).
+
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
 re-encodes the updated weight in place; ``row_blocks()`` / ``write_blocks_()`` do the
@@ -67,8 +71,8 @@ class PayloadStandIn:
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"compressed weight {self.__dict__.get('name') or '<unnamed>'!r}: its payload is released "
-                             f"(a zgemv layout serves it); '{name}' is not there. Read it through "
-                             "CompressedWeight.ct, which restores the payload, or detach_zgemv(model) first")
+                             f"(another exact form, e.g. a zgemv layout, serves it); '{name}' is not there. Read it "
+                             "through CompressedWeight.ct, which restores the payload, or detach_zgemv(model) first")
 
 
 class CompressedWeight:
@@ -130,6 +134,10 @@ class CompressedWeight:
             self._ct = self._ct.restore()
         return self._ct
 
+    @ct.setter
+    def ct(self, ct) -> None:
+        self._ct = ct
+
     @property
     def released(self) -> bool:
         """Whether the payload is released and a :class:`PayloadStandIn` serves the decodes."""
@@ -138,10 +146,6 @@ class CompressedWeight:
     def _source(self):
         """What a decode reads: the payload, or the stand-in's exact form without restoring the payload."""
         return self._ct if isinstance(self._ct, PayloadStandIn) else self.ct
-
-    @ct.setter
-    def ct(self, ct) -> None:
-        self._ct = ct
 
     @property
     def shape(self) -> torch.Size:
