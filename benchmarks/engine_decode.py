@@ -14,7 +14,13 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``engine_graph_zgemv`` (NeuZip weights, CUDA): engine_graph with ``zgemv=True``: each compressed matrix
   converted once to the 12-bit zgemv layout (:mod:`neutrain.eval.zgemv`) and read by the GEMV that decodes it in
   registers, instead of decoding it to bf16 first; its row records the layout's bits per weight, and
-  ``neuzip_lossless_over_bf16_decode`` takes the faster of engine_graph and this row (its ``method`` says which).
+  ``neuzip_lossless_over_bf16_decode`` takes the fastest of engine_graph and the zgemv rows (its ``method`` says which).
+* ``engine_graph_zgemv_replace`` (NeuZip weights): the same with ``zgemv="replace"``, the serving mode: the layouts
+  replace the NeuZip payloads (freed; a prefill decodes each matrix to bf16 from its layout). Beside tokens/s its
+  row records ``zgemv_payload_bytes`` (what the payloads still hold, the layouts, how many weights are released),
+  ``allocated_after_engine_gib`` (what the model and engine hold before decoding) and the peak allocated memory
+  of the timed runs, to set beside dense's and engine_graph_zgemv's rows; the payloads are restored (exact,
+  checksummed) after the row, and a failed restore is recorded as the row's ``detach_error``.
 
 ``gemv`` (CUDA, before the models): per Llama-3-8B decode shape ``(N, K)`` (fused and separate
 projections, o_proj, down_proj, lm_head), the CUDA-event median of cuBLAS (``F.linear``) and of the
@@ -227,7 +233,8 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
     engines = {"engine_eager": dict(cuda_graph=False, fuse=True), "engine_graph": dict(fuse=True),
                "engine_graph_gemv": dict(fuse=True, gemv=gemv), "engine_graph_unfused": dict(fuse=False),
-               "engine_graph_zgemv": dict(fuse=True, zgemv=True)}
+               "engine_graph_zgemv": dict(fuse=True, zgemv=True),
+               "engine_graph_zgemv_replace": dict(fuse=True, zgemv="replace")}
     rows, outputs = [], {}
     for method in methods:
         engine, run, extra = None, None, {}
@@ -240,9 +247,14 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
                          else None,
                          "parameter_bytes_after_engine": parameter_bytes(model)}
                 if engine.zgemv_matrices:
+                    from neutrain.eval.zgemv import zgemv_payload_bytes  # lazy: NeuZip rows only
+
                     layouts = [a.zw for a in model._neutrain_zgemv]
                     extra.update(zgemv_matrices=engine.zgemv_matrices, zgemv_bits_per_weight=8 * sum(
-                        z.nbytes() for z in layouts) / sum(z.shape[0] * z.shape[1] for z in layouts))
+                        z.nbytes() for z in layouts) / sum(z.shape[0] * z.shape[1] for z in layouts),
+                        zgemv_payload_bytes=zgemv_payload_bytes(model))
+                if device.type == "cuda":
+                    extra["allocated_after_engine_gib"] = torch.cuda.memory_allocated() / 2**30
                 run = lambda e=engine: e.generate(prompt, new)  # noqa: E731
             else:
                 run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt),  # noqa: E731
@@ -264,10 +276,13 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
             continue
         finally:
             engine = run = None  # the engine's static cache and graph pool go before the next method's
-            if method == "engine_graph_zgemv":
+            if method.startswith("engine_graph_zgemv"):
                 from neutrain.eval.zgemv import detach_zgemv  # lazy: the row's layouts go with it
 
-                detach_zgemv(model)
+                try:
+                    detach_zgemv(model)  # the replace row's payloads come back here, each checked by its checksum
+                except Exception as exc:  # recorded with the row; the weights stay served, exact, by their layouts
+                    extra["detach_error"] = f"{type(exc).__name__}: {exc}"[:400]
             free(device)
         outputs[method] = out.cpu()
         sec = statistics.median(secs)
@@ -285,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run")
     parser.add_argument("--weights", default="dense,neuzip-lossless,neuzip-lossy-3")
     parser.add_argument("--methods", default=None,
-                        help="comma list of engine_graph, engine_graph_zgemv, engine_eager, hf_generate (default: all that apply; "
+                        help="comma list of engine_graph, engine_graph_zgemv, engine_graph_zgemv_replace, engine_eager, "
+                             "hf_generate (default: all that apply; "
                              "hf_generate on dense weights only)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
@@ -315,8 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.3f} GB per token "
         f"(weights {read['weights'] / 1e9:.3f}, KV {read['kv'] / 1e9:.4f}, logits {read['logits'] / 1e9:.5f}); "
         f"roofline {roofline:.0f} tok/s")
-    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_zgemv", "engine_graph_unfused",
-                        "hf_generate"]
+    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_zgemv", "engine_graph_zgemv_replace",
+                        "engine_graph_unfused", "hf_generate"]
                        if device.type == "cuda" else ["engine_eager", "hf_generate"])
     methods = args.methods.split(",") if args.methods else default_methods
     if args.skip_hf:
@@ -366,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
                 "method": fastest, "layers": config.num_hidden_layers, "step_ms": fastest_step,
                 "from_generate_tokens_per_s": tps("dense", fastest) / roofline if tps("dense", fastest) else None}
-        lossless_method = max((m for m in (best_method, "engine_graph_zgemv") if tps("neuzip-lossless", m)),
+        lossless_method = max((m for m in (best_method, "engine_graph_zgemv", "engine_graph_zgemv_replace")
+                               if tps("neuzip-lossless", m)),
                               key=lambda m: tps("neuzip-lossless", m), default=best_method)
         lossless = tps("neuzip-lossless", lossless_method)
         if dense and lossless:
@@ -409,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         table = table_from(gemv.get("shapes", {}).values())
         chosen = [m for m in methods if (m != "hf_generate" or weights == "dense")  # HF on NeuZip: inference.json
                   and (m != "engine_graph_gemv" or (table and weights == "dense"))  # only where Triton won
-                  and (m != "engine_graph_zgemv" or weights.startswith("neuzip"))]
+                  and (not m.startswith("engine_graph_zgemv") or weights.startswith("neuzip"))]
         variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device, table)
         for row in variant_rows:
             row.update(weights=weights, build_s=build_s)

@@ -142,7 +142,9 @@ class DecodeEngine:
             it through ``zgemv``, decoded in registers, instead of decoding the matrix to bf16 first
             (:mod:`neutrain.eval.zgemv`; about 12 more bits a weight while the engine's model holds them);
             ``zgemv_matrices`` counts them. Inputs of more than 8 rows (a prefill) keep the compressed path.
-            Default: off.
+            ``"replace"``: the serving mode, the layouts replacing the NeuZip payloads (freed; about 12 bits a
+            weight in all; a prefill decodes each matrix to bf16 from its layout; ``detach_zgemv(model)`` gives
+            the exact payloads back). Default: off.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -151,7 +153,7 @@ class DecodeEngine:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
-                 fuse: bool | None = None, gemv: dict | None = None, zgemv: bool | dict | None = None):
+                 fuse: bool | None = None, gemv: dict | None = None, zgemv: bool | str | dict | None = None):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -176,7 +178,11 @@ class DecodeEngine:
             fuse = not any(p.requires_grad for p in model.parameters())
         self.fused_groups = fuse_projections(model) if fuse else 0
         self.gemv = GemvDispatch(gemv) if gemv else None
-        self.zgemv_matrices = attach_zgemv(model, zgemv if isinstance(zgemv, dict) else None) if zgemv else 0
+        if isinstance(zgemv, str) and zgemv != "replace":
+            raise ValueError(f"zgemv must be True, 'replace' or a table of configurations, got {zgemv!r}")
+        # Before any capture: a graph must never hold a decode of a payload that the replace mode frees.
+        self.zgemv_matrices = attach_zgemv(model, zgemv if isinstance(zgemv, dict) else None,
+                                           release=zgemv == "replace") if zgemv else 0
 
     # --- the model call shared by prefill, the decode step and verification ---
 

@@ -18,6 +18,13 @@ compressed path until :func:`attach_zgemv` runs again (a CUDA graph captured bef
 path it captured: make a new engine after training steps). Memory: the layouts sit beside the NeuZip payloads,
 about 12 more bits a weight while attached; :func:`detach_zgemv` frees them.
 
+Serving mode, ``attach_zgemv(model, release=True)`` (``DecodeEngine(..., zgemv="replace")``): the layout
+*replaces* each covered weight's NeuZip payload, which is freed (:mod:`neutrain.eval.zgemv_release`), so the
+model holds about 12 bits a weight instead of 10.9 + 12. Prefill and other calls the kernel does not take
+decode the weight to bf16 from the layout into the compressed path's own decode buffers; saving rebuilds
+each payload exactly for the save; :func:`detach_zgemv` (and anything that needs a payload itself, such as an
+optimizer's write) restores the payloads, bit for bit.
+
 ``table`` gives a configuration per weight shape, ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``
 (``benchmarks/zgemv.py`` measures them: its keys ``zgemv_n64_k256_s8_w4_p1`` read in this order); a shape not
 in it gets :func:`default_config`.
@@ -31,9 +38,10 @@ from collections.abc import Iterator
 import torch
 
 from neutrain.compress.zgemv import ZgemvWeight
+from neutrain.eval import zgemv_release
 from neutrain.kernels import interpreting
 from neutrain.eval.fused_projections import _CompressedGroup, activated
-from neutrain.nn import CompressedLinear
+from neutrain.nn import CompressedLinear, CompressedWeight
 
 MAX_ROWS = 8  # the kernel's (neutrain.kernels.zgemv.MAX_ROWS), read here without importing Triton
 
@@ -57,10 +65,12 @@ def default_config(n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, 
 class _Attached:
     """A matrix's zgemv layout, the configuration it runs with and the weight versions it was built from."""
 
-    def __init__(self, weights: list, zw: ZgemvWeight, config: tuple):
+    def __init__(self, weights: list, zw: ZgemvWeight, config: tuple, keep: set[int] | None = None):
         self.weights, self.zw, self.config = weights, zw, config
         self.versions = [w.version for w in weights]
         self.active = False
+        # The weights whose payloads it replaces (serving mode: ``keep``, the ids of weights that keep theirs, given).
+        self.released = [] if keep is None else zgemv_release.release(weights, zw, keep)
 
     def usable(self, x: torch.Tensor) -> bool:
         # a CPU runs the kernel only in Triton's interpreter (the tests); elsewhere it takes the compressed path
@@ -94,27 +104,35 @@ def _bf16(weights: list) -> bool:
     return all(w.dtype == torch.bfloat16 and w.device.type != "meta" for w in weights)
 
 
-def attach_zgemv(model: torch.nn.Module, table: dict | None = None) -> int:
+def attach_zgemv(model: torch.nn.Module, table: dict | None = None, *, release: bool = False) -> int:
     """Convert the model's compressed bf16 linears (fused groups as one matrix each, see the module docstring)
     to the zgemv layout; returns how many matrices are attached. Calling it again rebuilds them all (after
     training, say). Fuse first (:func:`~neutrain.eval.fused_projections.fuse_projections`) for one product per
-    group; unfused projections are attached one by one."""
+    group; unfused projections are attached one by one. ``release``: the serving mode, each layout replacing
+    its weights' NeuZip payloads (see the module docstring; :func:`zgemv_payload_bytes` counts what they hold)."""
     detach_zgemv(model)
     table = table or {}
     attached = []
+    keep = None  # serving mode: a weight an embedding also reads (tied) keeps its payload (lookups decode few tiles)
+    if release:
+        keep = {id(m.compressed) for m in model.modules()
+                if isinstance(getattr(m, "compressed", None), CompressedWeight) and not isinstance(m, CompressedLinear)}
     with torch.no_grad():
         for group in getattr(model, "_neutrain_fused_groups", None) or []:
             weights = [m.compressed for m in group.members]
             if isinstance(group, _CompressedGroup) and _bf16(weights):
                 dense = torch.cat([w.dense() for w in weights])
                 group.zgemv = _Attached(weights, ZgemvWeight.from_bf16(dense),
-                                        tuple(table.get(tuple(dense.shape), default_config(*dense.shape))))
+                                        tuple(table.get(tuple(dense.shape), default_config(*dense.shape))), keep)
+                del dense  # freed before the next matrix: attaching never holds more than one dense copy
                 attached.append(group.zgemv)
         for module in model.modules():
             if type(module) is CompressedLinear and _bf16([module.compressed]):
                 dense = module.compressed.dense()
                 module._neutrain_zgemv = _Attached([module.compressed], ZgemvWeight.from_bf16(dense),
-                                                   tuple(table.get(tuple(dense.shape), default_config(*dense.shape))))
+                                                   tuple(table.get(tuple(dense.shape), default_config(*dense.shape))),
+                                                   keep)
+                del dense
                 module.__class__ = ZgemvLinear
                 attached.append(module._neutrain_zgemv)
     model._neutrain_zgemv = attached
@@ -122,8 +140,12 @@ def attach_zgemv(model: torch.nn.Module, table: dict | None = None) -> int:
 
 
 def detach_zgemv(model: torch.nn.Module) -> int:
-    """Free the model's zgemv layouts and give its layers back their plain classes; returns how many there were."""
+    """Restore the payloads released in serving mode (exact, each checked by its checksum), free the model's zgemv
+    layouts and give its layers back their plain classes; returns how many layouts there were."""
     attached = getattr(model, "_neutrain_zgemv", None) or []
+    for item in attached:  # first: a payload is rebuilt from its layout
+        zgemv_release.restore(item.released)
+        item.released = []
     for module in model.modules():
         if isinstance(module, ZgemvLinear):
             module.__class__ = CompressedLinear
@@ -141,3 +163,14 @@ def zgemv_decoding(model: torch.nn.Module) -> Iterator[None]:
     model without any). The decode engine wraps its model calls in this; a CUDA graph captured inside keeps it."""
     with activated(getattr(model, "_neutrain_zgemv", None) or []):
         yield
+
+
+def zgemv_payload_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Device bytes of the weights of the model's compressed linears: ``payload`` (their NeuZip tensors, or the
+    code tables a released one keeps), ``zgemv`` (the attached layouts) and ``released`` (how many weights are
+    served by a layout alone). The benchmark's memory row and the tests read it."""
+    weights = {id(m.compressed): m.compressed for m in model.modules() if isinstance(m, CompressedLinear)}
+    attached = getattr(model, "_neutrain_zgemv", None) or []
+    return {"payload": zgemv_release.payload_bytes(list(weights.values())),
+            "zgemv": sum(a.zw.nbytes() for a in attached),
+            "released": sum(w.released for w in weights.values())}

@@ -139,4 +139,4 @@ class CompressedEmbedding(CompressedModuleMixin, torch.nn.Module):
     def extra_repr(self) -> str:
         scale = "" if self.embed_scale is None else f", embed_scale={float(self.embed_scale):g}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}{scale}, "
-                f"{self.compressed.ct!r}")
+                f"{self.compressed._ct!r}")

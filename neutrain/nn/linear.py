@@ -140,4 +140,4 @@ class CompressedLinear(CompressedModuleMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, {self.compressed.ct!r}")
+                f"bias={self.bias is not None}, {self.compressed._ct!r}")

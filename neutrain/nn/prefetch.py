@@ -121,7 +121,8 @@ class Prefetcher:
 
     def _launch(self, target) -> None:
         # Offloaded: the payload may not be on the device; grouped: decoded with its layer (neutrain.nn.groups).
-        if target is None or target.large or target.home is not None or target.group is not None:
+        # Released: a stand-in's decode allocates, so it runs on the main stream when asked.
+        if target is None or target.large or target.home is not None or target.group is not None or target.released:
             return
         cuda = target.device.type == "cuda"
         if not (cuda or self.eager_cpu) or DECODE_BUFFERS.keeps(target) or DECODE_BUFFERS.holds(target):

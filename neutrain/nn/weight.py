@@ -18,6 +18,10 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
   then upcast per use, gradients arrive in fp32 and the fused update rounds back
   to the stored bf16.
 
+While a serving mode holds the weight in another exact form, a :class:`PayloadStandIn` takes the compressed
+tensor's place: decodes read that form, and :attr:`CompressedWeight.ct` restores the payload first
+(:mod:`neutrain.eval.zgemv_release`).
+
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
 re-encodes the updated weight in place; ``row_blocks()`` / ``write_blocks_()`` do the
@@ -34,6 +38,41 @@ import torch
 from neutrain.nn.buffers import DECODE_BUFFERS
 from neutrain.nn.row_blocks import RowBlocks, row_blocks
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
+
+
+class PayloadStandIn:
+    """What a :class:`CompressedWeight` holds instead of its compressed tensor while another exact form of the
+    weight serves it and the payload's memory is freed (:mod:`neutrain.eval.zgemv_release`).
+
+    It has the tensor's ``shape``, ``dtype``, ``device`` and ``name``; decodes (:meth:`decompress`,
+    :meth:`decompress_rows`) read the other form; :meth:`restore` rebuilds the exact payload, bit for bit, and
+    :attr:`CompressedWeight.ct` calls it, so anything that needs the payload itself (saving, an optimizer's
+    write, export) gets it back. Any other attribute of a compressed tensor raises, naming the weight: code that
+    reached past :attr:`CompressedWeight.ct` to the payload's buffers fails loudly instead of reading freed memory.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    name: str | None
+    nbytes: int = 0
+
+    def decompress(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decompress_rows(self, index: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def restore(self):
+        """The exact compressed tensor, rebuilt (the caller installs it)."""
+        raise NotImplementedError
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"compressed weight {self.__dict__.get('name') or '<unnamed>'!r}: its payload is released "
+                             f"(another exact form, e.g. a zgemv layout, serves it); '{name}' is not there. Read it "
+                             "through CompressedWeight.ct, which restores the payload, or detach_zgemv(model) first")
 
 
 class CompressedWeight:
@@ -86,15 +125,27 @@ class CompressedWeight:
     # ------------------------------------------------------------ properties
     @property
     def ct(self):
-        """The compressed tensor, current: an update still waiting in its layer group's buffer is encoded first."""
+        """The compressed tensor, current: an update still waiting in its layer group's buffer is encoded first,
+        and a released payload (:class:`PayloadStandIn`) is restored, exact, and kept."""
         group = self.group
         if group is not None and group.pending[self.group_index]:
             group.flush()
+        if isinstance(self._ct, PayloadStandIn):
+            self._ct = self._ct.restore()
         return self._ct
 
     @ct.setter
     def ct(self, ct) -> None:
         self._ct = ct
+
+    @property
+    def released(self) -> bool:
+        """Whether the payload is released and a :class:`PayloadStandIn` serves the decodes."""
+        return isinstance(self._ct, PayloadStandIn)
+
+    def _source(self):
+        """What a decode reads: the payload, or the stand-in's exact form without restoring the payload."""
+        return self._ct if isinstance(self._ct, PayloadStandIn) else self.ct
 
     @property
     def shape(self) -> torch.Size:
@@ -114,7 +165,7 @@ class CompressedWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.ct.nbytes)
+        return int(self._source().nbytes)
 
     @property
     def trainable(self) -> bool:
@@ -145,7 +196,7 @@ class CompressedWeight:
         return self._decompress_into(out)
 
     def _decompress_into(self, out: torch.Tensor) -> torch.Tensor:
-        out = self.ct.decompress(out=out)
+        out = self._source().decompress(out=out)
         if self.home is not None:
             self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
         return out
@@ -158,12 +209,12 @@ class CompressedWeight:
     def decode_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the weight in :attr:`compute_dtype` (a fresh ``index.shape + shape[1:]`` tensor)."""
         self._resident()
-        return self.ct.decompress_rows(index).to(self.compute_dtype)
+        return self._source().decompress_rows(index).to(self.compute_dtype)
 
     def dense(self) -> torch.Tensor:
         """A fresh dense copy (for export and inspection; not used by training)."""
         self._resident()
-        return self.ct.decompress()
+        return self._source().decompress()
 
     def _resident(self, writing: bool = False) -> None:
         """Offloaded weights: bring the payload to the device first (a no-op when it is there)."""
@@ -171,7 +222,10 @@ class CompressedWeight:
             self.home.fetch(self, writing)
 
     def saved_ct(self):
-        """The compressed tensor to save: the host store's copy for an offloaded weight (no device copy)."""
+        """The compressed tensor to save: the host store's copy for an offloaded weight (no device copy); for a
+        released payload an exact copy rebuilt for the save, the payload staying released (memory for one weight)."""
+        if isinstance(self._ct, PayloadStandIn):
+            return self._ct.restore()
         return self.ct if self.home is None else self.home.host_ct(self)
 
     # ------------------------------------------------------- optimizer side

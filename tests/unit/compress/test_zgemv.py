@@ -129,3 +129,24 @@ def test_reference_is_the_fp32_product_of_the_exact_weight():
     moved, copy = zw.to("cpu"), zw.clone()
     assert _same_bits(moved.to_bf16(), w) and math.isclose(moved.bits_per_weight(), zw.bits_per_weight())
     assert _same_bits(copy.to_bf16(), w) and copy.codes.data_ptr() != zw.codes.data_ptr()  # new memory
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (1 << 12, 16), (128, 512), (64, 1021)])
+def test_decode_into_row_blocks_and_rows_are_every_pattern_exactly(shape):
+    """The serving decode (int32 words, chunked; a row block of a fused group's layout; gathered rows) gives the
+    bits ``to_bf16`` gives, on every bf16 pattern (65,344 of them at K = 1021, 3 columns of padding)."""
+    flat = ALL_BF16[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(7))]
+    w = flat.repeat(-(-math.prod(shape) // flat.numel()))[: math.prod(shape)].reshape(shape)
+    zw = ZgemvWeight.from_bf16(w)
+    assert zw.escapes > 0
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    assert zw.decode_into(out, chunk=3000) is out and _same_bits(out, w)  # chunks of a few rows, one ragged
+    start, stop = shape[0] // 3, shape[0] - 5
+    block = torch.empty(stop - start, shape[1], dtype=torch.bfloat16)
+    assert _same_bits(zw.decode_into(block, start, zw.escape_span(start, stop)), w[start:stop])
+    index = torch.tensor([[stop, 0, stop], [1, shape[0] - 1, 0]])
+    assert _same_bits(zw.decode_rows(index), w[index])
+    zw.esc_val[0] ^= 1  # the check can fail: an escape's pattern, changed, reaches the output
+    assert not _same_bits(zw.decode_into(out), w)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        zw.decode_into(torch.empty(2, shape[1] + 1, dtype=torch.bfloat16))
