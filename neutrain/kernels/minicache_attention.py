@@ -28,6 +28,7 @@ the segments are built by :mod:`neutrain.eval.kv.minicache_attention` from the c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -176,25 +177,46 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S:
     tl.store(out_ptr + row.to(tl.int64) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """How a segment's partials are launched: tokens per loop block and warps (4-bit codes, plain rows), the
+    software-pipeline depth, and how many programs per SM the token splits aim for.
+
+    The defaults are read off the sm_90 SASS (Triton 3.6) for as few registers as keep the loop unspilled
+    (4-bit 32 tokens / 4 warps, 153 registers; rows 64 / 8, 80); ``benchmarks/diag/minicache_decode_launch.py``
+    times the alternatives on the GPU.
+    """
+
+    quant_block: int = 32
+    quant_warps: int = 4
+    rows_block: int = 64
+    rows_warps: int = 8
+    stages: int | None = None  # None: Triton's default
+    programs_per_sm: int = 2
+
+
+DEFAULT_LAUNCH = DecodeLaunch()
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(n: int, rows: int, block: int) -> tuple[int, int]:
-    """``(tokens per split, splits)``: enough programs to fill the GPU (~2 per SM) at a one-token query,
-    where a (batch row, KV head) alone gives too few (224 at batch 28 on 132 SMs)."""
+def _splits(n: int, rows: int, block: int, programs_per_sm: int = 2) -> tuple[int, int]:
+    """``(tokens per split, splits)``: enough programs to fill the GPU (``programs_per_sm`` per SM) at a one-token
+    query, where a (batch row, KV head) alone gives too few (224 at batch 28 on 132 SMs)."""
     if interpreting():
         per = max(block, triton.cdiv(n, 2))  # two slices on the interpreter: the combine is exercised
     else:
         sms = _sm_count(torch.cuda.current_device())
-        want = max(1, triton.cdiv(2 * sms, rows))
+        want = max(1, triton.cdiv(programs_per_sm * sms, rows))
         per = max(4 * block, triton.cdiv(n, want))
     per = triton.cdiv(per, block) * block
     return per, max(1, triton.cdiv(n, per))
 
 
-def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, segments, scaling: float, launch: DecodeLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Attention of one query token per row over ``segments``, read as stored.
 
     Args:
@@ -203,6 +225,7 @@ def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Ten
             :class:`neutrain.eval.kv.minicache_attention.Segment` (keys, values, their 4-bit scales and
             minima or None, key_group, value_group, key_token_scale, value_token_scale, lengths).
         scaling: Softmax scale.
+        launch: Block sizes, warps, pipeline depth and split target (:class:`DecodeLaunch`).
 
     Returns:
         [b, hq, d] in ``query``'s dtype.
@@ -226,10 +249,10 @@ def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Ten
     G = hq // h
     q = query.contiguous()
     block_g = 16 if interpreting() else max(16, triton.next_power_of_2(G))
-    # (tokens per block, warps): read off the sm_90 SASS (Triton 3.6), as few registers as keep the loop
-    # unspilled: 4-bit 32 tokens / 4 warps (153 registers), rows 64 / 8 (80)
-    shapes = [(16, 4) if interpreting() else (32, 4) if seg.key_scale is not None else (64, 8) for seg in segments]
-    plans = [_splits(seg.values.shape[2], b * h, block) for seg, (block, _) in zip(segments, shapes)]
+    shapes = [(16, 4) if interpreting() else (launch.quant_block, launch.quant_warps) if seg.key_scale is not None
+              else (launch.rows_block, launch.rows_warps) for seg in segments]
+    plans = [_splits(seg.values.shape[2], b * h, block, launch.programs_per_sm) for seg, (block, _) in zip(segments, shapes)]
+    stages = {} if launch.stages is None else {"num_stages": launch.stages}
     total = sum(n for _, n in plans)
     m = torch.empty(b, hq, total, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
@@ -261,7 +284,7 @@ def decode_attention(query: torch.Tensor, segments, scaling: float) -> torch.Ten
             k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2), *vs_strides, tb,
             D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, K_QUANT=k_quant, V_QUANT=v_quant,
             KGROUP=seg.key_group, VGROUP=seg.value_group, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee,
-            num_warps=warps,
+            num_warps=warps, **stages,
         )
         COUNTERS["segments"] += 1
         offset += n_splits
