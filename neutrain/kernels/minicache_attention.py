@@ -51,6 +51,7 @@ def _segment_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     K_QUANT: tl.constexpr, V_QUANT: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
     HAS_TOK: tl.constexpr, HAS_LEN: tl.constexpr, IEEE: tl.constexpr,
+    FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, MAGIC: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -67,6 +68,8 @@ def _segment_kernel(
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.bfloat16
+    q_even_f = q_even.to(tl.float32)
+    q_odd_f = q_odd.to(tl.float32)
     q_even = q_even.to(dot_dtype)
     q_odd = q_odd.to(dot_dtype)
     n_end = N
@@ -84,7 +87,34 @@ def _segment_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < stop
         # -- keys [BLOCK_N, HALF] per parity
-        if K_QUANT:
+        if FOLD_K:
+            # The block lies in one group of tokens, so each channel's (scale, minimum) is one number here:
+            # q . (min + code * scale) = (q * scale) . code + q . min. The codes go to the tensor cores as they
+            # are (0..15 are exact in bf16): no per-element multiply-add, and no per-element scale loads.
+            codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
+            grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
+            gmin = km_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
+            qs_e = (q_even_f * tl.load(grp + 2 * i).to(tl.float32)[None, :]).to(dot_dtype)
+            qs_o = (q_odd_f * tl.load(grp + 2 * i + 1).to(tl.float32)[None, :]).to(dot_dtype)
+            bias = tl.sum(q_even_f * tl.load(gmin + 2 * i).to(tl.float32)[None, :], axis=1)
+            bias += tl.sum(q_odd_f * tl.load(gmin + 2 * i + 1).to(tl.float32)[None, :], axis=1)
+            if MAGIC:
+                # 0x4300 | c is the bf16 of 128 + c: an OR instead of an int-to-float conversion per element;
+                # the 128s come back out through the scaled query's sum (exact products, fp32 sums).
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                bias -= 128.0 * (tl.sum(qs_e.to(tl.float32), axis=1) + tl.sum(qs_o.to(tl.float32), axis=1))
+            else:
+                c_lo = (codes & 15).to(dot_dtype)
+                c_hi = (codes >> 4).to(dot_dtype)
+            if IEEE:
+                s = tl.dot(qs_e, tl.trans(c_lo.to(dot_dtype)), input_precision="ieee")
+                s += tl.dot(qs_o, tl.trans(c_hi.to(dot_dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(qs_e, tl.trans(c_lo))
+                s += tl.dot(qs_o, tl.trans(c_hi))
+            s += bias[:, None]
+        elif K_QUANT:
             codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
             if KGROUP % BLOCK_N == 0:  # the whole block in one group of tokens: one (scale, min) row per parity
                 grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
@@ -107,12 +137,13 @@ def _segment_kernel(
             rows = k_base + n[:, None] * s_kn + 2 * i[None, :]
             k_even = tl.load(rows, mask=nmask[:, None], other=0.0)
             k_odd = tl.load(rows + 1, mask=nmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)), input_precision="ieee")
-            s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)), input_precision="ieee")
-        else:
-            s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)))
-            s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)))
+        if not FOLD_K:
+            if IEEE:
+                s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)), input_precision="ieee")
+                s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)))
+                s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)))
         valid = nmask
         if HAS_TOK:
             tk = tl.load(tk_ptr + b.to(tl.int64) * s_tb + n, mask=nmask, other=-1.0)
@@ -128,8 +159,31 @@ def _segment_kernel(
         if HAS_TOK:
             p = p * tv[None, :]
         pd = p.to(dot_dtype)
+        acc_even = acc_even * alpha[:, None]
+        acc_odd = acc_odd * alpha[:, None]
         # -- values [BLOCK_N, HALF] per parity
-        if V_QUANT:
+        if FOLD_V:
+            # One (scale, minimum) per token: p . (min + code * scale) = (p * scale) . code + p . min
+            codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
+            vrow = b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n * s_vsn
+            pw = (p * tl.load(vs_ptr + vrow, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+            pm = tl.sum(p * tl.load(vm_ptr + vrow, mask=nmask, other=0.0).to(tl.float32)[None, :], axis=1)
+            if MAGIC:
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+                pm -= 128.0 * tl.sum(pw.to(tl.float32), axis=1)
+            else:
+                c_lo = (codes & 15).to(dot_dtype)
+                c_hi = (codes >> 4).to(dot_dtype)
+            if IEEE:
+                acc_even += tl.dot(pw, c_lo.to(dot_dtype), input_precision="ieee")
+                acc_odd += tl.dot(pw, c_hi.to(dot_dtype), input_precision="ieee")
+            else:
+                acc_even += tl.dot(pw, c_lo)
+                acc_odd += tl.dot(pw, c_hi)
+            acc_even += pm[:, None]
+            acc_odd += pm[:, None]
+        elif V_QUANT:
             codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
             vrow = vs_ptr + b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n[:, None] * s_vsn
             vmin = vm_ptr + b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n[:, None] * s_vsn
@@ -143,14 +197,13 @@ def _segment_kernel(
             rows = v_base + n[:, None] * s_vn + 2 * i[None, :]
             v_even = tl.load(rows, mask=nmask[:, None], other=0.0)
             v_odd = tl.load(rows + 1, mask=nmask[:, None], other=0.0)
-        acc_even = acc_even * alpha[:, None]
-        acc_odd = acc_odd * alpha[:, None]
-        if IEEE:
-            acc_even += tl.dot(pd, v_even.to(dot_dtype), input_precision="ieee")
-            acc_odd += tl.dot(pd, v_odd.to(dot_dtype), input_precision="ieee")
-        else:
-            acc_even += tl.dot(pd, v_even.to(dot_dtype))
-            acc_odd += tl.dot(pd, v_odd.to(dot_dtype))
+        if not FOLD_V:
+            if IEEE:
+                acc_even += tl.dot(pd, v_even.to(dot_dtype), input_precision="ieee")
+                acc_odd += tl.dot(pd, v_odd.to(dot_dtype), input_precision="ieee")
+            else:
+                acc_even += tl.dot(pd, v_even.to(dot_dtype))
+                acc_odd += tl.dot(pd, v_odd.to(dot_dtype))
         m_i = m_new
     row = (b * H + hk) * G + g  # query head index over [b, hq]
     slot = row.to(tl.int64) * total_splits + split0 + split
@@ -187,12 +240,14 @@ class DecodeLaunch:
     times the alternatives on the GPU.
     """
 
-    quant_block: int = 32
+    quant_block: int = 64
     quant_warps: int = 4
     rows_block: int = 64
     rows_warps: int = 8
-    stages: int | None = None  # None: Triton's default
-    programs_per_sm: int = 2
+    stages: int | None = 4  # None: Triton's default
+    programs_per_sm: int = 32
+    fold_scales: bool = True  # a group's key scales into the query, a token's value scale into p (see the kernel)
+    magic_codes: bool = True  # folded codes to bf16 by an OR (128 + c), not an int-to-float conversion
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
@@ -284,7 +339,9 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
             k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2), *vs_strides, tb,
             D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, K_QUANT=k_quant, V_QUANT=v_quant,
             KGROUP=seg.key_group, VGROUP=seg.value_group, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee,
-            num_warps=warps, **stages,
+            FOLD_K=launch.fold_scales and k_quant and seg.key_group % block_n == 0,
+            FOLD_V=launch.fold_scales and v_quant and seg.value_group >= d,
+            MAGIC=launch.magic_codes, num_warps=warps, **stages,
         )
         COUNTERS["segments"] += 1
         offset += n_splits

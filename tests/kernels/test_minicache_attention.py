@@ -50,6 +50,25 @@ def test_kernel_matches_reference(groups, key_group, d):
     assert (decode_attention_reference(q, segments, 0.3) - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("launch", [
+    kernels.DecodeLaunch(fold_scales=False, magic_codes=False),
+    kernels.DecodeLaunch(fold_scales=True, magic_codes=False),
+    kernels.DecodeLaunch(fold_scales=True, magic_codes=True),
+], ids=["dequantize", "folded", "folded-magic"])
+def test_launches_match_reference(launch):
+    """The scales folded into the query and p, and the codes read as 128 + c by an OR (the offset taken back out
+    through the scaled query's and p's sums), give the reference's answer. Groups of 32 tokens hold whole blocks
+    and a value range spans every channel, so both folds run. fp32: the interpreter's bf16 is not the GPU's
+    (the bf16 case is the GPU test below)."""
+    torch.manual_seed(1)
+    b, h, d, group = 2, 2, 32, 32
+    segments = _segments(b, h, d, n=group * 3 + 5, group=group)
+    q = torch.randn(b, 2 * h, d)
+    out = kernels.decode_attention(q, segments, 0.3, launch)
+    ref = decode_attention_reference(q, segments, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_reference_is_the_restore_path():
     """Attention over a merged + 4-bit layer's segments equals SDPA over what the cache's restore path reads."""
     from neutrain.eval.kv import MiniCache
@@ -88,11 +107,13 @@ def test_plain_store_appends_in_place():
 
 
 @pytest.mark.gpu
-def test_kernel_matches_reference_bf16_llama_shapes(record_property):
-    """Llama-3-8B heads (8 KV heads, groups of 4, head dim 128), 4-bit groups of 64, 8K tokens, bf16."""
+@pytest.mark.parametrize("group", [64, 128])
+def test_kernel_matches_reference_bf16_llama_shapes(record_property, group):
+    """Llama-3-8B heads (8 KV heads, groups of 4, head dim 128), 4-bit groups of 64 (values: two ranges a token)
+    and 128 (the benchmark's: one range a token, so the value scale folds into p), 8K tokens, bf16."""
     torch.manual_seed(0)
     b, h, d = 3, 8, 128
-    segments = _segments(b, h, d, torch.bfloat16, "cuda", n=8192, group=64)
+    segments = _segments(b, h, d, torch.bfloat16, "cuda", n=8192, group=group)
     q = torch.randn(b, 4 * h, d, dtype=torch.bfloat16, device="cuda")
     out = kernels.decode_attention(q, segments, d**-0.5).float()
     ref = decode_attention_reference(q.float(), segments, d**-0.5).float()
