@@ -66,7 +66,14 @@ def main():
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--residual", type=int, default=17, help="tokens past the last whole group (a second segment)")
+    p.add_argument("--blocks", default="32,64,128", help="tokens per loop block (4-bit segments)")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="none,2,3,4", help="software-pipeline depths (none: Triton's default)")
+    p.add_argument("--programs-per-sm", default="2,8,16,32")
+    p.add_argument("--variants", default="dequantize,folded,folded-magic")
     args = p.parse_args()
+    ints = lambda text: [None if x == "none" else int(x) for x in text.split(",")]  # noqa: E731
+    named = {"dequantize": (False, False), "folded": (True, False), "folded-magic": (True, True)}
     torch.manual_seed(0)
     b, hq, d = args.batch, 32, 128
     keys, values = quantized_layer(b, args.ctx + args.residual, args.group)
@@ -77,8 +84,9 @@ def main():
                  for t in (s.keys, s.values, s.key_scale, s.key_min, s.value_scale, s.value_min) if t is not None)
     reference = kernels.decode_attention(q, segments, scale, kernels.DecodeLaunch(fold_scales=False, magic_codes=False))
     rows = []
-    variants = ((False, False), (True, False), (True, True))  # (fold_scales, magic_codes)
-    grid = itertools.product(variants, (2, 8, 16, 32), (32, 64, 128), (4, 8), (None, 2, 3, 4))
+    variants = [named[v] for v in args.variants.split(",")]  # (fold_scales, magic_codes)
+    grid = itertools.product(variants, ints(args.programs_per_sm), ints(args.blocks), ints(args.warps),
+                             ints(args.stages))
     for (fold, magic), pps, block, warps, stages in grid:
         if not fold and block == 128:
             continue  # the dequantizing loop spills at 128 tokens
