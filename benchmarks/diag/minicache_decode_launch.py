@@ -64,7 +64,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=51)
     p.add_argument("--ctx", type=int, default=65536)
-    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--group", type=int, default=64, help="KIVI group: the throughput rows use 64")
     p.add_argument("--residual", type=int, default=17, help="tokens past the last whole group (a second segment)")
     p.add_argument("--blocks", default="32,64,128", help="tokens per loop block (4-bit segments)")
     p.add_argument("--warps", default="4,8")

@@ -51,7 +51,7 @@ def _segment_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     K_QUANT: tl.constexpr, V_QUANT: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
     HAS_TOK: tl.constexpr, HAS_LEN: tl.constexpr, IEEE: tl.constexpr,
-    FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, MAGIC: tl.constexpr,
+    FOLD_K: tl.constexpr, K_SUB: tl.constexpr, FOLD_V: tl.constexpr, V_SUB: tl.constexpr, MAGIC: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,32 +88,43 @@ def _segment_kernel(
         nmask = n < stop
         # -- keys [BLOCK_N, HALF] per parity
         if FOLD_K:
-            # The block lies in one group of tokens, so each channel's (scale, minimum) is one number here:
-            # q . (min + code * scale) = (q * scale) . code + q . min. The codes go to the tensor cores as they
-            # are (0..15 are exact in bf16): no per-element multiply-add, and no per-element scale loads.
+            # Within one group of tokens each channel's (scale, minimum) is one number:
+            # q . (min + code * scale) = (q * scale) . code + q . min. The codes go to the tensor cores as they are
+            # (0..15 are exact in bf16): no per-element multiply-add and no per-element scale loads. A block that
+            # spans K_SUB groups takes one product per group and keeps each group's columns.
             codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
-            grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
-            gmin = km_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
-            qs_e = (q_even_f * tl.load(grp + 2 * i).to(tl.float32)[None, :]).to(dot_dtype)
-            qs_o = (q_odd_f * tl.load(grp + 2 * i + 1).to(tl.float32)[None, :]).to(dot_dtype)
-            bias = tl.sum(q_even_f * tl.load(gmin + 2 * i).to(tl.float32)[None, :], axis=1)
-            bias += tl.sum(q_odd_f * tl.load(gmin + 2 * i + 1).to(tl.float32)[None, :], axis=1)
             if MAGIC:
                 # 0x4300 | c is the bf16 of 128 + c: an OR instead of an int-to-float conversion per element;
                 # the 128s come back out through the scaled query's sum (exact products, fp32 sums).
-                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                bias -= 128.0 * (tl.sum(qs_e.to(tl.float32), axis=1) + tl.sum(qs_o.to(tl.float32), axis=1))
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
             else:
                 c_lo = (codes & 15).to(dot_dtype)
                 c_hi = (codes >> 4).to(dot_dtype)
-            if IEEE:
-                s = tl.dot(qs_e, tl.trans(c_lo.to(dot_dtype)), input_precision="ieee")
-                s += tl.dot(qs_o, tl.trans(c_hi.to(dot_dtype)), input_precision="ieee")
-            else:
-                s = tl.dot(qs_e, tl.trans(c_lo))
-                s += tl.dot(qs_o, tl.trans(c_hi))
-            s += bias[:, None]
+            for j in tl.static_range(K_SUB):
+                group = n0 // KGROUP + j
+                live = i < (n0 + j * KGROUP < stop).to(tl.int32) * HALF  # a group past the split's end: no read
+                grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + group * s_ksg
+                gmin = km_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + group * s_ksg
+                qs_e = (q_even_f * tl.load(grp + 2 * i, mask=live, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                qs_o = (q_odd_f * tl.load(grp + 2 * i + 1, mask=live, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                bias = tl.sum(q_even_f * tl.load(gmin + 2 * i, mask=live, other=0.0).to(tl.float32)[None, :], axis=1)
+                bias += tl.sum(q_odd_f * tl.load(gmin + 2 * i + 1, mask=live, other=0.0).to(tl.float32)[None, :], axis=1)
+                if MAGIC:
+                    bias -= 128.0 * (tl.sum(qs_e.to(tl.float32), axis=1) + tl.sum(qs_o.to(tl.float32), axis=1))
+                if IEEE:
+                    s_j = tl.dot(qs_e, tl.trans(c_lo), input_precision="ieee")
+                    s_j += tl.dot(qs_o, tl.trans(c_hi), input_precision="ieee")
+                else:
+                    s_j = tl.dot(qs_e, tl.trans(c_lo))
+                    s_j += tl.dot(qs_o, tl.trans(c_hi))
+                s_j += bias[:, None]
+                if K_SUB == 1:
+                    s = s_j
+                elif j == 0:
+                    s = s_j
+                else:
+                    s = tl.where(((tl.arange(0, BLOCK_N) // KGROUP) == j)[None, :], s_j, s)
         elif K_QUANT:
             codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
             if KGROUP % BLOCK_N == 0:  # the whole block in one group of tokens: one (scale, min) row per parity
@@ -163,26 +174,34 @@ def _segment_kernel(
         acc_odd = acc_odd * alpha[:, None]
         # -- values [BLOCK_N, HALF] per parity
         if FOLD_V:
-            # One (scale, minimum) per token: p . (min + code * scale) = (p * scale) . code + p . min
+            # One (scale, minimum) per token and group of channels: p . (min + code * scale) =
+            # (p * scale) . code + p . min, one product per group of channels, each keeping its channels.
             codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
-            vrow = b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n * s_vsn
-            pw = (p * tl.load(vs_ptr + vrow, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
-            pm = tl.sum(p * tl.load(vm_ptr + vrow, mask=nmask, other=0.0).to(tl.float32)[None, :], axis=1)
             if MAGIC:
-                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                pm -= 128.0 * tl.sum(pw.to(tl.float32), axis=1)
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
             else:
                 c_lo = (codes & 15).to(dot_dtype)
                 c_hi = (codes >> 4).to(dot_dtype)
-            if IEEE:
-                acc_even += tl.dot(pw, c_lo.to(dot_dtype), input_precision="ieee")
-                acc_odd += tl.dot(pw, c_hi.to(dot_dtype), input_precision="ieee")
-            else:
-                acc_even += tl.dot(pw, c_lo)
-                acc_odd += tl.dot(pw, c_hi)
-            acc_even += pm[:, None]
-            acc_odd += pm[:, None]
+            vrow = b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n * s_vsn
+            for j in tl.static_range(V_SUB):
+                pw = (p * tl.load(vs_ptr + vrow + j, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                pm = tl.sum(p * tl.load(vm_ptr + vrow + j, mask=nmask, other=0.0).to(tl.float32)[None, :], axis=1)
+                if MAGIC:
+                    pm -= 128.0 * tl.sum(pw.to(tl.float32), axis=1)
+                if IEEE:
+                    a_e = tl.dot(pw, c_lo, input_precision="ieee") + pm[:, None]
+                    a_o = tl.dot(pw, c_hi, input_precision="ieee") + pm[:, None]
+                else:
+                    a_e = tl.dot(pw, c_lo) + pm[:, None]
+                    a_o = tl.dot(pw, c_hi) + pm[:, None]
+                if V_SUB == 1:
+                    acc_even += a_e
+                    acc_odd += a_o
+                else:  # even channel 2i and odd 2i + 1 share a group (groups are even)
+                    mine = ((2 * i) // VGROUP == j)[None, :]
+                    acc_even += tl.where(mine, a_e, 0.0)
+                    acc_odd += tl.where(mine, a_o, 0.0)
         elif V_QUANT:
             codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
             vrow = vs_ptr + b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n[:, None] * s_vsn
@@ -334,14 +353,18 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
         ks_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if k_quant else (0, 0, 0)
         vs_strides = (vs.stride(0), vs.stride(1), vs.stride(2)) if v_quant else (0, 0, 0)
         tb = tk.stride(0) if tok else 0
+        # The folds need whole groups: a block inside one group of tokens or a few whole groups (keys), a
+        # token's channels in a few whole even groups (values); otherwise the loop dequantizes per element.
+        kg, vg = seg.key_group, seg.value_group
+        fold_k = launch.fold_scales and k_quant and (kg % block_n == 0 or (block_n % kg == 0 and block_n // kg <= 4))
+        fold_v = launch.fold_scales and v_quant and vg % 2 == 0 and d % vg == 0 and d // vg <= 4
         _segment_kernel[(b * h, n_splits)](
             q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc,
             v.shape[2], h, G, per, offset, total, scaling,
             k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2), *vs_strides, tb,
             D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, K_QUANT=k_quant, V_QUANT=v_quant,
             KGROUP=seg.key_group, VGROUP=seg.value_group, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee,
-            FOLD_K=launch.fold_scales and k_quant and seg.key_group % block_n == 0,
-            FOLD_V=launch.fold_scales and v_quant and seg.value_group >= d,
+            FOLD_K=fold_k, K_SUB=max(1, block_n // seg.key_group), FOLD_V=fold_v, V_SUB=max(1, d // seg.value_group),
             MAGIC=launch.magic_codes, num_warps=warps, **stages,
         )
         COUNTERS["segments"] += 1
