@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .minicache_folded import _folded_segment_kernel
 
 COUNTERS = {"segments": 0, "calls": 0}
 """Kernel launches (segment partials, combines), so tests can assert that the fast path ran."""
@@ -52,6 +51,7 @@ def _segment_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     K_QUANT: tl.constexpr, V_QUANT: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
     HAS_TOK: tl.constexpr, HAS_LEN: tl.constexpr, IEEE: tl.constexpr,
+    FOLD_K: tl.constexpr, K_SUB: tl.constexpr, FOLD_V: tl.constexpr, V_SUB: tl.constexpr, MAGIC: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -68,6 +68,8 @@ def _segment_kernel(
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.bfloat16
+    q_even_f = q_even.to(tl.float32)
+    q_odd_f = q_odd.to(tl.float32)
     q_even = q_even.to(dot_dtype)
     q_odd = q_odd.to(dot_dtype)
     n_end = N
@@ -85,7 +87,45 @@ def _segment_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < stop
         # -- keys [BLOCK_N, HALF] per parity
-        if K_QUANT:
+        if FOLD_K:
+            # Within one group of tokens each channel's (scale, minimum) is one number:
+            # q . (min + code * scale) = (q * scale) . code + q . min. The codes go to the tensor cores as they are
+            # (0..15 are exact in bf16): no per-element multiply-add and no per-element scale loads. A block that
+            # spans K_SUB groups takes one product per group and keeps each group's columns.
+            codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
+            if MAGIC:
+                # 0x4300 | c is the bf16 of 128 + c: an OR instead of an int-to-float conversion per element;
+                # the 128s come back out through the scaled query's sum (exact products, fp32 sums).
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+            else:
+                c_lo = (codes & 15).to(dot_dtype)
+                c_hi = (codes >> 4).to(dot_dtype)
+            for j in tl.static_range(K_SUB):
+                group = n0 // KGROUP + j
+                live = i < (n0 + j * KGROUP < stop).to(tl.int32) * HALF  # a group past the split's end: no read
+                grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + group * s_ksg
+                gmin = km_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + group * s_ksg
+                qs_e = (q_even_f * tl.load(grp + 2 * i, mask=live, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                qs_o = (q_odd_f * tl.load(grp + 2 * i + 1, mask=live, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                bias = tl.sum(q_even_f * tl.load(gmin + 2 * i, mask=live, other=0.0).to(tl.float32)[None, :], axis=1)
+                bias += tl.sum(q_odd_f * tl.load(gmin + 2 * i + 1, mask=live, other=0.0).to(tl.float32)[None, :], axis=1)
+                if MAGIC:
+                    bias -= 128.0 * (tl.sum(qs_e.to(tl.float32), axis=1) + tl.sum(qs_o.to(tl.float32), axis=1))
+                if IEEE:
+                    s_j = tl.dot(qs_e, tl.trans(c_lo), input_precision="ieee")
+                    s_j += tl.dot(qs_o, tl.trans(c_hi), input_precision="ieee")
+                else:
+                    s_j = tl.dot(qs_e, tl.trans(c_lo))
+                    s_j += tl.dot(qs_o, tl.trans(c_hi))
+                s_j += bias[:, None]
+                if K_SUB == 1:
+                    s = s_j
+                elif j == 0:
+                    s = s_j
+                else:
+                    s = tl.where(((tl.arange(0, BLOCK_N) // KGROUP) == j)[None, :], s_j, s)
+        elif K_QUANT:
             codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
             if KGROUP % BLOCK_N == 0:  # the whole block in one group of tokens: one (scale, min) row per parity
                 grp = ks_ptr + b.to(tl.int64) * s_ksb + hk.to(tl.int64) * s_ksh + (n0 // KGROUP) * s_ksg
@@ -108,12 +148,13 @@ def _segment_kernel(
             rows = k_base + n[:, None] * s_kn + 2 * i[None, :]
             k_even = tl.load(rows, mask=nmask[:, None], other=0.0)
             k_odd = tl.load(rows + 1, mask=nmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)), input_precision="ieee")
-            s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)), input_precision="ieee")
-        else:
-            s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)))
-            s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)))
+        if not FOLD_K:
+            if IEEE:
+                s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)), input_precision="ieee")
+                s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q_even, tl.trans(k_even.to(dot_dtype)))
+                s += tl.dot(q_odd, tl.trans(k_odd.to(dot_dtype)))
         valid = nmask
         if HAS_TOK:
             tk = tl.load(tk_ptr + b.to(tl.int64) * s_tb + n, mask=nmask, other=-1.0)
@@ -129,8 +170,39 @@ def _segment_kernel(
         if HAS_TOK:
             p = p * tv[None, :]
         pd = p.to(dot_dtype)
+        acc_even = acc_even * alpha[:, None]
+        acc_odd = acc_odd * alpha[:, None]
         # -- values [BLOCK_N, HALF] per parity
-        if V_QUANT:
+        if FOLD_V:
+            # One (scale, minimum) per token and group of channels: p . (min + code * scale) =
+            # (p * scale) . code + p . min, one product per group of channels, each keeping its channels.
+            codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
+            if MAGIC:
+                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+            else:
+                c_lo = (codes & 15).to(dot_dtype)
+                c_hi = (codes >> 4).to(dot_dtype)
+            vrow = b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n * s_vsn
+            for j in tl.static_range(V_SUB):
+                pw = (p * tl.load(vs_ptr + vrow + j, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
+                pm = tl.sum(p * tl.load(vm_ptr + vrow + j, mask=nmask, other=0.0).to(tl.float32)[None, :], axis=1)
+                if MAGIC:
+                    pm -= 128.0 * tl.sum(pw.to(tl.float32), axis=1)
+                if IEEE:
+                    a_e = tl.dot(pw, c_lo, input_precision="ieee") + pm[:, None]
+                    a_o = tl.dot(pw, c_hi, input_precision="ieee") + pm[:, None]
+                else:
+                    a_e = tl.dot(pw, c_lo) + pm[:, None]
+                    a_o = tl.dot(pw, c_hi) + pm[:, None]
+                if V_SUB == 1:
+                    acc_even += a_e
+                    acc_odd += a_o
+                else:  # even channel 2i and odd 2i + 1 share a group (groups are even)
+                    mine = ((2 * i) // VGROUP == j)[None, :]
+                    acc_even += tl.where(mine, a_e, 0.0)
+                    acc_odd += tl.where(mine, a_o, 0.0)
+        elif V_QUANT:
             codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
             vrow = vs_ptr + b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n[:, None] * s_vsn
             vmin = vm_ptr + b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n[:, None] * s_vsn
@@ -144,14 +216,13 @@ def _segment_kernel(
             rows = v_base + n[:, None] * s_vn + 2 * i[None, :]
             v_even = tl.load(rows, mask=nmask[:, None], other=0.0)
             v_odd = tl.load(rows + 1, mask=nmask[:, None], other=0.0)
-        acc_even = acc_even * alpha[:, None]
-        acc_odd = acc_odd * alpha[:, None]
-        if IEEE:
-            acc_even += tl.dot(pd, v_even.to(dot_dtype), input_precision="ieee")
-            acc_odd += tl.dot(pd, v_odd.to(dot_dtype), input_precision="ieee")
-        else:
-            acc_even += tl.dot(pd, v_even.to(dot_dtype))
-            acc_odd += tl.dot(pd, v_odd.to(dot_dtype))
+        if not FOLD_V:
+            if IEEE:
+                acc_even += tl.dot(pd, v_even.to(dot_dtype), input_precision="ieee")
+                acc_odd += tl.dot(pd, v_odd.to(dot_dtype), input_precision="ieee")
+            else:
+                acc_even += tl.dot(pd, v_even.to(dot_dtype))
+                acc_odd += tl.dot(pd, v_odd.to(dot_dtype))
         m_i = m_new
     row = (b * H + hk) * G + g  # query head index over [b, hq]
     slot = row.to(tl.int64) * total_splits + split0 + split
@@ -220,24 +291,6 @@ def _splits(n: int, rows: int, block: int, programs_per_sm: int = 2) -> tuple[in
     return per, max(1, triton.cdiv(n, per))
 
 
-def _folded_shape(seg, block_n: int, d: int) -> tuple[int, int, int] | None:
-    """``(tokens per sub-block, sub-blocks per loop block, groups of channels)`` for the folded kernel, or None
-    where the segment's groups do not allow it: each sub-block must lie inside one key group (a block within a
-    group, or two whole groups per loop step), and a token's channels must form one or two even groups. On the
-    GPU a product needs at least 16 along each side."""
-    kg, vg = seg.key_group, seg.value_group
-    least = 1 if interpreting() else 16
-    if kg % block_n == 0:
-        sub_n, k_sub = block_n, 1
-    elif block_n % (2 * kg) == 0 and kg >= least:
-        sub_n, k_sub = kg, 2
-    else:
-        return None
-    if vg % 2 or d % vg or d // vg > 2 or vg // 2 < least:
-        return None
-    return sub_n, k_sub, d // vg
-
-
 def decode_attention(query: torch.Tensor, segments, scaling: float, launch: DecodeLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Attention of one query token per row over ``segments``, read as stored.
 
@@ -300,23 +353,20 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
         ks_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if k_quant else (0, 0, 0)
         vs_strides = (vs.stride(0), vs.stride(1), vs.stride(2)) if v_quant else (0, 0, 0)
         tb = tk.stride(0) if tok else 0
-        args = (q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc, v.shape[2], h, G, per, offset, total, scaling,
-                k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2),
-                *vs_strides, tb)
-        folded = _folded_shape(seg, block_n, d) if launch.fold_scales and k_quant and v_quant else None
-        if folded is not None:
-            sub_n, k_sub, v_sub = folded
-            _folded_segment_kernel[(b * h, n_splits)](
-                *args, D=d, HALF=d // 2, SUB_N=sub_n, K_SUB=k_sub, BLOCK_G=block_g, KGROUP=seg.key_group,
-                V_SUB=v_sub, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee, MAGIC=launch.magic_codes,
-                num_warps=warps, **stages,
-            )
-        else:
-            _segment_kernel[(b * h, n_splits)](
-                *args, D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, K_QUANT=k_quant, V_QUANT=v_quant,
-                KGROUP=seg.key_group, VGROUP=seg.value_group, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee,
-                num_warps=warps, **stages,
-            )
+        # The folds need whole groups: a block inside one group of tokens or a few whole groups (keys), a
+        # token's channels in a few whole even groups (values); otherwise the loop dequantizes per element.
+        kg, vg = seg.key_group, seg.value_group
+        fold_k = launch.fold_scales and k_quant and (kg % block_n == 0 or (block_n % kg == 0 and block_n // kg <= 4))
+        fold_v = launch.fold_scales and v_quant and vg % 2 == 0 and d % vg == 0 and d // vg <= 4
+        _segment_kernel[(b * h, n_splits)](
+            q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc,
+            v.shape[2], h, G, per, offset, total, scaling,
+            k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2), *vs_strides, tb,
+            D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, K_QUANT=k_quant, V_QUANT=v_quant,
+            KGROUP=seg.key_group, VGROUP=seg.value_group, HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee,
+            FOLD_K=fold_k, K_SUB=max(1, block_n // seg.key_group), FOLD_V=fold_v, V_SUB=max(1, d // seg.value_group),
+            MAGIC=launch.magic_codes, num_warps=warps, **stages,
+        )
         COUNTERS["segments"] += 1
         offset += n_splits
     out = torch.empty(b, hq, d, dtype=query.dtype, device=q.device)
