@@ -291,6 +291,16 @@ def _splits(n: int, rows: int, block: int, programs_per_sm: int = 2) -> tuple[in
     return per, max(1, triton.cdiv(n, per))
 
 
+def folds(seg, block_n: int, d: int) -> tuple[bool, bool]:
+    """Whether the kernel folds ``seg``'s key scales and its value scales out of the loop at ``block_n`` tokens a
+    block. The folds need whole groups: a block inside one group of tokens or a few whole groups (keys), a token's
+    channels in a few whole even groups (values); otherwise the loop dequantizes per element."""
+    kg, vg = seg.key_group, seg.value_group
+    fold_k = seg.key_scale is not None and (kg % block_n == 0 or (block_n % kg == 0 and block_n // kg <= 4))
+    fold_v = seg.value_scale is not None and vg % 2 == 0 and d % vg == 0 and d // vg <= 4
+    return fold_k, fold_v
+
+
 def decode_attention(query: torch.Tensor, segments, scaling: float, launch: DecodeLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Attention of one query token per row over ``segments``, read as stored.
 
@@ -353,11 +363,7 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
         ks_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if k_quant else (0, 0, 0)
         vs_strides = (vs.stride(0), vs.stride(1), vs.stride(2)) if v_quant else (0, 0, 0)
         tb = tk.stride(0) if tok else 0
-        # The folds need whole groups: a block inside one group of tokens or a few whole groups (keys), a
-        # token's channels in a few whole even groups (values); otherwise the loop dequantizes per element.
-        kg, vg = seg.key_group, seg.value_group
-        fold_k = launch.fold_scales and k_quant and (kg % block_n == 0 or (block_n % kg == 0 and block_n // kg <= 4))
-        fold_v = launch.fold_scales and v_quant and vg % 2 == 0 and d % vg == 0 and d // vg <= 4
+        fold_k, fold_v = folds(seg, block_n, d) if launch.fold_scales else (False, False)
         _segment_kernel[(b * h, n_splits)](
             q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc,
             v.shape[2], h, G, per, offset, total, scaling,

@@ -55,14 +55,17 @@ def test_kernel_matches_reference(groups, key_group, d):
     kernels.DecodeLaunch(fold_scales=True, magic_codes=False),
     kernels.DecodeLaunch(fold_scales=True, magic_codes=True),
 ], ids=["dequantize", "folded", "folded-magic"])
-def test_launches_match_reference(launch):
+@pytest.mark.parametrize("group,d", [(32, 32), (16, 32), (8, 16)], ids=["one-group", "two-channel-groups",
+                                                                        "two-token-groups"])
+def test_launches_match_reference(launch, group, d):
     """The scales folded into the query and p, and the codes read as 128 + c by an OR (the offset taken back out
-    through the scaled query's and p's sums), give the reference's answer. Groups of 32 tokens hold whole blocks
-    and a value range spans every channel, so both folds run. fp32: the interpreter's bf16 is not the GPU's
-    (the bf16 case is the GPU test below)."""
+    through the scaled query's and p's sums), give the reference's answer: a block inside one group of tokens
+    with one range of values a token, a token's channels in two groups, and a block of two groups of tokens.
+    fp32: the interpreter's bf16 is not the GPU's (the bf16 case is the GPU test below)."""
     torch.manual_seed(1)
-    b, h, d, group = 2, 2, 32, 32
-    segments = _segments(b, h, d, n=group * 3 + 5, group=group)
+    b, h = 2, 2
+    segments = _segments(b, h, d, n=group * 5 + 5, group=group)
+    assert kernels.folds(segments[0], 16, d) == (True, True)  # both folds run (16: the interpreter's block)
     q = torch.randn(b, 2 * h, d)
     out = kernels.decode_attention(q, segments, 0.3, launch)
     ref = decode_attention_reference(q, segments, 0.3)
