@@ -188,6 +188,15 @@ def kernel_record(model, cache, batch, step=None) -> dict:
     return {"attention_ops": ops, "attention_kernel": attention_kernel(ops)}
 
 
+def graph_kernel_record(model, cache, batch, step) -> dict:
+    """``kernel_record`` of a graph's replay, or why the profiler could not trace it: the row's timing is kept."""
+    try:
+        return kernel_record(model, cache, batch, step=step)
+    except RuntimeError as exc:
+        return {"attention_ops": {}, "attention_kernel": None,
+                "kernel_record_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 def attention_ops(model, cache, batch, step=None) -> dict[str, int]:
     """The attention ops and kernels one more decode step runs, by name, with their counts.
 
@@ -493,28 +502,36 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         return out
 
     def full_graph(ctx):
-        # The full cache's step captured at each length, the full row's fastest SDPA backend forced (the graph keeps
-        # the backend of its capture), at the full row's batch: the eager step's kernels and bytes without the
-        # launches (benchmarks/_kv_graph.py says why not one graph under a mask).
+        # The full cache's step captured at each length, under the full row's fastest SDPA backend (the graph keeps
+        # the backend of its capture; flash, then the dispatcher's choice, should that one not capture), at the
+        # full row's batch: the eager step's kernels and bytes without the launches (benchmarks/_kv_graph.py says
+        # why not one graph under a mask).
         if not cuda:
             return {"needs_cuda": GRAPH_NEEDS_CUDA}
         from contextlib import nullcontext
 
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend")
+        best = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend") or "default_dispatch"
         b = budget.batch(kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx))
         cache = _full_cache(cfg, b, ctx, 16, device)
-        forced = (sdpa_kernel(getattr(SDPBackend, backend.upper()))
-                  if backend and backend != "default_dispatch" else nullcontext())
-        graphs = PerLengthGraph(model, cache, b)
-        with forced:
-            out = timed(model, cache, b, args.steps, warm, share(1), step=graphs.step, prepare=graphs.prepare)
-            graphs.prepare()
-            out.update(kernel_record(model, cache, b, step=graphs.step))
-        return {"batch": b, **out, "sdpa_backend": backend or "default_dispatch", "captures": graphs.captures,
-                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0,
-                "capture": "one graph per length, captured before each timed replay (untimed)"}
+        errors = {}
+        for name in dict.fromkeys((best, "flash_attention", "default_dispatch")):
+            forced = nullcontext() if name == "default_dispatch" else sdpa_kernel(getattr(SDPBackend, name.upper()))
+            _rewind(cache, ctx)
+            graphs = PerLengthGraph(model, cache, b)
+            try:
+                with forced:
+                    out = timed(model, cache, b, args.steps, warm, share(1), step=graphs.step, prepare=graphs.prepare)
+                    graphs.prepare()
+            except RuntimeError as exc:  # this backend's step did not capture (or does not take these shapes)
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            out.update(graph_kernel_record(model, cache, b, graphs.step))
+            return {"batch": b, **out, "sdpa_backend": name, "backend_errors": errors, "captures": graphs.captures,
+                    "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0,
+                    "capture": "one graph per length, captured before each timed replay (untimed)"}
+        return {"batch": b, "error": "no SDPA backend's step could be captured", "backend_errors": errors}
 
     def full_repeat(ctx):
         # The baseline again after the compressed rows, under the backend that won the first time (no sweep).
@@ -555,7 +572,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 step = captured.step
             out = timed(model, cache, b, args.steps, warm, share(1), step=step)
             stats = cache.stats()  # the warm-up and timed steps' counts, graphed or not
-            out.update(kernel_record(model, cache, b, step=step))
+            out.update(graph_kernel_record(model, cache, b, step) if graph else kernel_record(model, cache, b))
             if graph:
                 split = graph_against_eager(captured, _eager_step(model, cache, b))
                 out.update(captures=captured.captures, replays=captured.replays)

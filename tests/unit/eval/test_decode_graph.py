@@ -19,7 +19,7 @@ from eval_helpers import tiny_llama
 from neutrain import compat
 from neutrain.eval.kv.decode_graph import (GraphCaptureError, HostCounts, capturable_steps, capture_decode_step,
                                            start_positions)
-from neutrain.eval.kv.shadowkv import shadowkv_cache_factory
+from neutrain.eval.kv.shadowkv import ShadowKVCache, enable_shadowkv, shadowkv_cache_factory
 
 # A 136-token prompt takes the sparse path (16 chunks of 8 after 4 local chunks, 2 outliers): as test_shadowkv.py.
 PROMPT = 136
@@ -111,18 +111,19 @@ def test_host_counts_advance_as_eager_steps_do_and_the_free_slots_bound_a_captur
 # ---------------------------------------------------------------- on the GPU
 def _eager_and_graphed(store_reads: bool, steps: int, tail_capacity: int, **capture):
     """The same prompt prefilled into two caches; ``steps`` eager fused steps on one, the graph's replays on the
-    other (the first ids given at capture, the next copied in per step)."""
-    model = tiny_llama(layers=2, hidden=128).cuda()  # fp32: the fused kernel's IEEE path
+    other (the first ids given at capture, the next copied in per step). The model is the test's own and stays
+    switched to ShadowKV: a recapture or an eager step later runs its attention again."""
+    model = enable_shadowkv(tiny_llama(layers=2, hidden=128).cuda(),  # fp32: the fused kernel's IEEE path
+                            **OPTS, fused_decode=True, fused_store_reads=store_reads, tail_capacity=tail_capacity,
+                            device_value_rows=1)  # row 0's values in pinned host memory, row 1's on the GPU
+    make = lambda: ShadowKVCache.for_model(model)  # noqa: E731
     ids = torch.randint(0, 97, (2, PROMPT + steps), device="cuda")
-    opts = dict(OPTS, fused_decode=True, fused_store_reads=store_reads, tail_capacity=tail_capacity,
-                device_value_rows=1)  # row 0's values in pinned host memory, row 1's on the GPU
-    with shadowkv_cache_factory(model, **opts) as make:
-        eager_cache, graph_cache = _prefilled(model, make, ids), _prefilled(model, make, ids)
-        for a, b in zip(eager_cache.layers, graph_cache.layers):  # else the comparison below says nothing
-            assert torch.equal(a.u, b.u) and torch.equal(a.sv, b.sv) and torch.equal(a.landmarks, b.landmarks)
-        eager = [_step(model, eager_cache, ids[:, PROMPT + i : PROMPT + i + 1]) for i in range(steps)]
-        captured = capture_decode_step(model, graph_cache, input_ids=ids[:, PROMPT : PROMPT + 1], **capture)
-        return model, ids, eager_cache, graph_cache, captured, eager
+    eager_cache, graph_cache = _prefilled(model, make, ids), _prefilled(model, make, ids)
+    for a, b in zip(eager_cache.layers, graph_cache.layers):  # else the comparison below says nothing
+        assert torch.equal(a.u, b.u) and torch.equal(a.sv, b.sv) and torch.equal(a.landmarks, b.landmarks)
+    eager = [_step(model, eager_cache, ids[:, PROMPT + i : PROMPT + i + 1]) for i in range(steps)]
+    captured = capture_decode_step(model, graph_cache, input_ids=ids[:, PROMPT : PROMPT + 1], **capture)
+    return model, ids, eager_cache, graph_cache, captured, eager
 
 
 @pytest.mark.gpu
