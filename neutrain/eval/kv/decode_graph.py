@@ -23,7 +23,8 @@ host must either live on the device or not matter to a one-token step:
 The tail buffer's free slots bound the replays of one capture (:func:`capturable_steps`); when they are used up,
 :meth:`CapturedDecodeStep.step` grows the buffers outside the graph and captures again (``recapture_when_full``),
 or refuses in one line. The phase marks of ``kv_eval``'s step split are CUDA timing events the graph would hide:
-capture is refused while they are being recorded.
+capture is refused while they are being recorded, and so is the selection log (``log_selection``: a host list a
+step appends to).
 
 Example (CUDA)::
 
@@ -60,6 +61,9 @@ def capturable_steps(cache) -> int:
         if opt.exact_keys:
             raise GraphCaptureError("exact_keys decodes on the unfused path (a new shape each step): capture needs "
                                     "exact_keys=False")
+        if opt.log_selection:
+            raise GraphCaptureError("log_selection keeps each step's chunk ids on the host (a replay would keep "
+                                    "none, and rewrite the captured ones): capture needs log_selection=False")
         if cache.phase_events is not None:
             raise GraphCaptureError("the step's phase marks are being recorded (CUDA timing events inside a graph "
                                     "time the capture, not the replays): capture with phase_events None")

@@ -41,6 +41,7 @@ def _prefilled(model, make, ids, prompt: int = PROMPT):
 @pytest.mark.parametrize("case, options, expected", [
     ("unfused", dict(), "capture needs fused_decode=True"),
     ("exact keys", dict(fused_decode=True, exact_keys=True), "capture needs exact_keys=False"),
+    ("selection log", dict(fused_decode=True, log_selection=True), "capture needs log_selection=False"),
     ("dense", dict(fused_decode=True), "layer 0 is dense, not sparse"),
     ("phase marks", dict(fused_decode=True), "phase marks are being recorded"),
 ])
