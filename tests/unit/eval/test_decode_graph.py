@@ -1,7 +1,7 @@
 """The decode step as a CUDA graph (neutrain/eval/kv/decode_graph.py): what cannot be replayed is refused with its
 reason, the host counts a replay leaves are those eager steps leave, and on a GPU the replayed steps decode the
-eager fused steps' logits into the same cache state (ShadowKV), as the static full cache's do (the ``full_graph``
-baseline of benchmarks/_kv_graph.py, captured once per length, and a transformers StaticCache under one graph).
+eager fused steps' logits into the same cache state (ShadowKV), as the full caches' do (the ``full_graph``
+baseline of benchmarks/_kv_graph.py, captured once per length; a transformers StaticCache under one graph).
 
 The GPU comparisons are in fp32 (the fused kernel's IEEE path) and allow 1e-5: a replay launches the same kernels
 on the same shapes and inputs as the eager step, so the logits agree bit for bit unless cuBLAS picks another
@@ -181,8 +181,8 @@ def test_a_capture_whose_tail_slots_are_used_refuses_then_recaptures():
 
 @pytest.mark.gpu
 def test_graphed_static_full_cache_decodes_its_eager_steps():
-    """The ``full_graph`` baseline's capture: a StaticLayer cache's replays (mask and writes from its device-held
-    length) give its eager steps' logits; past its last free position it is refused."""
+    """One graph for a transformers StaticCache: its replays (mask and writes from its device-held length) give
+    its eager steps' logits; past its last free position it is refused, and cannot be captured again."""
     model = tiny_llama(layers=2, hidden=128).cuda()
     ids = torch.randint(0, 97, (2, 24 + 5), device="cuda")
     caches = []
