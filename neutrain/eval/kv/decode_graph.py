@@ -165,6 +165,16 @@ def start_positions(cache, batch: int, device) -> torch.Tensor:
     return start.reshape(1, 1).expand(batch, 1).clone()
 
 
+def decode_step(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The step a graph captures, runnable eagerly: ``model``'s forward of ``ids`` [batch, 1] at ``positions``
+    [batch, 1] (given, so transformers reads no host length for them) over ``cache``, then ``positions += 1`` in
+    place on their device. Returns the logits [batch, 1, vocab]."""
+    out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{compat.cache_forward_kwarg(model): cache})
+    positions.add_(1)
+    return out.logits
+
+
 class CapturedDecodeStep:
     """A one-token decode step of ``model`` with ``cache`` as a CUDA graph (build with :func:`capture_decode_step`).
 
@@ -182,17 +192,13 @@ class CapturedDecodeStep:
         self.positions_from_cache = positions_from_cache
         # at least one warm-up: Triton compiles a kernel on its first call, which a capture cannot hold
         self.warmup, self.recapture_when_full = max(1, warmup), recapture_when_full
-        self.kwarg = compat.cache_forward_kwarg(model)
         self.host = HostCounts(cache)
         self.graph, self.logits, self.steps_left = None, None, 0
         self.replays = self.captures = self.replays_this_capture = 0
         self.capture()
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=True, logits_to_keep=1,
-                         **{self.kwarg: self.cache})
-        self.positions.add_(1)
-        return out.logits
+        return decode_step(self.model, self.cache, self.ids, self.positions)
 
     def capture(self) -> None:
         """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), each warm-up step undone, then

@@ -18,7 +18,7 @@ from benchmarks._kv_throughput import PreallocatedLayer
 from eval_helpers import tiny_llama
 from neutrain import compat
 from neutrain.eval.kv.decode_graph import (GraphCaptureError, HostCounts, capturable_steps, capture_decode_step,
-                                           start_positions)
+                                           decode_step, start_positions)
 from neutrain.eval.kv.shadowkv import ShadowKVCache, enable_shadowkv, shadowkv_cache_factory
 
 # A 136-token prompt takes the sparse path (16 chunks of 8 after 4 local chunks, 2 outliers): as test_shadowkv.py.
@@ -107,6 +107,27 @@ def test_host_counts_advance_as_eager_steps_do_and_the_free_slots_bound_a_captur
             _step(model, cache, ids[:, PROMPT + i : PROMPT + i + 1])
             free.append(capturable_steps(cache))
     assert free == [4, 4, 3, 2, 1, 0, 3]
+
+
+@pytest.mark.slow
+def test_the_captured_step_run_eagerly_decodes_as_the_model_does():
+    """The callable a graph captures, run eagerly: positions given from the cache's length and advanced in place
+    give the logits of transformers' own steps (positions from ``get_seq_length``), on the same cache state."""
+    model = tiny_llama(layers=2, hidden=128)
+    ids = torch.randint(0, 97, (2, PROMPT + 3))
+    with shadowkv_cache_factory(model, fused_decode=True, fused_store_reads=True, tail_capacity=2, **OPTS) as make:
+        by_model, static = _prefilled(model, make, ids), _prefilled(model, make, ids)
+        positions = start_positions(static, 2, "cpu")
+        for i in range(3):  # the tail's 2 free slots, then a step that regrows them
+            step_ids = ids[:, PROMPT + i : PROMPT + i + 1]
+            with torch.no_grad():
+                got = decode_step(model, static, step_ids, positions)
+            torch.testing.assert_close(got, _step(model, by_model, step_ids), atol=0, rtol=0)
+        assert positions.tolist() == [[PROMPT + 3]] * 2 and static.layers[0].seen == PROMPT + 3
+        wrong = start_positions(static, 2, "cpu") - 1
+        with torch.no_grad():
+            moved = decode_step(model, static, ids[:, -1:], wrong) - _step(model, by_model, ids[:, -1:])
+        assert moved.abs().max() > 1e-3  # one position off changes the logits: the comparison above can fail
 
 
 # ---------------------------------------------------------------- on the GPU
