@@ -48,9 +48,10 @@ MINICACHE_THROUGHPUT_ROWS = {"minicache_merge": "minicache_merge", "minicache_me
 PRESSES = ("kvpress_snapkv", "kvpress_streamingllm", "kvpress_expected_attention")
 # Every throughput row -> the accuracy settings that stand beside it (the same cache and options): the pruned
 # cache's decode stands for every press at its ratio, the restore path decodes the same store as the fused one.
-ROW_ACCURACY = {"full": ("full",), "full_repeat": ("full",), "shadowkv": ("shadowkv_paper_scaled",),
-                "shadowkv_fused_decode": ("shadowkv_paper_scaled",),
+ROW_ACCURACY = {"full": ("full",), "full_repeat": ("full",), "full_graph": ("full",),
+                "shadowkv": ("shadowkv_paper_scaled",), "shadowkv_fused_decode": ("shadowkv_paper_scaled",),
                 "shadowkv_fused_decode_store_reads": ("shadowkv_paper_scaled",),
+                "shadowkv_fused_graph": ("shadowkv_paper_scaled",),
                 **{row: (acc,) for row, acc in MINICACHE_THROUGHPUT_ROWS.items()},
                 "minicache_merge_4bit_restore": ("minicache_merge_4bit",), "kvpress_pruned": PRESSES,
                 "quantized_cache_4bit": ("quantized_cache_4bit",)}

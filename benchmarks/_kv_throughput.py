@@ -5,7 +5,8 @@ batch that fits for the full cache (preallocated, in-place writes: the fair base
 DynamicCache would re-copy the whole cache each step), ShadowKV (values in pinned host memory, the
 batch sized by GPU memory: overflow rows keep their values on the GPU; its step split by phase with
 CUDA events; once unfused, then at the same batch through neutrain/kernels/shadowkv_fused_decode.py, its values
-gathered first or read by the kernel where they are stored),
+gathered first or read by the kernel where they are stored, and that last step replayed as a CUDA graph against
+the full cache's step graphed at each length: benchmarks/_kv_graph.py),
 MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
 neutrain/kernels/minicache_attention.py; merge + 4-bit once through the old restore path), a
 kvpress-pruned cache and QuantizedCache. The caches are filled with random states of the target
@@ -28,12 +29,14 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks._gpu_state import around, attention_kernel
+from benchmarks._kv_graph import PerLengthGraph, graph_against_eager
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
 from benchmarks._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS, TimePlan
 from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
                                    run_with_backoff)
 from neutrain import compat
 from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv
+from neutrain.eval.kv.decode_graph import capture_decode_step
 from neutrain.eval.kv.minicache_attention import pair_state
 
 def llama3_8b_config():
@@ -85,20 +88,32 @@ def steps_within(deadline: float | None, step_seconds: float, most: int) -> int:
     return max(min(least, most), min(most, fit))
 
 
-def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[float]:
-    """Seconds of each timed decode step (synchronized one by one), after ``warmup`` steps; the count is
-    ``steps``, or fewer when the row's ``deadline`` comes first (``steps_within``: at least one)."""
+def _eager_step(model, cache, batch):
+    """One decode step through the model's forward (transformers derives the positions from the cache)."""
     kwarg = compat.cache_forward_kwarg(model)
     ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
-    step = lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})  # noqa: E731
+    return lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+
+
+def _step_times(model, cache, batch, steps, warmup=2, deadline=None, step=None, prepare=None) -> list[float]:
+    """Seconds of each timed decode step (synchronized one by one), after ``warmup`` steps; the count is
+    ``steps``, or fewer when the row's ``deadline`` comes first (``steps_within``: at least one). ``step``: the
+    step to time (a captured graph's replay), else the model's eager forward; ``prepare``: run before each step,
+    untimed (the capture of a graph per length)."""
+    step = step or _eager_step(model, cache, batch)
+    prepare = prepare or (lambda: None)
     seconds, last = [], 0.0  # the last warm-up step's seconds: what a timed step is expected to take
     with torch.inference_mode():
         for _ in range(warmup):
+            prepare()
+            _sync()
             t0 = time.perf_counter()
             step()
             _sync()
             last = time.perf_counter() - t0
         for _ in range(steps_within(deadline, last, steps)):
+            prepare()
+            _sync()
             t0 = time.perf_counter()
             step()
             _sync()
@@ -106,11 +121,13 @@ def _step_times(model, cache, batch, steps, warmup=2, deadline=None) -> list[flo
     return seconds
 
 
-def timed(model, cache, batch, steps, warmup: int = 2, deadline: float | None = None) -> dict:
+def timed(model, cache, batch, steps, warmup: int = 2, deadline: float | None = None, step=None,
+          prepare=None) -> dict:
     """Decode tokens/s and ms a step of ``cache`` at ``batch`` from the median timed step, with the GPU's clocks,
-    power and temperature on either side of the timed steps (``benchmarks/_gpu_state.py``)."""
+    power and temperature on either side of the timed steps (``benchmarks/_gpu_state.py``); ``step`` and
+    ``prepare`` as ``_step_times``."""
     left = None if deadline is None else round(deadline - time.time(), 1)
-    seconds, state = around(lambda: _step_times(model, cache, batch, steps, warmup, deadline))
+    seconds, state = around(lambda: _step_times(model, cache, batch, steps, warmup, deadline, step, prepare))
     median = statistics.median(seconds)
     out = {"tokens_per_s": batch / median, "ms_per_step": median * 1e3, "timed_steps": len(seconds),
            "step_ms": [round(s * 1e3, 3) for s in seconds], "gpu_state": state}
@@ -164,14 +181,23 @@ class PinnedBuffer:
         return self._tensor
 
 
-def kernel_record(model, cache, batch) -> dict:
-    """The attention ops one more decode step runs, and the kernel they name (after timing: the profiler
-    costs nothing above)."""
-    ops = attention_ops(model, cache, batch)
+def kernel_record(model, cache, batch, step=None) -> dict:
+    """The attention ops one more decode step runs (``step``: a captured graph's replay, else the eager forward),
+    and the kernel they name (after timing: the profiler costs nothing above)."""
+    ops = attention_ops(model, cache, batch, step)
     return {"attention_ops": ops, "attention_kernel": attention_kernel(ops)}
 
 
-def attention_ops(model, cache, batch) -> dict[str, int]:
+def graph_kernel_record(model, cache, batch, step) -> dict:
+    """``kernel_record`` of a graph's replay, or why the profiler could not trace it: the row's timing is kept."""
+    try:
+        return kernel_record(model, cache, batch, step=step)
+    except RuntimeError as exc:
+        return {"attention_ops": {}, "attention_kernel": None,
+                "kernel_record_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def attention_ops(model, cache, batch, step=None) -> dict[str, int]:
     """The attention ops and kernels one more decode step runs, by name, with their counts.
 
     Why: the full cache's decode step at 64K took 53 ms in one H100 run and 90 ms in another with the same
@@ -182,11 +208,11 @@ def attention_ops(model, cache, batch) -> dict[str, int]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    kwarg = compat.cache_forward_kwarg(model)
-    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    step = step or _eager_step(model, cache, batch)
+    cuda = next(model.parameters()).is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof, torch.inference_mode():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        step()
         _sync()
     # SDPA's backends, and neutrain's own decode kernels (MiniCache's segment/combine, ShadowKV's gather)
     pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks"
@@ -380,12 +406,18 @@ def smoke_config(size: str):
     return cfg, int(0.52 * GIB)
 
 
+CUDA_ONLY_ROWS = ("full_graph", "shadowkv_fused_graph")
+"""The rows that replay a captured CUDA graph: on a CPU smoke run they record why they did not run
+(``needs_cuda``), not a measurement."""
+GRAPH_NEEDS_CUDA = "a CUDA graph of the decode step: the row runs on a GPU only"
+
 SIZING_TOKENS = 4096
 """Tokens of the one-sequence build a row's stored bytes are measured on, then scaled to the context: what
 a compressed cache stores grows with its tokens, and a 64K build of one sequence takes seconds of Python
 (a store call per layer and chunk) that the plan has no room for."""
 
-ROWS = ("full", "shadowkv", "shadowkv_fused_decode", "shadowkv_fused_decode_store_reads", "kvpress_pruned",
+ROWS = ("full", "full_graph", "shadowkv", "shadowkv_fused_decode", "shadowkv_fused_decode_store_reads",
+        "shadowkv_fused_graph", "kvpress_pruned",
         "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge", "full_repeat", "quantized_cache_4bit",
         "minicache_merge_4bit_restore")
 """Every throughput row, in the order they run (every context of one before the next): the baseline and the cheap
@@ -469,14 +501,49 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                    tokens_per_s=timings[best]["tokens_per_s"], ms_per_step=timings[best]["ms_per_step"])
         return out
 
+    def full_graph(ctx):
+        # The full cache's step captured at each length, under the full row's fastest SDPA backend (the graph keeps
+        # the backend of its capture; flash, then the dispatcher's choice, should that one not capture), at the
+        # full row's batch: the eager step's kernels and bytes without the launches (benchmarks/_kv_graph.py says
+        # why not one graph under a mask).
+        if not cuda:
+            return {"needs_cuda": GRAPH_NEEDS_CUDA}
+        from contextlib import nullcontext
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        best = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend") or "default_dispatch"
+        b = budget.batch(kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx))
+        cache = _full_cache(cfg, b, ctx, 16, device)
+        errors = {}
+        for name in dict.fromkeys((best, "flash_attention", "default_dispatch")):
+            forced = nullcontext() if name == "default_dispatch" else sdpa_kernel(getattr(SDPBackend, name.upper()))
+            _rewind(cache, ctx)
+            graphs = PerLengthGraph(model, cache, b)
+            try:
+                with forced:
+                    out = timed(model, cache, b, args.steps, warm, share(1), step=graphs.step, prepare=graphs.prepare)
+                    graphs.prepare()
+            except RuntimeError as exc:  # this backend's step did not capture (or does not take these shapes)
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            out.update(graph_kernel_record(model, cache, b, graphs.step))
+            return {"batch": b, **out, "sdpa_backend": name, "backend_errors": errors, "captures": graphs.captures,
+                    "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0,
+                    "capture": "one graph per length, captured before each timed replay (untimed)"}
+        return {"batch": b, "error": "no SDPA backend's step could be captured", "backend_errors": errors}
+
     def full_repeat(ctx):
         # The baseline again after the compressed rows, under the backend that won the first time (no sweep).
         first = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend")
         return full(ctx, (first.upper(),) if first and first != "default_dispatch" else ())
 
-    def shadowkv(ctx, fused=False, store_reads=False):
+    def shadowkv(ctx, fused=False, store_reads=False, graph=False):
         # The batch is sized by GPU memory: rows whose values fit in the pinned host buffer offload them,
-        # the rest keep them on the GPU (device_value_rows) as long as the GPU has room.
+        # the rest keep them on the GPU (device_value_rows) as long as the GPU has room. ``graph``: the step
+        # captured and replayed (neutrain/eval/kv/decode_graph.py), at the same batch.
+        if graph and not cuda:
+            return {"needs_cuda": GRAPH_NEEDS_CUDA}
         chunks = ctx // 8
         per_seq = int(1.1 * layers * 2 * (ctx * rank + chunks * heads * (d + 4)
                                           + (outliers * 8 + 64 + 2 * 1024) * 2 * heads * d))
@@ -499,16 +566,25 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            out = timed(model, cache, b, args.steps, warm, share(1))
-            stats = cache.stats()
-            split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
-            out.update(kernel_record(model, cache, b))
+            step = captured = None
+            if graph:  # the tail's free slots (tail_capacity, 256) cover the replays below
+                captured = capture_decode_step(model, cache, b, warmup=warm)
+                step = captured.step
+            out = timed(model, cache, b, args.steps, warm, share(1), step=step)
+            stats = cache.stats()  # the warm-up and timed steps' counts, graphed or not
+            out.update(graph_kernel_record(model, cache, b, step) if graph else kernel_record(model, cache, b))
+            if graph:
+                split = graph_against_eager(captured, _eager_step(model, cache, b))
+                out.update(captures=captured.captures, replays=captured.replays)
+            else:
+                split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
             out["fused_kernel_launches"] = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"] - fused_before
             if out["fused_kernel_launches"] and "triton:shadowkv_fused" not in (out["attention_kernel"] or ""):
                 # Triton's CPU interpreter runs the kernel as Python: no profiler op names it (the smoke run)
                 named = [out["attention_kernel"], "triton:shadowkv_fused_decode"]
                 out["attention_kernel"] = "+".join(filter(None, named))
-            log(f"ctx {ctx} shadowkv (fused {fused}, store reads {store_reads}) step split (ms): {split}")
+            log(f"ctx {ctx} shadowkv (fused {fused}, store reads {store_reads}, graph {graph}) step split (ms): "
+                f"{split}")
         finally:
             disable_shadowkv(model)
         return {"batch": b, "device_value_rows": rows, "host_value_rows": b - rows, **out,
@@ -617,8 +693,9 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     # MiniCache: the fused decode for each setting, "4-bit only" (what merging only similar pairs leaves when
     # no pair qualifies, as on SmolLM2 and the retrieval model) and the restore path once, for the comparison.
     # The full cache again at the end: a baseline that moved within the call shows there.
-    runs = {"full": (full, ()), "shadowkv": (shadowkv, ()), "shadowkv_fused_decode": (shadowkv, (True,)),
-            "shadowkv_fused_decode_store_reads": (shadowkv, (True, True)),
+    runs = {"full": (full, ()), "full_graph": (full_graph, ()), "shadowkv": (shadowkv, ()),
+            "shadowkv_fused_decode": (shadowkv, (True,)), "shadowkv_fused_decode_store_reads": (shadowkv, (True, True)),
+            "shadowkv_fused_graph": (shadowkv, (True, True, True)),
             "minicache_merge_4bit": (minicache, (4,)),
             "kvpress_pruned": (pruned, ()), "minicache_4bit_only": (minicache, (4, True, layers)),
             "minicache_merge": (minicache, (None,)), "full_repeat": (full_repeat, ()),
@@ -635,6 +712,10 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 row[label]["speedup_vs_full"] = row[label]["tokens_per_s"] / full_row["tokens_per_s"]
                 row[label]["speedup_vs_full_default_dispatch"] = (row[label]["tokens_per_s"]
                                                                   / full_row["default_dispatch_tokens_per_s"])
+            graphed = row.get("full_graph", {})
+            if label not in ("full", "full_graph") and "tokens_per_s" in row[label] and "tokens_per_s" in graphed:
+                # against the faster full cache: the graphed one removes the host's launch time too
+                row[label]["speedup_vs_full_graph"] = row[label]["tokens_per_s"] / graphed["tokens_per_s"]
     return results
 
 

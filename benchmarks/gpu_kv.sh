@@ -8,7 +8,8 @@
 #      (the median of 1 to STEPS timed steps: fewer when the cap comes first, says steps_cut; no row is skipped),
 #      in this order: full cache (timed under each SDPA backend, the fastest is the baseline), ShadowKV (+ its
 #      step split), ShadowKV through its fused decode kernel (same batch, + its step split; its values gathered
-#      first, then read by the kernel from their stores), the kvpress-pruned cache, MiniCache merge + 4-bit /
+#      first, then read by the kernel from their stores; that last one replayed as a CUDA graph, beside the full
+#      cache's step graphed at each length), the kvpress-pruned cache, MiniCache merge + 4-bit /
 #      4-bit only / merge through the fused decode, the full cache again, then the slow rows: QuantizedCache,
 #      merge + 4-bit through the restore path;
 #      each row records its batch, its attempts, the attention kernel that ran and the GPU's clocks, power and
@@ -130,10 +131,11 @@ for ctx, rows in results.get("throughput", {}).get("contexts", {}).items():
         print(f"{ctx:>6} {label:30} batch {row.get('batch', '-'):>4} tok/s {tps or 0:8.1f} x full "
               f"{speedup if speedup is not None else float('nan'):5.2f} {row.get('attention_kernel') or '-':28} "
               f"sm {after.get('sm_clock_mhz') or '-'} MHz {after.get('power_w') or '-'} W  gap retrieval "
-              f"{gaps('retrieval_model')} real {gaps('real_model')} {(row.get('error') or row.get('skipped') or '')[:70]}"
+              f"{gaps('retrieval_model')} real {gaps('real_model')} {(row.get('error') or row.get('skipped') or row.get('needs_cuda') or '')[:70]}"
               + (f" tried {[a['batch'] for a in row['attempts']]}" if len(row.get("attempts", [])) > 1 else "")
               + f" steps {row.get('timed_steps', '-')} {row.get('seconds', '-')}/{row.get('planned_seconds', '-')} s"
-              + (f" ({row['steps_cut']})" if row.get("steps_cut") else ""))
+              + (f" ({row['steps_cut']})" if row.get("steps_cut") else "")
+              + (f" x full_graph {row['speedup_vs_full_graph']:.2f}" if "speedup_vs_full_graph" in row else ""))
     for ctx_row in ("shadowkv",):
         split = rows.get(ctx_row, {}).get("step_split")
         if split:

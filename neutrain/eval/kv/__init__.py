@@ -18,6 +18,8 @@ _LAZY = {
     "disable_shadowkv": "neutrain.eval.kv.shadowkv",
     "enable_minicache_attention": "neutrain.eval.kv.minicache_attention",
     "disable_minicache_attention": "neutrain.eval.kv.minicache_attention",
+    "capture_decode_step": "neutrain.eval.kv.decode_graph",
+    "GraphCaptureError": "neutrain.eval.kv.decode_graph",
 }
 
 __all__ = list(_LAZY)

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks._kv_throughput import CUDA_ONLY_ROWS, GRAPH_NEEDS_CUDA
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,11 +36,13 @@ def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp
     record = json.loads((out / "kv_eval_smoke.json").read_text())
     rows = record["results"]["throughput"]["contexts"]["128"]
     assert {"full", "shadowkv", "minicache_merge_4bit", "minicache_4bit_only", "minicache_merge", "kvpress_pruned",
-            "full_repeat", "minicache_merge_4bit_restore", "quantized_cache_4bit"} <= set(rows)
+            "full_repeat", "minicache_merge_4bit_restore", "quantized_cache_4bit", *CUDA_ONLY_ROWS} <= set(rows)
     for label, row in rows.items():
         assert "skipped" not in row, (label, row)  # no row is skipped (for time or otherwise)
         if "error" in row:  # e.g. QuantizedCache without optimum-quanto: the reason is kept
             assert row["error"].strip(), label
+        elif label in CUDA_ONLY_ROWS and not torch.cuda.is_available():  # on CPU, why the graphed rows did not run
+            assert row["needs_cuda"] == GRAPH_NEEDS_CUDA and "tokens_per_s" not in row, (label, row)
         else:
             assert row["batch"] >= 1 and row["tokens_per_s"] > 0, label
             assert row["attention_kernel"], (label, row.get("attention_ops"))
