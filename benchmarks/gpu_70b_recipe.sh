@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# The 70B gate (Llama-3-70B trains, saves, resumes and exports on one card), as a user runs it: the literal
-# `accelerate launch recipes/llama3_70b_offload.yaml` on one H100 80GB (CUDA_VISIBLE_DEVICES picks it on a
-# machine of several), STEPS steps with a save at the last; a second launch that resumes from that
-# checkpoint for one step more and saves; then `neutrain export <that checkpoint> --format neuzip`.
-# benchmarks/offload_recipe.py reads the runs' metrics.jsonl and summary.json, the export and nvidia-smi's
-# samples (device memory in use) into $OUT/offload.json (merged into benchmarks/offload.py's parts if $OUT
-# holds one).
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_70b_recipe.sh
-# STAGES=train,resume,export (default) or a part of them, in back-to-back device calls when one is too short:
-# the machine keeps /tmp and /dev/shm while it is warm, and the stage times and nvidia-smi samples are kept
-# in STATE (on /tmp) so the last call's record has them all. About 5 minutes for train, 7 for resume+export.
-# Disk and host memory: the compressed 70B checkpoint is ~89 GiB and the run pins ~87 GiB of layers. The
-# first run saves to RUN_DIR on disk; the resumed run saves to RESUME_DIR in /dev/shm; the export goes to
-# disk. On a 128 GiB disk (2-GPU machine) the export stage first deletes the first run's checkpoint (this
-# script's own scratch, already resumed from and recorded); a 4-GPU machine's 235 GiB disk holds both.
+# The Llama-3-70B whole run at a 24 GB card's budget, as a user runs it, on one GPU of a 2-GPU H200 machine
+# (CUDA_VISIBLE_DEVICES picks it; 128 GiB of disk, 256 GiB of memory):
+#   train     accelerate launch recipes/llama3_70b_offload.yaml memory.device_budget_gib=22 train.max_steps=4
+#             train.save_steps=4 (the checkpoint to disk)
+#   resume    the same to max_steps=5 from checkpoint-4 (saved to /dev/shm)
+#   straight  the uninterrupted 5-step run (saved to disk), then its checkpoint-5 and the resumed one compared by
+#             their manifests' per-tensor sha256 (a stage of its own, `compare`)
+#   export    neutrain export <resumed checkpoint-5> --format neuzip (to disk); --format hf only where the disk
+#             holds the dense bf16 size, else one line says why not
+#   generate  neutrain generate <export> --device-budget-gib 22, and without a budget: 16 greedy tokens each
+# benchmarks/offload_recipe.py --whole-run reads the runs' metrics and summaries, the commands' logs, the
+# manifests' comparison, the texts and this script's samples (device memory in use from nvidia-smi; host memory
+# used, and the largest peak resident size of neutrain's processes, from /proc) into $OUT/offload.json as
+# `70b_recipe_22gib`, with the target card_24gb_70b_whole_run_ok (every command exits 0, the checkpoints match,
+# the texts match).
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_70b_recipe.sh
+#
+# Time plan (30 minutes of device time, at most 10 a call): STAGES picks the stages of one call; the machine
+# keeps /tmp and /dev/shm while it is warm, and STATE (on /tmp) keeps the stage times, logs and samples, so the
+# last call's record has them all. Expected seconds (a 70B step is ~26 s; the 89 GiB checkpoint is written and
+# hashed in one pass and read in one pass per check, benchmarks/notes_offload.md):
+#   call 1  STAGES=train               build ~150 + 4 steps ~105 + save ~75            ~330
+#   call 2  STAGES=resume              check ~50 + build/load ~150 + 1 step + save ~60  ~290
+#   call 3  STAGES=straight,compare    build ~150 + 5 steps ~130 + save ~75 + compare  ~370
+#   call 4  STAGES=export              check ~50 + load ~150 + write ~75                ~280
+#   call 5  STAGES=generate            two loads of the export ~2 x 150 + 2 x 16 tokens  ~380
+#   total about 1,650 s (27.5 minutes) beside the machine's start; each call is under 600 s.
+# Disk: checkpoint-4 (89 GiB) fills most of the 128 GiB disk, so `straight` first records its manifest and
+# deletes it (resumed from already); `compare` deletes the straight run's checkpoint once compared; the export
+# then has the disk. The resumed checkpoint lies in /dev/shm (89 GiB beside the run's ~100 GiB of host memory).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/require_commit.sh
@@ -25,55 +40,107 @@ source benchmarks/install_carried_wheels.sh > /dev/null
 source benchmarks/install_user_commands.sh
 RUN_DIR=${RUN_DIR:-/tmp/llama3_70b_offload}
 RESUME_DIR=${RESUME_DIR:-/dev/shm/llama3_70b_offload_resumed}
+STRAIGHT_DIR=${STRAIGHT_DIR:-/tmp/llama3_70b_offload_straight}
 EXPORT_DIR=${EXPORT_DIR:-/tmp/llama3_70b_export}
+HF_DIR=${HF_DIR:-/tmp/llama3_70b_export_hf}
 STEPS=${STEPS:-4}
-STAGES=${STAGES:-train,resume,export}
+BUDGET=${BUDGET:-22}
+NEW_TOKENS=${NEW_TOKENS:-16}
+PROMPT=${PROMPT:-"def fibonacci(n):"}
+STAGES=${STAGES:-train,resume,straight,compare,export,generate}
 gpu=${CUDA_VISIBLE_DEVICES:-0}
-# The gate is one H100 80GB. On a larger card the run gets the budget `auto` gives on an H100 (78 GiB): on an
-# H200 without it, the fit kept 77 of 80 layers on the card (120.5 GiB reserved), which is not the H100's run.
-BUDGET=${BUDGET:-$(nvidia-smi --query-gpu=name --format=csv,noheader -i "$gpu" | grep -q "H100" && echo auto || echo 78)}
+RESUMED="$RESUME_DIR/checkpoint-$((STEPS + 1))"
 echo "memory.device_budget_gib=$BUDGET on $(nvidia-smi --query-gpu=name --format=csv,noheader -i "$gpu")"
 free -g | head -2; df -h /tmp /dev/shm | tail -2
-nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i "$gpu" -lms 1000 >> "$STATE/nvsmi_70b.csv" &
-smi=$!
-stage() {  # name seconds rc; each command logs straight into $OUT (a call cut by its limit keeps it), and STATE
-  # keeps a copy for the record of a later call
-  echo "$1_s=$2" >> "$STATE/70b_stages.txt"; echo "$1_rc=$3" >> "$STATE/70b_stages.txt"
+
+# One sample every 2 s: the stage, the time, device MiB in use (NVML), host bytes used, and the largest VmHWM
+# (KiB) among neutrain's processes (the trainer is accelerate's child; pinned layers count in its resident size).
+echo idle > "$STATE/current_stage"
+(
+  while :; do
+    dev=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" 2>/dev/null | head -1)
+    host=$(free -b | awk '/^Mem:/ {print $3}')
+    hwm=0
+    for pid in $(pgrep -f "neutrain|accelerate" 2>/dev/null); do
+      kib=$(awk '/^VmHWM:/ {print $2}' "/proc/$pid/status" 2>/dev/null)
+      [ -n "$kib" ] && [ "$kib" -gt "$hwm" ] && hwm=$kib
+    done
+    echo "$(cat "$STATE/current_stage"),$(date +%s),${dev:-},${host:-},$hwm" >> "$STATE/samples.csv"
+    sleep 2
+  done
+) &
+sampler=$!
+stage_begin() { echo "$1" > "$STATE/current_stage"; t0=$SECONDS; }
+stage_end() {  # name rc: seconds and exit code into STATE; the log (written straight into $OUT, so a call cut by
+  # its limit keeps it) copied into STATE for the record of a later call
+  echo "$1_s=$((SECONDS - t0))" >> "$STATE/70b_stages.txt"; echo "$1_rc=$2" >> "$STATE/70b_stages.txt"
+  echo "70b $1 rc=$2 ($((SECONDS - t0)) s)"; [ -f "$OUT/70b_$1.log" ] && tail -n 12 "$OUT/70b_$1.log"
   cp "$OUT/70b_$1.log" "$STATE/" 2>/dev/null; cp "$STATE/70b_stages.txt" "$OUT/"
+  echo idle > "$STATE/current_stage"
 }
+launch() {  # output_dir max_steps [key=value ...]: the literal recipe at the budget
+  local dir=$1 steps=$2; shift 2
+  accelerate launch recipes/llama3_70b_offload.yaml memory.device_budget_gib="$BUDGET" train.max_steps="$steps" \
+    train.save_steps="$steps" train.output_dir="$dir" "$@"
+}
+free_gib() { echo $(( $(df --output=avail -k "$1" | tail -1) / 1048576 )); }
+
 if [[ $STAGES == *train* ]]; then
-  t0=$SECONDS
-  accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$STEPS" train.save_steps="$STEPS" \
-    memory.device_budget_gib="$BUDGET" train.output_dir="$RUN_DIR" > "$OUT/70b_train.log" 2>&1
-  rc=$?; echo "70b train rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_train.log"
-  stage train $((SECONDS - t0)) $rc
+  stage_begin train
+  launch "$RUN_DIR" "$STEPS" > "$OUT/70b_train.log" 2>&1
+  stage_end train $?
 fi
 if [[ $STAGES == *resume* ]]; then
-  t0=$SECONDS
-  accelerate launch recipes/llama3_70b_offload.yaml train.max_steps="$((STEPS + 1))" train.save_steps="$((STEPS + 1))" \
-    memory.device_budget_gib="$BUDGET" train.output_dir="$RESUME_DIR" train.resume_from_checkpoint="$RUN_DIR/checkpoint-$STEPS" \
-    > "$OUT/70b_resume.log" 2>&1
-  rc=$?; echo "70b resume rc=$rc ($((SECONDS - t0)) s)"; tail -n 25 "$OUT/70b_resume.log"
-  stage resume $((SECONDS - t0)) $rc
+  stage_begin resume
+  launch "$RESUME_DIR" "$((STEPS + 1))" train.resume_from_checkpoint="$RUN_DIR/checkpoint-$STEPS" > "$OUT/70b_resume.log" 2>&1
+  stage_end resume $?
+fi
+if [[ $STAGES == *straight* ]]; then
+  first="$RUN_DIR/checkpoint-$STEPS"
+  if [ -d "$first" ]; then  # resumed from already: its record stays, its bytes make room for the straight run
+    cp "$first/neutrain_manifest.json" "$STATE/checkpoint-$STEPS.manifest.json" 2>/dev/null
+    python3 benchmarks/offload_recipe.py --describe "$first" > "$STATE/70b_checkpoint.json"
+    echo "straight: deleting $first ($(free_gib /tmp) GiB free) to make room"; rm -rf "$first"
+  fi
+  stage_begin straight
+  launch "$STRAIGHT_DIR" "$((STEPS + 1))" > "$OUT/70b_straight.log" 2>&1
+  stage_end straight $?
+fi
+if [[ $STAGES == *compare* ]]; then
+  stage_begin compare
+  straight="$STRAIGHT_DIR/checkpoint-$((STEPS + 1))"
+  python3 benchmarks/offload_recipe.py --compare-manifests "$RESUMED/neutrain_manifest.json" \
+    "$straight/neutrain_manifest.json" > "$STATE/manifests.json" 2> "$OUT/70b_compare.log"
+  rc=$?; cat "$STATE/manifests.json"
+  [ -f "$straight/neutrain_manifest.json" ] && cp "$straight/neutrain_manifest.json" "$STATE/straight.manifest.json"
+  rm -rf "$straight"  # compared and recorded: the export needs the disk
+  stage_end compare $rc
 fi
 if [[ $STAGES == *export* ]]; then
-  resumed="$RESUME_DIR/checkpoint-$((STEPS + 1))"
-  if [ -d "$resumed" ] && [ -d "$RUN_DIR/checkpoint-$STEPS" ]; then
-    python3 benchmarks/offload_recipe.py --describe "$RUN_DIR/checkpoint-$STEPS" > "$STATE/70b_checkpoint.json"
-    mkdir -p "$(dirname "$EXPORT_DIR")"
-    free_gib=$(( $(df --output=avail -k "$(dirname "$EXPORT_DIR")" | tail -1) / 1048576 ))
-    if [ "$free_gib" -lt 95 ]; then  # a 128 GiB disk: the first run's checkpoint (recorded above) makes room
-      echo "export: ${free_gib} GiB free on disk: deleting $RUN_DIR/checkpoint-$STEPS (resumed from, recorded)"
-      rm -rf "$RUN_DIR/checkpoint-$STEPS"
-    fi
+  stage_begin export
+  neutrain export "$RESUMED" --format neuzip --output "$EXPORT_DIR" > "$OUT/70b_export.log" 2>&1
+  stage_end export $?
+  need=$(python3 benchmarks/offload_recipe.py --bf16-gib "$RESUMED/config.json" 2>/dev/null || echo 0)
+  have=$(free_gib "$(dirname "$HF_DIR")")
+  if python3 -c "import sys; sys.exit(0 if float('$need') > 0 and $have > float('$need') + 2 else 1)"; then
+    stage_begin export_hf
+    neutrain export "$RESUMED" --format hf --output "$HF_DIR" > "$OUT/70b_export_hf.log" 2>&1
+    stage_end export_hf $?
+  else
+    echo "not run: disk holds ${have} GiB, needs ${need} GiB" | tee "$STATE/export_hf.txt"
   fi
-  t0=$SECONDS
-  neutrain export "$resumed" --format neuzip --output "$EXPORT_DIR" > "$OUT/70b_export.log" 2>&1
-  rc=$?; echo "70b export rc=$rc ($((SECONDS - t0)) s)"; tail -n 8 "$OUT/70b_export.log"
-  stage export $((SECONDS - t0)) $rc
 fi
-kill "$smi" 2>/dev/null
-python3 benchmarks/offload_recipe.py --train "$RUN_DIR" --resume "$RESUME_DIR" --steps "$STEPS" \
-  --nvsmi "$STATE/nvsmi_70b.csv" --stages "$STATE/70b_stages.txt" --checkpoint-record "$STATE/70b_checkpoint.json" \
-  --export "$EXPORT_DIR"
+if [[ $STAGES == *generate* ]]; then
+  for kind in budget unbounded; do
+    [ $kind = budget ] && limit=(--device-budget-gib "$BUDGET") || limit=()
+    stage_begin generate_$kind
+    neutrain generate "$EXPORT_DIR" "${limit[@]}" --prompt "$PROMPT" --raw --max-new-tokens "$NEW_TOKENS" \
+      > "$STATE/generate_$kind.txt" 2> "$OUT/70b_generate_$kind.log"
+    rc=$?; echo "text ($kind): $(cat "$STATE/generate_$kind.txt")"
+    stage_end generate_$kind $rc
+  done
+fi
+kill "$sampler" 2>/dev/null
+python3 benchmarks/offload_recipe.py --whole-run "$STATE" --train "$RUN_DIR" --resume "$RESUME_DIR" \
+  --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$EXPORT_DIR"
 echo "done in ${SECONDS}s"

@@ -9,6 +9,14 @@ parts when ``$OUT`` (or ``benchmarks/results``) holds one.
 
     python benchmarks/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 4 --export /tmp/...
     python benchmarks/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
+
+The whole run at a device budget (train, resume, the uninterrupted run, the checkpoints compared, export and
+generate; ``benchmarks/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``:
+
+    python benchmarks/offload_recipe.py --whole-run /tmp/neutrain-70b-state --train RUN --resume RUN2 \
+        --straight RUN3 --budget 22 --export /tmp/llama3_70b_export
+    python benchmarks/offload_recipe.py --compare-manifests A/neutrain_manifest.json B/neutrain_manifest.json
+    python benchmarks/offload_recipe.py --bf16-gib /tmp/llama3_70b_export/config.json
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks._common import read_run  # noqa: E402 (after the path is set)
+from benchmarks._whole_run import compare_manifests, llama_bf16_gib, whole_run  # noqa: E402
 
 GIB = 2**30
 TOKENS_PER_STEP = 16384  # recipes/llama3_70b_offload.yaml: micro_batch_size 1 x sequence_len 16384, packed
@@ -78,11 +87,58 @@ def summarise(run: dict, first_step: int) -> dict:
     return out
 
 
+def write_record(part: str, results: dict, targets: dict, settings: dict, results_dir: Path | None,
+                 replaces: str) -> None:
+    """Put ``results`` into ``offload.json`` as ``part``: the parts benchmarks/offload.py (or an earlier call) measured
+    keep their place, each with the commit and date it was measured at; the earlier targets whose names start
+    with ``replaces`` go (this run's ``targets`` stand for them)."""
+    from benchmarks._common import RESULTS_DIR, write_result
+
+    merged_results = {}
+    results_dir = results_dir or RESULTS_DIR
+    for base in (Path(os.environ["OUT"]) if os.environ.get("OUT") else None, results_dir):
+        prior = base / "offload.json" if base else None
+        if prior and prior.exists():
+            old = json.loads(prior.read_text())
+            merged_results = old.get("results", {})
+            settings = {**old.get("settings", {}), **settings}
+            # The record's commit and date are this run's: the parts it keeps say where they were measured.
+            kept = settings.setdefault("kept_parts", {})
+            for name in merged_results:
+                if name != part and name not in kept:
+                    kept[name] = {"git_commit": old.get("git_commit"), "date": old.get("date"), "device": old.get("device")}
+            targets = {**{k: v for k, v in old.get("targets", {}).items() if not k.startswith(replaces)}, **targets}
+            break
+    merged_results[part] = results
+    write_result("offload", settings, merged_results, targets=targets, out_dir=results_dir)
+
+
+def _whole_run_main(args) -> int:
+    runs = {name: read_run(path) for name, path in (("train", args.train), ("resume", args.resume),
+                                                   ("straight", args.straight)) if path is not None}
+    exported = describe(args.export) if args.export else None
+    results, targets = whole_run(args.whole_run, runs, args.budget, exported)
+    settings = {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps, "tokens_per_step": TOKENS_PER_STEP}
+    write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")
+    ok = targets["card_24gb_70b_whole_run_ok"]["value"]
+    print(json.dumps({"targets": targets, "failed_commands": results["failed_commands"],
+                      "manifests_match": results["checkpoint_5_manifests"].get("match"),
+                      "texts_same": results["generate"]["same"]}, indent=1))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--describe", type=Path, help="print what a checkpoint directory holds (JSON) and exit")
+    ap.add_argument("--compare-manifests", type=Path, nargs=2, metavar=("FIRST", "SECOND"),
+                    help="print whether two manifests list the same tensors with the same sha256 (JSON) and exit")
+    ap.add_argument("--bf16-gib", type=Path, metavar="CONFIG", help="print a Llama config's dense bf16 size in GiB")
+    ap.add_argument("--whole-run", type=Path, metavar="STATE",
+                    help="the whole run's state folder: write offload.json's 70b_recipe_22gib")
     ap.add_argument("--train", type=Path)
     ap.add_argument("--resume", type=Path)
+    ap.add_argument("--straight", type=Path, help="the uninterrupted run's directory (--whole-run)")
+    ap.add_argument("--budget", type=float, default=22.0, help="memory.device_budget_gib of the whole run")
     ap.add_argument("--export", type=Path, help="the `neutrain export --format neuzip` directory")
     ap.add_argument("--results-dir", type=Path, help="where offload.json is merged and written (default benchmarks/results)")
     ap.add_argument("--checkpoint-record", type=Path,
@@ -94,10 +150,20 @@ def main() -> int:
     if args.describe is not None:
         print(json.dumps(describe(args.describe)))
         return 0
+    if args.compare_manifests is not None:
+        result = compare_manifests(*args.compare_manifests)
+        print(json.dumps(result))
+        return 0 if result["match"] else 1
+    if args.bf16_gib is not None:
+        try:
+            print(llama_bf16_gib(json.loads(args.bf16_gib.read_text())))
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--bf16-gib {args.bf16_gib}: {type(exc).__name__}: {exc}")
+        return 0
+    if args.whole_run is not None:
+        return _whole_run_main(args)
     if args.train is None or args.resume is None:
-        ap.error("--train and --resume are required (or --describe)")
-
-    from benchmarks._common import RESULTS_DIR, write_result
+        ap.error("--train and --resume are required (or --describe, --compare-manifests, --bf16-gib, --whole-run)")
 
     train, resume = read_run(args.train), read_run(args.resume)
     checkpoint = args.train / f"checkpoint-{args.steps}"
@@ -131,25 +197,8 @@ def main() -> int:
     if reserved:
         targets["h100_70b_peak_reserved_gib"] = {"value": round(reserved, 2), "goal": "<= 70", "met": reserved <= 70,
                                                  "source": "recipes/llama3_70b_offload.yaml, literal launch"}
-    # One offload.json: the parts benchmarks/offload.py measured in this call (if any) keep their place.
-    merged_results, settings = {}, {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps,
-                                    "tokens_per_step": TOKENS_PER_STEP}
-    results_dir = args.results_dir or RESULTS_DIR
-    for base in (Path(os.environ["OUT"]) if os.environ.get("OUT") else None, results_dir):
-        prior = base / "offload.json" if base else None
-        if prior and prior.exists():
-            old = json.loads(prior.read_text())
-            merged_results = old.get("results", {})
-            settings = {**old.get("settings", {}), **settings}
-            # The record's commit and date are this run's: the parts it keeps say where they were measured.
-            kept = settings.setdefault("kept_parts", {})
-            for part in merged_results:
-                if part != "70b_recipe" and part not in kept:
-                    kept[part] = {"git_commit": old.get("git_commit"), "date": old.get("date"), "device": old.get("device")}
-            targets = {**{k: v for k, v in old.get("targets", {}).items() if not k.startswith("h100_70b")}, **targets}
-            break
-    merged_results["70b_recipe"] = results
-    write_result("offload", settings, merged_results, targets=targets, out_dir=results_dir)
+    settings = {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps, "tokens_per_step": TOKENS_PER_STEP}
+    write_record("70b_recipe", results, targets, settings, args.results_dir, "h100_70b")
     print(json.dumps({"targets": targets, "gate_ok": ok, "device_used_gib": results["device_used_gib"]}, indent=1))
     return 0 if ok else 1
 

@@ -190,6 +190,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str
     import os
     import struct
 
+    from neutrain.storage.digests import Digests, remember
+
     names = sorted(tensors)
     header: dict = {"__metadata__": dict(metadata)}
     offset = 0
@@ -202,13 +204,19 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file writes it
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(encoded)))
-        fh.write(encoded)
+    # The manifest's sha256 (the file's and each tensor's) is computed beside the writes from the bytes
+    # written, so the manifest does not read the file back (storage/digests.py).
+    with open(tmp, "wb") as fh, Digests() as digests:
+        head = struct.pack("<Q", len(encoded)) + encoded
+        fh.write(head)
+        digests.add(head)
         for name in names:
             t = tensors[name].detach().contiguous()
-            if t.numel():
-                fh.write(memoryview(t.cpu().view(-1).view(torch.uint8).numpy()))
+            data = memoryview(t.cpu().view(-1).view(torch.uint8).numpy()) if t.numel() else b""
+            fh.write(data)
+            digests.add(data, name)
         fh.flush()
+        whole, sums = digests.result()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    remember(path, whole, sums)

@@ -36,12 +36,12 @@ import os
 import pickle
 import struct
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
 from neutrain.storage.confine import check_indexes, check_tree, inside
+from neutrain.storage.digests import file_digests, remembered
 from neutrain.storage.tensor_layout import check_ranges
 
 logger = logging.getLogger("neutrain")
@@ -54,7 +54,6 @@ TEXT_SUFFIXES = (".jinja", ".md", ".txt")
 TEXT_NAMES = ("LICENSE", "NOTICE", ".gitattributes")
 # sentencepiece's tokenizer.model is a protobuf the tokenizer parses as data.
 DATA_SUFFIXES = (".model",)
-_BLOCK = 1 << 24
 EXPORT_INFO = "neutrain_export.json"
 """Written into every neutrain export (format and provenance); also what marks a directory as one."""
 # Files that only a neutrain writing manifests writes beside a checkpoint's (or export's) weights.
@@ -118,38 +117,17 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
 
 
 def _digests(path: Path) -> tuple[str, dict[str, str]]:
-    """sha256 of the whole file and, for safetensors, of each tensor's bytes (one read)."""
-    whole = hashlib.sha256()
-    tensors: dict[str, str] = {}
+    """sha256 of the whole file and, for safetensors, of each tensor's bytes (one read, hashed on threads:
+    :mod:`neutrain.storage.digests`)."""
     spans: list[tuple[int, int, str]] = []
     if path.suffix == ".safetensors":
         start, header = safetensors_header(path)
         spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
                        for name, info in header.items() if name != "__metadata__")
-    # The tensor's hash runs on a second thread beside the file's (hashlib lets go of the GIL for large
-    # buffers): each byte is hashed twice, and an offloaded 70B's 89 GiB checkpoint took minutes on one.
-    with open(path, "rb") as fh, ThreadPoolExecutor(max_workers=1) as beside:
-        pos = 0
-
-        def read_to(stop: int, extra=None) -> None:
-            nonlocal pos
-            while pos < stop:
-                chunk = fh.read(min(_BLOCK, stop - pos))
-                if not chunk:
-                    raise CheckpointError(f"checkpoint file '{path}' is truncated")
-                pending = beside.submit(extra.update, chunk) if extra is not None else None
-                whole.update(chunk)
-                if pending is not None:
-                    pending.result()
-                pos += len(chunk)
-
-        for begin, stop, name in spans:
-            read_to(begin)
-            tensor = hashlib.sha256()
-            read_to(stop, tensor)
-            tensors[name] = tensor.hexdigest()
-        read_to(path.stat().st_size)
-    return whole.hexdigest(), tensors
+    try:
+        return file_digests(path, spans)
+    except EOFError:
+        raise CheckpointError(f"checkpoint file '{path}' is truncated") from None
 
 
 def write_manifest(directory: str | os.PathLike) -> Path:
@@ -166,7 +144,9 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     honour_umask(directory)  # safetensors 0.8 writes 0600; the rest of the directory is 0666 less the umask
     files = {}
     for path in _files(directory):
-        digest, tensors = _digests(path)
+        # A file this process just wrote was hashed as it was written (the same digests, without reading
+        # 89 GiB back); any other file, or one changed since, is read.
+        digest, tensors = remembered(path) or _digests(path)
         entry: dict = {"size": path.stat().st_size, "sha256": digest}
         if tensors:
             entry["tensors"] = tensors
