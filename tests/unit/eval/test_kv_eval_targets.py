@@ -6,7 +6,8 @@ import json
 from benchmarks._kv_real import recorded_real
 from benchmarks._kv_targets import kv_targets
 
-NAMES = {"shadowkv_throughput_over_full_64k", "minicache_throughput_over_full", "shadowkv_acc_gap_points",
+NAMES = {"shadowkv_throughput_over_full_64k", "shadowkv_throughput_over_full_128k", "minicache_throughput_over_full",
+         "shadowkv_acc_gap_points",
          "minicache_acc_gap_points", "real_model_shadowkv_acc_gap_points", "real_model_minicache_acc_gap_points",
          "shadowkv_over_kvpress_pruned_64k"}
 
@@ -49,6 +50,26 @@ def test_minicache_target_is_the_best_setting_within_5_points_and_shadowkv_is_ju
     assert kv_targets(results)["shadowkv_over_kvpress_pruned_64k"]["met"] is False
     results["fidelity"]["gap_points"]["minicache_4bit_only"] = 6.0
     assert kv_targets(results)["minicache_throughput_over_full"]["value"] is None
+
+
+def test_shadowkv_targets_take_its_fastest_row_at_each_context():
+    """The fused and graphed rows run ShadowKV's one method (same accuracy): the targets read the fastest of them,
+    name it, and a context without any ShadowKV row has no value."""
+    results = _results()
+    results["throughput"]["contexts"]["65536"].update(
+        shadowkv={"speedup_vs_full": 0.6, "tokens_per_s": 180.0},
+        shadowkv_fused_decode_store_reads={"speedup_vs_full": 1.9, "tokens_per_s": 520.0},
+        shadowkv_fused_graph={"speedup_vs_full": 2.7, "tokens_per_s": 700.0}, kvpress_pruned={"tokens_per_s": 350.0})
+    results["throughput"]["contexts"]["131072"] = {"shadowkv_fused_graph": {"error": "OutOfMemoryError"},
+                                                   "shadowkv": {"speedup_vs_full": 0.9}}
+    t = kv_targets(results)
+    at64 = t["shadowkv_throughput_over_full_64k"]
+    assert (at64["value"], at64["met"]) == (2.7, True) and "shadowkv_fused_graph" in at64["derived_from"]
+    at128 = t["shadowkv_throughput_over_full_128k"]
+    assert (at128["value"], at128["met"]) == (0.9, False) and ".shadowkv.speedup" in at128["derived_from"]
+    assert t["shadowkv_over_kvpress_pruned_64k"]["value"] == 2.0
+    del results["throughput"]["contexts"]["131072"]
+    assert kv_targets(results)["shadowkv_throughput_over_full_128k"]["value"] is None
 
 
 def test_gaps_against_a_full_cache_that_does_not_retrieve_are_not_judged():
