@@ -80,11 +80,14 @@ def test_estimate_of_a_recipe_giving_its_shape_imports_neither_transformers_nor_
         assert not _loaded(modules, ("torch", "numpy"))
 
 
-@pytest.mark.slow  # the budget's layer placement imports torch (neutrain.nn)
-def test_estimate_fitting_a_budget_imports_no_transformers():
-    code, modules, stderr = imports_of("estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=11")
+@pytest.mark.parametrize("recipe, budget", [("recipes/default.yaml", "2"), ("recipes/llama3_8b.yaml", "11"),
+                                            ("recipes/lora_neuzip.yaml", "12")])
+def test_estimate_fitting_a_numeric_budget_imports_neither_transformers_nor_torch(recipe, budget):
+    # The layer placement a budget is fitted with is arithmetic (neutrain.config.layer_placement), apart from
+    # the weight store that streams the layers (neutrain.nn, torch).
+    code, modules, stderr = imports_of("estimate", recipe, f"memory.device_budget_gib={budget}")
     assert code == 0, stderr
-    assert not _loaded(modules, ("transformers", "huggingface_hub", "safetensors"))
+    assert not _loaded(modules, ("torch", "numpy", "transformers", "huggingface_hub", "safetensors", *HEAVY))
 
 
 def test_argument_and_file_errors_come_before_torch(tmp_path):
