@@ -94,6 +94,10 @@ def test_argument_and_file_errors_come_before_torch(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"")  # never read: every case is refused before loading
+    weightless = tmp_path / "weightless" / "checkpoint-1"
+    weightless.mkdir(parents=True)
+    (weightless / "config.json").write_text("{}")
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
@@ -106,7 +110,16 @@ def test_argument_and_file_errors_come_before_torch(tmp_path):
         "--max-new-tokens: 0 is out of range": ["generate", checkpoint, "--prompt", "hi", "--max-new-tokens", "0"],
         "--draft: checkpoint .*no-draft' does not exist": ["generate", checkpoint, "--prompt", "hi", "--draft", tmp_path / "no-draft"],
         "recipe file 'nope' does not exist": ["train", "nope"],
+        "weightless/checkpoint-1' has no safetensors weights": ["export", weightless.parent],
+        "checkpoint .*weightless/checkpoint-1' has no safetensors weights": ["generate", weightless, "--prompt", "hi"],
+        "eval: '.*checkpoint-2' is a checkpoint; pass --recipe": ["eval", checkpoint],
+        "checkpoint '.*empty-run': no config.json and no checkpoint-N inside":
+            ["eval", "recipes/default.yaml", f"train.output_dir={taken.parent / 'empty-run'}"],
+        "checkpoint-1' has no safetensors weights": ["eval", weightless.parent, "--recipe", "recipes/default.yaml"],
+        "eval: '.*data.jsonl' is a data file": ["eval", tmp_path / "data.jsonl"],
     }
+    (tmp_path / "empty-run").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}")
     import re
 
     for expected, argv in cases.items():
