@@ -121,9 +121,12 @@ def test_argument_and_file_errors_come_before_torch(tmp_path):
     (tmp_path / "empty-run").mkdir()
     (tmp_path / "data.jsonl").write_text("{}")
     import re
+    from concurrent.futures import ThreadPoolExecutor
 
-    for expected, argv in cases.items():
-        code, modules, stderr = imports_of(*argv)
+    # Each case is its own interpreter (the modules it imported are the point): side by side, one a core.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda argv: imports_of(*argv), cases.values()))
+    for (expected, argv), (code, modules, stderr) in zip(cases.items(), results):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and re.search(expected, lines[0]), (argv, stderr)
         assert "torch" not in modules, (argv, "imported torch before refusing")

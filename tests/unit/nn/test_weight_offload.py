@@ -152,6 +152,7 @@ def test_a_placement_spreads_its_layers_and_sizes_its_ring(count, offloaded, rin
             LayerPlacement.spread(32, bad)
 
 
+@pytest.mark.slow
 def test_offloaded_layers_hold_no_device_payload_between_uses():
     model, store = _model(offload=True)
     resident = [layer for layer in store.layers if layer.slot is not None]
