@@ -58,8 +58,8 @@ def run_eval(args) -> int:
     else:
         if not args.recipe:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
-        ckpt = last_checkpoint(target)
         recipe = load_recipe(args.recipe, args.overrides, shape_only=True)
+        ckpt = last_checkpoint(target)
     from neutrain.cli.outputs import eval_label  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_dir import claim, open_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback  # lazy: `neutrain --help` stays instant
