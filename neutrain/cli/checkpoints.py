@@ -23,13 +23,26 @@ def last_checkpoint(path: Path) -> Path:
     # By kind before anything inside is looked at: a FIFO or a device was "no config.json inside" (neutrain.files).
     check_kind(path, f"checkpoint '{path}'", UserInputError, want="dir")
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
-        return path
+        return _with_weights(path)
     if path.is_dir():
         # The directory scan transformers' get_last_checkpoint does, without importing transformers (and torch).
         found = previous_checkpoints(path)
         if found:
-            return path / found[-1]
+            return _with_weights(path / found[-1])
     raise UserInputError(f"checkpoint '{path}': no config.json and no checkpoint-N inside")
+
+
+def _with_weights(checkpoint: Path) -> Path:
+    """``checkpoint``, refused in one line when it holds a model config but no weights.
+
+    Why here: the loader (:func:`neutrain.export.hf.load_checkpoint_model`) refuses it too, but only after
+    torch and transformers are imported, seconds later on a small CPU. An adapter checkpoint's weights are
+    checked by the adapter loader.
+    """
+    if (checkpoint / "config.json").exists() and not (checkpoint / "adapter_config.json").exists():
+        if not any(checkpoint.glob("*.safetensors")) and not any(checkpoint.glob("*.safetensors.index.json")):
+            raise UserInputError(f"checkpoint '{checkpoint}' has no safetensors weights")
+    return checkpoint
 
 
 def recover_export(path: Path) -> list[str]:

@@ -49,13 +49,16 @@ def run_eval(args) -> int:
         recover_export(target)  # set aside by an interrupted export: put back, and said so
     if problem := _not_evaluable(target):
         raise UserInputError(problem)
+    # The model evaluated is the checkpoint's, never one built from the recipe's model section: its model.config
+    # is held to neutrain's value rules only (shape_only), and its config class, which imports transformers and
+    # torch, is not built, so a run with no checkpoint yet is one line at once.
     if target.suffix in (".yaml", ".yml") or not target.is_dir():
-        recipe = load_recipe(args.target, args.overrides)
+        recipe = load_recipe(args.target, args.overrides, shape_only=True)
         ckpt = last_checkpoint(Path(recipe.train["output_dir"]))
     else:
         if not args.recipe:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, shape_only=True)
         ckpt = last_checkpoint(target)
     from neutrain.cli.outputs import eval_label  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_dir import claim, open_run, refuse_inside_model  # lazy: `neutrain --help` stays instant

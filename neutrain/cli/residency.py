@@ -19,7 +19,7 @@ step counts them, plus the KV cache of the longest prompt and its new tokens) le
 keeps fewer layers resident: each candidate either fits a budget or not, and a larger budget fits every
 candidate a smaller one did. A budget that holds not even every layer streamed is refused in one line.
 
-Which layers stream: those :meth:`~neutrain.nn.weight_offload_model.LayerPlacement.spread` picks for
+Which layers stream: those :meth:`~neutrain.config.layer_placement.LayerPlacement.spread` picks for
 training's ``memory.offload_layers``, the middle one of each of k equal runs. Spread apart, each
 streamed layer's copy is fetched while the resident layers before it compute (the ring fetches one ahead),
 where a contiguous tail would make its layers wait on copies back to back with nothing to hide them; and
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import UserInputError
 from neutrain.trainer.fit import FIT_HEADROOM
 from neutrain.trainer.phase_planner import generation_plan, peak_phase
@@ -148,6 +149,4 @@ def decide(shape: ModelShape, budget: int | None, *, prompt_tokens: int, new_tok
 def _spread(layers: int, count: int) -> tuple[int, ...]:
     if not count:
         return ()
-    from neutrain.nn.weight_offload_model import LayerPlacement  # lazy: torch, only for a streamed placement
-
     return LayerPlacement.spread(layers, count).offloaded

@@ -37,7 +37,7 @@ class Placement:
         host: names of the modules whose compressed weights go to host memory, each handed over as one
             unit once all of its parameters are placed; ``None``: the decoder layers ``layers`` names.
         layers: with ``host`` None, how many decoder layers go to host memory, spread evenly through the
-            model (``memory.offload_layers``, :meth:`~neutrain.nn.weight_offload_model.LayerPlacement.spread`,
+            model (``memory.offload_layers``, :meth:`~neutrain.config.layer_placement.LayerPlacement.spread`,
             whose ring of device slots the store then gets); ``None``: every layer.
         device: where the model is built (and computes).
     """

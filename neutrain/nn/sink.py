@@ -39,6 +39,7 @@ import logging
 import torch
 
 from neutrain.compress import CompressedTensor, compress
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import CheckpointError
 from neutrain.nn.checkpoint_keys import CheckpointKeys
 from neutrain.nn.convert import (
@@ -53,7 +54,7 @@ from neutrain.nn.experts import compress_expert_stack, expert_stacks
 from neutrain.nn.model_spec import Placement
 from neutrain.nn.weight import CompressedWeight
 from neutrain.nn.weight_offload import WeightOffload
-from neutrain.nn.weight_offload_model import LayerPlacement, attach, layer_names
+from neutrain.nn.weight_offload_model import attach, layer_names, ring_store
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class ModelSink:
         elif placement.offload:  # decoder layers, spread evenly, with the ring the planner counted
             names = layer_names(model)
             spread = LayerPlacement.spread(len(names), placement.layers)
-            self.store, units = spread.store(self.device), [names[i] for i in spread.offloaded]
+            self.store, units = ring_store(spread, self.device), [names[i] for i in spread.offloaded]
         # Offloaded module -> its parameters not placed yet. Under offload, a layer whose tensors are
         # spread across shards stays on the device until its last one arrives: at most the partial
         # layers of the shards read so far, in practice the one or two a shard boundary cuts.

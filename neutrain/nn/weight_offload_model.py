@@ -6,73 +6,22 @@ moves each layer as soon as its last tensor is placed (:class:`neutrain.nn.sink.
 model whose compressed weights exceed the device's memory (the Llama-3-70B on an 80 GB H100) is
 never whole on the device.
 
-Either may take some of the layers only (``memory.offload_layers``): a :class:`LayerPlacement` names
-them, spread evenly through the model, and the store's ring for them. The layers left out stay on the
+Either may take some of the layers only (``memory.offload_layers``): a
+:class:`~neutrain.config.layer_placement.LayerPlacement` names them, spread evenly through the model, and
+the store's ring for them. The layers left out stay on the
 device and train exactly as they would with no store (the store only acts on the weights it holds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.nn.weight_offload import WeightOffload
 
-WHOLE_MODEL_RING = (2, 4)
-"""``(ahead, slots)`` when (nearly) every layer is offloaded: adjacent layers stream back to back, so two are
-fetched ahead (the 8B at 0.956x of in-GPU at batch 8, benchmarks/results/offload.json)."""
-SPREAD_RING = (1, 2)
-"""``(ahead, slots)`` when at most half the layers are offloaded: a resident layer separates any two of
-them, so one fetched ahead has that layer's compute to arrive in, and two slots (the current layer and
-the next) are enough; each slot spared is a layer's payload of device memory."""
-
-
-@dataclass(frozen=True)
-class LayerPlacement:
-    """Which decoder layers live in host memory, and the store's ring of device slots for them.
-
-    Attributes:
-        layers: decoder layers in the model.
-        offloaded: indices of the layers in host memory, ascending.
-        ahead, slots: the :class:`~neutrain.nn.weight_offload.WeightOffload` ring.
-
-    Example:
-        >>> LayerPlacement.spread(32, 8).offloaded
-        (2, 6, 10, 14, 18, 22, 26, 30)
-        >>> p = LayerPlacement.spread(32)  # every layer
-        >>> len(p.offloaded), (p.ahead, p.slots)
-        (32, (2, 4))
-    """
-
-    layers: int
-    offloaded: tuple[int, ...]
-    ahead: int
-    slots: int
-
-    @classmethod
-    def spread(cls, layers: int, count: int | None = None) -> "LayerPlacement":
-        """``count`` of ``layers`` decoder layers (None: all), spread evenly: the middle layer of each of
-        ``count`` equal runs, so the offloaded layers are as far apart as they can be and each copy has
-        the most resident compute to hide behind.
-
-        Raises:
-            ValueError: ``count`` is not between 1 and ``layers``.
-        """
-        count = layers if count is None else int(count)
-        if not 1 <= count <= layers:
-            raise ValueError(f"cannot offload {count} of {layers} decoder layers (1 to {layers})")
-        offloaded = tuple((2 * i + 1) * layers // (2 * count) for i in range(count))
-        ahead, slots = SPREAD_RING if 2 * count <= layers else WHOLE_MODEL_RING
-        return cls(layers, offloaded, ahead, slots)
-
-    @property
-    def count(self) -> int:
-        return len(self.offloaded)
-
-    def store(self, device) -> WeightOffload:
-        """An empty store with this placement's ring."""
-        return WeightOffload(device, ahead=self.ahead, slots=self.slots)
+def ring_store(placement: LayerPlacement, device) -> WeightOffload:
+    """An empty store with ``placement``'s ring."""
+    return WeightOffload(device, ahead=placement.ahead, slots=placement.slots)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -147,7 +96,7 @@ def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = 
         store, chosen = WeightOffload(device, ahead=ahead, slots=slots), range(len(layers))
     else:
         placement = LayerPlacement.spread(len(layers), count)
-        store, chosen = placement.store(device), placement.offloaded
+        store, chosen = ring_store(placement, device), placement.offloaded
     for index in chosen:
         store.add_layer(w for w in compressed_weights(layers[index]) if not w.large)
     return attach(model, store)

@@ -8,7 +8,7 @@ weights, ``memory.weights: auto``):
 * ``memory.offload_activations`` (checkpointed layers' inputs in host memory; needs
   ``memory.gradient_checkpointing``);
 * ``memory.offload_weights`` with ``memory.offload_layers: k``: k decoder layers in host memory, spread
-  between resident ones (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`), the others trained
+  between resident ones (:class:`~neutrain.config.layer_placement.LayerPlacement`), the others trained
   on the GPU as before; k runs from the fewest that save anything (more layers than the store's slots)
   to every layer; NeuZip lossless, a fused optimizer, no accumulation;
 * both;
@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.config.validate import check_weight_offload
 from neutrain.errors import RecipeError
@@ -111,8 +112,6 @@ def placement_label(recipe: Recipe, layers: int, gpu: bool = True) -> str:
 
 def layer_counts(layers: int) -> list[int | None]:
     """``memory.offload_layers`` values worth trying: those that free more than their slots take, then all."""
-    from neutrain.nn.weight_offload_model import LayerPlacement  # lazy: torch, only when a budget is fitted
-
     counts = [k for k in range(1, layers)
               if k > min(LayerPlacement.spread(layers, k).slots, k) * (1 + 1 / 16)]
     return [*counts, None]

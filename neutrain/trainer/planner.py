@@ -14,7 +14,7 @@ busiest moment adds. Held for the whole step (bytes):
 * ``weight_slots`` (``memory.offload_weights``): ``memory.offload_layers`` decoder layers' compressed
   weights live in host memory (``settings["host_weight_bytes"]``, every layer by default) and
   ``weights`` counts only the rest; the GPU holds ``slots`` of them at once
-  (:class:`~neutrain.nn.weight_offload_model.LayerPlacement`: four when nearly every layer is offloaded,
+  (:class:`~neutrain.config.layer_placement.LayerPlacement`: four when nearly every layer is offloaded,
   two when the offloaded layers are spread between resident ones). ``settings`` also gives the PCIe
   bytes of a step (:func:`offload_traffic`).
 * ``decode_buffers``: the two layer-sized decode slots (prefetch), pinned for the whole run, for layers that
@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
 from neutrain.optim.registry import optimizer_spec
@@ -235,7 +236,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
             one recomputed and the one being copied back).
         offload_weights: Decoder layers' compressed weights in host memory (compressed weights only):
             ``offload_layers`` of them (None: all), spread as
-            :meth:`~neutrain.nn.weight_offload_model.LayerPlacement.spread` spreads them, through its ring
+            :meth:`~neutrain.config.layer_placement.LayerPlacement.spread` spreads them, through its ring
             of slots (``offload_slots`` overrides it; see :func:`offload_traffic`).
         dtype_bytes: Bytes per weight/activation element (bf16: 2).
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
@@ -265,9 +266,6 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
         t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
         if offloading:
-            # lazy: the ring lives with the store, whose module imports torch and the codec
-            from neutrain.nn.weight_offload_model import LayerPlacement
-
             placement = LayerPlacement.spread(shape.layers, offload_layers)
             slots = offload_slots or placement.slots
             traffic = offload_traffic(shape, bits, slots, placement.count)

@@ -44,6 +44,7 @@ def test_missing_data_file_exits_2_with_one_line(tmp_path):
     _assert_one_line_error(_run("train", recipe), r"data\.datasets\[0\]\.path: data file '.*missing\.jsonl' does not exist")
 
 
+@pytest.mark.slow
 def test_bad_override_and_missing_recipe_and_checkpoint(tmp_path):
     recipe = write_recipe(tmp_path)
     _assert_one_line_error(_run(recipe, "train.micro_batch_size=-3"), r"train\.micro_batch_size: -3 is below the minimum 1")

@@ -80,17 +80,24 @@ def test_estimate_of_a_recipe_giving_its_shape_imports_neither_transformers_nor_
         assert not _loaded(modules, ("torch", "numpy"))
 
 
-@pytest.mark.slow  # the budget's layer placement imports torch (neutrain.nn)
-def test_estimate_fitting_a_budget_imports_no_transformers():
-    code, modules, stderr = imports_of("estimate", "recipes/llama3_8b.yaml", "memory.device_budget_gib=11")
+@pytest.mark.parametrize("recipe, budget", [("recipes/default.yaml", "2"), ("recipes/llama3_8b.yaml", "11"),
+                                            ("recipes/lora_neuzip.yaml", "12")])
+def test_estimate_fitting_a_numeric_budget_imports_neither_transformers_nor_torch(recipe, budget):
+    # The layer placement a budget is fitted with is arithmetic (neutrain.config.layer_placement), apart from
+    # the weight store that streams the layers (neutrain.nn, torch).
+    code, modules, stderr = imports_of("estimate", recipe, f"memory.device_budget_gib={budget}")
     assert code == 0, stderr
-    assert not _loaded(modules, ("transformers", "huggingface_hub", "safetensors"))
+    assert not _loaded(modules, ("torch", "numpy", "transformers", "huggingface_hub", "safetensors", *HEAVY))
 
 
 def test_argument_and_file_errors_come_before_torch(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"")  # never read: every case is refused before loading
+    weightless = tmp_path / "weightless" / "checkpoint-1"
+    weightless.mkdir(parents=True)
+    (weightless / "config.json").write_text("{}")
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
@@ -103,11 +110,23 @@ def test_argument_and_file_errors_come_before_torch(tmp_path):
         "--max-new-tokens: 0 is out of range": ["generate", checkpoint, "--prompt", "hi", "--max-new-tokens", "0"],
         "--draft: checkpoint .*no-draft' does not exist": ["generate", checkpoint, "--prompt", "hi", "--draft", tmp_path / "no-draft"],
         "recipe file 'nope' does not exist": ["train", "nope"],
+        "weightless/checkpoint-1' has no safetensors weights": ["export", weightless.parent],
+        "checkpoint .*weightless/checkpoint-1' has no safetensors weights": ["generate", weightless, "--prompt", "hi"],
+        "eval: '.*checkpoint-2' is a checkpoint; pass --recipe": ["eval", checkpoint],
+        "checkpoint '.*empty-run': no config.json and no checkpoint-N inside":
+            ["eval", "recipes/default.yaml", f"train.output_dir={taken.parent / 'empty-run'}"],
+        "checkpoint-1' has no safetensors weights": ["eval", weightless.parent, "--recipe", "recipes/default.yaml"],
+        "eval: '.*data.jsonl' is a data file": ["eval", tmp_path / "data.jsonl"],
     }
+    (tmp_path / "empty-run").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}")
     import re
+    from concurrent.futures import ThreadPoolExecutor
 
-    for expected, argv in cases.items():
-        code, modules, stderr = imports_of(*argv)
+    # Each case is its own interpreter (the modules it imported are the point): side by side, one a core.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda argv: imports_of(*argv), cases.values()))
+    for (expected, argv), (code, modules, stderr) in zip(cases.items(), results):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and re.search(expected, lines[0]), (argv, stderr)
         assert "torch" not in modules, (argv, "imported torch before refusing")

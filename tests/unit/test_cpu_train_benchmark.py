@@ -71,6 +71,7 @@ def test_a_skipped_real_model_is_named_with_no_value_and_the_reason(monkeypatch)
         cpu_train.TARGET_REAL]["note"]
 
 
+@pytest.mark.slow
 def test_interleaved_blocks_give_rows_the_summary_reads():
     from transformers import AutoModelForCausalLM, LlamaConfig
 

@@ -52,6 +52,7 @@ def test_a_part_that_raises_writes_its_own_failure_record_before_leaving():
     assert row == {"failed": "RuntimeError: CUDA error: an illegal memory access was encountered"}
 
 
+@pytest.mark.slow
 def test_a_part_past_its_time_limit_is_recorded_as_a_timeout():
     sleeps = _python("import time; time.sleep(30)")
     row = run_part("70b", sleeps, timeout=2, echo=False)

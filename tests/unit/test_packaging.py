@@ -38,6 +38,7 @@ def test_transformers_and_trainer_do_not_import_kernels_from_repo_root():
     assert not (REPO / "kernels").exists(), "a top-level kernels/ package collides with Hugging Face's 'kernels'"
 
 
+@pytest.mark.slow
 def test_distribution_contains_only_neutrain(tmp_path):
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
                          capture_output=True, text=True, timeout=600)

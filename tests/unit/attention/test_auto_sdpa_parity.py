@@ -38,6 +38,7 @@ def table_picks_sdpa(monkeypatch):
     monkeypatch.delenv("NEUTRAIN_SAGE_DISPATCH", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["table", "never"])
 def test_a_call_dispatched_to_sdpa_trains_bit_for_bit_as_transformers_sdpa(table_picks_sdpa, monkeypatch, policy):
     monkeypatch.setenv("NEUTRAIN_SAGE_DISPATCH", policy)
@@ -52,6 +53,7 @@ def test_a_call_dispatched_to_sdpa_trains_bit_for_bit_as_transformers_sdpa(table
         assert torch.equal(grads[name], grad), name
 
 
+@pytest.mark.slow
 def test_packing_is_read_once_per_step_and_not_at_all_inside_contiguous_positions(table_picks_sdpa, monkeypatch):
     reads = []
     original = registration.segments_from_position_ids

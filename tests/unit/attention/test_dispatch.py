@@ -145,6 +145,7 @@ def test_exact_backward_route_matches_autograd_on_cpu(causal):
         compat.sdpa_backward("tpu", grad, q, k, v, out, s[..., 0], causal, 0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "k_offset"])
 def test_sage_forward_with_exact_backward_meets_gradient_gate(kind):
     """Quantized forward's O and (smoothed-K) LSE handed to the exact CPU backward, GQA included.

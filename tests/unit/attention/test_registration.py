@@ -32,6 +32,7 @@ def test_register_is_idempotent_and_model_matches_sdpa():
     assert accuracy_metrics(sage, ref)["cos"] > 0.999
 
 
+@pytest.mark.slow
 def test_padding_mask_is_honoured():
     register()
     model = _model("neutrain_sage")
@@ -49,6 +50,7 @@ def test_padding_mask_is_honoured():
     assert err < 0.05 and err_ignored > 4 * err
 
 
+@pytest.mark.slow
 def test_packed_sequences_follow_position_ids():
     register()
     model = _model("neutrain_sage", head_dim=128)

@@ -48,6 +48,7 @@ def test_forward_and_gradients_match_exact_attention(head_dim, causal, record_pr
         assert m["finite"] and m["cos"] >= 0.998, (name, m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["k_offset", "sink", "heavy_q"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_outlier_suite(kind, head_dim):
@@ -60,6 +61,7 @@ def test_outlier_suite(kind, head_dim):
     assert all(m["cos"] >= 0.99 for m in grad_m), grad_m
 
 
+@pytest.mark.slow
 def test_plain_sa2_without_v_residual_is_less_accurate_but_close():
     q, k, v = make_attention_inputs(1, 2, 2, 256, 64, "random", torch.float32)
     plain, _ = _run(q, k, v, False, v_residual=False)
@@ -67,6 +69,7 @@ def test_plain_sa2_without_v_residual_is_less_accurate_but_close():
     assert plain["cos"] >= 0.999 and plain["rel_l1"] > default["rel_l1"]
 
 
+@pytest.mark.slow
 def test_int4_simulation_and_q_smoothing():
     reset_counters()
     q, k, v = make_attention_inputs(1, 2, 1, 144, 64, "random", torch.float32)

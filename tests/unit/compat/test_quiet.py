@@ -49,6 +49,7 @@ def test_peft_wrapping_hides_exactly_the_checkpointing_deprecation():
     assert PEFT_CHECKPOINTING_WARNING.strip("`")
 
 
+@pytest.mark.slow
 def test_lora_setup_shows_no_checkpointing_deprecation():
     """Before: every LoRA run printed transformers' FutureWarning about `is_gradient_checkpointing` (read by peft)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -88,6 +89,7 @@ def test_a_tiny_models_compression_is_shown_in_mib():
     assert str(report) == "neuzip-lossless: 3 weights converted, model 0.17 MiB -> 0.24 MiB (141.1 %)"
 
 
+@pytest.mark.slow
 def test_the_memory_panel_starts_at_zero(tmp_path, monkeypatch):
     """Before: a run flat at 1.07-1.09 GiB filled the panel's height, a 0.02 GiB span."""
     import matplotlib.figure

@@ -107,6 +107,7 @@ def test_an_overflowing_block_recode_is_reported_not_silent():
         ct.recompress_(w, backend="triton", sync=False)
 
 
+@pytest.mark.slow
 def test_aligned_rows_are_whole_tiles():
     ct = compress(_weights(rows=64, cols=96), steps=4, lanes=16)  # 256-element tiles, 96-element rows
     for rows in (1, 2, 5, 8):

@@ -7,12 +7,14 @@ from neutrain.compress import checksum as ck
 from neutrain.compress.checksum import checksum, checksum_reference
 
 
-@pytest.mark.parametrize("sizes", [[0], [1], [255, 256, 257], [70_001, 3], [(1 << 24) + 300, 999]])
+@pytest.mark.parametrize("sizes", [[0], [1], [255, 256, 257], [70_001, 3],
+                                   pytest.param([(1 << 24) + 300, 999], marks=pytest.mark.slow)])  # 16 MiB: seconds
 def test_checksum_equals_its_definition_on_fresh_random_bytes(sizes):
     blobs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
     assert torch.equal(checksum(blobs), checksum_reference(blobs))
 
 
+@pytest.mark.slow
 def test_checksum_is_exact_at_the_largest_row_sums():
     """All-255 bytes maximise every fp32 row sum: one rounding there would change the result."""
     blobs = [torch.full(((1 << 24) + 513,), 255, dtype=torch.uint8), torch.full((77,), 254, dtype=torch.int16)]

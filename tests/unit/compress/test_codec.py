@@ -56,6 +56,7 @@ def _tensors(draw):
     return x
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(_tensors(), st.sampled_from([(4, 16, 1), (8, 32, 2), (3, 16, 4), (64, 256, 4)]))
 def test_random_tensors_roundtrip_bit_exactly(x, geometry):

@@ -45,6 +45,7 @@ def _check(x: torch.Tensor, kept, **geometry):
     return fast, ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept", MODES)
 def test_all_65536_bf16_patterns_equal_the_reference(kept):
     x = _all_patterns(torch.bfloat16, torch.Generator().manual_seed(1))  # NaN payloads, ±Inf, ±0, subnormals
@@ -53,6 +54,7 @@ def test_all_65536_bf16_patterns_equal_the_reference(kept):
         assert torch.equal(_bits(fast.decompress()), _bits(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("kept", [None, 0, 3, 7])
 def test_other_dtypes_equal_the_reference(dtype, kept):

@@ -65,6 +65,7 @@ def test_each_row_picks_the_window_holding_most_of_its_weights():
     assert zw.escapes < 0.001 * 2 * 4096  # both scales coded, 6 orders of magnitude apart
 
 
+@pytest.mark.slow
 def test_trained_like_weights_take_about_12_bits():
     zw = ZgemvWeight.from_bf16(trained_like(256, 4096))
     assert zw.escapes / (256 * 4096) < 1e-3

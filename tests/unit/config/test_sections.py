@@ -52,6 +52,7 @@ def test_each_field_default_is_the_schema_default():
                 assert f.default == key.default or (f.default is None and key.default is None), f"{name}.{f.name}"
 
 
+@pytest.mark.slow
 def test_no_module_re_declares_a_schema_default():
     """A section holds every key, so ``section.get("key", default)`` can only re-declare (or contradict) a default."""
     keys = {k for section in SCHEMA.values() for k in section}
@@ -66,6 +67,7 @@ def test_no_module_re_declares_a_schema_default():
     assert not found, "defaults re-declared where they are used:\n" + "\n".join(found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", [FUSED_OPTIMIZERS, KV_CACHES], ids=["fused-optimizers", "kv-caches"])
 def test_each_name_list_is_written_once(names):
     """A tuple, list or set literal holding two or more of these names exists only in the schema."""

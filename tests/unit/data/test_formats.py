@@ -121,6 +121,7 @@ def test_streaming_yields_rows(tmp_path, tok):
     assert len(got) == 10 and all(r["input_ids"][-1] == tok.eos_token_id for r in got)
 
 
+@pytest.mark.slow
 def test_python_stdlib_split_is_deterministic(tmp_path):
     from neutrain.data import python_stdlib_corpus
 

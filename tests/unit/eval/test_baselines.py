@@ -53,6 +53,7 @@ def test_pruned_cache_decodes_at_the_prompts_positions(model):
     assert (first - steps[0]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_unpruned_pruned_cache_is_dynamic_cache(model):
     ids = torch.randint(0, 97, (2, 40))
     ref = greedy_decode(model, ids, 12, DynamicCache(config=model.config))["tokens"]

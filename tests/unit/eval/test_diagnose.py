@@ -60,6 +60,7 @@ def test_needle_positions_cover_exactly_the_needle():
         needle_token_positions(tok, prompt, "999")
 
 
+@pytest.mark.slow
 def test_merge_plan_merges_only_the_similar_pair_of_a_tiny_model():
     """A 6-layer Llama whose layer 3 repeats layer 2 (same K/V projections, layer 2 adds nothing to the
     residual stream): the plan merges pair (2, 3) only, and MiniCache with its threshold does the same."""

@@ -99,6 +99,7 @@ def test_fused_matrices_replace_the_weights_and_keep_parameters_and_state_dict()
     assert fuse_projections(model) == 4 and _storage_bytes(model) == storage  # idempotent
 
 
+@pytest.mark.slow
 def test_training_after_fusion_matches_unfused_training_and_the_engine_sees_the_update():
     fused, plain = tiny(4), tiny(4)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))

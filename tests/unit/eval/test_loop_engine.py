@@ -27,6 +27,7 @@ def test_engine_decode_equals_the_dynamic_cache_loop(setup):
         torch.testing.assert_close(out["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_engine_decode_stops_at_eos_like_the_loop(setup):
     model, tok = setup
     ids = _ids(tok, "abc abc abc ")

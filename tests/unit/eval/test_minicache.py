@@ -144,6 +144,7 @@ def test_quantized_store_roundtrip_and_packing():
         assert (out[:, :, :32] - x[:, :, :32]).abs().max() > 0
 
 
+@pytest.mark.slow
 def test_measured_ratios_merge_and_quantized(model4):
     """Ratios are measured from stored tensors; 4-bit on top of merging compresses further."""
     ids = torch.randint(0, 97, (1, 128))

@@ -107,6 +107,7 @@ def test_offload_path_equals_on_device_path(model):
     torch.testing.assert_close(off, dev, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_short_prompt_falls_back_to_dense_and_is_counted(model):
     ids = torch.randint(0, 97, (1, 50))
     out, cache = _run(model, ids, 40, **FULL)
@@ -162,6 +163,7 @@ def test_chunk_selection_equals_brute_force():
     assert chunk_tokens(torch.tensor([[3, 0]]), 4).tolist() == [[12, 13, 14, 15, 0, 1, 2, 3]]
 
 
+@pytest.mark.slow
 def test_outliers_are_the_least_coherent_chunks(model):
     """Outlier chunks = lowest min-cosine(key, chunk mean) per head, stored exactly; the rest get landmarks."""
     ids = torch.randint(0, 97, (1, 136))

@@ -62,6 +62,7 @@ def _tiny():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
 
 
+@pytest.mark.slow
 def test_the_engine_with_top_k_one_decodes_greedily():
     model = _tiny()
     prompt = torch.tensor([[3, 7, 11]])
@@ -71,6 +72,7 @@ def test_the_engine_with_top_k_one_decodes_greedily():
     assert sampled.shape == greedy.shape
 
 
+@pytest.mark.slow
 def test_generate_takes_top_k_and_top_p(tmp_path, capsys):
     from neutrain.cli import main
     from neutrain.data import byte_tokenizer

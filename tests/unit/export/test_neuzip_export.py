@@ -46,6 +46,7 @@ def test_format_and_size_parsing():
         parse_size("lots")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 def test_lossless_export_from_pretrained_is_compressed_and_bit_exact(tmp_path, tie):
     from neutrain.export.inference import ChunkedHeadLinear
@@ -108,6 +109,7 @@ def test_lossy_export_takes_k_and_rounds_like_the_codec(tmp_path):
     assert size(out) < size(lossless)
 
 
+@pytest.mark.slow
 def test_a_dropped_model_is_freed(tmp_path):
     import gc
     import weakref

@@ -51,6 +51,7 @@ def test_chunked_loss_applies_the_models_logit_transform(transform, bias):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_streamed_lm_head_update_with_soft_capping_equals_the_full_gradient():
     from neutrain.optim import LOMO
 
@@ -178,6 +179,7 @@ def test_truncated_moe_checkpoint_names_the_stack_it_cannot_build(tmp_path):
         load_compressed(tmp_path, device="cpu", progress=False, codec_options=CODEC)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooks", [True, False], ids=["saved-as-references", "outer-hooks-active"])
 def test_decoded_expert_stacks_do_not_outlive_the_forward(monkeypatch, hooks):
     import gc

@@ -1,5 +1,6 @@
 """Decode buffers: layer slots alternate, large weights stay apart, tags follow versions."""
 
+import pytest
 import torch
 
 from neutrain.compress import compress
@@ -120,6 +121,7 @@ def test_a_converted_model_has_its_decode_buffers_reserved(monkeypatch):
     DECODE_BUFFERS.clear()
 
 
+@pytest.mark.slow
 def test_kept_decodes_stay_within_budget_serve_one_version_and_go_with_their_weight(monkeypatch):
     import gc
 

@@ -82,6 +82,7 @@ def _equal(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "hf-one-shard", "hf-sharded", "gguf", "neutrain-checkpoint"])
 def test_every_source_builds_every_placement_and_decodes_to_the_dense_model(kind, tmp_path):
     spec, reference = _source(kind, tmp_path)

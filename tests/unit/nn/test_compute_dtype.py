@@ -67,6 +67,7 @@ def _fp32_twins(tie):
     return dense, compressed, report
 
 
+@pytest.mark.slow
 def test_model_gradients_match_an_fp32_twin_bit_for_bit():
     for tie in (False, True):
         dense, compressed, report = _fp32_twins(tie)

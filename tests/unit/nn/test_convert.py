@@ -69,6 +69,7 @@ def test_state_dict_round_trip_of_compressed_model_and_optimizer(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_load_compressed_and_init_compressed(tmp_path):
     for tie in (False, True):
         dense = tiny_llama(tie=tie)

@@ -35,6 +35,7 @@ def _compressed_copy(dense):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
 @pytest.mark.parametrize(
     "make_opt",
@@ -244,6 +245,7 @@ def test_a_layer_that_also_decodes_a_large_weight_keeps_its_products_decoding_an
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.slow
 def test_a_copied_grouped_model_shares_the_buffers_registry_and_trains_as_its_original(grouped):
     # A copy of the registry would not hear the vocabulary decode take the buffer back (its layers would read
     # the lm_head's values); a pending update is encoded before the copy takes the compressed bytes.

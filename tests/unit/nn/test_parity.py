@@ -45,6 +45,7 @@ def test_compressed_matches_dense_bit_for_bit(make_opt):
         assert weight.version == 3, weight.name  # re-encoded once per step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "slots"])
 def test_activation_checkpointing_composes_and_decodes_again(keep, monkeypatch):
     from neutrain.nn import DECODE_BUFFERS
@@ -67,6 +68,7 @@ def test_activation_checkpointing_composes_and_decodes_again(keep, monkeypatch):
     _assert_identical_and_trained(dense, compressed, start)
 
 
+@pytest.mark.slow
 def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
     dense, compressed = dense_and_compressed(tie=True)
     shared = compressed.model.embed_tokens.compressed
@@ -81,6 +83,7 @@ def test_tied_embedding_and_lm_head_share_one_tensor_updated_once():
     _assert_identical_and_trained(dense, compressed, start)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks",
     [(40, 8, False, {}, False), (4, 8, True, {}, False),
@@ -161,6 +164,7 @@ def test_table_gradient_blocks_equal_the_whole_table_gradient(block_rows, paddin
         assert not full[3].any()
 
 
+@pytest.mark.slow
 def test_streamed_embedding_never_builds_the_table_gradient():
     # The embedding (256 x 64) gets its update from row blocks: no vocabulary-sized tensor is
     # handed to the optimizer, and the result equals the dense twin's whole-gradient update.

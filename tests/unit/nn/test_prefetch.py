@@ -28,6 +28,7 @@ def _linear_names(model):
             if isinstance(m, CompressedLinear) and not m.compressed.large}
 
 
+@pytest.mark.slow
 def test_recorded_order_is_forward_then_per_layer_recompute_and_backward(prefetcher):
     dense, compressed = dense_and_compressed()
     enable_checkpointing(compressed)

@@ -49,6 +49,7 @@ def _products_per_step(model, clip: dict, chunk_rows: int, data) -> list[collect
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [{}, {"clip_mode": "per_tensor", "max_grad_norm": 0.5}], ids=["none", "per_tensor"])
 def test_a_checkpointed_compressed_step_runs_the_dense_steps_products(clip):
     dense, compressed = dense_and_compressed()

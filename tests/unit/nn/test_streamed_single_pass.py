@@ -35,6 +35,7 @@ def _lomo(params, block_rows, **clip):
     return LOMO(params, lr=0.1, stochastic_rounding=True, seed=4, chunk_numel=64 * block_rows, **clip)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_rows, chunk_rows", [(40, 8), (4, 8)], ids=["blocks-of-chunks", "chunks-of-blocks"])
 def test_single_pass_update_equals_the_full_gradient_update_under_global_stale(block_rows, chunk_rows, device):
@@ -94,6 +95,7 @@ def _poison(grad: torch.Tensor, rows: slice, row: int) -> None:
         grad[row - rows.start, 3] = -INF
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_nonfinite_gradient_keeps_those_elements_on_both_paths(device):
     # Step 2 (single pass under global_stale) gets NaN/inf in row 70 of the lm_head gradient: the whole-

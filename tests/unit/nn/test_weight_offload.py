@@ -113,7 +113,8 @@ def test_a_streaming_build_offloads_only_the_placements_layers():
     from neutrain.nn.load import build, init_compressed
     from neutrain.nn.model_spec import ModelSpec, Placement
     from neutrain.nn.sources import RandomInit
-    from neutrain.nn.weight_offload_model import LayerPlacement, weight_store
+    from neutrain.config.layer_placement import LayerPlacement
+    from neutrain.nn.weight_offload_model import weight_store
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=64)
@@ -137,7 +138,7 @@ def test_a_streaming_build_offloads_only_the_placements_layers():
     (17, None, (2, 4)), (32, tuple(range(32)), (2, 4)),
 ])
 def test_a_placement_spreads_its_layers_and_sizes_its_ring(count, offloaded, ring):
-    from neutrain.nn.weight_offload_model import LayerPlacement
+    from neutrain.config.layer_placement import LayerPlacement
 
     placement = LayerPlacement.spread(32, count)
     assert placement.count == count == len(set(placement.offloaded))
@@ -151,6 +152,7 @@ def test_a_placement_spreads_its_layers_and_sizes_its_ring(count, offloaded, rin
             LayerPlacement.spread(32, bad)
 
 
+@pytest.mark.slow
 def test_offloaded_layers_hold_no_device_payload_between_uses():
     model, store = _model(offload=True)
     resident = [layer for layer in store.layers if layer.slot is not None]

@@ -8,6 +8,7 @@ from neutrain.nn import compress_model
 from neutrain.speculative import generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [False, True])  # DynamicCache, or device-resident rounds on static caches
 def test_greedy_on_compressed_target_equals_dense_greedy(engine):
     cfg = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -59,6 +59,7 @@ def test_committed_tokens_follow_the_target(k, identical):
     assert lengths == {1, 2, 3} and accepted > 0.3 * n
 
 
+@pytest.mark.slow
 def test_acceptance_at_the_root_is_the_schemes_formula():
     """K = 1: the first position is accepted with probability sum(min(p, q)) (SD)."""
     from neutrain.speculative.verify import acceptance_formula

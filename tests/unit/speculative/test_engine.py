@@ -75,6 +75,7 @@ def test_eos_stops_rows_like_hf(batch):
         assert torch.equal(out, reference), check_every
 
 
+@pytest.mark.slow
 def test_greedy_on_compressed_model_equals_dense_hf_greedy():
     dense = tiny_llama(3)
     compressed = tiny_llama(3)
@@ -95,6 +96,7 @@ def _draw_counts(model, prompt, rows, temperature, seed, forced=None):
     return torch.bincount(drawn, minlength=model.config.vocab_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("forced", [None, 5])
 def test_sampling_follows_the_model_softmax(temperature, forced):
@@ -115,6 +117,7 @@ def test_sampling_follows_the_model_softmax(temperature, forced):
     assert wrong > 3 * chi_square_threshold(dof)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny_llama(5)
     runs = [DecodeEngine(model, max_len=40, batch=2, seed=s).generate(PROMPTS, 30, temperature=1.0) for s in (7, 7, 8)]
@@ -133,6 +136,7 @@ def test_sample_tokens_greedy_and_temperature():
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
+@pytest.mark.slow
 def test_generate_reads_nothing_back_but_the_allowed_syncs(monkeypatch):
     """CPU stand-in for the sync-debug test: any read of a tensor's value on the host outside
     ``allowed_sync`` fails (indexing with Python ints stays allowed; it reads no tensor)."""

@@ -163,6 +163,7 @@ def test_chi_square_catches_a_residual_bug(monkeypatch):
     assert stat > chi_square_threshold(dof), (stat, dof)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [False, True])
 def test_one_token_prompt_and_eos_stop(engine):
     target, draft = tiny_llama(0), tiny_llama(1, layers=1, hidden=32)

@@ -110,6 +110,7 @@ def test_engine_sequences_follow_the_target_chi_square(n_drafts, k, scheme, temp
     assert wrong > 3 * chi_square_threshold(wrong_dof)  # the test tells the target's law from the draft's
 
 
+@pytest.mark.slow
 def test_fixed_chain_layout_scores_every_node_like_a_full_forward():
     """Round by round (surgery from the previous walk, padded draft feed, K-chain verify), every
     node's target logits and every drafted token's draft logits equal a full forward of its context."""

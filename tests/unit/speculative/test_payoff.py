@@ -55,6 +55,7 @@ def test_keep_going_stops_the_rounds_and_keeps_every_committed_token(engine):
     assert not full.stopped and full.sequences.shape[1] == PROMPT.shape[1] + 6
 
 
+@pytest.mark.slow
 def test_a_draft_that_does_not_pay_is_dropped_in_one_line(tmp_path, capsys):
     # A random 1-layer draft of a random target: its first rounds accept next to nothing.
     from neutrain.cli import main

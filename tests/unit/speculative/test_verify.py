@@ -122,6 +122,7 @@ def test_optimum_and_ordering(name, pq):
             assert abs(importance - brute) < TOL
 
 
+@pytest.mark.slow
 def test_truncated_lp_between_priority_and_optimum():
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):

@@ -28,6 +28,7 @@ def _tree(root: Path) -> dict[str, bytes | str]:
             for p in sorted(root.rglob("*")) if not p.is_symlink()}
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(chain=st.integers(0, 3), parent_link=st.booleans(), repoint=st.integers(0, 3))
 def test_a_run_writes_where_its_directory_led_at_the_start_whatever_links_are_re_pointed(tmp_path_factory, chain,

@@ -58,6 +58,7 @@ class _RecordsKernelMode(TrainerCallback):
         self.seen.append(torch.are_deterministic_algorithms_enabled())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_neutrainer_trains_on_deterministic_kernels_when_the_recipe_says_so(tmp_path, clean_environment,
                                                                            deterministic):

@@ -43,6 +43,7 @@ def test_the_summarys_throughput_is_tokens_over_time():
     assert throughput([{"step": 1, "loss": 2.0}]) == {}
 
 
+@pytest.mark.slow
 def test_the_trainer_logs_each_windows_tokens_and_seconds(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

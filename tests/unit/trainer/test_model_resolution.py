@@ -1,5 +1,6 @@
 """The recipe's model section resolved once into a typed description: the offload keys reach the placement."""
 
+import pytest
 import torch
 
 from neutrain.config import load_recipe
@@ -8,6 +9,7 @@ from neutrain.nn.weight_offload_model import weight_store
 from neutrain.trainer.modeling import build_model, resolve_model
 
 
+@pytest.mark.slow
 def test_offload_layers_reaches_the_placement_and_the_build():
     recipe = load_recipe("default", ["memory.offload_weights=true", "memory.offload_layers=2"])
     spec = resolve_model(recipe.model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless",
