@@ -44,6 +44,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _codes_as_dot(codes, MAGIC: tl.constexpr, dot_dtype: tl.constexpr):
+    """Low and high nibbles of packed 4-bit codes as a product's operand: c, or with MAGIC 128 + c, made by an OR
+    into bf16's exponent bits (0x4300 | c is the bf16 of 128 + c, exact) instead of an int-to-float conversion per
+    element; the caller takes the 128s back out through its sums (exact products, fp32 sums)."""
+    if MAGIC:
+        lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+        hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
+    else:
+        lo = (codes & 15).to(dot_dtype)
+        hi = (codes >> 4).to(dot_dtype)
+    return lo, hi
+
+
+@triton.jit
 def _segment_kernel(
     q_ptr, k_ptr, ks_ptr, km_ptr, v_ptr, vs_ptr, vm_ptr, tk_ptr, tv_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
     N, H, G, split_tokens, split0, total_splits, sm_scale,
@@ -65,9 +79,9 @@ def _segment_kernel(
     q_even = tl.load(q_rows + 2 * i[None, :], mask=gmask[:, None], other=0.0)
     q_odd = tl.load(q_rows + 2 * i[None, :] + 1, mask=gmask[:, None], other=0.0)
     if IEEE:
-        dot_dtype = tl.float32
+        dot_dtype: tl.constexpr = tl.float32
     else:
-        dot_dtype = tl.bfloat16
+        dot_dtype: tl.constexpr = tl.bfloat16
     q_even_f = q_even.to(tl.float32)
     q_odd_f = q_odd.to(tl.float32)
     q_even = q_even.to(dot_dtype)
@@ -93,14 +107,7 @@ def _segment_kernel(
             # (0..15 are exact in bf16): no per-element multiply-add and no per-element scale loads. A block that
             # spans K_SUB groups takes one product per group and keeps each group's columns.
             codes = tl.load(k_base + n[:, None] * s_kn + i[None, :], mask=nmask[:, None], other=0)
-            if MAGIC:
-                # 0x4300 | c is the bf16 of 128 + c: an OR instead of an int-to-float conversion per element;
-                # the 128s come back out through the scaled query's sum (exact products, fp32 sums).
-                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
-                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
-            else:
-                c_lo = (codes & 15).to(dot_dtype)
-                c_hi = (codes >> 4).to(dot_dtype)
+            c_lo, c_hi = _codes_as_dot(codes, MAGIC, dot_dtype)  # the 128s come back out through the sums
             for j in tl.static_range(K_SUB):
                 group = n0 // KGROUP + j
                 live = i < (n0 + j * KGROUP < stop).to(tl.int32) * HALF  # a group past the split's end: no read
@@ -177,12 +184,7 @@ def _segment_kernel(
             # One (scale, minimum) per token and group of channels: p . (min + code * scale) =
             # (p * scale) . code + p . min, one product per group of channels, each keeping its channels.
             codes = tl.load(v_base + n[:, None] * s_vn + i[None, :], mask=nmask[:, None], other=0)
-            if MAGIC:
-                c_lo = ((codes & 15).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
-                c_hi = ((codes >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(dot_dtype)
-            else:
-                c_lo = (codes & 15).to(dot_dtype)
-                c_hi = (codes >> 4).to(dot_dtype)
+            c_lo, c_hi = _codes_as_dot(codes, MAGIC, dot_dtype)
             vrow = b.to(tl.int64) * s_vsb + hk.to(tl.int64) * s_vsh + n * s_vsn
             for j in tl.static_range(V_SUB):
                 pw = (p * tl.load(vs_ptr + vrow + j, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dot_dtype)
