@@ -163,3 +163,21 @@ def test_a_data_directory_holding_a_data_name_that_is_no_file_is_refused(tmp_pat
     with pytest.raises(DataError) as caught:
         entry_files({"path": str(folder), "type": "text"})
     assert f"{folder / 'b.jsonl'}" in str(caught.value) and word in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("make,word", [
+    (lambda p: os.mkfifo(p), "is a FIFO (named pipe), not a regular file"),
+    (lambda p: p.mkdir(), "is a directory, not a regular file"),
+    (lambda p: p.symlink_to("/dev/zero"), "is a character device, not a regular file"),
+    (lambda p: p.write_text('{"prompt": "a\\ud800"}\n'), "line 1: key 'prompt' holds a lone surrogate"),
+    (lambda p: p.write_text('{"prompt": "a", "temperature": NaN}\n'), "line 1 holds NaN"),
+    (lambda p: p.write_bytes(b'{"prompt": "caf\xe9"}\n'), "is not UTF-8 text"),
+], ids=["fifo", "directory", "device", "surrogate", "nan", "latin-1"])
+def test_generate_input_file_goes_through_the_one_reader(tmp_path, make, word):
+    from neutrain.cli.generate import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    make(path)
+    with pytest.raises(UserInputError) as caught:
+        read_prompts(str(path))
+    assert str(caught.value).startswith(f"--input-file: '{path}'") and word in str(caught.value), str(caught.value)
