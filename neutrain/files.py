@@ -200,8 +200,19 @@ def lone_surrogate(value: Any, key: str = "") -> tuple[str, str] | None:
     return None
 
 
+class _Constant(ValueError):
+    def __init__(self, word: str):
+        super().__init__(word)
+        self.word = word
+
+
+def _no_constant(word: str) -> Any:
+    raise _Constant(word)
+
+
 def parse_json(text: str, label: str, error: type[Exception]) -> Any:
-    """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key.
+    """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key, and ``NaN``,
+    ``Infinity`` or ``-Infinity`` (which Python's parser takes though JSON has none) is refused.
 
     Example:
         >>> parse_json('{"a": 1, "b": }', "fsdp.json", ValueError)
@@ -209,7 +220,11 @@ def parse_json(text: str, label: str, error: type[Exception]) -> Any:
         ValueError: fsdp.json is not valid JSON (Expecting value at line 1, column 15)
     """
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
+    except _Constant as exc:  # NaN / Infinity: Python's extension, no JSON, and no finite setting of any key
+        at = text.find(exc.word)  # the parser does not say where; the first such word outside a string is it
+        raise error(f"{label} holds {exc.word} (line {text.count(chr(10), 0, at) + 1}): not valid JSON, and no "
+                    "finite number") from None
     except json.JSONDecodeError as exc:
         raise error(f"{label} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:

@@ -18,6 +18,7 @@ from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_
 from neutrain.config.schema import SCHEMA
 from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
+from neutrain.files import parse_json, read_text
 
 
 def configure(p) -> None:
@@ -178,6 +179,10 @@ def load_for_generation(args, source: tuple[Path | None, Path | None] | None = N
     return Loaded(model.eval(), tokenizer, use_template, why, where, residency)
 
 
+MAX_PROMPT_FILE_BYTES = 256 << 20
+"""A file of prompts: each is generated from in turn, so a file past this is not one a run gets through."""
+
+
 def read_prompts(path: str) -> list[dict]:
     """The prompts of ``--input-file``, each as a record with a ``prompt``: a .jsonl/.json file's JSON lines (each
     an object with a string ``prompt``; its other fields are kept), else the file's non-blank lines.
@@ -191,24 +196,16 @@ def read_prompts(path: str) -> list[dict]:
         neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a string "prompt" field
     """
     file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UserInputError(f"--input-file: '{path}' does not exist") from None
-    except IsADirectoryError:
-        raise UserInputError(f"--input-file: '{path}' is a directory; expected a file of prompts") from None
-    except UnicodeDecodeError as exc:
-        raise UserInputError(f"--input-file: '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    label = f"--input-file: '{path}'"
+    # the one reader of user-named files: a FIFO blocked here, /dev/zero read until memory ran out
+    lines = read_text(file, label, MAX_PROMPT_FILE_BYTES, UserInputError).splitlines()
     if file.suffix.lower() not in (".jsonl", ".json"):
         return [{"prompt": line} for line in lines if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
+        record = parse_json(line, f"{label} line {number}", UserInputError)  # names the column, a surrogate's key
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a string "
                                  "\"prompt\" field")

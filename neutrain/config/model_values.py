@@ -73,8 +73,8 @@ def _problem(kind: str, value: Any) -> str | None:
         return "must be a finite number > 0 and < 1"
     if kind == "positive" and not value > 0:
         return "must be a finite number > 0"
-    if kind == "probability" and not 0 <= value <= 1:
-        return "must be a finite number from 0 to 1"
+    if kind == "probability" and not 0 <= value < 1:  # 1 drops every activation: the layer's output is zeros
+        return "must be a finite number from 0 to below 1"
     if kind == "non-negative" and not value >= 0:
         return "must be a finite number >= 0"
     return None
@@ -110,3 +110,56 @@ def check_config_values(values: dict, where: str, error: type[Exception], keys: 
         problem = _problem(rule[0], value)
         if problem is not None:
             raise error(f"{at}: {value!r} {problem} ({rule[1]})")
+    if keys is None or any(key in _RELATED for key in keys):
+        check_config_relations(values, where, error)
+
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")
+_RELATED = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "partial_rotary_factor",
+            "vocab_size", *_TOKEN_IDS)
+
+
+def _whole(value: Any) -> bool:
+    return _number(value) and math.isfinite(value) and float(value).is_integer() and value > 0
+
+
+def check_config_relations(values: dict, where: str, error: type[Exception]) -> None:
+    """Refuse values that each keep their own rule but not each other's: the build would fail on them with a
+    tensor-shape ``RuntimeError`` deep in the first forward, or use them in silence.
+
+    * ``num_attention_heads`` must be a multiple of ``num_key_value_heads`` (each key/value head serves a
+      whole group of query heads);
+    * with rotary embeddings (any ``rope*`` key), the rotated part of a head must have an even width (the
+      rotation pairs its dimensions);
+    * every special-token id (``bos``, ``eos``, ``pad``, ...) must index the vocabulary (an ``eos`` past it
+      never ends a generation; ``pad_token_id: -1`` is kept as the "none" some configs write).
+
+    Example:
+        >>> check_config_relations({"num_attention_heads": 4, "num_key_value_heads": 3}, "model.config", ValueError)
+        Traceback (most recent call last):
+        ValueError: model.config.num_key_value_heads: 3 does not divide num_attention_heads 4 (each key/value head serves a whole group of query heads)
+    """
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if _whole(heads) and _whole(kv) and heads % kv:
+        raise error(f"{where}.num_key_value_heads: {kv} does not divide num_attention_heads {heads} (each key/value "
+                    "head serves a whole group of query heads)")
+    head_dim, hidden = values.get("head_dim"), values.get("hidden_size")
+    width = head_dim if _whole(head_dim) else hidden // heads if _whole(hidden) and _whole(heads) else None
+    factor = values.get("partial_rotary_factor", 1.0)
+    if width and any(k.startswith("rope") for k in values) and _number(factor) and 0 < factor <= 1:
+        rotated = int(width * factor)
+        if rotated % 2:
+            key = "head_dim" if _whole(head_dim) else "hidden_size"
+            raise error(f"{where}.{key}: a head {width} wide rotates {rotated} dimensions, an odd number (rotary "
+                        "embeddings turn the dimensions in pairs)")
+    vocab = values.get("vocab_size")
+    for key in _TOKEN_IDS:
+        ids = values.get(key)
+        for token in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if token is None or isinstance(token, bool) or not isinstance(token, int):
+                continue
+            if key == "pad_token_id" and token == -1:
+                continue
+            if token < 0 or (_whole(vocab) and token >= vocab):
+                bound = f"from 0 to {vocab - 1:,}, as vocab_size is {vocab:,}" if _whole(vocab) else "0 or more"
+                raise error(f"{where}.{key}: {token} is not a token of the vocabulary (an id is {bound})")

@@ -59,6 +59,10 @@ REQUIRED = object()
 
 # Seeds reach numpy, whose generator takes 0 <= seed < 2**32.
 _SEED_MAX = 2**32 - 1
+# Each worker is a process (a value past any machine's cores forks until the process table is full), each row a
+# sequence held in memory at once; every other whole number has the schema's ceiling (values.COUNT_CEILING).
+_PROCESSES_MAX = 512
+_ROWS_MAX = 1 << 16
 
 
 class Names(Sequence[str]):
@@ -133,12 +137,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "streaming": Key(bool, False, "Stream large files instead of loading them (requires train.max_steps)."),
         "max_samples": Key(int, None, "Use at most this many examples per dataset (after shuffling).", min=1, nullable=True),
         "shuffle_seed": Key(int, 42, "Seed for shuffling and the held-out split.", min=0, max=_SEED_MAX),
-        "num_proc": Key(int, None, "Worker processes for tokenisation.", min=1, nullable=True),
+        "num_proc": Key(int, None, "Worker processes for tokenisation.", min=1, max=_PROCESSES_MAX, nullable=True),
     },
     "train": {
         "output_dir": Key(str, "outputs/run", "Where checkpoints, logs, plots and exports go (its writability is checked before the model is built)."),
-        "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1),
-        "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1),
+        "micro_batch_size": Key(int, 1, "Rows per device per forward pass (per_device_train_batch_size).", min=1, max=_ROWS_MAX),
+        "gradient_accumulation_steps": Key(int, 1, "Micro-batches per optimizer step.", min=1, max=1 << 20),
         "learning_rate": Key(float, 2e-5, "Peak learning rate. Fine-tuning a pretrained model wants far lower rates than training from scratch (adalomo ~0.1 there): measured on SmolLM2-135M (benchmarks/notes_finetune_lr.md), adalomo 1e-4 learnt the task with no drift, 1e-3 drifted, 1e-2 destroyed the model; lomo 1e-3 learnt more slowly. adamw: 1e-5 to 5e-5 as usual.", gt=0.0, max=10.0),
         "optimizer": Key(str, "adamw", "adamw (ordinary step after backward), sgd, or fused in-backward: lomo, adalomo, adamw-in-backward.", choices=OPTIMIZERS),
         "weight_decay": Key(float, 0.0, "Decoupled weight decay.", min=0.0, max=1.0),
@@ -147,7 +151,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "lr_scheduler": Key(str, "cosine", "Learning-rate schedule (cosine_with_min_lr needs lr_scheduler_kwargs min_lr or min_lr_rate).", choices=_SCHEDULERS),
         "lr_scheduler_kwargs": Key(dict, None, "Schedule options, as TrainingArguments.lr_scheduler_kwargs: cosine: num_cycles; cosine_with_min_lr: min_lr or min_lr_rate (one), num_cycles; inverse_sqrt: timescale.", nullable=True),
         "warmup_steps": Key(int, 0, "Linear warm-up steps.", min=0),
-        "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", gt=0.0),
+        "num_epochs": Key(float, 1.0, "Epochs (ignored when max_steps > 0).", gt=0.0, max=1e6),
         "max_steps": Key(int, -1, "Total optimizer steps (-1: derived from num_epochs).", min=-1),
         "max_grad_norm": Key(float, 1.0, "Gradient clipping threshold (0 disables; otherwise > 0).", min=0.0),
         "max_consecutive_nonfinite": Key(int, 10, "A step whose loss or gradient is NaN/inf is skipped, logged and counted "
@@ -164,7 +168,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "resume_from_checkpoint": Key((str, bool), None, "true: resume the last checkpoint in output_dir; or a checkpoint path.", path="dir", nullable=True),
         "resume_reset_optimizer": Key(bool, False, "Resume the weights and step but start the optimizer state and learning-rate schedule afresh (logged). Without it, a checkpoint missing optimizer.pt, scheduler.pt or a per-rank optimizer shard is refused."),
         "overwrite_output_dir": Key(bool, False, "A new run (no resume_from_checkpoint) into an output_dir that holds another run's checkpoints is refused unless this is true; then everything that run lists as written in output_dir (its .neutrain-run file: checkpoints, metrics, summary, plots, recipe copy, tokenizer, eval/, distill/, its export/, draft/ and base/) is deleted first, and nothing else: a file the run did not write stays, and a directory that holds no neutrain run is refused, flag or not."),
-        "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0),
+        "dataloader_num_workers": Key(int, 0, "DataLoader worker processes.", min=0, max=_PROCESSES_MAX),
         "use_cpu": Key(bool, False, "Force CPU even when a GPU is present."),
         "allow_slow_device": Key(bool, False, "Train even where a step is predicted to take more than 2 minutes on this device (a GPU-sized recipe on a CPU, which is otherwise refused before the build, naming the predicted time per step and the recipe to use instead)."),
         "distributed": Key(str, "auto", "Several processes: auto (what the launcher and the fsdp/deepspeed keys say), replicated (whole model per process; fused optimizers all-reduce each gradient inside the update, others use DDP), fsdp2 (fills fsdp/fsdp_config with FSDP2 defaults), deepspeed (needs train.deepspeed).", choices=("auto", "replicated", "fsdp2", "deepspeed")),
@@ -183,22 +187,22 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "device_budget_gib": Key((float, str, bool), "auto", "Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5 GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks, of the configurations whose every phase fits it with 5% to spare and whose pinned host memory fits the host, the one with the shortest predicted step (neutrain.trainer.step_time): dense or NeuZip weights (memory.weights: auto), memory.offload_activations, memory.offload_weights with memory.offload_layers, a smaller train.micro_batch_size with more accumulation; a key set in the recipe or on the command line is never changed (memory.weights: auto leaves the weights to the fit). On CPU it is only recorded and planned against (`neutrain estimate` prints each phase's predicted peak).", gt=0.0, nullable=True),
         "loss_chunk_size": Key(int, 0, "Tokens per lm_head/cross-entropy chunk (0: unchunked).", min=0),
         "adapter": Key(str, None, "Parameter-efficient adapter over a frozen base: lora.", choices=("lora",), nullable=True),
-        "lora_r": Key(int, 16, "LoRA rank.", min=1),
+        "lora_r": Key(int, 16, "LoRA rank.", min=1, max=1 << 16),
         "lora_alpha": Key(int, 32, "LoRA alpha.", min=1),
         "lora_dropout": Key(float, 0.0, "LoRA dropout.", min=0.0, lt=1.0),
         "lora_target_modules": Key((list, str), "all-linear", "LoRA target modules (peft syntax).", items=str),
     },
     "eval": {
         "perplexity": Key(bool, True, "Report held-out loss and perplexity after training."),
-        "micro_batch_size": Key(int, None, "Rows per device when evaluating (default: train.micro_batch_size).", min=1, nullable=True),
+        "micro_batch_size": Key(int, None, "Rows per device when evaluating (default: train.micro_batch_size).", min=1, max=_ROWS_MAX, nullable=True),
         "max_eval_samples": Key(int, None, "Evaluate on at most this many held-out rows.", min=1, nullable=True),
         "long_context_tasks": Key(list, [], "RULER-style tasks to run after training (names from neutrain.eval.tasks.TASKS, checked before training).", items=str),
-        "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16),
-        "num_samples": Key(int, 4, "Samples per long-context task.", min=1),
+        "context_len": Key(int, 512, "Token length of generated long-context prompts.", min=16, max=1_048_576),
+        "num_samples": Key(int, 4, "Samples per long-context task.", min=1, max=1 << 16),
         "kv_caches": Key(list, ["full"], "KV caches to evaluate with: full, minicache, shadowkv.", items=str),
         "sample_prompt": Key(str, None, "After training, generate from this prompt and print the sample at the end (none: no sample).", nullable=True),
-        "sample_tokens": Key(int, 64, "New tokens in the printed sample.", min=1),
-        "sample_temperature": Key(float, 0.8, "Sampling temperature of the printed sample (0: greedy).", min=0.0),
+        "sample_tokens": Key(int, 64, "New tokens in the printed sample.", min=1, max=1 << 20),
+        "sample_temperature": Key(float, 0.8, "Sampling temperature of the printed sample (0: greedy).", min=0.0, max=100.0),
     },
     "export": {
         "format": Key(str, "hf", "Export after training: hf (dense safetensors), neuzip, neuzip-lossy-k, or none.", choices=("hf", "neuzip", *_LOSSY, "none")),
@@ -217,8 +221,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "num_drafts": Key(int, 2, "Drafts verified per target call (K).", min=1, max=16),
         "draft_len": Key(int, 4, "Tokens per draft (gamma).", min=1, max=64),
         "scheme": Key(str, "importance", "Verification: sd (K=1), specinfer, spectr or importance.", choices=("sd", "specinfer", "spectr", "importance")),
-        "temperature": Key(float, 1.0, "Sampling temperature of the speculative decode (0: greedy).", min=0.0),
-        "max_new_tokens": Key(int, 32, "Tokens generated in the speculative decoding demo.", min=1),
+        "temperature": Key(float, 1.0, "Sampling temperature of the speculative decode (0: greedy).", min=0.0, max=100.0),
+        "max_new_tokens": Key(int, 32, "Tokens generated in the speculative decoding demo.", min=1, max=1 << 20),
     },
 }
 

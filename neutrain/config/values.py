@@ -142,14 +142,20 @@ def _check_nested(where: str, value: list | dict, items: Any = None) -> None:
             raise RecipeError(f"{at}: {shown(item)} contains a NUL byte, which no setting can hold")
 
 
+COUNT_CEILING = 2**31 - 1
+"""The largest number a key with no maximum of its own takes: a count past int32 is a typo, not a setting, and the libraries it reaches index with int32 or spend a unit of work per count (``data.num_proc`` of
+1e20 forked processes until the machine ran out)."""
+
+
 def _check_range(where: str, key: Key, value: float) -> None:
     # NaN compares False with every bound, so without this check it passed them all into the run.
     if not math.isfinite(value):
         raise RecipeError(f"{where}: {value} is not a finite number")
     if key.min is not None and value < key.min:
         raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
-    if key.max is not None and value > key.max:
-        raise RecipeError(f"{where}: {value} is above the maximum {key.max}")
+    ceiling = key.max if key.max is not None else COUNT_CEILING
+    if value > ceiling:
+        raise RecipeError(f"{where}: {value} is above the maximum {ceiling:,}")
     if key.gt is not None and not value > key.gt:
         raise RecipeError(f"{where}: {value} must be greater than {key.gt}")
     if key.lt is not None and not value < key.lt:

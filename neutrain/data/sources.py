@@ -58,7 +58,10 @@ def _ds_type(path: Path, declared: str | None) -> str:
 
 def _files(path: Path) -> list[str]:
     if path.is_dir():
-        files = [str(f) for f in sorted(path.rglob("*")) if f.is_file() and f.suffix.lower() in _EXT_TO_TYPE]
+        named = [f for f in sorted(path.rglob("*")) if f.suffix.lower() in _EXT_TO_TYPE and not f.is_dir()]
+        for f in named:  # a FIFO or device named like data was skipped in silence (the rows it stood for lost)
+            check_kind(f, f"data file '{f}' (in the directory '{path}')", DataError)
+        files = [str(f) for f in named]
         if not files:
             raise DataError(f"{path}: directory holds no json, jsonl, csv, parquet or txt files")
         return files

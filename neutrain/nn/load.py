@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from neutrain.config.model_values import check_config_values
-from neutrain.errors import CheckpointError
+from neutrain.config.model_values import check_config_relations, check_config_values
+from neutrain.errors import CheckpointError, RecipeError
 from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sink import ModelSink
@@ -45,8 +45,12 @@ def build(spec: ModelSpec, *, progress: bool = True):
         ('CompressedLinear', 2)
     """
     label = getattr(spec.source, "label", None)  # a file's: its values are checked as a recipe's are at load
+    where, error = (f"{label}: config", CheckpointError) if label is not None else ("model.config", RecipeError)
     if label is not None:
-        check_config_values(spec.config.to_dict(), f"{label}: config", CheckpointError)
+        check_config_values(spec.config.to_dict(), where, error)
+    else:  # the recipe's values were checked at load; these relations hold only with the class's defaults filled in
+        check_config_relations(spec.config.to_dict(), where, error)
+    check_config_names(spec.config, where, error)
     if spec.attention is not None:
         spec.config._attn_implementation = spec.attention
     model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code)
@@ -64,6 +68,40 @@ def build(spec: ModelSpec, *, progress: bool = True):
     if generation is not None:
         model.generation_config = generation
     return model, report
+
+
+_ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def check_config_names(config, where: str, error: type[Exception]) -> None:
+    """Refuse an activation or a rotary-scaling type that transformers has no function for.
+
+    Why here: the names are the keys of transformers' own tables (``ACT2FN``, ``ROPE_INIT_FUNCTIONS``), which
+    import torch, so the recipe check (torch-free) cannot hold them; a name missing from them raised a bare
+    ``KeyError`` from inside the model's constructor. This runs before the skeleton is made, for every build.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> check_config_names(LlamaConfig(hidden_act="banana"), "model.config", ValueError)
+        Traceback (most recent call last):
+        ValueError: model.config.hidden_act: 'banana' is not an activation transformers has (one of gelu, ...)
+    """
+    from transformers.activations import ACT2FN
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for key in _ACTIVATION_KEYS:
+        name = getattr(config, key, None)
+        if isinstance(name, str) and name not in ACT2FN:
+            raise error(f"{where}.{key}: {name!r} is not an activation transformers has (one of "
+                        f"{', '.join(sorted(ACT2FN))})")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, key, None)
+        for part in (rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
+                     and rope else [rope]):  # per-layer-type parameters (Gemma 3) or one mapping
+            kind = part.get("rope_type", part.get("type")) if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+                raise error(f"{where}.{key}.rope_type: {kind!r} is not a rotary scaling transformers has (one of "
+                            f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
 
 
 def check_finite(label: str, name: str, tensor: torch.Tensor) -> None:

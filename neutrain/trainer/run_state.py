@@ -112,7 +112,14 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
     if os.path.isdir(resume):
         check_tree(resume)  # its trainer_state.json is read next: a symlink must not lead outside the checkpoint
     saved = _trainer_state(Path(resume))
-    if saved is None:  # not a directory, or no trainer_state.json: the Trainer reports it
+    from neutrain.distributed.resume import WEIGHT_FILES, is_engine_checkpoint  # lazily: brings torch
+
+    if saved is None and os.path.isdir(resume) and not is_engine_checkpoint(Path(resume)) and \
+            not any((Path(resume) / name).is_file() for name in WEIGHT_FILES):
+        # said before the model is built and the data read: the Trainer found it only after both
+        raise CheckpointError(f"train.resume_from_checkpoint: '{resume}' holds neither trainer_state.json nor model "
+                              "weights: it is not a checkpoint (a checkpoint-N folder of a run's train.output_dir)")
+    if saved is None:  # not a directory, or no trainer_state.json: the Trainer reports which file is missing
         return RunPlan(checkpoint=str(resume))
     step, old_total = int(saved.get("global_step", 0)), int(saved.get("max_steps", 0))
     max_steps = train["max_steps"]
