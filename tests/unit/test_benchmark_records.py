@@ -172,13 +172,13 @@ def test_step_anatomy_reports_memory_targets_only_for_the_setting_they_name():
 
 
 def test_a_kv_study_names_every_target_and_values_only_what_it_measured():
-    # A diagnostic or a sweep (benchmarks/diag/minicache_*.py) records the seven KV targets by name, like
+    # A diagnostic or a sweep (benchmarks/diag/minicache_*.py) records the eight KV targets by name, like
     # kv_eval.json: the real-model gap where it evaluated the benchmark's setting, the rest with no value.
     from benchmarks._kv_targets import REAL_GOALS, kv_targets, targets_of_a_study
 
     names = {*kv_targets({}), *REAL_GOALS}
     sweep = targets_of_a_study({"real": {"gap_points": {"full": 0.0, "minicache_merge": 100.0}}}, "a sweep")
-    assert set(sweep) == names and len(names) == 7
+    assert set(sweep) == names and len(names) == 8
     assert sweep["real_model_minicache_acc_gap_points"]["value"] == 100.0
     assert sweep["real_model_minicache_acc_gap_points"]["met"] is False
     assert all(e["not_measured"] == "a sweep" for n, e in sweep.items() if n != "real_model_minicache_acc_gap_points")
