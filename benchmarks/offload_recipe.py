@@ -116,7 +116,10 @@ def write_record(part: str, results: dict, targets: dict, settings: dict, result
 def _whole_run_main(args) -> int:
     runs = {name: read_run(path) for name, path in (("train", args.train), ("resume", args.resume),
                                                    ("straight", args.straight)) if path is not None}
-    exported = describe(args.export) if args.export else None
+    # The export may be gone by now (the uninterrupted run needed its disk): the script described it into a
+    # JSON file first, and that file stands for it.
+    exported = None if args.export is None else json.loads(args.export.read_text()) \
+        if args.export.is_file() else describe(args.export)
     results, targets = whole_run(args.whole_run, runs, args.budget, exported)
     settings = {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps, "tokens_per_step": TOKENS_PER_STEP}
     write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")
@@ -139,7 +142,8 @@ def main() -> int:
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--straight", type=Path, help="the uninterrupted run's directory (--whole-run)")
     ap.add_argument("--budget", type=float, default=22.0, help="memory.device_budget_gib of the whole run")
-    ap.add_argument("--export", type=Path, help="the `neutrain export --format neuzip` directory")
+    ap.add_argument("--export", type=Path,
+                    help="the `neutrain export --format neuzip` directory, or the JSON --describe printed of it")
     ap.add_argument("--results-dir", type=Path, help="where offload.json is merged and written (default benchmarks/results)")
     ap.add_argument("--checkpoint-record", type=Path,
                     help="--describe's output for the first run's checkpoint, written before it was deleted")

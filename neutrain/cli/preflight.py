@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.errors import RecipeError, UserInputError
+from neutrain.config.knobs import knob
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
 from neutrain.cli.outputs import check_output_places
@@ -224,7 +225,15 @@ def check_writable_dir(path: str, key: str) -> None:
 
 
 def host_memory_available() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` of ``/proc/meminfo``), or None where unknown."""
+    """Bytes of host memory available now (``MemAvailable`` of ``/proc/meminfo``), or None where unknown.
+
+    ``NEUTRAIN_HOST_MEMORY_GIB`` replaces the reading. Why: a virtual machine whose memory is plugged in as it
+    is used (Firecracker, virtio-mem) reports a fraction of its limit at first, so the 70B's 105 GiB plan was
+    refused on a host allowed 256 GiB.
+    """
+    stated = knob("NEUTRAIN_HOST_MEMORY_GIB")
+    if stated is not None:
+        return int(stated * (1 << 30))
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -239,8 +248,10 @@ def host_memory_for(processes: int) -> int | None:
     """Host bytes one of ``processes`` may plan with: what is available now, alone; with several processes on
     the host, its total over their count, which every process reads alike (each one's own reading of what is
     available could resolve ``memory.weights: auto`` otherwise on another rank)."""
-    if processes <= 1:
-        return host_memory_available()
+    stated = knob("NEUTRAIN_HOST_MEMORY_GIB")
+    if processes <= 1 or stated is not None:
+        available = host_memory_available()
+        return available if processes <= 1 or available is None else available // processes
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

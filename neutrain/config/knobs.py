@@ -84,6 +84,9 @@ KNOBS: dict[str, Knob] = {
     "NEUTRAIN_CPU_CODEC": Knob(str, "auto", "the CPU codec: auto (compiled when numba is installed) or torch",
                                choices=("auto", "numba", "torch")),
     "NEUTRAIN_SMOLLM2_GGUF": Knob("path", None, "the SmolLM2 GGUF file the real-model evaluation loads"),
+    "NEUTRAIN_HOST_MEMORY_GIB": Knob(float, None, "GiB of host memory the memory plan and the host check count on, in "
+                                     "place of what the system reports available (a virtual machine whose memory "
+                                     "grows as it is used reports too little at first)", gt=0.0, max=float(1 << 20)),
     "NEUTRAIN_LAYER_GROUPS": Knob(str, "auto", "decoder layers decoded and re-encoded as groups: auto (on a GPU, where "
                                   "a layer fits the vocabulary matrix's slot), 1 (always) or 0 (never)",
                                   choices=("auto", "1", "0")),

@@ -242,3 +242,6 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(NeuZipConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(NeuZipHfQuantizer)
+
+
+register()  # whichever imports first, this module or transformers' registry, the method ends up registered

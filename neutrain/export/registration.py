@@ -20,7 +20,15 @@ _TARGET = "transformers.quantizers.auto"
 logger = logging.getLogger(__name__)
 
 
+_QUANTIZER = "neutrain.export.quantizer"
+
+
 def _register() -> None:
+    if _QUANTIZER in sys.modules and not hasattr(sys.modules[_QUANTIZER], "register"):
+        # The quantizer module is mid-import (its own import of transformers' registry brought us here): it
+        # registers itself as its last line. Importing it from here failed as a circular import, and the
+        # finder, gone by then, never registered: `neutrain generate` then could not load a NeuZip export.
+        return
     try:
         from neutrain.export.quantizer import register  # lazy: stdlib-only module (import hook)
 

@@ -447,3 +447,33 @@ def test_activation_offload_counts_its_host_bytes_too(tmp_path):
                                           r"GiB of compressed decoder weights and 20\.0 GiB of checkpointed activations\)"):
         check_host_memory(both, available=64 << 30)
     check_host_memory(recipe, available=None)  # unknown (not Linux): no refusal
+
+
+def test_the_stated_host_memory_replaces_what_the_system_reports(tmp_path, monkeypatch):
+    """A virtual machine that plugs memory in as it is used reports a fraction of its limit at first:
+    ``NEUTRAIN_HOST_MEMORY_GIB`` states the limit, for the check and the plan alike (split over processes)."""
+    import builtins
+
+    from neutrain.cli.preflight import check_machine_holds, host_memory_available, host_memory_for
+    from neutrain.errors import UserInputError
+
+    real_open = builtins.open
+
+    def small_meminfo(path, *args, **kwargs):  # what such a machine reads at start: 31 GiB
+        if str(path) == "/proc/meminfo":
+            import io
+            return io.StringIO(f"MemTotal: {31 << 20} kB\nMemAvailable: {30 << 20} kB\n")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", small_meminfo)
+    monkeypatch.delenv("NEUTRAIN_HOST_MEMORY_GIB", raising=False)
+    assert host_memory_available() == 30 << 30 and host_memory_for(2) == (31 << 30) // 2
+    recipe = load_recipe(REPO / "recipes" / "llama3_70b_offload.yaml", [f"train.output_dir={tmp_path}"])
+    with pytest.raises(RecipeError, match=r"this machine has 30\.0 GiB available"):
+        check_machine_holds(recipe)
+    monkeypatch.setenv("NEUTRAIN_HOST_MEMORY_GIB", "240")
+    assert host_memory_available() == 240 << 30 and host_memory_for(2) == 120 << 30
+    check_machine_holds(recipe)
+    monkeypatch.setenv("NEUTRAIN_HOST_MEMORY_GIB", "-1")
+    with pytest.raises(UserInputError, match=r"NEUTRAIN_HOST_MEMORY_GIB='-1': out of range"):
+        host_memory_available()

@@ -152,6 +152,34 @@ def test_import_neutrain_stays_light_and_registers_lazily(tmp_path):
     assert res.stdout.split() == ["[]", "True"], res.stdout
 
 
+REGISTRATION_ORDERS = ("neutrain.export.quantizer", "transformers.quantizers.auto", "neutrain.export.hf",
+                       "neutrain.export.neuzip", "neutrain.cli.generate", "transformers")
+
+
+def test_the_method_is_registered_whichever_module_is_imported_first(tmp_path):
+    """The quantizer module imports transformers' registry, whose import hook imported the half-made quantizer
+    module again: when a command (``neutrain generate``) imported the quantizer first, nothing was registered
+    and every NeuZip export failed to load. Each order runs in a fresh interpreter state (one process, the
+    modules purged between orders)."""
+    code = f"""
+import sys
+from neutrain.export import registration
+for first in {REGISTRATION_ORDERS!r}:
+    for name in [m for m in sys.modules if m.startswith(("neutrain.export", "neutrain.cli", "transformers.quantizers"))]:
+        del sys.modules[name]
+    sys.modules.pop("neutrain.export", None)
+    import neutrain.export.registration as registration
+    registration.install()
+    __import__(first)
+    import transformers.quantizers.auto as auto
+    print(first, "neuzip" in auto.AUTO_QUANTIZER_MAPPING and "neuzip" in auto.AUTO_QUANTIZATION_CONFIG_MAPPING)
+"""
+    res = _run(code, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "could not register" not in res.stderr, res.stderr
+    assert res.stdout.split() == [w for first in REGISTRATION_ORDERS for w in (first, "True")], res.stdout
+
+
 @pytest.mark.slow
 def test_loading_without_neutrain_fails_loudly(tmp_path):
     out = export_neuzip(_tiny(), tmp_path / "nz", codec_options=FAST)
