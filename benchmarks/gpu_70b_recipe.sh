@@ -39,14 +39,15 @@ STATE=${STATE:-/tmp/neutrain-70b-state}
 mkdir -p "$STATE"
 WATCH=${WATCH:-0}
 watch_stages() {  # seconds: print each stage as it starts and ends until the run is done or the time is up
-  local until=$((SECONDS + $1)) seen=""
-  while [ $SECONDS -lt $until ]; do
-    now=$(cat "$STATE/70b_stages.txt" 2>/dev/null | tr '\n' ' ')
-    [ "$now" != "$seen" ] && { echo "[$(date +%T)] $(cat "$STATE/current_stage" 2>/dev/null): $now"; seen=$now; }
+  local until=$((SECONDS + $1)) shown=0
+  while [ $SECONDS -lt $until ]; do  # the run's own lines as they come (pip's and indented ones left out)
+    lines=$(wc -l < "$STATE/pipeline.log" 2>/dev/null || echo 0)
+    [ "$lines" -gt "$shown" ] && sed -n "$((shown + 1)),${lines}p" "$STATE/pipeline.log" | grep -v "^WARNING\|^\s" \
+      | sed "s/^/[$(date +%T) $(cat "$STATE/current_stage" 2>/dev/null)] /"
+    shown=$lines
     [ -f "$STATE/done" ] && break
     sleep 5
   done
-  tail -n 15 "$STATE/pipeline.log" 2>/dev/null
   if [ -n "${CALL_OUT:-}" ]; then  # what the call takes back: the state (logs, samples, record) as one file
     [ -f "$STATE/offload.json" ] && cp "$STATE/offload.json" "$CALL_OUT/"
     tar -czf "$CALL_OUT/70b_state.tgz" -C "$(dirname "$STATE")" "$(basename "$STATE")" 2>/dev/null
