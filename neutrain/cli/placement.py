@@ -35,7 +35,7 @@ from typing import Callable
 
 from neutrain.errors import UserInputError
 from neutrain.export import load_checkpoint_model
-from neutrain.export.hf import MARKER, _load_tokenizer
+from neutrain.export.hf import _load_tokenizer
 from neutrain.cli.memory import enforce_budget
 from neutrain.cli.residency import Residency, decide
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
@@ -44,7 +44,7 @@ from neutrain.trainer.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
+from neutrain.nn.sources import folder_source, is_encoded
 from neutrain.trainer.planner import NEUZIP_BITS, ModelShape
 
 GIB = 2**30
@@ -126,8 +126,9 @@ def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: i
     """The :class:`~neutrain.cli.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
     its config and safetensors headers alone (nothing is read or built)."""
     total, _ = _weight_bytes(path)
-    encoded = (path / MARKER).exists()  # a compressed run's checkpoint: its blobs are the compressed form already
-    config = (NeutrainCheckpoint(path) if encoded else SafetensorsFolder(path)).read_config()
+    source = folder_source(path)
+    encoded = is_encoded(source)  # a compressed run's checkpoint or a NeuZip export: the compressed form already
+    config = source.read_config()
     dtype_bytes = 4 if _dtype_name(json.loads((path / "config.json").read_text())) == "float32" else 2
     shape = _shape(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
@@ -171,7 +172,7 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
     """
     import torch
 
-    source = NeutrainCheckpoint(path) if (path / MARKER).exists() else SafetensorsFolder(path)
+    source = folder_source(path)  # one loader per format
     config = source.read_config()
     dtype = getattr(torch, _dtype_name(json.loads((path / "config.json").read_text())))
     offload = form == "neuzip+offload"
@@ -191,7 +192,7 @@ def _dtype_name(config: dict) -> str:
 def _note(residency: Residency, path: Path) -> str:
     """``generate: <the decision>; weights D GiB dense, C GiB compressed`` (the files' own bytes, and the form's)."""
     total, _ = _weight_bytes(path)
-    if (path / MARKER).exists():
+    if is_encoded(folder_source(path)):
         weights = f"weights {total / GIB:.2f} GiB compressed"
     else:
         weights = f"weights {total / GIB:.2f} GiB dense, {total / 16 * NEUZIP_BITS / GIB:.2f} GiB compressed"

@@ -52,9 +52,10 @@ from neutrain.compress import CompressedTensor
 from neutrain.export.inference import chunk_output_head
 from neutrain.nn import CompressedEmbedding, CompressedLinear, CompressedWeight
 from neutrain.nn.convert import build_module, mark_large_weights
+from neutrain.nn.sources import NEUZIP_QUANT_METHOD
 from neutrain.storage.confine import indexed_files
 
-QUANT_METHOD = "neuzip"
+QUANT_METHOD = NEUZIP_QUANT_METHOD
 """``quantization_config.quant_method`` of a NeuZip export."""
 
 _BLOB_SUFFIX = r"(\.(header|code_lengths|lane_words|tile_base|stream|tails|checksum|name))?"

@@ -24,7 +24,7 @@ from neutrain.errors import CheckpointError, RecipeError
 from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sink import ModelSink
-from neutrain.nn.sources import RandomInit, SafetensorsFolder
+from neutrain.nn.sources import RandomInit, folder_source
 
 
 def build(spec: ModelSpec, *, progress: bool = True):
@@ -159,7 +159,7 @@ def load_compressed(
     Example:
         >>> model, report = load_compressed("path/to/llama", device="cuda")  # doctest: +SKIP
     """
-    source = SafetensorsFolder(path_or_id)
+    source = folder_source(path_or_id)  # a Hugging Face folder, a NeuZip export or a checkpoint: its own loader
     config = source.read_config()
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)

@@ -16,8 +16,10 @@ The order of the tensors is the source's own: a sharded checkpoint may split a d
 files, in any key order. The sink, not the source, decides when a layer is complete.
 
 Sources here: :class:`RandomInit`, :class:`SafetensorsFolder` (a Hugging Face folder of one or many
-shards, or a hub id in the local cache) and :class:`NeutrainCheckpoint` (a ``checkpoint-N`` of a
-compressed run); GGUF files are :class:`neutrain.nn.gguf.GGUFFile`.
+shards, or a hub id in the local cache), :class:`NeutrainCheckpoint` (a ``checkpoint-N`` of a
+compressed run) and :class:`NeuZipExport` (``neutrain export --format neuzip``); GGUF files are
+:class:`neutrain.nn.gguf.GGUFFile`. :func:`folder_source` picks a folder's by its format, the one place
+that decides it.
 
 Example:
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -256,6 +258,72 @@ class NeutrainCheckpoint(SafetensorsFolder):
                     raise CheckpointError(f"checkpoint file '{path}': {owner}: {exc}") from None
                 del blobs
                 yield owner, ct
+
+
+NEUZIP_QUANT_METHOD = "neuzip"
+"""``quantization_config.quant_method`` of a NeuZip export (``neutrain export --format neuzip``)."""
+
+
+class NeuZipExport(SafetensorsFolder):
+    """A NeuZip export (``neutrain export --format neuzip``, lossless or lossy): each compressed weight is the
+    codec's blobs under ``<parameter>.<blob>``, in one or many shards (one weight's blobs may straddle two),
+    yielded as one ``CompressedTensor``, checksum verified, placed without re-encoding; the rest is dense.
+
+    Why a source of its own: read as a plain Hugging Face folder, its blobs reached the sink under the weight's
+    name, and ``neutrain generate`` on a GPU failed on every NeuZip export ("model.embed_tokens.weight has
+    shape (1,)"). Transformers loads it through neutrain's quantizer; this reads it for any placement.
+    """
+
+    def keys(self) -> list[str] | None:
+        return None  # the model's own parameter names
+
+    def tensors(self, model, device, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+        from contextlib import ExitStack
+
+        from safetensors import safe_open
+
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        with ExitStack() as stack:
+            handles = [(f, stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))) for f in self.files()]
+            owners: dict[str, list[tuple[str, object]]] = {}  # in file order: a layer completes shard by shard
+            for _, handle in handles:
+                for key in handle.keys():
+                    owner = key if key in params else key.rpartition(".")[0]
+                    owners.setdefault(owner, []).append((key, handle))
+            for owner, parts in owners.items():
+                if [key for key, _ in parts] == [owner]:
+                    yield owner, parts[0][1].get_tensor(owner)
+                    continue
+                if owner not in params:
+                    continue  # a tensor the model has no parameter for: the sink would drop it too
+                blobs = {key[len(owner) + 1:]: handle.get_tensor(key) for key, handle in parts}
+                try:
+                    ct = CompressedTensor.from_state_dict(blobs, name=owner, device=device)
+                except (ValueError, RuntimeError, KeyError) as exc:
+                    raise CheckpointError(f"NeuZip export '{self.directory}': {owner}: {exc}") from None
+                del blobs
+                yield owner, ct
+
+
+def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
+    """The source for the folder ``path`` by its format: a compressed run's ``checkpoint-N`` (its marker file),
+    a NeuZip export (its config's ``quantization_config``) or a Hugging Face folder."""
+    directory = Path(path)
+    if (directory / MARKER).exists():
+        return NeutrainCheckpoint(path)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}  # read_config says what is wrong with it, in its own words
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(quant, dict) and quant.get("quant_method") == NEUZIP_QUANT_METHOD:
+        return NeuZipExport(path)
+    return SafetensorsFolder(path)  # a hub id stays one: the folder resolves it from the cache
+
+
+def is_encoded(source: object) -> bool:
+    """Whether ``source`` yields weights already compressed (their files' bytes are the compressed form)."""
+    return isinstance(source, (NeutrainCheckpoint, NeuZipExport))
 
 
 def _resolve(path_or_id) -> Path:

@@ -26,7 +26,7 @@ from neutrain.nn.gguf import GGUFFile
 from neutrain.nn.convert import parameter_count
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import RandomInit, SafetensorsFolder
+from neutrain.nn.sources import RandomInit, folder_source
 # Where callers have always found them (the planner imports them from model_config, without torch):
 from neutrain.trainer.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
 
@@ -227,7 +227,7 @@ def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, s
     elif model_cfg.get("gguf_file"):
         source = GGUFFile(*gguf_source(model_cfg))
     else:
-        source = SafetensorsFolder(model_cfg["base_model"])
+        source = folder_source(model_cfg["base_model"])  # a Hugging Face folder, a NeuZip export or a checkpoint
     try:
         if model_cfg["init"] == "random":
             config = recipe_config(model_cfg, tokenizer)

@@ -1,0 +1,122 @@
+"""Every saved form a model leaves (a NeuZip export, lossless or lossy, sharded anywhere; a dense export) placed
+in every form ``neutrain generate`` builds on a GPU (compressed, compressed with layers streamed from host
+memory), through the one chooser of loaders (``neutrain.nn.sources.folder_source``).
+
+Why: the GPU placement read a NeuZip export as a plain Hugging Face folder, so ``neutrain generate`` of the 70B
+export failed on the GPU, budget or none ("model.embed_tokens.weight has shape (1,)"), while the CPU (which
+loads through transformers' ``from_pretrained``) worked. Here the builds run on the CPU: the placement code is
+the GPU's, only the device differs.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import neutrain  # noqa: F401  (registers the quantizer)
+from neutrain.cli.placement import build_form, resolve
+from neutrain.export import load_checkpoint_model
+from neutrain.export.neuzip import export_neuzip
+from neutrain.nn.sources import NeuZipExport, NeutrainCheckpoint, SafetensorsFolder, folder_source, is_encoded
+
+FAST = {"steps": 8}
+FORMS = ("neuzip", "neuzip+offload")
+
+
+def _tiny(vocab=96):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 33, 2]])).logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("mantissa_bits", [None, 3])
+def test_a_neuzip_export_builds_in_every_generate_form_as_transformers_loads_it(tmp_path, model, form, mantissa_bits):
+    out = Path(export_neuzip(model, tmp_path / "nz", mantissa_bits=mantissa_bits, max_shard_size="24KB",
+                             codec_options=FAST))
+    assert len(list(out.glob("*.safetensors"))) > 1  # sharded: some weight's blobs straddle two files
+    source = folder_source(out)
+    assert isinstance(source, NeuZipExport) and is_encoded(source)
+    built = build_form(out, form, device="cpu")
+    reference, _ = load_checkpoint_model(out)  # transformers' from_pretrained through the quantizer
+    assert torch.equal(_logits(built), _logits(reference))
+    if mantissa_bits is None:
+        assert torch.equal(_logits(built), _logits(model))  # lossless: the model itself
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shard_kib=st.integers(min_value=4, max_value=80))
+def test_any_shard_size_gives_the_same_model(tmp_path_factory, model, shard_kib):
+    out = Path(export_neuzip(model, tmp_path_factory.mktemp("nz") / "nz", max_shard_size=f"{shard_kib}KB",
+                             codec_options=FAST))
+    assert torch.equal(_logits(build_form(out, "neuzip+offload", device="cpu")), _logits(model))
+
+
+def test_each_folder_gets_the_loader_of_its_format(tmp_path, model):
+    dense = tmp_path / "dense"
+    model.save_pretrained(str(dense))
+    assert type(folder_source(dense)) is SafetensorsFolder and not is_encoded(folder_source(dense))
+    nz = Path(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
+    assert type(folder_source(nz)) is NeuZipExport
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "neutrain_weights.json").write_text('{"weights": "neuzip-lossless"}')
+    assert type(folder_source(tmp_path / "ckpt")) is NeutrainCheckpoint
+
+
+def test_the_placement_counts_a_neuzip_export_as_compressed(tmp_path, model):
+    """The decision reads the files' bytes as the compressed form: a dense reading would plan for the dense
+    model where the export is a fraction of it."""
+    nz = Path(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
+    dense = tmp_path / "dense"
+    model.save_pretrained(str(dense))
+    assert resolve(nz, None, prompt_tokens=8, new_tokens=8).form != "dense"
+    assert resolve(dense, None, prompt_tokens=8, new_tokens=8).form == "dense"
+
+
+def test_a_run_trains_from_a_neuzip_export_as_from_the_dense_model(tmp_path):
+    """``model.base_model`` may be a NeuZip export (a compressed model passed on): the first step's loss is
+    the dense model's, to the bit."""
+    import json
+
+    import yaml
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from neutrain.cli import main
+    from tests.helpers import TINY_LLAMA, TINY_RECIPE
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=259)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "dense"))
+    export_neuzip(model, tmp_path / "nz", codec_options=FAST)
+    losses = {}
+    for base in ("dense", "nz"):
+        recipe = {**TINY_RECIPE, "model": {"init": "pretrained", "base_model": str(tmp_path / base), "tokenizer": "byte",
+                                           "dtype": "bfloat16"},
+                  "train": {**TINY_RECIPE["train"], "output_dir": str(tmp_path / f"run_{base}"), "max_steps": 1,
+                            "save_steps": 1, "optimizer": "lomo"},
+                  "memory": {"weights": "neuzip-lossless"}, "eval": {"perplexity": False}, "export": {"format": "none"}}
+        (tmp_path / f"{base}.yaml").write_text(yaml.safe_dump(recipe))
+        assert main(["train", str(tmp_path / f"{base}.yaml")]) == 0
+        rows = [json.loads(line) for line in (tmp_path / f"run_{base}" / "metrics.jsonl").read_text().splitlines()]
+        losses[base] = [r["loss"] for r in rows if "loss" in r]
+    assert losses["nz"] and losses["nz"] == losses["dense"]
