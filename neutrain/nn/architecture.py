@@ -148,7 +148,7 @@ def auto_attention(config, cuda: bool) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-_ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+_ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "neutrain_sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
 
 
 def check_attention(config, attn: str) -> None:

@@ -291,6 +291,10 @@ def causal_lm_loss(
     # Positions left to the model and no mask: one sequence per row, so transformers' packed-sequence
     # probe (a host read per forward) has nothing to find (neutrain.compat.masks).
     contiguous = attention_mask is None and model_kwargs.get("position_ids") is None
+    # No cache: a loss forward reads none. Why it matters: a model whose config says use_cache (Llama's does) builds
+    # one, and with a cache transformers skips its packed-sequence check, so packed documents attended to the
+    # ones before them in the row (and every layer's keys and values were kept to the step's end).
+    model_kwargs = {"use_cache": False, **model_kwargs}
     with contiguous_positions() if contiguous else contextlib.nullcontext():
         outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]

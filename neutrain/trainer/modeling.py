@@ -270,6 +270,10 @@ def _attention(requested: str, config, use_cpu: bool) -> str:
         from neutrain.attention import register
 
         attn = register()
+    elif attn == "neutrain_sdpa":
+        from neutrain.attention.packed import register as register_packed
+
+        attn = register_packed()
     return attn
 
 
