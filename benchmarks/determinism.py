@@ -10,7 +10,9 @@ Two parts, on one CUDA GPU:
   4 steps twice and once resumed from a checkpoint saved at step 2, and counts the blobs (of 133) in
   which the second run and the resume differ from the first.
 * **timing**: forward and backward of 4 Llama-3-8B decoder layers (no checkpointing), default kernels
-  against deterministic ones, at 1 x 1,024, 8 x 1,024 and 1 x 16,384 tokens, packed and not.
+  against deterministic ones, at 1 x 1,024, 8 x 1,024 and 1 x 16,384 tokens (one sequence, two documents, or
+  documents of 2,048 tokens), under ``sdpa`` and ``neutrain_sdpa``; its targets: at 16K packed,
+  ``neutrain_sdpa``'s deterministic step within 1.25x of ``sdpa``'s default, and its default step faster.
 
 Writes ``results/determinism.json`` (and ``$OUT/determinism.json``). About 4 minutes on an H100/H200.
 
@@ -116,14 +118,22 @@ def repeat() -> list[dict]:
 
 
 def timing() -> list[dict]:
+    """Forward and backward of 4 decoder layers, default against deterministic kernels, under transformers' ``sdpa``
+    (packed rows: a block-diagonal mask) and ``neutrain_sdpa`` (packed rows one document at a time: variable-length
+    flash), one row layout after another: one sequence, two documents, and documents of 2,048 tokens."""
     from transformers import AutoModel
+
+    from neutrain.attention.packed import register
 
     model = AutoModel.from_config(llama_config(4, 1024), dtype=torch.bfloat16).cuda().train()
     model.config.use_cache = False
+    names = ("sdpa", register())
 
-    def step_ms(rows: int, tokens: int, packed: bool, deterministic: bool) -> float:
+    def step_ms(rows: int, tokens: int, documents: int, deterministic: bool, attn: str) -> float:
+        model.config._attn_implementation = attn
         ids = torch.randint(0, 1024, (rows, tokens), device="cuda")
-        positions = _positions(rows, tokens, packed)
+        positions = None if documents == 1 else \
+            torch.arange(tokens // documents, device="cuda").repeat(documents).repeat(rows, 1)
         with deterministic_kernels(deterministic):
             for i in range(8):
                 if i == 3:  # three warm-up steps
@@ -135,15 +145,32 @@ def timing() -> list[dict]:
 
     out = []
     for rows, tokens in ((1, 1024), (8, 1024), (1, 16384)):
-        for packed in (False, True):
-            # Alternated, best of two each: a clock or neighbour drift hits both modes alike.
-            runs = [step_ms(rows, tokens, packed, d) for d in (False, True, False, True)]
-            default, deterministic = min(runs[0], runs[2]), min(runs[1], runs[3])
-            row = {"rows": rows, "tokens": tokens, "packed": packed, "default_ms": round(default, 1),
-                   "deterministic_ms": round(deterministic, 1), "ratio": round(deterministic / default, 3)}
-            print(row, flush=True)
-            out.append(row)
+        for documents in sorted({1, 2, max(tokens // 2048, 1)}):
+            for attn in names:
+                # Alternated, best of two each: a clock or neighbour drift hits both modes alike.
+                runs = [step_ms(rows, tokens, documents, d, attn) for d in (False, True, False, True)]
+                default, deterministic = min(runs[0], runs[2]), min(runs[1], runs[3])
+                row = {"rows": rows, "tokens": tokens, "documents": documents, "packed": documents > 1,
+                       "attention": attn, "default_ms": round(default, 1), "deterministic_ms": round(deterministic, 1),
+                       "ratio": round(deterministic / default, 3)}
+                print(row, flush=True)
+                out.append(row)
     return out
+
+
+def timing_targets(rows: list[dict]) -> dict:
+    """At 16K tokens in packed rows: neutrain_sdpa's deterministic step against sdpa's default one (goal: at most
+    1.25x, so an exact resume costs little), and neutrain_sdpa's default against sdpa's (goal: faster)."""
+    targets = {}
+    for documents in sorted({r["documents"] for r in rows if r["tokens"] == 16384 and r["packed"]}):
+        pick = {r["attention"]: r for r in rows if r["tokens"] == 16384 and r["documents"] == documents}
+        if {"sdpa", "neutrain_sdpa"} <= set(pick):
+            base = pick["sdpa"]["default_ms"]
+            targets[f"packed_16k_{documents}_docs_deterministic_over_sdpa_default"] = {
+                "value": round(pick["neutrain_sdpa"]["deterministic_ms"] / base, 3), "goal": "<= 1.25"}
+            targets[f"packed_16k_{documents}_docs_neutrain_sdpa_speedup"] = {
+                "value": round(base / pick["neutrain_sdpa"]["default_ms"], 3), "goal": ">= 1.0"}
+    return targets
 
 
 def main() -> None:
@@ -155,9 +182,12 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name()}
     if args.part in ("repeat", "both"):
         results["repeat"] = repeat()
+    targets = {}
     if args.part in ("timing", "both"):
         results["timing"] = timing()
-    write_result("determinism", {"tokens": TOKENS, "steps": STEPS, "saved_at": SAVED_AT, "part": args.part}, results)
+        targets = timing_targets(results["timing"])
+    write_result("determinism", {"tokens": TOKENS, "steps": STEPS, "saved_at": SAVED_AT, "part": args.part}, results,
+                 targets=targets)
 
 
 if __name__ == "__main__":

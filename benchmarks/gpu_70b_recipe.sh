@@ -28,6 +28,11 @@
 # Each watch prints the stages' progress and leaves $OUT/70b_state.tgz (logs, stage times, samples, the record
 # once written) and, at the end, $OUT/offload.json. A machine holds /tmp and /dev/shm only while it is warm: the
 # next call must follow within its 30 s.
+# Measured (638972d, x2): train 320 s, resume 363, export 289, the two generates side by side 110, straight 319,
+# the whole run 1,495 s beside the machine's ~80 s start, without train.deterministic. Deterministic attention at
+# 16K packed costs up to 4.3x under sdpa (benchmarks/notes_determinism.md): run `benchmarks/determinism.py --part
+# timing` first, and pass RUN_KEYS="train.deterministic=true model.attn_implementation=neutrain_sdpa" where its
+# targets hold, else the run does not fit one machine's 30 minutes.
 # Host memory: the 2-GPU machine plugs memory in as it is used (it reports ~31 GiB at start, 256 GiB is its
 # limit), so HOST_LIMIT_GIB (default: what /proc/meminfo says) less what is in use now is passed to each command
 # as NEUTRAIN_HOST_MEMORY_GIB; /dev/shm is grown to SHM_GIB when it is smaller.
@@ -80,6 +85,9 @@ BUDGET=${BUDGET:-22}
 NEW_TOKENS=${NEW_TOKENS:-16}
 PROMPT=${PROMPT:-"def fibonacci(n):"}
 STAGES=${STAGES:-train,resume,export,generate,straight,compare}
+# A resume equal byte for byte to the uninterrupted run needs reproducible kernels: without them two fresh runs
+# of this recipe already differed at step 2 (grad norm 52.56 against 52.57; benchmarks/notes_offload.md).
+RUN_KEYS=${RUN_KEYS:-train.deterministic=true}
 SHM_GIB=${SHM_GIB:-120}
 gpu=${CUDA_VISIBLE_DEVICES:-0}
 RESUMED="$RESUME_DIR/checkpoint-$((STEPS + 1))"
@@ -122,10 +130,11 @@ stage_end() {  # name rc: seconds and exit code into STATE; the log copied into 
   cp "$OUT/70b_$1.log" "$STATE/" 2>/dev/null; cp "$STATE/70b_stages.txt" "$OUT/"
   echo idle > "$STATE/current_stage"
 }
-launch() {  # output_dir max_steps [key=value ...]: the literal recipe at the budget
+launch() {  # output_dir max_steps [key=value ...]: the literal recipe at the budget, with RUN_KEYS
   local dir=$1 steps=$2; shift 2
+  # shellcheck disable=SC2086 (RUN_KEYS is a list of key=value words)
   accelerate launch "$RECIPE" memory.device_budget_gib="$BUDGET" train.max_steps="$steps" \
-    train.save_steps="$steps" train.output_dir="$dir" "$@"
+    train.save_steps="$steps" train.output_dir="$dir" $RUN_KEYS "$@"
 }
 drop_first() {  # checkpoint-4, resumed from already: its record stays, its bytes make room
   local first="$RUN_DIR/checkpoint-$STEPS"
