@@ -292,8 +292,8 @@ def causal_lm_loss(
     # probe (a host read per forward) has nothing to find (neutrain.compat.masks).
     contiguous = attention_mask is None and model_kwargs.get("position_ids") is None
     # No cache: a loss forward reads none. Why it matters: a model whose config says use_cache (Llama's does) builds
-    # one, and with a cache transformers skips its packed-sequence check, so packed documents attended to the
-    # ones before them in the row (and every layer's keys and values were kept to the step's end).
+    # one unless activation checkpointing turns it off, and with a cache transformers skips its packed-sequence
+    # check, so packed documents attended to the ones before them in the row.
     model_kwargs = {"use_cache": False, **model_kwargs}
     with contiguous_positions() if contiguous else contextlib.nullcontext():
         outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)

@@ -1,9 +1,9 @@
 """A packed row trains as its documents apart: every attention neutrain offers, both loss paths.
 
-Why: Llama's config says ``use_cache``, so a training forward built a cache, and with a cache transformers skips
-its packed-sequence check: under ``sdpa`` and ``eager`` each packed document attended to the ones before it in
-the row (``neutrain_sage`` read the positions itself and did not), and every layer's keys and values were kept
-to the step's end. The chunked loss's forward now runs without a cache.
+Why: Llama's config says ``use_cache``, so a training forward without activation checkpointing (which turns the
+cache off) built one, and with a cache transformers skips its packed-sequence check: under ``sdpa`` and ``eager``
+each packed document attended to the ones before it in the row (``neutrain_sage`` read the positions itself and
+did not). The chunked loss's forward now runs without a cache.
 """
 
 from __future__ import annotations
