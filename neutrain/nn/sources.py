@@ -252,12 +252,15 @@ class NeutrainCheckpoint(SafetensorsFolder):
                     yield owner, handle.get_tensor(aliases.get(owner, owner))
                     continue
                 blobs = {key[len(owner) + 1:]: handle.get_tensor(aliases.get(key, key)) for key in keys}
-                try:
-                    ct = CompressedTensor.from_state_dict(blobs, name=owner, device=device)
-                except (ValueError, RuntimeError, KeyError) as exc:
-                    raise CheckpointError(f"checkpoint file '{path}': {owner}: {exc}") from None
-                del blobs
-                yield owner, ct
+                yield owner, _assemble(blobs, owner, device, f"checkpoint file '{path}'")
+
+
+def _assemble(blobs: dict[str, torch.Tensor], owner: str, device, where: str) -> CompressedTensor:
+    """One weight's codec blobs as a ``CompressedTensor`` (checksum verified), or one line naming it and ``where``."""
+    try:
+        return CompressedTensor.from_state_dict(blobs, name=owner, device=device)
+    except (ValueError, RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"{where}: {owner}: {exc}") from None
 
 
 NEUZIP_QUANT_METHOD = "neuzip"
@@ -297,12 +300,7 @@ class NeuZipExport(SafetensorsFolder):
                 if owner not in params:
                     continue  # a tensor the model has no parameter for: the sink would drop it too
                 blobs = {key[len(owner) + 1:]: handle.get_tensor(key) for key, handle in parts}
-                try:
-                    ct = CompressedTensor.from_state_dict(blobs, name=owner, device=device)
-                except (ValueError, RuntimeError, KeyError) as exc:
-                    raise CheckpointError(f"NeuZip export '{self.directory}': {owner}: {exc}") from None
-                del blobs
-                yield owner, ct
+                yield owner, _assemble(blobs, owner, device, f"NeuZip export '{self.directory}'")
 
 
 def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
