@@ -22,10 +22,10 @@ from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export.target import EXPORT_INFO, source_changed, staged_export
 from neutrain.files import check_folder
 from neutrain.nn import decompressed_state_dict
-from neutrain.nn.checkpoint import MARKER, is_compressed
+from neutrain.nn.checkpoint import is_compressed
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import NeutrainCheckpoint, SafetensorsFolder
+from neutrain.nn.sources import NeutrainCheckpoint, NeuZipExport, folder_source
 from neutrain.storage.manifest import verify_checkpoint
 
 logger = logging.getLogger("neutrain")
@@ -60,13 +60,13 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
 
-    if (path / MARKER).exists():
-        return _load_compressed_checkpoint(path), _load_tokenizer(path)
+    source = folder_source(path)  # one loader per format
+    if isinstance(source, NeutrainCheckpoint):
+        return _load_compressed_checkpoint(source), _load_tokenizer(path)
     try:
-        if _is_neuzip_export(path):
+        if isinstance(source, NeuZipExport):  # as any user of the export loads it: transformers and the quantizer
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype])
         else:
-            source = SafetensorsFolder(path)
             config = source.read_config()
             chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
             model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
@@ -75,13 +75,6 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return model.eval(), _load_tokenizer(path)
-
-
-def _is_neuzip_export(path: Path) -> bool:
-    from neutrain.export.quantizer import QUANT_METHOD  # lazy: keeps `import neutrain` light
-
-    config = json.loads((path / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
 
 
 def _config_dtype(config) -> torch.dtype | None:
@@ -104,9 +97,8 @@ def _load_tokenizer(path: Path):
     return None
 
 
-def _load_compressed_checkpoint(path: Path):
+def _load_compressed_checkpoint(source: NeutrainCheckpoint):
     """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights)."""
-    source = NeutrainCheckpoint(path)
     config = source.read_config()
     model, _ = build(ModelSpec(source, config, _config_dtype(config) or torch.bfloat16, placement=Placement(source.weights)),
                      progress=False)
