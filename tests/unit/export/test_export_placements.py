@@ -120,3 +120,14 @@ def test_a_run_trains_from_a_neuzip_export_as_from_the_dense_model(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / f"run_{base}" / "metrics.jsonl").read_text().splitlines()]
         losses[base] = [r["loss"] for r in rows if "loss" in r]
     assert losses["nz"] and losses["nz"] == losses["dense"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the device machine")
+@pytest.mark.parametrize("form", FORMS)
+def test_on_a_gpu_each_form_of_a_neuzip_export_gives_the_models_logits(tmp_path, model, form):
+    """Where the 70B export failed: the GPU placement's own build, on the GPU."""
+    out = Path(export_neuzip(model, tmp_path / "nz", max_shard_size="24KB", codec_options=FAST))
+    built = build_form(out, form, device="cuda")
+    with torch.no_grad():
+        got = built(torch.tensor([[1, 5, 9, 33, 2]], device="cuda")).logits.cpu()
+    torch.testing.assert_close(got, _logits(model), atol=2e-2, rtol=2e-2)  # GPU kernels: another summation order
