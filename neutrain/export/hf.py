@@ -20,7 +20,7 @@ from neutrain.config.schema import ExportSection
 from neutrain.storage.manifest import write_manifest
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export.target import EXPORT_INFO, source_changed, staged_export
-from neutrain.files import check_folder
+from neutrain.files import check_folder, read_json_object
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import MARKER, is_compressed
 from neutrain.nn.load import build
@@ -80,8 +80,9 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
 def _is_neuzip_export(path: Path) -> bool:
     from neutrain.export.quantizer import QUANT_METHOD  # lazy: keeps `import neutrain` light
 
-    config = json.loads((path / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    config = read_json_object(path / "config.json", f"checkpoint file '{path / 'config.json'}'", CheckpointError)
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == QUANT_METHOD
 
 
 def _config_dtype(config) -> torch.dtype | None:
