@@ -210,9 +210,10 @@ def _no_constant(word: str) -> Any:
     raise _Constant(word)
 
 
-def parse_json(text: str, label: str, error: type[Exception]) -> Any:
+def parse_json(text: str, label: str, error: type[Exception], allow_nan: bool = False) -> Any:
     """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key, and ``NaN``,
-    ``Infinity`` or ``-Infinity`` (which Python's parser takes though JSON has none) is refused.
+    ``Infinity`` or ``-Infinity`` (which Python's parser takes though JSON has none) is refused unless
+    ``allow_nan`` (a file Python's own writer fills with measurements: a skipped step's loss is NaN).
 
     Example:
         >>> parse_json('{"a": 1, "b": }', "fsdp.json", ValueError)
@@ -220,7 +221,7 @@ def parse_json(text: str, label: str, error: type[Exception]) -> Any:
         ValueError: fsdp.json is not valid JSON (Expecting value at line 1, column 15)
     """
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=None if allow_nan else _no_constant)
     except _Constant as exc:  # NaN / Infinity: Python's extension, no JSON, and no finite setting of any key
         at = text.find(exc.word)  # the parser does not say where; the first such word outside a string is it
         raise error(f"{label} holds {exc.word} (line {text.count(chr(10), 0, at) + 1}): not valid JSON, and no "
@@ -239,10 +240,21 @@ def parse_json(text: str, label: str, error: type[Exception]) -> Any:
 MAX_CONFIG_BYTES = 16 << 20
 """A JSON config (``config.json``, an FSDP or DeepSpeed config) is a few KiB; more is not a config."""
 
+MAX_RECORD_BYTES = 256 << 20
+"""A checkpoint's records: ``trainer_state.json`` grows with every logged step, a manifest with every tensor."""
+
+
+def read_json(path: str | os.PathLike, label: str, error: type[Exception], limit: int = MAX_CONFIG_BYTES,
+              allow_nan: bool = False) -> Any:
+    """A JSON file of any value: read, decoded and parsed as the module doc says (:func:`read_json_object`
+    for a file that must hold an object)."""
+    return parse_json(read_text(path, label, limit, error), label, error, allow_nan)
+
 
 def read_json_object(path: str | os.PathLike, label: str, error: type[Exception],
-                     limit: int = MAX_CONFIG_BYTES) -> dict:
-    """A JSON file that must hold an object (a config): read, decoded and parsed as the module doc says.
+                     limit: int = MAX_CONFIG_BYTES, allow_nan: bool = False) -> dict:
+    """A JSON file that must hold an object (a config, a checkpoint's record): read, decoded and parsed as the
+    module doc says.
 
     Example:
         >>> import tempfile
@@ -252,7 +264,7 @@ def read_json_object(path: str | os.PathLike, label: str, error: type[Exception]
         Traceback (most recent call last):
         ValueError: train.deepspeed: file 'ds.json' holds a JSON list, expected an object
     """
-    value = parse_json(read_text(path, label, limit, error), label, error)
+    value = read_json(path, label, error, limit, allow_nan)
     if not isinstance(value, dict):
         raise error(f"{label} holds a JSON {type(value).__name__}, expected an object")
     return value

@@ -21,12 +21,12 @@ Triton kernel). A table entry names its kernel (``"kernel"``, ``triton`` when ab
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 from neutrain.config.knobs import SAGE_KERNELS, SAGE_POLICIES, knob
+from neutrain.files import read_json_object
 
 TABLE_PATH = Path(__file__).with_name("dispatch_table.json")
 POLICIES = SAGE_POLICIES
@@ -81,12 +81,13 @@ def table_path() -> Path:
 
 @lru_cache(maxsize=4)
 def load_table(path: str) -> tuple[dict, ...]:
-    """The entries of a dispatch table file (empty when the file is missing or unreadable)."""
+    """The entries of a dispatch table file (empty when the file is missing or unreadable: a FIFO is refused
+    unopened)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        data = read_json_object(path, f"dispatch table '{path}'", ValueError)
+    except ValueError:
         return ()
-    entries = data.get("entries", []) if isinstance(data, dict) else []
+    entries = data.get("entries", [])
     return tuple(e for e in entries if isinstance(e, dict))
 
 
@@ -122,10 +123,10 @@ def lookup(device: str, head_dim: int, causal: bool, dtype: str, mode: str, seq_
 @lru_cache(maxsize=4)
 def _kernel_configs(path: str) -> dict:
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        data = read_json_object(path, f"dispatch table '{path}'", ValueError)
+    except ValueError:
         return {}
-    configs = data.get("kernel_configs", {}) if isinstance(data, dict) else {}
+    configs = data.get("kernel_configs", {})
     return configs if isinstance(configs, dict) else {}
 
 

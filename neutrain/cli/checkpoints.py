@@ -7,7 +7,7 @@ from pathlib import Path
 from neutrain.config.recipe_yaml import parse_recipe_text
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.export.target import EXPORT_INFO
-from neutrain.files import check_kind
+from neutrain.files import MAX_RECORD_BYTES, check_kind, read_json_object
 from neutrain.storage.run_lock import previous_checkpoints
 
 
@@ -107,17 +107,14 @@ def run_facts(checkpoint: Path) -> dict:
         >>> run_facts(Path("outputs/default/checkpoint-240"))["steps"]  # doctest: +SKIP
         240
     """
-    import json
-
     from neutrain.eval.perplexity import perplexity_record  # lazy: the eval package brings torch
 
     facts: dict = {}
     for name in (EXPORT_INFO, "trainer_state.json"):
-        try:
-            data = json.loads((Path(checkpoint) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict):
+        path = Path(checkpoint) / name
+        try:  # best effort: a card without these facts; NaN allowed, a skipped step's loss is logged as NaN
+            data = read_json_object(path, f"checkpoint file '{path}'", UserInputError, MAX_RECORD_BYTES, allow_nan=True)
+        except UserInputError:
             continue
         if name == EXPORT_INFO:
             facts.update({k: v for k, v in data.items() if k != "format"})
@@ -145,15 +142,13 @@ def trained_with_chat_template(model_dir: Path) -> bool | None:
         >>> trained_with_chat_template(Path("outputs/default/export"))  # doctest: +SKIP
         False
     """
-    import json
-
     from neutrain.data.chat import trained_on_chat  # lazy: neutrain.data imports datasets; `neutrain --help` stays instant
 
     info = Path(model_dir) / EXPORT_INFO
     if info.is_file():
         try:
-            recorded = json.loads(info.read_text()).get("chat_template")
-        except (OSError, ValueError, AttributeError):
+            recorded = read_json_object(info, f"export info '{info}'", UserInputError).get("chat_template")
+        except UserInputError:
             recorded = None
         if isinstance(recorded, bool):
             return recorded

@@ -28,14 +28,14 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable
 
-from neutrain.errors import UserInputError
+from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _load_tokenizer
+from neutrain.files import read_json_object
 from neutrain.cli.memory import enforce_budget
 from neutrain.cli.residency import Residency, decide
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
@@ -129,7 +129,7 @@ def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: i
     source = folder_source(path)
     encoded = is_encoded(source)  # a compressed run's checkpoint or a NeuZip export: the compressed form already
     config = source.read_config()
-    dtype_bytes = 4 if _dtype_name(json.loads((path / "config.json").read_text())) == "float32" else 2
+    dtype_bytes = 4 if _dtype_name(_config(path)) == "float32" else 2
     shape = _shape(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens + new_tokens > context:
@@ -174,7 +174,7 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
 
     source = folder_source(path)  # one loader per format
     config = source.read_config()
-    dtype = getattr(torch, _dtype_name(json.loads((path / "config.json").read_text())))
+    dtype = getattr(torch, _dtype_name(_config(path)))
     offload = form == "neuzip+offload"
     placement = Placement("neuzip-lossless", offload=offload, layers=streamed if offload else None, device=device)
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
@@ -182,6 +182,12 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
     model, report = build(spec)
     logger.info("generate: %s", report)
     return model
+
+
+def _config(directory: Path) -> dict:
+    """The export's or checkpoint's ``config.json``, through the one reader (a FIFO there blocked the read)."""
+    path = Path(directory) / "config.json"
+    return read_json_object(path, f"checkpoint file '{path}'", CheckpointError)
 
 
 def _dtype_name(config: dict) -> str:
@@ -217,7 +223,7 @@ def longest_prompt(tokenizer, trained_with, args, prompts: list[str] | None, dir
     from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
 
     if prompts is None:
-        context = json.loads((directory / "config.json").read_text()).get("max_position_embeddings")
+        context = _config(directory).get("max_position_embeddings")
         positions = min(context, CHAT_POSITIONS) if isinstance(context, int) else CHAT_POSITIONS
         return max(positions - args.max_new_tokens, 1)
     if tokenizer is None:  # refused once the model is named (no tokenizer files)

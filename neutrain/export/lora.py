@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from transformers import AutoTokenizer
 
 from neutrain.compress import compress
 from neutrain.errors import CheckpointError
+from neutrain.files import read_json_object
 from neutrain.export.hf import densify, load_checkpoint_model
 from neutrain.nn import CompressedLinear, CompressedWeight
 from neutrain.nn.lora import load_adapters, mantissa_bits_of
@@ -97,7 +97,9 @@ def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto", 
     """
     path = Path(path)
     verify_checkpoint(path)
-    base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    adapter_config = path / "adapter_config.json"
+    base = base or read_json_object(adapter_config, f"checkpoint file '{adapter_config}'",
+                                    CheckpointError).get("base_model_name_or_path")
     if not base and (path.parent / "base" / "config.json").exists():
         base = str(path.parent / "base")  # a run with no base directory wrote its frozen base there (cli/train.py)
     if not base or not Path(base).is_dir():
@@ -118,10 +120,10 @@ BASE_KEY = "model.base"
 
 def recorded_base(checkpoint) -> str | None:
     """The fingerprint of the base an adapter checkpoint's run trained on, as its record holds it (None: not recorded)."""
+    path = Path(checkpoint) / RUN_RECORD
     try:
-        saved = json.loads((Path(checkpoint) / RUN_RECORD).read_text(encoding="utf-8"))
-        value = saved["record"].get(BASE_KEY)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        value = read_json_object(path, f"checkpoint file '{path}'", CheckpointError)["record"].get(BASE_KEY)
+    except (CheckpointError, KeyError, TypeError, AttributeError):
         return None
     return value if isinstance(value, str) else None
 

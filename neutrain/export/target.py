@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
 from neutrain.errors import UserInputError
+from neutrain.files import read_json_object
 from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import restore_set_aside_export
 from neutrain.storage.manifest import EXPORT_INFO  # written into every export; also what marks one as neutrain's
@@ -60,10 +60,10 @@ def is_export(path: str | os.PathLike) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
     try:
-        info = json.loads((path / EXPORT_INFO).read_text())
-    except (OSError, ValueError):
+        info = read_json_object(path / EXPORT_INFO, f"export info '{path / EXPORT_INFO}'", UserInputError)
+    except UserInputError:
         return False
-    if not isinstance(info, dict) or not isinstance(info.get("format"), str):
+    if not isinstance(info.get("format"), str):
         return False
     return not any(entry.is_dir() for entry in path.iterdir())
 
@@ -80,10 +80,11 @@ def source_changed(path: str | os.PathLike) -> str | None:
         >>> source_changed(tempfile.mkdtemp()) is None  # no record: nothing to compare
         True
     """
+    info_path = Path(path) / EXPORT_INFO
     try:
-        info = json.loads((Path(path) / EXPORT_INFO).read_text(encoding="utf-8"))
+        info = read_json_object(info_path, f"export info '{info_path}'", UserInputError)
         checkpoint, recorded = info["checkpoint"], info["checkpoint_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (UserInputError, KeyError):
         return None
     if not (isinstance(checkpoint, str) and isinstance(recorded, str)) or not Path(checkpoint).is_dir():
         return None  # rotated away or moved: the export keeps its own weights, and no other model claims the path

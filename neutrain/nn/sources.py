@@ -44,7 +44,7 @@ import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
-from neutrain.files import check_folder
+from neutrain.files import check_folder, read_json_object
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
 from neutrain.storage.manifest import safetensors_header
 
@@ -222,7 +222,11 @@ class NeutrainCheckpoint(SafetensorsFolder):
     @property
     def weights(self) -> str:
         """The weights mode the run trained with (its ``neutrain_weights.json``)."""
-        return json.loads((self.directory / MARKER).read_text())["weights"]
+        path = self.directory / MARKER
+        weights = read_json_object(path, f"checkpoint file '{path}'", CheckpointError).get("weights")
+        if not isinstance(weights, str):
+            raise CheckpointError(f"checkpoint file '{path}' names no weights mode (a \"weights\" string)")
+        return weights
 
     def files(self) -> list[Path]:
         path = self.directory / WEIGHTS_FILE
@@ -309,11 +313,12 @@ def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
     directory = Path(path)
     if (directory / MARKER).exists():
         return NeutrainCheckpoint(path)
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}  # read_config says what is wrong with it, in its own words
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    config_path = directory / "config.json"
+    # Missing: a hub id, or a folder read_config names the lack of. Present, it is read here, so a FIFO or a
+    # broken file is one line naming it (transformers' own open of a FIFO blocked).
+    config = read_json_object(config_path, f"checkpoint file '{config_path}'", CheckpointError) \
+        if os.path.lexists(config_path) else {}
+    quant = config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == NEUZIP_QUANT_METHOD:
         return NeuZipExport(path)
     return SafetensorsFolder(path)  # a hub id stays one: the folder resolves it from the cache

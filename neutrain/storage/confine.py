@@ -30,11 +30,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path, PurePosixPath
 
 from neutrain.errors import CheckpointError
+from neutrain.files import read_json_object
 
 # What a run writes at the top of its output_dir (neutrain.cli.train, neutrain.trainer.callbacks, ...).
 RUN_FILES = ("metrics.jsonl", "summary.json", "training_curves.png", "recipe.yaml", "training_args.json",
@@ -118,13 +118,7 @@ def indexed_files(directory: str | os.PathLike, index: str = "model.safetensors.
     """
     directory = Path(directory)
     path = directory / index
-    try:
-        if path.stat().st_size > _INDEX_BYTES:
-            raise CheckpointError(f"checkpoint file '{path}' has {path.stat().st_size:,} bytes, more than a "
-                                  f"safetensors index holds ({_INDEX_BYTES >> 20} MiB): refused")
-        weight_map = json.loads(path.read_bytes().decode("utf-8"))["weight_map"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-        weight_map = None
+    weight_map = read_json_object(path, f"checkpoint file '{path}'", CheckpointError, _INDEX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"checkpoint file '{path}' is not a safetensors index (expected JSON with a "
                               f"\"weight_map\" of tensor names to shard file names)")

@@ -38,6 +38,8 @@ import socket
 import time
 from pathlib import Path
 
+from neutrain.files import read_json_object
+
 logger = logging.getLogger("neutrain")
 
 # What each temporary name is (the pattern must match the whole name). Written by:
@@ -157,11 +159,11 @@ def mark_writer(temporary: str | os.PathLike) -> None:
 def _live_writer(path: Path) -> int | None:
     """The pid of the live process on this host that ``path/writer.json`` names, else None."""
     try:
-        writer = json.loads((path / WRITER_FILE).read_text(encoding="utf-8"))
+        writer = read_json_object(path / WRITER_FILE, f"writer record '{path / WRITER_FILE}'", ValueError)
         host = writer["host"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError):
         return None  # no record (an older neutrain), or torn by the kill that left it
-    return writer["pid"] if isinstance(writer, dict) and host == socket.gethostname() and writer_alive(writer) else None
+    return writer["pid"] if host == socket.gethostname() and writer_alive(writer) else None
 
 
 def export_leftover_patterns(name: str) -> tuple[str, ...]:

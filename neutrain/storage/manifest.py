@@ -40,6 +40,7 @@ from pathlib import Path, PurePosixPath
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
+from neutrain.files import MAX_FOLDER_TEXT_BYTES, MAX_RECORD_BYTES, read_bytes, read_json_object, read_text
 from neutrain.storage.confine import check_indexes, check_tree, inside
 from neutrain.storage.digests import file_digests, remembered
 from neutrain.storage.tensor_layout import check_ranges
@@ -170,9 +171,10 @@ def content_hash(directory: str | os.PathLike) -> str | None:
         >>> content_hash(tempfile.mkdtemp()) is None
         True
     """
-    try:
-        return hashlib.sha256((Path(directory) / MANIFEST).read_bytes()).hexdigest()
-    except OSError:
+    path = Path(directory) / MANIFEST
+    try:  # the path an export records may hold anything now: a FIFO there is refused unopened
+        return hashlib.sha256(read_bytes(path, f"checkpoint file '{path}'", MAX_RECORD_BYTES, CheckpointError)).hexdigest()
+    except CheckpointError:
         return None
 
 
@@ -202,17 +204,19 @@ def written_with_manifest(directory: str | os.PathLike) -> str | None:
     for name in WRITTEN_WITH_MANIFEST:
         if (directory / name).is_file():
             return f"it holds {name}"
-    try:
-        state = json.loads((directory / "trainer_state.json").read_text(encoding="utf-8"))
+    state_path = directory / "trainer_state.json"
+    try:  # NaN allowed: a skipped step's loss is logged as NaN in its log history
+        state = read_json_object(state_path, f"checkpoint file '{state_path}'", CheckpointError, MAX_RECORD_BYTES,
+                                 allow_nan=True)
         marked = MANIFEST_MARK in state.get("stateful_callbacks", {})
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError):
+    except (CheckpointError, TypeError):
         marked = False
     return f"its trainer_state.json records {MANIFEST_MARK}" if marked else None
 
 
 def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None:
     path = directory / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):  # a FIFO or a directory in its place is read, and refused, below
         expected = written_with_manifest(directory)
         if expected is not None:
             raise CheckpointError(f"checkpoint '{directory}' has no {MANIFEST}, yet it was written by a neutrain that "
@@ -221,11 +225,8 @@ def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None
         logger.warning("checkpoint '%s' has no %s (written before neutrain checksummed its checkpoints, or not by "
                        "neutrain): its files are not checksummed", directory, MANIFEST)
         return
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
-    except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
-        files = None
+    manifest = read_json_object(path, f"checkpoint file '{path}'", CheckpointError, MAX_RECORD_BYTES)
+    files = manifest.get("files") if manifest.get("format") == MANIFEST_FORMAT else None
     if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
         raise CheckpointError(f"checkpoint file '{path}' is not a neutrain manifest (corrupt or replaced)")
     # Every file is checked, not only those listed: a file the manifest does not name (added since, or its
@@ -296,9 +297,12 @@ def check_file(path: Path) -> None:
     if suffix == ".safetensors":
         safetensors_header(path)
     elif suffix == ".json":
+        # Bounded and decoded by the one reader, then only parsed: any JSON value is valid here (NaN too: a skipped
+        # step's loss in trainer_state.json), and a tokenizer.json of a large vocabulary is tens of MiB.
+        text = read_text(path, f"checkpoint file '{path}'", MAX_FOLDER_TEXT_BYTES, CheckpointError)
         try:
-            json.loads(path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+            json.loads(text)
+        except ValueError:
             raise CheckpointError(f"checkpoint file '{path}' is not valid JSON (truncated or corrupt)") from None
     elif path.name == "training_args.bin":
         # Older neutrain (and the Trainer) pickled the TrainingArguments object here; nothing reads it.

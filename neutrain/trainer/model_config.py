@@ -8,12 +8,11 @@ reader only for a recipe that names a GGUF file.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from neutrain.config.model_config import BYTE_VOCAB, plain_shape_config
 from neutrain.errors import RecipeError
+from neutrain.files import read_json_object
 
 
 def recipe_config(model_cfg: dict[str, Any], tokenizer):
@@ -29,7 +28,7 @@ def recipe_config(model_cfg: dict[str, Any], tokenizer):
         config = AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
     else:
         if isinstance(cfg, str):
-            cfg = json.loads(Path(cfg).read_text())
+            cfg = read_json_object(cfg, f"model.config: file '{cfg}'", RecipeError)
         cfg = dict(cfg)
         model_type = cfg.pop("model_type", None)
         if not model_type:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from neutrain.errors import RecipeError
+from neutrain.files import read_json_object
 from neutrain.nn import gguf
 from neutrain.nn.gguf import GGUFFile
 from neutrain.nn.convert import parameter_count
@@ -145,11 +146,12 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
     """
     from neutrain.storage.run_lock import previous_checkpoints
 
-    try:
-        old = json.loads((saved / TOKENIZER_SPEC).read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    path = saved / TOKENIZER_SPEC
+    if not os.path.lexists(path):
         return False
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:
+        old = read_json_object(path, f"tokenizer spec '{path}'", RecipeError)
+    except RecipeError:  # broken: the tokenizer is taken as built for other keys
         old = {}
     key = next((k for k in spec if not isinstance(old, dict) or old.get(k) != spec[k]), None)
     if key is None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.errors import CheckpointError, UserInputError
+from neutrain.files import read_json_object
 from neutrain.nn.checkpoint import MARKER as WEIGHTS_MARKER  # a compressed checkpoint's weight format
 
 RUN_RECORD = "neutrain_run.json"
@@ -188,11 +189,11 @@ def saved_record(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """What ``checkpoint_dir`` says it was trained with: its record, else what an older checkpoint holds."""
     directory = Path(checkpoint_dir)
     path = directory / RUN_RECORD
-    if path.is_file():
+    if os.path.lexists(path):  # a FIFO or a directory in its place is no record either
         try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            record = saved["record"] if saved.get("format") == RECORD_FORMAT else None
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
+            saved = read_json_object(path, f"checkpoint file '{path}'", CheckpointError)
+            record = saved.get("record") if saved.get("format") == RECORD_FORMAT else None
+        except CheckpointError:
             record = None
         if not isinstance(record, dict):
             raise CheckpointError(f"checkpoint file '{path}' is not a neutrain run record (corrupt or replaced)")
@@ -201,16 +202,17 @@ def saved_record(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     marker = directory / WEIGHTS_MARKER
     if marker.is_file():
         try:
-            record["memory.weights"] = json.loads(marker.read_text(encoding="utf-8"))["weights"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            record["memory.weights"] = read_json_object(marker, f"checkpoint file '{marker}'", CheckpointError)["weights"]
+        except (CheckpointError, KeyError):
             pass  # the manifest and the loader report a damaged marker
     elif (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file():
         record["memory.weights"] = "dense"
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # a broken config is the loader's to report; a FIFO is refused unopened
+        config = read_json_object(directory / "config.json", f"checkpoint file '{directory / 'config.json'}'",
+                                  CheckpointError)
+    except CheckpointError:
         config = {}
-    if isinstance(config, dict):
+    if config:
         record.update({f"model.config.{k}": config[k] for k in SHAPE_KEYS if config.get(k) is not None})
     return record
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.errors import CheckpointError
+from neutrain.files import MAX_RECORD_BYTES, read_json_object
 from neutrain.storage.confine import check_run_outputs, check_tree
 from neutrain.storage.leftovers import clean_run_dir
 from neutrain.storage.run_dir import PLANNED
@@ -153,11 +154,12 @@ SUMMARY = "summary.json"
 
 def summarised(output_dir: str | os.PathLike, step: int) -> bool:
     """Whether ``output_dir/summary.json`` is the summary of a run that finished at ``step``."""
-    try:
-        summary = json.loads((Path(output_dir) / SUMMARY).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    path = Path(output_dir) / SUMMARY
+    try:  # no summary, or a broken one: the run is not marked done (the reader refuses a FIFO unopened)
+        summary = read_json_object(path, f"run summary '{path}'", CheckpointError)
+    except CheckpointError:
         return False
-    return isinstance(summary, dict) and summary.get("steps") == step
+    return summary.get("steps") == step
 
 
 def schedule_note(train: dict[str, Any], step: int, old_total: int, new_total: int) -> str:
@@ -221,14 +223,13 @@ def _learning_rates(train: dict[str, Any], total: int, count: int) -> list[float
 
 def _trainer_state(checkpoint: Path) -> dict[str, Any] | None:
     path = checkpoint / "trainer_state.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json is unreadable ({exc}); "
-                              "resume from an earlier checkpoint-N") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("global_step"), int):
+    try:  # NaN allowed: a skipped step's loss is logged as NaN in its log history
+        saved = read_json_object(path, f"checkpoint file '{path}'", CheckpointError, MAX_RECORD_BYTES, allow_nan=True)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; resume from an earlier checkpoint-N") from None
+    if not isinstance(saved.get("global_step"), int):
         raise CheckpointError(f"checkpoint '{checkpoint}': trainer_state.json has no integer global_step")
     for key, kinds in (("max_steps", (int,)), ("epoch", (int, float))):  # read by plan_resume and the Trainer
         value = saved.get(key, 0)
