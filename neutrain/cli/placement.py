@@ -187,7 +187,7 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
 def _config(directory: Path) -> dict:
     """The export's or checkpoint's ``config.json``, through the one reader (a FIFO there blocked the read)."""
     path = Path(directory) / "config.json"
-    return read_json_object(path, f"checkpoint file '{path}'", CheckpointError)
+    return read_json_object(path, f"checkpoint file '{path}'", CheckpointError, allow_nan=True)  # values: checked at build
 
 
 def _dtype_name(config: dict) -> str:

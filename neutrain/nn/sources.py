@@ -163,7 +163,12 @@ class SafetensorsFolder:
         from transformers import AutoConfig
 
         # By name: transformers finds a local folder or the hub cache, and says which is missing (OSError).
-        return AutoConfig.from_pretrained(str(self.path_or_id), trust_remote_code=trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(str(self.path_or_id), trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, TypeError) as exc:  # a config.json transformers cannot make a config of
+            detail = " ".join(str(exc).split())[:300]
+            raise CheckpointError(f"model '{self.path_or_id}': its config.json is not a model config transformers "
+                                  f"reads ({type(exc).__name__}: {detail})") from None
 
     def files(self) -> list[Path]:
         files = _safetensors_files(self.directory)
@@ -316,7 +321,8 @@ def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
     config_path = directory / "config.json"
     # Missing: a hub id, or a folder read_config names the lack of. Present, it is read here, so a FIFO or a
     # broken file is one line naming it (transformers' own open of a FIFO blocked).
-    config = read_json_object(config_path, f"checkpoint file '{config_path}'", CheckpointError) \
+    # NaN parses: a model config's values are checked where it is built, naming the key (check_config_values).
+    config = read_json_object(config_path, f"checkpoint file '{config_path}'", CheckpointError, allow_nan=True) \
         if os.path.lexists(config_path) else {}
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == NEUZIP_QUANT_METHOD:
