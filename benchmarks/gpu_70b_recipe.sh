@@ -28,11 +28,11 @@
 # Each watch prints the stages' progress and leaves $OUT/70b_state.tgz (logs, stage times, samples, the record
 # once written) and, at the end, $OUT/offload.json. A machine holds /tmp and /dev/shm only while it is warm: the
 # next call must follow within its 30 s.
-# Measured (638972d, x2): train 320 s, resume 363, export 289, the two generates side by side 110, straight 319,
-# the whole run 1,495 s beside the machine's ~80 s start, without train.deterministic. Deterministic attention at
-# 16K packed costs up to 4.3x under sdpa (benchmarks/notes_determinism.md): run `benchmarks/determinism.py --part
-# timing` first, and pass RUN_KEYS="train.deterministic=true model.attn_implementation=neutrain_sdpa" where its
-# targets hold, else the run does not fit one machine's 30 minutes.
+# Measured (2e59336, x2, with gpu_beside.sh jobs on the other GPU until the generate): train 340 s, resume 411,
+# export 296, the two generates side by side 220, straight ~330; 1,750 s of the 1,800 with the machine's start,
+# so the compare did not run. Alone it should take ~1,600 s: start nothing beside it, and chain the calls.
+# The recipe's attention is neutrain_sdpa (packed rows one document at a time), whose deterministic kernels cost
+# ~1.1x at 16K packed where sdpa's masked kernel cost 4.2x (benchmarks/notes_determinism.md).
 # Host memory: the 2-GPU machine plugs memory in as it is used (it reports ~31 GiB at start, 256 GiB is its
 # limit), so HOST_LIMIT_GIB (default: what /proc/meminfo says) less what is in use now is passed to each command
 # as NEUTRAIN_HOST_MEMORY_GIB; /dev/shm is grown to SHM_GIB when it is smaller.
@@ -170,6 +170,9 @@ if has_stage export; then
   else
     echo "not run: disk holds ${have} GiB, needs ${need} GiB" | tee "$STATE/export_hf.txt"
   fi
+  # The compare needs the resumed checkpoint's manifest only: its 89 GiB in /dev/shm (host memory) go, so the
+  # page cache can hold the export the two generates read (each reads it twice: checksums, then the build).
+  cp "$RESUMED/neutrain_manifest.json" "$STATE/resumed.manifest.json" && rm -rf "$RESUMED"
 fi
 if has_stage generate; then
   # The unbounded generate goes on another GPU where there is one, beside the budgeted one (each is the command
@@ -205,7 +208,8 @@ fi
 if has_stage compare; then
   stage_begin compare
   straight="$STRAIGHT_DIR/checkpoint-$((STEPS + 1))"
-  python3 benchmarks/offload_recipe.py --compare-manifests "$RESUMED/neutrain_manifest.json" \
+  resumed=$STATE/resumed.manifest.json; [ -f "$resumed" ] || resumed=$RESUMED/neutrain_manifest.json
+  python3 benchmarks/offload_recipe.py --compare-manifests "$resumed" \
     "$straight/neutrain_manifest.json" > "$STATE/manifests.json" 2> "$OUT/70b_compare.log"
   rc=$?; cat "$STATE/manifests.json"
   [ -f "$straight/neutrain_manifest.json" ] && cp "$straight/neutrain_manifest.json" "$STATE/straight.manifest.json"

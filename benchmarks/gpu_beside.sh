@@ -14,9 +14,10 @@
 # BESIDE_LIMIT (s) bounds the whole list: a job that would start with less than 60 s left is not started.
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/install_carried_wheels.sh > /dev/null 2>&1  # what the image lacks (datasets, gguf, ...)
 CALL_OUT=${OUT:-/tmp/neutrain-beside}
 WORK=/tmp/neutrain-beside; mkdir -p "$WORK" "$CALL_OUT"
-export OUT=$WORK PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DISABLE_TQDM=1
+export OUT=$WORK PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DISABLE_TQDM=1
 export TOKENIZERS_PARALLELISM=false
 LIMIT=${BESIDE_LIMIT:-480}
 left() { echo $(( LIMIT - SECONDS )); }

@@ -65,7 +65,9 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
         return _load_compressed_checkpoint(source), _load_tokenizer(path)
     try:
         if isinstance(source, NeuZipExport):  # as any user of the export loads it: transformers and the quantizer
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype])
+            # device_map: on the CPU as this function promises; the quantizer's own default is the current GPU.
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype],
+                                                         device_map="cpu")
         else:
             config = source.read_config()
             chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
