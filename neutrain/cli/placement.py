@@ -28,13 +28,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
-from neutrain.export.hf import _load_tokenizer
+from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
 from neutrain.cli.memory import enforce_budget
 from neutrain.cli.residency import Residency, decide
@@ -44,8 +46,12 @@ from neutrain.trainer.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import folder_source, is_encoded
+from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
 from neutrain.trainer.planner import NEUZIP_BITS, ModelShape
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 GIB = 2**30
 logger = logging.getLogger("neutrain")
@@ -53,6 +59,39 @@ logger = logging.getLogger("neutrain")
 CHAT_POSITIONS = 4096
 """Positions a chat's placement plans its KV cache for (at most the model's context): a conversation grows turn by
 turn, so it cannot be measured before the model loads; the oldest turns are dropped beyond it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFolder:
+    """An export or checkpoint folder as a placement reads it, once: its loader (:func:`folder_source`, by its
+    format), the transformers config and the dtype the model is built in. The decision, its line and the build
+    take it from here: each reading the folder again chose the loader anew and parsed ``config.json`` anew."""
+
+    path: Path
+    source: SafetensorsFolder
+    config: PretrainedConfig
+    dtype: torch.dtype  # float32, bfloat16 or float16
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """The bytes of its safetensors files, from their headers alone."""
+        return _weight_bytes(self.path)[0]
+
+
+def read_folder(path: Path) -> ModelFolder:
+    """:class:`ModelFolder` of ``path``: its loader chosen and its config read (nothing of the weights yet)."""
+    source = folder_source(path)  # one loader per format
+    config = source.read_config()
+    return ModelFolder(Path(path), source, config, _build_dtype(config))
+
+
+def _build_dtype(config) -> torch.dtype:
+    """The dtype ``config`` names (``dtype``, or the older ``torch_dtype``, which transformers reads into it) when
+    float32, bfloat16 or float16; else bfloat16."""
+    import torch
+
+    dtype = _config_dtype(config)
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def _weight_bytes(path: Path) -> tuple[int, int]:
@@ -111,25 +150,27 @@ def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int 
     tokenizer = _load_tokenizer(path)  # the prompts' lengths size the KV cache the placement must hold
     if callable(prompt_tokens):
         prompt_tokens = prompt_tokens(tokenizer)
+    folder = read_folder(path)
     residency = resolve(path, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, extra_bytes=extra_bytes,
-                        setting=setting)
-    note = _note(residency, path)
+                        setting=setting, folder=folder)
+    note = _note(residency, folder)
     if residency.form == "dense":
         model, _ = load_checkpoint_model(path, verified=True)
         return model.to(device), tokenizer, note, residency
-    model = build_form(path, residency.form, device, streamed=len(residency.streamed)).eval()
+    model = build_form(path, residency.form, device, streamed=len(residency.streamed), folder=folder).eval()
     return model, tokenizer, note, residency
 
 
 def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: int, extra_bytes: float = 0.0,
-            setting: str = "--device-budget-gib") -> Residency:
+            setting: str = "--device-budget-gib", folder: ModelFolder | None = None) -> Residency:
     """The :class:`~neutrain.cli.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
-    its config and safetensors headers alone (nothing is read or built)."""
-    total, _ = _weight_bytes(path)
-    source = folder_source(path)
-    encoded = is_encoded(source)  # a compressed run's checkpoint or a NeuZip export: the compressed form already
-    config = source.read_config()
-    dtype_bytes = 4 if _dtype_name(_config(path)) == "float32" else 2
+    its config and safetensors headers alone (nothing is read or built). ``folder``: ``path`` as already read
+    (:func:`read_folder`), else read here."""
+    folder = folder or read_folder(path)
+    total, config = folder.weight_bytes, folder.config
+    # A compressed run's checkpoint or a NeuZip export: its files' bytes are the compressed form already.
+    encoded = is_encoded(folder.source)
+    dtype_bytes = folder.dtype.itemsize
     shape = _shape(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens + new_tokens > context:
@@ -161,20 +202,19 @@ class _Widened:
         return getattr(self._config, name)
 
 
-def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None = None):
+def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None = None, *,
+               folder: ModelFolder | None = None):
     """The model of export or checkpoint ``path`` in a compressed ``form`` (``neuzip`` or ``neuzip+offload``) on
     ``device``, built tensor by tensor from its safetensors shards (:func:`neutrain.nn.load.build`); a compressed
     run's checkpoint is placed from its blobs, without re-encoding.
 
     ``neuzip+offload`` streams ``streamed`` decoder layers (None: every one), spread through the model as
     :class:`~neutrain.cli.residency.Residency` names them: each moves to host memory as soon as its last tensor
-    is read, so the device never holds them; a layer split across shards waits for its other part.
+    is read, so the device never holds them; a layer split across shards waits for its other part. ``folder``:
+    ``path`` as already read (:func:`read_folder`), else read here.
     """
-    import torch
-
-    source = folder_source(path)  # one loader per format
-    config = source.read_config()
-    dtype = getattr(torch, _dtype_name(_config(path)))
+    folder = folder or read_folder(path)
+    source, config, dtype = folder.source, folder.config, folder.dtype
     offload = form == "neuzip+offload"
     placement = Placement("neuzip-lossless", offload=offload, layers=streamed if offload else None, device=device)
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
@@ -190,15 +230,10 @@ def _config(directory: Path) -> dict:
     return read_json_object(path, f"checkpoint file '{path}'", CheckpointError, allow_nan=True)  # values: checked at build
 
 
-def _dtype_name(config: dict) -> str:
-    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
-
-
-def _note(residency: Residency, path: Path) -> str:
+def _note(residency: Residency, folder: ModelFolder) -> str:
     """``generate: <the decision>; weights D GiB dense, C GiB compressed`` (the files' own bytes, and the form's)."""
-    total, _ = _weight_bytes(path)
-    if is_encoded(folder_source(path)):
+    total = folder.weight_bytes
+    if is_encoded(folder.source):
         weights = f"weights {total / GIB:.2f} GiB compressed"
     else:
         weights = f"weights {total / GIB:.2f} GiB dense, {total / 16 * NEUZIP_BITS / GIB:.2f} GiB compressed"

@@ -131,3 +131,43 @@ def test_on_a_gpu_each_form_of_a_neuzip_export_gives_the_models_logits(tmp_path,
     with torch.no_grad():
         got = built(torch.tensor([[1, 5, 9, 33, 2]], device="cuda")).logits.cpu()
     torch.testing.assert_close(got, _logits(model), atol=2e-2, rtol=2e-2)  # GPU kernels: another summation order
+
+
+def test_one_placement_picks_the_loader_and_parses_the_config_once(tmp_path, model, monkeypatch):
+    """One placement (the decision, its line and the build) reads the folder once and hands what it read down.
+
+    Why: each layer read it again, so one ``neutrain generate`` chose the folder's loader three times and parsed its
+    config.json seven times. Two parses remain, each needed once: the loader's choice reads the JSON itself (a
+    NeuZip export is told by its ``quantization_config``), and transformers parses it into the model's config."""
+    import neutrain.cli.placement as placement
+    import neutrain.nn.sources as sources
+    from neutrain.cli.placement import place_on
+
+    out = Path(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
+    chosen, parsed = [], []
+
+    def counted_source(path):
+        chosen.append(path)
+        return folder_source(path)
+
+    def counted_json(reader):
+        def read(path, *args, **kwargs):
+            if Path(path).name == "config.json":
+                parsed.append("json")
+            return reader(path, *args, **kwargs)
+        return read
+
+    def counted_config(self, *args, **kwargs):
+        parsed.append("transformers")
+        return read_config(self, *args, **kwargs)
+
+    read_config = SafetensorsFolder.read_config
+    monkeypatch.setattr(placement, "folder_source", counted_source)
+    monkeypatch.setattr(placement, "read_json_object", counted_json(placement.read_json_object))
+    monkeypatch.setattr(sources, "read_json_object", counted_json(sources.read_json_object))
+    monkeypatch.setattr(SafetensorsFolder, "read_config", counted_config)
+    built, _, note, residency = place_on(out, "cpu", None, prompt_tokens=5, new_tokens=8)
+    assert residency.form != "dense" and "compressed" in note  # the compressed build, which every layer reads
+    assert len(chosen) == 1, chosen
+    assert sorted(parsed) == ["json", "transformers"], parsed
+    assert torch.equal(_logits(built), _logits(model))
