@@ -9,7 +9,9 @@ The mask function returns the 2D key-padding mask (or ``None``), like
 FlashAttention's; packed sequences are recognized from ``position_ids`` (a new
 document starts wherever the position does not increase by one), which the model
 passes to the attention function. Everything the kernel does not support goes to
-torch SDPA (or a small math path for softcap/sinks), counted and logged once.
+torch SDPA (or a small math path for softcap/sinks), counted and logged once; packed causal
+rows among those calls run one document at a time instead (:func:`exact_fallback`), as
+``neutrain_sdpa`` runs them: the same values, without the block-diagonal mask's cost.
 
 On a GPU every supported call then asks :mod:`neutrain.attention.dispatch` whether the
 benchmark measured SageAttention faster than cuDNN SDPA for that device and shape
@@ -36,6 +38,7 @@ from neutrain import compat
 from neutrain.compat.masks import positions_are_contiguous
 from neutrain.attention import dispatch
 from neutrain.attention.counters import record_fallback
+from neutrain.attention.per_document import packed_causal_attention
 from neutrain.attention.sage import SUPPORTED_HEAD_DIMS, sage_attention
 
 ATTENTION_NAME = "neutrain_sage"
@@ -143,6 +146,30 @@ def _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux):
     return (probs @ value).transpose(1, 2).contiguous()
 
 
+def exact_fallback(query, key, value, attention_mask, segments, causal, dropout, scaling, kwargs) -> torch.Tensor:
+    """Exact attention, ``[B, L, Hq, D]``, for a call no kernel takes (``kwargs``: the attention function's).
+
+    Packed causal rows (``segments`` set, no mask, nothing but causality) run one document at a time
+    (:func:`packed_causal_attention`): the masked attention's values and gradients without its block-diagonal
+    mask, which keeps SDPA off its flash kernel, computes every block of the row and, under deterministic
+    kernels, leaves a one-split kernel over 4x slower at 16K (``benchmarks/notes_determinism.md``). Every other
+    call is SDPA (plain math for softcap and sinks) under the mask it describes.
+    """
+    softcap, sliding_window, s_aux = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+    plain = not (dropout or softcap or sliding_window or s_aux is not None or kwargs.get("output_attentions"))
+    if segments is not None and causal and attention_mask is None and plain:
+        return packed_causal_attention(query, key, value, segments, scaling)
+    if attention_mask is not None and attention_mask.dim() != 2:  # the model's own 4D mask, taken as it is
+        mask = attention_mask
+        if mask.dtype != torch.bool:  # additive float mask
+            mask = mask > torch.finfo(mask.dtype).min / 2
+    else:  # a 2D padding mask or none
+        mask = _fallback_mask(query.shape[2], key.shape[2], causal, attention_mask, segments, sliding_window,
+                              query.device)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux)
+
+
 def dispatch_device(query: torch.Tensor) -> str | None:
     """The device name the dispatch table is read for, or ``None``: a CPU call runs Sage's reference.
 
@@ -196,13 +223,7 @@ def neutrain_sage_attention_forward(
     segments = packed_segments(kwargs.get("position_ids"), query.shape[0], kv_len) if q_len == kv_len else None
     if reason is not None:
         record_fallback(reason)
-        if attention_mask is not None and padding is None:
-            mask = attention_mask
-            if mask.dtype != torch.bool:  # additive float mask
-                mask = mask > torch.finfo(mask.dtype).min / 2
-        else:
-            mask = _fallback_mask(q_len, kv_len, causal, padding, segments, sliding_window, query.device)
-        return _fallback(query, key, value, mask, dropout, scaling, softcap, s_aux), None
+        return exact_fallback(query, key, value, attention_mask, segments, causal, dropout, scaling, kwargs), None
     # CPU keeps the quantized reference forward (build_model gives CPU runs SDPA anyway); its backward
     # route is NEUTRAIN_SAGE_BACKWARD's (benchmarks/sage_fidelity.py runs the exact one, as a GPU would).
     backward, config, backend = dispatch.cpu_backward(), None, "auto"
@@ -218,8 +239,8 @@ def neutrain_sage_attention_forward(
             if padding is None and segments is None and getattr(module, "num_key_value_groups", 1) == groups:
                 return compat.sdpa_attention()(module, query, key, value, None, dropout=0.0, scaling=scaling,
                                                is_causal=causal)
-            mask = _fallback_mask(q_len, kv_len, causal, padding, segments, None, query.device)
-            return _fallback(query, key, value, mask, 0.0, scaling, None, None), None
+            # No reason above: no dropout, softcap, window or sinks, and any mask is padding.
+            return exact_fallback(query, key, value, attention_mask, segments, causal, 0.0, scaling, kwargs), None
         backward, config, backend = choice.backward, dispatch.kernel_config(device, head_dim), choice.kernel
     out = sage_attention(query, key, value, causal=causal, scale=scaling, segment_ids=segments,
                          key_padding_mask=padding, backward=backward, config=config, backend=backend)

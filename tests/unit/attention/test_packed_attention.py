@@ -1,6 +1,7 @@
-"""Exact causal attention over packed rows, one document at a time (``neutrain.attention.packed``): the same
-values and gradients as the block-diagonal masked SDPA it replaces, on generated layouts; on a GPU, the one-launch
-variable-length path too, and its backward bit for bit twice under ``train.deterministic``."""
+"""Exact causal attention over packed rows, one document at a time (``neutrain.attention.per_document``): the
+same values and gradients as the block-diagonal masked SDPA it replaces, on generated layouts, called directly, by
+``neutrain_sdpa`` and by the calls ``neutrain_sage`` gives to SDPA; on a GPU, the one-launch variable-length path
+too, and its backward bit for bit twice under ``train.deterministic``."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neutrain.attention.counters import counters, reset_counters
-from neutrain.attention.packed import packed_causal_attention, varlen_available
+from neutrain.attention.per_document import packed_causal_attention, varlen_available
 from neutrain.attention.registration import _fallback_mask
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -29,6 +30,24 @@ def _masked(q, k, v, segments):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
+def _inputs(segments: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+    """Query, key and value in float64 (grouped heads), recording gradients."""
+    batch, n = segments.shape
+    return tuple(torch.randn(batch, heads, n, dim, dtype=torch.float64, requires_grad=True)
+                 for heads in (HEADS, KV_HEADS, KV_HEADS))
+
+
+def _assert_equals_the_masked_attention(out, q, k, v, segments):
+    """``out`` has the masked attention's values, and the same gradients for one upstream gradient."""
+    ref = _masked(q, k, v, segments)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @st.composite
 def layouts(draw):
     n = draw(st.integers(min_value=1, max_value=48))
@@ -46,18 +65,8 @@ def layouts(draw):
 def test_packed_attention_equals_the_masked_attention_with_its_gradients(layout, seed):
     torch.manual_seed(seed)
     segments = _segments(layout)
-    batch, n = segments.shape
-    q = torch.randn(batch, HEADS, n, DIM, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(batch, KV_HEADS, n, DIM, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(batch, KV_HEADS, n, DIM, dtype=torch.float64, requires_grad=True)
-    out = packed_causal_attention(q, k, v, segments)
-    ref = _masked(q, k, v, segments)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(ref)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(ref, (q, k, v), grad)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    q, k, v = _inputs(segments, DIM)
+    _assert_equals_the_masked_attention(packed_causal_attention(q, k, v, segments), q, k, v, segments)
 
 
 def test_a_model_with_neutrain_sdpa_trains_packed_rows_as_sdpa_does():
@@ -116,3 +125,35 @@ def test_the_one_launch_path_on_a_gpu_matches_and_repeats_under_deterministic_ke
     if deterministic:
         for a, b in zip(first, second):
             assert torch.equal(a, b)
+
+
+class _CausalModule(torch.nn.Module):
+    is_causal = True
+
+
+def _positions(layout: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in layout])
+
+
+@pytest.mark.parametrize("route", ["unsupported head size", "dispatched to sdpa"])
+@settings(max_examples=20, deadline=None)
+@given(layout=layouts(), seed=st.integers(0, 2**16))
+def test_neutrain_sage_runs_the_packed_rows_it_sends_to_sdpa_one_document_at_a_time(route, layout, seed):
+    # The calls neutrain_sage gives to SDPA (a head size Sage lacks; on a GPU, a shape the dispatch table
+    # measured faster under SDPA) take the per-document path for packed rows, not the block-diagonal mask.
+    from neutrain.attention import registration
+
+    dim = DIM if route == "unsupported head size" else 64
+    torch.manual_seed(seed)
+    segments, positions = _segments(layout), _positions(layout)
+    q, k, v = _inputs(segments, dim)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        if route == "dispatched to sdpa":
+            mp.setattr(registration, "dispatch_device", lambda query: "a GPU the table has not measured")
+            mp.delenv("NEUTRAIN_SAGE_DISPATCH", raising=False)
+        original = registration.packed_causal_attention
+        mp.setattr(registration, "packed_causal_attention", lambda *a: calls.append(1) or original(*a))
+        out, _ = registration.neutrain_sage_attention_forward(_CausalModule(), q, k, v, None, position_ids=positions)
+    assert len(calls) == (1 if any(len(row) > 1 for row in layout) else 0)  # unpacked rows: no documents to split
+    _assert_equals_the_masked_attention(out, q, k, v, segments)
