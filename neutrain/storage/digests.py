@@ -146,14 +146,14 @@ def _identity(path: str | os.PathLike) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def remember(path: str | os.PathLike, whole: str, tensors: dict[str, str]) -> None:
+def remember(path: str | os.PathLike, whole: str | None, tensors: dict[str, str]) -> None:
     """Keep the digests of the file just written at ``path`` (complete, synced) for its manifest."""
     while len(_remembered) >= _REMEMBERED:
         _remembered.pop(next(iter(_remembered)))
     _remembered[_identity(path)] = (whole, dict(tensors))
 
 
-def remembered(path: str | os.PathLike) -> tuple[str, dict[str, str]] | None:
+def remembered(path: str | os.PathLike) -> tuple[str | None, dict[str, str]] | None:
     """The digests :func:`remember` kept for ``path``, if the file is still the one written (same device,
     inode, size and modification time: a rename keeps them, a rewrite does not); else None."""
     try:

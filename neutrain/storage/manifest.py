@@ -12,7 +12,8 @@ Two threats, two checks, both run before anything in a checkpoint is loaded
   refused. The manifest does not replace this check: whoever can plant a file
   can rewrite the manifest too.
 * **Silent corruption.** :func:`write_manifest` records every file's size and
-  sha256 (and each safetensors tensor's sha256), written last into the
+  sha256 (a safetensors file's as its header's sha256 and each tensor's, which
+  cover every byte and hash on threads), written last into the
   checkpoint, so a flipped byte in any tensor (dense weights, norms, biases,
   LoRA adapters, optimizer state) is named at load, file and tensor. A
   checkpoint written before manifests existed loads with a one-line warning;
@@ -155,6 +156,29 @@ def _tiled_spans(path: Path) -> tuple[int, list[tuple[int, int, str]]] | None:
     return (start, spans) if pos == path.stat().st_size else None
 
 
+def _entry(path: Path) -> dict:
+    """A file's manifest entry. A safetensors file whose tensors tile its data: its header's sha256 and each
+    tensor's (every byte, and no serial pass over the file, written or checked); any other file: its sha256
+    (and its tensors'). A file this process just wrote was hashed as it was written (without reading 89 GiB
+    back); any other file, or one changed since, is read."""
+    size = path.stat().st_size
+    tiled = _tiled_spans(path) if path.suffix == ".safetensors" else None
+    if tiled is not None and tiled[1]:
+        kept = remembered(path)
+        tensors = kept[1] if kept is not None else _tensor_digests(path, tiled[1])
+        return {"size": size, HEADER_DIGEST: _header_digest(path, tiled[0]), "tensors": tensors}
+    kept = remembered(path)
+    digest, tensors = kept if kept is not None and kept[0] is not None else _digests(path)
+    return {"size": size, "sha256": digest, **({"tensors": tensors} if tensors else {})}
+
+
+def _tensor_digests(path: Path, spans: list[tuple[int, int, str]]) -> dict[str, str]:
+    try:
+        return file_digests(path, spans, whole=False)[1]
+    except EOFError:
+        raise CheckpointError(f"checkpoint file '{path}' is truncated") from None
+
+
 def write_manifest(directory: str | os.PathLike) -> Path:
     """Record size and sha256 of every file under ``directory`` (per tensor for safetensors); returns the manifest.
 
@@ -171,14 +195,7 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     for path in _files(directory):
         # A file this process just wrote was hashed as it was written (the same digests, without reading
         # 89 GiB back); any other file, or one changed since, is read.
-        digest, tensors = remembered(path) or _digests(path)
-        entry: dict = {"size": path.stat().st_size, "sha256": digest}
-        if tensors:
-            entry["tensors"] = tensors
-            tiled = _tiled_spans(path) if path.suffix == ".safetensors" else None
-            if tiled is not None:
-                entry[HEADER_DIGEST] = _header_digest(path, tiled[0])
-        files[path.relative_to(directory).as_posix()] = entry
+        files[path.relative_to(directory).as_posix()] = _entry(path)
     target = directory / MANIFEST
     tmp = directory / f".{MANIFEST}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -287,7 +304,7 @@ def _check_file_digests(file: Path, expected: dict) -> None:
     if tiled is not None:
         start, spans = tiled
         header_ok = _header_digest(file, start) == expected[HEADER_DIGEST]
-        tensors = file_digests(file, spans, whole=False)[1] if header_ok else {}
+        tensors = _tensor_digests(file, spans) if header_ok else {}
         if header_ok and tensors == expected["tensors"]:
             return
     else:
