@@ -97,17 +97,48 @@ def read_bytes(path: str | os.PathLike, label: str, limit: int, error: type[Exce
     info = check_kind(path, label, error)
     if info.st_size > limit:
         raise error(f"{label} is {info.st_size:,} bytes, more than the {_size(limit)} such a file may hold")
+    data = _read_regular(path, label, limit, error, tail=False)[0]
+    if len(data) > limit:  # grew while it was read
+        raise error(f"{label} holds more than the {_size(limit)} such a file may hold")
+    return data
+
+
+def read_tail(path: str | os.PathLike, label: str, limit: int, error: type[Exception]) -> tuple[bytes, int]:
+    """The last ``limit`` bytes (at most) of the regular file ``path``, and the offset they start at (0: the
+    whole file). Checked as :func:`read_bytes` checks it; for a log that only grows, whose latest part is what
+    its reader wants, so that a long one is cut rather than refused.
+
+    Raises:
+        error: one line starting with ``label``: the kind or the read's failure.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "log")
+        >>> _ = open(path, "wb").write(b"a\\nbb\\nccc\\n")
+        >>> read_tail(path, "log", 5, ValueError)
+        (b'\\nccc\\n', 4)
+    """
+    check_kind(path, label, error)
+    return _read_regular(path, label, limit, error, tail=True)
+
+
+def _read_regular(path: str | os.PathLike, label: str, limit: int, error: type[Exception],
+                  tail: bool) -> tuple[bytes, int]:
+    """Up to ``limit + 1`` bytes of ``path`` from its start, or its last ``limit`` when ``tail``, with their offset;
+    opened without blocking and refused unless the open descriptor is a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise error(f"{label} cannot be opened ({exc.strerror or exc})") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):  # swapped between the two checks
-            raise error(f"{label} is {kind_word(mode)}, not a regular file")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # swapped since it was checked
+            raise error(f"{label} is {kind_word(info.st_mode)}, not a regular file")
+        start = max(0, info.st_size - limit) if tail else 0
+        want = limit if tail else limit + 1
         chunks, total = [], 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+        while total < want:
+            chunk = os.pread(fd, min(1 << 20, want - total), start + total)
             if not chunk:
                 break
             chunks.append(chunk)
@@ -116,9 +147,7 @@ def read_bytes(path: str | os.PathLike, label: str, limit: int, error: type[Exce
         raise error(f"{label} cannot be read ({exc.strerror or exc})") from None
     finally:
         os.close(fd)
-    if total > limit:  # grew while it was read
-        raise error(f"{label} holds more than the {_size(limit)} such a file may hold")
-    return b"".join(chunks)
+    return b"".join(chunks), start
 
 
 def _size(n: int) -> str:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neutrain.config.recipe_yaml import parse_recipe_text
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.export.target import EXPORT_INFO
-from neutrain.files import MAX_RECORD_BYTES, check_kind, read_json_object
+from neutrain.files import MAX_RECORD_BYTES, check_kind, read_bytes, read_json_object
 from neutrain.storage.run_lock import previous_checkpoints
 
 
@@ -90,7 +90,7 @@ def run_recipe(model_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        raw = parse_recipe_text(path.read_bytes(), str(path))
+        raw = parse_recipe_text(read_bytes(path, f"recipe file '{path}'", MAX_RECIPE_BYTES, RecipeError), str(path))
     except (OSError, RecipeError):
         return None
     return raw if isinstance(raw, dict) else None

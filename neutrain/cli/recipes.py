@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from neutrain.config import recipe_dirs
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES
+from neutrain.errors import RecipeError
+from neutrain.files import read_text
 
 
 def configure(p) -> None:
@@ -16,7 +19,8 @@ def run(args) -> int:
     for d in recipe_dirs():
         for path in sorted(d.glob("*.yaml")):
             found = True
-            print(f"{path.stem:<22} {describe(path.read_text())}  ({path})")
+            text = read_text(path, f"recipe file '{path}'", MAX_RECIPE_BYTES, RecipeError)  # ./recipes is the user's
+            print(f"{path.stem:<22} {describe(text)}  ({path})")
     if not found:
         print("no recipes found (looked in: ./recipes and $NEUTRAIN_RECIPES)")
     return 0

@@ -162,10 +162,17 @@ class SafetensorsFolder:
         """The transformers config the folder describes."""
         from transformers import AutoConfig
 
+        # A config class that validates its values raises huggingface_hub's own error (no ValueError) for one
+        # that does not fit, e.g. a hidden size no multiple of the number of heads.
+        try:
+            from huggingface_hub.errors import StrictDataclassError
+        except ImportError:  # a huggingface_hub that validates no config
+            StrictDataclassError = ValueError
         # By name: transformers finds a local folder or the hub cache, and says which is missing (OSError).
+        # The errors caught: a config.json transformers cannot make a config of.
         try:
             return AutoConfig.from_pretrained(str(self.path_or_id), trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError, TypeError) as exc:  # a config.json transformers cannot make a config of
+        except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
             detail = " ".join(str(exc).split())[:300]
             raise CheckpointError(f"model '{self.path_or_id}': its config.json is not a model config transformers "
                                   f"reads ({type(exc).__name__}: {detail})") from None

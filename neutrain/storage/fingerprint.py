@@ -26,6 +26,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from neutrain.errors import UserInputError
+from neutrain.files import MAX_FOLDER_TEXT_BYTES, read_bytes
 from neutrain.storage.manifest import MANIFEST, content_hash
 
 _SAMPLES, _BLOCK = 64, 4096
@@ -52,8 +54,12 @@ def model_fingerprint(path: str | os.PathLike) -> str:
         _sampled(path, digest)
         return f"sampled:{digest.hexdigest()}"
     for name in WHOLE:
-        if (path / name).is_file():
-            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+        # Read whole, so through the bounded reader: one too large to be a config or a vocabulary, a FIFO (which
+        # would block the read) or a device (/dev/zero: read until memory ran out) is refused, never read, and
+        # not left out of the fingerprint either, which would let it stand for a model without that file.
+        if os.path.lexists(path / name):
+            data = read_bytes(path / name, f"model file '{path / name}'", MAX_FOLDER_TEXT_BYTES, UserInputError)
+            digest.update(name.encode() + b"\0" + data)
     for file in sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
         _sampled(file, digest)
     return f"sampled:{digest.hexdigest()}"

@@ -377,7 +377,7 @@ def check_file(path: Path) -> None:
         pass
     elif suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES:
         try:
-            path.read_bytes().decode("utf-8")
+            read_bytes(path, f"checkpoint file '{path}'", MAX_FOLDER_TEXT_BYTES, CheckpointError).decode("utf-8")
         except UnicodeDecodeError:
             raise CheckpointError(f"checkpoint file '{path}' is not UTF-8 text") from None
     else:

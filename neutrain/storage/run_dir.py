@@ -42,6 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from neutrain.files import read_bytes
 from neutrain.storage.durable import fsync_dir, write_durably
 from neutrain.storage.leftovers import WRITER_FILE
 from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, written_with_manifest
@@ -84,7 +85,8 @@ def read_ledger(root: str | os.PathLike) -> Ledger | None:
         if path.stat().st_size > _MAX_BYTES:
             raise RunDirectoryError(f"'{path}' has {path.stat().st_size:,} bytes, more than a run's identity file "
                                     f"holds: it is not neutrain's; move it out of the run directory")
-        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        # Through the bounded reader: a FIFO in its place has size 0 and would block a plain read.
+        lines = read_bytes(path, f"'{path}'", _MAX_BYTES, RunDirectoryError).decode("utf-8", errors="replace").splitlines()
     except (FileNotFoundError, NotADirectoryError):  # no run there (or no directory at all: its check names it)
         return None
     records = []

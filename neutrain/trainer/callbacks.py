@@ -16,6 +16,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from neutrain.errors import UserInputError
+from neutrain.files import read_tail
 from neutrain.storage.confine import check_output
 from neutrain.storage.run_dir import claim
 
@@ -23,7 +25,9 @@ logger = logging.getLogger("neutrain")
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
-_REPORTED: set[tuple[str, int]] = set()  # (file, line) of the damaged lines already warned about
+_REPORTED: set[tuple[str, int]] = set()  # (file, line) warned about; line 0: unread, -1: cut
+MAX_METRICS_BYTES = 32 << 20
+"""How much of ``metrics.jsonl`` is read: its last 32 MiB, some 100,000 records (a few hundred bytes each)."""
 
 
 class ChecksummedCheckpoint(TrainerCallback, ExportableState):
@@ -110,31 +114,60 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
     A line that is not a record (torn by a full disk or a kill mid-write) is skipped with one
     warning naming the file and the line: one lost log line must not stop a resume, the
-    summary or the export.
+    summary or the export. Of a file over :data:`MAX_METRICS_BYTES` only its last part is read, and of one
+    that is no regular file nothing, each with one warning.
 
     Example:
         >>> read_metrics("outputs/run/metrics.jsonl")[-1]["loss"]  # doctest: +SKIP
         2.31
     """
-    if not Path(path).exists():
+    if not os.path.lexists(path):
         return []
+    # Only the tail: the file grows by a line per log event for as long as the run goes on, its readers (the plot)
+    # want the latest steps most, and a plot of fewer of them is better than a run stopped at its end for want of
+    # one. Not a regular file (a FIFO would block the read, a device never end it): no records, and a warning.
+    try:
+        data, start = read_tail(path, f"metrics file '{path}'", MAX_METRICS_BYTES, UserInputError)
+    except UserInputError as exc:
+        _warn_once(path, 0, "%s: no metrics read", exc)
+        return []
+    where = ""
+    if start:
+        data = data[data.find(b"\n") + 1:]  # the first line read is the end of one cut in two
+        where = f" of its last {MAX_METRICS_BYTES >> 20} MiB"
+        _warn_once(path, -1, "%s holds %s bytes: only its last %d MiB (%s records) are read, from step %s on", path,
+                   f"{start + MAX_METRICS_BYTES:,}", MAX_METRICS_BYTES >> 20, data.count(b"\n"), _first_step(data))
     by_step: dict[tuple, dict] = {}
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
         if line.strip():
             try:
                 rec = json.loads(line)
             except ValueError:
                 rec = None
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                if (str(path), number) not in _REPORTED:  # the plot reads the file again after each evaluation
-                    _REPORTED.add((str(path), number))
-                    logger.warning("%s: line %d is not a complete metrics record (torn by a full disk or a kill): "
-                                   "skipped", path, number)
+                _warn_once(path, number, "%s: line %d%s is not a complete metrics record (torn by a full disk or a "
+                           "kill): skipped", path, number, where)
                 continue
             # Phase memory records (neutrain.cli.memory) share the step of the run's end: one per phase.
             kind = "train" if "loss" in rec else ("eval" if "eval_loss" in rec else f"phase:{rec['phase']}" if "phase" in rec else "other")
             by_step[(kind, rec["step"])] = rec
     return [by_step[k] for k in sorted(by_step, key=lambda k: (k[1], k[0]))]
+
+
+def _warn_once(path, key: int, message: str, *args) -> None:
+    """Log ``message`` the first time for ``(path, key)``: the plot reads the file again after each evaluation."""
+    if (str(path), key) not in _REPORTED:
+        _REPORTED.add((str(path), key))
+        logger.warning(message, *args)
+
+
+def _first_step(data: bytes):
+    for line in data.splitlines():
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike,

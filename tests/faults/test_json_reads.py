@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from neutrain.errors import UserInputError
-from neutrain.files import MAX_CONFIG_BYTES, MAX_RECORD_BYTES
+from neutrain.files import MAX_CONFIG_BYTES, MAX_FOLDER_TEXT_BYTES, MAX_RECORD_BYTES
 from tests.helpers import TINY_LLAMA
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neutrain"
@@ -209,6 +209,27 @@ def test_a_best_effort_read_falls_back_without_blocking(tiny_model, tmp_path, na
     assert "model.config.hidden_size" not in seen["record"] or name != "config.json"
 
 
+# A base model's files that its fingerprint hashes whole, raw bytes rather than JSON: only the faults of the kind.
+RAW_BAD = {"fifo": BAD["fifo"], "directory": BAD["directory"], "too big": BAD["too big"],
+           "device": lambda path, limit: path.symlink_to("/dev/zero")}
+
+
+@pytest.mark.parametrize("bad", list(RAW_BAD))
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_bad_file_of_a_base_model_stops_its_fingerprint_in_one_line(tiny_model, tmp_path, name, bad):
+    from neutrain.storage.fingerprint import model_fingerprint  # what a LoRA run and a merge onto --base call
+
+    folder = _copy(tiny_model, tmp_path)
+    path = folder / name
+    if path.exists():
+        path.unlink()
+    RAW_BAD[bad](path, MAX_FOLDER_TEXT_BYTES)
+    with _no_hang(path), pytest.raises(UserInputError) as caught:
+        model_fingerprint(folder)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message, message
+
+
 # ---- the scan: no module reads a JSON file around the reader ----
 
 # (module, the read's own text): why it may read its own way.
@@ -238,22 +259,58 @@ def _raw_json_reads(tree: ast.AST) -> list[int]:
     return lines
 
 
-def test_the_package_reads_no_json_file_but_through_the_reader():
+def _scan(find, allowances: dict) -> tuple[list[str], set]:
+    """``module:line: text`` of each read ``find`` finds in the package and ``allowances`` does not name, and the
+    allowances that named one."""
     stray, used = [], set()
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         source = path.read_text(encoding="utf-8")
         lines = source.splitlines()
-        for line in _raw_json_reads(ast.parse(source)):
-            allowed = [key for key in ALLOWED if key[0] == rel and key[1] in lines[line - 1]]
+        for line in find(ast.parse(source)):
+            allowed = [key for key in allowances if key[0] == rel and key[1] in lines[line - 1]]
             used.update(allowed)
             if not allowed:
                 stray.append(f"{rel}:{line}: {lines[line - 1].strip()}")
-    assert not stray, "JSON files read around neutrain.files.read_json_object:\n" + "\n".join(stray)
-    assert used == set(ALLOWED), f"allowances whose read is gone: {sorted(set(ALLOWED) - used)}"
+    return stray, used
 
 
 def test_the_scan_sees_every_way_of_reading_a_json_file():
     source = ("import json\njson.loads(p.read_text())\njson.loads(p.read_bytes().decode())\njson.load(fh)\n"
               "json.loads(fh.read())\njson.loads(text)\n")
     assert _raw_json_reads(ast.parse(source)) == [2, 3, 4, 5]
+
+
+# ---- the scan: no module reads a file whole around the bounded reader ----
+
+# (module, the read's own text): why it may read its own way.
+RAW_ALLOWED = {
+    ("export/neuzip.py", 'json.loads((tmp / "config.json").read_text())'):
+        "reads back the config.json it has just written itself, in its own temporary directory",
+    ("data/sources.py", 'f.read_text(encoding="utf-8", errors="replace")'):
+        "a data folder's text file, which neutrain.data.bounds has already checked for its kind and bounded",
+}
+
+
+def _raw_file_reads(tree: ast.AST) -> list[int]:
+    """Lines calling a path's ``.read_text()`` / ``.read_bytes()`` (pathlib's: no bound, no kind check), not the
+    functions of ``neutrain.files`` of those names."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("read_text", "read_bytes")
+            and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "files")]
+
+
+@pytest.mark.parametrize("find, allowances, around", [
+    (_raw_json_reads, ALLOWED, "neutrain.files.read_json_object"),
+    (_raw_file_reads, RAW_ALLOWED, "neutrain.files.read_bytes / read_text")], ids=["json", "whole file"])
+def test_the_package_reads_no_file_but_through_the_reader(find, allowances, around):
+    stray, used = _scan(find, allowances)
+    assert not stray, f"files read around {around}:\n" + "\n".join(stray)
+    assert used == set(allowances), f"allowances whose read is gone: {sorted(set(allowances) - used)}"
+
+
+def test_the_raw_read_scan_sees_a_path_read_and_not_the_reader():
+    source = ("from neutrain import files\nfrom neutrain.files import read_text\n(p / 'config.json').read_bytes()\n"
+              "p.read_text(encoding='utf-8')\nread_text(p, 'l', 1, ValueError)\nfiles.read_bytes(p, 'l', 1, ValueError)\n")
+    assert _raw_file_reads(ast.parse(source)) == [3, 4]
