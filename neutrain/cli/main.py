@@ -20,10 +20,12 @@ it happened in (:func:`neutrain.trainer.phases.out_of_memory_line`). NEUTRAIN_DE
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
@@ -93,6 +95,27 @@ def _argv_with_default_command(argv: list[str]) -> list[str]:
     return argv
 
 
+def _unknown_command(argv: list[str]) -> str | None:
+    """The one-line refusal of a first argument that is neither a command nor a recipe file, naming the nearest
+    command or shipped recipe; None for any other first argument (argparse's own checks then apply).
+
+    Why: argparse answered a first argument ``defualt`` with its usage and the list of commands, and nothing about the
+    recipe that was meant.
+    """
+    first = argv[0] if argv else None
+    if first is None or first.startswith("-") or first in COMMANDS:
+        return None
+    command = difflib.get_close_matches(first, list(COMMANDS), n=1, cutoff=0.6)
+    if command:
+        hint = f"did you mean `neutrain {command[0]}`?"
+    else:
+        from neutrain.config.validate import nearest_recipe  # lazy: read only on this error
+
+        recipe = nearest_recipe(Path(first))
+        hint = f"did you mean `neutrain train {recipe}`?" if recipe else "see `neutrain --help`"
+    return f"'{first}' is neither a command ({', '.join(COMMANDS)}) nor a recipe file: {hint}"
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """``parser.parse_args(argv)``, except that dotted overrides may follow an option.
 
@@ -157,6 +180,10 @@ def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     argv = _argv_with_default_command(list(sys.argv[1:] if argv is None else argv))
+    refusal = _unknown_command(argv)
+    if refusal is not None:
+        print_error(refusal)
+        return EXIT_USER_ERROR
     parser = _parser(_command_named(argv))
     args = _parse(parser, argv)
     if args.command is None:

@@ -367,6 +367,15 @@ def run(args) -> int:
     # (a recipe that does not exist is refused before torch loads).
     if cpu_processes(os.environ, cuda_available=False) and not _cuda_available():
         overrides.append("train.use_cpu=true")
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        # One process: a used output_dir is refused before torch loads. The recipe's model config is checked
+        # against transformers' config class (which brings torch) only by the full load below; the run's
+        # identity does not depend on that check.
+        from neutrain.trainer.ownership import identity_recipe, refuse_another_run  # lazy: `neutrain --help` stays instant
+
+        light = load_recipe(args.recipe, overrides, shape_only=True)
+        refuse_another_run(light.train["output_dir"], identity_recipe(light),
+                           bool(light.train["resume_from_checkpoint"]), light.train["overwrite_output_dir"])
     recipe = load_recipe(args.recipe, overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
     # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.

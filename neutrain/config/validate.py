@@ -446,17 +446,17 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
                     return cand
     if os.path.lexists(p):  # a directory, a FIFO, a device, a dangling link: named as what it is
         check_kind(p, f"recipe file '{path}'", RecipeError)
-    nearest = _nearest_recipe(p)
+    nearest = nearest_recipe(p)
     raise RecipeError(f"recipe file '{path}' does not exist{f'; did you mean {nearest!r}?' if nearest else ''} "
                       "(see `neutrain recipes` for shipped recipes)")
 
 
-def _nearest_recipe(path: Path) -> str | None:
+def nearest_recipe(path: Path) -> str | None:
     """The recipe a path that does not exist was probably meant to be: the nearest shipped recipe name for a
     bare name (``defualt``), the nearest YAML file in its own directory for a path; None when nothing is near.
 
     Example:
-        >>> _nearest_recipe(Path("defualt"))
+        >>> nearest_recipe(Path("defualt"))
         'default'
     """
     if path.parent != Path("."):

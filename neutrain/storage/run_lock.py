@@ -179,6 +179,27 @@ def lock_path(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / LOCK_FILE
 
 
+def unheld(output_dir: str | os.PathLike) -> bool:
+    """Whether no run holds, or may still hold, the lock of ``output_dir``; judged without writing anything.
+
+    False when its ``flock`` is taken or the file names a holder (a live run, or a dead one whose lock
+    :meth:`RunLock.acquire` takes over): :class:`RunLock` says those.
+    """
+    try:
+        fd = os.open(lock_path(output_dir), os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return not os.read(fd, 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the shared flock with it
+
+
 def export_lock_path(export_dir: str | os.PathLike) -> Path:
     """The lock file of the export directory ``export_dir``: beside it, named after it.
 

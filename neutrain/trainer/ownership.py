@@ -25,7 +25,7 @@ from typing import Any
 
 from neutrain.storage.run_dir import (KEPT_ON_OVERWRITE, PLANNED, Ledger, clear_owned, entries, legacy_run, open_run, owned_checkpoints,
                                       read_ledger, unowned_planned, write_identity)
-from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints, refuse_linked_checkpoints
+from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints, refuse_linked_checkpoints, unheld
 
 logger = logging.getLogger("neutrain")
 
@@ -103,12 +103,7 @@ def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
     if not resume and mine and not overwrite:
         if recipe is not None and ledger.recipe == recipe:
             return  # the same run relaunched: its resume plan says finished, or refuses naming it as this run's
-        change = first_difference(ledger.recipe, recipe) if recipe is not None else None
-        raise RunDirectoryError(
-            f"train.output_dir '{output_dir}' holds another run's checkpoints ({', '.join(mine[-3:])})"
-            f"{f', started with another recipe ({change})' if change else ''}: a new run would mix its metrics and checkpoints "
-            f"with them. Resume it with train.resume_from_checkpoint=true, choose another train.output_dir, or set "
-            f"train.overwrite_output_dir=true to delete what that run wrote")
+        raise _another_run(output_dir, ledger, mine, recipe)
     if not resume and overwrite:
         clear_owned(output_dir, ledger)
         # A new run: what the old one listed is gone, but for the data cache it keeps (KEPT_ON_OVERWRITE).
@@ -116,6 +111,37 @@ def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
     _refuse_unowned(output_dir, ledger, planned)
     if not resume and not mine:
         open_run(output_dir).set_recipe(recipe)  # a run that saved nothing, relaunched with this recipe
+
+
+def _another_run(output_dir: str, ledger: Ledger, mine: list[str], recipe: dict[str, Any] | None) -> RunDirectoryError:
+    change = first_difference(ledger.recipe, recipe) if recipe is not None else None
+    return RunDirectoryError(
+        f"train.output_dir '{output_dir}' holds another run's checkpoints ({', '.join(mine[-3:])})"
+        f"{f', started with another recipe ({change})' if change else ''}: a new run would mix its metrics and checkpoints "
+        f"with them. Resume it with train.resume_from_checkpoint=true, choose another train.output_dir, or set "
+        f"train.overwrite_output_dir=true to delete what that run wrote")
+
+
+def refuse_another_run(output_dir: str, recipe: dict[str, Any], resume: bool, overwrite: bool) -> None:
+    """:func:`take_directory`'s refusal of a new run into another run's checkpoints, from the files alone.
+
+    Why: the command line says it before torch and the Trainer are imported (seconds, where the refusal under
+    the run's lock came after them); :func:`take_directory` still decides under the lock. A directory whose
+    lock a run holds (or held, and died) is left to the lock, which names that run. Nothing is written:
+    ``output_dir`` may be a place the run's other checks refuse (inside a checkpoint).
+    """
+    if resume or overwrite or not os.path.isdir(output_dir) or not unheld(output_dir):
+        return
+    refuse_linked_checkpoints(output_dir)  # named as the link it is, as take_directory names it first
+    try:
+        ledger = read_ledger(output_dir)
+    except RunDirectoryError:
+        return  # an unreadable identity file is named by take_directory, in its place among the checks
+    if ledger is None or ledger.recipe == recipe:
+        return
+    mine = owned_checkpoints(output_dir, ledger)
+    if mine:
+        raise _another_run(output_dir, ledger, mine, recipe)
 
 
 def _take_unmarked(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool) -> None:

@@ -132,6 +132,33 @@ def test_argument_and_file_errors_come_before_torch(tmp_path):
         assert "torch" not in modules, (argv, "imported torch before refusing")
 
 
+def test_a_new_run_into_another_runs_directory_is_refused_before_torch(tmp_path):
+    # A rerun into a used directory was refused only under the run's lock, after torch and the Trainer loaded.
+    from neutrain.config import load_recipe
+    from neutrain.storage.run_dir import write_identity
+    from neutrain.trainer.ownership import identity_recipe
+
+    used = tmp_path / "used"
+    (used / "checkpoint-2").mkdir(parents=True)
+    theirs = identity_recipe(load_recipe("recipes/default.yaml", ["train.learning_rate=0.5"]))
+    write_identity(used, theirs, ["checkpoint-2"])
+    code, modules, stderr = imports_of("train", "recipes/default.yaml", f"train.output_dir={used}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, stderr
+    assert "holds another run's checkpoints (checkpoint-2)" in lines[0] and "train.learning_rate: 0.5 ->" in lines[0], lines[0]
+    assert "torch" not in modules
+    assert sorted(p.name for p in used.iterdir()) == [".neutrain-run", "checkpoint-2"]  # nothing written
+    # The same recipe (a relaunch), a resume and an overwrite are left to the checks under the run's lock.
+    from neutrain.trainer.ownership import refuse_another_run
+
+    ours = identity_recipe(load_recipe("recipes/default.yaml"))
+    refuse_another_run(str(used), theirs, resume=False, overwrite=False)
+    refuse_another_run(str(used), ours, resume=True, overwrite=False)
+    refuse_another_run(str(used), ours, resume=False, overwrite=True)
+    (used / ".neutrain.lock").write_text('{"pid": 1, "host": "elsewhere"}')
+    refuse_another_run(str(used), ours, resume=False, overwrite=False)  # a run's lock there: the lock names it
+
+
 def test_unknown_recipe_names_the_nearest(tmp_path):
     code, _, stderr = imports_of("train", "defualt")
     assert code == 2 and "did you mean 'default'?" in stderr, stderr
@@ -139,6 +166,17 @@ def test_unknown_recipe_names_the_nearest(tmp_path):
     assert code == 2 and "did you mean 'recipes/default.yaml'?" in stderr, stderr
     code, _, stderr = imports_of("train", "zzzzzz")
     assert code == 2 and "did you mean" not in stderr, stderr
+
+
+@pytest.mark.parametrize("argv, hint", [(["defualt"], "did you mean `neutrain train default`?"),
+                                        (["default"], "did you mean `neutrain train default`?"),
+                                        (["trian", "recipes/default.yaml"], "did you mean `neutrain train`?")])
+def test_an_unknown_command_names_the_nearest_command_or_recipe(argv, hint):
+    # argparse printed its usage and the list of commands, with nothing about the recipe that was meant.
+    code, modules, stderr = imports_of(*argv)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and hint in lines[0], stderr
+    assert "torch" not in modules
 
 
 def test_light_format_check_knows_the_codecs_lossy_modes():
