@@ -402,6 +402,14 @@ def check_machine_holds(recipe: Recipe) -> None:
     check_model_size(recipe, host, None if recipe.train["use_cpu"] else device_memory_total())
 
 
+def check_export_place(recipe: Recipe) -> None:
+    """Refuse an export directory the run may not write: one that is not a neutrain export, or that is or holds
+    ``train.output_dir``. Refused before training, not after it: an export may only replace its own kind."""
+    if recipe.export["format"] != "none":
+        check_export_target(recipe.export_dir, overwrite=True, key="export.output_dir",
+                            keep=(("train.output_dir", recipe.train["output_dir"]),))
+
+
 def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     """Check what would otherwise fail only after the model is built or after training.
 
@@ -434,9 +442,7 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
             exc.add_note("export.output_dir is not writable")
             raise exc
     check_output_places(recipe)  # no output inside another run's checkpoint or export
-    if recipe.export["format"] != "none":  # refused now, not after training: it may only replace its own export
-        check_export_target(recipe.export_dir, overwrite=True,
-                            key="export.output_dir", keep=(("train.output_dir", out),))
+    check_export_place(recipe)
     check_path_lengths(recipe, num_processes)  # every folder's longest planned path fits the file system
     check_machine_holds(recipe)
     # Last: it creates train.output_dir, which must not happen for a run refused above.

@@ -31,12 +31,12 @@ from neutrain.cli.after_training import format_summary, generate_sample, long_co
 from neutrain.cli.memory import fit_memory, settle_weights
 from neutrain.cli.outputs import check_output_places, check_run_disk
 from neutrain.cli.preflight import (
-    accumulation_note, check_launch, check_long_context_prompts, check_machine_holds, check_weight_offload_device,
+    accumulation_note, check_export_place, check_launch, check_long_context_prompts, check_machine_holds, check_weight_offload_device,
     cpu_processes, preflight,
 )
 from neutrain.distributed import end_processes, exit_rank
 from neutrain.distributed.arguments import distributed_arguments
-from neutrain.errors import StoppedBySignal
+from neutrain.errors import StoppedBySignal, UserInputError
 
 logger = logging.getLogger("neutrain")
 
@@ -360,6 +360,23 @@ def configure(p) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=1e-5 train.max_steps=100")
 
 
+def refuse_used_places(recipe: Recipe) -> None:
+    """The refusals of the places a run writes that the files alone decide, before torch is imported.
+
+    A place inside a checkpoint or an export, another run's directory or a folder no run wrote
+    (:func:`~neutrain.trainer.ownership.refuse_used_directory`), an export directory that is no export.
+    Why: these came only after torch and the Trainer had loaded, seconds later. Each is made again where the
+    run makes it, and a relaunch of the same run is left to its resume plan.
+    """
+    from neutrain.trainer.ownership import identity_recipe, refuse_used_directory, same_run  # lazy: `neutrain --help` stays instant
+
+    check_output_places(recipe)  # a place inside a checkpoint or an export is named as that first
+    identity, out = identity_recipe(recipe), recipe.train["output_dir"]
+    refuse_used_directory(out, identity, bool(recipe.train["resume_from_checkpoint"]), recipe.train["overwrite_output_dir"])
+    if os.path.lexists(recipe.export_dir) and not same_run(out, identity):
+        check_export_place(recipe)
+
+
 def run(args) -> int:
     """Train ``args.recipe`` with ``args.overrides``: the whole default run (see :func:`train_from_recipe`)."""
     overrides = list(args.overrides)
@@ -367,15 +384,15 @@ def run(args) -> int:
     # (a recipe that does not exist is refused before torch loads).
     if cpu_processes(os.environ, cuda_available=False) and not _cuda_available():
         overrides.append("train.use_cpu=true")
-    if os.environ.get("WORLD_SIZE", "1") == "1":
-        # One process: a used output_dir is refused before torch loads. The recipe's model config is checked
-        # against transformers' config class (which brings torch) only by the full load below; the run's
-        # identity does not depend on that check.
-        from neutrain.trainer.ownership import identity_recipe, refuse_another_run  # lazy: `neutrain --help` stays instant
-
-        light = load_recipe(args.recipe, overrides, shape_only=True)
-        refuse_another_run(light.train["output_dir"], identity_recipe(light),
-                           bool(light.train["resume_from_checkpoint"]), light.train["overwrite_output_dir"])
+    if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: under a launcher every process would look at once
+        # The recipe's model config is checked against transformers' config class (which brings torch) only
+        # by the full load below; the places a run writes do not depend on that check.
+        try:
+            light = load_recipe(args.recipe, overrides, shape_only=True)
+        except UserInputError:
+            light = None  # a bad recipe is said by the full load, with the line that names it best
+        if light is not None:
+            refuse_used_places(light)
     recipe = load_recipe(args.recipe, overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
     # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.

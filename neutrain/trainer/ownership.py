@@ -23,6 +23,7 @@ import logging
 import os
 from typing import Any
 
+from neutrain.storage.confine import check_run_outputs
 from neutrain.storage.run_dir import (KEPT_ON_OVERWRITE, PLANNED, Ledger, clear_owned, entries, legacy_run, open_run, owned_checkpoints,
                                       read_ledger, unowned_planned, write_identity)
 from neutrain.storage.run_lock import RunDirectoryError, previous_checkpoints, refuse_linked_checkpoints, unheld
@@ -122,22 +123,28 @@ def _another_run(output_dir: str, ledger: Ledger, mine: list[str], recipe: dict[
         f"train.overwrite_output_dir=true to delete what that run wrote")
 
 
-def refuse_another_run(output_dir: str, recipe: dict[str, Any], resume: bool, overwrite: bool) -> None:
-    """:func:`take_directory`'s refusal of a new run into another run's checkpoints, from the files alone.
+def refuse_used_directory(output_dir: str, recipe: dict[str, Any], resume: bool, overwrite: bool) -> None:
+    """:func:`take_directory`'s refusals that the files alone decide: a new run into another run's checkpoints,
+    and a folder no neutrain run wrote.
 
-    Why: the command line says it before torch and the Trainer are imported (seconds, where the refusal under
+    Why: the command line says them before torch and the Trainer are imported (seconds, where the refusal under
     the run's lock came after them); :func:`take_directory` still decides under the lock. A directory whose
-    lock a run holds (or held, and died) is left to the lock, which names that run. Nothing is written:
-    ``output_dir`` may be a place the run's other checks refuse (inside a checkpoint).
+    lock a run holds (or held, and died) is left to the lock, which names that run. Nothing is written.
     """
-    if resume or overwrite or not os.path.isdir(output_dir) or not unheld(output_dir):
+    if not os.path.isdir(output_dir) or not unheld(output_dir):
         return
-    refuse_linked_checkpoints(output_dir)  # named as the link it is, as take_directory names it first
+    check_run_outputs(output_dir)  # the checks the run makes before take_directory's, in its order
+    refuse_linked_checkpoints(output_dir)
     try:
         ledger = read_ledger(output_dir)
     except RunDirectoryError:
         return  # an unreadable identity file is named by take_directory, in its place among the checks
-    if ledger is None or ledger.recipe == recipe:
+    if ledger is None:
+        found = entries(output_dir)
+        if found and not (resume and legacy_run(output_dir)):  # a resume takes an earlier neutrain's run over
+            raise _unmarked(output_dir, found, overwrite)
+        return
+    if resume or overwrite or ledger.recipe == recipe:
         return
     mine = owned_checkpoints(output_dir, ledger)
     if mine:
@@ -155,6 +162,10 @@ def _take_unmarked(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
         logger.warning("train.output_dir %s: a run of an earlier neutrain (no %s); resumed, its files %s taken as "
                        "this run's", output_dir, ".neutrain-run", ", ".join(wrote))
         return
+    raise _unmarked(output_dir, found, overwrite)
+
+
+def _unmarked(output_dir: str, found: list[str], overwrite: bool) -> RunDirectoryError:
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     if legacy_run(output_dir):
         why = ("holds checkpoints of an earlier neutrain, which did not record what it wrote, so an overwrite "
@@ -165,7 +176,7 @@ def _take_unmarked(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
         why = "is not empty and holds no neutrain run"
         hint = ("choose an empty or new train.output_dir (neutrain writes only into an empty directory or its own "
                 "run, and train.overwrite_output_dir deletes only what a neutrain run wrote)")
-    raise RunDirectoryError(f"train.output_dir '{output_dir}' {why} ({shown}): nothing was written; {hint}")
+    return RunDirectoryError(f"train.output_dir '{output_dir}' {why} ({shown}): nothing was written; {hint}")
 
 
 def _refuse_unowned(output_dir: str, ledger: Ledger, planned: tuple[str, ...]) -> None:

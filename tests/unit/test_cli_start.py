@@ -149,14 +149,31 @@ def test_a_new_run_into_another_runs_directory_is_refused_before_torch(tmp_path)
     assert "torch" not in modules
     assert sorted(p.name for p in used.iterdir()) == [".neutrain-run", "checkpoint-2"]  # nothing written
     # The same recipe (a relaunch), a resume and an overwrite are left to the checks under the run's lock.
-    from neutrain.trainer.ownership import refuse_another_run
+    from neutrain.trainer.ownership import refuse_used_directory
 
     ours = identity_recipe(load_recipe("recipes/default.yaml"))
-    refuse_another_run(str(used), theirs, resume=False, overwrite=False)
-    refuse_another_run(str(used), ours, resume=True, overwrite=False)
-    refuse_another_run(str(used), ours, resume=False, overwrite=True)
+    refuse_used_directory(str(used), theirs, resume=False, overwrite=False)
+    refuse_used_directory(str(used), ours, resume=True, overwrite=False)
+    refuse_used_directory(str(used), ours, resume=False, overwrite=True)
     (used / ".neutrain.lock").write_text('{"pid": 1, "host": "elsewhere"}')
-    refuse_another_run(str(used), ours, resume=False, overwrite=False)  # a run's lock there: the lock names it
+    refuse_used_directory(str(used), ours, resume=False, overwrite=False)  # a run's lock there: the lock names it
+
+
+def test_a_run_into_a_folder_of_the_users_is_refused_before_torch(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    for flag in ([], ["train.overwrite_output_dir=true"]):  # a folder no run wrote is refused, flag or not
+        code, modules, stderr = imports_of("train", "recipes/default.yaml", f"train.output_dir={taken}", *flag)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "is not empty and holds no neutrain run (notes.txt)" in lines[0], stderr
+        assert "torch" not in modules
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    code, modules, stderr = imports_of("train", "recipes/default.yaml", f"train.output_dir={tmp_path / 'new'}",
+                                       f"export.output_dir={taken}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "export.output_dir '" in lines[0] and "is not a neutrain export" in lines[0], stderr
+    assert "torch" not in modules and not (tmp_path / "new").exists()
 
 
 def test_unknown_recipe_names_the_nearest(tmp_path):
