@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_with_chat_template
+from neutrain.cli.ignored import refuse_ignored
 from neutrain.config.schema import SCHEMA
 from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
@@ -122,6 +123,12 @@ def check_arguments(args) -> None:
     top_p = getattr(args, "top_p", 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise UserInputError(f"--top-p: {top_p:g} is out of range; expected a number in (0, 1] (1 = no top-p)")
+    if not getattr(args, "draft", None):
+        refuse_ignored(args, ["scheme", "num_drafts", "draft_len"], "there is no --draft: decoding is plain",
+                       "give --draft DRAFT to decode speculatively")
+    if args.temperature == 0:
+        refuse_ignored(args, ["top_k", "top_p"], "--temperature 0 decodes greedily and samples nothing",
+                       "give --temperature > 0 to sample")
     budget = getattr(args, "device_budget_gib", None)
     if budget is not None and (not math.isfinite(budget) or budget <= 0):
         raise UserInputError(f"--device-budget-gib: {budget:g} is out of range; expected a finite number of GiB > 0")

@@ -26,6 +26,7 @@ import os
 import sys
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
+from neutrain.cli.ignored import given_options
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
@@ -180,6 +181,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
+    args.given = given_options(parser, args.command, argv)  # which options were typed, not defaulted
     try:  # every NEUTRAIN_* variable, before any is used (neutrain.config.knobs)
         unknown = check_environment()
         level = knob("NEUTRAIN_LOG_LEVEL")
