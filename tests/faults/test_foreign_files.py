@@ -75,3 +75,15 @@ def test_an_export_overwrite_refuses_an_export_holding_a_file_it_did_not_write(t
     line = one_error_line(capsys.readouterr().err)
     assert str(out / "export" / "mynotes.txt") in line, line
     assert (out / "export" / "mynotes.txt").read_text() == "the user's"
+
+
+def test_a_resume_that_would_save_a_checkpoint_again_refuses_when_it_holds_a_file_the_run_did_not_write(
+        template, tmp_path, capsys):
+    from neutrain.cli import main
+
+    out = _copy(template, tmp_path)
+    (out / "checkpoint-4" / "mynotes.txt").write_text("the user's")
+    assert main(["train", str(out.parent / "tiny.yaml"), f"train.resume_from_checkpoint={out / 'checkpoint-2'}"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert str(out / "checkpoint-4" / "mynotes.txt") in line, line
+    assert (out / "checkpoint-4" / "mynotes.txt").read_text() == "the user's"
