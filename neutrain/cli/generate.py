@@ -87,6 +87,10 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
         neutrain.errors.UserInputError: --max-new-tokens: 300 new tokens after a 10-token prompt exceed the model's context of 256 positions (max_position_embeddings); ask for at most 246
     """
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens >= context:  # no number of new tokens would fit: the prompt's fault
+        raise UserInputError(f"--prompt: the prompt alone has {prompt_tokens} tokens, and the model's context is "
+                             f"{context} positions (max_position_embeddings); shorten it to fewer than {context} "
+                             "tokens")
     if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
         raise UserInputError(f"--max-new-tokens: {max_new_tokens} new tokens after a {prompt_tokens}-token prompt exceed "
                              f"the model's context of {context} positions (max_position_embeddings); ask for at most "

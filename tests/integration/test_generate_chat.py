@@ -151,7 +151,7 @@ def test_chat_keeps_the_conversation_in_the_template_and_ends_at_eof(capsys, exp
 
 def test_chat_ends_cleanly_on_ctrl_c(capsys, export_dir, monkeypatch):
     class Interrupted:
-        def readline(self):
+        def readline(self, limit=-1):
             raise KeyboardInterrupt
 
         def isatty(self):
