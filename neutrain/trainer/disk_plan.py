@@ -147,6 +147,21 @@ def free_bytes(path: str | os.PathLike) -> tuple[int, Path, int]:
     return shutil.disk_usage(existing).free, existing, os.stat(existing).st_dev
 
 
+def size_text(n: float, up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit it fills, to two decimals (rounded up where ``up``): a few KiB
+    printed in GiB read "0.00 GiB free" against "needs 0.01 GiB", numbers that said nothing.
+
+    Example:
+        >>> size_text(4096), size_text(3 * GIB + 1, up=True), size_text(12)
+        ('4.00 KiB', '3.01 GiB', '12 bytes')
+    """
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            shown = (math.ceil if up else math.floor)(n / scale * 100) / 100
+            return f"{shown:.2f} {unit}"
+    return f"{math.ceil(n) if up else math.floor(n)} bytes"
+
+
 def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> None:
     """Refuse, in one line naming the free space and the space needed, a run whose saves and export cannot fit.
 
@@ -179,11 +194,11 @@ def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> No
             continue
         parts = []
         if slots and key == "train.output_dir":
-            parts.append(f"{slots} checkpoint(s) of {size / GIB:.2f} GiB (train.save_total_limit "
+            parts.append(f"{slots} checkpoint(s) of {size_text(size)} (train.save_total_limit "
                          f"{limit if limit else 'unset'}, plus the one being written)")
         if export and (key == "export.output_dir" or len(needs) == 1):
-            parts.append(f"a {export / GIB:.2f} GiB export ({recipe.export.format})")
+            parts.append(f"a {size_text(export)} export ({recipe.export.format})")
         raise RecipeError(
-            f"{key}: {where} has {free / GIB:.2f} GiB free, and this run needs {math.ceil(need / GIB * 100) / 100:.2f} "
-            f"GiB there ({' and '.join(parts)}): free space, lower train.save_total_limit or export.format, or save "
+            f"{key}: {where} has {size_text(free)} free, and this run needs {size_text(need, up=True)} there "
+            f"({' and '.join(parts)}): free space, lower train.save_total_limit or export.format, or save "
             f"nothing (train.save_steps past train.max_steps and train.save_final: false)")
