@@ -75,7 +75,8 @@ MAX_NEW_TOKENS = 1 << 20
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a prompt plus ``--max-new-tokens`` longer than the model's context, before a cache is allocated.
+    """Refuse an empty prompt, or one plus ``--max-new-tokens`` longer than the model's context, before a cache
+    is allocated.
 
     Why: the decode engine allocates its cache for every token asked for at once; a number past the model's
     positions failed deep in the allocator (or decoded positions the model never learnt).
@@ -86,6 +87,8 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-new-tokens: 300 new tokens after a 10-token prompt exceed the model's context of 256 positions (max_position_embeddings); ask for at most 246
     """
+    if prompt_tokens == 0:  # nothing to continue from: the decoder's prefill raised a ValueError on it
+        raise UserInputError("--prompt: the prompt is empty (0 tokens after the tokenizer); give some text")
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens >= context:  # no number of new tokens would fit: the prompt's fault
         raise UserInputError(f"--prompt: the prompt alone has {prompt_tokens} tokens, and the model's context is "

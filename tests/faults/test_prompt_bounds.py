@@ -46,3 +46,12 @@ def test_a_prompt_past_the_context_is_named_as_the_prompt(export, capsys, comman
     assert main(argv) == 2
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith("neutrain: error: --prompt:") and "256 positions" in line and "at most 0" not in line, line
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_an_empty_prompt_is_one_line_not_a_traceback(export, capsys, raw):
+    from neutrain.cli import main
+
+    assert main(["generate", str(export), "--prompt", "", "--max-new-tokens", "2", *(["--raw"] if raw else [])]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("neutrain: error: --prompt:") and "empty" in line, line
