@@ -207,23 +207,26 @@ def read_prompts(path: str) -> list[dict]:
         >>> _ = f.write_text('{"prompt": "hi", "id": 1}\\n{"text": "x"}\\n')
         >>> read_prompts(str(f))
         Traceback (most recent call last):
-        neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a string "prompt" field
+        neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a non-empty string "prompt" field
     """
     file = Path(path)
     label = f"--input-file: '{path}'"
     # the one reader of user-named files: a FIFO blocked here, /dev/zero read until memory ran out
     lines = read_text(file, label, MAX_PROMPT_FILE_BYTES, UserInputError).splitlines()
     if file.suffix.lower() not in (".jsonl", ".json"):
-        return [{"prompt": line} for line in lines if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        record = parse_json(line, f"{label} line {number}", UserInputError)  # names the column, a surrogate's key
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a string "
-                                 "\"prompt\" field")
-        records.append(record)
+        records = [{"prompt": line} for line in lines if line.strip()]
+    else:
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            record = parse_json(line, f"{label} line {number}", UserInputError)  # names the column, a surrogate's key
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a non-empty "
+                                     "string \"prompt\" field")
+            records.append(record)
+    if not records:  # an empty file fell through to --prompt, which was not given: a TypeError traceback
+        raise UserInputError(f"{label} holds no prompt (it is empty, or every line is blank)")
     return records
 
 

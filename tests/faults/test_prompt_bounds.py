@@ -55,3 +55,14 @@ def test_an_empty_prompt_is_one_line_not_a_traceback(export, capsys, raw):
     assert main(["generate", str(export), "--prompt", "", "--max-new-tokens", "2", *(["--raw"] if raw else [])]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith("neutrain: error: --prompt:") and "empty" in line, line
+
+
+@pytest.mark.parametrize("name,text", [("empty.txt", ""), ("blank.txt", "\n \n\n"), ("empty.jsonl", ""),
+                                       ("empty-prompt.jsonl", '{"prompt": ""}\n')])
+def test_an_input_file_without_a_prompt_is_one_line_naming_it(export, tmp_path, capsys, name, text):
+    from neutrain.cli import main
+
+    (tmp_path / name).write_text(text)
+    assert main(["generate", str(export), "--input-file", str(tmp_path / name), "--max-new-tokens", "2"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"neutrain: error: --input-file: '{tmp_path / name}'") and "prompt" in line, line

@@ -116,7 +116,7 @@ def test_a_bad_input_file_is_one_line_before_the_model_loads(capsys, export_dir,
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     assert main(["generate", str(export_dir), "--input-file", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "line 2: expected a JSON object with a string \"prompt\" field" in err, err
+    assert err.count("\n") == 1 and "line 2: expected a JSON object with a non-empty string \"prompt\" field" in err, err
     assert main(["generate", str(export_dir), "--input-file", str(tmp_path / "absent.txt")]) == 2
     assert "--input-file: " in capsys.readouterr().err
 
