@@ -53,6 +53,51 @@ def kind_word(mode: int) -> str:
     return next((word for test, word in _KINDS if test(mode)), "a special file")
 
 
+def nearest_existing(path: str | os.PathLike) -> str:
+    """The nearest folder at or above ``path`` (made absolute) that exists; a name too long to look up counts
+    as absent, so this never raises ``ENAMETOOLONG``."""
+    existing = os.path.abspath(path)
+    while os.path.dirname(existing) != existing:
+        try:
+            os.stat(existing)
+            break
+        except OSError:  # missing, or ENAMETOOLONG: the very thing a caller may be measuring
+            existing = os.path.dirname(existing)
+    return existing
+
+
+def _pathconf(path: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(nearest_existing(path), name)
+    except (OSError, ValueError):
+        return default
+
+
+def path_too_long(path: str | os.PathLike) -> str | None:
+    """Why the file system under ``path`` cannot hold it, or None: a name past its ``NAME_MAX`` or the whole
+    (absolute) path past its ``PATH_MAX``, measured in bytes where the path would be created.
+
+    Why before any use: such a path cannot even be looked up (``stat`` raises ``ENAMETOOLONG``), so the
+    first check that touched it failed as a bare "File name too long" naming neither the key nor the fix.
+
+    Example:
+        >>> path_too_long("/tmp/" + "x" * 300)[:40]
+        "its name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+        >>> path_too_long("/tmp/run") is None
+        True
+    """
+    whole = os.path.abspath(path)
+    name_max, path_max = _pathconf(whole, "PC_NAME_MAX", 255), _pathconf(whole, "PC_PATH_MAX", 4096)
+    for part in whole.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            return (f"its name '{part[:30]}...' has {len(os.fsencode(part))} bytes, more than the {name_max} a name "
+                    "may have there (NAME_MAX)")
+    if len(os.fsencode(whole)) >= path_max:
+        return (f"it is a path of {len(os.fsencode(whole))} bytes ('{whole[:40]}...'), more than the {path_max} a "
+                "path may have there (PATH_MAX)")
+    return None
+
+
 def check_kind(path: str | os.PathLike, label: str, error: type[Exception],
                want: str = "file") -> os.stat_result:
     """The ``stat`` of ``path``, refused unless it is what ``want`` says: ``"file"`` (a regular file),

@@ -45,12 +45,35 @@ def learning_rate_advice(optimizer: str, rate: float, pretrained: str | None) ->
             f"see docs/models-and-data.md, \"Learning rates for fine-tuning a pretrained model\"")
 
 
+def warmup_advice(scheduler: str, warmup: int, max_steps: int, rate: float) -> str | None:
+    """The warning for a warm-up the schedule cannot carry out, else None: one the scheduler ignores
+    (``constant``), or one as long as the run, so the rate never reaches ``train.learning_rate``.
+
+    Example:
+        >>> print(warmup_advice("linear", 100, 4, 3e-3))
+        train.warmup_steps: 100 of a run of train.max_steps 4: the learning rate never reaches train.learning_rate
+        0.003 (at most 0.00012 at the last step); lower train.warmup_steps below train.max_steps
+        >>> warmup_advice("linear", 3, 4, 3e-3) is None
+        True
+    """
+    if scheduler == "constant" and warmup > 0:
+        return (f"train.lr_scheduler constant ignores train.warmup_steps ({warmup}): the rate is "
+                f"train.learning_rate from the first step; use constant_with_warmup to warm up")
+    if max_steps > 0 and warmup >= max_steps and scheduler != "constant":
+        return (f"train.warmup_steps: {warmup} of a run of train.max_steps {max_steps}: the learning rate never reaches "
+                f"train.learning_rate {rate:g} (at most {rate * max_steps / warmup:.2g} at the last step); lower "
+                "train.warmup_steps below train.max_steps")
+    return None
+
+
 def warn_about_settings(recipe: Recipe) -> None:
     """Log the warnings of this module that apply to ``recipe`` (one line each)."""
     model = recipe.model
     # An adapter run trains new matrices beside a frozen base, which no rate can wreck.
     whole = model["init"] == "pretrained" and not recipe.memory["adapter"]
     pretrained = (model["base_model"] or model["gguf_file"]) if whole else None
-    line = learning_rate_advice(recipe.train["optimizer"], recipe.train["learning_rate"], pretrained)
-    if line:
-        logger.warning(line)
+    t = recipe.train
+    for line in (learning_rate_advice(t["optimizer"], t["learning_rate"], pretrained),
+                 warmup_advice(t["lr_scheduler"], t["warmup_steps"], t["max_steps"], t["learning_rate"])):
+        if line:
+            logger.warning(line)

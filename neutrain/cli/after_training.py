@@ -23,6 +23,7 @@ from neutrain.cli.memory import phase_lines, phase_report
 from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
 from neutrain.errors import UserInputError
+from neutrain.storage.run_lock import previous_checkpoints
 
 logger = logging.getLogger("neutrain")
 
@@ -238,6 +239,15 @@ def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[st
     return results
 
 
+def _outputs_left(out: str) -> list[str]:
+    """What the run left in ``out``, by name: a run that saved no checkpoint is said to have saved none."""
+    saved = previous_checkpoints(out) if os.path.isdir(out) else []
+    if len(saved) > 3:
+        saved = [f"{len(saved)} checkpoints ({saved[0]} to {saved[-1]})"]
+    files = [name for name in ("metrics.jsonl", "training_curves.png") if os.path.isfile(os.path.join(out, name))]
+    return [*(saved or ["no checkpoint saved"]), *files]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The short human summary printed at the end of a run."""
     lines = ["", "=== neutrain run summary ==="]
@@ -267,7 +277,7 @@ def format_summary(s: dict[str, Any]) -> str:
         dd = s["distill"]
         lines.append(f"draft           alpha {dd['alpha_before']:.3f} -> {dd['alpha']:.3f}; speculative decode "
                      f"{payoff_words(dd)} ({dd['draft_dir']})")
-    lines.append(f"outputs         {s['output_dir']} (checkpoints, metrics.jsonl, training_curves.png)")
+    lines.append(f"outputs         {s['output_dir']} ({', '.join(_outputs_left(s['output_dir']))})")
     if s.get("export_dir"):
         lines.append(f"export          {s['export_dir']}")
     lines.append(f"wall time       {s['wall_time_s']:.0f} s")

@@ -50,11 +50,19 @@ def fit_history(messages: list[dict], fits: Callable[[list[dict]], bool]) -> tup
     return system + turns, dropped
 
 
+MAX_LINE_CHARS = 1 << 22
+"""The longest line of stdin a turn may be (4 Mi characters, past any model's context): a stdin with no newline
+(``< /dev/zero``) was read into memory without end and never answered."""
+
+
 def _read(prompt: str) -> str | None:
     """The next line of stdin without its newline; None at end of input."""
     if prompt:
         print(prompt, end="", file=sys.stderr, flush=True)
-    line = sys.stdin.readline()
+    line = sys.stdin.readline(MAX_LINE_CHARS + 1)
+    if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+        raise UserInputError(f"chat: a line of stdin runs past {MAX_LINE_CHARS:,} characters with no newline: a turn "
+                             "is one line of text (is stdin a device or a binary file?)")
     return None if line == "" else line.rstrip("\n")
 
 

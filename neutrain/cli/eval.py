@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint, recover_export
+from neutrain.cli.ignored import refuse_ignored
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -47,12 +48,16 @@ def run_eval(args) -> int:
     target = Path(args.target)
     if not target.exists():
         recover_export(target)  # set aside by an interrupted export: put back, and said so
+    if args.recipe and not os.path.lexists(target):  # with --recipe the target is a checkpoint, never a recipe
+        raise UserInputError(f"eval: checkpoint '{target}' does not exist")
     if problem := _not_evaluable(target):
         raise UserInputError(problem)
     # The model evaluated is the checkpoint's, never one built from the recipe's model section: its model.config
     # is held to neutrain's value rules only (shape_only), and its config class, which imports transformers and
     # torch, is not built, so a run with no checkpoint yet is one line at once.
     if target.suffix in (".yaml", ".yml") or not target.is_dir():
+        refuse_ignored(args, ["recipe"], f"'{target}' is a recipe: its own data and eval settings are used",
+                       "give a checkpoint as the target to evaluate it on --recipe's data")
         recipe = load_recipe(args.target, args.overrides, shape_only=True)
         ckpt = last_checkpoint(Path(recipe.train["output_dir"]))
     else:

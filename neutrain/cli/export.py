@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
+from neutrain.cli.ignored import refuse_ignored
 from neutrain.config.schema import SCHEMA
 from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
@@ -42,12 +43,15 @@ def run(args) -> int:
     check_format(args.format)  # every argument and path is checked before anything heavy is imported
     check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
+    adapter = (ckpt / "adapter_config.json").exists()
+    if not adapter:
+        refuse_ignored(args, ["base", "force_base"], f"'{ckpt}' is a whole model, not LoRA adapters: there is "
+                       "nothing to merge onto a base", "export it as it is")
     out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once
     refuse_inside_model(out, "--output", may_be_one=True)  # never inside a checkpoint or another export
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     dtype = run_export_dtype(ckpt, args.dtype)
     # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.
-    adapter = (ckpt / "adapter_config.json").exists()
     model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto",
                                              force_base=args.force_base)
     # The card's "Training" section from the run's record, and what the export was made from (path, content hash,

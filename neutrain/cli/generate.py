@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_with_chat_template
+from neutrain.cli.ignored import refuse_ignored
 from neutrain.config.schema import SCHEMA
 from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
@@ -74,7 +75,8 @@ MAX_NEW_TOKENS = 1 << 20
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a prompt plus ``--max-new-tokens`` longer than the model's context, before a cache is allocated.
+    """Refuse an empty prompt, or one plus ``--max-new-tokens`` longer than the model's context, before a cache
+    is allocated.
 
     Why: the decode engine allocates its cache for every token asked for at once; a number past the model's
     positions failed deep in the allocator (or decoded positions the model never learnt).
@@ -85,7 +87,13 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-new-tokens: 300 new tokens after a 10-token prompt exceed the model's context of 256 positions (max_position_embeddings); ask for at most 246
     """
+    if prompt_tokens == 0:  # nothing to continue from: the decoder's prefill raised a ValueError on it
+        raise UserInputError("--prompt: the prompt is empty (0 tokens after the tokenizer); give some text")
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens >= context:  # no number of new tokens would fit: the prompt's fault
+        raise UserInputError(f"--prompt: the prompt alone has {prompt_tokens} tokens, and the model's context is "
+                             f"{context} positions (max_position_embeddings); shorten it to fewer than {context} "
+                             "tokens")
     if isinstance(context, int) and prompt_tokens + max_new_tokens > context:
         raise UserInputError(f"--max-new-tokens: {max_new_tokens} new tokens after a {prompt_tokens}-token prompt exceed "
                              f"the model's context of {context} positions (max_position_embeddings); ask for at most "
@@ -122,6 +130,12 @@ def check_arguments(args) -> None:
     top_p = getattr(args, "top_p", 1.0)
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise UserInputError(f"--top-p: {top_p:g} is out of range; expected a number in (0, 1] (1 = no top-p)")
+    if not getattr(args, "draft", None):
+        refuse_ignored(args, ["scheme", "num_drafts", "draft_len"], "there is no --draft: decoding is plain",
+                       "give --draft DRAFT to decode speculatively")
+    if args.temperature == 0:
+        refuse_ignored(args, ["top_k", "top_p"], "--temperature 0 decodes greedily and samples nothing",
+                       "give --temperature > 0 to sample")
     budget = getattr(args, "device_budget_gib", None)
     if budget is not None and (not math.isfinite(budget) or budget <= 0):
         raise UserInputError(f"--device-budget-gib: {budget:g} is out of range; expected a finite number of GiB > 0")
@@ -193,23 +207,26 @@ def read_prompts(path: str) -> list[dict]:
         >>> _ = f.write_text('{"prompt": "hi", "id": 1}\\n{"text": "x"}\\n')
         >>> read_prompts(str(f))
         Traceback (most recent call last):
-        neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a string "prompt" field
+        neutrain.errors.UserInputError: --input-file: ... line 2: expected a JSON object with a non-empty string "prompt" field
     """
     file = Path(path)
     label = f"--input-file: '{path}'"
     # the one reader of user-named files: a FIFO blocked here, /dev/zero read until memory ran out
     lines = read_text(file, label, MAX_PROMPT_FILE_BYTES, UserInputError).splitlines()
     if file.suffix.lower() not in (".jsonl", ".json"):
-        return [{"prompt": line} for line in lines if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        record = parse_json(line, f"{label} line {number}", UserInputError)  # names the column, a surrogate's key
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a string "
-                                 "\"prompt\" field")
-        records.append(record)
+        records = [{"prompt": line} for line in lines if line.strip()]
+    else:
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            record = parse_json(line, f"{label} line {number}", UserInputError)  # names the column, a surrogate's key
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise UserInputError(f"--input-file: '{path}' line {number}: expected a JSON object with a non-empty "
+                                     "string \"prompt\" field")
+            records.append(record)
+    if not records:  # an empty file fell through to --prompt, which was not given: a TypeError traceback
+        raise UserInputError(f"{label} holds no prompt (it is empty, or every line is blank)")
     return records
 
 

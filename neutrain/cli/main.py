@@ -28,12 +28,14 @@ import sys
 from pathlib import Path
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
+from neutrain.cli.ignored import given_options
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
+from neutrain.files import path_too_long
 
 EXIT_USER_ERROR = 2
 
@@ -168,6 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ENVIRONMENT
 
 
+# The namespace attributes that hold a path, by every command that has them; ``recipe`` is an option of eval.
+_PATH_ARGUMENTS = ("recipe", "target", "checkpoint", "model", "output", "base", "draft", "input_file")
+
+
+def check_path_arguments(args: argparse.Namespace) -> None:
+    """Refuse, naming the argument, a path argument its file system cannot hold (a name past ``NAME_MAX``, a path
+    past ``PATH_MAX``): looked up later, it failed as a bare "File name too long" or as "does not exist"."""
+    for attr in _PATH_ARGUMENTS:
+        value = getattr(args, attr, None)
+        if not isinstance(value, str) or not (problem := path_too_long(value)):
+            continue
+        optional = attr not in ("target", "checkpoint", "model") and (attr != "recipe" or args.command == "eval")
+        label = f"--{attr.replace('_', '-')}" if optional else attr
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        raise UserInputError(f"{args.command} {label}: '{shown}' is too long for its file system: {problem}")
+
+
 def _main(argv: list[str] | None) -> int:
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
     # stranded: on an H100, (d) NeuZip + LOMO at batch 1 used 15.28 instead of 15.57 GiB of device
@@ -189,6 +208,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
+    args.given = given_options(parser, args.command, argv)  # which options were typed, not defaulted
     try:  # every NEUTRAIN_* variable, before any is used (neutrain.config.knobs)
         unknown = check_environment()
         level = knob("NEUTRAIN_LOG_LEVEL")
@@ -207,6 +227,7 @@ def _main(argv: list[str] | None) -> int:
         name_cpu_accelerator()
     try:
         check_launch_environment(os.environ)  # before Accelerate parses them
+        check_path_arguments(args)
         code = command_module(args.command).run(args)
         flush_stdout()  # a full stdout is reported here, as stdout's, not at interpreter exit
         return code

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.errors import RecipeError, UserInputError
+from neutrain.files import nearest_existing
 from neutrain.config.knobs import knob
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
@@ -387,13 +388,6 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
                       .rstrip() + "; use a smaller model.config")
 
 
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_machine_holds(recipe: Recipe) -> None:
     """Refuse ``recipe`` where this machine cannot hold what it keeps in memory: the host bytes its offload
     needs first (the more specific line names the offload key), then the weights themselves."""
@@ -428,11 +422,11 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
     check_distributed(recipe.train, num_processes)
     check_report_to(recipe.train["report_to"])
     out = recipe.train["output_dir"]
-    if not _nearest_existing(Path(out)).is_dir():
+    if not Path(nearest_existing(out)).is_dir():
         check_writable_dir(out, "train.output_dir")  # a file stands in the way: raises, having created nothing
     target = recipe.export["output_dir"]
     if recipe.export["format"] != "none" and target:
-        existing = _nearest_existing(Path(target))
+        existing = Path(nearest_existing(target))
         if not existing.is_dir():
             exc = NotADirectoryError(errno.ENOTDIR, "a file stands where a directory is needed", str(existing))
             exc.add_note("export.output_dir is not writable")

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from neutrain.config.schema import Key
 from neutrain.errors import RecipeError
-from neutrain.files import check_kind
+from neutrain.files import check_kind, path_too_long
 
 
 def suggest(name: str, options: Iterable[str]) -> str:
@@ -89,7 +89,8 @@ _PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "m
 
 def _check_text(where: str, value: str, as_file_name: bool) -> None:
     """No NUL byte (no file name or C string holds one); a path has no control character, no surrounding
-    whitespace, and encodes in the file-system encoding.
+    whitespace, encodes in the file-system encoding, and fits its file system's ``NAME_MAX`` and ``PATH_MAX``
+    (past them the first ``stat`` raised, naming neither the key nor the fix).
 
     Why: a NUL and an unencodable name used to end in a traceback (``ValueError: embedded null byte``,
     ``UnicodeEncodeError`` under ``LC_ALL=C`` with Python's UTF-8 mode off) at the first file operation; a
@@ -112,6 +113,8 @@ def _check_text(where: str, value: str, as_file_name: bool) -> None:
             raise RecipeError(f"{where}: {value!r} has {value[exc.start]!r}, which the file-system encoding "
                               f"({sys.getfilesystemencoding()}, from the locale) cannot write; use a UTF-8 locale "
                               "(e.g. LC_ALL=C.UTF-8) or an ASCII path") from None
+        if problem := path_too_long(value):
+            raise RecipeError(f"{where}: {shown(value)} is too long for its file system: {problem}")
 
 
 def _check_nested(where: str, value: list | dict, items: Any = None) -> None:

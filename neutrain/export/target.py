@@ -39,7 +39,7 @@ from neutrain.files import read_json_object
 from neutrain.storage.durable import fsync_dir, fsync_tree
 from neutrain.storage.leftovers import restore_set_aside_export
 from neutrain.storage.manifest import EXPORT_INFO  # written into every export; also what marks one as neutrain's
-from neutrain.storage.manifest import content_hash
+from neutrain.storage.manifest import content_hash, foreign_files
 
 
 class ExportTargetError(UserInputError):
@@ -148,6 +148,10 @@ def check_export_target(path: str | os.PathLike, overwrite: bool, key: str = "ou
                                 "nothing was written: choose a new directory")
     if not overwrite:
         raise ExportTargetError(f"{key} '{path}' holds a previous neutrain export; {overwrite_hint} replaces it")
+    foreign = foreign_files(path)
+    if foreign:  # replacing the export would delete it with the folder
+        raise ExportTargetError(f"{key} '{path}' holds a previous neutrain export and '{foreign[0]}', which no export "
+                                "wrote: nothing was written; move that file out, or choose a new directory")
 
 
 @contextlib.contextmanager

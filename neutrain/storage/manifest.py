@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -407,3 +408,55 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     _check_manifest(directory, tuple(may_be_missing))
     for path in _files(directory):
         check_file(path)
+
+
+# What neutrain writes in the folders of a run that hold no manifest: the tokenizer, evaluations, distillation logs,
+# and a checkpoint written before checkpoints carried one.
+UNLISTED_OUTPUTS = re.compile(
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|"
+    r"added_tokens\.json|tokenizer\.model|eval_results\.json|metrics\.jsonl|training_curves\.png|summary\.json|"
+    r"writer\.json|trainer_state\.json|training_args\.(bin|json)|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth|"
+    r"(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?|(generation_|adapter_)?config\.json|"
+    r"neutrain_\w+\.json|README\.md|long_context_\w+\.json")
+
+
+def _listed(directory: Path) -> set[str] | None:
+    """The files ``directory``'s manifest lists (and the manifest), or None where it has no readable one."""
+    try:
+        manifest = read_json_object(directory / MANIFEST, f"checkpoint file '{directory / MANIFEST}'",
+                                    CheckpointError, MAX_RECORD_BYTES)
+    except CheckpointError:
+        return None
+    files = manifest.get("files") if manifest.get("format") == MANIFEST_FORMAT else None
+    return {*files, MANIFEST} if isinstance(files, dict) else None
+
+
+def foreign_files(directory: str | os.PathLike) -> list[Path]:
+    """The files under ``directory`` (a folder a run wrote) that neutrain did not write: in a model folder, those
+    its manifest does not list; elsewhere, names neutrain does not write there (:data:`UNLISTED_OUTPUTS`).
+
+    Why: an overwrite, the checkpoint rotation and an ``export --overwrite`` deleted whole folders, and with
+    them the notes a user had put inside; a folder holding such a file must be kept or refused, not deleted.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "tokenizer.json").write_text("{}"), (root / "notes.txt").write_text("mine")
+        >>> [p.name for p in foreign_files(root)]
+        ['notes.txt']
+    """
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        return []
+    found: list[Path] = []
+    for folder, subfolders, names in os.walk(directory):
+        folder_path = Path(folder)
+        listed = _listed(folder_path) if MANIFEST in names else None
+        if listed is not None:  # the manifest speaks for its whole tree
+            found.extend(p for p in sorted(folder_path.rglob("*"))
+                         if not p.is_dir() and p.relative_to(folder_path).as_posix() not in listed
+                         and not p.name.startswith(f".{MANIFEST}.tmp"))
+            subfolders.clear()
+            continue
+        found.extend(folder_path / n for n in sorted(names) if not UNLISTED_OUTPUTS.fullmatch(n))
+    return found

@@ -45,7 +45,7 @@ from typing import Any
 from neutrain.files import read_bytes
 from neutrain.storage.durable import fsync_dir, write_durably
 from neutrain.storage.leftovers import WRITER_FILE
-from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, written_with_manifest
+from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, foreign_files, written_with_manifest
 from neutrain.storage.run_lock import CHECKPOINT_NAME, RunDirectoryError, names_in, previous_checkpoints
 
 logger = logging.getLogger("neutrain")
@@ -143,6 +143,7 @@ class OpenRun:
         st = os.stat(self.root)
         self.identity = (st.st_dev, st.st_ino)
         self.ledger = ledger
+        self.kept: set[str] = set()  # checkpoints the rotation keeps for a file the run did not write (said once)
 
     def verify(self) -> None:
         """Refuse to go on when the path no longer names the directory the run started in."""
@@ -252,7 +253,7 @@ def clear_owned(root: str | os.PathLike, ledger: Ledger) -> list[str]:
     the user put there since is kept), the data cache is kept (:data:`KEPT_ON_OVERWRITE`), and nothing
     the list does not name is touched.
     """
-    removed = []
+    targets = []
     for name in ledger.wrote:
         if name in KEPT_ON_OVERWRITE:
             continue
@@ -263,12 +264,21 @@ def clear_owned(root: str | os.PathLike, ledger: Ledger) -> list[str]:
         if is_model and not path.is_symlink() and not any((path / f).is_file() for f in (EXPORT_INFO, MANIFEST,
                                                                                           "trainer_state.json")):
             continue
+        if path.is_symlink() or path.is_file() or path.is_dir():
+            targets.append((name, path))
+    # Checked for all before any goes: a refusal deletes nothing.
+    foreign = [f for _, path in targets for f in foreign_files(path)]
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise RunDirectoryError(f"train.overwrite_output_dir: '{foreign[0]}'{more} was not written by the previous "
+                                f"run, and the overwrite would delete it with the folder it is in: nothing was "
+                                f"deleted; move it out of '{root}', or choose another train.output_dir")
+    removed = []
+    for name, path in targets:
         if path.is_symlink() or path.is_file():
             path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
         else:
-            continue
+            shutil.rmtree(path)
         removed.append(name)
         logger.warning("train.overwrite_output_dir: deleted %s, written by the previous run", path)
     fsync_dir(root)
@@ -278,17 +288,26 @@ def clear_owned(root: str | os.PathLike, ledger: Ledger) -> list[str]:
 def rotate_owned(run: OpenRun, limit: int | None, keep: tuple[str, ...] = ()) -> list[str]:
     """Delete the oldest checkpoints the run wrote beyond ``limit`` (never the newest, nor one in ``keep``).
 
-    Only checkpoints the run's list names count and go: one the user put there is neither counted nor deleted.
+    Only checkpoints the run's list names count and go: one the user put there is neither counted nor deleted,
+    nor is one the user put a file into (:func:`~neutrain.storage.manifest.foreign_files`).
     """
     run.verify()
     if not limit or limit <= 0:
         return []
     mine = owned_checkpoints(run.root, run.ledger)
     protected = {mine[-1], *(os.path.basename(os.path.normpath(k)) for k in keep if k)} if mine else set()
-    keep_count = max(limit, len(protected & set(mine)))
+    # A checkpoint holding a file the run did not write is kept whole and not counted: the file would go with it.
+    foreign = {name: found[0] for name in mine if name not in protected and (found := foreign_files(run.root / name))}
+    for name, found in foreign.items():
+        if name not in run.kept:
+            run.kept.add(name)
+            logger.warning("train.save_total_limit: kept %s, which holds %s (not written by the run); move that out "
+                           "and delete the checkpoint yourself", run.root / name, found)
+    counted = [name for name in mine if name not in foreign]
+    keep_count = max(limit, len(protected & set(counted)))
     removed = []
-    for name in mine:
-        if len(mine) - len(removed) <= keep_count:
+    for name in counted:
+        if len(counted) - len(removed) <= keep_count:
             break
         if name not in protected:
             shutil.rmtree(run.root / name, ignore_errors=True)

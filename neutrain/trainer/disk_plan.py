@@ -32,6 +32,7 @@ from pathlib import Path
 
 from neutrain.config.schema import FUSED_OPTIMIZERS
 from neutrain.errors import RecipeError
+from neutrain.files import nearest_existing, path_too_long
 from neutrain.optim.registry import optimizer_spec
 
 GIB = 1 << 30
@@ -66,51 +67,24 @@ def planned_paths(recipe, processes: int = 1) -> dict[str, list[str]]:
     return paths
 
 
-def _existing(path: str | os.PathLike) -> Path:
-    """The nearest folder at or above ``path`` that exists (a name too long to look up counts as absent)."""
-    existing = Path(os.path.abspath(path))
-    while existing != existing.parent:
-        try:
-            if existing.exists():
-                break
-        except OSError:  # ENAMETOOLONG: the very thing being checked
-            pass
-        existing = existing.parent
-    return existing
-
-
-def _limit(path: str, name: str, default: int) -> int:
-    try:
-        return os.pathconf(_existing(path), name)
-    except (OSError, ValueError):
-        return default
-
-
 def check_path_lengths(recipe, processes: int = 1) -> None:
     """Refuse, naming the key, an output folder whose planned paths the file system cannot hold.
 
     Example:
         >>> from neutrain.config import load_recipe
         >>> try:
-        ...     check_path_lengths(load_recipe("default", ["train.output_dir=" + "x" * 300]))
+        ...     check_path_lengths(load_recipe("default", ["export.output_dir=/tmp/" + "x" * 250]))
         ... except RecipeError as e:
-        ...     print(str(e)[:16], "is too long" in str(e))
-        train.output_dir True
+        ...     print(str(e)[:17], "NAME_MAX" in str(e))
+        export.output_dir True
     """
     for key, paths in planned_paths(recipe, processes).items():
         value = recipe.train.output_dir if key == "train.output_dir" else recipe.export.output_dir
         shown = value if len(value) <= 60 else value[:57] + "..."
         for path in paths:
-            name_max, path_max = _limit(path, "PC_NAME_MAX", 255), _limit(path, "PC_PATH_MAX", 4096)
-            for part in Path(path).parts:
-                if len(os.fsencode(part)) > name_max:
-                    raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes '{path}', "
-                                      f"whose name '{part[:40]}...' has {len(os.fsencode(part))} bytes, more than the "
-                                      f"{name_max} a name may have there (NAME_MAX); choose a shorter {key}")
-            if len(os.fsencode(path)) >= path_max:
-                raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes a path of "
-                                  f"{len(os.fsencode(path))} bytes ('{path[:60]}...'), more than the {path_max} a path "
-                                  f"may have there (PATH_MAX); choose a shorter {key}")
+            if problem := path_too_long(path):
+                raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes '{path[:80]}"
+                                  f"{'...' if len(path) > 80 else ''}', and {problem}; choose a shorter {key}")
 
 
 def planned_saves(start: int, max_steps: int, save_steps: int, save_final: bool) -> int:
@@ -169,8 +143,23 @@ def export_bytes(model, fmt: str, dtype: str) -> int:
 
 def free_bytes(path: str | os.PathLike) -> tuple[int, Path, int]:
     """``(free bytes, existing folder measured, its device)`` for the file system ``path`` will be written on."""
-    existing = _existing(path)
+    existing = Path(nearest_existing(path))
     return shutil.disk_usage(existing).free, existing, os.stat(existing).st_dev
+
+
+def size_text(n: float, up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit it fills, to two decimals (rounded up where ``up``): a few KiB
+    printed in GiB read "0.00 GiB free" against "needs 0.01 GiB", numbers that said nothing.
+
+    Example:
+        >>> size_text(4096), size_text(3 * GIB + 1, up=True), size_text(12)
+        ('4.00 KiB', '3.01 GiB', '12 bytes')
+    """
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            shown = (math.ceil if up else math.floor)(n / scale * 100) / 100
+            return f"{shown:.2f} {unit}"
+    return f"{math.ceil(n) if up else math.floor(n)} bytes"
 
 
 def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> None:
@@ -205,11 +194,11 @@ def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> No
             continue
         parts = []
         if slots and key == "train.output_dir":
-            parts.append(f"{slots} checkpoint(s) of {size / GIB:.2f} GiB (train.save_total_limit "
+            parts.append(f"{slots} checkpoint(s) of {size_text(size)} (train.save_total_limit "
                          f"{limit if limit else 'unset'}, plus the one being written)")
         if export and (key == "export.output_dir" or len(needs) == 1):
-            parts.append(f"a {export / GIB:.2f} GiB export ({recipe.export.format})")
+            parts.append(f"a {size_text(export)} export ({recipe.export.format})")
         raise RecipeError(
-            f"{key}: {where} has {free / GIB:.2f} GiB free, and this run needs {math.ceil(need / GIB * 100) / 100:.2f} "
-            f"GiB there ({' and '.join(parts)}): free space, lower train.save_total_limit or export.format, or save "
+            f"{key}: {where} has {size_text(free)} free, and this run needs {size_text(need, up=True)} there "
+            f"({' and '.join(parts)}): free space, lower train.save_total_limit or export.format, or save "
             f"nothing (train.save_steps past train.max_steps and train.save_final: false)")

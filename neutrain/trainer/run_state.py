@@ -47,7 +47,8 @@ from neutrain.files import MAX_RECORD_BYTES, read_json_object
 from neutrain.storage.confine import check_run_outputs, check_tree
 from neutrain.storage.leftovers import clean_run_dir
 from neutrain.storage.run_dir import PLANNED
-from neutrain.storage.run_lock import RunDirectoryError, RunLock
+from neutrain.storage.manifest import foreign_files
+from neutrain.storage.run_lock import RunDirectoryError, RunLock, previous_checkpoints
 from neutrain.trainer.ownership import same_run, take_directory
 
 logger = logging.getLogger("neutrain")
@@ -145,7 +146,18 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
     elif max_steps <= 0 and step >= old_total:
         logger.warning("continuing the finished run in %s to %s; the schedule is rebuilt for the new length "
                        "(its learning rates are in metrics.jsonl)", out, target)
+    _refuse_resaving_foreign(out, step)
     return RunPlan(checkpoint=str(resume), step=step)
+
+
+def _refuse_resaving_foreign(out: str, step: int) -> None:
+    """Refuse a resume from ``step`` while a later ``checkpoint-N`` holds a file the run did not write: saving
+    step N again replaces that folder whole, and the user's file would go with it."""
+    for name in previous_checkpoints(out):
+        if int(name.rsplit("-", 1)[1]) > step and (foreign := foreign_files(Path(out) / name)):
+            raise RunDirectoryError(f"train.resume_from_checkpoint: '{foreign[0]}' was not written by the run, and "
+                                    f"resuming from step {step} saves {name} again, replacing that folder: nothing "
+                                    f"was written; move the file out of '{Path(out) / name}' first")
 
 
 SUMMARY = "summary.json"

@@ -79,7 +79,8 @@ def test_a_disk_too_small_for_the_saves_and_the_export_is_refused_before_the_fir
         return
     assert code == 2
     line = one_error_line(capsys.readouterr().err)
-    assert "0.00 GiB free" in line and "this run needs" in line and "GiB there" in line, line
+    # Each size in a unit that shows it: 4 KiB free, never "0.00 GiB free" against a need of "0.01 GiB".
+    assert "has 4.00 KiB free" in line and "this run needs" in line and " 0.00 " not in line, line
     assert not (out / "metrics.jsonl").exists()  # no step was trained
 
 

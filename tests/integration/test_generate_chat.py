@@ -116,7 +116,7 @@ def test_a_bad_input_file_is_one_line_before_the_model_loads(capsys, export_dir,
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     assert main(["generate", str(export_dir), "--input-file", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "line 2: expected a JSON object with a string \"prompt\" field" in err, err
+    assert err.count("\n") == 1 and "line 2: expected a JSON object with a non-empty string \"prompt\" field" in err, err
     assert main(["generate", str(export_dir), "--input-file", str(tmp_path / "absent.txt")]) == 2
     assert "--input-file: " in capsys.readouterr().err
 
@@ -151,7 +151,7 @@ def test_chat_keeps_the_conversation_in_the_template_and_ends_at_eof(capsys, exp
 
 def test_chat_ends_cleanly_on_ctrl_c(capsys, export_dir, monkeypatch):
     class Interrupted:
-        def readline(self):
+        def readline(self, limit=-1):
             raise KeyboardInterrupt
 
         def isatty(self):
