@@ -11,6 +11,9 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 * ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, as
   before the fusion). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
   fused matrices: outside the engine's fusion context those are the plain separate GEMVs;
+* ``engine_graph_compiled`` (and ``engine_graph_zgemv_compiled``): the row with its decoder layers compiled for the
+  one-token step (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.eval.compiled_layers`: RMSNorm, RoPE, SiLU
+  and the residual adds fused by Inductor); the targets may take it, with its greedy agreement beside the figure;
 * ``engine_graph_zgemv`` (NeuZip weights, CUDA): engine_graph with ``zgemv=True``: each compressed matrix
   converted once to the 12-bit zgemv layout (:mod:`neutrain.eval.zgemv`) and read by the GEMV that decodes it in
   registers, instead of decoding it to bf16 first; its row records the layout's bits per weight, and
@@ -233,7 +236,9 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
     """Rows (tokens/s, median over ``repeats`` timed runs after a warm-up) and the outputs, per method."""
     engines = {"engine_eager": dict(cuda_graph=False, fuse=True), "engine_graph": dict(fuse=True),
                "engine_graph_gemv": dict(fuse=True, gemv=gemv), "engine_graph_unfused": dict(fuse=False),
+               "engine_graph_compiled": dict(fuse=True, compile_layers=True),
                "engine_graph_zgemv": dict(fuse=True, zgemv=True),
+               "engine_graph_zgemv_compiled": dict(fuse=True, zgemv=True, compile_layers=True),
                "engine_graph_zgemv_replace": dict(fuse=True, zgemv="replace")}
     rows, outputs = [], {}
     for method in methods:
@@ -300,9 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row after one warm-up run")
     parser.add_argument("--weights", default="dense,neuzip-lossless,neuzip-lossy-3")
     parser.add_argument("--methods", default=None,
-                        help="comma list of engine_graph, engine_graph_zgemv, engine_graph_zgemv_replace, engine_eager, "
-                             "hf_generate (default: all that apply; "
-                             "hf_generate on dense weights only)")
+                        help="comma list of engine_graph, engine_graph_compiled, engine_graph_zgemv, "
+                             "engine_graph_zgemv_compiled, engine_graph_zgemv_replace, engine_eager, hf_generate "
+                             "(default: all that apply; hf_generate on dense weights only)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's 32)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the variants left after this many seconds")
     parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
@@ -331,8 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {per_token / 1e9:.3f} GB per token "
         f"(weights {read['weights'] / 1e9:.3f}, KV {read['kv'] / 1e9:.4f}, logits {read['logits'] / 1e9:.5f}); "
         f"roofline {roofline:.0f} tok/s")
-    default_methods = (["engine_graph", "engine_graph_gemv", "engine_graph_zgemv", "engine_graph_zgemv_replace",
-                        "engine_graph_unfused", "hf_generate"]
+    default_methods = (["engine_graph", "engine_graph_compiled", "engine_graph_gemv", "engine_graph_zgemv",
+                        "engine_graph_zgemv_compiled", "engine_graph_zgemv_replace", "engine_graph_unfused", "hf_generate"]
                        if device.type == "cuda" else ["engine_eager", "hf_generate"])
     methods = args.methods.split(",") if args.methods else default_methods
     if args.skip_hf:
@@ -374,15 +379,18 @@ def main(argv: list[str] | None = None) -> dict:
         dense = tps("dense", best_method)
         full = not args.tiny and not args.layers
         dense_step = step("dense", best_method)
-        fastest = min((m for m in (best_method, "engine_graph_gemv") if step("dense", m)),
+        fastest = min((m for m in (best_method, "engine_graph_compiled", "engine_graph_gemv") if step("dense", m)),
                       key=lambda m: step("dense", m), default=None)
         if fastest and not args.tiny:
             fastest_step = step("dense", fastest)
             targets["ar_roofline_fraction_8b"] = {
                 "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
                 "method": fastest, "layers": config.num_hidden_layers, "step_ms": fastest_step,
+                "greedy_tokens_equal_to_engine_graph": same.get(f"dense/{fastest}", new) if fastest != best_method
+                else new,
                 "from_generate_tokens_per_s": tps("dense", fastest) / roofline if tps("dense", fastest) else None}
-        lossless_method = max((m for m in (best_method, "engine_graph_zgemv", "engine_graph_zgemv_replace")
+        lossless_method = max((m for m in (best_method, "engine_graph_zgemv", "engine_graph_zgemv_compiled",
+                                           "engine_graph_zgemv_replace")
                                if tps("neuzip-lossless", m)),
                               key=lambda m: tps("neuzip-lossless", m), default=best_method)
         lossless = tps("neuzip-lossless", lossless_method)
@@ -426,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
         table = table_from(gemv.get("shapes", {}).values())
         chosen = [m for m in methods if (m != "hf_generate" or weights == "dense")  # HF on NeuZip: inference.json
                   and (m != "engine_graph_gemv" or (table and weights == "dense"))  # only where Triton won
+                  and (m != "engine_graph_compiled" or weights == "dense")  # NeuZip's compiled row is the zgemv one
                   and (not m.startswith("engine_graph_zgemv") or weights.startswith("neuzip"))]
         variant_rows, variant_out = measure_variant(model, prompt, new, args.repeats, chosen, device, table)
         for row in variant_rows:

@@ -5,12 +5,13 @@
 # (a call returns 8 files). From the repository root:
 #   CUDA_VISIBLE_DEVICES=1 BESIDE_LIMIT=480 bash benchmarks/gpu_beside.sh packed determinism engine
 # Jobs:
-#   packed       the GPU tests of the packed-rows attention and of export placements (junit)
+#   packed       the GPU tests of the packed-rows attention, export placements and the compiled decode layers (junit)
 #   determinism  benchmarks/determinism.py --part timing (sdpa against neutrain_sdpa, default and deterministic)
 #   engine       gpu_serving.sh PARTS=engine (dense and NeuZip-lossless decode on Llama-3-8B shapes)
 #   rounds       gpu_serving.sh PARTS=rounds (a speculative round's split)
 #   sage         gpu_attention.sh gluon (the Gluon Sage forward's tests and its smoke timing)
 #   suite        the GPU-marked unit and kernel tests (gpu_training.sh PART=tests, 4 workers)
+#   decode       benchmarks/diag/decode_profile.py (the dense and zgemv 8B decode step's kernel table and gaps)
 # BESIDE_LIMIT (s) bounds the whole list: a job that would start with less than 60 s left is not started.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,6 +31,7 @@ for job in "$@"; do
     packed)
       timeout -k 5 "$(( t < 180 ? t : 180 ))" python3 -m pytest -q -p no:cacheprovider -rfEs \
         tests/unit/attention/test_packed_attention.py tests/unit/export/test_export_placements.py \
+        tests/unit/eval/test_compiled_layers.py tests/unit/eval/test_fused_projections.py \
         --junitxml="$WORK/junit_gpu_packed_$short.xml" -o junit_suite_name="gpu-packed@${NEUTRAIN_GIT_COMMIT:-unknown}" \
         > "$WORK/packed_tests.log" 2>&1
       rc=$?; tail -n 4 "$WORK/packed_tests.log" ;;
@@ -46,6 +48,10 @@ for job in "$@"; do
     sage)
       SMOKE_TIMEOUT=$(( t < 150 ? t - 30 : 120 )) bash benchmarks/gpu_attention.sh gluon > "$WORK/sage.log" 2>&1
       rc=$?; tail -n 30 "$WORK/sage.log"; cat "$WORK/smoke.log" 2>/dev/null | tail -n 30 ;;
+    decode)
+      timeout -k 5 "$(( t < 420 ? t : 420 ))" python3 benchmarks/diag/decode_profile.py --out "$WORK/decode_profile" \
+        > "$WORK/decode_profile.log" 2>&1
+      rc=$?; tail -n 40 "$WORK/decode_profile.log" ;;
     suite)
       PART=tests TEST_LIMIT=$(( t - 20 )) TEST_WORKERS=4 bash benchmarks/gpu_training.sh > "$WORK/suite.log" 2>&1
       rc=$?; tail -n 30 "$WORK/suite.log" ;;

@@ -42,6 +42,7 @@ from neutrain.compat.static_cache import (
     static_cache_length,
     static_cache_tensors,
 )
+from neutrain.eval.compiled_layers import CompiledLayers
 from neutrain.eval.fused_projections import fuse_projections, projection_fusion
 from neutrain.eval.gemv import GemvDispatch
 from neutrain.eval.truncation import check_truncation, truncate
@@ -145,6 +146,10 @@ class DecodeEngine:
             ``"replace"``: the serving mode, the layouts replacing the NeuZip payloads (freed; about 12 bits a
             weight in all; a prefill decodes each matrix to bf16 from its layout; ``detach_zgemv(model)`` gives
             the exact payloads back). Default: off.
+        compile_layers: run the one-token decode step through the decoder layers compiled by ``torch.compile``
+            (:mod:`neutrain.eval.compiled_layers`: each run of small pointwise kernels fused into one); the
+            prefill and calls of more tokens stay eager. Logits may then differ from the eager layers' in the
+            last bits. Default: off.
 
     Example:
         >>> engine = DecodeEngine(model, max_len=256)  # doctest: +SKIP
@@ -153,7 +158,8 @@ class DecodeEngine:
     """
 
     def __init__(self, model, max_len: int, batch: int = 1, *, seed: int = 0, cuda_graph: bool | None = None,
-                 fuse: bool | None = None, gemv: dict | None = None, zgemv: bool | str | dict | None = None):
+                 fuse: bool | None = None, gemv: dict | None = None, zgemv: bool | str | dict | None = None,
+                 compile_layers: bool = False):
         if max_len < 2 or batch < 1:
             raise ValueError(f"max_len must be >= 2 and batch >= 1 (got max_len={max_len}, batch={batch})")
         self.model, self.max_len, self.batch = model, int(max_len), int(batch)
@@ -183,6 +189,7 @@ class DecodeEngine:
         # Before any capture: a graph must never hold a decode of a payload that the replace mode frees.
         self.zgemv_matrices = attach_zgemv(model, zgemv if isinstance(zgemv, dict) else None,
                                            release=zgemv == "replace") if zgemv else 0
+        self.compiled_layers = CompiledLayers(model) if compile_layers else None
 
     # --- the model call shared by prefill, the decode step and verification ---
 
@@ -204,7 +211,8 @@ class DecodeEngine:
         extra = {"logits_to_keep": int(last_only)} if _takes_logits_to_keep(type(self.model)) else {}
         fusion = projection_fusion(self.model) if self.fused_groups else contextlib.nullcontext()
         compressed = zgemv_decoding(self.model) if self.zgemv_matrices else contextlib.nullcontext()
-        with fusion, compressed, self.gemv if self.gemv is not None else contextlib.nullcontext():
+        compiled = self.compiled_layers.active(q) if self.compiled_layers is not None else contextlib.nullcontext()
+        with fusion, compressed, compiled, self.gemv if self.gemv is not None else contextlib.nullcontext():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[None, None].expand(self.batch, 1, q, self.max_len),

@@ -99,6 +99,12 @@ class _Group:
         return out
 
 
+def _intact(group: _Group) -> bool:
+    """``group.intact()``, except while torch.compile traces: data pointers cannot be traced, and the caller of
+    compiled layers (:class:`~neutrain.eval.compiled_layers.CompiledLayers`) checks every group before the call."""
+    return torch.compiler.is_compiling() or group.intact()
+
+
 class FusedMemberLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is a row block of its group's fused matrix (see the module docstring).
 
@@ -111,7 +117,7 @@ class FusedMemberLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._neutrain_group
-        if group.active and not (torch.is_grad_enabled() and self.weight.requires_grad) and group.intact():
+        if group.active and not (torch.is_grad_enabled() and self.weight.requires_grad) and _intact(group):
             return group.output(self._neutrain_index, x)
         return super().forward(x)
 
@@ -153,7 +159,7 @@ class FusedCompressedLinear(CompressedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._neutrain_group
-        if group.active and not torch.is_grad_enabled() and group.intact():
+        if group.active and not torch.is_grad_enabled() and _intact(group):
             return group.output(self._neutrain_index, x)
         return super().forward(x)
 

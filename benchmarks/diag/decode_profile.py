@@ -1,0 +1,225 @@
+"""Where one batch-1 decode step's time goes: the kernel table and the gaps of a graph-replayed engine step.
+
+``ar_roofline_fraction_8b`` stays near 0.51: the dense Llama-3-8B step takes ~6.9 ms against ~3.6 ms of bytes.
+The isolated GEMV timings of ``engine_decode.py`` cannot say why (each is one launch timed alone, ~50 us of
+event and launch floor for an 8 us read, with the matrix partly in L2). This traces the real step instead:
+
+* the engine (``DecodeEngine``, CUDA graph per step, fused Q/K/V and gate/up) after a prefill, ``--steps``
+  replays timed by CUDA events (the step time the target uses);
+* ``engine_graph_compiled``: the same with the decoder layers compiled for the one-token step
+  (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.eval.compiled_layers`), its first step (capture and
+  compilation) timed apart and its greedy tokens compared with the eager row's;
+* one profiled block of ``--profiled`` replays (torch.profiler, CUPTI traces the kernels inside a graph): per
+  kernel name its count and device time per step, grouped into ``product`` (GEMV/GEMM, cuBLAS or Triton),
+  ``attention``, ``norm_and_pointwise`` and ``other``; the union of kernel intervals (device busy), the idle
+  time between kernels and its distribution; and the achieved bandwidth of the products: the weight bytes a
+  step must read over the products' summed device time.
+
+Each ``--weights`` entry (dense, neuzip-lossless: the zgemv layout read inside the product) runs in turn on
+the same random model. The JSON goes to ``--out`` (and ``$OUT``); the Chrome trace of each profiled block
+is written gzipped beside it.
+
+    python benchmarks/diag/decode_profile.py --out /tmp/decode_profile            # GPU, Llama-3-8B shapes
+    python benchmarks/diag/decode_profile.py --tiny --out /tmp/decode_profile     # CPU smoke test (no trace)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free  # noqa: E402
+from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
+from neutrain.eval.engine import DecodeEngine  # noqa: E402
+
+GROUPS = (
+    ("product", re.compile(r"gemv|gemm|nvjet|xmma|cutlass|splitk|zgemv|_sum_partials", re.IGNORECASE)),
+    ("attention", re.compile(r"attention|fmha|flash|cudnn|sdpa|softmax", re.IGNORECASE)),
+    ("norm_and_pointwise", re.compile(r"elementwise|vectorized|reduce|norm|rsqrt|pow|mean|mul|add|copy|cat|index|"
+                                      r"triton_|unrolled", re.IGNORECASE)),
+)
+
+
+def group_of(name: str) -> str:
+    return next((group for group, pattern in GROUPS if pattern.search(name)), "other")
+
+
+def kernel_intervals(trace_path: Path) -> list[tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of every GPU kernel in a Chrome trace, in start order."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+               if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return sorted(kernels, key=lambda k: k[1])
+
+
+def timeline_table(kernels: list[tuple[str, float, float]], steps: int, weight_bytes: float) -> dict:
+    """The kernel table and gap statistics of ``steps`` profiled steps, per step."""
+    if not kernels:
+        return {"error": "the trace holds no kernel events"}
+    by_name: dict[str, list[float]] = {}
+    for name, _, dur in kernels:
+        by_name.setdefault(name, []).append(dur)
+    table = sorted(({"kernel": name[:140], "group": group_of(name), "per_step": len(d) / steps,
+                     "us_per_step": sum(d) / steps, "median_us": statistics.median(d)}
+                    for name, d in by_name.items()), key=lambda r: -r["us_per_step"])
+    busy, end, gaps = 0.0, kernels[0][1], []
+    for _, start, dur in kernels:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    span = end - kernels[0][1]
+    groups: dict[str, float] = {}
+    for row in table:
+        groups[row["group"]] = groups.get(row["group"], 0.0) + row["us_per_step"]
+    product_us = groups.get("product", 0.0)
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "span_us_per_step": span / steps,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (span - busy) / steps,
+        "gaps": {"count_per_step": len(gaps) / steps, "median_us": statistics.median(gaps) if gaps else 0.0,
+                 "p90_us": sorted(gaps)[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
+                 "over_10us_per_step": sum(1 for g in gaps if g > 10) / steps},
+        "group_us_per_step": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "product_bytes_per_s": weight_bytes / (product_us / 1e6) if product_us else None,
+        "top": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()} for row in table[:25]],
+    }
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_engine(engine, prompt, steps: int, profiled: int, trace_path: Path | None, weight_bytes: float) -> dict:
+    with torch.no_grad():
+        engine.prefill(prompt)
+        for _ in range(3):  # the capture, then warm replays
+            engine.step()
+        cuda = prompt.device.type == "cuda"
+        row: dict = {}
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                engine.step()
+            end.record()
+            end.synchronize()
+            row["step_ms"] = start.elapsed_time(end) / steps
+        if trace_path is None:
+            return row
+        from torch.profiler import ProfilerActivity, profile
+
+        engine.prefill(prompt)
+        engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                engine.step()
+            torch.cuda.synchronize()
+        raw = trace_path.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        row.update(timeline_table(kernel_intervals(raw), profiled, weight_bytes))
+        with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
+            dst.write(src.read())
+        raw.unlink()
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--weights", default="dense,neuzip-lossless")
+    parser.add_argument("--steps", type=int, default=50, help="replays timed by CUDA events")
+    parser.add_argument("--profiled", type=int, default=5, help="replays in the profiled block")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--check", type=int, default=128, help="greedy tokens compared with the first row's")
+    parser.add_argument("--methods", default="all", help="rows to run, comma-separated (default: all)")
+    parser.add_argument("--out", default="/tmp/decode_profile")
+    args = parser.parse_args(argv)
+    from transformers import LlamaConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(**dict(TINY if args.tiny else LLAMA3_8B), bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    read = bytes_per_token(config, args.prompt_len + args.steps / 2, elem=torch.finfo(dtype).bits // 8)
+    record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("NEUTRAIN_GIT_COMMIT"),
+              "settings": vars(args), "bytes_per_token": read,
+              "copy_bandwidth_bytes_per_s": copy_bandwidth(device, 1 << (24 if args.tiny else 31)), "rows": {}}
+    bw = record["copy_bandwidth_bytes_per_s"]
+    record["roofline_step_ms"] = 1e3 * read["total"] / bw
+    for weights in args.weights.split(","):
+        t0 = time.perf_counter()
+        model = build(config, weights, device, dtype)
+        variants = {"dense": [("engine_graph", {}), ("engine_graph_compiled", {"compile_layers": True})],
+                    "neuzip-lossless": [("engine_graph_zgemv", {"zgemv": True}),
+                                        ("engine_graph_zgemv_compiled", {"zgemv": True, "compile_layers": True})]
+                    }.get(weights, [])
+        reference = None
+        for method, extra in variants:
+            if method not in args.methods.split(",") and args.methods != "all":
+                continue
+            t1 = time.perf_counter()
+            trace = out / f"trace_{weights}_{method}.json.gz" if device.type == "cuda" else None
+            try:
+                engine = DecodeEngine(model, args.prompt_len + max(args.steps + args.profiled, args.check) + 16,
+                                      fuse=True, **extra)
+                with torch.no_grad():
+                    engine.prefill(prompt)
+                    engine.step()  # the capture (and, for a compiled row, the compilation)
+                sync(device)
+                first_step_s = time.perf_counter() - t1
+                row = profile_engine(engine, prompt, args.steps, args.profiled, trace, read["weights"])
+                row["first_step_s"] = round(first_step_s, 1)
+                with torch.no_grad():  # greedy tokens against the weights' first row (the eager layers)
+                    tokens = engine.generate(prompt, args.check).cpu()
+                if reference is None:
+                    reference = tokens
+                row["greedy_equal_to_first_row"] = int((tokens == reference).all(dim=0).sum().item())
+                row["greedy_tokens"] = int(tokens.shape[1])
+            except Exception as exc:  # the other rows still run
+                row = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            if row.get("step_ms"):
+                row["roofline_fraction"] = record["roofline_step_ms"] / row["step_ms"]
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            record["rows"][f"{weights}/{method}"] = row
+            print(json.dumps({f"{weights}/{method}": {k: v for k, v in row.items() if k != "top"}}), flush=True)
+            for r in row.get("top", [])[:15]:
+                print(f"  {r['us_per_step']:9.1f} us  x{r['per_step']:<6g} {r['group']:<20} {r['kernel'][:90]}",
+                      flush=True)
+            engine = None
+            if weights == "neuzip-lossless":
+                from neutrain.eval.zgemv import detach_zgemv
+
+                detach_zgemv(model)
+        model = None
+        free(device)
+    text = json.dumps(record, indent=1)
+    (out / "decode_profile.json").write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "decode_profile.json").write_text(text)
+    return record
+
+
+if __name__ == "__main__":
+    main()
