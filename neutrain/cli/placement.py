@@ -155,7 +155,7 @@ def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int 
                         setting=setting, folder=folder)
     note = _note(residency, folder)
     if residency.form == "dense":
-        model, _ = load_checkpoint_model(path, verified=True)
+        model, _ = load_checkpoint_model(path, verified=True, folder=folder)
         return model.to(device), tokenizer, note, residency
     model = build_form(path, residency.form, device, streamed=len(residency.streamed), folder=folder).eval()
     return model, tokenizer, note, residency

@@ -23,6 +23,7 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
+from neutrain.config.validate import check_config_classes
 from neutrain.cli.advice import warn_about_settings
 from neutrain.cli.after_training import RunContext, after_training
 from neutrain.cli.checkpoints import check_vocabulary
@@ -384,16 +385,20 @@ def run(args) -> int:
     # (a recipe that does not exist is refused before torch loads).
     if cpu_processes(os.environ, cuda_available=False) and not _cuda_available():
         overrides.append("train.use_cpu=true")
+    recipe = None
     if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: under a launcher every process would look at once
         # The recipe's model config is checked against transformers' config class (which brings torch) only
-        # by the full load below; the places a run writes do not depend on that check.
+        # after the places a run writes are refused; those do not depend on that check.
         try:
             light = load_recipe(args.recipe, overrides, shape_only=True)
         except UserInputError:
             light = None  # a bad recipe is said by the full load, with the line that names it best
         if light is not None:
             refuse_used_places(light)
-    recipe = load_recipe(args.recipe, overrides)
+            check_config_classes(light)  # the light recipe is now the full one: the file is read once
+            recipe = light
+    if recipe is None:
+        recipe = load_recipe(args.recipe, overrides)
     args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
     # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.
     check_weight_offload_device(recipe.memory, recipe.train["use_cpu"], _cuda_available())

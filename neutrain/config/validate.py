@@ -284,10 +284,10 @@ def _cross_checks(v: dict, shape_only: bool = False) -> None:
     if v["distill"]["draft_config"]:  # the values the draft's build uses, whatever its target's config is
         check_config_values(v["distill"]["draft_config"], "distill.draft_config", RecipeError)
     if model["config"] is not None:
-        config_class = not (shape_only and plain_shape_config(model) is not None)
-        check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"], config_class=config_class)
-        if v["distill"]["draft_config"] and config_class:
-            check_draft_config(model["config"], v["distill"]["draft_config"], allow_unknown=model["allow_unknown_config_keys"])
+        if shape_only and plain_shape_config(model) is not None:  # the class's checks: check_config_classes
+            check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"], config_class=False)
+        else:
+            _check_config_classes(model, v["distill"]["draft_config"])
     _check_scheduler(train)
     if train["max_steps"] == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
@@ -318,6 +318,12 @@ def _cross_checks(v: dict, shape_only: bool = False) -> None:
     for cache in v["eval"]["kv_caches"]:
         if cache not in KV_CACHES:
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
+
+
+def _check_config_classes(model: Mapping[str, Any], draft_config: dict | None) -> None:
+    check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
+    if draft_config:
+        check_draft_config(model["config"], draft_config, allow_unknown=model["allow_unknown_config_keys"])
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -417,6 +423,18 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = (), shape_on
     raw = _check_top_level(parse_recipe_text(data, str(p)), str(p))
     raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, source=str(p), base_dir=p.parent, shape_only=shape_only)
+
+
+def check_config_classes(recipe: Recipe) -> None:
+    """The checks a ``shape_only`` load leaves out: ``model.config`` against its config class (and
+    ``distill.draft_config`` on it), which import transformers and torch. After them the recipe is the one a full
+    :func:`load_recipe` returns, and a refusal is the one it raises.
+
+    Why: ``neutrain train`` loads light to refuse the places it writes before torch loads; reading and validating
+    the file again for these checks alone read it twice.
+    """
+    if recipe.model.config is not None and plain_shape_config(recipe.model) is not None:
+        _check_config_classes(recipe.model, recipe.distill.draft_config)
 
 
 def recipe_dirs() -> list[Path]:

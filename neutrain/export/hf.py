@@ -34,7 +34,7 @@ _DEFAULTS = ExportSection()  # the recipe's export keys' defaults, also this API
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified: bool = False):
+def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified: bool = False, *, folder=None):
     """Load a ``checkpoint-N`` (or export) directory as a causal LM and its tokenizer, on the CPU (eval mode).
 
     A compressed run's checkpoint is rebuilt from its blobs as they are (no re-encoding), a dense
@@ -42,6 +42,8 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
     dtype the config names (else the weights'). A NeuZip export loads through transformers'
     ``from_pretrained`` and neutrain's quantizer, as any user of the export loads it. ``verified``: the caller
     ran :func:`~neutrain.storage.manifest.verify_checkpoint` on it already (its checksums read every byte).
+    ``folder``: ``path`` as the caller already read it, its loader ``source`` and transformers ``config``
+    (``neutrain generate``'s placement holds both): neither is chosen or parsed again.
 
     Raises:
         CheckpointError: if the directory is missing or incomplete.
@@ -60,16 +62,17 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
 
-    source = folder_source(path)  # one loader per format
+    source = folder.source if folder is not None else folder_source(path)  # one loader per format
+    config = folder.config if folder is not None else None
     if isinstance(source, NeutrainCheckpoint):
-        return _load_compressed_checkpoint(source), _load_tokenizer(path)
+        return _load_compressed_checkpoint(source, config), _load_tokenizer(path)
     try:
         if isinstance(source, NeuZipExport):  # as any user of the export loads it: transformers and the quantizer
             # device_map: on the CPU as this function promises; the quantizer's own default is the current GPU.
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype],
                                                          device_map="cpu")
         else:
-            config = source.read_config()
+            config = source.read_config() if config is None else config
             chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
             model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
     except CheckpointError:
@@ -99,9 +102,10 @@ def _load_tokenizer(path: Path):
     return None
 
 
-def _load_compressed_checkpoint(source: NeutrainCheckpoint):
-    """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights)."""
-    config = source.read_config()
+def _load_compressed_checkpoint(source: NeutrainCheckpoint, config=None):
+    """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights); ``config``: its
+    config as already read, else read here."""
+    config = source.read_config() if config is None else config
     model, _ = build(ModelSpec(source, config, _config_dtype(config) or torch.bfloat16, placement=Placement(source.weights)),
                      progress=False)
     return model.eval()

@@ -119,14 +119,18 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
     return 8 + length, header
 
 
+def _spans(path: Path) -> tuple[int, list[tuple[int, int, str]]]:
+    """``(data start, spans)`` of safetensors file ``path``: each tensor's ``(first byte, end, name)`` in the
+    file, in file order."""
+    start, header = safetensors_header(path)
+    return start, sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
+                         for name, info in header.items() if name != "__metadata__")
+
+
 def _digests(path: Path) -> tuple[str, dict[str, str]]:
     """sha256 of the whole file and, for safetensors, of each tensor's bytes (one read, hashed on threads:
     :mod:`neutrain.storage.digests`)."""
-    spans: list[tuple[int, int, str]] = []
-    if path.suffix == ".safetensors":
-        start, header = safetensors_header(path)
-        spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
-                       for name, info in header.items() if name != "__metadata__")
+    spans = _spans(path)[1] if path.suffix == ".safetensors" else []
     try:
         return file_digests(path, spans)
     except EOFError:
@@ -146,9 +150,7 @@ def _header_digest(path: Path, start: int) -> str:
 def _tiled_spans(path: Path) -> tuple[int, list[tuple[int, int, str]]] | None:
     """``(data start, spans)`` of safetensors file ``path`` when its tensors cover its data with no byte between
     or after them (what neutrain and the safetensors library write), else None."""
-    start, header = safetensors_header(path)
-    spans = sorted((start + info["data_offsets"][0], start + info["data_offsets"][1], name)
-                   for name, info in header.items() if name != "__metadata__")
+    start, spans = _spans(path)
     pos = start
     for begin, stop, _ in spans:
         if begin != pos:
@@ -163,12 +165,11 @@ def _entry(path: Path) -> dict:
     (and its tensors'). A file this process just wrote was hashed as it was written (without reading 89 GiB
     back); any other file, or one changed since, is read."""
     size = path.stat().st_size
+    kept = remembered(path)
     tiled = _tiled_spans(path) if path.suffix == ".safetensors" else None
     if tiled is not None and tiled[1]:
-        kept = remembered(path)
         tensors = kept[1] if kept is not None else _tensor_digests(path, tiled[1])
         return {"size": size, HEADER_DIGEST: _header_digest(path, tiled[0]), "tensors": tensors}
-    kept = remembered(path)
     digest, tensors = kept if kept is not None and kept[0] is not None else _digests(path)
     return {"size": size, "sha256": digest, **({"tensors": tensors} if tensors else {})}
 
@@ -313,12 +314,21 @@ def _check_file_digests(file: Path, expected: dict) -> None:
         if digest == expected.get("sha256"):
             return
         header_ok = True
-    changed = [name for name, sha in expected.get("tensors", {}).items() if tensors.get(name) != sha]
-    where = " in its header" if not header_ok else \
-        f" in tensor '{changed[0]}'" + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "") \
-        if changed else (" in its header" if expected.get("tensors") else "")
+    where = _where_changed(expected, tensors, header_ok)
     raise CheckpointError(f"checkpoint file '{file}' fails its sha256 checksum{where}: a byte changed after it "
                           f"was written")
+
+
+def _where_changed(expected: dict, tensors: dict[str, str], header_ok: bool) -> str:
+    """Where a file that failed its checksum changed, as the tail of the message: its header, its first changed
+    tensor (and how many more), or nothing where its entry names no tensors."""
+    if not header_ok:
+        return " in its header"
+    changed = [name for name, sha in expected.get("tensors", {}).items() if tensors.get(name) != sha]
+    if changed:
+        return f" in tensor '{changed[0]}'" + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+    # Every tensor matches, yet the file does not: the bytes outside them (the header) changed.
+    return " in its header" if expected.get("tensors") else ""
 
 
 def _numpy_safe_globals() -> list:

@@ -33,6 +33,27 @@ def test_weight_bytes_come_from_the_safetensors_headers(tmp_path):
     assert largest == max(sizes)
 
 
+def test_a_dense_placement_reads_the_folder_once_and_builds_what_the_loader_builds(tmp_path, monkeypatch):
+    """The dense branch hands the folder the decision read (its loader and config) to the loader: config.json is
+    parsed once and the model is the one ``load_checkpoint_model`` builds on its own."""
+    import neutrain.export.hf as hf
+    from neutrain.cli.placement import place_on
+    from neutrain.export import load_checkpoint_model
+    from neutrain.nn.sources import SafetensorsFolder
+
+    _export(tmp_path)
+    want, _ = load_checkpoint_model(tmp_path)
+    reads, read_config = [], SafetensorsFolder.read_config
+    monkeypatch.setattr(SafetensorsFolder, "read_config",
+                        lambda self, *a, **k: reads.append(self) or read_config(self, *a, **k))
+    monkeypatch.setattr(hf, "folder_source", lambda path: pytest.fail("the loader chose the folder's loader again"))
+    model, tokenizer, note, residency = place_on(tmp_path, "cpu", GIB, prompt_tokens=5, new_tokens=16)
+    assert residency.form == "dense" and len(reads) == 1
+    got, expected = model.state_dict(), want.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert model.dtype == want.dtype
+
+
 _CHILD = r"""
 import json, sys, torch
 from pathlib import Path

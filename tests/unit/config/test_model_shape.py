@@ -98,3 +98,25 @@ def test_a_shape_only_load_leaves_the_class_check_to_the_build_but_keeps_the_val
 
 def test_a_shape_only_load_of_a_shipped_recipe_is_the_full_load():
     assert load_recipe("llama3_8b", shape_only=True) == load_recipe("llama3_8b")
+
+
+def test_the_class_checks_after_a_shape_only_load_refuse_as_the_full_load_and_keep_its_recipe():
+    """``neutrain train`` checks the light recipe's classes instead of reading the file a second time."""
+    from neutrain.config.validate import check_config_classes
+
+    typo = _raw(rms_norm_epz=1e-5)
+    with pytest.raises(RecipeError) as full:
+        validate_recipe(copy.deepcopy(typo))
+    with pytest.raises(RecipeError) as light:
+        check_config_classes(validate_recipe(copy.deepcopy(typo), shape_only=True))
+    assert str(light.value) == str(full.value)
+    draft_typo = {**copy.deepcopy(TINY_RECIPE), "distill": {"draft_config": {"num_hiden_layers": 1}}}
+    draft_typo["model"]["config"] = dict(TINY_LLAMA)
+    with pytest.raises(RecipeError) as full:
+        validate_recipe(copy.deepcopy(draft_typo))
+    with pytest.raises(RecipeError) as light:
+        check_config_classes(validate_recipe(copy.deepcopy(draft_typo), shape_only=True))
+    assert str(light.value) == str(full.value)
+    good = validate_recipe(_raw(), shape_only=True)
+    check_config_classes(good)
+    assert good == validate_recipe(_raw())
