@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -297,6 +298,70 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
     return rows, outputs
 
 
+#: The dense rows the decode targets may take (the fastest wins; its ``method`` is recorded beside the figure).
+DENSE_METHODS = ("engine_graph", "engine_graph_compiled", "engine_graph_gemv")
+#: The NeuZip-lossless rows ``neuzip_lossless_over_bf16_decode`` may take.
+LOSSLESS_METHODS = ("engine_graph", "engine_graph_zgemv", "engine_graph_zgemv_compiled", "engine_graph_zgemv_replace")
+
+
+def _tps(rows, weights, method):
+    return next((r["tokens_per_s"] for r in rows
+                 if r.get("weights") == weights and r.get("method") == method and "tokens_per_s" in r), None)
+
+
+def _step(rows, weights, method):
+    return next((r["step_ms"] for r in rows
+                 if r.get("weights") == weights and r.get("method") == method and r.get("step_ms")), None)
+
+
+def decode_targets(rows, same, best_method, per_token, bandwidth, roofline, layers, new) -> dict:
+    """The decode targets from the measured rows: ``ar_roofline_fraction_8b`` from the fastest dense step, and
+    ``neuzip_lossless_over_bf16_decode`` as the fastest lossless row over the fastest dense row, so a technique
+    that speeds both (compiled layers) is not credited to the compression."""
+    targets = {}
+    dense_methods = dict.fromkeys((best_method, *DENSE_METHODS))  # best_method: the CPU's engine_eager
+    lossless_methods = dict.fromkeys((best_method, *LOSSLESS_METHODS))
+    fastest = min((m for m in dense_methods if _step(rows, "dense", m)), key=lambda m: _step(rows, "dense", m),
+                  default=None)
+    if fastest:
+        fastest_step = _step(rows, "dense", fastest)
+        targets["ar_roofline_fraction_8b"] = {
+            "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
+            "method": fastest, "layers": layers, "step_ms": fastest_step,
+            "greedy_tokens_equal_to_engine_graph": same.get(f"dense/{fastest}", new) if fastest != best_method
+            else new,
+            "from_generate_tokens_per_s": _tps(rows, "dense", fastest) / roofline if _tps(rows, "dense", fastest)
+            else None}
+    dense_method = max((m for m in dense_methods if _tps(rows, "dense", m)), key=lambda m: _tps(rows, "dense", m),
+                       default=None)
+    lossless_method = max((m for m in lossless_methods if _tps(rows, "neuzip-lossless", m)),
+                          key=lambda m: _tps(rows, "neuzip-lossless", m), default=None)
+    if dense_method and lossless_method:
+        bits = next((r.get("zgemv_bits_per_weight") for r in rows if r.get("weights") == "neuzip-lossless"
+                     and r.get("method") == lossless_method), None)
+        targets["neuzip_lossless_over_bf16_decode"] = {
+            "value": _tps(rows, "neuzip-lossless", lossless_method) / _tps(rows, "dense", dense_method),
+            "goal": GOALS["neuzip_lossless_over_bf16_decode"], "method": lossless_method,
+            "dense_method": dense_method, "bits_per_weight": bits}
+    return targets
+
+
+def retarget(path: str) -> dict:
+    """Recompute the targets of a stored record from its rows with :func:`decode_targets` (the rows, settings and
+    provenance stay as measured); the record says so in ``targets_recomputed``."""
+    record = json.loads(Path(path).read_text())
+    settings, results = record["settings"], record["results"]
+    best = "engine_graph"
+    targets = decode_targets(results["decode"], results.get(f"greedy_tokens_equal_to_dense_{best}", {}), best,
+                             settings["bytes_per_token"], settings["copy_bandwidth_bytes_per_s"],
+                             settings["roofline_tokens_per_s"], 32 if settings.get("layers") is None
+                             else settings["layers"], settings["new_tokens"])
+    record["targets"] = {name: targets[name] for name in targets}
+    record["targets_recomputed"] = "by benchmarks/engine_decode.py --retarget from the rows as measured"
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on any device (smoke test)")
@@ -314,7 +379,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gemv", action=argparse.BooleanOptionalAction, default=None,
                         help="time cuBLAS against the Triton GEMV per decode shape (default: on CUDA, not --tiny)")
     parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--retarget", metavar="JSON", default=None,
+                        help="recompute the targets of a stored engine_decode record from its rows, and exit")
     args = parser.parse_args(argv)
+    if args.retarget:
+        return retarget(args.retarget)
     git_provenance()  # fail now, not after the measurement, if the commit cannot be recorded
     from transformers import LlamaConfig
 
@@ -367,42 +436,15 @@ def main(argv: list[str] | None = None) -> dict:
                 same["/".join(key)] = int(agree.cumprod(0).sum())  # tokens equal before the first difference
         log(f"tokens equal to dense {best_method} before the first difference:", same)
 
-        def tps(weights, method):
-            return next((r["tokens_per_s"] for r in rows
-                         if r["weights"] == weights and r.get("method") == method and "tokens_per_s" in r), None)
-
-        def step(weights, method):
-            return next((r["step_ms"] for r in rows
-                         if r["weights"] == weights and r.get("method") == method and r.get("step_ms")), None)
-
-        targets = {}
-        dense = tps("dense", best_method)
         full = not args.tiny and not args.layers
-        dense_step = step("dense", best_method)
-        fastest = min((m for m in (best_method, "engine_graph_compiled", "engine_graph_gemv") if step("dense", m)),
-                      key=lambda m: step("dense", m), default=None)
-        if fastest and not args.tiny:
-            fastest_step = step("dense", fastest)
-            targets["ar_roofline_fraction_8b"] = {
-                "value": per_token / (fastest_step / 1e3) / bandwidth, "goal": GOALS["ar_roofline_fraction_8b"],
-                "method": fastest, "layers": config.num_hidden_layers, "step_ms": fastest_step,
-                "greedy_tokens_equal_to_engine_graph": same.get(f"dense/{fastest}", new) if fastest != best_method
-                else new,
-                "from_generate_tokens_per_s": tps("dense", fastest) / roofline if tps("dense", fastest) else None}
-        lossless_method = max((m for m in (best_method, "engine_graph_zgemv", "engine_graph_zgemv_compiled",
-                                           "engine_graph_zgemv_replace")
-                               if tps("neuzip-lossless", m)),
-                              key=lambda m: tps("neuzip-lossless", m), default=best_method)
-        lossless = tps("neuzip-lossless", lossless_method)
-        if dense and lossless:
-            bits = next((r.get("zgemv_bits_per_weight") for r in rows if r["weights"] == "neuzip-lossless"
-                         and r.get("method") == lossless_method), None)
-            targets["neuzip_lossless_over_bf16_decode"] = {"value": lossless / dense,
-                                                          "goal": GOALS["neuzip_lossless_over_bf16_decode"],
-                                                          "method": lossless_method, "bits_per_weight": bits}
-        lossy = tps("neuzip-lossy-3", best_method)
+        targets = decode_targets(rows, same, best_method, per_token, bandwidth, roofline, config.num_hidden_layers, new)
+        if args.tiny:  # a tiny model's step is all launch latency: no roofline figure
+            targets.pop("ar_roofline_fraction_8b", None)
+        dense = _tps(rows, "dense", best_method)
+        dense_step = _step(rows, "dense", best_method)
+        lossy = _tps(rows, "neuzip-lossy-3", best_method)
         ratios = {"neuzip_lossy3_over_bf16_decode": lossy / dense} if dense and lossy else {}
-        unfused_step = step("dense", "engine_graph_unfused")
+        unfused_step = _step(rows, "dense", "engine_graph_unfused")
         if dense_step and unfused_step:
             ratios["fused_step_speedup"] = unfused_step / dense_step
         settings = {**vars(args), "arch": "tiny" if args.tiny else ("llama3-8b" if full else

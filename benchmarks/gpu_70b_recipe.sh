@@ -19,7 +19,7 @@
 # the texts match).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_70b_recipe.sh
 #
-# Time: the stages take about 1,650 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in
+# Time: the stages take about 1,470 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in
 # one pass and read in one pass per check, benchmarks/notes_offload.md), longer than the 600 s one device call
 # may run and close to the 30 minutes a machine is held. So the whole run goes in the background, in a process
 # session of its own that outlives the call, and each call only watches it:
@@ -28,9 +28,9 @@
 # Each watch prints the stages' progress and leaves $OUT/70b_state.tgz (logs, stage times, samples, the record
 # once written) and, at the end, $OUT/offload.json. A machine holds /tmp and /dev/shm only while it is warm: the
 # next call must follow within its 30 s.
-# Measured (2e59336, x2, with gpu_beside.sh jobs on the other GPU until the generate): train 340 s, resume 411,
-# export 296, the two generates side by side 220, straight ~330; 1,750 s of the 1,800 with the machine's start,
-# so the compare did not run. Alone it should take ~1,600 s: start nothing beside it, and chain the calls.
+# Measured (0a5b494f, x2, gpu_beside.sh jobs on the other GPU during train and resume): train 321 s, resume 334,
+# export 222, the two generates side by side 183, straight 302, compare 5: 1,469 s, 1,505 s held with the
+# machine's start. Jobs beside it must end before the generate stage (~900 s in), which takes the other GPU.
 # The recipe's attention is neutrain_sdpa (packed rows one document at a time), whose deterministic kernels cost
 # ~1.1x at 16K packed where sdpa's masked kernel cost 4.2x (benchmarks/notes_determinism.md).
 # Host memory: the 2-GPU machine plugs memory in as it is used (it reports ~31 GiB at start, 256 GiB is its

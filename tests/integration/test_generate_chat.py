@@ -56,6 +56,24 @@ def test_generate_applies_the_chat_template_greedily_and_raw_opts_out(capsys, ex
     assert raw != chat
 
 
+def test_generate_compile_decodes_the_same_greedy_text_through_the_compiled_layers(capsys, export_dir, monkeypatch):
+    from neutrain.eval import compiled_layers
+
+    built = []
+    real = compiled_layers.CompiledLayers
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr("neutrain.eval.engine.CompiledLayers", Counted)
+    plain = _generate(capsys, export_dir)
+    assert built == []
+    assert _generate(capsys, export_dir, "--compile") == plain  # fp32 on the CPU: the same greedy tokens
+    assert len(built) == 1
+
+
 def test_generate_help_states_the_default(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
