@@ -1,5 +1,6 @@
 """The KV throughput part's captured-step rows: the decode step replayed as a CUDA graph
-(``neutrain/eval/kv/decode_graph.py`` for ShadowKV), and the full cache's step captured for the baseline.
+(``neutrain/eval/kv/decode_graph.py`` for ShadowKV), the full cache's step captured for the baseline, and the
+kernel timeline of their replays.
 
 Why a graphed full cache beside the graphed ShadowKV: a graph removes the host's launch time from any step, the
 full cache's too (its eager step launches the same projections, norms and MLP kernels), so ShadowKV's graphed
@@ -14,15 +15,34 @@ Llama-3-8B's GQA) and leaves the flash and cuDNN kernels: a slower step than the
 graph captured at each length replays exactly the eager step's kernels and bytes without the launches: what no
 full-cache decode can beat, so the ratio against it is the conservative one. The capture runs before each timed
 replay, outside the timing.
+
+Why a replay timeline: the graph hides the step's phases (no CUDA events inside it), so where a replayed step
+spends its time is read from the profiler's kernels instead (:func:`replay_timeline`, ``benchmarks/_timeline.py``).
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
 
+from benchmarks._timeline import Groups, profile_kernels, timeline_table
 from neutrain import compat
+
+SHADOWKV_KERNEL_GROUPS: Groups = (
+    ("shadowkv_fused_attention", re.compile(r"_shadowkv_fused_decode_kernel")),
+    ("shadowkv_gather", re.compile(r"gather_chunks")),
+    # The fused step's attention is its own kernel, so a softmax there is the selection's (softmax over the
+    # landmark scores, then top-k); the scores' einsum is a GEMM and stays in ``product``.
+    ("shadowkv_selection", re.compile(r"topk|radixFindKth|computeBlockwise|bitonicSort|softmax", re.IGNORECASE)),
+)
+"""ShadowKV's own kernels, grouped ahead of ``_timeline.GROUPS`` (which would file them under ``other`` or
+``attention``)."""
+
+REPLAY_TIMELINE_STEPS = 3
+"""Replays in a graphed row's profiled block: enough for a per-step median, few enough for ShadowKV's tail slots
+(256 a capture) and the row's time."""
 
 
 class PerLengthGraph:
@@ -85,3 +105,22 @@ def graph_against_eager(captured, eager_step) -> dict:
     return {"graph_step_ms": round(graph_ms, 3), "eager_step_ms": round(begin.elapsed_time(end), 3),
             "eager_step_host_launch_ms": round(host_ms, 3),
             "phases": "hidden by the graph (no marks inside it): the eager row's step_split has them"}
+
+
+def replay_timeline(step, cuda: bool, groups: Groups = (), replays: int = REPLAY_TIMELINE_STEPS) -> dict:
+    """The kernel timeline of ``replays`` more replays of a captured step (``step``), for the row's record:
+    ``replay_timeline`` (kernels, span, busy and idle per step, the gaps, device time per group, the top 15
+    kernels). Run after the timed steps, so the profiler costs the timing nothing. Never fails the row: any
+    error is recorded as ``replay_timeline_error``; without CUDA there is no graph to trace
+    (``replay_timeline_skipped``)."""
+    if not cuda:
+        return {"replay_timeline_skipped": "needs CUDA: CUPTI traces the kernels inside a graph's replay"}
+    try:
+        with torch.inference_mode():
+            kernels = profile_kernels(step, replays)
+        table = timeline_table(kernels, replays, groups=groups, top=15)
+    except Exception as exc:  # noqa: BLE001 - the row's timing is kept whatever the profiler does
+        return {"replay_timeline_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    if "error" in table:
+        return {"replay_timeline_error": table["error"]}
+    return {"replay_timeline": {"replays": replays, **table}}

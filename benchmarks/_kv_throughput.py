@@ -29,7 +29,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from benchmarks._gpu_state import around, attention_kernel
-from benchmarks._kv_graph import PerLengthGraph, graph_against_eager
+from benchmarks._kv_graph import SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
 from benchmarks._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS, TimePlan
 from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
@@ -528,6 +528,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 continue
             out.update(graph_kernel_record(model, cache, b, graphs.step))
+            out.update(replay_timeline(graphs.step, cuda))  # the graph hides the phases: its kernels show them
             return {"batch": b, **out, "sdpa_backend": name, "backend_errors": errors, "captures": graphs.captures,
                     "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0,
                     "capture": "one graph per length, captured before each timed replay (untimed)"}
@@ -573,7 +574,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             out = timed(model, cache, b, args.steps, warm, share(1), step=step)
             stats = cache.stats()  # the warm-up and timed steps' counts, graphed or not
             out.update(graph_kernel_record(model, cache, b, step) if graph else kernel_record(model, cache, b))
-            if graph:
+            if graph:  # the replays' kernels first: the eager step below moves the cache past the capture
+                out.update(replay_timeline(step, cuda, SHADOWKV_KERNEL_GROUPS))
                 split = graph_against_eager(captured, _eager_step(model, cache, b))
                 out.update(captures=captured.captures, replays=captured.replays)
             else:

@@ -13,7 +13,7 @@ event and launch floor for an 8 us read, with the matrix partly in L2). This tra
   kernel name its count and device time per step, grouped into ``product`` (GEMV/GEMM, cuBLAS or Triton),
   ``attention``, ``norm_and_pointwise`` and ``other``; the union of kernel intervals (device busy), the idle
   time between kernels and its distribution; and the achieved bandwidth of the products: the weight bytes a
-  step must read over the products' summed device time.
+  step must read over the products' summed device time (the table: ``benchmarks/_timeline.py``).
 
 Each ``--weights`` entry (dense, neuzip-lossless: the zgemv layout read inside the product) runs in turn on
 the same random model. The JSON goes to ``--out`` (and ``$OUT``); the Chrome trace of each profiled block
@@ -26,11 +26,8 @@ is written gzipped beside it.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,64 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks._timeline import profile_kernels, timeline_table  # noqa: E402
 from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
-
-GROUPS = (
-    ("product", re.compile(r"gemv|gemm|nvjet|xmma|cutlass|splitk|zgemv|_sum_partials", re.IGNORECASE)),
-    ("attention", re.compile(r"attention|fmha|flash|cudnn|sdpa|softmax", re.IGNORECASE)),
-    ("norm_and_pointwise", re.compile(r"elementwise|vectorized|reduce|norm|rsqrt|pow|mean|mul|add|copy|cat|index|"
-                                      r"triton_|unrolled", re.IGNORECASE)),
-)
-
-
-def group_of(name: str) -> str:
-    return next((group for group, pattern in GROUPS if pattern.search(name)), "other")
-
-
-def kernel_intervals(trace_path: Path) -> list[tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of every GPU kernel in a Chrome trace, in start order."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
-    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-               if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    return sorted(kernels, key=lambda k: k[1])
-
-
-def timeline_table(kernels: list[tuple[str, float, float]], steps: int, weight_bytes: float) -> dict:
-    """The kernel table and gap statistics of ``steps`` profiled steps, per step."""
-    if not kernels:
-        return {"error": "the trace holds no kernel events"}
-    by_name: dict[str, list[float]] = {}
-    for name, _, dur in kernels:
-        by_name.setdefault(name, []).append(dur)
-    table = sorted(({"kernel": name[:140], "group": group_of(name), "per_step": len(d) / steps,
-                     "us_per_step": sum(d) / steps, "median_us": statistics.median(d)}
-                    for name, d in by_name.items()), key=lambda r: -r["us_per_step"])
-    busy, end, gaps = 0.0, kernels[0][1], []
-    for _, start, dur in kernels:
-        if start > end:
-            gaps.append(start - end)
-        busy += max(0.0, start + dur - max(start, end))
-        end = max(end, start + dur)
-    span = end - kernels[0][1]
-    groups: dict[str, float] = {}
-    for row in table:
-        groups[row["group"]] = groups.get(row["group"], 0.0) + row["us_per_step"]
-    product_us = groups.get("product", 0.0)
-    return {
-        "kernels_per_step": len(kernels) / steps,
-        "span_us_per_step": span / steps,
-        "busy_us_per_step": busy / steps,
-        "idle_us_per_step": (span - busy) / steps,
-        "gaps": {"count_per_step": len(gaps) / steps, "median_us": statistics.median(gaps) if gaps else 0.0,
-                 "p90_us": sorted(gaps)[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
-                 "over_10us_per_step": sum(1 for g in gaps if g > 10) / steps},
-        "group_us_per_step": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "product_bytes_per_s": weight_bytes / (product_us / 1e6) if product_us else None,
-        "top": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()} for row in table[:25]],
-    }
 
 
 def sync(device) -> None:
@@ -122,21 +65,10 @@ def profile_engine(engine, prompt, steps: int, profiled: int, trace_path: Path |
             row["step_ms"] = start.elapsed_time(end) / steps
         if trace_path is None:
             return row
-        from torch.profiler import ProfilerActivity, profile
-
         engine.prefill(prompt)
         engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(profiled):
-                engine.step()
-            torch.cuda.synchronize()
-        raw = trace_path.with_suffix("")
-        prof.export_chrome_trace(str(raw))
-        row.update(timeline_table(kernel_intervals(raw), profiled, weight_bytes))
-        with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
-            dst.write(src.read())
-        raw.unlink()
+        kernels = profile_kernels(engine.step, profiled, trace_gz=trace_path)
+        row.update(timeline_table(kernels, profiled, weight_bytes))
     return row
 
 
