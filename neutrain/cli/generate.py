@@ -61,8 +61,9 @@ def add_sampling_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="compile the decoder layers for the one-token decode step (torch.compile): an 8B decodes "
-                   "about 1.35x faster on an H200 after a one-time compile of 30-60 s, so it pays for long outputs; logits "
-                   "may differ in the last bits, so greedy text may part from the default's after a near tie")
+                   "about 1.35x faster on an H200 (1.8 ms a token saved) after a one-time compile of 30-60 s, so it "
+                   "pays after about 15,000 new tokens in one call; logits may differ in the last bits, so greedy "
+                   "text may part from the default's after a near tie")
 
 
 def add_device_arguments(p) -> None:
