@@ -139,6 +139,9 @@ def check_arguments(args) -> None:
     if not getattr(args, "draft", None):
         refuse_ignored(args, ["scheme", "num_drafts", "draft_len"], "there is no --draft: decoding is plain",
                        "give --draft DRAFT to decode speculatively")
+    else:
+        refuse_ignored(args, ["compile"], "the speculative rounds decode with engines of their own, not compiled",
+                       "drop --draft to decode through the compiled layers")
     if args.temperature == 0:
         refuse_ignored(args, ["top_k", "top_p"], "--temperature 0 decodes greedily and samples nothing",
                        "give --temperature > 0 to sample")
@@ -389,13 +392,21 @@ def _plain(model, ids, args, tokenizer, max_new_tokens: int | None = None):
 
     new = args.max_new_tokens if max_new_tokens is None else max_new_tokens
     streamed = weight_store(model) is not None
+    compile_layers = bool(getattr(args, "compile", False))
+    if compile_layers and (streamed or next(model.parameters()).device.type != "cuda"):
+        # The compiled layers pay by fusing kernel launches inside the GPU's captured step; on the CPU, or with
+        # layers fetched from host memory by host decisions, there is no such step (and a CPU compile needs a
+        # C++ compiler the machine may lack).
+        where = "streams its layers from host memory under this budget" if streamed else "decodes on the CPU"
+        raise UserInputError(f"--compile: this run {where}, and the compiled layers serve a model resident on the "
+                             "GPU; drop --compile")
     # Generation never trains: frozen, the engine fuses each layer's Q/K/V and gate/up projections into
     # one GEMV each (neutrain.eval.fused_projections). Streamed layers keep their own storage.
     model.requires_grad_(False)
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.
         engine = DecodeEngine(model, max_len=ids.shape[1] + new, seed=args.seed, cuda_graph=False if streamed else None,
-                              compile_layers=getattr(args, "compile", False))
+                              compile_layers=compile_layers)
     except ValueError:
         # top_k 0 and top_p 1.0 stated: a model's generation_config may default to others (top_k 50).
         kwargs = ({"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}

@@ -34,6 +34,8 @@ CASES = {  # argv (RUN: the run directory, RECIPE: a recipe, OTHER: a second rec
     "generate greedy --top-k": (["generate", "RUN/export", "--prompt", "hi", "--top-k", "5"], "--top-k"),
     "generate greedy --top-p": (["generate", "RUN/export", "--prompt", "hi", "--top-p", "0.5"], "--top-p"),
     "chat greedy --top-k": (["chat", "RUN/export", "--top-k", "5"], "--top-k"),
+    "generate --compile with --draft": (["generate", "RUN/export", "--prompt", "hi", "--draft", "RUN/export",
+                                         "--compile"], "--compile"),
 }
 
 

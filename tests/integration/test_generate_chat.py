@@ -56,22 +56,20 @@ def test_generate_applies_the_chat_template_greedily_and_raw_opts_out(capsys, ex
     assert raw != chat
 
 
-def test_generate_compile_decodes_the_same_greedy_text_through_the_compiled_layers(capsys, export_dir, monkeypatch):
-    from neutrain.eval import compiled_layers
+def test_generate_compile_on_the_cpu_is_refused_in_one_line(capsys, export_dir):
+    # The compiled layers serve a GPU's captured step; on the CPU the flag would compile for nothing (or fail
+    # without a C++ compiler), so it is refused, naming the flag, before any decoding.
+    assert main(["generate", str(export_dir), "--prompt", "hi", "--max-new-tokens", "4", "--compile"]) != 0
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert out == "" and len(errors) == 1, err
+    assert errors[0].startswith("neutrain: error: --compile: this run decodes on the CPU"), err
 
-    built = []
-    real = compiled_layers.CompiledLayers
 
-    class Counted(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr("neutrain.eval.engine.CompiledLayers", Counted)
-    plain = _generate(capsys, export_dir)
-    assert built == []
-    assert _generate(capsys, export_dir, "--compile") == plain  # fp32 on the CPU: the same greedy tokens
-    assert len(built) == 1
+def test_generate_compile_with_a_draft_is_refused_as_ignored(capsys, export_dir):
+    assert main(["generate", str(export_dir), "--prompt", "hi", "--draft", str(export_dir), "--compile"]) != 0
+    err = capsys.readouterr().err
+    assert "--compile: the command would ignore it (the speculative rounds decode" in err
 
 
 def test_generate_help_states_the_default(capsys):
