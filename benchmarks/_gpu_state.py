@@ -8,7 +8,7 @@ both say which attention kernel ran and at what clocks, so every throughput row 
   temperature, performance state, the reasons the clocks are held down); every field None, with the reason,
   where there is no NVIDIA GPU or no NVML binding (``nvidia-ml-py``, in the GPU image);
 * :func:`attention_kernel`: the attention kernels a profiled decode step ran (``attention_ops`` of
-  ``benchmarks/_kv_throughput.py``), named by backend: cuDNN, flash, memory-efficient or math SDPA, or
+  ``benchmarks/_kv_timing.py``), named by backend: cuDNN, flash, memory-efficient or math SDPA, or
   neutrain's own Triton kernels.
 
 Example (on a machine without a GPU):

@@ -9,35 +9,32 @@ gathered first or read by the kernel where they are stored, and that last step r
 the full cache's step graphed at each length: benchmarks/_kv_graph.py),
 MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
 neutrain/kernels/minicache_attention.py; merge + 4-bit once through the old restore path), a
-kvpress-pruned cache and QuantizedCache. The caches are filled with random states of the target
-length instead of running a 64K prefill per sequence: decode cost does not depend on the values,
-and the prefill of 8B x 64K x batch would not fit the run's time limit.
+kvpress-pruned cache and QuantizedCache. This module holds the rows: their order, the batch each is sized to
+and what each records. Each row's cache is built by ``_kv_caches`` (random states of the target length, not a
+prefill: it says why) and timed by ``_kv_timing``.
 """
 
 from __future__ import annotations
 
-import gc
-import math
 import os
-import statistics
 import sys
-import threading
 import time
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, DynamicLayer
 
-from benchmarks._gpu_state import around, attention_kernel
+from benchmarks._kv_caches import (MINICACHE_CHUNK, PinnedBuffer, full_cache, host_buffer_gib, minicache_cache,
+                                   prepare_fused, pruned_cache, quantized_cache, release_memory, rewind,
+                                   shadowkv_cache)
 from benchmarks._kv_graph import SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
 from benchmarks._kv_common import DEADLINE, PRESS_RATIO
-from benchmarks._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS, TimePlan
+from benchmarks._kv_plan import MIN_STEPS, TimePlan
 from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
                                    run_with_backoff)
-from neutrain import compat
-from neutrain.eval.kv import MiniCache, ShadowKVCache, disable_shadowkv, enable_shadowkv
+from benchmarks._kv_timing import eager_step, graph_kernel_record, kernel_record, shadowkv_step_split, timed
+from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
 from neutrain.eval.kv.decode_graph import capture_decode_step
-from neutrain.eval.kv.minicache_attention import pair_state
+
 
 def llama3_8b_config():
     return transformers.LlamaConfig(
@@ -45,350 +42,6 @@ def llama3_8b_config():
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     )
-
-
-class PreallocatedLayer(DynamicLayer):
-    """Full-cache baseline: one buffer per layer, new tokens written in place (no per-step re-copy)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        super().__init__()
-        self.buf_k, self.buf_v, self.length = keys, values, length
-        self.keys, self.values, self.is_initialized, self.device = keys[:, :, :0], values[:, :, :0], True, keys.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = key_states.shape[-2]
-        self.buf_k[:, :, self.length : self.length + n] = key_states
-        self.buf_v[:, :, self.length : self.length + n] = value_states
-        self.length += n
-        return self.buf_k[:, :, : self.length], self.buf_v[:, :, : self.length]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-def _rewind(cache, length: int) -> None:
-    """Put a preallocated full cache back at ``length`` tokens: every timing of it starts from the same context."""
-    for layer in cache.layers:
-        layer.length = length
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def steps_within(deadline: float | None, step_seconds: float, most: int) -> int:
-    """Timed steps that fit before ``deadline`` at ``step_seconds`` each, the profiled step after them left
-    room for: at most ``most`` (all of them without a deadline), at least one, and at least ``MIN_STEPS`` when
-    those take under ``CHEAP_STEPS_SECONDS`` together (a cheap row's median is not cut to one step)."""
-    if deadline is None:
-        return most
-    fit = int((deadline - time.time()) / max(step_seconds, 1e-6)) - 1
-    least = MIN_STEPS if step_seconds * MIN_STEPS <= CHEAP_STEPS_SECONDS else 1
-    return max(min(least, most), min(most, fit))
-
-
-def _eager_step(model, cache, batch):
-    """One decode step through the model's forward (transformers derives the positions from the cache)."""
-    kwarg = compat.cache_forward_kwarg(model)
-    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
-    return lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-
-
-def _step_times(model, cache, batch, steps, warmup=2, deadline=None, step=None, prepare=None) -> list[float]:
-    """Seconds of each timed decode step (synchronized one by one), after ``warmup`` steps; the count is
-    ``steps``, or fewer when the row's ``deadline`` comes first (``steps_within``: at least one). ``step``: the
-    step to time (a captured graph's replay), else the model's eager forward; ``prepare``: run before each step,
-    untimed (the capture of a graph per length)."""
-    step = step or _eager_step(model, cache, batch)
-    prepare = prepare or (lambda: None)
-    seconds, last = [], 0.0  # the last warm-up step's seconds: what a timed step is expected to take
-    with torch.inference_mode():
-        for _ in range(warmup):
-            prepare()
-            _sync()
-            t0 = time.perf_counter()
-            step()
-            _sync()
-            last = time.perf_counter() - t0
-        for _ in range(steps_within(deadline, last, steps)):
-            prepare()
-            _sync()
-            t0 = time.perf_counter()
-            step()
-            _sync()
-            seconds.append(time.perf_counter() - t0)
-    return seconds
-
-
-def timed(model, cache, batch, steps, warmup: int = 2, deadline: float | None = None, step=None,
-          prepare=None) -> dict:
-    """Decode tokens/s and ms a step of ``cache`` at ``batch`` from the median timed step, with the GPU's clocks,
-    power and temperature on either side of the timed steps (``benchmarks/_gpu_state.py``); ``step`` and
-    ``prepare`` as ``_step_times``."""
-    left = None if deadline is None else round(deadline - time.time(), 1)
-    seconds, state = around(lambda: _step_times(model, cache, batch, steps, warmup, deadline, step, prepare))
-    median = statistics.median(seconds)
-    out = {"tokens_per_s": batch / median, "ms_per_step": median * 1e3, "timed_steps": len(seconds),
-           "step_ms": [round(s * 1e3, 3) for s in seconds], "gpu_state": state}
-    if len(seconds) < steps:
-        out["steps_cut"] = (f"{len(seconds)} of {steps} timed steps: the row's cap had {left} s left after its "
-                            f"build, and its warm-up showed {median:.2f} s a step")
-    return out
-
-
-def drop_captured_caches(model) -> None:
-    """Drop the cache each attention module's routing hook kept from its last call (``_minicache_cache``,
-    ``_shadowkv_cache``): after a failed attempt it is the whole failed cache, which a retry would build beside."""
-    for mod in model.modules():
-        for attr in ("_minicache_cache", "_shadowkv_cache"):
-            if hasattr(mod, attr):
-                delattr(mod, attr)
-
-
-def release_memory(model, cuda: bool) -> None:
-    """Free what a failed row attempt left: the hooks' references, the collectable garbage, the cached blocks."""
-    drop_captured_caches(model)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-
-
-class PinnedBuffer:
-    """The pinned host buffer ShadowKV's offloaded values live in, page-locked on a thread of its own: pinning
-    64 GiB took 28.4 s on the H200, which ``--part all`` spends beside the retrieval model's training."""
-
-    def __init__(self, nbytes: int, pin: bool, log):
-        self.nbytes, self.pin, self.log = nbytes, pin, log
-        self._tensor, self._error = None, None
-        self._thread = threading.Thread(target=self._allocate, name="pin-host-buffer", daemon=True)
-        self._thread.start()
-
-    def _allocate(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            # Page-locking faults every page in (zero-filled by the OS): no fill needed, decode cost ignores values.
-            self._tensor = torch.empty(self.nbytes // 2, dtype=torch.bfloat16, pin_memory=self.pin)
-        except Exception as exc:  # noqa: BLE001 - raised where the buffer is used
-            self._error = exc
-        self.seconds = round(time.perf_counter() - t0, 1)
-        self.log(f"pinned {self.nbytes / GIB:.1f} GiB host buffer in {self.seconds}s")
-
-    def get(self) -> torch.Tensor:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._tensor
-
-
-def kernel_record(model, cache, batch, step=None) -> dict:
-    """The attention ops one more decode step runs (``step``: a captured graph's replay, else the eager forward),
-    and the kernel they name (after timing: the profiler costs nothing above)."""
-    ops = attention_ops(model, cache, batch, step)
-    return {"attention_ops": ops, "attention_kernel": attention_kernel(ops)}
-
-
-def graph_kernel_record(model, cache, batch, step) -> dict:
-    """``kernel_record`` of a graph's replay, or why the profiler could not trace it: the row's timing is kept."""
-    try:
-        return kernel_record(model, cache, batch, step=step)
-    except RuntimeError as exc:
-        return {"attention_ops": {}, "attention_kernel": None,
-                "kernel_record_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-
-
-def attention_ops(model, cache, batch, step=None) -> dict[str, int]:
-    """The attention ops and kernels one more decode step runs, by name, with their counts.
-
-    Why: the full cache's decode step at 64K took 53 ms in one H100 run and 90 ms in another with the same
-    code (benchmarks/notes_kv_eval.md); the SDPA dispatcher's choice of backend (flash, efficient, cuDNN,
-    math) is the first suspect, so each throughput figure records which one ran.
-    """
-    import re
-
-    from torch.profiler import ProfilerActivity, profile
-
-    step = step or _eager_step(model, cache, batch)
-    cuda = next(model.parameters()).is_cuda
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof, torch.inference_mode():
-        step()
-        _sync()
-    # SDPA's backends, and neutrain's own decode kernels (MiniCache's segment/combine, ShadowKV's gather)
-    pattern = re.compile(r"scaled_dot_product|attention|fmha|flash|cudnn|_segment_kernel|_combine_kernel|gather_chunks"
-                         r"|_shadowkv_fused_decode_kernel",
-                         re.IGNORECASE)
-    return {e.key[:160]: e.count for e in prof.key_averages() if pattern.search(e.key)}
-
-
-SHADOWKV_PHASES = ("selection", "gather_launch", "reconstruction", "gather_wait", "attention")
-
-
-def shadowkv_step_split(model, cache, batch) -> dict:
-    """One more decode step of a ShadowKV ``cache``, its time split by phase with CUDA events, summed over layers.
-
-    Phases, in stream order inside each layer's sparse attention (``ShadowKVCache.mark``): ``selection``
-    (landmark scores, top-k, chunk ids), ``gather_launch`` (the device rows' value gather and the launch of the
-    host rows' gather on its side stream), ``reconstruction`` (low-rank key rebuild and RoPE), ``gather_wait``
-    (the host gather not hidden behind the rebuild, and the join of the row blocks), ``attention`` (the
-    concatenations and SDPA); ``rest`` is the step outside the sparse attention (projections, MLP, norms,
-    sampling). ``host_gather_kernel_ms`` is the side stream's gather kernel itself (overlapping the phases).
-    """
-    kwarg = compat.cache_forward_kwarg(model)
-    ids = torch.randint(0, 100, (batch, 1), device=next(model.parameters()).device)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cache.phase_events = []
-    try:
-        with torch.inference_mode():
-            begin.record()
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-            end.record()
-        torch.cuda.synchronize()
-        events = cache.phase_events
-    finally:
-        cache.phase_events = None
-    main = [(name, ev) for name, ev in events if not name.startswith("host_gather")]
-    phases = dict.fromkeys(SHADOWKV_PHASES, 0.0)
-    for (_, e0), (name, e1) in zip(main, main[1:]):
-        if name != "start":  # from one layer's end to the next one's start is "rest"
-            phases[name] += e0.elapsed_time(e1)
-    host = [ev for name, ev in events if name.startswith("host_gather")]
-    step = begin.elapsed_time(end)
-    out = {"step_ms": round(step, 3), **{f"{k}_ms": round(v, 3) for k, v in phases.items()},
-           "rest_ms": round(step - sum(phases.values()), 3),
-           "host_gather_kernel_ms": round(sum(a.elapsed_time(b) for a, b in zip(host[0::2], host[1::2])), 3),
-           "layers": sum(1 for name, _ in main if name == "start")}
-    return out
-
-
-def _full_cache(cfg, batch, ctx, extra, device):
-    d = cfg.hidden_size // cfg.num_attention_heads
-    layers = []
-    for _ in range(cfg.num_hidden_layers):
-        k = torch.empty(batch, cfg.num_key_value_heads, ctx + extra, d, dtype=torch.bfloat16, device=device).normal_()
-        v = torch.empty_like(k).normal_()
-        layers.append(PreallocatedLayer(k, v, ctx))
-    return Cache(layers=layers)
-
-
-def _shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: int = 0):
-    """A ShadowKV cache in its post-prefill state for ``batch`` x ``ctx`` (random contents, real shapes).
-
-    The values of the first ``batch - device_rows`` rows live in ``host_values`` (pinned), the last
-    ``device_rows`` rows' on the GPU (``ShadowKVOptions.device_value_rows``).
-    """
-    cache = ShadowKVCache.for_model(model)
-    o = cache.options
-    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    cs, outliers, local = cache.layers[0].geometry(ctx)  # as compress() would lay out a ctx-token prompt
-    chunks = (ctx - local) // cs
-    kept = chunks - outliers
-    dev = torch.device(device)
-    on_host = batch - device_rows
-    per_layer = on_host * h * chunks * cs * d
-    for i, layer in enumerate(cache.layers):
-        bf = dict(dtype=torch.bfloat16, device=dev)
-        layer.lazy_initialization(torch.empty(1, **bf), torch.empty(1, **bf))
-        layer.u = torch.randn(batch, ctx, o.rank, **bf) / math.sqrt(ctx)
-        layer.sv = torch.randn(batch, h, o.rank, d, **bf)
-        layer.landmarks = torch.randn(batch, h, kept, d, **bf)
-        layer.landmark_chunk = torch.arange(outliers, chunks, device=dev).expand(batch, h, kept).contiguous()
-        layer.outlier_k = torch.randn(batch, h, outliers * cs, d, **bf)
-        layer.outlier_v = torch.randn(batch, h, outliers * cs, d, **bf)
-        layer.tail_k = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
-        layer.tail_v = torch.randn(batch, h, ctx - chunks * cs, d, **bf)
-        layer.v_store = host_values[i * per_layer : (i + 1) * per_layer].view(on_host, h, chunks, cs * d)
-        layer.v_device = torch.randn(device_rows, h, chunks * cs, d, **bf) if device_rows else None
-        layer.exact_k, layer.selection_log = None, []
-        layer.offloaded, layer.pos0 = True, torch.zeros(1, 1, dtype=torch.long, device=dev)
-        layer.num_chunks, layer.context = chunks, chunks * cs
-        layer.select = max(1, min(cache.budget_tokens(ctx) // cs, kept))
-        layer.seen, layer.mode, layer.chunk_size = ctx, "sparse", cs
-    return cache
-
-
-MINICACHE_CHUNK = 1024
-"""Tokens per block of the throughput part's MiniCache prefill: a merged pair's block goes through SLERP in
-fp32 at ~48 bytes an element (``_kv_sizing.MERGE_BLOCK_BYTES``), 48 MiB a sequence at 1,024 tokens of
-Llama-3-8B's keys against 190 MiB at 4,096, and that is memory the batch cannot use."""
-
-
-def _minicache(model, cfg, batch, ctx, device, chunk: int = MINICACHE_CHUNK, **options):
-    """A MiniCache after a ``ctx``-token prefill of random states, merged for real.
-
-    The prompt is fed in blocks of ``chunk`` tokens, every layer per block (a chunked prefill), each
-    pair merging each block: merging 64K tokens of a large batch at once needs several fp32 copies of
-    the pair's states. After the prefill, ``merge_every`` is None: decoding merges nothing.
-
-    With ``fused_decode`` the cache is marked as seen by the fused attention, as a prefill through the model
-    would have left it: otherwise the first decode step restores layer 0 to bf16 before the attention is
-    reached (64 MiB a sequence at 32K: the H200 run's 4-bit rows ran out of memory on it).
-    """
-    cache = MiniCache(cfg, merge_every=chunk, **options)
-    cache.attention_hooked = bool(options.get("fused_decode"))
-    d = cfg.hidden_size // cfg.num_attention_heads
-    with torch.inference_mode():
-        for start in range(0, ctx, chunk):
-            shape = (batch, cfg.num_key_value_heads, min(chunk, ctx - start), d)
-            for i in range(cfg.num_hidden_layers):
-                k = torch.randn(shape, dtype=torch.bfloat16, device=device)
-                cache.store(k, torch.randn_like(k), i)  # no restored copy of the layer per block
-                del k
-        for layer in cache.layers:  # a last block shorter than ``chunk`` is merged too
-            if layer.role == "second" and layer.pair.keys.residual_length():
-                cache._merge(layer.pair)
-    cache.merge_every = None
-    return cache
-
-
-def _prepare_fused(cache: MiniCache) -> MiniCache:
-    """Build what the fused decode's first step would (each merged side's per-token factors and padded
-    retained rows), so that ``stored_bytes`` counts it before a batch is sized by it."""
-    for layer in cache.layers:
-        if layer.role != "exact" and layer.pair.keys.merged_tokens:
-            pair_state(layer.pair, layer.side)
-    return cache
-
-
-def _quantized_cache(model, cfg, batch, ctx, device):
-    """transformers' QuantizedCache (4-bit) after a ``ctx``-token prefill of random states."""
-    from neutrain.eval.kv.baselines import quantized_cache_factory
-
-    d = cfg.hidden_size // cfg.num_attention_heads
-    with quantized_cache_factory(model, nbits=4, group=64, residual=128) as make, torch.inference_mode():
-        cache = make()
-        for i in range(cfg.num_hidden_layers):
-            k = torch.randn(batch, cfg.num_key_value_heads, ctx, d, dtype=torch.bfloat16, device=device)
-            cache.update(k, torch.randn_like(k), i)
-            del k
-    return cache
-
-
-def _pruned_cache(cfg, batch, kept, ctx, device):
-    """What a kvpress press leaves after prefill: a DynamicCache of ``kept`` tokens, logical length ``ctx``.
-
-    Every press leaves the same shapes (they differ in which tokens they keep), so one decode rate
-    stands for all of them at a given compression ratio.
-    """
-    from neutrain.eval.kv.baselines import PrunedCache
-
-    d = cfg.hidden_size // cfg.num_attention_heads
-    cache = PrunedCache(config=cfg)
-    for layer in cache.layers:
-        k = torch.randn(batch, cfg.num_key_value_heads, kept, d, dtype=torch.bfloat16, device=device)
-        layer.lazy_initialization(k, k)
-        layer.keys, layer.values, layer.seen = k, torch.randn_like(k), ctx
-    return cache
-
-
-def _host_gib(requested: float) -> float:
-    """``requested`` GiB of pinned host memory, capped at 80% of what the host has available."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
-    except (OSError, StopIteration):
-        return requested
-    return max(0.05, min(requested, 0.8 * avail))
 
 
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
@@ -478,7 +131,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         # Largest batch whose K+V (+ the decode's working memory) fits beside the weights; no build transient.
         per_seq = kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx)
         b = budget.batch(per_seq)
-        cache = _full_cache(cfg, b, ctx, 16, device)
+        cache = full_cache(cfg, b, ctx, 16, device)
         backends = backends if cuda else ("FLASH_ATTENTION",)
         out = {"batch": b, **timed(model, cache, b, args.steps, warm, share(1 + len(backends))),
                "gpu_kv_gib": kv_per_token * (ctx + 16) * b / GIB, "host_gib": 0.0, **kernel_record(model, cache, b)}
@@ -487,11 +140,11 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
 
         timings = {"default_dispatch": {k: out[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}}
         for i, name in enumerate(backends):
-            _rewind(cache, ctx)
+            rewind(cache, ctx)
             try:
                 with sdpa_kernel(getattr(SDPBackend, name)):
                     row = timed(model, cache, b, args.steps, warm, share(len(backends) - i))
-                    _rewind(cache, ctx)
+                    rewind(cache, ctx)
                     row.update(kernel_record(model, cache, b))
                 timings[name.lower()] = {k: row[k] for k in ("tokens_per_s", "ms_per_step", "attention_kernel")}
             except RuntimeError as exc:  # this backend does not take these shapes (or is not built here)
@@ -514,11 +167,11 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
 
         best = results["contexts"][str(ctx)].get("full", {}).get("baseline_backend") or "default_dispatch"
         b = budget.batch(kv_per_token * (ctx + 16) + decode_bytes_per_seq(cfg, ctx))
-        cache = _full_cache(cfg, b, ctx, 16, device)
+        cache = full_cache(cfg, b, ctx, 16, device)
         errors = {}
         for name in dict.fromkeys((best, "flash_attention", "default_dispatch")):
             forced = nullcontext() if name == "default_dispatch" else sdpa_kernel(getattr(SDPBackend, name.upper()))
-            _rewind(cache, ctx)
+            rewind(cache, ctx)
             graphs = PerLengthGraph(model, cache, b)
             try:
                 with forced:
@@ -564,7 +217,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         try:
             before = skv_kernels.COUNTERS["gather_chunks"]
             fused_before = skv_fused_kernels.COUNTERS["shadowkv_fused_decode"]
-            cache = _shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
+            cache = shadowkv_cache(model, cfg, b, ctx, host_values, device, device_rows=rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             step = captured = None
@@ -576,7 +229,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             out.update(graph_kernel_record(model, cache, b, step) if graph else kernel_record(model, cache, b))
             if graph:  # the replays' kernels first: the eager step below moves the cache past the capture
                 out.update(replay_timeline(step, cuda, SHADOWKV_KERNEL_GROUPS))
-                split = graph_against_eager(captured, _eager_step(model, cache, b))
+                split = graph_against_eager(captured, eager_step(model, cache, b))
                 out.update(captures=captured.captures, replays=captured.replays)
             else:
                 split = shadowkv_step_split(model, cache, b) if cuda else {"skipped": "needs CUDA events"}
@@ -638,8 +291,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         if fused:
             enable_minicache_attention(model)
         try:
-            out = sized_run(ctx, lambda b, n: _minicache(model, cfg, b, n, device, chunk=chunk, **opts),
-                            lambda c: (_prepare_fused(c) if fused else c).stored_bytes(), transient)
+            out = sized_run(ctx, lambda b, n: minicache_cache(model, cfg, b, n, device, chunk=chunk, **opts),
+                            lambda c: (prepare_fused(c) if fused else c).stored_bytes(), transient)
         finally:
             disable_minicache_attention(model)
         out["gpu_kv_gib"] = out.pop("stored_bytes") / GIB
@@ -651,7 +304,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 "decode": "fused kernel over the stores" if fused else "restore to bf16, then SDPA"}
 
     def quantized(ctx):
-        out = sized_run(ctx, lambda b, n: _quantized_cache(model, cfg, b, n, device),
+        out = sized_run(ctx, lambda b, n: quantized_cache(model, cfg, b, n, device),
                         lambda c: c.stats()["device_bytes"], decode_bytes_per_seq(cfg, ctx, "quantized"))
         out["gpu_kv_gib"] = out.pop("device_bytes") / GIB
         return {**out, "backend": "quanto (torch unpack), 4-bit, group 64, residual 128"}
@@ -660,7 +313,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
         kept = int(round(ctx * (1 - PRESS_RATIO)))
         # DynamicCache re-copies a layer per step (torch.cat): one layer's K+V of headroom for that.
         b = max(1, int(budget.headroom * layers / (layers + 1)) // (kv_per_token * (kept + 16)))
-        cache = _pruned_cache(cfg, b, kept, ctx, device)
+        cache = pruned_cache(cfg, b, kept, ctx, device)
         return {"batch": b, **timed(model, cache, b, args.steps, warm, share(1)), "kept_tokens": kept,
                 **kernel_record(model, cache, b), "gpu_kv_gib": kv_per_token * kept * b / GIB,
                 "compression_ratio": ctx / kept,
@@ -720,7 +373,3 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 row[label]["speedup_vs_full_graph"] = row[label]["tokens_per_s"] / graphed["tokens_per_s"]
     return results
 
-
-def host_buffer_gib(args) -> float:
-    """The pinned host buffer's size: ``--host-gib`` (capped at 80% of the host's free memory on a GPU run)."""
-    return args.host_gib if args.smoke else _host_gib(args.host_gib)

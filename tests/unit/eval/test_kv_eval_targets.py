@@ -118,20 +118,21 @@ def test_the_full_cache_throughput_names_the_attention_kernel_that_ran():
     import torch
     import transformers
 
-    from benchmarks import _kv_throughput
+    from benchmarks._kv_caches import full_cache
+    from benchmarks._kv_timing import attention_ops
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    cache = _kv_throughput._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu")
-    ops = _kv_throughput.attention_ops(model, cache, batch=2)
+    cache = full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu")
+    ops = attention_ops(model, cache, batch=2)
     assert any("scaled_dot_product" in name for name in ops), ops
     assert all(count >= 1 for count in ops.values())
     cfg._attn_implementation = "eager"  # no SDPA op: the record tells the two apart
     eager = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    ops = _kv_throughput.attention_ops(eager, _kv_throughput._full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
+    ops = attention_ops(eager, full_cache(cfg, batch=2, ctx=32, extra=4, device="cpu"), batch=2)
     assert not any("scaled_dot_product" in name for name in ops), ops
 
 
@@ -141,7 +142,8 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     import torch
     import transformers
 
-    from benchmarks import _kv_throughput
+    from benchmarks._kv_caches import shadowkv_cache
+    from benchmarks._kv_timing import step_times
     from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -152,10 +154,10 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     host = torch.zeros(cfg.num_hidden_layers * batch * 2 * ctx * 16, dtype=torch.bfloat16)
     enable_shadowkv(model, budget=0.0156, rank=8, chunk_size=8, outliers=2)
     try:
-        cache = _kv_throughput._shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
+        cache = shadowkv_cache(model, cfg, batch, ctx, host, "cpu")
         layer = cache.layers[0]
         assert layer.chunk_size == 2 and layer.outlier_k.shape[2] == 16 and layer.select == 4
-        _kv_throughput._step_times(model, cache, batch, steps=1, warmup=0)
+        step_times(model, cache, batch, steps=1, warmup=0)
     finally:
         disable_shadowkv(model)
     assert cache.counters["sparse_steps"] == cfg.num_hidden_layers

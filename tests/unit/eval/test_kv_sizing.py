@@ -8,7 +8,8 @@ import pytest
 import transformers
 
 from benchmarks import _kv_sizing as sizing
-from benchmarks._kv_throughput import _minicache, _prepare_fused, llama3_8b_config
+from benchmarks._kv_caches import minicache_cache, prepare_fused
+from benchmarks._kv_throughput import llama3_8b_config
 
 from eval_helpers import LiveBytes
 from neutrain import compat
@@ -23,7 +24,7 @@ def small_config():
 
 
 def _build(cfg, batch, ctx, chunk, options):
-    return _prepare_fused(_minicache(None, cfg, batch, ctx, "cpu", chunk=chunk, gamma=0.05, quant_group=64,
+    return prepare_fused(minicache_cache(None, cfg, batch, ctx, "cpu", chunk=chunk, gamma=0.05, quant_group=64,
                                      fused_decode=True, **options))
 
 
@@ -33,7 +34,7 @@ def test_the_stored_bytes_formula_is_what_the_cache_measures(name):
     """The layout's arithmetic (merged pairs share one direction, 4-bit codes packed with their ranges, fp32 norms,
     retained rows) gives MiniCache's measured bytes exactly, so a plan for shapes not built here can use it."""
     cfg, batch, ctx = small_config(), 2, 1024
-    cache = _minicache(None, cfg, batch, ctx, "cpu", chunk=256, gamma=0.05, quant_group=64, **SETTINGS[name])
+    cache = minicache_cache(None, cfg, batch, ctx, "cpu", chunk=256, gamma=0.05, quant_group=64, **SETTINGS[name])
     pairs = sum(layer.role == "first" for layer in cache.layers)
     retained = cache.retained_tokens / max(1, 2 * pairs * batch * ctx)
     options = SETTINGS[name]
@@ -105,7 +106,7 @@ MINICACHE_ROWS = {  # throughput row -> (quant_bits, start_layer, fused decode)
 def _first_step_restores_a_layer(quant_bits, fused) -> bool:
     """Whether the benchmark's cache restores a compressed layer to bf16 in its first decode step: a fused cache
     that has not seen the fused attention does, for the layer whose update runs before the attention is reached."""
-    cache = _minicache(None, small_config(), 1, 256, "cpu", chunk=128, gamma=0.05, quant_group=64,
+    cache = minicache_cache(None, small_config(), 1, 256, "cpu", chunk=128, gamma=0.05, quant_group=64,
                        quant_bits=quant_bits, fused_decode=fused)
     return not fused or (quant_bits is not None and not cache.attention_hooked)
 
@@ -153,7 +154,7 @@ def test_a_fused_cache_decodes_every_layer_in_the_kernel_from_its_first_step():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     batch, ctx = 2, 512
-    cache = _minicache(model, cfg, batch, ctx, "cpu", chunk=128, gamma=0.05, quant_bits=4, quant_group=64,
+    cache = minicache_cache(model, cfg, batch, ctx, "cpu", chunk=128, gamma=0.05, quant_bits=4, quant_group=64,
                        start_layer=cfg.num_hidden_layers, fused_decode=True)
     enable_minicache_attention(model)
     try:
@@ -233,7 +234,7 @@ def test_a_failed_attempt_leaves_no_cache_on_the_model():
 
     import torch
 
-    from benchmarks._kv_throughput import release_memory
+    from benchmarks._kv_caches import release_memory
     from neutrain.eval.kv import MiniCache, disable_minicache_attention, enable_minicache_attention
 
     cfg = small_config()

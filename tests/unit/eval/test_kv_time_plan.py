@@ -10,7 +10,8 @@ import argparse
 import pytest
 
 from benchmarks import _kv_plan as plan_module
-from benchmarks._kv_throughput import ROWS, steps_within
+from benchmarks._kv_throughput import ROWS
+from benchmarks._kv_timing import steps_within
 
 
 def h200_plan(budget=473.0, real_here=True):
