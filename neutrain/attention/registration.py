@@ -25,6 +25,9 @@ tensor, not once per layer: the decoder passes the same tensor to every layer, a
 checkpointing's recompute passes it again (:func:`packed_segments`). Inside
 :func:`neutrain.compat.masks.contiguous_positions` (``causal_lm_loss`` calling the decoder without
 positions) nothing is read at all.
+
+``NEUTRAIN_SAGE_V_RESIDUAL=0`` runs plain SageAttention2's PV (one FP8 product per tile, without V's
+rounding residual) in every Sage call; the default keeps the residual.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from neutrain import compat
 from neutrain.compat.masks import positions_are_contiguous
+from neutrain.config.knobs import knob
 from neutrain.attention import dispatch
 from neutrain.attention.counters import record_fallback
 from neutrain.attention.per_document import packed_causal_attention
@@ -243,7 +247,8 @@ def neutrain_sage_attention_forward(
             return exact_fallback(query, key, value, attention_mask, segments, causal, 0.0, scaling, kwargs), None
         backward, config, backend = choice.backward, dispatch.kernel_config(device, head_dim), choice.kernel
     out = sage_attention(query, key, value, causal=causal, scale=scaling, segment_ids=segments,
-                         key_padding_mask=padding, backward=backward, config=config, backend=backend)
+                         key_padding_mask=padding, v_residual=knob("NEUTRAIN_SAGE_V_RESIDUAL"), backward=backward,
+                         config=config, backend=backend)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -101,3 +103,65 @@ def test_a_sage_arm_above_sdpa_by_more_than_the_seed_spread_is_not_lossless():
                "sdpa_seed2": _curve(1.0, 0.49, 0.452, 0.441)}
     judged = sage_fidelity.judge(results)
     assert judged["verdict"].startswith("not lossless") and judged["sage_largest_excess_heldout"] == 0.02, judged
+
+
+def test_cpu_mode_keeps_its_three_arms_and_the_gpu_adds_plain_sage():
+    assert sage_fidelity.DEFAULT_ARMS["cpu"] == ("sdpa", "sage", "sdpa_seed2")
+    assert set(sage_fidelity.DEFAULT_ARMS["cuda"]) == {"sdpa", "sage", "sage_plain", "sdpa_seed2"}
+    assert sage_fidelity.ARMS["sage"] == ("neutrain_sage", 0, True)
+    assert sage_fidelity.ARMS["sage_plain"] == ("neutrain_sage", 0, False)  # same seed and batches, no V residual
+    assert sage_fidelity.SAGE_ARMS == ("sage", "sage_plain")
+    assert sage_fidelity.DTYPES == {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def test_the_v_residual_setting_reaches_every_sage_call(monkeypatch):
+    from neutrain.attention import sage_attention
+    from neutrain.attention.registration import neutrain_sage_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 64, 64, generator=gen) for h in (2, 1, 1))
+    module = torch.nn.Module()
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("NEUTRAIN_SAGE_V_RESIDUAL", flag)
+        outs[flag] = neutrain_sage_attention_forward(module, q, k, v, None, is_causal=True)[0]
+    monkeypatch.delenv("NEUTRAIN_SAGE_V_RESIDUAL")
+    unset = neutrain_sage_attention_forward(module, q, k, v, None, is_causal=True)[0]
+    plain = sage_attention(q, k, v, causal=True, v_residual=False).transpose(1, 2)
+    assert torch.equal(outs["0"], plain) and not torch.equal(outs["1"], plain)
+    assert torch.equal(unset, outs["1"])  # the default keeps the residual
+
+
+def test_gpu_route_is_what_the_shipped_tables_train_entries_name():
+    from benchmarks._sage_route import gpu_route, set_route
+
+    route = gpu_route("NVIDIA H200", 64)  # no d=64 entry there: the card's d=128 train entries decide
+    assert (route["kernel"], route["backward"]) == ("gluon", "triton") and "any head dim" in route["source"]
+    assert gpu_route("NVIDIA H100 80GB HBM3", 64)["backward"] == "cudnn"
+    assert gpu_route("no such GPU", 64)["kernel"] == "triton"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("NEUTRAIN_SAGE_BACKWARD", raising=False)
+        assert set_route("cpu")["kernel"] == "reference"
+        assert os.environ["NEUTRAIN_SAGE_BACKWARD"] == "cpu"
+
+
+def test_each_sage_arm_is_judged_against_the_sdpa_seeds():
+    def arm(*losses, digest="d", ops=None):
+        return {**_curve(*losses), "final_heldout_loss": losses[-1], "batch_digest": digest,
+                "attention_ops": ops or {}}
+
+    sage_ops = {"kernel": 40, "exact_backward:cudnn": 30}
+    results = {"sdpa": arm(1.0, 0.50, 0.45, 0.44), "sdpa_seed2": arm(1.0, 0.49, 0.452, 0.441, digest="e"),
+               "sage": arm(1.0, 0.50, 0.451, 0.44, ops=sage_ops),
+               "sage_plain": arm(1.0, 0.50, 0.47, 0.46, ops=sage_ops)}
+    summary = sage_fidelity.summarize(results)
+    assert summary["verdict"].startswith("lossless") and summary["sage_ran_sage"] and summary["same_batches"]
+    plain = summary["by_sage_arm"]["sage_plain"]
+    assert plain["verdict"].startswith("not lossless") and "sage_plain's held-out" in plain["verdict"], plain
+    assert plain["delta_heldout_sage_minus_sdpa"] == 0.02
+    arms = {name: {**a, "attention": sage_fidelity.ARMS[name][0], "seed": 0, "median_step_s": 0.1}
+            for name, a in results.items()}
+    cosine = {"layers": {"0": {"v_residual": {"min": 0.9999}, "plain": {"min": 0.9991}}}}
+    text = sage_fidelity.table({"results": {"arms": arms, **summary, "o_cosine": cosine}, "git_commit": "abcdef0"})
+    assert "sage_plain (delta held-out at the end 0.02): not lossless" in text, text
+    assert "layer 0 0.99990 / 0.99910" in text, text
