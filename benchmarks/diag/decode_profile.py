@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks._common import git_provenance  # noqa: E402
 from benchmarks._timeline import profile_kernels, timeline_table  # noqa: E402
 from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from transformers import LlamaConfig
 
+    commit, dirty = git_provenance()  # before measuring: a run that cannot name its code fails at once
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = LlamaConfig(**dict(TINY if args.tiny else LLAMA3_8B), bos_token_id=None, eos_token_id=None, pad_token_id=0)
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = prompt.to(device)
     read = bytes_per_token(config, args.prompt_len + args.steps / 2, elem=torch.finfo(dtype).bits // 8)
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "commit": os.environ.get("NEUTRAIN_GIT_COMMIT"),
+              "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty,
+              "targets": {}, "targets_note": "a diagnostic: the decode targets are engine_decode.json's",
               "settings": vars(args), "bytes_per_token": read,
               "copy_bandwidth_bytes_per_s": copy_bandwidth(device, 1 << (24 if args.tiny else 31)), "rows": {}}
     bw = record["copy_bandwidth_bytes_per_s"]

@@ -14,6 +14,14 @@ from neutrain.eval.engine import DecodeEngine
 from test_fused_projections import PROMPT, _decode_logits, tiny
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles anew, and leaves no compiled state (nor the fake tensors it traced with) to later tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _compiled_calls(layers: CompiledLayers) -> list[int]:
     """Counters of how often each layer's compiled forward ran (wrapping the compiled callables)."""
     counts = [0] * len(layers.compiled)

@@ -16,10 +16,13 @@ from .nn_helpers import CODEC, dense_and_compressed, tiny_llama, token_batches, 
 
 
 def _live_tensor_bytes():
+    from torch._subclasses.fake_tensor import is_fake
+
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
+        # Fake tensors (what torch.compile traced with, kept by its caches) hold no memory and have no data pointer.
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.device.type == "cpu" and not is_fake(obj):
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
