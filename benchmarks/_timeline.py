@@ -55,6 +55,23 @@ def kernel_intervals(trace_path: Path | str) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: k[1])
 
 
+def busy_and_gaps(intervals: Sequence[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """``(span, busy, gaps)`` of ``(start, end)`` intervals sorted by start: the first start to the last end, the
+    union of the intervals (overlaps on several streams count once), and the idle stretches between them, in order.
+
+    Example:
+        >>> busy_and_gaps([(0, 4), (2, 6), (9, 10)])
+        (10, 7, [3])
+    """
+    busy, first, end, gaps = 0, intervals[0][0], intervals[0][0], []
+    for start, stop in intervals:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0, stop - max(start, end))
+        end = max(end, stop)
+    return end - first, busy, gaps
+
+
 def _rounded(row: dict) -> dict:
     return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
 
@@ -77,13 +94,7 @@ def timeline_table(kernels: list[tuple[str, float, float]], steps: int, weight_b
     table = sorted(({"kernel": name[:140], "group": group_of(name, groups), "per_step": len(d) / steps,
                      "us_per_step": sum(d) / steps, "median_us": statistics.median(d)}
                     for name, d in by_name.items()), key=lambda r: -r["us_per_step"])
-    busy, end, gaps = 0.0, kernels[0][1], []
-    for _, start, dur in kernels:
-        if start > end:
-            gaps.append(start - end)
-        busy += max(0.0, start + dur - max(start, end))
-        end = max(end, start + dur)
-    span = end - kernels[0][1]
+    span, busy, gaps = busy_and_gaps([(start, start + dur) for _, start, dur in kernels])
     group_us: dict[str, float] = {}
     for row in table:
         group_us[row["group"]] = group_us.get(row["group"], 0.0) + row["us_per_step"]

@@ -38,14 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance  # noqa: E402
 from benchmarks._timeline import profile_kernels, timeline_table  # noqa: E402
-from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free  # noqa: E402
+from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free, sync  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def profile_engine(engine, prompt, steps: int, profiled: int, trace_path: Path | None, weight_bytes: float) -> dict:

@@ -74,19 +74,11 @@ def _device_busy(prof) -> dict:
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
         return {}
-    busy, gaps = 0.0, []
-    cur_s, cur_e = spans[0]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    first, last = spans[0][0], max(e for _, e in spans)
+    from benchmarks._timeline import busy_and_gaps
+
+    span, busy, gaps = busy_and_gaps(spans)
     gaps.sort(reverse=True)
-    return {"device_span_ms": round((last - first) / 1e3, 2), "device_busy_ms": round(busy / 1e3, 2),
+    return {"device_span_ms": round(span / 1e3, 2), "device_busy_ms": round(busy / 1e3, 2),
             "device_idle_ms": round(sum(gaps) / 1e3, 2), "gaps_over_50us": sum(g > 50 for g in gaps),
             "largest_gaps_ms": [round(g / 1e3, 3) for g in gaps[:10]], "kernels": len(spans)}
 

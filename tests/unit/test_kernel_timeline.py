@@ -7,10 +7,12 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import _kv_graph
 from benchmarks._kv_graph import SHADOWKV_KERNEL_GROUPS, replay_timeline
-from benchmarks._timeline import group_of, kernel_intervals, profile_kernels, timeline_table
+from benchmarks._timeline import busy_and_gaps, group_of, kernel_intervals, profile_kernels, timeline_table
 
 GEMV, FUSED, GATHER = "ampere_bf16_gemv_kernel", "_shadowkv_fused_decode_kernel", "_gather_chunks_kernel"
 
@@ -112,3 +114,22 @@ def test_a_failing_replay_or_an_empty_trace_is_recorded(monkeypatch):
 
 def test_without_cuda_the_row_says_why():
     assert set(replay_timeline(lambda: None, cuda=False)) == {"replay_timeline_skipped"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), min_size=1, max_size=12))  # kernels last > 0
+def test_busy_and_gaps_is_the_union_of_the_intervals_and_the_holes_between_them(pairs):
+    """Against a count of covered unit cells: the union (busy), the holes inside the span (gaps), the span."""
+    intervals = sorted((start, start + length) for start, length in pairs)
+    span, busy, gaps = busy_and_gaps(intervals)
+    first, last = intervals[0][0], max(end for _, end in intervals)
+    covered = [any(a <= t < b for a, b in intervals) for t in range(first, last)]
+    assert span == last - first and busy == sum(covered)
+    holes, run = [], 0  # maximal runs of uncovered cells, in order
+    for cell in covered:
+        if not cell:
+            run += 1
+        elif run:
+            holes.append(run)
+            run = 0
+    assert gaps == holes
