@@ -356,7 +356,7 @@ def retarget(path: str) -> dict:
                              settings["bytes_per_token"], settings["copy_bandwidth_bytes_per_s"],
                              settings["roofline_tokens_per_s"], 32 if settings.get("layers") is None
                              else settings["layers"], settings["new_tokens"])
-    record["targets"] = {name: targets[name] for name in targets}
+    record["targets"] = targets
     record["targets_recomputed"] = "by benchmarks/engine_decode.py --retarget from the rows as measured"
     Path(path).write_text(json.dumps(record, indent=2) + "\n")
     return record
