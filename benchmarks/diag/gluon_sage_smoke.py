@@ -80,26 +80,44 @@ def _sass(name):
             **{op: ops.get(op, 0) for op in ("IGMMA", "QGMMA", "MUFU", "USETMAXREG", "UTMALDG", "BAR", "SYNCS")}}
 
 
-def run(b, h, n, d, iters):
+PV_FORMS = {"residual": True, "plain": False}  # PV with V's FP8 residual (a second product a tile), or plain Sage2's
+
+
+def _method_pv_forms(methods, pv_forms):
+    """(row name, method, PV form): SDPA once, each Sage kernel once per PV form (plain ones named ``+plain``)."""
+    for name in methods:
+        if name.startswith("sdpa"):
+            yield name, name, None
+            continue
+        for form in pv_forms:
+            yield (name if form == "residual" else f"{name}+plain"), name, form
+
+
+def run(b, h, n, d, iters, pv_forms=("residual",)):
     gen = torch.Generator(device="cuda").manual_seed(31)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     rows, methods = [], _methods()
-    quant_ms = cuda_time_ms(lambda: quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE), 2, iters)
-    print(f"quantization (fused Triton passes, K scale per tile): {quant_ms:.3f} ms", flush=True)
-    qi = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE)
+    quant_ms, qis = {}, {}
+    for form in pv_forms:
+        residual = PV_FORMS[form]
+        quant_ms[form] = cuda_time_ms(lambda: quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE,
+                                                                        v_residual=residual), 2, iters)
+        print(f"quantization, PV {form} (fused Triton passes, K scale per tile): {quant_ms[form]:.3f} ms", flush=True)
+        qis[form] = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE, v_residual=residual)
     for causal in (False, True):
         flops = 4.0 * b * h * d * n * n / (2 if causal else 1)
         exact = exact_attention(q[:1, :2], k[:1, :2], v[:1, :2], causal)
         baseline = None
-        for name in methods:
-            row = {"n": n, "causal": causal, "method": name}
+        for row_name, name, form in _method_pv_forms(methods, pv_forms):
+            row = {"n": n, "causal": causal, "method": row_name, "pv": form}
+            qi = qis[form or pv_forms[0]]
             try:
                 fn = methods[name]
                 with torch.no_grad():
                     out = fn(qi, q, k, v, causal)
                     torch.cuda.synchronize()
                     row.update({f"exact_{key}": val for key, val in accuracy_metrics(out[:1, :2], exact).items()})
-                    if name == "triton_sage":
+                    if row_name == "triton_sage" or (name == "triton_sage" and baseline is None):
                         baseline = out
                     elif baseline is not None:
                         row["cos_vs_triton_sage"] = accuracy_metrics(out, baseline)["cos"]
@@ -111,8 +129,8 @@ def run(b, h, n, d, iters):
                     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
                     row["nvml_used_gib"] = device_used_gib()
                 row["tops"] = flops / row["fwd_ms"] / 1e9
-                if not name.startswith("sdpa"):
-                    row["tops_with_quant"] = flops / (row["fwd_ms"] + quant_ms) / 1e9
+                if form is not None:
+                    row["tops_with_quant"] = flops / (row["fwd_ms"] + quant_ms[form]) / 1e9
             except Exception as exc:  # keep measuring the others; the log has the traceback
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -128,16 +146,23 @@ def main():
     parser.add_argument("--n", type=int, default=16384)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--pv", default="residual", help="PV forms, comma-separated: residual (V's FP8 residual, "
+                        "a second product a tile), plain (SageAttention2's one product), or both")
     args = parser.parse_args()
-    rows, quant_ms = run(args.b, args.h, args.n, args.d, args.iters)
+    pv_forms = tuple(PV_FORMS) if args.pv == "both" else tuple(args.pv.split(","))
+    unknown = [form for form in pv_forms if form not in PV_FORMS]
+    if unknown:
+        parser.error(f"--pv: unknown form {unknown[0]!r}; expected residual, plain or both")
+    rows, quant_ms = run(args.b, args.h, args.n, args.d, args.iters, pv_forms)
     cudnn = {r["causal"]: r.get("fwd_ms") for r in rows if r["method"] == "sdpa_cudnn"}
-    print(f"\n{'method':<14} {'causal':<7} {'ms':>9} {'TOPS':>7} {'/cuDNN':>7} {'cos fp32':>9} {'cos triton':>10}")
+    print(f"\n{'method':<20} {'causal':<7} {'ms':>9} {'TOPS':>7} {'+quant':>7} {'/cuDNN':>7} {'cos fp32':>9} {'cos triton':>10}")
     for r in rows:
         if "fwd_ms" not in r:
-            print(f"{r['method']:<14} {r['causal']!s:<7} FAILED: {r.get('error', '')[:200]}")
+            print(f"{r['method']:<20} {r['causal']!s:<7} FAILED: {r.get('error', '')[:200]}")
             continue
         ratio = cudnn.get(r["causal"]) / r["fwd_ms"] if cudnn.get(r["causal"]) else float("nan")
-        print(f"{r['method']:<14} {r['causal']!s:<7} {r['fwd_ms']:9.3f} {r['tops']:7.1f} {ratio:7.3f} "
+        with_quant = r.get("tops_with_quant", r["tops"])
+        print(f"{r['method']:<20} {r['causal']!s:<7} {r['fwd_ms']:9.3f} {r['tops']:7.1f} {with_quant:7.1f} {ratio:7.3f} "
               f"{r.get('exact_cos', float('nan')):9.6f} {r.get('cos_vs_triton_sage', float('nan')):10.6f}")
     gluon = [r for r in rows if r["method"].startswith("gluon") and "tops" in r and not r["causal"]]
     best = max(gluon, key=lambda r: r["tops"]) if gluon else None
@@ -145,8 +170,9 @@ def main():
     if best is not None:
         targets["sage_fwd_tops_n16k_d128"] = {
             "value": round(best["tops"], 1), "goal": ">= 800", "unit": "TOPS",
-            "derived_from": f"{best['method']}, non-causal, kernel only (quantization {quant_ms:.2f} ms apart)"}
-    write_result("gluon_sage_smoke", vars(args) | {"quant_ms": quant_ms}, rows, targets=targets,
+            "derived_from": f"{best['method']}, non-causal, kernel only (quantization "
+                            f"{quant_ms[best['pv']]:.2f} ms apart)"}
+    write_result("gluon_sage_smoke", vars(args) | {"quant_ms": quant_ms, "pv_forms": list(pv_forms)}, rows, targets=targets,
                  targets_note="a diagnostic of the Gluon forward; attention.json carries the attention targets")
 
 
