@@ -217,7 +217,13 @@ def main() -> None:
     p.add_argument("--probe", type=int, default=0, help="time this many steps per arm and write nothing")
     p.add_argument("--out", default=None)
     p.add_argument("--table", action="store_true", help="print the notes' markdown table of the results file and exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="join records of the same study whose arms ran apart (one process per arm, side by side on "
+                        "the GPUs) into one record, judged as if one process had run them all")
     args = p.parse_args()
+    if args.merge:
+        merge(args, [json.loads(Path(f).read_text()) for f in args.merge])
+        return
     if args.table:
         from benchmarks._common import RESULTS_DIR
 
@@ -283,6 +289,49 @@ def _write(args, results: dict, cosine: dict | None, commit: str, dirty: bool) -
                  targets_note="training fidelity: held-out loss after >= 300 fine-tuning steps, Sage vs SDPA (no "
                               "numeric goal: judged against two SDPA data orders); sage_o_cosine_min: O against fp32 "
                               "attention")
+
+
+MERGED_SETTINGS = ("device", "steps", "batch", "seq_len", "lr", "eval_every", "heldout_rows", "seed", "layers",
+                   "sage_kernel", "sage_backward")
+"""The settings every joined record must share: the arms are comparable only on the same data, steps and route."""
+
+
+def merge(args, payloads: list[dict]) -> None:
+    """Write one record from records whose arms ran in separate processes (``--merge``).
+
+    Each arm's curve depends only on the settings and its own seed, so arms run side by side are the arms one
+    process would have run; the records must agree on the commit and on :data:`MERGED_SETTINGS`, else nothing is
+    written. The O cosine comes from the record that measured it.
+    """
+    first = payloads[0]
+    for other in payloads[1:]:
+        if (other.get("git_commit"), other.get("git_dirty")) != (first.get("git_commit"), first.get("git_dirty")):
+            raise SystemExit(f"sage_fidelity --merge: records of commits {first.get('git_commit')} and "
+                             f"{other.get('git_commit')} cannot be joined")
+        for key in MERGED_SETTINGS:
+            if other["settings"].get(key) != first["settings"].get(key):
+                raise SystemExit(f"sage_fidelity --merge: setting {key!r} differs ({first['settings'].get(key)!r} "
+                                 f"against {other['settings'].get(key)!r})")
+    arms: dict = {}
+    for payload in payloads:
+        for name, arm in payload["results"]["arms"].items():
+            if name in arms:
+                raise SystemExit(f"sage_fidelity --merge: arm {name!r} is in more than one record")
+            arms[name] = arm
+    ordered = {name: arms[name] for name in ARMS if name in arms}
+    cosine = next((p["results"]["o_cosine"] for p in payloads if p["results"].get("o_cosine")), None)
+    settings = first["settings"]
+    for key in ("steps", "batch", "seq_len", "lr", "eval_every", "heldout_rows", "seed", "o_cosine_batches"):
+        setattr(args, key, settings[key])
+    args.device = settings["device"]
+    args.layers = None if settings["layers"] == "all (30)" else settings["layers"]
+    args.arms = list(ordered)
+    args.route = {"description": settings["sage_route"], "kernel": settings["sage_kernel"],
+                  "backward": settings["sage_backward"]}
+    # The record names the commit the arms were measured at, not the checkout that joins them.
+    os.environ["NEUTRAIN_GIT_COMMIT"], os.environ["NEUTRAIN_GIT_DIRTY"] = first["git_commit"], (
+        "1" if first["git_dirty"] else "0")
+    _write(args, ordered, cosine, first["git_commit"], bool(first["git_dirty"]))
 
 
 def attention_targets(cosine: dict | None = None) -> dict:

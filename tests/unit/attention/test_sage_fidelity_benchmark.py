@@ -165,3 +165,53 @@ def test_each_sage_arm_is_judged_against_the_sdpa_seeds():
     text = sage_fidelity.table({"results": {"arms": arms, **summary, "o_cosine": cosine}, "git_commit": "abcdef0"})
     assert "sage_plain (delta held-out at the end 0.02): not lossless" in text, text
     assert "layer 0 0.99990 / 0.99910" in text, text
+
+
+def _record(arms: dict, commit: str = "a" * 40, cosine=None, **settings) -> dict:
+    base = {"device": "cuda", "steps": 300, "batch": 2, "seq_len": 128, "lr": 1e-3, "eval_every": 50,
+            "heldout_rows": 32, "seed": 0, "layers": "all (30)", "o_cosine_batches": 4,
+            "sage_route": "gluon forward, triton backward", "sage_kernel": "gluon", "sage_backward": "triton"}
+    return {"git_commit": commit, "git_dirty": False, "settings": {**base, **settings},
+            "results": {"arms": arms, "o_cosine": cosine}}
+
+
+def _curve(*losses: float, attention: str = "sdpa", seed: int = 0) -> dict:
+    ops = {} if attention == "sdpa" else {"kernel": 10, "kernel_backward": 10}
+    return {"heldout": [{"step": 50 * i, "heldout_loss": v} for i, v in enumerate(losses)],
+            "final_heldout_loss": losses[-1], "attention_ops": ops, "batch_digest": f"d{seed}", "attention": attention,
+            "seed": seed, "median_step_s": 0.5, "train_loss": [1.0]}
+
+
+def test_merge_joins_arms_run_apart_into_the_record_one_process_would_write(monkeypatch, tmp_path):
+    written = {}
+    monkeypatch.setattr("benchmarks._common.write_result",
+                        lambda name, settings, results, out=None, **kw: written.update(
+                            name=name, settings=settings, results=results, targets=kw.get("targets")))
+    sdpa, seed2 = _curve(1.0, 0.5, 0.45, 0.44), _curve(1.0, 0.47, 0.46, 0.445, seed=1)
+    sage = _curve(1.0, 0.48, 0.451, 0.43, attention="neutrain_sage")
+    plain = _curve(1.0, 0.49, 0.47, 0.44, attention="neutrain_sage")
+    cosine = {"layers": {"0": {"v_residual": {"min": 0.9999}, "plain": {"min": 0.9995}}},
+              "min": {"v_residual": 0.9999, "plain": 0.9995}}
+    payloads = [_record({"sage_plain": plain}), _record({"sdpa_seed2": seed2}), _record({"sdpa": sdpa}, cosine=cosine),
+                _record({"sage": sage})]
+    args = type("Args", (), {"out": None})()
+    sage_fidelity.merge(args, payloads)
+    results = written["results"]
+    assert list(results["arms"]) == ["sdpa", "sage", "sdpa_seed2", "sage_plain"]  # the study's own order
+    assert results["complete"] is True and results["o_cosine"] == cosine
+    one_process = sage_fidelity.summarize({"sdpa": sdpa, "sage": sage, "sdpa_seed2": seed2, "sage_plain": plain})
+    assert results["by_sage_arm"] == one_process["by_sage_arm"]
+    assert results["by_sage_arm"]["sage_plain"]["verdict"].startswith("not lossless")  # 0.47 - 0.45 > spread
+    assert written["settings"]["arms"] == list(results["arms"]) and written["settings"]["steps"] == 300
+
+
+@pytest.mark.parametrize("other", [
+    _record({"sage": _curve(1.0, 0.5, attention="neutrain_sage")}, commit="b" * 40),
+    _record({"sage": _curve(1.0, 0.5, attention="neutrain_sage")}, steps=200),
+    _record({"sage": _curve(1.0, 0.5, attention="neutrain_sage")}, sage_backward="cudnn"),
+    _record({"sdpa": _curve(1.0, 0.5)}),
+])
+def test_merge_refuses_records_that_are_not_one_study(other, monkeypatch):
+    monkeypatch.setattr("benchmarks._common.write_result", lambda *a, **kw: pytest.fail("wrote a record"))
+    with pytest.raises(SystemExit, match="sage_fidelity --merge"):
+        sage_fidelity.merge(type("Args", (), {"out": None})(), [_record({"sdpa": _curve(1.0, 0.5)}), other])

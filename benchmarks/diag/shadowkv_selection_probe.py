@@ -1,0 +1,71 @@
+"""Device check: ShadowKV's landmark scoring (the selection's product) in the form it has and in the form that
+reads the landmarks as the long operand, on the 64K and 128K decode shapes (Llama-3-8B: 8 KV heads, groups of 4,
+d=128, chunks of 8), each timed with CUDA events after warm-up, the landmark bytes over the time beside it.
+
+The replayed step's kernel table put one ``cutlass ... 256x64`` GEMM a layer at ~314 us (10 ms of a 52 ms step at
+64K, batch 32): the scores' einsum batches 4 query rows against 8,192 landmarks, a shape whose tiles waste most of
+the product. ``landmarks @ q^T`` makes the landmarks the M side (M=8,192, N=4), which cuBLAS serves as a GEMV-like
+kernel; both give the same logits up to summation order.
+
+    PYTHONPATH=. python benchmarks/diag/shadowkv_selection_probe.py [--batch 32 16] [--contexts 65536 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def scores_einsum(q, landmarks):
+    return torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks)
+
+
+def scores_landmarks_major(q, landmarks):
+    b, h, g, m, d = q.shape
+    # [b, h, C, d] @ [b, h, d, g*m] -> [b, h, C, g*m]: the landmarks stream once as the long side.
+    out = torch.matmul(landmarks, q.reshape(b, h, g * m, d).transpose(-1, -2))
+    return out.transpose(-1, -2).reshape(b, h, g, m, -1)
+
+
+def time_ms(fn, iters=50):
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 16])
+    p.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072])
+    p.add_argument("--chunk", type=int, default=8)
+    args = p.parse_args()
+    rows = []
+    for n, b in zip(args.contexts, args.batch):
+        h, g, d, c = 8, 4, 128, n // args.chunk - 48
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, h, g, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        landmarks = torch.randn(b, h, c, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = scores_einsum(q, landmarks).float()
+        gbytes = landmarks.numel() * 2 / 1e9
+        for name, fn in (("einsum", scores_einsum), ("landmarks_major", scores_landmarks_major)):
+            out = fn(q, landmarks).float()
+            ms = time_ms(lambda: fn(q, landmarks))
+            rows.append({"context": n, "batch": b, "form": name, "ms": round(ms, 4),
+                         "landmark_gb_per_s": round(gbytes / ms * 1e3, 1),
+                         "max_abs_vs_einsum": float((out - ref).abs().max())})
+            print(rows[-1], flush=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
