@@ -84,3 +84,21 @@ def test_a_start_refused_for_disk_space_leaves_the_folder_as_it_found_it(tmp_pat
             if (out / name).exists() and (before is None or f"out/{name}" not in before)}
     assert left == {}
     assert after == before
+
+
+def test_a_rebuilt_tokenizer_folder_keeps_a_file_of_the_users_in_it_and_says_so(tmp_path):
+    from neutrain.storage.run_lock import RunDirectoryError
+    from neutrain.trainer.modeling import build_tokenizer
+
+    def tokenizer(**model):
+        recipe = load_recipe(str(write_recipe(tmp_path / "recipes", model=model, export={"format": "none"})))
+        return build_tokenizer(recipe.model, recipe.data, str(out), str(out / ".cache"))
+
+    out = tmp_path / "out"
+    tokenizer(tokenizer="byte")
+    (out / "tokenizer" / "notes.txt").write_text("the user's")
+    with pytest.raises(RunDirectoryError, match=r"model.tokenizer: .* would delete '.*notes.txt' in it, not written "
+                                                r"by the run: move it out"):
+        tokenizer(tokenizer="train-bpe", tokenizer_vocab_size=300)
+    assert (out / "tokenizer" / "notes.txt").read_text() == "the user's"
+    assert (out / "tokenizer" / "tokenizer.json").exists()  # the old tokenizer, untouched
