@@ -102,3 +102,19 @@ def test_a_rebuilt_tokenizer_folder_keeps_a_file_of_the_users_in_it_and_says_so(
         tokenizer(tokenizer="train-bpe", tokenizer_vocab_size=300)
     assert (out / "tokenizer" / "notes.txt").read_text() == "the user's"
     assert (out / "tokenizer" / "tokenizer.json").exists()  # the old tokenizer, untouched
+
+
+def test_eval_into_a_folder_that_is_no_run_is_refused_before_anything_is_written(tmp_path, capsys):
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")  # refused before it is loaded
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's")
+    recipe = write_recipe(tmp_path, train={"output_dir": str(folder)}, export={"format": "none"})
+    before = _tree(folder)
+    assert neutrain(["eval", str(checkpoint), "--recipe", str(recipe)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train.output_dir '{folder}' is not empty and holds no neutrain run (notes.txt): nothing was written" in line
+    assert _tree(folder) == before
