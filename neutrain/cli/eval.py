@@ -41,6 +41,21 @@ def _not_evaluable(target: Path) -> str | None:
             f"expected a checkpoint, an export or a run's output_dir (give data through --recipe <recipe.yaml>)")
 
 
+def _refuse_unowned_folder(run_dir: str):
+    """The verdict on ``run_dir`` as the place evaluations write (``eval/``, ``.cache/``); a folder that is neither
+    empty nor a run's is refused, one line, before anything loads.
+
+    Why: ``neutrain eval`` into a folder of the user's wrote ``eval/`` and ``.cache/`` there, where a run writes
+    only into an empty folder or its own. A run of an earlier neutrain (no identity file) is written into as before.
+    """
+    from neutrain.trainer.ownership import decide  # lazy: `neutrain --help` stays instant
+
+    decision = decide(run_dir, None, resume=True, overwrite=False)  # what is there is continued, never replaced
+    if decision.refusal is not None:
+        raise decision.refusal
+    return decision.verdict
+
+
 def run_eval(args) -> int:
     """Run ``neutrain eval`` (see module docstring); prints a table and writes ``eval_results.json``."""
     from neutrain.storage.confine import check_output, check_run_outputs  # lazy: `neutrain --help` stays instant
@@ -68,12 +83,13 @@ def run_eval(args) -> int:
     from neutrain.cli.outputs import eval_label  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_dir import claim, open_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.ownership import Verdict, note_resolved  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.progress import LabelledProgressCallback  # lazy: `neutrain --help` stays instant
 
     run_dir = note_resolved("train.output_dir", recipe.train["output_dir"])  # where it leads now, to the end
     refuse_inside_model(run_dir, "train.output_dir")  # its eval/ and .cache/ would change a checkpoint or export
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
+    run_verdict = _refuse_unowned_folder(run_dir)
     # Only now, with the target and recipe known good, the heavy imports: a mistake above is one line at once.
     import torch  # lazy: after the checks
     from transformers import TrainingArguments
@@ -88,7 +104,9 @@ def run_eval(args) -> int:
     # The run's own model writes eval/; another model's writes under its own name, never over the run's results.
     label = eval_label(ckpt, Path(run_dir))
     out = os.path.join(run_dir, "eval", label) if label else os.path.join(run_dir, "eval")
-    open_run(run_dir, create=False)  # a run's directory lists what its evaluations write there too
+    if run_verdict is Verdict.NEW:  # an empty folder (or none) becomes a run's that holds only evaluations
+        os.makedirs(run_dir, exist_ok=True)
+    open_run(run_dir, create=run_verdict is Verdict.NEW)  # a run's directory lists what its evaluations write too
     claim(out)
     results = {"checkpoint": str(ckpt)}
     if recipe.eval["perplexity"]:

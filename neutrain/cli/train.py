@@ -276,6 +276,7 @@ def resolved_outputs(recipe: Recipe) -> Recipe:
 def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
     from accelerate import PartialState
 
+    from neutrain.storage.refused_start import undone_if_refused  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import identity_recipe, planned_names  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
@@ -287,23 +288,25 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     check_launch(PartialState(cpu=recipe.train["use_cpu"]).num_processes, _cuda_available())
     check_output_places(recipe)  # before anything is written: no output inside another run's checkpoint or export
     identity = identity_recipe(recipe)  # as launched: the memory fit below may change keys
-    # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
-    plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]), identity, planned_names(recipe))
-    if plan.finished:
-        if PartialState().is_main_process:
-            echo(plan.message)
-        end_processes()
-        return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
-                "world_size": PartialState().num_processes}
-    # A model this machine cannot hold at all is said as that, before the fit judges how long its steps would take.
-    check_machine_holds(recipe)
-    # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
-    recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
-    with phase("build"):
-        ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity)
-    trainer, state = ctx.trainer, ctx.state
-    if state.is_main_process and not plan.after_training:  # the room for every save and the export, before step 1
-        check_run_disk(ctx, plan.step)
+    # Refused anywhere before the first step: the directory is left as this start found it.
+    with undone_if_refused(out, active=PartialState(cpu=recipe.train["use_cpu"]).is_main_process):
+        # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
+        plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]), identity, planned_names(recipe))
+        if plan.finished:
+            if PartialState().is_main_process:
+                echo(plan.message)
+            end_processes()
+            return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
+                    "world_size": PartialState().num_processes}
+        # A model this machine cannot hold at all is said as that, before the fit judges how long its steps take.
+        check_machine_holds(recipe)
+        # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
+        recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
+        with phase("build"):
+            ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity)
+        trainer, state = ctx.trainer, ctx.state
+        if state.is_main_process and not plan.after_training:  # the room for every save and the export, before step 1
+            check_run_disk(ctx, plan.step)
     if plan.after_training:  # trained to the end before; what came after did not complete
         if state.is_main_process:
             echo(plan.message)

@@ -9,7 +9,8 @@ loop over cached data, so the work is a few operations per element instead of a
 dozen whole-tensor PyTorch passes over ``int64`` temporaries.
 
 Why numba rather than a C++ extension: it needs no compiler on the user's machine,
-its kernels are cached on disk after the first call (``cache=True``), and it is an
+its kernels are cached on disk after the first call (``cache=True``, one process writing at a time:
+:mod:`neutrain.compat.numba_cache`), and it is an
 optional extra: without it (or with ``NEUTRAIN_CPU_CODEC=torch``) the PyTorch
 path runs unchanged. Measurements are in ``benchmarks/notes_codec.md``.
 
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from neutrain.compat.numba_cache import cached_njit
 from neutrain.compress.codec import STREAM_PAD_WORDS
 from neutrain.config.knobs import knob
 from neutrain.compress.huffman import ESCAPE, LITERAL_BITS, MAX_CODE_BITS, NAN_SYMBOL
@@ -41,7 +43,7 @@ from neutrain.compress.layout import Layout, splits_bytewise
 
 try:  # optional: the PyTorch path runs without it
     import numba
-    from numba import njit, prange
+    from numba import prange
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
@@ -71,18 +73,18 @@ def enabled(device: torch.device, backend: str) -> bool:
 
 if numba is not None:
 
-    @njit(cache=True, inline="always")
+    @cached_njit(inline="always")
     def _symbol(values, i, bf16_bits):
         v = np.int64(values[i])
         return (v >> 7) & 0xFF if bf16_bits else v
 
-    @njit(cache=True, inline="always")
+    @cached_njit(inline="always")
     def _row(t, s, lane, steps, lanes, elems, numel):
         """First element of ``lane`` at step ``s`` of tile ``t``, and how many of its ``elems`` exist."""
         base = (t * steps + s) * lanes * elems + lane * elems
         return base, max(0, min(elems, numel - base))
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def _count(values, bf16_bits, numel, enc, steps, lanes, elems, lane_words, tile_bits, tails):
         """Pass 1: word count per lane and coded bits per tile; for bf16 bits also the tail bytes."""
         for t in prange(tile_bits.shape[0]):
@@ -100,7 +102,7 @@ if numba is not None:
                 total += bits
             tile_bits[t] = total
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def _pack(values, bf16_bits, numel, enc, steps, lanes, elems, lane_words, tile_base, stream):
         """Pass 2: each lane's codes MSB-first into 32-bit words, the last one padded with zeros."""
         for t in prange(tile_base.shape[0] - 1):
@@ -124,7 +126,7 @@ if numba is not None:
                     stream[word] = np.uint32((acc << (32 - pending)) & 0xFFFFFFFF)
                     word += 1
 
-    @njit(cache=True, inline="always")
+    @cached_njit(inline="always")
     def _merge(symbol, tail, width, exp_bits, mant, kept):
         """:func:`~neutrain.compress.layout.merge` for one element (tails of at most 8 bits)."""
         drop = mant - kept
@@ -133,7 +135,7 @@ if numba is not None:
             mag = (((np.int64(1) << exp_bits) - 1) << mant) | (np.int64(1) << (mant - 1))
         return (((tail >> kept) & 1) << (width - 1)) | mag
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def _split(bits, width, exp_bits, mant, kept, symbols, tails):
         """:func:`~neutrain.compress.layout.split` plus :func:`~neutrain.compress.layout.pack_tails`
         (tails of at most 8 bits), one output byte of tails per iteration."""
@@ -169,7 +171,7 @@ if numba is not None:
                 byte |= ((sign << kept) | kept_mant) << (j * tail_bits)
             tails[b] = byte
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def _decode(stream, lane_words, tile_base, lut, numel, steps, lanes, elems, tiles, out, fused, tails,
                 width, exp_bits, mant, kept):
         """Decode ``tiles``. ``fused``: bit patterns into ``out[element]``, merged with the packed ``tails``

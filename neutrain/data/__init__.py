@@ -18,7 +18,7 @@ from typing import Any
 from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
 from neutrain.data.formats import IGNORE_INDEX
 from neutrain.data.packing import Collator, pack_rows, pad_token_id
-from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets
+from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets, stream_from
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
 from neutrain.errors import RecipeError
 
@@ -90,7 +90,8 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     Args:
         data_cfg: The validated ``data`` section.
         tokenizer: A Hugging Face tokenizer (with ``eos_token_id``; ``pad_token_id`` for packing).
-        cache_dir: Where generated corpora are written.
+        cache_dir: The run's cache: generated corpora and ``datasets``' tables are written there, never in the
+            user-wide cache another process may be writing (:func:`~neutrain.data.sources.datasets_cache`).
 
     Returns:
         ``(train, heldout)``: ``datasets`` objects whose rows have ``input_ids``, ``labels``
@@ -138,12 +139,12 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     if not streaming:
         require_tokens(train, "training data")
         require_tokens(heldout, "held-out data")
-    train = _finish(train, data_cfg, tokenizer, streaming)
-    heldout = _finish(heldout, data_cfg, tokenizer, streaming) if heldout is not None else None
+    train = _finish(train, data_cfg, tokenizer, streaming, cache_dir)
+    heldout = _finish(heldout, data_cfg, tokenizer, streaming, cache_dir) if heldout is not None else None
     return train, heldout
 
 
-def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
+def _finish(ds, data_cfg: dict, tokenizer, streaming: bool, cache_dir: str):
     ds = ds.remove_columns(["heldout", *STAT_COLUMNS])
     if not data_cfg["sample_packing"]:
         return ds
@@ -152,5 +153,5 @@ def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
     pad = pad_token_id(tokenizer)
     n = data_cfg["sequence_len"]
     if streaming:
-        return datasets.IterableDataset.from_generator(lambda: pack_rows(iter(ds), n, pad))
+        return stream_from(lambda: pack_rows(iter(ds), n, pad), cache_dir)
     return datasets.Dataset.from_list(list(pack_rows(ds, n, pad)))

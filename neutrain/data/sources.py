@@ -99,7 +99,8 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     Args:
         entry: A validated ``data.datasets[i]`` mapping.
         streaming: Return an ``IterableDataset`` that reads lazily.
-        cache_dir: Where generated corpora (python-stdlib) are written.
+        cache_dir: The run's cache: generated corpora (python-stdlib) and ``datasets``' own cache
+            (:func:`datasets_cache`) are written there; None: a private temporary cache, removed at exit.
 
     Raises:
         DataError: naming the file and, where possible, the row.
@@ -109,6 +110,7 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     # datasets logs each failed parse at ERROR level (for csv, twice); the DataError below is the one line instead.
     for kind in ("json", "csv", "text", "parquet"):
         logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}").setLevel(logging.CRITICAL)
+    cache_dir = cache_dir or private_cache()
     if entry["path"] == "python-stdlib":
         path = Path(entry_files(entry, cache_dir)[0])
         ds_type = "json"
@@ -119,7 +121,7 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     files = _files(path)
     if entry["path"] != "python-stdlib":  # hostile shapes are refused before a native parser can crash on them
         check_bounds(files, ds_type)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"cache_dir": datasets_cache(cache_dir)}
     if ds_type == "text":
         kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
     try:
@@ -134,15 +136,14 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
         return ds
     # A stream reads its files only while training (or training a tokenizer): wrap it so that a bad row
     # met there is reported like one met here, naming the file and row, not as a pyarrow traceback.
-    return datasets.IterableDataset.from_generator(
-        _guarded_stream, features=ds.features, gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs}
-    )
+    return stream_from(_guarded_stream, cache_dir, features=ds.features,
+                       gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs})
 
 
 def entry_files(entry: dict[str, Any], cache_dir: str | None = None) -> list[str]:
     """The files one ``data.datasets`` entry reads (``python-stdlib``: its corpus in ``cache_dir``, written if needed)."""
     if entry["path"] == "python-stdlib":
-        return [python_stdlib_corpus(cache_dir or os.path.join("outputs", ".cache"), max_files=entry.get("max_files"))]
+        return [python_stdlib_corpus(cache_dir or private_cache(), max_files=entry.get("max_files"))]
     return _files(Path(entry["path"]))
 
 
@@ -171,6 +172,38 @@ def file_fingerprints(datasets: list[dict[str, Any]], cache_dir: str | None = No
             key = f"python-stdlib/{os.path.basename(name)}" if entry["path"] == "python-stdlib" else name
             prints[key] = f"{os.path.getsize(name)} bytes, sha256 {digest.hexdigest()}"
     return prints
+
+
+def datasets_cache(cache_dir: str | os.PathLike) -> str:
+    """Where ``datasets`` builds and reads its Arrow files for a run whose cache is ``cache_dir``.
+
+    Why: under ``datasets``' user-wide cache (``~/.cache/huggingface/datasets``) two runs over the same
+    corpus at once shared one build directory, keyed by the files alone, and one read the tables (and the
+    tokenised and shuffled copies) the other was writing; a resumed run then trained on rows that differed
+    from the uninterrupted run's. Under each run's own ``.cache`` no other process writes them.
+    """
+    return os.path.join(cache_dir, "datasets")
+
+
+def stream_from(generator, cache_dir: str | os.PathLike, features=None, gen_kwargs: dict | None = None):
+    """``datasets.IterableDataset.from_generator``, its builder's lock file under :func:`datasets_cache` (the
+    public call takes no cache directory, and locks in the user-wide one)."""
+    from datasets.io.generator import GeneratorDatasetInputStream
+
+    return GeneratorDatasetInputStream(generator=generator, features=features, gen_kwargs=gen_kwargs, streaming=True,
+                                       cache_dir=datasets_cache(cache_dir)).read()
+
+
+@functools.lru_cache(maxsize=1)
+def private_cache() -> str:
+    """A cache of this process's own, for data built with no run directory to hold it; removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="neutrain-data-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _check_regular(path: Path) -> None:

@@ -134,6 +134,11 @@ def entries(root: str | os.PathLike) -> list[str]:
     return sorted(n for n in names_in(root) if not _HOUSEKEEPING.fullmatch(n))
 
 
+def is_housekeeping(name: str) -> bool:
+    """Whether ``name`` (at the top of a run directory) is neutrain's own: its lock, identity or a temporary."""
+    return bool(_HOUSEKEEPING.fullmatch(name))
+
+
 class OpenRun:
     """The directory of the run this process is writing: held by its identity, with the names it owns."""
 

@@ -230,6 +230,11 @@ def release_export(export_dir: str | os.PathLike) -> None:
     _release(path)
 
 
+def holds(output_dir: str | os.PathLike) -> bool:
+    """Whether this process holds the lock of the run directory ``output_dir``."""
+    return os.path.realpath(lock_path(output_dir)) in _HELD
+
+
 def _release(path: Path) -> None:
     fd = _HELD.pop(os.path.realpath(path), None)
     if fd is None:

@@ -28,6 +28,8 @@ from neutrain.nn.convert import parameter_count
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import RandomInit, folder_source
+from neutrain.storage.manifest import foreign_files
+from neutrain.storage.run_lock import RunDirectoryError
 # Where callers have always found them (the planner imports them from model_config, without torch):
 from neutrain.trainer.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
 
@@ -162,6 +164,12 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
         raise RecipeError(f"{key}: {saved} was built with {key}={before!r} and checkpoints in {output_dir} "
                           f"({found[-1]}) were trained with it; this recipe has {key}={spec[key]!r}. Resume with "
                           f"the run's own {key}, or start a new run in another train.output_dir")
+    # The rebuilt tokenizer replaces the whole folder: a file of the user's in it would go with the old one.
+    foreign = foreign_files(saved)
+    if foreign:
+        raise RunDirectoryError(f"{key}: {saved} was built with {key}={before!r} and is rebuilt for this recipe "
+                                f"({key}={spec[key]!r}), which would delete '{foreign[0]}' in it, not written by "
+                                f"the run: move it out of {saved}")
     logger.warning("%s was built with %s=%r, this recipe has %r: rebuilt", saved, key, before, spec[key])
     return True
 

@@ -18,9 +18,11 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from neutrain.storage.confine import check_run_outputs
@@ -88,29 +90,84 @@ def same_run(output_dir: str, recipe: dict[str, Any] | None) -> bool:
             and bool(owned_checkpoints(output_dir, ledger)))
 
 
+class Verdict(enum.Enum):
+    """What a directory's files say a launch may do there (:func:`decide`)."""
+
+    NEW = "new"  # nothing there: a new run (its identity is written when the run opens it)
+    TAKE_LEGACY = "take-legacy"  # an earlier neutrain's run (no identity file), resumed: taken over
+    SAME_RUN = "same-run"  # a relaunch of the run there: its resume plan says finished, or names it as this run's
+    OVERWRITE = "overwrite"  # a new run in place of the one there: what that run listed is deleted
+    CONTINUE = "continue"  # the run there, resumed, or one that saved nothing relaunched
+    UNMARKED = "unmarked"  # refused: files and no identity
+    ANOTHER_RUN = "another-run"  # refused: another run's checkpoints
+    UNREADABLE = "unreadable"  # refused: an identity file that is not one
+
+
+@dataclass(frozen=True)
+class Decision:
+    """:func:`decide`'s answer: the verdict, the ledger it read, and the refusal (None where the launch may go on)."""
+
+    verdict: Verdict
+    ledger: Ledger | None = None
+    mine: tuple[str, ...] = ()
+    refusal: RunDirectoryError | None = field(default=None, compare=False)
+
+
+def decide(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool) -> Decision:
+    """What a launch (``recipe``, ``resume``, ``overwrite``) may do in ``output_dir``, from its files alone; writes
+    nothing.
+
+    Why one function: the refusals said before torch loads (:func:`refuse_used_directory`) and the decision made
+    under the run's lock (:func:`take_directory`) were two copies of one tree, free to drift apart.
+
+    Raises:
+        CheckpointError: a ``checkpoint-N`` that is a symbolic link (named as the link it is, before it counts as
+            anyone's).
+    """
+    refuse_linked_checkpoints(output_dir)
+    try:
+        ledger = read_ledger(output_dir)
+    except RunDirectoryError as unreadable:
+        return Decision(Verdict.UNREADABLE, refusal=unreadable)
+    if ledger is None:
+        found = entries(output_dir) if os.path.isdir(output_dir) else []
+        if not found:
+            return Decision(Verdict.NEW)
+        if resume and legacy_run(output_dir):
+            return Decision(Verdict.TAKE_LEGACY)
+        return Decision(Verdict.UNMARKED, refusal=_unmarked(output_dir, found, overwrite))
+    mine = tuple(owned_checkpoints(output_dir, ledger))
+    if not resume and mine and not overwrite:
+        if recipe is not None and ledger.recipe == recipe:
+            return Decision(Verdict.SAME_RUN, ledger, mine)
+        return Decision(Verdict.ANOTHER_RUN, ledger, mine, _another_run(output_dir, ledger, list(mine), recipe))
+    if not resume and overwrite:
+        return Decision(Verdict.OVERWRITE, ledger, mine)
+    return Decision(Verdict.CONTINUE, ledger, mine)
+
+
 def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool,
                    planned: tuple[str, ...] = PLANNED) -> None:
     """Decide, on the main process and under the run lock, whether this run may write into ``output_dir``.
 
-    Refuses (:class:`RunDirectoryError`, one line) a directory the run may not use; clears a previous run's
-    listed outputs on ``overwrite``. A relaunch of the same run is left to :func:`same_run` and the resume plan.
+    Refuses (:class:`RunDirectoryError`, one line) a directory the run may not use (:func:`decide`); clears a
+    previous run's listed outputs on ``overwrite``. A relaunch of the same run is left to :func:`same_run` and
+    the resume plan.
     """
-    refuse_linked_checkpoints(output_dir)  # named as the link it is, before it counts as anyone's
-    ledger = read_ledger(output_dir)
-    if ledger is None:
-        _take_unmarked(output_dir, recipe, resume, overwrite)
+    decision = decide(output_dir, recipe, resume, overwrite)
+    if decision.refusal is not None:
+        raise decision.refusal
+    ledger = decision.ledger
+    if decision.verdict is Verdict.TAKE_LEGACY:
+        _take_legacy(output_dir, recipe)
+    if decision.verdict in (Verdict.NEW, Verdict.TAKE_LEGACY, Verdict.SAME_RUN):
         return
-    mine = owned_checkpoints(output_dir, ledger)
-    if not resume and mine and not overwrite:
-        if recipe is not None and ledger.recipe == recipe:
-            return  # the same run relaunched: its resume plan says finished, or refuses naming it as this run's
-        raise _another_run(output_dir, ledger, mine, recipe)
-    if not resume and overwrite:
+    if decision.verdict is Verdict.OVERWRITE:
         clear_owned(output_dir, ledger)
         # A new run: what the old one listed is gone, but for the data cache it keeps (KEPT_ON_OVERWRITE).
         ledger = write_identity(output_dir, recipe, [n for n in KEPT_ON_OVERWRITE if n in ledger.wrote])
     _refuse_unowned(output_dir, ledger, planned)
-    if not resume and not mine:
+    if not resume and not decision.mine:
         open_run(output_dir).set_recipe(recipe)  # a run that saved nothing, relaunched with this recipe
 
 
@@ -124,8 +181,8 @@ def _another_run(output_dir: str, ledger: Ledger, mine: list[str], recipe: dict[
 
 
 def refuse_used_directory(output_dir: str, recipe: dict[str, Any], resume: bool, overwrite: bool) -> None:
-    """:func:`take_directory`'s refusals that the files alone decide: a new run into another run's checkpoints,
-    and a folder no neutrain run wrote.
+    """:func:`take_directory`'s refusals that the files alone decide (:func:`decide`): a new run into another run's
+    checkpoints, and a folder no neutrain run wrote.
 
     Why: the command line says them before torch and the Trainer are imported (seconds, where the refusal under
     the run's lock came after them); :func:`take_directory` still decides under the lock. A directory whose
@@ -134,35 +191,19 @@ def refuse_used_directory(output_dir: str, recipe: dict[str, Any], resume: bool,
     if not os.path.isdir(output_dir) or not unheld(output_dir):
         return
     check_run_outputs(output_dir)  # the checks the run makes before take_directory's, in its order
-    refuse_linked_checkpoints(output_dir)
-    try:
-        ledger = read_ledger(output_dir)
-    except RunDirectoryError:
-        return  # an unreadable identity file is named by take_directory, in its place among the checks
-    if ledger is None:
-        found = entries(output_dir)
-        if found and not (resume and legacy_run(output_dir)):  # a resume takes an earlier neutrain's run over
-            raise _unmarked(output_dir, found, overwrite)
-        return
-    if resume or overwrite or ledger.recipe == recipe:
-        return
-    mine = owned_checkpoints(output_dir, ledger)
-    if mine:
-        raise _another_run(output_dir, ledger, mine, recipe)
+    decision = decide(output_dir, recipe, resume, overwrite)
+    # An unreadable identity file is named by take_directory, in its place among the run's checks.
+    if decision.refusal is not None and decision.verdict is not Verdict.UNREADABLE:
+        raise decision.refusal
 
 
-def _take_unmarked(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool) -> None:
+def _take_legacy(output_dir: str, recipe: dict[str, Any] | None) -> None:
+    """Written by a neutrain from before identity files: a resume takes it over, listing what a run writes there."""
     found = entries(output_dir)
-    if not found:
-        return  # empty: the identity is written when the run opens it
-    if legacy_run(output_dir) and resume:
-        # Written by a neutrain from before identity files: a resume takes it over, listing what a run writes there.
-        wrote = [n for n in found if n in PLANNED or n in previous_checkpoints(output_dir)]
-        write_identity(output_dir, recipe, wrote)
-        logger.warning("train.output_dir %s: a run of an earlier neutrain (no %s); resumed, its files %s taken as "
-                       "this run's", output_dir, ".neutrain-run", ", ".join(wrote))
-        return
-    raise _unmarked(output_dir, found, overwrite)
+    wrote = [n for n in found if n in PLANNED or n in previous_checkpoints(output_dir)]
+    write_identity(output_dir, recipe, wrote)
+    logger.warning("train.output_dir %s: a run of an earlier neutrain (no %s); resumed, its files %s taken as "
+                   "this run's", output_dir, ".neutrain-run", ", ".join(wrote))
 
 
 def _unmarked(output_dir: str, found: list[str], overwrite: bool) -> RunDirectoryError:
