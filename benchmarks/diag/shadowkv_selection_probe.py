@@ -4,7 +4,8 @@ d=128, chunks of 8), each timed with CUDA events after warm-up, the landmark byt
 
 The replayed step's kernel table put one ``cutlass ... 256x64`` GEMM a layer at ~314 us (10 ms of a 52 ms step at
 64K, batch 32): the scores' einsum batches 4 query rows against 8,192 landmarks, a shape whose tiles waste most of
-the product. ``landmarks @ q^T`` makes the landmarks the M side (M=8,192, N=4), which cuBLAS serves as a GEMV-like
+the product: the probe times it on a packed query and on the strided view attention hands over, and the whole
+selection (``select_chunks``: scores, softmax, max over the group, top-k). ``landmarks @ q^T`` makes the landmarks the M side (M=8,192, N=4), which cuBLAS serves as a GEMV-like
 kernel; both give the same logits up to summation order.
 
     PYTHONPATH=. python benchmarks/diag/shadowkv_selection_probe.py [--batch 32 16] [--contexts 65536 131072]
@@ -20,6 +21,20 @@ import torch
 
 def scores_einsum(q, landmarks):
     return torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks)
+
+
+def scores_einsum_strided(q, landmarks):
+    # The decode query as attention hands it over: [b, hq, 1, d] viewed from [b, 1, hq, d] (not packed).
+    b, h, g, m, d = q.shape
+    strided = q.reshape(b, m, h * g, d).transpose(1, 2).view(b, h, g, m, d)
+    return torch.einsum("bhgmd,bhcd->bhgmc", strided, landmarks)
+
+
+def selection(q, landmarks, k=128):
+    from neutrain.eval.kv.shadowkv_math import select_chunks
+
+    b, h, g, m, d = q.shape
+    return select_chunks(q.reshape(b, m, h * g, d).transpose(1, 2), landmarks, k, d ** -0.5)
 
 
 def scores_landmarks_major(q, landmarks):
@@ -57,12 +72,14 @@ def main():
         landmarks = torch.randn(b, h, c, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = scores_einsum(q, landmarks).float()
         gbytes = landmarks.numel() * 2 / 1e9
-        for name, fn in (("einsum", scores_einsum), ("landmarks_major", scores_landmarks_major)):
-            out = fn(q, landmarks).float()
+        forms = (("einsum", scores_einsum), ("einsum_strided_query", scores_einsum_strided),
+                 ("landmarks_major", scores_landmarks_major), ("select_chunks", selection))
+        for name, fn in forms:
+            out = fn(q, landmarks)
             ms = time_ms(lambda: fn(q, landmarks))
             rows.append({"context": n, "batch": b, "form": name, "ms": round(ms, 4),
                          "landmark_gb_per_s": round(gbytes / ms * 1e3, 1),
-                         "max_abs_vs_einsum": float((out - ref).abs().max())})
+                         "max_abs_vs_einsum": None if name == "select_chunks" else float((out.float() - ref).abs().max())})
             print(rows[-1], flush=True)
     print(json.dumps(rows))
 

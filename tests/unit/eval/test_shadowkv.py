@@ -148,9 +148,13 @@ def test_svd_full_rank_reproduces_keys_and_low_rank_is_optimal():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_chunk_selection_equals_brute_force():
-    b, h, g, m, d, c, k = 2, 2, 3, 2, 16, 20, 5
+@pytest.mark.parametrize("m, transposed", [(2, False), (1, False), (1, True), (3, True)])
+def test_chunk_selection_equals_brute_force(m, transposed):
+    # One query token is every decode step; a transposed query is the layout attention hands over.
+    b, h, g, d, c, k = 2, 2, 3, 16, 20, 5
     query, landmarks = torch.randn(b, h * g, m, d), torch.randn(b, h, c, d)
+    if transposed:
+        query = query.transpose(1, 2).contiguous().transpose(1, 2)
     got = select_chunks(query, landmarks, k, scaling=d**-0.5)
     for bi in range(b):
         for hi in range(h):
