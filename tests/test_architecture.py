@@ -5,7 +5,7 @@ functions alike (a lazy import is still a dependency), plus
 ``importlib.import_module("neutrain...")`` with a literal name. The layer order
 is the one drawn in ``docs/architecture.md``:
 
-    errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn
+    errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn ← decode
         ← attention, eval, export, distributed ← speculative ← distill ← trainer ← cli
 
 A module may import its own package and any package of a strictly lower layer.
@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("compress",),
     ("optim",),
     ("nn",),
+    ("decode",),
     ("attention", "eval", "export", "distributed"),
     ("speculative",),
     ("distill",),
@@ -224,8 +225,8 @@ def test_the_architecture_diagram_shows_every_package_in_its_layer():
 
 
 #: Packages whose function-level neutrain imports must carry a ``# lazy: <reason>`` comment.
-LAZY_MARKED = ("kernels", "compress", "attention", "eval", "speculative", "distill", "export", "data", "storage",
-               "config", "cli", "")
+LAZY_MARKED = ("kernels", "compress", "attention", "decode", "eval", "speculative", "distill", "export", "data",
+               "storage", "config", "cli", "")
 
 
 def unmarked_lazy_imports(path: pathlib.Path) -> list[int]:

@@ -401,7 +401,7 @@ def _plain(model, ids, args, tokenizer, max_new_tokens: int | None = None):
         raise UserInputError(f"--compile: this run {where}, and the compiled layers serve a model resident on the "
                              "GPU; drop --compile")
     # Generation never trains: frozen, the engine fuses each layer's Q/K/V and gate/up projections into
-    # one GEMV each (neutrain.eval.fused_projections). Streamed layers keep their own storage.
+    # one GEMV each (neutrain.decode.fused_projections). Streamed layers keep their own storage.
     model.requires_grad_(False)
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.

@@ -20,7 +20,7 @@ Example:
     (1, 0)
 """
 
-from neutrain.eval.engine import DecodeEngine
+from neutrain.decode.engine import DecodeEngine
 from neutrain.speculative.generate import SpeculativeOutput, SpeculativeStats, generate
 from neutrain.speculative.selection import choose_rule, p_star
 from neutrain.speculative.spectr import spectr_acceptance, spectr_rho
