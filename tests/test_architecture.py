@@ -6,7 +6,7 @@ functions alike (a lazy import is still a dependency), plus
 is the one drawn in ``docs/architecture.md``:
 
     errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn ← decode
-        ← attention, eval, export, distributed ← speculative ← distill ← trainer ← cli
+        ← attention, eval, export, distributed ← speculative ← trainer ← distill ← cli
 
 A module may import its own package and any package of a strictly lower layer.
 ``config`` and ``data`` stand apart: they may import only ``errors``, ``files`` and ``compat``.
@@ -37,8 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("decode",),
     ("attention", "eval", "export", "distributed"),
     ("speculative",),
-    ("distill",),
     ("trainer",),
+    ("distill",),  # the DistillationTrainer is a NeuTrainer
     ("cli",),
     ("", "__main__"),  # the package root (``neutrain/__init__.py``, ``__main__.py``): the public entry points
 ]
