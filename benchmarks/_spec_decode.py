@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from neutrain.speculative import generate
-from neutrain.eval.engine import DecodeEngine
+from neutrain.decode.engine import DecodeEngine
 
 #: The serving targets by their fixed names and goals, shared by speculative.py (all five: it runs
 #: engine_decode.py for the first two), engine_decode.py (the first two) and speculative_rounds.py.

@@ -198,7 +198,7 @@ class DraftSampler:
                 try:
                     if self.engine is None or self.engine.model is not draft:  # the graph reads the weights in
                         # place, so the optimizer's updates show in later samples
-                        from neutrain.eval.engine import DecodeEngine
+                        from neutrain.decode.engine import DecodeEngine
 
                         self.engine = DecodeEngine(draft, max_len=self.seq, batch=self.batch, seed=self.seed)
                     out = self.engine.generate(prefix, new, temperature=1.0)

@@ -76,8 +76,8 @@ from benchmarks._train_peers import memory_row  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
-from neutrain.eval.engine import DecodeEngine  # noqa: E402
-from neutrain.eval.gemv import gemv_reference, table_from, triton_gemv  # noqa: E402
+from neutrain.decode.engine import DecodeEngine  # noqa: E402
+from neutrain.decode.gemv import gemv_reference, table_from, triton_gemv  # noqa: E402
 
 
 def log(*args):
@@ -253,7 +253,7 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
                          else None,
                          "parameter_bytes_after_engine": parameter_bytes(model)}
                 if engine.zgemv_matrices:
-                    from neutrain.eval.zgemv import zgemv_payload_bytes  # lazy: NeuZip rows only
+                    from neutrain.decode.zgemv import zgemv_payload_bytes  # lazy: NeuZip rows only
 
                     layouts = [a.zw for a in model._neutrain_zgemv]
                     extra.update(zgemv_matrices=engine.zgemv_matrices, zgemv_bits_per_weight=8 * sum(
@@ -283,7 +283,7 @@ def measure_variant(model, prompt, new: int, repeats: int, methods: list[str], d
         finally:
             engine = run = None  # the engine's static cache and graph pool go before the next method's
             if method.startswith("engine_graph_zgemv"):
-                from neutrain.eval.zgemv import detach_zgemv  # lazy: the row's layouts go with it
+                from neutrain.decode.zgemv import detach_zgemv  # lazy: the row's layouts go with it
 
                 try:
                     detach_zgemv(model)  # the replace row's payloads come back here, each checked by its checksum

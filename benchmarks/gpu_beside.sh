@@ -31,7 +31,7 @@ for job in "$@"; do
     packed)
       timeout -k 5 "$(( t < 180 ? t : 180 ))" python3 -m pytest -q -p no:cacheprovider -rfEs \
         tests/unit/attention/test_packed_attention.py tests/unit/export/test_export_placements.py \
-        tests/unit/eval/test_compiled_layers.py tests/unit/eval/test_fused_projections.py \
+        tests/unit/decode/test_compiled_layers.py tests/unit/decode/test_fused_projections.py \
         --junitxml="$WORK/junit_gpu_packed_$short.xml" -o junit_suite_name="gpu-packed@${NEUTRAIN_GIT_COMMIT:-unknown}" \
         > "$WORK/packed_tests.log" 2>&1
       rc=$?; tail -n 4 "$WORK/packed_tests.log" ;;

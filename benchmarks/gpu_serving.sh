@@ -28,7 +28,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 
 PARTS=",${PARTS:-tests,engine,rounds},"
 if [[ $PARTS == *,tests,* ]]; then
-timeout -k 10 "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/speculative tests/unit/eval tests/kernels/test_gemv.py \
+timeout -k 10 "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/decode tests/unit/speculative tests/unit/eval tests/kernels/test_gemv.py \
   --junitxml="$OUT/junit_gpu_serving_$short.xml" -o junit_suite_name="gpu-serving@$NEUTRAIN_GIT_COMMIT" -rfEs \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? (${SECONDS}s)"

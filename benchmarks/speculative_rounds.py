@@ -34,7 +34,8 @@ from neutrain.compat.static_cache import (
     register_graph_generator,
     set_static_cache_length,
 )
-from neutrain.speculative import DecodeEngine, generate
+from neutrain.decode import DecodeEngine
+from neutrain.speculative import generate
 from neutrain.speculative.walk import walk
 
 GEN = sys.modules["neutrain.speculative.generate"]  # the module (the package exports the function as ``generate``)

@@ -41,7 +41,7 @@ from benchmarks._spec_decode import GOALS  # noqa: E402  (the decode targets' na
 from benchmarks._timeline import profile_kernels, timeline_table  # noqa: E402
 from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free, sync  # noqa: E402
 from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
-from neutrain.eval.engine import DecodeEngine  # noqa: E402
+from neutrain.decode.engine import DecodeEngine  # noqa: E402
 
 
 TARGETS_NOTE = ("the decode targets as this diagnostic measures them (each row's CUDA-event step); the binding "
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                       flush=True)
             engine = None
             if weights == "neuzip-lossless":
-                from neutrain.eval.zgemv import detach_zgemv
+                from neutrain.decode.zgemv import detach_zgemv
 
                 detach_zgemv(model)
         model = None

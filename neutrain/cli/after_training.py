@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from neutrain.cli.distill import distill_from_recipe, payoff_words
+from neutrain.distill.draft import distill_from_recipe, payoff_words
 from neutrain.cli.memory import phase_lines, phase_report
 from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes

@@ -384,9 +384,7 @@ def _plain(model, ids, args, tokenizer, max_new_tokens: int | None = None):
     graph per token on a GPU): greedy equals Hugging Face's ``generate`` token for token, and T > 0 draws
     from the model's own ``softmax(logits / T)``, truncated by ``--top-k`` and ``--top-p`` as transformers'
     warpers do. Models the engine cannot hold (sliding-window attention) go through ``model.generate``."""
-    from neutrain.speculative import (
-        DecodeEngine,  # lazy: `neutrain --help` stays instant
-    )
+    from neutrain.decode import DecodeEngine  # lazy: `neutrain --help` stays instant
 
     from neutrain.nn.weight_offload_model import weight_store  # lazy: same reason
 
@@ -401,7 +399,7 @@ def _plain(model, ids, args, tokenizer, max_new_tokens: int | None = None):
         raise UserInputError(f"--compile: this run {where}, and the compiled layers serve a model resident on the "
                              "GPU; drop --compile")
     # Generation never trains: frozen, the engine fuses each layer's Q/K/V and gate/up projections into
-    # one GEMV each (neutrain.eval.fused_projections). Streamed layers keep their own storage.
+    # one GEMV each (neutrain.decode.fused_projections). Streamed layers keep their own storage.
     model.requires_grad_(False)
     try:
         # Streamed layers are fetched by host decisions a CUDA graph cannot replay: those decode eagerly.

@@ -25,6 +25,7 @@ import importlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
@@ -39,26 +40,36 @@ from neutrain.files import path_too_long
 
 EXIT_USER_ERROR = 2
 
-COMMANDS = {
-    "train": "train with a recipe (default when the first argument is a YAML file)",
-    "eval": "evaluate a recipe's model or a checkpoint",
-    "export": "export a checkpoint for inference",
-    "estimate": "predict peak GPU memory of a recipe before loading anything",
-    "distill": "distil a small draft from a trained target (recipe's distill section)",
-    "generate": "generate text, speculatively when a draft is given",
-    "chat": "chat with a model on the terminal, the model loaded once",
-    "recipes": "list the shipped recipes",
-}
-"""Each command, with its line in ``neutrain --help``, is the module ``neutrain.cli.<command>`` with
-``configure(parser)`` (its arguments, on the subparser made here) and ``run(args) -> exit code``.
+@dataclass(frozen=True)
+class Command:
+    """Where a command lives and its line in ``neutrain --help``.
 
-Why by name: a command's module is imported only when that command runs. Importing all of them put
-every command's imports in front of ``neutrain --help`` and of every argument error."""
+    ``module`` provides ``configure(parser)`` (the command's arguments, on the subparser made here) and
+    ``run(args) -> exit code``.
+    """
+
+    module: str
+    help: str
+
+
+COMMANDS = {
+    "train": Command("neutrain.cli.train", "train with a recipe (default when the first argument is a YAML file)"),
+    "eval": Command("neutrain.cli.eval", "evaluate a recipe's model or a checkpoint"),
+    "export": Command("neutrain.cli.export", "export a checkpoint for inference"),
+    "estimate": Command("neutrain.cli.estimate", "predict peak GPU memory of a recipe before loading anything"),
+    "distill": Command("neutrain.cli.distill", "distil a small draft from a trained target (recipe's distill section)"),
+    "generate": Command("neutrain.cli.generate", "generate text, speculatively when a draft is given"),
+    "chat": Command("neutrain.cli.chat", "chat with a model on the terminal, the model loaded once"),
+    "recipes": Command("neutrain.cli.recipes", "list the shipped recipes"),
+}
+"""Every command by name. Why modules by path and the help lines here: a command's module is imported only
+when that command runs (or its own ``--help`` is asked for). Importing all of them put every command's
+imports in front of ``neutrain --help`` and of every argument error."""
 
 
 def command_module(name: str):
     """The module of command ``name`` (imported now, on first use)."""
-    return importlib.import_module(f"neutrain.cli.{name}")
+    return importlib.import_module(COMMANDS[name].module)
 
 
 def _command_named(argv: list[str]) -> str | None:
@@ -82,7 +93,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     # import upward in the layer order; a parent package is in sys.modules whenever its submodule runs).
     p.add_argument("--version", action="version", version=f"neutrain {sys.modules['neutrain'].__version__}")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, line in COMMANDS.items():
+    for name, entry in COMMANDS.items():
+        line = entry.help
         sub_parser = sub.add_parser(name, help=line, description=line[:1].upper() + line[1:] + ".")
         if name == command:
             command_module(name).configure(sub_parser)

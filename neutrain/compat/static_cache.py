@@ -1,6 +1,6 @@
 """transformers' ``StaticCache`` and torch's CUDA-graph RNG, as the decode engine uses them.
 
-Why this module: :class:`neutrain.eval.engine.DecodeEngine` keeps its KV cache in
+Why this module: :class:`neutrain.decode.engine.DecodeEngine` keeps its KV cache in
 transformers' own ``StaticCache`` (preallocated ``[batch, kv_heads, max_len, head_dim]`` tensors,
 written in place) so that every Hugging Face causal LM runs its unmodified forward. The engine
 needs three things the public API does not name:

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from neutrain.decode.engine import DecodeEngine
 from neutrain.eval.kv.registry import kv_cache_spec
 from neutrain.eval.perplexity import perplexity_of, perplexity_text
 
 from .. import compat
-from .engine import DecodeEngine
 from .tasks import Sample
 
 
@@ -114,10 +114,10 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, cache, eo
 @torch.inference_mode()
 def engine_greedy_decode(engine, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                          keep_logits: bool = False) -> dict[str, Any]:
-    """:func:`greedy_decode` for the full cache, in a :class:`~neutrain.eval.engine.DecodeEngine`.
+    """:func:`greedy_decode` for the full cache, in a :class:`~neutrain.decode.engine.DecodeEngine`.
 
     The engine's static cache and one CUDA graph per token (on a GPU) take the host out of the decode
-    step; its greedy tokens equal Hugging Face's (tests/unit/speculative/test_engine.py). One engine
+    step; its greedy tokens equal Hugging Face's (tests/unit/decode/test_engine.py). One engine
     serves every sample whose prompt plus new tokens fit its ``max_len`` (``prefill`` starts over), so
     the graph is captured once per run. Returns the same keys as :func:`greedy_decode`; ``cache`` is
     the engine's ``StaticCache`` (its bytes are the whole preallocated ``max_len``).
@@ -196,7 +196,7 @@ def mean_loss(model, tokenizer, texts: Iterable[str], max_length: int = 1024) ->
 # ---------------------------------------------------------------- task loop
 def _full_cache_engine(model, make_cache: Callable[[], Any], samples_by_task: dict[str, list[Sample]],
                        prompts: dict[str, list[torch.Tensor]]):
-    """A :class:`~neutrain.eval.engine.DecodeEngine` long enough for every sample, when ``make_cache`` makes
+    """A :class:`~neutrain.decode.engine.DecodeEngine` long enough for every sample, when ``make_cache`` makes
     the plain full cache and the engine can hold the model (full-attention layers); else None."""
     from transformers import (
         DynamicCache,  # lazy: transformers, only when a cache is built
@@ -216,7 +216,7 @@ def run_tasks(model, tokenizer, samples_by_task: dict[str, list[Sample]], make_c
               reference: dict | None = None, keep_logits: bool = False, use_engine: bool = True) -> dict[str, Any]:
     """Decode every sample with a fresh cache from ``make_cache``; aggregate per task.
 
-    The full cache (a plain ``DynamicCache``) decodes in the :class:`~neutrain.eval.engine.DecodeEngine`
+    The full cache (a plain ``DynamicCache``) decodes in the :class:`~neutrain.decode.engine.DecodeEngine`
     (static cache, a CUDA graph per token on a GPU) unless ``use_engine`` is False; greedy tokens are the
     same either way.
 

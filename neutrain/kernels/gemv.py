@@ -13,7 +13,7 @@ the opposite. Here the grid is ``cdiv(N, BLOCK_N)`` row blocks times ``SPLIT`` s
 
 Which configuration, or cuBLAS, is fastest is a question for the device: ``benchmarks/engine_decode.py``
 times each Llama-3-8B decode shape and records the winner. The pure-PyTorch reference is
-:func:`neutrain.eval.gemv.gemv_reference`.
+:func:`neutrain.decode.gemv.gemv_reference`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ A compressed module never owns a dense weight. It owns (or shares, when tied) a
 
 While a serving mode holds the weight in another exact form, a :class:`PayloadStandIn` takes the compressed
 tensor's place: decodes read that form, and :attr:`CompressedWeight.ct` restores the payload first
-(:mod:`neutrain.eval.zgemv_release`).
+(:mod:`neutrain.decode.zgemv_release`).
 
 It also implements the optimizer's ``WeightIO`` protocol: ``read()`` returns the
 decoded weight (reusing the buffer if it still holds this version), ``write_()``
@@ -42,7 +42,7 @@ from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
 class PayloadStandIn:
     """What a :class:`CompressedWeight` holds instead of its compressed tensor while another exact form of the
-    weight serves it and the payload's memory is freed (:mod:`neutrain.eval.zgemv_release`).
+    weight serves it and the payload's memory is freed (:mod:`neutrain.decode.zgemv_release`).
 
     It has the tensor's ``shape``, ``dtype``, ``device`` and ``name``; decodes (:meth:`decompress`,
     :meth:`decompress_rows`) read the other form; :meth:`restore` rebuilds the exact payload, bit for bit, and
@@ -190,7 +190,7 @@ class CompressedWeight:
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
         """Decode into ``out`` (contiguous, the weight's shape and stored dtype), e.g. a member's row block of
-        a fused projection buffer (:mod:`neutrain.eval.fused_projections`); no decode buffer is used or kept."""
+        a fused projection buffer (:mod:`neutrain.decode.fused_projections`); no decode buffer is used or kept."""
         self.decodes += 1
         self._resident()
         return self._decompress_into(out)

@@ -1,16 +1,15 @@
-"""Speculative decoding: exact multi-draft verification, tree decoding and draft distillation.
+"""Speculative decoding: exact multi-draft verification and tree decoding.
 
 * :func:`verify_step` -- the single-position rule of each scheme ("sd",
   "specinfer", "spectr", "importance"), with :func:`output_distribution`,
   :func:`marginal_output` and :func:`acceptance_formula` for exact checks.
 * :func:`generate` -- single- and multi-draft speculative sampling with one
   tree-masked target forward per round.
-* :class:`DecodeEngine` -- autoregressive decode with a static KV cache, sampling
-  on the device and one CUDA graph per token on a GPU. ``generate(..., engine=True)``
-  runs its rounds on engines (:mod:`neutrain.speculative.rounds`): one CUDA graph and
-  one host synchronisation per round.
-* :mod:`neutrain.distill.losses` -- distillation divergences and the
-  acceptance rate of a draft.
+* ``generate(..., engine=True)`` runs its rounds on decode engines
+  (:class:`neutrain.decode.DecodeEngine`, :mod:`neutrain.speculative.rounds`): one CUDA
+  graph and one host synchronisation per round.
+
+Drafts are trained by :mod:`neutrain.distill`.
 
 Example:
     >>> import torch
@@ -20,7 +19,6 @@ Example:
     (1, 0)
 """
 
-from neutrain.eval.engine import DecodeEngine
 from neutrain.speculative.generate import SpeculativeOutput, SpeculativeStats, generate
 from neutrain.speculative.selection import choose_rule, p_star
 from neutrain.speculative.spectr import spectr_acceptance, spectr_rho
@@ -34,7 +32,6 @@ from neutrain.speculative.verify import (
 
 __all__ = [
     "SCHEMES",
-    "DecodeEngine",
     "SpeculativeOutput",
     "SpeculativeStats",
     "acceptance_formula",

@@ -171,7 +171,7 @@ def generate(
         generator: optional ``torch.Generator`` on the target's device.
         top_s: tokens in the truncated K = 2 optimal selection (``"importance"``).
         engine: keep the target's and the drafts' KV caches in static
-            :class:`~neutrain.eval.engine.DecodeEngine` caches (models with
+            :class:`~neutrain.decode.engine.DecodeEngine` caches (models with
             full-attention layers) instead of growing ``DynamicCache`` s.
         keep_going: called with the stats after each round; False ends the
             rounds there (``stopped`` in the output), with every committed token

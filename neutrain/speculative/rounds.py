@@ -23,7 +23,7 @@ round-to-round quantity on the device:
   node: the walk is exactly the merged tree's walk;
 * one **packed** tensor (draft tokens, then the target's argmax per node at T = 0, or the target's
   and the drafts' fp32 logits at T > 0) comes to the host in ONE copy inside
-  :func:`~neutrain.eval.engine.allowed_sync` (:meth:`EngineRounds.fetch`);
+  :func:`~neutrain.decode.engine.allowed_sync` (:meth:`EngineRounds.fetch`);
 * the host walk (:func:`neutrain.speculative.walk.walk`, exact, float64 laws computed from those
   logits for just the nodes it reaches) decides the round, and its three numbers go back through a
   pinned buffer with a ``non_blocking`` copy (no synchronisation), read by the next round's surgery;
@@ -44,7 +44,7 @@ from neutrain.compat.static_cache import (
     set_static_cache_length,
     static_cache_tensors,
 )
-from neutrain.eval.engine import (
+from neutrain.decode.engine import (
     WARMUP_STEPS,
     DecodeEngine,
     allowed_sync,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.eval.engine import cache_kwargs
+from neutrain.decode.engine import cache_kwargs
 
 
 class TokenTree:

@@ -2,7 +2,7 @@
 
     python -m tests.faults.pause_at <module>:<attribute path> <gate dir> <neutrain args...>
 
-e.g. ``neutrain.trainer.distill:DistillationTrainer.train``. When the function is first called the
+e.g. ``neutrain.distill.trainer:DistillationTrainer.train``. When the function is first called the
 process writes ``<gate dir>/paused`` (its pid) and waits for ``<gate dir>/go``; then the call goes
 on as usual. A pause the run never reaches exits 3, and one nobody releases within 5 minutes
 exits 4, so a test cannot pass by accident. The process's own exit code is kept otherwise.

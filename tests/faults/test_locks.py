@@ -39,7 +39,7 @@ def test_distill_holds_the_run_lock_against_a_second_distill_and_a_training_run(
     assert neutrain(["train", str(recipe)]) == 0  # the target: out/export
     gate.mkdir()
     first = subprocess.Popen([sys.executable, "-m", "tests.faults.pause_at",
-                              "neutrain.trainer.distill:DistillationTrainer.train", str(gate), "distill", str(recipe)],
+                              "neutrain.distill.trainer:DistillationTrainer.train", str(gate), "distill", str(recipe)],
                              cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_pause(first, gate)

@@ -82,7 +82,7 @@ def test_generate_help_states_the_default(capsys):
 def test_plain_generation_runs_in_the_decode_engine(capsys, export_dir, monkeypatch):
     # Without a draft, `neutrain generate` decodes in DecodeEngine (static cache, on-device sampling):
     # greedy equals HF's (above); sampling is reproducible with --seed and moves with it.
-    from neutrain.speculative import DecodeEngine
+    from neutrain.decode import DecodeEngine
 
     calls = []
     original = DecodeEngine.generate

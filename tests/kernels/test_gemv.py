@@ -10,7 +10,7 @@ import torch
 
 kgemv = pytest.importorskip("neutrain.kernels.gemv")
 
-from neutrain.eval.gemv import gemv_reference  # noqa: E402
+from neutrain.decode.gemv import gemv_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -64,7 +64,7 @@ def test_engine_routes_its_one_row_linears_to_the_chosen_gemv():
     GEMV (counted), prefill's many-row ones stay ``F.linear``, and the decode is the plain engine's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -96,7 +96,7 @@ def test_cuda_graph_engine_with_the_triton_gemv_decodes_like_cublas():
         pytest.skip("needs CUDA")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
 
     torch.manual_seed(1)
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

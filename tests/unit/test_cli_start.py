@@ -7,8 +7,10 @@ line before torch is imported at all.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +57,38 @@ def test_help_version_and_recipes_import_neither_torch_nor_transformers(argv):
     code, modules, _ = imports_of(*argv)
     assert code == 0
     assert not _loaded(modules, ("torch", "transformers", *HEAVY))
+
+
+_PARSER_PROBE = """
+import json, sys
+from neutrain.cli.main import _parser
+print(json.dumps({"help": _parser().format_help(), "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_top_level_parser_lists_every_command_and_imports_none():
+    # The command table holds each command's module path and its help line, so the top-level parser (what
+    # `neutrain --help` prints) is built without importing a command's module, nor what those import.
+    from neutrain.cli.main import COMMANDS
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")  # one line per command, however long its help
+    res = subprocess.run([sys.executable, "-c", _PARSER_PROBE], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout.splitlines()[-1])
+    modules = set(found["modules"])
+    assert not _loaded(modules, ("torch", "transformers", "peft", "datasets"))
+    assert not _loaded(modules, [command.module for command in COMMANDS.values()])
+    for name, command in COMMANDS.items():
+        assert re.search(rf"^ +{name} +{re.escape(command.help)}$", found["help"], re.MULTILINE), (name, found["help"])
+
+
+def test_every_command_module_provides_its_arguments_and_its_run():
+    from neutrain.cli.main import COMMANDS
+
+    for name, command in COMMANDS.items():
+        module = importlib.import_module(command.module)
+        assert callable(module.configure) and callable(module.run), name
 
 
 def test_only_the_command_that_runs_is_imported():

@@ -58,7 +58,7 @@ _CHILD = r"""
 import json, sys, torch
 from pathlib import Path
 from neutrain.cli.placement import place_model
-from neutrain.eval.engine import DecodeEngine
+from neutrain.decode.engine import DecodeEngine
 from neutrain.export import load_checkpoint_model
 path, budget = Path(sys.argv[1]), float(sys.argv[2])
 ref, _ = load_checkpoint_model(path)
@@ -106,7 +106,7 @@ def test_the_layers_a_budget_cannot_hold_stream_and_decode_the_resident_models_l
     model with every layer on the device. Here on the CPU (the GPU's flow on another device; the store copies
     synchronously)."""
     from neutrain.cli.placement import build_form, place_on
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
     from neutrain.nn.weight_offload_model import weight_store
 
     _export(tmp_path, layers=8)
@@ -161,7 +161,7 @@ _LOGITS = r"""
 import json, sys, torch
 from pathlib import Path
 from neutrain.cli.placement import build_form
-from neutrain.eval.engine import DecodeEngine
+from neutrain.decode.engine import DecodeEngine
 from neutrain.export import load_checkpoint_model
 from neutrain.nn.weight_offload_model import weight_store
 path = Path(sys.argv[1])
@@ -250,7 +250,7 @@ def test_generate_streams_a_sharded_export_from_host_memory(tmp_path):
     Here on the CPU (the store copies synchronously), built as ``place_model`` builds the ``neuzip+offload`` form.
     """
     from neutrain.cli.placement import build_form
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
     from neutrain.nn import decompressed_state_dict
     from neutrain.nn.weight_offload_model import weight_store
 
@@ -283,7 +283,7 @@ def test_a_compressed_checkpoint_streams_from_host_memory_without_reencoding(tmp
     and decodes as the checkpoint loaded whole."""
     import neutrain.nn.sink as sink
     from neutrain.cli.placement import build_form
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
     from neutrain.export import load_checkpoint_model
     from neutrain.nn.weight_offload_model import weight_store
 

@@ -138,7 +138,7 @@ def test_with_compression_off_every_cache_decodes_the_dynamic_cache_tokens_on_th
 @pytest.mark.slow
 def test_the_decode_engine_decodes_the_dynamic_cache_tokens(model, prompts, reference):
     """The evaluation loop's full cache (a static cache in the decode engine, one prompt at a time)."""
-    from neutrain.eval.engine import DecodeEngine
+    from neutrain.decode.engine import DecodeEngine
 
     engine = DecodeEngine(model, max_len=PROMPT + NEW)
     for row in range(prompts.shape[0]):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from neutrain.eval.engine import DecodeEngine
+from neutrain.decode.engine import DecodeEngine
 from neutrain.eval.loop import engine_greedy_decode, greedy_decode, run_tasks
 from neutrain.eval.tasks import Sample
 from tests.unit.eval.test_loop import setup  # noqa: F401  (the tiny Llama and character tokenizer)

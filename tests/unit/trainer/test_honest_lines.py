@@ -17,7 +17,7 @@ def test_the_drafts_losses_are_named_distillation_losses(tmp_path):
     # Before: "before training  held-out loss 3.653" for the draft, beside the target's "held-out loss 4.752".
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from neutrain.trainer.distill import DistillationTrainer
+    from neutrain.distill.trainer import DistillationTrainer
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1)

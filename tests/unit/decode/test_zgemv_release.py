@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from neutrain.eval.engine import DecodeEngine  # noqa: E402
-from neutrain.eval.zgemv import attach_zgemv, detach_zgemv, zgemv_payload_bytes  # noqa: E402
+from neutrain.decode.engine import DecodeEngine  # noqa: E402
+from neutrain.decode.zgemv import attach_zgemv, detach_zgemv, zgemv_payload_bytes  # noqa: E402
 from neutrain.nn import CompressedLinear  # noqa: E402
-from tests.unit.eval.test_fused_projections import _decode_logits, tiny  # noqa: E402
+from tests.unit.decode.test_fused_projections import _decode_logits, tiny  # noqa: E402
 
 SEED = 11  # inputs of their own: none of the other zgemv tests draw these
 

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from neutrain.eval.engine import DecodeEngine  # noqa: E402
-from neutrain.eval.zgemv import ZgemvLinear, attach_zgemv, detach_zgemv  # noqa: E402
+from neutrain.decode.engine import DecodeEngine  # noqa: E402
+from neutrain.decode.zgemv import ZgemvLinear, attach_zgemv, detach_zgemv  # noqa: E402
 from neutrain.nn import CompressedLinear  # noqa: E402
-from tests.unit.eval.test_fused_projections import _decode_logits, tiny  # noqa: E402
+from tests.unit.decode.test_fused_projections import _decode_logits, tiny  # noqa: E402
 
 PROMPT = torch.tensor([[4, 9, 33, 2, 17, 40, 1, 5, 8, 21]])  # 10 rows: more than zgemv takes (a prefill)
 

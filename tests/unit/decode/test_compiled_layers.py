@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from neutrain.eval.compiled_layers import CompiledLayers, decoder_layers
-from neutrain.eval.engine import DecodeEngine
-from test_fused_projections import PROMPT, _decode_logits, tiny
+from neutrain.decode.compiled_layers import CompiledLayers, decoder_layers
+from neutrain.decode.engine import DecodeEngine
+from tests.unit.decode.test_fused_projections import PROMPT, _decode_logits, tiny
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ check. :class:`DecodeEngine` runs the model's own forward with
   decode step has fixed shapes and no Python number that changes from token to token;
 * **tokens in a preallocated device buffer** ``tokens[batch, max_len]``: a step reads the token at
   the current length and writes the next one after it;
-* **fused projections** (:mod:`neutrain.eval.fused_projections`): each layer's Q/K/V and gate/up
+* **fused projections** (:mod:`neutrain.decode.fused_projections`): each layer's Q/K/V and gate/up
   run as one GEMV each (the fused matrices replace the model's weight storage, not duplicate it;
   by default for frozen models, ``fuse=True`` for any);
 * **sampling on the device**: argmax at temperature 0, else the exponential race
@@ -42,11 +42,11 @@ from neutrain.compat.static_cache import (
     static_cache_length,
     static_cache_tensors,
 )
-from neutrain.eval.compiled_layers import CompiledLayers
-from neutrain.eval.fused_projections import fuse_projections, projection_fusion
-from neutrain.eval.gemv import GemvDispatch
-from neutrain.eval.truncation import check_truncation, truncate
-from neutrain.eval.zgemv import attach_zgemv, zgemv_decoding
+from neutrain.decode.compiled_layers import CompiledLayers
+from neutrain.decode.fused_projections import fuse_projections, projection_fusion
+from neutrain.decode.gemv import GemvDispatch
+from neutrain.decode.truncation import check_truncation, truncate
+from neutrain.decode.zgemv import attach_zgemv, zgemv_decoding
 
 #: Eager runs of the step on a side stream before capture (cuBLAS/cuDNN workspaces, lazy inits).
 WARMUP_STEPS = 3
@@ -76,7 +76,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, genera
                   top_k: int = 0, top_p: float = 1.0):
     """Next tokens ``[B]`` from ``logits [B, V]``: argmax if ``temperature`` is None, else a draw from
     ``softmax(logits / temperature)`` (exponential race in float64; no host synchronisation), truncated to the
-    top ``top_k`` tokens and the ``top_p`` nucleus first when asked (:mod:`neutrain.eval.truncation`: as
+    top ``top_k`` tokens and the ``top_p`` nucleus first when asked (:mod:`neutrain.decode.truncation`: as
     transformers does, on the float32 scores).
 
     Example:
@@ -130,24 +130,24 @@ class DecodeEngine:
         seed: seed of the engine's sampling generator (on the model's device).
         cuda_graph: capture the decode step in a CUDA graph; default: on CUDA devices.
         fuse: fuse each layer's Q/K/V and gate/up projections into one GEMV each
-            (:mod:`neutrain.eval.fused_projections`: the fused matrices replace the model's own weight
+            (:mod:`neutrain.decode.fused_projections`: the fused matrices replace the model's own weight
             storage; the model still trains and saves as before); ``fused_groups`` counts them.
             Default (None): only when no parameter requires grad. A model being trained may keep its
             parameters aliased elsewhere (FSDP's flat parameters, a trainer's flat buffer), which
             re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
         gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
-            the split-K Triton GEMV (:class:`~neutrain.eval.gemv.GemvDispatch`; the table comes from
+            the split-K Triton GEMV (:class:`~neutrain.decode.gemv.GemvDispatch`; the table comes from
             ``benchmarks/engine_decode.py``'s timing); default: cuBLAS for every linear.
         zgemv: for a NeuZip model: True, or ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``, converts each
             compressed bf16 matrix (fused groups as one) to the 12-bit zgemv layout once, and decode steps read
             it through ``zgemv``, decoded in registers, instead of decoding the matrix to bf16 first
-            (:mod:`neutrain.eval.zgemv`; about 12 more bits a weight while the engine's model holds them);
+            (:mod:`neutrain.decode.zgemv`; about 12 more bits a weight while the engine's model holds them);
             ``zgemv_matrices`` counts them. Inputs of more than 8 rows (a prefill) keep the compressed path.
             ``"replace"``: the serving mode, the layouts replacing the NeuZip payloads (freed; about 12 bits a
             weight in all; a prefill decodes each matrix to bf16 from its layout; ``detach_zgemv(model)`` gives
             the exact payloads back). Default: off.
         compile_layers: run the one-token decode step through the decoder layers compiled by ``torch.compile``
-            (:mod:`neutrain.eval.compiled_layers`: each run of small pointwise kernels fused into one); the
+            (:mod:`neutrain.decode.compiled_layers`: each run of small pointwise kernels fused into one); the
             prefill and calls of more tokens stay eager. Logits may then differ from the eager layers' in the
             last bits. Default: off.
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from neutrain.eval.engine import DecodeEngine, sample_tokens
-from neutrain.eval.truncation import truncate
+from neutrain.decode.engine import DecodeEngine, sample_tokens
+from neutrain.decode.truncation import truncate
 
 
 def _warped(scores, temperature, top_k, top_p):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from neutrain.eval import engine as engine_module
-from neutrain.eval.engine import DecodeEngine, sample_tokens
+from neutrain.decode import engine as engine_module
+from neutrain.decode.engine import DecodeEngine, sample_tokens
 from neutrain.nn import compress_model
 from tests.unit.speculative.test_generate import chi_square, chi_square_threshold
 

@@ -1,6 +1,6 @@
 """Serving from the zgemv layout alone: each covered weight's NeuZip payload freed, restored exactly on demand.
 
-:func:`~neutrain.eval.zgemv.attach_zgemv` keeps the 12-bit zgemv layouts beside the NeuZip payloads (about
+:func:`~neutrain.decode.zgemv.attach_zgemv` keeps the 12-bit zgemv layouts beside the NeuZip payloads (about
 10.9 + 12 bits a weight, more than bf16's 16). With ``release=True`` the layout *replaces* the payload:
 :func:`release` swaps each covered :class:`~neutrain.nn.weight.CompressedWeight`'s compressed tensor for a
 :class:`ZgemvStandIn` and frees the tensor's buffers (stream, lane counts, tile table, tails, encoder scratch),
@@ -101,7 +101,7 @@ class ZgemvStandIn(PayloadStandIn):
 
 def release(weights: list[CompressedWeight], zw: ZgemvWeight, kept: set[int] = frozenset()) -> list[CompressedWeight]:
     """Replace the payloads of ``weights`` (row blocks of ``zw``, in order, which must have been converted from
-    their current versions: :func:`~neutrain.eval.zgemv.attach_zgemv` calls this right after the conversion) by
+    their current versions: :func:`~neutrain.decode.zgemv.attach_zgemv` calls this right after the conversion) by
     stand-ins; returns those released. A weight already released, offloaded, in a layer group, of a dtype or
     device other than the layout's, or whose ``id`` is in ``kept`` keeps its payload."""
     done, start = [], 0

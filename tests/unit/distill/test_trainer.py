@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
-from neutrain.trainer.distill import DistillationTrainer
+from neutrain.distill.trainer import DistillationTrainer
 from neutrain.distill.losses import acceptance_rate
 
 

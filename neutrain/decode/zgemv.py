@@ -7,7 +7,7 @@ exact bf16: the same numbers) and :func:`zgemv_decoding` makes the calls inside 
 and no autograd (decode steps, speculative verification) run :func:`neutrain.kernels.zgemv.zgemv`; prefill and
 training keep the compressed path. Both kinds of matrices are covered:
 
-* a fused group of compressed projections (Q/K/V, gate/up: :mod:`neutrain.eval.fused_projections`) gets one
+* a fused group of compressed projections (Q/K/V, gate/up: :mod:`neutrain.decode.fused_projections`) gets one
   layout of its concatenated rows, so a step runs the group's one product on it;
 * any other :class:`~neutrain.nn.CompressedLinear` (``o_proj``, ``down_proj``, a compressed ``lm_head``) becomes
   a :class:`ZgemvLinear` (its class swapped, as the fusion does; the module keeps its parameters, state dict
@@ -19,7 +19,7 @@ path it captured: make a new engine after training steps). Memory: the layouts s
 about 12 more bits a weight while attached; :func:`detach_zgemv` frees them.
 
 Serving mode, ``attach_zgemv(model, release=True)`` (``DecodeEngine(..., zgemv="replace")``): the layout
-*replaces* each covered weight's NeuZip payload, which is freed (:mod:`neutrain.eval.zgemv_release`), so the
+*replaces* each covered weight's NeuZip payload, which is freed (:mod:`neutrain.decode.zgemv_release`), so the
 model holds about 12 bits a weight instead of 10.9 + 12. Prefill and other calls the kernel does not take
 decode the weight to bf16 from the layout into the compressed path's own decode buffers; saving rebuilds
 each payload exactly for the save; :func:`detach_zgemv` (and anything that needs a payload itself, such as an
@@ -38,9 +38,9 @@ from collections.abc import Iterator
 import torch
 
 from neutrain.compress.zgemv import ZgemvWeight
-from neutrain.eval import zgemv_release
+from neutrain.decode import zgemv_release
 from neutrain.kernels import interpreting
-from neutrain.eval.fused_projections import _CompressedGroup, activated
+from neutrain.decode.fused_projections import _CompressedGroup, activated
 from neutrain.nn import CompressedLinear, CompressedWeight
 
 MAX_ROWS = 8  # the kernel's (neutrain.kernels.zgemv.MAX_ROWS), read here without importing Triton
@@ -107,7 +107,7 @@ def _bf16(weights: list) -> bool:
 def attach_zgemv(model: torch.nn.Module, table: dict | None = None, *, release: bool = False) -> int:
     """Convert the model's compressed bf16 linears (fused groups as one matrix each, see the module docstring)
     to the zgemv layout; returns how many matrices are attached. Calling it again rebuilds them all (after
-    training, say). Fuse first (:func:`~neutrain.eval.fused_projections.fuse_projections`) for one product per
+    training, say). Fuse first (:func:`~neutrain.decode.fused_projections.fuse_projections`) for one product per
     group; unfused projections are attached one by one. ``release``: the serving mode, each layout replacing
     its weights' NeuZip payloads (see the module docstring; :func:`zgemv_payload_bytes` counts what they hold)."""
     detach_zgemv(model)

@@ -1,4 +1,4 @@
-"""Decoder layers compiled for the one-token decode step, used by :class:`~neutrain.eval.engine.DecodeEngine`.
+"""Decoder layers compiled for the one-token decode step, used by :class:`~neutrain.decode.engine.DecodeEngine`.
 
 At batch 1 the GEMVs of a Llama-3-8B step read 15 GB in ~3.6 ms at the HBM's rate, yet the graph-replayed step
 takes ~6.9 ms. Beside each layer's four GEMVs, Hugging Face's eager layer runs a few dozen small kernels:

@@ -10,8 +10,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from neutrain.compat.static_cache import static_cache_tensors
-from neutrain.eval.engine import DecodeEngine
-from neutrain.eval.fused_projections import (
+from neutrain.decode.engine import DecodeEngine
+from neutrain.decode.fused_projections import (
     FusedMemberLinear,
     fuse_projections,
     projection_fusion,

@@ -101,7 +101,7 @@ class _Group:
 
 def _intact(group: _Group) -> bool:
     """``group.intact()``, except while torch.compile traces: data pointers cannot be traced, and the caller of
-    compiled layers (:class:`~neutrain.eval.compiled_layers.CompiledLayers`) checks every group before the call."""
+    compiled layers (:class:`~neutrain.decode.compiled_layers.CompiledLayers`) checks every group before the call."""
     return torch.compiler.is_compiling() or group.intact()
 
 
@@ -129,7 +129,7 @@ class _CompressedGroup(_Group):
                  scratch: torch.Tensor):
         super().__init__(members, scratch, bias, bounds)
         self.rows, self.cols = bounds[-1][1], members[0].in_features
-        self.zgemv = None  # the group's matrix in the zgemv layout, when attached (neutrain.eval.zgemv)
+        self.zgemv = None  # the group's matrix in the zgemv layout, when attached (neutrain.decode.zgemv)
 
     def _weight_intact(self, member, start: int, end: int) -> bool:
         """Whether the member still holds a weight this group can decode into its rows of the scratch."""
