@@ -6,7 +6,7 @@ functions alike (a lazy import is still a dependency), plus
 is the one drawn in ``docs/architecture.md``:
 
     errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn
-        ← attention, eval, export, distributed ← speculative ← distill ← trainer ← cli
+        ← attention, eval, export, distributed ← memory ← speculative ← distill ← trainer ← cli
 
 A module may import its own package and any package of a strictly lower layer.
 ``config`` and ``data`` stand apart: they may import only ``errors``, ``files`` and ``compat``.
@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("optim",),
     ("nn",),
     ("attention", "eval", "export", "distributed"),
+    ("memory",),
     ("speculative",),
     ("distill",),
     ("trainer",),
@@ -224,8 +225,8 @@ def test_the_architecture_diagram_shows_every_package_in_its_layer():
 
 
 #: Packages whose function-level neutrain imports must carry a ``# lazy: <reason>`` comment.
-LAZY_MARKED = ("kernels", "compress", "attention", "eval", "speculative", "distill", "export", "data", "storage",
-               "config", "cli", "")
+LAZY_MARKED = ("kernels", "compress", "attention", "eval", "memory", "speculative", "distill", "export", "data",
+               "storage", "config", "cli", "")
 
 
 def unmarked_lazy_imports(path: pathlib.Path) -> list[int]:

@@ -2,9 +2,9 @@
 
 ``neutrain train`` calls :func:`fit_memory` once the process state exists and before anything is built:
 it resolves ``memory.device_budget_gib`` against this card, picks the configuration
-(:mod:`neutrain.trainer.fit`), prints the one line saying which and why, and on CUDA sets the
+(:mod:`neutrain.memory.fit`), prints the one line saying which and why, and on CUDA sets the
 allocator's hard limit to the budget. After the run, :func:`phase_report` puts each phase's measured
-peaks (:mod:`neutrain.trainer.phases`) beside the planner's prediction in ``metrics.jsonl`` and the
+peaks (:mod:`neutrain.memory.phases`) beside the planner's prediction in ``metrics.jsonl`` and the
 summary.
 """
 
@@ -42,7 +42,7 @@ def enforce_budget(budget: int, device: int) -> float:
 
 
 SLOW_STEP_S = 120.0
-"""A step predicted longer than this (:mod:`neutrain.trainer.step_time`) is refused before the build unless
+"""A step predicted longer than this (:mod:`neutrain.memory.step_time`) is refused before the build unless
 ``train.allow_slow_device``: the 8B recipe on a 2-core CPU printed one line and then nothing for more than 11
 minutes while it built, and would have taken minutes a step after that. The CPU recipes predict under 10 s."""
 
@@ -50,7 +50,7 @@ minutes while it built, and would have taken minutes a step after that. The CPU 
 def _weights_without_fit(recipe: Recipe, why: str, echo: Callable[[str], None] | None) -> Recipe:
     """``memory.weights: auto`` where no fit can be made: NeuZip lossless where the recipe can train it (the
     same model in less memory), else dense; said in one line."""
-    from neutrain.trainer.configurations import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.configurations import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
 
     weights = weight_options(recipe)[-1]
     if echo is not None:
@@ -65,7 +65,7 @@ def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None, pr
         return recipe
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.trainer.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
 
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
@@ -87,8 +87,8 @@ def check_step_time(recipe: Recipe, fit, gpu: bool) -> None:
     """
     if gpu or fit is None or fit.step is None or recipe.train.allow_slow_device or fit.step.step_s <= SLOW_STEP_S:
         return
-    from neutrain.trainer.fit import choose_fit  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.step_time import duration, rate  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.fit import choose_fit  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.step_time import duration, rate  # lazy: `neutrain --help` stays instant
 
     on_gpu = choose_fit(recipe, None, None, gpu=True)
     name = recipe.source or "this recipe"
@@ -113,9 +113,9 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
     """
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phases import TRACKER  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.phases import TRACKER  # lazy: `neutrain --help` stays instant
 
     TRACKER.reset()
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
@@ -162,7 +162,7 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
     (measured figures only on CUDA, predicted ones where the planner could read the model config, the
     error predicted / measured - 1 where both are there).
     """
-    from neutrain.trainer.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
 
     if fit is not None:
         summary["memory_fit"] = fit.as_dict()

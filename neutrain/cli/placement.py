@@ -3,8 +3,8 @@
 A user who fine-tuned an 8B on a 12 GB card generates on that card too. Before anything is read, the
 model's config and safetensors headers are weighed against the device budget (``--device-budget-gib``,
 default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA context and a margin), and
-:func:`neutrain.cli.residency.decide` picks the fastest placement that fits, as one
-:class:`~neutrain.cli.residency.Residency`:
+:func:`neutrain.memory.residency.decide` picks the fastest placement that fits, as one
+:class:`~neutrain.memory.residency.Residency`:
 
 1. ``dense``: the weights as stored, on the GPU (fastest decode);
 2. ``neuzip``: NeuZip lossless on the GPU, compressed one tensor at a time while reading (bit-exact);
@@ -19,8 +19,8 @@ promise is kept or the command ends in one line. On a CPU, or with ``--device cp
 before (``neutrain.export.load_checkpoint_model``).
 
 Example:
-    >>> from neutrain.cli.residency import decide
-    >>> from neutrain.trainer.planner import ModelShape
+    >>> from neutrain.memory.residency import decide
+    >>> from neutrain.memory.planner import ModelShape
     >>> decide(ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), int(14.5 * GIB), prompt_tokens=16,
     ...        new_tokens=64).form
     'neuzip'
@@ -39,15 +39,15 @@ from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
 from neutrain.cli.memory import enforce_budget
-from neutrain.cli.residency import Residency, decide
+from neutrain.memory.residency import Residency, decide
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
-from neutrain.trainer.fit import resolve_budget
-from neutrain.trainer.phases import device_memory_used
+from neutrain.memory.fit import resolve_budget
+from neutrain.memory.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
-from neutrain.trainer.planner import NEUZIP_BITS, ModelShape
+from neutrain.memory.planner import NEUZIP_BITS, ModelShape
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +163,7 @@ def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int 
 
 def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: int, extra_bytes: float = 0.0,
             setting: str = "--device-budget-gib", folder: ModelFolder | None = None) -> Residency:
-    """The :class:`~neutrain.cli.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
+    """The :class:`~neutrain.memory.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
     its config and safetensors headers alone (nothing is read or built). ``folder``: ``path`` as already read
     (:func:`read_folder`), else read here."""
     folder = folder or read_folder(path)
@@ -209,7 +209,7 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
     run's checkpoint is placed from its blobs, without re-encoding.
 
     ``neuzip+offload`` streams ``streamed`` decoder layers (None: every one), spread through the model as
-    :class:`~neutrain.cli.residency.Residency` names them: each moves to host memory as soon as its last tensor
+    :class:`~neutrain.memory.residency.Residency` names them: each moves to host memory as soon as its last tensor
     is read, so the device never holds them; a layer split across shards waits for its other part. ``folder``:
     ``path`` as already read (:func:`read_folder`), else read here.
     """

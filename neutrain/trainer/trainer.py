@@ -58,7 +58,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, NoFinalSave, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
-from neutrain.trainer.phases import phase
+from neutrain.memory.phases import phase
 from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
 from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
@@ -392,7 +392,7 @@ class NeuTrainer(Trainer):
             return loaded
 
     def evaluate(self, *args, **kwargs):
-        """``Trainer.evaluate``, measured as the run's ``eval`` phase (:mod:`neutrain.trainer.phases`)."""
+        """``Trainer.evaluate``, measured as the run's ``eval`` phase (:mod:`neutrain.memory.phases`)."""
         with phase("eval"):
             return super().evaluate(*args, **kwargs)
 

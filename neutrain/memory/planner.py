@@ -43,7 +43,7 @@ The busiest moment (``settings["peak_moment"]``; both are in ``settings["moments
 
 Example:
     >>> from neutrain.config import load_recipe
-    >>> from neutrain.trainer.planner import estimate_recipe
+    >>> from neutrain.memory.planner import estimate_recipe
     >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless"]))
     >>> print(est.table())  # doctest: +ELLIPSIS
     term                         GiB
@@ -64,7 +64,7 @@ from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
 from neutrain.optim.registry import optimizer_spec
-from neutrain.trainer.model_config import shape_config
+from neutrain.memory.model_config import shape_config
 
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02); tests/unit/compress/test_codec.py
@@ -337,12 +337,12 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate
 
     Raises:
         RecipeError: ``memory.offload_layers`` is more than the model's decoder layers.
-        ValueError: ``memory.weights: auto``, which the fit resolves first (:mod:`neutrain.trainer.fit`):
+        ValueError: ``memory.weights: auto``, which the fit resolves first (:mod:`neutrain.memory.fit`):
             the memory depends on what it resolves to.
     """
     m, t = recipe.memory, recipe.train
     if m.weights == "auto":
-        raise ValueError("memory.weights: auto is resolved by the fit (neutrain.trainer.fit) before the planner runs")
+        raise ValueError("memory.weights: auto is resolved by the fit (neutrain.memory.fit) before the planner runs")
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     shape = shape or ModelShape.from_config(shape_config(recipe.model))
     if m.offload_weights and m.offload_layers is not None and m.offload_layers > shape.layers:

@@ -3,8 +3,8 @@
 Why: a user with a 12 GB card should not have to know which of the 8B's weights must live in host
 memory for it to train there, and a user with a 24 GB card should not pay for compression the card does
 not need. Before anything is built, :func:`choose_fit` predicts every phase of the run
-(:mod:`neutrain.trainer.phase_planner`) and one step's time (:mod:`neutrain.trainer.step_time`) for each
-configuration (:mod:`neutrain.trainer.configurations`: dense or NeuZip weights, activations or k layers
+(:mod:`neutrain.memory.phase_planner`) and one step's time (:mod:`neutrain.memory.step_time`) for each
+configuration (:mod:`neutrain.memory.configurations`: dense or NeuZip weights, activations or k layers
 in host memory, a smaller micro-batch), keeps those whose predicted peak reserved bytes fit the budget
 (leaving :data:`FIT_HEADROOM` of it) and whose pinned host bytes fit the host, and takes the one with the
 shortest predicted step. They all train the same model: lossless compression, offload and accumulation
@@ -34,18 +34,18 @@ from typing import Any
 
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
-from neutrain.trainer.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.phase_planner import peak_phase, plan_recipe, predicted_gib
-from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
-from neutrain.trainer.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
+from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
+from neutrain.memory.model_config import shape_config
+from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
+from neutrain.memory.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
+from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
 
 __all__ = ["AUTO_MARGIN_BYTES", "FIT_HEADROOM", "Fit", "apply_changes", "auto_budget", "candidates", "choose_fit",
            "link_cost", "pcie_bytes", "resolve_budget"]
 
 FIT_HEADROOM = 0.05
 """Share of the budget a configuration must leave free: the budget is the allocator's hard limit, and the
-planner's phases are within 6% of what the GPU measured for the 8B (tests/unit/trainer/test_phase_planner.py),
+planner's phases are within 6% of what the GPU measured for the 8B (tests/unit/memory/test_phase_planner.py),
 so a prediction 1% under the budget is no promise."""
 
 
@@ -54,7 +54,7 @@ def pcie_bytes(train: Estimate) -> float:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.trainer.planner import estimate_recipe
+        >>> from neutrain.memory.planner import estimate_recipe
         >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless", "memory.offload_weights=true",
         ...                                                 "memory.offload_layers=8"]))
         >>> round(pcie_bytes(est) / GIB, 2)  # 12 layers in (two stay in the slots at each turn), 8 out
@@ -69,7 +69,7 @@ def link_cost(train: Estimate) -> float:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.trainer.planner import estimate_recipe
+        >>> from neutrain.memory.planner import estimate_recipe
         >>> acts = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=dense", "memory.offload_activations=true"]))
         >>> round(link_cost(acts) / GIB, 3)  # 32 layers x 1024 tokens x 4096 x 2 bytes, out and back in
         0.103
@@ -219,7 +219,7 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
             ``card`` on a GPU or ``host`` on a CPU).
         host: Host memory available in bytes (None: unknown, not checked).
         gpu: Whether the run is on a GPU (offloading is only tried there; the step is predicted with
-            :data:`~neutrain.trainer.step_time.GPU`'s rates, else the CPU's).
+            :data:`~neutrain.memory.step_time.GPU`'s rates, else the CPU's).
         card: The card's total memory in bytes, for ``memory.weights: auto`` without a budget.
 
     Raises:

@@ -37,8 +37,8 @@ from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.config.validate import check_weight_offload
 from neutrain.errors import RecipeError
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
+from neutrain.memory.model_config import shape_config
+from neutrain.memory.planner import Estimate, ModelShape, estimate_recipe
 
 AUTO = "auto"
 WEIGHTS = ("dense", "neuzip-lossless")
