@@ -39,7 +39,8 @@ def run(args) -> int:
     """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
     from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.budget import resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
     from neutrain.memory.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
     from neutrain.memory.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
 

@@ -21,26 +21,6 @@ from neutrain.errors import RecipeError
 logger = logging.getLogger("neutrain")
 
 
-def enforce_budget(budget: int, device: int) -> float:
-    """Cap this process's CUDA caching allocator at ``budget`` bytes on ``device``; returns the fraction set.
-
-    ``torch.cuda.set_per_process_memory_fraction`` limits what the allocator reserves, so an
-    allocation over the budget raises ``torch.OutOfMemoryError`` (named by phase at the top level)
-    instead of growing into memory the budget promised to leave free.
-    """
-    import torch  # lazy: `neutrain --help` stays instant
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    if budget > total:
-        logger.warning("memory.device_budget_gib: %.2f GiB is more than this card's %.2f GiB; the card is the limit",
-                       budget / 2**30, total / 2**30)
-    fraction = min(1.0, budget / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    logger.info("memory.device_budget_gib: the CUDA allocator may reserve %.2f GiB (%.4f of %.2f GiB)",
-                budget / 2**30, fraction, total / 2**30)
-    return fraction
-
-
 SLOW_STEP_S = 120.0
 """A step predicted longer than this (:mod:`neutrain.memory.step_time`) is refused before the build unless
 ``train.allow_slow_device``: the 8B recipe on a 2-core CPU printed one line and then nothing for more than 11
@@ -113,7 +93,8 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
     """
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.memory.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.budget import enforce_budget, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
     from neutrain.memory.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
     from neutrain.memory.phases import TRACKER  # lazy: `neutrain --help` stays instant
 

@@ -38,10 +38,9 @@ from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
-from neutrain.cli.memory import enforce_budget
 from neutrain.memory.residency import Residency, decide
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
-from neutrain.memory.fit import resolve_budget
+from neutrain.memory.budget import enforce_budget, resolve_budget
 from neutrain.memory.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build

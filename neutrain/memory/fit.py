@@ -34,14 +34,14 @@ from typing import Any
 
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
+from neutrain.memory.budget import auto_budget
 from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
 from neutrain.memory.model_config import shape_config
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
-from neutrain.memory.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
+from neutrain.memory.planner import GIB, Estimate, ModelShape
 from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
 
-__all__ = ["AUTO_MARGIN_BYTES", "FIT_HEADROOM", "Fit", "apply_changes", "auto_budget", "candidates", "choose_fit",
-           "link_cost", "pcie_bytes", "resolve_budget"]
+__all__ = ["FIT_HEADROOM", "Fit", "apply_changes", "candidates", "choose_fit", "link_cost", "pcie_bytes"]
 
 FIT_HEADROOM = 0.05
 """Share of the budget a configuration must leave free: the budget is the allocator's hard limit, and the
@@ -75,38 +75,6 @@ def link_cost(train: Estimate) -> float:
         0.103
     """
     return (1 - COPY_HIDDEN_SHARE) * pcie_bytes(train)
-
-
-AUTO_MARGIN_BYTES = 0.5 * GIB
-"""``memory.device_budget_gib: auto`` leaves this much of the card beside the CUDA context: the 0.47 GiB
-the H100 showed in use before any process started (``device_used_idle_gib``,
-benchmarks/results/train_memory.json), which a desktop card's display also takes."""
-
-
-def auto_budget(card_total: int) -> int:
-    """``auto``: the card's total memory minus the CUDA context and :data:`AUTO_MARGIN_BYTES` (bytes).
-
-    Example:
-        >>> round(auto_budget(24 * 10**9) / GIB, 2)  # a 24 GB card
-        21.1
-    """
-    return int(card_total - CUDA_CONTEXT_BYTES - AUTO_MARGIN_BYTES)
-
-
-def resolve_budget(setting: float | str, card_total: int | None) -> int | None:
-    """Bytes of ``memory.device_budget_gib`` (``auto``, ``none`` or GiB) on a card of ``card_total`` bytes.
-
-    ``auto`` without a card (CPU) is no budget; a number is a budget wherever the run is.
-
-    Example:
-        >>> resolve_budget(14.5, None) / GIB, resolve_budget("none", 80 * GIB), resolve_budget("auto", None)
-        (14.5, None, None)
-    """
-    if setting == "none":
-        return None
-    if setting == "auto":
-        return auto_budget(card_total) if card_total else None
-    return int(float(setting) * GIB)
 
 
 @dataclass

@@ -129,7 +129,7 @@ def test_on_a_gpu_the_fit_is_applied_and_the_budget_is_the_allocators_limit(monk
 
     from neutrain.cli.memory import fit_memory
     from neutrain.config import load_recipe
-    from neutrain.memory.fit import auto_budget
+    from neutrain.memory.budget import auto_budget
 
     total, limits, said = card_gb * 10**9, [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -16,10 +16,8 @@ import pytest
 
 from neutrain.config import RecipeError, load_recipe
 from neutrain.memory import step_time
-from neutrain.memory.fit import (
-    AUTO_MARGIN_BYTES, FIT_HEADROOM, TIE_SHARE, apply_changes, auto_budget, candidates, choose_fit, link_cost,
-    resolve_budget,
-)
+from neutrain.memory.budget import AUTO_MARGIN_BYTES, auto_budget, resolve_budget
+from neutrain.memory.fit import FIT_HEADROOM, TIE_SHARE, apply_changes, candidates, choose_fit, link_cost
 from neutrain.memory.phase_planner import plan_recipe
 from neutrain.memory.planner import CUDA_CONTEXT_BYTES, GIB
 
