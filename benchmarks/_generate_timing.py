@@ -36,7 +36,7 @@ import sys, torch
 from transformers import AutoModelForCausalLM
 from neutrain.config import load_recipe
 from neutrain.data import byte_tokenizer
-from neutrain.memory.model_config import config_only
+from neutrain.memory import config_only
 recipe, path = sys.argv[1], sys.argv[2]
 config = config_only(load_recipe(recipe).model)
 torch.manual_seed(0)

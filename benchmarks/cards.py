@@ -285,8 +285,7 @@ def pcie4_projection(timing: dict) -> dict | None:
     if not rec or not rec.get("tokens_per_s"):
         return None
     from neutrain.config import load_recipe
-    from neutrain.memory.fit import apply_changes
-    from neutrain.memory.planner import estimate_recipe
+    from neutrain.memory import apply_changes, estimate_recipe
 
     # The configuration the run's fit chose (which layers' weights, whether the activations, are offloaded).
     recipe = load_recipe(str(ROOT / RECIPE), ["train.micro_batch_size=8"])

@@ -39,10 +39,8 @@ def run(args) -> int:
     """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
     from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.budget import resolve_budget  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
+    # lazy: `neutrain --help` stays instant
+    from neutrain.memory import GIB, apply_changes, choose_fit, estimate_recipe, plan_recipe, plan_table, resolve_budget
 
     recipe = load_recipe(args.recipe, args.overrides, shape_only=True)  # no transformers where the shape is given
     setting = recipe.memory.device_budget_gib
@@ -90,7 +88,7 @@ def configurations_table(fit, gpu: bool) -> str:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.memory.fit import choose_fit
+        >>> from neutrain.memory import choose_fit
         >>> print(configurations_table(choose_fit(load_recipe("llama3_8b"), 22 * 2**30, 64 * 2**30), True))
         ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         configurations (tok/s predicted on an H200, fastest first)
@@ -99,7 +97,7 @@ def configurations_table(fit, gpu: bool) -> str:
              16.55      0.25     3,094  yes   dense weights, offloading activations
         ...
     """
-    from neutrain.memory.step_time import rate  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import rate  # lazy: `neutrain --help` stays instant
 
     lines = [f"\nconfigurations (tok/s predicted on {'an H200' if gpu else 'this CPU'}, fastest first)",
              f"  {'reserved':>8}{'host':>10}{'tok/s':>10}  fits  configuration"]

@@ -256,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
             print_error(str(cause))
             return EXIT_ENVIRONMENT
         if "torch" in sys.modules:  # a device out of memory: the phase it happened in, the budget, the plan
-            from neutrain.memory.phases import out_of_memory_line  # lazy: imports torch, loaded already here
+            from neutrain.memory import out_of_memory_line  # lazy: imports torch, loaded already here
 
             line = out_of_memory_line(exc)
             if line is not None:

@@ -30,7 +30,7 @@ minutes while it built, and would have taken minutes a step after that. The CPU 
 def _weights_without_fit(recipe: Recipe, why: str, echo: Callable[[str], None] | None) -> Recipe:
     """``memory.weights: auto`` where no fit can be made: NeuZip lossless where the recipe can train it (the
     same model in less memory), else dense; said in one line."""
-    from neutrain.memory.configurations import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
 
     weights = weight_options(recipe)[-1]
     if echo is not None:
@@ -45,7 +45,7 @@ def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None, pr
         return recipe
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
 
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
@@ -67,8 +67,7 @@ def check_step_time(recipe: Recipe, fit, gpu: bool) -> None:
     """
     if gpu or fit is None or fit.step is None or recipe.train.allow_slow_device or fit.step.step_s <= SLOW_STEP_S:
         return
-    from neutrain.memory.fit import choose_fit  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.step_time import duration, rate  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import choose_fit, duration, rate  # lazy: `neutrain --help` stays instant
 
     on_gpu = choose_fit(recipe, None, None, gpu=True)
     name = recipe.source or "this recipe"
@@ -93,10 +92,8 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
     """
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.memory.budget import enforce_budget, resolve_budget  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.phases import TRACKER  # lazy: `neutrain --help` stays instant
+    # lazy: `neutrain --help` stays instant
+    from neutrain.memory import TRACKER, apply_changes, choose_fit, enforce_budget, predicted_gib, resolve_budget
 
     TRACKER.reset()
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
@@ -143,7 +140,7 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
     (measured figures only on CUDA, predicted ones where the planner could read the model config, the
     error predicted / measured - 1 where both are there).
     """
-    from neutrain.memory.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
 
     if fit is not None:
         summary["memory_fit"] = fit.as_dict()

@@ -19,8 +19,7 @@ promise is kept or the command ends in one line. On a CPU, or with ``--device cp
 before (``neutrain.export.load_checkpoint_model``).
 
 Example:
-    >>> from neutrain.memory.residency import decide
-    >>> from neutrain.memory.planner import ModelShape
+    >>> from neutrain.memory import ModelShape, decide
     >>> decide(ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), int(14.5 * GIB), prompt_tokens=16,
     ...        new_tokens=64).form
     'neuzip'
@@ -38,15 +37,13 @@ from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
-from neutrain.memory.residency import Residency, decide
+from neutrain.memory import (NEUZIP_BITS, ModelShape, Residency, decide, device_memory_used, enforce_budget,
+                             resolve_budget)
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
-from neutrain.memory.budget import enforce_budget, resolve_budget
-from neutrain.memory.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
-from neutrain.memory.planner import NEUZIP_BITS, ModelShape
 
 if TYPE_CHECKING:
     import torch

@@ -278,7 +278,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
 
     from neutrain.trainer.ownership import identity_recipe, planned_names  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
-    from neutrain.memory.phases import phase  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import phase  # lazy: `neutrain --help` stays instant
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs

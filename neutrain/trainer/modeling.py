@@ -29,7 +29,7 @@ from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import RandomInit, folder_source
 # Where callers have always found them (the planner imports them from model_config, without torch):
-from neutrain.memory.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
+from neutrain.memory import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

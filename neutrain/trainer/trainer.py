@@ -58,7 +58,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, NoFinalSave, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
-from neutrain.memory.phases import phase
+from neutrain.memory import phase
 from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
 from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json

@@ -11,8 +11,8 @@ import pytest
 
 from neutrain.config import RecipeError, load_recipe, validate_recipe
 from neutrain.config.model_config import DERIVED_HEAD_DIM, plain_shape_config
-from neutrain.memory.model_config import config_only, shape_config
-from neutrain.memory.planner import ModelShape
+from neutrain.memory import config_only, shape_config
+from neutrain.memory import ModelShape
 from tests.helpers import TINY_LLAMA, TINY_RECIPE, load_shipped_recipe
 
 REPO = Path(__file__).resolve().parents[3]

@@ -18,8 +18,8 @@ from neutrain.config import RecipeError, load_recipe
 from neutrain.memory import step_time
 from neutrain.memory.budget import AUTO_MARGIN_BYTES, auto_budget, resolve_budget
 from neutrain.memory.fit import FIT_HEADROOM, TIE_SHARE, apply_changes, candidates, choose_fit, link_cost
-from neutrain.memory.phase_planner import plan_recipe
-from neutrain.memory.planner import CUDA_CONTEXT_BYTES, GIB
+from neutrain.memory import plan_recipe
+from neutrain.memory import CUDA_CONTEXT_BYTES, GIB
 
 DENSE, NEUZIP = "dense weights on the GPU", "NeuZip weights on the GPU"
 ACT, WEIGHTS, BOTH = ("NeuZip weights, offloading activations", "NeuZip weights, offloading weights",

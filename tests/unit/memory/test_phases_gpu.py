@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from neutrain.memory.budget import enforce_budget
+from neutrain.memory import enforce_budget
 from neutrain.memory.phases import PhaseTracker, out_of_memory_line
 from tests.helpers import write_recipe
 

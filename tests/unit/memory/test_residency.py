@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neutrain.memory.residency import Residency, decide
+from neutrain.memory import Residency, decide
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
-from neutrain.memory.fit import FIT_HEADROOM
-from neutrain.memory.phase_planner import plan_recipe
-from neutrain.memory.planner import GIB, ModelShape, estimate, offload_traffic
+from neutrain.memory import FIT_HEADROOM
+from neutrain.memory import plan_recipe
+from neutrain.memory import GIB, ModelShape, estimate, offload_traffic
 
 LLAMA3_8B = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)
 FORMS = ("dense", "neuzip", "neuzip+offload")

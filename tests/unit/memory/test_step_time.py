@@ -16,8 +16,8 @@ import pytest
 
 from neutrain.config import load_recipe
 from neutrain.memory import step_time as model
-from neutrain.memory.fit import apply_changes
-from neutrain.memory.planner import ModelShape, estimate_recipe
+from neutrain.memory import apply_changes
+from neutrain.memory import ModelShape, estimate_recipe
 from neutrain.memory.step_time import CPU, GPU, step_time
 
 REPO = Path(__file__).resolve().parents[3]

@@ -23,7 +23,7 @@ from neutrain.optim.registry import (
     OptimizerSpec, StateCost, optimizer_spec, optimizer_specs, register_optimizer, unregister_optimizer,
 )
 from neutrain.optim.rule import scaled
-from neutrain.memory.planner import GIB, ModelShape, estimate, estimate_recipe
+from neutrain.memory import GIB, ModelShape, estimate, estimate_recipe
 from tests.helpers import TINY_LLAMA, TINY_RECIPE
 
 from .optim_helpers import batches, loss_fn, make_mlp
