@@ -167,35 +167,16 @@ def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: i
     # A compressed run's checkpoint or a NeuZip export: its files' bytes are the compressed form already.
     encoded = is_encoded(folder.source)
     dtype_bytes = folder.dtype.itemsize
-    shape = _shape(getattr(config, "text_config", None) or config)
+    shape = ModelShape.from_config(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens + new_tokens > context:
         new_tokens = max(context - prompt_tokens, 1)  # more is refused once loaded, in check_context's own words
-    # The files' bytes against those the shape counts: more when the shape misses weights (a mixture's experts).
+    # The files' bytes against those the shape counts (the build's parameters, experts included): more only when
+    # the files hold tensors the build does not make.
     modeled = shape.params() * (NEUZIP_BITS / 8 if encoded else dtype_bytes)
     return decide(shape, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype_bytes=dtype_bytes,
                   weight_scale=total / modeled, dense=not encoded, encoded=encoded,
                   extra={"draft": float(extra_bytes)} if extra_bytes else None, setting=setting)
-
-
-def _shape(config) -> ModelShape:
-    """The planner's shape of ``config``; a config without ``intermediate_size`` (GPT-2's ``n_inner``) gets its
-    MLP width from the names such configs use, the default four times the hidden size."""
-    if getattr(config, "intermediate_size", None) is None:
-        hidden = config.hidden_size
-        width = getattr(config, "n_inner", None) or getattr(config, "ffn_dim", None) or 4 * hidden
-        return ModelShape.from_config(_Widened(config, width))
-    return ModelShape.from_config(config)
-
-
-class _Widened:
-    """``config`` with an ``intermediate_size``: a view for :meth:`ModelShape.from_config`."""
-
-    def __init__(self, config, intermediate_size: int):
-        self._config, self.intermediate_size = config, intermediate_size
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
 
 
 def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None = None, *,

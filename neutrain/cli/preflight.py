@@ -363,10 +363,10 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
         ...     print(str(e)[:40])
         model.config: the weights alone need abo
     """
-    from neutrain.memory import GIB, NEUZIP_BITS, ModelShape, shape_config  # lazy: torch-free checks stay fast
+    from neutrain.memory import GIB, NEUZIP_BITS, recipe_shape  # lazy: torch-free checks stay fast
 
     try:
-        shape = ModelShape.from_config(shape_config(recipe.model))
+        shape = recipe_shape(recipe)
     except (OSError, ImportError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return  # the config cannot be read without building: the build names what is wrong
     if shape.layers > MAX_LAYERS:

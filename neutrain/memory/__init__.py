@@ -29,7 +29,8 @@ import importlib
 PUBLIC = {
     "config_only": "model_config", "gguf_call": "model_config", "gguf_errors": "model_config",
     "gguf_source": "model_config", "recipe_config": "model_config", "shape_config": "model_config",
-    "CUDA_CONTEXT_BYTES": "planner", "ModelShape": "planner", "Estimate": "planner", "GIB": "planner", "NEUZIP_BITS": "planner",
+    "ModelShape": "shape", "recipe_shape": "shape",
+    "CUDA_CONTEXT_BYTES": "planner", "Estimate": "planner", "GIB": "planner", "NEUZIP_BITS": "planner",
     "estimate": "planner", "estimate_recipe": "planner", "offload_traffic": "planner",
     "generation_plan": "phase_planner", "peak_phase": "phase_planner", "plan_recipe": "phase_planner",
     "plan_table": "phase_planner", "predicted_gib": "phase_planner",

@@ -36,9 +36,9 @@ from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.memory.budget import auto_budget
 from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
-from neutrain.memory.model_config import shape_config
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
-from neutrain.memory.planner import GIB, Estimate, ModelShape
+from neutrain.memory.planner import GIB, Estimate
+from neutrain.memory.shape import ModelShape, recipe_shape
 from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
 
 __all__ = ["FIT_HEADROOM", "Fit", "apply_changes", "candidates", "choose_fit", "link_cost", "pcie_bytes"]
@@ -193,7 +193,7 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     Raises:
         RecipeError: nothing fits a budget; the message names the smallest budget and host memory that would.
     """
-    shape = ModelShape.from_config(shape_config(recipe.model))
+    shape = recipe_shape(recipe)
     auto = recipe.memory.weights == AUTO
     options = configurations(recipe, shape, gpu, levers=budget is not None)
     fits = [_evaluate(c, shape, budget, gpu) for c in options]

@@ -52,10 +52,10 @@ from __future__ import annotations
 from typing import Any
 
 from neutrain.config.schema import Recipe
-from neutrain.memory.model_config import shape_config
 from neutrain.memory.planner import (
-    ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, ModelShape, estimate, estimate_recipe,
+    ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, estimate, estimate_recipe,
 )
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 ENCODE_SCRATCH_BYTES = 1.5
 """Device bytes a weight, beyond the dense matrix, that the GPU build holds while it encodes its largest
@@ -76,10 +76,6 @@ out of memory asking for 32 MiB at its first product (tests/unit/test_placement.
 DECODE_STREAMS = 2
 """Streams the decode engine runs products on, each with its own workspace: the main one and the one its CUDA
 graph is captured on."""
-
-
-def _largest_matrix(shape: ModelShape) -> int:
-    return max(r * c for _, r, c in shape.matrices())
 
 
 def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prompt_tokens: int = 16,
@@ -114,7 +110,7 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
     # Layer groups (neutrain.nn.groups) hold the vocabulary slot through training (a save between steps holds
     # it too); it is given back when training ends, before the export.
     held = layer_slots + (vocab_slot if "vocab_slot" in train.terms else 0.0)
-    largest = _largest_matrix(shape)
+    largest = shape.largest_matrix()
     dense, payload = largest * dtype_bytes, largest * bits / 8
     h, v = shape.hidden, shape.vocab
 
@@ -214,7 +210,7 @@ def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", stre
     build = plan["build"]
     if encoded:  # one compressed blob read at a time, then the decode buffers reserved
         s = generate.settings
-        build.terms["scratch"] = max(_largest_matrix(shape) * bits_per_weight / 8,
+        build.terms["scratch"] = max(shape.largest_matrix() * bits_per_weight / 8,
                                      s["layer_slot_bytes"] + s["vocab_slot_bytes"])
     return {"build": build, "generate": generate}
 
@@ -226,7 +222,7 @@ def plan_recipe(recipe: Recipe, train: Estimate | None = None, shape: ModelShape
     without ``eval.sample_prompt``, ``export`` with ``export.format: none``. Build, training step, save
     and resume are always there (a save may come at any ``train.save_steps``, a resume at any relaunch).
     """
-    shape = shape or ModelShape.from_config(shape_config(recipe.model))
+    shape = shape or recipe_shape(recipe)
     train = train or estimate_recipe(recipe, shape)
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     ev, ex = recipe.eval, recipe.export

@@ -42,7 +42,8 @@ from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import UserInputError
 from neutrain.memory.fit import FIT_HEADROOM
 from neutrain.memory.phase_planner import generation_plan, peak_phase
-from neutrain.memory.planner import GIB, NEUZIP_BITS, Estimate, ModelShape
+from neutrain.memory.planner import GIB, NEUZIP_BITS, Estimate
+from neutrain.memory.shape import ModelShape
 
 WORDS = {"dense": "dense weights", "neuzip": "NeuZip lossless weights", "neuzip+offload": "NeuZip lossless weights"}
 
@@ -116,8 +117,9 @@ def decide(shape: ModelShape, budget: int | None, *, prompt_tokens: int, new_tok
     ``budget`` bytes (None: no budget), by the rule of the module docstring.
 
     Args:
-        weight_scale: the model's weight bytes over those ``shape`` counts, when more (experts of a mixture the
-            shape does not describe): every weight term is scaled by it, so a layer is counted at its real size.
+        weight_scale: the model's weight bytes over those ``shape`` counts, when more (files holding tensors the
+            build does not make, or a shape read in closed form): every weight term is scaled by it, so a layer is
+            counted at its real size.
         dense: the dense form may be taken (a compressed run's checkpoint is placed compressed).
         encoded, extra: as :func:`~neutrain.memory.phase_planner.generation_plan` takes them.
         setting: how the budget was given, for the refusal's line.

@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neutrain.optim.registry import optimizer_spec
-from neutrain.memory.model_config import shape_config
-from neutrain.memory.planner import Estimate, ModelShape, estimate_recipe
+from neutrain.memory.planner import Estimate, estimate_recipe
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 GEMM_FLOPS_PER_S = 515e12
 """Matrix products of a training step, bf16, per second on an H200. Calibrated on
@@ -268,7 +268,7 @@ def recipe_step_time(recipe, rates: Rates = GPU, shape: ModelShape | None = None
         >>> round(dense.step_s, 2), dense.bound
         (0.33, 'host')
     """
-    shape = shape or ModelShape.from_config(shape_config(recipe.model))
+    shape = shape or recipe_shape(recipe)
     return step_time(estimate_recipe(recipe, shape), shape, rates, recipe.train.gradient_accumulation_steps)
 
 
