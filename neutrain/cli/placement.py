@@ -33,16 +33,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
-from neutrain.memory import (NEUZIP_BITS, ModelShape, Residency, decide, device_memory_used, enforce_budget,
-                             resolve_budget)
+from neutrain.memory import (NEUZIP_BITS, ModelShape, Placement, Residency, decide, device_memory_used,
+                             enforce_budget, resolve_budget)
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
-from neutrain.nn.model_spec import ModelSpec, Placement
+from neutrain.nn.model_spec import ModelSpec
 from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
 
 if TYPE_CHECKING:
@@ -150,10 +151,11 @@ def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int 
     residency = resolve(path, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, extra_bytes=extra_bytes,
                         setting=setting, folder=folder)
     note = _note(residency, folder)
-    if residency.form == "dense":
+    placement = residency.placement
+    if not placement.compressed:
         model, _ = load_checkpoint_model(path, verified=True, folder=folder)
         return model.to(device), tokenizer, note, residency
-    model = build_form(path, residency.form, device, streamed=len(residency.streamed), folder=folder).eval()
+    model = build_placed(path, placement, device, folder=folder).eval()
     return model, tokenizer, note, residency
 
 
@@ -191,11 +193,20 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
     ``path`` as already read (:func:`read_folder`), else read here.
     """
     folder = folder or read_folder(path)
+    layers = (getattr(folder.config, "text_config", None) or folder.config).num_hidden_layers
+    count = 0 if form != "neuzip+offload" else layers if streamed is None else streamed
+    spread = LayerPlacement.spread(layers, count).offloaded if count else ()
+    return build_placed(path, Placement("neuzip-lossless", layers, spread), device, folder=folder)
+
+
+def build_placed(path: Path, placement: Placement, device: str = "cuda", *, folder: ModelFolder | None = None):
+    """The model of export or checkpoint ``path`` built as ``placement`` decided (compressed, with its streamed
+    layers in host memory) on ``device``. ``folder``: ``path`` as already read, else read here."""
+    folder = folder or read_folder(path)
     source, config, dtype = folder.source, folder.config, folder.dtype
-    offload = form == "neuzip+offload"
-    placement = Placement("neuzip-lossless", offload=offload, layers=streamed if offload else None, device=device)
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
-    spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False), placement=placement)
+    spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False),
+                     placement=placement.build_placement(device))
     model, report = build(spec)
     logger.info("generate: %s", report)
     return model

@@ -1,12 +1,13 @@
 """Where a run's memory goes, decided before anything is built, and held to while it runs.
 
 The package's modules, from the bottom: :mod:`~neutrain.memory.model_config` (the model's config, read
-without building it), :mod:`~neutrain.memory.planner` (the model's shape, one training step's peak as named
-terms), :mod:`~neutrain.memory.phase_planner` (every phase of a run), :mod:`~neutrain.memory.step_time` (one
+without building it), :mod:`~neutrain.memory.shape` (every parameter the build makes, experts included),
+:mod:`~neutrain.memory.planner` (one training step's peak as named terms),
+:mod:`~neutrain.memory.phase_planner` (every phase of a run), :mod:`~neutrain.memory.step_time` (one
 step's time), :mod:`~neutrain.memory.configurations` and :mod:`~neutrain.memory.fit` (the fastest
 configuration that fits the budget), :mod:`~neutrain.memory.residency` (what ``neutrain generate`` keeps on
-the GPU), :mod:`~neutrain.memory.budget` (the budget and the allocator's limit) and
-:mod:`~neutrain.memory.phases` (each phase's measured peak).
+the GPU), :mod:`~neutrain.memory.placement` (the decision both end in), :mod:`~neutrain.memory.budget` (the
+budget and the allocator's limit) and :mod:`~neutrain.memory.phases` (each phase's measured peak).
 
 Code outside the package imports the names below from ``neutrain.memory`` itself, never one of its
 modules (``tests/unit/memory/test_boundary.py``): the modules may then be split, merged or renamed freely.
@@ -17,8 +18,8 @@ Example:
     >>> from neutrain.config import load_recipe
     >>> from neutrain.memory import GIB, choose_fit
     >>> fit = choose_fit(load_recipe("llama3_8b"), budget=22 * GIB, host=64 * GIB)
-    >>> fit.weights, fit.changes
-    ('dense', {'memory.weights': 'dense'})
+    >>> fit.placement.weights, fit.placement.streamed
+    ('dense', ())
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PUBLIC = {
     "apply_changes": "configurations", "weight_options": "configurations",
     "FIT_HEADROOM": "fit", "Fit": "fit", "choose_fit": "fit", "link_cost": "fit", "pcie_bytes": "fit",
     "Residency": "residency", "decide": "residency",
+    "Placement": "placement",
     "auto_budget": "budget", "enforce_budget": "budget", "resolve_budget": "budget",
     "PHASES": "phases", "TRACKER": "phases", "current_phase": "phases", "device_memory_used": "phases",
     "out_of_memory_line": "phases", "phase": "phases",

@@ -37,6 +37,7 @@ from neutrain.errors import RecipeError
 from neutrain.memory.budget import auto_budget
 from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
+from neutrain.memory.placement import Placement
 from neutrain.memory.planner import GIB, Estimate
 from neutrain.memory.shape import ModelShape, recipe_shape
 from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
@@ -90,6 +91,7 @@ class Fit:
     tried: list[dict[str, Any]] = field(default_factory=list)
     step: StepTime | None = None
     weights: str | None = None
+    placement: Placement | None = None  # the decision, once chosen (:func:`choose_fit`)
 
     @property
     def peak(self) -> tuple[str, Estimate]:
@@ -215,7 +217,18 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     shown = _tried(fits, [c.family for c in options], limit, host)
     chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
     chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card))
+    chosen.placement = _placement(chosen, budget)
     return chosen
+
+
+def _placement(chosen: Fit, budget: int | None) -> Placement:
+    """The chosen configuration as the decision the trainer acts on, from its own training-step estimate."""
+    name, worst = chosen.peak
+    s = chosen.plan["train_step"].settings
+    return Placement(s["weights"], s["layers"], tuple(s.get("offloaded", ())),
+                     offload_activations=bool(s["offload_activations"]), micro_batch_size=s["batch"], budget=budget,
+                     peak_phase=name, peak_reserved=worst.reserved, phases=predicted_gib(chosen.plan),
+                     host_bytes=chosen.host_bytes, lines=(chosen.line,))
 
 
 def _unconstrained(fits: list[Fit], weights: str, recipe: Recipe) -> Fit | None:

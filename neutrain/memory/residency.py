@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import UserInputError
 from neutrain.memory.fit import FIT_HEADROOM
-from neutrain.memory.phase_planner import generation_plan, peak_phase
+from neutrain.memory.phase_planner import generation_plan, peak_phase, predicted_gib
+from neutrain.memory.placement import Placement
 from neutrain.memory.planner import GIB, NEUZIP_BITS, Estimate
 from neutrain.memory.shape import ModelShape
 
@@ -90,6 +91,13 @@ class Residency:
                  if self.streamed else f" on the GPU{exact}, all {self.layers} decoder layers resident")
         budget = f"budget {self.budget / GIB:.2f} GiB" if self.budget is not None else "no budget"
         return f"{WORDS[self.form]}{where}; predicted peak {self.predicted.reserved / GIB:.2f} GiB reserved, {budget}"
+
+    @property
+    def placement(self) -> Placement:
+        """The decision the generation's build acts on: the form, the layers streamed, the prediction."""
+        return Placement("dense" if self.form == "dense" else "neuzip-lossless", self.layers, self.streamed,
+                         budget=self.budget, peak_phase=self.phase, peak_reserved=self.predicted.reserved,
+                         phases=predicted_gib({self.phase: self.predicted}), lines=(self.line,))
 
     def summary(self) -> dict:
         """The decision as numbers (for a run's summary or a benchmark record)."""

@@ -54,7 +54,7 @@ def test_nothing_outside_the_package_imports_its_modules():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from neutrain.memory import choose_fit, estimate\n", []),
+    ("from neutrain.memory import choose_fit, Placement\n", []),
     ("from neutrain.memory.fit import choose_fit\n", ["1: neutrain.memory.fit"]),
     ("def f():\n    from neutrain.memory.planner import GIB  # lazy: torch\n", ["2: neutrain.memory.planner"]),
     ("import neutrain.memory.planner\n", ["1: neutrain.memory.planner"]),
@@ -74,7 +74,7 @@ def test_every_public_name_is_defined_where_the_package_says():
 
 def test_the_package_and_the_planner_import_without_torch():
     # `neutrain estimate` plans from the recipe's own numbers: the package's names must not pull torch in.
-    code = ("import sys, neutrain.memory as m; m.estimate_recipe, m.choose_fit, m.decide; "
+    code = ("import sys, neutrain.memory as m; m.estimate_recipe, m.choose_fit, m.Placement, m.decide; "
             "print('torch' in sys.modules or 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
