@@ -2,7 +2,7 @@
 dense and unbounded, one after the other in one call, as a user types them.
 
 Why: under a budget that holds most of the model's compressed layers, generation keeps those on the card and
-streams only the rest (:mod:`neutrain.cli.residency`); the figure that says whether that pays is its decode
+streams only the rest (:mod:`neutrain.memory.residency`); the figure that says whether that pays is its decode
 rate against the dense model's on a card that holds it (``generate_9gib_over_dense_tokens_per_s``).
 
 The export is the recipe's model with its random initialisation (``init: random``, as the recipe runs shape-only)
@@ -36,7 +36,7 @@ import sys, torch
 from transformers import AutoModelForCausalLM
 from neutrain.config import load_recipe
 from neutrain.data import byte_tokenizer
-from neutrain.trainer.model_config import config_only
+from neutrain.memory import config_only
 recipe, path = sys.argv[1], sys.argv[2]
 config = config_only(load_recipe(recipe).model)
 torch.manual_seed(0)

@@ -31,7 +31,7 @@ def device_used_gib() -> float | None:
     Through torch, which maps the CUDA index to NVML's through ``CUDA_VISIBLE_DEVICES``: NVML numbers
     every GPU of the host, so NVML's own index 0 is another card than ``cuda:0`` when a run is given
     the second GPU (two benchmarks side by side then each read the other's memory)."""
-    from neutrain.trainer.phases import device_memory_used
+    from neutrain.memory import device_memory_used
 
     if not torch.cuda.is_available():
         return None

@@ -19,7 +19,7 @@ From each run's ``summary.json`` and ``metrics.jsonl`` it records the configurat
 prediction, and tok/s; then timing runs (:data:`TIMING`): the shipped recipe (``memory.weights: auto``) with no
 budget and at 11, 7 and 5 GiB, at batch 1 and 8, and dense weights with no budget at batch 1. Each timing row
 records the weights and configuration its fit chose and the step time the fit predicted for it
-(:mod:`neutrain.trainer.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
+(:mod:`neutrain.memory.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
 ``--merge`` writes ``cards.json`` with the targets from the parts; each part's record holds the targets its own
 runs give. The timing run ``gen_9`` (:mod:`benchmarks._generate_timing`, not in the default list) times
 ``neutrain generate`` of the recipe's model under 9 GiB against the same export dense and unbounded, for
@@ -285,8 +285,7 @@ def pcie4_projection(timing: dict) -> dict | None:
     if not rec or not rec.get("tokens_per_s"):
         return None
     from neutrain.config import load_recipe
-    from neutrain.trainer.fit import apply_changes
-    from neutrain.trainer.planner import estimate_recipe
+    from neutrain.memory import apply_changes, estimate_recipe
 
     # The configuration the run's fit chose (which layers' weights, whether the activations, are offloaded).
     recipe = load_recipe(str(ROOT / RECIPE), ["train.micro_batch_size=8"])

@@ -185,7 +185,7 @@ def part_8b_offload(args) -> dict:
 
     from neutrain.nn.offload import offload_checkpointed_inputs
     from neutrain.nn.weight_offload_model import offload_weights
-    from neutrain.trainer.planner import ModelShape, estimate
+    from neutrain.memory import ModelShape, estimate
 
     config, model, opt, batch, seq, build_s = _build_8b(args)
     shape = ModelShape.from_config(config)
@@ -225,7 +225,7 @@ def part_70b(args) -> dict:
     from neutrain.nn.sources import RandomInit
     from neutrain.nn.weight_offload_model import weight_store
     from neutrain.optim import LOMO
-    from neutrain.trainer.planner import ModelShape, estimate
+    from neutrain.memory import ModelShape, estimate
 
     cfg = dict(TINY_70B if args.tiny else LLAMA3_70B)
     if args.layers_70b:

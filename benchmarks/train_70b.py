@@ -99,7 +99,7 @@ def main() -> int:
     from neutrain.nn.load import init_compressed
     from neutrain.nn.offload import STATS, offload_checkpointed_inputs
     from neutrain.optim import LOMO
-    from neutrain.trainer.planner import ModelShape, estimate
+    from neutrain.memory import ModelShape, estimate
 
     git_provenance()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -75,7 +75,7 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
 
     idle_gib = peers.device_used_gib()  # before this process touches the GPU: the card's own floor
 
-    from neutrain.trainer.planner import ModelShape, estimate
+    from neutrain.memory import ModelShape, estimate
 
     weights, opt_name = VARIANTS[key]
     cuda = torch.cuda.is_available()

@@ -6,7 +6,7 @@ functions alike (a lazy import is still a dependency), plus
 is the one drawn in ``docs/architecture.md``:
 
     errors, files, compat ← config, data, storage ← kernels ← compress ← optim ← nn ← decode
-        ← attention, eval, export, distributed ← speculative ← trainer ← distill ← cli
+        ← attention, eval, export, distributed ← memory ← speculative ← trainer ← distill ← cli
 
 A module may import its own package and any package of a strictly lower layer.
 ``config`` and ``data`` stand apart: they may import only ``errors``, ``files`` and ``compat``.
@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nn",),
     ("decode",),
     ("attention", "eval", "export", "distributed"),
+    ("memory",),
     ("speculative",),
     ("trainer",),
     ("distill",),  # the DistillationTrainer is a NeuTrainer
@@ -225,7 +226,8 @@ def test_the_architecture_diagram_shows_every_package_in_its_layer():
 
 
 #: Packages whose function-level neutrain imports must carry a ``# lazy: <reason>`` comment.
-LAZY_MARKED = ("kernels", "compress", "attention", "decode", "eval", "speculative", "distill", "export", "data",
+LAZY_MARKED = ("kernels", "compress", "attention", "decode", "eval", "memory", "speculative", "distill", "export",
+               "data",
                "storage", "config", "cli", "")
 
 

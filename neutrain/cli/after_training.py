@@ -79,7 +79,7 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     """
     from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_files import peak_memory_stats  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import phase  # lazy: `neutrain --help` stays instant
 
     recipe, trainer, tokenizer, heldout, state = ctx.recipe, ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
     out = recipe.train["output_dir"]

@@ -1,8 +1,8 @@
 """``neutrain estimate``: predict a recipe's peak GPU memory from its model config, loading no weights.
 
 It prints the training step's terms, then each phase's predicted peak (build, training step,
-evaluation, sample, save, resume, export: :mod:`neutrain.trainer.phase_planner`), then the device
-budget and the configuration the run would choose for it (:mod:`neutrain.trainer.fit`).
+evaluation, sample, save, resume, export: :mod:`neutrain.memory.phase_planner`), then the device
+budget and the configuration the run would choose for it (:mod:`neutrain.memory.fit`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ def run(args) -> int:
     """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
     from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
+    # lazy: `neutrain --help` stays instant
+    from neutrain.memory import GIB, apply_changes, choose_fit, estimate_recipe, plan_recipe, plan_table, resolve_budget
 
     recipe = load_recipe(args.recipe, args.overrides, shape_only=True)  # no transformers where the shape is given
     setting = recipe.memory.device_budget_gib
@@ -89,7 +88,7 @@ def configurations_table(fit, gpu: bool) -> str:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.trainer.fit import choose_fit
+        >>> from neutrain.memory import choose_fit
         >>> print(configurations_table(choose_fit(load_recipe("llama3_8b"), 22 * 2**30, 64 * 2**30), True))
         ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         configurations (tok/s predicted on an H200, fastest first)
@@ -98,7 +97,7 @@ def configurations_table(fit, gpu: bool) -> str:
              16.55      0.25     3,094  yes   dense weights, offloading activations
         ...
     """
-    from neutrain.trainer.step_time import rate  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import rate  # lazy: `neutrain --help` stays instant
 
     lines = [f"\nconfigurations (tok/s predicted on {'an H200' if gpu else 'this CPU'}, fastest first)",
              f"  {'reserved':>8}{'host':>10}{'tok/s':>10}  fits  configuration"]

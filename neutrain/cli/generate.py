@@ -154,7 +154,7 @@ def check_arguments(args) -> None:
 class Loaded:
     """A model loaded for generation, its tokenizer, whether prompts go through its chat template and why,
     where it was placed (a line for stderr, or None) and the placement decided on a GPU
-    (:class:`~neutrain.cli.residency.Residency`: its ``positions`` are the most one sequence may hold)."""
+    (:class:`~neutrain.memory.residency.Residency`: its ``positions`` are the most one sequence may hold)."""
 
     model: object
     tokenizer: object

@@ -14,7 +14,7 @@ Bad input (recipe, data, checkpoint, arguments) prints one line naming the key,
 file or value and exits with code 2; a failure of the environment (full disk,
 read-only file system, unusable output_dir) prints one line naming the path and
 exits with code 1; so does a device allocation over ``memory.device_budget_gib``, naming the phase of the run
-it happened in (:func:`neutrain.trainer.phases.out_of_memory_line`). NEUTRAIN_DEBUG=1 shows the traceback instead.
+it happened in (:func:`neutrain.memory.phases.out_of_memory_line`). NEUTRAIN_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def _main(argv: list[str] | None) -> int:
             print_error(str(cause))
             return EXIT_ENVIRONMENT
         if "torch" in sys.modules:  # a device out of memory: the phase it happened in, the budget, the plan
-            from neutrain.trainer.phases import out_of_memory_line  # lazy: imports torch, loaded already here
+            from neutrain.memory import out_of_memory_line  # lazy: imports torch, loaded already here
 
             line = out_of_memory_line(exc)
             if line is not None:

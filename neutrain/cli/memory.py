@@ -2,9 +2,9 @@
 
 ``neutrain train`` calls :func:`fit_memory` once the process state exists and before anything is built:
 it resolves ``memory.device_budget_gib`` against this card, picks the configuration
-(:mod:`neutrain.trainer.fit`), prints the one line saying which and why, and on CUDA sets the
+(:mod:`neutrain.memory.fit`), prints the one line saying which and why, and on CUDA sets the
 allocator's hard limit to the budget. After the run, :func:`phase_report` puts each phase's measured
-peaks (:mod:`neutrain.trainer.phases`) beside the planner's prediction in ``metrics.jsonl`` and the
+peaks (:mod:`neutrain.memory.phases`) beside the planner's prediction in ``metrics.jsonl`` and the
 summary.
 """
 
@@ -21,28 +21,8 @@ from neutrain.errors import RecipeError
 logger = logging.getLogger("neutrain")
 
 
-def enforce_budget(budget: int, device: int) -> float:
-    """Cap this process's CUDA caching allocator at ``budget`` bytes on ``device``; returns the fraction set.
-
-    ``torch.cuda.set_per_process_memory_fraction`` limits what the allocator reserves, so an
-    allocation over the budget raises ``torch.OutOfMemoryError`` (named by phase at the top level)
-    instead of growing into memory the budget promised to leave free.
-    """
-    import torch  # lazy: `neutrain --help` stays instant
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    if budget > total:
-        logger.warning("memory.device_budget_gib: %.2f GiB is more than this card's %.2f GiB; the card is the limit",
-                       budget / 2**30, total / 2**30)
-    fraction = min(1.0, budget / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    logger.info("memory.device_budget_gib: the CUDA allocator may reserve %.2f GiB (%.4f of %.2f GiB)",
-                budget / 2**30, fraction, total / 2**30)
-    return fraction
-
-
 SLOW_STEP_S = 120.0
-"""A step predicted longer than this (:mod:`neutrain.trainer.step_time`) is refused before the build unless
+"""A step predicted longer than this (:mod:`neutrain.memory.step_time`) is refused before the build unless
 ``train.allow_slow_device``: the 8B recipe on a 2-core CPU printed one line and then nothing for more than 11
 minutes while it built, and would have taken minutes a step after that. The CPU recipes predict under 10 s."""
 
@@ -50,7 +30,7 @@ minutes while it built, and would have taken minutes a step after that. The CPU 
 def _weights_without_fit(recipe: Recipe, why: str, echo: Callable[[str], None] | None) -> Recipe:
     """``memory.weights: auto`` where no fit can be made: NeuZip lossless where the recipe can train it (the
     same model in less memory), else dense; said in one line."""
-    from neutrain.trainer.configurations import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import apply_changes, weight_options  # lazy: `neutrain --help` stays instant
 
     weights = weight_options(recipe)[-1]
     if echo is not None:
@@ -65,7 +45,7 @@ def settle_weights(recipe: Recipe, echo: Callable[[str], None] | None = None, pr
         return recipe
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.trainer.fit import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import apply_changes, choose_fit  # lazy: `neutrain --help` stays instant
 
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
     card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if gpu else None
@@ -87,8 +67,7 @@ def check_step_time(recipe: Recipe, fit, gpu: bool) -> None:
     """
     if gpu or fit is None or fit.step is None or recipe.train.allow_slow_device or fit.step.step_s <= SLOW_STEP_S:
         return
-    from neutrain.trainer.fit import choose_fit  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.step_time import duration, rate  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import choose_fit, duration, rate  # lazy: `neutrain --help` stays instant
 
     on_gpu = choose_fit(recipe, None, None, gpu=True)
     name = recipe.source or "this recipe"
@@ -113,9 +92,8 @@ def fit_memory(recipe: Recipe, state, echo: Callable[[str], None] = print):
     """
     import torch  # lazy: `neutrain --help` stays instant
 
-    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phase_planner import predicted_gib  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phases import TRACKER  # lazy: `neutrain --help` stays instant
+    # lazy: `neutrain --help` stays instant
+    from neutrain.memory import TRACKER, apply_changes, choose_fit, enforce_budget, predicted_gib, resolve_budget
 
     TRACKER.reset()
     gpu = not recipe.train.use_cpu and torch.cuda.is_available()
@@ -162,7 +140,7 @@ def phase_report(summary: dict[str, Any], fit, out: str, step: int) -> None:
     (measured figures only on CUDA, predicted ones where the planner could read the model config, the
     error predicted / measured - 1 where both are there).
     """
-    from neutrain.trainer.phases import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import PHASES, TRACKER  # lazy: `neutrain --help` stays instant
 
     if fit is not None:
         summary["memory_fit"] = fit.as_dict()

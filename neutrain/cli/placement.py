@@ -3,8 +3,8 @@
 A user who fine-tuned an 8B on a 12 GB card generates on that card too. Before anything is read, the
 model's config and safetensors headers are weighed against the device budget (``--device-budget-gib``,
 default: ``memory.device_budget_gib: auto``'s, the card's memory less the CUDA context and a margin), and
-:func:`neutrain.cli.residency.decide` picks the fastest placement that fits, as one
-:class:`~neutrain.cli.residency.Residency`:
+:func:`neutrain.memory.residency.decide` picks the fastest placement that fits, as one
+:class:`~neutrain.memory.residency.Residency`:
 
 1. ``dense``: the weights as stored, on the GPU (fastest decode);
 2. ``neuzip``: NeuZip lossless on the GPU, compressed one tensor at a time while reading (bit-exact);
@@ -19,8 +19,7 @@ promise is kept or the command ends in one line. On a CPU, or with ``--device cp
 before (``neutrain.export.load_checkpoint_model``).
 
 Example:
-    >>> from neutrain.cli.residency import decide
-    >>> from neutrain.trainer.planner import ModelShape
+    >>> from neutrain.memory import ModelShape, decide
     >>> decide(ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128), int(14.5 * GIB), prompt_tokens=16,
     ...        new_tokens=64).form
     'neuzip'
@@ -34,20 +33,18 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
 from neutrain.export.hf import _config_dtype, _load_tokenizer
 from neutrain.files import read_json_object
-from neutrain.cli.memory import enforce_budget
-from neutrain.cli.residency import Residency, decide
+from neutrain.memory import (NEUZIP_BITS, ModelShape, Placement, Residency, decide, device_memory_used,
+                             enforce_budget, resolve_budget)
 from neutrain.storage.manifest import safetensors_header, verify_checkpoint
-from neutrain.trainer.fit import resolve_budget
-from neutrain.trainer.phases import device_memory_used
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
-from neutrain.nn.model_spec import ModelSpec, Placement
+from neutrain.nn.model_spec import ModelSpec
 from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
-from neutrain.trainer.planner import NEUZIP_BITS, ModelShape
 
 if TYPE_CHECKING:
     import torch
@@ -154,16 +151,17 @@ def place_on(path: Path, device: str, budget: int | None, *, prompt_tokens: int 
     residency = resolve(path, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, extra_bytes=extra_bytes,
                         setting=setting, folder=folder)
     note = _note(residency, folder)
-    if residency.form == "dense":
+    placement = residency.placement
+    if not placement.compressed:
         model, _ = load_checkpoint_model(path, verified=True, folder=folder)
         return model.to(device), tokenizer, note, residency
-    model = build_form(path, residency.form, device, streamed=len(residency.streamed), folder=folder).eval()
+    model = build_placed(path, placement, device, folder=folder).eval()
     return model, tokenizer, note, residency
 
 
 def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: int, extra_bytes: float = 0.0,
             setting: str = "--device-budget-gib", folder: ModelFolder | None = None) -> Residency:
-    """The :class:`~neutrain.cli.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
+    """The :class:`~neutrain.memory.residency.Residency` of export or checkpoint ``path`` under ``budget`` bytes, from
     its config and safetensors headers alone (nothing is read or built). ``folder``: ``path`` as already read
     (:func:`read_folder`), else read here."""
     folder = folder or read_folder(path)
@@ -171,35 +169,16 @@ def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: i
     # A compressed run's checkpoint or a NeuZip export: its files' bytes are the compressed form already.
     encoded = is_encoded(folder.source)
     dtype_bytes = folder.dtype.itemsize
-    shape = _shape(getattr(config, "text_config", None) or config)
+    shape = ModelShape.from_config(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens + new_tokens > context:
         new_tokens = max(context - prompt_tokens, 1)  # more is refused once loaded, in check_context's own words
-    # The files' bytes against those the shape counts: more when the shape misses weights (a mixture's experts).
+    # The files' bytes against those the shape counts (the build's parameters, experts included): more only when
+    # the files hold tensors the build does not make.
     modeled = shape.params() * (NEUZIP_BITS / 8 if encoded else dtype_bytes)
     return decide(shape, budget, prompt_tokens=prompt_tokens, new_tokens=new_tokens, dtype_bytes=dtype_bytes,
                   weight_scale=total / modeled, dense=not encoded, encoded=encoded,
                   extra={"draft": float(extra_bytes)} if extra_bytes else None, setting=setting)
-
-
-def _shape(config) -> ModelShape:
-    """The planner's shape of ``config``; a config without ``intermediate_size`` (GPT-2's ``n_inner``) gets its
-    MLP width from the names such configs use, the default four times the hidden size."""
-    if getattr(config, "intermediate_size", None) is None:
-        hidden = config.hidden_size
-        width = getattr(config, "n_inner", None) or getattr(config, "ffn_dim", None) or 4 * hidden
-        return ModelShape.from_config(_Widened(config, width))
-    return ModelShape.from_config(config)
-
-
-class _Widened:
-    """``config`` with an ``intermediate_size``: a view for :meth:`ModelShape.from_config`."""
-
-    def __init__(self, config, intermediate_size: int):
-        self._config, self.intermediate_size = config, intermediate_size
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
 
 
 def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None = None, *,
@@ -209,16 +188,25 @@ def build_form(path: Path, form: str, device: str = "cuda", streamed: int | None
     run's checkpoint is placed from its blobs, without re-encoding.
 
     ``neuzip+offload`` streams ``streamed`` decoder layers (None: every one), spread through the model as
-    :class:`~neutrain.cli.residency.Residency` names them: each moves to host memory as soon as its last tensor
+    :class:`~neutrain.memory.residency.Residency` names them: each moves to host memory as soon as its last tensor
     is read, so the device never holds them; a layer split across shards waits for its other part. ``folder``:
     ``path`` as already read (:func:`read_folder`), else read here.
     """
     folder = folder or read_folder(path)
+    layers = (getattr(folder.config, "text_config", None) or folder.config).num_hidden_layers
+    count = 0 if form != "neuzip+offload" else layers if streamed is None else streamed
+    spread = LayerPlacement.spread(layers, count).offloaded if count else ()
+    return build_placed(path, Placement("neuzip-lossless", layers, spread), device, folder=folder)
+
+
+def build_placed(path: Path, placement: Placement, device: str = "cuda", *, folder: ModelFolder | None = None):
+    """The model of export or checkpoint ``path`` built as ``placement`` decided (compressed, with its streamed
+    layers in host memory) on ``device``. ``folder``: ``path`` as already read, else read here."""
+    folder = folder or read_folder(path)
     source, config, dtype = folder.source, folder.config, folder.dtype
-    offload = form == "neuzip+offload"
-    placement = Placement("neuzip-lossless", offload=offload, layers=streamed if offload else None, device=device)
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
-    spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False), placement=placement)
+    spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False),
+                     placement=placement.build_placement(device))
     model, report = build(spec)
     logger.info("generate: %s", report)
     return model

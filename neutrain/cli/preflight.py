@@ -283,8 +283,7 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
     mem = recipe.memory
     if available is None or not (mem["offload_weights"] or mem["offload_activations"]):
         return
-    from neutrain.trainer.configurations import apply_changes  # lazy: torch-free checks stay fast
-    from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: torch-free checks stay fast
+    from neutrain.memory import GIB, apply_changes, estimate_recipe  # lazy: torch-free checks stay fast
 
     if mem["weights"] == "auto":  # the host bytes are the activations', and offloaded weights are NeuZip's
         recipe = apply_changes(recipe, {"memory.weights": "neuzip-lossless" if mem["offload_weights"] else "dense"})
@@ -345,7 +344,7 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
 
     Why: ``model.config`` with ``hidden_size`` or ``vocab_size`` of 1e9 failed in the allocator with a
     traceback, and ``num_hidden_layers: 1000000`` hung while building. The parameter count comes from the
-    planner's :class:`~neutrain.trainer.planner.ModelShape` (its counts are closed-form, so a depth of a
+    planner's `neutrain.memory.ModelShape` (its counts are closed-form, so a depth of a
     million layers costs nothing), times the bytes a weight takes as built (dtype, or NeuZip's bits).
     Only a certain failure is refused: the weights alone, without gradients, optimizer or activations.
 
@@ -364,11 +363,10 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
         ...     print(str(e)[:40])
         model.config: the weights alone need abo
     """
-    from neutrain.trainer.planner import GIB, NEUZIP_BITS, ModelShape  # lazy: torch-free checks stay fast
-    from neutrain.trainer.model_config import shape_config  # lazy: same reason
+    from neutrain.memory import GIB, NEUZIP_BITS, recipe_shape  # lazy: torch-free checks stay fast
 
     try:
-        shape = ModelShape.from_config(shape_config(recipe.model))
+        shape = recipe_shape(recipe)
     except (OSError, ImportError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return  # the config cannot be read without building: the build names what is wrong
     if shape.layers > MAX_LAYERS:

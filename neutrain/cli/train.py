@@ -141,14 +141,16 @@ def _adapter_base(recipe: Recipe, out: str) -> str | None:
     return model_fingerprint(base) if base.is_dir() else None
 
 
-def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | None = None) -> RunContext:
+def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | None = None,
+                  placement=None) -> RunContext:
     """Build tokenizer, data, model and :class:`~neutrain.trainer.trainer.NeuTrainer` from a recipe, without training.
 
     ``resume``: the checkpoint the run will resume, refused (one line) when it was trained with another
     weights format, model shape, optimizer, tokenizer or dataset (:mod:`neutrain.trainer.resume_check`)
     before the recipe copy in ``output_dir`` is replaced. ``identity``: the recipe the run's identity file
     records (:func:`neutrain.trainer.ownership.identity_recipe` of the recipe as launched, before the memory
-    fit changed it); default: this recipe's.
+    fit changed it); default: this recipe's. ``placement``: the memory fit's decision
+    (:class:`neutrain.memory.Placement`), which the trainer acts on; None: the recipe's memory keys.
 
     Example:
         >>> import tempfile
@@ -217,7 +219,7 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
         processing_class=tokenizer, memory=recipe.memory, train=t,
-        resume_reset_optimizer=t["resume_reset_optimizer"],
+        resume_reset_optimizer=t["resume_reset_optimizer"], placement=placement,
     )
     from neutrain.data.sources import file_fingerprints  # lazy: `neutrain --help` stays instant
 
@@ -279,7 +281,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
     from neutrain.storage.refused_start import undone_if_refused  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import identity_recipe, planned_names  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.run_state import prepare_run  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
+    from neutrain.memory import phase  # lazy: `neutrain --help` stays instant
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
@@ -303,7 +305,8 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
         recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
         with phase("build"):
-            ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity)
+            ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity,
+                                placement=fit.placement if fit is not None else None)
         trainer, state = ctx.trainer, ctx.state
         if state.is_main_process and not plan.after_training:  # the room for every save and the export, before step 1
             check_run_disk(ctx, plan.step)

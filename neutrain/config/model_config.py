@@ -197,6 +197,8 @@ def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
         return None
     if not all(_whole(values.get(key)) for key in SIZES) or not isinstance(values.get("tie_word_embeddings"), bool):
         return None
+    if values.get("attention_bias") or values.get("mlp_bias"):
+        return None  # biases beyond the closed form's: the build's own table counts them
     heads, hidden = values["num_attention_heads"], values["hidden_size"]
     if hidden % heads or heads % values["num_key_value_heads"]:
         return None  # refused by the class or the build, in their own words
@@ -218,4 +220,5 @@ def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
                            intermediate_size=values["intermediate_size"],
                            num_hidden_layers=values["num_hidden_layers"],
                            num_key_value_heads=values["num_key_value_heads"], vocab_size=vocab,
-                           tie_word_embeddings=values["tie_word_embeddings"], head_dim=head_dim)
+                           tie_word_embeddings=values["tie_word_embeddings"], head_dim=head_dim,
+                           qkv_bias=values["model_type"] == "qwen2")  # Qwen2's q, k and v always carry a bias

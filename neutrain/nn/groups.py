@@ -301,7 +301,7 @@ def form_groups(model: torch.nn.Module, weights_of, keeps) -> int:
         return 0
     if any(w.home is not None for w in weights_of(model)):
         # Layers in host memory decode per weight from their payloads, through the layer slots; grouping the
-        # rest would hold the vocabulary slot all step, which the fit did not count on (neutrain.trainer.planner).
+        # rest would hold the vocabulary slot all step, which the fit did not count on (neutrain.memory.planner).
         return 0
     layers = []
     for modules in _layer_lists(model):

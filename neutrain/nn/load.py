@@ -199,3 +199,16 @@ def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
 
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def parameter_shapes(config, trust_remote_code: bool = False) -> list[tuple[str, tuple[int, ...], int]]:
+    """``(name, shape, bytes per element at bf16 compute)`` of every parameter the build gives ``config``'s
+    model, read from its skeleton on the meta device (no memory, no weights): each architecture's own modules,
+    MoE expert stacks included, a tied head once. The memory planner reads a model's size from here, so it
+    counts what the build allocates."""
+    model = _skeleton(config, torch.bfloat16, trust_remote_code)
+    head = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        head.weight = model.get_input_embeddings().weight  # as the sink ties them (neutrain.nn.sink)
+    # An architecture may keep a tensor in fp32 whatever the compute dtype (DeepSeek V3's router): 4 bytes, not 2.
+    return [(name, tuple(param.shape), param.element_size()) for name, param in model.named_parameters()]

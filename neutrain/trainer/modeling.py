@@ -31,7 +31,7 @@ from neutrain.nn.sources import RandomInit, folder_source
 from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError
 # Where callers have always found them (the planner imports them from model_config, without torch):
-from neutrain.trainer.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
+from neutrain.memory import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from neutrain.config.schema import FUSED_OPTIMIZERS, MemorySection, TrainSection
 from neutrain.config.validate import section_from
 from neutrain.trainer.callbacks import ChecksummedCheckpoint, MetricsFileCallback, NoFinalSave, PlotCallback
 from neutrain.trainer.determinism import deterministic_kernels
-from neutrain.trainer.phases import phase
+from neutrain.memory import Placement, phase
 from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
 from neutrain.trainer.resume_check import write_run_record
 from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
@@ -162,8 +162,10 @@ class NeuTrainer(Trainer):
     run_record: dict[str, Any] | None = None
 
     def __init__(self, *args, memory: Mapping[str, Any] | None = None, train: Mapping[str, Any] | None = None,
-                 resume_reset_optimizer: bool = False, **kwargs):
+                 resume_reset_optimizer: bool = False, placement: Placement | None = None, **kwargs):
         self.memory, self.train_section = _trainer_sections(memory, train)
+        # The memory fit's decision (neutrain.memory.Placement); None: the memory section's keys as they are.
+        self.placement = placement
         self.resume_reset_optimizer = resume_reset_optimizer
         self.fused = self.train_section.optimizer in FUSED_OPTIMIZERS
         super().__init__(*args, **kwargs)
@@ -243,15 +245,19 @@ class NeuTrainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         prepared = self.distributed_mode.prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint,
                                                               super()._prepare_for_training)
-        store, asked = weight_store(_unwrap(self.model)), self.memory.offload_layers
-        if self.memory.offload_weights and store is None:
+        planned = self.placement
+        store = weight_store(_unwrap(self.model))
+        offload = planned.offload_weights if planned is not None else self.memory.offload_weights
+        asked = len(planned.streamed) if planned is not None and planned.streamed else self.memory.offload_layers
+        activations = planned.offload_activations if planned is not None else self.memory.offload_activations
+        if offload and store is None:
             # A model built elsewhere: its layers (memory.offload_layers of them) go to host memory now.
             offload_weights(_unwrap(self.model), count=asked)
         elif store is not None and asked is not None and len(store.layers) != asked:
             # The planner counted `asked` layers' worth of device memory and PCIe bytes; say where they differ.
             logger.warning("memory.offload_layers: %d asked, but the build put %d decoder layers in host memory",
                            asked, len(store.layers))
-        if self.memory.offload_activations:
+        if activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
             layers = offload_checkpointed_inputs(_unwrap(self.model))
             logger.info("memory.offload_activations: %d checkpointed layers keep their inputs in host memory", layers)
@@ -392,7 +398,7 @@ class NeuTrainer(Trainer):
             return loaded
 
     def evaluate(self, *args, **kwargs):
-        """``Trainer.evaluate``, measured as the run's ``eval`` phase (:mod:`neutrain.trainer.phases`)."""
+        """``Trainer.evaluate``, measured as the run's ``eval`` phase (:mod:`neutrain.memory.phases`)."""
         with phase("eval"):
             return super().evaluate(*args, **kwargs)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from neutrain.cli import main as neutrain
-from neutrain.trainer.phases import PHASES
+from neutrain.memory import PHASES
 from tests.helpers import one_error_line, write_recipe
 
 OOM = "CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 14.50 GiB"
@@ -129,7 +129,7 @@ def test_on_a_gpu_the_fit_is_applied_and_the_budget_is_the_allocators_limit(monk
 
     from neutrain.cli.memory import fit_memory
     from neutrain.config import load_recipe
-    from neutrain.trainer.fit import auto_budget
+    from neutrain.memory import auto_budget
 
     total, limits, said = card_gb * 10**9, [], []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

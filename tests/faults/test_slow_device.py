@@ -15,7 +15,7 @@ from neutrain.cli import main as neutrain
 from neutrain.cli.memory import SLOW_STEP_S, check_step_time
 from neutrain.cli.preflight import host_memory_available
 from neutrain.config import RecipeError, load_recipe
-from neutrain.trainer.fit import choose_fit
+from neutrain.memory import choose_fit
 from tests.helpers import load_shipped_recipe, one_error_line
 
 REPO = Path(__file__).resolve().parents[2]

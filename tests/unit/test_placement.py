@@ -1,5 +1,5 @@
 """`neutrain generate`'s placement: the fastest that fits the device budget, from the config and the weights' headers,
-built as decided (the decision's rule: tests/unit/test_residency.py)."""
+built as decided (the decision's rule: tests/unit/memory/test_residency.py)."""
 
 import json
 import os
@@ -77,7 +77,7 @@ print(json.dumps({"note": note, "same": got == want, "offloaded": 0 if store is 
 
 def _least_budget(path, accepts, prompt_tokens: int = 5, new_tokens: int = 16) -> float:
     """The least budget (GiB, a few bytes over) whose decision for ``path`` ``accepts``, by bisection: more budget
-    never keeps fewer layers nor gives a slower form (tests/unit/test_residency.py)."""
+    never keeps fewer layers nor gives a slower form (tests/unit/memory/test_residency.py)."""
     from neutrain.errors import UserInputError
 
     def enough(nbytes: int) -> bool:

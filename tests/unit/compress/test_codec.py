@@ -118,7 +118,7 @@ def test_lossless_bits_per_weight_on_llama3_8b_shapes_match_the_planner():
         bits += per_weight * numel * count
         stored += (per_weight - 32 * (ct.stream.numel() - ct.stream_words) / x.numel()) * numel * count
         weights += numel * count
-    from neutrain.trainer.planner import NEUZIP_BITS
+    from neutrain.memory import NEUZIP_BITS
 
     assert abs(bits / weights - NEUZIP_BITS) <= 0.02, bits / weights
     assert stored / weights <= 10.8, stored / weights  # the stored size: under 10.8 bits

@@ -11,8 +11,7 @@ import pytest
 
 from neutrain.config import RecipeError, load_recipe, validate_recipe
 from neutrain.config.model_config import DERIVED_HEAD_DIM, plain_shape_config
-from neutrain.trainer.model_config import config_only, shape_config
-from neutrain.trainer.planner import ModelShape
+from neutrain.memory import ModelShape, config_only, shape_config
 from tests.helpers import TINY_LLAMA, TINY_RECIPE, load_shipped_recipe
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,7 +39,10 @@ def test_each_architecture_read_plainly_matches_its_class(model_type, extra, tok
     if tokenizer == "gpt2" and "vocab_size" not in extra:  # the class's default vocabulary: its own to say
         assert plain_shape_config(model) is None
         return
-    assert ModelShape.from_config(plain_shape_config(model)) == ModelShape.from_config(config_only(model))
+    plain, built = ModelShape.from_config(plain_shape_config(model)), ModelShape.from_config(config_only(model))
+    assert plain == built
+    # The closed form counts what the build makes (Qwen2's q/k/v biases too), matrices and vectors alike.
+    assert (plain.matrix_params(), plain.norm_params()) == (built.matrix_params(), built.norm_params())
 
 
 def test_a_json_config_file_is_read_plainly_and_sized_to_the_tokenizer(tmp_path):

@@ -23,7 +23,7 @@ from neutrain.optim.registry import (
     OptimizerSpec, StateCost, optimizer_spec, optimizer_specs, register_optimizer, unregister_optimizer,
 )
 from neutrain.optim.rule import scaled
-from neutrain.trainer.planner import GIB, ModelShape, estimate, estimate_recipe
+from neutrain.memory import GIB, ModelShape, estimate, estimate_recipe
 from tests.helpers import TINY_LLAMA, TINY_RECIPE
 
 from .optim_helpers import batches, loss_fn, make_mlp
@@ -115,7 +115,7 @@ def test_the_planner_costs_its_state_and_update(heavy_ball):
     assert round((est.total - lomo.total) / GIB, 2) == round(4 * LLAMA3_8B.params() / GIB, 2)
     recipe = validate_recipe(_recipe(optimizer=TOY))
     assert estimate_recipe(recipe).terms["optimizer_state"] > 0
-    from neutrain.trainer.step_time import update_passes
+    from neutrain.memory.step_time import update_passes
 
     assert update_passes(TOY) == 5
 
@@ -162,7 +162,7 @@ def test_every_shipped_spec_agrees_with_its_class():
 def test_the_registry_and_the_recipe_check_import_no_torch():
     """The recipe check and the planner read the registry before torch is imported (a bad recipe is refused at once)."""
     code = ("import sys, neutrain.config.validate, neutrain.optim.registry, neutrain.eval.kv.registry, "
-            "neutrain.trainer.planner; from neutrain.config.schema import OPTIMIZERS, KV_CACHES; "
+            "neutrain.memory.planner; from neutrain.config.schema import OPTIMIZERS, KV_CACHES; "
             "assert 'lomo' in OPTIMIZERS and 'minicache' in KV_CACHES; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

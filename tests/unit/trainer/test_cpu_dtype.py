@@ -98,7 +98,7 @@ def test_the_size_check_counts_auto_as_the_dtype_this_cpu_builds(fake_cpu, cpuin
     from neutrain.config import load_recipe
     from neutrain.errors import RecipeError
     from neutrain.trainer.modeling import config_only
-    from neutrain.trainer.planner import ModelShape
+    from neutrain.memory import ModelShape
 
     fake_cpu(cpuinfo)
     recipe = load_recipe("default", ["model.dtype=auto", "memory.weights=dense", "train.use_cpu=true"])

@@ -3,8 +3,8 @@
 Why: a user with a 12 GB card should not have to know which of the 8B's weights must live in host
 memory for it to train there, and a user with a 24 GB card should not pay for compression the card does
 not need. Before anything is built, :func:`choose_fit` predicts every phase of the run
-(:mod:`neutrain.trainer.phase_planner`) and one step's time (:mod:`neutrain.trainer.step_time`) for each
-configuration (:mod:`neutrain.trainer.configurations`: dense or NeuZip weights, activations or k layers
+(:mod:`neutrain.memory.phase_planner`) and one step's time (:mod:`neutrain.memory.step_time`) for each
+configuration (:mod:`neutrain.memory.configurations`: dense or NeuZip weights, activations or k layers
 in host memory, a smaller micro-batch), keeps those whose predicted peak reserved bytes fit the budget
 (leaving :data:`FIT_HEADROOM` of it) and whose pinned host bytes fit the host, and takes the one with the
 shortest predicted step. They all train the same model: lossless compression, offload and accumulation
@@ -34,18 +34,19 @@ from typing import Any
 
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
-from neutrain.trainer.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.phase_planner import peak_phase, plan_recipe, predicted_gib
-from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB, Estimate, ModelShape
-from neutrain.trainer.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
+from neutrain.memory.budget import auto_budget
+from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
+from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
+from neutrain.memory.placement import Placement
+from neutrain.memory.planner import GIB, Estimate
+from neutrain.memory.shape import ModelShape, recipe_shape
+from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
 
-__all__ = ["AUTO_MARGIN_BYTES", "FIT_HEADROOM", "Fit", "apply_changes", "auto_budget", "candidates", "choose_fit",
-           "link_cost", "pcie_bytes", "resolve_budget"]
+__all__ = ["FIT_HEADROOM", "Fit", "apply_changes", "candidates", "choose_fit", "link_cost", "pcie_bytes"]
 
 FIT_HEADROOM = 0.05
 """Share of the budget a configuration must leave free: the budget is the allocator's hard limit, and the
-planner's phases are within 6% of what the GPU measured for the 8B (tests/unit/trainer/test_phase_planner.py),
+planner's phases are within 6% of what the GPU measured for the 8B (tests/unit/memory/test_phase_planner.py),
 so a prediction 1% under the budget is no promise."""
 
 
@@ -54,7 +55,7 @@ def pcie_bytes(train: Estimate) -> float:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.trainer.planner import estimate_recipe
+        >>> from neutrain.memory.planner import estimate_recipe
         >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless", "memory.offload_weights=true",
         ...                                                 "memory.offload_layers=8"]))
         >>> round(pcie_bytes(est) / GIB, 2)  # 12 layers in (two stay in the slots at each turn), 8 out
@@ -69,44 +70,12 @@ def link_cost(train: Estimate) -> float:
 
     Example:
         >>> from neutrain.config import load_recipe
-        >>> from neutrain.trainer.planner import estimate_recipe
+        >>> from neutrain.memory.planner import estimate_recipe
         >>> acts = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=dense", "memory.offload_activations=true"]))
         >>> round(link_cost(acts) / GIB, 3)  # 32 layers x 1024 tokens x 4096 x 2 bytes, out and back in
         0.103
     """
     return (1 - COPY_HIDDEN_SHARE) * pcie_bytes(train)
-
-
-AUTO_MARGIN_BYTES = 0.5 * GIB
-"""``memory.device_budget_gib: auto`` leaves this much of the card beside the CUDA context: the 0.47 GiB
-the H100 showed in use before any process started (``device_used_idle_gib``,
-benchmarks/results/train_memory.json), which a desktop card's display also takes."""
-
-
-def auto_budget(card_total: int) -> int:
-    """``auto``: the card's total memory minus the CUDA context and :data:`AUTO_MARGIN_BYTES` (bytes).
-
-    Example:
-        >>> round(auto_budget(24 * 10**9) / GIB, 2)  # a 24 GB card
-        21.1
-    """
-    return int(card_total - CUDA_CONTEXT_BYTES - AUTO_MARGIN_BYTES)
-
-
-def resolve_budget(setting: float | str, card_total: int | None) -> int | None:
-    """Bytes of ``memory.device_budget_gib`` (``auto``, ``none`` or GiB) on a card of ``card_total`` bytes.
-
-    ``auto`` without a card (CPU) is no budget; a number is a budget wherever the run is.
-
-    Example:
-        >>> resolve_budget(14.5, None) / GIB, resolve_budget("none", 80 * GIB), resolve_budget("auto", None)
-        (14.5, None, None)
-    """
-    if setting == "none":
-        return None
-    if setting == "auto":
-        return auto_budget(card_total) if card_total else None
-    return int(float(setting) * GIB)
 
 
 @dataclass
@@ -122,6 +91,7 @@ class Fit:
     tried: list[dict[str, Any]] = field(default_factory=list)
     step: StepTime | None = None
     weights: str | None = None
+    placement: Placement | None = None  # the decision, once chosen (:func:`choose_fit`)
 
     @property
     def peak(self) -> tuple[str, Estimate]:
@@ -219,13 +189,13 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
             ``card`` on a GPU or ``host`` on a CPU).
         host: Host memory available in bytes (None: unknown, not checked).
         gpu: Whether the run is on a GPU (offloading is only tried there; the step is predicted with
-            :data:`~neutrain.trainer.step_time.GPU`'s rates, else the CPU's).
+            :data:`~neutrain.memory.step_time.GPU`'s rates, else the CPU's).
         card: The card's total memory in bytes, for ``memory.weights: auto`` without a budget.
 
     Raises:
         RecipeError: nothing fits a budget; the message names the smallest budget and host memory that would.
     """
-    shape = ModelShape.from_config(shape_config(recipe.model))
+    shape = recipe_shape(recipe)
     auto = recipe.memory.weights == AUTO
     options = configurations(recipe, shape, gpu, levers=budget is not None)
     fits = [_evaluate(c, shape, budget, gpu) for c in options]
@@ -247,7 +217,18 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     shown = _tried(fits, [c.family for c in options], limit, host)
     chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
     chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card))
+    chosen.placement = _placement(chosen, budget)
     return chosen
+
+
+def _placement(chosen: Fit, budget: int | None) -> Placement:
+    """The chosen configuration as the decision the trainer acts on, from its own training-step estimate."""
+    name, worst = chosen.peak
+    s = chosen.plan["train_step"].settings
+    return Placement(s["weights"], s["layers"], tuple(s.get("offloaded", ())),
+                     offload_activations=bool(s["offload_activations"]), micro_batch_size=s["batch"], budget=budget,
+                     peak_phase=name, peak_reserved=worst.reserved, phases=predicted_gib(chosen.plan),
+                     host_bytes=chosen.host_bytes, lines=(chosen.line,))
 
 
 def _unconstrained(fits: list[Fit], weights: str, recipe: Recipe) -> Fit | None:

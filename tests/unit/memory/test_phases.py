@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neutrain.trainer import phases
-from neutrain.trainer.phases import PHASES, PhaseTracker, out_of_memory_line
+from neutrain.memory import phases
+from neutrain.memory.phases import PHASES, PhaseTracker, out_of_memory_line
 
 MIB = 2**20
 

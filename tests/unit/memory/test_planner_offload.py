@@ -6,13 +6,7 @@ from neutrain.config import RecipeError, load_recipe
 from neutrain.nn import causal_lm_loss, compress_model
 from neutrain.nn.weight_offload_model import offload_weights
 from neutrain.optim import LOMO
-from neutrain.trainer.planner import (
-    GIB,
-    ModelShape,
-    estimate,
-    estimate_recipe,
-    offload_traffic,
-)
+from neutrain.memory import GIB, ModelShape, estimate, estimate_recipe, offload_traffic
 from tests.unit.nn.nn_helpers import (
     CODEC,
     enable_checkpointing,

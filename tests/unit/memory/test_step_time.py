@@ -1,6 +1,6 @@
 """The step-time model against the GPU's records: within 15% of every timing row it is held to.
 
-The fit ranks configurations by :mod:`neutrain.trainer.step_time`, so the model has to say how fast each
+The fit ranks configurations by :mod:`neutrain.memory.step_time`, so the model has to say how fast each
 really ran. Its rates are constants calibrated on committed records; when new GPU runs recalibrate them,
 these tests say whether the model still lands on every measured row, and which one it misses.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from neutrain.config import load_recipe
-from neutrain.trainer import step_time as model
-from neutrain.trainer.fit import apply_changes
-from neutrain.trainer.planner import ModelShape, estimate_recipe
-from neutrain.trainer.step_time import CPU, GPU, step_time
+from neutrain.memory import step_time as model
+from neutrain.memory import apply_changes
+from neutrain.memory import ModelShape, estimate_recipe
+from neutrain.memory.step_time import CPU, GPU, step_time
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "results"
@@ -61,7 +61,7 @@ def test_the_model_lands_within_15_percent_of_every_cards_timing_row(name):
     predicted = predicted_tokens_per_s(row)
     error = predicted / row["tokens_per_s"] - 1
     assert abs(error) <= 0.15, (f"{name}: predicted {predicted:,.0f} tok/s, measured {row['tokens_per_s']:,.1f} "
-                                f"({error:+.1%}); recalibrate neutrain/trainer/step_time.py's constants")
+                                f"({error:+.1%}); recalibrate neutrain/memory/step_time.py's constants")
     if row.get("predicted_tokens_per_s") is not None:  # what the run's own fit predicted, recorded beside it
         assert abs(row["predicted_tokens_per_s"] / row["tokens_per_s"] - 1) <= 0.15, name
 

@@ -1,6 +1,6 @@
 """The step-time model: how long one training step of a configuration takes, predicted from its shape.
 
-Why: the automatic fit (:mod:`neutrain.trainer.fit`) chooses between configurations that all fit the
+Why: the automatic fit (:mod:`neutrain.memory.fit`) chooses between configurations that all fit the
 card (dense or NeuZip weights, k layers streamed from host memory, activations offloaded, a smaller
 micro-batch) and they train the same model, so the one to take is the fastest. Bytes over PCIe alone do
 not say that: at batch 1 the 8B's step is set by the host (one Python launch chain per weight), at batch
@@ -18,7 +18,7 @@ One step is ``max(host, device) + link`` (on a CPU, where host and device are on
   copy streams do not hide behind compute (:data:`COPY_HIDDEN_SHARE`).
 
 Every rate is a constant below, in one place, each with the record it was calibrated on: after new GPU
-runs, recalibrating is an edit here (``tests/unit/trainer/test_step_time.py`` holds the model within 15%
+runs, recalibrating is an edit here (``tests/unit/memory/test_step_time.py`` holds the model within 15%
 of the training steps of ``benchmarks/results/train_memory.json`` and of the timing rows of
 ``benchmarks/results/cards.json`` that ran the current code's paths, and says which row a new constant misses).
 
@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neutrain.optim.registry import optimizer_spec
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
+from neutrain.memory.planner import Estimate, estimate_recipe
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 GEMM_FLOPS_PER_S = 515e12
 """Matrix products of a training step, bf16, per second on an H200. Calibrated on
@@ -225,7 +225,7 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
     """Predict one optimizer step of the configuration whose training-step estimate is ``train``.
 
     Args:
-        train: :func:`~neutrain.trainer.planner.estimate`'s result (its settings say the batch, weights,
+        train: :func:`~neutrain.memory.planner.estimate`'s result (its settings say the batch, weights,
             optimizer, checkpointing and the PCIe bytes).
         shape: The model's shape.
         rates: :data:`GPU` or :data:`CPU`.
@@ -268,7 +268,7 @@ def recipe_step_time(recipe, rates: Rates = GPU, shape: ModelShape | None = None
         >>> round(dense.step_s, 2), dense.bound
         (0.33, 'host')
     """
-    shape = shape or ModelShape.from_config(shape_config(recipe.model))
+    shape = shape or recipe_shape(recipe)
     return step_time(estimate_recipe(recipe, shape), shape, rates, recipe.train.gradient_accumulation_steps)
 
 

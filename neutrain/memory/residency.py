@@ -12,10 +12,10 @@ what fits on the card is what sets the decode rate.
 3. ``neuzip+offload``: NeuZip lossless with the fewest decoder layers streamed from host memory that fit
    (each streamed layer is one more payload over the link per token, so fewer is always faster),
 
-whose predicted peak reserved bytes (:func:`neutrain.trainer.phase_planner.generation_plan`: the build and
+whose predicted peak reserved bytes (:func:`neutrain.memory.phase_planner.generation_plan`: the build and
 the generation, the resident layers, the store's slots and the decode buffers counted as the training
 step counts them, plus the KV cache of the longest prompt and its new tokens) leave
-:data:`~neutrain.trainer.fit.FIT_HEADROOM` of the budget, as the training's fit does. More budget never
+:data:`~neutrain.memory.fit.FIT_HEADROOM` of the budget, as the training's fit does. More budget never
 keeps fewer layers resident: each candidate either fits a budget or not, and a larger budget fits every
 candidate a smaller one did. A budget that holds not even every layer streamed is refused in one line.
 
@@ -26,7 +26,7 @@ where a contiguous tail would make its layers wait on copies back to back with n
 one placement for both keeps one store, one ring, and the planner's numbers for both.
 
 Example:
-    >>> from neutrain.trainer.planner import ModelShape
+    >>> from neutrain.memory.planner import ModelShape
     >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
     >>> print(decide(shape, 9 * GIB, prompt_tokens=16, new_tokens=112).line)
     NeuZip lossless weights (bit-exact), keeping 18 of 32 decoder layers on the GPU, streaming 14 from host memory (3.87 GiB over PCIe a token); predicted peak 8.49 GiB reserved, budget 9.00 GiB
@@ -40,9 +40,11 @@ from dataclasses import dataclass
 
 from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import UserInputError
-from neutrain.trainer.fit import FIT_HEADROOM
-from neutrain.trainer.phase_planner import generation_plan, peak_phase
-from neutrain.trainer.planner import GIB, NEUZIP_BITS, Estimate, ModelShape
+from neutrain.memory.fit import FIT_HEADROOM
+from neutrain.memory.phase_planner import generation_plan, peak_phase, predicted_gib
+from neutrain.memory.placement import Placement
+from neutrain.memory.planner import GIB, NEUZIP_BITS, Estimate
+from neutrain.memory.shape import ModelShape
 
 WORDS = {"dense": "dense weights", "neuzip": "NeuZip lossless weights", "neuzip+offload": "NeuZip lossless weights"}
 
@@ -90,6 +92,13 @@ class Residency:
         budget = f"budget {self.budget / GIB:.2f} GiB" if self.budget is not None else "no budget"
         return f"{WORDS[self.form]}{where}; predicted peak {self.predicted.reserved / GIB:.2f} GiB reserved, {budget}"
 
+    @property
+    def placement(self) -> Placement:
+        """The decision the generation's build acts on: the form, the layers streamed, the prediction."""
+        return Placement("dense" if self.form == "dense" else "neuzip-lossless", self.layers, self.streamed,
+                         budget=self.budget, peak_phase=self.phase, peak_reserved=self.predicted.reserved,
+                         phases=predicted_gib({self.phase: self.predicted}), lines=(self.line,))
+
     def summary(self) -> dict:
         """The decision as numbers (for a run's summary or a benchmark record)."""
         return {"form": self.form, "layers": self.layers, "resident_layers": self.resident,
@@ -116,10 +125,11 @@ def decide(shape: ModelShape, budget: int | None, *, prompt_tokens: int, new_tok
     ``budget`` bytes (None: no budget), by the rule of the module docstring.
 
     Args:
-        weight_scale: the model's weight bytes over those ``shape`` counts, when more (experts of a mixture the
-            shape does not describe): every weight term is scaled by it, so a layer is counted at its real size.
+        weight_scale: the model's weight bytes over those ``shape`` counts, when more (files holding tensors the
+            build does not make, or a shape read in closed form): every weight term is scaled by it, so a layer is
+            counted at its real size.
         dense: the dense form may be taken (a compressed run's checkpoint is placed compressed).
-        encoded, extra: as :func:`~neutrain.trainer.phase_planner.generation_plan` takes them.
+        encoded, extra: as :func:`~neutrain.memory.phase_planner.generation_plan` takes them.
         setting: how the budget was given, for the refusal's line.
 
     Raises:

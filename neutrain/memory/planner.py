@@ -43,7 +43,7 @@ The busiest moment (``settings["peak_moment"]``; both are in ``settings["moments
 
 Example:
     >>> from neutrain.config import load_recipe
-    >>> from neutrain.trainer.planner import estimate_recipe
+    >>> from neutrain.memory.planner import estimate_recipe
     >>> est = estimate_recipe(load_recipe("llama3_8b", ["memory.weights=neuzip-lossless"]))
     >>> print(est.table())  # doctest: +ELLIPSIS
     term                         GiB
@@ -64,7 +64,7 @@ from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.errors import RecipeError
 from neutrain.optim.registry import optimizer_spec
-from neutrain.trainer.model_config import shape_config
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02); tests/unit/compress/test_codec.py
@@ -75,64 +75,6 @@ NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes a
 ALLOCATOR_SLACK_BLOCKS = 1.5
 ALLOCATOR_SLACK_BYTES = 0.1 * 2**30
 CUDA_CONTEXT_BYTES = 0.75 * 2**30  # context, cuBLAS/cuDNN workspaces and kernels: device used - reserved - idle, H100
-
-
-@dataclass
-class ModelShape:
-    """The numbers of a decoder-only transformer that memory depends on."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tied: bool
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config: Any) -> "ModelShape":
-        heads = config.num_attention_heads
-        return cls(
-            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
-            heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        )
-
-    def matrices(self) -> list[tuple[str, int, int]]:
-        """(name, rows, cols) of every weight matrix; norms are not matrices."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        q = self.heads * self.head_dim
-        layer = [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
-                 ("gate_proj", self.intermediate, h), ("up_proj", self.intermediate, h), ("down_proj", h, self.intermediate)]
-        mats = [("embed_tokens", self.vocab, h)]
-        for i in range(self.layers):
-            mats += [(f"layers.{i}.{n}", r, c) for n, r, c in layer]
-        if not self.tied:
-            mats.append(("lm_head", self.vocab, h))
-        return mats
-
-    def matrix_params(self) -> int:
-        """:meth:`matrices`' total in closed form: the preflight size check runs it on configs of a million
-        layers, where building the per-layer list took seconds."""
-        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
-        per_layer = 2 * q * h + 2 * kv * h + 3 * self.intermediate * h  # q, k, v, o; gate, up, down
-        return self.layers * per_layer + self.vocab * h * (1 if self.tied else 2)
-
-    def norm_params(self) -> int:
-        return self.hidden * (2 * self.layers + 1)
-
-    def params(self) -> int:
-        return self.matrix_params() + self.norm_params()
-
-    def largest_layer_matrix(self) -> int:
-        return max(r * c for n, r, c in self.matrices() if n.startswith("layers."))
-
-    def layer_matrix_params(self) -> int:
-        """One decoder layer's matrices together (what a layer group decodes at once, :mod:`neutrain.nn.groups`)."""
-        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
-        return 2 * q * h + 2 * kv * h + 3 * self.intermediate * h
 
 
 HOST_STREAM_ROOM = 0.02
@@ -157,7 +99,7 @@ def offload_traffic(shape: ModelShape, bits_per_weight: float = NEUZIP_BITS, slo
         >>> round(t["h2d_bytes_per_step"] / t["layer_bytes"]), round(t["d2h_bytes_per_step"] / t["layer_bytes"])
         (12, 8)
     """
-    layer = sum(r * c for n, r, c in shape.matrices() if n.startswith("layers.0.")) * bits_per_weight / 8
+    layer = shape.layer_matrix_params() * bits_per_weight / 8
     count = shape.layers if offloaded is None else offloaded
     fetched = 2 * max(0, count - slots)
     return {"layer_bytes": layer, "offloaded_layers": count, "host_weight_bytes": count * layer,
@@ -277,7 +219,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
             t["vocab_slot"] = v * h * dtype_bytes
             t["decode_buffers"] = 0.0
     else:
-        t["weights"] = shape.params() * dtype_bytes
+        # Tensors the architecture keeps in fp32 (a router) take 4 bytes under bf16 weights.
+        t["weights"] = shape.params() * dtype_bytes + shape.fp32_params() * max(0, 4 - dtype_bytes)
     if not fused:
         t["gradients"] = shape.params() * dtype_bytes
     if optimizer == "adamw":
@@ -337,14 +280,14 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate
 
     Raises:
         RecipeError: ``memory.offload_layers`` is more than the model's decoder layers.
-        ValueError: ``memory.weights: auto``, which the fit resolves first (:mod:`neutrain.trainer.fit`):
+        ValueError: ``memory.weights: auto``, which the fit resolves first (:mod:`neutrain.memory.fit`):
             the memory depends on what it resolves to.
     """
     m, t = recipe.memory, recipe.train
     if m.weights == "auto":
-        raise ValueError("memory.weights: auto is resolved by the fit (neutrain.trainer.fit) before the planner runs")
+        raise ValueError("memory.weights: auto is resolved by the fit (neutrain.memory.fit) before the planner runs")
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
-    shape = shape or ModelShape.from_config(shape_config(recipe.model))
+    shape = shape or recipe_shape(recipe)
     if m.offload_weights and m.offload_layers is not None and m.offload_layers > shape.layers:
         raise RecipeError(f"memory.offload_layers: {m.offload_layers} is more than the model's {shape.layers} "
                           "decoder layers")

@@ -2,7 +2,7 @@
 
 Why: a memory budget is a promise about every phase of a run (build or load, the training steps,
 evaluation, the sample, checkpoint save, resume and export), not only the training step. The
-planner predicts each phase's peak (:mod:`neutrain.trainer.phase_planner`); this module measures
+planner predicts each phase's peak (:mod:`neutrain.memory.phase_planner`); this module measures
 it, and remembers which phase is running, so that an allocation over the budget ends the run with
 one line naming the phase instead of a traceback.
 

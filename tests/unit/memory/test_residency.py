@@ -1,6 +1,6 @@
 """`neutrain generate`'s placement under a budget: the decoder layers that fit stay on the GPU, the rest stream.
 
-The decision (:func:`neutrain.cli.residency.decide`) for the 8B at the budgets of real cards, its properties over
+The decision (:func:`neutrain.memory.residency.decide`) for the 8B at the budgets of real cards, its properties over
 shapes and budgets (more budget never keeps fewer layers; a budget that holds everything streams nothing; too
 small is refused in one line), and its predicted peak against the planner's training-side terms."""
 
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neutrain.cli.residency import Residency, decide
+from neutrain.memory import Residency, decide
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
-from neutrain.trainer.fit import FIT_HEADROOM
-from neutrain.trainer.phase_planner import plan_recipe
-from neutrain.trainer.planner import GIB, ModelShape, estimate, offload_traffic
+from neutrain.memory import FIT_HEADROOM
+from neutrain.memory import plan_recipe
+from neutrain.memory import GIB, ModelShape, estimate, offload_traffic
 
 LLAMA3_8B = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)
 FORMS = ("dense", "neuzip", "neuzip+offload")

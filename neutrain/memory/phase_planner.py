@@ -1,6 +1,6 @@
 """The planner by phase: the peak device memory of each phase of a run, predicted before anything is built.
 
-:mod:`neutrain.trainer.planner` predicts the training step. A run has more phases, and any of them can
+:mod:`neutrain.memory.planner` predicts the training step. A run has more phases, and any of them can
 be the one that does not fit: the build, evaluation, the sample, checkpoint save, resume and export.
 Each phase's estimate is a sum of named terms, each one a buffer the run really holds:
 
@@ -30,10 +30,10 @@ Each phase's estimate is a sum of named terms, each one a buffer the run really 
 * ``kv_cache`` / ``activations`` / ``logits`` (generate): the sample's KV cache (prompt plus new tokens,
   every layer), the prompt's prefill working set, the last position's logits.
 
-The training step (``train_step``) is :func:`~neutrain.trainer.planner.estimate_recipe`'s estimate.
+The training step (``train_step``) is :func:`~neutrain.memory.planner.estimate_recipe`'s estimate.
 Reserved adds the allocator's slack (the training step's own; 0.1 GiB elsewhere, since the phase
-tracker hands cached blocks back when a phase starts, :mod:`neutrain.trainer.phases`); device adds
-the CUDA context. ``tests/unit/trainer/test_phase_planner.py`` holds every phase against the 8B's
+tracker hands cached blocks back when a phase starts, :mod:`neutrain.memory.phases`); device adds
+the CUDA context. ``tests/unit/memory/test_phase_planner.py`` holds every phase against the 8B's
 measured peaks, in the GPU and offloaded.
 
 Example:
@@ -52,10 +52,10 @@ from __future__ import annotations
 from typing import Any
 
 from neutrain.config.schema import Recipe
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.planner import (
-    ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, ModelShape, estimate, estimate_recipe,
+from neutrain.memory.planner import (
+    ALLOCATOR_SLACK_BYTES, GIB, NEUZIP_BITS, Estimate, estimate, estimate_recipe,
 )
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 ENCODE_SCRATCH_BYTES = 1.5
 """Device bytes a weight, beyond the dense matrix, that the GPU build holds while it encodes its largest
@@ -78,10 +78,6 @@ DECODE_STREAMS = 2
 graph is captured on."""
 
 
-def _largest_matrix(shape: ModelShape) -> int:
-    return max(r * c for _, r, c in shape.matrices())
-
-
 def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prompt_tokens: int = 16,
                     sample_tokens: int = 64, dtype_bytes: int = 2, export_format: str = "hf",
                     export_bytes: int | None = None, loss_chunk_bytes: int = 256 << 20) -> dict[str, Estimate]:
@@ -89,7 +85,7 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
 
     Args:
         shape: The model's shape.
-        train: The training step's estimate (:func:`~neutrain.trainer.planner.estimate`); its settings
+        train: The training step's estimate (:func:`~neutrain.memory.planner.estimate`); its settings
             say the weights' storage, the sequence length and whether the loss is chunked.
         eval_batch: Rows per evaluation micro-batch.
         prompt_tokens, sample_tokens: The end-of-run sample's prompt length (an upper bound is fine)
@@ -114,7 +110,7 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
     # Layer groups (neutrain.nn.groups) hold the vocabulary slot through training (a save between steps holds
     # it too); it is given back when training ends, before the export.
     held = layer_slots + (vocab_slot if "vocab_slot" in train.terms else 0.0)
-    largest = _largest_matrix(shape)
+    largest = shape.largest_matrix()
     dense, payload = largest * dtype_bytes, largest * bits / 8
     h, v = shape.hidden, shape.vocab
 
@@ -148,7 +144,7 @@ def phase_estimates(shape: ModelShape, train: Estimate, *, eval_batch: int, prom
 
 
 def _layer_live(shape: ModelShape, tokens: int, dtype_bytes: int) -> float:
-    """One decoder layer's intermediates for ``tokens`` tokens (:func:`~neutrain.trainer.planner.estimate`'s count)."""
+    """One decoder layer's intermediates for ``tokens`` tokens (:func:`~neutrain.memory.planner.estimate`'s count)."""
     kv = shape.kv_heads * shape.head_dim
     return tokens * (4 * shape.hidden + 2 * kv + 3 * shape.intermediate) * dtype_bytes
 
@@ -177,7 +173,7 @@ def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", stre
     """``neutrain generate``'s phases on a device, with ``streamed`` decoder layers in host memory (0: none).
 
     The resident weights, the weight store's slots and the decode buffers are the training step's terms for
-    the same placement (:func:`~neutrain.trainer.planner.estimate` with ``memory.offload_layers: streamed``,
+    the same placement (:func:`~neutrain.memory.planner.estimate` with ``memory.offload_layers: streamed``,
     the layers spread as training spreads them), so a layer costs the same on both sides of the planner; the
     generation adds its own terms (:func:`generation_terms`) and the decode engine's fused projections.
 
@@ -214,7 +210,7 @@ def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", stre
     build = plan["build"]
     if encoded:  # one compressed blob read at a time, then the decode buffers reserved
         s = generate.settings
-        build.terms["scratch"] = max(_largest_matrix(shape) * bits_per_weight / 8,
+        build.terms["scratch"] = max(shape.largest_matrix() * bits_per_weight / 8,
                                      s["layer_slot_bytes"] + s["vocab_slot_bytes"])
     return {"build": build, "generate": generate}
 
@@ -226,7 +222,7 @@ def plan_recipe(recipe: Recipe, train: Estimate | None = None, shape: ModelShape
     without ``eval.sample_prompt``, ``export`` with ``export.format: none``. Build, training step, save
     and resume are always there (a save may come at any ``train.save_steps``, a resume at any relaunch).
     """
-    shape = shape or ModelShape.from_config(shape_config(recipe.model))
+    shape = shape or recipe_shape(recipe)
     train = train or estimate_recipe(recipe, shape)
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     ev, ex = recipe.eval, recipe.export

@@ -1,6 +1,6 @@
 """The transformers config a recipe's ``model`` section describes, built without torch's models or weights.
 
-Why a module of its own: the memory planner (``neutrain estimate``, :mod:`neutrain.trainer.fit`) needs
+Why a module of its own: the memory planner (``neutrain estimate``, :mod:`neutrain.memory.fit`) needs
 only the config, and :mod:`neutrain.trainer.modeling`, which builds models, imports torch, the codec
 and every weight source at its top. transformers is imported when a config is built, and the GGUF
 reader only for a recipe that names a GGUF file.

@@ -37,8 +37,8 @@ from neutrain.config.layer_placement import LayerPlacement
 from neutrain.config.schema import FUSED_OPTIMIZERS, Recipe
 from neutrain.config.validate import check_weight_offload
 from neutrain.errors import RecipeError
-from neutrain.trainer.model_config import shape_config
-from neutrain.trainer.planner import Estimate, ModelShape, estimate_recipe
+from neutrain.memory.planner import Estimate, estimate_recipe
+from neutrain.memory.shape import ModelShape, recipe_shape
 
 AUTO = "auto"
 WEIGHTS = ("dense", "neuzip-lossless")
@@ -147,7 +147,7 @@ def configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = 
     weights alone (no device budget: the recipe's other keys stay as they are).
     """
     if shape is None:
-        shape = ModelShape.from_config(shape_config(recipe.model))
+        shape = recipe_shape(recipe)
     auto = recipe.memory.weights == AUTO
     none = {"memory.offload_activations": False, "memory.offload_weights": False, "memory.offload_layers": None}
     offload = [none]

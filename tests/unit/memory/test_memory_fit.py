@@ -3,7 +3,7 @@
 The 8B recipe (``memory.weights: auto``, LOMO, checkpointing) on fake cards of 24, 16, 12 and 8 GB and on
 the budgets the lead's GPU script uses (22, 14.5, 11 and 7 GiB, and 5 for a 6 GB card): dense weights
 where they fit, NeuZip where they must, then layers and activations in host memory; of the configurations
-that fit, the one with the shortest predicted step (:mod:`neutrain.trainer.step_time`). A key the user set
+that fit, the one with the shortest predicted step (:mod:`neutrain.memory.step_time`). A key the user set
 is never changed; nothing fitting is one RecipeError naming the smallest budget and host memory that
 would. Planner only: no model is built.
 """
@@ -15,13 +15,11 @@ import dataclasses
 import pytest
 
 from neutrain.config import RecipeError, load_recipe
-from neutrain.trainer import step_time
-from neutrain.trainer.fit import (
-    AUTO_MARGIN_BYTES, FIT_HEADROOM, TIE_SHARE, apply_changes, auto_budget, candidates, choose_fit, link_cost,
-    resolve_budget,
-)
-from neutrain.trainer.phase_planner import plan_recipe
-from neutrain.trainer.planner import CUDA_CONTEXT_BYTES, GIB
+from neutrain.memory import step_time
+from neutrain.memory.budget import AUTO_MARGIN_BYTES, auto_budget, resolve_budget
+from neutrain.memory.fit import FIT_HEADROOM, TIE_SHARE, apply_changes, candidates, choose_fit, link_cost
+from neutrain.memory import plan_recipe
+from neutrain.memory import CUDA_CONTEXT_BYTES, GIB
 
 DENSE, NEUZIP = "dense weights on the GPU", "NeuZip weights on the GPU"
 ACT, WEIGHTS, BOTH = ("NeuZip weights, offloading activations", "NeuZip weights, offloading weights",
@@ -167,7 +165,7 @@ def test_the_fit_follows_the_predicted_step_time_not_the_bytes(monkeypatch):
     assert fast_link.changes.get("memory.offload_activations") or fast_link.changes.get("memory.offload_weights")
     assert "train.micro_batch_size" not in fast_link.changes, fast_link.line
     slow = dataclasses.replace(step_time.GPU, link_bytes_per_s=step_time.GPU.link_bytes_per_s / 50)
-    monkeypatch.setattr("neutrain.trainer.fit.GPU", slow)
+    monkeypatch.setattr("neutrain.memory.fit.GPU", slow)
     slow_link = choose_fit(recipe, int(14.5 * GIB), HOST)
     assert slow_link.changes["train.micro_batch_size"] == 4, slow_link.line
     assert slow_link.label.startswith("micro_batch_size 4 x 2 accumulation steps (8 rows a step)")

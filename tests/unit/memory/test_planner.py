@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from neutrain.config import load_recipe
-from neutrain.trainer.planner import GIB, ModelShape, estimate, estimate_recipe
+from neutrain.memory import GIB, ModelShape, estimate, estimate_recipe
 
 
 def _llama(tied: bool):

@@ -10,10 +10,10 @@ import pytest
 
 from neutrain.config import load_recipe
 from neutrain.trainer.modeling import config_only
-from neutrain.trainer.phase_planner import (
+from neutrain.memory.phase_planner import (
     CHECKSUM_SCRATCH_BYTES, ENCODE_SCRATCH_BYTES, peak_phase, phase_estimates, plan_recipe, plan_table,
 )
-from neutrain.trainer.planner import GIB, NEUZIP_BITS, ModelShape, estimate, estimate_recipe
+from neutrain.memory import GIB, NEUZIP_BITS, ModelShape, estimate, estimate_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 EVERY_PHASE = ["export.format=hf", "eval.perplexity=true", "eval.sample_prompt=Once upon a time"]

@@ -1,7 +1,7 @@
 """On CUDA: the budget is the allocator's hard limit, phases measure real peaks, and a run through the CLI
 stays inside its budget in every phase and names the phase of an allocation over it.
 
-Run on the device machine: ``pytest -m gpu tests/unit/trainer/test_phases_gpu.py``.
+Run on the device machine: ``pytest -m gpu tests/unit/memory/test_phases_gpu.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from neutrain.cli.memory import enforce_budget
-from neutrain.trainer.phases import PhaseTracker, out_of_memory_line
+from neutrain.memory import enforce_budget
+from neutrain.memory.phases import PhaseTracker, out_of_memory_line
 from tests.helpers import write_recipe
 
 pytestmark = pytest.mark.gpu
@@ -90,7 +90,7 @@ def test_a_cuda_run_keeps_every_phase_inside_its_budget(tmp_path, capsys, cuda_b
 
 def test_phase_report_puts_the_measured_peak_beside_the_prediction(tmp_path, monkeypatch):
     from neutrain.cli.memory import phase_report
-    from neutrain.trainer import phases
+    from neutrain.memory import phases
 
     tracker = PhaseTracker(cuda=True)
     monkeypatch.setattr(phases, "TRACKER", tracker)
