@@ -199,7 +199,7 @@ def generation_plan(shape: ModelShape, *, weights: str = "neuzip-lossless", stre
                            dtype_bytes=dtype_bytes, export_format="none")
     generate = plan["generate"]
     generate.terms.update(generation_terms(shape, prompt_tokens, new_tokens, batch, dtype_bytes))
-    # The engine runs each layer's Q/K/V and gate/up as one product (neutrain.eval.fused_projections): compressed
+    # The engine runs each layer's Q/K/V and gate/up as one product (neutrain.decode.fused_projections): compressed
     # groups decode into one scratch matrix of the largest group; dense ones are concatenated, the largest group's
     # copy beside its members while it is made.
     h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
