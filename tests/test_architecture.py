@@ -351,7 +351,7 @@ RECORD_SUFFIXES = {".json", ".xml", ".log", ".txt"}
 def _is_record(relative: pathlib.PurePath) -> bool:
     """A measurement record (JSON, junit, log) in ``benchmarks/``: kept as the run wrote it.
 
-    Records are never edited by hand (``benchmarks/results/archive/README.md``); the scripts that write
+    Records are never edited by hand (``benchmarks/README.md``, Records); the scripts that write
     them name no issue, so the next run's record names none. Their names are checked like any file's.
     """
     return relative.parts[0] == "benchmarks" and relative.suffix in RECORD_SUFFIXES

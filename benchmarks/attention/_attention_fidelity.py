@@ -2,13 +2,13 @@
 
 The gate: cos >= :data:`FWD_COS` on the output and >= :data:`GRAD_COS` on each of dQ, dK, dV against fp32
 attention, on one layer of SmolLM2-135M-Instruct (``tests/data/smollm2_attention_layer.safetensors``,
-written by ``benchmarks/diag/smollm2_attention_fixture.py``). Random Gaussian inputs lack a real model's
+written by ``benchmarks/attention/smollm2_attention_fixture.py``). Random Gaussian inputs lack a real model's
 outlier channels and sink tokens, and a backward route that passes on them can miss here: cuDNN's exact
 backward fed Sage's O and LSE does (dQ 0.9977), the quantized Triton backward does not. The attention
 benchmark measures every (kernel, route) pair on the device with :func:`route_fidelity` and lets the
 dispatch table name a route for training only where every kernel passed with it.
 
-    >>> from benchmarks._attention_fidelity import route_fidelity
+    >>> from benchmarks.attention._attention_fidelity import route_fidelity
     >>> report = route_fidelity("cpu", ["reference"], ["triton"])  # doctest: +SKIP
     >>> report["admissible_train_routes"]  # doctest: +SKIP
     ['triton']
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_attention_layer.safetensors"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "data" / "smollm2_attention_layer.safetensors"
 FWD_COS, GRAD_COS = 0.999, 0.998  # the fidelity gate, against fp32
 
 

@@ -1,6 +1,6 @@
 """From the attention benchmark's timed rows to the dispatch table's entries and ``attention.json``'s targets.
 
-Pure Python over the rows ``benchmarks/attention.py`` measures (no GPU), so the CPU tests can feed it
+Pure Python over the rows ``benchmarks/attention/attention.py`` measures (no GPU), so the CPU tests can feed it
 made-up rows. A row is one method at one (N, causal):
 
 * ``sage_kernel`` / ``gluon_kernel``: one Sage forward kernel alone (``fwd_ms``, ``fwd_tops``) on inputs
@@ -23,7 +23,7 @@ from neutrain.attention import dispatch
 
 ATTENTION_GOALS = {"fwd_over_cudnn_min": ">= 1.3", "fwd_bwd_over_cudnn_min": ">= 1.05", "train_step_over_sdpa": ">= 1.03",
                    "sage_fwd_tops_n16k_d128": ">= 800"}
-"""SageAttention's targets: GPU timings that ``benchmarks/attention.py`` measures into ``attention.json``."""
+"""SageAttention's targets: GPU timings that ``benchmarks/attention/attention.py`` measures into ``attention.json``."""
 
 KERNELS = dispatch.KERNELS
 #: The forward rows of each kernel's own timing (no quantization), and the prefix of its sage_attention rows.
@@ -93,7 +93,7 @@ def build_table(device: str, d: int, rows: list[dict], margin: float,
     """``(entries, left_out)``: dispatch entries per (causal, mode), each naming the faster Sage kernel.
 
     ``train_routes``: the backward routes a train entry may name (those that passed the fidelity gate on
-    real activations, :func:`benchmarks._attention_fidelity.route_fidelity`; every measured one when None):
+    real activations, :func:`benchmarks.attention._attention_fidelity.route_fidelity`; every measured one when None):
     a faster route that loses accuracy must not be what ``auto`` trains with.
 
     Per (causal, mode), each kernel measured at every length Triton was gets its own entries from
@@ -197,7 +197,7 @@ def targets(rows: list[dict], train_step: dict | None, entries: list[dict], d: i
            "fwd_bwd_over_cudnn_min": _ratio_target("fwd_bwd_over_cudnn_min", points, entries, d, "train")}
     step = (train_step or {}).get("speedup_vs_cudnn", {}).get(STEP_SEQ)
     sage_row = next((r for r in (train_step or {}).get("rows", []) if r.get("variant") == "sage"), {})
-    step_method = (f"Llama-3-8B training step at {STEP_SEQ} tokens (benchmarks/attention_train_step.py): cuDNN SDPA "
+    step_method = (f"Llama-3-8B training step at {STEP_SEQ} tokens (benchmarks/attention/attention_train_step.py): cuDNN SDPA "
                    f"step s / Sage step s, Sage on kernel {sage_row.get('kernel', 'triton')} with backward "
                    f"{sage_row.get('backward_route')}")
     out["train_step_over_sdpa"] = _target("train_step_over_sdpa", step, step_method,

@@ -1,6 +1,6 @@
 """Sage's output against fp32 attention on a real model's own activations, layer by layer.
 
-The fixture gate (:mod:`benchmarks._attention_fidelity`) reads one stored layer of one text. This
+The fixture gate (:mod:`benchmarks.attention._attention_fidelity`) reads one stored layer of one text. This
 measurement captures Q, K and V (after RoPE, as the attention function receives them) of a few layers of
 the model being fine-tuned, on its held-out batches, in the dtype and on the device the study runs in, and
 computes each call's O with Sage, once with V's FP8 rounding residual and once without (plain SageAttention2:
@@ -21,7 +21,7 @@ from statistics import median
 
 import torch
 
-from benchmarks._attention_fidelity import FWD_COS
+from benchmarks.attention._attention_fidelity import FWD_COS
 
 CAPTURE_NAME = "neutrain_capture"
 SETTINGS = {"v_residual": True, "plain": False}  # report key: sage_attention's v_residual

@@ -15,14 +15,14 @@ Steps, all in one run (one device call):
    every length, so a run cut off by its timeout keeps what it measured.
 4. The dispatch table (``neutrain/attention/dispatch_table.json``): per (device, d, causal,
    mode) the faster Sage kernel (``"kernel"``), and sage only where it was measured faster than
-   cuDNN by the margin (``benchmarks/_attention_table.py``), plus the autotuned Triton config.
+   cuDNN by the margin (``benchmarks/attention/_attention_table.py``), plus the autotuned Triton config.
 5. Optionally (``--train-step``) the Llama-3-8B training step, sage vs cuDNN SDPA
-   (``benchmarks/attention_train_step.py``), for ``train_step_over_sdpa``; or, after a
+   (``benchmarks/attention/attention_train_step.py``), for ``train_step_over_sdpa``; or, after a
    separate step run, ``--fold-train-step FILE`` puts its record in and recomputes the targets.
 
 FLOPs: forward 4*B*H*d*N^2 (halved causal), forward+backward 3.5x that (SageAttention's bench).
 
-    PYTHONPATH=. python benchmarks/attention.py --train-step
+    PYTHONPATH=. python benchmarks/attention/attention.py --train-step
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _attention_fidelity import route_fidelity  # noqa: E402
-from _attention_table import (KERNELS, auto_step_summary, build_table, method_name, targets,  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.attention._attention_fidelity import route_fidelity  # noqa: E402
+from benchmarks.attention._attention_table import (KERNELS, auto_step_summary, build_table, method_name, targets,  # noqa: E402
                               train_step_choice)
-from _common import cuda_time_ms, write_result  # noqa: E402
+from benchmarks._common import cuda_time_ms, write_result  # noqa: E402
 
 from neutrain.attention import dispatch, exact_attention, sage_attention  # noqa: E402
 from neutrain.attention.quant import TILE, quantize_attention_inputs  # noqa: E402
 from neutrain.attention.reference import accuracy_metrics  # noqa: E402
 from neutrain.attention.sage import exact_backward  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROUTES = ("cudnn", "flash")
 
 
@@ -285,12 +285,12 @@ def merged_table(path, device, d, config, entries, margin, tuned=True, old=None)
     configs = old.get("kernel_configs", {})
     if tuned or str(d) not in configs.get(device, {}):
         configs.setdefault(device, {})[str(d)] = config
-    return {"version": 1, "generated_by": "benchmarks/attention.py", "margin": margin,
+    return {"version": 1, "generated_by": "benchmarks/attention/attention.py", "margin": margin,
             "kernel_configs": configs, "entries": kept + entries}
 
 
 def _write(args, device, d, rows, routes_report, tune, config, profile, train_step, base_table=None, fidelity=None):
-    """Write the dispatch table and benchmarks/results/<name>.json from the rows so far; return the results.
+    """Write the dispatch table and the record's row in benchmarks/attention/results.jsonl from the rows so far; return the results.
 
     Called after every length of the sweep (a run cut off by its timeout keeps what it measured) and
     again with the training step. ``base_table`` is the table file as it was before this run, so each
@@ -336,7 +336,7 @@ def _write(args, device, d, rows, routes_report, tune, config, profile, train_st
 def fold_train_step(name: str, train_step_path: str, table: str) -> dict:
     """Put a training-step record (``attention_train_step.py --out``) into ``<name>.json`` and recompute its
     targets: the device script runs the step after the sweep, in its own process and timeout."""
-    record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    record = records.current(name)
     results, settings = record["results"], record["settings"]
     path = Path(train_step_path)
     train_step = json.loads(path.read_text()) if path.exists() else {"failed": True, "missing": str(path)}
@@ -354,7 +354,7 @@ def fold_auto_step(name: str, paths: list[str]) -> dict:
     (``results["auto_train_step"]`` and ``auto_over_sdpa_min``: :func:`auto_step_summary`). Like
     :func:`fold_train_step`, the record keeps the sweep's device, versions and date (``measured_on``), so a
     fold made on another machine says where it was assembled."""
-    record = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    record = records.current(name)
     results, settings = record["results"], record["settings"]
     # The record's git_commit becomes the auto step's (this fold's); the sweep's commit is kept beside it.
     results.setdefault("sweep_git_commit", record.get("git_commit"))

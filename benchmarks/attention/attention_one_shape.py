@@ -7,7 +7,7 @@ a kernel filter (``ncu -k regex:...``) on the forward sees only the attention ke
 ``--repeat`` times (the first launch is the profiled one with ``--launch-count 1``; later ones give a
 plain timing when no profiler is attached).
 
-    PYTHONPATH=. python benchmarks/diag/attention_one_shape.py --method gluon --b 4 --h 32 --n 16384 --d 128
+    PYTHONPATH=. python benchmarks/attention/attention_one_shape.py --method gluon --b 4 --h 32 --n 16384 --d 128
 """
 
 from __future__ import annotations

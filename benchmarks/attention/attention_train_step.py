@@ -14,8 +14,8 @@ the same registered function ``neutrain_sage``, with the dispatch forced:
            its counters say which kernel each attention call ran. ``auto_over_sdpa`` is sdpa's step time over
            auto's: below 1, the table costs training time against plain SDPA.
 
-    python benchmarks/attention_train_step.py --seqs 8192,16384 --variants sage,cudnn --kernel gluon --out step.json
-    python benchmarks/attention_train_step.py --model default --seqs 256 --steps 40 --variants auto,sdpa --out d.json
+    python benchmarks/attention/attention_train_step.py --seqs 8192,16384 --variants sage,cudnn --kernel gluon --out step.json
+    python benchmarks/attention/attention_train_step.py --model default --seqs 256 --steps 40 --variants auto,sdpa --out d.json
 
 The record is written after every variant, so a run cut off by its timeout keeps the finished ones.
 """
@@ -32,11 +32,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from _train_peers import device_used_gib  # noqa: E402
-from train_memory import LLAMA3_8B, TINY  # noqa: E402
+from benchmarks.memory._train_peers import device_used_gib  # noqa: E402
+from benchmarks.memory.train_memory import LLAMA3_8B, TINY  # noqa: E402
 
 
 def default_recipe_model() -> tuple[dict, int]:

@@ -4,7 +4,7 @@ Sage kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128, causal and not, on the sa
 For each (causal) and method: the output's accuracy against the Triton kernel (whole tensor) and
 against exact fp32 attention (batch 0, heads 0-1), then the forward kernel's time (CUDA events,
 median of ``--iters`` after warm-up) on inputs quantized once, the quantization's own time, and
-TOPS counted as ``benchmarks/notes_attention.md`` does (4*B*H*d*N^2, halved causal). Methods:
+TOPS counted as ``benchmarks/attention/NOTES.md`` does (4*B*H*d*N^2, halved causal). Methods:
 ``gluon_c1_s2`` (one consumer warpgroup, 2 ring slots), ``gluon_c2_s2``, ``gluon_c2_s3``
 (two consumer warpgroups), ``gluon_c2_s2_pp``, ``gluon_c2_s3_pp`` (two, in FA3's ping-pong), ``triton_sage`` (the dispatch table's kernel config: BLOCK_M 128,
 8 warps, 3 stages, one K scale per tile) and ``sdpa_cudnn`` (bf16). Peak memory is recorded
@@ -13,10 +13,10 @@ fails (compile error, hang caught by the caller's timeout, wrong output) is prin
 traceback and the others still run. Writes ``gluon_sage_smoke.json`` under ``$OUT`` (and
 ``benchmarks/results``) and prints every number.
 
-    PYTHONPATH=. python benchmarks/diag/gluon_sage_smoke.py [--n 16384] [--iters 10]
+    PYTHONPATH=. python benchmarks/attention/gluon_sage_smoke.py [--n 16384] [--iters 10]
 
 Not attention.json: the dispatch table and the issue's targets are rebuilt by
-``benchmarks/attention.py`` once the kernel is measured (phase 2).
+``benchmarks/attention/attention.py`` once the kernel is measured (phase 2).
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import cuda_time_ms, write_result  # noqa: E402
-from _train_peers import device_used_gib  # noqa: E402
+from benchmarks._common import cuda_time_ms, write_result  # noqa: E402
+from benchmarks.memory._train_peers import device_used_gib  # noqa: E402
 
 from neutrain.attention.quant import TILE, quantize_attention_inputs  # noqa: E402
 from neutrain.attention.reference import accuracy_metrics, exact_attention  # noqa: E402

@@ -3,7 +3,7 @@
 The report is decoded from the protobuf wire format alone (no ``.proto`` schema): varints, fixed32/fixed64
 and length-delimited fields, recursing into length-delimited fields that parse as messages. The layout this
 reader relies on was found by inspecting reports written by Nsight Compute 2025.3.1 (the two reports in
-``benchmarks/results/profiles/``) and is checked on every file it reads:
+``benchmarks/<topic>/results.jsonl``) and is checked on every file it reads:
 
 * The file is a short magic (``NVR\\0``) followed by records, each a little-endian uint32 byte count and one
   protobuf message. The framing is found by trying start offsets until the records tile the file exactly.
@@ -20,8 +20,8 @@ reader relies on was found by inspecting reports written by Nsight Compute 2025.
 * Instanced values (field 3) are ``{1: key value, 2: value}`` pairs, decoded the same way.
 * Some records (device attributes) hold ``{1: name string, 2: value}`` pairs directly; those are read too.
 
-    python benchmarks/diag/ncu_report_metrics.py gluon=ncu_gluon.ncu-rep cudnn=ncu_cudnn.ncu-rep [--json OUT]
-    python benchmarks/diag/ncu_report_metrics.py --dump REPORT      # the raw message tree, for inspection
+    python benchmarks/attention/ncu_report_metrics.py gluon=ncu_gluon.ncu-rep cudnn=ncu_cudnn.ncu-rep [--json OUT]
+    python benchmarks/attention/ncu_report_metrics.py --dump REPORT      # the raw message tree, for inspection
 """
 
 from __future__ import annotations

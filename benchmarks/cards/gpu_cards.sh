@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cards gate on the device: benchmarks/cards.py runs the literal user commands (accelerate launch
+# The cards gate on the device: benchmarks/cards/cards.py runs the literal user commands (accelerate launch
 # recipes/llama3_8b.yaml ..., neutrain generate ...) at device budgets of 22, 14.5, 11 and 7 GiB (24, 16,
 # 12 and 8 GB cards; 5 GiB for a 6 GB card), then the targets' timing runs, and merges $OUT/cards.json.
 # Every journey and timing run is alone on its GPU (clean NVML figures); with two GPUs the two lists run
@@ -21,9 +21,9 @@
 # With one GPU, STAGE's two lists run one after the other on it.
 # Disk: a journey holds up to ~46 GiB (three 10 GiB checkpoints and a 15 GiB export) until it is cleaned:
 # GPU1's work (the offloaded budgets) goes in /dev/shm, GPU0's on disk.
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 STAGE=journeys bash benchmarks/gpu_cards.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 STAGE=journeys bash benchmarks/cards/gpu_cards.sh
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/require_commit.sh
 OUT=${OUT:-/tmp/neutrain-cards-out}
 mkdir -p "$OUT"
@@ -33,7 +33,7 @@ source benchmarks/install_user_commands.sh
 STAGE=${STAGE:-journeys}
 LIMIT=${LIMIT:-540}  # the whole stage on one GPU, seconds
 cards() {  # part budgets timing workdir
-  timeout -k 5 "$LIMIT" python3 benchmarks/cards.py --part "$1" --budgets "$2" --timing "$3" --work "$4" \
+  timeout -k 5 "$LIMIT" python3 benchmarks/cards/cards.py --part "$1" --budgets "$2" --timing "$3" --work "$4" \
     > "$OUT/cards_$1.log" 2>&1
   rm -rf "$4"
 }

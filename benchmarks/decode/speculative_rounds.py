@@ -12,8 +12,8 @@ At T = 1 the rounds of ``generate`` walk on the device (SD and SpecInfer,
 host walk (the original path) for comparison, and ``split_ms`` has ``device_walk_graph``: the walk
 alone, captured in a graph.
 
-    NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/speculative_rounds.py   # GPU
-    python benchmarks/speculative_rounds.py --tiny --out-dir /tmp/spec_rounds               # CPU smoke test
+    NEUTRAIN_GIT_COMMIT=... NEUTRAIN_GIT_DIRTY=0 python benchmarks/decode/speculative_rounds.py   # GPU
+    python benchmarks/decode/speculative_rounds.py --tiny --out-dir /tmp/spec_rounds               # CPU smoke test
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance, write_result
-from benchmarks._spec_decode import GOALS
+from benchmarks.decode._spec_decode import GOALS
 from neutrain.compat.static_cache import (
     register_graph_generator,
     set_static_cache_length,

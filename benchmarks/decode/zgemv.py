@@ -22,10 +22,10 @@ layout's bits per weight (escapes and per-row metadata included), also on SmolLM
 ``targets.zgemv_over_bf16_gemv_8b_layer``: one decoder layer (q, k, v, o, gate, up, down, unfused), the sum of
 the fastest bf16 times over the sum of the fastest zgemv times (goal >= 1: compressed decode faster than dense).
 
-    NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 python benchmarks/zgemv.py   # GPU, < 3 min
-    python benchmarks/zgemv.py --quick --out-dir /tmp/zgemv     # CPU: tiny shapes in Triton's interpreter
+    NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 python benchmarks/decode/zgemv.py   # GPU, < 3 min
+    python benchmarks/decode/zgemv.py --quick --out-dir /tmp/zgemv     # CPU: tiny shapes in Triton's interpreter
 
-Writes ``benchmarks/results/zgemv.json`` on a GPU (and into ``$OUT`` when set); ``--quick`` writes only into
+Writes ``benchmarks/decode/results.jsonl#zgemv`` on a GPU (and into ``$OUT`` when set); ``--quick`` writes only into
 ``--out-dir`` (default: a temporary directory).
 """
 
@@ -46,7 +46,7 @@ if "--quick" in sys.argv and not __import__("torch").cuda.is_available():
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 

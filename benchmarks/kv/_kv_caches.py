@@ -20,7 +20,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from benchmarks._kv_sizing import GIB
+from benchmarks.kv._kv_sizing import GIB
 from neutrain.eval.kv import MiniCache, ShadowKVCache
 from neutrain.eval.kv.minicache_attention import pair_state
 

@@ -1,7 +1,7 @@
 """What the KV-cache benchmark's parts share: the run's time budget, the cache settings they evaluate,
 one setting's evaluation, the merge plan's threshold and the diagnosis of a model's caches.
 
-``benchmarks/kv_eval.py`` is the command; the parts are ``_kv_fidelity`` (the trained retrieval model),
+``benchmarks/kv/kv_eval.py`` is the command; the parts are ``_kv_fidelity`` (the trained retrieval model),
 ``_kv_throughput`` (decode tokens/s on Llama-3-8B shapes) and ``_kv_real`` (SmolLM2-135M-Instruct).
 """
 

@@ -17,7 +17,7 @@ import time
 import torch
 import transformers
 
-from benchmarks._kv_common import (DEADLINE, PRESS_RATIO, baseline_configs, chosen_min_similarity, diagnose_model,
+from benchmarks.kv._kv_common import (DEADLINE, PRESS_RATIO, baseline_configs, chosen_min_similarity, diagnose_model,
                                    evaluate_config, real_configs, summarise)
 from neutrain.eval.loop import format_table, kv_cache_factory, run_tasks
 from neutrain.eval.tasks import _noise as noise_sentences
@@ -156,7 +156,7 @@ def _retrieval_trainer_classes():
             self.held, self.args, self.log, self.start, self.history = held, args, log, time.time(), []
             self.acc, self.loss = 0.0, float("nan")
             # The best held-out weights so far: held-out accuracy swings by several points between evals
-            # (0.97 then 0.89 in results/archive/kv_eval_fidelity.json), and a time limit may stop training in a dip.
+            # (0.97 then 0.89 in benchmarks/kv/results.jsonl), and a time limit may stop training in a dip.
             self.best_acc, self.best_step, self.best_state, self.restored = -1.0, None, None, False
 
         def on_train_end(self, args, state, control, model=None, **kw):

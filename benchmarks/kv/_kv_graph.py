@@ -17,7 +17,7 @@ full-cache decode can beat, so the ratio against it is the conservative one. The
 replay, outside the timing.
 
 Why a replay timeline: the graph hides the step's phases (no CUDA events inside it), so where a replayed step
-spends its time is read from the profiler's kernels instead (:func:`replay_timeline`, ``benchmarks/_timeline.py``).
+spends its time is read from the profiler's kernels instead (:func:`replay_timeline`, ``benchmarks/memory/_timeline.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks._timeline import Groups, profile_kernels, timeline_table
+from benchmarks.memory._timeline import Groups, profile_kernels, timeline_table
 from neutrain import compat
 
 SHADOWKV_KERNEL_GROUPS: Groups = (

@@ -1,6 +1,6 @@
 """The KV-cache benchmark's time plan: every part of ``--part all`` gets its seconds up front, printed first.
 
-One device call holds everything (``benchmarks/gpu_kv.sh``). The plan gives each throughput row a cap (its build,
+One device call holds everything (``benchmarks/kv/gpu_kv.sh``). The plan gives each throughput row a cap (its build,
 two warm-up steps, its timed steps and the profiled step), the retrieval model's evaluation and the real model
 their estimates, and the retrieval model's training what is left; the pinned host buffer is filled beside the
 training.
@@ -11,7 +11,7 @@ when a row starts gives each row left its share of what is left before the later
 that no row is starved by those before it; what a row cannot shrink (its build, the warm-up, one timed step and
 the profiled step) comes out of the accuracy parts' seconds, whose settings beside the rows come first.
 
-Calibration: the H200 call at bdfe903 (benchmarks/results/kv_eval.json, Llama-3-8B shapes, the batches the rows
+Calibration: the H200 call at bdfe903 (benchmarks/kv/results.jsonl#kv_eval, Llama-3-8B shapes, the batches the rows
 size). Its rows, in seconds at 32K / 64K (build + 2 warm-up + timed + 1 profiled step): full 4.2 / 3.5 (four
 timings of ~38 ms steps), ShadowKV 3.8 / 3.6 (128 / 172 ms, + the step split), MiniCache merge + 4-bit
 15.0 / 14.7 (builds of 13 s at batch 126 / 64, 291 ms steps), 4-bit only 8.4 / 9.9 (7-8 s builds, 252 / 282 ms),

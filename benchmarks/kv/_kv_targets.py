@@ -1,11 +1,11 @@
 """The KV-cache benchmark's targets: fixed names, values from the run's numbers, no value where not measured.
 
-The goals and why they are set where they are: ``benchmarks/notes_kv_eval.md``.
+The goals and why they are set where they are: ``benchmarks/kv/NOTES.md``.
 """
 
 from __future__ import annotations
 
-GOAL_SOURCE = "benchmarks/notes_kv_eval.md"
+GOAL_SOURCE = "benchmarks/kv/NOTES.md"
 """Where each goal is set and explained."""
 
 

@@ -6,7 +6,7 @@ DynamicCache would re-copy the whole cache each step), ShadowKV (values in pinne
 batch sized by GPU memory: overflow rows keep their values on the GPU; its step split by phase with
 CUDA events; once unfused, then at the same batch through neutrain/kernels/shadowkv_fused_decode.py, its values
 gathered first or read by the kernel where they are stored, and that last step replayed as a CUDA graph against
-the full cache's step graphed at each length: benchmarks/_kv_graph.py),
+the full cache's step graphed at each length: benchmarks/kv/_kv_graph.py),
 MiniCache (merge, merge + 4-bit, 4-bit only, decoding through the fused kernel of
 neutrain/kernels/minicache_attention.py; merge + 4-bit once through the old restore path), a
 kvpress-pruned cache and QuantizedCache. This module holds the rows: their order, the batch each is sized to
@@ -23,15 +23,15 @@ import time
 import torch
 import transformers
 
-from benchmarks._kv_caches import (MINICACHE_CHUNK, PinnedBuffer, full_cache, host_buffer_gib, minicache_cache,
+from benchmarks.kv._kv_caches import (MINICACHE_CHUNK, PinnedBuffer, full_cache, host_buffer_gib, minicache_cache,
                                    prepare_fused, pruned_cache, quantized_cache, release_memory, rewind,
                                    shadowkv_cache)
-from benchmarks._kv_graph import SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
-from benchmarks._kv_common import DEADLINE, PRESS_RATIO
-from benchmarks._kv_plan import MIN_STEPS, TimePlan
-from benchmarks._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
+from benchmarks.kv._kv_graph import SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
+from benchmarks.kv._kv_common import DEADLINE, PRESS_RATIO
+from benchmarks.kv._kv_plan import MIN_STEPS, TimePlan
+from benchmarks.kv._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
                                    run_with_backoff)
-from benchmarks._kv_timing import eager_step, graph_kernel_record, kernel_record, shadowkv_step_split, timed
+from benchmarks.kv._kv_timing import eager_step, graph_kernel_record, kernel_record, shadowkv_step_split, timed
 from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
 from neutrain.eval.kv.decode_graph import capture_decode_step
 
@@ -157,7 +157,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
     def full_graph(ctx):
         # The full cache's step captured at each length, under the full row's fastest SDPA backend (the graph keeps
         # the backend of its capture; flash, then the dispatcher's choice, should that one not capture), at the
-        # full row's batch: the eager step's kernels and bytes without the launches (benchmarks/_kv_graph.py says
+        # full row's batch: the eager step's kernels and bytes without the launches (benchmarks/kv/_kv_graph.py says
         # why not one graph under a mask).
         if not cuda:
             return {"needs_cuda": GRAPH_NEEDS_CUDA}

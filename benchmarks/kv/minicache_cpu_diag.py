@@ -15,11 +15,11 @@ L/2, SLERP t=0.6, per-token norms kept, gamma=0.05 distinct retention; keys post
   next token's query (the full run's query, so each layer's error is its own, not propagated);
 * ``next_token``: whether the first answer token (greedy) survives, full vs MiniCache.
 
-Writes ``benchmarks/results/profiles/<--name>.json`` (``write_result``: commit, settings, and the KV targets
+Writes the ``<--name>`` row of ``benchmarks/kv/results.jsonl`` (``write_result``: commit, settings, and the KV targets
 by name, none of which this study measures).
 
 Usage:
-    PYTHONPATH=. python benchmarks/diag/minicache_cpu_diag.py [--len 512] [--start-layer 15] [--t 0.6] [--gamma 0.05]
+    PYTHONPATH=. python benchmarks/kv/minicache_cpu_diag.py [--len 512] [--start-layer 15] [--t 0.6] [--gamma 0.05]
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import write_result  # noqa: E402
-from _kv_targets import targets_of_a_study  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks._common import write_result  # noqa: E402
+from benchmarks.kv._kv_targets import targets_of_a_study  # noqa: E402
 
 from neutrain.eval.kv import MiniCache  # noqa: E402
 from neutrain.eval.kv.minicache import per_token  # noqa: E402
 
-PROFILES = Path(__file__).resolve().parents[1] / "results" / "profiles"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,7 +144,7 @@ def main():
     p.add_argument("--start-layer", type=int, default=None)
     p.add_argument("--t", type=float, default=0.6)
     p.add_argument("--gamma", type=float, default=0.05)
-    p.add_argument("--name", default="minicache_smollm2_layers", help="the record's name (under results/profiles)")
+    p.add_argument("--name", default="minicache_smollm2_layers", help="the record's name (its row in benchmarks/kv/results.jsonl)")
     args = p.parse_args()
     model, tok = load_smollm2()
     sample = generate_task("niah_single", tok, args.len, 1, seed=42)[0]
@@ -164,7 +163,7 @@ def main():
     settings = {"model": "SmolLM2-135M-Instruct", "task": "niah_single", "seed": 42, "tokens": args.len,
                 "start_layer": args.start_layer, "t": args.t, "gamma": args.gamma, "device": "cpu"}
     targets = targets_of_a_study({}, "this study measures per-layer restore and attention errors, not accuracy")
-    print("wrote", write_result(args.name, settings, res, PROFILES, targets=targets))
+    print("wrote", write_result(args.name, settings, res, targets=targets))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ depth, programs per SM) closes it.
 One layer, Llama-3-8B's attention shape (8 KV heads, 32 query heads, head dim 128), random states stored the way
 MiniCache stores a 4-bit layer (KIVI keys per channel, values per token, groups of ``--group``; the residual
 tokens as a second segment). Every configuration is checked against the default launch's output first; CUDA-event
-medians. Writes ``benchmarks/results/profiles/minicache_decode_launch.json``.
+medians. Writes ``benchmarks/kv/results.jsonl#minicache_decode_launch``.
 
-    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 python3 benchmarks/diag/minicache_decode_launch.py
+    NEUTRAIN_GIT_COMMIT=<sha> NEUTRAIN_GIT_DIRTY=0 python3 benchmarks/kv/minicache_decode_launch.py
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import write_result  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks._common import write_result  # noqa: E402
 
 from neutrain.eval.kv.minicache_attention import store_segments  # noqa: E402
 from neutrain.eval.kv.quant import QuantizedTokenStore  # noqa: E402
 from neutrain.kernels import minicache_attention as kernels  # noqa: E402
 
-PROFILES = Path(__file__).resolve().parents[1] / "results" / "profiles"
 
 
 def median_ms(fn, repeats: int = 15) -> float:
@@ -137,7 +136,7 @@ def main():
     write_result("minicache_decode_launch", vars(args), {"rows": rows, "sdpa_bf16": sdpa, "best": best,
                                                          "default": default, "before": before,
                                                          "stored_bytes": stored},
-                 PROFILES, targets=targets)
+                 targets=targets)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """MiniCache settings on the real model on CPU: accuracy gap and measured compression, per setting.
 
-Same evaluation as the benchmark's real-model part (``benchmarks/_kv_real.py``: niah_single, SmolLM2's own
+Same evaluation as the benchmark's real-model part (``benchmarks/kv/_kv_real.py``: niah_single, SmolLM2's own
 tokenizer, no chat template, seed-42 samples, greedy), through the library's ``run_tasks``; one JSON line per
-setting, so a long sweep can be read while it runs, then ``benchmarks/results/profiles/<--name>.json``
+setting, so a long sweep can be read while it runs, then the ``<--name>`` row of ``benchmarks/kv/results.jsonl``
 (``write_result``; the paper's setting, t 0.6 and gamma 0.05 from the middle layer, is the benchmark's
 ``minicache_merge`` and gives ``real_model_minicache_acc_gap_points``).
 
 Usage:
-    PYTHONPATH=. python benchmarks/diag/minicache_sweep.py --len 1024 --samples 10 \
+    PYTHONPATH=. python benchmarks/kv/minicache_sweep.py --len 1024 --samples 10 \
         --setting '{"start_layer": 28}' --setting '{"gamma": 0.5}'
 """
 
@@ -19,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import write_result  # noqa: E402
-from _kv_targets import targets_of_a_study  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks._common import write_result  # noqa: E402
+from benchmarks.kv._kv_targets import targets_of_a_study  # noqa: E402
 
 from neutrain.eval.loop import kv_cache_factory, run_tasks  # noqa: E402
 
-PROFILES = Path(__file__).resolve().parents[1] / "results" / "profiles"
 PAPER = {"t": 0.6, "gamma": 0.05}  # the benchmark's minicache_merge
 
 
@@ -43,7 +42,7 @@ def main():
     p.add_argument("--len", type=int, default=1024)
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--setting", action="append", default=[], help="MiniCache options as JSON (t, gamma default 0.6, 0.05)")
-    p.add_argument("--name", default="minicache_smollm2_start_layer_sweep", help="the record's name (under results/profiles)")
+    p.add_argument("--name", default="minicache_smollm2_start_layer_sweep", help="the record's name (its row in benchmarks/kv/results.jsonl)")
     args = p.parse_args()
     model, tok = load_smollm2()
     samples = {"niah_single": generate_task("niah_single", tok, args.len, args.samples, seed=42)}
@@ -68,7 +67,7 @@ def main():
                 "samples": args.samples, "device": "cpu"}
     targets = targets_of_a_study({"real": {"gap_points": gaps}},
                                  "this sweep measures MiniCache on the real model only")
-    print("wrote", write_result(args.name, settings, {"rows": rows, "real": {"gap_points": gaps}}, PROFILES,
+    print("wrote", write_result(args.name, settings, {"rows": rows, "real": {"gap_points": gaps}},
                                 targets=targets))
 
 

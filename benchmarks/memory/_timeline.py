@@ -3,7 +3,7 @@ device busy and idle time, and the gaps between kernels.
 
 Why one module: a CUDA graph hides a step's phases from events and host timers, and CUPTI still traces the
 kernels inside a replay, so the kernel table is how both the engine's decode profile
-(``benchmarks/diag/decode_profile.py``) and the KV benchmark's graphed rows (``benchmarks/_kv_graph.py``) see
+(``benchmarks/decode/decode_profile.py``) and the KV benchmark's graphed rows (``benchmarks/kv/_kv_graph.py``) see
 where a replayed step spends its time.
 
 * :func:`kernel_intervals`: ``(name, start_us, duration_us)`` of every GPU kernel in a trace;

@@ -1,4 +1,4 @@
-"""The 70B whole run at a device budget: what ``benchmarks/gpu_70b_recipe.sh`` left in its state folder, read into
+"""The 70B whole run at a device budget: what ``benchmarks/memory/gpu_70b_recipe.sh`` left in its state folder, read into
 ``offload.json``'s ``70b_recipe_22gib`` and the target ``card_24gb_70b_whole_run_ok``.
 
 The run is train (save at step 4), resume to step 5 (save), the uninterrupted 5-step run (save), a comparison of
@@ -158,5 +158,5 @@ def whole_run(state: Path, runs: dict[str, dict], budget: float, exported: dict 
     results["failed_commands"] = failed
     targets = {"card_24gb_70b_whole_run_ok": {
         "value": ok, "goal": True, "met": ok,
-        "source": f"benchmarks/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g}"}}
+        "source": f"benchmarks/memory/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g}"}}
     return results, targets

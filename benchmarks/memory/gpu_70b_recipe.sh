@@ -12,19 +12,19 @@
 #             deleted
 #   straight  the uninterrupted 5-step run (saved to disk)
 #   compare   its checkpoint-5 and the resumed one compared by their manifests' per-tensor sha256
-# benchmarks/offload_recipe.py --whole-run reads the runs' metrics and summaries, the commands' logs, the
+# benchmarks/offload/offload_recipe.py --whole-run reads the runs' metrics and summaries, the commands' logs, the
 # manifests' comparison, the texts and this script's samples (device memory in use from nvidia-smi; host memory
 # used, and the largest peak resident size of neutrain's processes, from /proc) into $OUT/offload.json as
 # `70b_recipe_22gib`, with the target card_24gb_70b_whole_run_ok (every command exits 0, the checkpoints match,
 # the texts match).
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_70b_recipe.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/memory/gpu_70b_recipe.sh
 #
 # Time: the stages take about 1,470 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in
-# one pass and read in one pass per check, benchmarks/notes_offload.md), longer than the 600 s one device call
+# one pass and read in one pass per check, benchmarks/offload/NOTES.md), longer than the 600 s one device call
 # may run and close to the 30 minutes a machine is held. So the whole run goes in the background, in a process
 # session of its own that outlives the call, and each call only watches it:
-#   call 1      DETACH=1 WATCH=560 bash benchmarks/gpu_70b_recipe.sh    starts the stages, then watches
-#   calls 2..   WATCH=580 bash benchmarks/gpu_70b_recipe.sh             watches on (same STATE)
+#   call 1      DETACH=1 WATCH=560 bash benchmarks/memory/gpu_70b_recipe.sh    starts the stages, then watches
+#   calls 2..   WATCH=580 bash benchmarks/memory/gpu_70b_recipe.sh             watches on (same STATE)
 # Each watch prints the stages' progress and leaves $OUT/70b_state.tgz (logs, stage times, samples, the record
 # once written) and, at the end, $OUT/offload.json. A machine holds /tmp and /dev/shm only while it is warm: the
 # next call must follow within its 30 s.
@@ -32,12 +32,12 @@
 # export 222, the two generates side by side 183, straight 302, compare 5: 1,469 s, 1,505 s held with the
 # machine's start. Jobs beside it must end before the generate stage (~900 s in), which takes the other GPU.
 # The recipe's attention is neutrain_sdpa (packed rows one document at a time), whose deterministic kernels cost
-# ~1.1x at 16K packed where sdpa's masked kernel cost 4.2x (benchmarks/notes_determinism.md).
+# ~1.1x at 16K packed where sdpa's masked kernel cost 4.2x (benchmarks/training/NOTES.md).
 # Host memory: the 2-GPU machine plugs memory in as it is used (it reports ~31 GiB at start, 256 GiB is its
 # limit), so HOST_LIMIT_GIB (default: what /proc/meminfo says) less what is in use now is passed to each command
 # as NEUTRAIN_HOST_MEMORY_GIB; /dev/shm is grown to SHM_GIB when it is smaller.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/require_commit.sh
 OUT=${OUT:-/tmp/neutrain-70b}
 STATE=${STATE:-/tmp/neutrain-70b-state}
@@ -86,7 +86,7 @@ NEW_TOKENS=${NEW_TOKENS:-16}
 PROMPT=${PROMPT:-"def fibonacci(n):"}
 STAGES=${STAGES:-train,resume,export,generate,straight,compare}
 # A resume equal byte for byte to the uninterrupted run needs reproducible kernels: without them two fresh runs
-# of this recipe already differed at step 2 (grad norm 52.56 against 52.57; benchmarks/notes_offload.md).
+# of this recipe already differed at step 2 (grad norm 52.56 against 52.57; benchmarks/offload/NOTES.md).
 RUN_KEYS=${RUN_KEYS:-train.deterministic=true}
 SHM_GIB=${SHM_GIB:-120}
 gpu=${CUDA_VISIBLE_DEVICES:-0}
@@ -140,7 +140,7 @@ drop_first() {  # checkpoint-4, resumed from already: its record stays, its byte
   local first="$RUN_DIR/checkpoint-$STEPS"
   [ -d "$first" ] || return 0
   cp "$first/neutrain_manifest.json" "$STATE/checkpoint-$STEPS.manifest.json" 2>/dev/null
-  python3 benchmarks/offload_recipe.py --describe "$first" > "$STATE/70b_checkpoint.json"
+  python3 benchmarks/offload/offload_recipe.py --describe "$first" > "$STATE/70b_checkpoint.json"
   echo "deleting $first ($(free_gib "$(dirname "$RUN_DIR")") GiB free) to make room"; rm -rf "$first"
 }
 
@@ -159,8 +159,8 @@ if has_stage export; then
   stage_begin export
   neutrain export "$RESUMED" --format neuzip --output "$EXPORT_DIR" > "$OUT/70b_export.log" 2>&1
   stage_end export $?
-  python3 benchmarks/offload_recipe.py --describe "$EXPORT_DIR" > "$STATE/70b_export.json"
-  need=$(python3 benchmarks/offload_recipe.py --bf16-gib "$RESUMED/config.json" 2>/dev/null || echo 0)
+  python3 benchmarks/offload/offload_recipe.py --describe "$EXPORT_DIR" > "$STATE/70b_export.json"
+  need=$(python3 benchmarks/offload/offload_recipe.py --bf16-gib "$RESUMED/config.json" 2>/dev/null || echo 0)
   have=$(free_gib "$(dirname "$HF_DIR")")
   if python3 -c "import sys; sys.exit(0 if float('$need') > 0 and $have > float('$need') + 2 else 1)"; then
     stage_begin export_hf
@@ -209,7 +209,7 @@ if has_stage compare; then
   stage_begin compare
   straight="$STRAIGHT_DIR/checkpoint-$((STEPS + 1))"
   resumed=$STATE/resumed.manifest.json; [ -f "$resumed" ] || resumed=$RESUMED/neutrain_manifest.json
-  python3 benchmarks/offload_recipe.py --compare-manifests "$resumed" \
+  python3 benchmarks/offload/offload_recipe.py --compare-manifests "$resumed" \
     "$straight/neutrain_manifest.json" > "$STATE/manifests.json" 2> "$OUT/70b_compare.log"
   rc=$?; cat "$STATE/manifests.json"
   [ -f "$straight/neutrain_manifest.json" ] && cp "$straight/neutrain_manifest.json" "$STATE/straight.manifest.json"
@@ -217,7 +217,7 @@ if has_stage compare; then
 fi
 kill "$sampler" 2>/dev/null
 exported=$EXPORT_DIR; [ -d "$EXPORT_DIR" ] || exported=$STATE/70b_export.json
-python3 benchmarks/offload_recipe.py --whole-run "$STATE" --train "$RUN_DIR" --resume "$RESUME_DIR" \
+python3 benchmarks/offload/offload_recipe.py --whole-run "$STATE" --train "$RUN_DIR" --resume "$RESUME_DIR" \
   --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$exported"
 rc=$?
 cp "$OUT/offload.json" "$STATE/" 2>/dev/null

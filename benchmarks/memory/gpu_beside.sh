@@ -3,18 +3,18 @@
 # GPU 0 for ~25 minutes and needs GPU 1 only for its side-by-side generate, so the minutes between can measure
 # other things. Each job has its own time limit; none stops the next. Everything lands in $OUT/beside.tgz
 # (a call returns 8 files). From the repository root:
-#   CUDA_VISIBLE_DEVICES=1 BESIDE_LIMIT=480 bash benchmarks/gpu_beside.sh packed determinism engine
+#   CUDA_VISIBLE_DEVICES=1 BESIDE_LIMIT=480 bash benchmarks/memory/gpu_beside.sh packed determinism engine
 # Jobs:
 #   packed       the GPU tests of the packed-rows attention, export placements and the compiled decode layers (junit)
-#   determinism  benchmarks/determinism.py --part timing (sdpa against neutrain_sdpa, default and deterministic)
+#   determinism  benchmarks/training/determinism.py --part timing (sdpa against neutrain_sdpa, default and deterministic)
 #   engine       gpu_serving.sh PARTS=engine (dense and NeuZip-lossless decode on Llama-3-8B shapes)
 #   rounds       gpu_serving.sh PARTS=rounds (a speculative round's split)
 #   sage         gpu_attention.sh gluon (the Gluon Sage forward's tests and its smoke timing)
 #   suite        the GPU-marked unit and kernel tests (gpu_training.sh PART=tests, 4 workers)
-#   decode       benchmarks/diag/decode_profile.py (the dense and zgemv 8B decode step's kernel table and gaps)
+#   decode       benchmarks/decode/decode_profile.py (the dense and zgemv 8B decode step's kernel table and gaps)
 # BESIDE_LIMIT (s) bounds the whole list: a job that would start with less than 60 s left is not started.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/install_carried_wheels.sh > /dev/null 2>&1  # what the image lacks (datasets, gguf, ...)
 CALL_OUT=${OUT:-/tmp/neutrain-beside}
 WORK=/tmp/neutrain-beside; mkdir -p "$WORK" "$CALL_OUT"
@@ -36,28 +36,28 @@ for job in "$@"; do
         > "$WORK/packed_tests.log" 2>&1
       rc=$?; tail -n 4 "$WORK/packed_tests.log" ;;
     determinism)
-      timeout -k 5 "$(( t < 300 ? t : 300 ))" python3 benchmarks/determinism.py --part timing > "$WORK/determinism.log" 2>&1
+      timeout -k 5 "$(( t < 300 ? t : 300 ))" python3 benchmarks/training/determinism.py --part timing > "$WORK/determinism.log" 2>&1
       rc=$?; tail -n 25 "$WORK/determinism.log" ;;
     engine)
       PARTS=engine WEIGHTS=dense,neuzip-lossless ENGINE_BUDGET=150 ENGINE_LIMIT=$(( t < 240 ? t : 240 )) \
-        bash benchmarks/gpu_serving.sh > "$WORK/engine.log" 2>&1
+        bash benchmarks/decode/gpu_serving.sh > "$WORK/engine.log" 2>&1
       rc=$?; tail -n 30 "$WORK/engine.log" ;;
     rounds)
-      PARTS=rounds bash benchmarks/gpu_serving.sh > "$WORK/rounds.log" 2>&1
+      PARTS=rounds bash benchmarks/decode/gpu_serving.sh > "$WORK/rounds.log" 2>&1
       rc=$?; tail -n 20 "$WORK/rounds.log" ;;
     sage)
-      SMOKE_TIMEOUT=$(( t < 150 ? t - 30 : 120 )) bash benchmarks/gpu_attention.sh gluon > "$WORK/sage.log" 2>&1
+      SMOKE_TIMEOUT=$(( t < 150 ? t - 30 : 120 )) bash benchmarks/attention/gpu_attention.sh gluon > "$WORK/sage.log" 2>&1
       rc=$?; tail -n 30 "$WORK/sage.log"; cat "$WORK/smoke.log" 2>/dev/null | tail -n 30 ;;
     decode)
-      timeout -k 5 "$(( t < 420 ? t : 420 ))" python3 benchmarks/diag/decode_profile.py --out "$WORK/decode_profile" \
+      timeout -k 5 "$(( t < 420 ? t : 420 ))" python3 benchmarks/decode/decode_profile.py --out "$WORK/decode_profile" \
         > "$WORK/decode_profile.log" 2>&1
       rc=$?; tail -n 40 "$WORK/decode_profile.log" ;;
     suite)
-      PART=tests TEST_LIMIT=$(( t - 20 )) TEST_WORKERS=4 bash benchmarks/gpu_training.sh > "$WORK/suite.log" 2>&1
+      PART=tests TEST_LIMIT=$(( t - 20 )) TEST_WORKERS=4 bash benchmarks/training/gpu_training.sh > "$WORK/suite.log" 2>&1
       rc=$?; tail -n 30 "$WORK/suite.log" ;;
     *) echo "beside: unknown job $job"; rc=2 ;;
   esac
   echo "beside: $job rc=$rc in $(( SECONDS - t0 )) s"
 done
-cp -r benchmarks/results/determinism.json "$WORK/" 2>/dev/null
+python3 benchmarks/records.py current determinism > "$WORK/determinism.json" 2>/dev/null
 tar -czf "$CALL_OUT/beside.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")"

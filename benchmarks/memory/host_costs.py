@@ -10,7 +10,7 @@ Pieces: the decode kernel's launch (``ct.decompress(out=...)``), a decode throug
 (``decode_many``), the sync-free re-encode (``recompress_(sync=False)``) and its grouped twin (``encode_many``),
 and for scale a bf16 ``torch.mm`` of the layer's shape at 1,024 tokens and an empty ``torch.empty(0)`` op.
 
-    python benchmarks/diag/host_costs.py
+    python benchmarks/memory/host_costs.py
 """
 
 from __future__ import annotations

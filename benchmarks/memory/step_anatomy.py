@@ -9,10 +9,10 @@ fused LOMO, activation checkpointing), after warm-up steps:
 * **syncs**: every host-synchronising CUDA call of one step (profiler, with Python stacks), with
   the frames that caused it.
 
-Writes ``benchmarks/results/<name>.json`` (default ``step_anatomy``). A diagnostic: it has no targets.
+Writes the ``<name>`` row of ``benchmarks/memory/results.jsonl`` (default ``step_anatomy``). A diagnostic: it has no targets.
 
-    python benchmarks/step_anatomy.py --variant d --batch 1
-    python benchmarks/step_anatomy.py --tiny            # smoke test (CUDA required)
+    python benchmarks/memory/step_anatomy.py --variant d --batch 1
+    python benchmarks/memory/step_anatomy.py --tiny            # smoke test (CUDA required)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 KEEP_FRAMES = ("neutrain/", "transformers/", "torch/utils/checkpoint", "benchmarks/")
 
@@ -87,7 +87,7 @@ def sync_sites(step) -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks._train_peers import is_host_sync
+    from benchmarks.memory._train_peers import is_host_sync
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
@@ -147,9 +147,9 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from benchmarks import _train_peers as peers
+    from benchmarks.memory import _train_peers as peers
     from benchmarks._common import git_provenance, write_result
-    from benchmarks.train_memory import LLAMA3_8B, TINY, VARIANTS
+    from benchmarks.memory.train_memory import LLAMA3_8B, TINY, VARIANTS
     from neutrain.nn import causal_lm_loss
     from neutrain.nn.load import init_compressed
     from neutrain.optim import optimizer_spec

@@ -1,6 +1,6 @@
 """Which matrix products one training step issues: compressed (variant d) against dense (variant c).
 
-Builds the two variants as ``benchmarks/train_memory.py`` does (dense: ``from_config`` on the device;
+Builds the two variants as ``benchmarks/memory/train_memory.py`` does (dense: ``from_config`` on the device;
 compressed: ``init_compressed``; activation checkpointing on, non-reentrant; fused LOMO, lr 1e-4,
 ``max_grad_norm`` 1.0, ``--clip-mode`` as there), warms up two steps, then counts every aten matrix
 product of one step with a ``TorchDispatchMode``: op, operand shapes and layouts (N: row-major,
@@ -8,8 +8,8 @@ T: a transposed view), phase (forward, checkpoint recompute, backward) and what 
 identified by its weight's shape; the lm_head chunk's logits, dH, dW), plus the decodes of each
 compressed weight. Prints the table of products by kind, dense count, compressed count.
 
-    python benchmarks/diag/step_products.py                       # tiny Llama on the CPU (a minute)
-    python benchmarks/diag/step_products.py --full --device cuda  # Llama-3-8B shapes, seq 1024, batch 8
+    python benchmarks/memory/step_products.py                       # tiny Llama on the CPU (a minute)
+    python benchmarks/memory/step_products.py --full --device cuda  # Llama-3-8B shapes, seq 1024, batch 8
 
 Decodes: on the CPU the decoded weights are kept between uses by default; ``NEUTRAIN_KEEP_DECODED_MIB=0``
 decodes as a GPU does (shared slots, :mod:`neutrain.nn.buffers`). The lm_head and embedding are read
@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the rows and decode counts here")
     args = ap.parse_args()
     if args.full:
-        from benchmarks.train_memory import LLAMA3_8B
+        from benchmarks.memory.train_memory import LLAMA3_8B
 
         cfg = dict(LLAMA3_8B)
         args.seq, args.batch = args.seq or 1024, args.batch or 8

@@ -1,6 +1,6 @@
 """Where one training step's time goes, host against device: compressed (variant d) against dense (c).
 
-Builds the variants as ``benchmarks/train_memory.py`` does (Llama-3-8B shapes, sequence 1024, activation
+Builds the variants as ``benchmarks/memory/train_memory.py`` does (Llama-3-8B shapes, sequence 1024, activation
 checkpointing, fused LOMO, per-tensor clipping at 1.0), warms up, then for each variant and batch size:
 
 * ``step_s``: the step's time by CUDA events, the median of ``--steps`` steps;
@@ -13,8 +13,8 @@ checkpointing, fused LOMO, per-tensor clipping at 1.0), warms up, then for each 
 Each variant runs in its own process so the allocator starts clean. The Chrome trace of each profiled step is
 written gzipped beside the record (``--out``) for a look at the timeline.
 
-    python benchmarks/diag/step_timeline.py --variants d,c --batches 1 --out /tmp/timeline   # on a GPU
-    python benchmarks/diag/step_timeline.py --tiny --variants d,c --batches 1               # smoke test, CPU
+    python benchmarks/memory/step_timeline.py --variants d,c --batches 1 --out /tmp/timeline   # on a GPU
+    python benchmarks/memory/step_timeline.py --tiny --variants d,c --batches 1               # smoke test, CPU
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _build(key: str, tiny: bool, device: str):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from benchmarks.train_memory import LLAMA3_8B, TINY, VARIANTS
+    from benchmarks.memory.train_memory import LLAMA3_8B, TINY, VARIANTS
 
     weights, opt_name = VARIANTS[key]
     config = LlamaConfig(**(TINY if tiny else LLAMA3_8B))
@@ -74,7 +74,7 @@ def _device_busy(prof) -> dict:
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
         return {}
-    from benchmarks._timeline import busy_and_gaps
+    from benchmarks.memory._timeline import busy_and_gaps
 
     span, busy, gaps = busy_and_gaps(spans)
     gaps.sort(reverse=True)

@@ -10,10 +10,10 @@ the allocator's numbers at the failure. Then the lengths of ``--offload-seqs`` w
 ``memory.offload_activations`` (each layer's saved input in pinned host memory, :mod:`neutrain.nn.offload`),
 with the bytes sent to the host per step.
 
-    python benchmarks/train_70b.py                       # 16K, 32K, 24K if 32K does not fit; then 32K offloaded
-    python benchmarks/train_70b.py --tiny --seqs 64,128  # smoke test (CPU or GPU)
+    python benchmarks/memory/train_70b.py                       # 16K, 32K, 24K if 32K does not fit; then 32K offloaded
+    python benchmarks/memory/train_70b.py --tiny --seqs 64,128  # smoke test (CPU or GPU)
 
-Writes ``benchmarks/results/train_70b.json`` with targets ``max_tokens_per_step`` (>= 32,768) and
+Writes ``benchmarks/memory/results.jsonl#train_70b`` with targets ``max_tokens_per_step`` (>= 32,768) and
 ``tokens_per_s_16k`` (>= 850).
 """
 
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from benchmarks.train_memory import LLAMA3_8B, TINY as TINY_8B  # noqa: E402
+from benchmarks.memory.train_memory import LLAMA3_8B, TINY as TINY_8B  # noqa: E402
 
 # The 70B differs from the 8B in width, depth, heads and context; vocabulary, RoPE and norms are shared.
 LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -40,7 +40,7 @@ def measure(model, opt, vocab: int, seq: int, steps: int, device: str) -> dict:
     """``steps`` training steps of one ``seq``-token sequence; the first is warm-up."""
     import torch
 
-    from benchmarks import _train_peers as peers
+    from benchmarks.memory import _train_peers as peers
     from neutrain.nn import causal_lm_loss
 
     cuda = device == "cuda"

@@ -18,11 +18,11 @@ throughput at batch 8 (and batch 1). Each row carries peak allocated/reserved Gi
 the device's used memory (NVML, or cudaMemGetInfo), tokens/s (CUDA events, median after
 warm-up) and the planner's estimate; batch-1 rows carry the allocator's segment map, and
 ``--profile`` variants a profiled batch-8 step (top kernels, host syncs). The JSON's
-``targets`` are the memory and speed goals of :func:`targets_of`. Peers live in ``benchmarks/_train_peers.py``.
+``targets`` are the memory and speed goals of :func:`targets_of`. Peers live in ``benchmarks/memory/_train_peers.py``.
 
-    python benchmarks/train_memory.py                    # all variants, writes results/train_memory.json
-    python benchmarks/train_memory.py --tiny --variants c,d   # CPU/GPU smoke test on a tiny model
-    python benchmarks/train_memory.py --variants d,c --clip-mode global_stale --name train_memory_stale
+    python benchmarks/memory/train_memory.py                    # all variants, writes benchmarks/memory/results.jsonl#train_memory
+    python benchmarks/memory/train_memory.py --tiny --variants c,d   # CPU/GPU smoke test on a tiny model
+    python benchmarks/memory/train_memory.py --variants d,c --clip-mode global_stale --name train_memory_stale
 
 ``--clip-mode`` sets the fused optimizers' clipping (threshold 1.0; default per_tensor): under
 global_stale the streamed lm_head update runs in one pass from step 2 on (no second lm_head
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -71,7 +71,7 @@ def run_variant(key: str, tiny: bool, seq: int, batches: list[int], steps: int, 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from benchmarks import _train_peers as peers
+    from benchmarks.memory import _train_peers as peers
 
     idle_gib = peers.device_used_gib()  # before this process touches the GPU: the card's own floor
 

@@ -9,7 +9,7 @@ source benchmarks/install_carried_wheels.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -m pip list 2>/dev/null | grep -i -E "^(torch|torchao|bitsandbytes|lomo.optim|transformers) "
-python3 benchmarks/train_memory.py --variants "${VARIANTS:-d,c,t,f,e,h,p,g}" --budget "${BUDGET:-330}" \
+python3 benchmarks/memory/train_memory.py --variants "${VARIANTS:-d,c,t,f,e,h,p,g}" --budget "${BUDGET:-330}" \
   --timeout "${CHILD_TIMEOUT:-130}" 2>&1 | tee "$OUT/train_memory.log"
 echo "benchmark exit: $?"
 left=$(( ${CALL_SECONDS:-570} - SECONDS ))

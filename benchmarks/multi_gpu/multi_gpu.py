@@ -25,12 +25,12 @@ during setup.
 
 Usage (one 4-GPU machine)::
 
-    torchrun --nproc_per_node 1 benchmarks/multi_gpu.py --mode single
-    torchrun --nproc_per_node 4 benchmarks/multi_gpu.py --mode fsdp2
-    python benchmarks/multi_gpu.py --summarize                          # prints the rows
-    python benchmarks/multi_gpu.py --summarize --write --results-dir "$OUT"   # and writes multi_gpu.json there
+    torchrun --nproc_per_node 1 benchmarks/multi_gpu/multi_gpu.py --mode single
+    torchrun --nproc_per_node 4 benchmarks/multi_gpu/multi_gpu.py --mode fsdp2
+    python benchmarks/multi_gpu/multi_gpu.py --summarize                          # prints the rows
+    python benchmarks/multi_gpu/multi_gpu.py --summarize --write --results-dir "$OUT"   # and writes multi_gpu.json there
     # CPU dry run of the code paths (gloo, tiny model):
-    torchrun --nproc_per_node 2 benchmarks/multi_gpu.py --mode replicated --tiny
+    torchrun --nproc_per_node 2 benchmarks/multi_gpu/multi_gpu.py --mode replicated --tiny
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import RESULTS_DIR, git_provenance, write_result  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks._common import git_provenance, write_result  # noqa: E402
+
+# Profiles go beside the runs' files ($OUT on the device machine), else here.
+SCRATCH = Path("/tmp/neutrain-multi-gpu")
 
 MODES = ("single", "replicated", "fsdp2", "zero3")
 LLAMA3_8B = dict(
@@ -83,7 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--summarize", action="store_true", help="print the runs of multi_gpu_*.json merged into rows")
     p.add_argument("--write", action="store_true", help="with --summarize: also write them to multi_gpu.json in "
                    "--results-dir (never over a file git tracks: a committed record is replaced by a deliberate commit)")
-    p.add_argument("--results-dir", default=os.environ.get("OUT") or str(RESULTS_DIR))
+    p.add_argument("--results-dir", default=os.environ.get("OUT") or None)
     args = p.parse_args(argv)
     if not args.summarize and args.mode is None:
         p.error("--mode is required unless --summarize")
@@ -96,7 +99,7 @@ def parse_args(argv=None):
 
 
 def init_distributed(tiny: bool) -> tuple[int, int, torch.device]:
-    if "RANK" not in os.environ:  # plain `python benchmarks/multi_gpu.py --mode single`
+    if "RANK" not in os.environ:  # plain `python benchmarks/multi_gpu/multi_gpu.py --mode single`
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
     local_rank = int(os.environ["LOCAL_RANK"])
     if tiny or not torch.cuda.is_available():
@@ -306,7 +309,7 @@ def _profile(args, train_step, batch, device, rank: int, mode: str, world: int) 
              f"({100 * nccl / total:.0f} %) (kernel time sums concurrent streams)", ""]
     for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:25]:
         lines.append(f"{getattr(e, attr) / 1e3:10.1f} ms {e.count:7d}x  {e.key[:110]}")
-    path = Path(args.results_dir) / f"multi_gpu_{mode}_{world}gpu_profile{_ablation_suffix(args, mode)}.txt"
+    path = Path(args.results_dir or SCRATCH) / f"multi_gpu_{mode}_{world}gpu_profile{_ablation_suffix(args, mode)}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
@@ -341,24 +344,35 @@ def _tracked_by_git(path: Path) -> bool:
     return True
 
 
-def summarize(results_dir: str, tiny: bool = False, write: bool = False) -> Path | None:
-    """Print the per-run files merged: rows per mode and GPU count, scaling vs 1 GPU; with ``write``, also write
-    them to ``multi_gpu.json`` in ``results_dir`` (its path is returned), unless git tracks that file.
+def summarize(results_dir: str | None, tiny: bool = False, write: bool = False) -> Path | None:
+    """Print the per-run records merged: rows per mode and GPU count, scaling vs 1 GPU; with ``write``, also write
+    them to ``multi_gpu.json`` in ``results_dir`` (its path is returned). Without ``results_dir`` the runs are the
+    current rows of the multi_gpu table, and ``write`` is refused.
 
     A summary never replaces a committed record: merging the committed runs on another machine wrote that
-    machine's name and commit into ``multi_gpu.json``. Written, it carries the runs' own provenance.
+    machine's name and commit into ``multi_gpu.json``. Written, it carries the runs' own provenance and joins the
+    table by ``python benchmarks/records.py add``, a deliberate step.
     """
+    import re
+
+    from benchmarks import records
+
     suffix = "_tiny" if tiny else ""
-    runs, payloads = [], []
-    for path in sorted(Path(results_dir).glob(f"multi_gpu_*gpu{suffix}.json")):
-        payload = json.loads(path.read_text())
-        payloads.append(payload)
-        runs.append({**payload["results"], "settings": payload["settings"], "device": payload["device"]})
+    if results_dir is None:
+        if write:  # refused before anything is printed as if it had been written
+            raise SystemExit("--write: benchmarks/multi_gpu/results.jsonl is a committed record; write to a "
+                             "--results-dir and add the new record deliberately (benchmarks/records.py add)")
+        named = re.compile(rf"multi_gpu_[a-z0-9]+_\d+gpu{suffix}")
+        payloads = sorted((r for r in records.rows("multi_gpu") if r.get("current") and named.fullmatch(r["name"])),
+                          key=lambda r: r["name"])
+    else:
+        payloads = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob(f"multi_gpu_*gpu{suffix}.json"))]
+    runs = [{**p["results"], "settings": p["settings"], "device": p["device"]} for p in payloads]
     if not runs:
-        print(f"no multi_gpu_*gpu{suffix}.json in {results_dir}")
+        print(f"no multi_gpu_*gpu{suffix} records in {results_dir or 'benchmarks/multi_gpu/results.jsonl'}")
         return None
-    target = Path(results_dir) / f"multi_gpu{suffix}.json"
-    if write and _tracked_by_git(target):  # refused before anything is printed as if it had been written
+    target = Path(results_dir or SCRATCH) / f"multi_gpu{suffix}.json"
+    if write and _tracked_by_git(target):
         raise SystemExit(f"--write: {target} is a committed record; write to another --results-dir and commit the "
                          "new record deliberately")
     single = next((r for r in runs if r["mode"] == "single"), None)

@@ -5,9 +5,9 @@
 # mode is logged and skipped, the others go on. A time budget (BUDGET seconds, default 530)
 # keeps the whole call under the device's 10-minute limit.
 #
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/multi_gpu.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/multi_gpu/multi_gpu.sh
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/benchmarks/results}
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-530}
@@ -32,7 +32,7 @@ done
 
 # --- benchmark: 1 GPU, then 2 and 4 GPUs per mode ----------------------------------------------------
 NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-BENCH_ARGS=${BENCH_ARGS:-}   # CPU dry run: NGPU=2 BENCH_ARGS=--tiny bash benchmarks/multi_gpu.sh
+BENCH_ARGS=${BENCH_ARGS:-}   # CPU dry run: NGPU=2 BENCH_ARGS=--tiny bash benchmarks/multi_gpu/multi_gpu.sh
 port=29650
 bench() {  # bench <gpus> <mode> [extra benchmark arguments]
   local n=$1 mode=$2 limit=110 rest tag=${3:+_$(echo "$3" | tr -dc 'a-z0-9')}
@@ -42,7 +42,7 @@ bench() {  # bench <gpus> <mode> [extra benchmark arguments]
   [ "$limit" -gt $(( rest - 15 )) ] && limit=$(( rest - 15 ))
   port=$((port + 1))
   timeout -k 5 "$limit" python3 -m torch.distributed.run --nproc_per_node "$n" --master_port "$port" \
-    benchmarks/multi_gpu.py --mode "$mode" --results-dir "$OUT" $BENCH_ARGS ${3:-} > "$OUT/multi_gpu_${mode}_${n}gpu$tag.log" 2>&1
+    benchmarks/multi_gpu/multi_gpu.py --mode "$mode" --results-dir "$OUT" $BENCH_ARGS ${3:-} > "$OUT/multi_gpu_${mode}_${n}gpu$tag.log" 2>&1
   echo "bench $mode x$n ${3:-} rc=$? ($(left)s left)"
   grep -E '"(tokens_per_s_per_gpu|peak_allocated_gib_per_gpu|step_time_s)"' "$OUT/multi_gpu_${mode}_${n}gpu$tag.log" \
     || tail -n 8 "$OUT/multi_gpu_${mode}_${n}gpu$tag.log"
@@ -62,5 +62,5 @@ if [ "${LAUNCH_TESTS:-1}" = 1 ] && [ "$(left)" -gt 100 ]; then
 else
   echo "skip launch tests (LAUNCH_TESTS=0, or the time budget is spent)"
 fi
-python3 benchmarks/multi_gpu.py --summarize --write --results-dir "$OUT" $BENCH_ARGS 2>&1 | grep -v WARNING | tail -n 12
+python3 benchmarks/multi_gpu/multi_gpu.py --summarize --write --results-dir "$OUT" $BENCH_ARGS 2>&1 | grep -v WARNING | tail -n 12
 echo "done in ${SECONDS}s"

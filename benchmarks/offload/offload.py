@@ -6,21 +6,21 @@ CUDA fault in one part (the 8B's offloaded step once died of ``an illegal memory
 in-GPU numbers of the same process with it) costs only that part, recorded as one ``failed`` line:
 
 * ``link``: host<->device bandwidth with pinned memory, each direction and both at once (1 GiB copies).
-* ``8b`` (= ``8b_gpu`` then ``8b_offload``, two processes): Llama-3-8B (``benchmarks/train_memory.py``'s
+* ``8b`` (= ``8b_gpu`` then ``8b_offload``, two processes): Llama-3-8B (``benchmarks/memory/train_memory.py``'s
   config, NeuZip lossless + fused LOMO, activation checkpointing) at batch 8 x 1024, fully on the GPU;
   then a freshly built one with ``memory.offload_weights`` under a GPU budget of 8 GiB
   (``torch.cuda.set_per_process_memory_fraction``); the saved layer inputs go to host memory too when
   the planner says weights alone would not fit. Target ``offload_8b_over_in_gpu`` (>= 0.85).
-* ``70b``: the Llama-3-70B architecture (``benchmarks/train_70b.py``'s config) built layer by layer on
+* ``70b``: the Llama-3-70B architecture (``benchmarks/memory/train_70b.py``'s config) built layer by layer on
   the GPU straight into the host store (``neutrain.nn.load.build`` with an offloading placement), one sequence
   of 16,384 tokens per step, >= 3 steps. Targets ``h100_70b_tokens_per_s_16k`` (>= 620) and
   ``h100_70b_peak_reserved_gib`` (<= 70); host memory pinned, bytes moved per step against the link, and
   the timeline of one step per layer (copy in, compute, write-back; decode and encode kernel totals).
 
-    python benchmarks/offload.py --parts link,8b            # one device call
-    python benchmarks/offload.py --parts 70b --merge        # a second one, merged into the same file
-    python benchmarks/offload.py --tiny --parts link,8b,70b # smoke test (GPU)
-    NEUTRAIN_OFFLOAD_SYNC_DEBUG=1 python benchmarks/offload.py --parts 8b_offload --steps 2
+    python benchmarks/offload/offload.py --parts link,8b            # one device call
+    python benchmarks/offload/offload.py --parts 70b --merge        # a second one, merged into the same file
+    python benchmarks/offload/offload.py --tiny --parts link,8b,70b # smoke test (GPU)
+    NEUTRAIN_OFFLOAD_SYNC_DEBUG=1 python benchmarks/offload/offload.py --parts 8b_offload --steps 2
         # a device sync and a payload check after each fetch, decode and write-back: the fault, if any,
         # is named by call, layer and weight (neutrain/nn/offload_debug.py; timings then mean nothing)
 """
@@ -37,12 +37,12 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # neutrain train's default
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from benchmarks.train_70b import LLAMA3_70B
-from benchmarks.train_70b import TINY as TINY_70B
-from benchmarks.train_memory import LLAMA3_8B
-from benchmarks.train_memory import TINY as TINY_8B
+from benchmarks.memory.train_70b import LLAMA3_70B
+from benchmarks.memory.train_70b import TINY as TINY_70B
+from benchmarks.memory.train_memory import LLAMA3_8B
+from benchmarks.memory.train_memory import TINY as TINY_8B
 
 GIB = 2**30
 NAME = "offload"
@@ -83,7 +83,7 @@ def _steps(model, opt, vocab: int, batch: int, seq: int, steps: int, store=None)
     """``steps`` training steps; median of the warm ones (CUDA events), peak memory, copies per step."""
     import torch
 
-    from benchmarks import _train_peers as peers
+    from benchmarks.memory import _train_peers as peers
     from neutrain.nn import causal_lm_loss
 
     torch.cuda.synchronize()
@@ -311,23 +311,23 @@ def main() -> int:
 
     import torch
 
-    from benchmarks._common import RESULTS_DIR, git_provenance, write_result
+    from benchmarks._common import git_provenance, read_record, write_result
     from benchmarks._isolated import run_part
 
     parts = [q for p in args.parts.split(",") if p for q in ALIASES.get(p, (p,))]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        print(f"benchmarks/offload.py: unknown part {unknown[0]!r} (parts: {', '.join([*PARTS, *ALIASES])})",
+        print(f"benchmarks/offload/offload.py: unknown part {unknown[0]!r} (parts: {', '.join([*PARTS, *ALIASES])})",
               file=sys.stderr)
         return 2
     git_provenance()
     if not torch.cuda.is_available():
-        print("benchmarks/offload.py needs a CUDA GPU (the CPU path is covered by tests/unit/nn/test_weight_offload.py)")
+        print("benchmarks/offload/offload.py needs a CUDA GPU (the CPU path is covered by tests/unit/nn/test_weight_offload.py)")
         return 1
     results: dict = {}
-    previous = RESULTS_DIR / f"{args.name}.json"
-    if args.merge and previous.exists():
-        results = json.loads(previous.read_text()).get("results", {})
+    previous = read_record(args.name) if args.merge else None
+    if previous is not None:
+        results = previous.get("results", {})
     # The parent never touches CUDA beyond the check above: each part gets a fresh process and context.
     forwarded = list(sys.argv[1:])
     failed = []

@@ -1,22 +1,22 @@
 """The 70B memory gate (a 70B trains on one card) from the literal recipe runs: ``offload.json``'s 70B targets.
 
-``benchmarks/gpu_70b_recipe.sh`` launches ``recipes/llama3_70b_offload.yaml`` as a user does (train with a
+``benchmarks/memory/gpu_70b_recipe.sh`` launches ``recipes/llama3_70b_offload.yaml`` as a user does (train with a
 save, a resume of one step with a save, then ``neutrain export --format neuzip``); this reads what those
 commands wrote (``metrics.jsonl``, ``summary.json``, the checkpoint and the export) and nvidia-smi's
 samples of device memory in use, and writes them, with the targets ``h100_70b_tokens_per_s_16k`` and
-``h100_70b_peak_reserved_gib``, into ``offload.json``: merged into the file of ``benchmarks/offload.py``'s
+``h100_70b_peak_reserved_gib``, into ``offload.json``: merged into the file of ``benchmarks/offload/offload.py``'s
 parts when ``$OUT`` (or ``benchmarks/results``) holds one.
 
-    python benchmarks/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 4 --export /tmp/...
-    python benchmarks/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
+    python benchmarks/offload/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 4 --export /tmp/...
+    python benchmarks/offload/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
 
 The whole run at a device budget (train, resume, the uninterrupted run, the checkpoints compared, export and
-generate; ``benchmarks/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``:
+generate; ``benchmarks/memory/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``:
 
-    python benchmarks/offload_recipe.py --whole-run /tmp/neutrain-70b-state --train RUN --resume RUN2 \
+    python benchmarks/offload/offload_recipe.py --whole-run /tmp/neutrain-70b-state --train RUN --resume RUN2 \
         --straight RUN3 --budget 22 --export /tmp/llama3_70b_export
-    python benchmarks/offload_recipe.py --compare-manifests A/neutrain_manifest.json B/neutrain_manifest.json
-    python benchmarks/offload_recipe.py --bf16-gib /tmp/llama3_70b_export/config.json
+    python benchmarks/offload/offload_recipe.py --compare-manifests A/neutrain_manifest.json B/neutrain_manifest.json
+    python benchmarks/offload/offload_recipe.py --bf16-gib /tmp/llama3_70b_export/config.json
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 from benchmarks._common import read_run  # noqa: E402 (after the path is set)
-from benchmarks._whole_run import compare_manifests, llama_bf16_gib, whole_run  # noqa: E402
+from benchmarks.memory._whole_run import compare_manifests, llama_bf16_gib, whole_run  # noqa: E402
 
 GIB = 2**30
 TOKENS_PER_STEP = 16384  # recipes/llama3_70b_offload.yaml: micro_batch_size 1 x sequence_len 16384, packed
@@ -89,17 +89,18 @@ def summarise(run: dict, first_step: int) -> dict:
 
 def write_record(part: str, results: dict, targets: dict, settings: dict, results_dir: Path | None,
                  replaces: str) -> None:
-    """Put ``results`` into ``offload.json`` as ``part``: the parts benchmarks/offload.py (or an earlier call) measured
+    """Put ``results`` into ``offload.json`` as ``part``: the parts benchmarks/offload/offload.py (or an earlier call) measured
     keep their place, each with the commit and date it was measured at; the earlier targets whose names start
     with ``replaces`` go (this run's ``targets`` stand for them)."""
-    from benchmarks._common import RESULTS_DIR, write_result
+    from benchmarks._common import read_record, write_result
 
     merged_results = {}
-    results_dir = results_dir or RESULTS_DIR
-    for base in (Path(os.environ["OUT"]) if os.environ.get("OUT") else None, results_dir):
-        prior = base / "offload.json" if base else None
-        if prior and prior.exists():
-            old = json.loads(prior.read_text())
+    # $OUT first: an earlier part of this device call wrote there; then the scratch directory or the table
+    for base in (os.environ.get("OUT") or None, results_dir, None):
+        if base is None and results_dir is not None:
+            continue
+        old = read_record("offload", base)
+        if old is not None:
             merged_results = old.get("results", {})
             settings = {**old.get("settings", {}), **settings}
             # The record's commit and date are this run's: the parts it keeps say where they were measured.
@@ -144,7 +145,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=22.0, help="memory.device_budget_gib of the whole run")
     ap.add_argument("--export", type=Path,
                     help="the `neutrain export --format neuzip` directory, or the JSON --describe printed of it")
-    ap.add_argument("--results-dir", type=Path, help="where offload.json is merged and written (default benchmarks/results)")
+    ap.add_argument("--results-dir", type=Path, help="a scratch directory where offload.json is merged and written (default: the offload table, "
+                    "benchmarks/offload/results.jsonl)")
     ap.add_argument("--checkpoint-record", type=Path,
                     help="--describe's output for the first run's checkpoint, written before it was deleted")
     ap.add_argument("--steps", type=int, default=5)

@@ -5,7 +5,7 @@ trained 6 steps with saves at 4 and 6, then resumed from 4 to 6, with the weight
 For every tensor whose bytes differ between the two checkpoint-6, it decodes both and counts the values
 that differ. Prints one table; writes ``$OUT/resume_offload.json``.
 
-    python benchmarks/diag/resume_offload_gpu.py
+    python benchmarks/offload/resume_offload_gpu.py
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "config.json").write_text(json.dumps(CONFIG))
-    from benchmarks._checkpoints import checkpoint_tensors, decoded_differences
+    from benchmarks.training._checkpoints import checkpoint_tensors, decoded_differences
 
     results = {}
     for offload in (True, False):

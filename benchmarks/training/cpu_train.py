@@ -25,10 +25,10 @@ flipping each repeat, after ``--real-warmup`` warm-up blocks each; the target is
 steps' tokens/s (``cpu_real_model_compressed_over_dense``). ``--no-real-model`` skips it, and a missing
 GGUF skips it too; either way the record says why (the target's value is then ``null``).
 
-    python benchmarks/cpu_train.py --steps 5 --repeats 4
-    python benchmarks/cpu_train.py --no-real-model        # the 4M model only
+    python benchmarks/training/cpu_train.py --steps 5 --repeats 4
+    python benchmarks/training/cpu_train.py --no-real-model        # the 4M model only
 
-Measured at 6759479 (``results/cpu_train.json``; 2 shared cores, avx512_bf16): in a quiet spell
+Measured at 6759479 (``benchmarks/training/results.jsonl#cpu_train``; 2 shared cores, avx512_bf16): in a quiet spell
 (load 2.07-2.09, this benchmark's own two threads) dense 8,716 tok/s, compressed 7,567 (0.868),
 compressed with the slots only 7,207 (0.827); 1.0 against 1.9 decodes per weight per step (the
 embedding's are fewer: its forward reads rows). Under load 4.3-6.6 the medians scatter by +-10%
@@ -37,7 +37,7 @@ embedding's are fewer: its forward reads rows). Under load 4.3-6.6 the medians s
 export.format=none distill.enabled=false eval.sample_tokens=1``, three interleaved rounds, load
 1.6-2.0): dense 8,238 / 9,646 / 8,177, compressed 8,062 / 8,265 / 8,540, slots only
 (``NEUTRAIN_KEEP_DECODED_MIB=0``) 8,047 / 8,209 / 7,544 tok/s: medians 1.00 and 0.98 of dense.
-The 0.70 in ``notes_codec.md`` (dense 2,166 tok/s there) was measured under load.
+The 0.70 in ``codec/NOTES.md`` (dense 2,166 tok/s there) was measured under load.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402
 

@@ -14,10 +14,10 @@ Two parts, on one CUDA GPU:
   documents of 2,048 tokens), under ``sdpa`` and ``neutrain_sdpa``; its targets: at 16K packed,
   ``neutrain_sdpa``'s deterministic step within 1.25x of ``sdpa``'s default, and its default step faster.
 
-Writes ``results/determinism.json`` (and ``$OUT/determinism.json``). About 4 minutes on an H100/H200.
+Writes ``benchmarks/training/results.jsonl#determinism`` (and ``$OUT/determinism.json``). About 4 minutes on an H100/H200.
 
-    python benchmarks/determinism.py                 # both parts
-    python benchmarks/determinism.py --part timing
+    python benchmarks/training/determinism.py                 # both parts
+    python benchmarks/training/determinism.py --part timing
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 from benchmarks._common import write_result  # noqa: E402 (after the path is set)
 from neutrain.trainer.determinism import deterministic_kernels  # noqa: E402
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("repeat", "timing", "both"), default="both")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/determinism.py: needs a CUDA GPU")
+        sys.exit("benchmarks/training/determinism.py: needs a CUDA GPU")
     results = {"device": torch.cuda.get_device_name()}
     if args.part in ("repeat", "both"):
         results["repeat"] = repeat()

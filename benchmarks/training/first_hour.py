@@ -20,8 +20,8 @@ load average before and after it; the numbers are the medians of the repeats (``
 seconds, what the goals are about; ``cpu_medians``: CPU seconds, which other work moves far less).
 Run it on a quiet machine: other work lengthens every wall time.
 
-    python benchmarks/first_hour.py --baseline f6fd401 --repeats 3 --quick-start   # the record
-    python benchmarks/first_hour.py --baseline f6fd401 --small --out /tmp/fh        # a check that it runs
+    python benchmarks/training/first_hour.py --baseline f6fd401 --repeats 3 --quick-start   # the record
+    python benchmarks/training/first_hour.py --baseline f6fd401 --small --out /tmp/fh        # a check that it runs
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import git_provenance, write_result  # noqa: E402

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Training on the GPU: the whole GPU test suite, the codec, and what a training step costs in memory and
 # time, one PART per device call (each part's time limits below), run from the repository root with $OUT set:
-#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/gpu_training.sh
+#   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 PART=tests bash benchmarks/training/gpu_training.sh
 #   PART=tests   every GPU-marked test of tests/unit, tests/kernels, tests/integration (the SDPA-backend
 #                matrix excepted: PART=sdpa) (TEST_LIMIT, 330 s; TEST_WORKERS processes, 4, one a file). Writes $OUT/junit_gpu_<sha>.xml (the GPU
-#                suite's record: its latest is kept in benchmarks/results/) and gpu_tests.log.
+#                suite's record: `python benchmarks/records.py add` folds it into benchmarks/gpu_tests.jsonl) and gpu_tests.log.
 #   PART=sdpa    compressed training = dense under each SDPA backend, 16 architectures (SDPA_LIMIT, 120 s).
 #                Writes $OUT/junit_sdpa_backends_<sha>.xml.
-#   PART=codec   the codec test file on the GPU (120 s), then benchmarks/codec.py (170 s). Writes
+#   PART=codec   the codec test file on the GPU (120 s), then benchmarks/codec/codec.py (170 s). Writes
 #                $OUT/junit_codec_<sha>.xml, codec_bench.log and codec.json.
-#   PART=memory  benchmarks/train_memory.py: neutrain's variants and the peers (wheels in .whl/, bitsandbytes'
+#   PART=memory  benchmarks/memory/train_memory.py: neutrain's variants and the peers (wheels in .whl/, bitsandbytes'
 #                also in .carry/bnb/), one process each, within BUDGET (450 s). Writes train_memory.json
 #                (docs/memory.md's table). Beside another benchmark on a two-GPU machine, give each its GPU
 #                with CUDA_VISIBLE_DEVICES: the device-used figures follow it (torch maps it to NVML's index).
-#   PART=70b     benchmarks/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
-# PART may list several, run in order: PART=tests,sdpa,codec. Each JSON lands in benchmarks/results/ and is
+#   PART=70b     benchmarks/memory/train_70b.py at 16K and 32K tokens (an H200). Writes train_70b.json.
+# PART may list several, run in order: PART=tests,sdpa,codec. Each JSON lands in benchmarks/<topic>/results.jsonl and is
 # copied to $OUT.
 set -o pipefail
 source benchmarks/require_commit.sh
@@ -43,18 +43,15 @@ case "$1" in
   codec)
     timeout "${CODEC_TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_codec.py \
       --junitxml="$OUT/junit_codec_$short.xml" -o junit_suite_name="codec-gpu@$NEUTRAIN_GIT_COMMIT" 2>&1 | tail -4
-    timeout "${CODEC_BENCH_LIMIT:-170}" python3 benchmarks/codec.py > "$OUT/codec_bench.log" 2>&1
-    echo "codec bench rc=$? (${SECONDS}s)"; tail -n 6 "$OUT/codec_bench.log"
-    cp benchmarks/results/codec.json "$OUT/" ;;
+    timeout "${CODEC_BENCH_LIMIT:-170}" python3 benchmarks/codec/codec.py > "$OUT/codec_bench.log" 2>&1
+    echo "codec bench rc=$? (${SECONDS}s)"; tail -n 6 "$OUT/codec_bench.log" ;;
   memory)
-    python3 benchmarks/train_memory.py --variants "${VARIANTS:-d,c,h,t,p,q,x,e,f}" --budget "${BUDGET:-450}" \
-      --timeout "${CHILD_TIMEOUT:-130}" --profile "${PROFILE:-c,d}" ${CLIP:+--clip-mode "$CLIP"} 2>&1 | tee "$OUT/train_memory.log" | tail -40
-    cp benchmarks/results/train_memory*.json "$OUT/" ;;
+    python3 benchmarks/memory/train_memory.py --variants "${VARIANTS:-d,c,h,t,p,q,x,e,f}" --budget "${BUDGET:-450}" \
+      --timeout "${CHILD_TIMEOUT:-130}" --profile "${PROFILE:-c,d}" ${CLIP:+--clip-mode "$CLIP"} 2>&1 | tee "$OUT/train_memory.log" | tail -40 ;;
   70b)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    python3 benchmarks/train_70b.py --seqs "${SEQS:-16384,32768}" --fallback 0 --offload-seqs 32768 ${CLIP:+--clip-mode "$CLIP"} \
-      2>&1 | tee "$OUT/train_70b.log" | tail -30
-    cp benchmarks/results/train_70b.json "$OUT/" ;;
+    python3 benchmarks/memory/train_70b.py --seqs "${SEQS:-16384,32768}" --fallback 0 --offload-seqs 32768 ${CLIP:+--clip-mode "$CLIP"} \
+      2>&1 | tee "$OUT/train_70b.log" | tail -30 ;;
   *) echo "gpu_training.sh: unknown PART '$1' (tests, sdpa, codec, memory, 70b)" >&2; return 2 ;;
 esac
 }

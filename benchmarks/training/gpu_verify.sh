@@ -3,10 +3,10 @@
 # TESTS ("name=path[,path...] ...": one junit_<name>.xml per group into $OUT) and, if RECIPE_STEPS is
 # set, the default recipe on the GPU for that many steps.
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 \
-#   TESTS="launch=tests/integration/test_distributed_gpu.py" OUT=/tmp/out bash benchmarks/gpu_verify.sh
+#   TESTS="launch=tests/integration/test_distributed_gpu.py" OUT=/tmp/out bash benchmarks/training/gpu_verify.sh
 # Each junit file records NEUTRAIN_GIT_COMMIT and NEUTRAIN_GIT_DIRTY as <properties> (tests/conftest.py).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/require_commit.sh
 OUT=${OUT:-/tmp/neutrain-gpu-verify}
 mkdir -p "$OUT"

@@ -7,7 +7,7 @@ moves nothing: the loss stays flat. This launches the recipe, as a user does (`a
 per setting, several at once on one GPU (each process's peaks are its own; the device is shared), and
 reports the mean loss of the first and last three steps and each run's peak reserved memory.
 
-    python benchmarks/recipe_learning.py --recipe recipes/llama3_8b.yaml --steps 22 \
+    python benchmarks/training/recipe_learning.py --recipe recipes/llama3_8b.yaml --steps 22 \
         --setting "train.learning_rate=1e-3" --setting "train.learning_rate=0.1"
 
 Writes ``$OUT/recipe_learning.json`` and prints a table; the notes beside the recipe quote it.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import read_run  # noqa: E402 (after the path is set)
