@@ -102,10 +102,11 @@ def test_every_rate_is_a_constant_naming_the_record_it_was_calibrated_on():
     assert {"GEMM_FLOPS_PER_S", "ATTENTION_FLOPS_PER_S", "CODEC_BYTES_PER_S", "HOST_S_PER_TENSOR",
             "HOST_S_PER_COMPRESSED", "PCIE_BYTES_PER_S", "COPY_HIDDEN_SHARE", "CPU_FLOPS_PER_S"} <= set(constants)
     for name, doc in constants.items():
-        named = re.findall(r"([a-z_0-9]+\.json)", doc)
+        # a record is named ``<topic>/results.jsonl#<name>`` or, in the flat layout's words, ``<name>.json``: either
+        # way the current row of <name> in its topic's table
+        named = [a or b for a, b in re.findall(r"results\.jsonl#(\w+)|([a-z_0-9]+)\.json\b", doc)]
         assert named, f"{name}: its docstring names no record"
-        # a record named <name>.json is the current row of <name> in its topic's table
-        assert all(records.current(Path(r).stem) for r in named), (name, named)
+        assert all(records.current(r) for r in named), (name, named)
     # The rates the fit uses are these constants, not copies of them.
     assert GPU.gemm_flops_per_s == model.GEMM_FLOPS_PER_S and GPU.host_s_per_tensor == model.HOST_S_PER_TENSOR
     assert GPU.link_bytes_per_s == model.PCIE_BYTES_PER_S and CPU.gemm_flops_per_s == model.CPU_FLOPS_PER_S
