@@ -70,7 +70,6 @@ def imports_of(module: str) -> set[str]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    own = next(name for name, p in modules.items() if p == path)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names: list[str] = []
         if isinstance(node, ast.Import):

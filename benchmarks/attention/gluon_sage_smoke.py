@@ -11,7 +11,7 @@ TOPS counted as ``benchmarks/attention/NOTES.md`` does (4*B*H*d*N^2, halved caus
 three ways per method (allocated, reserved, NVML device used). Each method is isolated: one that
 fails (compile error, hang caught by the caller's timeout, wrong output) is printed with its
 traceback and the others still run. Writes ``gluon_sage_smoke.json`` under ``$OUT`` (and
-``benchmarks/results``) and prints every number.
+its row in ``benchmarks/attention/results.jsonl``) and prints every number.
 
     PYTHONPATH=. python benchmarks/attention/gluon_sage_smoke.py [--n 16384] [--iters 10]
 

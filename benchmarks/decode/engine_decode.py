@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-hf", action="store_true", help="leave out hf_generate (run for dense weights only)")
     parser.add_argument("--gemv", action=argparse.BooleanOptionalAction, default=None,
                         help="time cuBLAS against the Triton GEMV per decode shape (default: on CUDA, not --tiny)")
-    parser.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--out-dir", default=None, help="where the JSON goes (default: a row of benchmarks/decode/results.jsonl)")
     parser.add_argument("--retarget", metavar="JSON", default=None,
                         help="recompute the targets of a stored engine_decode record from its rows, and exit")
     args = parser.parse_args(argv)

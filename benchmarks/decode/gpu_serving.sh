@@ -8,7 +8,7 @@
 #    first the GEMV table (cuBLAS against the split-K Triton GEMV per decode shape, ~30 s), then
 #    dense bf16 engine_graph (fused Q/K/V and gate/up), engine_graph_unfused and hf_generate, then NeuZip
 #    lossless if the dense rows ended within ENGINE_BUDGET seconds; engine_decode.json into $OUT
-#    (then copied to benchmarks/results) (~2-3 min);
+#    (then added to benchmarks/decode/results.jsonl) (~2-3 min);
 # 3. if the call is under ROUNDS_START seconds by then: benchmarks/decode/speculative_rounds.py (random weights:
 #    a round's split, the device walk's graph time against the host walk), with what is left of ~290 s.
 # A failing or timed-out part does not stop the next; each prints its tail and rc. PARTS (default

@@ -2,7 +2,7 @@
 # Speculative decoding in one device call on one H100: benchmarks/decode/speculative.py at full size -- the 8B engine decode
 # (benchmarks/decode/engine_decode.py, in a subprocess), the ~300M target, both drafts, every decode row -- under
 # a hard time budget so that the whole call ends in < 9.5 minutes. speculative.json, engine_decode.json and
-# speculative.log land in benchmarks/results (the JSONs) and in $OUT.
+# speculative.log land in $OUT; the records are rows of benchmarks/decode/results.jsonl too.
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 bash benchmarks/decode/gpu_speculative.sh [extra args]
 # Extra arguments go to benchmarks/decode/speculative.py (e.g. --target-seconds 120 --big-layers 16 for a shorter call).
 # Nothing here needs the carried wheels (neutrain.data's python-stdlib corpus does not import datasets).

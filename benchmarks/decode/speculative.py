@@ -217,7 +217,7 @@ def parse(argv=None):
     a("--new-tokens", type=int, default=128)
     a("--draft-len", type=int, default=4)
     a("--name", default="speculative")
-    a("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    a("--out-dir", default=None, help="where the JSON goes (default: a row of benchmarks/decode/results.jsonl)")
     args = p.parse_args(argv)
     if args.quick:
         quick = dict(

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=20, help="calls per graph replay (at least the copies)")
     parser.add_argument("--repeats", type=int, default=10, help="timed replays per candidate")
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip the shapes left after this many seconds")
-    parser.add_argument("--out-dir", default=None, help="where the JSON goes (default: benchmarks/results on a GPU)")
+    parser.add_argument("--out-dir", default=None, help="where the JSON goes (default: a row of benchmarks/decode/results.jsonl, on a GPU)")
     args = parser.parse_args(argv)
     if os.environ.get("NEUTRAIN_COMMIT") and not os.environ.get("NEUTRAIN_GIT_COMMIT"):
         os.environ["NEUTRAIN_GIT_COMMIT"] = os.environ["NEUTRAIN_COMMIT"]

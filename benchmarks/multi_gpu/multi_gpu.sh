@@ -8,7 +8,8 @@
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 OUT=/tmp/out bash benchmarks/multi_gpu/multi_gpu.sh
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/benchmarks/results}
+# The runs' records, junit and logs come back in $OUT; `python benchmarks/records.py add` folds them into the tables.
+OUT=${OUT:-/tmp/neutrain-multi-gpu}
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-530}
 export PYTHONUNBUFFERED=1 DISABLE_TQDM=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -5,7 +5,7 @@ save, a resume of one step with a save, then ``neutrain export --format neuzip``
 commands wrote (``metrics.jsonl``, ``summary.json``, the checkpoint and the export) and nvidia-smi's
 samples of device memory in use, and writes them, with the targets ``h100_70b_tokens_per_s_16k`` and
 ``h100_70b_peak_reserved_gib``, into ``offload.json``: merged into the file of ``benchmarks/offload/offload.py``'s
-parts when ``$OUT`` (or ``benchmarks/results``) holds one.
+parts when ``$OUT`` (or the offload table, ``benchmarks/offload/results.jsonl``) holds one.
 
     python benchmarks/offload/offload_recipe.py --train /tmp/llama3_70b_offload --resume /dev/shm/... --steps 4 --export /tmp/...
     python benchmarks/offload/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted

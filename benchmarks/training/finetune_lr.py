@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--exact-match", type=int, default=16, help="held-out prompts answered greedily (at most 16)")
     p.add_argument("--optimizers", nargs="*", default=list(GRID))
-    p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--out", default=None, help="a directory for the record file (default: a row of benchmarks/training/results.jsonl)")
     args = p.parse_args()
     torch.manual_seed(0)
     path = Path(args.gguf)
