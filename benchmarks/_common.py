@@ -22,6 +22,9 @@ from typing import Any, Callable
 
 import torch
 
+# One id a process: a benchmark that writes its record as it goes replaces its own row (benchmarks/records.py).
+RUN_ID = f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+
 try:
     from benchmarks import records
 except ImportError:  # run as a script with benchmarks/ itself on sys.path
@@ -175,7 +178,7 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
     if measured_on:
         env.update({k: v for k, v in measured_on.items() if k in ("device", "cuda", "versions", "date")},
                    assembled_on=env["device"])
-    payload = {"name": name, **env, "targets": targets}
+    payload = {"name": name, **env, "run_id": RUN_ID, "targets": targets}
     if targets_note or not targets:
         payload["targets_note"] = targets_note or "this benchmark records no goal"
     payload.update({"settings": settings, "results": json.loads(json.dumps(results, default=str))})

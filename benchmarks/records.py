@@ -121,7 +121,9 @@ def append(record: dict[str, Any], *, is_current: bool = True, source: str | Non
            archived: str | None = None, table: Path | None = None) -> Path:
     """Append ``record`` to its topic's table (or ``table``) unless the same row is there; return the table.
 
-    A current row demotes the earlier current row of its name; a row already present is left as it is.
+    A current row demotes the earlier current row of its name; a row already present is left as it is. A run that
+    writes its record as it goes (the attention sweep after every length, the fidelity study after every arm)
+    names one ``run_id`` in each: its newer record replaces its own earlier row instead of adding history.
     """
     path = table or table_path(topic_of(record["name"]))
     existing = read_table(path)
@@ -135,6 +137,9 @@ def append(record: dict[str, Any], *, is_current: bool = True, source: str | Non
     if archived:
         row["archived"] = archived
     if is_current:
+        if row.get("run_id"):
+            same_run = (row["name"], row["run_id"], row.get("git_commit"))
+            existing = [r for r in existing if (r.get("name"), r.get("run_id"), r.get("git_commit")) != same_run]
         for r in existing:
             if r.get("name") == row["name"]:
                 r["current"] = False

@@ -103,6 +103,19 @@ def test_a_new_record_becomes_current_and_keeps_the_old_as_history(tmp_path, mon
     assert records.find("codec", "abc")["results"] == {"commit": "abc1234"}
 
 
+def test_a_run_that_writes_as_it_goes_leaves_one_row(tmp_path, monkeypatch, no_out):
+    # attention.py rewrites its record after every length of the sweep: one run, one row
+    monkeypatch.setattr(records, "BENCH", tmp_path)
+    monkeypatch.setenv("NEUTRAIN_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv("NEUTRAIN_GIT_DIRTY", "0")
+    for lengths in ([1024], [1024, 2048]):
+        _common.write_result("attention", {}, {"lengths": lengths})
+    monkeypatch.setattr(_common, "RUN_ID", "another process")
+    _common.write_result("attention", {}, {"lengths": [1024]})
+    table = records.read_table(tmp_path / "attention" / "results.jsonl")
+    assert [(r["results"]["lengths"], r["current"]) for r in table] == [([1024, 2048], False), ([1024], True)]
+
+
 @pytest.fixture
 def no_out(monkeypatch):
     monkeypatch.delenv("OUT", raising=False)  # write_result also copies to $OUT on the device machine
