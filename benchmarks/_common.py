@@ -1,11 +1,11 @@
-"""Shared helpers for benchmarks: timing, memory and the result file.
+"""Shared helpers for benchmarks: timing, memory and the result record.
 
 Every benchmark measures neutrain and its baseline in the same process on the
-same card, and writes ``benchmarks/results/<name>.json`` through
-:func:`write_result`, which records the device, library versions, git commit,
-whether the tree was dirty, the date and the targets beside the settings and
-numbers. ``benchmarks/make_table.py`` turns those files into the results
-tables of ``docs/`` (``docs/results.md`` and the tables on the topic pages).
+same card, and appends its record to its topic's table, ``benchmarks/<topic>/results.jsonl``
+(``benchmarks/records.py``), through :func:`write_result`, which records the device, library
+versions, git commit, whether the tree was dirty, the date and the targets beside the settings
+and numbers. ``benchmarks/make_table.py`` turns the current rows into the results tables of
+``docs/`` (``docs/results.md`` and the tables on the topic pages).
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# One id a process: a benchmark that writes its record as it goes replaces its own row (benchmarks/records.py).
+RUN_ID = f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+
+try:
+    from benchmarks import records
+except ImportError:  # run as a script with benchmarks/ itself on sys.path
+    import records  # type: ignore[no-redef]
 
 
 class ProvenanceError(RuntimeError):
@@ -43,7 +49,7 @@ def git_provenance() -> tuple[str, bool]:
 
     ``NEUTRAIN_GIT_COMMIT`` wins over ``git``: a device copy's ``.git``, if it has one,
     may be stale (inference.json once recorded such a commit and had to be corrected
-    by hand, see results/archive/README.md). When the commit comes from the
+    by hand: its archived row in decode/results.jsonl says so). When the commit comes from the
     environment, so must ``NEUTRAIN_GIT_DIRTY`` (``0``/``1``), for the same reason.
     Call it before measuring, so a run that could not record its commit fails at once.
     """
@@ -149,16 +155,19 @@ def check_targets(targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str | os.PathLike | None = None,
                  *, targets: dict[str, dict[str, Any]] | None = None, targets_note: str | None = None,
                  measured_on: dict[str, Any] | None = None) -> Path:
-    """Write ``<out_dir or benchmarks/results>/<name>.json`` and return its path.
+    """Append the record of ``name`` to its topic's table as the current row and return the table's path.
 
-    The file records the device, versions, ``git_commit`` and ``git_dirty`` (see
+    The record holds the device, versions, ``git_commit`` and ``git_dirty`` (see
     :func:`git_provenance`, which raises rather than write "unknown"), the settings,
     the results and ``targets``: each goal the issue or the docs set for this
     benchmark beside the value measured, ``{name: {"value": x, "goal": g}}``.
 
-    When ``$OUT`` is set (the device machine), a copy is also written there so the
-    file comes back from a remote run. ``measured_on`` (``device``, ``cuda``, ``versions``, ``date``)
-    replaces this machine's when the record is assembled elsewhere from parts measured on the device.
+    With ``out_dir`` (a scratch directory, a test's tmp_path) the record is written to
+    ``<out_dir>/<name>.json`` instead and that path returned. When ``$OUT`` is set (the device
+    machine), ``$OUT/<name>.json`` is written too: only ``$OUT`` comes back from a remote run, and
+    ``python benchmarks/records.py add`` folds such files into the tables.
+    ``measured_on`` (``device``, ``cuda``, ``versions``, ``date``) replaces this machine's when the
+    record is assembled elsewhere from parts measured on the device.
 
     Example:
         >>> write_result("codec", {"shape": [4096, 14336]}, {"bits_per_weight": 10.69},
@@ -169,15 +178,15 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
     if measured_on:
         env.update({k: v for k, v in measured_on.items() if k in ("device", "cuda", "versions", "date")},
                    assembled_on=env["device"])
-    payload = {"name": name, **env, "targets": targets}
+    payload = {"name": name, **env, "run_id": RUN_ID, "targets": targets}
     if targets_note or not targets:
         payload["targets_note"] = targets_note or "this benchmark records no goal"
-    payload.update({"settings": settings, "results": results})
-    paths = [Path(out_dir) if out_dir else RESULTS_DIR]
+    payload.update({"settings": settings, "results": json.loads(json.dumps(results, default=str))})
+    files = [Path(out_dir)] if out_dir else []
     if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]))
-    written = None
-    for directory in paths:
+        files.append(Path(os.environ["OUT"]))
+    written = None if out_dir else records.append(payload)
+    for directory in files:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
         tmp = path.with_suffix(".json.tmp")
@@ -185,6 +194,15 @@ def write_result(name: str, settings: dict[str, Any], results: Any, out_dir: str
         os.replace(tmp, path)
         written = written or path
     return written
+
+
+def read_record(name: str, out_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The record of ``name``: ``<out_dir>/<name>.json`` when ``out_dir`` is given, else the current row of its
+    topic's table; None when there is none (a benchmark that merges its parts into the previous record)."""
+    if out_dir:
+        path = Path(out_dir) / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+    return records.current(name)
 
 
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """What a throughput figure ran under: the GPU's clocks, power and temperature (NVML), and the attention kernel.
 
 The full cache's decode at 64K on Llama-3-8B shapes ran 132, 78 and 64 tokens/s in three H100 runs of the
-same code at the same batch (``benchmarks/notes_kv_eval.md``). A figure is only comparable with another when
+same code at the same batch (``benchmarks/kv/NOTES.md``). A figure is only comparable with another when
 both say which attention kernel ran and at what clocks, so every throughput row records them:
 
 * :func:`gpu_state`: one NVML sample (SM and memory clocks and their maxima, power draw and limit,
   temperature, performance state, the reasons the clocks are held down); every field None, with the reason,
   where there is no NVIDIA GPU or no NVML binding (``nvidia-ml-py``, in the GPU image);
 * :func:`attention_kernel`: the attention kernels a profiled decode step ran (``attention_ops`` of
-  ``benchmarks/_kv_timing.py``), named by backend: cuDNN, flash, memory-efficient or math SDPA, or
+  ``benchmarks/kv/_kv_timing.py``), named by backend: cuDNN, flash, memory-efficient or math SDPA, or
   neutrain's own Triton kernels.
 
 Example (on a machine without a GPU):

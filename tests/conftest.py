@@ -68,7 +68,7 @@ def _gpu_tests_start_from_free_device_memory(request):
 def _junit_records_commit(request):
     """With ``--junitxml``, the report's ``<properties>`` name the commit tested and whether the tree was dirty.
 
-    A junit file kept in ``benchmarks/results/`` must say which code passed (or failed): the
+    A junit file kept in ``benchmarks/<topic>/results.jsonl`` must say which code passed (or failed): the
     device scripts set ``NEUTRAIN_GIT_COMMIT``/``NEUTRAIN_GIT_DIRTY`` (their copy has no
     reliable ``.git``); elsewhere ``git`` answers. Without ``--junitxml`` this does nothing.
     """

@@ -288,7 +288,7 @@ BENCHMARKS = ROOT.parent / "benchmarks"
 
 
 def _benchmark_modules() -> dict[str, pathlib.Path]:
-    """``benchmarks.codec`` -> ``benchmarks/codec.py``, ``benchmarks.diag.x`` -> ``benchmarks/diag/x.py``."""
+    """``benchmarks.kv.kv_eval`` -> ``benchmarks/kv/kv_eval.py``, ``benchmarks._common`` -> ``benchmarks/_common.py``."""
     return {".".join(path.relative_to(ROOT.parent).with_suffix("").parts): path
             for path in BENCHMARKS.rglob("*.py") if "__pycache__" not in path.parts}
 
@@ -299,10 +299,11 @@ BENCHMARK_MODULES = _benchmark_modules()
 def benchmark_imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     """The benchmark modules a file imports, anywhere in it.
 
-    Scripts put ``benchmarks/`` (and ``benchmarks/diag/``) on ``sys.path`` and then import a sibling
-    either as ``benchmarks.codec`` or bare, as ``codec``: both count.
+    Scripts put the repository root on ``sys.path`` and import by the full name (``benchmarks.kv._kv_real``);
+    a bare sibling import (``codec``) counts too.
     """
     found: set[str] = set()
+    own = next(name for name, p in modules.items() if p == path)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -311,13 +312,12 @@ def benchmark_imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -
         else:
             continue
         for name in names:
-            for candidate in (name, f"benchmarks.{name}", f"benchmarks.diag.{name}"):
+            for candidate in (name, f"benchmarks.{name}", f"{own.rpartition('.')[0]}.{name}"):
                 while candidate and candidate not in modules:
                     candidate = candidate.rpartition(".")[0]
                 if candidate.startswith("benchmarks."):
                     found.add(candidate)
                     break
-    own = next(name for name, p in modules.items() if p == path)
     return found - {own}
 
 
@@ -354,7 +354,7 @@ RECORD_SUFFIXES = {".json", ".xml", ".log", ".txt"}
 def _is_record(relative: pathlib.PurePath) -> bool:
     """A measurement record (JSON, junit, log) in ``benchmarks/``: kept as the run wrote it.
 
-    Records are never edited by hand (``benchmarks/results/archive/README.md``); the scripts that write
+    Records are never edited by hand (``benchmarks/README.md``, Records); the scripts that write
     them name no issue, so the next run's record names none. Their names are checked like any file's.
     """
     return relative.parts[0] == "benchmarks" and relative.suffix in RECORD_SUFFIXES

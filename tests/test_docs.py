@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "neutrain").rglob("*.py"))
-# A file name ending in .md, optionally with a directory ("docs/codec.md", "benchmarks/notes_codec.md").
+# A file name ending in .md, optionally with a directory ("docs/codec.md", "benchmarks/codec/NOTES.md").
 MD_NAME = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.md)\b")
 # "docs/x.md §1.2, §5.1", "``docs/x.md`` §10" or "docs/x.md §6 and §8": the sections after a note's name.
 CITATION = re.compile(r"docs/([\w-]+\.md)`*((?:\s*(?:,|and)?\s*§\d+(?:\.\d+)*)+)")

@@ -307,7 +307,7 @@ def test_compressed_training_equals_dense_under_each_sdpa_backend(tmp_path, monk
     A dense model trained twice first shows that the kernel's backward is itself reproducible, so a
     difference after that is the compressed path's. Junit for the H100 run:
     ``pytest -m gpu tests/integration/test_architectures.py -k sdpa_backend --junitxml
-    benchmarks/results/junit_sdpa_backends_<commit>.xml``.
+    $OUT/junit_sdpa_backends.xml``, folded into ``benchmarks/gpu_tests.jsonl`` by ``benchmarks/records.py add``.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,6 +1,6 @@
 """The cards benchmark's journey runs end to end on the CPU: the user's commands in order, each judged.
 
-``benchmarks/cards.py`` is the gate of the device budgets (train with saves, resume and export, generate under
+``benchmarks/cards/cards.py`` is the gate of the device budgets (train with saves, resume and export, generate under
 the budget and without one). Its GPU calls are scarce, so its flow is checked here first with a tiny model
 (``--smoke``): every command exits 0, the resumed checkpoint equals the uninterrupted one byte for byte, and the
 two generates print the same tokens. A journey whose resume differs, or whose generate differs, is not ok.
@@ -24,7 +24,7 @@ def _smoke(tmp_path, part: str, budgets: str, timing: str) -> tuple[dict, Path]:
            "NEUTRAIN_GIT_COMMIT": "0" * 40, "NEUTRAIN_GIT_DIRTY": "1",
            # the journey types `accelerate` and `neutrain` as a user does: this interpreter's own
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    res = subprocess.run([sys.executable, "benchmarks/cards.py", "--smoke", "--part", part, "--budgets", budgets,
+    res = subprocess.run([sys.executable, "benchmarks/cards/cards.py", "--smoke", "--part", part, "--budgets", budgets,
                           "--timing", timing, "--work", str(work)], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The lossless decode kernel's machine code for an H100 (sm_90), compiled here without a GPU by the
 GPU image's Triton (3.6): the loop over steps stays at its measured length.
 
-The decoder is bound by instruction issue (benchmarks/notes_codec.md), so the loop's length is its
+The decoder is bound by instruction issue (benchmarks/codec/NOTES.md), so the loop's length is its
 speed on the device, readable before any device time is spent. It went from 172 to 130
 instructions per step of 4 symbols (Triton 3.6) by advancing the stream once per step and storing
 each lane's 4 values as one 8-byte word; a change that lengthens it fails here.

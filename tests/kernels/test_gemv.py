@@ -50,7 +50,7 @@ def test_gemv_refuses_more_than_one_row():
 def test_llama3_8b_shapes_have_a_correct_fastest_gemv():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from benchmarks.engine_decode import choose_gemv
+    from benchmarks.decode.engine_decode import choose_gemv
 
     rows = choose_gemv([(6144, 4096), (4096, 14336)], candidates=((16, 256, 1), (16, 512, 4)), iters=10)
     for row in rows:

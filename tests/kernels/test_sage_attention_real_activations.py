@@ -4,7 +4,7 @@ gradient against fp32 attention, for each forward kernel and backward route a di
 The inputs are one layer of SmolLM2-135M-Instruct on a real English text (layer 15 of 30, 320 tokens,
 causal, GQA 9:3, head dim 64): Q, K, V after RoPE and the gradient of the text's loss at the layer's
 attention output, in bf16 (``tests/data/smollm2_attention_layer.safetensors``, written by
-``benchmarks/diag/smollm2_attention_fixture.py``). Random Gaussian inputs (the other kernel tests) have
+``benchmarks/attention/smollm2_attention_fixture.py``). Random Gaussian inputs (the other kernel tests) have
 none of a real model's outlier channels and sink tokens.
 
 On the CPU the pure-PyTorch reference of the same quantized math runs, so CI reads the file and checks
@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks._attention_fidelity import FIXTURE, FWD_COS, GRAD_COS, fixture, route_fidelity
-from benchmarks._attention_fidelity import against_fp32 as _measure
+from benchmarks.attention._attention_fidelity import FIXTURE, FWD_COS, GRAD_COS, fixture, route_fidelity
+from benchmarks.attention._attention_fidelity import against_fp32 as _measure
 from neutrain.attention import counters
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9

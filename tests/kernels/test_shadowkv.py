@@ -87,7 +87,7 @@ def test_fused_decode_gives_the_unfused_tokens_on_gpu():
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_decode"])
 def test_shadowkv_decode_step_records_its_phases(fused):
     """kv_eval's step split: every sparse layer marks its phases in order, the host gather on its side stream."""
-    from benchmarks._kv_timing import SHADOWKV_PHASES, shadowkv_step_split
+    from benchmarks.kv._kv_timing import SHADOWKV_PHASES, shadowkv_step_split
     from neutrain import compat
     from neutrain.eval.kv import ShadowKVCache, disable_shadowkv, enable_shadowkv
 

@@ -3,7 +3,7 @@ card, and how far the fit's step-time model is from every timing row it predicte
 
 from __future__ import annotations
 
-from benchmarks.cards import TARGETS, TIMING, targets_of
+from benchmarks.cards.cards import TARGETS, TIMING, targets_of
 
 
 def test_the_timing_runs_cover_every_budget_and_batch_the_model_is_held_to():

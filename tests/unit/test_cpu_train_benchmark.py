@@ -1,7 +1,7 @@
-"""benchmarks/cpu_train.py's record: both compressed-over-dense targets, each the ratio of the median steps.
+"""benchmarks/training/cpu_train.py's record: both compressed-over-dense targets, each the ratio of the median steps.
 
 Nothing here times anything: the rows are made up (or come from a two-step run of a tiny model whose
-times are not looked at), and nothing is written under benchmarks/results.
+times are not looked at), and nothing is appended to a benchmark table.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from statistics import median
 import pytest
 import torch
 
-from benchmarks import cpu_train
+from benchmarks import records
+from benchmarks.training import cpu_train
 
-RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu_train.json"
+RECORD = records.current("cpu_train")
 
 
 def _run(times: dict[str, list[float]], tokens: int, blocks: list[dict]) -> dict:
@@ -94,9 +95,9 @@ def test_interleaved_blocks_give_rows_the_summary_reads():
 
 
 def test_the_committed_record_holds_both_targets_from_its_own_results():
-    if not RECORD.exists():
-        pytest.skip("no committed cpu_train.json")
-    data = json.loads(RECORD.read_text())
+    if RECORD is None:
+        pytest.skip("no current cpu_train row in benchmarks/training/results.jsonl")
+    data = RECORD
     results = data["results"]
     assert data["targets"] == cpu_train.targets_of(results)
     small = results["median_tok_s"]["compressed"] / results["median_tok_s"]["dense"]  # medians kept to 0.1 tok/s

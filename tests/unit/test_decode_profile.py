@@ -1,11 +1,11 @@
-"""benchmarks/diag/decode_profile.py's targets: taken from the rows' own steps, the fastest of each kind, the
+"""benchmarks/decode/decode_profile.py's targets: taken from the rows' own steps, the fastest of each kind, the
 compression's ratio against the fastest dense row (not the eager one), each naming the rows it took."""
 
 import json
 
 import pytest
 
-from benchmarks.diag.decode_profile import profile_targets, retarget
+from benchmarks.decode.decode_profile import profile_targets, retarget
 
 ROWS = {"dense/engine_graph": {"step_ms": 6.0}, "dense/engine_graph_compiled": {"step_ms": 5.0},
         "neuzip-lossless/engine_graph_zgemv": {"step_ms": 5.5},

@@ -1,13 +1,13 @@
-"""benchmarks/first_hour.py's arithmetic: medians per tree, the slowest refusal, the README's stated time.
+"""benchmarks/training/first_hour.py's arithmetic: medians per tree, the slowest refusal, the README's stated time.
 
-Nothing here times anything: the samples are made up, and nothing is written under benchmarks/results.
+Nothing here times anything: the samples are made up, and nothing is appended to a benchmark table.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import first_hour
+from benchmarks.training import first_hour
 
 
 def test_medians_per_tree_and_the_slowest_refusal_are_the_targets_values():

@@ -1,5 +1,5 @@
-"""The kernel timeline of a profiled block (benchmarks/_timeline.py) on a synthetic Chrome trace whose busy, idle and
-gap figures are known, and the graphed KV rows' replay timeline (benchmarks/_kv_graph.py), which records a profiler
+"""The kernel timeline of a profiled block (benchmarks/memory/_timeline.py) on a synthetic Chrome trace whose busy, idle and
+gap figures are known, and the graphed KV rows' replay timeline (benchmarks/kv/_kv_graph.py), which records a profiler
 failure in the row instead of raising it (the row's timing is kept)."""
 
 import json
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import _kv_graph
-from benchmarks._kv_graph import SHADOWKV_KERNEL_GROUPS, replay_timeline
-from benchmarks._timeline import busy_and_gaps, group_of, kernel_intervals, profile_kernels, timeline_table
+from benchmarks.kv import _kv_graph
+from benchmarks.kv._kv_graph import SHADOWKV_KERNEL_GROUPS, replay_timeline
+from benchmarks.memory._timeline import busy_and_gaps, group_of, kernel_intervals, profile_kernels, timeline_table
 
 GEMV, FUSED, GATHER = "ampere_bf16_gemv_kernel", "_shadowkv_fused_decode_kernel", "_gather_chunks_kernel"
 

@@ -1,10 +1,9 @@
-"""``benchmarks/multi_gpu.py --summarize``: prints the merged rows and never overwrites a committed record."""
+"""``benchmarks/multi_gpu/multi_gpu.py --summarize``: prints the merged rows and never overwrites a committed record."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
-SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
+TABLE = ROOT / "benchmarks" / "multi_gpu" / "results.jsonl"
+SCRIPT = ROOT / "benchmarks" / "multi_gpu" / "multi_gpu.py"
 
 
 def _summarize(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -26,15 +25,18 @@ def _summarize(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 @pytest.fixture
 def committed_files():
     """Every file the summary could touch, byte for byte; put back afterwards whatever a failing run changed."""
-    paths = [*sorted(RESULTS.glob("*.json")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    paths = [*sorted((ROOT / "benchmarks").rglob("*.jsonl")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     before = {path: path.read_bytes() for path in paths}
     yield before
     for path, data in before.items():
         if not path.exists() or path.read_bytes() != data:
             path.write_bytes(data)
-    for path in RESULTS.glob("*.json"):
-        if path not in before:  # written by a failing run
-            path.unlink()
+
+
+def _current(name: str) -> dict:
+    from benchmarks import records
+
+    return records.current(name)
 
 
 @pytest.mark.slow
@@ -43,11 +45,10 @@ def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_commit
     # "Measured on cpu GPUs" into the multi-GPU table (now in docs/launching.md).
     res = _summarize()
     changed = [str(p.relative_to(ROOT)) for p, data in committed_files.items() if not p.exists() or p.read_bytes() != data]
-    new = [str(p.relative_to(ROOT)) for p in RESULTS.glob("*.json") if p not in committed_files]
-    assert not changed and not new, f"--summarize wrote {changed + new}"
+    assert not changed, f"--summarize wrote {changed}"
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    committed = json.loads((RESULTS / "multi_gpu.json").read_text())["results"]
+    committed = _current("multi_gpu")["results"]
     assert [(r["mode"], r["gpus"], r["tokens_per_s_per_gpu"]) for r in rows] == \
         [(r["mode"], r["gpus"], r["tokens_per_s_per_gpu"]) for r in committed]
     assert "| replicated | 4 |" in res.stdout
@@ -55,16 +56,19 @@ def test_summarize_as_the_readme_writes_it_prints_the_rows_and_changes_no_commit
 
 @pytest.mark.slow
 def test_write_records_the_runs_own_provenance_and_refuses_a_committed_record(tmp_path, committed_files):
-    for path in RESULTS.glob("multi_gpu_*gpu.json"):
-        shutil.copy(path, tmp_path / path.name)
+    from benchmarks import records
+
+    for row in records.rows("multi_gpu"):
+        if row["current"] and row["name"].endswith("gpu"):
+            (tmp_path / f"{row['name']}.json").write_text(json.dumps(row))
     res = _summarize("--write", "--results-dir", str(tmp_path))
     assert res.returncode == 0, res.stderr[-2000:]
     written = json.loads((tmp_path / "multi_gpu.json").read_text())
-    committed = json.loads((RESULTS / "multi_gpu.json").read_text())
+    committed = _current("multi_gpu")
     for key in ("device", "cuda", "versions", "git_commit"):
         assert written[key] == committed[key], key  # the H100 runs' own, not this machine's
     assert written["results"] == committed["results"]
 
-    res = _summarize("--write")  # into benchmarks/results, where git tracks multi_gpu.json
+    res = _summarize("--write")  # into the multi_gpu table, which git tracks
     assert res.returncode != 0 and "is a committed record" in res.stderr
     assert all(p.read_bytes() == data for p, data in committed_files.items())

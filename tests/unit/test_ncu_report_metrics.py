@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "diag" / "ncu_report_metrics.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "attention" / "ncu_report_metrics.py"
 _spec = importlib.util.spec_from_file_location("ncu_report_metrics", _PATH)
 ncu = importlib.util.module_from_spec(_spec)
 sys.modules["ncu_report_metrics"] = ncu

@@ -1,4 +1,4 @@
-"""benchmarks/offload.py runs each part in its own process: a part that dies costs only its own record."""
+"""benchmarks/offload/offload.py runs each part in its own process: a part that dies costs only its own record."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offload, offload_recipe
+from benchmarks.offload import offload, offload_recipe
 from benchmarks._isolated import failure_line, run_part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_the_8b_processes_fill_one_record_and_a_failed_half_sets_no_target():
 
 @pytest.mark.slow
 def test_an_unknown_part_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--parts", "8b,bogus"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload" / "offload.py"), "--parts", "8b,bogus"],
                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "NEUTRAIN_GIT_COMMIT": "0" * 40,
                                                                "NEUTRAIN_GIT_DIRTY": "0", "PYTHONPATH": str(ROOT)},
                           check=False)
@@ -106,7 +106,7 @@ def _run_dir(path: Path, steps: list[int], *, checkpoint: int | None = None) -> 
 
 
 def _offload_recipe(tmp_path: Path, monkeypatch, *args: str) -> tuple[int, dict]:
-    """``python benchmarks/offload_recipe.py ARGS`` with ``$OUT`` set: (exit code, the offload.json it wrote).
+    """``python benchmarks/offload/offload_recipe.py ARGS`` with ``$OUT`` set: (exit code, the offload.json it wrote).
 
     In this process: the script only reads and writes JSON, and a child process spent seconds importing torch
     (``benchmarks._common``) for it."""

@@ -1,4 +1,4 @@
-"""The results tables in docs/ are generated from benchmarks/results/*.json and must be current."""
+"""The results tables in docs/ are generated from the current rows of benchmarks/<topic>/results.jsonl and must be current."""
 
 import subprocess
 import sys

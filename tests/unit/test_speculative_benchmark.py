@@ -1,4 +1,4 @@
-"""benchmarks/speculative.py: the training pieces it relies on, and its ``--quick`` CPU run end to end."""
+"""benchmarks/decode/speculative.py: the training pieces it relies on, and its ``--quick`` CPU run end to end."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import _spec_train
-from benchmarks._spec_train import Batches, DraftSampler, Trainer, distill_loss, extra_sources, make_llama
+from benchmarks.decode import _spec_train
+from benchmarks.decode._spec_train import Batches, DraftSampler, Trainer, distill_loss, extra_sources, make_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def tiny(seed: int, hidden: int = 32):
 
 
 def test_quick_preset_keeps_budgets_given_on_the_command_line():
-    from benchmarks.speculative import parse
+    from benchmarks.decode.speculative import parse
 
     assert parse(["--quick"]).budget_s == 150 and parse(["--quick"]).big_budget_s == 60
     args = parse(["--quick", "--budget-s", "100000", "--big-budget-s", "90000"])
@@ -84,7 +84,7 @@ def test_quick_run_writes_every_decode_target_and_every_row(tmp_path):
                PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     # Budgets lifted: with --quick's 150 s a loaded machine skipped the HF-assisted row (value None).
     unlimited = ["--budget-s", "100000", "--big-budget-s", "100000"]
-    proc = subprocess.run([sys.executable, "benchmarks/speculative.py", "--quick", *unlimited, "--out-dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "benchmarks/decode/speculative.py", "--quick", *unlimited, "--out-dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "speculative_quick.json").read_text())

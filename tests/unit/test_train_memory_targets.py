@@ -1,6 +1,6 @@
-"""The training-throughput record's targets (benchmarks/train_memory.py): rounds and bounds computed, not copied."""
+"""The training-throughput record's targets (benchmarks/memory/train_memory.py): rounds and bounds computed, not copied."""
 
-from benchmarks.train_memory import targets_of
+from benchmarks.memory.train_memory import targets_of
 
 
 def _row(variant, b1=None, b8=None, reserved=None):

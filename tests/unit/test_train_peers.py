@@ -1,4 +1,4 @@
-"""benchmarks/_train_peers.py: the device memory a benchmark reports is its own card's (no GPU needed)."""
+"""benchmarks/memory/_train_peers.py: the device memory a benchmark reports is its own card's (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from benchmarks import _train_peers
+from benchmarks.memory import _train_peers
 
 
 def test_device_used_reads_the_cuda_device_not_nvml_index_zero(monkeypatch):

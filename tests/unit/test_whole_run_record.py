@@ -1,4 +1,4 @@
-"""The 70B whole run's record (benchmarks/offload_recipe.py --whole-run): what it reads, and when its target holds.
+"""The 70B whole run's record (benchmarks/offload/offload_recipe.py --whole-run): what it reads, and when its target holds.
 
 The target card_24gb_70b_whole_run_ok holds only when every command exited 0, the resumed and the uninterrupted
 checkpoint-5 list the same tensors with the same sha256, and the budgeted and unbounded greedy texts are the same.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offload_recipe
-from benchmarks._whole_run import llama_bf16_gib
+from benchmarks.offload import offload_recipe
+from benchmarks.memory._whole_run import llama_bf16_gib
 
 FIT = ("memory: neuzip-lossless, offloading activations and 77 of 80 decoder layers' weights: on the GPU it needs "
        "141.2 GiB (phase 'train_step'), the budget is 22.00 GiB; predicted peak 20.25 GiB reserved in phase "

@@ -1,6 +1,6 @@
-"""benchmarks/zgemv.py runs on the CPU in its ``--quick`` mode (tiny shapes, Triton's interpreter), so the GPU
+"""benchmarks/decode/zgemv.py runs on the CPU in its ``--quick`` mode (tiny shapes, Triton's interpreter), so the GPU
 script cannot rot between device runs: every shape gets a checked zgemv time, the layout is exact, the record
-is written where it was asked (never into benchmarks/results) and says it is no measurement."""
+is written where it was asked (never into a benchmark table) and says it is no measurement."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 @pytest.mark.slow
 def test_quick_run_writes_a_checked_record(tmp_path, capsys):
-    from benchmarks import zgemv as bench
+    from benchmarks.decode import zgemv as bench
 
     final = bench.main(["--quick", "--out-dir", str(tmp_path)])
     record = json.loads((tmp_path / "zgemv.json").read_text())

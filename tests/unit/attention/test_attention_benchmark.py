@@ -1,12 +1,12 @@
-"""benchmarks/_attention_table.py: the attention benchmark's rows -> dispatch entries naming the faster Sage
+"""benchmarks/attention/_attention_table.py: the attention benchmark's rows -> dispatch entries naming the faster Sage
 kernel, and attention.json's four targets (made-up rows, no GPU)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import _attention_table as table
-from benchmarks import sage_fidelity
+from benchmarks.attention import _attention_table as table
+from benchmarks.attention import sage_fidelity
 from neutrain.attention import dispatch
 
 DEV = "NVIDIA H200"
@@ -157,7 +157,7 @@ def test_the_training_step_benchmark_imports_as_the_device_runs_it():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "benchmarks/attention_train_step.py", "--help"], cwd=root,
+    proc = subprocess.run([sys.executable, "benchmarks/attention/attention_train_step.py", "--help"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -166,7 +166,7 @@ def _auto_step(model, sdpa_s, auto_s, auto_counters):
     """An ``attention_train_step.py --variants auto,sdpa`` record with the given step times per length."""
     rows = [{"variant": "auto", **{seq: {"step_s": t, "counters": auto_counters} for seq, t in auto_s.items()}},
             {"variant": "sdpa", **{seq: {"step_s": t, "counters": {}} for seq, t in sdpa_s.items()}}]
-    from benchmarks.attention_train_step import speedups
+    from benchmarks.attention.attention_train_step import speedups
 
     seqs = [int(s) for s in auto_s]
     return {"model": model, "rows": rows, "auto_over_sdpa": speedups(rows, seqs, "sdpa", "auto")}
@@ -188,7 +188,7 @@ def test_the_auto_step_check_takes_the_least_ratio_over_every_model_and_length()
 
 
 def test_the_training_step_reads_the_default_recipes_model_and_batch():
-    from benchmarks.attention_train_step import model_config
+    from benchmarks.attention.attention_train_step import model_config
 
     config, batch = model_config("default")
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], batch) == (256, 4, 4096, 8)
@@ -215,7 +215,7 @@ def test_rounds_run_the_variants_a_b_b_a_and_the_step_time_is_the_median_over_ro
     import json
     import subprocess
 
-    from benchmarks import attention_train_step as step
+    from benchmarks.attention import attention_train_step as step
 
     calls, times = [], {"auto": iter([1.0, 3.0, 2.0]), "sdpa": iter([2.0, 2.0, 2.0])}
 

@@ -1,4 +1,4 @@
-"""benchmarks/sage_fidelity.py: its Sage arm really runs Sage (both ways), and both arms see the same batches."""
+"""benchmarks/attention/sage_fidelity.py: its Sage arm really runs Sage (both ways), and both arms see the same batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks import sage_fidelity
+from benchmarks.attention import sage_fidelity
 from neutrain.attention import register
 
 STEPS, BATCH, LAYERS = 3, 2, 2
@@ -133,7 +133,7 @@ def test_the_v_residual_setting_reaches_every_sage_call(monkeypatch):
 
 
 def test_gpu_route_is_what_the_shipped_tables_train_entries_name():
-    from benchmarks._sage_route import gpu_route, set_route
+    from benchmarks.attention._sage_route import gpu_route, set_route
 
     route = gpu_route("NVIDIA H200", 64)  # no d=64 entry there: the card's d=128 train entries decide
     assert (route["kernel"], route["backward"]) == ("gluon", "triton") and "any head dim" in route["source"]

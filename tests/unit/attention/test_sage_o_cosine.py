@@ -1,12 +1,12 @@
-"""benchmarks/_sage_o_cosine.py: Q, K, V captured from a model's own layers, and Sage's O against fp32 on them."""
+"""benchmarks/attention/_sage_o_cosine.py: Q, K, V captured from a model's own layers, and Sage's O against fp32 on them."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks import sage_fidelity
-from benchmarks._sage_o_cosine import Capture, capture_attention_inputs, o_cosine, o_cosine_target, spread_layers
+from benchmarks.attention import sage_fidelity
+from benchmarks.attention._sage_o_cosine import Capture, capture_attention_inputs, o_cosine, o_cosine_target, spread_layers
 from neutrain.attention import accuracy_metrics, exact_attention
 
 

@@ -92,13 +92,13 @@ def test_lossless_size_on_random_init_is_below_target():
 
 
 LLAMA3_8B = [((4096, 4096), 64), ((1024, 4096), 64), ((14336, 4096), 64), ((4096, 14336), 32), ((128256, 4096), 2)]
-"""Llama-3-8B's weight matrices and how many of each (as in benchmarks/codec.py)."""
+"""Llama-3-8B's weight matrices and how many of each (as in benchmarks/codec/codec.py)."""
 
 
 @pytest.mark.slow
 def test_lossless_bits_per_weight_on_llama3_8b_shapes_match_the_planner():
     """``CompressedTensor.nbytes`` (stream capacity, tails, lane counts, tile table, code tables: what the
-    planner's NEUZIP_BITS stands for), count-weighted over Llama-3-8B at N(0, 0.02) as benchmarks/codec.py
+    planner's NEUZIP_BITS stands for), count-weighted over Llama-3-8B at N(0, 0.02) as benchmarks/codec/codec.py
     measures it. Shapes over 4M weights are sampled as 1024 rows with the geometry of the whole matrix;
     the per-tensor code tables are charged to the whole matrix, the rest per weight of the sample (this
     overcharges the stream's constant 64 headroom words). Stored (what a checkpoint holds, no headroom)

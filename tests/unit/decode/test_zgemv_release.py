@@ -138,9 +138,9 @@ def test_reading_the_payload_restores_it_and_a_wrong_layout_is_refused():
 
 @pytest.mark.slow
 def test_engine_decode_benchmark_measures_the_replace_row_and_gives_the_payloads_back():
-    """benchmarks/engine_decode.py's zgemv rows on the CPU (Triton's interpreter), so the GPU script cannot rot:
+    """benchmarks/decode/engine_decode.py's zgemv rows on the CPU (Triton's interpreter), so the GPU script cannot rot:
     the replace row decodes the beside row's tokens, records what the payloads hold, and restores them after."""
-    from benchmarks.engine_decode import measure_variant
+    from benchmarks.decode.engine_decode import measure_variant
 
     model = _compressed(seed=SEED + 3, drift=False)
     weights = _linear_weights(model)

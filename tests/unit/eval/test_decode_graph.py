@@ -1,7 +1,7 @@
 """The decode step as a CUDA graph (neutrain/eval/kv/decode_graph.py): what cannot be replayed is refused with its
 reason, the host counts a replay leaves are those eager steps leave, and on a GPU the replayed steps decode the
 eager fused steps' logits into the same cache state (ShadowKV), as the full caches' do (the ``full_graph``
-baseline of benchmarks/_kv_graph.py, captured once per length; a transformers StaticCache under one graph).
+baseline of benchmarks/kv/_kv_graph.py, captured once per length; a transformers StaticCache under one graph).
 
 The GPU comparisons are in fp32 (the fused kernel's IEEE path) and allow 1e-5: a replay launches the same kernels
 on the same shapes and inputs as the eager step, so the logits agree bit for bit unless cuBLAS picks another
@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache
 
-from benchmarks._kv_graph import PerLengthGraph
-from benchmarks._kv_caches import PreallocatedLayer
+from benchmarks.kv._kv_graph import PerLengthGraph
+from benchmarks.kv._kv_caches import PreallocatedLayer
 from eval_helpers import tiny_llama
 from neutrain import compat
 from neutrain.eval.kv.decode_graph import (GraphCaptureError, HostCounts, capturable_steps, capture_decode_step,

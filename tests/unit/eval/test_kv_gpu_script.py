@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kv.sh, the KV table's one device call, runs its whole path on CPU with SMOKE=1 (stand-in shapes,
+"""benchmarks/kv/gpu_kv.sh, the KV table's one device call, runs its whole path on CPU with SMOKE=1 (stand-in shapes,
 the settings beside the throughput rows; ~20 s on 2 cores): its record has every throughput row with its batch,
 attention kernel and GPU state (or the reason it did not run), and beside each its accuracy on the retrieval model
 and on the real model (or the reason there is none). The real model itself (SmolLM2 on CPU, minutes on a busy
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks._kv_throughput import CUDA_ONLY_ROWS, GRAPH_NEEDS_CUDA
+from benchmarks.kv._kv_throughput import CUDA_ONLY_ROWS, GRAPH_NEEDS_CUDA
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -30,7 +30,7 @@ def test_the_device_script_writes_every_row_with_its_throughput_and_accuracy(tmp
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NEUTRAIN_SMOLLM2_GGUF")}
     env.update(NEUTRAIN_SMOLLM2_GGUF=str(tmp_path / "absent.gguf"), SMOKE="1", OUT=str(out), NEUTRAIN_GIT_COMMIT="0" * 40, NEUTRAIN_GIT_DIRTY="1",
                PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT))
-    res = subprocess.run(["bash", "benchmarks/gpu_kv.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(["bash", "benchmarks/kv/gpu_kv.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = (out / "kv_eval.log").read_text() if (out / "kv_eval.log").exists() else ""
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:] + log[-3000:]
     record = json.loads((out / "kv_eval_smoke.json").read_text())

@@ -10,9 +10,9 @@ real part's seconds (``_kv_plan.REAL_SECONDS``)."""
 import argparse
 from types import SimpleNamespace
 
-from benchmarks._kv_targets import PRESSES, ROW_ACCURACY, attach_accuracy
-from benchmarks._kv_throughput import ROWS
-from benchmarks.kv_eval import beside_rows
+from benchmarks.kv._kv_targets import PRESSES, ROW_ACCURACY, attach_accuracy
+from benchmarks.kv._kv_throughput import ROWS
+from benchmarks.kv.kv_eval import beside_rows
 
 
 def test_the_settings_beside_the_rows_are_every_rows_first_then_the_other_presses():
@@ -27,7 +27,7 @@ def fake_real_part(monkeypatch, settings_with_time: int):
     """``real_part`` on a stand-in model whose every setting takes 10 s of a run that has time for
     ``settings_with_time`` of them; returns the part's record and the settings evaluated, in order."""
     import neutrain.eval.real_model as real_model
-    from benchmarks import _kv_real
+    from benchmarks.kv import _kv_real
 
     evaluated = []
     config = SimpleNamespace(num_key_value_heads=3, head_dim=64, hidden_size=576, num_attention_heads=9,

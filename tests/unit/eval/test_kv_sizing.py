@@ -1,5 +1,5 @@
 """The throughput part's batch for each cache setting comes from what a sequence really holds
-(benchmarks/_kv_sizing.py): the stored bytes measured on the real cache, plus the build's and the decode's
+(benchmarks/kv/_kv_sizing.py): the stored bytes measured on the real cache, plus the build's and the decode's
 transient memory. Measured here on CPU with a tracker of live tensor bytes (``LiveBytes``), on small shapes,
 and planned on a fake Llama-3-8B: the sizing by stored bytes alone ran MiniCache merge + 4-bit out of memory
 at 32K on an 80 GB H100."""
@@ -7,9 +7,9 @@ at 32K on an 80 GB H100."""
 import pytest
 import transformers
 
-from benchmarks import _kv_sizing as sizing
-from benchmarks._kv_caches import minicache_cache, prepare_fused
-from benchmarks._kv_throughput import llama3_8b_config
+from benchmarks.kv import _kv_sizing as sizing
+from benchmarks.kv._kv_caches import minicache_cache, prepare_fused
+from benchmarks.kv._kv_throughput import llama3_8b_config
 
 from eval_helpers import LiveBytes
 from neutrain import compat
@@ -234,7 +234,7 @@ def test_a_failed_attempt_leaves_no_cache_on_the_model():
 
     import torch
 
-    from benchmarks._kv_caches import release_memory
+    from benchmarks.kv._kv_caches import release_memory
     from neutrain.eval.kv import MiniCache, disable_minicache_attention, enable_minicache_attention
 
     cfg = small_config()

@@ -1,4 +1,4 @@
-"""The KV benchmark's time plan (benchmarks/_kv_plan.py): one device call of ~540 s on an H200 gives every throughput
+"""The KV benchmark's time plan (benchmarks/kv/_kv_plan.py): one device call of ~540 s on an H200 gives every throughput
 row a cap, the accuracy parts their seconds and the retrieval model's training the rest.
 
 The H200 call at bdfe903 planned 12 s for each QuantizedCache row but let the rows before it overrun (MiniCache
@@ -9,16 +9,16 @@ import argparse
 
 import pytest
 
-from benchmarks import _kv_plan as plan_module
-from benchmarks._kv_throughput import ROWS
-from benchmarks._kv_timing import steps_within
+from benchmarks.kv import _kv_plan as plan_module
+from benchmarks.kv._kv_throughput import ROWS
+from benchmarks.kv._kv_timing import steps_within
 
 
 def h200_plan(budget=473.0, real_here=True):
     return plan_module.time_plan(budget, ROWS, [32768, 65536], real_here, host_gib=64, train_max=200)
 
 
-# The H200 call at bdfe903 (benchmarks/results/kv_eval.json): (label, context) -> (seconds, timed steps, median s a
+# The H200 call at bdfe903 (benchmarks/kv/results.jsonl#kv_eval): (label, context) -> (seconds, timed steps, median s a
 # step); the full cache's seconds hold four timings of 6 steps (the dispatcher's choice and three forced backends).
 H200_ROWS = {
     ("full", 32768): (4.2, 6, 0.038), ("full", 65536): (3.5, 6, 0.038),
@@ -115,8 +115,8 @@ def test_timed_steps_fit_the_rows_cap_down_to_one(seconds_left, step, most, expe
 def test_no_row_is_skipped_when_the_run_is_out_of_time(monkeypatch):
     """Every row of the tiny stand-in, with the run's time already spent: each is measured (at least one timed
     step), records its cap and says when its steps were cut; none is skipped (the old guard skipped them all)."""
-    from benchmarks import _kv_throughput
-    from benchmarks._kv_common import DEADLINE
+    from benchmarks.kv import _kv_throughput
+    from benchmarks.kv._kv_common import DEADLINE
 
     monkeypatch.setattr(DEADLINE, "left", lambda: 0.0)
     args = argparse.Namespace(smoke="tiny", contexts=[128], steps=3, host_gib=0.05, margin_gib=0.5)

@@ -83,14 +83,16 @@ def test_phases_the_recipe_does_not_run_are_left_out():
     assert [line.split()[0] for line in table.splitlines()[1:]] == list(plan)
 
 
-def _variant_d(record: str = "benchmarks/results/train_memory.json") -> dict:
-    data = json.loads((REPO / record).read_text())
+def _variant_d(commit: str | None = None) -> dict:
+    from benchmarks import records
+
+    data = records.find("train_memory", commit) if commit else records.current("train_memory")
     return next(v for v in data["results"]["variants"] if v["variant"] == "d")  # NeuZip lossless + LOMO, the recipe
 
 
 #: The latest record whose NVML figures are its own GPU's (the current one's device-used fields read the
-#: other GPU of a two-GPU machine and are null: benchmarks/results/archive/README.md).
-DEVICE_USED_RECORD = "benchmarks/results/archive/train_memory_fb37af0.json"
+#: other GPU of a two-GPU machine and are null: its row's ``archived`` note in benchmarks/memory/results.jsonl).
+DEVICE_USED_COMMIT = "fb37af0"
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -101,20 +103,22 @@ def test_the_8b_training_step_is_within_10_percent_of_the_h200(batch):
     assert abs(train.total / GIB - measured["peak_allocated_gib"]) <= 0.10 * measured["peak_allocated_gib"]
     assert abs(train.reserved / GIB - measured["peak_reserved_gib"]) <= 0.10 * measured["peak_reserved_gib"]
     # NVML counts what the card held before the process started too; the planner leaves that out.
-    nvml = _variant_d(DEVICE_USED_RECORD)
+    nvml = _variant_d(DEVICE_USED_COMMIT)
     device = train.device / GIB + nvml["device_used_idle_gib"]
     assert abs(device - nvml[f"batch{batch}"]["device_used_gib"]) <= 0.10 * nvml[f"batch{batch}"]["device_used_gib"]
 
 
 def test_the_offloaded_8b_at_batch_8_is_within_10_percent_of_the_h200():
-    # benchmarks/results/offload.json: weights and activations offloaded, batch 8 x 1024, on an H200.
-    measured = json.loads((REPO / "benchmarks/results/offload.json").read_text())["results"]["8b"]["offloaded"]
+    # benchmarks/offload/results.jsonl#offload: weights and activations offloaded, batch 8 x 1024, on an H200.
+    from benchmarks import records
+
+    measured = records.current("offload")["results"]["8b"]["offloaded"]
     plan = plan_recipe(_8b("train.micro_batch_size=8", "memory.offload_weights=true", "memory.offload_activations=true"))
     train = plan["train_step"]
     assert abs(train.total / GIB - measured["peak_allocated_gib"]) <= 0.10 * measured["peak_allocated_gib"]
     assert abs(train.reserved / GIB - measured["peak_reserved_gib"]) <= 0.10 * measured["peak_reserved_gib"]
     assert abs(train.terms["weight_slots"] / GIB - measured["slot_device_gib"]) <= 0.01
-    device = train.device / GIB + _variant_d(DEVICE_USED_RECORD)["device_used_idle_gib"]  # the same kind of card, idle
+    device = train.device / GIB + _variant_d(DEVICE_USED_COMMIT)["device_used_idle_gib"]  # the same kind of card, idle
     assert abs(device - measured["device_used_gib"]) <= 0.10 * measured["device_used_gib"]
     # The offloaded model is the embedding, the lm_head, the norms and, once a step ran, four layers' slots.
     assert plan["save"].terms["model"] == train.terms["weights"] + train.terms["weight_slots"]

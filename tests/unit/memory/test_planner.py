@@ -29,7 +29,7 @@ def test_llama3_8b_shape_and_ordering():
     assert est["densesgd"].total > est["denselomo"].total + 13 * GIB
     assert est["denselomo"].total - est["neuzip-losslesslomo"].total > 3.5 * GIB
     assert est["denseadamw"].total > est["densesgd"].total + 29 * GIB
-    # Measured: 11.87 GiB peak allocated at batch 1 on an H200 (benchmarks/results/train_memory.json, variant d).
+    # Measured: 11.87 GiB peak allocated at batch 1 on an H200 (benchmarks/memory/results.jsonl#train_memory, variant d).
     assert 11.5 * GIB < est["neuzip-losslesslomo"].total < 12.5 * GIB
 
 

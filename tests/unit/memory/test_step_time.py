@@ -8,7 +8,6 @@ these tests say whether the model still lands on every measured row, and which o
 from __future__ import annotations
 
 import ast
-import json
 import re
 from pathlib import Path
 
@@ -21,9 +20,10 @@ from neutrain.memory import ModelShape, estimate_recipe
 from neutrain.memory.step_time import CPU, GPU, step_time
 
 REPO = Path(__file__).resolve().parents[3]
-RESULTS = REPO / "benchmarks" / "results"
-CARDS = json.loads((RESULTS / "cards.json").read_text())
-TRAIN_MEMORY = json.loads((RESULTS / "train_memory.json").read_text())
+from benchmarks import records
+
+CARDS = records.current("cards")
+TRAIN_MEMORY = records.current("train_memory")
 LLAMA3_8B = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)
 
 
@@ -102,9 +102,11 @@ def test_every_rate_is_a_constant_naming_the_record_it_was_calibrated_on():
     assert {"GEMM_FLOPS_PER_S", "ATTENTION_FLOPS_PER_S", "CODEC_BYTES_PER_S", "HOST_S_PER_TENSOR",
             "HOST_S_PER_COMPRESSED", "PCIE_BYTES_PER_S", "COPY_HIDDEN_SHARE", "CPU_FLOPS_PER_S"} <= set(constants)
     for name, doc in constants.items():
-        records = re.findall(r"([a-z_0-9]+\.json)", doc)
-        assert records, f"{name}: its docstring names no record"
-        assert all((RESULTS / record).is_file() for record in records), (name, records)
+        # a record is named ``<topic>/results.jsonl#<name>`` or, in the flat layout's words, ``<name>.json``: either
+        # way the current row of <name> in its topic's table
+        named = [a or b for a, b in re.findall(r"results\.jsonl#(\w+)|([a-z_0-9]+)\.json\b", doc)]
+        assert named, f"{name}: its docstring names no record"
+        assert all(records.current(r) for r in named), (name, named)
     # The rates the fit uses are these constants, not copies of them.
     assert GPU.gemm_flops_per_s == model.GEMM_FLOPS_PER_S and GPU.host_s_per_tensor == model.HOST_S_PER_TENSOR
     assert GPU.link_bytes_per_s == model.PCIE_BYTES_PER_S and CPU.gemm_flops_per_s == model.CPU_FLOPS_PER_S

@@ -7,7 +7,7 @@ matrix: on a model this small the codec's and the checksum's fixed scratch (the 
 the checksum's 4 MiB chunk upcast to int64 by torch's reductions) is several matrices, while on the 8B it
 is a small fraction of one. "Tensor by tensor" then means: a phase never holds more than the costliest
 single tensor's work at once. Each test prints its figures in largest matrices, for
-benchmarks/notes_cards.md.
+benchmarks/cards/NOTES.md.
 """
 
 import os

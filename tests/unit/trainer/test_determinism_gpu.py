@@ -1,6 +1,6 @@
 """On CUDA, with train.deterministic: a rerun and a resume store the same compressed bytes as the first run.
 
-The 8B recipe's configuration scaled down (``benchmarks/determinism.py``'s ``train_steps``): NeuZip-lossless
+The 8B recipe's configuration scaled down (``benchmarks/training/determinism.py``'s ``train_steps``): NeuZip-lossless
 weights, LOMO with a per-tensor clip and stochastic rounding off, activation checkpointing, decoder weights
 and checkpointed inputs in host memory or not, packed sequences (positions restart, so attention runs with
 a mask). 1,024 tokens over heads of 128 make several attention blocks, where the fused backward kernels add
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.determinism import SAVED_AT, llama_config, token_batches, train_steps
+from benchmarks.training.determinism import SAVED_AT, llama_config, token_batches, train_steps
 from neutrain.trainer.determinism import deterministic_kernels
 
 pytestmark = pytest.mark.gpu

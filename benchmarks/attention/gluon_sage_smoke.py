@@ -1,0 +1,179 @@
+"""Device check: the Gluon warp-specialized SageAttention forward against the Triton
+Sage kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128, causal and not, on the same card.
+
+For each (causal) and method: the output's accuracy against the Triton kernel (whole tensor) and
+against exact fp32 attention (batch 0, heads 0-1), then the forward kernel's time (CUDA events,
+median of ``--iters`` after warm-up) on inputs quantized once, the quantization's own time, and
+TOPS counted as ``benchmarks/attention/NOTES.md`` does (4*B*H*d*N^2, halved causal). Methods:
+``gluon_c1_s2`` (one consumer warpgroup, 2 ring slots), ``gluon_c2_s2``, ``gluon_c2_s3``
+(two consumer warpgroups), ``gluon_c2_s2_pp``, ``gluon_c2_s3_pp`` (two, in FA3's ping-pong), ``triton_sage`` (the dispatch table's kernel config: BLOCK_M 128,
+8 warps, 3 stages, one K scale per tile) and ``sdpa_cudnn`` (bf16). Peak memory is recorded
+three ways per method (allocated, reserved, NVML device used). Each method is isolated: one that
+fails (compile error, hang caught by the caller's timeout, wrong output) is printed with its
+traceback and the others still run. Writes ``gluon_sage_smoke.json`` under ``$OUT`` (and
+its row in ``benchmarks/attention/results.jsonl``) and prints every number.
+
+    PYTHONPATH=. python benchmarks/attention/gluon_sage_smoke.py [--n 16384] [--iters 10]
+
+Not attention.json: the dispatch table and the issue's targets are rebuilt by
+``benchmarks/attention/attention.py`` once the kernel is measured (phase 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks._common import cuda_time_ms, write_result  # noqa: E402
+from benchmarks.memory._train_peers import device_used_gib  # noqa: E402
+
+from neutrain.attention.quant import TILE, quantize_attention_inputs  # noqa: E402
+from neutrain.attention.reference import accuracy_metrics, exact_attention  # noqa: E402
+
+
+def _methods():
+    """name -> fn(qi, q, k, v, causal) returning O [B,H,N,D] (bf16)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from neutrain.kernels import sage_attention as triton_sage
+    from neutrain.kernels import sage_attention_gluon as gluon_sage
+
+    def gluon(consumers, stages, pingpong=False):
+        cfg = gluon_sage.GluonConfig(num_consumers=consumers, num_stages=stages, pingpong=pingpong)
+        return lambda qi, q, k, v, causal: gluon_sage.sage_attention_forward_gluon(qi, causal, config=cfg)[0]
+
+    shipped = triton_sage.ForwardConfig(128, 8, 3, False)
+
+    def cudnn(qi, q, k, v, causal):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    # Baselines first: a Gluon variant that hangs until the caller's timeout must not cost them.
+    return {
+        "triton_sage": lambda qi, q, k, v, causal: triton_sage.sage_attention_forward(qi, causal, config=shipped)[0],
+        "sdpa_cudnn": cudnn,
+        "gluon_c1_s2": gluon(1, 2),
+        "gluon_c2_s2": gluon(2, 2),
+        "gluon_c2_s3": gluon(2, 3),
+        "gluon_c2_s2_pp": gluon(2, 2, True),
+        "gluon_c2_s3_pp": gluon(2, 3, True),
+    }
+
+
+def _sass(name):
+    """Registers, spills and MMA opcode counts of the kernel a Gluon method just launched."""
+    if not name.startswith("gluon"):
+        return None
+    from neutrain.kernels import sage_attention_gluon as gluon_sage
+
+    s = gluon_sage.sass_summary(gluon_sage._LAST_LAUNCH["forward"])
+    ops = s["opcodes"]
+    return {"registers": s["registers"], "spills": s["spills"],
+            **{op: ops.get(op, 0) for op in ("IGMMA", "QGMMA", "MUFU", "USETMAXREG", "UTMALDG", "BAR", "SYNCS")}}
+
+
+PV_FORMS = {"residual": True, "plain": False}  # PV with V's FP8 residual (a second product a tile), or plain Sage2's
+
+
+def _method_pv_forms(methods, pv_forms):
+    """(row name, method, PV form): SDPA once, each Sage kernel once per PV form (plain ones named ``+plain``)."""
+    for name in methods:
+        if name.startswith("sdpa"):
+            yield name, name, None
+            continue
+        for form in pv_forms:
+            yield (name if form == "residual" else f"{name}+plain"), name, form
+
+
+def run(b, h, n, d, iters, pv_forms=("residual",)):
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    rows, methods = [], _methods()
+    quant_ms, qis = {}, {}
+    for form in pv_forms:
+        residual = PV_FORMS[form]
+        quant_ms[form] = cuda_time_ms(lambda: quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE,
+                                                                        v_residual=residual), 2, iters)
+        print(f"quantization, PV {form} (fused Triton passes, K scale per tile): {quant_ms[form]:.3f} ms", flush=True)
+        qis[form] = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE, v_residual=residual)
+    for causal in (False, True):
+        flops = 4.0 * b * h * d * n * n / (2 if causal else 1)
+        exact = exact_attention(q[:1, :2], k[:1, :2], v[:1, :2], causal)
+        baseline = None
+        for row_name, name, form in _method_pv_forms(methods, pv_forms):
+            row = {"n": n, "causal": causal, "method": row_name, "pv": form}
+            qi = qis[form or pv_forms[0]]
+            try:
+                fn = methods[name]
+                with torch.no_grad():
+                    out = fn(qi, q, k, v, causal)
+                    torch.cuda.synchronize()
+                    row.update({f"exact_{key}": val for key, val in accuracy_metrics(out[:1, :2], exact).items()})
+                    if row_name == "triton_sage" or (name == "triton_sage" and baseline is None):
+                        baseline = out
+                    elif baseline is not None:
+                        row["cos_vs_triton_sage"] = accuracy_metrics(out, baseline)["cos"]
+                    del out
+                    row["sass"] = _sass(name)
+                    torch.cuda.reset_peak_memory_stats()
+                    row["fwd_ms"] = cuda_time_ms(lambda: fn(qi, q, k, v, causal), 3, iters)
+                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                    row["nvml_used_gib"] = device_used_gib()
+                row["tops"] = flops / row["fwd_ms"] / 1e9
+                if form is not None:
+                    row["tops_with_quant"] = flops / (row["fwd_ms"] + quant_ms[form]) / 1e9
+            except Exception as exc:  # keep measuring the others; the log has the traceback
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print({k_: (round(v_, 5) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+            rows.append(row)
+    return rows, quant_ms
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--b", type=int, default=4)
+    parser.add_argument("--h", type=int, default=32)
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--pv", default="residual", help="PV forms, comma-separated: residual (V's FP8 residual, "
+                        "a second product a tile), plain (SageAttention2's one product), or both")
+    args = parser.parse_args()
+    pv_forms = tuple(PV_FORMS) if args.pv == "both" else tuple(args.pv.split(","))
+    unknown = [form for form in pv_forms if form not in PV_FORMS]
+    if unknown:
+        parser.error(f"--pv: unknown form {unknown[0]!r}; expected residual, plain or both")
+    rows, quant_ms = run(args.b, args.h, args.n, args.d, args.iters, pv_forms)
+    cudnn = {r["causal"]: r.get("fwd_ms") for r in rows if r["method"] == "sdpa_cudnn"}
+    print(f"\n{'method':<20} {'causal':<7} {'ms':>9} {'TOPS':>7} {'+quant':>7} {'/cuDNN':>7} {'cos fp32':>9} {'cos triton':>10}")
+    for r in rows:
+        if "fwd_ms" not in r:
+            print(f"{r['method']:<20} {r['causal']!s:<7} FAILED: {r.get('error', '')[:200]}")
+            continue
+        ratio = cudnn.get(r["causal"]) / r["fwd_ms"] if cudnn.get(r["causal"]) else float("nan")
+        with_quant = r.get("tops_with_quant", r["tops"])
+        print(f"{r['method']:<20} {r['causal']!s:<7} {r['fwd_ms']:9.3f} {r['tops']:7.1f} {with_quant:7.1f} {ratio:7.3f} "
+              f"{r.get('exact_cos', float('nan')):9.6f} {r.get('cos_vs_triton_sage', float('nan')):10.6f}")
+    gluon = [r for r in rows if r["method"].startswith("gluon") and "tops" in r and not r["causal"]]
+    best = max(gluon, key=lambda r: r["tops"]) if gluon else None
+    targets = {}
+    if best is not None:
+        targets["sage_fwd_tops_n16k_d128"] = {
+            "value": round(best["tops"], 1), "goal": ">= 800", "unit": "TOPS",
+            "derived_from": f"{best['method']}, non-causal, kernel only (quantization "
+                            f"{quant_ms[best['pv']]:.2f} ms apart)"}
+    write_result("gluon_sage_smoke", vars(args) | {"quant_ms": quant_ms, "pv_forms": list(pv_forms)}, rows, targets=targets,
+                 targets_note="a diagnostic of the Gluon forward; attention.json carries the attention targets")
+
+
+if __name__ == "__main__":
+    main()
