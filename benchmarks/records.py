@@ -46,7 +46,7 @@ TOPIC_PREFIXES = {
     "codec": "codec",
     "engine_decode": "decode", "speculative": "decode", "inference": "decode", "zgemv": "decode",
     "decode_profile": "decode", "decode_h200": "decode", "generate": "decode",
-    "kv_eval": "kv", "minicache": "kv", "shadowkv": "kv",
+    "kv_": "kv", "kv_eval": "kv", "minicache": "kv", "shadowkv": "kv",
     "train_memory": "memory", "train_70b": "memory", "step_anatomy": "memory", "step_timeline": "memory",
     "step_products": "memory", "host_costs": "memory", "training_runs": "memory", "70b": "memory",
     "llama3_8b_recipe": "training",
