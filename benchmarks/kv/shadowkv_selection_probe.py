@@ -8,7 +8,7 @@ the product: the probe times it on a packed query and on the strided view attent
 selection (``select_chunks``: scores, softmax, max over the group, top-k). ``landmarks @ q^T`` makes the landmarks the M side (M=8,192, N=4), which cuBLAS serves as a GEMV-like
 kernel; both give the same logits up to summation order.
 
-    PYTHONPATH=. python benchmarks/diag/shadowkv_selection_probe.py [--batch 32 16] [--contexts 65536 131072]
+    PYTHONPATH=. python benchmarks/kv/shadowkv_selection_probe.py [--batch 32 16] [--contexts 65536 131072]
 """
 
 from __future__ import annotations
