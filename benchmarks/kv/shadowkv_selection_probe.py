@@ -58,6 +58,37 @@ def time_ms(fn, iters=50):
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (as the decode step is) and replayed: cuBLAS may pick another kernel
+    under capture than in eager mode, which the replayed step's kernel table would show and an eager probe not."""
+    def run(q, landmarks):
+        if not hasattr(run, "graph"):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn(q, landmarks)
+            torch.cuda.current_stream().wait_stream(side)
+            run.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(run.graph):
+                run.out = fn(q, landmarks)
+        run.graph.replay()
+        return run.out
+    return run
+
+
+def kernels(fn, q, landmarks):
+    """The CUDA kernels one call launches, by name (the first 60 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(q, landmarks)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(q, landmarks)
+        torch.cuda.synchronize()
+    return sorted({e.name[:60] for e in prof.events() if e.device_type.name == "CUDA"})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[32, 16])
@@ -73,13 +104,16 @@ def main():
         ref = scores_einsum(q, landmarks).float()
         gbytes = landmarks.numel() * 2 / 1e9
         forms = (("einsum", scores_einsum), ("einsum_strided_query", scores_einsum_strided),
-                 ("landmarks_major", scores_landmarks_major), ("select_chunks", selection))
+                 ("landmarks_major", scores_landmarks_major), ("select_chunks", selection),
+                 ("einsum_strided_query_graphed", graphed(scores_einsum_strided)),
+                 ("select_chunks_graphed", graphed(selection)))
         for name, fn in forms:
             out = fn(q, landmarks)
             ms = time_ms(lambda: fn(q, landmarks))
             rows.append({"context": n, "batch": b, "form": name, "ms": round(ms, 4),
                          "landmark_gb_per_s": round(gbytes / ms * 1e3, 1),
-                         "max_abs_vs_einsum": None if name == "select_chunks" else float((out.float() - ref).abs().max())})
+                         "max_abs_vs_einsum": None if name.startswith("select_chunks") else float((out.float() - ref).abs().max()),
+                         "kernels": kernels(fn, q, landmarks)})
             print(rows[-1], flush=True)
     print(json.dumps(rows))
 
