@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .decode_combine import combine_partials
 
 COUNTERS = {"segments": 0, "calls": 0}
 """Kernel launches (segment partials, combines), so tests can assert that the fast path ran."""
@@ -235,22 +236,6 @@ def _segment_kernel(
     tl.store(out + 1, acc_odd, mask=gmask[:, None])
 
 
-@triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    smask = s < S
-    base = row.to(tl.int64) * S
-    m = tl.load(m_ptr + base + s, mask=smask, other=-1.0e30)
-    l = tl.load(l_ptr + base + s, mask=smask, other=0.0)
-    acc = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / total
-    tl.store(out_ptr + row.to(tl.int64) * D + d, out.to(out_ptr.dtype.element_ty))
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """How a segment's partials are launched: tokens per loop block and warps (4-bit codes, plain rows), the
@@ -378,6 +363,6 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
         COUNTERS["segments"] += 1
         offset += n_splits
     out = torch.empty(b, hq, d, dtype=query.dtype, device=q.device)
-    _combine_kernel[(b * hq,)](m, l_, acc, out, total, D=d, BLOCK_S=triton.next_power_of_2(total), num_warps=4)
+    combine_partials(m.view(b * hq, total), l_.view(b * hq, total), acc.view(b * hq, total, d), out.view(b * hq, d))
     COUNTERS["calls"] += 1
     return out

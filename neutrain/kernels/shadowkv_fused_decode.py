@@ -3,9 +3,12 @@
 ShadowKV's unfused decode step launches, for each layer, the key rebuild (``U[tokens] @ SV``, then RoPE), the
 concatenations of ``[outliers | selected | tail]`` and SDPA: the rebuilt keys of every selected token go to HBM
 and come back, and each of those is a kernel group launched from Python (on the H200 at 64K, batch 32, the
-rebuild and the attention were 74 of a step's 131 ms; benchmarks/notes_kv_eval.md). Here one program takes one
-(batch row, KV head) and the whole GQA group of query heads (padded to 16 rows for ``tl.dot``) and runs one
-online softmax over three segments:
+rebuild and the attention were 74 of a step's 131 ms; benchmarks/kv/NOTES.md). Here one program takes one
+(batch row, KV head), one slice of its selected tokens, and the whole GQA group of query heads (padded to 16 rows
+for ``tl.dot``) and runs one online softmax over three segments (the outliers in the first slice, the tail in
+the last); with more than one slice each writes its partial and :mod:`neutrain.kernels.decode_combine` merges
+them. Why slices: one program a (row, head) is 168 programs at 64K and batch 21 on 132 SMs, each walking 1,024
+tokens alone, and the kernel read its ~57 MB a layer at ~0.17 TB/s on an H200 (329 us a layer):
 
 * the outlier chunks' exact keys and values, ``[b, h, O, d]``;
 * the selected chunks: for each block of their tokens, the rows of ``U`` ([b, n, r], shared by the heads) times
@@ -33,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .decode_combine import combine_partials
 
 COUNTERS = {"shadowkv_fused_decode": 0}
 """Kernel launches, so tests can assert that the fast path ran."""
@@ -86,11 +90,13 @@ def _dense_segment(q_lo, q_hi, k_base, v_base, length, m_i, l_i, acc,
 @triton.jit
 def _shadowkv_fused_decode_kernel(
     q_ptr, u_ptr, sv_ptr, ids_ptr, vsel_ptr, vh_ptr, ok_ptr, ov_ptr, tk_ptr, tv_ptr, tail_len_ptr, pos0_ptr,
-    inv_freq_ptr, out_ptr, H, G, K, O, N, R, CAP, B_HOST, CTX, s_pos0, rope_scale, qk_scale,
+    inv_freq_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, H, G, K, O, N, R, CAP, B_HOST, CTX, s_pos0, rope_scale, qk_scale,
+    PER, SPLITS,
     CS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, FROM_STORE: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, FROM_STORE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     bh = tl.program_id(0)
+    split = tl.program_id(1)  # which slice of the selected tokens (PER a slice); with SPLIT, partials out
     b = bh // H
     g = tl.arange(0, BLOCK_G)
     i = tl.arange(0, HALF)
@@ -107,9 +113,11 @@ def _shadowkv_fused_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
 
-    # -- outlier chunks, exact
-    base = bh.to(tl.int64) * O * D
-    m_i, l_i, acc = _dense_segment(q_lo, q_hi, ok_ptr + base, ov_ptr + base, O, m_i, l_i, acc, D, HALF, BLOCK_N, IEEE)
+    # -- outlier chunks, exact (the first slice's)
+    if split == 0:
+        base = bh.to(tl.int64) * O * D
+        m_i, l_i, acc = _dense_segment(q_lo, q_hi, ok_ptr + base, ov_ptr + base, O, m_i, l_i, acc, D, HALF, BLOCK_N,
+                                       IEEE)
 
     # -- selected chunks, keys rebuilt from U and SV, RoPE at their original positions
     u_base = u_ptr + b.to(tl.int64) * N * R
@@ -123,9 +131,10 @@ def _shadowkv_fused_decode_kernel(
         v_base = vsel_ptr + bh.to(tl.int64) * K * CS * D
     pos0 = tl.load(pos0_ptr + b * s_pos0)
     inv_freq = tl.load(inv_freq_ptr + i)
-    for n0 in range(0, K * CS, BLOCK_N):
+    stop = tl.minimum((split + 1) * PER, K * CS)
+    for n0 in range(split * PER, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < K * CS
+        nmask = n < stop
         chunk = tl.load(ids_ptr + bh.to(tl.int64) * K + n // CS, mask=nmask, other=0).to(tl.int64)
         tok = chunk * CS + n % CS
         lo = tl.zeros([BLOCK_N, HALF], tl.float32)
@@ -156,19 +165,27 @@ def _shadowkv_fused_decode_kernel(
         v = tl.load(v_base + v_row[:, None] * D + dd[None, :], mask=nmask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_step(s, nmask, v, m_i, l_i, acc, IEEE)
 
-    # -- tail: local window and generated tokens, up to the device-held length
-    base = bh.to(tl.int64) * CAP * D
-    tail = tl.load(tail_len_ptr)
-    m_i, l_i, acc = _dense_segment(q_lo, q_hi, tk_ptr + base, tv_ptr + base, tail, m_i, l_i, acc,
-                                   D, HALF, BLOCK_N, IEEE)
+    # -- tail: local window and generated tokens, up to the device-held length (the last slice's)
+    if split == SPLITS - 1:
+        base = bh.to(tl.int64) * CAP * D
+        tail = tl.load(tail_len_ptr)
+        m_i, l_i, acc = _dense_segment(q_lo, q_hi, tk_ptr + base, tv_ptr + base, tail, m_i, l_i, acc,
+                                       D, HALF, BLOCK_N, IEEE)
 
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (bh * G + g).to(tl.int64)[:, None] * D + dd[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None])
+    row = (bh * G + g).to(tl.int64)
+    if SPLIT:  # this slice's (max, sum, unnormalised output): decode_combine merges the slices
+        slot = row * SPLITS + split
+        tl.store(m_ptr + slot, m_i, mask=gmask)
+        tl.store(l_ptr + slot, l_i, mask=gmask)
+        tl.store(acc_ptr + slot[:, None] * D + dd[None, :], acc, mask=gmask[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row[:, None] * D + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlier_v, tail_k, tail_v, tail_len,
-                          pos0, rotary, chunk_size: int, scaling: float, value_stores=None, out=None) -> torch.Tensor:
+                          pos0, rotary, chunk_size: int, scaling: float, value_stores=None, out=None,
+                          splits: int | None = None) -> torch.Tensor:
     """Attention of one query token per row over outliers, rebuilt selected chunks and the tail.
 
     Args:
@@ -187,6 +204,9 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
             ``host`` [b_host, h, chunks, chunk_size * d] for the first ``b_host`` rows (pinned host memory on
             CUDA), ``device`` [b - b_host, h, chunks * chunk_size, d] for the rest; either may be None. Both
             must be contiguous (never copied here: the host store is the whole context's values).
+        splits: slices of the selected tokens, each its own program per (row, head), merged by
+            :func:`neutrain.kernels.decode_combine.combine_partials` (None: as many as fill the GPU,
+            :func:`token_splits`; 1 on the interpreter).
 
     Returns:
         [b, hq, d] in ``query``'s dtype (written into ``out`` when given).
@@ -226,12 +246,42 @@ def shadowkv_fused_decode(query, u, sv, chunk_ids, values_sel, outlier_k, outlie
         block_n, block_r, warps = 32, 32, 4
     else:
         block_n, block_r, warps = (64 if d <= 64 else 32), 32, 8
-    _shadowkv_fused_decode_kernel[(b * h,)](
+    per, splits = token_splits(k * chunk_size, b * h, block_n, splits)
+    if splits > 1:
+        m = torch.empty(b * hq, splits, dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        acc = torch.empty(b * hq, splits, d, dtype=torch.float32, device=q.device)
+    else:
+        m = l_ = acc = out  # not read: the one slice writes the output itself
+    _shadowkv_fused_decode_kernel[(b * h, splits)](
         q, u, sv, ids, values_sel, host_ptr, outlier_k, outlier_v, tail_k, tail_v, tail_len, pos0, inv_freq, out,
-        h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], host_rows, ctx, 1 if pos0.numel() > 1 else 0,
-        float(getattr(rotary, "attention_scaling", 1.0)), scaling * 1.4426950408889634,
+        m, l_, acc, h, group, k, outlier_k.shape[2], n, r, tail_k.shape[2], host_rows, ctx,
+        1 if pos0.numel() > 1 else 0, float(getattr(rotary, "attention_scaling", 1.0)), scaling * 1.4426950408889634,
+        per, splits,
         CS=chunk_size, D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_R=block_r, IEEE=ieee, FROM_STORE=value_stores is not None, num_warps=warps,
+        BLOCK_R=block_r, IEEE=ieee, FROM_STORE=value_stores is not None, SPLIT=splits > 1, num_warps=warps,
     )
+    if splits > 1:
+        combine_partials(m, l_, acc, out.view(b * hq, d))
     COUNTERS["shadowkv_fused_decode"] += 1
     return out
+
+
+PROGRAMS_PER_SM = 4
+"""Programs the slices aim for on each SM: two resident at a time (126-211 registers x 256 threads of the
+64K-register file), two waves; one program a (row, head) left 132 SMs with 168 programs at batch 21."""
+
+
+def token_splits(tokens: int, programs: int, block_n: int, splits: int | None = None) -> tuple[int, int]:
+    """``(tokens per slice, slices)`` of the selected tokens: enough slices for :data:`PROGRAMS_PER_SM` programs
+    an SM over the ``programs`` (row, head) pairs, each slice at least four token blocks (fewer slices would leave
+    SMs idle, shorter ones spend more on partials and the combine than they save); ``splits`` forces a count
+    (the CPU tests exercise the partials and the combine with 2)."""
+    if splits is None:
+        if interpreting() or not torch.cuda.is_available():
+            splits = 1
+        else:
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), tokens // (4 * block_n)))
+    per = triton.cdiv(triton.cdiv(max(tokens, 1), splits), block_n) * block_n
+    return per, max(1, triton.cdiv(tokens, per)) if tokens else 1

@@ -41,14 +41,18 @@ SHAPES = [
     (1, 1, 4, 128, 40, 2, 5, 3, 16, None, False),
     (2, 1, 3, 64, 16, 8, 1, 16, 24, 0, True),
     (1, 2, 1, 128, 17, 4, 9, 1, 40, 33, False),
+    (1, 2, 2, 64, 24, 8, 20, 4, 16, 9, True),  # 160 selected tokens: three slices of whole 32-token blocks
 ]
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda n: f"slices{n}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}g{}d{}r{}cs{}k{}".format(*s[:7]))
-def test_fused_decode_matches_reference(shape):
+def test_fused_decode_matches_reference(shape, splits):
+    """One slice writes the output itself; two and three slices (the first with the outliers, the last with the
+    tail, some with no selected token at all) merge their partials through the combine."""
     inputs = _inputs(*shape)
     before = kernels.COUNTERS["shadowkv_fused_decode"]
-    out = kernels.shadowkv_fused_decode(**inputs)
+    out = kernels.shadowkv_fused_decode(**inputs, splits=splits)
     assert kernels.COUNTERS["shadowkv_fused_decode"] == before + 1
     ref = shadowkv_fused_decode_reference(**inputs)
     assert out.shape == ref.shape == inputs["query"].shape
@@ -86,6 +90,16 @@ def test_fused_decode_bf16_on_gpu_is_within_bf16_of_the_fp32_reference(d, record
     assert err < 3e-2
 
 
+def test_token_splits_fill_the_gpu_and_keep_whole_blocks():
+    """The slices cover the selected tokens once, in whole token blocks, at least four blocks each."""
+    for tokens, programs, block in [(1024, 168, 32), (1024, 80, 32), (264, 168, 32), (40, 1, 64), (160, 2, 32)]:
+        for forced in (None, 1, 2, 3, 5):
+            per, n = kernels.token_splits(tokens, programs, block, splits=forced)
+            assert per % block == 0 and (n - 1) * per < tokens <= n * per, (tokens, forced, per, n)
+            assert n <= (forced or n)
+    assert kernels.token_splits(160, 2, 32, splits=3) == (64, 3)
+
+
 def _stores(inputs, host_rows):
     """The selected values' stores as the cache keeps them: the first ``host_rows`` rows chunk-major
     ([rows, h, chunks, chunk * d], the host layout), the rest token-major ([rows, h, ctx, d], the device layout);
@@ -106,9 +120,9 @@ def test_fused_decode_reads_the_value_stores(shape):
     rows' token-major one (all host, mixed, all device) = the same values gathered first."""
     inputs = _inputs(*shape)
     b = shape[0]
-    for host_rows in sorted({0, b // 2, b}):
+    for host_rows, splits in zip(sorted({0, b // 2, b}), (2, 1, 3)):
         stores, gathered = _stores(inputs, host_rows)
-        out = kernels.shadowkv_fused_decode(**{**inputs, "values_sel": None}, value_stores=stores)
+        out = kernels.shadowkv_fused_decode(**{**inputs, "values_sel": None}, value_stores=stores, splits=splits)
         torch.testing.assert_close(out, shadowkv_fused_decode_reference(**{**inputs, "values_sel": gathered}),
                                    atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out, shadowkv_fused_decode_reference(**{**inputs, "values_sel": None},
