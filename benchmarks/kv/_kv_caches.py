@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from benchmarks.kv._kv_sizing import GIB
 from neutrain.eval.kv import MiniCache, ShadowKVCache
 from neutrain.eval.kv.minicache_attention import pair_state
+from neutrain.eval.kv.shadowkv_math import pad_landmarks
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -81,7 +82,8 @@ def shadowkv_cache(model, cfg, batch, ctx, host_values, device, device_rows: int
         layer.lazy_initialization(torch.empty(1, **bf), torch.empty(1, **bf))
         layer.u = torch.randn(batch, ctx, o.rank, **bf) / math.sqrt(ctx)
         layer.sv = torch.randn(batch, h, o.rank, d, **bf)
-        layer.landmarks = torch.randn(batch, h, kept, d, **bf)
+        layer.landmarks = pad_landmarks(torch.randn(batch, h, kept, d, **bf))  # as compress() stores them
+        layer.num_landmarks = kept
         layer.landmark_chunk = torch.arange(outliers, chunks, device=dev).expand(batch, h, kept).contiguous()
         layer.outlier_k = torch.randn(batch, h, outliers * cs, d, **bf)
         layer.outlier_v = torch.randn(batch, h, outliers * cs, d, **bf)

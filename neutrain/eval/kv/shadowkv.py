@@ -53,7 +53,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ... import compat
 from .routing import route_attention, unroute_attention
 from .shadowkv_fused_decode import FusedDecodeLayer
-from .shadowkv_math import apply_rope, chunk_tokens, invert_rope, low_rank_keys, rebuild_keys, rope_cos_sin, select_chunks
+from .shadowkv_math import (apply_rope, chunk_tokens, invert_rope, low_rank_keys, pad_landmarks, rebuild_keys,
+                            rope_cos_sin, select_chunks)
 
 ATTN_NAME = "shadowkv"
 
@@ -175,7 +176,9 @@ class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
         keep = torch.ones(b, h, num_chunks, dtype=torch.bool, device=keys.device)
         keep.scatter_(-1, outlier_ids, False)
         self.landmark_chunk = keep.nonzero()[:, 2].view(b, h, num_chunks - outliers)
-        self.landmarks = landmarks.gather(2, self.landmark_chunk[..., None].expand(-1, -1, -1, d)).to(keys.dtype)
+        self.landmarks = pad_landmarks(landmarks.gather(2, self.landmark_chunk[..., None].expand(-1, -1, -1, d))
+                                       .to(keys.dtype))
+        self.num_landmarks = num_chunks - outliers
         out_tok = chunk_tokens(outlier_ids, cs)[..., None].expand(-1, -1, -1, d)
         self.outlier_k, self.outlier_v = keys.gather(2, out_tok), values.gather(2, out_tok)
         self.tail_k, self.tail_v = keys[:, :, ctx:].clone(), values[:, :, ctx:].clone()
@@ -255,7 +258,7 @@ class ShadowKVLayer(FusedDecodeLayer, DynamicLayer):
         cs = self.chunk_size
         mark = self.owner.mark
         mark("start")
-        picked = select_chunks(query, self.landmarks, self.select, module.scaling)
+        picked = select_chunks(query, self.landmarks, self.select, module.scaling, self.num_landmarks)
         chunk_ids = self.landmark_chunk.gather(-1, picked)
         tokens = chunk_tokens(chunk_ids, cs)
         if self.owner.options.log_selection:

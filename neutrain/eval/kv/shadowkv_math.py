@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,23 +58,37 @@ def low_rank_keys(pre_rope_keys: torch.Tensor, rank: int) -> tuple[torch.Tensor,
     return u[..., :r].to(pre_rope_keys.dtype).contiguous(), sv.to(pre_rope_keys.dtype).contiguous()
 
 
-def select_chunks(query: torch.Tensor, landmarks: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
+LANDMARK_ALIGN = 8
+"""Landmarks are stored padded to a multiple of this many (zero rows past the real ones): the scores' product
+writes one row of ``C`` scores per query, and with ``C`` odd cuBLAS falls back to a 2-element-aligned CUTLASS
+GEMM that took 314 us a layer at 64K and batch 32 on an H200, against 175 us for the same product at an
+aligned count (``benchmarks/kv/shadowkv_selection_probe.py``)."""
+
+
+def pad_landmarks(landmarks: torch.Tensor) -> torch.Tensor:
+    """``[b, h, C, d]`` -> ``[b, h, C', d]`` with ``C'`` the next multiple of :data:`LANDMARK_ALIGN`, zeros after."""
+    extra = -landmarks.shape[2] % LANDMARK_ALIGN
+    return F.pad(landmarks, (0, 0, 0, extra)) if extra else landmarks
+
+
+def select_chunks(query: torch.Tensor, landmarks: torch.Tensor, k: int, scaling: float,
+                  count: int | None = None) -> torch.Tensor:
     """Top-``k`` landmark indices per KV head (Algorithm 2): softmax(qL^T), sum over queries, max over group.
 
     Args:
         query: [b, hq, m, d].
         landmarks: [b, h, C, d] with hq a multiple of h.
+        count: the real landmarks, the first ``count`` of ``C`` (:func:`pad_landmarks`); None: all ``C``.
     Returns:
         [b, h, k] indices into the landmark axis.
     """
     b, hq, m, d = query.shape
     h = landmarks.shape[1]
-    # Contiguous: the decode query is a transposed view, and with its strides cuBLAS picked a GEMM that read the
-    # landmarks at 60% of the bandwidth the same product reaches on a packed query (314 against 197 us a layer at
-    # 64K, batch 32, on an H200). The copy is [b, hq, m, d], nothing beside the landmarks.
-    q = query.reshape(b, h, hq // h, m, d).to(landmarks.dtype).contiguous()
+    q = query.reshape(b, h, hq // h, m, d).to(landmarks.dtype).contiguous()  # one layout for the product
     # Scores in the storage dtype (bf16 on GPU: reading landmarks dominates), softmax in fp32.
     logits = torch.einsum("bhgmd,bhcd->bhgmc", q, landmarks).float()
+    if count is not None and count < logits.shape[-1]:
+        logits = logits[..., :count]  # the padding's scores: not landmarks
     probs = torch.softmax(logits * scaling, dim=-1)
     # One query token (every decode step): its sum over queries is itself, so no reduction kernel runs for it.
     summed = probs[:, :, :, 0] if m == 1 else probs.sum(dim=3)

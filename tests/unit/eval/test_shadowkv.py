@@ -12,6 +12,7 @@ from neutrain.eval.kv.shadowkv import (
     low_rank_keys,
     rope_cos_sin,
     rebuild_keys,
+    pad_landmarks,
     select_chunks,
 )
 from neutrain.eval.loop import greedy_decode
@@ -165,6 +166,13 @@ def test_chunk_selection_equals_brute_force(m, transposed):
                 best = torch.maximum(best, probs)
             assert set(got[bi, hi].tolist()) == set(best.topk(k).indices.tolist())
     assert chunk_tokens(torch.tensor([[3, 0]]), 4).tolist() == [[12, 13, 14, 15, 0, 1, 2, 3]]
+    # Stored padded (a multiple of 8 rows, zeros after the real ones), the count keeps the padding out of the
+    # softmax: the same chunks as unpadded, never a padded row.
+    padded = pad_landmarks(landmarks)
+    assert padded.shape[2] == 24 and torch.equal(padded[:, :, :c], landmarks)
+    same = select_chunks(query, padded, k, scaling=d**-0.5, count=c)
+    assert torch.equal(same.sort(-1).values, got.sort(-1).values)
+    assert (select_chunks(query, padded, c, scaling=d**-0.5, count=c) < c).all()
 
 
 @pytest.mark.slow
@@ -182,7 +190,9 @@ def test_outliers_are_the_least_coherent_chunks(model):
         worst = agreement[0, head].topk(2, largest=False).indices.sort().values
         assert set(layer.landmark_chunk[0, head].tolist()) == set(range(layer.num_chunks)) - set(worst.tolist())
         torch.testing.assert_close(layer.outlier_k[0, head], chunks[0, head, worst].reshape(16, 16))
-        torch.testing.assert_close(layer.landmarks[0, head], mean[0, head, layer.landmark_chunk[0, head], 0])
+        real = layer.landmarks[0, head, : layer.num_landmarks]
+        torch.testing.assert_close(real, mean[0, head, layer.landmark_chunk[0, head], 0])
+        assert layer.landmarks.shape[2] % 8 == 0 and not layer.landmarks[0, head, layer.num_landmarks:].any()
 
 
 @pytest.mark.slow
