@@ -60,9 +60,9 @@ def low_rank_keys(pre_rope_keys: torch.Tensor, rank: int) -> tuple[torch.Tensor,
 
 LANDMARK_ALIGN = 8
 """Landmarks are stored padded to a multiple of this many (zero rows past the real ones): the scores' product
-writes one row of ``C`` scores per query, and with ``C`` odd cuBLAS falls back to a 2-element-aligned CUTLASS
-GEMM that took 314 us a layer at 64K and batch 32 on an H200, against 175 us for the same product at an
-aligned count (``benchmarks/kv/shadowkv_selection_probe.py``)."""
+writes one row of ``C`` scores per query, and at 64K ``C`` is 8,140 (8,188 chunks less 48 outliers), rows
+16-byte misaligned, for which cuBLAS fell back to a 2-element-aligned CUTLASS GEMM: 314 us a layer at batch 32
+on an H200, against 175 us for the same product at an aligned count (``benchmarks/kv/shadowkv_selection_probe.py``)."""
 
 
 def pad_landmarks(landmarks: torch.Tensor) -> torch.Tensor:
