@@ -82,7 +82,7 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     from neutrain.trainer.phases import phase  # lazy: `neutrain --help` stays instant
 
     recipe, trainer, tokenizer, heldout, state = ctx.recipe, ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
-    out = recipe.train["output_dir"]
+    out = recipe.train.output_dir
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": trainer.distributed_mode.name,
@@ -104,35 +104,35 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
     # ZeRO-3 holds only its shards of the model.
     sharded = mode.sharded
-    if recipe.eval["perplexity"] and heldout is not None and sharded and runtime is None:
+    if recipe.eval.perplexity and heldout is not None and sharded and runtime is None:
         # Relaunched after its training: the weights were never sharded by a training start, only loaded.
         logger.warning("held-out evaluation skipped: the run was relaunched after its training under %s (sharded "
                        "weights); evaluate its last checkpoint with `neutrain eval` on one process", mode.name)
-    elif recipe.eval["perplexity"] and heldout is not None:
+    elif recipe.eval.perplexity and heldout is not None:
         announce("held-out evaluation")
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
         from neutrain.eval.perplexity import perplexity_record  # lazy: the eval package brings torch
 
         summary["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound (eval.perplexity)
-    if recipe.eval["long_context_tasks"] and sharded:
+    if recipe.eval.long_context_tasks and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
-    elif recipe.eval["long_context_tasks"] and state.is_main_process:
-        announce("long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
+    elif recipe.eval.long_context_tasks and state.is_main_process:
+        announce("long-context evaluation: " + ", ".join(recipe.eval.kv_caches))
         from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
 
         claim(os.path.join(out, "eval"))
         with phase("eval"):
             summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
-    chat = trained_on_chat(recipe.data["datasets"])  # recorded in the export: generation formats prompts alike
-    export_format = recipe.export["format"]
+    chat = trained_on_chat(recipe.data.datasets)  # recorded in the export: generation formats prompts alike
+    export_format = recipe.export.format
     if export_format != "none" and mode.export_note:  # the checkpoints hold the model
         logger.warning("export skipped under %s", mode.export_note)
         export_format = "none"
     if export_format != "none":
         export_dir = recipe.export_dir
-        announce(f"export: {recipe.export['format']}")
+        announce(f"export: {recipe.export.format}")
         with phase("export"), mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
@@ -140,27 +140,27 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
 
                 from neutrain.cli.export import source_record  # lazy: `neutrain --help` stays instant
 
-                dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
+                dtype = export_dtype(recipe.model, recipe.memory.weights, recipe.train.use_cpu, recipe.export.dtype)
                 # The run and its last checkpoint, by content: a later command can tell when that path holds other weights.
                 source = source_record(Path(out) / f"checkpoint-{summary['steps']}")
                 summary["export_dir"] = export_model(
-                    trainer.model, export_dir, recipe.export["format"], overwrite=True,
-                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
-                    info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
+                    trainer.model, export_dir, recipe.export.format, overwrite=True,
+                    tokenizer=tokenizer, max_shard_size=recipe.export.max_shard_size, dtype=dtype,
+                    info={"base_model": recipe.model.base_model or recipe.model.gguf_file or "random init", "recipe": recipe.source,
                           "chat_template": chat, **source,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )
-    if recipe.distill["enabled"] and sharded:
+    if recipe.distill.enabled and sharded:
         logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
-    elif recipe.distill["enabled"] and state.is_main_process:
+    elif recipe.distill.enabled and state.is_main_process:
         announce("distillation of a draft, then speculative decoding")
         # A continued run replaces its own earlier draft, as it replaces its own export.
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer, overwrite=True)
-    if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
+    if recipe.eval.sample_prompt is not None and not sharded and state.is_main_process:
         announce("sample")
         with phase("generate"):
-            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"], chat=chat)
+            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train.seed, chat=chat)
         summary["sample_chat_template"] = chat and bool(getattr(tokenizer, "chat_template", None))
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:

@@ -55,7 +55,7 @@ def run(args) -> int:
     st = est.settings
     auto = " (memory.weights: auto)" if asked is not recipe else ""
     print(f"{recipe.source}: {parameter_count(st['params'])} parameters, batch {st['batch']} x {st['seq']} tokens, "
-          f"weights {st['weights']}{auto}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
+          f"weights {st['weights']}{auto}, optimizer {recipe.train.optimizer}, checkpointing {st['checkpointing']}")
     print(est.table())
     print("\npredicted peak by phase (GiB)")
     print(plan_table(plan_recipe(asked, est)))

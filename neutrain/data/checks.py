@@ -124,7 +124,7 @@ def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, da
     if untrained + counts.truncated > WARN_SHARE * counts.rows:
         logger.warning(
             "%s: of %s, %d train no token and %d were truncated at data.sequence_len=%d (%.0f%%, more than %.0f%%); "
-            "check data.sequence_len%s", source, scope, untrained, counts.truncated, data_cfg["sequence_len"],
+            "check data.sequence_len%s", source, scope, untrained, counts.truncated, data_cfg.sequence_len,
             100 * (untrained + counts.truncated) / counts.rows, 100 * WARN_SHARE,
             " and data.roles_to_train" if entry["type"] == "messages" else "",
         )
@@ -132,11 +132,11 @@ def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, da
 
 def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: dict) -> str:
     """The likely cause, in words, of a dataset that trains no token."""
-    n = data_cfg["sequence_len"]
+    n = data_cfg.sequence_len
     if entry["type"] == "messages":
         field = entry["messages_field"]
         roles = sorted({m["role"] for r in rows for m in r.get(field) or [] if isinstance(m, dict) and isinstance(m.get("role"), str)})
-        trained = [str(r) for r in data_cfg["roles_to_train"]]
+        trained = [str(r) for r in data_cfg.roles_to_train]
         listed = f"roles seen: {', '.join(roles) or 'none'}; data.roles_to_train is [{', '.join(trained)}]"
         if set(roles) & set(trained):
             return f"{listed}, and every such turn starts at or after data.sequence_len={n} tokens: raise data.sequence_len"

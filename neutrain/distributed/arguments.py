@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from neutrain.config.sections import TrainSection
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.files import read_json_object
 
@@ -73,20 +74,20 @@ _ARGUMENTS: dict[str, Callable[[str, Any, Any], dict[str, Any]]] = {
 }
 
 
-def distributed_request(t: dict) -> DistributedRequest:
+def distributed_request(t: TrainSection) -> DistributedRequest:
     """The recipe's ``train`` section's distributed keys, checked against each other.
 
     Raises:
         UserInputError: keys that contradict ``train.distributed`` (one line naming them).
 
     Example:
-        >>> distributed_request({"distributed": "fsdp2", "fsdp": None, "fsdp_config": None, "deepspeed": None}).key
+        >>> distributed_request(TrainSection(distributed="fsdp2")).key
         'train.distributed: fsdp2'
     """
-    choice = t.get("distributed", "auto")
+    choice = t.distributed
     parse = _ARGUMENTS.get(choice, _as_given)  # the schema has refused other values already
-    arguments = parse(t["fsdp"] or "", t["fsdp_config"], t["deepspeed"])
-    key = f"train.distributed: {choice}" if parse is _fsdp2 else f"train.fsdp: {t['fsdp']!r}"
+    arguments = parse(t.fsdp or "", t.fsdp_config, t.deepspeed)
+    key = f"train.distributed: {choice}" if parse is _fsdp2 else f"train.fsdp: {t.fsdp!r}"
     return DistributedRequest(arguments, key)
 
 

@@ -21,11 +21,11 @@ def recipe_config(model_cfg: dict[str, Any], tokenizer):
     """
     from transformers import AutoConfig
 
-    cfg = model_cfg["config"]
-    if cfg is None and model_cfg.get("gguf_file"):
-        config = gguf_call(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
+    cfg = model_cfg.config
+    if cfg is None and model_cfg.gguf_file:
+        config = gguf_call(model_cfg, "gguf_config", trust_remote_code=model_cfg.trust_remote_code)
     elif cfg is None:
-        config = AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
+        config = AutoConfig.from_pretrained(model_cfg.base_model, trust_remote_code=model_cfg.trust_remote_code)
     else:
         if isinstance(cfg, str):
             cfg = read_json_object(cfg, f"model.config: file '{cfg}'", RecipeError)
@@ -37,8 +37,8 @@ def recipe_config(model_cfg: dict[str, Any], tokenizer):
             config = AutoConfig.for_model(model_type, **cfg)
         except ValueError as exc:
             raise RecipeError(f"model.config.model_type: {exc}") from None
-    explicit_vocab = isinstance(model_cfg["config"], dict) and "vocab_size" in model_cfg["config"]
-    if model_cfg["tokenizer"] in ("byte", "train-bpe") and not explicit_vocab:
+    explicit_vocab = isinstance(model_cfg.config, dict) and "vocab_size" in model_cfg.config
+    if model_cfg.tokenizer in ("byte", "train-bpe") and not explicit_vocab:
         config.vocab_size = len(tokenizer)
     if config.vocab_size < len(tokenizer):
         raise RecipeError(f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
@@ -53,14 +53,14 @@ def config_only(model_cfg: dict[str, Any]):
     """The model config a recipe describes, without loading weights or a tokenizer (for the planner)."""
     from transformers import AutoConfig
 
-    if model_cfg["config"] is None and model_cfg.get("gguf_file"):
-        return gguf_call(model_cfg, "gguf_config", trust_remote_code=model_cfg["trust_remote_code"])
-    if model_cfg["config"] is None:
-        return AutoConfig.from_pretrained(model_cfg["base_model"], trust_remote_code=model_cfg["trust_remote_code"])
+    if model_cfg.config is None and model_cfg.gguf_file:
+        return gguf_call(model_cfg, "gguf_config", trust_remote_code=model_cfg.trust_remote_code)
+    if model_cfg.config is None:
+        return AutoConfig.from_pretrained(model_cfg.base_model, trust_remote_code=model_cfg.trust_remote_code)
 
     class _Vocab:  # stands in for a tokenizer built at train time
         def __len__(self):
-            return BYTE_VOCAB if model_cfg["tokenizer"] == "byte" else model_cfg["tokenizer_vocab_size"]
+            return BYTE_VOCAB if model_cfg.tokenizer == "byte" else model_cfg.tokenizer_vocab_size
 
     return recipe_config(model_cfg, _Vocab())
 
@@ -86,7 +86,7 @@ def gguf_source(model_cfg: dict[str, Any]) -> tuple[str, str]:
     """``(directory or hub id, file name)`` of the recipe's ``model.gguf_file``."""
     from neutrain.nn import gguf  # lazy: torch and the codec, for a GGUF recipe only
 
-    return gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+    return gguf.split_source(model_cfg.base_model, model_cfg.gguf_file)
 
 
 def gguf_errors(function, *args, **kwargs):

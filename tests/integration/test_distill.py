@@ -41,7 +41,7 @@ def test_default_flow_distils_a_draft_decodes_speculatively_and_a_second_distill
     # `neutrain distill` on its own reads the exported target. The run distilled a draft already: a second
     # distillation is refused unless --overwrite (before: it replaced the draft silently and appended its log to
     # the first one's distill/metrics.jsonl), and then the draft and its log are those of the second one alone.
-    out = Path(recipe.train["output_dir"])
+    out = Path(recipe.train.output_dir)
     kept = {p: p.read_bytes() for p in [*(out / "draft").iterdir(), out / "distill" / "metrics.jsonl"]}
     res = subprocess.run([sys.executable, "-m", "neutrain", "distill", str(recipe.source), "distill.max_steps=2"],
                          capture_output=True, text=True, env=env, timeout=600)
