@@ -56,7 +56,7 @@ class ExportSection(Section):
     output_dir: Text | None = None
     """Export directory (default: <train.output_dir>/export)."""
 
-    max_shard_size: Text = Field('5GB', pattern=r"(?i)^(?:\s*(\d+(\.\d*)?|\.\d+)\s*[KMGT]B\s*)$")
+    max_shard_size: Text = Field("5GB", pattern=r"^\s*(\d+(\.\d*)?|\.\d+)\s*[KkMmGgTt][Bb]\s*$")
     """Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB'."""
 
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"

@@ -364,7 +364,7 @@ class MemorySection(Section):
     """Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm),
     global_exact (two-pass backward, 2x backward cost)."""
 
-    device_budget_gib: Annotated[_GIB | Literal["auto", "none"], BeforeValidator(budget_setting)] = "auto"
+    device_budget_gib: Annotated[_GIB | Literal["auto", "none"] | None, BeforeValidator(budget_setting)] = "auto"
     """Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5
     GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit
     (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks, of the

@@ -102,16 +102,17 @@ def _line(error: dict, model: type[BaseModel], prefix: str) -> str:
     if kind in ("model_type", "model_attributes_type", "dict_type") and (key is None or element):
         return f"{where}: expected a mapping, got {type(value).__name__}"
     value = _number(value, key)
+    number = shown(value) if isinstance(value, int) and not isinstance(value, bool) else value  # 400 digits: cut
     if kind == "finite_number" or (isinstance(value, float) and not math.isfinite(value)):
         return f"{where}: {value} is not a finite number"
     if kind == "greater_than_equal":
-        return f"{where}: {value} is below the minimum {ctx['ge']}"
+        return f"{where}: {number} is below the minimum {ctx['ge']}"
     if kind == "less_than_equal":
-        return f"{where}: {value} is above the maximum {ctx['le']:,}"
+        return f"{where}: {number} is above the maximum {ctx['le']:,}"
     if kind == "greater_than":
-        return f"{where}: {value} must be greater than {ctx['gt']}"
+        return f"{where}: {number} must be greater than {ctx['gt']}"
     if kind == "less_than":
-        return f"{where}: {value} must be less than {ctx['lt']}"
+        return f"{where}: {number} must be less than {ctx['lt']}"
     if kind == "string_pattern_mismatch":
         return f"{where}: {value!r} does not have the expected form ({key.help if key else ctx.get('pattern')})"
     if kind == "literal_error" and isinstance(value, str) and key is not None and key.choices is not None:
