@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from neutrain.cli.distill import distill_from_recipe, payoff_words
 from neutrain.cli.memory import phase_lines, phase_report
@@ -24,6 +24,9 @@ from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
 from neutrain.errors import UserInputError
 from neutrain.storage.run_lock import previous_checkpoints
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.after_training_sections import EvalSection
 
 logger = logging.getLogger("neutrain")
 
@@ -39,7 +42,7 @@ class RunContext:
         self.recipe, self.trainer, self.tokenizer, self.heldout, self.state = recipe, trainer, tokenizer, heldout, state
 
 
-def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = False) -> str:
+def generate_sample(model, tokenizer, eval_cfg: EvalSection, seed: int, chat: bool = False) -> str:
     """A continuation of ``eval.sample_prompt`` by the trained model, printed at the end of the run.
 
     Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
@@ -51,17 +54,17 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = Fa
 
     from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
 
-    prompt = eval_cfg["sample_prompt"]
+    prompt = eval_cfg.sample_prompt
     device = next(model.parameters()).device
     use_template, _ = template_choice(tokenizer, chat)
     ids = torch.tensor([prompt_ids(tokenizer, prompt, raw=not use_template)], device=device)
-    temperature = eval_cfg["sample_temperature"]
+    temperature = eval_cfg.sample_temperature
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 50} if temperature > 0 else {"do_sample": False}
     torch.manual_seed(seed)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg["sample_tokens"],
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.sample_tokens,
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                              **sampling)
     model.train(was_training)
@@ -218,7 +221,7 @@ def loss_ends(logged: list[dict]) -> dict[str, Any]:
             "loss_last": logged[-1]["loss"], "loss_last_steps": window(len(logged) - 1)}
 
 
-def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:
+def long_context_eval(model, tokenizer, eval_cfg: EvalSection, out_dir: str) -> dict[str, Any]:
     """Run the recipe's long-context tasks once per KV cache; returns ``{cache: overall metrics}``.
 
     ShadowKV's sparse path normally starts at 4K-token prompts (the paper's setting); at the
@@ -228,13 +231,13 @@ def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[st
     from neutrain.eval import evaluate  # lazy: `neutrain --help` stays instant
 
     results: dict[str, Any] = {}
-    length = eval_cfg["context_len"]
-    for cache in eval_cfg["kv_caches"]:
+    length = eval_cfg.context_len
+    for cache in eval_cfg.kv_caches:
         options: dict[str, Any] = {}
         if cache == "shadowkv" and length < 4096:
             options = {"min_prefill": max(16, length // 4), "outliers": 2, "local_chunks": 2, "rank": 32}
-        res = evaluate(model, tokenizer, eval_cfg["long_context_tasks"], kv=cache, length=length,
-                       num_samples=eval_cfg["num_samples"], output_json=os.path.join(out_dir, f"long_context_{cache}.json"), **options)
+        res = evaluate(model, tokenizer, eval_cfg.long_context_tasks, kv=cache, length=length,
+                       num_samples=eval_cfg.num_samples, output_json=os.path.join(out_dir, f"long_context_{cache}.json"), **options)
         results[cache] = {k: v for k, v in res["overall"].items() if isinstance(v, (int, float, str))}
     return results
 

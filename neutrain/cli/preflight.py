@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.files import nearest_existing
@@ -31,6 +31,10 @@ from neutrain.cli.outputs import check_output_places
 from neutrain.export.target import check_export_target
 from neutrain.files import read_json_object
 from neutrain.trainer.disk_plan import check_path_lengths
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import MemorySection, TrainSection
+    from neutrain.config.after_training_sections import EvalSection
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -44,7 +48,7 @@ def check_long_context_tasks(tasks: list) -> None:
             raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
 
 
-def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
+def check_long_context_prompts(tokenizer, eval_cfg: EvalSection) -> None:
     """Generate the long-context prompts now, with the run's tokenizer (milliseconds a task).
 
     Why: a prompt that cannot fit ``eval.context_len`` in this tokenizer's tokens (the default 512
@@ -84,7 +88,7 @@ def _json_file(key: str, path: str) -> dict:
     return read_json_object(path, f"{key}: file '{path}'", RecipeError)
 
 
-def check_distributed(train: dict, num_processes: int) -> None:
+def check_distributed(train: TrainSection, num_processes: int) -> None:
     """The ``train`` section's distributed settings, given the processes this launch started."""
     if isinstance(train.fsdp_config, str):
         _json_file("train.fsdp_config", train.fsdp_config)
@@ -172,16 +176,17 @@ def cpu_processes(environ: Mapping[str, str], cuda_available: bool) -> bool:
     return world > 1 and "LOCAL_RANK" in environ and not cuda_available and not accelerate
 
 
-def check_weight_offload_device(memory: Mapping[str, Any], use_cpu: bool, cuda_available: bool) -> None:
+def check_weight_offload_device(memory: MemorySection, use_cpu: bool, cuda_available: bool) -> None:
     """``memory.offload_weights`` needs a GPU to offload from: refused for a run on the CPU.
 
     Why: on a CPU every weight already lives in host memory; the run accepted the key, streamed the
     layers from one part of host memory to another and reported "0.00 GiB in host memory".
 
     Example:
-        >>> check_weight_offload_device({"offload_weights": False}, use_cpu=True, cuda_available=False)
+        >>> from neutrain.config.sections import MemorySection
+        >>> check_weight_offload_device(MemorySection(), use_cpu=True, cuda_available=False)
         >>> try:
-        ...     check_weight_offload_device({"offload_weights": True}, use_cpu=False, cuda_available=False)
+        ...     check_weight_offload_device(MemorySection(offload_weights=True), use_cpu=False, cuda_available=False)
         ... except RecipeError as e:
         ...     print(str(e)[:48])
         memory.offload_weights: true moves the decoder l

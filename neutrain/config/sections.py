@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
@@ -52,9 +53,11 @@ def budget_setting(value: Any) -> Any:
         if text in ("auto", "none", "off"):
             return "auto" if text == "auto" else "none"
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
-            pass
+            number = math.nan
+        if math.isfinite(number):  # "nan" and "inf" spelt out are words here, not numbers
+            return number
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {shown(value)}")
@@ -364,7 +367,7 @@ class MemorySection(Section):
     """Fused updates' clipping by train.max_grad_norm: per_tensor, global_stale (previous step's global norm),
     global_exact (two-pass backward, 2x backward cost)."""
 
-    device_budget_gib: Annotated[_GIB | Literal["auto", "none"] | None, BeforeValidator(budget_setting)] = "auto"
+    device_budget_gib: Annotated[_GIB | Literal["auto", "none"] | Switch | None, BeforeValidator(budget_setting)] = "auto"
     """Device memory budget in GiB: auto (the card's total memory minus the CUDA context, 0.75 GiB, and a 0.5
     GiB margin), a number, or none/off (no limit). On a GPU it is the allocator's hard limit
     (torch.cuda.set_per_process_memory_fraction, set before the model is built), and the run picks, of the

@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
 from neutrain.data.formats import IGNORE_INDEX
@@ -21,6 +21,9 @@ from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
 from neutrain.errors import RecipeError
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import DataSection
 
 __all__ = [
     "IGNORE_INDEX", "Collator", "build_datasets", "byte_tokenizer", "iter_training_texts", "load_rows",
@@ -34,7 +37,7 @@ def _source_name(entry: dict) -> str:
     return entry["path"]
 
 
-def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
+def _tokenize(ds, entry: dict, tokenizer, data_cfg: DataSection):
     source = _source_name(entry)
 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -61,7 +64,7 @@ def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
     return ds.map(fn, batched=True, with_indices=True, remove_columns=columns, **extra)
 
 
-def iter_training_texts(data_cfg: dict, cache_dir: str, limit_chars: int = 20_000_000):
+def iter_training_texts(data_cfg: DataSection, cache_dir: str, limit_chars: int = 20_000_000):
     """Yield raw training text (for training a tokenizer on the recipe's own data)."""
     seen = 0
     for entry in data_cfg.datasets:
@@ -84,7 +87,7 @@ def iter_training_texts(data_cfg: dict, cache_dir: str, limit_chars: int = 20_00
                 return
 
 
-def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
+def build_datasets(data_cfg: DataSection, tokenizer, cache_dir: str):
     """Build the training and held-out datasets described by a recipe's ``data`` section.
 
     Args:
@@ -143,7 +146,7 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     return train, heldout
 
 
-def _finish(ds, data_cfg: dict, tokenizer, streaming: bool):
+def _finish(ds, data_cfg: DataSection, tokenizer, streaming: bool):
     ds = ds.remove_columns(["heldout", *STAT_COLUMNS])
     if not data_cfg.sample_packing:
         return ds

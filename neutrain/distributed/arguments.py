@@ -5,8 +5,8 @@ launch/...``), and :func:`neutrain.distributed.modes.choose_mode` reads the mode
 started. This module is the one place that reads the recipe's distributed keys.
 
 Example:
-    >>> from neutrain.distributed.arguments import distributed_arguments
-    >>> distributed_arguments({"distributed": "auto", "fsdp": "", "fsdp_config": None, "deepspeed": None})
+    >>> from neutrain.config.sections import TrainSection
+    >>> distributed_arguments(TrainSection(distributed="auto"))
     {'deepspeed': None, 'fsdp': '', 'fsdp_config': None}
 """
 
@@ -91,6 +91,6 @@ def distributed_request(t: TrainSection) -> DistributedRequest:
     return DistributedRequest(arguments, key)
 
 
-def distributed_arguments(t: dict) -> dict[str, Any]:
+def distributed_arguments(t: TrainSection) -> dict[str, Any]:
     """``deepspeed``/``fsdp``/``fsdp_config`` for ``TrainingArguments`` from the recipe's ``train`` section."""
     return distributed_request(t).arguments

@@ -8,14 +8,17 @@ reader only for a recipe that names a GGUF file.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from neutrain.config.model_config import BYTE_VOCAB, plain_shape_config
 from neutrain.errors import RecipeError
 from neutrain.files import read_json_object
 
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import ModelSection
 
-def recipe_config(model_cfg: dict[str, Any], tokenizer):
+
+def recipe_config(model_cfg: ModelSection, tokenizer):
     """The transformers config a recipe's ``model.config`` (or its base model's) describes, sized to
     ``tokenizer`` (a byte or trained vocabulary) and given its special token ids: what a random init builds.
     """
@@ -49,7 +52,7 @@ def recipe_config(model_cfg: dict[str, Any], tokenizer):
     return config
 
 
-def config_only(model_cfg: dict[str, Any]):
+def config_only(model_cfg: ModelSection):
     """The model config a recipe describes, without loading weights or a tokenizer (for the planner)."""
     from transformers import AutoConfig
 
@@ -65,14 +68,14 @@ def config_only(model_cfg: dict[str, Any]):
     return recipe_config(model_cfg, _Vocab())
 
 
-def shape_config(model_cfg: dict[str, Any]):
+def shape_config(model_cfg: ModelSection):
     """What the memory planner reads of the model's config (``ModelShape.from_config``): the recipe's own
     numbers where its mapping holds them all (:func:`~neutrain.config.model_config.plain_shape_config`, no
     transformers import), else the config :func:`config_only` builds."""
     return plain_shape_config(model_cfg) or config_only(model_cfg)
 
 
-def gguf_call(model_cfg: dict[str, Any], function: str, *args, **kwargs):
+def gguf_call(model_cfg: ModelSection, function: str, *args, **kwargs):
     """Call ``neutrain.nn.gguf.<function>(source, name, ...)`` for the recipe's ``model.gguf_file``.
 
     Its errors (no ``gguf`` package, an unreadable file) become one :class:`RecipeError` naming the key.
@@ -82,7 +85,7 @@ def gguf_call(model_cfg: dict[str, Any], function: str, *args, **kwargs):
     return gguf_errors(getattr(gguf, function), *gguf_source(model_cfg), *args, **kwargs)
 
 
-def gguf_source(model_cfg: dict[str, Any]) -> tuple[str, str]:
+def gguf_source(model_cfg: ModelSection) -> tuple[str, str]:
     """``(directory or hub id, file name)`` of the recipe's ``model.gguf_file``."""
     from neutrain.nn import gguf  # lazy: torch and the codec, for a GGUF recipe only
 

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sources import RandomInit, folder_source
 # Where callers have always found them (the planner imports them from model_config, without torch):
 from neutrain.trainer.model_config import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import DataSection, ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ def auto_dtype_line(use_cpu: bool = False) -> str:
             "NeuZip weights stay bf16 and are upcast exactly")
 
 
-def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_dir: str, cache_dir: str):
+def build_tokenizer(model_cfg: ModelSection, data_cfg: DataSection, output_dir: str, cache_dir: str):
     """Load or build the tokenizer, and save it under ``<output_dir>/tokenizer``.
 
     A tokenizer already saved there is reused, so a resumed run sees exactly the
@@ -128,7 +131,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
 TOKENIZER_SPEC = "neutrain_tokenizer.json"  # beside a saved tokenizer: the recipe keys it was built from
 
 
-def _tokenizer_spec(model_cfg: dict[str, Any], data_cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
+def _tokenizer_spec(model_cfg: ModelSection, data_cfg: DataSection, name: str | None) -> dict[str, Any]:
     """The recipe keys a saved byte / train-bpe tokenizer depends on (a trained vocabulary: on its data too)."""
     spec = {"model.tokenizer": name, "data.chat_template": data_cfg.chat_template}
     if name == "train-bpe":
@@ -166,7 +169,7 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
     return True
 
 
-def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, requested: str = "auto") -> str:
+def export_dtype(model_cfg: ModelSection, weights: str, use_cpu: bool, requested: str = "auto") -> str:
     """The dtype an export of this run is written in: ``requested``, or for ``auto`` the base model's.
 
     Why: a CPU run computes in fp32 (``model.dtype: auto``), and its export used to be fp32, twice the
@@ -176,9 +179,10 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
     otherwise the trained weights' dtype.
 
     Example:
-        >>> export_dtype({"init": "random", "dtype": "auto", "gguf_file": None}, "neuzip-lossless", use_cpu=True)
+        >>> from neutrain.config.sections import ModelSection
+        >>> export_dtype(ModelSection(init="random"), "neuzip-lossless", use_cpu=True)
         'bfloat16'
-        >>> export_dtype({"init": "random", "dtype": "float32", "gguf_file": None}, "dense", use_cpu=True)
+        >>> export_dtype(ModelSection(init="random", dtype="float32"), "dense", use_cpu=True)
         'auto'
     """
     if requested != "auto":
@@ -202,7 +206,7 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
     return "auto"
 
 
-def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                   offload_weights: bool = False, offload_layers: int | None = None) -> ModelSpec:
     """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
     transformers config, compute and storage dtypes, the attention backend and the placement.
@@ -279,7 +283,7 @@ def _attention(requested: str, config, use_cpu: bool) -> str:
     return attn
 
 
-def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+def build_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                 offload_weights: bool = False, offload_layers: int | None = None):
     """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``), tensor by
     tensor (:func:`resolve_model`, then :func:`neutrain.nn.load.build`).

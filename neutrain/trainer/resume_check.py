@@ -145,7 +145,7 @@ def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, st
         "processes": processes,
     }
     if memory.adapter:
-        record.update({key: memory[key.split(".")[1]] for key in
+        record.update({key: getattr(memory, key.split(".")[1]) for key in
                        ("memory.lora_r", "memory.lora_alpha", "memory.lora_dropout", "memory.lora_target_modules")})
         if base is not None:
             record[BASE_KEY] = base

@@ -40,7 +40,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neutrain.errors import CheckpointError
 from neutrain.files import MAX_RECORD_BYTES, read_json_object
@@ -50,6 +50,9 @@ from neutrain.storage.run_dir import PLANNED
 from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError, RunLock, previous_checkpoints
 from neutrain.trainer.ownership import same_run, take_directory
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import TrainSection
 
 logger = logging.getLogger("neutrain")
 
@@ -66,7 +69,7 @@ class RunPlan:
     after_training: bool = False
 
 
-def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = None,
+def prepare_run(train: TrainSection, state, recipe: dict[str, Any] | None = None,
                 planned: tuple[str, ...] = PLANNED) -> RunPlan:
     """Lock ``train.output_dir`` and clear leftover temporaries (main process), then plan the resume (every process).
 
@@ -88,7 +91,7 @@ def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = No
             clean_run_dir(out)
             take_directory(out, recipe, bool(train.resume_from_checkpoint), train.overwrite_output_dir, planned)
     if not train.resume_from_checkpoint and not train.overwrite_output_dir and same_run(out, recipe):
-        plan = plan_resume({**train, "resume_from_checkpoint": True})
+        plan = plan_resume(train.changed(resume_from_checkpoint=True))
         if plan.finished or plan.after_training:
             return plan
         raise RunDirectoryError(
@@ -98,7 +101,7 @@ def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = No
     return plan_resume(train)
 
 
-def plan_resume(train: dict[str, Any]) -> RunPlan:
+def plan_resume(train: TrainSection) -> RunPlan:
     """Resolve ``train.resume_from_checkpoint`` against ``train.max_steps`` / ``num_epochs``; reads files only."""
     resume = train.resume_from_checkpoint
     out = train.output_dir
@@ -174,7 +177,7 @@ def summarised(output_dir: str | os.PathLike, step: int) -> bool:
     return summary.get("steps") == step
 
 
-def schedule_note(train: dict[str, Any], step: int, old_total: int, new_total: int) -> str:
+def schedule_note(train: TrainSection, step: int, old_total: int, new_total: int) -> str:
     """Say whether continuing at ``step`` with ``new_total`` steps is the uninterrupted ``new_total``-step run.
 
     Compares the learning rates of the two schedules for steps 1..``step`` (the ones already
@@ -217,7 +220,7 @@ def resync_learning_rate(scheduler) -> None:
     inner._last_lr = rates
 
 
-def _learning_rates(train: dict[str, Any], total: int, count: int) -> list[float]:
+def _learning_rates(train: TrainSection, total: int, count: int) -> list[float]:
     """The learning rates of steps 1..``count`` of the recipe's schedule over ``total`` steps (as the Trainer builds it)."""
     import torch
     from transformers import get_scheduler
