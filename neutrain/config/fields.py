@@ -20,7 +20,7 @@ import functools
 import types
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Self, Union
 
 import annotated_types
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict, ValidationInfo, field_validator
@@ -92,16 +92,17 @@ def _plain(annotation: Any) -> tuple[Any, tuple]:
     return annotation, ()
 
 
-def _members(annotation: Any) -> list[Any]:
+def union_members(annotation: Any) -> list[Any]:
+    """The types a (possibly optional, possibly annotated) union allows, each without its metadata."""
     base, _ = _plain(annotation)
     if typing.get_origin(base) in (Union, types.UnionType):
-        return [m for arg in typing.get_args(base) for m in _members(arg)]
+        return [m for arg in typing.get_args(base) for m in union_members(arg)]
     return [base]
 
 
 def key_of(field: Any) -> Key:
     """The :class:`Key` a pydantic field declares."""
-    members = _members(field.annotation)
+    members = union_members(field.annotation)
     nullable = type(None) in members
     kinds, choices, items = [], None, None
     for member in members:
@@ -138,7 +139,7 @@ class Declared(BaseModel):
     """A frozen pydantic model whose fields are recipe keys: no unknown key, no NaN, a docstring for each."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True,
-                              validate_default=False, regex_engine="python-re")
+                              validate_default=False)
 
     @classmethod
     @functools.cache
@@ -150,7 +151,7 @@ class Declared(BaseModel):
         """The keys as plain data (what ``recipe.yaml`` beside the checkpoints holds)."""
         return {name: getattr(self, name) for name in type(self).model_fields}
 
-    def changed(self, **values: Any):
+    def changed(self, **values: Any) -> Self:
         """This section with ``values`` in place of its own (keys checked by name; values are the caller's).
 
         Example:

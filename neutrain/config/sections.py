@@ -31,7 +31,6 @@ _SEED_MAX = 2**32 - 1
 # other whole number has the ceiling COUNT_CEILING or ROWS_MAX.
 _PROCESSES_MAX = 512
 SPECIAL_DATA_PATHS = ("python-stdlib",)
-LOSSY = ("neuzip-lossy-0", "neuzip-lossy-1", "neuzip-lossy-3")
 
 
 def _entry_mapping(value: Any) -> Any:
@@ -119,7 +118,7 @@ class ModelSection(Section):
 class DatasetEntry(Declared):
     """One entry of ``data.datasets`` (a bare string is its ``path``); the run reads it as a plain mapping."""
 
-    path: Text = ...
+    path: Text
     """File, directory, or 'python-stdlib'."""
 
     type: Literal["text", "completion", "messages"] = "text"
@@ -152,27 +151,11 @@ class DataSection(Section):
 
     section: ClassVar[str] = "data"
 
-    datasets: list[Annotated[DatasetEntry, BeforeValidator(_entry_mapping)]] = Field(...)
+    # Checked as DatasetEntry, held as plain mappings: the data layer, the run record and recipe.yaml read them so.
+    datasets: list[Annotated[DatasetEntry, BeforeValidator(_entry_mapping)]]
     """List of {path, type, ...}. path: a json/jsonl/csv/parquet/txt file or directory, or 'python-stdlib'; a
     relative path is looked up in the current directory first, then in the recipe file's directory. type: text |
     completion | messages."""
-
-    @field_validator("datasets", mode="after")
-    @classmethod
-    def _entries_found(cls, entries: list[DatasetEntry], info: ValidationInfo) -> list[dict[str, Any]]:
-        """Each entry's path resolved (relative to the current directory, else the recipe's), as a plain mapping."""
-        if not entries:
-            raise RecipeError("data.datasets: expected at least one dataset")
-        base_dir, out = (info.context or {}).get("base_dir"), []
-        for i, entry in enumerate(entries):
-            plain, where = entry.to_dict(), f"data.datasets[{i}].path"
-            for name, value in plain.items():
-                if isinstance(value, str):
-                    check_text(f"data.datasets[{i}].{name}", value, as_file_name=name == "path")
-            if plain["path"] not in SPECIAL_DATA_PATHS:
-                plain["path"] = resolve_path(where, plain["path"], base_dir, "any", "data file")
-            out.append(plain)
-        return out
 
     sequence_len: Count = Field(512, ge=8, le=1 << 20)
     """Maximum tokens per training row."""
@@ -205,6 +188,24 @@ class DataSection(Section):
 
     num_proc: Count | None = Field(None, ge=1, le=_PROCESSES_MAX)
     """Worker processes for tokenisation."""
+
+    @field_validator("datasets", mode="after")
+    @classmethod
+    def _entries_found(cls, entries: list[DatasetEntry], info: ValidationInfo) -> list[dict[str, Any]]:
+        """Each entry's path resolved (relative to the current directory, else the recipe's), as a plain mapping."""
+        if not entries:
+            raise RecipeError("data.datasets: expected at least one dataset")
+        base_dir, out = (info.context or {}).get("base_dir"), []
+        for i, entry in enumerate(entries):
+            plain, where = entry.to_dict(), f"data.datasets[{i}].path"
+            for name, value in plain.items():
+                if isinstance(value, str):
+                    check_text(f"data.datasets[{i}].{name}", value, as_file_name=name == "path")
+            if plain["path"] not in SPECIAL_DATA_PATHS:
+                plain["path"] = resolve_path(where, plain["path"], base_dir, "any", "data file")
+            out.append(plain)
+        return out
+
 
 class TrainSection(Section):
     """The recipe's ``train`` section."""

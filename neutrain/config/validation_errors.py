@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from neutrain.config.fields import Declared, Key, _members
+from neutrain.config.fields import Declared, Key, union_members
 from neutrain.config.values import shown, suggest, type_name
 from neutrain.errors import RecipeError
 
@@ -42,7 +42,7 @@ def recipe_error(exc: ValidationError, model: type[BaseModel], prefix: str = "")
 
 
 def _nested_model(annotation: Any) -> type[Declared] | None:
-    for member in _members(annotation):
+    for member in union_members(annotation):
         if isinstance(member, type) and issubclass(member, Declared):
             return member
         for arg in typing.get_args(member):
@@ -69,12 +69,12 @@ def _walk(loc: tuple, model: type[BaseModel], prefix: str) -> tuple[str, Key | N
             continue
         if cls is None or item not in cls.model_fields:
             break  # a union member's tag: the error is about the key's value as a whole
-        key, element, taken = field_key(cls, item), False, taken + 1
+        key, element, taken = _key_of_field(cls, item), False, taken + 1
         cls = _nested_model(cls.model_fields[item].annotation)
     return _path(prefix, loc[:taken]), key, element
 
 
-def field_key(cls: type[BaseModel], name: str) -> Key | None:
+def _key_of_field(cls: type[BaseModel], name: str) -> Key | None:
     return cls.declared()[name] if issubclass(cls, Declared) else None
 
 

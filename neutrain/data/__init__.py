@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neutrain.data.checks import STAT_COLUMNS, check_counts, check_split, check_stream, counts_of, require_tokens, tokenize_counted
 from neutrain.data.formats import IGNORE_INDEX
@@ -21,9 +21,6 @@ from neutrain.data.packing import Collator, pack_rows, pad_token_id
 from neutrain.data.sources import load_rows, python_stdlib_corpus, quiet_datasets
 from neutrain.data.tokenizer import byte_tokenizer, train_bpe_tokenizer
 from neutrain.errors import RecipeError
-
-if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
-    from neutrain.config.sections import DataSection
 
 __all__ = [
     "IGNORE_INDEX", "Collator", "build_datasets", "byte_tokenizer", "iter_training_texts", "load_rows",
@@ -37,7 +34,7 @@ def _source_name(entry: dict) -> str:
     return entry["path"]
 
 
-def _tokenize(ds, entry: dict, tokenizer, data_cfg: DataSection):
+def _tokenize(ds, entry: dict, tokenizer, data_cfg: Any):
     source = _source_name(entry)
 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -64,7 +61,7 @@ def _tokenize(ds, entry: dict, tokenizer, data_cfg: DataSection):
     return ds.map(fn, batched=True, with_indices=True, remove_columns=columns, **extra)
 
 
-def iter_training_texts(data_cfg: DataSection, cache_dir: str, limit_chars: int = 20_000_000):
+def iter_training_texts(data_cfg: Any, cache_dir: str, limit_chars: int = 20_000_000):
     """Yield raw training text (for training a tokenizer on the recipe's own data)."""
     seen = 0
     for entry in data_cfg.datasets:
@@ -87,11 +84,12 @@ def iter_training_texts(data_cfg: DataSection, cache_dir: str, limit_chars: int 
                 return
 
 
-def build_datasets(data_cfg: DataSection, tokenizer, cache_dir: str):
+def build_datasets(data_cfg: Any, tokenizer, cache_dir: str):
     """Build the training and held-out datasets described by a recipe's ``data`` section.
 
     Args:
-        data_cfg: The validated ``data`` section.
+        data_cfg: The validated ``data`` section (``neutrain.config.sections.DataSection``, read by attribute; typed
+            ``Any`` here because the data package does not import the config package).
         tokenizer: A Hugging Face tokenizer (with ``eos_token_id``; ``pad_token_id`` for packing).
         cache_dir: Where generated corpora are written.
 
@@ -146,7 +144,7 @@ def build_datasets(data_cfg: DataSection, tokenizer, cache_dir: str):
     return train, heldout
 
 
-def _finish(ds, data_cfg: DataSection, tokenizer, streaming: bool):
+def _finish(ds, data_cfg: Any, tokenizer, streaming: bool):
     ds = ds.remove_columns(["heldout", *STAT_COLUMNS])
     if not data_cfg.sample_packing:
         return ds

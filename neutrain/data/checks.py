@@ -23,13 +23,10 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from neutrain.errors import DataError
 from neutrain.data.formats import IGNORE_INDEX, as_text, tokenize_row
-
-if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
-    from neutrain.config.sections import DataSection
 
 logger = logging.getLogger("neutrain.data")
 
@@ -50,7 +47,7 @@ def trainable_tokens(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
 
 
-def tokenize_counted(row: dict, tokenizer, entry: dict, data_cfg: DataSection, source: str, index: int) -> tuple[list[dict], int, bool]:
+def tokenize_counted(row: dict, tokenizer, entry: dict, data_cfg: Any, source: str, index: int) -> tuple[list[dict], int, bool]:
     """:func:`~neutrain.data.formats.tokenize_row` plus (trainable tokens, truncated) of the raw row."""
     rows = tokenize_row(row, tokenizer, entry, data_cfg, source, index)
     return rows, sum(trainable_tokens(r["labels"]) for r in rows), any(r["truncated"] for r in rows)
@@ -99,7 +96,7 @@ def has_tokens(ds) -> bool:
     return bool(pc.max(ds.select_columns(["_row_tokens"]).with_format("arrow")[:]["_row_tokens"]).as_py())
 
 
-def check_stream(raw, tokenizer, entry: dict, data_cfg: DataSection, source: str) -> None:
+def check_stream(raw, tokenizer, entry: dict, data_cfg: Any, source: str) -> None:
     """Check the first :data:`PEEK_ROWS` rows of a streamed dataset (see :func:`check_counts`)."""
     sample = list(itertools.islice(iter(raw), PEEK_ROWS))
     counts = Counts()
@@ -108,7 +105,7 @@ def check_stream(raw, tokenizer, entry: dict, data_cfg: DataSection, source: str
     check_counts(counts, sample, tokenizer, entry, data_cfg, source, streamed=True)
 
 
-def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, data_cfg: DataSection, source: str, streamed: bool = False) -> None:
+def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, data_cfg: Any, source: str, streamed: bool = False) -> None:
     """Raise :class:`DataError` when nothing trains; log a warning when many rows train nothing or are cut.
 
     Args:
@@ -133,7 +130,7 @@ def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, da
         )
 
 
-def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: DataSection) -> str:
+def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: Any) -> str:
     """The likely cause, in words, of a dataset that trains no token."""
     n = data_cfg.sequence_len
     if entry["type"] == "messages":

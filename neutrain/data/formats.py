@@ -21,15 +21,12 @@ data checks (:mod:`neutrain.data.checks`) can report how much was cut.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neutrain.compat.native_panics import native_panics
 from neutrain.data.chat import describe_template_error, tokenizer_panic
 from neutrain.data.template_bounds import TemplateCostError, bounded_rendering
 from neutrain.errors import DataError
-
-if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
-    from neutrain.config.sections import DataSection
 
 IGNORE_INDEX = -100
 
@@ -201,7 +198,7 @@ def _assistant_content_start(tokenizer, before: list[dict], start: int, text: st
     return len(header) if text.startswith(header) and start <= len(header) < len(text) else start
 
 
-def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: DataSection, source: str, index: int) -> list[dict]:
+def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: Any, source: str, index: int) -> list[dict]:
     """Dispatch on ``entry['type']``; returns zero or more tokenised rows.
 
     A panic of the tokenizer's native code on the row (a normalizer or pre-tokenizer regex past its
