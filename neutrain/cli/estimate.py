@@ -39,7 +39,7 @@ def run(args) -> int:
     """Print the planner's predicted peak memory, term by term and phase by phase, and the automatic fit."""
     from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
-    from neutrain.trainer.fit import apply_changes, choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
+    from neutrain.trainer.fit import choose_fit, resolve_budget  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.phase_planner import plan_recipe, plan_table  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: `neutrain --help` stays instant
 
@@ -50,7 +50,7 @@ def run(args) -> int:
     host = host_memory_available()
     gpu = card is not None or budget is not None  # a budget plans for a GPU, wherever this runs
     fit = choose_fit(recipe, budget, host, gpu=gpu, card=card)  # nothing fits: one line, exit 2
-    asked = apply_changes(recipe, {"memory.weights": fit.weights}) if recipe.memory.weights == "auto" else recipe
+    asked = recipe.changed(memory={"weights": fit.weights}) if recipe.memory.weights == "auto" else recipe
     est = estimate_recipe(asked)
     st = est.settings
     auto = " (memory.weights: auto)" if asked is not recipe else ""

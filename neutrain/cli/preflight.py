@@ -288,11 +288,10 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
     mem = recipe.memory
     if available is None or not (mem.offload_weights or mem.offload_activations):
         return
-    from neutrain.trainer.configurations import apply_changes  # lazy: torch-free checks stay fast
     from neutrain.trainer.planner import GIB, estimate_recipe  # lazy: torch-free checks stay fast
 
     if mem.weights == "auto":  # the host bytes are the activations', and offloaded weights are NeuZip's
-        recipe = apply_changes(recipe, {"memory.weights": "neuzip-lossless" if mem.offload_weights else "dense"})
+        recipe = recipe.changed(memory={"weights": "neuzip-lossless" if mem.offload_weights else "dense"})
     try:
         settings = estimate_recipe(recipe).settings
     except (OSError, ValueError, KeyError, TypeError):

@@ -28,17 +28,29 @@ from neutrain.config.values import shown, suggest, type_name
 from neutrain.errors import RecipeError
 
 # Checked before a key's own value: an unknown or missing key is the first thing to fix in a section.
-_STRUCTURE = ("extra_forbidden", "missing")
+_STRUCTURE = ("extra_forbidden", "missing")  # in this order
 
 
 def recipe_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> RecipeError:
-    """The first of ``exc``'s errors (a section's unknown or missing keys before its values) as a
-    :class:`RecipeError` naming the key's path (``prefix`` first, as ``"train"`` for a lone section)."""
+    """The first of ``exc``'s errors as a :class:`RecipeError` naming the key's path (``prefix`` first, as
+    ``"train"`` for a lone section).
+
+    First: in the order of the sections and of their keys, a mapping's unknown keys before its missing ones and
+    those before its values; of the errors a union's members give for one value, the one deepest in it
+    (``train.report_to[0]`` rather than ``train.report_to``)."""
     errors = exc.errors(include_url=False)
-    order = {name: i for i, name in enumerate(model.model_fields)}
-    first = min(errors, key=lambda e: (order.get(e["loc"][0], len(order)) if not prefix else 0,
-                                       e["type"] not in _STRUCTURE))
-    return RecipeError(_line(first, model, prefix))
+    return RecipeError(_line(min(errors, key=lambda e: _rank(e, model, prefix)), model, prefix))
+
+
+def _rank(error: dict, model: type[BaseModel], prefix: str) -> tuple:
+    cls, places = model, []
+    for item in error["loc"][:1 if prefix else 2]:
+        order = list(cls.model_fields) if cls is not None else []
+        places.append(order.index(item) if item in order else len(order))
+        cls = _nested_model(cls.model_fields[item].annotation) if cls is not None and item in cls.model_fields else None
+    structure = _STRUCTURE.index(error["type"]) if error["type"] in _STRUCTURE else len(_STRUCTURE)
+    section, keys = (places[:1], places[1:]) if not prefix else ([], places)  # a section's own keys: after structure
+    return (*section, structure, *keys, -len(error["loc"]))
 
 
 def _nested_model(annotation: Any) -> type[Declared] | None:
@@ -60,18 +72,18 @@ def _path(prefix: str, loc: tuple) -> str:
 
 
 def _walk(loc: tuple, model: type[BaseModel], prefix: str) -> tuple[str, Key | None, bool]:
-    """``(where, key, element)``: the dotted path the error is at, the key's declaration, and whether the error
-    is at an element of a list key."""
-    cls, key, element, taken = model, None, False, 0
+    """``(where, key, element)``: the dotted path the error is at (a union member's tag left out), the key's
+    declaration, and whether the error is at an element of a list key."""
+    cls, key, element, where = model, None, False, prefix
     for item in loc:
         if isinstance(item, int):
-            element, taken = True, taken + 1
-            continue
-        if cls is None or item not in cls.model_fields:
-            break  # a union member's tag: the error is about the key's value as a whole
-        key, element, taken = _key_of_field(cls, item), False, taken + 1
-        cls = _nested_model(cls.model_fields[item].annotation)
-    return _path(prefix, loc[:taken]), key, element
+            where, element = f"{where}[{item}]", True
+        elif cls is not None and item in cls.model_fields:
+            where, element = f"{where}.{item}" if where else item, False
+            key = _key_of_field(cls, item)
+            cls = _nested_model(cls.model_fields[item].annotation)
+        # else: a union member's tag ("list[str]"): the path goes on inside the member
+    return where, key, element
 
 
 def _key_of_field(cls: type[BaseModel], name: str) -> Key | None:
