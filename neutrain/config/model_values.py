@@ -40,8 +40,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
      "positive", "a rotary embedding's base or factor"),
     (r"\w*(attn|final|attention)_logit_softcapping|logit_scale|embedding_multiplier|residual_multiplier|"
      r"attention_multiplier|logits_scaling", "positive", "a scale or cap"),
-    (r"token_dropout", "boolean", "a switch"),  # ESM's, named like a dropout probability
-    (r"\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
+    # ESM's token_dropout is a switch named like a probability; true is no dropout of 1 anywhere else.
+    (r"(?!token_dropout$)\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
     (r"initializer_range|\w*_init_std", "non-negative", "the random init's standard deviation"),
     (r"tie_word_embeddings|attention_bias|mlp_bias|use_cache", "boolean", "a switch"),
 )
