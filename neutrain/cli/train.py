@@ -341,7 +341,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
 
 
 def _keys_help() -> str:
-    """Every recipe key with its default and help, from the schema table that also validates recipes."""
+    """Every recipe key with its default and help, from the section classes that also validate recipes."""
     lines = ["recipe keys (override any with section.key=value):"]
     for section, keys in SCHEMA.items():
         lines.append(f"  {section}:")
