@@ -43,8 +43,8 @@ def default_recipe_model() -> tuple[dict, int]:
     from neutrain.config import load_recipe
 
     recipe = load_recipe("default")
-    config = {k: v for k, v in recipe.model["config"].items() if k != "model_type"}
-    return {**config, "vocab_size": recipe.model["tokenizer_vocab_size"]}, recipe.train["micro_batch_size"]
+    config = {k: v for k, v in recipe.model.config.items() if k != "model_type"}
+    return {**config, "vocab_size": recipe.model.tokenizer_vocab_size}, recipe.train.micro_batch_size
 
 
 def model_config(model: str) -> tuple[dict, int]:

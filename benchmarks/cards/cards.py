@@ -293,7 +293,7 @@ def pcie4_projection(timing: dict) -> dict | None:
     if recipe.memory.weights == "auto":  # runs from before weights: auto ran the recipe's NeuZip weights
         changes.setdefault("memory.weights", rec.get("weights") or "neuzip-lossless")
     chosen = estimate_recipe(apply_changes(recipe, changes)).settings
-    tokens = 8 * recipe.data["sequence_len"]
+    tokens = 8 * recipe.data.sequence_len
     step = tokens / rec["tokens_per_s"]
     # Saved layer inputs (activation offload): bf16 hidden states of every layer, out in forward, back in backward.
     acts = chosen.get("host_activation_bytes", 0)

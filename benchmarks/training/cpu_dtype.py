@@ -30,9 +30,9 @@ def _default_model(dtype):
 
     class _Vocab:
         def __len__(self):
-            return recipe.model["tokenizer_vocab_size"]
+            return recipe.model.tokenizer_vocab_size
 
-    config = recipe_config({**recipe.model, "tokenizer": "train-bpe"}, _Vocab())
+    config = recipe_config(recipe.model.changed(tokenizer="train-bpe"), _Vocab())
     config._attn_implementation = "sdpa"
     model, _ = init_compressed(config, "neuzip-lossless", "cpu", dtype=dtype, seed=0, progress=False,
                                storage_dtype=torch.bfloat16)

@@ -76,8 +76,8 @@ def _models() -> dict[str, torch.nn.Module]:
     from neutrain.nn import compress_model
 
     recipe = load_recipe("default")
-    config = LlamaConfig(**{k: v for k, v in recipe.model["config"].items() if k != "model_type"},
-                         vocab_size=recipe.model["tokenizer_vocab_size"])
+    config = LlamaConfig(**{k: v for k, v in recipe.model.config.items() if k != "model_type"},
+                         vocab_size=recipe.model.tokenizer_vocab_size)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()

@@ -70,10 +70,10 @@ def warn_about_settings(recipe: Recipe) -> None:
     """Log the warnings of this module that apply to ``recipe`` (one line each)."""
     model = recipe.model
     # An adapter run trains new matrices beside a frozen base, which no rate can wreck.
-    whole = model["init"] == "pretrained" and not recipe.memory["adapter"]
-    pretrained = (model["base_model"] or model["gguf_file"]) if whole else None
+    whole = model.init == "pretrained" and not recipe.memory.adapter
+    pretrained = (model.base_model or model.gguf_file) if whole else None
     t = recipe.train
-    for line in (learning_rate_advice(t["optimizer"], t["learning_rate"], pretrained),
-                 warmup_advice(t["lr_scheduler"], t["warmup_steps"], t["max_steps"], t["learning_rate"])):
+    for line in (learning_rate_advice(t.optimizer, t.learning_rate, pretrained),
+                 warmup_advice(t.lr_scheduler, t.warmup_steps, t.max_steps, t.learning_rate)):
         if line:
             logger.warning(line)

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from neutrain.distill.draft import distill_from_recipe, payoff_words
 from neutrain.cli.memory import phase_lines, phase_report
@@ -24,6 +24,9 @@ from neutrain.config.schema import Recipe
 from neutrain.distributed import end_processes
 from neutrain.errors import UserInputError
 from neutrain.storage.run_lock import previous_checkpoints
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.after_training_sections import EvalSection
 
 logger = logging.getLogger("neutrain")
 
@@ -39,7 +42,7 @@ class RunContext:
         self.recipe, self.trainer, self.tokenizer, self.heldout, self.state = recipe, trainer, tokenizer, heldout, state
 
 
-def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = False) -> str:
+def generate_sample(model, tokenizer, eval_cfg: EvalSection, seed: int, chat: bool = False) -> str:
     """A continuation of ``eval.sample_prompt`` by the trained model, printed at the end of the run.
 
     Sampled (``eval.sample_temperature``, top-k 50, seeded) rather than greedy: a small model's greedy
@@ -51,17 +54,17 @@ def generate_sample(model, tokenizer, eval_cfg: dict, seed: int, chat: bool = Fa
 
     from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
 
-    prompt = eval_cfg["sample_prompt"]
+    prompt = eval_cfg.sample_prompt
     device = next(model.parameters()).device
     use_template, _ = template_choice(tokenizer, chat)
     ids = torch.tensor([prompt_ids(tokenizer, prompt, raw=not use_template)], device=device)
-    temperature = eval_cfg["sample_temperature"]
+    temperature = eval_cfg.sample_temperature
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 50} if temperature > 0 else {"do_sample": False}
     torch.manual_seed(seed)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg["sample_tokens"],
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.sample_tokens,
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                              **sampling)
     model.train(was_training)
@@ -82,7 +85,7 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     from neutrain.memory import phase  # lazy: `neutrain --help` stays instant
 
     recipe, trainer, tokenizer, heldout, state = ctx.recipe, ctx.trainer, ctx.tokenizer, ctx.heldout, ctx.state
-    out = recipe.train["output_dir"]
+    out = recipe.train.output_dir
     summary: dict[str, Any] = {
         "output_dir": out, "steps": trainer.state.global_step, "world_size": trainer.args.world_size,
         "distributed_mode": trainer.distributed_mode.name,
@@ -104,35 +107,35 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
     # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
     # ZeRO-3 holds only its shards of the model.
     sharded = mode.sharded
-    if recipe.eval["perplexity"] and heldout is not None and sharded and runtime is None:
+    if recipe.eval.perplexity and heldout is not None and sharded and runtime is None:
         # Relaunched after its training: the weights were never sharded by a training start, only loaded.
         logger.warning("held-out evaluation skipped: the run was relaunched after its training under %s (sharded "
                        "weights); evaluate its last checkpoint with `neutrain eval` on one process", mode.name)
-    elif recipe.eval["perplexity"] and heldout is not None:
+    elif recipe.eval.perplexity and heldout is not None:
         announce("held-out evaluation")
         metrics = trainer.evaluate()
         summary["heldout_loss"] = metrics["eval_loss"]
         from neutrain.eval.perplexity import perplexity_record  # lazy: the eval package brings torch
 
         summary["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound (eval.perplexity)
-    if recipe.eval["long_context_tasks"] and sharded:
+    if recipe.eval.long_context_tasks and sharded:
         logger.warning("eval.long_context_tasks skipped under %s (sharded weights): evaluate the export on one "
                        "process with `neutrain eval <export dir> --recipe <recipe>`", mode.name)
-    elif recipe.eval["long_context_tasks"] and state.is_main_process:
-        announce("long-context evaluation: " + ", ".join(recipe.eval["kv_caches"]))
+    elif recipe.eval.long_context_tasks and state.is_main_process:
+        announce("long-context evaluation: " + ", ".join(recipe.eval.kv_caches))
         from neutrain.storage.run_dir import claim  # lazy: `neutrain --help` stays instant
 
         claim(os.path.join(out, "eval"))
         with phase("eval"):
             summary["long_context"] = long_context_eval(trainer.model, tokenizer, recipe.eval, os.path.join(out, "eval"))
-    chat = trained_on_chat(recipe.data["datasets"])  # recorded in the export: generation formats prompts alike
-    export_format = recipe.export["format"]
+    chat = trained_on_chat(recipe.data.datasets)  # recorded in the export: generation formats prompts alike
+    export_format = recipe.export.format
     if export_format != "none" and mode.export_note:  # the checkpoints hold the model
         logger.warning("export skipped under %s", mode.export_note)
         export_format = "none"
     if export_format != "none":
         export_dir = recipe.export_dir
-        announce(f"export: {recipe.export['format']}")
+        announce(f"export: {recipe.export.format}")
         with phase("export"), mode.gathered_weights(trainer.model):  # ZeRO-3: every rank gathers, the main process writes
             if state.is_main_process:
                 from neutrain.export import export_model  # lazy: `neutrain --help` stays instant
@@ -140,27 +143,27 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
 
                 from neutrain.cli.export import source_record  # lazy: `neutrain --help` stays instant
 
-                dtype = export_dtype(recipe.model, recipe.memory["weights"], recipe.train["use_cpu"], recipe.export["dtype"])
+                dtype = export_dtype(recipe.model, recipe.memory.weights, recipe.train.use_cpu, recipe.export.dtype)
                 # The run and its last checkpoint, by content: a later command can tell when that path holds other weights.
                 source = source_record(Path(out) / f"checkpoint-{summary['steps']}")
                 summary["export_dir"] = export_model(
-                    trainer.model, export_dir, recipe.export["format"], overwrite=True,
-                    tokenizer=tokenizer, max_shard_size=recipe.export["max_shard_size"], dtype=dtype,
-                    info={"base_model": recipe.model["base_model"] or recipe.model["gguf_file"] or "random init", "recipe": recipe.source,
+                    trainer.model, export_dir, recipe.export.format, overwrite=True,
+                    tokenizer=tokenizer, max_shard_size=recipe.export.max_shard_size, dtype=dtype,
+                    info={"base_model": recipe.model.base_model or recipe.model.gguf_file or "random init", "recipe": recipe.source,
                           "chat_template": chat, **source,
                           "steps": summary["steps"], "final_loss": summary.get("loss_last"),
                           "heldout_perplexity": summary.get("heldout_perplexity")},
                 )
-    if recipe.distill["enabled"] and sharded:
+    if recipe.distill.enabled and sharded:
         logger.warning("distill skipped under %s (sharded weights): run it on one process from the export", mode.name)
-    elif recipe.distill["enabled"] and state.is_main_process:
+    elif recipe.distill.enabled and state.is_main_process:
         announce("distillation of a draft, then speculative decoding")
         # A continued run replaces its own earlier draft, as it replaces its own export.
         summary["distill"] = distill_from_recipe(recipe, target=trainer.model, tokenizer=tokenizer, overwrite=True)
-    if recipe.eval["sample_prompt"] is not None and not sharded and state.is_main_process:
+    if recipe.eval.sample_prompt is not None and not sharded and state.is_main_process:
         announce("sample")
         with phase("generate"):
-            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train["seed"], chat=chat)
+            summary["sample"] = generate_sample(trainer.model, tokenizer, recipe.eval, recipe.train.seed, chat=chat)
         summary["sample_chat_template"] = chat and bool(getattr(tokenizer, "chat_template", None))
     summary["wall_time_s"] = time.perf_counter() - started
     if state.is_main_process:
@@ -218,7 +221,7 @@ def loss_ends(logged: list[dict]) -> dict[str, Any]:
             "loss_last": logged[-1]["loss"], "loss_last_steps": window(len(logged) - 1)}
 
 
-def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[str, Any]:
+def long_context_eval(model, tokenizer, eval_cfg: EvalSection, out_dir: str) -> dict[str, Any]:
     """Run the recipe's long-context tasks once per KV cache; returns ``{cache: overall metrics}``.
 
     ShadowKV's sparse path normally starts at 4K-token prompts (the paper's setting); at the
@@ -228,13 +231,13 @@ def long_context_eval(model, tokenizer, eval_cfg: dict, out_dir: str) -> dict[st
     from neutrain.eval import evaluate  # lazy: `neutrain --help` stays instant
 
     results: dict[str, Any] = {}
-    length = eval_cfg["context_len"]
-    for cache in eval_cfg["kv_caches"]:
+    length = eval_cfg.context_len
+    for cache in eval_cfg.kv_caches:
         options: dict[str, Any] = {}
         if cache == "shadowkv" and length < 4096:
             options = {"min_prefill": max(16, length // 4), "outliers": 2, "local_chunks": 2, "rank": 32}
-        res = evaluate(model, tokenizer, eval_cfg["long_context_tasks"], kv=cache, length=length,
-                       num_samples=eval_cfg["num_samples"], output_json=os.path.join(out_dir, f"long_context_{cache}.json"), **options)
+        res = evaluate(model, tokenizer, eval_cfg.long_context_tasks, kv=cache, length=length,
+                       num_samples=eval_cfg.num_samples, output_json=os.path.join(out_dir, f"long_context_{cache}.json"), **options)
         results[cache] = {k: v for k, v in res["overall"].items() if isinstance(v, (int, float, str))}
     return results
 

@@ -40,7 +40,7 @@ def run(args) -> int:
     from neutrain.cli.memory import check_step_time  # lazy: `neutrain --help` stays instant
     from neutrain.cli.preflight import host_memory_available  # lazy: `neutrain --help` stays instant
     # lazy: `neutrain --help` stays instant
-    from neutrain.memory import GIB, apply_changes, choose_fit, estimate_recipe, plan_recipe, plan_table, resolve_budget
+    from neutrain.memory import GIB, choose_fit, estimate_recipe, plan_recipe, plan_table, resolve_budget
 
     recipe = load_recipe(args.recipe, args.overrides, shape_only=True)  # no transformers where the shape is given
     setting = recipe.memory.device_budget_gib
@@ -49,12 +49,12 @@ def run(args) -> int:
     host = host_memory_available()
     gpu = card is not None or budget is not None  # a budget plans for a GPU, wherever this runs
     fit = choose_fit(recipe, budget, host, gpu=gpu, card=card)  # nothing fits: one line, exit 2
-    asked = apply_changes(recipe, {"memory.weights": fit.weights}) if recipe.memory.weights == "auto" else recipe
+    asked = recipe.changed(memory={"weights": fit.weights}) if recipe.memory.weights == "auto" else recipe
     est = estimate_recipe(asked)
     st = est.settings
     auto = " (memory.weights: auto)" if asked is not recipe else ""
     print(f"{recipe.source}: {parameter_count(st['params'])} parameters, batch {st['batch']} x {st['seq']} tokens, "
-          f"weights {st['weights']}{auto}, optimizer {recipe.train['optimizer']}, checkpointing {st['checkpointing']}")
+          f"weights {st['weights']}{auto}, optimizer {recipe.train.optimizer}, checkpointing {st['checkpointing']}")
     print(est.table())
     print("\npredicted peak by phase (GiB)")
     print(plan_table(plan_recipe(asked, est)))

@@ -74,7 +74,7 @@ def run_eval(args) -> int:
         refuse_ignored(args, ["recipe"], f"'{target}' is a recipe: its own data and eval settings are used",
                        "give a checkpoint as the target to evaluate it on --recipe's data")
         recipe = load_recipe(args.target, args.overrides, shape_only=True)
-        ckpt = last_checkpoint(Path(recipe.train["output_dir"]))
+        ckpt = last_checkpoint(Path(recipe.train.output_dir))
     else:
         if not args.recipe:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
@@ -86,7 +86,7 @@ def run_eval(args) -> int:
     from neutrain.trainer.ownership import Verdict, note_resolved  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.progress import LabelledProgressCallback  # lazy: `neutrain --help` stays instant
 
-    run_dir = note_resolved("train.output_dir", recipe.train["output_dir"])  # where it leads now, to the end
+    run_dir = note_resolved("train.output_dir", recipe.train.output_dir)  # where it leads now, to the end
     refuse_inside_model(run_dir, "train.output_dir")  # its eval/ and .cache/ would change a checkpoint or export
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
     run_verdict = _refuse_unowned_folder(run_dir)
@@ -109,16 +109,16 @@ def run_eval(args) -> int:
     open_run(run_dir, create=run_verdict is Verdict.NEW)  # a run's directory lists what its evaluations write too
     claim(out)
     results = {"checkpoint": str(ckpt)}
-    if recipe.eval["perplexity"]:
+    if recipe.eval.perplexity:
         claim(os.path.join(run_dir, ".cache"))
         _, heldout = build_datasets(recipe.data, tokenizer, os.path.join(run_dir, ".cache"))
         if heldout is None:
             raise UserInputError("data: no held-out data (set data.val_set_size or a dataset with split: validation)")
-        if recipe.eval["max_eval_samples"]:
-            heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
+        if recipe.eval.max_eval_samples:
+            heldout = heldout.select(range(min(len(heldout), recipe.eval.max_eval_samples)))
         targs = TrainingArguments(output_dir=out, per_device_eval_batch_size=recipe.eval_micro_batch_size,
-                                  report_to="none", use_cpu=recipe.train["use_cpu"], remove_unused_columns=False,
-                                  dataloader_pin_memory=not recipe.train["use_cpu"] and torch.cuda.is_available())
+                                  report_to="none", use_cpu=recipe.train.use_cpu, remove_unused_columns=False,
+                                  dataloader_pin_memory=not recipe.train.use_cpu and torch.cuda.is_available())
         trainer = NeuTrainer(model=model, args=targs, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)), processing_class=tokenizer)
         # Nothing trains: no training log or curves (they would append unnamed rows beside the run's), and the log
         # line names the checkpoint, not "before training".
@@ -133,7 +133,7 @@ def run_eval(args) -> int:
 
         results["heldout_perplexity"] = perplexity_record(metrics["eval_loss"])  # null past its bound
         print(f"held-out {perplexity_text(metrics['eval_loss'])}  ({len(heldout)} rows, {ckpt})")
-    if recipe.eval["long_context_tasks"]:
+    if recipe.eval.long_context_tasks:
         results["long_context"] = long_context_eval(model, tokenizer, recipe.eval, out)
         for cache, m in results["long_context"].items():
             print(f"long context {cache}: accuracy {m.get('accuracy', float('nan')):.1f}%, KV compression {m.get('compression_ratio', float('nan')):.2f}x")

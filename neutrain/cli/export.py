@@ -9,6 +9,7 @@ from pathlib import Path
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
 from neutrain.cli.ignored import refuse_ignored
 from neutrain.config.schema import SCHEMA
+from neutrain.config.sections import ModelSection
 from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
 
@@ -122,6 +123,7 @@ def run_export_dtype(checkpoint: Path, requested: str) -> str:
     recipe = run_recipe(checkpoint)
     try:
         model, weights, use_cpu = recipe["model"], recipe["memory"]["weights"], recipe["train"]["use_cpu"]
+        model = ModelSection.model_construct(**model)  # as the run validated it, from its recipe.yaml
     except (KeyError, TypeError):
         return "auto"
     from neutrain.trainer.modeling import export_dtype  # lazy: `neutrain --help` stays instant

@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.files import nearest_existing
@@ -31,6 +31,10 @@ from neutrain.cli.outputs import check_output_places
 from neutrain.export.target import check_export_target
 from neutrain.files import read_json_object
 from neutrain.trainer.disk_plan import check_path_lengths
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import MemorySection, TrainSection
+    from neutrain.config.after_training_sections import EvalSection
 
 
 def check_long_context_tasks(tasks: list) -> None:
@@ -44,7 +48,7 @@ def check_long_context_tasks(tasks: list) -> None:
             raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
 
 
-def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
+def check_long_context_prompts(tokenizer, eval_cfg: EvalSection) -> None:
     """Generate the long-context prompts now, with the run's tokenizer (milliseconds a task).
 
     Why: a prompt that cannot fit ``eval.context_len`` in this tokenizer's tokens (the default 512
@@ -52,11 +56,11 @@ def check_long_context_prompts(tokenizer, eval_cfg: dict) -> None:
     """
     from neutrain.eval.tasks import generate_task  # lazy: `neutrain --help` stays instant
 
-    for name in eval_cfg["long_context_tasks"]:
+    for name in eval_cfg.long_context_tasks:
         try:
-            generate_task(name, tokenizer, eval_cfg["context_len"], eval_cfg["num_samples"])
+            generate_task(name, tokenizer, eval_cfg.context_len, eval_cfg.num_samples)
         except ValueError as exc:
-            raise RecipeError(f"eval.context_len: {eval_cfg['context_len']} tokens is too short for long-context task "
+            raise RecipeError(f"eval.context_len: {eval_cfg.context_len} tokens is too short for long-context task "
                               f"'{name}' with this tokenizer ({exc})") from None
 
 
@@ -84,12 +88,12 @@ def _json_file(key: str, path: str) -> dict:
     return read_json_object(path, f"{key}: file '{path}'", RecipeError)
 
 
-def check_distributed(train: dict, num_processes: int) -> None:
+def check_distributed(train: TrainSection, num_processes: int) -> None:
     """The ``train`` section's distributed settings, given the processes this launch started."""
-    if isinstance(train["fsdp_config"], str):
-        _json_file("train.fsdp_config", train["fsdp_config"])
-    if train["deepspeed"]:
-        _json_file("train.deepspeed", train["deepspeed"])
+    if isinstance(train.fsdp_config, str):
+        _json_file("train.fsdp_config", train.fsdp_config)
+    if train.deepspeed:
+        _json_file("train.deepspeed", train.deepspeed)
     distributed_request(train).check_processes(num_processes)  # raises on contradicting keys first
 
 
@@ -172,21 +176,22 @@ def cpu_processes(environ: Mapping[str, str], cuda_available: bool) -> bool:
     return world > 1 and "LOCAL_RANK" in environ and not cuda_available and not accelerate
 
 
-def check_weight_offload_device(memory: Mapping[str, Any], use_cpu: bool, cuda_available: bool) -> None:
+def check_weight_offload_device(memory: MemorySection, use_cpu: bool, cuda_available: bool) -> None:
     """``memory.offload_weights`` needs a GPU to offload from: refused for a run on the CPU.
 
     Why: on a CPU every weight already lives in host memory; the run accepted the key, streamed the
     layers from one part of host memory to another and reported "0.00 GiB in host memory".
 
     Example:
-        >>> check_weight_offload_device({"offload_weights": False}, use_cpu=True, cuda_available=False)
+        >>> from neutrain.config.sections import MemorySection
+        >>> check_weight_offload_device(MemorySection(), use_cpu=True, cuda_available=False)
         >>> try:
-        ...     check_weight_offload_device({"offload_weights": True}, use_cpu=False, cuda_available=False)
+        ...     check_weight_offload_device(MemorySection(offload_weights=True), use_cpu=False, cuda_available=False)
         ... except RecipeError as e:
         ...     print(str(e)[:48])
         memory.offload_weights: true moves the decoder l
     """
-    if not memory["offload_weights"] or (cuda_available and not use_cpu):
+    if not memory.offload_weights or (cuda_available and not use_cpu):
         return
     where = "train.use_cpu is true" if use_cpu else "this machine has no GPU"
     raise RecipeError(f"memory.offload_weights: true moves the decoder layers' weights from GPU memory to host "
@@ -281,12 +286,12 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
         memory.offload_weights: needs about 88.4 GiB of host memory
     """
     mem = recipe.memory
-    if available is None or not (mem["offload_weights"] or mem["offload_activations"]):
+    if available is None or not (mem.offload_weights or mem.offload_activations):
         return
-    from neutrain.memory import GIB, apply_changes, estimate_recipe  # lazy: torch-free checks stay fast
+    from neutrain.memory import GIB, estimate_recipe  # lazy: torch-free checks stay fast
 
-    if mem["weights"] == "auto":  # the host bytes are the activations', and offloaded weights are NeuZip's
-        recipe = apply_changes(recipe, {"memory.weights": "neuzip-lossless" if mem["offload_weights"] else "dense"})
+    if mem.weights == "auto":  # the host bytes are the activations', and offloaded weights are NeuZip's
+        recipe = recipe.changed(memory={"weights": "neuzip-lossless" if mem.offload_weights else "dense"})
     try:
         settings = estimate_recipe(recipe).settings
     except (OSError, ValueError, KeyError, TypeError):
@@ -374,10 +379,10 @@ def check_model_size(recipe: Recipe, host_bytes: int | None, device_bytes: int |
                           f"{MAX_LAYERS:,} (the deepest published decoders have under 200)")
     params = shape.params()
     mem = recipe.memory
-    on_cpu = recipe.train["use_cpu"] or device_bytes is None
-    bits = NEUZIP_BITS if mem["weights"] != "dense" else _dense_bits(recipe.model["dtype"], on_cpu)
+    on_cpu = recipe.train.use_cpu or device_bytes is None
+    bits = NEUZIP_BITS if mem.weights != "dense" else _dense_bits(recipe.model.dtype, on_cpu)
     need = params * bits / 8
-    where, have = ("host", host_bytes) if on_cpu or mem["offload_weights"] else ("GPU", device_bytes)
+    where, have = ("host", host_bytes) if on_cpu or mem.offload_weights else ("GPU", device_bytes)
     if have is None or need <= have:
         return
     raise RecipeError(f"model.config: the weights alone need about {need / GIB:,.1f} GiB ({params:,} parameters: "
@@ -391,15 +396,15 @@ def check_machine_holds(recipe: Recipe) -> None:
     needs first (the more specific line names the offload key), then the weights themselves."""
     host = host_memory_available()
     check_host_memory(recipe, host)
-    check_model_size(recipe, host, None if recipe.train["use_cpu"] else device_memory_total())
+    check_model_size(recipe, host, None if recipe.train.use_cpu else device_memory_total())
 
 
 def check_export_place(recipe: Recipe) -> None:
     """Refuse an export directory the run may not write: one that is not a neutrain export, or that is or holds
     ``train.output_dir``. Refused before training, not after it: an export may only replace its own kind."""
-    if recipe.export["format"] != "none":
+    if recipe.export.format != "none":
         check_export_target(recipe.export_dir, overwrite=True, key="export.output_dir",
-                            keep=(("train.output_dir", recipe.train["output_dir"]),))
+                            keep=(("train.output_dir", recipe.train.output_dir),))
 
 
 def preflight(recipe: Recipe, num_processes: int = 1) -> None:
@@ -416,14 +421,14 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         >>> preflight(load_recipe("default", [f"train.output_dir={out}"]), num_processes=1)
     """
     check_launch(num_processes, _cuda_available())
-    check_long_context_tasks(recipe.eval["long_context_tasks"])
+    check_long_context_tasks(recipe.eval.long_context_tasks)
     check_distributed(recipe.train, num_processes)
-    check_report_to(recipe.train["report_to"])
-    out = recipe.train["output_dir"]
+    check_report_to(recipe.train.report_to)
+    out = recipe.train.output_dir
     if not Path(nearest_existing(out)).is_dir():
         check_writable_dir(out, "train.output_dir")  # a file stands in the way: raises, having created nothing
-    target = recipe.export["output_dir"]
-    if recipe.export["format"] != "none" and target:
+    target = recipe.export.output_dir
+    if recipe.export.format != "none" and target:
         existing = Path(nearest_existing(target))
         if not existing.is_dir():
             exc = NotADirectoryError(errno.ENOTDIR, "a file stands where a directory is needed", str(existing))

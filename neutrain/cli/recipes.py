@@ -1,6 +1,8 @@
-"""``neutrain recipes``: list the shipped recipes, one line each."""
+"""``neutrain recipes``: list the shipped recipes, one line each; ``--schema`` prints a recipe's JSON Schema."""
 
 from __future__ import annotations
+
+import json
 
 from neutrain.config import recipe_dirs
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES
@@ -9,12 +11,19 @@ from neutrain.files import read_text
 
 
 def configure(p) -> None:
-    """The ``recipes`` command's description (it takes no arguments), on its subparser ``p``."""
+    """The ``recipes`` command's description and its one flag, on its subparser ``p``."""
     p.description = "List shipped recipes, one line each."
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON Schema of a recipe file instead (for an editor's YAML language server)")
 
 
 def run(args) -> int:
-    """Print one line per shipped recipe: its name, first comment line and path."""
+    """Print one line per shipped recipe: its name, first comment line and path; or the recipe JSON Schema."""
+    if getattr(args, "schema", False):
+        from neutrain.config import recipe_json_schema  # lazy: the listing reads no recipe
+
+        print(json.dumps(recipe_json_schema(), indent=2))
+        return 0
     found = False
     for d in recipe_dirs():
         for path in sorted(d.glob("*.yaml")):

@@ -47,41 +47,41 @@ def training_arguments(recipe: Recipe, has_eval: bool):
     from transformers import TrainingArguments
 
     t, m = recipe.train, recipe.memory
-    optim = {"adamw": "adamw_torch", "sgd": "sgd"}.get(t["optimizer"], "adamw_torch")
+    optim = {"adamw": "adamw_torch", "sgd": "sgd"}.get(t.optimizer, "adamw_torch")
     kwargs: dict[str, Any] = dict(
-        output_dir=t["output_dir"],
-        per_device_train_batch_size=t["micro_batch_size"],
+        output_dir=t.output_dir,
+        per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=recipe.eval_micro_batch_size,
-        gradient_accumulation_steps=t["gradient_accumulation_steps"],
-        learning_rate=t["learning_rate"],
-        weight_decay=t["weight_decay"],
-        adam_beta1=t["adam_beta1"],
-        adam_beta2=t["adam_beta2"],
-        lr_scheduler_type=t["lr_scheduler"],
-        lr_scheduler_kwargs=t["lr_scheduler_kwargs"] or {},
-        warmup_steps=t["warmup_steps"],
-        num_train_epochs=t["num_epochs"],
-        max_steps=t["max_steps"],
-        max_grad_norm=t["max_grad_norm"],
-        logging_steps=t["logging_steps"],
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        lr_scheduler_type=t.lr_scheduler,
+        lr_scheduler_kwargs=t.lr_scheduler_kwargs or {},
+        warmup_steps=t.warmup_steps,
+        num_train_epochs=t.num_epochs,
+        max_steps=t.max_steps,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
         save_strategy="steps",
-        save_steps=t["save_steps"],
-        save_total_limit=t["save_total_limit"],
-        eval_strategy="steps" if (has_eval and t["eval_steps"]) else "no",
-        eval_steps=t["eval_steps"],
-        seed=t["seed"],
-        data_seed=t["seed"],
-        report_to=t["report_to"],
-        dataloader_num_workers=t["dataloader_num_workers"],
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        eval_strategy="steps" if (has_eval and t.eval_steps) else "no",
+        eval_steps=t.eval_steps,
+        seed=t.seed,
+        data_seed=t.seed,
+        report_to=t.report_to,
+        dataloader_num_workers=t.dataloader_num_workers,
         # Pinned host memory only helps copies to a GPU; without one torch warns on every loader.
-        dataloader_pin_memory=not t["use_cpu"] and _cuda_available(),
-        use_cpu=t["use_cpu"],
+        dataloader_pin_memory=not t.use_cpu and _cuda_available(),
+        use_cpu=t.use_cpu,
         optim=optim,
         remove_unused_columns=False,
         disable_tqdm=not progress_bars_wanted(),  # no bars in a log file or pipe (neutrain.compat.quiet)
         **distributed_arguments(t),
         save_safetensors=True,
-        **compat.checkpointing_training_args(m["gradient_checkpointing"]),
+        **compat.checkpointing_training_args(m.gradient_checkpointing),
     )
     return make_training_arguments(kwargs, TrainingArguments)
 
@@ -137,7 +137,7 @@ def _adapter_base(recipe: Recipe, out: str) -> str | None:
     other base): ``<output_dir>/base`` when the run wrote it, else ``model.base_model`` when it is a local directory."""
     from neutrain.storage.fingerprint import model_fingerprint  # lazy: `neutrain --help` stays instant
 
-    base = Path(out) / ADAPTER_BASE if not recipe.model["base_model"] else Path(recipe.model["base_model"])
+    base = Path(out) / ADAPTER_BASE if not recipe.model.base_model else Path(recipe.model.base_model)
     return model_fingerprint(base) if base.is_dir() else None
 
 
@@ -171,8 +171,8 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
 
     name_cpu_accelerator()  # a user's own loop calls this without train_from_recipe: no DeepSpeed GPU warning on CPU
     t = recipe.train
-    out = t["output_dir"]
-    state = PartialState(cpu=t["use_cpu"])
+    out = t.output_dir
+    state = PartialState(cpu=t.use_cpu)
     # memory.weights: auto, where no fit ran before (a trainer built from Python): resolved against this machine.
     recipe = settle_weights(recipe, logger.info if state.is_main_process else None, state.num_processes)
     preflight(recipe, state.num_processes)  # settings used late, and output_dir, fail before the model is built
@@ -186,50 +186,50 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
 
         RunLock(out).acquire()
         open_run(out, identity or identity_recipe(recipe))  # the run's identity, and the names it writes
-        if recipe.export["format"] != "none":  # one run at a time writes an export directory
-            ExportLock(recipe.export_dir, "export.output_dir" if recipe.export["output_dir"] else
+        if recipe.export.format != "none":  # one run at a time writes an export directory
+            ExportLock(recipe.export_dir, "export.output_dir" if recipe.export.output_dir else
                        "train.output_dir's export").acquire()
         claim(cache_dir)
     with state.main_process_first():
         tokenizer = build_tokenizer(recipe.model, recipe.data, out, cache_dir)
         check_long_context_prompts(tokenizer, recipe.eval)
         train_ds, heldout = build_datasets(recipe.data, tokenizer, cache_dir)
-    if heldout is not None and recipe.eval["max_eval_samples"]:
-        heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-    note = accumulation_note(len(train_ds) if hasattr(train_ds, "__len__") else None, t["micro_batch_size"],
-                             t["gradient_accumulation_steps"], state.num_processes)
+    if heldout is not None and recipe.eval.max_eval_samples:
+        heldout = heldout.select(range(min(len(heldout), recipe.eval.max_eval_samples)))
+    note = accumulation_note(len(train_ds) if hasattr(train_ds, "__len__") else None, t.micro_batch_size,
+                             t.gradient_accumulation_steps, state.num_processes)
     if note is not None and state.is_main_process:
         logger.warning("%s", note)
-    weights, adapter = recipe.memory["weights"], recipe.memory["adapter"]
+    weights, adapter = recipe.memory.weights, recipe.memory.adapter
     if adapter:
         from neutrain.nn.lora import build_weights_for  # lazy: `neutrain --help` stays instant
 
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
-    model = build_model(recipe.model, tokenizer, use_cpu=t["use_cpu"], seed=t["seed"], weights=weights,
-                        offload_weights=recipe.memory["offload_weights"], offload_layers=recipe.memory["offload_layers"])
+    model = build_model(recipe.model, tokenizer, use_cpu=t.use_cpu, seed=t.seed, weights=weights,
+                        offload_weights=recipe.memory.offload_weights, offload_layers=recipe.memory.offload_layers)
     check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 
-        model = compress_model_for_adapters(model, recipe.memory["weights"])
-        if not recipe.model["base_model"] and state.is_main_process:
+        model = compress_model_for_adapters(model, recipe.memory.weights)
+        if not recipe.model.base_model and state.is_main_process:
             _save_adapter_base(model, tokenizer, out)
         model = apply_lora(model, recipe.memory)
     args = training_arguments(recipe, has_eval=heldout is not None)
     trainer = NeuTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
         processing_class=tokenizer, memory=recipe.memory, train=t,
-        resume_reset_optimizer=t["resume_reset_optimizer"], placement=placement,
+        resume_reset_optimizer=t.resume_reset_optimizer, placement=placement,
     )
     from neutrain.data.sources import file_fingerprints  # lazy: `neutrain --help` stays instant
 
-    train_sets = [entry for entry in recipe.data["datasets"] if entry["split"] == "train"]
+    train_sets = [entry for entry in recipe.data.datasets if entry["split"] == "train"]
     # In every checkpoint; a resume is checked against it (the data position: the launch and the data's bytes too).
     trainer.run_record = run_record(recipe, model, tokenizer, processes=state.num_processes,
                                     files=file_fingerprints(train_sets, cache_dir),
                                     base=_adapter_base(recipe, out) if adapter and state.is_main_process else None)
     if resume:  # the same model, weights format, optimizer, tokenizer and data as the checkpoint's run
-        check_resume(resume, trainer.run_record, t["resume_reset_optimizer"])
+        check_resume(resume, trainer.run_record, t.resume_reset_optimizer)
     if state.is_main_process:  # last: a run refused above leaves the recipe of the run it would have resumed
         _save_recipe(recipe, out)
     return RunContext(recipe, trainer, tokenizer, heldout, state)
@@ -257,22 +257,20 @@ def train_from_recipe(recipe: Recipe, echo: Callable[[str], None] = print) -> di
     finally:
         # No-ops where this process took none (other ranks, a refusal).
         release_export(recipe.export_dir)
-        release(recipe.train["output_dir"])
-        close_run(recipe.train["output_dir"])
+        release(recipe.train.output_dir)
+        close_run(recipe.train.output_dir)
 
 
 def resolved_outputs(recipe: Recipe) -> Recipe:
     """``recipe`` with ``train.output_dir`` and ``export.output_dir`` resolved once, where a symlink is on their way
     (:func:`neutrain.trainer.ownership.note_resolved`): the run writes where they led at its start, to its end."""
-    import dataclasses
-
     from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
-    train = dataclasses.replace(recipe.train, output_dir=note_resolved("train.output_dir", recipe.train.output_dir))
+    train = recipe.train.changed(output_dir=note_resolved("train.output_dir", recipe.train.output_dir))
     export = recipe.export
     if export.output_dir:
-        export = dataclasses.replace(export, output_dir=note_resolved("export.output_dir", export.output_dir, False))
-    return dataclasses.replace(recipe, train=train, export=export)
+        export = export.changed(output_dir=note_resolved("export.output_dir", export.output_dir, False))
+    return recipe.with_sections(train=train, export=export)
 
 
 def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str, Any]:
@@ -285,25 +283,25 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
 
     started = time.perf_counter()
     name_cpu_accelerator()  # before anything imports DeepSpeed: no GPU-detection warning on CPU runs
-    out = recipe.train["output_dir"]
+    out = recipe.train.output_dir
     # Before any process touches output_dir: processes a launch left on their own would each act as the main one.
-    check_launch(PartialState(cpu=recipe.train["use_cpu"]).num_processes, _cuda_available())
+    check_launch(PartialState(cpu=recipe.train.use_cpu).num_processes, _cuda_available())
     check_output_places(recipe)  # before anything is written: no output inside another run's checkpoint or export
     identity = identity_recipe(recipe)  # as launched: the memory fit below may change keys
     # Refused anywhere before the first step: the directory is left as this start found it.
-    with undone_if_refused(out, active=PartialState(cpu=recipe.train["use_cpu"]).is_main_process):
+    with undone_if_refused(out, active=PartialState(cpu=recipe.train.use_cpu).is_main_process):
         # Leftover temporaries cleared; a finished run is left exactly as it is (neutrain.trainer.run_state).
-        plan = prepare_run(recipe.train, PartialState(cpu=recipe.train["use_cpu"]), identity, planned_names(recipe))
+        plan = prepare_run(recipe.train, PartialState(cpu=recipe.train.use_cpu), identity, planned_names(recipe))
         if plan.finished:
             if PartialState().is_main_process:
                 echo(plan.message)
             end_processes()
             return {"output_dir": out, "steps": plan.step, "finished": True, "checkpoint": plan.checkpoint,
                     "world_size": PartialState().num_processes}
-        # A model this machine cannot hold at all is said as that, before the fit judges how long its steps take.
+        # A model this machine cannot hold at all is said as that, before the fit judges how long its steps would take.
         check_machine_holds(recipe)
         # Before anything is built: the configuration that fits memory.device_budget_gib, and its allocator limit.
-        recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train["use_cpu"]), echo)
+        recipe, fit = fit_memory(recipe, PartialState(cpu=recipe.train.use_cpu), echo)
         with phase("build"):
             ctx = build_trainer(recipe, resume=plan.checkpoint, identity=identity,
                                 placement=fit.placement if fit is not None else None)
@@ -316,7 +314,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
         trainer.load_trained(plan.checkpoint)
         runtime = None
     else:
-        _phase(state, echo, f"training: {recipe.train['max_steps']} steps" if recipe.train["max_steps"] > 0 else "training")
+        _phase(state, echo, f"training: {recipe.train.max_steps} steps" if recipe.train.max_steps > 0 else "training")
         from neutrain.trainer.signals import StopOnSignal  # lazy: `neutrain --help` stays instant
 
         stopper = StopOnSignal()  # SIGTERM/SIGINT: save at the next step boundary, then stop (neutrain.trainer.signals)
@@ -349,7 +347,7 @@ def _train_from_recipe(recipe: Recipe, echo: Callable[[str], None]) -> dict[str,
 
 
 def _keys_help() -> str:
-    """Every recipe key with its default and help, from the schema table that also validates recipes."""
+    """Every recipe key with its default and help, from the section classes that also validate recipes."""
     lines = ["recipe keys (override any with section.key=value):"]
     for section, keys in SCHEMA.items():
         lines.append(f"  {section}:")
@@ -378,8 +376,8 @@ def refuse_used_places(recipe: Recipe) -> None:
     from neutrain.trainer.ownership import identity_recipe, refuse_used_directory, same_run  # lazy: `neutrain --help` stays instant
 
     check_output_places(recipe)  # a place inside a checkpoint or an export is named as that first
-    identity, out = identity_recipe(recipe), recipe.train["output_dir"]
-    refuse_used_directory(out, identity, bool(recipe.train["resume_from_checkpoint"]), recipe.train["overwrite_output_dir"])
+    identity, out = identity_recipe(recipe), recipe.train.output_dir
+    refuse_used_directory(out, identity, bool(recipe.train.resume_from_checkpoint), recipe.train.overwrite_output_dir)
     if os.path.lexists(recipe.export_dir) and not same_run(out, identity):
         check_export_place(recipe)
 
@@ -405,9 +403,9 @@ def run(args) -> int:
             recipe = light
     if recipe is None:
         recipe = load_recipe(args.recipe, overrides)
-    args.writes_to = recipe.train["output_dir"]  # named by an environment error that carries no path
+    args.writes_to = recipe.train.output_dir  # named by an environment error that carries no path
     # The command line trains on the device it finds; NeuTrainer in Python may still exercise the offload path on a CPU.
-    check_weight_offload_device(recipe.memory, recipe.train["use_cpu"], _cuda_available())
+    check_weight_offload_device(recipe.memory, recipe.train.use_cpu, _cuda_available())
     summary = train_from_recipe(recipe)
     if summary.get("world_size", 1) > 1:
         exit_rank(0)  # no interpreter finalization for a finished rank (see exit_rank)

@@ -7,11 +7,10 @@ retried the hub 40 times over 99 s and then blamed ``model.tokenizer``, a key th
 ``HF_HUB_OFFLINE=1`` does (a file lookup, never a network call) and names the key that holds the name.
 
 Example:
-    >>> check_model_names({"init": "random", "config": {"model_type": "llama"}, "tokenizer": "byte",
-    ...                    "base_model": None, "gguf_file": None})
+    >>> from neutrain.config.sections import ModelSection
+    >>> check_model_names(ModelSection(init="random", config={"model_type": "llama"}, tokenizer="byte"))
     >>> try:
-    ...     check_model_names({"init": "pretrained", "config": None, "tokenizer": None,
-    ...                        "base_model": "someone/not-downloaded", "gguf_file": None})
+    ...     check_model_names(ModelSection(base_model="someone/not-downloaded"))
     ... except RecipeError as e:
     ...     print(str(e)[:80])
     model.base_model: 'someone/not-downloaded' is not a local directory and not in t
@@ -21,9 +20,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from neutrain.errors import RecipeError
 from neutrain.files import check_folder, check_kind
@@ -34,6 +32,9 @@ BUILT_TOKENIZERS = ("byte", "train-bpe")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
 MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+if TYPE_CHECKING:  # the sections' module reads none of this one
+    from neutrain.config.sections import ModelSection
 
 
 def hub_cache_dir() -> str:
@@ -85,20 +86,20 @@ def find_model_name(key: str, name: str, files: tuple[str, ...]) -> None:
                       f"(`hf download {name}`) or give a local directory")
 
 
-def check_model_names(model: Mapping[str, Any]) -> None:
+def check_model_names(model: ModelSection) -> None:
     """Each model or tokenizer name the recipe's ``model`` section will read is on this machine.
 
     ``model.base_model`` is read for the weights (``init: pretrained``), the config (no ``model.config``)
     or the tokenizer (no ``model.tokenizer``); beside ``model.gguf_file`` it is the directory or hub repo
     holding that file. ``model.tokenizer`` is read unless neutrain builds it (``byte``, ``train-bpe``).
     """
-    base, tokenizer, gguf = model.get("base_model"), model.get("tokenizer"), model.get("gguf_file")
-    reads_base = model.get("init") == "pretrained" or model.get("config") is None or tokenizer is None
+    base, tokenizer, gguf = model.base_model, model.tokenizer, model.gguf_file
+    reads_base = model.init == "pretrained" or model.config is None or tokenizer is None
     if base and reads_base:
         if gguf and not Path(base).expanduser().is_dir():
             find_model_name("model.base_model", base, (gguf,))
         elif not gguf:
-            find_model_name("model.base_model", base, MODEL_FILES if model.get("init") == "pretrained"
-                            or model.get("config") is None else TOKENIZER_FILES)
+            find_model_name("model.base_model", base, MODEL_FILES if model.init == "pretrained"
+                            or model.config is None else TOKENIZER_FILES)
     if tokenizer and tokenizer not in BUILT_TOKENIZERS:
         find_model_name("model.tokenizer", tokenizer, TOKENIZER_FILES)

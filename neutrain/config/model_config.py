@@ -27,7 +27,7 @@ import math
 import os
 from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neutrain.config.model_values import check_config_values
 from neutrain.errors import RecipeError, one_line
@@ -38,6 +38,9 @@ def _load(cfg: dict | str) -> tuple[dict, str]:
         return dict(cfg), "model.config"
     # A FIFO blocked the run and /dev/zero was read until memory ran out: the one reader checks the kind first.
     return read_json_object(cfg, f"model.config: file '{cfg}'", RecipeError), "model.config"
+
+if TYPE_CHECKING:  # the sections' module reads none of this one
+    from neutrain.config.sections import ModelSection
 
 
 def _known_keys(cls, defaults: dict) -> set[str]:
@@ -158,12 +161,12 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _mapping(model: Mapping[str, Any]) -> dict | None:
+def _mapping(model: ModelSection) -> dict | None:
     """The config mapping the model section names, or None where only transformers can read it."""
-    cfg = model["config"]
+    cfg = model.config
     if cfg is None:
-        base = model.get("base_model")
-        if model.get("gguf_file") or not (base and os.path.isdir(base)):
+        base = model.base_model
+        if model.gguf_file or not (base and os.path.isdir(base)):
             return None  # a GGUF file or a hub id: read by transformers
         cfg = os.path.join(base, "config.json")
     try:
@@ -172,12 +175,12 @@ def _mapping(model: Mapping[str, Any]) -> dict | None:
         return None  # the config class's reader names what is wrong
 
 
-def _tokenizer_size(model: Mapping[str, Any]) -> int | None:
+def _tokenizer_size(model: ModelSection) -> int | None:
     """The vocabulary a recipe's own tokenizer will have, as the planner counts it before one is built."""
-    return BYTE_VOCAB if model.get("tokenizer") == "byte" else model.get("tokenizer_vocab_size")
+    return BYTE_VOCAB if model.tokenizer == "byte" else model.tokenizer_vocab_size
 
 
-def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
+def plain_shape_config(model: ModelSection) -> SimpleNamespace | None:
     """The config attributes the memory planner reads, from the model section's mapping alone, or None.
 
     The vocabulary is the one the built config would have: a random init's is the trained or byte
@@ -186,10 +189,11 @@ def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
     Example:
         >>> cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
         ...        "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True}
-        >>> shape = plain_shape_config({"config": cfg, "tokenizer": "train-bpe", "tokenizer_vocab_size": 8192})
+        >>> from neutrain.config.sections import ModelSection
+        >>> shape = plain_shape_config(ModelSection(config=cfg, tokenizer="train-bpe", tokenizer_vocab_size=8192))
         >>> shape.vocab_size, shape.head_dim, shape.num_key_value_heads
         (8192, 64, 1)
-        >>> plain_shape_config({"config": {**cfg, "model_type": "gemma"}, "tokenizer": "byte"}) is None
+        >>> plain_shape_config(ModelSection(config={**cfg, "model_type": "gemma"}, tokenizer="byte")) is None
         True
     """
     values = _mapping(model)
@@ -208,10 +212,10 @@ def plain_shape_config(model: Mapping[str, Any]) -> SimpleNamespace | None:
     elif not _whole(head_dim):
         return None
     vocab = values.get("vocab_size")
-    if model["config"] is not None:  # sized to the recipe's own tokenizer, as the built config is
+    if model.config is not None:  # sized to the recipe's own tokenizer, as the built config is
         words = _tokenizer_size(model)
-        inline_vocab = isinstance(model["config"], Mapping) and "vocab_size" in model["config"]
-        vocab = words if model.get("tokenizer") in ("byte", "train-bpe") and not inline_vocab else vocab
+        inline_vocab = isinstance(model.config, Mapping) and "vocab_size" in model.config
+        vocab = words if model.tokenizer in ("byte", "train-bpe") and not inline_vocab else vocab
         if not _whole(words) or not _whole(vocab) or vocab < words:
             return None  # the config class's path sizes or refuses it, in its own words
     if not _whole(vocab):

@@ -40,7 +40,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
      "positive", "a rotary embedding's base or factor"),
     (r"\w*(attn|final|attention)_logit_softcapping|logit_scale|embedding_multiplier|residual_multiplier|"
      r"attention_multiplier|logits_scaling", "positive", "a scale or cap"),
-    (r"\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
+    # ESM's token_dropout is a switch named like a probability; true is no dropout of 1 anywhere else.
+    (r"(?!token_dropout$)\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
     (r"initializer_range|\w*_init_std", "non-negative", "the random init's standard deviation"),
     (r"tie_word_embeddings|attention_bias|mlp_bias|use_cache", "boolean", "a switch"),
 )
@@ -65,8 +66,6 @@ def _problem(kind: str, value: Any) -> str | None:
         low = 1 if kind == "size" else 0
         whole = _number(value) and math.isfinite(value) and float(value).is_integer()
         return None if whole and low <= value <= _SIZE_MAX else f"must be a whole number from {low} to {_SIZE_MAX:,}"
-    if kind == "probability" and isinstance(value, bool):  # a switch named like a dropout (ESM's token_dropout)
-        return None
     if not _number(value) or not math.isfinite(value):
         return "must be a finite number"
     if kind == "epsilon" and not 0 < value < 1:
@@ -129,6 +128,8 @@ def check_config_relations(values: dict, where: str, error: type[Exception]) -> 
 
     * ``num_attention_heads`` must be a multiple of ``num_key_value_heads`` (each key/value head serves a
       whole group of query heads);
+    * without a ``head_dim`` of its own, ``hidden_size`` must be a multiple of ``num_attention_heads`` (each
+      head takes an equal slice of it);
     * with rotary embeddings (any ``rope*`` key), the rotated part of a head must have an even width (the
       rotation pairs its dimensions);
     * every special-token id (``bos``, ``eos``, ``pad``, ...) must index the vocabulary (an ``eos`` past it
@@ -144,6 +145,9 @@ def check_config_relations(values: dict, where: str, error: type[Exception]) -> 
         raise error(f"{where}.num_key_value_heads: {kv} does not divide num_attention_heads {heads} (each key/value "
                     "head serves a whole group of query heads)")
     head_dim, hidden = values.get("head_dim"), values.get("hidden_size")
+    if head_dim is None and _whole(hidden) and _whole(heads) and hidden % heads:
+        raise error(f"{where}.hidden_size: {hidden} is not a multiple of num_attention_heads {heads} (each head "
+                    "takes an equal slice of it; or give head_dim)")
     width = head_dim if _whole(head_dim) else hidden // heads if _whole(hidden) and _whole(heads) else None
     factor = values.get("partial_rotary_factor", 1.0)
     if width and any(k.startswith("rope") for k in values) and _number(factor) and 0 < factor <= 1:

@@ -13,10 +13,10 @@ import difflib
 import math
 import os
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Iterable
 
 import yaml
+from pydantic import ValidationError
 
 from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
@@ -25,72 +25,27 @@ from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import check_draft_config, check_model_config, plain_shape_config
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
-from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, REQUIRED, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
-from neutrain.config.sections import Section
-from neutrain.config.values import check_value, resolve_path, shown, suggest
-
-DATASET_KEYS: dict[str, Key] = {
-    "path": Key(str, REQUIRED, "File, directory, or 'python-stdlib'."),
-    "type": Key(str, "text", "text | completion | messages.", choices=("text", "completion", "messages")),
-    "ds_type": Key(str, None, "json | jsonl | csv | parquet | text (default: from the file extension).", choices=("json", "jsonl", "csv", "parquet", "text"), nullable=True),
-    "split": Key(str, "train", "train, or validation for held-out data.", choices=("train", "validation")),
-    "text_field": Key(str, "text", "Column holding the text (type: text)."),
-    "prompt_field": Key(str, "prompt", "Column holding the prompt (type: completion)."),
-    "completion_field": Key(str, "completion", "Column holding the completion (type: completion)."),
-    "messages_field": Key(str, "messages", "Column holding the list of {role, content} messages (type: messages)."),
-    "max_files": Key(int, None, "python-stdlib only: use at most this many source files.", min=1, nullable=True),
-}
-
-SPECIAL_DATA_PATHS = ("python-stdlib",)
+from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
+from neutrain.config.sections import MemorySection, ModelSection, TrainSection
+from neutrain.config.fields import Section
+from neutrain.config.validation_errors import recipe_error
+from neutrain.config.values import shown, suggest
 
 
-def _validate_mapping(where: str, raw: dict, keys: dict[str, Key], base_dir: Path | None) -> dict:
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    for name in raw:
-        if name not in keys:
-            raise RecipeError(f"{where}: unknown key '{name}'.{suggest(str(name), keys)}")
-    out = {}
-    for name, key in keys.items():
-        if name in raw:
-            out[name] = check_value(f"{where}.{name}", key, raw[name], base_dir)
-        elif key.default is REQUIRED:
-            raise RecipeError(f"{where}: missing required key '{name}'")
-        else:
-            default = key.default
-            out[name] = list(default) if isinstance(default, list) else default
-    return out
-
-
-def _validate_datasets(entries: list, base_dir: Path | None) -> list[dict]:
-    if not entries:
-        raise RecipeError("data.datasets: expected at least one dataset")
-    out = []
-    for i, entry in enumerate(entries):
-        where = f"data.datasets[{i}]"
-        if isinstance(entry, str):
-            entry = {"path": entry}
-        ds = _validate_mapping(where, entry, DATASET_KEYS, base_dir)
-        if ds["path"] not in SPECIAL_DATA_PATHS:
-            ds["path"] = resolve_path(f"{where}.path", ds["path"], base_dir, "any", "data file")
-        out.append(ds)
-    return out
-
-
-def check_weight_offload(mem: Mapping[str, Any], train: Mapping[str, Any], fused: bool) -> None:
+def check_weight_offload(mem: MemorySection, train: TrainSection, fused: bool) -> None:
     """``memory.offload_weights`` streams compressed decoder layers from host memory: what it composes with."""
     # auto: the fit then resolves the weights to neuzip-lossless, the only storage the host store holds.
-    if mem["weights"] not in ("neuzip-lossless", "auto") or mem["adapter"] is not None:
+    if mem.weights not in ("neuzip-lossless", "auto") or mem.adapter is not None:
         raise RecipeError(f"memory.offload_weights: needs memory.weights: neuzip-lossless (or auto) and no adapter "
-                          f"(got weights {mem['weights']}, adapter {mem['adapter']})")
+                          f"(got weights {mem.weights}, adapter {mem.adapter})")
     if not fused:
         raise RecipeError(f"memory.offload_weights: needs a fused optimizer ({', '.join(FUSED_OPTIMIZERS)}), "
-                          f"not {train['optimizer']}: the update must run while the layer is on the GPU")
-    if train["gradient_accumulation_steps"] != 1:
+                          f"not {train.optimizer}: the update must run while the layer is on the GPU")
+    if train.gradient_accumulation_steps != 1:
         raise RecipeError(f"memory.offload_weights: train.gradient_accumulation_steps must be 1, not "
-                          f"{train['gradient_accumulation_steps']} (accumulating would keep an fp32 gradient sum of "
+                          f"{train.gradient_accumulation_steps} (accumulating would keep an fp32 gradient sum of "
                           "every weight on the GPU, the memory offloading frees); raise train.micro_batch_size instead")
-    if train["deepspeed"] or train["fsdp"] or train["distributed"] in ("fsdp2", "deepspeed"):
+    if train.deepspeed or train.fsdp or train.distributed in ("fsdp2", "deepspeed"):
         raise RecipeError("memory.offload_weights: one process per model copy only (not with FSDP or DeepSpeed)")
 
 
@@ -119,48 +74,17 @@ def validate_recipe(raw: dict, source: str | None = None, base_dir: Path | None 
     for section in raw:
         if section not in SCHEMA:
             raise RecipeError(f"{where}: unknown section '{section}'.{suggest(str(section), SECTIONS)} Sections are: {', '.join(SECTIONS)}")
-    values = {}
-    for section, keys in SCHEMA.items():
-        section_raw = raw.get(section)
-        values[section] = _validate_mapping(section, {} if section_raw is None else section_raw, keys, base_dir)
-    values["data"]["datasets"] = _validate_datasets(values["data"]["datasets"], base_dir)
-    values["memory"]["device_budget_gib"] = device_budget_setting(values["memory"]["device_budget_gib"])
-    _cross_checks(values, shape_only)
+    given = {section: {} if raw.get(section) is None else raw[section] for section in SECTIONS}
     explicit = frozenset(f"{section}.{key}" for section, keys in raw.items() if isinstance(keys, dict) for key in keys)
-    return Recipe(**{section: SECTION_TYPES[section](**v) for section, v in values.items()}, source=source,
-                  explicit=explicit)
+    try:
+        recipe = Recipe.model_validate({**given, "source": source, "explicit": explicit},
+                                       context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise recipe_error(exc, Recipe) from None
+    return _cross_checks(recipe, shape_only)
 
 
-_NO_BUDGET = ("none", "off")
-
-
-def device_budget_setting(value: Any) -> float | str:
-    """``memory.device_budget_gib`` as the run reads it: ``"auto"``, ``"none"`` or a number of GiB.
-
-    YAML reads a bare ``off`` as false and ``null`` as None: both mean no budget, as ``none`` does.
-
-    Example:
-        >>> device_budget_setting("Auto"), device_budget_setting(False), device_budget_setting("14.5")
-        ('auto', 'none', 14.5)
-    """
-    if value is None or value is False:
-        return "none"
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("auto", *_NO_BUDGET):
-            return "none" if text in _NO_BUDGET else "auto"
-        try:
-            number = float(text)
-        except ValueError:
-            number = None
-        if number is not None and math.isfinite(number) and number > 0:
-            return number
-    elif isinstance(value, float) and not isinstance(value, bool):
-        return value  # the schema's range check has run
-    raise RecipeError(f"memory.device_budget_gib: expected auto, none, off or a number of GiB > 0, got {shown(value)}")
-
-
-def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path | None = None) -> Section:
+def section_from(section: str, values: Any, base_dir: Path | None = None) -> Section:
     """One typed section from a partial mapping: the schema's defaults for the keys it lacks.
 
     The keys it has get the same checks as in a recipe (unknown key, type, range, path); the checks
@@ -178,10 +102,10 @@ def section_from(section: str, values: Mapping[str, Any] | None, base_dir: Path 
     cls = SECTION_TYPES[section]
     if isinstance(values, cls):
         return values
-    checked = _validate_mapping(section, dict(values or {}), SCHEMA[section], base_dir)
-    if section == "data":
-        checked["datasets"] = _validate_datasets(checked["datasets"], base_dir)
-    return cls(**checked)
+    try:
+        return cls.model_validate(dict(values or {}), context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise recipe_error(exc, cls, section) from None
 
 
 def _check_top_level(raw: Any, where: str) -> dict:
@@ -200,8 +124,8 @@ SCHEDULER_KWARGS = {
 }
 
 
-def _check_scheduler(train: dict) -> None:
-    name, kwargs = train["lr_scheduler"], train["lr_scheduler_kwargs"] or {}
+def _check_scheduler(train: TrainSection) -> None:
+    name, kwargs = train.lr_scheduler, train.lr_scheduler_kwargs or {}
     allowed = SCHEDULER_KWARGS[name]
     for key, value in kwargs.items():
         where = f"train.lr_scheduler_kwargs.{key}"
@@ -217,7 +141,7 @@ def _check_scheduler(train: dict) -> None:
         if len(given) != 1:
             raise RecipeError("train.lr_scheduler_kwargs: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate "
                               f"(e.g. train.lr_scheduler_kwargs={{min_lr_rate: 0.1}}), got {given or 'neither'}")
-        if kwargs.get("min_lr_rate", 0) > 1 or kwargs.get("min_lr", 0) > train["learning_rate"]:
+        if kwargs.get("min_lr_rate", 0) > 1 or kwargs.get("min_lr", 0) > train.learning_rate:
             raise RecipeError(f"train.lr_scheduler_kwargs.{given[0]}: {kwargs[given[0]]} is above the peak learning rate")
 
 
@@ -250,80 +174,86 @@ def package_file(value: str, where: str) -> str:
     return str(path)
 
 
-def _check_gguf_file(model: dict) -> None:
-    """A GGUF path given without base_model must name an existing file (found before anything loads)."""
-    gguf = model["gguf_file"]
+def _check_gguf_file(model: ModelSection) -> ModelSection:
+    """A GGUF path given without base_model must name an existing file (found before anything loads); a
+    ``package:`` name is the path of the file its package ships."""
+    gguf = model.gguf_file
     if not gguf:
-        return
-    if gguf.startswith(PACKAGE_PREFIX) and not model["base_model"]:
-        gguf = model["gguf_file"] = package_file(gguf, "model.gguf_file")
+        return model
+    if gguf.startswith(PACKAGE_PREFIX) and not model.base_model:
+        gguf = package_file(gguf, "model.gguf_file")
+        model = model.changed(gguf_file=gguf)
     if not gguf.lower().endswith(".gguf"):
         raise RecipeError(f"model.gguf_file: '{gguf}' is not a .gguf file name")
-    if not model["base_model"] and not os.path.lexists(gguf):
+    if not model.base_model and not os.path.lexists(gguf):
         raise RecipeError(f"model.gguf_file: '{gguf}' does not exist (relative to the current directory {Path.cwd()}); "
                           "or give model.base_model, the directory or hub id that holds it")
-    if not model["base_model"]:
+    if not model.base_model:
         check_kind(gguf, f"model.gguf_file: '{gguf}'", RecipeError)  # a FIFO would block the reader
-    elif Path(model["base_model"]).is_dir():
-        inside = Path(model["base_model"]) / gguf
+    elif Path(model.base_model).is_dir():
+        inside = Path(model.base_model) / gguf
         if not os.path.lexists(inside):
-            raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model['base_model']}'")
+            raise RecipeError(f"model.gguf_file: '{gguf}' is not in model.base_model '{model.base_model}'")
         check_kind(inside, f"model.gguf_file: '{inside}'", RecipeError)
-    if model["init"] == "random":
+    if model.init == "random":
         raise RecipeError("model.gguf_file: a GGUF checkpoint is loaded with model.init: pretrained, not random")
+    return model
 
 
-def _cross_checks(v: dict, shape_only: bool = False) -> None:
-    model, data, train = v["model"], v["data"], v["train"]
-    _check_gguf_file(model)
+def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
+    """The checks across keys and sections; the recipe as the run reads it (a ``package:`` GGUF file found)."""
+    model = _check_gguf_file(recipe.model)
+    if model is not recipe.model:
+        recipe = recipe.with_sections(model=model)
+    data, train, mem = recipe.data, recipe.train, recipe.memory
     check_model_names(model)  # on this machine (a directory or the hub cache), before transformers is imported
-    if model["init"] == "pretrained" and not model["base_model"] and not model["gguf_file"]:
+    if model.init == "pretrained" and not model.base_model and not model.gguf_file:
         raise RecipeError("model.base_model: required when model.init is 'pretrained' (or set model.init: random with model.config)")
-    if model["init"] == "random" and model["config"] is None and not model["base_model"]:
+    if model.init == "random" and model.config is None and not model.base_model:
         raise RecipeError("model.config: required when model.init is 'random' and no base_model gives a config")
-    if v["distill"]["draft_config"]:  # the values the draft's build uses, whatever its target's config is
-        check_config_values(v["distill"]["draft_config"], "distill.draft_config", RecipeError)
-    if model["config"] is not None:
+    if recipe.distill.draft_config:  # the values the draft's build uses, whatever its target's config is
+        check_config_values(recipe.distill.draft_config, "distill.draft_config", RecipeError)
+    if model.config is not None:
         if shape_only and plain_shape_config(model) is not None:  # the class's checks: check_config_classes
-            check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"], config_class=False)
+            check_model_config(model.config, allow_unknown=model.allow_unknown_config_keys, config_class=False)
         else:
-            _check_config_classes(model, v["distill"]["draft_config"])
+            _check_config_classes(model, recipe.distill.draft_config)
     _check_scheduler(train)
-    if train["max_steps"] == 0:  # the Trainer would still train one step, logged as "step 1/0"
+    if train.max_steps == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
                           "train.num_epochs epochs")
-    if model["tokenizer"] is None and not model["base_model"] and not model["gguf_file"]:
+    if model.tokenizer is None and not model.base_model and not model.gguf_file:
         raise RecipeError("model.tokenizer: required when there is no base_model (use 'byte' or 'train-bpe' for no download)")
-    if data["streaming"] and train["max_steps"] <= 0:
+    if data.streaming and train.max_steps <= 0:
         raise RecipeError("train.max_steps: must be > 0 when data.streaming is true (a stream has no known length)")
-    mem = v["memory"]
-    fused = train["optimizer"] in FUSED_OPTIMIZERS
-    if mem["offload_activations"] and not mem["gradient_checkpointing"]:
+    fused = train.optimizer in FUSED_OPTIMIZERS
+    if mem.offload_activations and not mem.gradient_checkpointing:
         raise RecipeError("memory.offload_activations: needs memory.gradient_checkpointing: true "
                           "(it moves the inputs that checkpointed layers keep for their recompute)")
-    if mem["offload_weights"]:
+    if mem.offload_weights:
         check_weight_offload(mem, train, fused)
-    elif mem["offload_layers"] is not None:
-        raise RecipeError(f"memory.offload_layers: {mem['offload_layers']} layers in host memory needs "
+    elif mem.offload_layers is not None:
+        raise RecipeError(f"memory.offload_layers: {mem.offload_layers} layers in host memory needs "
                           "memory.offload_weights: true")
-    if mem["weights"].startswith("neuzip-lossy") and mem["adapter"] is None:
-        raise RecipeError(f"memory.weights: {mem['weights']} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
-    if mem["adapter"] is not None and fused:
-        raise RecipeError(f"train.optimizer: LoRA adapters train with adamw or sgd (the frozen base gets no update), not {train['optimizer']}")
-    if model["dtype"] == "float16" and fused:
-        raise RecipeError(f"model.dtype: float16 weights cannot be trained by the fused optimizer {train['optimizer']} "
+    if mem.weights.startswith("neuzip-lossy") and mem.adapter is None:
+        raise RecipeError(f"memory.weights: {mem.weights} weights cannot be trained (small updates would be rounded away); use neuzip-lossless, or set memory.adapter: lora")
+    if mem.adapter is not None and fused:
+        raise RecipeError(f"train.optimizer: LoRA adapters train with adamw or sgd (the frozen base gets no update), not {train.optimizer}")
+    if model.dtype == "float16" and fused:
+        raise RecipeError(f"model.dtype: float16 weights cannot be trained by the fused optimizer {train.optimizer} "
                           "(fp16 needs a loss scaler, which updates inside backward cannot have); use bfloat16")
-    if mem["weights"] == "neuzip-lossless" and mem["adapter"] is None and not fused:
-        raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train['optimizer']}")
-    for cache in v["eval"]["kv_caches"]:
+    if mem.weights == "neuzip-lossless" and mem.adapter is None and not fused:
+        raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train.optimizer}")
+    for cache in recipe.eval.kv_caches:
         if cache not in KV_CACHES:
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
+    return recipe
 
 
-def _check_config_classes(model: Mapping[str, Any], draft_config: dict | None) -> None:
-    check_model_config(model["config"], allow_unknown=model["allow_unknown_config_keys"])
+def _check_config_classes(model: ModelSection, draft_config: dict | None) -> None:
+    check_model_config(model.config, allow_unknown=model.allow_unknown_config_keys)
     if draft_config:
-        check_draft_config(model["config"], draft_config, allow_unknown=model["allow_unknown_config_keys"])
+        check_draft_config(model.config, draft_config, allow_unknown=model.allow_unknown_config_keys)
 
 
 def _one_of(names: tuple[str, ...]) -> str:

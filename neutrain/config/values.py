@@ -1,15 +1,14 @@
-"""Checking one recipe value against its key's declaration: type, choices, range, text, nested values, path kind.
+"""What any recipe value must be beyond its type and range: a registered name, text a setting can hold, a
+path that exists, no NaN or NUL at any depth; and the words the one-line errors use.
 
-Why a module of its own: every key of the schema goes through :func:`check_value`, so what a value must be
-is decided here once, for each key there is and each key added later (:mod:`neutrain.config.validate`
-walks the sections, the datasets and the checks across keys). A value its key's declaration does not allow
-is one :class:`~neutrain.errors.RecipeError` line starting with the key.
+Why a module of its own: pydantic checks each key's type and range (:mod:`neutrain.config.fields`); every key
+also goes through :func:`held_to_key`, so what holds for any value is decided here once, for each key there is
+and each key added later. A value its key refuses is one :class:`~neutrain.errors.RecipeError` line starting
+with the key.
 
 Example:
     >>> from neutrain.config.schema import SCHEMA
-    >>> check_value("train.learning_rate", SCHEMA["train"]["learning_rate"], "1e-5", None)
-    1e-05
-    >>> check_value("train.fsdp_config", SCHEMA["train"]["fsdp_config"], {"limit": float("nan")}, None)
+    >>> held_to_key("train.fsdp_config", SCHEMA["train"]["fsdp_config"], {"limit": float("nan")}, None)
     Traceback (most recent call last):
     neutrain.errors.RecipeError: train.fsdp_config.limit: nan is not a finite number
 """
@@ -19,14 +18,44 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import re
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterable
 
-from neutrain.config.schema import Key
+from neutrain.config.names import Names
 from neutrain.errors import RecipeError
 from neutrain.files import check_kind, path_too_long
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a key accepts, read off its field: the view the help text, the overrides and the messages use.
+
+    Args:
+        type: Python type(s) accepted (``float`` also accepts ints).
+        default: Value when the recipe omits the key (``REQUIRED`` if mandatory).
+        help: One line shown by ``neutrain train --help`` (the field's docstring).
+        choices: Allowed values: a closed set, or the :class:`~neutrain.config.names.Names` a registry fills.
+        min / max / gt / lt: Inclusive and exclusive numeric bounds.
+        pattern: Regular expression a string value must match in full.
+        path: ``"file"``, ``"dir"`` or ``"any"`` if the value is a path that must exist.
+        nullable: Whether ``null`` is accepted.
+        items: The type every element of a list value must have.
+    """
+
+    type: Any
+    default: Any
+    help: str
+    choices: Any = None
+    min: float | None = None
+    max: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+    pattern: str | None = None
+    path: str | None = None
+    nullable: bool = False
+    items: Any = None
 
 
 def suggest(name: str, options: Iterable[str]) -> str:
@@ -34,49 +63,24 @@ def suggest(name: str, options: Iterable[str]) -> str:
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
-def _type_name(t: Any) -> str:
+def type_name(t: Any) -> str:
+    """How a message names the type(s) a key takes ("an integer or a string")."""
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
     if isinstance(t, tuple):
         return " or ".join(names.get(x, x.__name__) for x in t)
     return names.get(t, t.__name__)
 
 
-def check_value(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
-    """``value`` as the run will use it (a float from a numeric string, a path resolved), or one line naming ``where``."""
+def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
+    """``value``, of its key's type already, as the run will use it (a path resolved), or one line naming ``where``."""
     if value is None:
-        if key.nullable or key.default is None:
-            return None
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got null")
-    types = key.type if isinstance(key.type, tuple) else (key.type,)
-    ok = False
-    for t in types:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value, ok = float(value), True
-            break
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-            break
-        if t not in (int, float) and isinstance(value, t):
-            ok = True
-            break
-    if not ok and float in types and isinstance(value, str):
-        # YAML 1.1 reads "1e-5" (no dot) as a string; accept numeric strings for floats.
-        try:
-            value, ok = float(value), True
-        except ValueError:
-            pass
-    if not ok:
-        raise RecipeError(f"{where}: expected {_type_name(key.type)}, got {type(value).__name__} {value!r}")
-    if key.choices is not None and value not in key.choices:
-        raise RecipeError(f"{where}: {value!r} is not one of {', '.join(map(str, key.choices))}.{suggest(str(value), map(str, key.choices))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check_range(where, key, value)
+        return None
+    if isinstance(key.choices, Names) and value not in key.choices:
+        raise RecipeError(f"{where}: {value!r} is not one of {', '.join(key.choices)}.{suggest(str(value), key.choices)}")
     if isinstance(value, (list, dict)):
-        _check_nested(where, value, key.items)
-    if key.pattern is not None and isinstance(value, str) and not re.fullmatch(key.pattern, value, flags=re.IGNORECASE):
-        raise RecipeError(f"{where}: {value!r} does not have the expected form ({key.help})")
+        check_nested(where, value)
     if isinstance(value, str):
-        _check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
+        check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
     return value
@@ -87,7 +91,7 @@ _PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "m
                 "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
 
 
-def _check_text(where: str, value: str, as_file_name: bool) -> None:
+def check_text(where: str, value: str, as_file_name: bool) -> None:
     """No NUL byte (no file name or C string holds one); a path has no control character, no surrounding
     whitespace, encodes in the file-system encoding, and fits its file system's ``NAME_MAX`` and ``PATH_MAX``
     (past them the first ``stat`` raised, naming neither the key nor the fix).
@@ -117,18 +121,13 @@ def _check_text(where: str, value: str, as_file_name: bool) -> None:
             raise RecipeError(f"{where}: {shown(value)} is too long for its file system: {problem}")
 
 
-def _check_nested(where: str, value: list | dict, items: Any = None) -> None:
-    """What every value inside a list or mapping must be, whatever its key: a list's elements of type ``items``
-    (when the key names one), string mapping keys, finite numbers and no NUL character at any depth.
+def check_nested(where: str, value: list | dict) -> None:
+    """What every value inside a list or mapping must be, whatever its key: string mapping keys, finite numbers
+    and no NUL character at any depth.
 
     Why here and not per key: a key added to the schema gets these checks by construction; a NaN inside
-    ``train.fsdp_config`` or a number in ``data.roles_to_train`` reached the libraries the run drives.
+    ``train.fsdp_config`` reached the libraries the run drives.
     """
-    if items is not None and isinstance(value, list):
-        for i, element in enumerate(value):
-            if not isinstance(element, items) or isinstance(element, bool) is not (items is bool):
-                raise RecipeError(f"{where}[{i}]: expected {_type_name(items)}, got {type(element).__name__} "
-                                  f"{shown(element)}")
     stack: list[tuple[str, Any]] = [(where, value)]
     while stack:
         at, item = stack.pop()
@@ -143,26 +142,6 @@ def _check_nested(where: str, value: list | dict, items: Any = None) -> None:
             raise RecipeError(f"{at}: {item} is not a finite number")
         elif isinstance(item, str) and "\0" in item:
             raise RecipeError(f"{at}: {shown(item)} contains a NUL byte, which no setting can hold")
-
-
-COUNT_CEILING = 2**31 - 1
-"""The largest number a key with no maximum of its own takes: a count past int32 is a typo, not a setting, and the libraries it reaches index with int32 or spend a unit of work per count (``data.num_proc`` of
-1e20 forked processes until the machine ran out)."""
-
-
-def _check_range(where: str, key: Key, value: float) -> None:
-    # NaN compares False with every bound, so without this check it passed them all into the run.
-    if not math.isfinite(value):
-        raise RecipeError(f"{where}: {value} is not a finite number")
-    if key.min is not None and value < key.min:
-        raise RecipeError(f"{where}: {value} is below the minimum {key.min}")
-    ceiling = key.max if key.max is not None else COUNT_CEILING
-    if value > ceiling:
-        raise RecipeError(f"{where}: {value} is above the maximum {ceiling:,}")
-    if key.gt is not None and not value > key.gt:
-        raise RecipeError(f"{where}: {value} must be greater than {key.gt}")
-    if key.lt is not None and not value < key.lt:
-        raise RecipeError(f"{where}: {value} must be less than {key.lt}")
 
 
 def resolve_path(where: str, value: str, base_dir: Path | None, kind: str = "any", noun: str = "path") -> str:

@@ -34,7 +34,7 @@ def _source_name(entry: dict) -> str:
     return entry["path"]
 
 
-def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
+def _tokenize(ds, entry: dict, tokenizer, data_cfg: Any):
     source = _source_name(entry)
 
     def fn(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -61,10 +61,10 @@ def _tokenize(ds, entry: dict, tokenizer, data_cfg: dict):
     return ds.map(fn, batched=True, with_indices=True, remove_columns=columns, **extra)
 
 
-def iter_training_texts(data_cfg: dict, cache_dir: str, limit_chars: int = 20_000_000):
+def iter_training_texts(data_cfg: Any, cache_dir: str, limit_chars: int = 20_000_000):
     """Yield raw training text (for training a tokenizer on the recipe's own data)."""
     seen = 0
-    for entry in data_cfg["datasets"]:
+    for entry in data_cfg.datasets:
         if entry["split"] != "train":
             continue
         for row in load_rows(entry, streaming=True, cache_dir=cache_dir):
@@ -84,11 +84,12 @@ def iter_training_texts(data_cfg: dict, cache_dir: str, limit_chars: int = 20_00
                 return
 
 
-def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
+def build_datasets(data_cfg: Any, tokenizer, cache_dir: str):
     """Build the training and held-out datasets described by a recipe's ``data`` section.
 
     Args:
-        data_cfg: The validated ``data`` section.
+        data_cfg: The validated ``data`` section (``neutrain.config.sections.DataSection``, read by attribute; typed
+            ``Any`` here because the data package does not import the config package).
         tokenizer: A Hugging Face tokenizer (with ``eos_token_id``; ``pad_token_id`` for packing).
         cache_dir: The run's cache: generated corpora and ``datasets``' tables are written there, never in the
             user-wide cache another process may be writing (:func:`~neutrain.data.sources.datasets_cache`).
@@ -99,10 +100,10 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     """
     import datasets
 
-    seed = data_cfg["shuffle_seed"]
-    streaming = data_cfg["streaming"]
+    seed = data_cfg.shuffle_seed
+    streaming = data_cfg.streaming
     train_parts, eval_parts = [], []
-    for entry in data_cfg["datasets"]:
+    for entry in data_cfg.datasets:
         raw = load_rows(entry, streaming=streaming, cache_dir=cache_dir)
         if streaming:
             check_stream(raw, tokenizer, entry, data_cfg, _source_name(entry))
@@ -111,8 +112,8 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
             check_counts(counts_of(ds, len(raw)), raw, tokenizer, entry, data_cfg, _source_name(entry))
         if streaming:
             ds = ds.shuffle(seed=seed, buffer_size=10_000)
-            if data_cfg["max_samples"]:
-                ds = ds.take(data_cfg["max_samples"])
+            if data_cfg.max_samples:
+                ds = ds.take(data_cfg.max_samples)
             (eval_parts if entry["split"] == "validation" else train_parts).append(ds.filter(lambda r: not r["heldout"]))
             continue
         if entry["split"] == "validation":
@@ -124,17 +125,17 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
         if len(held):
             eval_parts.append(held)
         ds = ds.shuffle(seed=seed)
-        if data_cfg["max_samples"]:
-            ds = ds.select(range(min(len(ds), data_cfg["max_samples"])))
+        if data_cfg.max_samples:
+            ds = ds.select(range(min(len(ds), data_cfg.max_samples)))
         train_parts.append(ds)
     if not train_parts:
         raise RecipeError("data.datasets: no dataset with split 'train'")
     concat = datasets.interleave_datasets if streaming else datasets.concatenate_datasets
     train = concat(train_parts) if len(train_parts) > 1 else train_parts[0]
     heldout = concat(eval_parts) if len(eval_parts) > 1 else (eval_parts[0] if eval_parts else None)
-    if heldout is None and data_cfg["val_set_size"] > 0 and not streaming:
-        check_split(len(train), data_cfg["val_set_size"])
-        split = train.train_test_split(test_size=data_cfg["val_set_size"], seed=seed)
+    if heldout is None and data_cfg.val_set_size > 0 and not streaming:
+        check_split(len(train), data_cfg.val_set_size)
+        split = train.train_test_split(test_size=data_cfg.val_set_size, seed=seed)
         train, heldout = split["train"], split["test"]
     if not streaming:
         require_tokens(train, "training data")
@@ -144,14 +145,14 @@ def build_datasets(data_cfg: dict[str, Any], tokenizer, cache_dir: str):
     return train, heldout
 
 
-def _finish(ds, data_cfg: dict, tokenizer, streaming: bool, cache_dir: str):
+def _finish(ds, data_cfg: Any, tokenizer, streaming: bool, cache_dir: str):
     ds = ds.remove_columns(["heldout", *STAT_COLUMNS])
-    if not data_cfg["sample_packing"]:
+    if not data_cfg.sample_packing:
         return ds
     import datasets
 
     pad = pad_token_id(tokenizer)
-    n = data_cfg["sequence_len"]
+    n = data_cfg.sequence_len
     if streaming:
         return stream_from(lambda: pack_rows(iter(ds), n, pad), cache_dir)
     return datasets.Dataset.from_list(list(pack_rows(ds, n, pad)))

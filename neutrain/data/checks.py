@@ -47,7 +47,7 @@ def trainable_tokens(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
 
 
-def tokenize_counted(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> tuple[list[dict], int, bool]:
+def tokenize_counted(row: dict, tokenizer, entry: dict, data_cfg: Any, source: str, index: int) -> tuple[list[dict], int, bool]:
     """:func:`~neutrain.data.formats.tokenize_row` plus (trainable tokens, truncated) of the raw row."""
     rows = tokenize_row(row, tokenizer, entry, data_cfg, source, index)
     return rows, sum(trainable_tokens(r["labels"]) for r in rows), any(r["truncated"] for r in rows)
@@ -96,7 +96,7 @@ def has_tokens(ds) -> bool:
     return bool(pc.max(ds.select_columns(["_row_tokens"]).with_format("arrow")[:]["_row_tokens"]).as_py())
 
 
-def check_stream(raw, tokenizer, entry: dict, data_cfg: dict, source: str) -> None:
+def check_stream(raw, tokenizer, entry: dict, data_cfg: Any, source: str) -> None:
     """Check the first :data:`PEEK_ROWS` rows of a streamed dataset (see :func:`check_counts`)."""
     sample = list(itertools.islice(iter(raw), PEEK_ROWS))
     counts = Counts()
@@ -105,7 +105,7 @@ def check_stream(raw, tokenizer, entry: dict, data_cfg: dict, source: str) -> No
     check_counts(counts, sample, tokenizer, entry, data_cfg, source, streamed=True)
 
 
-def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, data_cfg: dict, source: str, streamed: bool = False) -> None:
+def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, data_cfg: Any, source: str, streamed: bool = False) -> None:
     """Raise :class:`DataError` when nothing trains; log a warning when many rows train nothing or are cut.
 
     Args:
@@ -124,19 +124,19 @@ def check_counts(counts: Counts, raw: Iterable[dict], tokenizer, entry: dict, da
     if untrained + counts.truncated > WARN_SHARE * counts.rows:
         logger.warning(
             "%s: of %s, %d train no token and %d were truncated at data.sequence_len=%d (%.0f%%, more than %.0f%%); "
-            "check data.sequence_len%s", source, scope, untrained, counts.truncated, data_cfg["sequence_len"],
+            "check data.sequence_len%s", source, scope, untrained, counts.truncated, data_cfg.sequence_len,
             100 * (untrained + counts.truncated) / counts.rows, 100 * WARN_SHARE,
             " and data.roles_to_train" if entry["type"] == "messages" else "",
         )
 
 
-def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: dict) -> str:
+def _why_untrained(rows: list[dict], tokenizer, entry: dict, data_cfg: Any) -> str:
     """The likely cause, in words, of a dataset that trains no token."""
-    n = data_cfg["sequence_len"]
+    n = data_cfg.sequence_len
     if entry["type"] == "messages":
         field = entry["messages_field"]
         roles = sorted({m["role"] for r in rows for m in r.get(field) or [] if isinstance(m, dict) and isinstance(m.get("role"), str)})
-        trained = [str(r) for r in data_cfg["roles_to_train"]]
+        trained = [str(r) for r in data_cfg.roles_to_train]
         listed = f"roles seen: {', '.join(roles) or 'none'}; data.roles_to_train is [{', '.join(trained)}]"
         if set(roles) & set(trained):
             return f"{listed}, and every such turn starts at or after data.sequence_len={n} tokens: raise data.sequence_len"

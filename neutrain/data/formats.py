@@ -198,18 +198,18 @@ def _assistant_content_start(tokenizer, before: list[dict], start: int, text: st
     return len(header) if text.startswith(header) and start <= len(header) < len(text) else start
 
 
-def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: dict, source: str, index: int) -> list[dict]:
+def tokenize_row(row: dict, tokenizer, entry: dict, data_cfg: Any, source: str, index: int) -> list[dict]:
     """Dispatch on ``entry['type']``; returns zero or more tokenised rows.
 
     A panic of the tokenizer's native code on the row (a normalizer or pre-tokenizer regex past its
     backtracking limit) is a :class:`DataError` naming the row, without the panic's printout.
     """
-    kind, n = entry["type"], data_cfg["sequence_len"]
+    kind, n = entry["type"], data_cfg.sequence_len
     with native_panics(lambda message: DataError(tokenizer_panic(f"{source}: row {index}", message))):
         if kind == "text":
             return tokenize_text(row, tokenizer, entry, n, source, index)
         if kind == "completion":
-            return tokenize_completion(row, tokenizer, entry, n, data_cfg["train_on_inputs"], source, index)
-        return tokenize_messages(row, tokenizer, entry, n, data_cfg["train_on_inputs"], data_cfg["roles_to_train"],
+            return tokenize_completion(row, tokenizer, entry, n, data_cfg.train_on_inputs, source, index)
+        return tokenize_messages(row, tokenizer, entry, n, data_cfg.train_on_inputs, data_cfg.roles_to_train,
                                  source, index)
 

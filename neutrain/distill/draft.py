@@ -103,36 +103,36 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
     from neutrain.speculative.payoff import pays, round_cost  # lazy: torch, as above
 
     d, t = recipe.distill, recipe.train
-    out = os.path.join(t["output_dir"], DRAFT_DIR)
-    earlier = earlier_distillation(t["output_dir"], overwrite)  # before anything loads
+    out = os.path.join(t.output_dir, DRAFT_DIR)
+    earlier = earlier_distillation(t.output_dir, overwrite)  # before anything loads
     for name in (DRAFT_DIR, LOG_DIR, ".cache"):  # the run's own (refused when they are there and not the run's)
-        claim(os.path.join(t["output_dir"], name))
+        claim(os.path.join(t.output_dir, name))
     if earlier:
         check_export_target(out, overwrite=True, key="distill: the draft directory")  # only a previous export is replaced
-        echo(f"draft: replacing the earlier distillation's draft and logs in {t['output_dir']}")
+        echo(f"draft: replacing the earlier distillation's draft and logs in {t.output_dir}")
         for path in earlier:
             if path.is_file():  # the log files; the draft's export is replaced when the new one is written
                 path.unlink()
     if target is None:
         target, tokenizer = _load_target(recipe)
     target = densify(target).eval()
-    train_ds, heldout = build_datasets(recipe.data, tokenizer, os.path.join(t["output_dir"], ".cache"))
-    if heldout is not None and recipe.eval["max_eval_samples"]:
-        heldout = heldout.select(range(min(len(heldout), recipe.eval["max_eval_samples"])))
-    torch.manual_seed(t["seed"])
-    draft = AutoModelForCausalLM.from_config(draft_config(target.config, d["draft_config"]), dtype=target.dtype)
+    train_ds, heldout = build_datasets(recipe.data, tokenizer, os.path.join(t.output_dir, ".cache"))
+    if heldout is not None and recipe.eval.max_eval_samples:
+        heldout = heldout.select(range(min(len(heldout), recipe.eval.max_eval_samples)))
+    torch.manual_seed(t.seed)
+    draft = AutoModelForCausalLM.from_config(draft_config(target.config, d.draft_config), dtype=target.dtype)
     draft.to(next(target.parameters()).device)
     args = TrainingArguments(  # its logs go beside the draft: the export may replace only an export
-        output_dir=os.path.join(t["output_dir"], LOG_DIR), per_device_train_batch_size=t["micro_batch_size"], per_device_eval_batch_size=t["micro_batch_size"],
-        learning_rate=d["learning_rate"], max_steps=d["max_steps"], lr_scheduler_type="cosine", warmup_steps=min(5, d["max_steps"] // 5),
-        logging_steps=max(1, d["max_steps"] // 4), save_strategy="no", report_to="none", seed=t["seed"], data_seed=t["seed"],
-        use_cpu=t["use_cpu"], remove_unused_columns=False, disable_tqdm=not progress_bars_wanted(),
-        dataloader_pin_memory=not t["use_cpu"] and torch.cuda.is_available(),  # else a warning nobody can act on
+        output_dir=os.path.join(t.output_dir, LOG_DIR), per_device_train_batch_size=t.micro_batch_size, per_device_eval_batch_size=t.micro_batch_size,
+        learning_rate=d.learning_rate, max_steps=d.max_steps, lr_scheduler_type="cosine", warmup_steps=min(5, d.max_steps // 5),
+        logging_steps=max(1, d.max_steps // 4), save_strategy="no", report_to="none", seed=t.seed, data_seed=t.seed,
+        use_cpu=t.use_cpu, remove_unused_columns=False, disable_tqdm=not progress_bars_wanted(),
+        dataloader_pin_memory=not t.use_cpu and torch.cuda.is_available(),  # else a warning nobody can act on
     )
     trainer = DistillationTrainer(
         model=draft, args=args, train_dataset=train_ds, eval_dataset=heldout, data_collator=Collator(pad_token_id(tokenizer)),
-        processing_class=tokenizer, teacher_model=target, divergence=d["divergence"],
-        on_policy_every=d["on_policy_every"], on_policy_tokens=min(32, recipe.data["sequence_len"] // 4),
+        processing_class=tokenizer, teacher_model=target, divergence=d.divergence,
+        on_policy_every=d.on_policy_every, on_policy_tokens=min(32, recipe.data.sequence_len // 4),
     )
     alpha_before = trainer.evaluate()["eval_acceptance"] if heldout is not None else None
     trainer.train()
@@ -141,22 +141,22 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
         report["alpha_before"] = alpha_before
         report["alpha"] = trainer.evaluate()["eval_acceptance"]
     info = {"name": "neutrain draft", "distilled_from": recipe.distill.target or "the run's trained model",
-            "recipe": recipe.source, "steps": d["max_steps"], "acceptance": report.get("alpha")}
+            "recipe": recipe.source, "steps": d.max_steps, "acceptance": report.get("alpha")}
     report["draft_dir"] = export_hf(trainer.model, out, tokenizer=tokenizer, info=info, overwrite=True)
     if heldout is not None:
         prompt = torch.tensor([heldout[0]["input_ids"][:32]], device=next(target.parameters()).device)
-        gen = torch.Generator(device="cpu").manual_seed(t["seed"])
-        res = generate(target, trainer.model.eval(), prompt, num_drafts=d["num_drafts"], draft_len=d["draft_len"],
-                       scheme=d["scheme"] if d["num_drafts"] > 1 or d["scheme"] == "sd" else "sd",
-                       temperature=d["temperature"], max_new_tokens=d["max_new_tokens"], generator=gen)
+        gen = torch.Generator(device="cpu").manual_seed(t.seed)
+        res = generate(target, trainer.model.eval(), prompt, num_drafts=d.num_drafts, draft_len=d.draft_len,
+                       scheme=d.scheme if d.num_drafts > 1 or d.scheme == "sd" else "sd",
+                       temperature=d.temperature, max_new_tokens=d.max_new_tokens, generator=gen)
         # Whether the draft pays at all: a round costs the verification plus draft_len draft steps.
-        cost = round_cost(target, [trainer.model], d["draft_len"])
+        cost = round_cost(target, [trainer.model], d.draft_len)
         report.update(block_efficiency=res.stats.block_efficiency, token_acceptance=res.stats.acceptance,
                       round_cost=cost, pays=pays(res.stats.block_efficiency, cost),
                       sample=tokenizer.decode(res.sequences[0, prompt.shape[1]:]))
         echo(f"draft: {report['draft_parameters'] / 1e6:.1f}M parameters, alpha {alpha_before:.3f} -> {report['alpha']:.3f} "
-             f"after {d['max_steps']} distillation steps; speculative decode ({d['scheme']}, K={d['num_drafts']}, "
-             f"gamma={d['draft_len']}): {payoff_words(report)}")
+             f"after {d.max_steps} distillation steps; speculative decode ({d.scheme}, K={d.num_drafts}, "
+             f"gamma={d.draft_len}): {payoff_words(report)}")
     return report
 
 

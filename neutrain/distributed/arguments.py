@@ -5,8 +5,8 @@ launch/...``), and :func:`neutrain.distributed.modes.choose_mode` reads the mode
 started. This module is the one place that reads the recipe's distributed keys.
 
 Example:
-    >>> from neutrain.distributed.arguments import distributed_arguments
-    >>> distributed_arguments({"distributed": "auto", "fsdp": "", "fsdp_config": None, "deepspeed": None})
+    >>> from neutrain.config.sections import TrainSection
+    >>> distributed_arguments(TrainSection(distributed="auto"))
     {'deepspeed': None, 'fsdp': '', 'fsdp_config': None}
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from neutrain.config.sections import TrainSection
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.files import read_json_object
 
@@ -73,23 +74,23 @@ _ARGUMENTS: dict[str, Callable[[str, Any, Any], dict[str, Any]]] = {
 }
 
 
-def distributed_request(t: dict) -> DistributedRequest:
+def distributed_request(t: TrainSection) -> DistributedRequest:
     """The recipe's ``train`` section's distributed keys, checked against each other.
 
     Raises:
         UserInputError: keys that contradict ``train.distributed`` (one line naming them).
 
     Example:
-        >>> distributed_request({"distributed": "fsdp2", "fsdp": None, "fsdp_config": None, "deepspeed": None}).key
+        >>> distributed_request(TrainSection(distributed="fsdp2")).key
         'train.distributed: fsdp2'
     """
-    choice = t.get("distributed", "auto")
+    choice = t.distributed
     parse = _ARGUMENTS.get(choice, _as_given)  # the schema has refused other values already
-    arguments = parse(t["fsdp"] or "", t["fsdp_config"], t["deepspeed"])
-    key = f"train.distributed: {choice}" if parse is _fsdp2 else f"train.fsdp: {t['fsdp']!r}"
+    arguments = parse(t.fsdp or "", t.fsdp_config, t.deepspeed)
+    key = f"train.distributed: {choice}" if parse is _fsdp2 else f"train.fsdp: {t.fsdp!r}"
     return DistributedRequest(arguments, key)
 
 
-def distributed_arguments(t: dict) -> dict[str, Any]:
+def distributed_arguments(t: TrainSection) -> dict[str, Any]:
     """``deepspeed``/``fsdp``/``fsdp_config`` for ``TrainingArguments`` from the recipe's ``train`` section."""
     return distributed_request(t).arguments

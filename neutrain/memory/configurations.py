@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +46,13 @@ WEIGHTS_LABEL = {"dense": "dense weights", "neuzip-lossless": "NeuZip weights"}
 
 
 def apply_changes(recipe: Recipe, changes: dict[str, Any]) -> Recipe:
-    """The recipe with ``{"section.key": value}`` changed (sections are frozen: new ones are made)."""
+    """The recipe with a fit's ``{"section.key": value}`` changes (named so, as the fit reports them) made through
+    :meth:`Recipe.changed`, which refuses a key its section does not have."""
     by_section: dict[str, dict[str, Any]] = {}
     for dotted, value in changes.items():
         section, key = dotted.split(".")
         by_section.setdefault(section, {})[key] = value
-    return dataclasses.replace(recipe, **{s: dataclasses.replace(getattr(recipe, s), **kv)
-                                          for s, kv in by_section.items()})
+    return recipe.changed(**by_section)
 
 
 def weight_options(recipe: Recipe) -> list[str]:

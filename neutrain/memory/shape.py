@@ -163,7 +163,7 @@ class ModelShape:
 
 def recipe_shape(recipe) -> ModelShape:
     """The shape of the model a recipe's ``model`` section describes, read without building it."""
-    return ModelShape.from_config(shape_config(recipe.model), bool(recipe.model["trust_remote_code"]))
+    return ModelShape.from_config(shape_config(recipe.model), bool(recipe.model.trust_remote_code))
 
 
 def _built_table(config: Any, trust_remote_code: bool) -> Table | None:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError
 # Where callers have always found them (the planner imports them from model_config, without torch):
 from neutrain.memory import config_only, gguf_call, gguf_errors, gguf_source, recipe_config  # noqa: F401
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import DataSection, ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ def auto_dtype_line(use_cpu: bool = False) -> str:
             "NeuZip weights stay bf16 and are upcast exactly")
 
 
-def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_dir: str, cache_dir: str):
+def build_tokenizer(model_cfg: ModelSection, data_cfg: DataSection, output_dir: str, cache_dir: str):
     """Load or build the tokenizer, and save it under ``<output_dir>/tokenizer``.
 
     A tokenizer already saved there is reused, so a resumed run sees exactly the
@@ -86,7 +89,7 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
     from neutrain.data.chat import set_chat_template
 
     saved = Path(output_dir) / "tokenizer"
-    name = model_cfg["tokenizer"] or model_cfg["base_model"]
+    name = model_cfg.tokenizer or model_cfg.base_model
     spec = _tokenizer_spec(model_cfg, data_cfg, name)
     stale = False
     if name in ("byte", "train-bpe"):
@@ -97,20 +100,20 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
         stale = _stale_tokenizer(saved, spec, output_dir)
         if not stale:
             return AutoTokenizer.from_pretrained(str(saved))
-    if model_cfg["tokenizer"] is None and model_cfg.get("gguf_file"):
+    if model_cfg.tokenizer is None and model_cfg.gguf_file:
         tok = gguf_call(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
     elif name == "byte":
         tok = byte_tokenizer()
     elif name == "train-bpe":
-        tok = train_bpe_tokenizer(iter_training_texts(data_cfg, cache_dir), vocab_size=model_cfg["tokenizer_vocab_size"])
+        tok = train_bpe_tokenizer(iter_training_texts(data_cfg, cache_dir), vocab_size=model_cfg.tokenizer_vocab_size)
     else:
         try:
-            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg["trust_remote_code"])
+            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
         except Exception as exc:
             raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache ({type(exc).__name__})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    set_chat_template(tok, data_cfg.get("chat_template"))  # saved with checkpoints and the export
+    set_chat_template(tok, data_cfg.chat_template)  # saved with checkpoints and the export
     if name in ("byte", "train-bpe"):
         tmp = saved.with_name(f"tokenizer.tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
@@ -130,11 +133,11 @@ def build_tokenizer(model_cfg: dict[str, Any], data_cfg: dict[str, Any], output_
 TOKENIZER_SPEC = "neutrain_tokenizer.json"  # beside a saved tokenizer: the recipe keys it was built from
 
 
-def _tokenizer_spec(model_cfg: dict[str, Any], data_cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
+def _tokenizer_spec(model_cfg: ModelSection, data_cfg: DataSection, name: str | None) -> dict[str, Any]:
     """The recipe keys a saved byte / train-bpe tokenizer depends on (a trained vocabulary: on its data too)."""
-    spec = {"model.tokenizer": name, "data.chat_template": data_cfg.get("chat_template")}
+    spec = {"model.tokenizer": name, "data.chat_template": data_cfg.chat_template}
     if name == "train-bpe":
-        spec.update({"model.tokenizer_vocab_size": model_cfg["tokenizer_vocab_size"], "data.datasets": data_cfg["datasets"]})
+        spec.update({"model.tokenizer_vocab_size": model_cfg.tokenizer_vocab_size, "data.datasets": data_cfg.datasets})
     return json.loads(json.dumps(spec, default=str))  # as read back from the file
 
 
@@ -174,7 +177,7 @@ def _stale_tokenizer(saved: Path, spec: dict[str, Any], output_dir: str) -> bool
     return True
 
 
-def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, requested: str = "auto") -> str:
+def export_dtype(model_cfg: ModelSection, weights: str, use_cpu: bool, requested: str = "auto") -> str:
     """The dtype an export of this run is written in: ``requested``, or for ``auto`` the base model's.
 
     Why: a CPU run computes in fp32 (``model.dtype: auto``), and its export used to be fp32, twice the
@@ -184,33 +187,34 @@ def export_dtype(model_cfg: dict[str, Any], weights: str, use_cpu: bool, request
     otherwise the trained weights' dtype.
 
     Example:
-        >>> export_dtype({"init": "random", "dtype": "auto", "gguf_file": None}, "neuzip-lossless", use_cpu=True)
+        >>> from neutrain.config.sections import ModelSection
+        >>> export_dtype(ModelSection(init="random"), "neuzip-lossless", use_cpu=True)
         'bfloat16'
-        >>> export_dtype({"init": "random", "dtype": "float32", "gguf_file": None}, "dense", use_cpu=True)
+        >>> export_dtype(ModelSection(init="random", dtype="float32"), "dense", use_cpu=True)
         'auto'
     """
     if requested != "auto":
         return requested
     names = {v: k for k, v in _DTYPES.items()}
-    if model_cfg["init"] == "pretrained" and model_cfg.get("gguf_file"):
-        source, name = gguf.split_source(model_cfg["base_model"], model_cfg["gguf_file"])
+    if model_cfg.init == "pretrained" and model_cfg.gguf_file:
+        source, name = gguf.split_source(model_cfg.base_model, model_cfg.gguf_file)
         try:
             return names.get(gguf.gguf_dtype(gguf.resolve_gguf_path(source, name)), "auto")
         except (OSError, ValueError):  # the export still works: in the trained dtype
             return "auto"
-    if model_cfg["init"] == "pretrained" and model_cfg.get("base_model"):
+    if model_cfg.init == "pretrained" and model_cfg.base_model:
         try:
             dtype = getattr(config_only(model_cfg), "dtype", None)
         except (OSError, ValueError):
             return "auto"
         dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         return names.get(dtype, "auto")
-    if weights != "dense" and model_cfg["dtype"] == "auto":  # NeuZip stores bf16 under auto, whatever it computes in
+    if weights != "dense" and model_cfg.dtype == "auto":  # NeuZip stores bf16 under auto, whatever it computes in
         return "bfloat16"
     return "auto"
 
 
-def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                   offload_weights: bool = False, offload_layers: int | None = None) -> ModelSpec:
     """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
     transformers config, compute and storage dtypes, the attention backend and the placement.
@@ -228,34 +232,34 @@ def resolve_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, s
         >>> type(spec.source).__name__, spec.placement.weights, spec.attention
         ('RandomInit', 'neuzip-lossless', 'sdpa')
     """
-    dtype = resolve_dtype(model_cfg["dtype"], use_cpu)
-    if model_cfg["dtype"] == "auto":
+    dtype = resolve_dtype(model_cfg.dtype, use_cpu)
+    if model_cfg.dtype == "auto":
         logger.info(auto_dtype_line(use_cpu))
-    trust = model_cfg["trust_remote_code"]
-    if model_cfg["init"] == "random":
+    trust = model_cfg.trust_remote_code
+    if model_cfg.init == "random":
         source = RandomInit(seed)  # the same random weights on every process, every resume and every placement
-    elif model_cfg.get("gguf_file"):
+    elif model_cfg.gguf_file:
         source = GGUFFile(*gguf_source(model_cfg))
     else:
-        source = folder_source(model_cfg["base_model"])  # a Hugging Face folder, a NeuZip export or a checkpoint
+        source = folder_source(model_cfg.base_model)  # a Hugging Face folder, a NeuZip export or a checkpoint
     try:
-        if model_cfg["init"] == "random":
+        if model_cfg.init == "random":
             config = recipe_config(model_cfg, tokenizer)
-        elif model_cfg.get("gguf_file"):
+        elif model_cfg.gguf_file:
             config = gguf_call(model_cfg, "gguf_config", trust_remote_code=trust)
         else:
             config = source.read_config(trust)
     except OSError as exc:
-        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg['base_model']}' from a local "
+        raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg.base_model}' from a local "
                           f"path or the hub cache ({str(exc).splitlines()[0]})") from None
     # A compressed model is built on the training device; a dense one on the host, as transformers builds
     # it, for the Trainer (or a distributed mode's sharding) to place.
     cuda = torch.cuda.is_available() and not use_cpu and weights != "dense"
-    storage = torch.bfloat16 if weights != "dense" and model_cfg["dtype"] == "auto" and dtype == torch.float32 else None
+    storage = torch.bfloat16 if weights != "dense" and model_cfg.dtype == "auto" and dtype == torch.float32 else None
     offload = offload_weights and weights != "dense"
     placement = Placement(weights, offload=offload, layers=offload_layers if offload else None,
                           device="cuda" if cuda else "cpu")
-    return ModelSpec(source, config, dtype, storage, _attention(model_cfg["attn_implementation"], config, use_cpu),
+    return ModelSpec(source, config, dtype, storage, _attention(model_cfg.attn_implementation, config, use_cpu),
                      placement, trust_remote_code=trust)
 
 
@@ -287,7 +291,7 @@ def _attention(requested: str, config, use_cpu: bool) -> str:
     return attn
 
 
-def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
+def build_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                 offload_weights: bool = False, offload_layers: int | None = None):
     """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``), tensor by
     tensor (:func:`resolve_model`, then :func:`neutrain.nn.load.build`).
@@ -299,7 +303,7 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         >>> type(model).__name__
         'LlamaForCausalLM'
     """
-    base = model_cfg["base_model"]
+    base = model_cfg.base_model
     if base and Path(base).is_dir():
         from neutrain.storage.manifest import verify_if_neutrain  # lazy: `neutrain --help` stays instant
 
@@ -311,7 +315,7 @@ def build_model(model_cfg: dict[str, Any], tokenizer, use_cpu: bool = False, see
         else:
             model, report = build(spec)
     except OSError as exc:
-        raise RecipeError(f"model.base_model: cannot load '{model_cfg['base_model']}' from a local path or the hub "
+        raise RecipeError(f"model.base_model: cannot load '{model_cfg.base_model}' from a local path or the hub "
                           f"cache ({str(exc).splitlines()[0]})") from None
     if spec.placement.compressed:
         logger.info("compressed model: %s", report)

@@ -67,15 +67,15 @@ def first_difference(old: Any, new: Any, path: str = "") -> str | None:
 def planned_names(recipe) -> tuple[str, ...]:
     """The names at the top of ``train.output_dir`` this run will write (besides its checkpoints)."""
     m, names = recipe.model, ["recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", ".cache"]
-    if (m["tokenizer"] or m["base_model"]) in ("byte", "train-bpe"):
+    if (m.tokenizer or m.base_model) in ("byte", "train-bpe"):
         names.append("tokenizer")
-    if recipe.eval["long_context_tasks"]:
+    if recipe.eval.long_context_tasks:
         names.append("eval")
-    if recipe.export["format"] != "none" and not recipe.export["output_dir"]:
+    if recipe.export.format != "none" and not recipe.export.output_dir:
         names.append("export")
-    if recipe.distill["enabled"]:
+    if recipe.distill.enabled:
         names += ["draft", "distill"]
-    if recipe.memory["adapter"] and not m["base_model"]:
+    if recipe.memory.adapter and not m.base_model:
         names.append("base")
     return tuple(names)
 

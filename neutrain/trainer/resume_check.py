@@ -136,23 +136,23 @@ def run_record(recipe, model, tokenizer, processes: int = 1, files: dict[str, st
     config = getattr(model, "config", None)
     memory = recipe.memory
     record: dict[str, Any] = {
-        "memory.weights": memory["weights"],
-        "memory.adapter": memory["adapter"],
-        "train.optimizer": recipe.train["optimizer"],
+        "memory.weights": memory.weights,
+        "memory.adapter": memory.adapter,
+        "train.optimizer": recipe.train.optimizer,
         "model.tokenizer": tokenizer_fingerprint(tokenizer),
-        "model.dtype": str(resolve_dtype(recipe.model["dtype"], recipe.train["use_cpu"])).replace("torch.", ""),
-        "data.datasets": recipe.data["datasets"],
+        "model.dtype": str(resolve_dtype(recipe.model.dtype, recipe.train.use_cpu)).replace("torch.", ""),
+        "data.datasets": recipe.data.datasets,
         "processes": processes,
     }
-    if memory["adapter"]:
-        record.update({key: memory[key.split(".")[1]] for key in
+    if memory.adapter:
+        record.update({key: getattr(memory, key.split(".")[1]) for key in
                        ("memory.lora_r", "memory.lora_alpha", "memory.lora_dropout", "memory.lora_target_modules")})
         if base is not None:
             record[BASE_KEY] = base
     for key in DATA_POSITION:
         section, _, name = key.partition(".")
         if name:
-            record[key] = getattr(recipe, section)[name]
+            record[key] = getattr(getattr(recipe, section), name)
     if files is not None:
         record[DATA_FILES] = files
     for key in SHAPE_KEYS:

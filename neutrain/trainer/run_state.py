@@ -40,7 +40,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neutrain.errors import CheckpointError
 from neutrain.files import MAX_RECORD_BYTES, read_json_object
@@ -50,6 +50,9 @@ from neutrain.storage.run_dir import PLANNED
 from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError, RunLock, previous_checkpoints
 from neutrain.trainer.ownership import same_run, take_directory
+
+if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
+    from neutrain.config.sections import TrainSection
 
 logger = logging.getLogger("neutrain")
 
@@ -66,9 +69,9 @@ class RunPlan:
     after_training: bool = False
 
 
-def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = None,
+def prepare_run(train: TrainSection, state, recipe: dict[str, Any] | None = None,
                 planned: tuple[str, ...] = PLANNED) -> RunPlan:
-    """Lock ``train['output_dir']`` and clear leftover temporaries (main process), then plan the resume (every process).
+    """Lock ``train.output_dir`` and clear leftover temporaries (main process), then plan the resume (every process).
 
     ``state`` is Accelerate's ``PartialState``: the other processes wait until the main one
     has cleaned (a restored checkpoint must be seen by all), then each reads the same files.
@@ -80,15 +83,15 @@ def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = No
     from another run: a finished one is left as it is, as a resume would leave it. ``planned``: the names
     the run will write there (:func:`~neutrain.trainer.ownership.planned_names`).
     """
-    out = train["output_dir"]
+    out = train.output_dir
     with state.main_process_first():
         if state.is_main_process and os.path.isdir(out):
             RunLock(out).acquire()
             check_run_outputs(out)  # a symlink among its outputs must not lead the run's writes outside it
             clean_run_dir(out)
-            take_directory(out, recipe, bool(train["resume_from_checkpoint"]), train["overwrite_output_dir"], planned)
-    if not train["resume_from_checkpoint"] and not train["overwrite_output_dir"] and same_run(out, recipe):
-        plan = plan_resume({**train, "resume_from_checkpoint": True})
+            take_directory(out, recipe, bool(train.resume_from_checkpoint), train.overwrite_output_dir, planned)
+    if not train.resume_from_checkpoint and not train.overwrite_output_dir and same_run(out, recipe):
+        plan = plan_resume(train.changed(resume_from_checkpoint=True))
         if plan.finished or plan.after_training:
             return plan
         raise RunDirectoryError(
@@ -98,10 +101,10 @@ def prepare_run(train: dict[str, Any], state, recipe: dict[str, Any] | None = No
     return plan_resume(train)
 
 
-def plan_resume(train: dict[str, Any]) -> RunPlan:
+def plan_resume(train: TrainSection) -> RunPlan:
     """Resolve ``train.resume_from_checkpoint`` against ``train.max_steps`` / ``num_epochs``; reads files only."""
-    resume = train["resume_from_checkpoint"]
-    out = train["output_dir"]
+    resume = train.resume_from_checkpoint
+    out = train.output_dir
     if not resume:
         return RunPlan()
     if resume is True:
@@ -124,11 +127,11 @@ def plan_resume(train: dict[str, Any]) -> RunPlan:
     if saved is None:  # not a directory, or no trainer_state.json: the Trainer reports which file is missing
         return RunPlan(checkpoint=str(resume))
     step, old_total = int(saved.get("global_step", 0)), int(saved.get("max_steps", 0))
-    max_steps = train["max_steps"]
+    max_steps = train.max_steps
     if max_steps > 0:
         finished, target = step >= max_steps, f"train.max_steps {max_steps}"
     else:  # epoch-based: the saved ``epoch`` is the fraction of the data seen so far
-        epochs = float(train["num_epochs"])
+        epochs = float(train.num_epochs)
         finished = step >= old_total and float(saved.get("epoch", 0.0)) + 1e-6 >= epochs
         target = f"train.num_epochs {epochs:g}"
     if finished and not summarised(out, step):
@@ -174,13 +177,13 @@ def summarised(output_dir: str | os.PathLike, step: int) -> bool:
     return summary.get("steps") == step
 
 
-def schedule_note(train: dict[str, Any], step: int, old_total: int, new_total: int) -> str:
+def schedule_note(train: TrainSection, step: int, old_total: int, new_total: int) -> str:
     """Say whether continuing at ``step`` with ``new_total`` steps is the uninterrupted ``new_total``-step run.
 
     Compares the learning rates of the two schedules for steps 1..``step`` (the ones already
     trained); identical values mean the continued run is bit-identical to the uninterrupted one.
     """
-    kind = train["lr_scheduler"]
+    kind = train.lr_scheduler
     head = f"train.max_steps changed from {old_total} (the checkpoint's run) to {new_total}: continuing from step {step}"
     try:
         old, new = (_learning_rates(train, total, step + 1) for total in (old_total, new_total))
@@ -217,13 +220,13 @@ def resync_learning_rate(scheduler) -> None:
     inner._last_lr = rates
 
 
-def _learning_rates(train: dict[str, Any], total: int, count: int) -> list[float]:
+def _learning_rates(train: TrainSection, total: int, count: int) -> list[float]:
     """The learning rates of steps 1..``count`` of the recipe's schedule over ``total`` steps (as the Trainer builds it)."""
     import torch
     from transformers import get_scheduler
 
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train["learning_rate"])
-    scheduler = get_scheduler(train["lr_scheduler"], optimizer, num_warmup_steps=train["warmup_steps"],
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.learning_rate)
+    scheduler = get_scheduler(train.lr_scheduler, optimizer, num_warmup_steps=train.warmup_steps,
                               num_training_steps=total)
     rates = []
     for _ in range(count):

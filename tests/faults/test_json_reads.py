@@ -115,10 +115,11 @@ def _verify(folder: Path):
 
 
 def _resume(folder: Path):
+    from neutrain.config.sections import TrainSection
     from neutrain.trainer.run_state import plan_resume
 
-    plan_resume({"output_dir": str(folder.parent), "resume_from_checkpoint": True, "max_steps": 4, "num_epochs": 1.0,
-                 "lr_scheduler": "linear", "warmup_steps": 0, "learning_rate": 1e-3})
+    plan_resume(TrainSection(output_dir=str(folder.parent), resume_from_checkpoint=True, max_steps=4, num_epochs=1.0,
+                             lr_scheduler="linear", warmup_steps=0, learning_rate=1e-3))
 
 
 def _adapter(folder: Path):

@@ -220,7 +220,7 @@ def test_unknown_model_config_key_is_kept_with_the_escape_hatch(tmp_path):
 
 def test_legacy_model_config_keys_are_not_unknown(tmp_path):
     config = {**TINY_LLAMA, "rope_theta": 10000.0, "torch_dtype": "float32", "architectures": ["LlamaForCausalLM"]}
-    assert load_recipe(write_recipe(tmp_path, model={"config": config})).model["config"]["rope_theta"] == 10000.0
+    assert load_recipe(write_recipe(tmp_path, model={"config": config})).model.config["rope_theta"] == 10000.0
 
 
 @pytest.mark.parametrize("text,pattern", [
@@ -259,7 +259,7 @@ def test_relative_data_path_found_beside_the_recipe(tmp_path, monkeypatch):
     (tmp_path / "recipes" / "data").mkdir()
     (tmp_path / "recipes" / "data" / "train.jsonl").write_text('{"text": "hello"}\n')
     monkeypatch.chdir(tmp_path)
-    assert load_recipe(recipe).data["datasets"][0]["path"] == str(tmp_path / "recipes" / "data" / "train.jsonl")
+    assert load_recipe(recipe).data.datasets[0]["path"] == str(tmp_path / "recipes" / "data" / "train.jsonl")
 
 
 # ---- class 11 (environment): bad output_dir, read-only and full disks: one line, exit 1 -----------------------

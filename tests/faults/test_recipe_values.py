@@ -96,7 +96,7 @@ def test_any_value_of_any_key_is_taken_as_declared_or_refused_in_one_line_naming
         return
     # Taken: then it keeps its declaration (a path is resolved, a budget word normalised: their type holds).
     assert _conforms(SCHEMA[section][name], value) or name == "device_budget_gib", (section, name, value)
-    assert _finite_everywhere(getattr(recipe, section)[name])
+    assert _finite_everywhere(getattr(getattr(recipe, section), name))
 
 
 def _bad_values(key: Key) -> list:

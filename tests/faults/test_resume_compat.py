@@ -61,7 +61,7 @@ def test_a_resume_that_changes_what_the_checkpoint_was_trained_with_is_one_line(
     sections = {**QUIET, "train": {"max_steps": 4, "save_steps": 2, "optimizer": "adalomo", "resume_from_checkpoint": True}}
     for section, values in change.items():
         if section == "model" and "config" in values:  # a change of one config entry keeps the others
-            values = {"config": {**load_recipe(str(trained / "tiny.yaml")).model["config"], **values["config"]}}
+            values = {"config": {**load_recipe(str(trained / "tiny.yaml")).model.config, **values["config"]}}
         sections[section] = {**sections.get(section, {}), **values}
     recipe = write_recipe(tmp_path / "changed", **sections)
     capsys.readouterr()

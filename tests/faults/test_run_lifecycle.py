@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from neutrain.config.sections import TrainSection
 from neutrain.trainer.callbacks import read_metrics
 from neutrain.cli import main as neutrain
 from tests.helpers import write_recipe
@@ -139,9 +140,9 @@ def _checkpoint(out: Path, step: int, **state) -> Path:
     return path
 
 
-def _train(out: Path, **keys) -> dict:
-    return {"output_dir": str(out), "resume_from_checkpoint": True, "max_steps": -1, "num_epochs": 1.0,
-            "lr_scheduler": "cosine", "warmup_steps": 0, "learning_rate": 1e-3, **keys}
+def _train(out: Path, **keys) -> TrainSection:
+    return TrainSection(**{"output_dir": str(out), "resume_from_checkpoint": True, "max_steps": -1, "num_epochs": 1.0,
+                           "lr_scheduler": "cosine", "warmup_steps": 0, "learning_rate": 1e-3, **keys})
 
 
 def test_plan_resume_decides_finished_from_max_steps_or_epochs(tmp_path):

@@ -36,7 +36,7 @@ def test_compressed_fused_training_resumes_bit_exactly_and_exports(tmp_path, opt
     assert isinstance(model.lm_head, CompressedLinear) and isinstance(model.model.layers[0].mlp.up_proj, CompressedLinear)
     before = {k: v.clone() for k, v in decompressed_state_dict(model).items()}
     ctx.trainer.train()
-    out = Path(recipe.train["output_dir"])
+    out = Path(recipe.train.output_dir)
     logged = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(logged) == 4 and all(r["grad_norm"] > 0 for r in logged), logged
     after = decompressed_state_dict(model)

@@ -41,7 +41,7 @@ def test_default_flow_distils_a_draft_decodes_speculatively_and_a_second_distill
     # `neutrain distill` on its own reads the exported target. The run distilled a draft already: a second
     # distillation is refused unless --overwrite (before: it replaced the draft silently and appended its log to
     # the first one's distill/metrics.jsonl), and then the draft and its log are those of the second one alone.
-    out = Path(recipe.train["output_dir"])
+    out = Path(recipe.train.output_dir)
     kept = {p: p.read_bytes() for p in [*(out / "draft").iterdir(), out / "distill" / "metrics.jsonl"]}
     res = subprocess.run([sys.executable, "-m", "neutrain", "distill", str(recipe.source), "distill.max_steps=2"],
                          capture_output=True, text=True, env=env, timeout=600)
@@ -68,8 +68,8 @@ def test_long_context_eval_runs_each_cache_compressed(tmp_path):
     # MiniCache merges layer pairs from L/2 up, so the model needs 4 layers for a merge.
     recipe = load_recipe(write_recipe(tmp_path, train={"max_steps": 1}, model={"config": {**TINY_LLAMA, "num_hidden_layers": 4}}))
     ctx = build_trainer(recipe)
-    cfg = {**recipe.eval, "long_context_tasks": ["niah_single"], "kv_caches": ["full", "minicache", "shadowkv"],
-           "context_len": 512, "num_samples": 1}
+    cfg = recipe.eval.changed(long_context_tasks=["niah_single"], kv_caches=["full", "minicache", "shadowkv"],
+                              context_len=512, num_samples=1)
     res = long_context_eval(ctx.trainer.model, ctx.tokenizer, cfg, str(tmp_path / "eval"))
     assert set(res) == {"full", "minicache", "shadowkv"}
     assert res["minicache"]["compression_ratio"] > 1.0 and res["shadowkv"]["compression_ratio"] > 1.0

@@ -37,7 +37,7 @@ def test_gguf_loads_as_the_model_it_was_written_from(tmp_path, base, weights):
     path = write_gguf(tmp_path / "tiny-f32.gguf", ref, tok, "F32")
     recipe = _gguf_recipe(tmp_path, path)
     assert config_only(recipe.model).hidden_size == 64  # what `neutrain estimate` plans with
-    tokenizer = build_tokenizer(recipe.model, recipe.data, recipe.train["output_dir"], str(tmp_path))
+    tokenizer = build_tokenizer(recipe.model, recipe.data, recipe.train.output_dir, str(tmp_path))
     # The tokenizer the file carries: same ids, its special tokens and chat template.
     assert tokenizer("def add(a, b):")["input_ids"] == tok("def add(a, b):")["input_ids"]
     assert (tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token) == ("<|eos|>", "<|bos|>", "<|pad|>")

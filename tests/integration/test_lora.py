@@ -133,7 +133,7 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
     ))
     summary = train_from_recipe(recipe, echo=lambda s: None)
     assert summary["steps"] == 4 and summary["loss_last"] < summary["loss_first"]
-    ckpt = Path(recipe.train["output_dir"]) / "checkpoint-4"
+    ckpt = Path(recipe.train.output_dir) / "checkpoint-4"
     assert (ckpt / "adapter_model.safetensors").exists() and (ckpt / "adapter_config.json").exists()
     assert not (ckpt / "model.safetensors").exists()  # adapters only: the base is frozen
     export = Path(summary["export_dir"])
@@ -146,7 +146,7 @@ def test_lora_recipe_trains_through_neutrainer_and_exports_merged(tmp_path):
     # adapter checkpoint works (before: "base model directory is unknown or missing (None)").
     from neutrain.cli import main
 
-    assert (Path(recipe.train["output_dir"]) / "base" / "config.json").exists()
+    assert (Path(recipe.train.output_dir) / "base" / "config.json").exists()
     assert main(["export", str(ckpt), "--format", "hf", "--output", str(tmp_path / "cli-export")]) == 0
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "cli-export"), dtype=torch.float32)
     with torch.no_grad():

@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     ctx.trainer.train()
     changed = [n for n, w in before.items() if not torch.equal(w, _by_name(ctx.trainer.model, n).dense())]
     assert len(changed) > len(before) // 2  # really trained
-    return ctx.trainer.model.eval(), Path(recipe.train["output_dir"]) / "checkpoint-2"
+    return ctx.trainer.model.eval(), Path(recipe.train.output_dir) / "checkpoint-2"
 
 
 def _weights(model):

@@ -41,7 +41,7 @@ def test_train_checkpoint_export_from_pretrained(tmp_path):
     recipe = load_recipe(recipe_path)
     ctx = build_trainer(recipe)
     ctx.trainer.train()
-    out = Path(recipe.train["output_dir"])
+    out = Path(recipe.train.output_dir)
     assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
     assert not list(out.glob(".tmp-*")), "temporary checkpoint directories left behind"
     assert (out / "training_curves.png").stat().st_size > 1000

@@ -41,7 +41,7 @@ def test_offloaded_recipe_trains_resumes_and_exports_like_the_plain_one(tmp_path
 
     # Resume from checkpoint-2 (saved from the host store) into a fresh offloaded trainer: the same weights.
     ctx2 = build_trainer(recipe)
-    ctx2.trainer.train(resume_from_checkpoint=str(Path(recipe.train["output_dir"]) / "checkpoint-2"))
+    ctx2.trainer.train(resume_from_checkpoint=str(Path(recipe.train.output_dir) / "checkpoint-2"))
     resumed = decompressed_state_dict(ctx2.trainer.model)
     assert all(torch.equal(after[k], resumed[k]) for k in after)
 
@@ -81,7 +81,7 @@ def test_offloaded_lomo_resume_writes_the_checkpoint_of_the_uninterrupted_run(tm
                "lr_scheduler": "constant", "warmup_steps": 0, "micro_batch_size": 2},
         eval={"perplexity": False}, export={"format": "none"},
     ))
-    out = Path(recipe.train["output_dir"])
+    out = Path(recipe.train.output_dir)
     build_trainer(recipe).trainer.train()
 
     def blobs(path):

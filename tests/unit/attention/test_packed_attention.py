@@ -98,7 +98,7 @@ def test_the_recipe_takes_neutrain_sdpa(tmp_path):
     from neutrain.config import load_recipe
 
     recipe = load_recipe("default", ["model.attn_implementation=neutrain_sdpa", f"train.output_dir={tmp_path}"])
-    assert recipe.model["attn_implementation"] == "neutrain_sdpa"
+    assert recipe.model.attn_implementation == "neutrain_sdpa"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the device machine")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from neutrain.config import RecipeError, load_recipe
-from neutrain.config.local_models import check_model_names
+from neutrain.config import local_models
+from neutrain.config.sections import ModelSection
+
+
+def check_model_names(values: dict) -> None:
+    """The check on a model section holding ``values`` (the keys a test leaves out at their defaults)."""
+    local_models.check_model_names(ModelSection.model_construct(**values))
 
 PRETRAINED = {"init": "pretrained", "config": None, "tokenizer": None, "gguf_file": None}
 

@@ -11,6 +11,7 @@ import pytest
 
 from neutrain.config import RecipeError, load_recipe, validate_recipe
 from neutrain.config.model_config import DERIVED_HEAD_DIM, plain_shape_config
+from neutrain.config.sections import ModelSection
 from neutrain.memory import ModelShape, config_only, shape_config
 from tests.helpers import TINY_LLAMA, TINY_RECIPE, load_shipped_recipe
 
@@ -18,8 +19,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _model(config, tokenizer="byte", **keys):
-    return {"config": config, "tokenizer": tokenizer, "tokenizer_vocab_size": 300, "base_model": None,
-            "gguf_file": None, "trust_remote_code": False, **keys}
+    return ModelSection.model_construct(**{"config": config, "tokenizer": tokenizer, "tokenizer_vocab_size": 300,
+                                           "base_model": None, "gguf_file": None, "trust_remote_code": False, **keys})
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)

@@ -1,14 +1,14 @@
-"""Typed recipe sections: generated from the schema table, one default and one name list each."""
+"""Typed recipe sections: static pydantic classes, one default and one name list each, read by attribute."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import pickle
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from neutrain.config import (
     FUSED_OPTIMIZERS, KV_CACHES, OPTIMIZERS, SECTION_TYPES, SECTIONS, MemorySection, Recipe, RecipeError, load_recipe,
@@ -20,12 +20,12 @@ from tests.helpers import load_shipped_recipe, write_recipe
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "neutrain"
 SHIPPED = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
-SCHEMA_FILE = PACKAGE / "config" / "schema.py"
+SCHEMA_FILE = PACKAGE / "config" / "names.py"
 
 # ``.get("<schema key>", default)`` calls that are not on a recipe section, or not yet converted:
 # run_state reads a checkpoint's trainer_state.json; distributed/arguments.py is the distributed
 # mode's code, which is being reshaped separately.
-GET_ALLOWED = {("trainer/run_state.py", "max_steps"), ("distributed/arguments.py", "distributed")}
+GET_ALLOWED = {("trainer/run_state.py", "max_steps")}
 
 
 def _trees():
@@ -36,20 +36,28 @@ def _trees():
 def test_section_types_cover_the_schema_in_order():
     assert tuple(SECTION_TYPES) == SECTIONS
     for name, cls in SECTION_TYPES.items():
-        assert [f.name for f in dataclasses.fields(cls)] == list(SCHEMA[name]) == list(cls.names)
+        assert list(cls.model_fields) == list(SCHEMA[name]) and cls.section == name
 
 
 def test_each_field_default_is_the_schema_default():
     for name, cls in SECTION_TYPES.items():
-        for f in dataclasses.fields(cls):
-            key = SCHEMA[name][f.name]
+        for field_name, f in cls.model_fields.items():
+            key = SCHEMA[name][field_name]
             if key.default is REQUIRED:
-                assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name
-            elif f.default_factory is not dataclasses.MISSING:
+                assert f.is_required(), field_name
+            elif f.default_factory is not None:
                 made = f.default_factory()
-                assert made == key.default and made is not key.default, f"{name}.{f.name}"  # a copy per section
+                assert made == key.default and made is not key.default, f"{name}.{field_name}"  # a copy per section
             else:
-                assert f.default == key.default or (f.default is None and key.default is None), f"{name}.{f.name}"
+                assert f.default == key.default, f"{name}.{field_name}"
+
+
+def test_no_section_reads_as_a_mapping(tmp_path):
+    """Consumers read attributes (``recipe.train.learning_rate``); the dict façade is gone."""
+    recipe = load_recipe(write_recipe(tmp_path))
+    with pytest.raises(TypeError):
+        recipe.train["learning_rate"]  # type: ignore[index]
+    assert not hasattr(recipe.train, "get")
 
 
 @pytest.mark.slow
@@ -95,7 +103,7 @@ def test_the_schema_names_are_the_registries():
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_sections_round_trip_the_recipe(name, tmp_path, monkeypatch):
-    """Typed sections carry exactly the validated values: as attributes, as items, through to_dict, YAML and pickle."""
+    """Typed sections carry exactly the validated values: as attributes, through to_dict, YAML and pickle."""
     monkeypatch.chdir(tmp_path)  # resolve_recipe_path still finds the shipped recipes (source checkout)
     recipe = load_shipped_recipe(ROOT / "recipes" / f"{name}.yaml")
     if recipe is None:
@@ -106,8 +114,8 @@ def test_sections_round_trip_the_recipe(name, tmp_path, monkeypatch):
     for section in SECTIONS:
         typed = getattr(recipe, section)
         assert isinstance(typed, SECTION_TYPES[section])
-        assert plain[section] == dict(typed) == {k: getattr(typed, k) for k in SCHEMA[section]}
-        assert type(plain[section]) is dict and typed == plain[section]
+        assert plain[section] == typed.to_dict() == {k: getattr(typed, k) for k in SCHEMA[section]}
+        assert type(plain[section]) is dict
     again = validate_recipe(yaml.safe_load(yaml.safe_dump(plain, sort_keys=False)), source=recipe.source)
     assert again.to_dict() == plain
     assert pickle.loads(pickle.dumps(recipe)).to_dict() == plain
@@ -115,12 +123,11 @@ def test_sections_round_trip_the_recipe(name, tmp_path, monkeypatch):
 
 def test_sections_are_read_only(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path))
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError):
         recipe.train.learning_rate = 1.0  # type: ignore[misc]
-    with pytest.raises(TypeError):
-        recipe.train["learning_rate"] = 1.0  # type: ignore[index]
-    with pytest.raises(KeyError, match="train: no key 'learning_rat'"):
-        recipe.train["learning_rat"]
+    with pytest.raises(AttributeError, match="TrainSection has no key learning_rat"):
+        recipe.train.changed(learning_rat=1.0)
+    assert recipe.train.changed(learning_rate=1.0).learning_rate == 1.0 != recipe.train.learning_rate
 
 
 def test_mutable_defaults_are_not_shared():

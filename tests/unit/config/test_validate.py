@@ -16,9 +16,9 @@ def _raw():
 
 def test_valid_recipe_fills_defaults():
     r = validate_recipe(_raw())
-    assert r.train["gradient_accumulation_steps"] == 1
-    assert r.data["datasets"][0]["type"] == "text"
-    assert r.memory["weights"] == "dense"
+    assert r.train.gradient_accumulation_steps == 1
+    assert r.data.datasets[0]["type"] == "text"
+    assert r.memory.weights == "dense"
 
 
 def test_unknown_key_names_it_and_suggests():
@@ -69,13 +69,13 @@ def test_dataset_entry_unknown_key():
 def test_float_accepts_yaml_string_exponent():
     raw = _raw()
     raw["train"]["learning_rate"] = "1e-5"  # YAML 1.1 reads 1e-5 without a dot as a string
-    assert validate_recipe(raw).train["learning_rate"] == 1e-5
+    assert validate_recipe(raw).train.learning_rate == 1e-5
 
 
 def test_overrides_parse_values_and_reject_bad_syntax():
     raw = apply_overrides(_raw(), ["train.learning_rate=1e-5", "data.sample_packing=false", "train.max_steps=7"])
     r = validate_recipe(raw)
-    assert r.train["learning_rate"] == 1e-5 and r.data["sample_packing"] is False and r.train["max_steps"] == 7
+    assert r.train.learning_rate == 1e-5 and r.data.sample_packing is False and r.train.max_steps == 7
     with pytest.raises(RecipeError, match="expected section.key=value"):
         apply_overrides(_raw(), ["train.learning_rate"])
     with pytest.raises(RecipeError, match="unknown section 'tran'"):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from neutrain.config.sections import DataSection
 from neutrain.config import DataError, RecipeError
 from neutrain.data import IGNORE_INDEX, Collator, byte_tokenizer, pack_rows
 from neutrain.data.chat import NAMED_TEMPLATES, prompt_ids, set_chat_template
@@ -15,7 +16,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 
 def _row(tok, messages=CHAT, **cfg):
-    (row,) = tokenize_row({"messages": messages}, tok, ENTRY, {**CFG, **cfg}, "chat.jsonl", 0)
+    (row,) = tokenize_row({"messages": messages}, tok, ENTRY, DataSection.model_construct(**{**CFG, **cfg}), "chat.jsonl", 0)
     return row
 
 

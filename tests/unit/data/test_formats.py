@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from neutrain.config.sections import DataSection
 from neutrain.config import DataError, validate_recipe
 from neutrain.data import IGNORE_INDEX, build_datasets, byte_tokenizer, pack_rows
 from neutrain.data.formats import tokenize_row
@@ -20,7 +21,7 @@ def _entry(**kw):
     return base
 
 
-CFG = {"sequence_len": 64, "train_on_inputs": False, "roles_to_train": ["assistant"]}
+CFG = DataSection.model_construct(sequence_len=64, train_on_inputs=False, roles_to_train=["assistant"])
 
 
 def test_byte_tokenizer_round_trips_unicode(tok):
@@ -42,13 +43,13 @@ def test_completion_masks_prompt_unless_train_on_inputs(tok):
     assert r["labels"][:n_prompt] == [IGNORE_INDEX] * n_prompt
     assert r["labels"][n_prompt:] == r["input_ids"][n_prompt:]
     assert r["input_ids"][-1] == tok.eos_token_id
-    (r2,) = tokenize_row(row, tok, _entry(type="completion"), {**CFG, "train_on_inputs": True}, "f.jsonl", 0)
+    (r2,) = tokenize_row(row, tok, _entry(type="completion"), CFG.changed(train_on_inputs=True), "f.jsonl", 0)
     assert r2["labels"] == r2["input_ids"]
 
 
 def test_messages_train_only_assistant_tokens(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]
-    (r,) = tokenize_row({"messages": msgs}, tok, _entry(type="messages"), {**CFG, "sequence_len": 256}, "f.jsonl", 0)
+    (r,) = tokenize_row({"messages": msgs}, tok, _entry(type="messages"), CFG.changed(sequence_len=256), "f.jsonl", 0)
     trained = tok.decode([t for t, l in zip(r["input_ids"], r["labels"]) if l != IGNORE_INDEX])
     assert "hello!" in trained and "hi" not in trained.replace("hello", "") and "be brief" not in trained
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
+from neutrain.config.sections import TrainSection
 from neutrain.config.validate import section_from
 from neutrain.cli.preflight import check_distributed
 from neutrain.distributed import resume_files
@@ -123,7 +124,7 @@ def test_replicated_keeps_ddp_away():
     ({"fsdp": "full_shard"}, {"deepspeed": None, "fsdp": "full_shard", "fsdp_config": None}, "train.fsdp: 'full_shard'"),
 ])
 def test_recipe_request_per_value(train, arguments, key):
-    request = distributed_request({**TRAIN, **train})
+    request = distributed_request(TrainSection.model_construct(**{**TRAIN, **train}))
     assert request.arguments == arguments and request.key == key
 
 
@@ -135,9 +136,9 @@ def test_recipe_request_per_value(train, arguments, key):
      "train.distributed: fsdp2 contradicts train.deepspeed"),
 ])
 def test_contradictions_are_the_same_one_line_errors(train, message, tmp_path):
-    train = {**TRAIN, **train}
-    if train["deepspeed"]:  # preflight reads the file first
-        train["deepspeed"] = str(tmp_path / "d.json")
+    train = TrainSection.model_construct(**{**TRAIN, **train})
+    if train.deepspeed:  # preflight reads the file first
+        train = train.changed(deepspeed=str(tmp_path / "d.json"))
         (tmp_path / "d.json").write_text("{}")
     with pytest.raises(UserInputError) as err:
         check_distributed(train, 2)
@@ -150,7 +151,7 @@ def test_contradictions_are_the_same_one_line_errors(train, message, tmp_path):
 ])
 def test_sharding_on_one_process_names_the_key(train, key):
     with pytest.raises(RecipeError) as err:
-        check_distributed({**TRAIN, **train}, 1)
+        check_distributed(TrainSection.model_construct(**{**TRAIN, **train}), 1)
     assert str(err.value) == (f"{key} shards the model over several processes, but this launch started one; launch with "
                               "`accelerate launch --config_file launch/fsdp2.yaml -m neutrain <recipe>`, or remove the setting")
-    check_distributed({**TRAIN, **train}, 2)
+    check_distributed(TrainSection.model_construct(**{**TRAIN, **train}), 2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from neutrain.config.sections import TrainSection
 from neutrain.errors import UserInputError
 from neutrain.distributed.data_parallel import GradientAllReduce
 from neutrain.distributed.arguments import FSDP2_DEFAULTS, distributed_arguments
@@ -14,10 +15,10 @@ TRAIN = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
 
 
 def test_fsdp2_key_fills_fsdp2_defaults_and_keeps_user_values():
-    args = distributed_arguments({**TRAIN, "distributed": "fsdp2", "fsdp_config": {"reshard_after_forward": False}})
+    args = distributed_arguments(TrainSection.model_construct(**{**TRAIN, "distributed": "fsdp2", "fsdp_config": {"reshard_after_forward": False}}))
     assert args["fsdp"] == "full_shard auto_wrap" and args["deepspeed"] is None
     assert args["fsdp_config"] == {**FSDP2_DEFAULTS, "reshard_after_forward": False}
-    assert distributed_arguments({**TRAIN, "distributed": "auto"}) == {"deepspeed": None, "fsdp": "", "fsdp_config": None}
+    assert distributed_arguments(TrainSection.model_construct(**{**TRAIN, "distributed": "auto"})) == {"deepspeed": None, "fsdp": "", "fsdp_config": None}
 
 
 @pytest.mark.parametrize("train", [
@@ -27,7 +28,7 @@ def test_fsdp2_key_fills_fsdp2_defaults_and_keeps_user_values():
 ])
 def test_contradictory_distributed_keys_are_refused(train):
     with pytest.raises(UserInputError):
-        distributed_arguments({**TRAIN, **train})
+        distributed_arguments(TrainSection.model_construct(**{**TRAIN, **train}))
 
 
 @pytest.mark.parametrize("config,named", [

@@ -159,8 +159,8 @@ def test_the_fit_follows_the_predicted_step_time_not_the_bytes(monkeypatch):
     # micro-batch with accumulation (no PCIe bytes, twice the host's launches). On the H200's rates offloading is
     # faster; with a link 50 times slower the same configurations rank the other way, and the fit follows.
     recipe = _8b("train.micro_batch_size=8", "memory.weights=neuzip-lossless")
-    recipe = dataclasses.replace(
-        recipe, explicit=recipe.explicit - {"train.micro_batch_size", "train.gradient_accumulation_steps"})
+    recipe = recipe.model_copy(
+        update={"explicit": recipe.explicit - {"train.micro_batch_size", "train.gradient_accumulation_steps"}})
     fast_link = choose_fit(recipe, int(14.5 * GIB), HOST)
     assert fast_link.changes.get("memory.offload_activations") or fast_link.changes.get("memory.offload_weights")
     assert "train.micro_batch_size" not in fast_link.changes, fast_link.line
@@ -209,8 +209,8 @@ def test_a_smaller_micro_batch_keeps_the_rows_per_step():
     recipe = _8b("memory.weights=dense", "train.micro_batch_size=8")
     assert not any("micro_batch_size" in label for label, _ in candidates(recipe))  # the user set it: kept
     # As if the recipe left both batch keys to their defaults (a default of 8 rows):
-    recipe = dataclasses.replace(
-        recipe, explicit=recipe.explicit - {"train.micro_batch_size", "train.gradient_accumulation_steps"})
+    recipe = recipe.model_copy(
+        update={"explicit": recipe.explicit - {"train.micro_batch_size", "train.gradient_accumulation_steps"}})
     labels = [label for label, _ in candidates(recipe)]
     assert labels[:2] == ["on the GPU", "offloading activations"] and not any("weights" in label for label in labels)
     on_gpu = choose_fit(recipe, 80 * GIB, HOST)

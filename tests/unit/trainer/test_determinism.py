@@ -63,7 +63,7 @@ class _RecordsKernelMode(TrainerCallback):
 def test_neutrainer_trains_on_deterministic_kernels_when_the_recipe_says_so(tmp_path, clean_environment,
                                                                            deterministic):
     recipe = load_recipe(write_recipe(tmp_path, train={"optimizer": "lomo", "deterministic": deterministic}))
-    assert recipe.train["deterministic"] is deterministic
+    assert recipe.train.deterministic is deterministic
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     rows = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 4

@@ -13,7 +13,7 @@ from neutrain.trainer.modeling import build_model, resolve_model
 def test_offload_layers_reaches_the_placement_and_the_build():
     recipe = load_recipe("default", ["memory.offload_weights=true", "memory.offload_layers=2"])
     spec = resolve_model(recipe.model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless",
-                         offload_weights=True, offload_layers=recipe.memory["offload_layers"])
+                         offload_weights=True, offload_layers=recipe.memory.offload_layers)
     assert spec.placement.offload and spec.placement.layers == 2
     model = build_model(recipe.model, byte_tokenizer(), use_cpu=True, weights="neuzip-lossless",
                         offload_weights=True, offload_layers=2)
