@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -46,6 +45,7 @@ from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
 from neutrain.files import check_folder, read_json_object
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
+from neutrain.nn.checkpoint_reader import read_weights
 from neutrain.storage.manifest import safetensors_header
 
 
@@ -250,25 +250,12 @@ class NeutrainCheckpoint(SafetensorsFolder):
         return None  # the model's own parameter names
 
     def tensors(self, model, device, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
-        from safetensors import safe_open
-
-        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         tied = tied_head_name(model)
         (path,) = self.files()
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            # Tensors sharing storage were saved once: the others are aliases of it (the file's metadata).
-            aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-            groups: dict[str, list[str]] = {}
-            for key in [*handle.keys(), *aliases]:
-                owner = key.rpartition(".")[0]
-                groups.setdefault(key if key in params or owner not in params else owner, []).append(key)
-            groups.pop(tied, None)  # the embedding's own weight: the sink ties it again
-            for owner, keys in groups.items():
-                if keys == [owner]:
-                    yield owner, handle.get_tensor(aliases.get(owner, owner))
-                    continue
-                blobs = {key[len(owner) + 1:]: handle.get_tensor(aliases.get(key, key)) for key in keys}
-                yield owner, _assemble(blobs, owner, device, f"checkpoint file '{path}'")
+        for name, value in read_weights(path):
+            if name == tied:
+                continue  # the embedding's own weight: the sink ties it again
+            yield name, value if not isinstance(value, dict) else _assemble(value, name, device, f"checkpoint file '{path}'")
 
 
 def _assemble(blobs: dict[str, torch.Tensor], owner: str, device, where: str) -> CompressedTensor:
