@@ -21,8 +21,9 @@ import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
-from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE, is_compressed, load_compressed_state
+from neutrain.nn.checkpoint import WEIGHTS_FILE, is_compressed, load_compressed_state
 from neutrain.nn.checkpoint_reader import read_weights
+from neutrain.nn.formats import folder_format
 from neutrain.nn.sources import SafetensorsFolder
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
@@ -36,7 +37,7 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> b
         CheckpointError: a tensor the model lacks, a weight the checkpoint lacks, or weights of another dtype
             than the model stores (a dense fp32 run and bf16 NeuZip do not train the same model).
     """
-    compressed_checkpoint = (Path(checkpoint_dir) / MARKER).is_file()
+    compressed_checkpoint = folder_format(checkpoint_dir).resumable  # a compressed run's blobs, resumed as they are
     if compressed_checkpoint and is_compressed(model):
         load_compressed_state(model, checkpoint_dir)
         return True

@@ -18,8 +18,8 @@ files, in any key order. The sink, not the source, decides when a layer is compl
 Sources here: :class:`RandomInit`, :class:`SafetensorsFolder` (a Hugging Face folder of one or many
 shards, or a hub id in the local cache), :class:`NeutrainCheckpoint` (a ``checkpoint-N`` of a
 compressed run) and :class:`NeuZipExport` (``neutrain export --format neuzip``); GGUF files are
-:class:`neutrain.nn.gguf.GGUFFile`. :func:`folder_source` picks a folder's by its format, the one place
-that decides it.
+:class:`neutrain.nn.gguf.GGUFFile`. Which one a model is read from is decided once, by its format
+(:func:`neutrain.nn.formats.resolve_format`).
 
 Example:
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -304,29 +304,6 @@ class NeuZipExport(SafetensorsFolder):
                     continue  # a tensor the model has no parameter for: the sink would drop it too
                 blobs = {key[len(owner) + 1:]: handle.get_tensor(key) for key, handle in parts}
                 yield owner, _assemble(blobs, owner, device, f"NeuZip export '{self.directory}'")
-
-
-def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
-    """The source for the folder ``path`` by its format: a compressed run's ``checkpoint-N`` (its marker file),
-    a NeuZip export (its config's ``quantization_config``) or a Hugging Face folder."""
-    directory = Path(path)
-    if (directory / MARKER).exists():
-        return NeutrainCheckpoint(path)
-    config_path = directory / "config.json"
-    # Missing: a hub id, or a folder read_config names the lack of. Present, it is read here, so a FIFO or a
-    # broken file is one line naming it (transformers' own open of a FIFO blocked).
-    # NaN parses: a model config's values are checked where it is built, naming the key (check_config_values).
-    config = read_json_object(config_path, f"checkpoint file '{config_path}'", CheckpointError, allow_nan=True) \
-        if os.path.lexists(config_path) else {}
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == NEUZIP_QUANT_METHOD:
-        return NeuZipExport(path)
-    return SafetensorsFolder(path)  # a hub id stays one: the folder resolves it from the cache
-
-
-def is_encoded(source: object) -> bool:
-    """Whether ``source`` yields weights already compressed (their files' bytes are the compressed form)."""
-    return isinstance(source, (NeutrainCheckpoint, NeuZipExport))
 
 
 def _resolve(path_or_id) -> Path:
