@@ -1,7 +1,7 @@
 """The one reader (and writer of the metadata) of a compressed checkpoint's weights file.
 
 A ``checkpoint-N`` of a compressed run holds its weights in one safetensors file: each compressed weight as
-the codec's blobs under ``<parameter>.<blob>``, dense tensors (norms, biases) under their own names, and
+the codec's blobs under ``<parameter>.<blob>`` (a linear's ``<module>.weight``, an expert stack's own name), dense tensors (norms, biases) under their own names, and
 tensors that share storage (a tied lm_head) once, the others named in the file's metadata as aliases of it.
 
 Why one module: a build from the checkpoint (:class:`neutrain.nn.sources.NeutrainCheckpoint`), a resume
@@ -24,11 +24,13 @@ from typing import Iterator
 
 import torch
 
+from neutrain.compress.format import BLOB_KEYS
 from neutrain.errors import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 _ALIASES = "aliases"  # metadata key: {alias name: the name its tensor is saved under}
 BLOB_FORMAT = "neuzip-blobs"
+_BLOBS = frozenset((*BLOB_KEYS, "checksum", "name"))  # what a compressed tensor's state dict holds
 
 
 def weights_metadata(aliases: dict[str, str]) -> dict[str, str]:
@@ -37,14 +39,14 @@ def weights_metadata(aliases: dict[str, str]) -> dict[str, str]:
 
 
 def blob_owner(name: str) -> str | None:
-    """The weight ``name`` is a codec blob of (``<module>.weight.<blob>``), or None for a dense tensor.
+    """The weight ``name`` would be a codec blob of (``<parameter>.<blob>``, by the blob's name), or None.
 
     Example:
         >>> blob_owner("model.layers.0.mlp.up_proj.weight.stream"), blob_owner("model.norm.weight")
         ('model.layers.0.mlp.up_proj.weight', None)
     """
-    owner = name.rpartition(".")[0]
-    return owner if owner.endswith(".weight") else None
+    owner, _, blob = name.rpartition(".")
+    return owner if owner and blob in _BLOBS else None
 
 
 def read_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
@@ -74,5 +76,8 @@ def read_weights(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor | 
         for name, keys in groups.items():
             if keys == [name]:
                 yield name, handle.get_tensor(aliases.get(name, name))
-            else:
+            elif f"{name}.checksum" in keys:  # a sealed compressed tensor's blobs
                 yield name, {key[len(name) + 1:]: handle.get_tensor(aliases.get(key, key)) for key in keys}
+            else:  # dense tensors whose names merely end like blobs
+                for key in keys:
+                    yield key, handle.get_tensor(aliases.get(key, key))
