@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable
 from neutrain.config.layer_placement import LayerPlacement
 from neutrain.errors import CheckpointError, UserInputError
 from neutrain.export import load_checkpoint_model
-from neutrain.export.hf import _config_dtype, _load_tokenizer
+from neutrain.export.hf import _load_tokenizer
 from neutrain.files import read_json_object
 from neutrain.memory import (NEUZIP_BITS, ModelShape, Placement, Residency, decide, device_memory_used,
                              enforce_budget, resolve_budget)
@@ -44,7 +44,7 @@ from neutrain.storage.manifest import safetensors_header, verify_checkpoint
 from neutrain.nn.architecture import auto_attention
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec
-from neutrain.nn.sources import SafetensorsFolder, folder_source, is_encoded
+from neutrain.nn.formats import ModelFormat, folder_format
 
 if TYPE_CHECKING:
     import torch
@@ -60,12 +60,12 @@ turn, so it cannot be measured before the model loads; the oldest turns are drop
 
 @dataclasses.dataclass(frozen=True)
 class ModelFolder:
-    """An export or checkpoint folder as a placement reads it, once: its loader (:func:`folder_source`, by its
-    format), the transformers config and the dtype the model is built in. The decision, its line and the build
-    take it from here: each reading the folder again chose the loader anew and parsed ``config.json`` anew."""
+    """An export or checkpoint folder as a placement reads it, once: its format (:func:`folder_format`, which
+    answers for it), the transformers config and the dtype the model is built in. The decision, its line and the
+    build take it from here: each reading the folder again chose the loader anew and parsed ``config.json`` anew."""
 
     path: Path
-    source: SafetensorsFolder
+    format: ModelFormat
     config: PretrainedConfig
     dtype: torch.dtype  # float32, bfloat16 or float16
 
@@ -77,18 +77,11 @@ class ModelFolder:
 
 def read_folder(path: Path) -> ModelFolder:
     """:class:`ModelFolder` of ``path``: its loader chosen and its config read (nothing of the weights yet)."""
-    source = folder_source(path)  # one loader per format
-    config = source.read_config()
-    return ModelFolder(Path(path), source, config, _build_dtype(config))
-
-
-def _build_dtype(config) -> torch.dtype:
-    """The dtype ``config`` names (``dtype``, or the older ``torch_dtype``, which transformers reads into it) when
-    float32, bfloat16 or float16; else bfloat16."""
     import torch
 
-    dtype = _config_dtype(config)
-    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+    fmt = folder_format(path)  # chosen once: the decision, its line and the build ask this object
+    # The dtype the weights are stored in (float32, bfloat16 or float16), else bfloat16.
+    return ModelFolder(Path(path), fmt, fmt.read_config(), fmt.stored_dtype() or torch.bfloat16)
 
 
 def _weight_bytes(path: Path) -> tuple[int, int]:
@@ -167,7 +160,7 @@ def resolve(path: Path, budget: int | None, *, prompt_tokens: int, new_tokens: i
     folder = folder or read_folder(path)
     total, config = folder.weight_bytes, folder.config
     # A compressed run's checkpoint or a NeuZip export: its files' bytes are the compressed form already.
-    encoded = is_encoded(folder.source)
+    encoded = folder.format.encoded
     dtype_bytes = folder.dtype.itemsize
     shape = ModelShape.from_config(getattr(config, "text_config", None) or config)
     context = getattr(config, "max_position_embeddings", None)
@@ -203,7 +196,7 @@ def build_placed(path: Path, placement: Placement, device: str = "cuda", *, fold
     """The model of export or checkpoint ``path`` built as ``placement`` decided (compressed, with its streamed
     layers in host memory) on ``device``. ``folder``: ``path`` as already read, else read here."""
     folder = folder or read_folder(path)
-    source, config, dtype = folder.source, folder.config, folder.dtype
+    source, config, dtype = folder.format.source(), folder.config, folder.dtype
     # The attention transformers runs this architecture with (sdpa, or eager where it has none).
     spec = ModelSpec(source, config, dtype, attention=auto_attention(config, cuda=False),
                      placement=placement.build_placement(device))
@@ -221,7 +214,7 @@ def _config(directory: Path) -> dict:
 def _note(residency: Residency, folder: ModelFolder) -> str:
     """``generate: <the decision>; weights D GiB dense, C GiB compressed`` (the files' own bytes, and the form's)."""
     total = folder.weight_bytes
-    if is_encoded(folder.source):
+    if folder.format.encoded:
         weights = f"weights {total / GIB:.2f} GiB compressed"
     else:
         weights = f"weights {total / GIB:.2f} GiB dense, {total / 16 * NEUZIP_BITS / GIB:.2f} GiB compressed"

@@ -23,9 +23,7 @@ from neutrain.export.target import EXPORT_INFO, source_changed, staged_export
 from neutrain.files import check_folder
 from neutrain.nn import decompressed_state_dict
 from neutrain.nn.checkpoint import is_compressed
-from neutrain.nn.load import build
-from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import NeutrainCheckpoint, NeuZipExport, folder_source
+from neutrain.nn.formats import folder_format
 from neutrain.storage.manifest import verify_checkpoint
 
 logger = logging.getLogger("neutrain")
@@ -37,19 +35,18 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified: bool = False, *, folder=None):
     """Load a ``checkpoint-N`` (or export) directory as a causal LM and its tokenizer, on the CPU (eval mode).
 
-    A compressed run's checkpoint is rebuilt from its blobs as they are (no re-encoding), a dense
-    checkpoint or export tensor by tensor (:func:`neutrain.nn.load.build`); ``dtype`` ``auto`` keeps the
-    dtype the config names (else the weights'). A NeuZip export loads through transformers'
-    ``from_pretrained`` and neutrain's quantizer, as any user of the export loads it. ``verified``: the caller
+    The folder's format loads it (:meth:`neutrain.nn.formats.ModelFormat.load_model`): a compressed run's
+    checkpoint is rebuilt from its blobs as they are (no re-encoding), a dense checkpoint or export tensor by
+    tensor (:func:`neutrain.nn.load.build`), a NeuZip export through transformers' ``from_pretrained`` and
+    neutrain's quantizer, as any user of the export loads it; ``dtype`` ``auto`` keeps the dtype the weights
+    are stored in. ``verified``: the caller
     ran :func:`~neutrain.storage.manifest.verify_checkpoint` on it already (its checksums read every byte).
-    ``folder``: ``path`` as the caller already read it, its loader ``source`` and transformers ``config``
-    (``neutrain generate``'s placement holds both): neither is chosen or parsed again.
+    ``folder``: ``path`` as the caller already read it, its ``format`` (:mod:`neutrain.nn.formats`, with its
+    config read; ``neutrain generate``'s placement holds it): neither is chosen or parsed again.
 
     Raises:
         CheckpointError: if the directory is missing or incomplete.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     if not verified:
         verify_checkpoint(path)  # checksums, and no file that would run code when loaded
@@ -62,29 +59,14 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: str = "auto", verified
     if not weights:
         raise CheckpointError(f"checkpoint '{path}' has no safetensors weights")
 
-    source = folder.source if folder is not None else folder_source(path)  # one loader per format
-    config = folder.config if folder is not None else None
-    if isinstance(source, NeutrainCheckpoint):
-        return _load_compressed_checkpoint(source, config), _load_tokenizer(path)
+    fmt = folder.format if folder is not None else folder_format(path)  # one format object answers for the folder
     try:
-        if isinstance(source, NeuZipExport):  # as any user of the export loads it: transformers and the quantizer
-            # device_map: on the CPU as this function promises; the quantizer's own default is the current GPU.
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto" if dtype == "auto" else _DTYPES[dtype],
-                                                         device_map="cpu")
-        else:
-            config = source.read_config() if config is None else config
-            chosen = _DTYPES[dtype] if dtype != "auto" else _config_dtype(config) or source.stored_dtype()
-            model, _ = build(ModelSpec(source, config, chosen or torch.float32), progress=False)
+        model = fmt.load_model(None if dtype == "auto" else _DTYPES[dtype])
     except CheckpointError:
         raise  # names the file and what is wrong in it already
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot load the model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    return model.eval(), _load_tokenizer(path)
-
-
-def _config_dtype(config) -> torch.dtype | None:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    return model, _load_tokenizer(path)
 
 
 def _load_tokenizer(path: Path):
@@ -100,15 +82,6 @@ def _load_tokenizer(path: Path):
                 raise CheckpointError(f"tokenizer files in '{cand}' cannot be loaded ({type(exc).__name__}: {detail}); "
                                       "restore them from the run's checkpoint or the base model") from None
     return None
-
-
-def _load_compressed_checkpoint(source: NeutrainCheckpoint, config=None):
-    """Rebuild a compressed model from a checkpoint's blobs (no re-encoding of dense weights); ``config``: its
-    config as already read, else read here."""
-    config = source.read_config() if config is None else config
-    model, _ = build(ModelSpec(source, config, _config_dtype(config) or torch.bfloat16, placement=Placement(source.weights)),
-                     progress=False)
-    return model.eval()
 
 
 def check_representable(model, dtype: torch.dtype | None) -> None:

@@ -49,8 +49,12 @@ __all__ = [
 
 def __getattr__(name):
     # load_compressed/init_compressed pull in safetensors/transformers loading machinery: import on first use.
-    if name in ("load_compressed", "init_compressed"):
+    if name == "load_compressed":
+        from neutrain.nn import formats
+
+        return formats.load_compressed
+    if name == "init_compressed":
         from neutrain.nn import load
 
-        return getattr(load, name)
+        return load.init_compressed
     raise AttributeError(f"module 'neutrain.nn' has no attribute {name!r}")

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from neutrain.nn.checkpoint_reader import BLOB_FORMAT, WEIGHTS_FILE, read_weights, weights_metadata
+
 MARKER = "neutrain_weights.json"
-WEIGHTS_FILE = "model.safetensors"
+__all__ = ["MARKER", "WEIGHTS_FILE", "is_compressed", "load_compressed_state", "save_compressed_checkpoint"]
 
 
 def is_compressed(model: torch.nn.Module) -> bool:
@@ -53,11 +55,11 @@ def save_compressed_checkpoint(model: torch.nn.Module, output_dir: str | os.Path
             seen[key] = name
         unique[name] = tensor.detach()
     del state
-    write_safetensors(unique, out / WEIGHTS_FILE, {"aliases": json.dumps(aliases), "format": "neuzip-blobs"})
+    write_safetensors(unique, out / WEIGHTS_FILE, weights_metadata(aliases))
     model.config.save_pretrained(str(out))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out))
-    (out / MARKER).write_text(json.dumps({"weights": weights, "format": "neuzip-blobs"}))
+    (out / MARKER).write_text(json.dumps({"weights": weights, "format": BLOB_FORMAT}))
 
 
 def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
@@ -68,20 +70,12 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     copied into the weight's device, so the device never holds a second copy of the model; the dense
     rest (norms, biases, buffers) is copied in from the host by ``load_state_dict``.
     """
-    from safetensors import safe_open
-
     from neutrain.errors import CheckpointError
 
     path = Path(checkpoint_dir) / WEIGHTS_FILE
-    if not path.exists():
-        raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no {WEIGHTS_FILE}")
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
-        aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
-        loaded = _load_compressed_weights(model, fh, path, aliases)
-        state = {k: fh.get_tensor(k) for k in fh.keys() if k.rpartition(".weight.")[0] + ".weight" not in loaded}
-    for alias, source in aliases.items():
-        if alias.rpartition(".weight.")[0] + ".weight" not in loaded:
-            state[alias] = state[source]
+    modules = {f"{n}.weight": m.compressed for n, m in model.named_modules() if getattr(m, "compressed", None) is not None}
+    state: dict[str, torch.Tensor] = {}
+    loaded = _load_compressed_weights(modules, _rest_into(state, modules, read_weights(path)), path)
     try:
         result = model.load_state_dict(state, strict=False)
         left = [k for k in result.missing_keys if k not in loaded] + list(result.unexpected_keys)
@@ -96,41 +90,45 @@ def load_compressed_state(model: torch.nn.Module, checkpoint_dir: str | os.PathL
     del result
 
 
-def _load_compressed_weights(model: torch.nn.Module, handle, path: Path, aliases: dict[str, str]) -> set[str]:
-    """Load every compressed module's weight from an open safetensors ``handle``, one weight at a time.
+def _rest_into(state: dict[str, torch.Tensor], modules: dict, weights):
+    """The pairs of ``weights`` (the reader's) whose blobs go into a compressed module of ``modules``; every other
+    tensor is put into ``state`` on the way, for ``load_state_dict`` (which names blobs with no place in the model)."""
+    for name, value in weights:
+        if isinstance(value, dict) and name in modules:
+            yield name, value
+        elif isinstance(value, dict):
+            state.update({f"{name}.{blob}": tensor for blob, tensor in value.items()})
+        else:
+            state[name] = value
 
-    A weight whose blobs are missing is left to ``load_state_dict``, which names it. Offloaded weights
-    (``memory.offload_weights``) go into their host store (``replace_`` -> ``WeightOffload.adopt``).
-    Returns the names loaded (``<module>.weight``).
+
+def _load_compressed_weights(modules: dict, weights, path: Path) -> set[str]:
+    """Load each compressed weight of ``modules`` (``<module>.weight`` -> its weight) from ``weights``
+    (``(name, blobs)`` pairs), one weight at a time. Offloaded weights (``memory.offload_weights``) go into their host store (``replace_`` ->
+    ``WeightOffload.adopt``). Returns the names loaded (``<module>.weight``).
     """
     from neutrain.compress import CompressedTensor
     from neutrain.errors import CheckpointError
 
-    keys = set(handle.keys()) | set(aliases)
     done: set[str] = set()
     placed: set[int] = set()  # a tied lm_head shares the embedding's weight: loaded once
     staged = []  # (name, weight, host copy, device): placed on the device once every old blob is gone
-    for name, module in model.named_modules():
-        weight = getattr(module, "compressed", None)
-        prefix = f"{name}.weight."
-        names = [k for k in keys if k.startswith(prefix)]
-        if weight is None or not names:
-            continue
-        done.add(prefix[:-1])
+    for name, blobs in weights:
+        weight = modules[name]
+        done.add(name)
         if id(weight) in placed:
             continue
         placed.add(id(weight))
-        blobs = {k[len(prefix):]: handle.get_tensor(aliases.get(k, k)) for k in names}
         device = weight.device
         try:
-            loaded = CompressedTensor.from_state_dict(blobs, name=prefix[:-1], device="cpu")  # checked on the host
+            loaded = CompressedTensor.from_state_dict(blobs, name=name, device="cpu")  # checked on the host
             if weight.home is not None:  # offloaded: its host store adopts the blobs
                 weight.replace_(loaded.to(device))
             else:
                 weight.replace_(loaded)  # the host copy stands in (replace_ checks the shape): the old device blobs go
-                staged.append((prefix[:-1], weight, loaded, device))
+                staged.append((name, weight, loaded, device))
         except (ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint file '{path}': {prefix[:-1]}: {exc}") from None
+            raise CheckpointError(f"checkpoint file '{path}': {name}: {exc}") from None
         del blobs, loaded
     # Every old blob is gone before the first new one is placed. Replaced one weight at a time, each new blob was
     # allocated among the still-live blobs of the other weights, of slightly other sizes: the CUDA allocator was

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -22,7 +21,9 @@ import torch
 
 from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
-from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE, is_compressed, load_compressed_state
+from neutrain.nn.checkpoint import WEIGHTS_FILE, is_compressed, load_compressed_state
+from neutrain.nn.checkpoint_reader import read_weights
+from neutrain.nn.formats import folder_format
 from neutrain.nn.sources import SafetensorsFolder
 from neutrain.optim.fused import COMPRESSED_KEY_ATTR
 
@@ -36,7 +37,7 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> b
         CheckpointError: a tensor the model lacks, a weight the checkpoint lacks, or weights of another dtype
             than the model stores (a dense fp32 run and bf16 NeuZip do not train the same model).
     """
-    compressed_checkpoint = (Path(checkpoint_dir) / MARKER).is_file()
+    compressed_checkpoint = folder_format(checkpoint_dir).resumable  # a compressed run's blobs, resumed as they are
     if compressed_checkpoint and is_compressed(model):
         load_compressed_state(model, checkpoint_dir)
         return True
@@ -54,26 +55,15 @@ def _dense_tensors(directory: Path):
 
 def _compressed_tensors(directory: Path):
     """``(name, dense tensor)`` of a compressed checkpoint: each weight's blobs checked and decoded."""
-    from safetensors import safe_open
-
     path = directory / WEIGHTS_FILE
-    if not path.exists():
-        raise CheckpointError(f"checkpoint '{directory}' has no {WEIGHTS_FILE}")
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-        blobs: dict[str, list[str]] = {}
-        for key in [*handle.keys(), *aliases]:
-            owner, dot, _ = key.partition(".weight.")
-            if dot:
-                blobs.setdefault(owner + ".weight", []).append(key)
-            else:
-                yield key, handle.get_tensor(aliases.get(key, key))
-        for owner, keys in blobs.items():
-            parts = {k[len(owner) + 1:]: handle.get_tensor(aliases.get(k, k)) for k in keys}
-            try:
-                yield owner, CompressedTensor.from_state_dict(parts, name=owner, device="cpu").decompress()
-            except (ValueError, RuntimeError, KeyError) as exc:
-                raise CheckpointError(f"checkpoint file '{path}': {owner}: {exc}") from None
+    for name, value in read_weights(path):
+        if not isinstance(value, dict):
+            yield name, value
+            continue
+        try:
+            yield name, CompressedTensor.from_state_dict(value, name=name, device="cpu").decompress()
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint file '{path}': {name}: {exc}") from None
 
 
 def _load_across(model: torch.nn.Module, directory: Path, tensors) -> None:

@@ -156,10 +156,10 @@ def load_gguf_compressed(source: str, name: str, weights: str, dtype: torch.dtyp
     Each tensor is read from the memory-mapped file, dequantized, and compressed before the next is
     read (:class:`GGUFFile` into :func:`neutrain.nn.load.build`), so peak host memory is the
     compressed model plus one dequantized tensor, not the dense model. ``storage_dtype`` as for
-    :func:`neutrain.nn.load.load_compressed` (bf16 storage under fp32 compute on CPU).
+    :func:`neutrain.nn.formats.load_compressed` (bf16 storage under fp32 compute on CPU).
 
     Returns:
-        ``(model, report)`` as :func:`neutrain.nn.load.load_compressed`.
+        ``(model, report)`` as :func:`neutrain.nn.formats.load_compressed`.
 
     Example:
         >>> model, report = load_gguf_compressed("models", "smollm2-135m-instruct-q8_0.gguf",

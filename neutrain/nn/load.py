@@ -9,13 +9,11 @@ compressed modules whose decoder layers go to host memory as each is complete. A
 encoded as soon as it arrives and its dense tensor dropped, so peak memory is the compressed model
 plus one dense tensor, never the dense model.
 
-``load_compressed`` (a Hugging Face checkpoint) and ``init_compressed`` (random weights, for
-shape-only runs and benchmarks) are this build for the two most common sources.
+``init_compressed`` (random weights, for shape-only runs and benchmarks) is this build for the simplest
+source; :func:`neutrain.nn.formats.load_compressed` builds a saved folder, whatever its format.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -24,7 +22,7 @@ from neutrain.errors import CheckpointError, RecipeError
 from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
 from neutrain.nn.sink import ModelSink
-from neutrain.nn.sources import RandomInit, folder_source
+from neutrain.nn.sources import RandomInit
 
 
 def build(spec: ModelSpec, *, progress: bool = True):
@@ -127,47 +125,6 @@ def check_finite(label: str, name: str, tensor: torch.Tensor) -> None:
                               "from a diverged model")
 
 
-def load_compressed(
-    path_or_id: str | os.PathLike,
-    weights: str = "neuzip-lossless",
-    device: str | torch.device = "cuda",
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    progress: bool = True,
-    codec_options: dict | None = None,
-    config_overrides: dict | None = None,
-    storage_dtype: torch.dtype | None = None,
-):
-    """Load a Hugging Face causal LM checkpoint into compressed modules on ``device``.
-
-    Args:
-        path_or_id: a local directory with ``config.json`` and ``*.safetensors`` (one or many shards), or
-            a hub id already in the local cache (no download is attempted when offline).
-        weights: ``"neuzip-lossless"`` or ``"dense"``.
-        device: where the model lives.
-        dtype: dtype of floating weights (bf16 for training).
-        progress: show a tqdm bar.
-        codec_options: extra arguments for ``neutrain.compress.compress``.
-        config_overrides: attributes set on the config before building (e.g. ``attn_implementation``).
-        storage_dtype: dtype of the compressed weights when it differs from ``dtype``, which
-            then is the compute dtype (bf16 storage with fp32 compute is the CPU setting).
-
-    Returns:
-        ``(model, report)``: the model (train mode) and a :class:`CompressionReport`
-        (``bytes_before`` is the dense size the checkpoint would take).
-
-    Example:
-        >>> model, report = load_compressed("path/to/llama", device="cuda")  # doctest: +SKIP
-    """
-    source = folder_source(path_or_id)  # a Hugging Face folder, a NeuZip export or a checkpoint: its own loader
-    config = source.read_config()
-    for key, value in (config_overrides or {}).items():
-        setattr(config, key, value)
-    spec = ModelSpec(source, config, dtype, storage_dtype, placement=Placement(weights, device=device),
-                     codec_options=codec_options)
-    return build(spec, progress=progress)
-
-
 def init_compressed(
     config,
     weights: str = "neuzip-lossless",
@@ -183,10 +140,10 @@ def init_compressed(
 
     Matrices are drawn from ``N(0, config.initializer_range)`` (transformers'
     default for Llama-style models), norm weights are ones and biases zeros
-    (:class:`neutrain.nn.sources.RandomInit`). ``storage_dtype`` as for :func:`load_compressed`.
+    (:class:`neutrain.nn.sources.RandomInit`). ``storage_dtype`` as for :func:`neutrain.nn.formats.load_compressed`.
 
     Returns:
-        ``(model, report)`` as :func:`load_compressed`.
+        ``(model, report)`` as :func:`neutrain.nn.formats.load_compressed`.
     """
     spec = ModelSpec(RandomInit(seed), config, dtype, storage_dtype, placement=Placement(weights, device=device),
                      codec_options=codec_options)

@@ -18,8 +18,8 @@ files, in any key order. The sink, not the source, decides when a layer is compl
 Sources here: :class:`RandomInit`, :class:`SafetensorsFolder` (a Hugging Face folder of one or many
 shards, or a hub id in the local cache), :class:`NeutrainCheckpoint` (a ``checkpoint-N`` of a
 compressed run) and :class:`NeuZipExport` (``neutrain export --format neuzip``); GGUF files are
-:class:`neutrain.nn.gguf.GGUFFile`. :func:`folder_source` picks a folder's by its format, the one place
-that decides it.
+:class:`neutrain.nn.gguf.GGUFFile`. Which one a model is read from is decided once, by its format
+(:func:`neutrain.nn.formats.resolve_format`).
 
 Example:
     >>> from transformers import AutoModelForCausalLM, LlamaConfig
@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -46,6 +45,7 @@ from neutrain.compress import CompressedTensor
 from neutrain.errors import CheckpointError
 from neutrain.files import check_folder, read_json_object
 from neutrain.nn.checkpoint import MARKER, WEIGHTS_FILE
+from neutrain.nn.checkpoint_reader import read_weights
 from neutrain.storage.manifest import safetensors_header
 
 
@@ -250,25 +250,12 @@ class NeutrainCheckpoint(SafetensorsFolder):
         return None  # the model's own parameter names
 
     def tensors(self, model, device, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
-        from safetensors import safe_open
-
-        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         tied = tied_head_name(model)
         (path,) = self.files()
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            # Tensors sharing storage were saved once: the others are aliases of it (the file's metadata).
-            aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-            groups: dict[str, list[str]] = {}
-            for key in [*handle.keys(), *aliases]:
-                owner = key.rpartition(".")[0]
-                groups.setdefault(key if key in params or owner not in params else owner, []).append(key)
-            groups.pop(tied, None)  # the embedding's own weight: the sink ties it again
-            for owner, keys in groups.items():
-                if keys == [owner]:
-                    yield owner, handle.get_tensor(aliases.get(owner, owner))
-                    continue
-                blobs = {key[len(owner) + 1:]: handle.get_tensor(aliases.get(key, key)) for key in keys}
-                yield owner, _assemble(blobs, owner, device, f"checkpoint file '{path}'")
+        for name, value in read_weights(path):
+            if name == tied:
+                continue  # the embedding's own weight: the sink ties it again
+            yield name, value if not isinstance(value, dict) else _assemble(value, name, device, f"checkpoint file '{path}'")
 
 
 def _assemble(blobs: dict[str, torch.Tensor], owner: str, device, where: str) -> CompressedTensor:
@@ -317,29 +304,6 @@ class NeuZipExport(SafetensorsFolder):
                     continue  # a tensor the model has no parameter for: the sink would drop it too
                 blobs = {key[len(owner) + 1:]: handle.get_tensor(key) for key, handle in parts}
                 yield owner, _assemble(blobs, owner, device, f"NeuZip export '{self.directory}'")
-
-
-def folder_source(path: str | os.PathLike) -> SafetensorsFolder:
-    """The source for the folder ``path`` by its format: a compressed run's ``checkpoint-N`` (its marker file),
-    a NeuZip export (its config's ``quantization_config``) or a Hugging Face folder."""
-    directory = Path(path)
-    if (directory / MARKER).exists():
-        return NeutrainCheckpoint(path)
-    config_path = directory / "config.json"
-    # Missing: a hub id, or a folder read_config names the lack of. Present, it is read here, so a FIFO or a
-    # broken file is one line naming it (transformers' own open of a FIFO blocked).
-    # NaN parses: a model config's values are checked where it is built, naming the key (check_config_values).
-    config = read_json_object(config_path, f"checkpoint file '{config_path}'", CheckpointError, allow_nan=True) \
-        if os.path.lexists(config_path) else {}
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == NEUZIP_QUANT_METHOD:
-        return NeuZipExport(path)
-    return SafetensorsFolder(path)  # a hub id stays one: the folder resolves it from the cache
-
-
-def is_encoded(source: object) -> bool:
-    """Whether ``source`` yields weights already compressed (their files' bytes are the compressed form)."""
-    return isinstance(source, (NeutrainCheckpoint, NeuZipExport))
 
 
 def _resolve(path_or_id) -> Path:

@@ -3,14 +3,17 @@
 The model comes from a local Hugging Face directory or a hub id (read from the
 local cache only, never downloaded at run time), a GGUF file, or is built from a
 config with random weights (``init: random``) for shape-only runs and for the
-default recipe, which has no weights at hand. The section is resolved once into a
+default recipe, which has no weights at hand. Which of these the section names is
+decided once (:func:`recipe_format`, a :class:`~neutrain.nn.formats.ModelFormat`
+that answers for its format); the section is resolved once into a
 :class:`~neutrain.nn.model_spec.ModelSpec` (:func:`resolve_model`: source, config,
-dtypes, attention, placement), and :func:`neutrain.nn.load.build` builds it, dense,
-compressed or compressed with its layers in host memory, through one path.
+dtypes, attention, placement), and the format builds it, dense, compressed or
+compressed with its layers in host memory, through one path.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,12 +25,9 @@ import torch
 
 from neutrain.errors import RecipeError
 from neutrain.files import read_json_object
-from neutrain.nn import gguf
-from neutrain.nn.gguf import GGUFFile
 from neutrain.nn.convert import parameter_count
-from neutrain.nn.load import build
+from neutrain.nn.formats import ModelFormat, ModelRef, load_named_tokenizer, resolve_format
 from neutrain.nn.model_spec import ModelSpec, Placement
-from neutrain.nn.sources import RandomInit, folder_source
 from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError
 # Where callers have always found them (the planner imports them from model_config, without torch):
@@ -77,6 +77,19 @@ def auto_dtype_line(use_cpu: bool = False) -> str:
             "NeuZip weights stay bf16 and are upcast exactly")
 
 
+def recipe_format(model_cfg: ModelSection, tokenizer=None, seed: int = 42) -> ModelFormat:
+    """The format of the model a recipe's ``model`` section names (:mod:`neutrain.nn.formats`): the one place
+    the recipe's keys choose it. ``tokenizer`` sizes the config random weights are built for; ``seed`` is theirs.
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> recipe_format(load_recipe("default").model).name
+        'random weights'
+    """
+    return resolve_format(ModelRef(model_cfg.base_model, model_cfg.gguf_file, model_cfg.init == "random",
+                                   seed, functools.partial(recipe_config, model_cfg, tokenizer)))
+
+
 def build_tokenizer(model_cfg: ModelSection, data_cfg: DataSection, output_dir: str, cache_dir: str):
     """Load or build the tokenizer, and save it under ``<output_dir>/tokenizer``.
 
@@ -100,17 +113,14 @@ def build_tokenizer(model_cfg: ModelSection, data_cfg: DataSection, output_dir: 
         stale = _stale_tokenizer(saved, spec, output_dir)
         if not stale:
             return AutoTokenizer.from_pretrained(str(saved))
-    if model_cfg.tokenizer is None and model_cfg.gguf_file:
-        tok = gguf_call(model_cfg, "load_gguf_tokenizer")  # the vocabulary and chat template the file carries
+    if model_cfg.tokenizer is None:  # the model's own (a GGUF file's: the vocabulary and template it carries)
+        tok = recipe_format(model_cfg).load_tokenizer(model_cfg.trust_remote_code)
     elif name == "byte":
         tok = byte_tokenizer()
     elif name == "train-bpe":
         tok = train_bpe_tokenizer(iter_training_texts(data_cfg, cache_dir), vocab_size=model_cfg.tokenizer_vocab_size)
     else:
-        try:
-            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
-        except Exception as exc:
-            raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache ({type(exc).__name__})") from None
+        tok = load_named_tokenizer(name, model_cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     set_chat_template(tok, data_cfg.chat_template)  # saved with checkpoints and the export
@@ -195,27 +205,20 @@ def export_dtype(model_cfg: ModelSection, weights: str, use_cpu: bool, requested
     """
     if requested != "auto":
         return requested
-    names = {v: k for k, v in _DTYPES.items()}
-    if model_cfg.init == "pretrained" and model_cfg.gguf_file:
-        source, name = gguf.split_source(model_cfg.base_model, model_cfg.gguf_file)
-        try:
-            return names.get(gguf.gguf_dtype(gguf.resolve_gguf_path(source, name)), "auto")
-        except (OSError, ValueError):  # the export still works: in the trained dtype
-            return "auto"
-    if model_cfg.init == "pretrained" and model_cfg.base_model:
-        try:
-            dtype = getattr(config_only(model_cfg), "dtype", None)
-        except (OSError, ValueError):
-            return "auto"
-        dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        return names.get(dtype, "auto")
+    try:
+        stored = recipe_format(model_cfg).stored_dtype()  # None: random weights, stored by no file
+    except (OSError, ValueError):  # the export still works: in the trained dtype
+        return "auto"
+    if stored is not None:
+        return {v: k for k, v in _DTYPES.items()}.get(stored, "auto")
     if weights != "dense" and model_cfg.dtype == "auto":  # NeuZip stores bf16 under auto, whatever it computes in
         return "bfloat16"
     return "auto"
 
 
 def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
-                  offload_weights: bool = False, offload_layers: int | None = None) -> ModelSpec:
+                  offload_weights: bool = False, offload_layers: int | None = None,
+                  fmt: ModelFormat | None = None) -> ModelSpec:
     """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
     transformers config, compute and storage dtypes, the attention backend and the placement.
 
@@ -223,7 +226,7 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     compresses well) and computed in fp32 (bf16 matrix products are emulated and several times slower
     there). ``offload_weights`` (``memory.offload_weights``) keeps the compressed decoder layers in host
     memory, each moved there as soon as it is built; ``offload_layers`` (``memory.offload_layers``) of them
-    only, spread evenly, when set.
+    only, spread evenly, when set. ``fmt``: the section's format as :func:`recipe_format` chose it, else chosen here.
 
     Example:
         >>> from neutrain.config import load_recipe
@@ -236,19 +239,9 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     if model_cfg.dtype == "auto":
         logger.info(auto_dtype_line(use_cpu))
     trust = model_cfg.trust_remote_code
-    if model_cfg.init == "random":
-        source = RandomInit(seed)  # the same random weights on every process, every resume and every placement
-    elif model_cfg.gguf_file:
-        source = GGUFFile(*gguf_source(model_cfg))
-    else:
-        source = folder_source(model_cfg.base_model)  # a Hugging Face folder, a NeuZip export or a checkpoint
+    fmt = fmt or recipe_format(model_cfg, tokenizer, seed)
     try:
-        if model_cfg.init == "random":
-            config = recipe_config(model_cfg, tokenizer)
-        elif model_cfg.gguf_file:
-            config = gguf_call(model_cfg, "gguf_config", trust_remote_code=trust)
-        else:
-            config = source.read_config(trust)
+        config = fmt.read_config(trust)
     except OSError as exc:
         raise RecipeError(f"model.base_model: cannot load the config of '{model_cfg.base_model}' from a local "
                           f"path or the hub cache ({str(exc).splitlines()[0]})") from None
@@ -259,7 +252,7 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     offload = offload_weights and weights != "dense"
     placement = Placement(weights, offload=offload, layers=offload_layers if offload else None,
                           device="cuda" if cuda else "cpu")
-    return ModelSpec(source, config, dtype, storage, _attention(model_cfg.attn_implementation, config, use_cpu),
+    return ModelSpec(fmt.source(), config, dtype, storage, _attention(model_cfg.attn_implementation, config, use_cpu),
                      placement, trust_remote_code=trust)
 
 
@@ -308,12 +301,10 @@ def build_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed:
         from neutrain.storage.manifest import verify_if_neutrain  # lazy: `neutrain --help` stays instant
 
         verify_if_neutrain(base)  # a neutrain checkpoint or export as the base: its checksums, before a tensor is read
-    spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers)
+    fmt = recipe_format(model_cfg, tokenizer, seed)
+    spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers, fmt)
     try:
-        if isinstance(spec.source, GGUFFile):
-            model, report = gguf_errors(gguf.build_gguf, spec)
-        else:
-            model, report = build(spec)
+        model, report = fmt.build(spec)
     except OSError as exc:
         raise RecipeError(f"model.base_model: cannot load '{model_cfg.base_model}' from a local path or the hub "
                           f"cache ({str(exc).splitlines()[0]})") from None

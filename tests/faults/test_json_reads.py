@@ -178,9 +178,9 @@ def test_the_well_formed_folder_passes_every_driver(tiny_model, tmp_path):
     _verify(folder)
     marked = _copy(tiny_model, tmp_path / "compressed")
     _plant_marker(marked)
-    from neutrain.nn.sources import folder_source
+    from neutrain.nn.formats import folder_format
 
-    assert folder_source(marked).weights == "neuzip-lossless"
+    assert folder_format(marked).source().weights == "neuzip-lossless"
 
 
 def _best_effort_reads(folder: Path) -> dict:

@@ -121,7 +121,7 @@ def _dense_and_compressed(tmp_path, arch, attn, device="cpu"):
 
     from neutrain.nn import compressed_weights
     from neutrain.nn.architecture import auto_attention
-    from neutrain.nn.load import load_compressed
+    from neutrain.nn.formats import load_compressed
 
     config = _config(arch)
     attn = auto_attention(config, cuda=False) if attn == "auto" else attn

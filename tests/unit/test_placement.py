@@ -46,7 +46,7 @@ def test_a_dense_placement_reads_the_folder_once_and_builds_what_the_loader_buil
     reads, read_config = [], SafetensorsFolder.read_config
     monkeypatch.setattr(SafetensorsFolder, "read_config",
                         lambda self, *a, **k: reads.append(self) or read_config(self, *a, **k))
-    monkeypatch.setattr(hf, "folder_source", lambda path: pytest.fail("the loader chose the folder's loader again"))
+    monkeypatch.setattr(hf, "folder_format", lambda path: pytest.fail("the loader chose the folder's loader again"))
     model, tokenizer, note, residency = place_on(tmp_path, "cpu", GIB, prompt_tokens=5, new_tokens=16)
     assert residency.form == "dense" and len(reads) == 1
     got, expected = model.state_dict(), want.state_dict()

@@ -1,6 +1,6 @@
 """Every saved form a model leaves (a NeuZip export, lossless or lossy, sharded anywhere; a dense export) placed
 in every form ``neutrain generate`` builds on a GPU (compressed, compressed with layers streamed from host
-memory), through the one chooser of loaders (``neutrain.nn.sources.folder_source``).
+memory), through the one chooser of formats (``neutrain.nn.formats.folder_format``).
 
 Why: the GPU placement read a NeuZip export as a plain Hugging Face folder, so ``neutrain generate`` of the 70B
 export failed on the GPU, budget or none ("model.embed_tokens.weight has shape (1,)"), while the CPU (which
@@ -19,7 +19,8 @@ import neutrain  # noqa: F401  (registers the quantizer)
 from neutrain.cli.placement import build_form, resolve
 from neutrain.export import load_checkpoint_model
 from neutrain.export.neuzip import export_neuzip
-from neutrain.nn.sources import NeuZipExport, NeutrainCheckpoint, SafetensorsFolder, folder_source, is_encoded
+from neutrain.nn.formats import folder_format
+from neutrain.nn.sources import NeuZipExport, NeutrainCheckpoint, SafetensorsFolder
 
 FAST = {"steps": 8}
 FORMS = ("neuzip", "neuzip+offload")
@@ -54,8 +55,8 @@ def test_a_neuzip_export_builds_in_every_generate_form_as_transformers_loads_it(
     out = Path(export_neuzip(model, tmp_path / "nz", mantissa_bits=mantissa_bits, max_shard_size="24KB",
                              codec_options=FAST))
     assert len(list(out.glob("*.safetensors"))) > 1  # sharded: some weight's blobs straddle two files
-    source = folder_source(out)
-    assert isinstance(source, NeuZipExport) and is_encoded(source)
+    fmt = folder_format(out)
+    assert isinstance(fmt.source(), NeuZipExport) and fmt.encoded
     built = build_form(out, form, device="cpu")
     reference, _ = load_checkpoint_model(out)  # transformers' from_pretrained through the quantizer
     assert torch.equal(_logits(built), _logits(reference))
@@ -74,12 +75,12 @@ def test_any_shard_size_gives_the_same_model(tmp_path_factory, model, shard_kib)
 def test_each_folder_gets_the_loader_of_its_format(tmp_path, model):
     dense = tmp_path / "dense"
     model.save_pretrained(str(dense))
-    assert type(folder_source(dense)) is SafetensorsFolder and not is_encoded(folder_source(dense))
+    assert type(folder_format(dense).source()) is SafetensorsFolder and not folder_format(dense).encoded
     nz = Path(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
-    assert type(folder_source(nz)) is NeuZipExport
+    assert type(folder_format(nz).source()) is NeuZipExport
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "neutrain_weights.json").write_text('{"weights": "neuzip-lossless"}')
-    assert type(folder_source(tmp_path / "ckpt")) is NeutrainCheckpoint
+    assert type(folder_format(tmp_path / "ckpt").source()) is NeutrainCheckpoint
 
 
 def test_the_placement_counts_a_neuzip_export_as_compressed(tmp_path, model):
@@ -140,7 +141,7 @@ def test_one_placement_picks_the_loader_and_parses_the_config_once(tmp_path, mod
     config.json seven times. Two parses remain, each needed once: the loader's choice reads the JSON itself (a
     NeuZip export is told by its ``quantization_config``), and transformers parses it into the model's config."""
     import neutrain.cli.placement as placement
-    import neutrain.nn.sources as sources
+    import neutrain.nn.formats as formats
     from neutrain.cli.placement import place_on
 
     out = Path(export_neuzip(model, tmp_path / "nz", codec_options=FAST))
@@ -148,7 +149,7 @@ def test_one_placement_picks_the_loader_and_parses_the_config_once(tmp_path, mod
 
     def counted_source(path):
         chosen.append(path)
-        return folder_source(path)
+        return folder_format(path)
 
     def counted_json(reader):
         def read(path, *args, **kwargs):
@@ -162,9 +163,9 @@ def test_one_placement_picks_the_loader_and_parses_the_config_once(tmp_path, mod
         return read_config(self, *args, **kwargs)
 
     read_config = SafetensorsFolder.read_config
-    monkeypatch.setattr(placement, "folder_source", counted_source)
+    monkeypatch.setattr(placement, "folder_format", counted_source)
     monkeypatch.setattr(placement, "read_json_object", counted_json(placement.read_json_object))
-    monkeypatch.setattr(sources, "read_json_object", counted_json(sources.read_json_object))
+    monkeypatch.setattr(formats, "read_json_object", counted_json(formats.read_json_object))
     monkeypatch.setattr(SafetensorsFolder, "read_config", counted_config)
     built, _, note, residency = place_on(out, "cpu", None, prompt_tokens=5, new_tokens=8)
     assert residency.form != "dense" and "compressed" in note  # the compressed build, which every layer reads

@@ -165,7 +165,7 @@ def test_truncated_moe_checkpoint_names_the_stack_it_cannot_build(tmp_path):
     from transformers import AutoModelForCausalLM, MixtralConfig
 
     from neutrain.errors import CheckpointError
-    from neutrain.nn.load import load_compressed
+    from neutrain.nn.formats import load_compressed
 
     cfg = MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, vocab_size=64, num_local_experts=2)

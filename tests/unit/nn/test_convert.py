@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from neutrain.nn import CompressedLinear, compress_model, compressed_weights, decompressed_state_dict, model_nbytes
-from neutrain.nn.load import init_compressed, load_compressed
+from neutrain.nn.formats import load_compressed
+from neutrain.nn.load import init_compressed
 from neutrain.optim import AdaLomo
 
 from .nn_helpers import CODEC, dense_and_compressed, tiny_llama, token_batches, train, weights
