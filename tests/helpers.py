@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
@@ -127,3 +128,13 @@ def launcher(module: str) -> list[str]:
     import sys
 
     return [sys.executable, "-c", code]
+
+
+def child_env(*first: str | os.PathLike, **extra: str) -> dict[str, str]:
+    """The environment for a child Python process: this one's, ``first`` then the repository ahead of the
+    inherited ``PYTHONPATH`` (kept, not replaced: a device image puts its carried packages there, pydantic
+    among them, and a child without them cannot import neutrain), then ``extra``."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, first), str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+

@@ -420,3 +420,15 @@ def test_the_citation_check_reads_names_and_text_but_not_records(tmp_path):
     found = issue_citations(tmp_path / "benchmarks", root=tmp_path)
     assert [f.split(":")[0] for f in found] == ["benchmarks/codec.py", "benchmarks/gpu_issue30.sh",
                                                 "benchmarks/results/README.md"]
+
+
+def test_child_processes_of_the_tests_keep_the_inherited_python_path():
+    """A test that starts Python with ``PYTHONPATH`` set to the repository alone drops what the environment put
+    there (a GPU image's carried packages: pydantic, datasets), and its child fails to import neutrain on that
+    machine while passing here. Every child environment goes through ``tests.helpers.child_env``."""
+    tests = pathlib.Path(__file__).resolve().parent
+    pattern = re.compile(r"""["']PYTHONPATH["']\s*:""")
+    offenders = [f"{path.relative_to(tests.parent)}:{n}" for path in sorted(tests.rglob("*.py"))
+                 if path.name not in ("helpers.py", "test_architecture.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, f"set PYTHONPATH through tests.helpers.child_env: {offenders}"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 # What a run does with its data (neutrain.cli.train.build_trainer): a tokenizer trained on the texts, then the
@@ -50,9 +52,8 @@ def test_two_runs_building_data_at_once_get_the_same_rows_and_leave_the_user_wid
     corpus = _corpus(tmp_path / "corpus.jsonl")
     home = tmp_path / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "HF_DATASETS_CACHE": str(home / "datasets"),
-           "XDG_CACHE_HOME": str(home / "xdg"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(REPO)}
+    env = child_env(HOME=str(home), HF_HOME=str(home / "hf"), HF_DATASETS_CACHE=str(home / "datasets"),
+                    XDG_CACHE_HOME=str(home / "xdg"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     runs = [tmp_path / f"run{i}" for i in (1, 2)]
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(corpus), str(run / ".cache"), streaming,
                                str(tmp_path / f"rows{i}.json")], env=env, cwd=tmp_path,
@@ -72,8 +73,8 @@ def test_data_built_without_a_run_directory_goes_to_a_private_cache_removed_at_e
     corpus = _corpus(tmp_path / "corpus.jsonl")
     home = tmp_path / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "HF_DATASETS_CACHE": str(home / "datasets"),
-           "XDG_CACHE_HOME": str(home / "xdg"), "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": str(REPO)}
+    env = child_env(HOME=str(home), HF_HOME=str(home / "hf"), HF_DATASETS_CACHE=str(home / "datasets"),
+                    XDG_CACHE_HOME=str(home / "xdg"), TMPDIR=str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     code = ("import sys\nfrom neutrain.data import load_rows\nfrom neutrain.data.sources import private_cache\n"
             f"rows = load_rows({{'path': {str(corpus)!r}}})\nprint(len(rows), private_cache())")

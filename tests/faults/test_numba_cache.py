@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 pytest.importorskip("numba")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +43,7 @@ _CALL = "import kernels, numpy as np; print(kernels.total(np.arange(10)), flush=
 
 def _env(tmp_path: Path) -> dict:
     (tmp_path / "kernels.py").write_text(_KERNELS)
-    return {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    return child_env(tmp_path, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
 
 
 def _start(tmp_path: Path, env: dict) -> subprocess.Popen:

@@ -23,16 +23,15 @@ import pytest
 
 from neutrain.cli import main as neutrain
 from tests.faults.pause_at import wait_until_paused
-from tests.helpers import write_recipe
+from tests.helpers import child_env, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"export": {"format": "none"}, "eval": {"perplexity": False}}
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DISABLE_TQDM": "1",
-            "NEUTRAIN_LOG_LEVEL": "WARNING"}
+    return child_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DISABLE_TQDM="1",
+                     NEUTRAIN_LOG_LEVEL="WARNING")
 
 
 def _errors(stderr: str) -> list[str]:

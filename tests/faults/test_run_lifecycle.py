@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from neutrain.config.sections import TrainSection
 from neutrain.trainer.callbacks import read_metrics
 from neutrain.cli import main as neutrain
-from tests.helpers import write_recipe
+from tests.helpers import child_env, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"export": {"format": "none"}, "eval": {"perplexity": False}}
@@ -63,9 +63,8 @@ def _assert_same_weights(a: Path, b: Path) -> None:
 
 
 def _subprocess_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DISABLE_TQDM": "1",
-            "NEUTRAIN_LOG_LEVEL": "WARNING"}
+    return child_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DISABLE_TQDM="1",
+                     NEUTRAIN_LOG_LEVEL="WARNING")
 
 
 def _dead_pid() -> int:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from neutrain.cli import main as neutrain
 from neutrain.storage.manifest import MANIFEST, verify_checkpoint
-from tests.helpers import finished_run, one_error_line, write_recipe
+from tests.helpers import child_env, finished_run, one_error_line, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"eval": {"perplexity": False}, "export": {"format": "none"}}
@@ -184,7 +184,7 @@ def test_an_export_directory_is_written_by_one_run_at_a_time_and_names_its_run(t
                           export={"format": "hf", "output_dir": str(shared)})
     # Another run holding the export directory (its lock, taken as a run takes it at its start).
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(shared)], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         assert holder.stdout.readline().strip() == "held", holder.communicate()[1][-2000:]
         assert neutrain(["train", str(recipe)]) == 2

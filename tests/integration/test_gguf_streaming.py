@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("gguf")
 
 from tests.gguf_writer import tiny_llama, tiny_tokenizer, write_gguf  # noqa: E402
+from tests.helpers import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +86,7 @@ json.dump({"peak": peak, "model": model_nbytes(model), "largest_fp32": largest},
 
 def _measure(tmp_path, path, whole_file=False):
     out = tmp_path / ("whole.json" if whole_file else "streamed.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = child_env(HF_HUB_OFFLINE="1")
     if whole_file:
         env["WHOLE_FILE"] = "1"
     subprocess.run([sys.executable, "-c", _MEASURE, str(path.parent), path.name, str(path), str(out)],

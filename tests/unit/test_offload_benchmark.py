@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 from benchmarks.offload import offload, offload_recipe
 from benchmarks._isolated import failure_line, run_part
 
@@ -82,8 +84,7 @@ def test_the_8b_processes_fill_one_record_and_a_failed_half_sets_no_target():
 @pytest.mark.slow
 def test_an_unknown_part_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload" / "offload.py"), "--parts", "8b,bogus"],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "NEUTRAIN_GIT_COMMIT": "0" * 40,
-                                                               "NEUTRAIN_GIT_DIRTY": "0", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, env=child_env(NEUTRAIN_GIT_COMMIT="0" * 40, NEUTRAIN_GIT_DIRTY="0"),
                           check=False)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "'bogus'" in proc.stderr
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from neutrain.cli.placement import GIB, _weight_bytes, resolve
 from neutrain.data import byte_tokenizer
+from tests.helpers import child_env
 
 
 def _export(tmp_path, layers=2):
@@ -145,7 +146,7 @@ def test_generate_on_cuda_in_each_form_decodes_as_the_dense_model(tmp_path, form
     _export(tmp_path, layers=8)
     budget = _budget_for(tmp_path, form)
     assert resolve(tmp_path, int(budget * GIB), prompt_tokens=5, new_tokens=16).form == form
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(budget)], capture_output=True, text=True,
                          env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -208,7 +209,7 @@ def test_generate_in_every_compressed_form_gives_the_dense_models_logits_bit_for
     byte_tokenizer().save_pretrained(tmp_path)
     del model
     torch.cuda.empty_cache()
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", _LOGITS, str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -308,7 +309,7 @@ def test_a_compressed_checkpoint_under_a_small_budget_is_streamed_on_cuda(tmp_pa
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; run on the device machine")
     path = _compressed_checkpoint(tmp_path, layers=8)  # with fewer, the store's slots would hold every layer
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = child_env()
     res = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(_budget_for(path, "neuzip+offload"))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
