@@ -3,7 +3,7 @@
 Methods (batch 1, ``new_tokens`` new tokens after each prompt, the first prompt run once more as a
 warm-up that is not counted):
 
-* ``engine_autoregressive``: :class:`~neutrain.eval.engine.DecodeEngine` (static cache, CUDA graph);
+* ``engine_autoregressive``: :class:`~neutrain.decode.engine.DecodeEngine` (static cache, CUDA graph);
   the baseline of ``spec_over_ar_*``;
 * ``neutrain_<scheme>``: :func:`neutrain.speculative.generate` with ``engine=True`` -- ``sd`` (K = 1),
   ``greedy_tree`` (T = 0), ``specinfer``, ``spectr``, ``importance`` (T = 1), K = 2 and 4;

@@ -7,7 +7,7 @@ event and launch floor for an 8 us read, with the matrix partly in L2). This tra
 * the engine (``DecodeEngine``, CUDA graph per step, fused Q/K/V and gate/up) after a prefill, ``--steps``
   replays timed by CUDA events (the step time the target uses);
 * ``engine_graph_compiled``: the same with the decoder layers compiled for the one-token step
-  (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.eval.compiled_layers`), its first step (capture and
+  (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.decode.compiled_layers`), its first step (capture and
   compilation) timed apart and its greedy tokens compared with the eager row's;
 * one profiled block of ``--profiled`` replays (torch.profiler, CUPTI traces the kernels inside a graph): per
   kernel name its count and device time per step, grouped into ``product`` (GEMV/GEMM, cuBLAS or Triton),

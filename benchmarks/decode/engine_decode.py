@@ -5,17 +5,17 @@ every variant, so dense bf16 and NeuZip lossless hold the same numbers and must 
 
 * ``hf_generate``: ``model.generate`` (``DynamicCache``, eager), greedy, a fixed number of new tokens
   (dense weights only; ``inference.json`` has HF's decode on NeuZip weights);
-* ``engine_eager``: :class:`~neutrain.eval.engine.DecodeEngine` without CUDA graphs;
+* ``engine_eager``: :class:`~neutrain.decode.engine.DecodeEngine` without CUDA graphs;
 * ``engine_graph``: the engine with one CUDA-graph replay per token (its default on a GPU), Q/K/V and
-  gate/up fused into one GEMV each (:mod:`neutrain.eval.fused_projections`, the engine's default);
+  gate/up fused into one GEMV each (:mod:`neutrain.decode.fused_projections`, the engine's default);
 * ``engine_graph_unfused``: the same without the fusion (``fuse=False``: seven GEMVs a layer, as
   before the fusion). It runs after ``engine_graph`` on the same model, whose weights are then row blocks of the
   fused matrices: outside the engine's fusion context those are the plain separate GEMVs;
 * ``engine_graph_compiled`` (and ``engine_graph_zgemv_compiled``): the row with its decoder layers compiled for the
-  one-token step (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.eval.compiled_layers`: RMSNorm, RoPE, SiLU
+  one-token step (``DecodeEngine(compile_layers=True)``, :mod:`neutrain.decode.compiled_layers`: RMSNorm, RoPE, SiLU
   and the residual adds fused by Inductor); the targets may take it, with its greedy agreement beside the figure;
 * ``engine_graph_zgemv`` (NeuZip weights, CUDA): engine_graph with ``zgemv=True``: each compressed matrix
-  converted once to the 12-bit zgemv layout (:mod:`neutrain.eval.zgemv`) and read by the GEMV that decodes it in
+  converted once to the 12-bit zgemv layout (:mod:`neutrain.decode.zgemv`) and read by the GEMV that decodes it in
   registers, instead of decoding it to bf16 first; its row records the layout's bits per weight, and
   ``neuzip_lossless_over_bf16_decode`` takes the fastest of engine_graph and the zgemv rows (its ``method`` says which).
 * ``engine_graph_zgemv_replace`` (NeuZip weights): the same with ``zgemv="replace"``, the serving mode: the layouts
@@ -153,9 +153,9 @@ CANDIDATES = tuple((bn, bk, s) for bn in (8, 16, 32) for bk in (256, 512) for s 
 def choose_gemv(shapes, dtype=torch.bfloat16, device="cuda", candidates=CANDIDATES, warmup: int = 5,
                 iters: int = 30) -> list[dict]:
     """Per ``(N, K)``: the median CUDA-event time of ``F.linear`` (cuBLAS) and of every Triton candidate on
-    random inputs, each checked against :func:`~neutrain.eval.gemv.gemv_reference` first; one row per shape
+    random inputs, each checked against :func:`~neutrain.decode.gemv.gemv_reference` first; one row per shape
     with ``times_ms``, ``errors``, the ``best``, ``best_ms``, ``cublas_ms`` and the best's bytes read per second
-    (:func:`~neutrain.eval.gemv.table_from` turns the rows into ``DecodeEngine(gemv=...)``'s table)."""
+    (:func:`~neutrain.decode.gemv.table_from` turns the rows into ``DecodeEngine(gemv=...)``'s table)."""
     rows = []
     for n, k in shapes:
         gen = torch.Generator(device=device).manual_seed(n * 7 + k)

@@ -2,7 +2,7 @@
 
 Random-weight Llamas (so acceptance is near zero and says nothing): what this measures is the
 *cost* of a round of ``generate(..., engine=True)`` (:mod:`neutrain.speculative.rounds`) beside
-the cost of one token of :class:`~neutrain.eval.engine.DecodeEngine`'s graph-replayed
+the cost of one token of :class:`~neutrain.decode.engine.DecodeEngine`'s graph-replayed
 decode, and the split of a round into its device work (surgery, draft, verify), the one
 device->host transfer, the host walk and the non-blocking hand-back. ``break_even_tokens`` is
 how many tokens a round must commit (block efficiency) to beat autoregressive decoding.

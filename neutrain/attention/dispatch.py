@@ -1,6 +1,6 @@
 """Honest dispatch: SageAttention only where the benchmark measured it faster than SDPA.
 
-``benchmarks/attention.py`` times SageAttention against cuDNN SDPA on the card it runs
+``benchmarks/attention/attention.py`` times SageAttention against cuDNN SDPA on the card it runs
 on and writes :data:`TABLE_PATH` (package data). Each entry covers one (device name,
 head dim, causal, dtype, mode) and a closed range of sequence lengths, and names the
 winner. ``mode`` is ``"forward"`` (inference, eval prefill: no gradient) or ``"train"``

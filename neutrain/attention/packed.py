@@ -3,7 +3,7 @@
 Why: a packed row (``data.sample_packing``: documents laid end to end, ``position_ids`` restarting at each) reaches
 SDPA as a block-diagonal mask. With a mask SDPA cannot run its flash kernel; the memory-efficient one it runs
 computes every block of the row, masked or not, and under ``train.deterministic`` its only deterministic form is
-one split: Llama-3-8B layers at 16K packed took 4.27x the default time (``benchmarks/notes_determinism.md``),
+one split: Llama-3-8B layers at 16K packed took 4.27x the default time (``benchmarks/training/NOTES.md``),
 which put an exact resume of the 70B at 16K out of reach. Here each document is its own causal attention
 (:func:`neutrain.attention.per_document.packed_causal_attention`): on a GPU one launch of PyTorch's variable-length
 flash attention over the row's documents, elsewhere one SDPA call per document. Both compute the masked attention's

@@ -156,7 +156,7 @@ def exact_fallback(query, key, value, attention_mask, segments, causal, dropout,
     Packed causal rows (``segments`` set, no mask, nothing but causality) run one document at a time
     (:func:`packed_causal_attention`): the masked attention's values and gradients without its block-diagonal
     mask, which keeps SDPA off its flash kernel, computes every block of the row and, under deterministic
-    kernels, leaves a one-split kernel over 4x slower at 16K (``benchmarks/notes_determinism.md``). Every other
+    kernels, leaves a one-split kernel over 4x slower at 16K (``benchmarks/training/NOTES.md``). Every other
     call is SDPA (plain math for softcap and sinks) under the mask it describes.
     """
     softcap, sliding_window, s_aux = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
@@ -229,7 +229,7 @@ def neutrain_sage_attention_forward(
         record_fallback(reason)
         return exact_fallback(query, key, value, attention_mask, segments, causal, dropout, scaling, kwargs), None
     # CPU keeps the quantized reference forward (build_model gives CPU runs SDPA anyway); its backward
-    # route is NEUTRAIN_SAGE_BACKWARD's (benchmarks/sage_fidelity.py runs the exact one, as a GPU would).
+    # route is NEUTRAIN_SAGE_BACKWARD's (benchmarks/attention/sage_fidelity.py runs the exact one, as a GPU would).
     backward, config, backend = dispatch.cpu_backward(), None, "auto"
     device = dispatch_device(query)
     if device is not None:

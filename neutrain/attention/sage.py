@@ -102,7 +102,7 @@ class _SageAttentionFunction(torch.autograd.Function):
 
 #: Routes whose torch kernels take fewer K/V heads than Q heads as they are; the others get
 #: K and V repeated per query head, and their dK/dV summed back over each group.
-NATIVE_GQA_ROUTES: frozenset[str] = frozenset()  # benchmarks/attention.py reports which could join
+NATIVE_GQA_ROUTES: frozenset[str] = frozenset()  # benchmarks/attention/attention.py reports which could join
 
 
 def exact_backward(route, grad_out, q, k, v, out, lse, causal, scale):

@@ -2,7 +2,7 @@
 
 The learning rate: ``recipes/default.yaml`` trains from scratch with AdaLomo at 0.1. Copied, with
 ``model.base_model`` set to a pretrained model, that rate wrecks the model within a few steps (AdaLomo at
-1e-2 destroyed SmolLM2-135M in 8 steps, 1e-3 already drifted: benchmarks/notes_finetune_lr.md), and nothing
+1e-2 destroyed SmolLM2-135M in 8 steps, 1e-3 already drifted: benchmarks/training/NOTES.md), and nothing
 said so. A pretrained model with a rate in an optimizer's from-scratch range now gets one line naming the
 rate fine-tuning uses.
 
@@ -26,8 +26,8 @@ logger = logging.getLogger("neutrain")
 #: optimizer -> (the lowest from-scratch rate, what fine-tuning a pretrained model uses instead).
 FINE_TUNING_RATES = {
     "adalomo": (1e-2, "5e-4 (recipes/smollm2_chat.yaml; 1e-4 to 5e-4 learn without drift)"),
-    "lomo": (1e-1, "1e-3 (benchmarks/notes_finetune_lr.md)"),
-    "sgd": (1e-1, "1e-3, as for lomo (benchmarks/notes_finetune_lr.md)"),
+    "lomo": (1e-1, "1e-3 (benchmarks/training/NOTES.md)"),
+    "sgd": (1e-1, "1e-3, as for lomo (benchmarks/training/NOTES.md)"),
     "adamw": (1e-3, "1e-5 to 5e-5"),
     "adamw-in-backward": (1e-3, "1e-5 to 5e-5, as for adamw"),
 }

@@ -202,7 +202,7 @@ def check_path_arguments(args: argparse.Namespace) -> None:
 def _main(argv: list[str] | None) -> int:
     # Expandable segments let the caching allocator grow segments instead of leaving freed ones
     # stranded: on an H100, (d) NeuZip + LOMO at batch 1 used 15.28 instead of 15.57 GiB of device
-    # memory and ran 1.7% faster at batch 8 (benchmarks/results/archive/train_memory_expandable.json).
+    # memory and ran 1.7% faster at batch 8 (benchmarks/memory/results.jsonl).
     # Set before torch touches CUDA; a user's own PYTORCH_CUDA_ALLOC_CONF wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # neutrain reads models and data from disk only (recipes name local directories or hub ids already in the

@@ -22,7 +22,7 @@ from __future__ import annotations
 # viewed as [B, H, N]. All are natural-log LSEs of the *scaled* scores.
 # Private in every release: stays, and its layouts are checked again with each torch release.
 
-#: Routes :func:`sdpa_backward` knows, fastest first on Hopper (measured: benchmarks/attention.py).
+#: Routes :func:`sdpa_backward` knows, fastest first on Hopper (measured: benchmarks/attention/attention.py).
 SDPA_BACKWARD_ROUTES = ("cudnn", "flash", "cpu")
 _RNG_STATE: dict = {}
 

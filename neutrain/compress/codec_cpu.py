@@ -12,7 +12,7 @@ Why numba rather than a C++ extension: it needs no compiler on the user's machin
 its kernels are cached on disk after the first call (``cache=True``, one process writing at a time:
 :mod:`neutrain.compat.numba_cache`), and it is an
 optional extra: without it (or with ``NEUTRAIN_CPU_CODEC=torch``) the PyTorch
-path runs unchanged. Measurements are in ``benchmarks/notes_codec.md``.
+path runs unchanged. Measurements are in ``benchmarks/codec/NOTES.md``.
 
 For lossless bf16 (the CPU training hot path) encode and decode are fused with the
 byte split of :func:`~neutrain.compress.layout.split_bf16_bytes`: the kernels read
@@ -51,7 +51,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 """Smaller tensors (about two tiles or fewer) run on one thread: there a parallel region's wake-up
 of every worker costs more than it gains. On a quiet 2-core machine two threads decode 0.1-1.3M
 elements 1.6-2x faster than one; on one loaded ~9x over, waiting for descheduled workers made
-them 3-15x slower (benchmarks/notes_codec.md)."""
+them 3-15x slower (benchmarks/codec/NOTES.md)."""
 fast_decodes = 0
 """Calls that decoded through the compiled kernels (tests check that the fast path ran)."""
 fast_encodes = 0

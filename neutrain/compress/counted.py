@@ -5,7 +5,7 @@ count (each lane's code lengths, hence where every lane's bits go) and pack. The
 LOMO update (:func:`neutrain.kernels.fused_update.fused_update_`) has every updated
 value in registers just before it stores it, so it can add that value's code length to
 its lane's count: the encode then skips its count pass and reads the weight once (3.35
-instead of 5.35 bytes per weight; benchmarks/notes_codec.md). The counts are integer
+instead of 5.35 bytes per weight; benchmarks/codec/NOTES.md). The counts are integer
 sums, so they are the count pass's, bit for bit, and so are the encoded bytes.
 
 Protocol, one weight at a time on the device's stream (the fused optimizer's order):
@@ -30,7 +30,7 @@ import torch
 
 IN_UPDATE = False
 """Whether compressed weights ask the fused LOMO update to count (``CompressedWeight.count_into``).
-Off: measured on an H100 (Llama-3-8B gate/up, 58.7M weights, ``benchmarks/codec.py --encode-host``)
+Off: measured on an H100 (Llama-3-8B gate/up, 58.7M weights, ``benchmarks/codec/codec.py --encode-host``)
 the update's per-element table load and lane atomics cost more than the count pass they
 save: update + counted encode 0.399 ms against update + two-pass encode 0.371 ms. The path stays
 bit-exact and tested; set it True to use it (e.g. on a card where the count pass is dearer)."""

@@ -31,7 +31,7 @@ DEFAULT_STEPS = 32
 """Steps per lane. With 4 elements per step a lane codes 128 symbols: lane padding and
 word counts cost ~0.19 bit/weight (0.09 at 64 steps), but twice as many lanes decode
 side by side, and the per-lane decode chain is what bounds the speed (on an H100,
-4096x14336: 561 against 510 GB/s; 1024x4096: 180 against 88; benchmarks/notes_codec.md)."""
+4096x14336: 561 against 510 GB/s; 1024x4096: 180 against 88; benchmarks/codec/NOTES.md)."""
 SMALL_STEPS = 16
 """Steps per lane below :data:`SMALL_NUMEL` weights: such a tensor has too few lanes to fill
 the GPU at 32 steps, so each lane's serial chain shows (H100, 1024x4096: decode 377 against

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 WHOLE_MODEL_RING = (2, 4)
 """``(ahead, slots)`` when (nearly) every layer is offloaded: adjacent layers stream back to back, so two are
-fetched ahead (the 8B at 0.956x of in-GPU at batch 8, benchmarks/results/offload.json)."""
+fetched ahead (the 8B at 0.956x of in-GPU at batch 8, benchmarks/offload/results.jsonl#offload)."""
 SPREAD_RING = (1, 2)
 """``(ahead, slots)`` when at most half the layers are offloaded: a resident layer separates any two of
 them, so one fetched ahead has that layer's compute to arrive in, and two slots (the current layer and

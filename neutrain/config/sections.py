@@ -223,7 +223,7 @@ class TrainSection(Section):
 
     learning_rate: Number = Field(2e-5, gt=0.0, le=10.0)
     """Peak learning rate. Fine-tuning a pretrained model wants far lower rates than training from scratch
-    (adalomo ~0.1 there): measured on SmolLM2-135M (benchmarks/notes_finetune_lr.md), adalomo 1e-4 learnt the
+    (adalomo ~0.1 there): measured on SmolLM2-135M (benchmarks/training/NOTES.md), adalomo 1e-4 learnt the
     task with no drift, 1e-3 drifted, 1e-2 destroyed the model; lomo 1e-3 learnt more slowly. adamw: 1e-5 to
     5e-5 as usual."""
 
@@ -287,7 +287,7 @@ class TrainSection(Section):
     """Reproducible GPU kernels while training (torch.use_deterministic_algorithms): attention's backward
     kernels otherwise add in a varying order, so on a GPU two runs of one recipe, or a run and its resume,
     differ by rounding from the first step. On: bit for bit, at a cost (Llama-3-8B layers on an H200: 1.06-1.32x
-    at 1,024 tokens, up to 4.3x at 16K packed; benchmarks/notes_determinism.md). CPU training is deterministic
+    at 1,024 tokens, up to 4.3x at 16K packed; benchmarks/training/NOTES.md). CPU training is deterministic
     either way."""
 
     report_to: Text | list[Text] = "none"

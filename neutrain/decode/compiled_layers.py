@@ -14,7 +14,7 @@ a prefill's length varies from prompt to prompt, and compiling each would cost m
 Exactness: Inductor may sum a reduction (RMSNorm's mean) in another order and keep an intermediate in fp32
 where the eager op rounds it to bf16, so logits can differ from the eager layers' in the last bits, and a
 greedy decode may take the other branch of a near tie. That is why the engine compiles only when asked
-(``DecodeEngine(compile_layers=True)``), and ``benchmarks/engine_decode.py`` records whether the compiled row's
+(``DecodeEngine(compile_layers=True)``), and ``benchmarks/decode/engine_decode.py`` records whether the compiled row's
 greedy tokens equal the eager row's.
 """
 

@@ -137,7 +137,7 @@ class DecodeEngine:
             re-pointing them at the fused matrices would break, so there fusion is asked for explicitly.
         gemv: ``{(N, K): (block_n, block_k, split)}``: one-row, bias-free linears of these weight shapes run
             the split-K Triton GEMV (:class:`~neutrain.decode.gemv.GemvDispatch`; the table comes from
-            ``benchmarks/engine_decode.py``'s timing); default: cuBLAS for every linear.
+            ``benchmarks/decode/engine_decode.py``'s timing); default: cuBLAS for every linear.
         zgemv: for a NeuZip model: True, or ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``, converts each
             compressed bf16 matrix (fused groups as one) to the 12-bit zgemv layout once, and decode steps read
             it through ``zgemv``, decoded in registers, instead of decoding the matrix to bf16 first

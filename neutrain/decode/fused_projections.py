@@ -1,7 +1,7 @@
 """Fused projections for batch-1 decode: one GEMV for Q/K/V and one for gate/up per layer.
 
 At batch 1 a decoder layer's step is a chain of small kernels, each paying its launch-to-completion
-latency even inside a CUDA graph (``benchmarks/notes_speculative.md``): Llama's attention runs three
+latency even inside a CUDA graph (``benchmarks/decode/NOTES.md``): Llama's attention runs three
 GEMVs on the same input (``q_proj``, ``k_proj``, ``v_proj``) and its MLP two (``gate_proj``,
 ``up_proj``). :func:`fuse_projections` concatenates each group's weights into ONE matrix, once, and
 :func:`projection_fusion` makes the first member called inside it run the group's single GEMV;

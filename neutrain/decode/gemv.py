@@ -2,7 +2,7 @@
 
 A decode step's linears at batch 1 are matrix-vector products. Whether cuBLAS (``F.linear``) or the
 split-K Triton kernel is faster depends on the shape and the card, so the choice is measured:
-``benchmarks/engine_decode.py`` (``choose_gemv``) times each candidate on the device and keeps the
+``benchmarks/decode/engine_decode.py`` (``choose_gemv``) times each candidate on the device and keeps the
 fastest per ``(N, K)`` for Llama-3-8B's shapes, :func:`table_from` turns its rows into a table, and :class:`GemvDispatch`
 (``DecodeEngine(gemv=table)``) routes every one-row, bias-free ``F.linear`` of those shapes to the
 chosen kernel while the engine's model runs; other calls stay ``F.linear``. The model is not changed.

@@ -26,7 +26,7 @@ each payload exactly for the save; :func:`detach_zgemv` (and anything that needs
 optimizer's write) restores the payloads, bit for bit.
 
 ``table`` gives a configuration per weight shape, ``{(N, K): (block_n, block_k, split, num_warps, prmt)}``
-(``benchmarks/zgemv.py`` measures them: its keys ``zgemv_n64_k256_s8_w4_p1`` read in this order); a shape not
+(``benchmarks/decode/zgemv.py`` measures them: its keys ``zgemv_n64_k256_s8_w4_p1`` read in this order); a shape not
 in it gets :func:`default_config`.
 """
 

@@ -33,7 +33,7 @@ here.
   32-bit: the loop is bound by instruction issue and, for small tensors, by each
   lane's chain. SASS for sm_90 (Triton 3.9, compiled on a CPU): 125 instructions per
   step, against 172 with a word advance per symbol and the [L, 4] store through
-  shared memory (benchmarks/notes_codec.md).
+  shared memory (benchmarks/codec/NOTES.md).
 """
 
 from __future__ import annotations

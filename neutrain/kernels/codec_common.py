@@ -18,7 +18,7 @@ from neutrain.kernels import interpreting
 COUNTERS = {"count": 0, "count_fused": 0, "pack": 0, "decode": 0}
 """Kernel launches, so tests can assert that the fast path ran."""
 COMPILED: dict = {}
-"""Last compiled kernel per op (registers, PTX/SASS), for benchmarks/codec.py's resource report."""
+"""Last compiled kernel per op (registers, PTX/SASS), for benchmarks/codec/codec.py's resource report."""
 
 
 PREFETCH_STEPS = 8
@@ -105,7 +105,7 @@ PREFETCH_STATUS = {"broken": None}
 def _prefetch(requested: bool | None) -> bool:
     # Off by default: on an H200 it sped up 16M-element decodes (285 vs 236 GB/s) but
     # slowed larger ones (521 vs 606 GB/s) by adding instructions to an
-    # instruction-bound loop (benchmarks/notes_codec.md). Never in the interpreter,
+    # instruction-bound loop (benchmarks/codec/NOTES.md). Never in the interpreter,
     # which cannot run inline PTX; prefetching changes timing, never results.
     if requested is None or interpreting():
         return False
@@ -125,7 +125,7 @@ def _launch(op: str, kernel, grid, *args, **meta):
 
 def _num_warps(lanes: int, num_warps: int | None) -> int:
     # One lane per thread, up to 16 warps: measured best on an H200 for 256 and
-    # 512 lanes (benchmarks/notes_codec.md).
+    # 512 lanes (benchmarks/codec/NOTES.md).
     return num_warps or max(1, min(16, lanes // 32))
 
 

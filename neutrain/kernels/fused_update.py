@@ -5,7 +5,7 @@ row chunk, an fp32 copy of the weight, the clip scaling, the decay, the step,
 stochastic rounding (random integers, an add, a shift, a narrowing), a finiteness
 test and a masked write-back: about a dozen kernels and four chunk-sized fp32/int32
 temporaries. On an H100 training Llama-3-8B at batch 8 those small launches took
-about 350 ms of a 1.29 s step (``benchmarks/notes_train_memory.md``). Here one
+about 350 ms of a 1.29 s step (``benchmarks/memory/NOTES.md``). Here one
 kernel reads the weight and the gradient once and writes the weight once.
 
 Per element, in fp32 (``w`` bf16 or fp32, ``g`` any float, ``coef`` the optional clip

@@ -11,7 +11,7 @@ the opposite. Here the grid is ``cdiv(N, BLOCK_N)`` row blocks times ``SPLIT`` s
   ``[SPLIT, N]`` and a second kernel adds them in a fixed order and casts (deterministic: no atomics,
   so a greedy decode repeats itself).
 
-Which configuration, or cuBLAS, is fastest is a question for the device: ``benchmarks/engine_decode.py``
+Which configuration, or cuBLAS, is fastest is a question for the device: ``benchmarks/decode/engine_decode.py``
 times each Llama-3-8B decode shape and records the winner. The pure-PyTorch reference is
 :func:`neutrain.decode.gemv.gemv_reference`.
 """

@@ -6,7 +6,7 @@ checks the kernel's global variables and builds launch metadata: tens of microse
 of Python per launch. For the codec's re-encode, which training calls once per weight
 matrix inside backward, that host time exceeded the GPU time of the small matrices
 (k/v: ``recompress_(sync=False)`` at 61 GB/s against 120 for its kernels on an H100,
-benchmarks/notes_codec.md).
+benchmarks/codec/NOTES.md).
 
 :class:`Launcher` takes the first launch of each key through Triton, keeps
 the returned ``CompiledKernel`` and calls its launcher (``CompiledKernel.run``, the
@@ -29,7 +29,7 @@ from neutrain.kernels import interpreting
 
 
 FAST = True
-"""False: every launch through Triton's dispatch (benchmarks/codec_encode_host.py times both)."""
+"""False: every launch through Triton's dispatch (benchmarks/codec/codec_encode_host.py times both)."""
 
 
 def arg_key(args: tuple) -> tuple:

@@ -3,7 +3,7 @@
 MiniCache's per-step read used to restore every merged or 4-bit layer to a bf16 copy (unpack,
 convert, scale, concatenate, rescale): 15-20 bytes of traffic per element against the 2 a
 full cache's attention reads, which made it slower than the full cache it compresses
-(benchmarks/notes_kv_eval.md). Here one new query token attends over a list of *segments*, each
+(benchmarks/kv/NOTES.md). Here one new query token attends over a list of *segments*, each
 read directly from the store it lives in:
 
 * keys: bf16/fp32 rows, or 4-bit codes packed two per byte along the head dim with one
@@ -241,7 +241,7 @@ class DecodeLaunch:
     """How a segment's partials are launched: tokens per loop block and warps (4-bit codes, plain rows), the
     software-pipeline depth, and how many programs per SM the token splits aim for.
 
-    The 4-bit defaults are the fastest of ``benchmarks/diag/minicache_decode_launch.py`` on an H200 (one layer,
+    The 4-bit defaults are the fastest of ``benchmarks/kv/minicache_decode_launch.py`` on an H200 (one layer,
     batch 51, 64K tokens: 3.43 ms with the folds, against 8.41 ms for the dequantizing loop at 32 tokens / 4
     warps / 2 programs per SM, and 3.26 ms for cuDNN's SDPA over the same tokens in bf16); plain rows keep 64
     tokens / 8 warps (80 registers, read off the sm_90 SASS).

@@ -262,7 +262,7 @@ def _sage_fwd_kernel(Q, QS, QM, K, KS, VT, VR, VS, SEGQ, SEGK, O, LSE,
 
 
 class ForwardConfig(NamedTuple):
-    """Launch settings of the forward kernel (autotuned by ``benchmarks/attention.py``, shipped in
+    """Launch settings of the forward kernel (autotuned by ``benchmarks/attention/attention.py``, shipped in
     ``neutrain/attention/dispatch_table.json`` per device).
 
     ``pipeline``: the hand-pipelined main loop (QK wgmma of the next tile in flight during this

@@ -6,7 +6,7 @@ the tile's own row max with the fixed scale 448, FP8 P.V (plus the V residual) i
 accumulator per tile, rescaled into the fp32 output accumulator), so the torch reference
 :func:`neutrain.attention.reference.sage_reference_forward` is its oracle too. What differs is
 the structure, the one the Triton kernel could not get from Triton 3.6
-(``benchmarks/notes_attention.md``, "Profile of the misses"):
+(``benchmarks/attention/NOTES.md``, "Profile of the misses"):
 
 * a **load partition** (one warp) issues the TMA loads of Q and of each KV tile (K, V^T and the
   V residual) into a ring of ``NUM_STAGES`` shared-memory slots, each with a "ready" mbarrier

@@ -24,7 +24,7 @@ With ``M > 1`` rows of ``x`` each decoded pair is used ``M`` times (one accumula
 registers that hold the pair), so verifying a few drafted tokens reads the weight once too; more rows a
 thread (``block_n`` 32 or 64) then share each load and scaling of x. The pure-PyTorch reference is
 :func:`neutrain.compress.zgemv.zgemv_reference`; which configuration is fastest per shape is measured by
-``benchmarks/zgemv.py``.
+``benchmarks/decode/zgemv.py``.
 """
 
 from __future__ import annotations

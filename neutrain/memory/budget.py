@@ -17,7 +17,7 @@ logger = logging.getLogger("neutrain")
 AUTO_MARGIN_BYTES = 0.5 * GIB
 """``memory.device_budget_gib: auto`` leaves this much of the card beside the CUDA context: the 0.47 GiB
 the H100 showed in use before any process started (``device_used_idle_gib``,
-benchmarks/results/train_memory.json), which a desktop card's display also takes."""
+benchmarks/memory/results.jsonl#train_memory), which a desktop card's display also takes."""
 
 
 def auto_budget(card_total: int) -> int:

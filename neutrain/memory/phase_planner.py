@@ -60,7 +60,7 @@ from neutrain.memory.shape import ModelShape, recipe_shape
 ENCODE_SCRATCH_BYTES = 1.5
 """Device bytes a weight, beyond the dense matrix, that the GPU build holds while it encodes its largest
 matrix. Measured, not derived: the 8B's build phase on an H200 (commit 4c4718b) peaked at 11.91 GiB allocated in the GPU
-and 3.02 offloaded (benchmarks/results/archive/cards_4c4718b, cards_22_train.log and cards_11_train.log),
+and 3.02 offloaded (benchmarks/cards/results.jsonl, cards_22_train.log and cards_11_train.log),
 0.76 and 0.71 GiB above the resident model and the dense 525M-element lm_head: 1.45 to 1.55 bytes a
 weight. Reading the code accounts for less (the histogram's 16M-element int64 chunks, ~0.2 GiB; the new
 payload is the model's); the rest is what the card showed. It replaces the CPU reference encoder's int32

@@ -3,7 +3,7 @@
 ``neutrain estimate recipes/<x>.yaml`` reads only the model config and the
 recipe. The estimate is a sum of named terms, each one a buffer the run really
 allocates, so a gap between estimate and measurement points at the term that is
-off (``benchmarks/train_memory.py`` reports both side by side). That sum is the
+off (``benchmarks/memory/train_memory.py`` reports both side by side). That sum is the
 peak *allocated*; a card must hold more: :attr:`Estimate.reserved` adds the
 caching allocator's slack and :attr:`Estimate.device` the CUDA context.
 
@@ -69,7 +69,7 @@ from neutrain.memory.shape import ModelShape, recipe_shape
 GIB = 2**30
 NEUZIP_BITS = 10.88  # in memory (stream headroom included), Llama-3-8B shapes at N(0, 0.02); tests/unit/compress/test_codec.py
 # Beyond peak allocated, fitted on an H100 and an H200 with expandable segments (neutrain's default)
-# after the build's transients were handed back (benchmarks/results/train_memory.json, train_70b.json):
+# after the build's transients were handed back (benchmarks/memory/results.jsonl#train_memory, train_70b.json):
 # reserved - allocated = 0.13 GiB (8B, 1K tokens), 1.36 (70B, 16K), 1.9 (70B, 24K): about one and a
 # half of the largest activation block (tokens x intermediate) plus 0.1 GiB.
 ALLOCATOR_SLACK_BLOCKS = 1.5

@@ -19,8 +19,8 @@ One step is ``max(host, device) + link`` (on a CPU, where host and device are on
 
 Every rate is a constant below, in one place, each with the record it was calibrated on: after new GPU
 runs, recalibrating is an edit here (``tests/unit/memory/test_step_time.py`` holds the model within 15%
-of the training steps of ``benchmarks/results/train_memory.json`` and of the timing rows of
-``benchmarks/results/cards.json`` that ran the current code's paths, and says which row a new constant misses).
+of the training steps of ``benchmarks/memory/results.jsonl#train_memory`` and of the timing rows of
+``benchmarks/cards/results.jsonl#cards`` that ran the current code's paths, and says which row a new constant misses).
 
 Example:
     >>> from neutrain.config import load_recipe
@@ -41,48 +41,48 @@ from neutrain.memory.shape import ModelShape, recipe_shape
 
 GEMM_FLOPS_PER_S = 515e12
 """Matrix products of a training step, bf16, per second on an H200. Calibrated on
-benchmarks/results/train_memory.json, variant c (dense fused LOMO, Llama-3-8B shapes, batch 8 x 1024,
+benchmarks/memory/results.jsonl#train_memory, variant c (dense fused LOMO, Llama-3-8B shapes, batch 8 x 1024,
 checkpointing) at batch 8: a 0.992 s step, device-bound (its profile: 967 ms busy), less its update and
 attention."""
 
 ATTENTION_FLOPS_PER_S = 245e12
 """Attention's products (causal, counted as if each row were one document; forward, recompute and a
-backward of 2.5 forwards) per second on an H200. Calibrated on benchmarks/results/offload.json,
+backward of 2.5 forwards) per second on an H200. Calibrated on benchmarks/offload/results.jsonl#offload,
 ``70b_recipe.train.tokens_per_s`` (609.7 at 16K tokens, every layer streamed), where attention is 13% of
 the step's products; at 1K tokens it is 2%, so the 8B records barely constrain it."""
 
 MEMORY_BYTES_PER_S = 3.81e12
-"""Device memory traffic (read plus write) per second on an H200: benchmarks/results/codec.json,
+"""Device memory traffic (read plus write) per second on an H200: benchmarks/codec/results.jsonl#codec,
 ``summary.copy_TBps_out`` 1.905 TB/s written, as much read. The fused updates' bytes go over it."""
 
 CODEC_BYTES_PER_S = 333e9
 """Dense bytes NeuZip decodes or re-encodes per second inside a training step on an H200 (each decode
 and the re-encode of every matrix counted). Calibrated on the NeuZip step over the dense one at batch 8:
-benchmarks/results/cards.json ``timing.b8_none`` (7,002 tok/s, 1.170 s) against train_memory.json c at
+benchmarks/cards/results.jsonl#cards ``timing.b8_none`` (7,002 tok/s, 1.170 s) against train_memory.json c at
 batch 8 (0.992 s). The codec's kernels alone run faster (codec.json: decode 0.94 TB/s, re-encode 0.48 TB/s,
 50 ms a step for the 8B); in the step they cost 178 ms, their synchronous launches included."""
 
 HOST_S_PER_TENSOR = 1.13e-3
 """Host seconds per trained tensor per micro-batch (forward, recompute and backward launches, the fused
 update's Python): a dense 8B step at batch 1 is host-bound, 330 ms for 291 tensors in the
-benchmarks/diag/step_timeline.py profile on an H200 at a73232e (157 ms of it device-busy, 12,691 kernels);
+benchmarks/memory/step_timeline.py profile on an H200 at a73232e (157 ms of it device-busy, 12,691 kernels);
 the committed record, train_memory.json c at batch 1 (dcf57b4), measured 308 ms."""
 
 HOST_S_PER_COMPRESSED = 1.11e-3
 """Host seconds a NeuZip matrix adds per micro-batch (its decodes, update and re-encode launched from
-Python). Calibrated on benchmarks/results/cards.json ``timing.b1_none`` (the NeuZip recipe at batch 1,
+Python). Calibrated on benchmarks/cards/results.jsonl#cards ``timing.b1_none`` (the NeuZip recipe at batch 1,
 1,764.6 tok/s: 580 ms, host-bound) against the dense host cost above, over the 8B's 226 matrices; the
 step_timeline profile at a73232e measured 565 ms."""
 
 HOST_S_PER_GROUPED = 4.16e-4
 """Host seconds a NeuZip matrix adds per micro-batch when its decoder layer is decoded and re-encoded as a
 group (:mod:`neutrain.nn.groups`: grouped launches, no per-matrix slot bookkeeping; the layers of a model none
-of whose layers live in host memory). Calibrated on benchmarks/results/train_memory.json (c0ee2cc), d at
+of whose layers live in host memory). Calibrated on benchmarks/memory/results.jsonl#train_memory (c0ee2cc), d at
 batch 1 (2,420 tok/s: 423 ms, host-bound) against the dense host cost above, over the 8B's 226 matrices. The
 batch-1 figures move between calls (the same commit's first call measured d 404 ms, c 376 ms)."""
 
 CODEC_BYTES_PER_S_GROUPED = 391e9
-"""As :data:`CODEC_BYTES_PER_S`, for grouped layers: benchmarks/results/train_memory.json (c0ee2cc), d
+"""As :data:`CODEC_BYTES_PER_S`, for grouped layers: benchmarks/memory/results.jsonl#train_memory (c0ee2cc), d
 against c at batch 8 (1.106 s against 0.991 s), three dense passes (two decodes and the re-encode) of the 8B's
 matrices in the 115 ms between them (the per-tensor clip's second lm_head pass, about 17 ms, folded in)."""
 
@@ -93,12 +93,12 @@ buffer in between (train_memory.json's d: ``decodes_per_step.sync`` 450, the 224
 matrices)."""
 
 PCIE_BYTES_PER_S = 50.69e9
-"""Host-device copy bandwidth, each way while both run, on an H200: benchmarks/results/offload.json,
+"""Host-device copy bandwidth, each way while both run, on an H200: benchmarks/offload/results.jsonl#offload,
 ``link.both_ways_gb_s_each``."""
 
 COPY_HIDDEN_SHARE = 0.794
 """Share of the step's copy time that overlapped compute in the 8B's step with every layer streamed and
-activations offloaded (H200, batch 8 x 1024: benchmarks/results/offload.json,
+activations offloaded (H200, batch 8 x 1024: benchmarks/offload/results.jsonl#offload,
 ``8b.offloaded.timeline.copy_hidden_share``). Applied to every copied byte, weights and activations:
 cards.json's ``b8_7`` (activations and 27 layers offloaded) took 34 ms more than ``b8_none``, less than
 its activation copies alone would cost unhidden (about 85 ms)."""
@@ -114,7 +114,7 @@ them (cpu_train.json measured 1.9 with the GPU's slots on a CPU, ``decodes_per_w
 
 CPU_FLOPS_PER_S = 299e9
 """A whole training step's products per second on a 2-core CPU with AMX (bf16), host work folded in:
-benchmarks/results/cpu_train.json ``real_model`` (SmolLM2-135M, batch 16 x 128, dense AdaLomo, 363.3
+benchmarks/training/results.jsonl#cpu_train ``real_model`` (SmolLM2-135M, batch 16 x 128, dense AdaLomo, 363.3
 tok/s). Large matrices multiply faster (about 2 TFLOP/s for one 4096 x 14336 product there), so for an
 8B this rate overstates the step, likely by 1.5-3x; at a few hundred tokens a step Python's per-operation cost
 dominates and it understates it (the cards benchmark's CPU smoke run, 64 tokens a step, took 10x longer). It

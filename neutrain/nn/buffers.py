@@ -20,17 +20,17 @@ a slot that grows step by step, or a 1 GiB large slot freed and allocated again
 around every loss, can let the caching allocator split its segment for other
 tensors and open a new segment for the next request (hence one
 preallocated pool). Measured on an H100 (Llama-3-8B, batch 1,
-``benchmarks/train_memory.py`` variants d and g): peak allocated and reserved
+``benchmarks/memory/train_memory.py`` variants d and g): peak allocated and reserved
 unchanged (12.79 / 14.35 GiB), device used 15.57 vs 15.66 GiB; the segment
 map there shows a 2004 MiB segment wholly free after the step, a transient
-elsewhere (``benchmarks/notes_train_memory.md``). Pinned slots are freed only by
+elsewhere (``benchmarks/memory/NOTES.md``). Pinned slots are freed only by
 :meth:`DecodeBuffers.clear`.
 
 Under expandable segments (``neutrain train``'s default allocator setting) a freed
 block's pages are reused by any later request, so the large slot is not pinned: it is
 freed after each use, and the decoder layers' backward can use its memory (2 GiB for
 the Llama-3-70B vocabulary matrix, the margin a 70B step at long context runs short of:
-``benchmarks/results/train_70b.json``).
+``benchmarks/memory/results.jsonl#train_70b``).
 
 Each slot carries a tag ``(weight serial, version)`` naming what it holds, and,
 after a prefetch, the CUDA event that marks the decode complete. A weight

@@ -134,7 +134,7 @@ def _load_compressed_weights(modules: dict, weights, path: Path) -> set[str]:
     # allocated among the still-live blobs of the other weights, of slightly other sizes: the CUDA allocator was
     # left with holes it could neither fill nor hand back, and the resumed run's first step ran out of memory at
     # an 11 GiB budget that the uninterrupted run met (Llama-3-8B, 10.06 GiB allocated, 10.95 reserved, twice:
-    # freeing each weight's old blobs just before its new ones did not help; benchmarks/notes_cards.md). Placed
+    # freeing each weight's old blobs just before its new ones did not help; benchmarks/cards/NOTES.md). Placed
     # after an empty cache, the blobs lie as a fresh build lays them. The host holds the compressed weights
     # meanwhile (10.2 GiB for the 8B).
     if staged and torch.cuda.is_available():

@@ -223,7 +223,7 @@ def mark_large_weights(model: torch.nn.Module) -> None:
         # Compressing left holes between the compressed buffers where each dense matrix and its
         # encoder scratch were (2 GiB for a Llama-3 vocabulary matrix's int32 symbols). Cached, they
         # stayed reserved for the whole run: measured on an H100 (Llama-3-8B, expandable segments),
-        # 14.06 GiB reserved for 11.49 GiB allocated after warm-up (benchmarks/step_anatomy.py).
+        # 14.06 GiB reserved for 11.49 GiB allocated after warm-up (benchmarks/memory/step_anatomy.py).
         torch.cuda.empty_cache()
     # Grouped layers decode into their own buffers (neutrain.nn.groups): the layer slots are for the rest.
     form_groups(model, compressed_weights, lambda device: DECODE_BUFFERS.keep_budget(device) > 0)

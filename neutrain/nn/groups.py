@@ -1,7 +1,7 @@
 """Layer groups: a decoder layer's compressed matrices decoded together and re-encoded together.
 
 Why: at a small batch a training step's device work per weight is short, and the host's work per weight set
-the pace. Measured on an H200 (Llama-3-8B, batch 1 x 1,024 tokens, ``benchmarks/diag/step_timeline.py``): the
+the pace. Measured on an H200 (Llama-3-8B, batch 1 x 1,024 tokens, ``benchmarks/memory/step_timeline.py``): the
 compressed step took 565 ms for 220 ms of device work, the dense one 330 ms for 157 ms; each matrix was decoded
 from Python two or three times a step (forward, checkpoint recompute, backward: 612 decodes, about 95 us of host
 time each through the decode buffers) and re-encoded in three launches (about 106 us).

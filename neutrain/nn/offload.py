@@ -3,7 +3,7 @@
 With activation checkpointing every decoder layer still keeps its input alive for
 the recompute: ``layers x tokens x hidden`` bf16, 40 GiB for Llama-3-70B at 32K
 tokens, which is what stops a 70B step at long context on one H200
-(``benchmarks/results/train_70b.json``). :func:`offload_checkpointed_inputs` wraps
+(``benchmarks/memory/results.jsonl#train_70b``). :func:`offload_checkpointed_inputs` wraps
 each layer's checkpoint in :class:`HostStash`, a ``saved_tensors_hooks`` pair that
 copies every tensor the checkpoint saves to pinned host memory in forward and
 back in backward (its recompute), so the GPU holds one layer's working set instead.

@@ -22,7 +22,7 @@ generation) are neither recorded nor prefetched.
 
 Off by default (``PREFETCHER.enabled``). The earlier prefetcher guessed the
 order from forward alone (the next weight in forward, the previous one in
-backward) and lost on an H100 (Llama-3-8B, ``benchmarks/train_memory.py`` d
+backward) and lost on an H100 (Llama-3-8B, ``benchmarks/memory/train_memory.py`` d
 against q): 709 decodes instead of 611, 6,630 against 6,742 tok/s; the wrong
 guesses fell in the recomputes and at layer boundaries in backward. A side-stream
 decode also shares HBM bandwidth with the GEMM it hides behind, so it pays most

@@ -37,7 +37,7 @@ MAX_BLOCK_FRACTION = 0.5
 the update then reads the weight whole, as before."""
 ON_CUDA = False
 """Whether CUDA weights take the block path (off: CPU only). On an H100 (commit 37ed85a,
-``tests/unit/nn/test_row_blocks_gpu.py`` and ``benchmarks/diag/row_blocks_gpu_diag.py``) the first
+``tests/unit/nn/test_row_blocks_gpu.py`` and ``benchmarks/memory/row_blocks_gpu_diag.py``) the first
 block re-encode of the lm_head published 3.1 % more coded exponent bits than the weight holds
 (22,515,284 against 21,831,076 at lr 1e-4), which forced a code rebuild at the next step; later steps
 were normal (+0.02 %). Values other than the updated weight's were encoded in that first step, and

@@ -308,7 +308,7 @@ class WeightOffload:
                 # this copy runs on another stream). Without this wait those kernels and the copy can
                 # overwrite each other, and a slot whose tile table holds other bytes sends the decode
                 # kernel far out of its stream: the Llama-3-8B's and 70B's `illegal memory access` in
-                # their first offloaded step (benchmarks/notes_offload.md; a tiny model's queue is too
+                # their first offloaded step (benchmarks/offload/NOTES.md; a tiny model's queue is too
                 # short to lose the race). test_weight_offload_gpu.py forces it.
                 self._h2d.wait_stream(compute)
             for event in waits:

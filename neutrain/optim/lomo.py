@@ -20,7 +20,7 @@ from neutrain.optim.rule import scaled, weight_rows
 
 def use_fused_kernel(weight: torch.Tensor) -> bool:
     """Whether LOMO updates ``weight`` with the one-kernel ``fused_update`` (CUDA, Triton; off with
-    ``NEUTRAIN_FUSED_UPDATE=0``, the A/B switch of ``benchmarks/train_memory.py``)."""
+    ``NEUTRAIN_FUSED_UPDATE=0``, the A/B switch of ``benchmarks/memory/train_memory.py``)."""
     return (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float32) and triton_available()
             and knob("NEUTRAIN_FUSED_UPDATE"))
 

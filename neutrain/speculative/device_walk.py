@@ -2,7 +2,7 @@
 
 The host walk (:mod:`neutrain.speculative.walk`) needs the round's fp32 logits on the host (one
 large copy) and then spends about 1.4 ms per round in float64 softmaxes and residual draws
-(``benchmarks/notes_speculative.md``). Here the same walk runs on the device with fixed shapes and
+(``benchmarks/decode/NOTES.md``). Here the same walk runs on the device with fixed shapes and
 no host value, so it is recorded in the round's CUDA graph and the host fetches only its outcome.
 
 The walk over K chains of ``draft_len`` tokens (the fixed layout of :mod:`neutrain.speculative.rounds`:

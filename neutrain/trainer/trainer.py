@@ -393,7 +393,7 @@ class NeuTrainer(Trainer):
             if torch.cuda.is_available():
                 # What the load freed and did not reuse (the random init's blobs, the device checksum's
                 # chunks) goes back before the first step: a resumed step reserved 1.3 GiB more than the
-                # uninterrupted one for the same allocations (Llama-3-8B, benchmarks/notes_cards.md).
+                # uninterrupted one for the same allocations (Llama-3-8B, benchmarks/cards/NOTES.md).
                 torch.cuda.empty_cache()
             return loaded
 

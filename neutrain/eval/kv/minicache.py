@@ -292,7 +292,7 @@ class MiniCache(Cache):
             prompt), the mean cosine of the two layers' per-token key and value directions is measured,
             and a pair whose lower one is below it is not merged (both layers stay exact, quantized if
             ``quant_bits``). Why: merging dissimilar layers loses what the model retrieves with; how
-            similar adjacent layers are depends on the model (benchmarks/notes_kv_eval.md).
+            similar adjacent layers are depends on the model (benchmarks/kv/NOTES.md).
         quant_bits: None, or 4 for KIVI-style quantization of every stored stream.
         quant_group: KIVI group size (tokens per block; channels per group for values).
         fused_decode: Decode steps attend over the stores in place (one Triton kernel,

@@ -99,7 +99,7 @@ def kv_cache_specs() -> tuple[KVCacheSpec, ...]:
 # ---------------------------------------------------------------- the caches neutrain ships
 register_kv_cache(KVCacheSpec("full", "neutrain.eval.loop:full_cache_factory"))
 # Restoring a MiniCache layer for the unfused decode: MiniCache merge + 4-bit ran out of memory at 31 sequences
-# with 16 bytes budgeted (H200, 64K tokens), so 40 (benchmarks/_kv_sizing.py sizes the throughput rows by it).
+# with 16 bytes budgeted (H200, 64K tokens), so 40 (benchmarks/kv/_kv_sizing.py sizes the throughput rows by it).
 register_kv_cache(KVCacheSpec("minicache", "neutrain.eval.kv.minicache_attention:minicache_cache_factory",
                               restore_bytes=40))
 register_kv_cache(KVCacheSpec("shadowkv", "neutrain.eval.kv.shadowkv:shadowkv_cache_factory"))

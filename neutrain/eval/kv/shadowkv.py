@@ -23,7 +23,7 @@ chunks per head is spent in finer chunks instead (16 tokens: 8 chunks of 2), the
 the local window keeping their token counts. Why: on SmolLM2 at 1,024 tokens the paper's 1.56%
 is 16 tokens, 2 chunks of 8, and the landmarks found the needle's chunk in half the cases (55%
 exact match against 100% full); in chunks of 2 the same 16 tokens scored 100%
-(benchmarks/notes_kv_eval.md). The paper never meets this: at its smallest sparse prompt (4,096
+(benchmarks/kv/NOTES.md). The paper never meets this: at its smallest sparse prompt (4,096
 tokens) 1.56% is already 8 chunks. Finer chunks cost device memory (one landmark per chunk), so
 chunks stay at least 2 tokens long (a 1-token chunk's landmark is the key itself).
 
