@@ -418,8 +418,8 @@ def test_the_citation_check_reads_names_and_text_but_not_records(tmp_path):
     (tmp_path / "benchmarks" / "notes_lr.json").write_text('{"targets_note": "issue 16"}\n')
     (tmp_path / "benchmarks" / "results" / "README.md").write_text("superseded by issue 30's run\n")
     found = issue_citations(tmp_path / "benchmarks", root=tmp_path)
-    assert [f.split(":")[0] for f in found] == ["benchmarks/codec/codec.py", "benchmarks/gpu_issue30.sh",
-                                                "benchmarks/README.md#records"]
+    assert [f.split(":")[0] for f in found] == ["benchmarks/codec.py", "benchmarks/gpu_issue30.sh",
+                                                "benchmarks/results/README.md"]
 
 
 def test_child_processes_of_the_tests_keep_the_inherited_python_path():

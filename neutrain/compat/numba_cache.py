@@ -8,12 +8,11 @@ compile of a cached kernel, which is also where numba reads its cache, holds an 
 ``fcntl.flock`` on :data:`LOCK_NAME` in that kernel's cache directory; a process that finds the kernel
 compiled in memory takes no lock. Where numba is absent (or flock is, off POSIX) this is a no-op.
 
-Example:
-    >>> @cached_njit()
-    ... def add_one(x):
-    ...     return x + 1
-    >>> add_one(1)  # the first call compiles (or loads the cache) under the lock
-    2
+Example (a kernel is declared in a module file with ``@cached_njit()`` in place of ``@numba.njit(cache=True)``;
+numba caches only functions it can locate in a file, so the lock is shown alone here):
+    >>> import tempfile
+    >>> with cache_lock(tempfile.mkdtemp()):  # what each compile of a cached kernel holds
+    ...     pass
 """
 
 from __future__ import annotations

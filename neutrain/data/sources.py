@@ -125,8 +125,14 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     if ds_type == "text":
         kwargs["sample_by"] = "document"  # one example per file, as pretraining corpora expect
     try:
-        with quiet_datasets():
-            ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
+        try:
+            with quiet_datasets():
+                ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
+        except Exception as first:
+            if not _discard_cache(kwargs["cache_dir"], first):
+                raise
+            with quiet_datasets():  # once more, from the files alone
+                ds = datasets.load_dataset(ds_type, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as exc:  # datasets raises many types; name the file either way
         unwritable = _cache_not_writable(exc, files)
         if unwritable is not None:  # the environment's fault, not the data's: exit 1 (neutrain.cli.environment)
@@ -138,6 +144,25 @@ def load_rows(entry: dict[str, Any], streaming: bool = False, cache_dir: str | N
     # met there is reported like one met here, naming the file and row, not as a pyarrow traceback.
     return stream_from(_guarded_stream, cache_dir, features=ds.features,
                        gen_kwargs={"files": files, "ds_type": ds_type, "kwargs": kwargs})
+
+
+def _discard_cache(cache: str, exc: Exception) -> bool:
+    """Empty ``datasets``' cache of this run after a failed load, so the caller can build it again from the files;
+    False when there was nothing to discard (the failure is the data's).
+
+    Why: the cache is derived, written without fsync by ``datasets``, and lives in the run's folder. After a
+    power cut its files can be cut short, and the next resume then failed on a JSON error naming the run's
+    corpus, though the corpus itself was whole.
+    """
+    import shutil
+
+    path = Path(cache)
+    if not path.is_dir() or not any(path.iterdir()):
+        return False
+    logging.getLogger("neutrain").warning("the data cache %s could not be read (%s): built again from the files",
+                                          path, type(exc).__name__)
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def entry_files(entry: dict[str, Any], cache_dir: str | None = None) -> list[str]:

@@ -85,3 +85,21 @@ def test_data_built_without_a_run_directory_goes_to_a_private_cache_removed_at_e
     assert int(count) == 400 and cache.startswith(str(tmp_path / "tmp"))
     assert not os.path.exists(cache)  # removed when the process ended
     assert list(home.rglob("*")) == [] and list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["emptied", "cut short"])
+def test_a_damaged_data_cache_is_built_again_from_the_files(tmp_path, damage):
+    """``datasets`` writes its cache without fsync, inside the run's folder: a power cut can leave its files cut
+    short. The next load builds it again from the corpus and reads the same rows, instead of failing on the cache."""
+    from neutrain.data.sources import datasets_cache, load_rows
+
+    corpus = _corpus(tmp_path / "corpus.jsonl")
+    cache = tmp_path / "run" / ".cache"
+    first = load_rows({"path": str(corpus)}, cache_dir=str(cache))["text"]
+    # What an unsynced write leaves: the cache's JSON records emptied or cut (its arrow tables are memory-mapped
+    # by pyarrow, which trusts their framing: a broken one is outside what a load can survive).
+    damaged = [p for p in Path(datasets_cache(cache)).rglob("*.json") if p.is_file()]
+    assert damaged
+    for p in damaged:
+        p.write_bytes(b"" if damage == "emptied" else p.read_bytes()[: len(p.read_bytes()) // 2])
+    assert load_rows({"path": str(corpus)}, cache_dir=str(cache))["text"] == first

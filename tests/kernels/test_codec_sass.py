@@ -16,9 +16,8 @@ import pytest
 from tests.helpers import REPO, triton36_env
 
 _SCRIPT = """
-import collections, json, re, sys
-sys.path.insert(0, "benchmarks")
-from codec_sass import decode_sass, longest_loop
+import collections, json, re
+from benchmarks.codec.codec_sass import decode_sass, longest_loop
 out = {}
 for pairs in (True, False):
     body = longest_loop(decode_sass(32, pairs))

@@ -127,10 +127,9 @@ def test_refuses_bad_shapes_and_dtypes():
 
 
 _SASS = """
-import collections, json, re, sys
-sys.path.insert(0, "benchmarks")
-from zgemv import zgemv_sass
-from codec_sass import longest_loop
+import collections, json, re
+from benchmarks.codec.codec_sass import longest_loop
+from benchmarks.decode.zgemv import zgemv_sass
 out = {}
 for name, m, block_n, prmt in (("prmt", 1, 64, True), ("masks", 1, 64, False), ("rows8", 8, 16, True)):
     sass, regs, spills = zgemv_sass(block_n=block_n, block_k=256, num_warps=4, rows=m, split=1, prmt=prmt)

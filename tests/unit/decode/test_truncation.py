@@ -102,14 +102,14 @@ def test_the_plain_path_passes_top_k_and_top_p_to_transformers(tmp_path, monkeyp
     # reach it, and no generation_config default (top_k 50) may stand in for "no top-k".
     import argparse
 
-    import neutrain.speculative as spec
+    import neutrain.decode as decode
     from neutrain.cli.generate import _plain
     from neutrain.data import byte_tokenizer
 
     def refuse(*a, **k):
         raise ValueError("sliding-window layers")
 
-    monkeypatch.setattr(spec, "DecodeEngine", refuse)
+    monkeypatch.setattr(decode, "DecodeEngine", refuse)  # where generate's plain path finds it
     model, seen = _tiny(), []
     original = model.generate
     monkeypatch.setattr(model, "generate", lambda *a, **k: (seen.append(k), original(*a, **k))[1])
