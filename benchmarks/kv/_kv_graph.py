@@ -40,6 +40,15 @@ SHADOWKV_KERNEL_GROUPS: Groups = (
 """ShadowKV's own kernels, grouped ahead of ``_timeline.GROUPS`` (which would file them under ``other`` or
 ``attention``)."""
 
+MINICACHE_KERNEL_GROUPS: Groups = (
+    ("minicache_attention", re.compile(r"_segment_kernel|_combine_kernel")),
+    # the new token's 4-bit save: min/max, scale and the codes' packing, each a small pointwise kernel
+    ("minicache_quantize", re.compile(r"amin|amax|reduce_kernel|bitwise|clamp_min|round", re.IGNORECASE)),
+)
+"""MiniCache's own kernels, grouped ahead of ``_timeline.GROUPS``: its decode's time against the 4-bit save's and
+the model's products, and the step's idle share (an eager step: a host that launches slower than the GPU runs
+shows as idle)."""
+
 REPLAY_TIMELINE_STEPS = 3
 """Replays in a graphed row's profiled block: enough for a per-step median, few enough for ShadowKV's tail slots
 (256 a capture) and the row's time."""

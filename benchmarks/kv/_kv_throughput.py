@@ -26,7 +26,7 @@ import transformers
 from benchmarks.kv._kv_caches import (MINICACHE_CHUNK, PinnedBuffer, full_cache, host_buffer_gib, minicache_cache,
                                    prepare_fused, pruned_cache, quantized_cache, release_memory, rewind,
                                    shadowkv_cache)
-from benchmarks.kv._kv_graph import SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
+from benchmarks.kv._kv_graph import MINICACHE_KERNEL_GROUPS, SHADOWKV_KERNEL_GROUPS, PerLengthGraph, graph_against_eager, replay_timeline
 from benchmarks.kv._kv_common import DEADLINE, PRESS_RATIO
 from benchmarks.kv._kv_plan import MIN_STEPS, TimePlan
 from benchmarks.kv._kv_sizing import (GIB, Budget, decode_bytes_per_seq, minicache_transient_bytes_per_seq,
@@ -268,7 +268,7 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
                 "uva_gathers": stats["uva_gathers"], "step_split": split,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
 
-    def sized_run(ctx, build, stored_of, transient_per_seq):
+    def sized_run(ctx, build, stored_of, transient_per_seq, timeline_groups=None):
         """Measure what one sequence stores (``build(1, tokens)`` on ``SIZING_TOKENS``, scaled to ``ctx``), size the
         batch by that plus the build's and the decode's transient memory (``_kv_sizing``), build and time it;
         after an out-of-memory error the batch halves, down to 1, the failed attempt's memory freed first."""
@@ -291,6 +291,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             if hasattr(cache, "fused_steps"):
                 out["fused_steps"] = cache.fused_steps
             out.update(kernel_record(model, cache, batch))  # after timing, as the full cache's
+            if timeline_groups is not None:  # the eager step's kernels, busy and idle: where its time goes
+                out.update(replay_timeline(eager_step(model, cache, batch), cuda, timeline_groups, replays=2))
             peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
             # reserved above allocated: what the allocator's fragmentation cost
             reserved = torch.cuda.max_memory_reserved() / GIB if cuda else None
@@ -311,7 +313,8 @@ def throughput_part(args, log, device, host: PinnedBuffer | None = None, plan: T
             enable_minicache_attention(model)
         try:
             out = sized_run(ctx, lambda b, n: minicache_cache(model, cfg, b, n, device, chunk=chunk, **opts),
-                            lambda c: (prepare_fused(c) if fused else c).stored_bytes(), transient)
+                            lambda c: (prepare_fused(c) if fused else c).stored_bytes(), transient,
+                            MINICACHE_KERNEL_GROUPS if fused else None)
         finally:
             disable_minicache_attention(model)
         out["gpu_kv_gib"] = out.pop("stored_bytes") / GIB
