@@ -15,9 +15,10 @@ if [ "${CARRIED_WHEELS:-all}" != kv ] && ! have deepspeed; then
   have msgpack || add .whl/deepspeed/msgpack-*.whl
   have ninja || add .whl/deepspeed/ninja-*.whl
   have cpuinfo || add .whl/deepspeed/py_cpuinfo-*.whl
-  have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
-                       .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
 fi
+# pydantic is neutrain's own dependency (the typed recipe): every call needs it, the KV call included.
+have pydantic || add .whl/deepspeed/pydantic-*.whl .whl/deepspeed/pydantic_core-*.whl \
+                     .whl/deepspeed/annotated_types-*.whl .whl/deepspeed/typing_inspection-*.whl
 # The peers of train_memory.py: torchao 8-bit AdamW, bitsandbytes paged AdamW 8-bit, HF's LOMO.
 if [ "${CARRIED_WHEELS:-all}" != kv ]; then
   have torchao || add .whl/torchao-*.whl
