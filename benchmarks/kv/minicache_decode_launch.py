@@ -69,11 +69,10 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="none,2,3,4", help="software-pipeline depths (none: Triton's default)")
     p.add_argument("--programs-per-sm", default="2,8,16,32")
-    p.add_argument("--variants", default="dequantize,folded,folded-magic,group-tiles-magic")
+    p.add_argument("--variants", default="dequantize,folded,folded-magic")
     args = p.parse_args()
     ints = lambda text: [None if x == "none" else int(x) for x in text.split(",")]  # noqa: E731
-    named = {"dequantize": (False, False, False), "folded": (True, False, False), "folded-magic": (True, True, False),
-             "group-tiles-magic": (True, True, True)}
+    named = {"dequantize": (False, False), "folded": (True, False), "folded-magic": (True, True)}
     torch.manual_seed(0)
     b, hq, d = args.batch, 32, 128
     keys, values = quantized_layer(b, args.ctx + args.residual, args.group)
@@ -84,15 +83,15 @@ def main():
                  for t in (s.keys, s.values, s.key_scale, s.key_min, s.value_scale, s.value_min) if t is not None)
     reference = kernels.decode_attention(q, segments, scale, kernels.DecodeLaunch(fold_scales=False, magic_codes=False))
     rows = []
-    variants = [named[v] for v in args.variants.split(",")]  # (fold_scales, magic_codes, group_tiles)
+    variants = [named[v] for v in args.variants.split(",")]  # (fold_scales, magic_codes)
     grid = itertools.product(variants, ints(args.programs_per_sm), ints(args.blocks), ints(args.warps),
                              ints(args.stages))
-    for (fold, magic, tiles), pps, block, warps, stages in grid:
+    for (fold, magic), pps, block, warps, stages in grid:
         if not fold and block == 128:
             continue  # the dequantizing loop spills at 128 tokens
         launch = kernels.DecodeLaunch(quant_block=block, quant_warps=warps, stages=stages, programs_per_sm=pps,
-                                      fold_scales=fold, magic_codes=magic, group_tiles=tiles)
-        row = {"fold_scales": fold, "magic_codes": magic, "group_tiles": tiles, "programs_per_sm": pps, "quant_block": block,
+                                      fold_scales=fold, magic_codes=magic)
+        row = {"fold_scales": fold, "magic_codes": magic, "programs_per_sm": pps, "quant_block": block,
                "quant_warps": warps, "stages": stages}
         try:
             out = kernels.decode_attention(q, segments, scale, launch)
@@ -124,8 +123,8 @@ def main():
     before = next((r for r in rows if not r["fold_scales"] and r["programs_per_sm"] == 2 and r["quant_block"] == 32
                    and r["quant_warps"] == 4 and r["stages"] is None), None)  # the launch before DecodeLaunch
     d0 = kernels.DEFAULT_LAUNCH
-    default = next((r for r in rows if (r["fold_scales"], r["magic_codes"], r["group_tiles"], r["programs_per_sm"],
-                                        r["quant_block"], r["quant_warps"], r["stages"]) == (d0.fold_scales, d0.magic_codes, d0.group_tiles,
+    default = next((r for r in rows if (r["fold_scales"], r["magic_codes"], r["programs_per_sm"], r["quant_block"],
+                                        r["quant_warps"], r["stages"]) == (d0.fold_scales, d0.magic_codes,
                     d0.programs_per_sm, d0.quant_block, d0.quant_warps, d0.stages)), None)
     sdpa_best = min((v["ms"] for v in sdpa.values() if "ms" in v), default=None)
     print("sdpa", sdpa, "\nbest", best, "\ndefault", default, "\nbefore", before, flush=True)

@@ -38,7 +38,7 @@ import triton.language as tl
 from . import interpreting
 from .decode_combine import combine_partials
 
-COUNTERS = {"segments": 0, "calls": 0, "group_tiles": 0}
+COUNTERS = {"segments": 0, "calls": 0}
 """Kernel launches (segment partials, combines), so tests can assert that the fast path ran."""
 
 LOG2E = 1.4426950408889634
@@ -255,7 +255,6 @@ class DecodeLaunch:
     programs_per_sm: int = 32
     fold_scales: bool = True  # a group's key scales into the query, a token's value scale into p (see the kernel)
     magic_codes: bool = True  # folded codes to bf16 by an OR (128 + c), not an int-to-float conversion
-    group_tiles: bool = True  # both folds with <= 2 groups each way: one product per group (minicache_attention_tiles)
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
@@ -352,22 +351,6 @@ def decode_attention(query: torch.Tensor, segments, scaling: float, launch: Deco
         vs_strides = (vs.stride(0), vs.stride(1), vs.stride(2)) if v_quant else (0, 0, 0)
         tb = tk.stride(0) if tok else 0
         fold_k, fold_v = folds(seg, block_n, d) if launch.fold_scales else (False, False)
-        k_sub, v_sub = max(1, block_n // seg.key_group), max(1, d // seg.value_group)
-        if launch.group_tiles and fold_k and fold_v and k_sub <= 2 and v_sub <= 2:
-            from .minicache_attention_tiles import group_tiles_kernel  # it imports this module's code unpacking
-
-            group_tiles_kernel[(b * h, n_splits)](
-                q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc,
-                v.shape[2], h, G, per, offset, total, scaling,
-                k.stride(0), k.stride(1), k.stride(2), *ks_strides, v.stride(0), v.stride(1), v.stride(2),
-                *vs_strides, tb, D=d, HALF=d // 2, BLOCK_N=block_n, BLOCK_G=block_g, KGROUP=seg.key_group,
-                HAS_TOK=tok, HAS_LEN=seg.lengths is not None, IEEE=ieee, K_SUB=k_sub, V_SUB=v_sub,
-                MAGIC=launch.magic_codes, num_warps=warps, **stages,
-            )
-            COUNTERS["segments"] += 1
-            COUNTERS["group_tiles"] += 1
-            offset += n_splits
-            continue
         _segment_kernel[(b * h, n_splits)](
             q, k, ks, km, v, vs, vm, tk, tv, lens, m, l_, acc,
             v.shape[2], h, G, per, offset, total, scaling,
