@@ -10,6 +10,10 @@ in host memory, a smaller micro-batch), keeps those whose predicted peak reserve
 shortest predicted step. They all train the same model: lossless compression, offload and accumulation
 change memory and speed, never a weight.
 
+Host memory is part of the fit: a configuration that pins host memory must leave the process its own
+(:data:`~neutrain.memory.tiers.HOST_PROCESS_BYTES`), and where the host cannot hold every offloaded layer input
+they are split over the GPU, host memory and a file (:mod:`neutrain.memory.tiers`), which the line names.
+
 ``memory.weights: auto`` leaves the weights to the fit: dense where the run fits dense, NeuZip where it
 must. With no budget (``memory.device_budget_gib: none``, or ``auto`` on a CPU) only the weights are
 chosen, against the card's memory (on a CPU, the host's); the other keys stay as the recipe has them.
@@ -283,6 +287,7 @@ def _placement(chosen: Fit, budget: int | None) -> Placement:
                      offload_activations=bool(s["offload_activations"]), micro_batch_size=s["batch"], budget=budget,
                      activation_device_layers=s.get("activation_device_layers", 0),
                      activation_file_layers=s.get("activation_file_layers", 0),
+                     activation_file_bytes=s.get("file_activation_bytes", 0),
                      peak_phase=name, peak_reserved=worst.reserved, phases=predicted_gib(chosen.plan),
                      host_bytes=chosen.host_bytes, lines=(chosen.line,))
 

@@ -12,7 +12,7 @@ step drops the graph, and with it the records).
 
 The file is unlinked as soon as it is opened: it has no name from then on, so whichever way the process
 ends (a finished run, an exception, a kill) the kernel frees its space, and no stale file is left under
-the run's folder. :meth:`ActivationFile.close` frees it at the end of training.
+the run's folder. It is opened at its first write; :meth:`ActivationFile.close` frees it at the end of training.
 
 On a CPU the saved tensors are host tensors already and :class:`FileStash` keeps them as they are, unless
 ``spill_host_tensors`` (the tests' way to run the file's write and read on a CPU).
@@ -41,37 +41,47 @@ ALIGN = 4096  # each tensor starts on a page: whole-page reads and writes
 class Spilled:
     """One tensor in the file: where its bytes are and what it was. Dropping it frees its space."""
 
-    __slots__ = ("owner", "offset", "nbytes", "shape", "dtype", "device", "__weakref__")
+    __slots__ = ("owner", "offset", "nbytes", "shape", "dtype", "device", "opened", "__weakref__")
 
     def __init__(self, owner: ActivationFile, offset: int, nbytes: int, tensor: torch.Tensor):
-        self.owner, self.offset, self.nbytes = owner, offset, nbytes
+        self.owner, self.offset, self.nbytes, self.opened = owner, offset, nbytes, owner._opened
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
 
     def __del__(self):
         owner = getattr(self, "owner", None)
         if owner is not None:
-            owner._release()
+            owner._release(self.opened)
 
 
 class ActivationFile:
     """An unnamed file under ``folder`` that tensors are written to and read back from, bit for bit."""
 
     def __init__(self, folder: str | os.PathLike, staging_bytes: int = STAGING_BYTES):
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"activations-{os.getpid()}")
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.unlink(path)  # nameless from here on: the kernel frees it however the process ends
         self.folder = str(folder)
-        self._staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._staging_bytes = staging_bytes
+        self._staging: torch.Tensor | None = None
+        self._fd: int | None = None
+        self._opened = 0  # times opened: a record of an earlier opening has lost its bytes
         self.end = 0  # the next free byte
         self.live = 0  # records written and not yet dropped
         self.written_bytes = 0
         self.read_bytes = 0
 
+    def _open(self) -> None:
+        """Open the file at its first write (again after :meth:`close`: a later run of the same trainer)."""
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"activations-{os.getpid()}")
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.unlink(path)  # nameless from here on: the kernel frees it however the process ends
+        if self._staging is None:
+            self._staging = torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._opened += 1
+        self.end = 0
+
     def write(self, tensor: torch.Tensor) -> Spilled:
         """Write ``tensor``'s bytes to the file; the record reads them back (:meth:`read`)."""
         if self._fd is None:
-            raise ValueError("the activation file is closed")
+            self._open()
         data = _bytes_of(tensor.detach().contiguous())
         offset, n = self.end, data.numel()
         self.end += -(-n // ALIGN) * ALIGN
@@ -89,8 +99,8 @@ class ActivationFile:
 
     def read(self, record: Spilled) -> torch.Tensor:
         """The tensor ``record`` was written from, on its device."""
-        if self._fd is None:
-            raise ValueError("the activation file is closed")
+        if self._fd is None or record.opened != self._opened:
+            raise ValueError("the activation file was closed after this tensor was written: its bytes are gone")
         out = torch.empty(record.shape, dtype=record.dtype, device=record.device)
         data = _bytes_of(out)
         view = self._staging.numpy()
@@ -106,7 +116,9 @@ class ActivationFile:
         self.read_bytes += record.nbytes
         return out
 
-    def _release(self) -> None:
+    def _release(self, opened: int) -> None:
+        if opened != self._opened:
+            return  # written before the file was closed: its space went with it
         self.live -= 1
         if self.live == 0:
             self.end = 0  # every tensor of the step is back: the next step writes from the start
@@ -116,6 +128,7 @@ class ActivationFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            self.live, self.end = 0, 0
 
     @property
     def closed(self) -> bool:

@@ -12,9 +12,11 @@ from neutrain.cli import main as neutrain
 from neutrain.config import load_recipe
 from neutrain.errors import RecipeError
 from neutrain.memory import GIB, FIT_HEADROOM, choose_fit, estimate_recipe
+from neutrain.memory.planner import ACTIVATION_STAGING_BYTES
 from neutrain.memory.shape import recipe_shape
 from neutrain.memory.step_time import DISK_BYTES_PER_S, GPU, step_time
 from neutrain.memory.tiers import HOST_PROCESS_BYTES, split
+from neutrain.nn.activation_file import STAGING_BYTES
 from tests.helpers import one_error_line
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "llama3_70b_offload.yaml"
@@ -85,3 +87,7 @@ def test_the_step_time_charges_the_file_at_the_disk_rate():
     assert host.disk_s == 0 and filed.disk_s == pytest.approx(2 * spilled.settings["file_activation_bytes"] / DISK_BYTES_PER_S)
     assert filed.link_s == pytest.approx(host.link_s)  # the same bytes cross PCIe, whichever host tier holds them
     assert filed.step_s > host.step_s
+
+
+def test_the_planner_counts_the_staging_buffer_the_file_pins():
+    assert ACTIVATION_STAGING_BYTES == STAGING_BYTES

@@ -10,16 +10,11 @@ import os
 import pytest
 import torch
 
-from neutrain.memory.planner import ACTIVATION_STAGING_BYTES
 from neutrain.nn import causal_lm_loss
-from neutrain.nn.activation_file import STAGING_BYTES, ActivationFile, FileStash
+from neutrain.nn.activation_file import ActivationFile, FileStash
 from neutrain.nn.offload import STATS, offload_checkpointed_inputs
 
 from .nn_helpers import enable_checkpointing, tiny_llama, token_batches
-
-
-def test_the_planner_counts_the_staging_buffer_the_file_pins():
-    assert ACTIVATION_STAGING_BYTES == STAGING_BYTES
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool])
@@ -98,10 +93,14 @@ def test_an_exception_in_the_middle_of_a_step_frees_the_file_and_the_next_step_i
     assert torch.equal(want_loss, got_loss) and all(torch.equal(want[n], got[n]) for n in want)
     gc.collect()
     assert spill.live == 0 and spill.end == 0
+    kept = spill.write(torch.ones(3))
     spill.close()
     assert spill.closed and os.listdir(tmp_path) == []
-    with pytest.raises(ValueError, match="closed"):
-        spill.write(torch.zeros(2))
+    with pytest.raises(ValueError, match="closed after this tensor was written"):
+        spill.read(kept)
+    again = spill.write(torch.zeros(2))  # a later run of the same trainer: opened again
+    assert torch.equal(spill.read(again), torch.zeros(2)) and os.listdir(tmp_path) == []
+    spill.close()
 
 
 def test_host_tensors_stay_where_they_are_without_the_flag(tmp_path):
@@ -149,3 +148,23 @@ def test_layer_inputs_spilled_from_the_gpu_come_back_bit_for_bit_and_free_the_de
     # on the host tier, one on the device)
     assert torch.equal(results["none"][1], results["file"][1])
     assert all(torch.equal(results["none"][2][n], results["file"][2][n]) for n in results["none"][2])
+
+
+def test_the_disk_check_counts_the_spilled_layer_inputs(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from neutrain.config import load_recipe
+    from neutrain.errors import RecipeError
+    from neutrain.trainer import disk_plan
+
+    recipe = load_recipe("default", [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                     "train.save_steps=100", "train.save_final=false", "export.format=none"])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 << 30, 90 << 30, 10 << 30))
+    model = tiny_llama()
+    disk_plan.check_disk_space(recipe, model, 0, 0, 2)  # saves nothing: needs no room
+    disk_plan.check_disk_space(recipe, model, 0, 0, 2, spill_bytes=9 << 30)
+    with pytest.raises(RecipeError, match=r"train.output_dir: .* has 10.00 GiB free, and this run needs 10.50 GiB there "
+                                          r"\(10.50 GiB of layer inputs spilled to a file under .cache"):
+        disk_plan.check_disk_space(recipe, model, 0, 0, 2, spill_bytes=10 << 30)
