@@ -16,7 +16,10 @@
 # manifests' comparison, the texts and this script's samples (device memory in use from nvidia-smi; host memory
 # used, and the largest peak resident size of neutrain's processes, from /proc) into $OUT/offload.json as
 # `70b_recipe_22gib`, with the target card_24gb_70b_whole_run_ok (every command exits 0, the checkpoints match,
-# the texts match).
+# the texts match), the target card_24gb_70b_host_gib (the training run's peak resident size plus pinned host
+# memory, goal <= 100) and pcie4_projection (its bytes over PCIe per step, and the step on a 25 GB/s link).
+# A 128 GB workstation's host: HOST_LIMIT_GIB=100 STAGES=train (the fit then keeps some layer inputs on the
+# GPU and spills some to a file under the run's .cache).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/memory/gpu_70b_recipe.sh
 #
 # Time: the stages take about 1,470 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in

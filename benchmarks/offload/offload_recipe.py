@@ -11,7 +11,8 @@ parts when ``$OUT`` (or the offload table, ``benchmarks/offload/results.jsonl``)
     python benchmarks/offload/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
 
 The whole run at a device budget (train, resume, the uninterrupted run, the checkpoints compared, export and
-generate; ``benchmarks/memory/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``:
+generate; ``benchmarks/memory/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``,
+with its host memory (``card_24gb_70b_host_gib``) and ``pcie4_projection``:
 
     python benchmarks/offload/offload_recipe.py --whole-run /tmp/neutrain-70b-state --train RUN --resume RUN2 \
         --straight RUN3 --budget 22 --export /tmp/llama3_70b_export
