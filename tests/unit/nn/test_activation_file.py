@@ -122,32 +122,33 @@ def test_file_layers_need_a_file():
 
 @pytest.mark.gpu
 def test_layer_inputs_spilled_from_the_gpu_come_back_bit_for_bit_and_free_the_device(tmp_path):
-    results = {}
-    for tiers in ("none", "file"):
+    # Four layers: the first two's inputs to the file, the third's to host memory, the last's stay on the device.
+    results, inputs = {}, 4 * 1024 * 512 * 2  # one layer's input: tokens x hidden x bf16
+    for tiers in ("none", "split"):
         torch.manual_seed(0)
         model = tiny_llama(hidden=512, layers=4).cuda()
         enable_checkpointing(model)
         spill = ActivationFile(tmp_path / tiers)
-        if tiers == "file":
+        if tiers == "split":
             offload_checkpointed_inputs(model, device_layers=1, file_layers=2, spill=spill)
         ids = torch.randint(0, 256, (4, 1024), device="cuda")
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         loss = causal_lm_loss(model, ids, ids)
-        held = torch.cuda.memory_allocated() - base
+        held = torch.cuda.memory_allocated() - base  # what the forward keeps for backward
         loss.backward()
         torch.cuda.synchronize()
         results[tiers] = (held, loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()})
-        assert spill.live == 0 and os.listdir(tmp_path / tiers) == []
-        if tiers == "file":
-            inputs = 4 * 1024 * 512 * 2  # tokens x hidden x bf16, one layer's
-            assert spill.written_bytes >= 2 * inputs and spill.read_bytes == spill.written_bytes
+        del loss
+        gc.collect()
+        assert spill.live == 0 and spill.written_bytes == spill.read_bytes
+        assert spill.written_bytes >= (2 * inputs if tiers == "split" else 0)
+        assert not (tmp_path / tiers).exists() or os.listdir(tmp_path / tiers) == []  # nameless while open
         spill.close()
-    inputs = 4 * 1024 * 512 * 2
-    assert results["none"][0] - results["file"][0] >= 2 * inputs  # two layers' inputs left the device (one stays
-    # on the host tier, one on the device)
-    assert torch.equal(results["none"][1], results["file"][1])
-    assert all(torch.equal(results["none"][2][n], results["file"][2][n]) for n in results["none"][2])
+    assert results["none"][0] - results["split"][0] >= 0.9 * 3 * inputs, (results["none"][0], results["split"][0])
+    assert torch.equal(results["none"][1], results["split"][1])
+    for name, grad in results["none"][2].items():
+        assert torch.equal(grad, results["split"][2][name]), name
 
 
 def test_the_disk_check_counts_the_spilled_layer_inputs(tmp_path, monkeypatch):
