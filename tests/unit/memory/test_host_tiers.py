@@ -91,3 +91,14 @@ def test_the_step_time_charges_the_file_at_the_disk_rate():
 
 def test_the_planner_counts_the_staging_buffer_the_file_pins():
     assert ACTIVATION_STAGING_BYTES == STAGING_BYTES
+
+
+def test_the_host_check_before_the_fit_leaves_the_layer_inputs_to_it_under_a_budget():
+    from neutrain.cli.preflight import check_host_memory
+
+    asked = load_recipe(RECIPE, ["memory.device_budget_gib=22", "memory.offload_activations=true"])
+    check_host_memory(asked, available=100 * GIB)  # the fit splits the inputs (as for the recipe as shipped)
+    assert choose_fit(asked, BUDGET, 100 * GIB).tiers is not None
+    with pytest.raises(RecipeError, match=r"memory\.offload_weights: needs about 88\.4 GiB of host memory for the "
+                                          r"compressed decoder weights"):
+        check_host_memory(asked, available=80 * GIB)  # the weights alone do not fit
