@@ -36,9 +36,12 @@ ACTIVATION_FILE = ".cache/activations"
 
 HOST_PROCESS_BYTES = 8 * GIB
 """Host memory the training process needs for itself beside what it pins: Python, torch and the CUDA
-driver's host side, the tokenizer and the dataset. An assumption, to calibrate on a GPU run of the 70B
-(``card_24gb_70b_host_gib`` in benchmarks/memory/train_70b.py measures peak resident plus pinned): the fit
-leaves this much of the host's memory free when it pins host memory."""
+driver's host side, the tokenizer and the dataset; the fit leaves this much of the host's memory free when it
+pins host memory. Read, not fitted: the 70B recipe's training at 22 GiB used 116.66 GiB of host memory at its
+peak with 108.43 GiB pinned, and 3.36 GiB were in use once every command had ended
+(benchmarks/offload/results.jsonl#offload, ``70b_recipe_22gib.samples``), so about 4.9 GiB was the process's
+own; 8 GiB leaves room for a larger dataset or tokenizer. To calibrate with ``card_24gb_70b_host_gib``
+(benchmarks/memory/gpu_70b_recipe.sh at ``HOST_LIMIT_GIB=100``), which measures it with the split in place."""
 
 
 @dataclass(frozen=True)
