@@ -109,14 +109,16 @@ fi
 free -g | head -2; df -h "$(dirname "$RUN_DIR")" /dev/shm | tail -2
 
 # One sample every 2 s: the stage, the time, device MiB in use (NVML), host bytes used, and the largest VmHWM
-# (KiB) among neutrain's processes (the trainer is accelerate's child; pinned layers count in its resident size).
+# (KiB) among neutrain's processes (pinned layers count in its resident size). The trainer is accelerate's child,
+# "python <recipe>", matched by the recipe's name: without it the train stage sampled 2.2 GiB, the launcher's,
+# where `neutrain export` sampled 179 GiB (benchmarks/offload/results.jsonl#offload, 70b_recipe_22gib.samples).
 echo idle > "$STATE/current_stage"
 (
   while :; do
     dev=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" 2>/dev/null | head -1)
     host=$(free -b | awk '/^Mem:/ {print $3}')
     hwm=0
-    for pid in $(pgrep -f "neutrain|accelerate" 2>/dev/null); do
+    for pid in $(pgrep -f "neutrain|accelerate|$(basename "$RECIPE")" 2>/dev/null); do
       kib=$(awk '/^VmHWM:/ {print $2}' "/proc/$pid/status" 2>/dev/null)
       [ -n "$kib" ] && [ "$kib" -gt "$hwm" ] && hwm=$kib
     done
