@@ -19,7 +19,8 @@
 # the texts match), the target card_24gb_70b_host_gib (the training run's peak resident size plus pinned host
 # memory, goal <= 100) and pcie4_projection (its bytes over PCIe per step, and the step on a 25 GB/s link).
 # A 128 GB workstation's host: HOST_LIMIT_GIB=100 STAGES=train (the fit then keeps some layer inputs on the
-# GPU and spills some to a file under the run's .cache).
+# GPU and spills some to a file under the run's .cache; the record is then `70b_recipe_22gib_host`, with
+# card_24gb_70b_host_gib and pcie4_projection only: the whole run's part and target stay as they are).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/memory/gpu_70b_recipe.sh
 #
 # Time: the stages take about 1,470 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in
@@ -222,8 +223,9 @@ if has_stage compare; then
 fi
 kill "$sampler" 2>/dev/null
 exported=$EXPORT_DIR; [ -d "$EXPORT_DIR" ] || exported=$STATE/70b_export.json
+host_only=(); [ "$STAGES" = train ] && host_only=(--host-only)  # the training alone: its host memory only
 python3 benchmarks/offload/offload_recipe.py --whole-run "$STATE" --train "$RUN_DIR" --resume "$RESUME_DIR" \
-  --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$exported"
+  --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$exported" "${host_only[@]}"
 rc=$?
 cp "$OUT/offload.json" "$STATE/" 2>/dev/null
 echo "rc=$rc in ${SECONDS}s" > "$STATE/done"

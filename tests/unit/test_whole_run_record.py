@@ -164,3 +164,22 @@ def test_the_host_memory_target_and_the_pcie4_projection_come_from_the_training_
     record()
     host = json.loads((tmp_path / "out" / "offload.json").read_text())["targets"]["card_24gb_70b_host_gib"]
     assert host["value"] == 96.32 and host["source"].startswith("samples.csv")
+
+
+def test_the_training_alone_on_a_smaller_host_records_its_host_memory_beside_the_whole_run(whole_run, tmp_path,
+                                                                                           monkeypatch):
+    state, _, record = whole_run
+    record()  # the whole run's part and target, as a full run left them
+    (state / "70b_stages.txt").write_text("train_s=300\ntrain_rc=0\n")  # then STAGES=train at HOST_LIMIT_GIB=100
+    summary_path = tmp_path / "train" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(steps=4, tokens_per_second=400.0, host_memory={
+        "peak_rss_gib": 93.0, "host_pinned_peak_gib": 3.6, "link_h2d_gib": 700.0, "link_d2h_gib": 400.0})
+    summary_path.write_text(json.dumps(summary))
+    rc = _main(monkeypatch, "--whole-run", str(state), "--train", str(tmp_path / "train"), "--budget", "22",
+               "--steps", "4", "--host-only", "--results-dir", str(tmp_path / "results"))
+    out = json.loads((tmp_path / "out" / "offload.json").read_text())
+    assert rc == 0 and out["targets"]["card_24gb_70b_host_gib"]["value"] == 96.6
+    assert out["targets"]["card_24gb_70b_whole_run_ok"]["value"] is True  # the full run's, kept
+    assert set(out["results"]) >= {"70b_recipe_22gib", "70b_recipe_22gib_host"}
+    assert out["results"]["70b_recipe_22gib_host"]["pcie4_projection"]["h2d_gib_per_step"] == 175.0
