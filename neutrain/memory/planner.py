@@ -158,10 +158,6 @@ class Estimate:
             lines.append(f"{'host pinned (weights)':<22}{s['host_weight_bytes'] / GIB:>10.2f}")
             lines.append(f"{'PCIe in / step':<22}{s['h2d_bytes_per_step'] / GIB:>10.2f}")
             lines.append(f"{'PCIe out / step':<22}{s['d2h_bytes_per_step'] / GIB:>10.2f}")
-        if s.get("activation_device_layers") or s.get("activation_file_layers"):  # the fit's split of the inputs
-            lines.append(f"{'layer inputs on GPU':<22}{s['activation_device_layers']:>10}")
-            lines.append(f"{'layer inputs in host':<22}{s['host_activation_bytes'] / GIB:>10.2f}")
-            lines.append(f"{'layer inputs in file':<22}{s['file_activation_bytes'] / GIB:>10.2f}")
         return "\n".join(lines)
 
 
