@@ -6,6 +6,15 @@ the two checkpoint-5 by their manifests' per-tensor sha256, a NeuZip export of t
 the export under the budget and without one. The target holds only when every command exited 0, the two
 checkpoints hold the same tensors byte for byte, and the two greedy texts are the same (and not empty).
 
+Host memory (``card_24gb_70b_host_gib``, goal <= 100: a 128 GB workstation's share): the training run's peak
+resident size plus the peak of torch's pinned host allocator, from its ``summary.json`` (``host_memory``,
+:func:`neutrain.trainer.run_files.host_memory_stats`; an upper bound where the pinned pages are also resident),
+else the sampled VmHWM of the train stage; beside it the host memory used above the idle machine's, as sampled,
+and the fit's prediction. Run it on a host stated to have 100 GiB (``HOST_LIMIT_GIB=100``) so the fit must
+split the layer inputs. ``pcie4_projection``: the training run's measured bytes over PCIe per step, each way,
+and the step a PCIe 4.0 x16 link (25 GB/s each way) would allow at the least (copies overlapping compute, as
+measured on the H200; the activation file's disk time does not depend on the link).
+
 State folder (all written by the script; any may be missing when a stage did not run):
 
     70b_stages.txt              <stage>_s=<seconds> and <stage>_rc=<exit code> lines
@@ -23,6 +32,9 @@ import re
 from pathlib import Path
 
 GIB = 2**30
+PCIE4_BYTES_PER_S = 25e9  # a consumer card's PCIe 4.0 x16 link, each direction (benchmarks/cards/cards.py's)
+HOST_GOAL_GIB = 100  # a 128 GB workstation, less what its own system and desktop take
+TOKENS_PER_STEP = 16384  # recipes/llama3_70b_offload.yaml: micro_batch_size 1 x sequence_len 16384
 RUNS = ("train", "resume", "straight")
 COMMANDS = ("train", "resume", "straight", "export", "generate_budget", "generate_unbounded")
 _FIT = re.compile(r"predicted peak ([\d.]+) GiB reserved in phase '(\w+)'(?:[^;]*?([\d.]+) GiB of host memory)?")
@@ -114,7 +126,57 @@ def run_memory(summary: dict) -> dict:
             "predicted_device_gib", "seconds")
     return {"phases": {name: {k: v for k, v in entry.items() if k in keep}
                        for name, entry in (summary.get("phase_memory") or {}).items()},
-            "peak_rss_gib": summary.get("peak_rss_gib"), "predicted_pinned_host_gib": fit.get("host_gib")}
+            "peak_rss_gib": summary.get("peak_rss_gib"), "predicted_pinned_host_gib": fit.get("host_gib"),
+            "host_memory": summary.get("host_memory"), "activation_tiers": fit.get("activation_tiers"),
+            "steps": summary.get("steps"), "tokens_per_s": summary.get("tokens_per_second")}
+
+
+def idle_host_used(path: Path) -> float | None:
+    """Host memory used (GiB) at the first sample, before the first command started."""
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 5:
+            try:
+                return float(parts[3]) / GIB
+            except ValueError:
+                return None
+    return None
+
+
+def host_target(train: dict | None, samples: dict[str, dict], idle: float | None = None) -> dict:
+    """``card_24gb_70b_host_gib``: the training run's host memory (see the module docstring); ``idle``: the host
+    memory used before the first command (GiB)."""
+    host = (train or {}).get("host_memory") or {}
+    sampled = samples.get("train", {})
+    if host.get("peak_rss_gib") is not None:
+        value, source = host["peak_rss_gib"] + host.get("host_pinned_peak_gib", 0.0), "summary.json host_memory: " \
+            "peak_rss_gib + host_pinned_peak_gib"
+    elif sampled.get("process_peak_rss_gib") is not None:
+        value, source = sampled["process_peak_rss_gib"], "samples.csv: the train stage's largest VmHWM"
+    else:
+        return {"value": None, "goal": f"<= {HOST_GOAL_GIB}", "met": False, "source": "not measured"}
+    return {"value": round(value, 2), "goal": f"<= {HOST_GOAL_GIB}", "met": value <= HOST_GOAL_GIB, "source": source,
+            "host_used_above_idle_gib": None if idle is None or sampled.get("host_used_gib") is None
+            else round(sampled["host_used_gib"] - idle, 2),
+            "predicted_pinned_gib": (train or {}).get("predicted_pinned_host_gib")}
+
+
+def pcie4_projection(train: dict | None) -> dict | None:
+    """The training run's bytes over PCIe per step, each way, and tok/s on a PCIe 4.0 x16 link: the step cannot
+    be shorter than its bytes over the link (as ``benchmarks/cards/cards.py``'s projection for the 8B)."""
+    host, steps, tps = (train or {}).get("host_memory") or {}, (train or {}).get("steps"), (train or {}).get("tokens_per_s")
+    if not host or not steps or not tps:
+        return None
+    h2d, d2h = host["link_h2d_gib"] * GIB / steps, host["link_d2h_gib"] * GIB / steps
+    step = TOKENS_PER_STEP / tps
+    floor = max(h2d, d2h) / PCIE4_BYTES_PER_S
+    return {"measured_step_s": round(step, 3), "h2d_gib_per_step": round(h2d / GIB, 2),
+            "d2h_gib_per_step": round(d2h / GIB, 2), "link_floor_s": round(floor, 3),
+            "tokens_per_s": round(TOKENS_PER_STEP / max(step, floor), 1),
+            "activation_file_gib_per_step": round(host.get("activation_file_written_gib", 0.0) / steps, 2),
+            "assumes": "copies overlap compute, as on the H200; 25 GB/s each direction; the disk's time unchanged"}
 
 
 def generate_result(state: Path) -> dict:
@@ -156,7 +218,10 @@ def whole_run(state: Path, runs: dict[str, dict], budget: float, exported: dict 
               if stages.get(c, {}).get("exit_code") != 0]
     ok = not failed and bool(manifests.get("match")) and results["generate"]["same"]
     results["failed_commands"] = failed
+    train = results["runs"].get("train")
+    results["pcie4_projection"] = pcie4_projection(train)
     targets = {"card_24gb_70b_whole_run_ok": {
         "value": ok, "goal": True, "met": ok,
-        "source": f"benchmarks/memory/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g}"}}
+        "source": f"benchmarks/memory/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g}"},
+        "card_24gb_70b_host_gib": host_target(train, results["samples"], idle_host_used(state / "samples.csv"))}
     return results, targets

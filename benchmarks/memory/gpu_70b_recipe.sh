@@ -16,7 +16,11 @@
 # manifests' comparison, the texts and this script's samples (device memory in use from nvidia-smi; host memory
 # used, and the largest peak resident size of neutrain's processes, from /proc) into $OUT/offload.json as
 # `70b_recipe_22gib`, with the target card_24gb_70b_whole_run_ok (every command exits 0, the checkpoints match,
-# the texts match).
+# the texts match), the target card_24gb_70b_host_gib (the training run's peak resident size plus pinned host
+# memory, goal <= 100) and pcie4_projection (its bytes over PCIe per step, and the step on a 25 GB/s link).
+# A 128 GB workstation's host: HOST_LIMIT_GIB=100 STAGES=train (the fit then keeps some layer inputs on the
+# GPU and spills some to a file under the run's .cache; the record is then `70b_recipe_22gib_host`, with
+# card_24gb_70b_host_gib and pcie4_projection only: the whole run's part and target stay as they are).
 #   NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) NEUTRAIN_GIT_DIRTY=0 CUDA_VISIBLE_DEVICES=0 bash benchmarks/memory/gpu_70b_recipe.sh
 #
 # Time: the stages take about 1,470 s together (a 70B step is ~26 s; the 89 GiB checkpoint is written and hashed in
@@ -106,14 +110,16 @@ fi
 free -g | head -2; df -h "$(dirname "$RUN_DIR")" /dev/shm | tail -2
 
 # One sample every 2 s: the stage, the time, device MiB in use (NVML), host bytes used, and the largest VmHWM
-# (KiB) among neutrain's processes (the trainer is accelerate's child; pinned layers count in its resident size).
+# (KiB) among neutrain's processes (pinned layers count in its resident size). The trainer is accelerate's child,
+# "python <recipe>", matched by the recipe's name: without it the train stage sampled 2.2 GiB, the launcher's,
+# where `neutrain export` sampled 179 GiB (benchmarks/offload/results.jsonl#offload, 70b_recipe_22gib.samples).
 echo idle > "$STATE/current_stage"
 (
   while :; do
     dev=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" 2>/dev/null | head -1)
     host=$(free -b | awk '/^Mem:/ {print $3}')
     hwm=0
-    for pid in $(pgrep -f "neutrain|accelerate" 2>/dev/null); do
+    for pid in $(pgrep -f "neutrain|accelerate|$(basename "$RECIPE")" 2>/dev/null); do
       kib=$(awk '/^VmHWM:/ {print $2}' "/proc/$pid/status" 2>/dev/null)
       [ -n "$kib" ] && [ "$kib" -gt "$hwm" ] && hwm=$kib
     done
@@ -217,8 +223,9 @@ if has_stage compare; then
 fi
 kill "$sampler" 2>/dev/null
 exported=$EXPORT_DIR; [ -d "$EXPORT_DIR" ] || exported=$STATE/70b_export.json
+host_only=(); [ "$STAGES" = train ] && host_only=(--host-only)  # the training alone: its host memory only
 python3 benchmarks/offload/offload_recipe.py --whole-run "$STATE" --train "$RUN_DIR" --resume "$RESUME_DIR" \
-  --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$exported"
+  --straight "$STRAIGHT_DIR" --budget "$BUDGET" --steps "$STEPS" --export "$exported" "${host_only[@]}"
 rc=$?
 cp "$OUT/offload.json" "$STATE/" 2>/dev/null
 echo "rc=$rc in ${SECONDS}s" > "$STATE/done"

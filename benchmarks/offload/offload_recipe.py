@@ -11,7 +11,8 @@ parts when ``$OUT`` (or the offload table, ``benchmarks/offload/results.jsonl``)
     python benchmarks/offload/offload_recipe.py --describe /tmp/llama3_70b_offload/checkpoint-4   # before it is deleted
 
 The whole run at a device budget (train, resume, the uninterrupted run, the checkpoints compared, export and
-generate; ``benchmarks/memory/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``:
+generate; ``benchmarks/memory/_whole_run.py``) goes into ``70b_recipe_22gib`` with ``--whole-run <state folder>``,
+with its host memory (``card_24gb_70b_host_gib``) and ``pcie4_projection``:
 
     python benchmarks/offload/offload_recipe.py --whole-run /tmp/neutrain-70b-state --train RUN --resume RUN2 \
         --straight RUN3 --budget 22 --export /tmp/llama3_70b_export
@@ -123,8 +124,13 @@ def _whole_run_main(args) -> int:
         if args.export.is_file() else describe(args.export)
     results, targets = whole_run(args.whole_run, runs, args.budget, exported)
     settings = {"recipe": "recipes/llama3_70b_offload.yaml", "steps": args.steps, "tokens_per_step": TOKENS_PER_STEP}
-    write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")
     ok = targets["card_24gb_70b_whole_run_ok"]["value"]
+    if args.host_only:  # the training alone on a host stated smaller: its host memory, not the whole run's target
+        targets.pop("card_24gb_70b_whole_run_ok")
+        write_record("70b_recipe_22gib_host", results, targets, settings, args.results_dir, "card_24gb_70b_host")
+        print(json.dumps({"targets": targets, "pcie4_projection": results["pcie4_projection"]}, indent=1))
+        return 0 if results["stages"].get("train", {}).get("exit_code") == 0 else 1
+    write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")
     print(json.dumps({"targets": targets, "failed_commands": results["failed_commands"],
                       "manifests_match": results["checkpoint_5_manifests"].get("match"),
                       "texts_same": results["generate"]["same"]}, indent=1))
@@ -139,6 +145,9 @@ def main() -> int:
     ap.add_argument("--bf16-gib", type=Path, metavar="CONFIG", help="print a Llama config's dense bf16 size in GiB")
     ap.add_argument("--whole-run", type=Path, metavar="STATE",
                     help="the whole run's state folder: write offload.json's 70b_recipe_22gib")
+    ap.add_argument("--host-only", action="store_true",
+                    help="with --whole-run: the train stage alone (HOST_LIMIT_GIB): write 70b_recipe_22gib_host with "
+                         "card_24gb_70b_host_gib, leaving the whole run's part and target as they are")
     ap.add_argument("--train", type=Path)
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--straight", type=Path, help="the uninterrupted run's directory (--whole-run)")

@@ -103,6 +103,8 @@ def after_training(ctx: RunContext, fit, echo: Callable[[str], None], announce: 
                              f"checkpoints in {out} hold the untrained weights); lower train.learning_rate or check "
                              f"the data")
     summary.update(peak_memory_stats())
+    if trainer.memory.offload_activations or trainer.memory.offload_weights:  # the host's share, for its budget
+        summary["host_memory"] = trainer.host_memory()
     mode = trainer.distributed_mode
     # Long-context evaluation, export and distillation run on the main process alone, which under FSDP2 and
     # ZeRO-3 holds only its shards of the model.

@@ -78,6 +78,11 @@ def run(args) -> int:
             print(f"decoder layers in host memory: {chosen['offloaded_layers']} of {chosen['layers']} "
                   f"({', '.join(map(str, chosen['offloaded']))}), {chosen['offload_slots']} on the GPU at once; "
                   f"PCIe a step: {chosen['h2d_bytes_per_step'] / GIB:.2f} GiB in, {chosen['d2h_bytes_per_step'] / GIB:.2f} GiB out")
+        if fit.tiers:  # the host could not hold every offloaded layer input: where each layer's waits
+            t, each = fit.tiers, chosen["layer_input_bytes"] / GIB
+            print(f"checkpointed layer inputs ({each:.2f} GiB each): {t.device} on the GPU, {t.host} in host memory, "
+                  f"{t.file} in a file under {recipe.train.output_dir.rstrip('/')}/.cache "
+                  f"({chosen['file_activation_bytes'] / GIB:.2f} GiB written and read back each step)")
         print(plan_table(fit.plan))
     return 0
 

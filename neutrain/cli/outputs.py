@@ -48,7 +48,9 @@ def check_run_disk(ctx, start: int) -> None:
             steps = start + 1
     found = held(os.path.join(recipe.train.output_dir, "x"))
     existing = len(owned_checkpoints(found[0].root, found[0].ledger)) if found else 0
-    check_disk_space(recipe, trainer.model, start, existing, steps)
+    planned = getattr(trainer, "placement", None)
+    check_disk_space(recipe, trainer.model, start, existing, steps,
+                     planned.activation_file_bytes if planned is not None else 0)
 
 
 def eval_label(checkpoint: Path, run_dir: Path) -> str:

@@ -298,6 +298,10 @@ def check_host_memory(recipe: Recipe, available: int | None) -> None:
         return  # the model config cannot be read without building: the build names what is wrong
     weights = settings.get("host_pinned_bytes", 0)  # the payload and its arenas' room (the planner's)
     activations = settings.get("host_activation_bytes", 0)
+    if isinstance(mem.device_budget_gib, float) and activations:
+        # A budget set in GiB plans for a GPU: the fit keeps on the device, or spills to a file, the layer inputs
+        # the host cannot hold (neutrain.memory.tiers), and refuses in its own line if even that cannot fit.
+        activations = 0
     need = weights + activations
     if need <= available:
         return

@@ -4,8 +4,9 @@ The package's modules, from the bottom: :mod:`~neutrain.memory.model_config` (th
 without building it), :mod:`~neutrain.memory.shape` (every parameter the build makes, experts included),
 :mod:`~neutrain.memory.planner` (one training step's peak as named terms),
 :mod:`~neutrain.memory.phase_planner` (every phase of a run), :mod:`~neutrain.memory.step_time` (one
-step's time), :mod:`~neutrain.memory.configurations` and :mod:`~neutrain.memory.fit` (the fastest
-configuration that fits the budget), :mod:`~neutrain.memory.residency` (what ``neutrain generate`` keeps on
+step's time), :mod:`~neutrain.memory.configurations`, :mod:`~neutrain.memory.tiers` (the offloaded layer
+inputs split over the GPU, host memory and a file for a short host) and :mod:`~neutrain.memory.fit` (the
+fastest configuration that fits the budget and the host), :mod:`~neutrain.memory.residency` (what ``neutrain generate`` keeps on
 the GPU), :mod:`~neutrain.memory.placement` (the decision both end in), :mod:`~neutrain.memory.budget` (the
 budget and the allocator's limit) and :mod:`~neutrain.memory.phases` (each phase's measured peak).
 

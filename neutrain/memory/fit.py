@@ -10,6 +10,10 @@ in host memory, a smaller micro-batch), keeps those whose predicted peak reserve
 shortest predicted step. They all train the same model: lossless compression, offload and accumulation
 change memory and speed, never a weight.
 
+Host memory is part of the fit: a configuration that pins host memory must leave the process its own
+(:data:`~neutrain.memory.tiers.HOST_PROCESS_BYTES`), and where the host cannot hold every offloaded layer input
+they are split over the GPU, host memory and a file (:mod:`neutrain.memory.tiers`), which the line names.
+
 ``memory.weights: auto`` leaves the weights to the fit: dense where the run fits dense, NeuZip where it
 must. With no budget (``memory.device_budget_gib: none``, or ``auto`` on a CPU) only the weights are
 chosen, against the card's memory (on a CPU, the host's); the other keys stay as the recipe has them.
@@ -38,9 +42,10 @@ from neutrain.memory.budget import auto_budget
 from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.memory.placement import Placement
-from neutrain.memory.planner import GIB, Estimate
+from neutrain.memory.planner import ACTIVATION_STAGING_BYTES, GIB, Estimate, estimate_recipe
 from neutrain.memory.shape import ModelShape, recipe_shape
 from neutrain.memory.step_time import COPY_HIDDEN_SHARE, CPU, GPU, StepTime, duration, rate, step_time
+from neutrain.memory.tiers import HOST_PROCESS_BYTES, ActivationTiers, split
 
 __all__ = ["FIT_HEADROOM", "Fit", "apply_changes", "candidates", "choose_fit", "link_cost", "pcie_bytes"]
 
@@ -62,7 +67,8 @@ def pcie_bytes(train: Estimate) -> float:
         5.53
     """
     s = train.settings
-    return s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0) + 2 * s.get("host_activation_bytes", 0)
+    offloaded = s.get("host_activation_bytes", 0) + s.get("file_activation_bytes", 0)  # a file's go through the host
+    return s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0) + 2 * offloaded
 
 
 def link_cost(train: Estimate) -> float:
@@ -92,6 +98,8 @@ class Fit:
     step: StepTime | None = None
     weights: str | None = None
     placement: Placement | None = None  # the decision, once chosen (:func:`choose_fit`)
+    tiers: ActivationTiers | None = None  # the offloaded layer inputs split for a short host (:mod:`.tiers`)
+    unsplit_need: float = 0.0  # with tiers: the host bytes every layer input in host memory would need
 
     @property
     def peak(self) -> tuple[str, Estimate]:
@@ -102,10 +110,16 @@ class Fit:
         """:func:`link_cost` of its training step."""
         return link_cost(self.plan["train_step"])
 
+    @property
+    def host_need(self) -> float:
+        """Host bytes it needs: its pinned bytes and, where it pins any, the process's own
+        (:data:`~neutrain.memory.tiers.HOST_PROCESS_BYTES`)."""
+        return self.host_bytes + (HOST_PROCESS_BYTES if self.host_bytes else 0)
+
     def fits(self, budget: int | None, host: int | None) -> bool:
-        """Its peak phase leaves :data:`FIT_HEADROOM` of ``budget``, and ``host`` holds its pinned bytes."""
+        """Its peak phase leaves :data:`FIT_HEADROOM` of ``budget``, and ``host`` holds :attr:`host_need`."""
         return ((budget is None or self.peak[1].reserved <= budget * (1 - FIT_HEADROOM))
-                and (host is None or self.host_bytes <= host))
+                and (host is None or self.host_need <= host))
 
     def row(self, budget: int | None, host: int | None) -> dict[str, Any]:
         """Its entry in ``memory_fit.tried`` and in ``neutrain estimate``'s table."""
@@ -127,12 +141,14 @@ class Fit:
                 "pcie_gib_per_step": pcie_bytes(train) / GIB, "link_cost_gib": self.link_bytes / GIB,
                 "predicted_tokens_per_s": self.step.tokens_per_s if self.step else None,
                 "predicted_step": self.step.as_dict() if self.step else None,
-                "phases": predicted_gib(self.plan), "tried": self.tried}
+                "phases": predicted_gib(self.plan), "tried": self.tried,
+                **({"activation_tiers": self.tiers.as_dict(), "file_gib": train.settings["file_activation_bytes"] / GIB}
+                   if self.tiers else {})}
 
 
 def _host_bytes(plan: dict[str, Estimate]) -> float:
     s = plan["train_step"].settings
-    return s.get("host_pinned_bytes", 0) + s.get("host_activation_bytes", 0)
+    return s.get("host_pinned_bytes", 0) + s.get("host_activation_bytes", 0) + s.get("activation_staging_bytes", 0)
 
 
 def candidates(recipe: Recipe, gpu: bool = True) -> list[tuple[str, dict[str, Any]]]:
@@ -151,6 +167,24 @@ def _evaluate(candidate: Candidate, shape: ModelShape, budget: int | None, gpu: 
     plan = plan_recipe(candidate.recipe, candidate.train, shape)
     step = step_time(candidate.train, shape, GPU if gpu else CPU, candidate.recipe.train.gradient_accumulation_steps)
     return Fit(candidate.label, candidate.changes, plan, _host_bytes(plan), budget, step=step, weights=candidate.weights)
+
+
+def _tiered(fit: Fit, candidate: Candidate, shape: ModelShape, budget: int, host: int) -> Fit:
+    """``fit`` with its offloaded layer inputs split over the GPU, host memory and a file where the host
+    cannot hold them all (:mod:`neutrain.memory.tiers`); as it is where it can, or where nothing is offloaded."""
+    s = fit.plan["train_step"].settings
+    if not s.get("offload_activations") or fit.host_need <= host:
+        return fit
+    device_room = budget * (1 - FIT_HEADROOM) - fit.plan["train_step"].reserved  # the split adds to the step alone
+    host_room = host - HOST_PROCESS_BYTES - (fit.host_bytes - s["host_activation_bytes"])
+    tiers = split(shape.layers, s["layer_input_bytes"], device_room, host_room)
+    if tiers is None:
+        return fit
+    train = estimate_recipe(candidate.recipe, shape, tiers.device, tiers.file)
+    plan = plan_recipe(candidate.recipe, train, shape)
+    step = step_time(train, shape, GPU, candidate.recipe.train.gradient_accumulation_steps)
+    return Fit(f"{candidate.label} ({tiers.clause(candidate.recipe.train.output_dir)})", candidate.changes, plan,
+               _host_bytes(plan), budget, step=step, weights=candidate.weights, tiers=tiers, unsplit_need=fit.host_need)
 
 
 TIE_SHARE = 0.01
@@ -199,11 +233,14 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     auto = recipe.memory.weights == AUTO
     options = configurations(recipe, shape, gpu, levers=budget is not None)
     fits = [_evaluate(c, shape, budget, gpu) for c in options]
+    if gpu and budget is not None and host is not None:  # a short host: the layer inputs split over the tiers
+        fits = [_tiered(f, c, shape, budget, host) for f, c in zip(fits, options)]
     limit = budget
     if budget is None:  # the weights alone, against the card's memory (a CPU: the host's)
         limit = (auto_budget(card) if card else None) if gpu else host
     ok = [f for f in fits if f.fits(limit, host)]
     if budget is not None and not ok:
+        _refuse_host(fits, budget, host)
         smallest = min(fits, key=lambda f: f.peak[1].reserved)
         name, worst = smallest.peak
         hosted = f" and {_gib(smallest.host_bytes)} of host memory" if smallest.host_bytes else ""
@@ -216,9 +253,30 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     chosen = _fastest(ok) if ok else min(fits, key=lambda f: f.peak[1].reserved)
     shown = _tried(fits, [c.family for c in options], limit, host)
     chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
-    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card))
+    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card), host)
     chosen.placement = _placement(chosen, budget)
     return chosen
+
+
+def _refuse_host(fits: list[Fit], budget: int, host: int | None) -> None:
+    """Where configurations fit the budget but none the host: one line naming the host memory available and the
+    least any of them needs."""
+    on_device = [f for f in fits if f.fits(budget, None)]
+    if host is None or not on_device:
+        return
+
+    def least_need(f: Fit) -> float:  # every offloaded layer input in a file: the pinned weights and staging stay
+        s = f.plan["train_step"].settings
+        spilled = s.get("host_activation_bytes", 0)
+        return f.host_need - spilled + (ACTIVATION_STAGING_BYTES if spilled and not s["activation_staging_bytes"] else 0)
+
+    least = min(on_device, key=least_need)
+    raise RecipeError(
+        f"memory.device_budget_gib: nothing fits a budget of {_gib(budget)} with {_gib(host)} of host memory "
+        f"available (NEUTRAIN_HOST_MEMORY_GIB, else MemAvailable): the configurations that fit the budget need at "
+        f"least {_gib(least_need(least))} of host memory ({least.label}, its layer inputs in a file: "
+        f"{_gib(least_need(least) - HOST_PROCESS_BYTES)} pinned and {_gib(HOST_PROCESS_BYTES)} for the process itself); "
+        "use a host with more memory, a larger budget, or a smaller model")
 
 
 def _placement(chosen: Fit, budget: int | None) -> Placement:
@@ -227,6 +285,9 @@ def _placement(chosen: Fit, budget: int | None) -> Placement:
     s = chosen.plan["train_step"].settings
     return Placement(s["weights"], s["layers"], tuple(s.get("offloaded", ())),
                      offload_activations=bool(s["offload_activations"]), micro_batch_size=s["batch"], budget=budget,
+                     activation_device_layers=s.get("activation_device_layers", 0),
+                     activation_file_layers=s.get("activation_file_layers", 0),
+                     activation_file_bytes=s.get("file_activation_bytes", 0),
                      peak_phase=name, peak_reserved=worst.reserved, phases=predicted_gib(chosen.plan),
                      host_bytes=chosen.host_bytes, lines=(chosen.line,))
 
@@ -258,7 +319,7 @@ def _weights_clause(recipe: Recipe, chosen: Fit, fits: list[Fit], limit: int | N
 
 
 def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limit: int | None, gpu: bool,
-          auto: bool, card: bool) -> str:
+          auto: bool, card: bool, host: int | None = None) -> str:
     """The run's one memory line: what was chosen, why, its predicted peak and its predicted speed."""
     step = chosen.step
     speed = f"predicted {rate(step.tokens_per_s)} tok/s ({duration(step.step_s)} a step on {'an H200' if gpu else 'this CPU'})"
@@ -281,7 +342,9 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     first = _unconstrained(fits, chosen.weights, recipe)
     first_name, first_peak = first.peak if first is not None else (name, worst)
     as_is = "on the GPU it" if gpu else "at its micro-batch size it"  # a CPU offloads nothing
-    why = (f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
+    why = (f"the host's {_gib(host)} cannot hold every layer input ({_gib(chosen.unsplit_need)} with the process's "
+           f"{_gib(HOST_PROCESS_BYTES)})" if chosen.tiers and host is not None
+           else f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
            if first is None or not first.fits(budget, None)
            else f"{as_is} needs {_gib(first.host_bytes)} of host memory" if first.host_bytes
            else f"{as_is} is predicted slower ({rate(first.step.tokens_per_s)} tok/s)")

@@ -31,6 +31,10 @@ class Placement:
         streamed: indices of the decoder layers whose compressed weights live in host memory and are
             streamed to the device, ascending (empty: every layer stays on the device).
         offload_activations: the checkpointed layers' saved inputs live in host memory (training).
+        activation_device_layers: of those, the last this many layers' stay on the device (the fit's split
+            for a short host: :mod:`neutrain.memory.tiers`).
+        activation_file_layers: the first this many layers' go on to a file under the run's folder.
+        activation_file_bytes: the bytes that file holds (the run's disk check counts them).
         micro_batch_size: rows of a training micro-batch (None: a generation).
         budget: the device budget fitted to, in bytes (None: none).
         peak_phase: the phase of the predicted peak.
@@ -44,6 +48,9 @@ class Placement:
     layers: int
     streamed: tuple[int, ...] = ()
     offload_activations: bool = False
+    activation_device_layers: int = 0
+    activation_file_layers: int = 0
+    activation_file_bytes: float = 0.0
     micro_batch_size: int | None = None
     budget: int | None = None
     peak_phase: str = ""
@@ -78,6 +85,9 @@ class Placement:
         """The decision as numbers (a run's summary, a benchmark record)."""
         return {"weights": self.weights, "layers": self.layers, "resident_layers": self.resident,
                 "streamed": list(self.streamed), "offload_activations": self.offload_activations,
+                "activation_device_layers": self.activation_device_layers,
+                "activation_file_layers": self.activation_file_layers,
+                "activation_file_gib": self.activation_file_bytes / GIB,
                 "micro_batch_size": self.micro_batch_size,
                 "budget_gib": None if self.budget is None else self.budget / GIB,
                 "peak_phase": self.peak_phase, "predicted_reserved_gib": self.peak_reserved / GIB,

@@ -26,8 +26,11 @@ busiest moment adds. Held for the whole step (bytes):
   AdamW in backward two fp32 moments, AdaLomo factored row/column moments, LOMO none);
   ``optimizer_temporaries``: foreach AdamW's model-sized temporaries inside ``step()``.
 * ``update_temporaries``: fused updates run in fp32 on row chunks (``chunk_numel``).
-* ``activations``: with checkpointing, each decoder layer's saved input (two layers' with
-  ``memory.offload_activations``); without it, every layer's intermediates.
+* ``activations``: with checkpointing, each decoder layer's saved input (with ``memory.offload_activations``
+  two layers', plus those of the layers the fit keeps on the GPU, ``activation_device_layers``); without it,
+  every layer's intermediates. The offloaded inputs are host bytes (``settings["host_activation_bytes"]``),
+  or file bytes for the layers spilled to a file (``settings["file_activation_bytes"]``, through a pinned
+  staging buffer, ``settings["activation_staging_bytes"]``: :mod:`neutrain.memory.tiers`).
 
 The busiest moment (``settings["peak_moment"]``; both are in ``settings["moments"]``) is the larger of two:
 
@@ -76,6 +79,10 @@ ALLOCATOR_SLACK_BLOCKS = 1.5
 ALLOCATOR_SLACK_BYTES = 0.1 * 2**30
 CUDA_CONTEXT_BYTES = 0.75 * 2**30  # context, cuBLAS/cuDNN workspaces and kernels: device used - reserved - idle, H100
 
+
+ACTIVATION_STAGING_BYTES = 64 << 20
+"""Pinned host bytes through which layer inputs spilled to a file are written and read back
+(:mod:`neutrain.nn.activation_file`): the copy over PCIe needs pinned memory, the file does not."""
 
 HOST_STREAM_ROOM = 0.02
 """Host bytes pinned beyond the compressed payload: each exponent stream's arena keeps 1/16 room to grow
@@ -162,7 +169,7 @@ MLP_BACKWARD_BLOCKS = 3
 def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense", optimizer: str = "adamw",
              checkpointing: bool = True, offload_activations: bool = False, offload_weights: bool = False,
              offload_layers: int | None = None, offload_slots: int | None = None, dtype_bytes: int = 2,
-             chunked_loss: bool | None = None,
+             chunked_loss: bool | None = None, activation_device_layers: int = 0, activation_file_layers: int = 0,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
     """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
 
@@ -176,6 +183,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         offload_activations: The checkpointed layers' saved inputs live in host memory
             (:mod:`neutrain.nn.offload`): two layers' inputs stay on the GPU at once (the
             one recomputed and the one being copied back).
+        activation_device_layers, activation_file_layers: of the offloaded inputs, those of this many
+            layers stay on the GPU, and of this many go on to a file (:mod:`neutrain.memory.tiers`).
         offload_weights: Decoder layers' compressed weights in host memory (compressed weights only):
             ``offload_layers`` of them (None: all), spread as
             :meth:`~neutrain.config.layer_placement.LayerPlacement.spread` spreads them, through its ring
@@ -236,7 +245,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
     if checkpointing:
         # Each layer's saved input (fitted on an H200, see train_memory.json); the recompute is the moment's.
-        kept = 2 if offload_activations else shape.layers
+        kept = min(shape.layers, 2 + activation_device_layers) if offload_activations else shape.layers
         t["activations"] = kept * tokens * h * dtype_bytes
     else:
         t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
@@ -260,9 +269,16 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         backward["gradients"] = shape.largest_layer_matrix() * dtype_bytes
     moment, peak = max((("loss", loss), ("layer backward", backward)), key=lambda m: sum(m[1].values()))
     t.update(peak)
+    offloaded_inputs = offload_activations and checkpointing
+    device_inputs = min(activation_device_layers, shape.layers) if offloaded_inputs else 0
+    file_inputs = min(activation_file_layers, shape.layers - device_inputs) if offloaded_inputs else 0
+    layer_input = tokens * h * dtype_bytes
     settings = dict(batch=batch, seq=seq, weights=weights, optimizer=optimizer, checkpointing=checkpointing,
-                    offload_activations=offload_activations and checkpointing,
-                    host_activation_bytes=shape.layers * tokens * h * dtype_bytes if offload_activations and checkpointing else 0,
+                    offload_activations=offloaded_inputs, layer_input_bytes=layer_input,
+                    host_activation_bytes=(shape.layers - device_inputs - file_inputs) * layer_input if offloaded_inputs else 0,
+                    activation_device_layers=device_inputs, activation_file_layers=file_inputs,
+                    file_activation_bytes=file_inputs * layer_input,
+                    activation_staging_bytes=ACTIVATION_STAGING_BYTES if file_inputs else 0,
                     chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
                     layers=shape.layers, peak_moment=moment, moments={"loss": loss, "layer backward": backward},
                     layer_slot_bytes=t.get("decode_buffers", 0.0),
@@ -273,10 +289,13 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     return Estimate(t, settings, slack)
 
 
-def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate:
+def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None, activation_device_layers: int = 0,
+                    activation_file_layers: int = 0) -> Estimate:
     """Estimate a recipe's peak GPU memory from its model config, without building the model.
 
     ``shape``: the model's, when the caller has it (else read from the recipe's model config).
+    ``activation_device_layers``, ``activation_file_layers``: the fit's split of the offloaded layer inputs
+    (:mod:`neutrain.memory.tiers`; no recipe key: the fit decides it from the budget and the host).
 
     Raises:
         RecipeError: ``memory.offload_layers`` is more than the model's decoder layers.
@@ -296,4 +315,5 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None) -> Estimate
         weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
         offload_activations=m.offload_activations, offload_weights=m.offload_weights,
         offload_layers=m.offload_layers, dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
+        activation_device_layers=activation_device_layers, activation_file_layers=activation_file_layers,
     )

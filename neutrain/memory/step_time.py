@@ -96,6 +96,14 @@ PCIE_BYTES_PER_S = 50.69e9
 """Host-device copy bandwidth, each way while both run, on an H200: benchmarks/offload/results.jsonl#offload,
 ``link.both_ways_gb_s_each``."""
 
+DISK_BYTES_PER_S = 2.0e9
+"""Bytes per second a file of spilled layer inputs is written at in forward and read back at in backward
+(:mod:`neutrain.memory.tiers`). An assumption, not a measurement: a PCIe 4.0 NVMe drive's sustained sequential
+rate through the page cache, below its 5-7 GB/s peak. Not calibrated yet: the record to calibrate it on is
+benchmarks/memory/results.jsonl#train_70b once it holds the 70B at a 22 GiB budget on a short host
+(``card_24gb_70b_host_gib``, benchmarks/memory/train_70b.py). Charged in full: the writes and reads go through one
+staging buffer on the step's own stream, so no compute hides them."""
+
 COPY_HIDDEN_SHARE = 0.794
 """Share of the step's copy time that overlapped compute in the 8B's step with every layer streamed and
 activations offloaded (H200, batch 8 x 1024: benchmarks/offload/results.jsonl#offload,
@@ -159,6 +167,7 @@ class Rates:
     decodes_checkpointed: float
     decodes_uncheckpointed: float
     serial: bool  # host and device are one: their times add
+    disk_bytes_per_s: float = DISK_BYTES_PER_S
 
 
 GPU = Rates("H200", GEMM_FLOPS_PER_S, ATTENTION_FLOPS_PER_S, MEMORY_BYTES_PER_S, CODEC_BYTES_PER_S,
@@ -177,11 +186,12 @@ class StepTime:
     link_s: float
     tokens: int
     serial: bool = False
+    disk_s: float = 0.0  # layer inputs spilled to a file, written and read back
 
     @property
     def step_s(self) -> float:
         inner = self.host_s + self.device_s if self.serial else max(self.host_s, self.device_s)
-        return inner + self.link_s
+        return inner + self.link_s + self.disk_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -190,13 +200,16 @@ class StepTime:
     @property
     def bound(self) -> str:
         """What sets the pace: ``host``, ``device`` or ``link``."""
+        if self.disk_s > max(self.host_s, self.device_s, self.link_s):
+            return "disk"
         if self.link_s > max(self.host_s, self.device_s):
             return "link"
         return "host" if self.host_s > self.device_s else "device"
 
     def as_dict(self) -> dict[str, float | str]:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "host_s": self.host_s,
-                "device_s": self.device_s, "link_s": self.link_s, "bound": self.bound}
+                "device_s": self.device_s, "link_s": self.link_s, "bound": self.bound,
+                **({"disk_s": self.disk_s} if self.disk_s else {})}
 
 
 def step_flops(shape: ModelShape, batch: int, seq: int, checkpointing: bool) -> tuple[float, float]:
@@ -254,9 +267,12 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
         dense = shape.matrix_params() * 2
         device += (accumulation * decodes + 1) * dense / codec_rate
     host = accumulation * (tensors * rates.host_s_per_tensor + (matrices * per_matrix if compressed else 0))
-    copied = s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0) + 2 * s.get("host_activation_bytes", 0)
+    spilled = s.get("file_activation_bytes", 0)  # through the host on their way to the file, and back
+    copied = (s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0)
+              + 2 * (s.get("host_activation_bytes", 0) + spilled))
     link = (1 - COPY_HIDDEN_SHARE) * copied / rates.link_bytes_per_s
-    return StepTime(host, device, link, accumulation * s["batch"] * s["seq"], rates.serial)
+    disk = accumulation * 2 * spilled / rates.disk_bytes_per_s
+    return StepTime(host, device, link, accumulation * s["batch"] * s["seq"], rates.serial, disk)
 
 
 def recipe_step_time(recipe, rates: Rates = GPU, shape: ModelShape | None = None) -> StepTime:

@@ -10,6 +10,11 @@ back in backward (its recompute), so the GPU holds one layer's working set inste
 The copies run on the current stream (about 1.5 s per 40 GiB each way over PCIe 5);
 the values are the same bytes, so training is bit-identical with and without it.
 
+Where the host cannot hold every input, the fit (:mod:`neutrain.memory.tiers`) keeps the last layers' on
+the GPU (their backward comes first) and sends the first layers' on to a file
+(:mod:`neutrain.nn.activation_file`; their backward comes last): ``device_layers`` and ``file_layers``
+of :func:`offload_checkpointed_inputs`.
+
 transformers 5.24 has the same switch (``activation_checkpointing_enable(offload=True)``,
 through ``torch.autograd.graph.save_on_cpu``); 5.17, on the GPU image, does not.
 
@@ -31,6 +36,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+from neutrain.nn.activation_file import ActivationFile, FileStash
 
 _OFFLOADED = "_neutrain_offloaded"
 
@@ -61,9 +68,10 @@ class HostStash(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def offloaded_checkpoint(function, *args, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` whose saved inputs live in host memory (see the module docstring)."""
-    stash = HostStash()
+def offloaded_checkpoint(function, *args, _stash=HostStash, **kwargs):
+    """``torch.utils.checkpoint.checkpoint`` whose saved inputs live in host memory (see the module docstring);
+    ``_stash`` makes the hooks that move them (a file's: :class:`~neutrain.nn.activation_file.FileStash`)."""
+    stash = _stash()
     with stash:
         out = checkpoint(function, *args, **kwargs)
     STATS.calls += 1
@@ -87,27 +95,44 @@ class OffloadStats:
 STATS = OffloadStats()
 
 
-def offload_checkpointed_inputs(model: torch.nn.Module) -> int:
+def offload_checkpointed_inputs(model: torch.nn.Module, device_layers: int = 0, file_layers: int = 0,
+                                spill: ActivationFile | None = None, spill_host_tensors: bool = False) -> int:
     """Make every checkpointed layer of ``model`` keep its saved inputs in host memory; return their number.
 
-    Call after activation checkpointing is enabled (``gradient_checkpointing_enable`` or the
-    Trainer's ``gradient_checkpointing``); the checkpoint's own options (``use_reentrant=False``) are kept.
-    Raises ``ValueError`` if no layer is checkpointed.
+    ``device_layers``: the last this many layers keep theirs on the device (a plain checkpoint);
+    ``file_layers``: the first this many send theirs on to ``spill`` (needed then; ``spill_host_tensors``:
+    a CPU model's too, which tests use to run the file on a CPU). Call after activation
+    checkpointing is enabled (``gradient_checkpointing_enable`` or the Trainer's ``gradient_checkpointing``);
+    the checkpoint's own options (``use_reentrant=False``) are kept. Raises ``ValueError`` if no layer is
+    checkpointed, or ``file_layers`` without a file.
     """
-    layers = 0
+    if file_layers and spill is None:
+        raise ValueError("file_layers needs an ActivationFile to spill to")
+    found = []
     for module in model.modules():
         func = getattr(module, "_gradient_checkpointing_func", None)
-        if not getattr(module, "gradient_checkpointing", False) or func is None:
-            continue
-        # The model and its layers all carry the function (which one calls it changed across
-        # transformers versions): wrap every one, count the layers.
-        if not getattr(func, _OFFLOADED, False):
-            keywords = dict(getattr(func, "keywords", None) or {})
-            wrapped = functools.partial(offloaded_checkpoint, **keywords)
-            setattr(wrapped, _OFFLOADED, True)
-            module._gradient_checkpointing_func = wrapped
-        layers += not isinstance(module, PreTrainedModel)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            found.append(module)
+    layers = [m for m in found if not isinstance(m, PreTrainedModel)]
     if not layers:
         raise ValueError("no checkpointed layer to offload: enable activation checkpointing first "
                          "(memory.gradient_checkpointing: true)")
-    return layers
+    tier = {id(m): "host" for m in found}  # the model carries the function too (which one calls it changed
+    for i, module in enumerate(layers):    # across transformers versions): its own calls go to host memory
+        tier[id(module)] = ("file" if i < file_layers else "device" if i >= len(layers) - device_layers else "host")
+    for module in found:
+        func = module._gradient_checkpointing_func
+        if getattr(func, _OFFLOADED, False):
+            continue  # wrapped once: its tier stays
+        keywords = dict(getattr(func, "keywords", None) or {})
+        where = tier[id(module)]
+        if where == "device":
+            wrapped = functools.partial(checkpoint, **keywords)
+        elif where == "file":
+            wrapped = functools.partial(offloaded_checkpoint, _stash=functools.partial(FileStash, spill, spill_host_tensors),
+                                        **keywords)
+        else:
+            wrapped = functools.partial(offloaded_checkpoint, **keywords)
+        setattr(wrapped, _OFFLOADED, True)
+        module._gradient_checkpointing_func = wrapped
+    return len(layers)

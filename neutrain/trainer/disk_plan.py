@@ -8,7 +8,9 @@ the next run on that disk failed too. Both are known before the first step:
 * **Paths.** Each output folder's longest planned path (the temporary checkpoint and the names inside it,
   the export's staging and set-aside names, the lock beside it) is measured against the file system's
   ``NAME_MAX`` for each name and ``PATH_MAX`` for the whole (:func:`check_path_lengths`).
-* **Space.** A checkpoint's size is the bytes its weights are saved in (the model's own tensors:
+* **Space.** Layer inputs the fit spilled to a file (:mod:`neutrain.memory.tiers`) take their bytes under
+  ``train.output_dir/.cache`` while the run trains (the export comes after), plus :data:`SPILL_ROOM`. A checkpoint's size is the bytes
+  its weights are saved in (the model's own tensors:
   dense, NeuZip blobs or LoRA adapters) plus the optimizer state the optimizer keeps (AdamW's two
   moments); at most ``train.save_total_limit`` of them are kept, with one more while it is written;
   the export is written beside the previous one. Only what will certainly be needed is counted (the
@@ -162,7 +164,13 @@ def size_text(n: float, up: bool = False) -> str:
     return f"{math.ceil(n) if up else math.floor(n)} bytes"
 
 
-def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> None:
+SPILL_ROOM = 0.05
+"""Share the spilled layer inputs' file takes beyond the planner's ``layers x tokens x hidden`` bytes: each
+layer also saves the rotary tables and position ids beside its input (3% for the 70B at 16K tokens), and each
+tensor starts on a page."""
+
+
+def check_disk_space(recipe, model, start: int, existing: int, steps: int, spill_bytes: float = 0) -> None:
     """Refuse, in one line naming the free space and the space needed, a run whose saves and export cannot fit.
 
     Args:
@@ -171,6 +179,8 @@ def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> No
         start: The step the run starts from (a resumed checkpoint's).
         existing: Checkpoints of the run already on the disk (they count towards ``save_total_limit``).
         steps: The step the run ends at (``train.max_steps``, or what the epochs come to).
+        spill_bytes: Bytes of layer inputs the fit spilled to a file under ``train.output_dir``
+            (:attr:`~neutrain.memory.Placement.activation_file_bytes`).
     """
     t = recipe.train
     saves = planned_saves(start, steps, t.save_steps, t.save_final)
@@ -184,11 +194,12 @@ def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> No
         recipe.model, recipe.memory.weights, t.use_cpu, recipe.export.dtype))
     needs: dict[int, list] = {}
     free_out, where_out, dev_out = free_bytes(t.output_dir)
-    needs[dev_out] = [free_out, where_out, slots * size, "train.output_dir"]
+    spill = math.ceil(spill_bytes * (1 + SPILL_ROOM))
+    needs[dev_out] = [free_out, where_out, slots * size + spill, "train.output_dir"]
     if export:
         free_exp, where_exp, dev_exp = free_bytes(recipe.export_dir)
         entry = needs.setdefault(dev_exp, [free_exp, where_exp, 0, "export.output_dir"])
-        entry[2] += export
+        entry[2] += max(0, export - spill) if dev_exp == dev_out else export  # the file is gone before the export
     for free, where, need, key in needs.values():
         if need <= free:
             continue
@@ -196,6 +207,9 @@ def check_disk_space(recipe, model, start: int, existing: int, steps: int) -> No
         if slots and key == "train.output_dir":
             parts.append(f"{slots} checkpoint(s) of {size_text(size)} (train.save_total_limit "
                          f"{limit if limit else 'unset'}, plus the one being written)")
+        if spill and key == "train.output_dir":
+            parts.append(f"{size_text(spill, up=True)} of layer inputs spilled to a file under .cache (the host cannot "
+                         "hold them)")
         if export and (key == "export.output_dir" or len(needs) == 1):
             parts.append(f"a {size_text(export)} export ({recipe.export.format})")
         raise RecipeError(

@@ -61,13 +61,14 @@ from neutrain.trainer.determinism import deterministic_kernels
 from neutrain.memory import Placement, phase
 from neutrain.trainer.progress import LabelledProgressCallback, mark_skipped_window
 from neutrain.trainer.resume_check import write_run_record
-from neutrain.trainer.run_files import peak_memory_stats, training_args_as_json
+from neutrain.trainer.run_files import host_memory_stats, peak_memory_stats, training_args_as_json
 from neutrain.distributed.modes import DistributedMode, Ordinary, choose_mode
 from neutrain.distributed.resume import verify_resume
 from neutrain.distributed.shards import PARAMETER_SHARDS
 from neutrain.nn import DECODE_BUFFERS, CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
+from neutrain.nn.activation_file import ActivationFile
 from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
@@ -166,6 +167,8 @@ class NeuTrainer(Trainer):
         self.memory, self.train_section = _trainer_sections(memory, train)
         # The memory fit's decision (neutrain.memory.Placement); None: the memory section's keys as they are.
         self.placement = placement
+        # Layer inputs spilled to a file (the placement's activation_file_layers): made when training is prepared.
+        self.activation_file: ActivationFile | None = None
         self.resume_reset_optimizer = resume_reset_optimizer
         self.fused = self.train_section.optimizer in FUSED_OPTIMIZERS
         super().__init__(*args, **kwargs)
@@ -259,9 +262,23 @@ class NeuTrainer(Trainer):
                            asked, len(store.layers))
         if activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
-            layers = offload_checkpointed_inputs(_unwrap(self.model))
-            logger.info("memory.offload_activations: %d checkpointed layers keep their inputs in host memory", layers)
+            on_device, in_file = ((planned.activation_device_layers, planned.activation_file_layers)
+                                  if planned is not None else (0, 0))
+            if in_file and self.activation_file is None:  # the host is short (neutrain.memory.tiers)
+                self.activation_file = ActivationFile(os.path.join(self.args.output_dir, ".cache"))
+            layers = offload_checkpointed_inputs(_unwrap(self.model), on_device, in_file, self.activation_file)
+            if on_device or in_file:
+                logger.info("memory.offload_activations: of %d checkpointed layers' inputs, %d stay on the GPU, %d "
+                            "wait in host memory and %d in a file under %s (the host cannot hold them all)",
+                            layers, on_device, layers - on_device - in_file, in_file, self.activation_file.folder
+                            if self.activation_file else "-")
+            else:
+                logger.info("memory.offload_activations: %d checkpointed layers keep their inputs in host memory", layers)
         return prepared
+
+    def host_memory(self) -> dict[str, float]:
+        """The run's host memory and PCIe bytes so far (:func:`~neutrain.trainer.run_files.host_memory_stats`)."""
+        return host_memory_stats(weight_store(_unwrap(self.model)), self.activation_file)
 
     @property
     def fused_optimizer(self):
@@ -367,6 +384,8 @@ class NeuTrainer(Trainer):
                 return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             DECODE_BUFFERS.give_back_lent()  # the layer groups' slot: export and generation plan without it
+            if self.activation_file is not None:  # its space back to the disk, whether training ended or failed
+                self.activation_file.close()  # (opened again by the next write, should this trainer train again)
 
     def load_trained(self, checkpoint: str) -> None:
         """The weights and training log of ``checkpoint`` (a run's last step), for the phases after training.

@@ -137,3 +137,49 @@ def test_the_dense_export_size_is_the_llama_70bs_bf16_bytes():
     config = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "vocab_size": 128256,
               "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False}
     assert llama_bf16_gib(config) == pytest.approx(131.4, abs=0.1)  # 70.55 B parameters
+
+
+def test_the_host_memory_target_and_the_pcie4_projection_come_from_the_training_run(whole_run, tmp_path):
+    _, _, record = whole_run
+    summary_path = tmp_path / "train" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(steps=4, tokens_per_second=400.0, host_memory={
+        "peak_rss_gib": 90.5, "host_pinned_peak_gib": 4.0, "weight_store_pinned_gib": 88.4,
+        "link_h2d_gib": 4 * 180.0, "link_d2h_gib": 4 * 100.0, "activation_file_written_gib": 4 * 12.75,
+        "activation_file_read_gib": 4 * 12.75})
+    summary_path.write_text(json.dumps(summary))
+    record()
+    out = json.loads((tmp_path / "out" / "offload.json").read_text())
+    host = out["targets"]["card_24gb_70b_host_gib"]
+    assert host["value"] == 94.5 and host["goal"] == "<= 100" and host["met"] is True
+    assert host["host_used_above_idle_gib"] == pytest.approx((110e9 - 100e9) / 2**30, abs=0.01)  # over the first sample
+    projection = out["results"]["70b_recipe_22gib"]["pcie4_projection"]
+    assert projection["h2d_gib_per_step"] == 180.0 and projection["d2h_gib_per_step"] == 100.0
+    floor = 180 * 2**30 / 25e9  # the busier direction over 25 GB/s
+    assert projection["link_floor_s"] == round(floor, 3) and projection["measured_step_s"] == round(16384 / 400, 3)
+    assert projection["tokens_per_s"] == 400.0 and projection["activation_file_gib_per_step"] == 12.75
+    # Without the summary's figures the sampled VmHWM of the train stage stands for the host's.
+    summary.pop("host_memory")
+    summary_path.write_text(json.dumps(summary))
+    record()
+    host = json.loads((tmp_path / "out" / "offload.json").read_text())["targets"]["card_24gb_70b_host_gib"]
+    assert host["value"] == 96.32 and host["source"].startswith("samples.csv")
+
+
+def test_the_training_alone_on_a_smaller_host_records_its_host_memory_beside_the_whole_run(whole_run, tmp_path,
+                                                                                           monkeypatch):
+    state, _, record = whole_run
+    record()  # the whole run's part and target, as a full run left them
+    (state / "70b_stages.txt").write_text("train_s=300\ntrain_rc=0\n")  # then STAGES=train at HOST_LIMIT_GIB=100
+    summary_path = tmp_path / "train" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(steps=4, tokens_per_second=400.0, host_memory={
+        "peak_rss_gib": 93.0, "host_pinned_peak_gib": 3.6, "link_h2d_gib": 700.0, "link_d2h_gib": 400.0})
+    summary_path.write_text(json.dumps(summary))
+    rc = _main(monkeypatch, "--whole-run", str(state), "--train", str(tmp_path / "train"), "--budget", "22",
+               "--steps", "4", "--host-only", "--results-dir", str(tmp_path / "results"))
+    out = json.loads((tmp_path / "out" / "offload.json").read_text())
+    assert rc == 0 and out["targets"]["card_24gb_70b_host_gib"]["value"] == 96.6
+    assert out["targets"]["card_24gb_70b_whole_run_ok"]["value"] is True  # the full run's, kept
+    assert set(out["results"]) >= {"70b_recipe_22gib", "70b_recipe_22gib_host"}
+    assert out["results"]["70b_recipe_22gib_host"]["pcie4_projection"]["h2d_gib_per_step"] == 175.0

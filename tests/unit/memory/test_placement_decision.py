@@ -61,3 +61,30 @@ def test_the_trainer_streams_the_layers_its_placement_names(tmp_path, monkeypatc
     monkeypatch.setattr(type(trainer.distributed_mode), "prepare_for_training", lambda *args: None)
     trainer._prepare_for_training(1, None, None)
     assert len(weight_store(model).layers) == 2
+
+
+def test_the_trainer_splits_the_layer_inputs_as_its_placement_says(tmp_path, monkeypatch):
+    # The fit's split for a short host: the last layer's inputs stay on the device, the first's go to a file under
+    # the run's .cache (nameless), the rest to host memory; the file is closed when training ends.
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    from neutrain.nn.offload import offloaded_checkpoint
+    from neutrain.trainer import NeuTrainer
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    args = TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    placed = Placement("dense", layers=4, offload_activations=True, activation_device_layers=1,
+                       activation_file_layers=2, activation_file_bytes=2 * 1024)
+    trainer = NeuTrainer(model=model, args=args, placement=placed)
+    monkeypatch.setattr(type(trainer.distributed_mode), "prepare_for_training", lambda *args: None)
+    trainer._prepare_for_training(1, None, None)
+    funcs = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    stashes = [f.keywords.get("_stash") for f in funcs]
+    assert [f.func is offloaded_checkpoint for f in funcs] == [True, True, True, False]  # the last: a plain checkpoint
+    assert [getattr(s, "args", None) == (trainer.activation_file, False) for s in stashes] == [True, True, False, False]
+    assert trainer.activation_file.folder == str(tmp_path / "out" / ".cache")
+    assert trainer.host_memory()["activation_file_written_gib"] == 0.0
