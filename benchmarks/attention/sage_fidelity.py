@@ -65,6 +65,7 @@ ARMS = {  # name: (attention, seed offset, V's FP8 residual in Sage's PV)
     "sage": ("neutrain_sage", 0, True),
     "sdpa_seed2": ("sdpa", 1, True),
     "sage_plain": ("neutrain_sage", 0, False),
+    "sdpa_seed3": ("sdpa", 2, True),
 }
 SAGE_ARMS = tuple(name for name, (attention, _, _) in ARMS.items() if attention == "neutrain_sage")
 DEFAULT_ARMS = {"cpu": ("sdpa", "sage", "sdpa_seed2"), "cuda": ("sdpa", "sage", "sage_plain", "sdpa_seed2")}
@@ -387,13 +388,19 @@ def _compare(results: dict, sage_arm: str) -> dict:
 
 
 def judge(results: dict, sage_arm: str = "sage") -> dict:
-    """Whether Sage fine-tunes without loss: its held-out excess over SDPA against the seed-to-seed spread.
+    """Whether Sage fine-tunes without loss: its held-out excess over SDPA against the data orders' spread.
 
     Judged over the evaluations after the first third of training, where the curves have settled: early on
     the data order dominates (two SDPA seeds differed by 0.064 at step 50 of 300), and the final evaluation
-    alone is one sample (the same seeds differed by 0.0005 at step 300 and by 0.017 at step 150). The spread
-    is the mean |difference| of the two SDPA data orders at those steps. One-sided: a held-out loss below
-    SDPA's has lost nothing, so only Sage's excess over SDPA (its largest, at any of those steps) counts.
+    alone is one sample (the same seeds differed by 0.0005 at step 300 and by 0.017 at step 150).
+
+    Both sides are the same statistic, a mean over those evaluations. Sage runs SDPA's data order, so its mean
+    difference from the ``sdpa`` arm is what attention changed (one-sided: a held-out loss below SDPA's has lost
+    nothing). The spread is what a change of data order alone moves: the mean |difference| of each other SDPA
+    order (``sdpa_seed2``, ``sdpa_seed3`` when run) from ``sdpa``, averaged over the orders. A rule that set
+    Sage's *largest* excess against the orders' *mean* difference failed SDPA's own second order against its
+    first (+0.0223 against 0.0089 on the H200 at 39ceac2): it measured its noise twice on one side only. The
+    largest excess is still reported (``sage_largest_excess_heldout``).
 
     Example:
         >>> arm = lambda *h: {"heldout": [{"step": 50 * i, "heldout_loss": v} for i, v in enumerate(h)]}
@@ -401,19 +408,24 @@ def judge(results: dict, sage_arm: str = "sage") -> dict:
         ...        "sdpa_seed2": arm(1.0, 0.47, 0.46, 0.445)})["verdict"].split(":")[0]
         'lossless fine-tuning'
     """
-    curves = {name: {row["step"]: row["heldout_loss"] for row in results[arm]["heldout"]}
-              for name, arm in (("sdpa", "sdpa"), ("sage", sage_arm), ("sdpa_seed2", "sdpa_seed2"))}
+    orders = [name for name, (attention, _, _) in ARMS.items() if attention == "sdpa" and name != "sdpa"
+              and name in results and name != sage_arm]
+    curves = {name: {row["step"]: row["heldout_loss"] for row in results[name]["heldout"]}
+              for name in ("sdpa", sage_arm, *orders)}
     last = max(curves["sdpa"])
-    steps = sorted(s for s in curves["sdpa"] if s >= last / 3 and s in curves["sage"] and s in curves["sdpa_seed2"])
-    spread = sum(abs(curves["sdpa_seed2"][s] - curves["sdpa"][s]) for s in steps) / len(steps)
-    excess = max(curves["sage"][s] - curves["sdpa"][s] for s in steps)
+    steps = sorted(s for s in curves["sdpa"] if s >= last / 3 and all(s in c for c in curves.values()))
+    base = curves["sdpa"]
+    spread = sum(sum(abs(curves[o][s] - base[s]) for s in steps) / len(steps) for o in orders) / len(orders)
+    excess = sum(curves[sage_arm][s] - base[s] for s in steps) / len(steps)
+    largest = max(curves[sage_arm][s] - base[s] for s in steps)
     lossless = excess <= spread
-    return {"seed_spread_heldout": round(spread, 5), "sage_largest_excess_heldout": round(excess, 5),
-            "judged_steps": steps,
+    name = "Sage" if sage_arm == "sage" else sage_arm
+    return {"seed_spread_heldout": round(spread, 5), "sage_mean_excess_heldout": round(excess, 5),
+            "sage_largest_excess_heldout": round(largest, 5), "sdpa_orders": orders, "judged_steps": steps,
             "verdict": (f"{'lossless' if lossless else 'not lossless'} fine-tuning: over steps {steps[0]}-{steps[-1]} "
-                        f"{'Sage' if sage_arm == 'sage' else sage_arm}'s held-out loss exceeds SDPA's by at most "
-                        f"{excess:+.4f}, "
-                        f"{'within' if lossless else 'beyond'} the seed-to-seed spread {spread:.4f}")}
+                        f"{name}'s held-out loss exceeds SDPA's by {excess:+.4f} on average (at most "
+                        f"{largest:+.4f}), {'within' if lossless else 'beyond'} the data orders' spread "
+                        f"{spread:.4f} ({len(orders)} other order{'s' if len(orders) > 1 else ''})")}
 
 
 def table(payload: dict) -> str:
