@@ -35,7 +35,7 @@ from typing import Any
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.memory.budget import auto_budget
-from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
+from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label, tight_configurations
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.memory.placement import Placement
 from neutrain.memory.planner import GIB, Estimate
@@ -203,6 +203,11 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     if budget is None:  # the weights alone, against the card's memory (a CPU: the host's)
         limit = (auto_budget(card) if card else None) if gpu else host
     ok = [f for f in fits if f.fits(limit, host)]
+    if budget is not None and not ok:  # the MLP in chunks, fewer weight slots: slower, tried only now
+        tight = tight_configurations(recipe, shape, gpu)
+        options += tight
+        fits += [_evaluate(c, shape, budget, gpu) for c in tight]
+        ok = [f for f in fits if f.fits(limit, host)]
     if budget is not None and not ok:
         smallest = min(fits, key=lambda f: f.peak[1].reserved)
         name, worst = smallest.peak
@@ -275,7 +280,7 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     m = apply_changes(recipe, chosen.changes).memory
     where = "on the GPU" if gpu else "(CPU: recorded, not enforced)"
     batch_changed = "train.micro_batch_size" in chosen.changes
-    if not (m.offload_activations or m.offload_weights or batch_changed):
+    if not (m.offload_activations or m.offload_weights or batch_changed or "memory.mlp_chunk_tokens" in chosen.changes):
         return (f"{head}fits the {_gib(budget)} budget {where} (predicted peak {_gib(worst.reserved)} "
                 f"reserved in phase '{name}', {_gib(worst.device)} device); {speed}")
     first = _unconstrained(fits, chosen.weights, recipe)
