@@ -83,6 +83,9 @@ def valid(recipe: Recipe) -> bool:
     m, t = recipe.memory, recipe.train
     if m.offload_activations and not m.gradient_checkpointing:
         return False
+    if m.mlp_chunk_tokens not in (AUTO, 0) and (m.adapter is not None or t.fsdp or t.deepspeed
+                                               or t.distributed in ("fsdp2", "deepspeed")):
+        return False  # adapters wrap the projections, sharding gathers them per module: the MLP runs whole
     if m.offload_weights:
         if m.weights != "neuzip-lossless":
             return False

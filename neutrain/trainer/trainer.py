@@ -259,9 +259,15 @@ class NeuTrainer(Trainer):
             logger.warning("memory.offload_layers: %d asked, but the build put %d decoder layers in host memory",
                            asked, len(store.layers))
         chunk = self.memory.mlp_chunk_tokens
-        if chunk != "auto" and chunk > 0:  # auto the fit left as it was: unchunked
+        if chunk != "auto" and chunk > 0 and self.distributed_mode.sharded:
+            # Sharded parameters are gathered by each module's own forward, which the chunked MLP bypasses.
+            logger.warning("memory.mlp_chunk_tokens: %d ignored: parameters are sharded (FSDP2/ZeRO-3)", chunk)
+        elif chunk != "auto" and chunk > 0:  # auto the fit left as it was: unchunked
             mlps = chunk_mlps(_unwrap(self.model), chunk)
             logger.info("memory.mlp_chunk_tokens: %d gated MLPs compute %d tokens at a time", mlps, chunk)
+            if not mlps:
+                logger.warning("memory.mlp_chunk_tokens: no MLP of this model can be chunked (an adapter, a bias or "
+                               "experts): each runs whole, beyond the planned memory")
         if activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
             layers = offload_checkpointed_inputs(_unwrap(self.model))
