@@ -121,3 +121,21 @@ def test_compressed_weights_get_one_whole_gradient_per_step():
     assert set(calls.values()) == {1}  # one update per matrix, not one per chunk
     for name in want:
         _close(want[name], got[name], torch.bfloat16)
+
+
+def test_the_recompute_stops_before_the_chunked_mlp(monkeypatch):
+    """The checkpoint's recompute ends at the MLP's saved input: the chunks' products run once in forward and
+    once (gate and up) in the MLP's own backward, never a third time in the recompute."""
+    import neutrain.nn.chunked_mlp as chunked_mlp
+
+    calls = []
+    forward_rows = chunked_mlp._forward_rows
+    monkeypatch.setattr(chunked_mlp, "_forward_rows", lambda *args: (calls.append(1), forward_rows(*args))[1])
+    model = tiny_llama(seed=1).float()
+    enable_checkpointing(model)
+    chunk_mlps(model, 5)
+    (ids,) = token_batches(1, seed=2, batch=2, length=11)
+    loss = causal_lm_loss(model, ids, ids)
+    assert len(calls) == 2  # one per decoder layer
+    loss.backward()
+    assert len(calls) == 2
