@@ -17,7 +17,8 @@ types them:
 Every command must exit 0. Budget 5 (a 6 GB card) is the ``card_6gb_whole_run_ok`` target's journey.
 From each run's ``summary.json`` and ``metrics.jsonl`` it records the configuration the run chose, each phase's measured peak (allocated, reserved, device) beside the planner's
 prediction, and tok/s; then timing runs (:data:`TIMING`): the shipped recipe (``memory.weights: auto``) with no
-budget and at 11, 7 and 5 GiB, at batch 1 and 8 (5 GiB at batch 8 chunks the MLP), and dense weights with no budget at batch 1. Each timing row
+budget and at 11, 7 and 5 GiB, at batch 1 and 8 (5 GiB at batch 8 chunks the MLP), and dense weights with no
+budget at batch 1. Each timing row
 records the weights and configuration its fit chose and the step time the fit predicted for it
 (:mod:`neutrain.memory.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
 ``--merge`` writes ``cards.json`` with the targets from the parts; each part's record holds the targets its own

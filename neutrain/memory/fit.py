@@ -35,7 +35,8 @@ from typing import Any
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.memory.budget import auto_budget
-from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label, tight_configurations
+from neutrain.memory.configurations import (AUTO, Candidate, apply_changes, configurations, placement_label,
+                                            tight_configurations)
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.memory.placement import Placement
 from neutrain.memory.planner import GIB, Estimate

@@ -226,7 +226,8 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     compresses well) and computed in fp32 (bf16 matrix products are emulated and several times slower
     there). ``offload_weights`` (``memory.offload_weights``) keeps the compressed decoder layers in host
     memory, each moved there as soon as it is built; ``offload_layers`` (``memory.offload_layers``) of them
-    only, spread evenly, when set, through ``offload_slots`` (``memory.offload_slots``) device slots when set. ``fmt``: the section's format as :func:`recipe_format` chose it, else chosen here.
+    only, spread evenly, when set, through ``offload_slots`` (``memory.offload_slots``) device slots when set.
+    ``fmt``: the section's format as :func:`recipe_format` chose it, else chosen here.
 
     Example:
         >>> from neutrain.config import load_recipe

@@ -148,7 +148,8 @@ def test_the_weights_follow_memory_weights_auto_and_an_explicit_storage_is_kept(
     forced = choose_fit(_8b("memory.weights=neuzip-lossless"), big, HOST)  # compression forced, even on a big card
     assert forced.weights == "neuzip-lossless" and "memory.weights" not in forced.changes
     assert forced.line.startswith("memory: fits the ")  # no weights clause: the recipe chose them
-    with pytest.raises(RecipeError, match=r"the smallest configuration \(offloading activations, the MLP in chunks of 512 tokens\)"):
+    smallest = r"the smallest configuration \(offloading activations, the MLP in chunks of 512 tokens\)"
+    with pytest.raises(RecipeError, match=smallest):
         choose_fit(_8b("memory.weights=dense"), small, HOST)  # dense kept: it does not fit a 16 GB card
     # NeuZip needs a fused optimizer: with AdamW, auto is dense whatever the card.
     assert [label for label, _ in candidates(_8b("train.optimizer=adamw"), gpu=False)] == ["dense weights in memory"]

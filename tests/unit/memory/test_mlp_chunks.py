@@ -50,7 +50,8 @@ def test_the_8b_at_batch_8_fits_a_6_gb_card():
 
 
 @pytest.mark.parametrize("recipe, budget", [
-    (("llama3_8b", ()), 22), (("llama3_8b", ()), 11), (("llama3_8b", ()), 7), (("llama3_8b", ("train.micro_batch_size=8",)), 14.5),
+    (("llama3_8b", ()), 22), (("llama3_8b", ()), 11), (("llama3_8b", ()), 7),
+    (("llama3_8b", ("train.micro_batch_size=8",)), 14.5),
     (("llama3_70b_offload", ()), 22),
 ])
 def test_a_budget_that_fits_unchunked_keeps_todays_configuration(recipe, budget):
@@ -78,7 +79,8 @@ def test_the_recompute_term_holds_one_chunk_of_the_mlp(shape, batch, seq, chunk)
     whole, chunked = estimate(shape, **options), estimate(shape, mlp_chunk_tokens=chunk, **options)
     tokens = batch * seq
     mlp_blocks = (3 + MLP_BACKWARD_BLOCKS) * shape.intermediate * 2
-    saved = whole.settings["moments"]["layer backward"]["recompute"] - chunked.settings["moments"]["layer backward"]["recompute"]
+    moment = "layer backward"
+    saved = whole.settings["moments"][moment]["recompute"] - chunked.settings["moments"][moment]["recompute"]
     assert saved == (tokens - chunk) * mlp_blocks
     # The three MLP weight gradients wait together for the last chunk.
     assert chunked.settings["moments"]["layer backward"]["gradients"] == 3 * shape.hidden * shape.intermediate * 2
