@@ -204,7 +204,9 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     if budget is None:  # the weights alone, against the card's memory (a CPU: the host's)
         limit = (auto_budget(card) if card else None) if gpu else host
     ok = [f for f in fits if f.fits(limit, host)]
+    loose = None  # the smallest configuration without the tight levers, where they were needed
     if budget is not None and not ok:  # the MLP in chunks, fewer weight slots: slower, tried only now
+        loose = min(fits, key=lambda f: f.peak[1].reserved)
         tight = tight_configurations(recipe, shape, gpu)
         options += tight
         fits += [_evaluate(c, shape, budget, gpu) for c in tight]
@@ -222,7 +224,7 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     chosen = _fastest(ok) if ok else min(fits, key=lambda f: f.peak[1].reserved)
     shown = _tried(fits, [c.family for c in options], limit, host)
     chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
-    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card))
+    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card), loose if ok else None)
     chosen.placement = _placement(chosen, budget)
     return chosen
 
@@ -264,7 +266,7 @@ def _weights_clause(recipe: Recipe, chosen: Fit, fits: list[Fit], limit: int | N
 
 
 def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limit: int | None, gpu: bool,
-          auto: bool, card: bool) -> str:
+          auto: bool, card: bool, loose: Fit | None = None) -> str:
     """The run's one memory line: what was chosen, why, its predicted peak and its predicted speed."""
     step = chosen.step
     speed = f"predicted {rate(step.tokens_per_s)} tok/s ({duration(step.step_s)} a step on {'an H200' if gpu else 'this CPU'})"
@@ -288,7 +290,9 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     first_name, first_peak = first.peak if first is not None else (name, worst)
     as_is = "on the GPU it" if gpu else "at its micro-batch size it"  # a CPU offloads nothing
     why = (f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
-           if first is None or not first.fits(budget, None)
+           if loose is None and (first is None or not first.fits(budget, None))
+           else (f"the smallest configuration with the MLP whole and the usual weight slots needs a budget of "
+                 f"{_gib(loose.peak[1].reserved / (1 - FIT_HEADROOM))} (phase '{loose.peak[0]}')") if loose is not None
            else f"{as_is} needs {_gib(first.host_bytes)} of host memory" if first.host_bytes
            else f"{as_is} is predicted slower ({rate(first.step.tokens_per_s)} tok/s)")
     label = chosen.label.split(", ", 1)[1] if auto else chosen.label  # the head names the weights
