@@ -17,7 +17,8 @@ types them:
 Every command must exit 0. Budget 5 (a 6 GB card) is the ``card_6gb_whole_run_ok`` target's journey.
 From each run's ``summary.json`` and ``metrics.jsonl`` it records the configuration the run chose, each phase's measured peak (allocated, reserved, device) beside the planner's
 prediction, and tok/s; then timing runs (:data:`TIMING`): the shipped recipe (``memory.weights: auto``) with no
-budget and at 11, 7 and 5 GiB, at batch 1 and 8, and dense weights with no budget at batch 1. Each timing row
+budget and at 11, 7 and 5 GiB, at batch 1 and 8 (5 GiB at batch 8 chunks the MLP), and dense weights with no
+budget at batch 1. Each timing row
 records the weights and configuration its fit chose and the step time the fit predicted for it
 (:mod:`neutrain.memory.step_time`), beside the measured tok/s. ``--part`` runs a subset (one process per GPU);
 ``--merge`` writes ``cards.json`` with the targets from the parts; each part's record holds the targets its own
@@ -58,11 +59,13 @@ PHASES = ("build", "train_step", "eval", "generate", "save", "resume", "export")
 TIMING = {  # name: (budget or "none", micro batch, overrides): each alone on its GPU, for the targets' ratios
     "b1_none": ("none", 1, ()), "b1_11": (11, 1, ()), "b1_7": (7, 1, ()), "b1_5": (5, 1, ()),
     "b8_none": ("none", 8, ()), "b8_11": (11, 8, ()), "b8_7": (7, 8, ()),
-    # No b8_5: nothing fits 5 GiB at batch 8 x 1024 (the planner's smallest needs 5.44; the run exits 2).
+    # A 6 GB card at batch 8 x 1024: the fit chunks the MLP (memory.mlp_chunk_tokens) to fit 5 GiB.
+    "b8_5": (5, 8, ()),
     "b1_dense": ("none", 1, ("memory.weights=dense",)),  # the speed `weights: auto` must reach with no budget
 }
 TIMING_STEPS = 10
-TARGETS = ("card_8gb_over_unbounded_tokens_per_s_batch8", "card_12gb_over_unbounded_tokens_per_s",
+TARGETS = ("card_8gb_over_unbounded_tokens_per_s_batch8", "card_6gb_over_unbounded_tokens_per_s_batch8",
+           "card_12gb_over_unbounded_tokens_per_s",
            "max_phase_peak_over_train_step_peak", "planner_phase_max_relative_error", "card_6gb_whole_run_ok",
            "auto_unbounded_over_dense_tokens_per_s_batch1", "card_12gb_over_dense_unbounded_tokens_per_s_batch1",
            "fit_step_time_max_relative_error", GENERATE_TARGET)
@@ -225,6 +228,10 @@ def targets_of(budgets: list[dict], timing: dict) -> tuple[dict, dict]:
     if b8 and b8_7:
         t["card_8gb_over_unbounded_tokens_per_s_batch8"] = {"value": round(b8_7 / b8, 3), "goal": ">= 0.9",
                                                             "met": b8_7 / b8 >= 0.9}
+    b8_5 = timing.get("b8_5", {}).get("tokens_per_s")
+    if b8 and b8_5:  # a 6 GB card at batch 8 (the MLP in chunks) against no budget, measured in the same call
+        t["card_6gb_over_unbounded_tokens_per_s_batch8"] = {"value": round(b8_5 / b8, 3), "goal": ">= 0.9",
+                                                            "met": b8_5 / b8 >= 0.9}
     b1 = timing.get("b1_none", {}).get("tokens_per_s")
     b11 = timing.get("b1_11", {}).get("tokens_per_s")
     if b1 and b11:

@@ -206,7 +206,8 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
 
         weights = build_weights_for(weights)  # a lossy base is built lossless, then rounded
     model = build_model(recipe.model, tokenizer, use_cpu=t.use_cpu, seed=t.seed, weights=weights,
-                        offload_weights=recipe.memory.offload_weights, offload_layers=recipe.memory.offload_layers)
+                        offload_weights=recipe.memory.offload_weights, offload_layers=recipe.memory.offload_layers,
+                        offload_slots=recipe.memory.offload_slots)
     check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant

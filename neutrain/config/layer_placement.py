@@ -41,10 +41,11 @@ class LayerPlacement:
     slots: int
 
     @classmethod
-    def spread(cls, layers: int, count: int | None = None) -> "LayerPlacement":
+    def spread(cls, layers: int, count: int | None = None, slots: int | None = None) -> "LayerPlacement":
         """``count`` of ``layers`` decoder layers (None: all), spread evenly: the middle layer of each of
         ``count`` equal runs, so the offloaded layers are as far apart as they can be and each copy has
-        the most resident compute to hide behind.
+        the most resident compute to hide behind. ``slots`` (``memory.offload_slots``) replaces the ring's slots,
+        fetching ``slots - 2`` layers ahead (at least one), as the store's default ring does.
 
         Raises:
             ValueError: ``count`` is not between 1 and ``layers``.
@@ -53,7 +54,10 @@ class LayerPlacement:
         if not 1 <= count <= layers:
             raise ValueError(f"cannot offload {count} of {layers} decoder layers (1 to {layers})")
         offloaded = tuple((2 * i + 1) * layers // (2 * count) for i in range(count))
-        ahead, slots = SPREAD_RING if 2 * count <= layers else WHOLE_MODEL_RING
+        if slots is None:
+            ahead, slots = SPREAD_RING if 2 * count <= layers else WHOLE_MODEL_RING
+        else:
+            ahead = max(1, slots - 2)
         return cls(layers, offloaded, ahead, slots)
 
     @property

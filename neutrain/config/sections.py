@@ -361,6 +361,19 @@ class MemorySection(Section):
     stream fewer bytes per step. null: every layer, or as many as memory.device_budget_gib needs when the fit
     chooses."""
 
+    offload_slots: Count | None = Field(None, ge=2, le=64)
+    """With offload_weights: decoder layers' compressed weights on the GPU at once (the store's ring of device
+    slots: the layer computed, the one before it, the ones fetched ahead). null: four when nearly every layer is
+    in host memory, two when they are spread between resident ones; the fit takes two where nothing else fits
+    memory.device_budget_gib (each slot spared is one layer's payload: 1.1 GiB for Llama-3-70B)."""
+
+    mlp_chunk_tokens: Annotated[Count, Field(ge=0, le=COUNT_CEILING)] | Literal["auto"] = "auto"
+    """Tokens a gated MLP (gate/up/down projections) computes at once, in forward and in backward: its
+    tokens x intermediate intermediates and their gradients exist one chunk at a time, the same products
+    summed over the chunks (its weight gradients too, handed to the update once a step). 0: unchunked. auto:
+    unchunked unless memory.device_budget_gib needs it, then the largest of 4096, 2048, 1024 or 512 tokens that
+    fits (smaller chunks cost more launches and smaller products)."""
+
     stochastic_rounding: Switch = True
     """Fused updates: round fp32 updates to bf16 stochastically so small steps survive."""
 

@@ -13,7 +13,11 @@ weights, ``memory.weights: auto``):
   to every layer; NeuZip lossless, a fused optimizer, no accumulation;
 * both;
 * then a smaller ``train.micro_batch_size`` with ``train.gradient_accumulation_steps`` raised to keep the
-  rows per optimizer step (halving until one row), activations offloaded where allowed.
+  rows per optimizer step (halving until one row), activations offloaded where allowed;
+* only where none of those fits (:func:`tight_configurations`): each of them again with the gated MLP in
+  chunks of tokens (``memory.mlp_chunk_tokens``, :data:`MLP_CHUNKS`) and, where every layer streams, two weight
+  slots on the GPU instead of four (``memory.offload_slots``). Both cost time (smaller products, more launches,
+  less look-ahead for the copies), so a budget that fits without them keeps today's configuration.
 
 The embedding and lm_head are no lever: the loss decodes the lm_head whole, so its payload (0.67 GiB for
 the 8B) would be on the device beside its decoded copy at the step's peak anyway; keeping both
@@ -79,6 +83,9 @@ def valid(recipe: Recipe) -> bool:
     m, t = recipe.memory, recipe.train
     if m.offload_activations and not m.gradient_checkpointing:
         return False
+    if m.mlp_chunk_tokens not in (AUTO, 0) and (m.adapter is not None or t.fsdp or t.deepspeed
+                                               or t.distributed in ("fsdp2", "deepspeed")):
+        return False  # adapters wrap the projections, sharding gathers them per module: the MLP runs whole
     if m.offload_weights:
         if m.weights != "neuzip-lossless":
             return False
@@ -116,6 +123,26 @@ def layer_counts(layers: int) -> list[int | None]:
     return [*counts, None]
 
 
+MLP_CHUNKS = (4096, 2048, 1024, 512)
+"""Chunk sizes the fit tries, largest first: 4096 tokens keep each product large enough to run near the GEMM
+rate (a 4096 x 8192 by 8192 x 28672 product is 1.9 TFLOP), and below 512 a layer's launches per chunk would
+cost more than the products save."""
+TIGHT_SLOTS = 2
+"""Weight slots the fit tries under a tight budget: the current layer and the one fetched ahead."""
+
+
+def gated_mlp(shape: ModelShape) -> bool:
+    """Whether every decoder layer has the gated MLP :mod:`neutrain.nn.chunked_mlp` chunks (no expert stack)."""
+    if shape.per_layer is None:
+        return True
+    for table in shape.per_layer:
+        names = [name for name, _ in table]
+        if any("expert" in n for n in names) or not all(any(n.endswith(f"{p}.weight") for n in names)
+                                                        for p in ("gate_proj", "up_proj", "down_proj")):
+            return False
+    return True
+
+
 def _value(recipe: Recipe, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(recipe, section), key)
@@ -138,12 +165,13 @@ class Candidate:
 
 
 def configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = True,
-                   levers: bool = True) -> list[Candidate]:
+                   levers: bool = True, tight: bool = False) -> list[Candidate]:
     """Every configuration the fit may take (see the module docstring); explicit keys are left out of the
     changes, and configurations the explicit keys make the same are listed once.
 
     ``gpu=False`` (a CPU: host and device memory are one) offloads nothing; ``levers=False`` varies the
-    weights alone (no device budget: the recipe's other keys stay as they are).
+    weights alone (no device budget: the recipe's other keys stay as they are); ``tight=True`` gives
+    :func:`tight_configurations`'s instead.
     """
     if shape is None:
         shape = recipe_shape(recipe)
@@ -165,30 +193,66 @@ def configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = 
         m, t = chosen.memory, chosen.train
         layers = m.offload_layers if m.offload_layers is not None and m.offload_layers < shape.layers else None
         key = (m.weights, m.offload_activations, m.offload_weights, layers if m.offload_weights else None,
-               t.micro_batch_size, t.gradient_accumulation_steps)
+               t.micro_batch_size, t.gradient_accumulation_steps, m.mlp_chunk_tokens,
+               m.offload_slots if m.offload_weights else None)
         if not valid(chosen) or key in seen:
             return
+        if (m.offload_weights and m.offload_slots and "memory.offload_slots" in changes
+                and LayerPlacement.spread(shape.layers, m.offload_layers).slots <= m.offload_slots):
+            return  # no fewer slots than the store's own ring
         seen.add(key)
         changes = {k: v for k, v in changes.items() if v != _value(recipe, k)}  # what it really changes
-        label = prefix + placement_label(chosen, shape.layers, gpu)
+        label = prefix + placement_label(chosen, shape.layers, gpu) + _tight_label(chosen)
         if auto:
             label = f"{WEIGHTS_LABEL[m.weights]} {label}" if label in ("on the GPU", "in memory") \
                 else f"{WEIGHTS_LABEL[m.weights]}, {label}"
-        family = (m.weights, m.offload_activations, m.offload_weights, t.micro_batch_size)
+        family = (m.weights, m.offload_activations, m.offload_weights, t.micro_batch_size, m.mlp_chunk_tokens,
+                  m.offload_slots)
         found.append(Candidate(label, family, changes, chosen, estimate_recipe(chosen, shape)))
 
     t = recipe.train
     rows = t.micro_batch_size * t.gradient_accumulation_steps
     # Both keys change together (the rows per step stay): either one set by the user rules this out.
     batch_keys_free = levers and not {"train.micro_batch_size", "train.gradient_accumulation_steps"} & recipe.explicit
+    squeezes = [{}]
+    if tight:
+        chunks = [c for c in MLP_CHUNKS if c < rows * recipe.data.sequence_len] if gated_mlp(shape) else []
+        slots = [None, TIGHT_SLOTS]
+        squeezes = [{"memory.mlp_chunk_tokens": c, "memory.offload_slots": k} for c in [AUTO, *chunks] for k in slots]
+        squeezes = squeezes[1:]  # the first is what the untight configurations tried
     for weights in weight_options(recipe):
         for changes in offload:
-            take({"memory.weights": weights, **changes})
+            for squeeze in squeezes:
+                if squeeze.get("memory.offload_slots") and not changes.get("memory.offload_weights"):
+                    continue  # slots are the weight store's
+                take({"memory.weights": weights, **changes, **squeeze})
         mb = t.micro_batch_size
         while batch_keys_free and mb > 1 and mb % 2 == 0:
             mb //= 2
             for changes in offload[:2]:  # weight offload does not accumulate
                 batch = {"train.micro_batch_size": mb, "train.gradient_accumulation_steps": rows // mb}
-                take({"memory.weights": weights, **changes, **batch},
-                     f"micro_batch_size {mb} x {rows // mb} accumulation steps ({rows} rows a step), ")
+                for squeeze in squeezes:
+                    if not squeeze.get("memory.offload_slots"):
+                        take({"memory.weights": weights, **changes, **batch, **squeeze},
+                             f"micro_batch_size {mb} x {rows // mb} accumulation steps ({rows} rows a step), ")
+    if tight:
+        found = [c for c in found if c.recipe.memory.mlp_chunk_tokens != AUTO
+                 or (c.recipe.memory.offload_weights and c.recipe.memory.offload_slots)]
     return found
+
+
+def tight_configurations(recipe: Recipe, shape: ModelShape | None = None, gpu: bool = True) -> list[Candidate]:
+    """The configurations the fit tries when none of :func:`configurations`' fits: each of those again with the
+    gated MLP chunked and, where weights stream, the store's ring cut to two slots (keys the recipe sets
+    explicitly stay as they are)."""
+    return configurations(recipe, shape, gpu, levers=True, tight=True)
+
+
+def _tight_label(recipe: Recipe) -> str:
+    m = recipe.memory
+    words = []
+    if m.offload_weights and m.offload_slots:
+        words.append(f"{m.offload_slots} weight slots on the GPU")
+    if m.mlp_chunk_tokens not in (AUTO, 0):
+        words.append(f"the MLP in chunks of {m.mlp_chunk_tokens} tokens")
+    return (", " + ", ".join(words)) if words else ""

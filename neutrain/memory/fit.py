@@ -39,7 +39,8 @@ from typing import Any
 from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.memory.budget import auto_budget
-from neutrain.memory.configurations import AUTO, Candidate, apply_changes, configurations, placement_label
+from neutrain.memory.configurations import (AUTO, Candidate, apply_changes, configurations, placement_label,
+                                            tight_configurations)
 from neutrain.memory.phase_planner import peak_phase, plan_recipe, predicted_gib
 from neutrain.memory.placement import Placement
 from neutrain.memory.planner import ACTIVATION_STAGING_BYTES, GIB, Estimate, estimate_recipe
@@ -233,12 +234,23 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     auto = recipe.memory.weights == AUTO
     options = configurations(recipe, shape, gpu, levers=budget is not None)
     fits = [_evaluate(c, shape, budget, gpu) for c in options]
-    if gpu and budget is not None and host is not None:  # a short host: the layer inputs split over the tiers
+    tiered = gpu and budget is not None and host is not None
+    if tiered:  # a short host: the layer inputs split over the tiers
         fits = [_tiered(f, c, shape, budget, host) for f, c in zip(fits, options)]
     limit = budget
     if budget is None:  # the weights alone, against the card's memory (a CPU: the host's)
         limit = (auto_budget(card) if card else None) if gpu else host
     ok = [f for f in fits if f.fits(limit, host)]
+    loose = None  # the smallest configuration without the tight levers, where they were needed
+    if budget is not None and not ok:  # the MLP in chunks, fewer weight slots: slower, tried only now
+        loose = min(fits, key=lambda f: f.peak[1].reserved)
+        tight = tight_configurations(recipe, shape, gpu)
+        tight_fits = [_evaluate(c, shape, budget, gpu) for c in tight]
+        if tiered:
+            tight_fits = [_tiered(f, c, shape, budget, host) for f, c in zip(tight_fits, tight)]
+        options += tight
+        fits += tight_fits
+        ok = [f for f in fits if f.fits(limit, host)]
     if budget is not None and not ok:
         _refuse_host(fits, budget, host)
         smallest = min(fits, key=lambda f: f.peak[1].reserved)
@@ -253,7 +265,7 @@ def choose_fit(recipe: Recipe, budget: int | None, host: int | None, gpu: bool =
     chosen = _fastest(ok) if ok else min(fits, key=lambda f: f.peak[1].reserved)
     shown = _tried(fits, [c.family for c in options], limit, host)
     chosen.tried = [dict(f.row(limit, host), chosen=f is chosen) for f in shown]
-    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card), host)
+    chosen.line = _line(recipe, chosen, fits, budget, limit, gpu, auto, bool(card), host, loose if ok else None)
     chosen.placement = _placement(chosen, budget)
     return chosen
 
@@ -319,7 +331,7 @@ def _weights_clause(recipe: Recipe, chosen: Fit, fits: list[Fit], limit: int | N
 
 
 def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limit: int | None, gpu: bool,
-          auto: bool, card: bool, host: int | None = None) -> str:
+          auto: bool, card: bool, host: int | None = None, loose: Fit | None = None) -> str:
     """The run's one memory line: what was chosen, why, its predicted peak and its predicted speed."""
     step = chosen.step
     speed = f"predicted {rate(step.tokens_per_s)} tok/s ({duration(step.step_s)} a step on {'an H200' if gpu else 'this CPU'})"
@@ -336,7 +348,7 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     m = apply_changes(recipe, chosen.changes).memory
     where = "on the GPU" if gpu else "(CPU: recorded, not enforced)"
     batch_changed = "train.micro_batch_size" in chosen.changes
-    if not (m.offload_activations or m.offload_weights or batch_changed):
+    if not (m.offload_activations or m.offload_weights or batch_changed or "memory.mlp_chunk_tokens" in chosen.changes):
         return (f"{head}fits the {_gib(budget)} budget {where} (predicted peak {_gib(worst.reserved)} "
                 f"reserved in phase '{name}', {_gib(worst.device)} device); {speed}")
     first = _unconstrained(fits, chosen.weights, recipe)
@@ -344,6 +356,8 @@ def _line(recipe: Recipe, chosen: Fit, fits: list[Fit], budget: int | None, limi
     as_is = "on the GPU it" if gpu else "at its micro-batch size it"  # a CPU offloads nothing
     why = (f"the host's {_gib(host)} cannot hold every layer input ({_gib(chosen.unsplit_need)} with the process's "
            f"{_gib(HOST_PROCESS_BYTES)})" if chosen.tiers and host is not None
+           else (f"the smallest configuration with the MLP whole and the usual weight slots needs a budget of "
+                 f"{_gib(loose.peak[1].reserved / (1 - FIT_HEADROOM))} (phase '{loose.peak[0]}')") if loose is not None
            else f"{as_is} needs {_gib(first_peak.reserved)} (phase '{first_name}')"
            if first is None or not first.fits(budget, None)
            else f"{as_is} needs {_gib(first.host_bytes)} of host memory" if first.host_bytes

@@ -170,6 +170,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
              checkpointing: bool = True, offload_activations: bool = False, offload_weights: bool = False,
              offload_layers: int | None = None, offload_slots: int | None = None, dtype_bytes: int = 2,
              chunked_loss: bool | None = None, activation_device_layers: int = 0, activation_file_layers: int = 0,
+             mlp_chunk_tokens: int = 0,
              bits_per_weight: float = NEUZIP_BITS, chunk_numel: int = 1 << 24, loss_chunk_bytes: int = 256 << 20) -> Estimate:
     """Predict peak allocated bytes of one training step (and reserved, device used: :class:`Estimate`).
 
@@ -191,6 +192,9 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
             of slots (``offload_slots`` overrides it; see :func:`offload_traffic`).
         dtype_bytes: Bytes per weight/activation element (bf16: 2).
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
+        mlp_chunk_tokens: Tokens the gated MLP computes at once (:mod:`neutrain.nn.chunked_mlp`; 0: all): its
+            ``tokens x intermediate`` intermediates and their gradients are one chunk's, and its three weight
+            gradients exist at once (each handed to the update after the last chunk).
 
     Example:
         >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
@@ -217,8 +221,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         bits = bits_per_weight if weights == "neuzip-lossless" else 1 + int(weights.rsplit("-", 1)[1]) + 2.65
         t["weights"] = shape.matrix_params() * bits / 8 + shape.norm_params() * dtype_bytes
         if offloading:
-            placement = LayerPlacement.spread(shape.layers, offload_layers)
-            slots = offload_slots or placement.slots
+            placement = LayerPlacement.spread(shape.layers, offload_layers, offload_slots)
+            slots = placement.slots
             traffic = offload_traffic(shape, bits, slots, placement.count)
             t["weights"] -= traffic["host_weight_bytes"]
             t["weight_slots"] = min(slots, placement.count) * traffic["layer_bytes"] * (1 + 1 / 16)
@@ -242,13 +246,18 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         if state:
             t["optimizer_state"] = state
         t["update_temporaries"] = 3 * chunk_numel * 4
-    layer_live = tokens * (4 * h + 2 * kv + 3 * i_) * dtype_bytes  # q,k,v,attn,o in; gate,up,act*up
+    chunk = mlp_chunk_tokens if 0 < mlp_chunk_tokens < tokens else 0
+    mlp_tokens = chunk or tokens  # rows of the MLP's intermediates at once
+    attention_live = tokens * (4 * h + 2 * kv) * dtype_bytes  # q,k,v,attn,o in
+    layer_live = attention_live + 3 * mlp_tokens * i_ * dtype_bytes  # gate,up,act*up
     if checkpointing:
         # Each layer's saved input (fitted on an H200, see train_memory.json); the recompute is the moment's.
         kept = min(shape.layers, 2 + activation_device_layers) if offload_activations else shape.layers
         t["activations"] = kept * tokens * h * dtype_bytes
     else:
-        t["activations"] = shape.layers * layer_live + tokens * h * dtype_bytes * 4 * shape.layers
+        # A chunked MLP saves its input alone (counted in the attention's) and rebuilds the rest in its backward.
+        saved = attention_live if chunk else layer_live
+        t["activations"] = shape.layers * saved + tokens * h * dtype_bytes * 4 * shape.layers
 
     # The loss: the vocabulary matrix decoded whole, the logits block and, for a fused update, the vocabulary
     # matrix's gradient: row blocks of chunk_numel when compressed, untied and element-wise (AdaLomo's
@@ -264,9 +273,12 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         streamed = compressed and chunked_loss and not shape.tied and spec.elementwise
         loss["gradients"] = (chunk_numel if streamed else v * h) * dtype_bytes
     # A decoder layer's backward: its intermediates (rebuilt by the checkpoint) and the MLP's gradients.
-    backward = {"recompute": (layer_live if checkpointing else 0) + MLP_BACKWARD_BLOCKS * tokens * i_ * dtype_bytes}
-    if fused:
-        backward["gradients"] = shape.largest_layer_matrix() * dtype_bytes
+    rebuilt = layer_live if checkpointing else 3 * chunk * i_ * dtype_bytes
+    backward = {"recompute": rebuilt + MLP_BACKWARD_BLOCKS * mlp_tokens * i_ * dtype_bytes}
+    if fused or chunk:
+        # Chunked, the MLP's three weight gradients sum over the chunks before any goes to its update.
+        largest = shape.largest_layer_matrix()
+        backward["gradients"] = max(largest, 3 * h * i_ if chunk else 0) * dtype_bytes
     moment, peak = max((("loss", loss), ("layer backward", backward)), key=lambda m: sum(m[1].values()))
     t.update(peak)
     offloaded_inputs = offload_activations and checkpointing
@@ -279,13 +291,17 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
                     activation_device_layers=device_inputs, activation_file_layers=file_inputs,
                     file_activation_bytes=file_inputs * layer_input,
                     activation_staging_bytes=ACTIVATION_STAGING_BYTES if file_inputs else 0,
-                    chunked_loss=chunked_loss, params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
+                    chunked_loss=chunked_loss, mlp_chunk_tokens=chunk,
+                    params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
                     layers=shape.layers, peak_moment=moment, moments={"loss": loss, "layer backward": backward},
                     layer_slot_bytes=t.get("decode_buffers", 0.0),
                     vocab_slot_bytes=t.get("vocab_slot", loss.get("vocab_decode", 0.0)))
     if offloading:
         settings.update(offload_weights=True, offload_slots=slots, offloaded=placement.offloaded, **traffic)
-    slack = ALLOCATOR_SLACK_BLOCKS * tokens * i_ * dtype_bytes + ALLOCATOR_SLACK_BYTES
+    # The largest activation block: tokens x intermediate, or with a chunked MLP a chunk's, or tokens x hidden
+    # (the slack was fitted unchunked; for chunked runs the same one and a half blocks is assumed).
+    block = max(chunk * i_, tokens * h) if chunk else tokens * i_
+    slack = ALLOCATOR_SLACK_BLOCKS * block * dtype_bytes + ALLOCATOR_SLACK_BYTES
     return Estimate(t, settings, slack)
 
 
@@ -314,6 +330,13 @@ def estimate_recipe(recipe: Recipe, shape: ModelShape | None = None, activation_
         shape, batch=t.micro_batch_size, seq=recipe.data.sequence_len,
         weights=m.weights, optimizer=t.optimizer, checkpointing=m.gradient_checkpointing,
         offload_activations=m.offload_activations, offload_weights=m.offload_weights,
-        offload_layers=m.offload_layers, dtype_bytes=dtype_bytes, chunked_loss=(m.loss_chunk_size > 0) or None,
+        offload_layers=m.offload_layers, offload_slots=m.offload_slots, dtype_bytes=dtype_bytes,
+        chunked_loss=(m.loss_chunk_size > 0) or None, mlp_chunk_tokens=mlp_chunk_tokens(recipe),
         activation_device_layers=activation_device_layers, activation_file_layers=activation_file_layers,
     )
+
+
+def mlp_chunk_tokens(recipe: Recipe) -> int:
+    """The recipe's ``memory.mlp_chunk_tokens`` as tokens (0: unchunked; ``auto`` the fit has left is unchunked)."""
+    value = recipe.memory.mlp_chunk_tokens
+    return 0 if value == "auto" else int(value)

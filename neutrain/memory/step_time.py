@@ -133,6 +133,13 @@ CPU_CODEC_BYTES_PER_S = 569e6
 compressed (311.1 tok/s) against dense (363.3), one decode and one re-encode of 135M weights a step
 (``decodes_per_weight_per_step`` 1.0: a CPU keeps the decoded weight from forward to backward)."""
 
+HOST_S_PER_MLP_CHUNK = 1.5e-4
+"""Host seconds one chunk of a sequence-chunked MLP (:mod:`neutrain.nn.chunked_mlp`) costs per decoder layer per
+micro-batch: about 17 launches from Python (its forward's five, its backward's twelve) at some 9 us each, the
+per-launch cost of benchmarks/memory/results.jsonl#train_memory's host-bound batch-1 step
+(:data:`HOST_S_PER_TENSOR`: 12,691 kernels in 330 ms, about 26 us a kernel with its Python, a third of it the
+launch). Derived, not measured on a chunked run: the cards benchmark's ``b8_5`` timing calibrates it."""
+
 ORDINARY_UPDATE_PASSES = {"adamw": 7, "sgd": 3}
 """Weight-sized passes over device memory per update of the Trainer's own optimizers: SGD 3 (read the weight and
 its gradient, write the weight, as LOMO and AdaLomo do, part of the record GEMM_FLOPS_PER_S is calibrated on);
@@ -267,6 +274,15 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
         dense = shape.matrix_params() * 2
         device += (accumulation * decodes + 1) * dense / codec_rate
     host = accumulation * (tensors * rates.host_s_per_tensor + (matrices * per_matrix if compressed else 0))
+    chunk = s.get("mlp_chunk_tokens") or 0  # estimates built before the key have none
+    if chunk:
+        # Same products as unchunked (the chunks' gate and up run in backward instead of the recompute), but
+        # each chunk is launched from Python, and the three weight gradients are read and written once a chunk.
+        chunks = -(-s["batch"] * s["seq"] // chunk)
+        host += accumulation * chunks * shape.layers * HOST_S_PER_MLP_CHUNK * (rates.host_s_per_tensor > 0)
+        if rates.memory_bytes_per_s is not None:
+            grad_bytes = 3 * shape.hidden * shape.intermediate * 2
+            device += accumulation * shape.layers * chunks * 2 * grad_bytes / rates.memory_bytes_per_s
     spilled = s.get("file_activation_bytes", 0)  # through the host on their way to the file, and back
     copied = (s.get("h2d_bytes_per_step", 0) + s.get("d2h_bytes_per_step", 0)
               + 2 * (s.get("host_activation_bytes", 0) + spilled))

@@ -39,6 +39,7 @@ class Placement:
         layers: with ``host`` None, how many decoder layers go to host memory, spread evenly through the
             model (``memory.offload_layers``, :meth:`~neutrain.config.layer_placement.LayerPlacement.spread`,
             whose ring of device slots the store then gets); ``None``: every layer.
+        slots: with ``host`` None, the store's device slots (``memory.offload_slots``); ``None``: the ring's.
         device: where the model is built (and computes).
     """
 
@@ -46,6 +47,7 @@ class Placement:
     offload: bool = False
     host: tuple[str, ...] | None = None
     layers: int | None = None
+    slots: int | None = None
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self):

@@ -90,7 +90,7 @@ class ModelSink:
             self.store, units = WeightOffload(self.device), placement.host
         elif placement.offload:  # decoder layers, spread evenly, with the ring the planner counted
             names = layer_names(model)
-            spread = LayerPlacement.spread(len(names), placement.layers)
+            spread = LayerPlacement.spread(len(names), placement.layers, placement.slots)
             self.store, units = ring_store(spread, self.device), [names[i] for i in spread.offloaded]
         # Offloaded module -> its parameters not placed yet. Under offload, a layer whose tensors are
         # spread across shards stays on the device until its last one arrives: at most the partial

@@ -72,7 +72,7 @@ def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = 
     """Keep ``model``'s decoder layers' compressed weights in host memory, streamed in per layer.
 
     ``count``: offload that many decoder layers only (:meth:`LayerPlacement.spread`, whose ring then
-    replaces ``ahead`` and ``slots``); None: every layer, with the ring ``ahead`` / ``slots``.
+    replaces ``ahead``, and ``slots`` unless given); None: every layer, with the ring ``ahead`` / ``slots``.
 
     Returns the :class:`WeightOffload` (also ``model._neutrain_weight_offload``). Embedding and lm_head
     stay on the device. See the module docstring for an example.
@@ -95,7 +95,7 @@ def offload_weights(model: torch.nn.Module, ahead: int = 2, slots: int | None = 
     if count is None:
         store, chosen = WeightOffload(device, ahead=ahead, slots=slots), range(len(layers))
     else:
-        placement = LayerPlacement.spread(len(layers), count)
+        placement = LayerPlacement.spread(len(layers), count, slots)
         store, chosen = ring_store(placement, device), placement.offloaded
     for index in chosen:
         store.add_layer(w for w in compressed_weights(layers[index]) if not w.large)

@@ -218,7 +218,7 @@ def export_dtype(model_cfg: ModelSection, weights: str, use_cpu: bool, requested
 
 def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
                   offload_weights: bool = False, offload_layers: int | None = None,
-                  fmt: ModelFormat | None = None) -> ModelSpec:
+                  fmt: ModelFormat | None = None, offload_slots: int | None = None) -> ModelSpec:
     """The model a recipe's ``model`` section describes, resolved once: where its tensors come from, its
     transformers config, compute and storage dtypes, the attention backend and the placement.
 
@@ -226,7 +226,8 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     compresses well) and computed in fp32 (bf16 matrix products are emulated and several times slower
     there). ``offload_weights`` (``memory.offload_weights``) keeps the compressed decoder layers in host
     memory, each moved there as soon as it is built; ``offload_layers`` (``memory.offload_layers``) of them
-    only, spread evenly, when set. ``fmt``: the section's format as :func:`recipe_format` chose it, else chosen here.
+    only, spread evenly, when set, through ``offload_slots`` (``memory.offload_slots``) device slots when set.
+    ``fmt``: the section's format as :func:`recipe_format` chose it, else chosen here.
 
     Example:
         >>> from neutrain.config import load_recipe
@@ -251,7 +252,7 @@ def resolve_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, see
     storage = torch.bfloat16 if weights != "dense" and model_cfg.dtype == "auto" and dtype == torch.float32 else None
     offload = offload_weights and weights != "dense"
     placement = Placement(weights, offload=offload, layers=offload_layers if offload else None,
-                          device="cuda" if cuda else "cpu")
+                          slots=offload_slots if offload else None, device="cuda" if cuda else "cpu")
     return ModelSpec(fmt.source(), config, dtype, storage, _attention(model_cfg.attn_implementation, config, use_cpu),
                      placement, trust_remote_code=trust)
 
@@ -285,7 +286,7 @@ def _attention(requested: str, config, use_cpu: bool) -> str:
 
 
 def build_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed: int = 42, weights: str = "dense",
-                offload_weights: bool = False, offload_layers: int | None = None):
+                offload_weights: bool = False, offload_layers: int | None = None, offload_slots: int | None = None):
     """Build the causal LM described by ``model_cfg``, dense or NeuZip-compressed (``weights``), tensor by
     tensor (:func:`resolve_model`, then :func:`neutrain.nn.load.build`).
 
@@ -302,7 +303,8 @@ def build_model(model_cfg: ModelSection, tokenizer, use_cpu: bool = False, seed:
 
         verify_if_neutrain(base)  # a neutrain checkpoint or export as the base: its checksums, before a tensor is read
     fmt = recipe_format(model_cfg, tokenizer, seed)
-    spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers, fmt)
+    spec = resolve_model(model_cfg, tokenizer, use_cpu, seed, weights, offload_weights, offload_layers, fmt,
+                         offload_slots)
     try:
         model, report = fmt.build(spec)
     except OSError as exc:

@@ -76,6 +76,8 @@ NOT_MODEL_KEYS = {
     "memory.offload_activations": "where activations wait, not their values",
     "memory.offload_weights": "where the weights live, not their values",
     "memory.offload_layers": "where the weights live, not their values",
+    "memory.offload_slots": "how many layers' weights wait on the GPU, not their values",
+    "memory.mlp_chunk_tokens": "the same MLP, computed in chunks of tokens",
     "memory.stochastic_rounding": "how the optimizer rounds its updates, not the model",
     "memory.clip_mode": "how the optimizer clips, not the model",
     "memory.device_budget_gib": "a memory limit the run plans against",

@@ -69,6 +69,7 @@ from neutrain.nn import DECODE_BUFFERS, CompressedLinear, causal_lm_loss
 from neutrain.nn.checkpoint import is_compressed, save_compressed_checkpoint
 from neutrain.nn.lora import adapter_state_dict, is_peft_model
 from neutrain.nn.activation_file import ActivationFile
+from neutrain.nn.chunked_mlp import chunk_mlps
 from neutrain.nn.offload import offload_checkpointed_inputs
 from neutrain.nn.weight_offload_model import offload_weights, weight_store
 from neutrain.optim.factory import build_fused_optimizer
@@ -255,11 +256,21 @@ class NeuTrainer(Trainer):
         activations = planned.offload_activations if planned is not None else self.memory.offload_activations
         if offload and store is None:
             # A model built elsewhere: its layers (memory.offload_layers of them) go to host memory now.
-            offload_weights(_unwrap(self.model), count=asked)
+            offload_weights(_unwrap(self.model), count=asked, slots=self.memory.offload_slots)
         elif store is not None and asked is not None and len(store.layers) != asked:
             # The planner counted `asked` layers' worth of device memory and PCIe bytes; say where they differ.
             logger.warning("memory.offload_layers: %d asked, but the build put %d decoder layers in host memory",
                            asked, len(store.layers))
+        chunk = self.memory.mlp_chunk_tokens
+        if chunk != "auto" and chunk > 0 and self.distributed_mode.sharded:
+            # Sharded parameters are gathered by each module's own forward, which the chunked MLP bypasses.
+            logger.warning("memory.mlp_chunk_tokens: %d ignored: parameters are sharded (FSDP2/ZeRO-3)", chunk)
+        elif chunk != "auto" and chunk > 0:  # auto the fit left as it was: unchunked
+            mlps = chunk_mlps(_unwrap(self.model), chunk)
+            logger.info("memory.mlp_chunk_tokens: %d gated MLPs compute %d tokens at a time", mlps, chunk)
+            if not mlps:
+                logger.warning("memory.mlp_chunk_tokens: no MLP of this model can be chunked (an adapter, a bias or "
+                               "experts): each runs whole, beyond the planned memory")
         if activations:
             # Trainer.train enabled checkpointing before this point; wrap each layer's checkpoint now.
             on_device, in_file = ((planned.activation_device_layers, planned.activation_file_layers)

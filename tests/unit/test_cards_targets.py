@@ -28,3 +28,12 @@ def test_the_speed_targets_and_the_step_time_error_come_from_the_timing_rows():
     assert error["value"] == round(abs(1686 / 2550 - 1), 3)
     assert targets["card_12gb_over_unbounded_tokens_per_s"]["value"] == round(2550 / 2970, 3)  # kept
     assert set(targets) <= set(TARGETS)
+
+
+def test_a_6_gb_card_at_batch_8_is_timed_against_no_budget():
+    assert TIMING["b8_5"] == (5, 8, ())  # the shipped recipe: the fit chunks the MLP to fit
+    targets, _ = targets_of([], {"b8_none": {"tokens_per_s": 7000.0}, "b8_5": {"tokens_per_s": 6440.0}})
+    assert targets["card_6gb_over_unbounded_tokens_per_s_batch8"] == {"value": 0.92, "goal": ">= 0.9", "met": True}
+    assert "card_6gb_over_unbounded_tokens_per_s_batch8" in TARGETS
+    targets, _ = targets_of([], {"b8_5": {"tokens_per_s": 6440.0}})  # no unbounded row in the call: no ratio
+    assert "card_6gb_over_unbounded_tokens_per_s_batch8" not in targets

@@ -148,7 +148,8 @@ def test_the_weights_follow_memory_weights_auto_and_an_explicit_storage_is_kept(
     forced = choose_fit(_8b("memory.weights=neuzip-lossless"), big, HOST)  # compression forced, even on a big card
     assert forced.weights == "neuzip-lossless" and "memory.weights" not in forced.changes
     assert forced.line.startswith("memory: fits the ")  # no weights clause: the recipe chose them
-    with pytest.raises(RecipeError, match=r"the smallest configuration \(offloading activations\)"):
+    smallest = r"the smallest configuration \(offloading activations, the MLP in chunks of 512 tokens\)"
+    with pytest.raises(RecipeError, match=smallest):
         choose_fit(_8b("memory.weights=dense"), small, HOST)  # dense kept: it does not fit a 16 GB card
     # NeuZip needs a fused optimizer: with AdamW, auto is dense whatever the card.
     assert [label for label, _ in candidates(_8b("train.optimizer=adamw"), gpu=False)] == ["dense weights in memory"]
@@ -193,10 +194,13 @@ def test_nothing_fits_names_the_smallest_budget_and_host_memory():
         choose_fit(_8b(), 3 * GIB, HOST)
     message = str(err.value)
     assert "\n" not in message and message.startswith("memory.device_budget_gib: nothing fits a budget of 3.00 GiB")
-    # The smallest: every layer's weights and the activations in host memory, named with its figures.
+    # The smallest: every layer's weights and the activations in host memory, two weight slots, the MLP in the
+    # smallest chunks, named with its figures.
     smallest = plan_recipe(_8b("memory.weights=neuzip-lossless", "memory.offload_weights=true",
-                               "memory.offload_activations=true"))
-    assert f"the smallest configuration ({BOTH}) {_needs(smallest)}" in message
+                               "memory.offload_activations=true", "memory.offload_slots=2",
+                               "memory.mlp_chunk_tokens=512"))
+    tight = f"{BOTH}, 2 weight slots on the GPU, the MLP in chunks of 512 tokens"
+    assert f"the smallest configuration ({tight}) {_needs(smallest)}" in message
     host = smallest["train_step"].settings
     assert f"and {(host['host_pinned_bytes'] + host['host_activation_bytes']) / GIB:.2f} GiB of host memory" in message
     # The host must hold the offloaded weights: with too little, weight offload does not fit either.
