@@ -50,6 +50,9 @@ def run(args) -> int:
                        "nothing to merge onto a base", "export it as it is")
     out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once
     refuse_inside_model(out, "--output", may_be_one=True)  # never inside a checkpoint or another export
+    from neutrain.trainer.disk_plan import check_lengths, export_paths  # lazy: `neutrain --help` stays instant
+
+    check_lengths("--output", str(out), export_paths(out))  # its lock and staging names too, as a run's export
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
     dtype = run_export_dtype(ckpt, args.dtype)
     # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.

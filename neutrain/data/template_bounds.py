@@ -7,7 +7,8 @@ probe conversation alone was not enough: a loop gated on a message's content (``
 message.content %}``) costs nothing on the probe and hung ``generate`` on the prompt that held an ``x``.
 
 Both renderings go through transformers' own environment (:mod:`neutrain.compat.chat_templates`) with
-limits: no value over :data:`MAX_VALUE` characters (``*``, ``+``, calls, namespace values), at most
+limits: no value over :data:`MAX_VALUE` characters (``*``, ``+``, ``%``, calls, filters, namespace values, and no
+size, width or precision over it before a value is built), at most
 :data:`MAX_LOOP_STEPS` ``range`` steps, and at most :data:`RENDER_SECONDS` of rendering, checked at every
 attribute, item, call and operator the template runs (and, in the main thread, by a timer for a loop that
 runs none of them).
@@ -33,7 +34,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import re
 import signal
 import threading
 import time
@@ -84,6 +87,35 @@ def _check_value(value, what: str = "builds a value"):
     return value
 
 
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d*))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _check_sizes(args, what: str) -> None:
+    """Refuse a size (an integer argument, or a width or precision in a format string) over :data:`MAX_VALUE`
+    before the value it sizes is built. Why: ``'x'|center(10**9)``, ``'%1000000000s' % x`` and
+    ``'{:>1000000000}'.format(x)`` build a gigabyte in one C call, past any check made after it."""
+    for arg in args:
+        if isinstance(arg, int) and not isinstance(arg, bool) and arg > MAX_VALUE:
+            raise _TooCostly(f"{what} with a size over {MAX_VALUE:,}")
+        if isinstance(arg, str) and ("%" in arg or "{" in arg):
+            digits = [d for m in _PERCENT_SPEC.finditer(arg) for d in m.groups() if d] + \
+                [d for m in _BRACE_SPEC.finditer(arg) for d in re.findall(r"\d+", m.group(1))]
+            if any(len(d) > 7 or int(d) > MAX_VALUE for d in digits):
+                raise _TooCostly(f"{what} with a format width over {MAX_VALUE:,}")
+
+
+def _bounded_filter(name: str, function, budget: _Budget):
+    """``function`` (a Jinja filter) with its sizes checked before it runs and its value after."""
+    @functools.wraps(function)  # keeps jinja_pass_arg: Jinja passes the context or environment as before
+    def bounded(*args, **kwargs):
+        budget.tick()
+        _check_sizes((*args, *kwargs.values()), f"applies the filter {name}")
+        return _check_value(function(*args, **kwargs))
+
+    return bounded
+
+
 def _bounded(env, budget: _Budget) -> None:
     """Limit ``env`` (a template environment overlay) in place: values, loop steps, namespace writes, time."""
     table = env.binop_table
@@ -94,6 +126,8 @@ def _bounded(env, budget: _Budget) -> None:
             count, seq = (right, left) if isinstance(right, int) else (left, right)
             if isinstance(count, int) and _size(seq) is not None and len(seq) * count > MAX_VALUE:
                 raise _TooCostly(f"builds a value of {len(seq) * count:,} items (more than {MAX_VALUE:,})")
+        if operator == "%" and isinstance(left, str):  # printf-style formatting: its widths size the value
+            _check_sizes((left, *(right if isinstance(right, tuple) else (right,))), "formats a string")
         if operator == "**" and all(isinstance(x, (int, float)) for x in (left, right)) and abs(left) > 1 \
                 and abs(right) * math.log2(abs(left)) > 4096:
             raise _TooCostly(f"computes {left} ** {right} (more than 4096 bits)")
@@ -103,8 +137,10 @@ def _bounded(env, budget: _Budget) -> None:
 
     def bounded_call(context, obj, *args, **kwargs):
         budget.tick()
-        if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_VALUE for a in (*args, *kwargs.values())):
-            raise _TooCostly(f"calls {getattr(obj, '__name__', 'a function')} with a size over {MAX_VALUE:,}")
+        # 'text {:>9}'.format(...): the widths are in the string (the sandbox wraps str.format, keeping __wrapped__)
+        owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
+        _check_sizes((*args, *kwargs.values(), *((owner,) if isinstance(owner, str) else ())),
+                     f"calls {getattr(obj, '__name__', 'a function')}")
         return _check_value(call(context, obj, *args, **kwargs))
 
     def counted_range(*args):
@@ -131,7 +167,8 @@ def _bounded(env, budget: _Budget) -> None:
                 super().__setitem__(name, _check_value(value, f"stores in namespace.{name} a value"))
 
         env.globals["namespace"] = BoundedNamespace
-    env.intercepted_binops = frozenset(("*", "**", "+"))
+    env.filters = {name: _bounded_filter(name, function, budget) for name, function in env.filters.items()}
+    env.intercepted_binops = frozenset(("*", "**", "+", "%"))
     env.call_binop, env.call = call_binop, bounded_call
     env.getattr, env.getitem = timed_getattr, timed_getitem
     env.globals["range"] = counted_range

@@ -51,7 +51,7 @@ def build(spec: ModelSpec, *, progress: bool = True):
     check_config_names(spec.config, where, error)
     if spec.attention is not None:
         spec.config._attn_implementation = spec.attention
-    model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code)
+    model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code, where, error)
     sink = ModelSink(model, spec.placement, storage_dtype=spec.storage_dtype, codec_options=spec.codec_options,
                      source_keys=spec.source.keys())
     count = getattr(spec.source, "tensor_count", None)
@@ -150,12 +150,28 @@ def init_compressed(
     return build(spec, progress=progress)
 
 
-def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
+def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False, where: str = "model.config",
+              error: type[Exception] = RecipeError):
+    """``config``'s model on the meta device: the one place every config the build or the memory plan uses is
+    built. Why the guard: a value each rule lets through can still break the architecture's own code
+    (``head_dim: 0`` divided by zero in Llama's rotary init), which ended in that code's traceback; it is one
+    line naming the config and the architecture's own words instead."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    from neutrain.errors import UserInputError
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    except UserInputError:
+        raise
+    except (ArithmeticError, ValueError, TypeError, IndexError, KeyError, AssertionError, RuntimeError) as exc:
+        if isinstance(exc, (NotImplementedError, RecursionError)):
+            raise
+        model_type = getattr(config, "model_type", None) or type(config).__name__
+        raise error(f"{where}: the {model_type} architecture cannot be built from these values "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'})") from exc
 
 
 def parameter_shapes(config, trust_remote_code: bool = False) -> list[tuple[str, tuple[int, ...], int]]:

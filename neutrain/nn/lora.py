@@ -41,6 +41,7 @@ import torch
 
 from neutrain.compat.peft_lora import register_custom_lora_module
 from neutrain.config.validate import section_from
+from neutrain.errors import RecipeError
 
 LOSSY = re.compile(r"^neuzip-lossy-(\d+)$")
 
@@ -96,15 +97,35 @@ def lora_target_modules(model: torch.nn.Module, target: str | list[str]) -> list
     """peft target modules; ``all-linear`` means every linear layer but the output head, compressed ones included.
 
     peft's own ``all-linear`` only recognises ``nn.Linear``, so it is expanded here to module-name suffixes.
+    Any other target is checked against the model's linear layers as peft matches it (a name: a suffix of a
+    module's dotted name; a single string: a regular expression over the whole name), and refused naming
+    ``memory.lora_target_modules`` where a name matches no linear layer. Why: a misspelt name ended in peft's
+    traceback when nothing matched, and silently left that layer untrained when another name did.
     """
-    if target != "all-linear":
-        return target
     from neutrain.nn import CompressedLinear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {name.rpartition(".")[2] for name, m in model.named_modules()
-             if isinstance(m, (torch.nn.Linear, CompressedLinear)) and m is not head}
-    return sorted(names)
+    linear = [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, CompressedLinear))]
+    suffixes = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                       if isinstance(m, (torch.nn.Linear, CompressedLinear)) and m is not head})
+    if target == "all-linear":
+        return suffixes
+    key, known = "memory.lora_target_modules", f"the model's linear layers are {', '.join(suffixes) or 'none'}"
+    if isinstance(target, str):
+        try:
+            pattern = re.compile(target)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise RecipeError(f"{key}: {target!r} is not a regular expression ({exc}); {known}") from None
+        if not any(pattern.fullmatch(name) for name in linear):
+            raise RecipeError(f"{key}: {target!r} (a regular expression over whole module names) matches no linear "
+                              f"layer; {known}, or give 'all-linear'")
+        return target
+    if not target:
+        raise RecipeError(f"{key}: an empty list adapts nothing; {known}, or give 'all-linear'")
+    for wanted in target:
+        if not any(name == wanted or name.endswith("." + wanted) for name in linear):
+            raise RecipeError(f"{key}: '{wanted}' names no linear layer of the model; {known}, or give 'all-linear'")
+    return target
 
 
 def _compressed_lora_linear():

@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath
 
 from neutrain.compat.file_modes import honour_umask
 from neutrain.errors import CheckpointError
-from neutrain.files import MAX_FOLDER_TEXT_BYTES, MAX_RECORD_BYTES, read_bytes, read_json_object, read_text
+from neutrain.files import MAX_FOLDER_TEXT_BYTES, MAX_RECORD_BYTES, kind_word, read_bytes, read_json_object, read_text
 from neutrain.storage.confine import check_indexes, check_tree, inside
 from neutrain.storage.digests import file_digests, remembered
 from neutrain.storage.tensor_layout import check_ranges
@@ -260,6 +260,16 @@ def written_with_manifest(directory: str | os.PathLike) -> str | None:
     return f"its trainer_state.json records {MANIFEST_MARK}" if marked else None
 
 
+def _not_there(file: Path) -> str:
+    """What stands at ``file``, which is not a regular file: missing, or its kind (a FIFO, a directory, ...).
+    Why: a FIFO or a directory in a listed file's place was reported as missing, sending the user to look for a
+    file that is there."""
+    try:
+        return f"is {kind_word(os.stat(file).st_mode)}, not a regular file"
+    except OSError:
+        return "is missing"
+
+
 def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None:
     path = directory / MANIFEST
     if not os.path.lexists(path):  # a FIFO or a directory in its place is read, and refused, below
@@ -286,9 +296,9 @@ def _check_manifest(directory: Path, may_be_missing: Iterable[str] = ()) -> None
     for rel, expected in sorted(files.items()):
         file = inside(directory, rel)  # '../../etc/passwd' would make the check a size and hash oracle
         if not file.is_file():
-            if rel in may_be_missing:
+            if rel in may_be_missing and not os.path.lexists(file):  # a FIFO there is not "missing"
                 continue
-            raise CheckpointError(f"checkpoint file '{file}' is missing (listed in {MANIFEST})")
+            raise CheckpointError(f"checkpoint file '{file}' {_not_there(file)} (listed in {MANIFEST})")
         size = file.stat().st_size
         if size != expected.get("size"):
             raise CheckpointError(f"checkpoint file '{file}' has {size} bytes, {expected.get('size')} when it was "
@@ -414,7 +424,7 @@ def verify_checkpoint(directory: str | os.PathLike, required: Iterable[str] = ()
     check_indexes(directory)  # a sharded index must not name a file outside the checkpoint either
     for name in required:
         if not (directory / name).is_file():
-            raise CheckpointError(f"checkpoint file '{directory / name}' is missing")
+            raise CheckpointError(f"checkpoint file '{directory / name}' {_not_there(directory / name)}")
     _check_manifest(directory, tuple(may_be_missing))
     for path in _files(directory):
         check_file(path)

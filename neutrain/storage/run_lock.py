@@ -62,7 +62,9 @@ class RunDirectoryError(UserInputError):
 def _holder_text(holder: dict) -> str:
     if not holder:  # being written this instant, or torn
         return "its pid and host are not written yet"
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+    host, started = holder.get("host"), holder.get("started")  # a record may lack either: no "None" is shown
+    return (f"pid {holder.get('pid')}" + (f" on host {host}" if host is not None else "")
+            + (f", started {started}" if started is not None else ""))
 
 
 class RunLock:
@@ -132,7 +134,10 @@ class RunLock:
         holder = self._read(fd)
         if holder:  # the previous holder never released: killed, or on a file system without flock
             pid = holder.get("pid")
-            if holder.get("host") != socket.gethostname():
+            host = holder.get("host")
+            # A record naming no host (written by hand, or torn) is not another host's: the flock held here says
+            # no process of this host holds the file, so its pid alone decides, as for this host's records.
+            if isinstance(host, str) and host != socket.gethostname():
                 raise RunDirectoryError(
                     f"{self.key} '{self.output_dir}' is locked by a neutrain run on another host "
                     f"({_holder_text(holder)}); if that run is dead, delete {self.path}")

@@ -59,14 +59,35 @@ def planned_paths(recipe, processes: int = 1) -> dict[str, list[str]]:
         os.path.join(out, "eval", "long_context_shadowkv.json"), os.path.join(out, "distill", "training_curves.png"),
     ]}
     if recipe.export.format != "none":
-        export = Path(os.path.abspath(recipe.export_dir))
         key = "export.output_dir" if recipe.export.output_dir else "train.output_dir"
-        paths.setdefault(key, []).extend([
-            *(str(export.with_name(f".tmp-{export.name}-{_PID}") / name) for name in EXPORT_FILES),
-            str(export.with_name(f".tmp-old-{export.name}-{_PID}")), str(export.with_name(f".neutrain-export-{export.name}.lock")),
-            *(str(export / name) for name in EXPORT_FILES),
-        ])
+        paths.setdefault(key, []).extend(export_paths(recipe.export_dir))
     return paths
+
+
+def export_paths(output_dir: str | os.PathLike) -> list[str]:
+    """The longest paths an export into ``output_dir`` writes: its staging and set-aside siblings, the lock beside
+    it, and the names inside (a run's export and ``neutrain export --output`` alike)."""
+    export = Path(os.path.abspath(output_dir))
+    return [*(str(export.with_name(f".tmp-{export.name}-{_PID}") / name) for name in EXPORT_FILES),
+            str(export.with_name(f".tmp-old-{export.name}-{_PID}")), str(export.with_name(f".neutrain-export-{export.name}.lock")),
+            *(str(export / name) for name in EXPORT_FILES)]
+
+
+def check_lengths(key: str, value: str, paths: list[str]) -> None:
+    """Refuse, naming ``key`` (whose value is ``value``), the first of ``paths`` the file system cannot hold.
+
+    Example:
+        >>> try:
+        ...     check_lengths("--output", "/tmp/" + "x" * 240, export_paths("/tmp/" + "x" * 240))
+        ... except RecipeError as e:
+        ...     print(str(e)[:8], "NAME_MAX" in str(e))
+        --output True
+    """
+    shown = value if len(value) <= 60 else value[:57] + "..."
+    for path in paths:
+        if problem := path_too_long(path):
+            raise RecipeError(f"{key}: '{shown}' is too long for its file system: neutrain writes '{path[:80]}"
+                              f"{'...' if len(path) > 80 else ''}', and {problem}; choose a shorter {key}")
 
 
 def check_path_lengths(recipe, processes: int = 1) -> None:
@@ -81,12 +102,7 @@ def check_path_lengths(recipe, processes: int = 1) -> None:
         export.output_dir True
     """
     for key, paths in planned_paths(recipe, processes).items():
-        value = recipe.train.output_dir if key == "train.output_dir" else recipe.export.output_dir
-        shown = value if len(value) <= 60 else value[:57] + "..."
-        for path in paths:
-            if problem := path_too_long(path):
-                raise RecipeError(f"{key}: '{shown}' is too long for its file system: the run writes '{path[:80]}"
-                                  f"{'...' if len(path) > 80 else ''}', and {problem}; choose a shorter {key}")
+        check_lengths(key, recipe.train.output_dir if key == "train.output_dir" else recipe.export.output_dir, paths)
 
 
 def planned_saves(start: int, max_steps: int, save_steps: int, save_final: bool) -> int:

@@ -90,3 +90,44 @@ def test_a_stale_lock_whose_pid_now_belongs_to_an_unrelated_process_is_taken_ove
     finally:
         unrelated.kill()
         unrelated.wait()
+
+
+# What a lock file left behind may hold: the current format, an older one (no start time), and records
+# written by hand or torn (no host, a host of null, a pid that is text or past any pid).
+STALE_RECORDS = {
+    "current format": {"pid": 1, "host": "{host}", "started": "earlier"},
+    "no start time": {"pid": 1, "host": "{host}"},
+    "no host": {"pid": 1},
+    "a null host": {"pid": 1, "host": None, "started": None},
+    "a text pid": {"pid": "1", "host": "{host}"},
+    "a pid past any pid": {"pid": 10 ** 30},
+    "not an object": [1],
+}
+
+
+@pytest.mark.parametrize("record", STALE_RECORDS)
+def test_a_stale_lock_in_any_form_is_taken_over_and_named_without_none(tmp_path, caplog, record):
+    from neutrain.storage.run_lock import LOCK_FILE, RunLock, release
+
+    out = tmp_path / "out"
+    out.mkdir()
+    text = json.dumps(STALE_RECORDS[record]).replace("{host}", socket.gethostname())
+    (out / LOCK_FILE).write_text(text)
+    with caplog.at_level(logging.WARNING, logger="neutrain"):
+        RunLock(out).acquire()  # pid 1 holds no lock file open: the record is stale
+    try:
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert "None" not in caplog.text and "another host" not in caplog.text, caplog.text
+    finally:
+        release(out)
+
+
+def test_only_a_lock_naming_another_host_is_refused_and_the_message_names_it(tmp_path):
+    from neutrain.storage.run_lock import LOCK_FILE, RunDirectoryError, RunLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    with pytest.raises(RunDirectoryError) as caught:
+        RunLock(out).acquire()
+    assert "on another host (pid 1 on host elsewhere)" in str(caught.value) and "None" not in str(caught.value)

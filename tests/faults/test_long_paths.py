@@ -79,3 +79,33 @@ def test_a_long_export_output_dir_is_refused_before_anything_is_written(tmp_path
     line = one_error_line(capsys.readouterr().err)
     assert "export.output_dir" in line and "NAME_MAX" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# Names that fit, beside which an export writes a name that does not: its lock (".neutrain-export-<name>.lock",
+# 22 bytes more), then its set-aside copy (".tmp-old-<name>-<pid>", 17 more), then its staging folder (13 more).
+SIBLING_NAMES = {"the lock": 234, "the set-aside copy": 239, "the staging folder": 243}
+EXPORTS = {"train export.output_dir": (["train", "{recipe}", "export.output_dir={out}"], "export.output_dir"),
+           "export --output": (["export", "{checkpoint}", "--output", "{out}"], "--output")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.helpers import finished_run
+
+    return finished_run(tmp_path_factory.mktemp("run"), train={"max_steps": 1, "save_steps": 1},
+                        eval={"perplexity": False}, export={"format": "none"}) / "checkpoint-1"
+
+
+@pytest.mark.parametrize("beside", SIBLING_NAMES)
+@pytest.mark.parametrize("command", EXPORTS)
+def test_every_export_refuses_a_name_whose_siblings_its_file_system_cannot_hold(tmp_path, capsys, checkpoint,
+                                                                                 command, beside):
+    from neutrain.cli import main
+
+    out = tmp_path / ("e" * SIBLING_NAMES[beside])
+    argv, named = EXPORTS[command]
+    argv = [a.format(recipe=write_recipe(tmp_path), checkpoint=checkpoint, out=out) for a in argv]
+    assert main(argv) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"neutrain: error: {named}: ") and "NAME_MAX" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]  # nothing written, the lock included
