@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from neutrain.errors import UserInputError
 from neutrain.memory.model_config import shape_config
 
 Table = tuple[tuple[str, tuple[int, ...], int], ...]
@@ -179,6 +180,8 @@ def _built_table(config: Any, trust_remote_code: bool) -> Table | None:
             built.layer_types = built.layer_types[:BUILT_LAYERS]
     try:
         return tuple(parameter_shapes(built, trust_remote_code))
+    except UserInputError:  # values the architecture's own code refuses: the build would refuse them the same way
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, OSError, RuntimeError):
         return None
 

@@ -47,3 +47,13 @@ def test_a_model_file_whose_config_cannot_be_built_is_named(tmp_path, capsys, ca
     assert main(["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert "config" in line and "cannot be built" in line, line
+
+
+@pytest.mark.parametrize("case", UNBUILDABLE)
+def test_estimate_refuses_a_config_the_build_would_refuse(tmp_path, capsys, case):
+    # The planner reads the model's size from the same skeleton the build makes: a config it cannot build is the
+    # build's refusal, not a closed-form estimate of a model that will never exist (exit 0 before).
+    recipe = write_recipe(tmp_path, model={"config": {**TINY_LLAMA, **UNBUILDABLE[case]}})
+    assert main(["estimate", str(recipe)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "model.config: the llama architecture cannot be built" in line, line
