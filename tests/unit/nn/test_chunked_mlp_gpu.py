@@ -53,9 +53,11 @@ def test_chunked_mlp_matches_unchunked_and_its_backward_peak_drops():
 def test_compressed_chunked_layer_trains_as_the_unchunked_one():
     from neutrain.optim import LOMO
 
-    reference = _model()
-    compress_model(reference, progress=False)
-    chunked = copy.deepcopy(reference)
+    # Two builds from one seed, each compressed: a compressed model's hooks do not deepcopy on CUDA
+    # (torch's RemovableHandle holds a weak reference to a dict that is gone).
+    reference, chunked = _model(), _model()
+    for model in (reference, chunked):
+        compress_model(model, progress=False)
     chunk_mlps(chunked, CHUNK)
     ids = torch.randint(0, 512, (1, TOKENS), device="cuda")
     for model in (reference, chunked):

@@ -15,11 +15,12 @@ pytestmark = pytest.mark.gpu
 
 def _model(offload, slots=3, count=None):
     """The 5-layer model, compressed and checkpointed; with ``offload``, its store (``count`` layers of it:
-    :meth:`LayerPlacement.spread`, whose ring then replaces ``slots``)."""
+    :meth:`LayerPlacement.spread`, with the spread ring's own slots: ``slots`` is the whole model's ring)."""
     model = tiny_llama(seed=4, hidden=256, layers=5).cuda()
     compress_model(model, progress=False)
     enable_checkpointing(model)
-    return model, (offload_weights(model, ahead=1, slots=slots, count=count) if offload else None)
+    ring = slots if count is None else None  # a given count of slots would replace the spread ring's
+    return model, (offload_weights(model, ahead=1, slots=ring, count=count) if offload else None)
 
 
 def _train(model, rule, data):
