@@ -26,8 +26,9 @@ checkpointing's recompute passes it again (:func:`packed_segments`). Inside
 :func:`neutrain.compat.masks.contiguous_positions` (``causal_lm_loss`` calling the decoder without
 positions) nothing is read at all.
 
-``NEUTRAIN_SAGE_V_RESIDUAL=0`` runs plain SageAttention2's PV (one FP8 product per tile, without V's
-rounding residual) in every Sage call; the default keeps the residual.
+Every Sage call runs plain SageAttention2's PV (one FP8 product per tile): on an H200 it passed the end-to-end
+fine-tuning gate on both backward routes, where the form with a second product for V's rounding residual failed
+it (benchmarks/attention/NOTES.md). ``NEUTRAIN_SAGE_V_RESIDUAL=1`` brings the residual back.
 """
 
 from __future__ import annotations

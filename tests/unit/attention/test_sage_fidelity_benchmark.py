@@ -149,7 +149,7 @@ def test_the_v_residual_setting_reaches_every_sage_call(monkeypatch):
     unset = neutrain_sage_attention_forward(module, q, k, v, None, is_causal=True)[0]
     plain = sage_attention(q, k, v, causal=True, v_residual=False).transpose(1, 2)
     assert torch.equal(outs["0"], plain) and not torch.equal(outs["1"], plain)
-    assert torch.equal(unset, outs["1"])  # the default keeps the residual
+    assert torch.equal(unset, outs["0"])  # the default is plain PV (the form that passed the GPU gate)
 
 
 def test_gpu_route_is_what_the_shipped_tables_train_entries_name():
