@@ -29,6 +29,7 @@
 # session of its own that outlives the call, and each call only watches it:
 #   call 1      DETACH=1 WATCH=560 bash benchmarks/memory/gpu_70b_recipe.sh    starts the stages, then watches
 #   calls 2..   WATCH=580 bash benchmarks/memory/gpu_70b_recipe.sh             watches on (same STATE)
+# Two budgets side by side (one a GPU) need their own STATE and RUN_DIR: the stages' logs go under $STATE/out.
 # Each watch prints the stages' progress and leaves $OUT/70b_state.tgz (logs, stage times, samples, the record
 # once written) and, at the end, $OUT/offload.json. A machine holds /tmp and /dev/shm only while it is warm: the
 # next call must follow within its 30 s.
@@ -65,7 +66,7 @@ watch_stages() {  # seconds: print each stage as it starts and ends until the ru
 }
 if [ "${DETACH:-0}" = 1 ]; then  # start the stages in a session of their own, then watch
   rm -f "$STATE/done"
-  CALL_OUT=$OUT OUT=/tmp/neutrain-70b DETACH=0 WATCH=0 setsid nohup bash "$0" > "$STATE/pipeline.log" 2>&1 < /dev/null &
+  CALL_OUT=$OUT OUT=$STATE/out DETACH=0 WATCH=0 setsid nohup bash "$0" > "$STATE/pipeline.log" 2>&1 < /dev/null &
   CALL_OUT=$OUT watch_stages "$WATCH"
   exit 0
 fi

@@ -127,7 +127,10 @@ def _whole_run_main(args) -> int:
     ok = targets["card_24gb_70b_whole_run_ok"]["value"]
     if args.host_only:  # the training alone on a host stated smaller: its host memory, not the whole run's target
         targets.pop("card_24gb_70b_whole_run_ok")
-        write_record("70b_recipe_22gib_host", results, targets, settings, args.results_dir, "card_24gb_70b_host")
+        # Another card's training on the same host writes its part only: the host target is the 24 GB card's.
+        own = args.budget == 22
+        write_record(f"70b_recipe_{args.budget:g}gib_host", results, targets if own else {}, settings,
+                     args.results_dir, "card_24gb_70b_host" if own else "\0")
         print(json.dumps({"targets": targets, "pcie4_projection": results["pcie4_projection"]}, indent=1))
         return 0 if results["stages"].get("train", {}).get("exit_code") == 0 else 1
     write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")
