@@ -275,6 +275,14 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
     # A decoder layer's backward: its intermediates (rebuilt by the checkpoint) and the MLP's gradients.
     rebuilt = layer_live if checkpointing else 3 * chunk * i_ * dtype_bytes
     backward = {"recompute": rebuilt + MLP_BACKWARD_BLOCKS * mlp_tokens * i_ * dtype_bytes}
+    if chunk:
+        # The chunked MLP's own backward holds its input, the output's gradient and the input's gradient whole
+        # (tokens x hidden each) beside the chunks: the unchunked fit's intermediates hid them, a chunk does not
+        # (the 70B at 16K under 11 GiB ran out 0.7 GiB above the estimate without this term).
+        backward["mlp_rows"] = 3 * tokens * h * dtype_bytes
+        if compressed and "vocab_slot" not in t:
+            # Gate, up and down decoded at once: the third in a held slot of its own (neutrain.nn.buffers).
+            t["decode_buffers"] += shape.largest_layer_matrix() * dtype_bytes
     if fused or chunk:
         # Chunked, the MLP's three weight gradients sum over the chunks before any goes to its update.
         largest = shape.largest_layer_matrix()

@@ -75,6 +75,10 @@ def _identity(weight) -> int:
 
 LAYER_SLOTS = ("layer0", "layer1")
 LARGE_SLOT = "large"
+HELD_SLOT = "held"
+"""A third layer-sized slot, outside the two that alternate, for a consumer that needs three layer weights
+decoded at once (the sequence-chunked MLP's gate, up and down, :mod:`neutrain.nn.chunked_mlp`): the third
+decode into an alternating slot would overwrite the first while it is still read. Allocated on first use."""
 
 
 def default_keep_bytes(device: torch.device) -> int:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from neutrain.nn.buffers import HELD_SLOT
 from neutrain.nn.linear import CompressedLinear
-from neutrain.nn.prefetch import PREFETCHER
 
 _ORIGINAL_FORWARD = "_neutrain_unchunked_forward"
 
@@ -55,13 +55,18 @@ class _SavedMLPInput(torch.autograd.Function):
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
-def _weight(proj) -> torch.Tensor:
-    """The projection's weight as the products read it (a NeuZip weight decoded for compute)."""
-    if isinstance(proj, CompressedLinear):
-        w = proj.compressed.decode_for_compute()
-        PREFETCHER.after_decode(proj.compressed, torch.is_grad_enabled())
-        return w
-    return proj.weight
+def _weights(projs) -> list[torch.Tensor]:
+    """The three projections' weights as the products read them (NeuZip weights decoded for compute).
+
+    All three are read chunk after chunk, so all three decodes must stay valid together: gate and up take the
+    two alternating decode slots, down the held slot (a third decode into an alternating slot would overwrite
+    gate's while the chunks still read it). They are not shown to the prefetcher: a decode ahead goes into the
+    less recently used alternating slot, which holds gate's weight until the last chunk.
+    """
+    out = []
+    for proj, slot in zip(projs, (None, None, HELD_SLOT)):
+        out.append(proj.compressed.decode_for_compute(slot) if isinstance(proj, CompressedLinear) else proj.weight)
+    return out
 
 
 def _grad_input(proj) -> torch.Tensor:
@@ -84,7 +89,7 @@ class _ChunkedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, saved, mlp, chunk: int, *grad_inputs):
         ctx.saved, ctx.mlp, ctx.chunk, ctx.x_shape = saved, mlp, chunk, x.shape
         projs = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        ws = [_weight(p) for p in projs]
+        ws = _weights(projs)
         out = _forward_rows(mlp, x.reshape(-1, x.shape[-1]), ws, chunk)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -93,7 +98,7 @@ class _ChunkedMLPFunction(torch.autograd.Function):
         mlp, chunk = ctx.mlp, ctx.chunk
         (x,) = ctx.saved.saved_tensors  # under checkpointing, this runs the layer's recompute up to here
         projs = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        ws = [_weight(p) for p in projs]
+        ws = _weights(projs)
         wg, wu, wd = ws
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -157,7 +162,7 @@ def chunked_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor, chunk: int) -> to
     needs = grad_enabled and (x.requires_grad or any(t.requires_grad for t in grad_inputs))
     if not needs:
         with torch.no_grad():
-            ws = [_weight(p) for p in projs]
+            ws = _weights(projs)
             out = _forward_rows(mlp, x.reshape(-1, x.shape[-1]), ws, chunk)
         return out.view(*x.shape[:-1], out.shape[-1])
     keys = [t for t in grad_inputs if t.requires_grad]

@@ -172,9 +172,10 @@ class CompressedWeight:
         return self.key.requires_grad
 
     # ---------------------------------------------------------------- decode
-    def decode(self) -> torch.Tensor:
+    def decode(self, slot: str | None = None) -> torch.Tensor:
         """The dense weight: in its kept buffer (valid until the next ``write_``), or in a shared decode
-        buffer (valid until two more layer decodes), see :mod:`neutrain.nn.buffers`."""
+        buffer (valid until two more layer decodes), see :mod:`neutrain.nn.buffers`. ``slot`` names the shared
+        buffer instead (``HELD_SLOT``: a third weight that must outlive two more decodes)."""
         group = self.group
         if group is not None:
             return group.view(self)
@@ -185,7 +186,7 @@ class CompressedWeight:
         self._resident()
         out = DECODE_BUFFERS.kept_view(self)  # within the keep budget: a buffer of its own, reused until write_
         if out is None:
-            out = DECODE_BUFFERS.view(self, DECODE_BUFFERS.slot_for(self))
+            out = DECODE_BUFFERS.view(self, slot or DECODE_BUFFERS.slot_for(self))
         return self._decompress_into(out)
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
@@ -201,9 +202,9 @@ class CompressedWeight:
             self.home.decoded(self)  # NEUTRAIN_OFFLOAD_SYNC_DEBUG: name a decode that faulted
         return out
 
-    def decode_for_compute(self) -> torch.Tensor:
+    def decode_for_compute(self, slot: str | None = None) -> torch.Tensor:
         """:meth:`decode`, upcast to :attr:`compute_dtype` when that differs (a temporary per use)."""
-        weight = self.decode()
+        weight = self.decode(slot)
         return weight if weight.dtype == self.compute_dtype else weight.to(self.compute_dtype)
 
     def decode_rows(self, index: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,37 @@ def _captured_grads(model, ids, chunk):
     return {names[k]: g for k, g in capture.grads.items()}, {names[k]: c for k, c in capture.calls.items()}
 
 
-def test_compressed_weights_get_one_whole_gradient_per_step():
+@pytest.fixture(params=["kept", "shared_slots"])
+def decode_buffers(request):
+    """Decodes in buffers of their own (the CPU default), or only in the shared slots (the GPU default: no
+    decode is kept, so the chunked MLP's three weights share the alternating slots and the held one)."""
+    from neutrain.nn.buffers import DECODE_BUFFERS
+
+    cpu = torch.device("cpu")
+    saved = DECODE_BUFFERS.keep_bytes.get(cpu)
+    DECODE_BUFFERS.clear()
+    if request.param == "shared_slots":
+        DECODE_BUFFERS.keep_bytes[cpu] = 0
+    yield request.param
+    DECODE_BUFFERS.clear()
+    DECODE_BUFFERS.keep_bytes.pop(cpu, None)
+    if saved is not None:
+        DECODE_BUFFERS.keep_bytes[cpu] = saved
+
+
+def test_compressed_chunked_forward_reads_each_matrix_its_own_weight(decode_buffers):
+    """Gate, up and down are decoded before the first chunk and read by every chunk: with only the shared
+    slots, the third decode must not land in the first one's slot."""
+    _, compressed = dense_and_compressed(layers=2)
+    (ids,) = token_batches(1, seed=3, batch=2, length=12)
+    with torch.no_grad():
+        want = compressed(ids).logits.float()
+        chunk_mlps(compressed, 7)
+        got = compressed(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+
+
+def test_compressed_weights_get_one_whole_gradient_per_step(decode_buffers):
     _, compressed = dense_and_compressed(layers=2)
     twin = copy.deepcopy(compressed)
     enable_checkpointing(compressed)
