@@ -121,3 +121,20 @@ def test_chunk_must_be_a_whole_number_of_stats_blocks():
         kv_stats(k, k, chunk=_STATS_BLOCK + 1)
     with pytest.raises(ValueError, match="one shape"):
         kv_stats(k, k[:, :, :4])
+
+
+def test_smoke_script_times_both_variants(monkeypatch):
+    """benchmarks/attention/gluon_sage_smoke.py's quantization timing runs both variants and
+    checks that they agree (the timer stubbed: CUDA events need a GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/attention/gluon_sage_smoke.py"
+    spec = importlib.util.spec_from_file_location("gluon_sage_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    calls = []
+    monkeypatch.setattr(smoke, "cuda_time_ms", lambda fn, warmup, iters: (calls.append(fn()), 3.0 - len(calls))[1])
+    rec = smoke.time_quant_variants(1, 2, 64, [200], 1, "plain", device=DEVICE)["200"]
+    assert (rec["separate_passes"], rec["one_stats_pass"], rec["speedup"]) == (2.0, 1.0, 2.0)
+    assert rec["q_v_identical"] is True and rec["k_mean_max_abs_diff"] < 1e-5 and rec["pv"] == "plain"
