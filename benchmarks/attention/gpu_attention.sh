@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SageAttention on the GPU, one device call, the steps named as arguments (in the order given):
-#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, the fidelity gate on a real model's
+#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, test_sage_quant_stats.py, the fidelity gate on a real model's
 #          activations tests/kernels/test_sage_attention_real_activations.py, tests/unit/attention; TEST_TIMEOUT,
 #          240 s): $OUT/junit_attention.xml and $OUT/tests.log;
 #   bench  benchmarks/attention/attention.py (route validation, autotune, the sweep of the Triton and Gluon Sage forwards
@@ -45,7 +45,7 @@ for step in "$@"; do
   case $step in
     tests)
       timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider tests/kernels/test_sage_attention.py \
-        tests/kernels/test_sage_attention_real_activations.py tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
+        tests/kernels/test_sage_quant_stats.py tests/kernels/test_sage_attention_real_activations.py tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
         >"$OUT/tests.log" 2>&1
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3 ;;
     bench)
