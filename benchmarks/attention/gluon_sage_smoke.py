@@ -4,7 +4,10 @@ Sage kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128, causal and not, on the sa
 For each (causal) and method: the output's accuracy against the Triton kernel (whole tensor) and
 against exact fp32 attention (batch 0, heads 0-1), then the forward kernel's time (CUDA events,
 median of ``--iters`` after warm-up) on inputs quantized once, the quantization's own time, and
-TOPS counted as ``benchmarks/attention/NOTES.md`` does (4*B*H*d*N^2, halved causal). Methods:
+TOPS counted as ``benchmarks/attention/NOTES.md`` does (4*B*H*d*N^2, halved causal). First, the
+quantization alone at ``--quant-ns`` lengths (8K, 16K, 32K), its older separate passes against the one
+stats pass (``quant_variants_ms`` in the record: ms per length and variant, and whether the two give the
+same Q and V bit for bit). Methods:
 ``gluon_c1_s2`` (one consumer warpgroup, 2 ring slots), ``gluon_c2_s2``, ``gluon_c2_s3``
 (two consumer warpgroups), ``gluon_c2_s2_pp``, ``gluon_c2_s3_pp`` (two, in FA3's ping-pong), ``triton_sage`` (the dispatch table's kernel config: BLOCK_M 128,
 8 warps, 3 stages, one K scale per tile) and ``sdpa_cudnn`` (bf16). Peak memory is recorded
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import cuda_time_ms, write_result  # noqa: E402
 from benchmarks.memory._train_peers import device_used_gib  # noqa: E402
 
-from neutrain.attention.quant import TILE, quantize_attention_inputs  # noqa: E402
+from neutrain.attention.quant import TILE, _quantize_cuda, quantize_attention_inputs, round_up  # noqa: E402
 from neutrain.attention.reference import accuracy_metrics, exact_attention  # noqa: E402
 
 
@@ -92,6 +95,46 @@ def _method_pv_forms(methods, pv_forms):
             yield (name if form == "residual" else f"{name}+plain"), name, form
 
 
+#: ``_quantize_cuda``'s variants: K's mean and V's amax in torch with one token group per Q/K program
+#: (``separate_passes``), or one Triton pass over K and V for both, then a tile per program.
+QUANT_VARIANTS = {"separate_passes": True, "one_stats_pass": False}
+
+
+def time_quant_variants(b, h, d, ns, iters, pv_form, device="cuda"):
+    """{str(n): {variant: ms, ...}}: the quantization alone (Q, K, V; K scale per tile as the Sage
+    kernels run it), CUDA events, median of ``iters`` after warm-up, fresh inputs per length."""
+    out = {}
+    for n in ns:
+        gen = torch.Generator(device=device).manual_seed(37)
+        q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        rec, results = {"pv": pv_form}, {}
+        for name, separate in QUANT_VARIANTS.items():
+            def fn(separate=separate):
+                return _quantize_cuda(q, k, v, d ** -0.5, 8, 16, TILE, PV_FORMS[pv_form], round_up(n, TILE),
+                                      separate_passes=separate)
+            try:
+                rec[name] = cuda_time_ms(fn, 3, iters)
+                results[name] = fn()
+            except Exception as exc:  # the other variant still runs; the log has the traceback
+                traceback.print_exc()
+                rec[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if len(results) == 2:
+            old, new = results.values()
+            same = [torch.equal(getattr(old, f).view(torch.uint8), getattr(new, f).view(torch.uint8))
+                    for f in ("q_int", "v_fp8_t") + (("v_residual_t",) if new.v_residual_t is not None else ())]
+            same += [torch.equal(old.q_scale, new.q_scale), torch.equal(old.v_scale, new.v_scale)]
+            rec["q_v_identical"] = all(same)
+            rec["k_mean_max_abs_diff"] = float((old.k_mean - new.k_mean).abs().max())
+        if "separate_passes" in rec and "one_stats_pass" in rec:
+            rec["speedup"] = rec["separate_passes"] / rec["one_stats_pass"]
+        print(f"quantization alone, N={n}: " + ", ".join(
+            f"{key} {val:.4g}" if isinstance(val, float) else f"{key} {val}" for key, val in rec.items()), flush=True)
+        out[str(n)] = rec
+        del q, k, v, results
+        torch.cuda.empty_cache()
+    return out
+
+
 def run(b, h, n, d, iters, pv_forms=("residual",)):
     gen = torch.Generator(device="cuda").manual_seed(31)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
@@ -101,7 +144,8 @@ def run(b, h, n, d, iters, pv_forms=("residual",)):
         residual = PV_FORMS[form]
         quant_ms[form] = cuda_time_ms(lambda: quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE,
                                                                         v_residual=residual), 2, iters)
-        print(f"quantization, PV {form} (fused Triton passes, K scale per tile): {quant_ms[form]:.3f} ms", flush=True)
+        print(f"quantization, PV {form} (K, V stats pass, then Q, K, V; K scale per tile): {quant_ms[form]:.3f} ms",
+              flush=True)
         qis[form] = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE, v_residual=residual)
     for causal in (False, True):
         flops = 4.0 * b * h * d * n * n / (2 if causal else 1)
@@ -145,6 +189,8 @@ def main():
     parser.add_argument("--n", type=int, default=16384)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--quant-ns", default="8192,16384,32768",
+                        help="lengths at which to time the quantization alone, comma-separated (empty: none)")
     parser.add_argument("--pv", default="residual", help="PV forms, comma-separated: residual (V's FP8 residual, "
                         "a second product a tile), plain (SageAttention2's one product), or both")
     args = parser.parse_args()
@@ -152,6 +198,8 @@ def main():
     unknown = [form for form in pv_forms if form not in PV_FORMS]
     if unknown:
         parser.error(f"--pv: unknown form {unknown[0]!r}; expected residual, plain or both")
+    quant_ns = [int(x) for x in args.quant_ns.split(",") if x.strip()]
+    quant_variants = time_quant_variants(args.b, args.h, args.d, quant_ns, args.iters, pv_forms[0])
     rows, quant_ms = run(args.b, args.h, args.n, args.d, args.iters, pv_forms)
     cudnn = {r["causal"]: r.get("fwd_ms") for r in rows if r["method"] == "sdpa_cudnn"}
     print(f"\n{'method':<20} {'causal':<7} {'ms':>9} {'TOPS':>7} {'+quant':>7} {'/cuDNN':>7} {'cos fp32':>9} {'cos triton':>10}")
@@ -163,6 +211,13 @@ def main():
         with_quant = r.get("tops_with_quant", r["tops"])
         print(f"{r['method']:<20} {r['causal']!s:<7} {r['fwd_ms']:9.3f} {r['tops']:7.1f} {with_quant:7.1f} {ratio:7.3f} "
               f"{r.get('exact_cos', float('nan')):9.6f} {r.get('cos_vs_triton_sage', float('nan')):10.6f}")
+    if quant_variants:
+        print(f"\nquantization alone, B={args.b} H={args.h} d={args.d}, PV {pv_forms[0]} (ms)")
+        print(f"{'N':>7} {'separate passes':>16} {'one stats pass':>15} {'speedup':>8} {'Q,V same':>9}")
+        nan = float("nan")
+        for n, rec in quant_variants.items():
+            print(f"{n:>7} {rec.get('separate_passes', nan):16.3f} {rec.get('one_stats_pass', nan):15.3f} "
+                  f"{rec.get('speedup', nan):8.2f} {rec.get('q_v_identical', '-')!s:>9}")
     gluon = [r for r in rows if r["method"].startswith("gluon") and "tops" in r and not r["causal"]]
     best = max(gluon, key=lambda r: r["tops"]) if gluon else None
     targets = {}
@@ -171,7 +226,8 @@ def main():
             "value": round(best["tops"], 1), "goal": ">= 800", "unit": "TOPS",
             "derived_from": f"{best['method']}, non-causal, kernel only (quantization "
                             f"{quant_ms[best['pv']]:.2f} ms apart)"}
-    write_result("gluon_sage_smoke", vars(args) | {"quant_ms": quant_ms, "pv_forms": list(pv_forms)}, rows, targets=targets,
+    config = vars(args) | {"quant_ms": quant_ms, "quant_variants_ms": quant_variants, "pv_forms": list(pv_forms)}
+    write_result("gluon_sage_smoke", config, rows, targets=targets,
                  targets_note="a diagnostic of the Gluon forward; attention.json carries the attention targets")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SageAttention on the GPU, one device call, the steps named as arguments (in the order given):
-#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, the fidelity gate on a real model's
+#   tests  the attention GPU tests (tests/kernels/test_sage_attention.py, test_sage_quant_stats.py, the fidelity gate on a real model's
 #          activations tests/kernels/test_sage_attention_real_activations.py, tests/unit/attention; TEST_TIMEOUT,
 #          240 s): $OUT/junit_attention.xml and $OUT/tests.log;
 #   bench  benchmarks/attention/attention.py (route validation, autotune, the sweep of the Triton and Gluon Sage forwards
@@ -23,7 +23,8 @@
 #   gluon  the Gluon warp-specialized forward (Hopper): its GPU tests (fidelity against the quantized reference
 #          and fp32, LSE, backend routing, SASS of the device's compile; TEST_TIMEOUT, 120 s), then
 #          benchmarks/attention/gluon_sage_smoke.py (Gluon with 1 and 2 consumer warpgroups against the Triton Sage
-#          kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128; SMOKE_TIMEOUT, 105 s): $OUT/junit_gluon_attention_<sha>.xml,
+#          kernel and cuDNN SDPA at B=4, H=32, N=16K, d=128, after timing the quantization alone at 8K-32K;
+#          SMOKE_TIMEOUT, 135 s): $OUT/junit_gluon_attention_<sha>.xml,
 #          $OUT/gluon_tests.log, $OUT/smoke.log and gluon_sage_smoke.json; < 4 minutes, needs NEUTRAIN_GIT_COMMIT.
 #   fidelity  benchmarks/attention/sage_fidelity.py --device cuda: SmolLM2-135M-Instruct fine-tuned in bf16 on the GPU with
 #          SDPA (two data orders), Sage and plain Sage (no V residual), Sage forced on the route the dispatch table's
@@ -44,7 +45,7 @@ for step in "$@"; do
   case $step in
     tests)
       timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider tests/kernels/test_sage_attention.py \
-        tests/kernels/test_sage_attention_real_activations.py tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
+        tests/kernels/test_sage_quant_stats.py tests/kernels/test_sage_attention_real_activations.py tests/unit/attention --junitxml="$OUT/junit_attention.xml" -o junit_suite_name="attention@${NEUTRAIN_GIT_COMMIT:-unknown}" \
         >"$OUT/tests.log" 2>&1
       echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3 ;;
     bench)
@@ -105,7 +106,7 @@ c = current('attention')['results']['train_step_choice']; print(c['kernel'], c['
       grep -E "^(FAILED|ERROR)|PASSED|FAILED|passed|failed|SKIPPED|regs" "$OUT/gluon_tests.log" | tail -45
       sed -n '/= FAILURES =/,/short test summary/p' "$OUT/gluon_tests.log" | grep -E "^E |Error|^____" | head -40
       tail -n 3 "$OUT/gluon_tests.log"  # after a timeout: the test that was running (-v names each one as it starts)
-      timeout "${SMOKE_TIMEOUT:-105}" python benchmarks/attention/gluon_sage_smoke.py ${SMOKE_ARGS:-} >"$OUT/smoke.log" 2>&1
+      timeout "${SMOKE_TIMEOUT:-135}" python benchmarks/attention/gluon_sage_smoke.py ${SMOKE_ARGS:-} >"$OUT/smoke.log" 2>&1
       echo "smoke rc=$? (${SECONDS}s)"
       tail -n 45 "$OUT/smoke.log" ;;
     fidelity)

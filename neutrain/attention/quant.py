@@ -22,9 +22,10 @@ Scheme (SageAttention2, see ``docs/attention.md`` §1.2, §5.1):
   rounding error, which on zero-mean random V adds up to ~3.6% relative L1 in O;
   the residual removes V's share for one more FP8 ``wgmma`` per tile.
 
-On CUDA (without Q smoothing) the same quantization runs as fused Triton kernels
-(``neutrain.kernels.sage_quant.quantize_qk_int`` / ``quantize_v_fp8``);
-``NEUTRAIN_SAGE_FUSED_QUANT=0`` selects these torch ops instead.
+On CUDA (without Q smoothing) the same quantization runs as Triton kernels
+(``neutrain.kernels.sage_quant``: ``kv_stats``, then ``quantize_qk_int`` / ``quantize_v_fp8``),
+close to two reads of K and V and one of Q; ``NEUTRAIN_SAGE_FUSED_QUANT=0`` selects these
+torch ops instead.
 
 All token dimensions are padded to a multiple of :data:`TILE` with zeros so the
 kernel's inner loops never need bounds checks.
@@ -157,17 +158,29 @@ def quantize_attention_inputs(
     )
 
 
-def _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad):
-    """The same quantization through fused Triton kernels: one read of each input instead of ~10."""
-    from neutrain.kernels.sage_quant import quantize_qk_int, quantize_v_fp8  # lazy: Triton, CUDA path only
+def _quantize_cuda(q, k, v, softmax_scale, qk_bits, q_group, k_group, v_residual, n_pad, separate_passes=None):
+    """The same quantization through Triton kernels: K's mean and V's scale in one stats pass
+    over K and V, then one pass over each of Q, K and V with a tile of tokens per program.
 
+    ``separate_passes`` (default: ``NEUTRAIN_SAGE_QUANT_SEPARATE_PASSES``) keeps the older
+    launches for timing: K's mean and V's amax in torch, one group of tokens per Q/K program.
+    """
+    from neutrain.kernels.sage_quant import kv_stats, quantize_qk_int, quantize_v_fp8  # lazy: Triton, CUDA only
+
+    if separate_passes is None:
+        separate_passes = knob("NEUTRAIN_SAGE_QUANT_SEPARATE_PASSES")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with torch.no_grad():
-        k_mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)
-        q_int, q_scale = quantize_qk_int(q, q_group, qk_bits, n_pad, softmax_scale * LOG2E)
-        k_int, k_scale = quantize_qk_int(k, k_group, qk_bits, n_pad, mean=k_mean)
-        v_fp8_t, v_residual_t, v_scale = quantize_v_fp8(v, n_pad, v_residual)
+        if separate_passes:
+            k_mean, v_scale = k.mean(dim=2, keepdim=True, dtype=torch.float32), None
+        else:
+            k_mean, v_scale = kv_stats(k, v)
+        q_int, q_scale = quantize_qk_int(q, q_group, qk_bits, n_pad, softmax_scale * LOG2E,
+                                         block_n=q_group if separate_passes else TILE)
+        k_int, k_scale = quantize_qk_int(k, k_group, qk_bits, n_pad, mean=k_mean,
+                                         block_n=k_group if separate_passes else TILE)
+        v_fp8_t, v_residual_t, v_scale = quantize_v_fp8(v, n_pad, v_residual, scale=v_scale)
     return QuantizedAttentionInputs(
         q_int=q_int, q_scale=q_scale, q_mean=None, k_int=k_int, k_scale=k_scale, k_mean=k_mean,
         v_fp8_t=v_fp8_t, v_residual_t=v_residual_t, v_scale=v_scale, seq_len=q.shape[2],

@@ -81,6 +81,9 @@ KNOBS: dict[str, Knob] = {
     "NEUTRAIN_SAGE_BACKWARD": Knob(str, "triton", "SageAttention's backward route", choices=SAGE_BACKWARDS),
     "NEUTRAIN_SAGE_DISPATCH_TABLE": Knob("path", None, "another SageAttention dispatch table (JSON)"),
     "NEUTRAIN_SAGE_FUSED_QUANT": Knob(bool, True, "SageAttention's fused quantization kernel (0: torch ops)"),
+    "NEUTRAIN_SAGE_QUANT_SEPARATE_PASSES": Knob(bool, False, "SageAttention's fused quantization as its older "
+                                                "separate passes (K mean and V amax in torch, one token group per "
+                                                "Q/K program), for timing against the one stats pass"),
     "NEUTRAIN_SAGE_V_RESIDUAL": Knob(bool, False, "SageAttention's second FP8 product per tile for V's rounding "
                                      "residual (1; 0, the default: plain SageAttention2, one product per tile)"),
     "NEUTRAIN_CPU_CODEC": Knob(str, "auto", "the CPU codec: auto (compiled when numba is installed) or torch",
