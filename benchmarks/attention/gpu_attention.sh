@@ -38,7 +38,7 @@
 # Each step has its own timeout (a deadlocked kernel is killed with its process) and none stops the others.
 #   OUT=/tmp/out NEUTRAIN_GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/attention/gpu_attention.sh [tests] [bench] [step] [auto] [profile] [gluon] [fidelity]
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT=${OUT:-/tmp/attention_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv >"$OUT/nvsmi.txt" 2>&1
 for step in "$@"; do
