@@ -191,8 +191,9 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--quant-ns", default="8192,16384,32768",
                         help="lengths at which to time the quantization alone, comma-separated (empty: none)")
-    parser.add_argument("--pv", default="residual", help="PV forms, comma-separated: residual (V's FP8 residual, "
-                        "a second product a tile), plain (SageAttention2's one product), or both")
+    parser.add_argument("--pv", default="plain", help="PV forms, comma-separated: plain (SageAttention2's one "
+                        "product a tile, every Sage call's default), residual (V's FP8 residual, a second product), "
+                        "or both")
     args = parser.parse_args()
     pv_forms = tuple(PV_FORMS) if args.pv == "both" else tuple(args.pv.split(","))
     unknown = [form for form in pv_forms if form not in PV_FORMS]
