@@ -63,7 +63,8 @@ def _inputs(b, hq, hk, n, d, kind="random", k_group=TILE, v_residual=True):
     return q, k, v, quantize_attention_inputs(q, k, v, d ** -0.5, k_group=k_group, v_residual=v_residual)
 
 
-CONFIGS = {"c1": (1, 2, False), "c2": (2, 2, False), "c2pp": (2, 2, True)}  # GluonConfig: consumers, stages, ping-pong
+# GluonConfig: consumers, stages, ping-pong; c2s3pp is the default (GluonConfig()).
+CONFIGS = {"c1": (1, 2, False), "c2": (2, 2, False), "c2pp": (2, 2, True), "c2s3pp": (2, 3, True)}
 CASES = [  # b, hq, hk, n, d, causal, config, k_group, v_residual
     (2, 4, 4, 1000, 128, False, "c2", TILE, True),
     (2, 4, 4, 1000, 128, True, "c2", TILE, True),
@@ -73,6 +74,10 @@ CASES = [  # b, hq, hk, n, d, causal, config, k_group, v_residual
     (1, 4, 1, 300, 128, True, "c1", TILE, False),   # GQA 4:1, plain SA2 (no V residual)
     (1, 4, 1, 300, 128, True, "c2pp", TILE, False),
     (2, 2, 2, 64, 128, True, "c2", 16, True),       # shorter than one query block
+    (2, 4, 4, 1000, 128, False, "c2s3pp", TILE, False),
+    (2, 4, 2, 1000, 128, True, "c2s3pp", TILE, False),
+    (1, 8, 2, 777, 64, True, "c2s3pp", 16, False),
+    (2, 2, 2, 64, 64, False, "c2s3pp", TILE, False),
 ]
 
 
@@ -96,7 +101,8 @@ def test_gluon_forward_matches_quantized_reference(b, hq, hk, n, d, causal, conf
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,hk,config", [(64, False, 8, "c2"), (64, True, 2, "c2pp"), (128, False, 2, "c2pp"),
-                                               (128, True, 8, "c2"), (128, True, 2, "c1")])
+                                               (128, True, 8, "c2"), (128, True, 2, "c1"),
+                                               (64, True, 2, "c2s3pp"), (128, False, 8, "c2s3pp")])
 def test_gluon_forward_against_exact_fp32(d, causal, hk, config, record_property):
     """The fidelity gate on fresh random inputs (ragged N = 1000): cos >= 0.999 and rel-L1 <= 0.03
     against fp32 attention; the natural LSE against fp32 logsumexp of the smoothed scores, within
