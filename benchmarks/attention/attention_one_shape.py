@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from neutrain.attention import dispatch  # noqa: E402
 from neutrain.attention.quant import TILE, quantize_attention_inputs  # noqa: E402
+from neutrain.config.knobs import knob  # noqa: E402
 
 #: The kernel-name filters that pick each method's forward kernel out of everything the process launches.
 KERNEL_FILTERS = {"gluon": "sage_fwd_gluon", "triton": "_sage_fwd_kernel", "cudnn": "cudnn|sdpa|fprop|fmha|flash"}
@@ -42,7 +43,9 @@ def forward(method: str, b: int, h: int, n: int, d: int, causal: bool):
 
         return run
     config = dispatch.kernel_config(torch.cuda.get_device_name(0), d) or {"k_tile_scale": True}
-    qi = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE if config.get("k_tile_scale") else 16)
+    # The PV form every Sage call uses (plain unless NEUTRAIN_SAGE_V_RESIDUAL=1): the profile is of what runs.
+    qi = quantize_attention_inputs(q, k, v, d ** -0.5, k_group=TILE if config.get("k_tile_scale") else 16,
+                                   v_residual=bool(knob("NEUTRAIN_SAGE_V_RESIDUAL")))
     if method == "gluon":
         from neutrain.kernels.sage_attention_gluon import sage_attention_forward_gluon
 

@@ -63,7 +63,8 @@ if [ "$STAGE" = spread ]; then
   exit 0
 fi
 if [ "$STAGE" = one ]; then
-  cards one "${J-11}" "${T-b1_dense,b1_none,b1_11}" "/dev/shm/cards_one_gpu${visible[0]}"
+  # WORK: another folder where two STAGE=one calls share a GPU (each its own OUT too).
+  cards one "${J-11}" "${T-b1_dense,b1_none,b1_11}" "${WORK:-/dev/shm/cards_one_gpu${visible[0]}}"
   grep -h "^budget\|^b[0-9]\|^gen_" "$OUT"/cards_*.log
   echo "done in ${SECONDS}s"
   exit 0
