@@ -432,3 +432,28 @@ def test_child_processes_of_the_tests_keep_the_inherited_python_path():
                  if path.name not in ("helpers.py", "test_architecture.py")
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, f"set PYTHONPATH through tests.helpers.child_env: {offenders}"
+
+
+def _long_benchmark_files(root: pathlib.Path, limit: int = 600) -> list[str]:
+    """Scripts and notes under ``root`` longer than ``limit`` lines (records, ``*.jsonl``, are tables, not files to read)."""
+    long = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".sh", ".md") and path.is_file():
+            lines = path.read_text(errors="replace").count("\n")
+            if lines > limit:
+                long.append(f"{path.relative_to(root)} ({lines} lines)")
+    return long
+
+
+def test_no_benchmark_script_or_note_is_over_600_lines():
+    # A note read by question, or a script read top to bottom, past 600 lines is two topics: split it.
+    benchmarks = ROOT.parent / "benchmarks"
+    assert (benchmarks / "README.md").is_file()
+    assert _long_benchmark_files(benchmarks) == []
+
+
+def test_the_length_check_sees_a_long_note(tmp_path):
+    (tmp_path / "topic").mkdir()
+    (tmp_path / "topic" / "NOTES.md").write_text("line\n" * 601)
+    (tmp_path / "topic" / "results.jsonl").write_text("{}\n" * 2000)
+    assert _long_benchmark_files(tmp_path) == ["topic/NOTES.md (601 lines)"]
