@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_deselected(items):
+    """A deselected test (``-k``, ``-m``, ``--deselect``, ``--lf``): this session's items are not the whole suite."""
+    from tests import collect_counts
+
+    collect_counts.SESSION["partial"] = True
+
+
+def pytest_collection_finish(session):
+    """The suite's counts, when this session collected all of it (``tests/test_readme_counts.py`` reads them)."""
+    from tests import collect_counts
+
+    collect_counts.record_session(session)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     """Every test starts from a fixed seed so failures reproduce."""

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import collect_counts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,13 +32,21 @@ def stated_counts(text: str) -> dict[str, int]:
     return {"suite": int(suite.group(1).replace(",", "")), "quick": int(quick.group(1).replace(",", ""))}
 
 
-def test_the_readme_states_how_many_tests_the_suite_and_the_quick_subset_hold():
+def suite_counts() -> dict[str, int]:
+    """The suite's counts: this session's own when it collected the whole suite (CI's run), else one collection
+    of ``tests`` in a second interpreter (this test run alone, or a subset)."""
+    if "counts" in collect_counts.SESSION:
+        return collect_counts.SESSION["counts"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.collect_counts",
                           "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("neutrain-test-counts ")), None)
     assert res.returncode == 0 and line, res.stdout[-2000:] + res.stderr[-2000:]
-    counted = json.loads(line.split(" ", 1)[1])
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_the_readme_states_how_many_tests_the_suite_and_the_quick_subset_hold():
+    counted = suite_counts()
     stated = stated_counts((ROOT / "README.md").read_text())
     for name in ("suite", "quick"):
         assert abs(stated[name] - counted[name]) <= 0.05 * counted[name], \

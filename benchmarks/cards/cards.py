@@ -129,7 +129,8 @@ def phase_table(*runs: dict) -> dict:
 
 
 def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, flush) -> dict:
-    """The whole user journey at one budget: train 22 with a save at 20, resume 20->22 and export, generate.
+    """The whole user journey at one budget: train 22 with a save at 20, resume 20->22 and export, generate (the
+    smoke: train 4 with a save at 2, resume 2->4).
 
     ``rec`` is filled in place and ``flush()`` writes it after each command: a call cut off by its time
     limit keeps what ran (the first call at 4c4718b lost four journeys' records to the timeout of the last
@@ -137,29 +138,31 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
     """
     tag = f"{budget:g}"
     run, export = work / f"run_{tag}", work / f"export_{tag}"
+    # The smoke checks the flow, not the rate: 4 steps with a save at 2 resume the same way (2 steps from a save).
+    last, save = (4, 2) if SMOKE else (22, 20)
     common = [f"memory.device_budget_gib={budget}", "memory.stochastic_rounding=false", "train.deterministic=true",
-              "train.max_steps=22", "train.save_steps=20", "train.save_total_limit=3", f"train.output_dir={run}"]
+              f"train.max_steps={last}", f"train.save_steps={save}", "train.save_total_limit=3", f"train.output_dir={run}"]
     rec.update({"budget_gib": budget, "commands": {}, "ok": False})
     rc, secs, tail = sh(launch(common), out / f"cards_{tag}_train.log", limit)
     rec["commands"]["train"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
     first = read_run(run)
     rec["phases"] = phase_table(first)
     flush()
-    rec["tokens_per_s"] = tokens_per_s(first["steps"], 3, 19)
+    rec["tokens_per_s"] = tokens_per_s(first["steps"], 3, save - 1)
     rec["choice"] = first["summary"].get("memory_fit")
     reference = work / f"uninterrupted_{tag}"
     second = None
-    if rc == 0 and (run / "checkpoint-22").is_dir():
-        (run / "checkpoint-22").rename(reference)  # the uninterrupted run's last checkpoint, kept aside
-        rc, secs, tail = sh(launch([*common, f"train.resume_from_checkpoint={run}/checkpoint-20", "export.format=hf",
+    if rc == 0 and (run / f"checkpoint-{last}").is_dir():
+        (run / f"checkpoint-{last}").rename(reference)  # the uninterrupted run's last checkpoint, kept aside
+        rc, secs, tail = sh(launch([*common, f"train.resume_from_checkpoint={run}/checkpoint-{save}", "export.format=hf",
                                     f"export.output_dir={export}"]), out / f"cards_{tag}_resume.log", limit)
         rec["commands"]["resume_export"] = {"rc": rc, "s": secs, **({"tail": tail} if rc else {})}
         second = read_run(run)
         rec["phases"] = phase_table(first, second)
-        if rc == 0 and (run / "checkpoint-22").is_dir():
+        if rc == 0 and (run / f"checkpoint-{last}").is_dir():
             # A compressed tensor's `.name` entry is its label (which name of a tied pair it was saved
             # under), not its bytes: compared apart.
-            a, b = checkpoint_tensors(reference), checkpoint_tensors(run / "checkpoint-22")
+            a, b = checkpoint_tensors(reference), checkpoint_tensors(run / f"checkpoint-{last}")
             rec["resume_labels_differing"] = sorted(k for k in a if k.endswith(".name") and a[k] != b.get(k))
             a = {k: v for k, v in a.items() if not k.endswith(".name")}
             b = {k: v for k, v in b.items() if not k.endswith(".name")}
@@ -169,7 +172,7 @@ def budget_run(budget: float, work: Path, out: Path, limit: float, rec: dict, fl
             rec["resume_tensors_differing_count"] = len(differing)  # the list below is cut at 10
             rec["resume_tensors_differing"] = differing[:10]
             if differing and not SMOKE:  # do the values differ, or only their encoding? (the first 40 blobs)
-                rec["resume_decoded_differences"] = decoded_differences(reference, run / "checkpoint-22", differing[:40])
+                rec["resume_decoded_differences"] = decoded_differences(reference, run / f"checkpoint-{last}", differing[:40])
         rec["summary_resume"] = {k: v for k, v in second["summary"].items() if not isinstance(v, (dict, list))}
         flush()
     if (export / "config.json").exists():  # the resumed run wrote its export: generate from it

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import write_recipe
-from tests.integration.test_launch import _run
+from tests.integration.test_launch import _run, _train_in_process
 
 STEPS = {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "save_total_limit": 3}
 NO_EVAL = {"eval": {"perplexity": False}}
@@ -41,15 +41,15 @@ def _launch(directory: Path, mode: str, processes: int, port: int, export: str =
     if processes == 1:
         train_section = {k: v for k, v in train_section.items() if k not in ("distributed", "deepspeed")}
     recipe = write_recipe(directory, train=train_section, memory=spec["memory"], export={"format": export}, **NO_EVAL)
-    if processes == 1:
-        cmd = [sys.executable, "-m", "neutrain", recipe]
+    if processes == 1:  # the reference run, in this process
+        _train_in_process(recipe)
     else:
         # Accelerate keeps FSDP for accelerator devices; the shim lets its FSDP2 path run on CPU.
         entry = "tests.unit.distributed.accelerate_cpu_fsdp" if mode == "fsdp2" else "neutrain"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                "--master_port", str(port), "-m", entry, recipe]
-    res = _run(cmd)
-    assert res.returncode == 0, res.stderr[-4000:]
+        res = _run(cmd)
+        assert res.returncode == 0, res.stderr[-4000:]
     summary = json.loads((directory / "out" / "summary.json").read_text())
     assert summary["world_size"] == processes, "the run did not use the expected number of processes"
     assert summary["distributed_mode"] == (mode if processes > 1 else "single")

@@ -28,6 +28,20 @@ def _run(cmd, **kw):
     return subprocess.run([str(c) for c in cmd], env=_env(), capture_output=True, text=True, timeout=900, **kw)
 
 
+def _train_in_process(recipe) -> None:
+    """``neutrain train RECIPE`` in this process (the CLI's own path, without an interpreter's start-up), on one
+    thread as the launched processes run (``OMP_NUM_THREADS=1``): the same sums in the same order. For the
+    one-process reference runs that launched runs are compared with; the launches themselves stay literal."""
+    from neutrain.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", str(recipe)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _summary(tmp_path):
     return json.loads((tmp_path / "out" / "summary.json").read_text())
 
@@ -63,8 +77,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     common = {"max_steps": 3, "save_steps": 3, "logging_steps": 1}
     r1 = write_recipe(one, train={**common, "micro_batch_size": 4}, export={"format": "none"}, eval={"perplexity": False})
     r2 = write_recipe(two, train={**common, "micro_batch_size": 2}, export={"format": "none"}, eval={"perplexity": False})
-    res = _run([sys.executable, "-m", "neutrain", r1])
-    assert res.returncode == 0, res.stderr[-3000:]
+    _train_in_process(r1)
     res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533", "-m", "neutrain", r2])
     assert res.returncode == 0, res.stderr[-3000:]
     assert _summary(one)["world_size"] == 1

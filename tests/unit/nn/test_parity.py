@@ -9,7 +9,7 @@ from neutrain.nn import CompressedEmbedding, CompressedLinear, compressed_weight
 from neutrain.nn.embedding import table_grad_rows
 from neutrain.optim import LOMO, AdaLomo
 
-from .nn_helpers import BLOCK_CODEC, CODEC, dense_and_compressed, enable_checkpointing, token_batches, train, weights
+from .nn_helpers import BLOCK_CODEC, CODEC, VOCAB, dense_and_compressed, enable_checkpointing, token_batches, train, weights
 
 
 def _assert_identical_and_trained(dense, compressed, start):
@@ -109,9 +109,21 @@ def test_streamed_update_in_the_fused_kernel_order_shares_the_reader_buffer(monk
     # LOMO's fused kernel path (CUDA) asks for a chunk's gradient before its weight rows, so the loss's
     # reader moves to the next block first and must have the update re-encode the block it holds.
     # The kernel runs in Triton's interpreter here, for the dense twin too (same rounding both sides). Its time
-    # grows with the elements it updates: one decoder layer, since only the vocabulary matrices' order is tested.
-    monkeypatch.setattr(lomo_module, "use_fused_kernel", lambda weight: True)
+    # grows with the elements it updates: one decoder layer, and the kernel only for the vocabulary matrices
+    # (the dense twin's and the compressed model's row blocks), since only their order is tested; the layer's
+    # matrices take the unfused rule on both sides.
+    fused = []
+
+    def vocabulary_matrix(weight) -> bool:  # lm_head and embedding: VOCAB x hidden (64); no layer matrix has VOCAB rows
+        if tuple(weight.shape) != (VOCAB, 64):
+            return False
+        fused.append(type(weight).__name__)
+        return True
+
+    monkeypatch.setattr(lomo_module, "use_fused_kernel", vocabulary_matrix)
     _check_streamed_lm_head(4, 8, True, {}, True, monkeypatch, layers=1)
+    # The kernel ran for both vocabulary matrices of both models, each step (2 steps).
+    assert sorted(fused) == ["RowBlocks"] * 4 + ["Tensor"] * 4, fused
 
 
 def _check_streamed_lm_head(block_rows, chunk_rows, stochastic_rounding, clip, re_encoded_by_blocks, monkeypatch,
