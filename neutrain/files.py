@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import os
 import stat
@@ -95,6 +96,37 @@ def path_too_long(path: str | os.PathLike) -> str | None:
     if len(os.fsencode(whole)) >= path_max:
         return (f"it is a path of {len(os.fsencode(whole))} bytes ('{whole[:40]}...'), more than the {path_max} a "
                 "path may have there (PATH_MAX)")
+    return None
+
+
+def link_trouble(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be reached through its symbolic links, or None: a loop, or a link (itself or a folder
+    above it) to a missing path.
+
+    Why for a folder a command creates: creating through a dangling link made its target, a folder the user
+    never named (a link left to ``/nonexistent`` trained a whole run there), and a loop failed as a bare
+    "Too many levels of symbolic links" naming neither the key nor the link.
+
+    Example:
+        >>> link_trouble("/tmp") is None
+        True
+    """
+    try:
+        os.stat(path)
+        return None
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "passes through a loop of symbolic links"
+        return None  # another failure: the folder's own checks name it
+    part = os.path.abspath(path)
+    while os.path.dirname(part) != part:
+        if os.path.islink(part) and not os.path.exists(part):
+            named = "is" if part == os.path.abspath(path) else f"passes through '{part}', which is"
+            return (f"{named} a symbolic link to the missing path '{os.readlink(part)}'; a folder is not created "
+                    "through a link: create its target first, or name the folder itself")
+        part = os.path.dirname(part)
     return None
 
 

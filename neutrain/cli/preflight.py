@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neutrain.errors import RecipeError, UserInputError
-from neutrain.files import nearest_existing
+from neutrain.files import link_trouble, nearest_existing
 from neutrain.config.knobs import knob
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
@@ -212,6 +212,8 @@ def check_writable_dir(path: str, key: str) -> None:
         >>> check_writable_dir(tempfile.gettempdir(), "train.output_dir")
     """
     p = Path(path)
+    if trouble := link_trouble(p):
+        raise RecipeError(f"{key}: '{path}' {trouble}")
     try:
         if p.exists() and not p.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(p))

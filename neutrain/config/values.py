@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from neutrain.config.names import Names
 from neutrain.errors import RecipeError
-from neutrain.files import check_kind, path_too_long
+from neutrain.files import check_kind, link_trouble, path_too_long
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
         check_nested(where, value)
     if isinstance(value, str):
         check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
+    if where in OUTPUT_FOLDERS and isinstance(value, str) and (trouble := link_trouble(Path(value).expanduser())):
+        raise RecipeError(f"{where}: '{value}' {trouble}")
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
     return value
@@ -89,6 +91,10 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
 # Keys whose string is a path (or a hub id standing for one): held to what a file name can be.
 _PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "model.tokenizer", "model.config",
                 "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
+
+
+# Keys naming a folder a command creates and writes.
+OUTPUT_FOLDERS = ("train.output_dir", "export.output_dir")
 
 
 def check_text(where: str, value: str, as_file_name: bool) -> None:
