@@ -99,6 +99,24 @@ def path_too_long(path: str | os.PathLike) -> str | None:
     return None
 
 
+def not_text(value: str) -> str | None:
+    """Why ``value`` (a path or a setting) is not text that can be written as UTF-8, or None.
+
+    Why: a file name holding a byte that is not UTF-8 (``$'\\xff'`` on the command line) reaches Python as a
+    lone surrogate; the file system takes it back, but the tokenizer's writer, a JSON record and a YAML recipe
+    do not, and the run failed in a ``UnicodeEncodeError`` traceback after loading the model.
+
+    Example:
+        >>> not_text("/tmp/run") is None, not_text("/tmp/r\\udcff")
+        (True, "'\\\\udcff' is a byte that is not UTF-8 text (or a lone surrogate)")
+    """
+    try:
+        value.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return f"{value[exc.start]!r} is a byte that is not UTF-8 text (or a lone surrogate)"
+
+
 def link_trouble(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be reached through its symbolic links, or None: a loop, or a link (itself or a folder
     above it) to a missing path.

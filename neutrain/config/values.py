@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from neutrain.config.names import Names
 from neutrain.errors import RecipeError
-from neutrain.files import check_kind, link_trouble, path_too_long
+from neutrain.files import check_kind, link_trouble, not_text, path_too_long
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,8 @@ def check_text(where: str, value: str, as_file_name: bool) -> None:
     """
     if "\0" in value:
         raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
+    if problem := not_text(value):  # the recipe beside the checkpoints, the tokenizer's files: all UTF-8
+        raise RecipeError(f"{where}: {shown(value)} cannot be written as text: {problem}; use a UTF-8 name or value")
     if as_file_name:
         bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
         if bad is not None:
