@@ -81,8 +81,13 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
         check_nested(where, value)
     if isinstance(value, str):
         check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
-    if where in OUTPUT_FOLDERS and isinstance(value, str) and (trouble := link_trouble(Path(value).expanduser())):
+    if where in OUTPUT_FOLDERS + LATER_FOLDERS and isinstance(value, str) and (
+            trouble := link_trouble(Path(value).expanduser())):
         raise RecipeError(f"{where}: '{value}' {trouble}")
+    if where in LATER_FOLDERS and isinstance(value, str) and os.path.lexists(Path(value).expanduser()):
+        # Read only by a later command (distill after training), yet refused now: a device or a file there
+        # failed after the whole training, or never.
+        check_kind(Path(value).expanduser(), f"{where}: '{value}'", RecipeError, want="dir")
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
     return value
@@ -95,6 +100,8 @@ _PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "m
 
 # Keys naming a folder a command creates and writes.
 OUTPUT_FOLDERS = ("train.output_dir", "export.output_dir")
+# Keys naming a model folder that may not exist yet at load (the run's own export): checked if it does.
+LATER_FOLDERS = ("distill.target",)
 
 
 def check_text(where: str, value: str, as_file_name: bool) -> None:

@@ -70,7 +70,8 @@ def _gguf_named(value: str, tmp_path: Path) -> str:
 
 
 TABLE = [(k, kind) for k in READ_KEYS for kind in BAD_KINDS] + \
-        [(k, kind) for k in OUTPUT_KEYS for kind in ("loop", "dangling link", "missing below a dangling link")]
+        [(k, kind) for k in OUTPUT_KEYS for kind in ("loop", "dangling link", "missing below a dangling link")] + \
+        [("distill.target", kind) for kind in (*BAD_KINDS, "regular file")]  # read after training, checked at load
 
 
 @pytest.mark.parametrize("key,kind", TABLE, ids=[f"{k}={kind}" for k, kind in TABLE])
