@@ -334,6 +334,27 @@ def _no_constant(word: str) -> Any:
     raise _Constant(word)
 
 
+class DuplicateKey(ValueError):
+    """A JSON object holds ``key`` twice."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' ``object_pairs_hook`` refusing an object that holds a key twice.
+
+    Why: JSON leaves the meaning open and readers disagree (Python keeps the last, other readers the first or
+    both): a config whose ``hidden_size`` appears twice was read one way here and another way by the library.
+    """
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return value
+
+
 def parse_json(text: str, label: str, error: type[Exception], allow_nan: bool = False) -> Any:
     """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key, and ``NaN``,
     ``Infinity`` or ``-Infinity`` (which Python's parser takes though JSON has none) is refused unless
@@ -345,7 +366,10 @@ def parse_json(text: str, label: str, error: type[Exception], allow_nan: bool = 
         ValueError: fsdp.json is not valid JSON (Expecting value at line 1, column 15)
     """
     try:
-        value = json.loads(text, parse_constant=None if allow_nan else _no_constant)
+        value = json.loads(text, parse_constant=None if allow_nan else _no_constant, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise error(f"{label} holds the key '{exc.key}' twice in one object; JSON does not say which one counts, and "
+                    "readers disagree: keep one") from None
     except _Constant as exc:  # NaN / Infinity: Python's extension, no JSON, and no finite setting of any key
         at = text.find(exc.word)  # the parser does not say where; the first such word outside a string is it
         raise error(f"{label} holds {exc.word} (line {text.count(chr(10), 0, at) + 1}): not valid JSON, and no "

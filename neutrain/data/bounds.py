@@ -32,7 +32,7 @@ import json
 import re
 
 from neutrain.errors import DataError
-from neutrain.files import detect_encoding, lone_surrogate
+from neutrain.files import DuplicateKey, detect_encoding, lone_surrogate, unique_keys
 
 MAX_LINE_BYTES = 16 << 20
 MAX_JSON_DEPTH = 100
@@ -93,20 +93,6 @@ def check_bounds(files: list[str], ds_type: str) -> None:
                     _check_row(f, where, line)
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    row = dict(pairs)
-    if len(row) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return row
-
-
 def _check_row(name: str, where: str, line: bytes) -> None:
     """One JSON row: no object holding a key twice, no lone surrogate in a string.
 
@@ -116,8 +102,8 @@ def _check_row(name: str, where: str, line: bytes) -> None:
     about a row that has a list (or, with other shapes, trained on rows the file does not hold).
     """
     try:
-        row = json.loads(line, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
+        row = json.loads(line, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
         raise DataError(f"{name}: {where}: an object holds the key '{exc.key}' twice; JSON does not say which one "
                         "counts, and the readers disagree: keep one") from None
     except (ValueError, RecursionError):
@@ -142,8 +128,8 @@ def _check_document(name: str, fh) -> None:
         raise DataError(f"{name}: nests arrays or objects more than {MAX_JSON_DEPTH} levels deep, neutrain's bound "
                         "on JSON nesting")
     try:
-        rows = json.loads(text, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
+        rows = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
         raise DataError(f"{name}: an object holds the key '{exc.key}' twice; JSON does not say which one counts, and "
                         "the readers disagree: keep one") from None
     except (ValueError, RecursionError):

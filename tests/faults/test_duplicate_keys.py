@@ -59,3 +59,30 @@ def test_train_names_the_row_not_a_shape_the_reader_made_up(tmp_path, capsys):
     assert main(["train", str(recipe)]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith(f"neutrain: error: {data}: row 1 (line 2): an object holds the key 'content' twice"), line
+
+
+JSON_FILES = {  # a file the user names, as a key or argument, read through the one reader
+    "model.config": '{"model_type": "llama", "hidden_size": 32, "hidden_size": 64}',
+    "train.fsdp_config": '{"fsdp_version": 2, "nested": {"a": 1, "a": 2}}',
+    "train.deepspeed": '{"train_batch_size": 4, "train_batch_size": 8}',
+}
+
+
+@pytest.mark.parametrize("key", JSON_FILES)
+def test_a_json_file_you_name_refuses_a_key_twice(tmp_path, capsys, key):
+    path = tmp_path / "file.json"
+    path.write_text(JSON_FILES[key])
+    recipe = write_recipe(tmp_path, train={"max_steps": 1})
+    assert main(["train", str(recipe), f"{key}={path}"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"neutrain: error: {key}: file '{path}' holds the key ") and "twice" in line, line
+
+
+@pytest.mark.parametrize("text,key", [('{"a": 1, "a": 1}', "a"), ('[{"b": {"c": 1, "c": 2}}]', "c"),
+                                      ('{"x": [{"y": 1}, {"y": 2, "z": 0, "y": 3}]}', "y")])
+def test_the_one_reader_names_the_key_at_any_depth(text, key):
+    from neutrain.files import parse_json
+
+    with pytest.raises(ValueError, match=rf"^f\.json holds the key '{key}' twice in one object"):
+        parse_json(text, "f.json", ValueError)
+    assert parse_json('{"y": 1, "z": {"y": 2}}', "f.json", ValueError) == {"y": 1, "z": {"y": 2}}
