@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import os
 import stat
@@ -95,6 +96,55 @@ def path_too_long(path: str | os.PathLike) -> str | None:
     if len(os.fsencode(whole)) >= path_max:
         return (f"it is a path of {len(os.fsencode(whole))} bytes ('{whole[:40]}...'), more than the {path_max} a "
                 "path may have there (PATH_MAX)")
+    return None
+
+
+def not_text(value: str) -> str | None:
+    """Why ``value`` (a path or a setting) is not text that can be written as UTF-8, or None.
+
+    Why: a file name holding a byte that is not UTF-8 (``$'\\xff'`` on the command line) reaches Python as a
+    lone surrogate; the file system takes it back, but the tokenizer's writer, a JSON record and a YAML recipe
+    do not, and the run failed in a ``UnicodeEncodeError`` traceback after loading the model.
+
+    Example:
+        >>> not_text("/tmp/run") is None, not_text("/tmp/r\\udcff")
+        (True, "'\\\\udcff' is a byte that is not UTF-8 text (or a lone surrogate)")
+    """
+    try:
+        value.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return f"{value[exc.start]!r} is a byte that is not UTF-8 text (or a lone surrogate)"
+
+
+def link_trouble(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be reached through its symbolic links, or None: a loop, or a link (itself or a folder
+    above it) to a missing path.
+
+    Why for a folder a command creates: creating through a dangling link made its target, a folder the user
+    never named (a link left to ``/nonexistent`` trained a whole run there), and a loop failed as a bare
+    "Too many levels of symbolic links" naming neither the key nor the link.
+
+    Example:
+        >>> link_trouble("/tmp") is None
+        True
+    """
+    try:
+        os.stat(path)
+        return None
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "passes through a loop of symbolic links"
+        return None  # another failure: the folder's own checks name it
+    part = os.path.abspath(path)
+    while os.path.dirname(part) != part:
+        if os.path.islink(part) and not os.path.exists(part):
+            named = "is" if part == os.path.abspath(path) else f"passes through '{part}', which is"
+            return (f"{named} a symbolic link to the missing path '{os.readlink(part)}'; a folder is not created "
+                    "through a link: create its target first, or name the folder itself")
+        part = os.path.dirname(part)
     return None
 
 
@@ -284,6 +334,27 @@ def _no_constant(word: str) -> Any:
     raise _Constant(word)
 
 
+class DuplicateKey(ValueError):
+    """A JSON object holds ``key`` twice."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' ``object_pairs_hook`` refusing an object that holds a key twice.
+
+    Why: JSON leaves the meaning open and readers disagree (Python keeps the last, other readers the first or
+    both): a config whose ``hidden_size`` appears twice was read one way here and another way by the library.
+    """
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return value
+
+
 def parse_json(text: str, label: str, error: type[Exception], allow_nan: bool = False) -> Any:
     """``json.loads(text)``; a syntax error names its line and column, a lone surrogate its key, and ``NaN``,
     ``Infinity`` or ``-Infinity`` (which Python's parser takes though JSON has none) is refused unless
@@ -295,7 +366,10 @@ def parse_json(text: str, label: str, error: type[Exception], allow_nan: bool = 
         ValueError: fsdp.json is not valid JSON (Expecting value at line 1, column 15)
     """
     try:
-        value = json.loads(text, parse_constant=None if allow_nan else _no_constant)
+        value = json.loads(text, parse_constant=None if allow_nan else _no_constant, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise error(f"{label} holds the key '{exc.key}' twice in one object; JSON does not say which one counts, and "
+                    "readers disagree: keep one") from None
     except _Constant as exc:  # NaN / Infinity: Python's extension, no JSON, and no finite setting of any key
         at = text.find(exc.word)  # the parser does not say where; the first such word outside a string is it
         raise error(f"{label} holds {exc.word} (line {text.count(chr(10), 0, at) + 1}): not valid JSON, and no "

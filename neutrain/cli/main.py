@@ -36,7 +36,7 @@ from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
-from neutrain.files import path_too_long
+from neutrain.files import not_text, path_too_long
 
 EXIT_USER_ERROR = 2
 
@@ -188,14 +188,18 @@ _PATH_ARGUMENTS = ("recipe", "target", "checkpoint", "model", "output", "base", 
 
 def check_path_arguments(args: argparse.Namespace) -> None:
     """Refuse, naming the argument, a path argument its file system cannot hold (a name past ``NAME_MAX``, a path
-    past ``PATH_MAX``): looked up later, it failed as a bare "File name too long" or as "does not exist"."""
+    past ``PATH_MAX``), or one that is no UTF-8 text: looked up later, it failed as a bare "File name too long", as
+    "does not exist", or in a ``UnicodeEncodeError`` traceback where a library wrote it."""
     for attr in _PATH_ARGUMENTS:
         value = getattr(args, attr, None)
-        if not isinstance(value, str) or not (problem := path_too_long(value)):
+        if not isinstance(value, str) or not (problem := not_text(value) or path_too_long(value)):
             continue
         optional = attr not in ("target", "checkpoint", "model") and (attr != "recipe" or args.command == "eval")
         label = f"--{attr.replace('_', '-')}" if optional else attr
         shown = value if len(value) <= 60 else value[:57] + "..."
+        if not_text(value):
+            raise UserInputError(f"{args.command} {label}: {shown!r} cannot be a path neutrain writes or reads "
+                                 f"through its libraries: {problem}; use a UTF-8 name")
         raise UserInputError(f"{args.command} {label}: '{shown}' is too long for its file system: {problem}")
 
 

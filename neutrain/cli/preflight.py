@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neutrain.errors import RecipeError, UserInputError
-from neutrain.files import nearest_existing
+from neutrain.files import link_trouble, nearest_existing
 from neutrain.config.knobs import knob
 from neutrain.config.schema import Recipe
 from neutrain.distributed.arguments import distributed_request
@@ -62,6 +62,33 @@ def check_long_context_prompts(tokenizer, eval_cfg: EvalSection) -> None:
         except ValueError as exc:
             raise RecipeError(f"eval.context_len: {eval_cfg.context_len} tokens is too short for long-context task "
                               f"'{name}' with this tokenizer ({exc})") from None
+
+
+def check_sample_prompt(model, tokenizer, eval_cfg: EvalSection, chat: bool) -> None:
+    """``eval.sample_prompt`` and ``eval.sample_tokens`` fit the built model's context, checked before the first step.
+
+    Why: the sample is generated after all the training; a prompt past the model's positions decoded positions the
+    model never learnt and printed an empty sample, exit 0, and an empty one failed in the decoder's prefill.
+    """
+    if eval_cfg.sample_prompt is None:
+        return
+    from neutrain.data.chat import prompt_ids, template_choice  # lazy: `neutrain --help` stays instant
+
+    use_template, _ = template_choice(tokenizer, chat)
+    tokens = len(prompt_ids(tokenizer, eval_cfg.sample_prompt, raw=not use_template))
+    if tokens == 0:
+        raise RecipeError("eval.sample_prompt: the prompt is empty (0 tokens after the tokenizer); give some text, "
+                          "or leave the key out for no sample")
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int) or isinstance(context, bool):
+        return
+    if tokens >= context:
+        raise RecipeError(f"eval.sample_prompt: the prompt alone has {tokens:,} tokens, and the model's context is "
+                          f"{context:,} positions (max_position_embeddings); shorten it to fewer than {context:,} tokens")
+    if tokens + eval_cfg.sample_tokens > context:
+        raise RecipeError(f"eval.sample_tokens: {eval_cfg.sample_tokens:,} new tokens after the {tokens:,}-token "
+                          f"eval.sample_prompt exceed the model's context of {context:,} positions "
+                          f"(max_position_embeddings); set it to at most {context - tokens:,}")
 
 
 def check_report_to(report_to: str | list) -> None:
@@ -212,6 +239,8 @@ def check_writable_dir(path: str, key: str) -> None:
         >>> check_writable_dir(tempfile.gettempdir(), "train.output_dir")
     """
     p = Path(path)
+    if trouble := link_trouble(p):
+        raise RecipeError(f"{key}: '{path}' {trouble}")
     try:
         if p.exists() and not p.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(p))

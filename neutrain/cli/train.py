@@ -32,7 +32,8 @@ from neutrain.cli.after_training import format_summary, generate_sample, long_co
 from neutrain.cli.memory import fit_memory, settle_weights
 from neutrain.cli.outputs import check_output_places, check_run_disk
 from neutrain.cli.preflight import (
-    accumulation_note, check_export_place, check_launch, check_long_context_prompts, check_machine_holds, check_weight_offload_device,
+    accumulation_note, check_export_place, check_launch, check_long_context_prompts, check_machine_holds,
+    check_sample_prompt, check_weight_offload_device,
     cpu_processes, preflight,
 )
 from neutrain.distributed import end_processes, exit_rank
@@ -209,6 +210,9 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
                         offload_weights=recipe.memory.offload_weights, offload_layers=recipe.memory.offload_layers,
                         offload_slots=recipe.memory.offload_slots)
     check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
+    from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
+
+    check_sample_prompt(model, tokenizer, recipe.eval, trained_on_chat(recipe.data.datasets))  # sampled after training
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant
 

@@ -91,7 +91,8 @@ def check_model_names(model: ModelSection) -> None:
 
     ``model.base_model`` is read for the weights (``init: pretrained``), the config (no ``model.config``)
     or the tokenizer (no ``model.tokenizer``); beside ``model.gguf_file`` it is the directory or hub repo
-    holding that file. ``model.tokenizer`` is read unless neutrain builds it (``byte``, ``train-bpe``).
+    holding that file; named but read for none of these, it must still be a model on this machine. ``model.tokenizer``
+    is read unless neutrain builds it (``byte``, ``train-bpe``).
     """
     base, tokenizer, gguf = model.base_model, model.tokenizer, model.gguf_file
     reads_base = model.init == "pretrained" or model.config is None or tokenizer is None
@@ -103,3 +104,8 @@ def check_model_names(model: ModelSection) -> None:
                             or model.config is None else TOKENIZER_FILES)
     if tokenizer and tokenizer not in BUILT_TOKENIZERS:
         find_model_name("model.tokenizer", tokenizer, TOKENIZER_FILES)
+    if base and not reads_base:
+        # Nothing reads it, yet a recipe that names a model is taken to mean that model: /dev/zero, a FIFO or a
+        # folder of something else beside init: random trained a random model under the base's name, and the
+        # recipe beside the checkpoints went on naming a path no one could load.
+        find_model_name("model.base_model", base, (gguf,) if gguf else MODEL_FILES + TOKENIZER_FILES)

@@ -131,12 +131,14 @@ def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> No
     check_config_values(values, where, RecipeError, [k for k in keys if k in values])
     try:
         built = cls(**values)
+        # Inside the guard: the class writes its values out again (config.json beside every checkpoint), and
+        # some fail only there (a torch_dtype of [] raised IndexError from to_dict).
+        stored = built.to_dict()
     except Exception as exc:  # noqa: BLE001 (config classes raise ValueError, TypeError or strict-dataclass errors by version)
         raise RecipeError(f"{where}: {cls.__name__} refuses these values: {one_line(exc)}") from None
     known = _known_keys(cls, defaults)
     # A key the class consumed (a legacy name such as rope_theta) is not stored under its own name;
     # one it did not know is stored verbatim and would be copied into config.json.
-    stored = built.to_dict()
     unknown = [k for k in keys if k not in known and k in stored]
     if unknown and not allow_unknown:
         key = unknown[0]

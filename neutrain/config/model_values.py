@@ -14,7 +14,7 @@ the key and the value; any non-finite number anywhere in the config is refused t
 Example:
     >>> check_config_values({"hidden_size": 64, "rms_norm_eps": 0.0}, "model.config", ValueError)
     Traceback (most recent call last):
-    ValueError: model.config.rms_norm_eps: 0.0 must be a finite number > 0 and < 1 (a norm's epsilon)
+    ValueError: model.config.rms_norm_eps: 0.0 must be a finite number from 1.2e-38 (float32's smallest normal number) to below 1 (a norm's epsilon)
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from typing import Any
 _SIZE_MAX = 2**31 - 1
 """Largest size or count (int32 indexing; a larger one is a corrupt value, not a model)."""
 
+_SMALLEST_EPSILON = 1.2e-38
+"""float32's smallest normal number: an epsilon under it is 0, or a subnormal, in the weights' dtype."""
+
 # (key pattern, kind, words): the pattern must match the whole key, at any depth (rope_scaling.factor).
 RULES: tuple[tuple[str, str, str], ...] = (
     (r"vocab_size|hidden_size|n_embd|d_model|embed_dim|intermediate_size|n_inner|ffn_dim|"
@@ -35,9 +38,10 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"n_routed_experts|num_experts_per_tok|n_shared_experts", "size", "a size or count"),
     (r"head_dim|(qk_(nope|rope)_|v_)head_dim|(kv|q)_lora_rank|sliding_window|attention_chunk_size", "size0", "a size (0: derived, or off)"),
     (r"\w*norm_eps|\w*norm_epsilon|rms_eps", "epsilon", "a norm's epsilon"),
-    (r"rope_theta|rope_local_base_freq|factor|(low|high)_freq_factor|beta_(fast|slow)|attention_factor|"
-     r"partial_rotary_factor",
+    (r"rope_theta|rope_local_base_freq|factor|(low|high)_freq_factor|beta_(fast|slow)|attention_factor",
      "positive", "a rotary embedding's base or factor"),
+    (r"partial_rotary_factor", "fraction", "the part of a head the rotary embedding turns"),
+    (r"torch_dtype|dtype", "dtype", "the weights' dtype"),
     (r"\w*(attn|final|attention)_logit_softcapping|logit_scale|embedding_multiplier|residual_multiplier|"
      r"attention_multiplier|logits_scaling", "positive", "a scale or cap"),
     # ESM's token_dropout is a switch named like a probability; true is no dropout of 1 anywhere else.
@@ -66,10 +70,17 @@ def _problem(kind: str, value: Any) -> str | None:
         low = 1 if kind == "size" else 0
         whole = _number(value) and math.isfinite(value) and float(value).is_integer()
         return None if whole and low <= value <= _SIZE_MAX else f"must be a whole number from {low} to {_SIZE_MAX:,}"
+    if kind == "dtype":  # a name torch has (float32, bfloat16, ...); a number or a list failed inside transformers
+        import torch  # lazy: the table itself imports nothing heavy
+
+        return None if isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None),
+                                                               torch.dtype) else "must name a torch dtype (e.g. bfloat16)"
     if not _number(value) or not math.isfinite(value):
         return "must be a finite number"
-    if kind == "epsilon" and not 0 < value < 1:
-        return "must be a finite number > 0 and < 1"
+    if kind == "epsilon" and not _SMALLEST_EPSILON <= value < 1:  # below it, float32 holds 0: rsqrt(0) is inf
+        return f"must be a finite number from {_SMALLEST_EPSILON} (float32's smallest normal number) to below 1"
+    if kind == "fraction" and not 0 < value <= 1:
+        return "must be a finite number > 0 and at most 1"
     if kind == "positive" and not value > 0:
         return "must be a finite number > 0"
     if kind == "probability" and not 0 <= value < 1:  # 1 drops every activation: the layer's output is zeros

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from neutrain.config.names import Names
 from neutrain.errors import RecipeError
-from neutrain.files import check_kind, path_too_long
+from neutrain.files import check_kind, link_trouble, not_text, path_too_long
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,13 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
         check_nested(where, value)
     if isinstance(value, str):
         check_text(where, value, as_file_name=bool(key.path) or where.endswith(_PATH_VALUED))
+    if where in OUTPUT_FOLDERS + LATER_FOLDERS and isinstance(value, str) and (
+            trouble := link_trouble(Path(value).expanduser())):
+        raise RecipeError(f"{where}: '{value}' {trouble}")
+    if where in LATER_FOLDERS and isinstance(value, str) and os.path.lexists(Path(value).expanduser()):
+        # Read only by a later command (distill after training), yet refused now: a device or a file there
+        # failed after the whole training, or never.
+        check_kind(Path(value).expanduser(), f"{where}: '{value}'", RecipeError, want="dir")
     if key.path and isinstance(value, str):
         value = resolve_path(where, value, base_dir, key.path, "file" if key.path == "file" else "path")
     return value
@@ -89,6 +96,12 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
 # Keys whose string is a path (or a hub id standing for one): held to what a file name can be.
 _PATH_VALUED = ("output_dir", ".path", "model.base_model", "model.gguf_file", "model.tokenizer", "model.config",
                 "train.fsdp_config", "train.deepspeed", "train.resume_from_checkpoint", "distill.target")
+
+
+# Keys naming a folder a command creates and writes.
+OUTPUT_FOLDERS = ("train.output_dir", "export.output_dir")
+# Keys naming a model folder that may not exist yet at load (the run's own export): checked if it does.
+LATER_FOLDERS = ("distill.target",)
 
 
 def check_text(where: str, value: str, as_file_name: bool) -> None:
@@ -103,6 +116,8 @@ def check_text(where: str, value: str, as_file_name: bool) -> None:
     """
     if "\0" in value:
         raise RecipeError(f"{where}: {value!r} contains a NUL byte, which no file name or setting can hold")
+    if problem := not_text(value):  # the recipe beside the checkpoints, the tokenizer's files: all UTF-8
+        raise RecipeError(f"{where}: {shown(value)} cannot be written as text: {problem}; use a UTF-8 name or value")
     if as_file_name:
         bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
         if bad is not None:

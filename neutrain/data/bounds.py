@@ -13,7 +13,9 @@ first, with plain byte operations:
   and a line that is not UTF-8 are named, with the line and byte, instead of a ``UnicodeDecodeError``
   from the reader with no row;
 * no JSON string holds a lone surrogate (a ``\\ud800`` escape no low surrogate follows): Python's
-  parser takes it, but it is no character, and ``datasets`` then failed with no row named.
+  parser takes it, but it is no character, and ``datasets`` then failed with no row named;
+* no JSON object of a row holds a key twice (the readers disagree on which counts: ``datasets`` read such a
+  row as two rows of another shape).
 
 A file over a bound is a :class:`~neutrain.errors.DataError` naming the file, the row and (for a
 surrogate) the key.
@@ -30,7 +32,7 @@ import json
 import re
 
 from neutrain.errors import DataError
-from neutrain.files import detect_encoding, lone_surrogate
+from neutrain.files import DuplicateKey, detect_encoding, lone_surrogate, unique_keys
 
 MAX_LINE_BYTES = 16 << 20
 MAX_JSON_DEPTH = 100
@@ -82,20 +84,32 @@ def check_bounds(files: list[str], ds_type: str) -> None:
                 except UnicodeDecodeError as exc:
                     raise DataError(f"{f}: {where} is not UTF-8 text (byte 0x{line[exc.start]:02x} at offset "
                                     f"{exc.start} of the line); save the file as UTF-8") from None
-                if ds_type == "json" and _SURROGATE_ESCAPE.search(line):
-                    _check_surrogates(f, where, line)
                 # A row cannot nest deeper than it has opening brackets: count exactly only when it might.
                 if ds_type == "json" and line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH:
                     if json_depth(line, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
                         raise DataError(f"{f}: row {i} (line {i + 1}) nests arrays or objects more than {MAX_JSON_DEPTH} "
                                         "levels deep, neutrain's bound on JSON nesting")
+                if ds_type == "json" and b'":' in line.replace(b'" :', b'":'):  # an object: its keys, its strings
+                    _check_row(f, where, line)
 
 
-def _check_surrogates(name: str, where: str, line: bytes) -> None:
+def _check_row(name: str, where: str, line: bytes) -> None:
+    """One JSON row: no object holding a key twice, no lone surrogate in a string.
+
+    Why duplicate keys: JSON leaves their meaning open, and the readers disagree. Python keeps the last; the
+    reader behind ``datasets`` read a row whose message held ``content`` twice as two rows and its
+    ``messages`` list as one mapping, so the run failed on "field 'messages' should be list, got dict"
+    about a row that has a list (or, with other shapes, trained on rows the file does not hold).
+    """
     try:
-        row = json.loads(line)
-    except ValueError:
+        row = json.loads(line, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise DataError(f"{name}: {where}: an object holds the key '{exc.key}' twice; JSON does not say which one "
+                        "counts, and the readers disagree: keep one") from None
+    except (ValueError, RecursionError):
         return  # not JSON at all: the reader's error names the row
+    if not _SURROGATE_ESCAPE.search(line):
+        return
     found = lone_surrogate(row)
     if found is not None:
         raise DataError(f"{name}: {where}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a UTF-16 "
@@ -110,16 +124,18 @@ def _check_document(name: str, fh) -> None:
         line = text.count(b"\n", 0, exc.start) + 1
         raise DataError(f"{name}: is not UTF-8 text (byte 0x{text[exc.start]:02x} at line {line}); save the file "
                         "as UTF-8") from None
-    if _SURROGATE_ESCAPE.search(text):
-        try:
-            rows = json.loads(text)
-        except ValueError:
-            rows = None
-        for i, row in enumerate(rows if isinstance(rows, list) else []):
-            found = lone_surrogate(row)
-            if found is not None:
-                raise DataError(f"{name}: row {i}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a "
-                                "UTF-16 pair, no character): not valid Unicode text; fix or drop the row")
     if text.count(b"[") + text.count(b"{") > MAX_JSON_DEPTH and json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise DataError(f"{name}: nests arrays or objects more than {MAX_JSON_DEPTH} levels deep, neutrain's bound "
                         "on JSON nesting")
+    try:
+        rows = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise DataError(f"{name}: an object holds the key '{exc.key}' twice; JSON does not say which one counts, and "
+                        "the readers disagree: keep one") from None
+    except (ValueError, RecursionError):
+        return  # not JSON at all: the reader's error names it
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        found = lone_surrogate(row)
+        if found is not None:
+            raise DataError(f"{name}: row {i}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a "
+                            "UTF-16 pair, no character): not valid Unicode text; fix or drop the row")

@@ -13,6 +13,13 @@ size, width or precision over it before a value is built), at most
 attribute, item, call and operator the template runs (and, in the main thread, by a timer for a loop that
 runs none of them).
 
+Each rendering is also bounded by the size of what it renders (:func:`input_size`: the characters and items
+of its messages and other arguments), not by a constant alone: at most :data:`OPS_FACTOR` operations
+(attributes, items, calls, operators, filters) and :data:`OUTPUT_FACTOR` characters of output per unit of
+input, plus a slack, and macros nested at most :data:`MAX_CALL_DEPTH` deep. Why: the constant bounds held
+each row to seconds, so a template whose macro recursed on the content, or which wrote many small values in
+a loop, cost seconds and megabytes on every row: hours and gigabytes over a data set, with no row refused.
+
 * :func:`check_template_bounds` renders the template once, on a short probe conversation, also bounding
   its output to :data:`OUTPUT_FACTOR` times the conversation's text plus :data:`OUTPUT_SLACK` characters;
   a template over a limit is refused in one line before the data is read; one that cannot render the probe
@@ -48,6 +55,10 @@ MAX_VALUE = 1 << 20
 MAX_LOOP_STEPS = 1_000_000
 OUTPUT_FACTOR = 64
 OUTPUT_SLACK = 1 << 16
+OPS_FACTOR = 64
+OPS_SLACK = 1 << 17
+MAX_CALL_DEPTH = 64
+"""Macros calling macros: a template's own nesting is a few levels; deeper is recursion on the content."""
 RENDER_SECONDS = 10.0
 """Rendering one conversation (all its prefixes, for a training row) takes milliseconds; ten seconds is a loop."""
 _PROBE = [{"role": role, "content": f"probe {role} text " * 8} for role in ("user", "assistant", "user", "assistant")]
@@ -66,14 +77,70 @@ class _Budget:
 
     def __init__(self):
         self.steps, self.deadline, self.seconds = 0, math.inf, 0.0
+        self.ops, self.op_limit, self.output_limit, self.size, self.depth = 0, math.inf, math.inf, 0, 0
 
     def start(self, seconds: float) -> None:
         self.steps, self.seconds, self.deadline = 0, seconds, time.monotonic() + seconds
 
+    def limit_to(self, size: int) -> None:
+        """Bound the rendering about to start by ``size``, its input's (:func:`input_size`)."""
+        self.ops, self.depth, self.size = 0, 0, size
+        self.op_limit, self.output_limit = OPS_FACTOR * size + OPS_SLACK, OUTPUT_FACTOR * size + OUTPUT_SLACK
+
     def tick(self) -> None:
+        self.ops += 1
+        if self.ops > self.op_limit:
+            self.op_limit = math.inf  # said once
+            raise _TooCostly(f"runs more than {OPS_FACTOR * self.size + OPS_SLACK:,} operations for an input of "
+                             f"{self.size:,} characters and items")
         if time.monotonic() > self.deadline:
             self.deadline = math.inf  # said once
             raise _TooCostly(f"takes more than {self.seconds:g} s to render one conversation")
+
+
+def input_size(value) -> int:
+    """The characters and items of ``value`` (a rendering's arguments, at every depth): what its cost is held to.
+
+    Example:
+        >>> input_size({"messages": [{"role": "user", "content": "hello"}]})
+        36
+    """
+    size, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        size += 1
+        if isinstance(item, (str, bytes)):
+            size += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return size
+
+
+class _BoundedTemplate:
+    """A compiled template whose every rendering is held to its input's size: output, operations, depth."""
+
+    def __init__(self, template, budget: _Budget):
+        self._template, self._budget = template, budget
+
+    def __getattr__(self, name):  # environment, blocks, ...: the template's own
+        return getattr(self._template, name)
+
+    def generate(self, *args, **kwargs):
+        budget = self._budget
+        budget.limit_to(input_size((args, kwargs)))
+        limit, written = budget.output_limit, 0
+        for chunk in self._template.generate(*args, **kwargs):
+            written += len(chunk)
+            if written > limit:
+                raise _TooCostly(f"writes more than {limit:,} characters for an input of {budget.size:,} characters "
+                                 "and items")
+            yield chunk
+
+    def render(self, *args, **kwargs) -> str:
+        return "".join(self.generate(*args, **kwargs))
 
 
 def _size(value) -> int | None:
@@ -118,6 +185,8 @@ def _bounded_filter(name: str, function, budget: _Budget):
 
 def _bounded(env, budget: _Budget) -> None:
     """Limit ``env`` (a template environment overlay) in place: values, loop steps, namespace writes, time."""
+    from jinja2.runtime import Macro  # lazy: only templates need it
+
     table = env.binop_table
 
     def call_binop(context, operator, left, right):
@@ -141,7 +210,15 @@ def _bounded(env, budget: _Budget) -> None:
         owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
         _check_sizes((*args, *kwargs.values(), *((owner,) if isinstance(owner, str) else ())),
                      f"calls {getattr(obj, '__name__', 'a function')}")
-        return _check_value(call(context, obj, *args, **kwargs))
+        if not isinstance(obj, Macro):
+            return _check_value(call(context, obj, *args, **kwargs))
+        budget.depth += 1
+        try:  # a macro calling itself: refused at a depth no template's own nesting reaches
+            if budget.depth > MAX_CALL_DEPTH:
+                raise _TooCostly(f"calls its macros more than {MAX_CALL_DEPTH} deep (recursion on the content)")
+            return _check_value(call(context, obj, *args, **kwargs))
+        finally:
+            budget.depth -= 1
 
     def counted_range(*args):
         for value in range(*args):
@@ -210,7 +287,7 @@ class _Renderer:
         if found is None:
             if len(self.compiled) > 16:
                 self.compiled.clear()
-            found = self.compiled[template] = self.env.from_string(template)
+            found = self.compiled[template] = _BoundedTemplate(self.env.from_string(template), self.budget)
         return found
 
 
@@ -264,18 +341,13 @@ def check_template_bounds(tokenizer, where: str = "data.chat_template") -> None:
         compiled = env.from_string(template)
     except jinja2.TemplateError:
         return  # not valid Jinja: the rendering of the data names the error
-    text = sum(len(m["content"]) for m in _PROBE)
-    limit = OUTPUT_FACTOR * text + OUTPUT_SLACK
-    rendered = 0
     special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
     budget.start(RENDER_SECONDS)
     try:
         with _alarm(RENDER_SECONDS, budget):
-            for chunk in compiled.generate(messages=_PROBE, add_generation_prompt=True, **special):
-                rendered += len(chunk)
-                if rendered > limit:
-                    raise _TooCostly(f"writes more than {limit:,} characters for a {len(_PROBE)}-message conversation "
-                                     f"of {text} characters")
+            for _chunk in _BoundedTemplate(compiled, budget).generate(messages=_PROBE, add_generation_prompt=True,
+                                                                      **special):
+                pass
     except _TooCostly as exc:
         raise RecipeError(f"{where}: the chat template {exc}; rendering every row of the data would take unbounded "
                           f"time or memory: use a template that only formats the messages") from None

@@ -8,6 +8,7 @@ reader only for a recipe that names a GGUF file.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from neutrain.config.model_config import BYTE_VOCAB, plain_shape_config
@@ -16,6 +17,8 @@ from neutrain.files import read_json_object
 
 if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
     from neutrain.config.sections import ModelSection
+
+logger = logging.getLogger("neutrain")
 
 
 def recipe_config(model_cfg: ModelSection, tokenizer):
@@ -45,9 +48,14 @@ def recipe_config(model_cfg: ModelSection, tokenizer):
         config.vocab_size = len(tokenizer)
     if config.vocab_size < len(tokenizer):
         raise RecipeError(f"model.config.vocab_size: {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    given = model_cfg.config if isinstance(model_cfg.config, dict) else {}
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)
         if value is not None:
+            if attr in given and given[attr] != value:
+                # The tokenizer's id is the one the data and generation use; the recipe's was replaced in silence.
+                logger.warning("model.config.%s: %r is replaced by the tokenizer's %s %r (the data and generation use "
+                               "the tokenizer's); drop the key or make them agree", attr, given[attr], attr, value)
             setattr(config, attr, value)
     return config
 

@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from neutrain.errors import CheckpointError, RecipeError
-from neutrain.files import read_json_object
+from neutrain.errors import CheckpointError, RecipeError, one_line
+from neutrain.files import MAX_FOLDER_TEXT_BYTES, read_json_object
 from neutrain.nn.checkpoint import MARKER
 from neutrain.nn.load import build
 from neutrain.nn.model_spec import ModelSpec, Placement
@@ -166,8 +166,28 @@ def load_named_tokenizer(name: str, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:
+        # The library's own error names neither the file nor where in it ("(JSONDecodeError)", "(KeyError)"): a
+        # folder's JSON files are read again through the guarded reader, which names the file, line and column,
+        # and otherwise the library's message is kept, on one line. Only on failure: a good tokenizer is parsed once.
+        _check_tokenizer_files(name)
+        shown = one_line(exc)
+        shown = shown if len(shown) <= 200 else shown[:197] + "..."
         raise RecipeError(f"model.tokenizer: cannot load tokenizer '{name}' from a local path or the hub cache "
-                          f"({type(exc).__name__})") from None
+                          f"({type(exc).__name__}: {shown})") from None
+
+
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+"""The JSON files a tokenizer folder's loader reads; each must hold an object."""
+
+
+def _check_tokenizer_files(name: str) -> None:
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return
+    for file in _TOKENIZER_JSON:
+        path = folder / file
+        if path.is_file():
+            read_json_object(path, f"model.tokenizer: file '{path}'", RecipeError, limit=MAX_FOLDER_TEXT_BYTES)
 
 
 def load_compressed(

@@ -129,6 +129,11 @@ class ModelSink:
         if tuple(tensor.shape) != tuple(meta.shape):
             raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model's "
                                   f"config needs {tuple(meta.shape)}")
+        if meta.is_floating_point() and not tensor.dtype.is_floating_point:
+            # The cast below would turn an integer tensor's values into weights: a header that says I32 where F32
+            # was written made a model of reinterpreted bytes that generated, exit 0.
+            raise CheckpointError(f"checkpoint tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values; "
+                                  f"the model's parameter is floating point ({str(meta.dtype).removeprefix('torch.')})")
         stack = (module_name, pname) in self.stacks
         target = stack or (module_name in self.targets and pname == "weight")
         encoded = isinstance(tensor, CompressedTensor)

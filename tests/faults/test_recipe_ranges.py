@@ -32,7 +32,7 @@ REFUSED_BY_ANOTHER_KEY = {("train", "max_steps"): 0, ("memory", "offload_layers"
 # The model.config values a build uses, by their rule (neutrain.config.model_values.RULES): (low, high, low open,
 # high open, whole number).
 CONFIG_RULES = {
-    "rms_norm_eps": (0.0, 1.0, True, True, False), "rope_theta": (0.0, 1e12, True, False, False),
+    "rms_norm_eps": (1.2e-38, 1.0, False, True, False), "rope_theta": (0.0, 1e12, True, False, False),
     "attention_dropout": (0.0, 1.0, False, True, False), "initializer_range": (0.0, 1.0, False, False, False),
     "intermediate_size": (1, 4096, False, False, True), "max_position_embeddings": (1, 1 << 20, False, False, True),
     "hidden_size": (1, 2**31 - 1, False, False, True),
@@ -134,6 +134,8 @@ def _config_value(rule: tuple, inside: bool) -> st.SearchStrategy:
                st.floats(min_value=high, exclude_min=not high_open, allow_nan=False) if high_open else st.nothing())
     if whole:
         bad.append(st.floats(allow_nan=False, allow_infinity=False).filter(lambda v: not v.is_integer()))
+    elif low > 0:  # between 0 and a positive floor (an epsilon that is 0 in float32)
+        bad.append(st.floats(0.0, low, exclude_max=not low_open))
     return st.one_of(bad)
 
 

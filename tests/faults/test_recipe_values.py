@@ -159,7 +159,8 @@ def _config_keys() -> list[str]:
     """The keys of a few architectures' configs (and their rotary scaling's), where the rules' examples are found."""
     from transformers import CONFIG_MAPPING
 
-    keys = {"factor", "beta_fast", "low_freq_factor", "attention_factor", "original_max_position_embeddings"}
+    keys = {"factor", "beta_fast", "low_freq_factor", "attention_factor", "original_max_position_embeddings",
+            "partial_rotary_factor"}
     for name in ("llama", "gemma2", "granite", "qwen2", "mixtral", "deepseek_v3", "gpt2", "phi3"):
         if name in CONFIG_MAPPING:
             keys |= set(CONFIG_MAPPING[name]().to_dict())
@@ -172,8 +173,10 @@ def _example_key(pattern: str) -> str:
 
 
 def _breaking(kind: str) -> list:
-    return {"size": [0, -1, 2.5, math.nan], "size0": [-1, 0.5], "epsilon": [0.0, -1e-5, 1.0, math.inf, math.nan],
+    return {"size": [0, -1, 2.5, math.nan], "size0": [-1, 0.5],
+            "epsilon": [0.0, -1e-5, 1.0, math.inf, math.nan, 1e-300],  # 1e-300 is 0 in float32
             "positive": [0.0, -10000.0, math.inf, math.nan], "probability": [-0.1, 1.5, math.nan],
+            "fraction": [0.0, 1.5, 1e12, math.nan], "dtype": [1.5, -1, "x", True],
             "non-negative": [-0.02, math.nan], "boolean": ["yes", 1]}[kind]
 
 
@@ -240,7 +243,7 @@ def _copy_with(folder, tmp_path, config: dict | None = None, weight: tuple[str, 
 
 @pytest.mark.parametrize("change,said", [
     ({"config": {"rms_norm_eps": float("nan")}}, "config.rms_norm_eps: nan is not a finite number"),
-    ({"config": {"rms_norm_eps": 0.0}}, "config.rms_norm_eps: 0.0 must be a finite number > 0 and < 1"),
+    ({"config": {"rms_norm_eps": 0.0}}, "config.rms_norm_eps: 0.0 must be a finite number from 1.2e-38"),
     ({"config": {"num_hidden_layers": -2}}, "config.num_hidden_layers: -2 must be a whole number"),
     ({"weight": ("model.norm.weight", float("nan"))}, "tensor 'model.norm.weight' holds 1 NaN or infinite value(s)"),
     ({"weight": ("model.layers.1.input_layernorm.weight", float("inf"))},
