@@ -138,3 +138,17 @@ def child_env(*first: str | os.PathLike, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, first), str(REPO), os.environ.get("PYTHONPATH")]))
     return env
 
+
+def tiny_hf_folder(folder: Path, seed: int = 0) -> Path:
+    """A Hugging Face folder of a tiny Llama (``TINY_LLAMA``) with the byte tokenizer, written into ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from neutrain.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=len(tok))
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -89,10 +89,10 @@ def summarise(run: dict, first_step: int) -> dict:
 
 
 def write_record(part: str, results: dict, targets: dict, settings: dict, results_dir: Path | None,
-                 replaces: str) -> None:
+                 replaces: str | None) -> None:
     """Put ``results`` into ``offload.json`` as ``part``: the parts benchmarks/offload/offload.py (or an earlier call) measured
     keep their place, each with the commit and date it was measured at; the earlier targets whose names start
-    with ``replaces`` go (this run's ``targets`` stand for them)."""
+    with ``replaces`` go (this run's ``targets`` stand for them; None: every earlier target stays)."""
     from benchmarks._common import read_record, write_result
 
     merged_results = {}
@@ -109,7 +109,9 @@ def write_record(part: str, results: dict, targets: dict, settings: dict, result
             for name in merged_results:
                 if name != part and name not in kept:
                     kept[name] = {"git_commit": old.get("git_commit"), "date": old.get("date"), "device": old.get("device")}
-            targets = {**{k: v for k, v in old.get("targets", {}).items() if not k.startswith(replaces)}, **targets}
+            kept_targets = {k: v for k, v in old.get("targets", {}).items()
+                            if replaces is None or not k.startswith(replaces)}
+            targets = {**kept_targets, **targets}
             break
     merged_results[part] = results
     write_result("offload", settings, merged_results, targets=targets, out_dir=results_dir)
@@ -130,7 +132,7 @@ def _whole_run_main(args) -> int:
         # Another card's training on the same host writes its part only: the host target is the 24 GB card's.
         own = args.budget == 22
         write_record(f"70b_recipe_{args.budget:g}gib_host", results, targets if own else {}, settings,
-                     args.results_dir, "card_24gb_70b_host" if own else "\0")
+                     args.results_dir, "card_24gb_70b_host" if own else None)
         print(json.dumps({"targets": targets, "pcie4_projection": results["pcie4_projection"]}, indent=1))
         return 0 if results["stages"].get("train", {}).get("exit_code") == 0 else 1
     write_record("70b_recipe_22gib", results, targets, settings, args.results_dir, "card_24gb_70b_whole_run")

@@ -101,19 +101,9 @@ def _check_row(name: str, where: str, line: bytes) -> None:
     ``messages`` list as one mapping, so the run failed on "field 'messages' should be list, got dict"
     about a row that has a list (or, with other shapes, trained on rows the file does not hold).
     """
-    try:
-        row = json.loads(line, object_pairs_hook=unique_keys)
-    except DuplicateKey as exc:
-        raise DataError(f"{name}: {where}: an object holds the key '{exc.key}' twice; JSON does not say which one "
-                        "counts, and the readers disagree: keep one") from None
-    except (ValueError, RecursionError):
-        return  # not JSON at all: the reader's error names the row
-    if not _SURROGATE_ESCAPE.search(line):
-        return
-    found = lone_surrogate(row)
-    if found is not None:
-        raise DataError(f"{name}: {where}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a UTF-16 "
-                        "pair, no character): not valid Unicode text; fix or drop the row")
+    row = _parsed(f"{name}: {where}", line)
+    if row is not _NOT_JSON and _SURROGATE_ESCAPE.search(line):
+        _refuse_lone_surrogate(f"{name}: {where}", row)
 
 
 def _check_document(name: str, fh) -> None:
@@ -127,15 +117,28 @@ def _check_document(name: str, fh) -> None:
     if text.count(b"[") + text.count(b"{") > MAX_JSON_DEPTH and json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise DataError(f"{name}: nests arrays or objects more than {MAX_JSON_DEPTH} levels deep, neutrain's bound "
                         "on JSON nesting")
-    try:
-        rows = json.loads(text, object_pairs_hook=unique_keys)
-    except DuplicateKey as exc:
-        raise DataError(f"{name}: an object holds the key '{exc.key}' twice; JSON does not say which one counts, and "
-                        "the readers disagree: keep one") from None
-    except (ValueError, RecursionError):
-        return  # not JSON at all: the reader's error names it
+    rows = _parsed(name, text)
     for i, row in enumerate(rows if isinstance(rows, list) else []):
-        found = lone_surrogate(row)
-        if found is not None:
-            raise DataError(f"{name}: row {i}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a "
-                            "UTF-16 pair, no character): not valid Unicode text; fix or drop the row")
+        _refuse_lone_surrogate(f"{name}: row {i}", row)
+
+
+_NOT_JSON = object()
+
+
+def _parsed(label: str, data: bytes):
+    """``data`` parsed, refusing an object that holds a key twice (named with ``label``); ``_NOT_JSON`` when it is
+    no JSON at all (the reader's own error names it)."""
+    try:
+        return json.loads(data, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        raise DataError(f"{label}: an object holds the key '{exc.key}' twice; JSON does not say which one counts, "
+                        "and the readers disagree: keep one") from None
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+def _refuse_lone_surrogate(label: str, row) -> None:
+    found = lone_surrogate(row)
+    if found is not None:
+        raise DataError(f"{label}: key '{found[0]}' holds a lone surrogate {found[1]!r} (half of a UTF-16 pair, no "
+                        "character): not valid Unicode text; fix or drop the row")

@@ -22,7 +22,7 @@ from neutrain.cli import main
 from neutrain.config import RecipeError, validate_recipe
 from neutrain.config.schema import SCHEMA, Key
 from neutrain.errors import CheckpointError
-from tests.helpers import TINY_LLAMA, TINY_RECIPE, one_error_line, write_recipe
+from tests.helpers import TINY_LLAMA, TINY_RECIPE, one_error_line, tiny_hf_folder, write_recipe
 
 KEYS = [(section, name) for section, keys in SCHEMA.items() for name in keys]
 
@@ -210,17 +210,7 @@ def test_a_recipe_model_config_value_out_of_its_rule_is_refused_at_load(tmp_path
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny Hugging Face model folder with a tokenizer (the byte tokenizer)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from neutrain.data import byte_tokenizer
-
-    folder = tmp_path_factory.mktemp("hf")
-    tok = byte_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=len(tok))
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return tiny_hf_folder(tmp_path_factory.mktemp("hf"))
 
 
 def _copy_with(folder, tmp_path, config: dict | None = None, weight: tuple[str, float] | None = None):

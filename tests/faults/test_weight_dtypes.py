@@ -13,10 +13,9 @@ import shutil
 import struct
 
 import pytest
-import torch
 
 from neutrain.cli import main
-from tests.helpers import TINY_LLAMA, one_error_line
+from tests.helpers import one_error_line, tiny_hf_folder
 
 WEIGHTS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
            "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"]
@@ -25,17 +24,7 @@ TABLE = [(w, d) for w in WEIGHTS for d in ("I32", "U32")]
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from neutrain.data import byte_tokenizer
-
-    folder = tmp_path_factory.mktemp("hf")
-    tok = byte_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=len(tok))
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return tiny_hf_folder(tmp_path_factory.mktemp("hf"))
 
 
 def _with_dtype(folder, out, tensor: str, dtype: str):
