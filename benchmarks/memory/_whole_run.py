@@ -207,6 +207,8 @@ def whole_run(state: Path, runs: dict[str, dict], budget: float, exported: dict 
         "stages": stages,
         "total_seconds": round(sum(s.get("seconds", 0.0) for s in stages.values()), 1),
         "runs": {name: {"steps": [s.get("step") for s in run["steps"]], **run_memory(run["summary"]),
+                        "step_rates": [{"step": s.get("step"), "tokens_per_second": s.get("tokens_per_second")}
+                                       for s in run["steps"]],
                         "fit": fit_line(state / f"70b_{name}.log")} for name, run in runs.items()},
         "samples": read_samples(state / "samples.csv"),
         "checkpoint_5_manifests": manifests,
@@ -222,6 +224,7 @@ def whole_run(state: Path, runs: dict[str, dict], budget: float, exported: dict 
     results["pcie4_projection"] = pcie4_projection(train)
     targets = {"card_24gb_70b_whole_run_ok": {
         "value": ok, "goal": True, "met": ok,
-        "source": f"benchmarks/memory/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g}"},
+        "source": "benchmarks/memory/gpu_70b_recipe.sh: recipes/llama3_70b_offload.yaml at "
+                  + ("no budget" if budget is None else f"memory.device_budget_gib={budget:g}")},
         "card_24gb_70b_host_gib": host_target(train, results["samples"], idle_host_used(state / "samples.csv"))}
     return results, targets

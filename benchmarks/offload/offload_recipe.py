@@ -117,6 +117,10 @@ def write_record(part: str, results: dict, targets: dict, settings: dict, result
     write_result("offload", settings, merged_results, targets=targets, out_dir=results_dir)
 
 
+def _budget(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def _whole_run_main(args) -> int:
     runs = {name: read_run(path) for name, path in (("train", args.train), ("resume", args.resume),
                                                    ("straight", args.straight)) if path is not None}
@@ -131,7 +135,8 @@ def _whole_run_main(args) -> int:
         targets.pop("card_24gb_70b_whole_run_ok")
         # Another card's training on the same host writes its part only: the host target is the 24 GB card's.
         own = args.budget == 22
-        write_record(f"70b_recipe_{args.budget:g}gib_host", results, targets if own else {}, settings,
+        label = "unbounded" if args.budget is None else f"{args.budget:g}gib"
+        write_record(f"70b_recipe_{label}_host", results, targets if own else {}, settings,
                      args.results_dir, "card_24gb_70b_host" if own else None)
         print(json.dumps({"targets": targets, "pcie4_projection": results["pcie4_projection"]}, indent=1))
         return 0 if results["stages"].get("train", {}).get("exit_code") == 0 else 1
@@ -140,6 +145,47 @@ def _whole_run_main(args) -> int:
                       "manifests_match": results["checkpoint_5_manifests"].get("match"),
                       "texts_same": results["generate"]["same"]}, indent=1))
     return 0 if ok else 1
+
+
+CARD_SPEED_GOALS = {"card_24gb_70b_tokens_per_s_16k": (22.0, 0.95, None),
+                    "card_12gb_70b_tokens_per_s_16k": (11.0, 0.90, 22.0)}
+"""Each card's target: its budget, the share it must reach, and of what (None: the unbounded run; else the run at
+that budget). Both compare runs of one device call: the parts named by budget in the offload.json files given."""
+
+
+def steady_tokens_per_s(train_run: dict) -> float | None:
+    """The median of the per-step rates after the first step (its warm-up: pinning, the first fetches), or the
+    summary's whole-run rate when the steps carry none."""
+    rates = [s["tokens_per_second"] for s in train_run.get("step_rates", []) if s.get("tokens_per_second")]
+    rates = rates[1:] if len(rates) > 2 else rates
+    return round(statistics.median(rates), 1) if rates else train_run.get("tokens_per_s")
+
+
+def card_speeds(files: list[Path]) -> tuple[dict, dict]:
+    """``(results, targets)`` from the host-only parts of one call's ``offload.json`` files: each budget's steady
+    tok/s, and each card target as the share of the run it is measured against (value: the share)."""
+    runs: dict = {}
+    for path in files:
+        record = json.loads(path.read_text())
+        for name, part in record.get("results", {}).items():
+            if name.startswith("70b_recipe_") and name.endswith("_host"):
+                train = part.get("runs", {}).get("train", {})
+                runs[part.get("budget_gib")] = {"part": name, "tokens_per_s": steady_tokens_per_s(train),
+                                                "run_id": record.get("run_id"), "git_commit": record.get("git_commit"),
+                                                "device": record.get("device"), "exit_code": part.get("stages", {})
+                                                .get("train", {}).get("exit_code")}
+    results = {"runs": {("unbounded" if b is None else f"{b:g}"): r for b, r in runs.items()}}
+    targets = {}
+    for name, (budget, share, against) in CARD_SPEED_GOALS.items():
+        mine, base = runs.get(budget), runs.get(against)
+        if not mine or not base or not mine["tokens_per_s"] or not base["tokens_per_s"]:
+            continue
+        value = round(mine["tokens_per_s"] / base["tokens_per_s"], 3)
+        targets[name] = {"value": value, "goal": f">= {share}", "met": value >= share,
+                         "tokens_per_s": mine["tokens_per_s"], "against_tokens_per_s": base["tokens_per_s"],
+                         "source": f"recipes/llama3_70b_offload.yaml at memory.device_budget_gib={budget:g} against "
+                                   + ("no budget" if against is None else f"{against:g} GiB") + ", one device call"}
+    return results, targets
 
 
 def main() -> int:
@@ -153,10 +199,14 @@ def main() -> int:
     ap.add_argument("--host-only", action="store_true",
                     help="with --whole-run: the train stage alone (HOST_LIMIT_GIB): write 70b_recipe_22gib_host with "
                          "card_24gb_70b_host_gib, leaving the whole run's part and target as they are")
+    ap.add_argument("--card-speeds", type=Path, nargs="+", metavar="OFFLOAD_JSON",
+                    help="the offload.json files of one call's host-only runs (22 GiB, 11 GiB, no budget): write "
+                         "card_24gb_70b_tokens_per_s_16k and card_12gb_70b_tokens_per_s_16k")
     ap.add_argument("--train", type=Path)
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--straight", type=Path, help="the uninterrupted run's directory (--whole-run)")
-    ap.add_argument("--budget", type=float, default=22.0, help="memory.device_budget_gib of the whole run")
+    ap.add_argument("--budget", type=_budget, default=22.0,
+                    help="memory.device_budget_gib of the whole run (none: no budget)")
     ap.add_argument("--export", type=Path,
                     help="the `neutrain export --format neuzip` directory, or the JSON --describe printed of it")
     ap.add_argument("--results-dir", type=Path, help="a scratch directory where offload.json is merged and written (default: the offload table, "
@@ -180,6 +230,12 @@ def main() -> int:
         except (OSError, ValueError, KeyError) as exc:
             ap.error(f"--bf16-gib {args.bf16_gib}: {type(exc).__name__}: {exc}")
         return 0
+    if args.card_speeds:
+        results, targets = card_speeds(args.card_speeds)
+        write_record("70b_card_speeds", results, targets, {"recipe": "recipes/llama3_70b_offload.yaml"},
+                     args.results_dir, None)
+        print(json.dumps({"results": results, "targets": targets}, indent=1))
+        return 0 if targets else 1
     if args.whole_run is not None:
         return _whole_run_main(args)
     if args.train is None or args.resume is None:

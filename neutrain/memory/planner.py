@@ -194,7 +194,8 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         chunked_loss: Chunked lm_head + cross-entropy (default: on for compressed weights).
         mlp_chunk_tokens: Tokens the gated MLP computes at once (:mod:`neutrain.nn.chunked_mlp`; 0: all): its
             ``tokens x intermediate`` intermediates and their gradients are one chunk's, and its three weight
-            gradients exist at once (each handed to the update after the last chunk).
+            gradients exist at once (each handed to the update after the last chunk; two under NeuZip weights
+            and a fused update, whose backward hands down's over before gate's and up's are summed).
 
     Example:
         >>> shape = ModelShape(4096, 14336, 32, 32, 8, 128256, False, 128)  # Llama-3-8B
@@ -283,10 +284,13 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         if compressed and "vocab_slot" not in t:
             # Gate, up and down decoded at once: the third in a held slot of its own (neutrain.nn.buffers).
             t["decode_buffers"] += shape.largest_layer_matrix() * dtype_bytes
+    # Chunked over NeuZip weights in shared slots, down's gradient goes to its update before gate's and up's are
+    # summed (a second pass over the chunks), so two of the three exist at once (neutrain.nn.chunked_mlp).
+    two_pass = bool(chunk) and compressed and fused and "vocab_slot" not in t
     if fused or chunk:
-        # Chunked, the MLP's three weight gradients sum over the chunks before any goes to its update.
+        # Chunked, the MLP's weight gradients sum over the chunks before any goes to its update.
         largest = shape.largest_layer_matrix()
-        backward["gradients"] = max(largest, 3 * h * i_ if chunk else 0) * dtype_bytes
+        backward["gradients"] = max(largest, (2 if two_pass else 3) * h * i_ if chunk else 0) * dtype_bytes
     moment, peak = max((("loss", loss), ("layer backward", backward)), key=lambda m: sum(m[1].values()))
     t.update(peak)
     offloaded_inputs = offload_activations and checkpointing
@@ -299,7 +303,7 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
                     activation_device_layers=device_inputs, activation_file_layers=file_inputs,
                     file_activation_bytes=file_inputs * layer_input,
                     activation_staging_bytes=ACTIVATION_STAGING_BYTES if file_inputs else 0,
-                    chunked_loss=chunked_loss, mlp_chunk_tokens=chunk,
+                    chunked_loss=chunked_loss, mlp_chunk_tokens=chunk, mlp_two_pass=two_pass,
                     params=shape.params(), bits_per_weight=bits_per_weight if compressed else 8 * dtype_bytes,
                     layers=shape.layers, peak_moment=moment, moments={"loss": loss, "layer backward": backward},
                     layer_slot_bytes=t.get("decode_buffers", 0.0),

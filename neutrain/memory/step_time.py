@@ -280,6 +280,9 @@ def step_time(train: Estimate, shape: ModelShape, rates: Rates = GPU, accumulati
         # each chunk is launched from Python, and the three weight gradients are read and written once a chunk.
         chunks = -(-s["batch"] * s["seq"] // chunk)
         host += accumulation * chunks * shape.layers * HOST_S_PER_MLP_CHUNK * (rates.host_s_per_tensor > 0)
+        if s.get("mlp_two_pass"):  # the second pass computes gate's and up's products again
+            device += accumulation * shape.layers * 2 * 2 * s["batch"] * s["seq"] * shape.hidden * shape.intermediate \
+                / rates.gemm_flops_per_s
         if rates.memory_bytes_per_s is not None:
             grad_bytes = 3 * shape.hidden * shape.intermediate * 2
             device += accumulation * shape.layers * chunks * 2 * grad_bytes / rates.memory_bytes_per_s

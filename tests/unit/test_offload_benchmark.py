@@ -173,3 +173,33 @@ def test_a_part_kept_from_an_earlier_record_keeps_the_commit_and_date_it_was_mea
     assert out["git_commit"] == "0" * 40  # this run's
     assert out["settings"]["kept_parts"] == {"8b": {"git_commit": "a" * 40, "date": "2026-01-02T03:04:05+00:00",
                                                     "device": "an earlier card"}}
+
+
+def _host_part(tmp_path: Path, budget, rates, exit_code=0) -> Path:
+    import json
+
+    label = "unbounded" if budget is None else f"{budget:g}gib"
+    train = {"step_rates": [{"step": k + 1, "tokens_per_second": r} for k, r in enumerate(rates)],
+             "tokens_per_s": sum(rates) / len(rates)}
+    record = {"run_id": f"r-{label}", "git_commit": "abc", "device": "NVIDIA H200",
+              "results": {f"70b_recipe_{label}_host": {"budget_gib": budget, "runs": {"train": train},
+                                                       "stages": {"train": {"exit_code": exit_code}}}}}
+    path = tmp_path / f"{label}.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_card_speeds_are_each_cards_steady_rate_over_the_run_it_is_held_against(tmp_path):
+    """The first step (warm-up) is left out; the 24 GB card is held against no budget, the 12 GB card against the
+    24 GB card's run; a target is written only when both of its runs are there."""
+    files = [_host_part(tmp_path, None, [100.0, 640.0, 600.0, 620.0]),
+             _host_part(tmp_path, 22.0, [90.0, 610.0, 600.0, 590.0]),
+             _host_part(tmp_path, 11.0, [80.0, 530.0, 540.0, 520.0])]
+    results, targets = offload_recipe.card_speeds(files)
+    assert results["runs"]["unbounded"]["tokens_per_s"] == 620.0
+    assert targets["card_24gb_70b_tokens_per_s_16k"]["value"] == round(600.0 / 620.0, 3)
+    assert targets["card_24gb_70b_tokens_per_s_16k"]["met"] is True
+    assert targets["card_12gb_70b_tokens_per_s_16k"]["value"] == round(530.0 / 600.0, 3)
+    assert targets["card_12gb_70b_tokens_per_s_16k"]["met"] is False
+    _, only_22 = offload_recipe.card_speeds(files[1:])
+    assert "card_24gb_70b_tokens_per_s_16k" not in only_22 and "card_12gb_70b_tokens_per_s_16k" in only_22

@@ -170,3 +170,54 @@ def test_the_recompute_stops_before_the_chunked_mlp(monkeypatch):
     assert len(calls) == 2  # one per decoder layer
     loss.backward()
     assert len(calls) == 2
+
+
+class _UpdatingCapture(_CountingCapture):
+    """A fused optimizer that really writes: records each gradient and the order they came in, then takes a large
+    step (``w -= grad``), so that a later product that read an updated weight would change a later gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.order = []
+
+    def consume_grad_(self, key, grad, io):
+        super().consume_grad_(key, grad, io)
+        self.order.append(key)
+        weight = io.read()
+        weight.sub_(grad.to(weight.dtype))
+        io.write_(weight)
+
+
+def _updated_grads(model, ids, chunk):
+    capture = _UpdatingCapture()
+    for weight in compressed_weights(model):
+        weight.optimizer = capture
+    chunk_mlps(model, chunk)
+    causal_lm_loss(model, ids, ids).backward()
+    names = {w.key: w.name for w in compressed_weights(model)}
+    return {names[k]: g for k, g in capture.grads.items()}, [names[k] for k in capture.order]
+
+
+def test_down_is_updated_first_and_every_gradient_keeps_its_one_pass_bits(decode_buffers, monkeypatch):
+    """On the shared slots (the GPU's case) down's gradient goes to its update before gate's and up's exist, so at
+    most two weight gradients are alive at once. The second pass must still read down's weight as decoded before
+    its update: each gradient has the bits the one-pass backward gives it, though every update here is large."""
+    import neutrain.nn.chunked_mlp as chunked_mlp
+
+    _, compressed = dense_and_compressed(layers=2)
+    twin = copy.deepcopy(compressed)
+    enable_checkpointing(compressed)
+    enable_checkpointing(twin)
+    (ids,) = token_batches(1, seed=4, batch=2, length=12)
+    got, order = _updated_grads(compressed, ids, 5)  # 24 tokens: chunks of 5, 5, 5, 5, 4
+    monkeypatch.setattr(chunked_mlp, "two_pass", lambda down: False)
+    want, one_pass_order = _updated_grads(twin, ids, 5)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    for layer in range(2):
+        mlp = [n for n in order if f"layers.{layer}.mlp." in n]
+        if decode_buffers == "shared_slots":
+            assert mlp == [f"model.layers.{layer}.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+        else:  # a kept decode is the buffer the update writes into: one pass, as before
+            assert mlp == [n for n in one_pass_order if f"layers.{layer}.mlp." in n]
