@@ -106,6 +106,7 @@ def write_record(part: str, results: dict, targets: dict, settings: dict, result
             settings = {**old.get("settings", {}), **settings}
             # The record's commit and date are this run's: the parts it keeps say where they were measured.
             kept = settings.setdefault("kept_parts", {})
+            kept.pop(part, None)  # this run measures it now
             for name in merged_results:
                 if name != part and name not in kept:
                     kept[name] = {"git_commit": old.get("git_commit"), "date": old.get("date"), "device": old.get("device")}
@@ -161,19 +162,22 @@ def steady_tokens_per_s(train_run: dict) -> float | None:
     return round(statistics.median(rates), 1) if rates else train_run.get("tokens_per_s")
 
 
-def card_speeds(files: list[Path]) -> tuple[dict, dict]:
-    """``(results, targets)`` from the host-only parts of one call's ``offload.json`` files: each budget's steady
-    tok/s, and each card target as the share of the run it is measured against (value: the share)."""
+def card_speeds(sources: list[str]) -> tuple[dict, dict]:
+    """``(results, targets)`` from one call's host-only runs: each source is ``FILE:LABEL``, the part
+    ``70b_recipe_<LABEL>_host`` of that ``offload.json`` (LABEL ``22gib``, ``11gib`` or ``unbounded``). Each
+    budget's steady tok/s, and each card target as the share of the run it is held against (value: the share)."""
     runs: dict = {}
-    for path in files:
-        record = json.loads(path.read_text())
-        for name, part in record.get("results", {}).items():
-            if name.startswith("70b_recipe_") and name.endswith("_host"):
-                train = part.get("runs", {}).get("train", {})
-                runs[part.get("budget_gib")] = {"part": name, "tokens_per_s": steady_tokens_per_s(train),
-                                                "run_id": record.get("run_id"), "git_commit": record.get("git_commit"),
-                                                "device": record.get("device"), "exit_code": part.get("stages", {})
-                                                .get("train", {}).get("exit_code")}
+    for source in sources:
+        path, _, label = str(source).rpartition(":")
+        record = json.loads(Path(path).read_text())
+        part = record.get("results", {}).get(f"70b_recipe_{label}_host")
+        if part is None:
+            raise SystemExit(f"--card-speeds {source}: {path} has no part 70b_recipe_{label}_host")
+        train = part.get("runs", {}).get("train", {})
+        runs[part.get("budget_gib")] = {"part": f"70b_recipe_{label}_host", "file": Path(path).name,
+                                        "tokens_per_s": steady_tokens_per_s(train),
+                                        "step_rates": [r.get("tokens_per_second") for r in train.get("step_rates", [])],
+                                        "exit_code": part.get("stages", {}).get("train", {}).get("exit_code")}
     results = {"runs": {("unbounded" if b is None else f"{b:g}"): r for b, r in runs.items()}}
     targets = {}
     for name, (budget, share, against) in CARD_SPEED_GOALS.items():
@@ -199,9 +203,9 @@ def main() -> int:
     ap.add_argument("--host-only", action="store_true",
                     help="with --whole-run: the train stage alone (HOST_LIMIT_GIB): write 70b_recipe_22gib_host with "
                          "card_24gb_70b_host_gib, leaving the whole run's part and target as they are")
-    ap.add_argument("--card-speeds", type=Path, nargs="+", metavar="OFFLOAD_JSON",
-                    help="the offload.json files of one call's host-only runs (22 GiB, 11 GiB, no budget): write "
-                         "card_24gb_70b_tokens_per_s_16k and card_12gb_70b_tokens_per_s_16k")
+    ap.add_argument("--card-speeds", nargs="+", metavar="FILE:LABEL",
+                    help="one call's host-only runs, each the part 70b_recipe_<LABEL>_host of an offload.json (LABEL "
+                         "22gib, 11gib, unbounded): write card_24gb_70b_tokens_per_s_16k and card_12gb_70b_tokens_per_s_16k")
     ap.add_argument("--train", type=Path)
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--straight", type=Path, help="the uninterrupted run's directory (--whole-run)")

@@ -195,11 +195,12 @@ def test_card_speeds_are_each_cards_steady_rate_over_the_run_it_is_held_against(
     files = [_host_part(tmp_path, None, [100.0, 640.0, 600.0, 620.0]),
              _host_part(tmp_path, 22.0, [90.0, 610.0, 600.0, 590.0]),
              _host_part(tmp_path, 11.0, [80.0, 530.0, 540.0, 520.0])]
-    results, targets = offload_recipe.card_speeds(files)
+    labels = ["unbounded", "22gib", "11gib"]
+    results, targets = offload_recipe.card_speeds([f"{f}:{label}" for f, label in zip(files, labels)])
     assert results["runs"]["unbounded"]["tokens_per_s"] == 620.0
     assert targets["card_24gb_70b_tokens_per_s_16k"]["value"] == round(600.0 / 620.0, 3)
     assert targets["card_24gb_70b_tokens_per_s_16k"]["met"] is True
     assert targets["card_12gb_70b_tokens_per_s_16k"]["value"] == round(530.0 / 600.0, 3)
     assert targets["card_12gb_70b_tokens_per_s_16k"]["met"] is False
-    _, only_22 = offload_recipe.card_speeds(files[1:])
+    _, only_22 = offload_recipe.card_speeds([f"{f}:{label}" for f, label in zip(files[1:], labels[1:])])
     assert "card_24gb_70b_tokens_per_s_16k" not in only_22 and "card_12gb_70b_tokens_per_s_16k" in only_22
