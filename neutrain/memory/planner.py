@@ -281,6 +281,11 @@ def estimate(shape: ModelShape, *, batch: int, seq: int, weights: str = "dense",
         # (tokens x hidden each) beside the chunks: the unchunked fit's intermediates hid them, a chunk does not
         # (the 70B at 16K under 11 GiB ran out 0.7 GiB above the estimate without this term).
         backward["mlp_rows"] = 3 * tokens * h * dtype_bytes
+        # The layer's two RMSNorms save the fp32 copy of their input for their backward (tokens x hidden x 4 bytes
+        # each), alive through the MLP's backward. Unchunked, the slack fitted on the tokens x intermediate blocks
+        # covers them; chunked it does not: the 70B at 16K under 11 GiB ran out of memory asking for one of these
+        # 512 MiB blocks at 10.69 GiB allocated, where the estimate without them was 9.82.
+        backward["norm_inputs"] = 2 * tokens * h * 4
         if compressed and "vocab_slot" not in t:
             # Gate, up and down decoded at once: the third in a held slot of its own (neutrain.nn.buffers).
             t["decode_buffers"] += shape.largest_layer_matrix() * dtype_bytes
