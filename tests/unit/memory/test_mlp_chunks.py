@@ -31,13 +31,15 @@ def _8b(*overrides: str):
     return load_recipe("recipes/llama3_8b.yaml", list(overrides))
 
 
-def test_the_70b_at_16k_tokens_fits_a_12_gb_card():
-    """Measured on an H200: the 70B at 16K under 11 GiB ran out of memory 0.7 GiB above the estimate of that
-    time (the chunked MLP's whole-row tensors and its third decoded weight were not counted). With them the one-pass
-    chunked backward needs 11.30 GiB; the two-pass one (down's gradient updated before gate's and up's are summed)
-    holds one MLP matrix's gradient less and fits 11 GiB, in chunks of 512 tokens and two weight slots."""
-    fit = choose_fit(_70b(), 11 * GIB, HOST)
-    assert fit.peak[1].reserved <= 11 * GIB * (1 - FIT_HEADROOM)
+def test_the_70b_at_16k_tokens_is_refused_on_a_12_gb_card_and_fits_13_gib():
+    """Measured on an H200 (two-pass chunked backward, chunks of 512, two weight slots): under 11 GiB the step ran
+    out of memory asking for an fp32 tokens x hidden block at 10.69 GiB allocated; under 12 GiB it trained at
+    11.64 GiB allocated, 11.93 reserved, where the estimate without the norms' fp32 copies said 10.82 allocated.
+    Counted now, the smallest configuration needs 12.94 GiB: 11 GiB is refused in one line naming it, 13 fits."""
+    with pytest.raises(Exception, match=r"nothing fits a budget of 11.00 GiB .* needs a budget of 12\.94 GiB"):
+        choose_fit(_70b(), 11 * GIB, HOST)
+    fit = choose_fit(_70b(), 13 * GIB, HOST)
+    assert fit.peak[1].reserved <= 13 * GIB * (1 - FIT_HEADROOM)
     assert fit.changes["memory.offload_slots"] == 2
     chunk = fit.changes["memory.mlp_chunk_tokens"]
     assert chunk == 512
@@ -48,9 +50,10 @@ def test_the_70b_at_16k_tokens_fits_a_12_gb_card():
     train = fit.plan["train_step"]
     assert train.settings["mlp_chunk_tokens"] == chunk and train.settings["offload_slots"] == 2
     assert train.settings["mlp_two_pass"]
-    assert train.settings["moments"]["layer backward"]["gradients"] == 2 * LLAMA3_70B.hidden * LLAMA3_70B.intermediate * 2
-    with pytest.raises(Exception, match=r"nothing fits a budget of 10.50 GiB .* needs a budget of 10\.8"):
-        choose_fit(_70b(), int(10.5 * GIB), HOST)
+    moment = train.settings["moments"]["layer backward"]
+    assert moment["gradients"] == 2 * LLAMA3_70B.hidden * LLAMA3_70B.intermediate * 2
+    # The measured peak of the 12 GiB run lies under the estimate.
+    assert train.total >= 11.64 * GIB
 
 
 def test_the_two_pass_backward_costs_the_gate_and_up_products_again():
@@ -121,7 +124,8 @@ def test_the_recompute_term_holds_one_chunk_of_the_mlp(shape, batch, seq, chunk)
     assert saved == (tokens - chunk) * mlp_blocks
     # The three MLP weight gradients wait together for the last chunk.
     assert chunked.settings["moments"]["layer backward"]["gradients"] == 3 * shape.hidden * shape.intermediate * 2
-    assert chunked.reserved < whole.reserved
+    if tokens >= 8 * chunk:  # short inputs: the whole-row terms a chunked backward adds outweigh the chunk's saving
+        assert chunked.reserved < whole.reserved
     # A chunk as long as the micro-batch is no chunk.
     assert estimate(shape, mlp_chunk_tokens=tokens, **options).terms == whole.terms
 
@@ -144,6 +148,6 @@ def test_a_slot_count_replaces_the_ring():
 
 def test_neutrain_estimate_names_the_chunking(monkeypatch, capsys):
     monkeypatch.setenv("NEUTRAIN_HOST_MEMORY_GIB", "128")
-    assert main(["estimate", "recipes/llama3_70b_offload.yaml", "memory.device_budget_gib=11.5"]) == 0
+    assert main(["estimate", "recipes/llama3_70b_offload.yaml", "memory.device_budget_gib=13"]) == 0
     out = capsys.readouterr().out
     assert "the MLP in chunks of" in out and "2 weight slots on the GPU" in out
