@@ -99,13 +99,19 @@ class _CountingCapture:
         self.calls[key] = self.calls.get(key, 0) + 1
 
 
-def _captured_grads(model, ids, chunk):
-    capture = _CountingCapture()
+def _backward_into(capture, model, ids, chunk):
+    """One backward of ``model`` (MLPs in chunks of ``chunk``) whose NeuZip weights hand their gradients to
+    ``capture``; returns the weights' names by key."""
     for weight in compressed_weights(model):
         weight.optimizer = capture
     chunk_mlps(model, chunk)
     causal_lm_loss(model, ids, ids).backward()
-    names = {w.key: w.name for w in compressed_weights(model)}
+    return {w.key: w.name for w in compressed_weights(model)}
+
+
+def _captured_grads(model, ids, chunk):
+    capture = _CountingCapture()
+    names = _backward_into(capture, model, ids, chunk)
     return {names[k]: g for k, g in capture.grads.items()}, {names[k]: c for k, c in capture.calls.items()}
 
 
@@ -190,11 +196,7 @@ class _UpdatingCapture(_CountingCapture):
 
 def _updated_grads(model, ids, chunk):
     capture = _UpdatingCapture()
-    for weight in compressed_weights(model):
-        weight.optimizer = capture
-    chunk_mlps(model, chunk)
-    causal_lm_loss(model, ids, ids).backward()
-    names = {w.key: w.name for w in compressed_weights(model)}
+    names = _backward_into(capture, model, ids, chunk)
     return {names[k]: g for k, g in capture.grads.items()}, [names[k] for k in capture.order]
 
 
