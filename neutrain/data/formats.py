@@ -21,12 +21,34 @@ data checks (:mod:`neutrain.data.checks`) can report how much was cut.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from neutrain.compat.native_panics import native_panics
 from neutrain.data.chat import describe_template_error, tokenizer_panic
 from neutrain.data.template_bounds import TemplateCostError, bounded_rendering
 from neutrain.errors import DataError
+
+logger = logging.getLogger("neutrain")
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython", "function"})
+"""Roles chat templates commonly render (OpenAI's, Llama 3's, Qwen's and Mistral's messages)."""
+
+_WARNED_ROLES: set[tuple[str, str]] = set()  # (source, role) already named: once per file, not once per row
+
+
+def _name_unknown_roles(messages: list, roles_to_train, source: str, index: int) -> None:
+    """A role no chat template knows and ``data.roles_to_train`` does not list is rendered by the template and
+    never trained: a misspelt ``asistant`` would train nothing of its replies without a word. Named once a file."""
+    for m in messages:
+        role = m["role"]
+        if role in CHAT_ROLES or role in roles_to_train or (source, role) in _WARNED_ROLES:
+            continue
+        _WARNED_ROLES.add((source, role))
+        logger.warning("%s: row %d: role '%s' is neither a common chat role (%s) nor in data.roles_to_train (%s): "
+                       "its messages are rendered by the chat template and not trained; list it in "
+                       "data.roles_to_train to train it, or check its spelling", source, index, role,
+                       ", ".join(sorted(CHAT_ROLES)), ", ".join(roles_to_train))
 
 IGNORE_INDEX = -100
 
@@ -90,6 +112,7 @@ def tokenize_messages(row: dict, tokenizer, entry: dict, sequence_len: int, trai
                             f"(e.g. gpt) in data.roles_to_train")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{source}: row {index}: message {j} should be {{role: str, content: str}}, got {m!r:.80}")
+    _name_unknown_roles(messages, roles_to_train, source, index)
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"{source}: row {index}: type 'messages' needs a tokenizer with a chat template; this one has "
                         "none: set data.chat_template (e.g. chatml)")

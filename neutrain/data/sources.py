@@ -48,12 +48,20 @@ def quiet_datasets():
 def _ds_type(path: Path, declared: str | None) -> str:
     if declared:
         return "json" if declared == "jsonl" else declared
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    kinds = {_EXT_TO_TYPE.get(f.suffix.lower()) for f in files if f.is_file()}
-    kinds.discard(None)
-    if len(kinds) != 1:
-        raise DataError(f"{path}: cannot tell the file type from the extension (expected one of {', '.join(sorted(_EXT_TO_TYPE))}); set ds_type")
-    return kinds.pop()
+    if path.is_dir():  # its data files' type, however the folder itself is named
+        kinds = {_EXT_TO_TYPE.get(f.suffix.lower()) for f in sorted(path.rglob("*")) if f.is_file()}
+        kinds.discard(None)
+        if not kinds:
+            raise DataError(f"{path}: directory holds no {', '.join(sorted(_EXT_TO_TYPE))} files")
+        if len(kinds) > 1:
+            raise DataError(f"{path}: directory holds files of several types ({', '.join(sorted(kinds))}); give each "
+                            "type its own dataset entry, or set ds_type")
+        return kinds.pop()
+    kind = _EXT_TO_TYPE.get(path.suffix.lower())
+    if kind is None:
+        raise DataError(f"{path}: cannot tell the file type from the extension '{path.suffix}' (expected one of "
+                        f"{', '.join(sorted(_EXT_TO_TYPE))}); set ds_type")
+    return kind
 
 
 def _files(path: Path) -> list[str]:
