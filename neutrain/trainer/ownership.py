@@ -240,6 +240,12 @@ def note_resolved(key: str, given: str, itself: bool = True) -> str:
     absolute = os.path.abspath(given)
     real = os.path.realpath(absolute) if itself else os.path.join(os.path.realpath(os.path.dirname(absolute)),
                                                                   os.path.basename(absolute))
+    if not os.path.basename(os.path.realpath(absolute)):
+        # A folder the command creates, fills and may replace: never the file system's root (its staging and
+        # lock names are siblings of the folder, and the root has none: a traceback before this check).
+        from neutrain.errors import RecipeError  # lazy: as the module's other errors
+
+        raise RecipeError(f"{key}: '{given}' is the file system's root; name a folder to create under it")
     if real == absolute:
         return given
     logger.info("%s '%s' is %s (a symlink on the way, resolved once: the run writes there to its end)", key, given, real)
