@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from neutrain.config.numerals import parse_number
 from neutrain.errors import UserInputError
 from neutrain.files import kind_word
 
@@ -124,8 +125,9 @@ def _parse(name: str, k: Knob, raw: str) -> Any:
     if k.type == "level":
         if text.upper() in LOG_LEVELS:
             return getattr(logging, text.upper())
-        if text.isdigit() and int(text) <= 50:
-            return int(text)
+        level = parse_number(text, integer=True)
+        if level is not None and 0 <= level <= 50:
+            return level
         raise _Refused("not a log level")
     if k.type == "path":
         try:
@@ -140,10 +142,9 @@ def _parse(name: str, k: Knob, raw: str) -> Any:
             return text.lower()
         match = difflib.get_close_matches(text.lower(), k.choices, n=1)
         raise _Refused("not a choice" + (f" (did you mean {match[0]}?)" if match else ""))
-    try:
-        value = int(text) if k.type is int else float(text)
-    except ValueError:
-        raise _Refused(f"not {'an integer' if k.type is int else 'a number'}") from None
+    value = parse_number(text, integer=k.type is int)
+    if value is None:
+        raise _Refused(f"not {'an integer' if k.type is int else 'a number'} (written with ASCII digits)")
     if not math.isfinite(value):
         raise _Refused("not a finite number")
     if (k.min is not None and value < k.min) or (k.gt is not None and not value > k.gt) or \
