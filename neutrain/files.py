@@ -285,9 +285,11 @@ def decode_text(data: bytes, label: str, error: type[Exception]) -> str:
         text = data.decode(encoding)
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        name = "UTF-8" if encoding.startswith("utf-8") else encoding.upper() + " (by its byte-order mark)"
-        raise error(f"{label} is not {name} text (byte 0x{data[exc.start]:02x} at line {line}, offset {exc.start}); "
-                    "save it as UTF-8") from None
+        where = f"byte 0x{data[exc.start]:02x} at line {line}, offset {exc.start}"
+        if encoding.startswith("utf-8"):
+            raise error(f"{label} is not UTF-8 text ({where}); save it as UTF-8") from None
+        raise error(f"{label} starts with a {encoding.upper()} byte-order mark but is not {encoding.upper()} text "
+                    f"({where}); save it as UTF-8") from None
     nul = text.find("\0")
     if nul >= 0:
         raise error(f"{label} holds a NUL character (line {text.count(chr(10), 0, nul) + 1}): a binary file, not text")

@@ -98,3 +98,15 @@ def test_a_file_with_an_unknown_extension_names_it(tmp_path):
     f.write_text("x")
     with pytest.raises(DataError, match=r"extension '\.data'"):
         _ds_type(f, None)
+
+
+@pytest.mark.parametrize("bom, encoding", [(b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"),
+                                           (b"\xff\xfe\x00\x00", "UTF-32")])
+def test_a_byte_order_mark_over_bytes_of_another_encoding_says_so(bom, encoding):
+    """A file that starts with a UTF-16 or UTF-32 mark but whose bytes are not that encoding: one line that says
+    both, not "is not UTF-16 (by its byte-order mark) text"."""
+    from neutrain.files import decode_text
+
+    data = bom + b"\x00\xd8\x00\xd8abc"  # lone surrogates in either byte order
+    with pytest.raises(ValueError, match=rf"^f\.txt starts with a {encoding}(-LE|-BE)? byte-order mark but is not"):
+        decode_text(data, "f.txt", ValueError)
