@@ -8,6 +8,7 @@ from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
 from neutrain.cli.ignored import refuse_ignored
+from neutrain.config.numbers import FlagError, SHARD_SIZE, number_argument
 from neutrain.config.schema import SCHEMA
 from neutrain.config.sections import ModelSection
 from neutrain.errors import UserInputError
@@ -30,7 +31,8 @@ def configure(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
                    "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
     shard, dtype = SCHEMA["export"]["max_shard_size"], SCHEMA["export"]["dtype"]  # as the recipe's export keys
-    p.add_argument("--max-shard-size", default=shard.default, help=f"largest safetensors shard (default {shard.default})")
+    number_argument(p, "--max-shard-size", SHARD_SIZE, default=shard.default,
+                    help=f"largest safetensors shard (default {shard.default})")
     p.add_argument("--dtype", default=dtype.default, choices=dtype.choices, help="weight dtype (auto keeps the checkpoint's)")
 
 
@@ -97,17 +99,18 @@ def source_record(checkpoint: Path) -> dict:
 
 
 def check_shard_size(text: str) -> None:
-    """Refuse a ``--max-shard-size`` that is not a positive size such as ``500MB`` (as ``export.max_shard_size``).
+    """Refuse a ``--max-shard-size`` that is not a size such as ``500MB`` in :data:`SHARD_SIZE` (as
+    ``export.max_shard_size``).
 
     Example:
         >>> check_shard_size("abc")
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-shard-size: 'abc' is not a size; expected a number and KB, MB, GB or TB, e.g. 500MB or 5GB
     """
-    shape = re.fullmatch(SCHEMA["export"]["max_shard_size"].pattern, text, flags=re.IGNORECASE)
-    if shape is None or float(re.sub(r"[^\d.]", "", text)) <= 0:
-        raise UserInputError(f"--max-shard-size: '{text}' is not a size; expected a number and KB, MB, GB or TB, "
-                             "e.g. 500MB or 5GB")
+    try:
+        SHARD_SIZE.parse("--max-shard-size", text)
+    except FlagError as exc:
+        raise UserInputError(str(exc)) from None
 
 
 def run_export_dtype(checkpoint: Path, requested: str) -> str:

@@ -213,7 +213,9 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
     check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
 
-    check_context(model.config, "the model's config", context_uses(recipe))  # as built: class defaults, GGUF, hub
+    # As built (a class default, a GGUF file, a hub id): the positions every row and long-context prompt fits in.
+    check_context(model.config, "model.config" if recipe.model.config is not None else "the model's config",
+                  context_uses(recipe))
     check_sample_prompt(model, tokenizer, recipe.eval, trained_on_chat(recipe.data.datasets))  # sampled after training
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant

@@ -152,7 +152,7 @@ def _described(hint: Any) -> str:
             args[-1] is not Ellipsis or len(args) == 2 else "a list"
     if origin in (dict, collections.abc.Mapping) or hint is dict or typing.is_typeddict(hint):
         return "a mapping"
-    words = {bool: "true or false", int: "an integer", float: "a number with a decimal point (1.0, 1.0e-5)",
+    words = {bool: "true or false", int: "an integer", float: "a number",
              str: "a string"}
     return words.get(hint, getattr(hint, "__name__", str(hint)))
 
@@ -170,9 +170,12 @@ def _check_declared_type(where: str, key: str, value: Any, hint: Any) -> None:
     if not _matches(value, hint):
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         hint_words = _described(hint)
-        yaml = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)" if isinstance(value, str) and \
-            "decimal point" in hint_words else ""
-        raise RecipeError(f"{at}: expected {hint_words}, got {type(value).__name__} {shown}{yaml}")
+        hint = ""
+        if "a number" in hint_words and isinstance(value, str):
+            hint = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)"
+        elif "a number" in hint_words and "an integer" not in hint_words and isinstance(value, int):
+            hint = f" (the class takes a float only: write {value}.0)"
+        raise RecipeError(f"{at}: expected {hint_words}, got {type(value).__name__} {shown}{hint}")
 
 
 def check_model_config(cfg: dict | str, allow_unknown: bool = False, config_class: bool = True) -> None:

@@ -223,7 +223,7 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
     mapping = config_mapping(model)  # the built config is checked too (a class default, a GGUF file, a hub id)
     if mapping is not None:
         check_context(mapping, "model.config" if model.config is not None else "model.base_model's config",
-                      context_uses(recipe))
+                      context_uses(recipe)[:1])  # eval.context_len once its tasks are known good (the build's check)
     _check_scheduler(train)
     if train.max_steps == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
