@@ -39,7 +39,7 @@ def configure(p) -> None:
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
     from neutrain.export import check_format, export_model  # lazy: `neutrain --help` stays instant
-    from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import enclosing_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_lock import ExportLock  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
@@ -51,7 +51,8 @@ def run(args) -> int:
         refuse_ignored(args, ["base", "force_base"], f"'{ckpt}' is a whole model, not LoRA adapters: there is "
                        "nothing to merge onto a base", "export it as it is")
     out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once
-    refuse_inside_model(out, "--output", may_be_one=True)  # never inside a checkpoint or another export
+    # Never inside a checkpoint, another export or another run's folder (the exported checkpoint's run's may hold it).
+    refuse_inside_model(out, "--output", may_be_one=True, own=enclosing_run(ckpt))
     from neutrain.trainer.disk_plan import check_lengths, export_paths  # lazy: `neutrain --help` stays instant
 
     check_lengths("--output", str(out), export_paths(out))  # its lock and staging names too, as a run's export
