@@ -126,8 +126,12 @@ def check_config_values(values: dict, where: str, error: type[Exception], keys: 
         check_config_relations(values, where, error)
 
 
-ROTARY_KEYS = ("rope_scaling", "rope_parameters")
+ROTARY_KEYS = ("rope_parameters", "rope_scaling")
 """The structured keys of a rotary embedding's scaling: a mapping naming its ``rope_type``, or null."""
+
+
+_ROTARY_BASE = frozenset({"rope_theta", "partial_rotary_factor"})
+"""The keys a rotary mapping may hold without naming a ``rope_type``: the base of the default rotation."""
 
 
 def rotary_parts(value: Any) -> list:
@@ -156,6 +160,8 @@ def check_rotary_scaling(value: Any, at: str, error: type[Exception]) -> None:
             raise error(f"{at}{suffix}: {part!r} must be a mapping naming its rope_type (e.g. {{rope_type: linear, "
                         "factor: 2.0}), or null")
         kind = part.get("rope_type", part.get("type"))
+        if kind is None and part and set(part) <= _ROTARY_BASE:
+            continue  # the base alone (transformers 5's rope_parameters: {rope_theta: ...}): no scaling, "default"
         if not isinstance(kind, str) or not kind.strip():
             raise error(f"{at}{suffix}.rope_type: {kind!r} must name the rotary scaling (default, linear, dynamic, "
                         "yarn, longrope, llama3, ...)")

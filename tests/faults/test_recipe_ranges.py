@@ -82,8 +82,9 @@ def _recipe(tmp_path, section: str, name: str, value, config: dict | None = None
     # A row fits the model's positions (a relation of two keys, tests/faults/test_model_config_classes.py): the key
     # not drawn follows the one drawn.
     positions, row = raw["model"]["config"]["max_position_embeddings"], raw["data"]["sequence_len"]
-    if (section, name) == ("data", "sequence_len"):
-        raw["model"]["config"]["max_position_embeddings"] = max(positions, row)
+    if (section, name) == ("data", "sequence_len"):  # an in-range row length: the positions to hold it
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 20:
+            raw["model"]["config"]["max_position_embeddings"] = max(positions, value)
     elif isinstance(positions, int) and positions >= 8:
         raw["data"]["sequence_len"] = min(row, positions)
     path = tmp_path / "recipe.yaml"
