@@ -16,16 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import finished_run, one_error_line, write_recipe
+from tests.helpers import one_error_line, write_recipe
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A finished tiny run (RUN, with its checkpoint-2 and export) and, beside it, a copy of a checkpoint of its."""
-    out = finished_run(tmp_path_factory.mktemp("first"), train={"max_steps": 2, "save_steps": 2},
-                       eval={"perplexity": False})
-    shutil.copytree(out / "checkpoint-2", out.parent / "loose-checkpoint")
-    return out
+def run(tiny_run, tmp_path_factory) -> Path:
+    """The session's finished tiny run (RUN, with its checkpoint-2 and export; tests/faults/conftest.py), read only,
+    and a copy of its checkpoint outside it (``run.parent / "loose-checkpoint"``: beside the run, not in it)."""
+    loose = tiny_run.parent / "loose-checkpoint"
+    if not loose.exists():
+        shutil.copytree(tiny_run / "checkpoint-2", loose)
+    return tiny_run
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -110,9 +111,9 @@ def test_an_output_folder_holding_a_run_never_deletes_it(run, tmp_path, capsys, 
     assert _snapshot(holder) == before
 
 
-def test_a_runs_own_export_and_an_export_into_its_own_run_are_allowed(run, tmp_path):
-    from neutrain.cli import main
+def test_a_runs_own_export_and_an_export_into_its_own_run_are_allowed(run):
+    from neutrain.storage.run_dir import enclosing_run, refuse_inside_model
 
-    own = run / "export-again"
-    assert main(["export", str(run / "checkpoint-2"), "--output", str(own)]) == 0
-    assert (own / "config.json").is_file()
+    # As `neutrain export RUN/checkpoint-2 --output RUN/export-again` and a run's own export.output_dir judge them.
+    refuse_inside_model(run / "export-again", "--output", may_be_one=True, own=enclosing_run(run / "checkpoint-2"))
+    refuse_inside_model(run / "export", "export.output_dir", may_be_one=True, own=run)

@@ -13,14 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import finished_run, one_error_line
+from tests.helpers import one_error_line
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    out = finished_run(tmp_path_factory.mktemp("model"), train={"max_steps": 2, "save_steps": 2},
-                       eval={"perplexity": False})
-    return out / "export"
+def export(tiny_run) -> Path:
+    return tiny_run / "export"  # the session's finished tiny run (tests/faults/conftest.py), read only
 
 
 class _Capped(io.RawIOBase):
