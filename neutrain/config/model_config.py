@@ -78,7 +78,7 @@ def _check_type(where: str, key: str, value: Any, default: Any) -> None:
 
 def _declared_types(cls) -> dict[str, Any]:
     """The type the config class declares for each of its fields (transformers' config classes are dataclasses
-    whose values it checks on construction); a string annotation (``torch.dtype``) is left out."""
+    whose values it checks on construction); a string annotation is read as a type (:func:`_annotation`)."""
     import dataclasses
 
     if not dataclasses.is_dataclass(cls):
@@ -169,13 +169,12 @@ def _check_declared_type(where: str, key: str, value: Any, hint: Any) -> None:
         raise RecipeError(f"{at}: {value} is not a finite number")
     if not _matches(value, hint):
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        hint_words = _described(hint)
-        hint = ""
-        if "a number" in hint_words and isinstance(value, str):
-            hint = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)"
-        elif "a number" in hint_words and "an integer" not in hint_words and isinstance(value, int):
-            hint = f" (the class takes a float only: write {value}.0)"
-        raise RecipeError(f"{at}: expected {hint_words}, got {type(value).__name__} {shown}{hint}")
+        words, advice = _described(hint), ""
+        if "a number" in words and isinstance(value, str):
+            advice = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)"
+        elif "a number" in words and "an integer" not in words and isinstance(value, int):
+            advice = f" (the class takes a float only: write {value}.0)"
+        raise RecipeError(f"{at}: expected {words}, got {type(value).__name__} {shown}{advice}")
 
 
 def check_model_config(cfg: dict | str, allow_unknown: bool = False, config_class: bool = True) -> None:
