@@ -117,6 +117,37 @@ def not_text(value: str) -> str | None:
         return f"{value[exc.start]!r} is a byte that is not UTF-8 text (or a lone surrogate)"
 
 
+def folder_kind_trouble(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be a folder a command writes in, or None: it, or the nearest existing path above it, is
+    a FIFO, a device or a socket. A regular file in the way is left to the write check (an environment failure).
+
+    Why: ``train.output_dir: /dev/null`` or a FIFO there was "not writable (...): Not a directory", exit 1, as if the
+    disk were at fault, and ``export --output FIFO`` called it "a file".
+
+    Example:
+        >>> folder_kind_trouble("/dev/null")
+        'is a character device, not a directory'
+        >>> folder_kind_trouble("/dev/null/run")
+        "lies under '/dev/null', which is a character device, not a directory"
+    """
+    target = part = os.path.abspath(path)
+    while True:
+        try:
+            mode = os.stat(part).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.dirname(part) == part:
+                return None
+            part = os.path.dirname(part)
+            continue
+        except OSError:
+            return None  # another failure (a loop, a permission): the folder's own checks name it
+        if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+            return None
+        if part == target:
+            return f"is {kind_word(mode)}, not a directory"
+        return f"lies under '{part}', which is {kind_word(mode)}, not a directory"
+
+
 def link_trouble(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be reached through its symbolic links, or None: a loop, or a link (itself or a folder
     above it) to a missing path.

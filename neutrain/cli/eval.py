@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from neutrain.config.model_config import check_context, context_uses
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint, recover_export
 from neutrain.cli.ignored import refuse_ignored
 from neutrain.cli.train import long_context_eval
@@ -101,6 +102,7 @@ def run_eval(args) -> int:
     if tokenizer is None:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
     check_vocabulary(model, tokenizer, f"checkpoint '{ckpt}'")
+    check_context(model.config, f"checkpoint '{ckpt}' config", context_uses(recipe))  # rows its positions hold
     # The run's own model writes eval/; another model's writes under its own name, never over the run's results.
     label = eval_label(ckpt, Path(run_dir))
     out = os.path.join(run_dir, "eval", label) if label else os.path.join(run_dir, "eval")

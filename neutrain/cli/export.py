@@ -8,6 +8,7 @@ from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
 from neutrain.cli.ignored import refuse_ignored
+from neutrain.config.numbers import FlagError, SHARD_SIZE, number_argument
 from neutrain.config.schema import SCHEMA
 from neutrain.config.sections import ModelSection
 from neutrain.errors import UserInputError
@@ -30,14 +31,15 @@ def configure(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a previous neutrain export at --output "
                    "(never anything else: a run, a checkpoint, a file or another directory is always refused)")
     shard, dtype = SCHEMA["export"]["max_shard_size"], SCHEMA["export"]["dtype"]  # as the recipe's export keys
-    p.add_argument("--max-shard-size", default=shard.default, help=f"largest safetensors shard (default {shard.default})")
+    number_argument(p, "--max-shard-size", SHARD_SIZE, default=shard.default,
+                    help=f"largest safetensors shard (default {shard.default})")
     p.add_argument("--dtype", default=dtype.default, choices=dtype.choices, help="weight dtype (auto keeps the checkpoint's)")
 
 
 def run(args) -> int:
     """Export ``args.checkpoint`` (or a run's last checkpoint) in ``args.format``; refuses to replace anything else."""
     from neutrain.export import check_format, export_model  # lazy: `neutrain --help` stays instant
-    from neutrain.storage.run_dir import refuse_inside_model  # lazy: `neutrain --help` stays instant
+    from neutrain.storage.run_dir import enclosing_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_lock import ExportLock  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
@@ -49,7 +51,8 @@ def run(args) -> int:
         refuse_ignored(args, ["base", "force_base"], f"'{ckpt}' is a whole model, not LoRA adapters: there is "
                        "nothing to merge onto a base", "export it as it is")
     out = note_resolved("--output", args.output or str(ckpt.parent / "export"), False)  # the folders it lies in, once
-    refuse_inside_model(out, "--output", may_be_one=True)  # never inside a checkpoint or another export
+    # Never inside a checkpoint, another export or another run's folder (the exported checkpoint's run's may hold it).
+    refuse_inside_model(out, "--output", may_be_one=True, own=enclosing_run(ckpt))
     from neutrain.trainer.disk_plan import check_lengths, export_paths  # lazy: `neutrain --help` stays instant
 
     check_lengths("--output", str(out), export_paths(out))  # its lock and staging names too, as a run's export
@@ -97,17 +100,18 @@ def source_record(checkpoint: Path) -> dict:
 
 
 def check_shard_size(text: str) -> None:
-    """Refuse a ``--max-shard-size`` that is not a positive size such as ``500MB`` (as ``export.max_shard_size``).
+    """Refuse a ``--max-shard-size`` that is not a size such as ``500MB`` in :data:`SHARD_SIZE` (as
+    ``export.max_shard_size``).
 
     Example:
         >>> check_shard_size("abc")
         Traceback (most recent call last):
         neutrain.errors.UserInputError: --max-shard-size: 'abc' is not a size; expected a number and KB, MB, GB or TB, e.g. 500MB or 5GB
     """
-    shape = re.fullmatch(SCHEMA["export"]["max_shard_size"].pattern, text, flags=re.IGNORECASE)
-    if shape is None or float(re.sub(r"[^\d.]", "", text)) <= 0:
-        raise UserInputError(f"--max-shard-size: '{text}' is not a size; expected a number and KB, MB, GB or TB, "
-                             "e.g. 500MB or 5GB")
+    try:
+        SHARD_SIZE.parse("--max-shard-size", text)
+    except FlagError as exc:
+        raise UserInputError(str(exc)) from None
 
 
 def run_export_dtype(checkpoint: Path, requested: str) -> str:

@@ -16,10 +16,28 @@ from pathlib import Path
 
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, trained_with_chat_template
 from neutrain.cli.ignored import refuse_ignored
+from neutrain.config.numbers import NumberRule, number_argument
 from neutrain.config.schema import SCHEMA
 from neutrain.config.validate import PACKAGE_PREFIX, package_file
 from neutrain.errors import RecipeError, UserInputError
 from neutrain.files import parse_json, read_text
+
+
+MAX_NEW_TOKENS = 1 << 20
+"""The most tokens one call may ask for (as many as ``data.sequence_len`` allows a training row)."""
+
+NUMBERS = {
+    "--num-drafts": NumberRule(int, 1, SCHEMA["distill"]["num_drafts"].max),  # as the recipe's keys
+    "--draft-len": NumberRule(int, 1, SCHEMA["distill"]["draft_len"].max),
+    "--temperature": NumberRule(float, 0, SCHEMA["eval"]["sample_temperature"].max, why=" (0 = greedy)"),
+    "--top-k": NumberRule(int, 0, 2**31 - 1, why=" (0 = all tokens)"),
+    "--top-p": NumberRule(float, 0, 1, low_open=True, why=" (1 = no top-p)"),
+    "--max-new-tokens": NumberRule(int, 1, MAX_NEW_TOKENS, why=" (the decode cache is allocated for all of them before "
+                               "the first token)"),
+    "--seed": NumberRule(int, 0, 2**63 - 1),
+    "--device-budget-gib": NumberRule(float, 0, 1 << 20, low_open=True, why=" GiB"),
+}
+"""The numeric flags of ``generate`` and ``chat``, each with its range (:mod:`neutrain.config.numbers`)."""
 
 
 def configure(p) -> None:
@@ -36,8 +54,8 @@ def configure(p) -> None:
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as it is, without the chat template")
     p.add_argument("--draft", help="draft model directory (same tokenizer); dropped, in one line, when its first "
                    "rounds show it does not pay")
-    p.add_argument("--num-drafts", type=int, default=2, help="K drafts verified per target call (default 2)")
-    p.add_argument("--draft-len", type=int, default=4, help="tokens per draft (default 4)")
+    number_argument(p, "--num-drafts", NUMBERS["--num-drafts"], default=2, help="K drafts verified per target call (default 2)")
+    number_argument(p, "--draft-len", NUMBERS["--draft-len"], default=4, help="tokens per draft (default 4)")
     p.add_argument("--scheme", default=None, choices=("sd", "specinfer", "spectr", "importance"), help="verification scheme")
     add_sampling_arguments(p)
     add_device_arguments(p)
@@ -52,13 +70,14 @@ def add_model_argument(p) -> None:
 def add_sampling_arguments(p) -> None:
     """``--temperature``, ``--top-k``, ``--top-p``, ``--max-new-tokens``, ``--seed`` and ``--compile`` (``generate`` and
     ``chat``)."""
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default 0: all), "
-                   "as transformers' top_k")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose probability "
-                   "reaches p (default 1.0: all), after --top-k, as transformers' top_p")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    number_argument(p, "--temperature", NUMBERS["--temperature"], default=0.0,
+                    help="sampling temperature; 0 = greedy (default 0)")
+    number_argument(p, "--top-k", NUMBERS["--top-k"], default=0, help="sample from the k most likely tokens only "
+                    "(default 0: all), as transformers' top_k")
+    number_argument(p, "--top-p", NUMBERS["--top-p"], default=1.0, help="sample from the smallest set of tokens whose "
+                    "probability reaches p (default 1.0: all), after --top-k, as transformers' top_p")
+    number_argument(p, "--max-new-tokens", NUMBERS["--max-new-tokens"], default=64)
+    number_argument(p, "--seed", NUMBERS["--seed"], default=0)
     p.add_argument("--compile", action="store_true",
                    help="compile the decoder layers for the one-token decode step (torch.compile): an 8B decodes "
                    "about 1.35x faster on an H200 (1.8 ms a token saved) after a one-time compile of 30-60 s, so it "
@@ -71,13 +90,9 @@ def add_device_arguments(p) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto (default): the GPU when there is one, in the form that fits its budget (dense, NeuZip "
                    "lossless, or NeuZip streamed from host memory; one line says which), else the CPU")
-    p.add_argument("--device-budget-gib", type=float, default=None,
-                   help="GPU memory the model may take, in GiB (default: the card's memory less the CUDA context "
+    number_argument(p, "--device-budget-gib", NUMBERS["--device-budget-gib"], default=None,
+                    help="GPU memory the model may take, in GiB (default: the card's memory less the CUDA context "
                    "and a margin); enforced as the allocator's limit")
-
-
-MAX_NEW_TOKENS = 1 << 20
-"""The most tokens one call may ask for (as many as ``data.sequence_len`` allows a training row)."""
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -113,29 +128,15 @@ def check_arguments(args) -> None:
         >>> import argparse
         >>> check_arguments(argparse.Namespace(max_new_tokens=-1, temperature=0.0, num_drafts=2, draft_len=4, seed=0))
         Traceback (most recent call last):
-        neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer >= 1
+        neutrain.errors.UserInputError: --max-new-tokens: -1 is out of range; expected an integer from 1 to 1,048,576 (the decode cache is allocated for all of them before the first token)
         >>> check_arguments(argparse.Namespace(max_new_tokens=8, temperature=1.0, top_p=1.5))
         Traceback (most recent call last):
-        neutrain.errors.UserInputError: --top-p: 1.5 is out of range; expected a number in (0, 1] (1 = no top-p)
+        neutrain.errors.UserInputError: --top-p: 1.5 is out of range; expected a finite number > 0 to 1 (1 = no top-p)
     """
-    if args.max_new_tokens > MAX_NEW_TOKENS:
-        raise UserInputError(f"--max-new-tokens: {args.max_new_tokens} is out of range; expected at most "
-                             f"{MAX_NEW_TOKENS:,} (the decode cache is allocated for all of them before the first token)")
-    drafts, length = SCHEMA["distill"]["num_drafts"].max, SCHEMA["distill"]["draft_len"].max  # as the recipe's keys
-    for flag, value, low, high in (("--max-new-tokens", args.max_new_tokens, 1, None),
-                                   ("--num-drafts", getattr(args, "num_drafts", 1), 1, drafts),
-                                   ("--draft-len", getattr(args, "draft_len", 1), 1, length),
-                                   ("--seed", getattr(args, "seed", 0), 0, 2**63 - 1),
-                                   ("--top-k", getattr(args, "top_k", 0), 0, None)):
-        if value < low or (high is not None and value > high):
-            rule = f"an integer from {low} to {high:,}" if high is not None else f"an integer >= {low}"
-            raise UserInputError(f"{flag}: {value} is out of range; expected {rule}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise UserInputError(f"--temperature: {args.temperature:g} is out of range; expected a finite number >= 0 "
-                             "(0 = greedy)")
-    top_p = getattr(args, "top_p", 1.0)
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise UserInputError(f"--top-p: {top_p:g} is out of range; expected a number in (0, 1] (1 = no top-p)")
+    for flag, number in NUMBERS.items():  # the CLI parsed them so; a Namespace built in Python is held the same
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            number.check(flag, value, error=UserInputError)
     if not getattr(args, "draft", None):
         refuse_ignored(args, ["scheme", "num_drafts", "draft_len"], "there is no --draft: decoding is plain",
                        "give --draft DRAFT to decode speculatively")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.ignored import given_options
+from neutrain.config.numbers import FlagError
 from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
@@ -220,7 +221,11 @@ def _main(argv: list[str] | None) -> int:
         print_error(refusal)
         return EXIT_USER_ERROR
     parser = _parser(_command_named(argv))
-    args = _parse(parser, argv)
+    try:
+        args = _parse(parser, argv)
+    except FlagError as exc:  # a numeric flag's text (neutrain.config.numbers): one line, no usage text
+        print_error(str(exc))
+        return EXIT_USER_ERROR
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR

@@ -18,7 +18,8 @@ from neutrain.storage.run_dir import refuse_inside_model
 
 
 def check_output_places(recipe: Recipe) -> None:
-    """Refuse a ``train.output_dir`` or ``export.output_dir`` inside a checkpoint or an export (one line, the key).
+    """Refuse a ``train.output_dir`` or ``export.output_dir`` that is a FIFO or a device, or lies inside a checkpoint,
+    an export or another run's folder (one line, the key).
 
     Example:
         >>> from neutrain.config import load_recipe
@@ -28,7 +29,7 @@ def check_output_places(recipe: Recipe) -> None:
     refuse_inside_model(recipe.train.output_dir, "train.output_dir")
     if recipe.export.format != "none":
         refuse_inside_model(recipe.export_dir, "export.output_dir" if recipe.export.output_dir else
-                            "train.output_dir's export", may_be_one=True)
+                            "train.output_dir's export", may_be_one=True, own=recipe.train.output_dir)
 
 
 def check_run_disk(ctx, start: int) -> None:

@@ -23,6 +23,7 @@ from neutrain.compat.quiet import progress_bars_wanted
 from neutrain.compat.trainer_hooks import make_training_arguments
 from neutrain.config import load_recipe
 from neutrain.config.schema import SCHEMA, Recipe
+from neutrain.config.model_config import check_context, context_uses
 from neutrain.config.validate import check_config_classes
 from neutrain.cli.advice import warn_about_settings
 from neutrain.cli.after_training import RunContext, after_training
@@ -212,6 +213,9 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
     check_vocabulary(model, tokenizer, "model.tokenizer")  # before a step indexes outside the embedding
     from neutrain.data.chat import trained_on_chat  # lazy: `neutrain --help` stays instant
 
+    # As built (a class default, a GGUF file, a hub id): the positions every row and long-context prompt fits in.
+    check_context(model.config, "model.config" if recipe.model.config is not None else "the model's config",
+                  context_uses(recipe))
     check_sample_prompt(model, tokenizer, recipe.eval, trained_on_chat(recipe.data.datasets))  # sampled after training
     if adapter:
         from neutrain.nn.lora import apply_lora, compress_model_for_adapters  # lazy: `neutrain --help` stays instant

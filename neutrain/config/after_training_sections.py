@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from neutrain.config.numbers import SHARD_SIZE, FlagError
+from neutrain.errors import RecipeError
 from neutrain.config.fields import COUNT_CEILING, ROWS_MAX, Count, Number, Section, Switch, Text
 
 
@@ -56,8 +58,17 @@ class ExportSection(Section):
     output_dir: Text | None = None
     """Export directory (default: <train.output_dir>/export)."""
 
-    max_shard_size: Text = Field("5GB", pattern=r"^\s*(\d+(\.\d*)?|\.\d+)\s*[KkMmGgTt][Bb]\s*$")
-    """Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB'."""
+    max_shard_size: Text = Field("5GB", pattern=r"^\s*([0-9]+(\.[0-9]*)?|\.[0-9]+)\s*[KkMmGgTt][Bb]\s*$")
+    """Largest safetensors shard: a number and KB, MB, GB or TB, e.g. '500MB' or '5GB' (1KB to 1000TB)."""
+
+    @field_validator("max_shard_size", mode="after")
+    @classmethod
+    def _shard_size(cls, text: str) -> str:
+        """In range, as ``neutrain export --max-shard-size`` (:data:`neutrain.config.numbers.SHARD_SIZE`)."""
+        try:
+            return SHARD_SIZE.parse("export.max_shard_size", text)
+        except FlagError as exc:
+            raise RecipeError(str(exc)) from None
 
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     """Dtype of exported dense weights. auto: the base checkpoint's dtype (config.json, or a GGUF file's tensor

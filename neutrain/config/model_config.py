@@ -21,15 +21,20 @@ answers and the same errors.
 
 from __future__ import annotations
 
+import builtins
+import collections.abc
 import difflib
 import inspect
 import math
 import os
+import re
+import types
+import typing
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from neutrain.config.model_values import check_config_values
+from neutrain.config.model_values import ROTARY_KEYS, check_config_values, rotary_parts
 from neutrain.errors import RecipeError, one_line
 from neutrain.files import read_json_object
 
@@ -69,6 +74,107 @@ def _check_type(where: str, key: str, value: Any, default: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)" if isinstance(value, str) else ""
             raise RecipeError(f"{at}: expected a number, got {type(value).__name__} {value!r}{hint}")
+
+
+def _declared_types(cls) -> dict[str, Any]:
+    """The type the config class declares for each of its fields (transformers' config classes are dataclasses
+    whose values it checks on construction); a string annotation is read as a type (:func:`_annotation`)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: _annotation(f.type) for f in dataclasses.fields(cls)}
+
+
+class _Unresolved(dict):
+    """Names an annotation string is read with: the builtins and ``Literal``; any other (``torch``) stands for Any."""
+
+    class _AnyModule:
+        def __getattr__(self, name):
+            return Any
+
+    def __missing__(self, key):
+        found = {"Literal": typing.Literal, "Any": Any, "None": None}.get(key, getattr(builtins, key, None))
+        return found if isinstance(found, type) or key in ("Literal", "Any", "None") else self._AnyModule()
+
+
+def _annotation(hint: Any) -> Any:
+    """A field's type, a string annotation (``"list[str] | None"``, postponed by its module) read as a type; one
+    that cannot be read is Any (the class's own check decides)."""
+    if not isinstance(hint, str):
+        return hint
+    try:
+        return eval(hint, {"__builtins__": {}}, _Unresolved())  # noqa: S307 (the config class's own annotation)
+    except Exception:  # noqa: BLE001 (any annotation this reading does not follow)
+        return Any
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """``value`` is of the declared type ``hint`` (as a YAML or JSON value can be: lists for tuples)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or isinstance(hint, (str, typing.ForwardRef)):
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return any(value == arg and type(value) is type(arg) for arg in args)
+    if origin in (list, tuple, set, collections.abc.Sequence):
+        items = args[:1] if origin is not tuple or len(args) == 2 and args[1] is Ellipsis else ()
+        return isinstance(value, (list, tuple)) and all(_matches(v, items[0]) for v in value) if items else \
+            isinstance(value, (list, tuple))
+    if origin in (dict, collections.abc.Mapping) or hint is dict or typing.is_typeddict(hint):
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, float)
+    try:
+        return isinstance(value, hint)
+    except TypeError:  # a generic the checks above do not know: the class's own check decides
+        return True
+
+
+def _described(hint: Any) -> str:
+    """``hint`` in words (``list[str] | None``: "a list of strings or null")."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is None or hint is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_described(arg) for arg in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (list, tuple, set, collections.abc.Sequence):
+        return f"a list of {_described(args[0]).removeprefix('a ').removeprefix('an ')}s" if args and \
+            args[-1] is not Ellipsis or len(args) == 2 else "a list"
+    if origin in (dict, collections.abc.Mapping) or hint is dict or typing.is_typeddict(hint):
+        return "a mapping"
+    words = {bool: "true or false", int: "an integer", float: "a number",
+             str: "a string"}
+    return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _check_declared_type(where: str, key: str, value: Any, hint: Any) -> None:
+    """``value`` has the type the config class declares for ``key``: else one line naming the key and that type.
+
+    Why: the class refused it in its own words ("Qwen2Config refuses these values: Validation error for field
+    'layer_types': TypeError: ... doesn't match any type in (list[str], <class 'NoneType'>)"), a traceback's
+    text that named no recipe key.
+    """
+    at = f"{where}.{key}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(f"{at}: {value} is not a finite number")
+    if not _matches(value, hint):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        words, advice = _described(hint), ""
+        if "a number" in words and isinstance(value, str):
+            advice = " (YAML reads 1e-5 without a dot as a string: write 1.0e-5)"
+        elif "a number" in words and "an integer" not in words and isinstance(value, int):
+            advice = f" (the class takes a float only: write {value}.0)"
+        raise RecipeError(f"{at}: expected {words}, got {type(value).__name__} {shown}{advice}")
 
 
 def check_model_config(cfg: dict | str, allow_unknown: bool = False, config_class: bool = True) -> None:
@@ -111,6 +217,28 @@ def check_draft_config(target_cfg: dict | str, overrides: dict, allow_unknown: b
     _check({**values, **overrides}, "distill.draft_config", [k for k in overrides if k != "model_type"], allow_unknown)
 
 
+def rotary_names() -> list[str]:
+    """The rotary scalings transformers has a function for (``default`` and its ``ROPE_INIT_FUNCTIONS``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: imports torch
+
+    return ["default", *sorted(ROPE_INIT_FUNCTIONS)]
+
+
+def check_rotary_names(values: dict, where: str, keys: list[str], error: type[Exception] = RecipeError) -> None:
+    """Each ``rope_type`` of ``keys`` (``rope_scaling``, ``rope_parameters``) is one transformers has.
+
+    Why: an unknown one was accepted with a log line of transformers' ("Missing validation function") and failed
+    as a ``KeyError`` inside the model's constructor, or trained unscaled."""
+    for key in keys:
+        for suffix, part in rotary_parts(values.get(key)):
+            kind = part.get("rope_type", part.get("type")) if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in (names := rotary_names()):
+                match = difflib.get_close_matches(kind, names, n=1)
+                hint = f" Did you mean '{match[0]}'?" if match else ""
+                raise error(f"{where}.{key}{suffix}.rope_type: {kind!r} is not a rotary scaling transformers has "
+                            f"(one of {', '.join(names)}).{hint}")
+
+
 def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> None:
     values = dict(values)
     model_type = values.pop("model_type", None)
@@ -125,16 +253,28 @@ def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> No
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     attribute_map = getattr(cls, "attribute_map", {}) or {}
+    declared = _declared_types(cls)
     for key in keys:
         if key in values:
-            _check_type(where, key, values[key], defaults.get(attribute_map.get(key, key)))
+            field = attribute_map.get(key, key)
+            if field in declared:  # the type the class checks on construction
+                _check_declared_type(where, key, values[key], declared[field])
+            else:
+                _check_type(where, key, values[key], defaults.get(field))
     check_config_values(values, where, RecipeError, [k for k in keys if k in values])
+    check_rotary_names(values, where, [k for k in keys if k in ROTARY_KEYS])
     try:
         built = cls(**values)
         # Inside the guard: the class writes its values out again (config.json beside every checkpoint), and
         # some fail only there (a torch_dtype of [] raised IndexError from to_dict).
         stored = built.to_dict()
     except Exception as exc:  # noqa: BLE001 (config classes raise ValueError, TypeError or strict-dataclass errors by version)
+        field = re.match(r"Validation error for field '([^']+)'", str(exc))
+        if field is not None:  # one field's own check (a range): named as the recipe's key, in the check's words
+            name = next((k for k in keys if attribute_map.get(k, k) == field.group(1)), field.group(1))
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            raise RecipeError(f"{where}.{name}: {values.get(name)!r} is refused by {cls.__name__}: "
+                              f"{one_line(cause)}") from None
         raise RecipeError(f"{where}: {cls.__name__} refuses these values: {one_line(exc)}") from None
     known = _known_keys(cls, defaults)
     # A key the class consumed (a legacy name such as rope_theta) is not stored under its own name;
@@ -146,6 +286,48 @@ def _check(values: dict, where: str, keys: list[str], allow_unknown: bool) -> No
         hint = f" Did you mean '{match[0]}'?" if match else ""
         raise RecipeError(f"{where}: unknown key '{key}' for {cls.__name__}.{hint} "
                           "(set model.allow_unknown_config_keys: true to keep it in config.json anyway)")
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+"""The names a config gives the number of positions its model has (Llama's, GPT-2's, older ones')."""
+
+
+def positions_of(config: Any) -> tuple[str, int] | None:
+    """``(key, positions)`` of ``config`` (a mapping or a config object), or None where it names none."""
+    for key in POSITION_KEYS:
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
+def context_uses(recipe) -> list[tuple[str, int, str]]:
+    """``(key, tokens, what)`` for each recipe value that sets how many positions the run feeds the model at once."""
+    uses = [("data.sequence_len", recipe.data.sequence_len, "tokens a training row")]
+    if recipe.eval.long_context_tasks:
+        uses.append(("eval.context_len", recipe.eval.context_len, "tokens a long-context prompt"))
+    return uses
+
+
+def check_context(config: Any, where: str, uses: list[tuple[str, int, str]]) -> None:
+    """Refuse a run that feeds the model more positions than its config has, naming both keys and values.
+
+    Why: a ``data.sequence_len`` past ``max_position_embeddings`` trained in silence, on positions the model's
+    rotary tables were never meant for (and with learned positions, GPT-2's, indexed past the table).
+
+    Example:
+        >>> check_context({"max_position_embeddings": 64}, "model.config", [("data.sequence_len", 128, "tokens a row")])
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: data.sequence_len: 128 tokens a row exceed model.config.max_position_embeddings 64 (the positions the model has); set data.sequence_len to at most 64, or give the model more positions
+    """
+    found = positions_of(config)
+    if found is None:
+        return
+    key, positions = found
+    for use, tokens, what in uses:
+        if tokens > positions:
+            raise RecipeError(f"{use}: {tokens:,} {what} exceed {where}.{key} {positions:,} (the positions the model "
+                              f"has); set {use} to at most {positions:,}, or give the model more positions")
 
 
 DERIVED_HEAD_DIM = frozenset({"llama", "mistral", "qwen2"})
@@ -163,7 +345,7 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _mapping(model: ModelSection) -> dict | None:
+def config_mapping(model: ModelSection) -> dict | None:
     """The config mapping the model section names, or None where only transformers can read it."""
     cfg = model.config
     if cfg is None:
@@ -198,7 +380,7 @@ def plain_shape_config(model: ModelSection) -> SimpleNamespace | None:
         >>> plain_shape_config(ModelSection(config={**cfg, "model_type": "gemma"}, tokenizer="byte")) is None
         True
     """
-    values = _mapping(model)
+    values = config_mapping(model)
     if values is None or values.get("model_type") not in DERIVED_HEAD_DIM:
         return None
     if not all(_whole(values.get(key)) for key in SIZES) or not isinstance(values.get("tie_word_embeddings"), bool):

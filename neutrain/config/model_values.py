@@ -105,6 +105,8 @@ def check_config_values(values: dict, where: str, error: type[Exception], keys: 
     stack = [(f"{where}.{key}", key, values[key]) for key in (values if keys is None else keys) if key in values]
     while stack:
         at, key, value = stack.pop()
+        if key in ROTARY_KEYS and at.count(".") == where.count(".") + 1:
+            check_rotary_scaling(value, at, error)
         if isinstance(value, dict):
             stack.extend((f"{at}.{k}", str(k), v) for k, v in value.items())
             continue
@@ -122,6 +124,47 @@ def check_config_values(values: dict, where: str, error: type[Exception], keys: 
             raise error(f"{at}: {value!r} {problem} ({rule[1]})")
     if keys is None or any(key in _RELATED for key in keys):
         check_config_relations(values, where, error)
+
+
+ROTARY_KEYS = ("rope_parameters", "rope_scaling")
+"""The structured keys of a rotary embedding's scaling: a mapping naming its ``rope_type``, or null."""
+
+
+_ROTARY_BASE = frozenset({"rope_theta", "partial_rotary_factor"})
+"""The keys a rotary mapping may hold without naming a ``rope_type``: the base of the default rotation."""
+
+
+def rotary_parts(value: Any) -> list:
+    """The scaling mappings ``value`` holds: itself, or per layer type (Gemma 3: ``{"full_attention": {...}}``)."""
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        return [(f".{k}", v) for k, v in value.items()]
+    return [("", value)]
+
+
+def check_rotary_scaling(value: Any, at: str, error: type[Exception]) -> None:
+    """``rope_scaling``/``rope_parameters`` is null or a mapping (per layer type, mappings) each naming its
+    ``rope_type`` (or the older ``type``) as a non-empty string.
+
+    Why: ``rope_scaling: ""`` (or ``[]``, ``0``, ``{}``) was accepted and trained with no scaling at all; the config
+    classes take a value they do not read as none.
+
+    Example:
+        >>> check_rotary_scaling("", "model.config.rope_scaling", ValueError)
+        Traceback (most recent call last):
+        ValueError: model.config.rope_scaling: '' must be a mapping naming its rope_type (e.g. {rope_type: linear, factor: 2.0}), or null
+    """
+    if value is None:
+        return
+    for suffix, part in rotary_parts(value):
+        if not isinstance(part, dict):
+            raise error(f"{at}{suffix}: {part!r} must be a mapping naming its rope_type (e.g. {{rope_type: linear, "
+                        "factor: 2.0}), or null")
+        kind = part.get("rope_type", part.get("type"))
+        if kind is None and part and set(part) <= _ROTARY_BASE:
+            continue  # the base alone (transformers 5's rope_parameters: {rope_theta: ...}): no scaling, "default"
+        if not isinstance(kind, str) or not kind.strip():
+            raise error(f"{at}{suffix}.rope_type: {kind!r} must name the rotary scaling (default, linear, dynamic, "
+                        "yarn, longrope, llama3, ...)")
 
 
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")

@@ -22,7 +22,9 @@ from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
 from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
-from neutrain.config.model_config import check_draft_config, check_model_config, plain_shape_config
+from neutrain.config.model_config import (
+    check_context, check_draft_config, check_model_config, config_mapping, context_uses, plain_shape_config,
+)
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
@@ -218,6 +220,10 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
             check_model_config(model.config, allow_unknown=model.allow_unknown_config_keys, config_class=False)
         else:
             _check_config_classes(model, recipe.distill.draft_config)
+    mapping = config_mapping(model)  # the built config is checked too (a class default, a GGUF file, a hub id)
+    if mapping is not None:
+        check_context(mapping, "model.config" if model.config is not None else "model.base_model's config",
+                      context_uses(recipe)[:1])  # eval.context_len once its tasks are known good (the build's check)
     _check_scheduler(train)
     if train.max_steps == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from neutrain.config.names import Names
 from neutrain.errors import RecipeError
-from neutrain.files import check_kind, link_trouble, not_text, path_too_long
+from neutrain.files import check_kind, folder_kind_trouble, link_trouble, not_text, path_too_long
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ def held_to_key(where: str, key: Key, value: Any, base_dir: Path | None) -> Any:
     if where in OUTPUT_FOLDERS + LATER_FOLDERS and isinstance(value, str) and (
             trouble := link_trouble(Path(value).expanduser())):
         raise RecipeError(f"{where}: '{value}' {trouble}")
+    if where in OUTPUT_FOLDERS and isinstance(value, str) and (trouble := folder_kind_trouble(Path(value).expanduser())):
+        raise RecipeError(f"{where}: '{value}' {trouble}; name a directory")  # a FIFO or a device, at load
     if where in LATER_FOLDERS and isinstance(value, str) and os.path.lexists(Path(value).expanduser()):
         # Read only by a later command (distill after training), yet refused now: a device or a file there
         # failed after the whole training, or never.

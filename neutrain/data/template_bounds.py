@@ -10,8 +10,8 @@ Both renderings go through transformers' own environment (:mod:`neutrain.compat.
 limits: no value over :data:`MAX_VALUE` characters (``*``, ``+``, ``%``, calls, filters, namespace values, and no
 size, width or precision over it before a value is built), at most
 :data:`MAX_LOOP_STEPS` ``range`` steps, and at most :data:`RENDER_SECONDS` of rendering, checked at every
-attribute, item, call and operator the template runs (and, in the main thread, by a timer for a loop that
-runs none of them).
+attribute, item, call, operator and loop step the template runs, on any thread (and, in the main thread, also
+by a timer).
 
 Each rendering is also bounded by the size of what it renders (:func:`input_size`: the characters and items
 of its messages and other arguments), not by a constant alone: at most :data:`OPS_FACTOR` operations
@@ -205,6 +205,8 @@ def _bounded(env, budget: _Budget) -> None:
     call, getattr_, getitem = env.call, env.getattr, env.getitem
 
     def bounded_call(context, obj, *args, **kwargs):
+        if obj is counted_iter:  # a loop's items (the code generator's own call): the items themselves are no size
+            return counted_iter(*args)
         budget.tick()
         # 'text {:>9}'.format(...): the widths are in the string (the sandbox wraps str.format, keeping __wrapped__)
         owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
@@ -237,6 +239,20 @@ def _bounded(env, budget: _Budget) -> None:
         budget.tick()
         return getitem(obj, argument)
 
+    def counted_iter(iterable):
+        """A ``{% for %}`` loop's items, each one a step of the budget (its time and its operations); a ``range``
+        counts its own steps (:data:`MAX_LOOP_STEPS`)."""
+        if getattr(iterable, "gi_code", None) is counted_range.__code__:
+            return iterable
+        return _counted(iterable)
+
+    def _counted(iterable):
+        for value in iterable:
+            budget.tick()
+            yield value
+
+    env.code_generator_class = _counted_loops_generator()
+    env.neutrain_counted_iter = counted_iter
     namespace = env.globals.get("namespace")
     if isinstance(namespace, type):
         class BoundedNamespace(namespace):
@@ -251,9 +267,32 @@ def _bounded(env, budget: _Budget) -> None:
     env.globals["range"] = counted_range
 
 
+@functools.lru_cache(maxsize=1)
+def _counted_loops_generator():
+    """Jinja's code generator, with every ``{% for %}`` loop's iterable passed through the environment's
+    ``neutrain_counted_iter``: each item is a step of the budget.
+
+    Why: a loop whose body runs no attribute, item, call or operator (``{% for a in s %}{% for b in s %}{% endfor
+    %}{% endfor %}`` over a message's text) ran nothing the budget saw; only a timer stopped it, and a timer
+    (``SIGALRM``) exists in the main thread alone, so rendering in any other thread (a server, a data loader's
+    thread) ran for hours. Counted at every item, a loop is bounded by the rendering's time and operations
+    wherever it runs.
+    """
+    from jinja2 import nodes  # lazy: only templates need it
+    from jinja2.compiler import CodeGenerator
+
+    class CountedLoops(CodeGenerator):
+        def visit_For(self, node, frame):
+            node.iter = nodes.Call(nodes.EnvironmentAttribute("neutrain_counted_iter", lineno=node.lineno),
+                                   [node.iter], [], None, None, lineno=node.lineno)
+            super().visit_For(node, frame)
+
+    return CountedLoops
+
+
 @contextlib.contextmanager
 def _alarm(seconds: float, budget: _Budget):
-    """In the main thread, a timer that stops a loop whose body runs nothing the budget sees; elsewhere nothing."""
+    """In the main thread, a timer besides the budget's own checks (every loop step is one); elsewhere nothing."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer") \
             or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN, None) \
             or signal.getitimer(signal.ITIMER_REAL)[0]:

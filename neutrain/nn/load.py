@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from neutrain.config.model_values import check_config_relations, check_config_values
+from neutrain.config.model_config import check_rotary_names
+from neutrain.config.model_values import ROTARY_KEYS, check_config_relations, check_config_values
 from neutrain.errors import CheckpointError, RecipeError
 from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
@@ -53,7 +54,7 @@ def build(spec: ModelSpec, *, progress: bool = True):
         spec.config._attn_implementation = spec.attention
     model = _skeleton(spec.config, spec.dtype, spec.trust_remote_code, where, error)
     sink = ModelSink(model, spec.placement, storage_dtype=spec.storage_dtype, codec_options=spec.codec_options,
-                     source_keys=spec.source.keys())
+                     source_keys=spec.source.keys(), label=label or "model.config's model")
     count = getattr(spec.source, "tensor_count", None)
     for name, tensor in build_progress(spec.source.tensors(model, spec.placement.device, spec.dtype), "loading weights",
                                        count() if count else None, progress):
@@ -85,21 +86,13 @@ def check_config_names(config, where: str, error: type[Exception]) -> None:
         ValueError: model.config.hidden_act: 'banana' is not an activation transformers has (one of gelu, ...)
     """
     from transformers.activations import ACT2FN
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for key in _ACTIVATION_KEYS:
         name = getattr(config, key, None)
         if isinstance(name, str) and name not in ACT2FN:
             raise error(f"{where}.{key}: {name!r} is not an activation transformers has (one of "
                         f"{', '.join(sorted(ACT2FN))})")
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = getattr(config, key, None)
-        for part in (rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
-                     and rope else [rope]):  # per-layer-type parameters (Gemma 3) or one mapping
-            kind = part.get("rope_type", part.get("type")) if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
-                raise error(f"{where}.{key}.rope_type: {kind!r} is not a rotary scaling transformers has (one of "
-                            f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    check_rotary_names({key: getattr(config, key, None) for key in ROTARY_KEYS}, where, list(ROTARY_KEYS), error)
 
 
 def check_finite(label: str, name: str, tensor: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -71,8 +72,10 @@ class ModelSink:
     """
 
     def __init__(self, model: torch.nn.Module, placement: Placement, *, storage_dtype: torch.dtype | None = None,
-                 codec_options: dict | None = None, source_keys: list[str] | None = None):
-        self.model, self.placement = model, placement
+                 codec_options: dict | None = None, source_keys: list[str] | None = None, label: str = "checkpoint"):
+        self.model, self.placement, self.label = model, placement, label
+        self.buffer_names = {n for n, _ in model.named_buffers()}
+        self.skipped: list[str] = []
         self.device = placement.device
         self.storage_dtype, self.codec_options = storage_dtype, codec_options or {}
         for module in model.modules():
@@ -108,9 +111,11 @@ class ModelSink:
     def put(self, source_name: str, tensor) -> None:
         """Place one source tensor (a dense ``torch.Tensor`` or a ``CompressedTensor``)."""
         for name, value in self.keys.feed(source_name, tensor):
-            name = _match_name(name, self.param_names)
-            if name is None:
-                continue  # a tensor the model has no parameter for (rotary caches of old checkpoints)
+            matched = _match_name(name, self.param_names)
+            if matched is None:
+                self._unmatched(name)
+                continue
+            name = matched
             if name in self.placed:
                 raise CheckpointError(f"checkpoint tensor {name} appears twice")
             self._place(name, value)
@@ -121,6 +126,21 @@ class ModelSink:
                 self.waiting[unit].discard(name)
                 if not self.waiting[unit]:
                     self._offload(unit)
+
+    def _unmatched(self, name: str) -> None:
+        """A source tensor the model has no parameter for: a buffer the model computes itself (a rotary table, a
+        causal mask of old files, :data:`FOREIGN_EXTRAS`) is skipped and said at the end; any other is refused.
+
+        Why: every such tensor was skipped in silence, so a file of another architecture, or one whose names a tool
+        had changed, built a model with those weights left out of it (refused at the end only when a parameter
+        then had no tensor) or, where the names still covered every parameter, dropped trained weights.
+        """
+        if _match_name(name, self.buffer_names) is not None or FOREIGN_EXTRAS.search(name):
+            self.skipped.append(name)
+            return
+        raise CheckpointError(f"{self.label}: tensor '{name}' matches no parameter of the "
+                              f"{getattr(self.model.config, 'model_type', 'model')} model its config builds (another "
+                              "architecture's file, or renamed tensors); nothing was loaded")
 
     def _place(self, name: str, tensor) -> None:
         module_name, _, pname = name.rpartition(".")
@@ -179,7 +199,11 @@ class ModelSink:
         _tie_if_configured(model)
         leftover = [n for n, p in model.named_parameters() if p.is_meta]
         if leftover:
-            raise CheckpointError(f"checkpoint is missing {len(leftover)} tensor(s), e.g. {leftover[:5]}")
+            raise CheckpointError(f"{self.label}: no tensor for {len(leftover)} parameter(s) of the model, e.g. "
+                                  f"{', '.join(leftover[:5])} (a file of another model, or cut short)")
+        if self.skipped:
+            logger.warning("%s: %d tensor(s) the model computes itself, not loaded: %s", self.label, len(self.skipped),
+                           ", ".join(self.skipped[:5]) + (", ..." if len(self.skipped) > 5 else ""))
         for unit in list(self.waiting):  # only tied parameters (the lm_head) can still be waiting
             self._offload(unit)
         mark_large_weights(model)
@@ -210,6 +234,11 @@ def _tie_if_configured(model) -> None:
             model.set_submodule(name, build_module(head, embedding.compressed))
     else:
         head.weight = embedding.weight
+
+
+FOREIGN_EXTRAS = re.compile(r"(^|\.)(rotary_emb\.inv_freq|rope_freqs(\.weight)?|attn\.(masked_)?bias)$")
+"""Tensors some files carry that no model parameter holds: rotary tables (old Llama checkpoints' ``inv_freq``, a
+GGUF file's ``rope_freqs``) and GPT-2's causal-mask buffers, which the model computes itself."""
 
 
 def _match_name(name: str, param_names: set[str]) -> str | None:

@@ -300,8 +300,10 @@ class NeuZipExport(SafetensorsFolder):
                 if [key for key, _ in parts] == [owner]:
                     yield owner, parts[0][1].get_tensor(owner)
                     continue
-                if owner not in params:
-                    continue  # a tensor the model has no parameter for: the sink would drop it too
+                if owner not in params:  # the sink refuses it, or skips what the model computes itself
+                    for key, handle in parts:
+                        yield key, handle.get_tensor(key)
+                    continue
                 blobs = {key[len(owner) + 1:]: handle.get_tensor(key) for key, handle in parts}
                 yield owner, _assemble(blobs, owner, device, f"NeuZip export '{self.directory}'")
 

@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from neutrain.files import read_bytes
+from neutrain.files import folder_kind_trouble, read_bytes
 from neutrain.storage.durable import fsync_dir, write_durably
 from neutrain.storage.leftovers import WRITER_FILE
 from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, foreign_files, written_with_manifest
@@ -344,16 +344,39 @@ def enclosing_model(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def refuse_inside_model(path: str | os.PathLike, key: str, may_be_one: bool = False) -> None:
-    """Refuse an output ``path`` (named ``key``) inside a checkpoint or export; ``may_be_one``: ``path`` itself may be
-    one (an export replacing a previous export), but not lie inside another.
+def enclosing_run(path: str | os.PathLike) -> Path | None:
+    """The nearest directory strictly above ``path`` (symlinks followed) that is a run's (it holds :data:`IDENTITY`),
+    else None. ``path`` itself being a run is not counted: that is the run resumed, relaunched or evaluated.
+
+    Example:
+        >>> import tempfile
+        >>> enclosing_run(tempfile.mkdtemp() + "/out") is None
+        True
+    """
+    real = Path(os.path.realpath(path))
+    return next((directory for directory in real.parents if (directory / IDENTITY).is_file()), None)
+
+
+def refuse_inside_model(path: str | os.PathLike, key: str, may_be_one: bool = False,
+                        own: str | os.PathLike | None = None) -> None:
+    """Refuse an output ``path`` (named ``key``) that cannot be a folder (a FIFO, a device), that lies inside a
+    checkpoint or export, or inside another run's folder; ``may_be_one``: ``path`` itself may be a model (an export
+    replacing a previous export), but not lie inside another; ``own``: the run whose folder ``path`` may lie in
+    (a run's own export).
 
     Why: ``train.output_dir=RUN/checkpoint-2`` wrote a whole run inside another run's checkpoint, which then no
-    longer verified, and RUN no longer resumed.
+    longer verified, and RUN no longer resumed; ``RUN/newsub`` wrote a run inside a folder RUN's overwrite and
+    rotation own, unlisted; ``/dev/null`` was "not writable: Not a directory", exit 1.
     """
+    if trouble := folder_kind_trouble(path):
+        raise RunDirectoryError(f"{key}: '{path}' {trouble}; name a directory")
     real = Path(os.path.realpath(path))
     model = enclosing_model(real.parent if may_be_one else real)
     if model is not None:
         what = "export" if (model / EXPORT_INFO).is_file() else "checkpoint"
         raise RunDirectoryError(f"{key} '{path}' lies inside the {what} {model}: writing there would change that "
                                 f"{what} (it would no longer verify or load); choose a directory outside it")
+    run = enclosing_run(real)
+    if run is not None and (own is None or Path(os.path.realpath(own)) != run):
+        raise RunDirectoryError(f"{key} '{path}' lies inside the run {run} (it holds {IDENTITY}): that folder holds "
+                                "what its run writes, which overwrites and rotates it; choose a directory outside it")

@@ -69,7 +69,7 @@ def test_hostile_sizes_and_files_are_refused_or_bounded(tmp_path):
         "fifo": f"model.config: file '{fifo}' is a FIFO (named pipe), not a regular file",
         "device": "model.config: file '/dev/zero' is a character device, not a regular file",
         "template": "data.chat_template: the chat template loops more than 1,000,000 times",
-        "huge": "--max-new-tokens: 1000000000000 is out of range; expected at most 1,048,576",
+        "huge": "--max-new-tokens: 1000000000000 is out of range; expected an integer from 1 to 1,048,576",
         "context": "--max-new-tokens: 300 new tokens after a 2-token prompt exceed the model's context of 256 positions",
     }
     for name, needle in said.items():

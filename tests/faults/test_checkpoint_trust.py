@@ -71,11 +71,16 @@ def _command(recipe: Path, mode: str, *overrides: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_of(tmp_path_factory):
-    """``checkpoint_of(mode)``: the recipe and step-2 checkpoint of a 2-step run of ``mode`` (made once)."""
+def checkpoint_of(tmp_path_factory, request):
+    """``checkpoint_of(mode)``: the recipe and step-2 checkpoint of a 2-step run of ``mode`` (made once; the
+    replicated one is the session's, tests/faults/conftest.py)."""
     made: dict[str, tuple[Path, Path]] = {}
 
     def get(mode: str) -> tuple[Path, Path]:
+        if mode == "replicated" and mode not in made:
+            recipe, res, directory = request.getfixturevalue("replicated_run")
+            assert res.returncode == 0, res.stderr[-3000:]
+            made[mode] = recipe, directory / "out" / "checkpoint-2"
         if mode not in made:
             directory = tmp_path_factory.mktemp(mode)
             recipe = _recipe(directory, mode)

@@ -48,6 +48,7 @@ GATED_LOOP = ("{% for m in messages %}{% if 'boom' in m['content'] %}{% for i in
 GATED_SILENT_LOOP = ("{% for m in messages %}{% if 'boom' in m['content'] %}{% set c = m['content'] %}{% for a in c %}"
                      "{% for b in c %}{% for d in c %}{% endfor %}{% endfor %}{% endfor %}{% endif %}{{ m['content'] }}\n"
                      "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+SILENT_BOUND = r"takes more than 1 s to render|runs more than [\d,]+ operations for an input of"
 
 
 def _panicking_tokenizer(folder) -> None:
@@ -114,9 +115,10 @@ def test_content_dependent_costs_are_bounded_for_every_row_and_prompt(tmp_path):
                           r"Regex search error: retry-limit-in-match over\)",
         "gated loop in a row": rf"{re.escape(str(chats))}: row 1: the chat template loops more than 1,000,000 times on "
                                r"this row's messages",
-        "gated silent loop in a row": rf"{re.escape(str(chats))}: row 1: the chat template takes more than 1 s to render",
+        # Every loop step counts (tests/faults/test_template_threads.py): the operations' bound or the time's.
+        "gated silent loop in a row": rf"{re.escape(str(chats))}: row 1: the chat template ({SILENT_BOUND})",
         "gated loop in a prompt": r"--prompt: the model's chat template loops more than 1,000,000 times on this prompt",
-        "gated silent loop in a prompt": r"--prompt: the model's chat template takes more than 1 s to render",
+        "gated silent loop in a prompt": rf"--prompt: the model's chat template ({SILENT_BOUND})",
     }
     for name, (code, err, seconds) in results.items():
         errors = [line for line in err.splitlines() if line.startswith("neutrain: error:") or "Traceback" in line]

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import finished_run, one_error_line, write_recipe
+from tests.helpers import one_error_line, write_recipe
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return finished_run(tmp_path_factory.mktemp("model"), train={"max_steps": 2, "save_steps": 2},
-                       eval={"perplexity": False})
+def run(tiny_run) -> Path:
+    return tiny_run  # the session's finished tiny run (tests/faults/conftest.py), read only
 
 
 CASES = {  # argv (RUN: the run directory, RECIPE: a recipe, OTHER: a second recipe), the option named

@@ -435,8 +435,11 @@ def test_weight_offload_without_the_host_memory_fails_before_the_model_is_built(
 def test_activation_offload_counts_its_host_bytes_too(tmp_path):
     from neutrain.cli.preflight import check_host_memory
 
-    recipe = load_recipe(REPO / "recipes" / "llama3_8b.yaml", ["memory.offload_activations=true",
-                                                               "data.sequence_len=32768", f"train.output_dir={tmp_path}"])
+    raw = yaml.safe_load((REPO / "recipes" / "llama3_8b.yaml").read_text())
+    raw["model"]["config"]["max_position_embeddings"] = 32768  # rows of 32K tokens fit the model's positions
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump(raw))
+    recipe = load_recipe(tmp_path / "long.yaml", ["memory.offload_activations=true", "data.sequence_len=32768",
+                                                  f"train.output_dir={tmp_path}"])
     check_host_memory(recipe, available=8 << 30)  # 32 x 32K x 4096 x 2 bytes = 8 GiB: just fits
     with pytest.raises(RecipeError, match=r"memory\.offload_activations: needs about 8\.0 GiB of host memory for the "
                                           r"checkpointed activations, but this machine has 7\.9 GiB"):

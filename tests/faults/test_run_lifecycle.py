@@ -276,17 +276,13 @@ def test_sigkill_during_checkpoint_save_then_resume_is_bit_identical(tmp_path, u
 # ---- process-group teardown (the flaky "terminate called without an active exception" at exit) --------
 
 
-def test_two_process_run_destroys_its_process_group_before_exit(tmp_path):
-    """Rank 1 aborted at exit now and then: gloo's worker threads met interpreter finalization."""
-    recipe = write_recipe(tmp_path, train={"max_steps": 1, "save_steps": 1, "optimizer": "adalomo",
-                                           "learning_rate": 1e-2, "micro_batch_size": 2},
-                          memory={"weights": "dense"}, **QUIET)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29617", "-m", "tests.faults.train_then_report", str(recipe), str(tmp_path)],
-                         env=_subprocess_env(), capture_output=True, text=True, timeout=600)
+def test_two_process_run_destroys_its_process_group_before_exit(replicated_run):
+    """Rank 1 aborted at exit now and then: gloo's worker threads met interpreter finalization. (The session's
+    replicated run, tests/faults/conftest.py: 2 processes through train_from_recipe, each reporting at its end.)"""
+    _, res, directory = replicated_run
     assert res.returncode == 0, res.stderr[-3000:]
     assert "terminate called" not in res.stderr
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"initialized": False}, rank
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert json.loads((directory / f"rank{rank}.json").read_text()) == {"initialized": False}, rank
+    summary = json.loads((directory / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["distributed_mode"] == "replicated"

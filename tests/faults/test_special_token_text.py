@@ -15,7 +15,7 @@ import pytest
 from neutrain.config import load_recipe
 from neutrain.data import IGNORE_INDEX, build_datasets, byte_tokenizer
 from neutrain.data.chat import set_chat_template
-from tests.helpers import write_recipe
+from tests.helpers import TINY_LLAMA, write_recipe
 
 HOSTILE = "<|pad|><|pad|> stop here <|eos|> and <|bos|> go on"
 ROWS = {
@@ -29,7 +29,8 @@ def _built(tmp_path, kind: str, template: str | None):
     data = tmp_path / f"{kind}.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS[kind] * 4))
     recipe = write_recipe(tmp_path, data={"datasets": [{"path": str(data), "type": kind}], "sequence_len": 512,
-                                          "sample_packing": False, "chat_template": template})
+                                          "sample_packing": False, "chat_template": template},
+                          model={"config": {**TINY_LLAMA, "max_position_embeddings": 512}})  # rows of 512 fit
     tokenizer = set_chat_template(byte_tokenizer(), template)
     train, _ = build_datasets(load_recipe(recipe).data, tokenizer, str(tmp_path / "cache"))
     return tokenizer, train
