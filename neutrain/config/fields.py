@@ -27,7 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict, ValidationI
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from neutrain.config.numerals import parse_number
+from neutrain.config.numbers import parse_number
 from neutrain.config.values import Key, held_to_key
 
 REQUIRED = object()
@@ -44,7 +44,7 @@ ROWS_MAX = 1 << 16
 
 def _number_from_text(value: Any) -> Any:
     """YAML 1.1 reads ``1e-5`` (no dot) as a string: a numeric string is the number it spells."""
-    if isinstance(value, str):  # ASCII digits only (neutrain.config.numerals): '٣' stays text, refused
+    if isinstance(value, str):  # ASCII digits only (neutrain.config.numbers): '٣' stays text, refused
         number = parse_number(value)
         return value if number is None else number
     if isinstance(value, int) and not isinstance(value, bool):

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from neutrain.config.numerals import parse_number
+from neutrain.config.numbers import parse_number
 from neutrain.errors import UserInputError
 from neutrain.files import kind_word
 

@@ -1,4 +1,6 @@
-"""Every numeric command-line flag through one parser: ASCII digits, a finite number, inside its range.
+"""Numbers as a user writes them, read one way: ASCII digits only (:func:`parse_number`), for every numeric
+recipe key, ``NEUTRAIN_*`` variable and command-line flag; and every numeric flag through one parser, a finite
+number inside its range.
 
 Why one parser: each command read its numbers with argparse's ``int``/``float``, which take what Python takes
 (``'١٢'`` is 12, ``'1_000'`` is 1000, ``'inf'`` and ``'nan'`` are floats), and checked a range of its own later,
@@ -9,6 +11,10 @@ exit 2. ``tests/faults/test_cli_numbers.py`` walks every command's parser: a num
 fails it.
 
 Example:
+    >>> parse_number("1e-5"), parse_number(" 12 ", integer=True), parse_number("-inf")
+    (1e-05, 12, -inf)
+    >>> parse_number("٣"), parse_number("1_0"), parse_number("1.5", integer=True)
+    (None, None, None)
     >>> NumberRule(float, 0, 100).parse("--temperature", "0.7")
     0.7
     >>> NumberRule(int, 1, 64).parse("--draft-len", "١٢")
@@ -26,6 +32,20 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 _DECIMAL = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
 _SIZE = re.compile(r"\s*([0-9]+(\.[0-9]*)?|\.[0-9]+)\s*([KMGT])B\s*", re.IGNORECASE)
 _UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # decimal, as transformers' max_shard_size
+
+
+def parse_number(text: str, integer: bool = False) -> float | int | None:
+    """The number ``text`` spells with ASCII digits (surrounding whitespace allowed), or None when it spells none.
+
+    ``integer``: only a whole number written without a point or an exponent. ``inf`` and ``nan`` parse (as floats),
+    so that the caller's range check names them as not finite. Recipe values (``neutrain.config.fields``), the
+    memory budget and the environment knobs read text through this too: ``memory.device_budget_gib=٣`` set a
+    3 GiB budget, and ``NEUTRAIN_HOST_MEMORY_GIB=٣`` a 3 GiB host, before.
+    """
+    text = text.strip()
+    if integer:
+        return int(text) if _INTEGER.fullmatch(text) else None
+    return float(text) if _DECIMAL.fullmatch(text) else None
 
 
 class FlagError(Exception):
@@ -58,9 +78,10 @@ class NumberRule:
     def parse(self, flag: str, text: str) -> int | float | str:
         """``text`` as this flag's value (a size stays the text it was, once checked)."""
         if self.kind is int:
-            if not _INTEGER.fullmatch(text):
+            whole = parse_number(text, integer=True)
+            if whole is None:
                 raise FlagError(f"{flag}: {text!r} is not an integer; expected ASCII digits, e.g. 8")
-            value: float = int(text)
+            value: float = whole
         elif self.kind == "size":
             shape = _SIZE.fullmatch(text)
             if shape is None:
@@ -68,9 +89,10 @@ class NumberRule:
                                 "e.g. 500MB or 5GB")
             value = float(shape.group(1)) * _UNITS[shape.group(3).upper()]
         else:
-            if not _DECIMAL.fullmatch(text):
+            number = parse_number(text)
+            if number is None:
                 raise FlagError(f"{flag}: {text!r} is not a number; expected ASCII digits, e.g. 0.7 or 1e-3")
-            value = float(text)
+            value = number
         self.check(flag, value, text)
         return text.strip() if self.kind == "size" else value
 

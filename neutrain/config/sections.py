@@ -22,7 +22,7 @@ from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
 from neutrain.config.fields import COUNT_CEILING, ROWS_MAX, Count, Declared, IsPath, Number, OneOf, Section, Switch, Text
 from neutrain.config.names import OPTIMIZERS
-from neutrain.config.numerals import parse_number
+from neutrain.config.numbers import parse_number
 from neutrain.config.values import check_text, resolve_path, shown
 from neutrain.errors import RecipeError
 
@@ -52,7 +52,7 @@ def budget_setting(value: Any) -> Any:
         text = value.strip().lower()
         if text in ("auto", "none", "off"):
             return "auto" if text == "auto" else "none"
-        number = parse_number(text)  # ASCII digits only (neutrain.config.numerals)
+        number = parse_number(text)  # ASCII digits only (neutrain.config.numbers)
         if number is not None and math.isfinite(number):  # "nan" and "inf" spelt out are words here, not numbers
             return number
     elif isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neutrain.config.knobs import KNOBS
-from neutrain.config.numerals import parse_number
+from neutrain.config.numbers import parse_number
 from neutrain.config.schema import SCHEMA
 from tests.faults.test_recipe_ranges import NUMERIC, NUMERIC_KNOBS, _cli, _one_line_naming, _recipe
 
