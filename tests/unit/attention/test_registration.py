@@ -114,7 +114,7 @@ def test_recipe_asking_for_sage_gets_sdpa_on_cpu_and_the_kernel_on_gpu(caplog):
     recipe = validate_recipe({
         "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "neutrain_sage",
                   "config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
-                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}},
+                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512}},
         "data": {"datasets": [{"path": "python-stdlib", "type": "text"}]},
     })
     model_cfg, tok = recipe.model, byte_tokenizer()
@@ -136,7 +136,7 @@ def test_auto_attention_builds_sdpa_on_cpu_and_dispatching_sage_on_gpu():
     recipe = validate_recipe({
         "model": {"init": "random", "tokenizer": "byte", "attn_implementation": "auto",
                   "config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
-                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}},
+                             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512}},
         "data": {"datasets": [{"path": "python-stdlib", "type": "text"}]},
     })
     assert build_model(recipe.model, byte_tokenizer(), use_cpu=True).config._attn_implementation == "sdpa"
