@@ -49,10 +49,7 @@ def _ds_type(path: Path, declared: str | None) -> str:
     if declared:
         return "json" if declared == "jsonl" else declared
     if path.is_dir():  # its data files' type, however the folder itself is named
-        kinds = {_EXT_TO_TYPE.get(f.suffix.lower()) for f in sorted(path.rglob("*")) if f.is_file()}
-        kinds.discard(None)
-        if not kinds:
-            raise DataError(f"{path}: directory holds no {', '.join(sorted(_EXT_TO_TYPE))} files")
+        kinds = {_EXT_TO_TYPE[Path(f).suffix.lower()] for f in _files(path)}
         if len(kinds) > 1:
             raise DataError(f"{path}: directory holds files of several types ({', '.join(sorted(kinds))}); give each "
                             "type its own dataset entry, or set ds_type")
@@ -71,7 +68,7 @@ def _files(path: Path) -> list[str]:
             check_kind(f, f"data file '{f}' (in the directory '{path}')", DataError)
         files = [str(f) for f in named]
         if not files:
-            raise DataError(f"{path}: directory holds no json, jsonl, csv, parquet or txt files")
+            raise DataError(f"{path}: directory holds no {', '.join(sorted(_EXT_TO_TYPE))} files")
         return files
     return [str(path)]
 

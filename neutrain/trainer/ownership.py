@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from neutrain.errors import RecipeError
 from neutrain.storage.confine import check_run_outputs
 from neutrain.storage.run_dir import (KEPT_ON_OVERWRITE, PLANNED, Ledger, clear_owned, entries, legacy_run, open_run, owned_checkpoints,
                                       read_ledger, unowned_planned, write_identity)
@@ -238,14 +239,12 @@ def note_resolved(key: str, given: str, itself: bool = True) -> str:
     checkpoints, the export and the metrics into another folder, and rotation deleted that folder's files.
     """
     absolute = os.path.abspath(given)
-    real = os.path.realpath(absolute) if itself else os.path.join(os.path.realpath(os.path.dirname(absolute)),
-                                                                  os.path.basename(absolute))
-    if not os.path.basename(os.path.realpath(absolute)):
+    resolved = os.path.realpath(absolute)
+    if not os.path.basename(resolved):
         # A folder the command creates, fills and may replace: never the file system's root (its staging and
         # lock names are siblings of the folder, and the root has none: a traceback before this check).
-        from neutrain.errors import RecipeError  # lazy: as the module's other errors
-
         raise RecipeError(f"{key}: '{given}' is the file system's root; name a folder to create under it")
+    real = resolved if itself else os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
     if real == absolute:
         return given
     logger.info("%s '%s' is %s (a symlink on the way, resolved once: the run writes there to its end)", key, given, real)
