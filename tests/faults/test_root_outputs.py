@@ -16,8 +16,12 @@ KEYS = ["train.output_dir", "export.output_dir", "--output"]
 
 def _roots():
     ups = st.integers(min_value=1, max_value=6).map(lambda n: "/".join([".."] * n))
+    # Climbing out of the working folder takes as many '..' as it has components (it differs between a
+    # checkout and CI's clone), then any number more: '..' at the root stays at the root.
+    depth = len([c for c in os.getcwd().split(os.sep) if c])
     return st.one_of(st.sampled_from(["/", "//", "///", "/.", "/./", "/tmp/..", "/tmp/../", "/tmp/../.."]),
-                     ups.map(lambda u: "/tmp/" + u), ups.map(lambda u: f"{os.getcwd()}/" + u + "/" + u))
+                     ups.map(lambda u: "/tmp/" + u),
+                     ups.map(lambda u: os.getcwd() + "/" + "/".join([".."] * depth) + "/" + u))
 
 
 @given(path=_roots(), key=st.sampled_from(KEYS), itself=st.booleans())
