@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from pathlib import Path
 
 import yaml
@@ -152,3 +153,15 @@ def tiny_hf_folder(folder: Path, seed: int = 0) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now, for a launcher's rendezvous store.
+
+    Why: a fixed port met a process already holding it (another test run, a developer's job, a helper's copy of
+    the suite): the launch failed with EADDRINUSE, a flake unrelated to what the test checks. The port is
+    released just before the launcher takes it, so only a process binding in that instant can still collide.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

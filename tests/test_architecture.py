@@ -434,6 +434,43 @@ def test_child_processes_of_the_tests_keep_the_inherited_python_path():
     assert not offenders, f"set PYTHONPATH through tests.helpers.child_env: {offenders}"
 
 
+PORT_FLAG = re.compile(r"""master[_-]port["']|main_process_port["']|MASTER_PORT\s*=""")
+
+
+def _fixed_ports(root: pathlib.Path) -> list[str]:
+    """Lines that give a launcher or a process group a port, in files where no port comes from ``free_port()``
+    (a literal, a table of ports, a parameter: each was a fixed port)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if path.name == "test_architecture.py" or "free_port()" in text:
+            continue
+        found += [f"{path.relative_to(root)}:{n}" for n, line in enumerate(text.splitlines(), 1) if PORT_FLAG.search(line)]
+    return found
+
+
+def _fixed_port_literals(root: pathlib.Path) -> list[str]:
+    literal = re.compile(r"""(master[_-]port|main_process_port)["']\s*,\s*["']?\d|MASTER_PORT\s*=\s*["']?\d""")
+    return [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py")) if path.name != "test_architecture.py"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+
+
+def test_no_test_launches_on_a_fixed_port():
+    """A launcher's rendezvous store on a fixed port met a process already holding it (another copy of the
+    suite, a job on the machine): EADDRINUSE, a failure unrelated to the test. Ports come from
+    ``tests.helpers.free_port``."""
+    tests = pathlib.Path(__file__).resolve().parent
+    assert _fixed_ports(tests) == [] and _fixed_port_literals(tests) == []
+
+
+def test_the_fixed_port_check_sees_each_launcher_form(tmp_path):
+    (tmp_path / "test_a.py").write_text('a = ["--master_port", str(PORTS[mode])]\nb = ["--main_process_port", "2"]\n'
+                                        'c = dict(MASTER_PORT=str(port))\nd = ["--master-port", 29503]\n')
+    (tmp_path / "test_b.py").write_text('e = ["--master_port", str(free_port())]\nf = ["--master_port", "29500"]\n')
+    assert _fixed_ports(tmp_path) == ["test_a.py:1", "test_a.py:2", "test_a.py:3", "test_a.py:4"]
+    assert _fixed_port_literals(tmp_path) == ["test_a.py:2", "test_a.py:4", "test_b.py:2"]
+
+
 def _long_benchmark_files(root: pathlib.Path, limit: int = 600) -> list[str]:
     """Scripts and notes under ``root`` longer than ``limit`` lines (records, ``*.jsonl``, are tables, not files to read)."""
     long = []

@@ -18,13 +18,14 @@ import pytest
 def replicated_run(tmp_path_factory):
     """``(recipe, result, report_dir)`` of one 2-step, 2-process replicated run (AdaLomo, gloo on CPU) through
     ``tests.faults.train_then_report``: its ``out/checkpoint-2``, and ``report_dir/rank<r>.json``."""
-    from tests.faults.test_checkpoint_trust import PORTS, _recipe
+    from tests.faults.test_checkpoint_trust import _recipe
+    from tests.helpers import free_port
     from tests.integration.test_launch import _run
 
     directory = tmp_path_factory.mktemp("replicated")
     recipe = _recipe(directory, "replicated")
     result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(PORTS["replicated"]), "-m", "tests.faults.train_then_report", recipe, directory])
+                   str(free_port()), "-m", "tests.faults.train_then_report", recipe, directory])
     return recipe, result, Path(directory)
 
 

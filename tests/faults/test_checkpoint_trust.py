@@ -2,14 +2,14 @@
 missing optimizer state is refused, and a damaged file is one line naming it (exit 2), at resume and export.
 
 Each mode's checkpoint is produced once (module-scoped, 2 steps); planted files are then checked with the
-in-process verifier, and one real resume per mode runs with a planted pickle. The distributed modes
-(2 gloo processes) are marked ``distributed``; they run on CPU.
+in-process verifier, and one real resume per mode runs with a planted pickle. The replicated mode
+(2 gloo processes) is marked ``distributed``; it runs on CPU. FSDP2 and ZeRO-3:
+``tests/integration/test_sharded_checkpoint_trust.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import pickle
 import re
@@ -24,7 +24,7 @@ from neutrain.distributed.resume import verify_resume
 from neutrain.storage.manifest import MANIFEST, check_file, verify_checkpoint
 from neutrain.cli import main
 from neutrain.errors import CheckpointError
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 from tests.integration.test_distributed import MODES as DISTRIBUTED
 from tests.integration.test_launch import _run
 
@@ -34,14 +34,14 @@ SINGLE = {
     "compressed": {"train": {"optimizer": "lomo", "learning_rate": 1e-2}, "memory": {"weights": "neuzip-lossless"}},
     "lora": {"train": {}, "memory": {"weights": "neuzip-lossless", "adapter": "lora", "lora_r": 4}},
 }
-PORTS = {"replicated": 29711, "fsdp2": 29721, "deepspeed": 29731}
 # The file each mode's end-to-end resume finds a pickle in (FSDP2's and ZeRO-3's optimizer shards ran it).
 PLANT_AT_RESUME = {"single": "optimizer.pt", "compressed": "scheduler.pt", "lora": "rng_state.pth",
                    "replicated": "rng_state_1.pth", "fsdp2": "optimizer.rank1-of-2.safetensors",
                    "deepspeed": "optimizer.rank0-of-2.safetensors"}
-NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-ALL_MODES = [*SINGLE, *(pytest.param(m, marks=[pytest.mark.distributed] + ([NEEDS_DEEPSPEED] if m == "deepspeed" else []))
-                        for m in DISTRIBUTED)]
+# Here: the single-process modes and the replicated one (the session's run, tests/faults/conftest.py). FSDP2's
+# and ZeRO-3's checkpoints each cost a two-process launch: the same tests run on them in
+# tests/integration/test_sharded_checkpoint_trust.py.
+ALL_MODES = [*SINGLE, pytest.param("replicated", marks=pytest.mark.distributed)]
 
 
 class _Payload:
@@ -66,7 +66,7 @@ def _command(recipe: Path, mode: str, *overrides: str) -> list:
     if mode in SINGLE:
         return [sys.executable, "-m", "neutrain", recipe, *overrides]
     entry = "tests.unit.distributed.accelerate_cpu_fsdp" if mode == "fsdp2" else "neutrain"
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(PORTS[mode]),
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             "-m", entry, recipe, *overrides]
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 from tests.integration.test_launch import _run, _train_in_process
 
 STEPS = {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "save_total_limit": 3}
@@ -35,7 +35,7 @@ MODES = {
 }
 
 
-def _launch(directory: Path, mode: str, processes: int, port: int, export: str = "none", **train):
+def _launch(directory: Path, mode: str, processes: int, export: str = "none", **train):
     spec = MODES[mode]
     train_section = {**STEPS, **spec["train"], **train}
     if processes == 1:
@@ -47,7 +47,7 @@ def _launch(directory: Path, mode: str, processes: int, port: int, export: str =
         # Accelerate keeps FSDP for accelerator devices; the shim lets its FSDP2 path run on CPU.
         entry = "tests.unit.distributed.accelerate_cpu_fsdp" if mode == "fsdp2" else "neutrain"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-               "--master_port", str(port), "-m", entry, recipe]
+               "--master_port", str(free_port()), "-m", entry, recipe]
         res = _run(cmd)
         assert res.returncode == 0, res.stderr[-4000:]
     summary = json.loads((directory / "out" / "summary.json").read_text())
@@ -72,12 +72,12 @@ def _losses(out: Path) -> list[float]:
     return [row["loss"] for row in rows if "loss" in row]
 
 
-@pytest.mark.parametrize("mode,port", [("replicated", 29541), ("fsdp2", 29551),
-                                       pytest.param("deepspeed", 29561, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("mode", ["replicated", "fsdp2",
+                                  pytest.param("deepspeed", marks=pytest.mark.skipif(
                                            importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"))])
-def test_two_processes_match_one_and_resume_exactly(tmp_path, mode, port):
-    one = _launch(tmp_path / "one", mode, 1, port, micro_batch_size=4)
-    two = _launch(tmp_path / "two", mode, 2, port, micro_batch_size=2)
+def test_two_processes_match_one_and_resume_exactly(tmp_path, mode):
+    one = _launch(tmp_path / "one", mode, 1, micro_batch_size=4)
+    two = _launch(tmp_path / "two", mode, 2, micro_batch_size=2)
     w1, w2 = _final_weights(one), _final_weights(two)
     assert w1.keys() == w2.keys()
     for name in w1:
@@ -88,7 +88,7 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path, mode, port):
     # Resume the 2-process run from its step-2 checkpoint, 2 processes again: exactly the same end.
     # ZeRO-3 also exports at the end: the main process writes the weights all ranks gathered.
     export = "hf" if mode == "deepspeed" else "none"
-    resumed = _launch(tmp_path / "resumed", mode, 2, port + 1, export=export, micro_batch_size=2,
+    resumed = _launch(tmp_path / "resumed", mode, 2, export=export, micro_batch_size=2,
                       resume_from_checkpoint=str(two / "checkpoint-2"))
     assert _losses(resumed) == _losses(two)[2:]
     w3 = _final_weights(resumed)
@@ -111,7 +111,7 @@ def test_deepspeed_launch_config_runs_lomo_and_refuses_adalomo(tmp_path):
                               memory={"weights": "dense"}, export={"format": "none"}, **NO_EVAL)
         return _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                      REPO / "launch" / "deepspeed_zero3_fused.yaml", "--num_processes", "2", "--main_process_port",
-                     "29571", "-m", "neutrain", recipe], cwd=REPO)
+                     str(free_port()), "-m", "neutrain", recipe], cwd=REPO)
 
     res = launch(tmp_path / "lomo", "lomo")
     assert res.returncode == 0, res.stderr[-4000:]
@@ -127,8 +127,8 @@ def test_deepspeed_launch_config_runs_lomo_and_refuses_adalomo(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_gradient_accumulation_matches_one_process(tmp_path):
     """ZeRO-3 with 2 micro-batches per step: partition gradients are summed locally, then applied once."""
-    one = _launch(tmp_path / "one", "deepspeed", 1, 29581, micro_batch_size=2, gradient_accumulation_steps=2)
-    two = _launch(tmp_path / "two", "deepspeed", 2, 29582, micro_batch_size=1, gradient_accumulation_steps=2)
+    one = _launch(tmp_path / "one", "deepspeed", 1, micro_batch_size=2, gradient_accumulation_steps=2)
+    two = _launch(tmp_path / "two", "deepspeed", 2, micro_batch_size=1, gradient_accumulation_steps=2)
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)
     w1, w2 = _final_weights(one), _final_weights(two)
     for name in w1:

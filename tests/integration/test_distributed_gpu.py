@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 from tests.integration.test_launch import REPO, _run
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,8 @@ def _launch_two_gpus(directory: Path, config: str, optimizer: str, steps: int, *
         export={"format": "none"}, eval={"perplexity": False},
     )
     res = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", REPO / "launch" / config,
-                "--num_processes", "2", "-m", "neutrain", recipe], cwd=REPO)
+                "--num_processes", "2", "--main_process_port", str(free_port()), "-m", "neutrain", recipe],
+               cwd=REPO)
     assert res.returncode == 0, res.stderr[-4000:]
     summary = json.loads((directory / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2

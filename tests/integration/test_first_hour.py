@@ -20,7 +20,7 @@ from neutrain.cli import main
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.data import byte_tokenizer
 from neutrain.data.chat import prompt_ids, template_choice
-from tests.helpers import launcher, write_recipe
+from tests.helpers import free_port, launcher, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 name_cpu_accelerator()  # as `neutrain` does before anything imports DeepSpeed (the tests import transformers first)
@@ -269,9 +269,7 @@ def test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong(tmp_path):
     # Before: both processes believed they were the main one, and the lock blamed the launch's own second process.
     # launch/multi_gpu_ddp.yaml, as the README writes it, runs in tests/test_readme_commands.py.
     config = "launch/fsdp2.yaml"
-    port = socket.create_server(("127.0.0.1", 0))  # a free port for the launcher's store, released just before use
-    free = port.getsockname()[1]
-    port.close()
+    free = free_port()
     res = subprocess.run([*launcher("accelerate.commands.launch"), "--config_file", config, "--main_process_port",
                           str(free), "-m", "neutrain", "recipes/default.yaml", f"train.output_dir={tmp_path / 'out'}", *TINY_RUN],
                          cwd=REPO, env=_cli_env(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600)
@@ -293,9 +291,7 @@ def test_a_multi_gpu_launch_config_on_a_cpu_says_what_is_wrong(tmp_path):
 def test_the_readmes_torchrun_form_runs_two_cpu_processes(tmp_path):
     # Before: refused ("each runs alone") by the very command its refusal recommended; then, on the CPU, both
     # processes wrote the compressed checkpoint's model.safetensors and one rename failed.
-    port = socket.create_server(("127.0.0.1", 0))
-    free = port.getsockname()[1]
-    port.close()
+    free = free_port()
     out = tmp_path / "out"
     tiny = [arg for arg in TINY_RUN if arg != "train.max_steps=1" and arg != "train.save_steps=1"]
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free),

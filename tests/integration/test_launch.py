@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     r1 = write_recipe(one, train={**common, "micro_batch_size": 4}, export={"format": "none"}, eval={"perplexity": False})
     r2 = write_recipe(two, train={**common, "micro_batch_size": 2}, export={"format": "none"}, eval={"perplexity": False})
     _train_in_process(r1)
-    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533", "-m", "neutrain", r2])
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "neutrain", r2])
     assert res.returncode == 0, res.stderr[-3000:]
     assert _summary(one)["world_size"] == 1
     assert _summary(two)["world_size"] == 2, "the distributed run did not really use 2 processes"

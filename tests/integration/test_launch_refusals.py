@@ -6,14 +6,13 @@ and printed its traceback and a failure report under neutrain's line (:mod:`neut
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import launcher
+from tests.helpers import free_port, launcher
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,19 +20,12 @@ REFUSAL = ("neutrain: error: train.max_steps: 0 trains nothing; give a number of
            "train.num_epochs epochs")
 
 
-def _free_port() -> int:
-    port = socket.create_server(("127.0.0.1", 0))  # released just before the launcher's store takes it
-    free = port.getsockname()[1]
-    port.close()
-    return free
-
-
 @pytest.mark.slow
 def test_a_refused_torchrun_launch_of_two_processes_ends_in_one_line(tmp_path):
     import os
 
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([*launcher("torch.distributed.run"), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    res = subprocess.run([*launcher("torch.distributed.run"), "--nproc-per-node", "2", "--master-port", str(free_port()),
                           "-m", "neutrain", "recipes/default.yaml", f"train.output_dir={tmp_path / 'out'}",
                           "train.max_steps=0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

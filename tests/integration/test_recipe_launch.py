@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from neutrain.config import recipe_codec
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -79,7 +79,7 @@ def test_python_on_a_bad_recipe_prints_one_line_and_exits_2(tmp_path, installed_
 def test_torchrun_two_processes_run_the_recipe_file(tmp_path, installed_codec):
     recipe = _executable_recipe(tmp_path, train={"max_steps": 2, "save_steps": 2}, export={"format": "none"},
                                 eval={"perplexity": False})
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                           str(recipe)], capture_output=True, text=True, env=_env(), timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -24,7 +24,7 @@ from neutrain.distributed.resume import verify_resume
 from neutrain.storage.manifest import MANIFEST
 from neutrain.errors import CheckpointError
 from tests.faults.test_checkpoint_trust import _plant
-from tests.helpers import write_recipe
+from tests.helpers import free_port, write_recipe
 from tests.integration.test_launch import REPO, _run
 
 pytestmark = pytest.mark.distributed
@@ -39,11 +39,11 @@ ZERO2 = {"distributed": "deepspeed", "deepspeed": str(REPO / "launch" / "deepspe
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 
 
-def _train(directory: Path, engine: dict, port: int, export: str = "none", **train):
+def _train(directory: Path, engine: dict, export: str = "none", **train):
     recipe = write_recipe(directory, train={**STEPS, **engine, **train}, **{**QUIET, "export": {"format": export}})
     # Accelerate keeps FSDP for accelerator devices; the shim lets its FSDP2 path run on CPU.
     entry = "tests.unit.distributed.accelerate_cpu_fsdp" if engine is FSDP2 else "neutrain"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                  "-m", entry, recipe])
 
 
@@ -68,13 +68,12 @@ def _json_state(checkpoint: Path) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("engine,mode,port", [(FSDP2, "fsdp2", 29811),
-                                              pytest.param(ZERO3, "deepspeed", 29821, marks=NEEDS_DEEPSPEED)],
+@pytest.mark.parametrize("engine,mode", [(FSDP2, "fsdp2"), pytest.param(ZERO3, "deepspeed", marks=NEEDS_DEEPSPEED)],
                          ids=["fsdp2", "zero3"])
-def test_adamw_sharded_checkpoint_is_pickle_free_and_resumes_exactly(engine, mode, port, tmp_path):
+def test_adamw_sharded_checkpoint_is_pickle_free_and_resumes_exactly(engine, mode, tmp_path):
     from neutrain.distributed import resume_files
 
-    res = _train(tmp_path / "full", engine, port, export="hf" if mode == "deepspeed" else "none")
+    res = _train(tmp_path / "full", engine, export="hf" if mode == "deepspeed" else "none")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "neutrain will refuse to resume" not in res.stderr
     out = tmp_path / "full" / "out"
@@ -116,7 +115,7 @@ def test_adamw_sharded_checkpoint_is_pickle_free_and_resumes_exactly(engine, mod
 
     # Resumed from step 2 with 2 processes: the same losses, and every tensor and number of the step-4 checkpoint
     # (weights, optimizer moments, fp32 master partitions, step counters) equal to the uninterrupted run's.
-    res = _train(tmp_path / "resumed", engine, port + 1, resume_from_checkpoint=str(checkpoint))
+    res = _train(tmp_path / "resumed", engine, resume_from_checkpoint=str(checkpoint))
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = tmp_path / "resumed" / "out"
     assert len(_losses(out)) == 4 and _losses(resumed) == _losses(out)[2:]
@@ -129,7 +128,7 @@ def test_adamw_sharded_checkpoint_is_pickle_free_and_resumes_exactly(engine, mod
 
 @NEEDS_DEEPSPEED
 def test_zero2_with_deepspeeds_optimizer_warns_at_start_and_refuses_resume_with_the_reason(tmp_path):
-    res = _train(tmp_path / "run", ZERO2, 29831, max_steps=2)
+    res = _train(tmp_path / "run", ZERO2, max_steps=2)
     assert res.returncode == 0, res.stderr[-3000:]
     warnings = [line for line in res.stderr.splitlines() if "neutrain will refuse to resume" in line]
     assert len(warnings) == 1, res.stderr[-3000:]  # once (the main process), when the trainer is built
@@ -140,7 +139,7 @@ def test_zero2_with_deepspeeds_optimizer_warns_at_start_and_refuses_resume_with_
     # Any run pointed at it (here as a single-process run would check it) is told why.
     with pytest.raises(CheckpointError, match="written by DeepSpeed's own save_checkpoint .* is a pickle.*fsdp2"):
         verify_resume(checkpoint, None, 0, 1)
-    res = _train(tmp_path / "resumed", ZERO2, 29832, resume_from_checkpoint=str(checkpoint))
+    res = _train(tmp_path / "resumed", ZERO2, resume_from_checkpoint=str(checkpoint))
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("neutrain: error: ")]
     # Rank 0 says it (every rank records its line in the launcher's error file, which prints what no rank did), and

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.helpers import free_port
 
 VOCAB, STEPS, BATCH, LENGTH = 128, 3, 4, 16
 LAUNCH = Path(__file__).resolve().parents[3] / "launch"
@@ -118,12 +119,6 @@ def train_case(case: dict, rank: int = 0, world: int = 1, mode: str = "single", 
     return info
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, mode: str, cases: list, out_dir: str, device: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # What torchrun would set (DeepSpeed reads them).
@@ -161,7 +156,7 @@ def run_cases(mode: str, cases: list[dict], device: str = "cpu") -> list[tuple[d
     torch.set_num_threads(1)
     singles = [train_case(case, device="cuda:0" if device == "cuda" else "cpu") for case in cases]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, _free_port(), mode, cases, tmp, device), nprocs=2, join=True,
+        mp.start_processes(_worker, args=(2, free_port(), mode, cases, tmp, device), nprocs=2, join=True,
                            start_method="spawn")
         doubles = torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
     return list(zip(singles, doubles))
