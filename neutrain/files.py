@@ -486,3 +486,62 @@ def check_folder(directory: str | os.PathLike, label: str, error: type[Exception
         if stat.S_ISREG(info.st_mode) and name.endswith(_TEXT_SUFFIXES) and info.st_size > limit:
             raise error(f"{label} holds {name}, {info.st_size:,} bytes, more than the {_size(limit)} such a file may "
                         "hold")
+    for name in TOKENIZER_SETTINGS_FILES:
+        try:
+            settings = read_json_object(os.path.join(directory, name), name, ValueError, limit) if name in names else {}
+        except ValueError:
+            continue  # not a JSON object: the folder's reader names the file, line and column in its own words
+        check_tokenizer_settings(settings, f"{label}: {name}", error)
+
+
+TOKENIZER_SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SWITCHES = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "add_prefix_space", "legacy",
+             "split_special_tokens", "do_lower_case")
+
+
+def _token(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str))
+
+
+def _tokenizer_rule(key: str) -> tuple[Any, str] | None:
+    """``(test, words)`` for a tokenizer setting the library compares, indexes or renders, or None."""
+    if key == "model_max_length":
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 and v != float("inf"),
+                "a whole number of positions >= 1")
+    if key in ("padding_side", "truncation_side"):
+        return (lambda v: v in ("left", "right"), "'left' or 'right'")
+    if key == "chat_template":
+        return (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in v)),
+                "a template (text) or a list of {name, template} texts")
+    if key in _SPECIAL_TOKENS:
+        return (lambda v: v is None or _token(v), "a token: text, or a mapping whose content is text")
+    if key == "additional_special_tokens":
+        return (lambda v: v is None or (isinstance(v, list) and all(_token(t) for t in v)), "a list of tokens")
+    if key == "added_tokens_decoder":
+        return (lambda v: isinstance(v, dict) and all(k.isdigit() and k.isascii() and isinstance(t, dict) and
+                                                      isinstance(t.get("content"), str) for k, t in v.items()),
+                "a mapping of token ids to {content: text, ...}")
+    if key in _SWITCHES:
+        return (lambda v: v is None or isinstance(v, bool), "true or false")
+    return None
+
+
+def check_tokenizer_settings(settings: dict, label: str, error: type[Exception]) -> None:
+    """Refuse a ``tokenizer_config.json`` (or ``special_tokens_map.json``) setting of a type the tokenizer library
+    compares, indexes or renders, in one line naming the file and the key.
+
+    Why: transformers takes these as they are and fails far from them: ``model_max_length: "x"`` loaded and then
+    ended ``generate`` in a ``TypeError: '>' not supported between 'int' and 'str'`` traceback at the first prompt.
+
+    Example:
+        >>> check_tokenizer_settings({"model_max_length": "x"}, "tok: tokenizer_config.json", ValueError)
+        Traceback (most recent call last):
+        ValueError: tok: tokenizer_config.json: 'model_max_length' is 'x'; expected a whole number of positions >= 1
+    """
+    for key, value in settings.items():
+        rule = _tokenizer_rule(key)
+        if rule is not None and not rule[0](value):
+            text = repr(value)
+            raise error(f"{label}: '{key}' is {text if len(text) <= 60 else text[:57] + '...'}; expected {rule[1]}")

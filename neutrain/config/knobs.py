@@ -118,6 +118,8 @@ def _rule(k: Knob) -> str:
 def _parse(name: str, k: Knob, raw: str) -> Any:
     """The value of ``raw`` for knob ``k``, or the reason it is refused (raised as :class:`_Refused`)."""
     text = raw.strip()
+    if k.type != "path" and not text.isascii():  # 'ınfo'.upper() is 'INFO': a case mapping is no spelling
+        raise _Refused("not ASCII text")
     if k.type is bool:
         if text.lower() in _TRUE or text.lower() in _FALSE:
             return text.lower() in _TRUE

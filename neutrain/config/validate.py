@@ -26,7 +26,7 @@ from neutrain.config.model_config import (
     check_context, check_draft_config, check_model_config, config_mapping, context_uses, plain_shape_config,
 )
 from neutrain.config.model_values import check_config_values
-from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, load_yaml, parse_recipe_text
 from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
 from neutrain.config.sections import MemorySection, ModelSection, TrainSection
 from neutrain.config.fields import Section
@@ -266,9 +266,11 @@ def _one_of(names: tuple[str, ...]) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, name: str) -> Any:
+    """An override's text read as a recipe file's YAML is (:func:`load_yaml`: decimal numbers, no duplicate keys, no
+    alias bomb); text that is not YAML, or a value of no recipe type, is the text itself."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text, name)
     except yaml.YAMLError:
         return text
 
@@ -276,7 +278,7 @@ def _parse_scalar(text: str) -> Any:
 _QUOTES = ("'", '"')
 
 
-def override_value(key: Key | None, text: str) -> Any:
+def override_value(key: Key | None, text: str, name: str = "override") -> Any:
     """The value of ``section.key=<text>``: YAML for numbers, booleans, lists and mappings; the literal text for a string.
 
     Why: parsed as YAML, ``train.output_dir=w/runs/exp #2`` became ``w/runs/exp`` (the rest is a YAML
@@ -295,7 +297,7 @@ def override_value(key: Key | None, text: str) -> Any:
         >>> override_value(SCHEMA["eval"]["sample_prompt"], '"a: b"')
         'a: b'
     """
-    parsed = _parse_scalar(text)
+    parsed = _parse_scalar(text, name)
     types = () if key is None else key.type if isinstance(key.type, tuple) else (key.type,)
     if str not in types or parsed == text:
         return parsed
@@ -336,7 +338,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {shown(current)} "
                               f"(so override '{item}' has nowhere to go)")
         sec = dict(current or {})
-        sec[key] = override_value(SCHEMA[section].get(key), text)
+        sec[key] = override_value(SCHEMA[section].get(key), text, f"override '{dotted.strip()}'")
         raw[section] = sec
     return raw
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from pydantic import BaseModel
+
 from neutrain.config.names import Names
 from neutrain.errors import RecipeError
 from neutrain.files import check_kind, folder_kind_trouble, link_trouble, not_text, path_too_long
@@ -139,8 +141,8 @@ def check_text(where: str, value: str, as_file_name: bool) -> None:
 
 
 def check_nested(where: str, value: list | dict) -> None:
-    """What every value inside a list or mapping must be, whatever its key: string mapping keys, finite numbers
-    and no NUL character at any depth.
+    """What every value inside a list or mapping must be, whatever its key: string mapping keys, JSON's types only
+    (text, numbers, booleans, null, lists, mappings), finite numbers and no NUL character at any depth.
 
     Why here and not per key: a key added to the schema gets these checks by construction; a NaN inside
     ``train.fsdp_config`` reached the libraries the run drives.
@@ -153,8 +155,12 @@ def check_nested(where: str, value: list | dict) -> None:
                 if not isinstance(k, str):
                     raise RecipeError(f"{at}: the key {k!r} is not a string (write it in quotes)")
                 stack.append((f"{at}.{k}", v))
-        elif isinstance(item, list):
+        elif isinstance(item, (list, tuple)):
             stack.extend((f"{at}[{i}]", v) for i, v in enumerate(item))
+        elif not isinstance(item, (str, int, float, type(None), BaseModel)):  # a model: its own fields were checked
+            # A date, bytes or a set (from Python, or YAML's own tags) reached the run's JSON writers as a TypeError.
+            raise RecipeError(f"{at}: {shown(item)} is of type {type(item).__name__}, not a recipe value (text, a "
+                              "number, a boolean, null, a list or a mapping)")
         elif isinstance(item, float) and not math.isfinite(item):
             raise RecipeError(f"{at}: {item} is not a finite number")
         elif isinstance(item, str) and "\0" in item:

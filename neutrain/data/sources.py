@@ -61,14 +61,37 @@ def _ds_type(path: Path, declared: str | None) -> str:
     return kind
 
 
+def _hidden(relative: Path) -> bool:
+    """Whether a path inside a data folder is hidden by its name or a folder's: ``.``, or ``__`` (``__MACOSX``)."""
+    return any(part.startswith((".", "__")) for part in relative.parts)
+
+
+@functools.lru_cache(maxsize=64)  # once per folder and contents: the folder is listed by several steps of a load
+def _say_hidden(folder: str, hidden: tuple[str, ...]) -> None:
+    logging.getLogger("neutrain").warning(
+        "data folder '%s': %d hidden file(s) left out (%s%s); a name or folder starting with '.' or '__' is not data",
+        folder, len(hidden), ", ".join(hidden[:3]), ", ..." if len(hidden) > 3 else "")
+
+
 def _files(path: Path) -> list[str]:
+    """The data files a dataset entry names: the file itself, or a folder's data files at any depth, hidden ones left
+    out (as ``datasets`` leaves them out of a folder) with a warning naming them.
+
+    Why: a folder's ``.ipynb_checkpoints/train-checkpoint.jsonl`` (Jupyter's copy of a file beside it) was trained on
+    as well, every row twice, and macOS's ``._train.jsonl`` (its binary resource fork, which Finder does not show)
+    failed the run as not UTF-8, naming a file the user never saw.
+    """
     if path.is_dir():
-        named = [f for f in sorted(path.rglob("*")) if f.suffix.lower() in _EXT_TO_TYPE and not f.is_dir()]
+        found = [f for f in sorted(path.rglob("*")) if f.suffix.lower() in _EXT_TO_TYPE and not f.is_dir()]
+        named = [f for f in found if not _hidden(f.relative_to(path))]
+        if len(named) < len(found):
+            _say_hidden(str(path), tuple(str(f.relative_to(path)) for f in found if _hidden(f.relative_to(path))))
         for f in named:  # a FIFO or device named like data was skipped in silence (the rows it stood for lost)
             check_kind(f, f"data file '{f}' (in the directory '{path}')", DataError)
         files = [str(f) for f in named]
         if not files:
-            raise DataError(f"{path}: directory holds no {', '.join(sorted(_EXT_TO_TYPE))} files")
+            hidden = f" other than hidden ones ({len(found)}, left out)" if found else ""
+            raise DataError(f"{path}: directory holds no {', '.join(sorted(_EXT_TO_TYPE))} files{hidden}")
         return files
     return [str(path)]
 

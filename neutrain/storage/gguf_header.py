@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neutrain.errors import CheckpointError
+from neutrain.storage.gguf_metadata import check_metadata
 from neutrain.storage.tensor_layout import check_ranges
 
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
@@ -217,6 +218,7 @@ def _parse(path: str) -> GGUFIndex:
             raise _Short(f"general.alignment is {alignment!r}, not a power of two")
     except _Short as exc:
         raise CheckpointError(f"GGUF file '{path}': truncated or corrupt: {exc}") from None
+    check_metadata(f"GGUF file '{path}'", metadata, kinds, CheckpointError)  # each value of the kind its reader takes
     data_start = -(-header.pos // alignment) * alignment
     check_layout(f"GGUF file '{path}'", [(t.name, list(t.dims), t.ggml_type, t.offset) for t in tensors], alignment,
                  max(size - data_start, 0))

@@ -36,7 +36,6 @@ import logging
 import os
 import pickle
 import re
-import struct
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
@@ -45,7 +44,7 @@ from neutrain.errors import CheckpointError
 from neutrain.files import MAX_FOLDER_TEXT_BYTES, MAX_RECORD_BYTES, kind_word, read_bytes, read_json_object, read_text
 from neutrain.storage.confine import check_indexes, check_tree, inside
 from neutrain.storage.digests import file_digests, remembered
-from neutrain.storage.tensor_layout import check_ranges
+from neutrain.storage.tensor_layout import safetensors_header
 
 logger = logging.getLogger("neutrain")
 
@@ -64,59 +63,8 @@ WRITTEN_WITH_MANIFEST = ("neutrain_run.json", "training_args.json", EXPORT_INFO)
 MANIFEST_MARK = "ChecksummedCheckpoint"
 """What such a neutrain also records in each checkpoint's ``trainer_state.json`` (a stateful callback's name:
 :class:`neutrain.trainer.callbacks.ChecksummedCheckpoint`), the file a resume cannot do without."""
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def safetensors_header(path: Path) -> tuple[int, dict]:
-    """``(data start, header)`` of a safetensors file, checked to cover the file exactly.
-
-    Raises:
-        CheckpointError: empty, truncated or malformed file (names the file).
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"checkpoint file '{path}' is empty or truncated ({size} bytes): not a safetensors file")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise CheckpointError(f"checkpoint file '{path}' is truncated: its safetensors header needs {length} bytes, "
-                                  f"the file has {size - 8}")
-        try:
-            header = json.loads(fh.read(length))
-        except (UnicodeDecodeError, ValueError):
-            raise CheckpointError(f"checkpoint file '{path}' is not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"checkpoint file '{path}' is not a safetensors file (bad header)")
-    data = size - 8 - length
-    end, ranges = 0, []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, stop = (int(x) for x in info["data_offsets"])
-            numel = 1
-            for dim in info["shape"]:
-                numel *= int(dim)
-            width = _DTYPE_BYTES.get(info["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"checkpoint file '{path}': tensor '{name}' has a malformed header entry") from None
-        if not 0 <= begin <= stop or (width is not None and stop - begin != numel * width):
-            raise CheckpointError(f"checkpoint file '{path}': tensor '{name}' has inconsistent offsets {begin}..{stop}")
-        if stop > data:
-            raise CheckpointError(f"checkpoint file '{path}' is truncated: tensor '{name}' ends at byte {stop} of "
-                                  f"{data} data bytes")
-        end = max(end, stop)
-        ranges.append((name, begin, stop))
-    check_ranges(f"checkpoint file '{path}'", ranges, data, CheckpointError)  # no two tensors share bytes
-    if end != data:
-        raise CheckpointError(f"checkpoint file '{path}': {data - end} bytes after the last tensor (corrupt or appended)")
-    return 8 + length, header
 
 
 def _spans(path: Path) -> tuple[int, list[tuple[int, int, str]]]:
