@@ -31,7 +31,7 @@ from pathlib import Path
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.ignored import given_options
 from neutrain.config.numbers import FlagError
-from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
+from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stderr, guard_stdout, open_standard_streams
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
@@ -172,6 +172,8 @@ def _refuse(line: str, main_rank_only: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
+    open_standard_streams()  # before any file is opened: none may take a closed 0, 1 or 2 (cli.stdout)
+    guard_stderr()  # a stderr that cannot be written changes no exit status
     guard_stdout()  # before anything is printed: its failures are stdout's, never the run's (cli.stdout)
     try:
         try:
