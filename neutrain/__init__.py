@@ -15,6 +15,17 @@ import importlib
 
 __version__ = "0.1.0"
 
+def _guard_start() -> None:
+    # First: a Ctrl-C during the imports below is one line and exit 130, not their traceback
+    # (neutrain.starting; only when this process is the `neutrain` command).
+    # lazy: a function, so the import runs once at package import and leaves no module-level name behind.
+    from neutrain.starting import guard_start
+
+    guard_start()
+
+
+_guard_start()
+
 # name -> "module:attribute", resolved on first access (PEP 562).
 _LAZY = {
     "NeuTrainer": "neutrain.trainer:NeuTrainer",

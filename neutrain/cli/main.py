@@ -35,6 +35,7 @@ from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stderr, guard_s
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
+from neutrain.starting import end_of_start
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
 from neutrain.files import not_text, path_too_long
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     guard_stderr()  # a stderr that cannot be written changes no exit status
     guard_stdout()  # before anything is printed: its failures are stdout's, never the run's (cli.stdout)
     try:
+        end_of_start()  # Ctrl-C is a KeyboardInterrupt from here on, answered below (neutrain.starting before)
         try:
             return _main(argv)
         finally:  # also after argparse's --help and its errors (SystemExit): a full stdout is said here, once
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     except StdoutError as exc:
         print_error(str(exc))
         return EXIT_ENVIRONMENT
+    except KeyboardInterrupt:  # before the command ran: parsing, importing the command's module
+        print_error("interrupted", prefix="neutrain: ")
+        return 130
 
 
 # The namespace attributes that hold a path, by every command that has them; ``recipe`` is an option of eval.
