@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
+from neutrain.config.after_training_sections import export_dtype_refusal
 from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import (
@@ -250,6 +251,8 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
                           "(fp16 needs a loss scaler, which updates inside backward cannot have); use bfloat16")
     if mem.weights == "neuzip-lossless" and mem.adapter is None and not fused:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train.optimizer}")
+    if (line := export_dtype_refusal(recipe.export.format, recipe.export.dtype)) is not None:
+        raise RecipeError(line)
     for cache in recipe.eval.kv_caches:
         if cache not in KV_CACHES:
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
