@@ -28,7 +28,7 @@ from neutrain.config.model_config import (
 )
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
-from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
+from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, LONG_CONTEXT_TASKS, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
 from neutrain.config.sections import MemorySection, ModelSection, TrainSection
 from neutrain.config.fields import Section
 from neutrain.config.validation_errors import recipe_error
@@ -253,6 +253,10 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train.optimizer}")
     if (line := export_dtype_refusal(recipe.export.format, recipe.export.dtype)) is not None:
         raise RecipeError(line)
+    for i, name in enumerate(recipe.eval.long_context_tasks):  # `neutrain eval` ran the model, then a KeyError
+        if name not in LONG_CONTEXT_TASKS:
+            raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{suggest(str(name), LONG_CONTEXT_TASKS)}"
+                              f" Tasks are: {', '.join(LONG_CONTEXT_TASKS)}")
     for cache in recipe.eval.kv_caches:
         if cache not in KV_CACHES:
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")
