@@ -222,9 +222,9 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
         else:
             _check_config_classes(model, recipe.distill.draft_config)
     mapping = config_mapping(model)  # the built config is checked too (a class default, a GGUF file, a hub id)
-    if mapping is not None:
+    if mapping is not None:  # eval.context_len is the build's check, once the tasks' prompts are made
         check_context(mapping, "model.config" if model.config is not None else "model.base_model's config",
-                      context_uses(recipe)[:1])  # eval.context_len once its tasks are known good (the build's check)
+                      [use for use in context_uses(recipe) if use[0] != "eval.context_len"])
     _check_scheduler(train)
     if train.max_steps == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
