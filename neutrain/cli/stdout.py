@@ -36,7 +36,11 @@ from __future__ import annotations
 import errno
 import io
 import os
+import select
 import sys
+
+STDERR_WAIT_S = 10
+"""Seconds a non-blocking standard error that is full may take to drain before a write to it is dropped."""
 
 
 class StdoutError(Exception):
@@ -98,8 +102,12 @@ class _StderrFile(io.FileIO):
 
     def write(self, data) -> int:
         try:
-            return super().write(data)
-        except OSError:
+            written = super().write(data)
+            if written is None:  # a non-blocking stderr, full for now: its reader gets a while to catch up
+                select.select([], [self.fileno()], [], STDERR_WAIT_S)
+                written = super().write(data)
+            return len(memoryview(data)) if written is None else written  # still full: this write is dropped
+        except OSError:  # closed, its reader gone, a full disk: every later write is dropped too
             _discard(self.fileno())
             return len(memoryview(data))
 
@@ -108,7 +116,8 @@ def guard_stderr() -> bool:
     """Replace the process's own ``sys.stderr`` by a writer over :class:`_StderrFile`, of the same settings;
     False where ``sys.stderr`` is not the process's own (a test capturing it) or is guarded already."""
     current = sys.stderr
-    if current is None or current is not sys.__stderr__ or isinstance(getattr(current, "buffer", None), _StderrFile):
+    if current is None or current is not sys.__stderr__ or isinstance(getattr(getattr(current, "buffer", None), "raw",
+                                                                                     None), _StderrFile):
         return False
     try:
         fd = current.fileno()
@@ -118,7 +127,8 @@ def guard_stderr() -> bool:
         current.flush()
     except OSError:
         pass  # what it held could not be written either: dropped, as every later failed write is
-    sys.stderr = io.TextIOWrapper(_StderrFile(fd, "wb", closefd=False), encoding=current.encoding,
+    # Buffered as Python buffers it: the buffer writes again what a partial write left.
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(_StderrFile(fd, "wb", closefd=False)), encoding=current.encoding,
                                   errors=current.errors, line_buffering=True, write_through=True)
     return True
 

@@ -44,6 +44,7 @@ STATES = {
     "all closed": {0: "closed", 1: "closed", 2: "closed"},
     "stderr reader gone": {2: "reader gone"},
     "stderr full": {2: "/dev/full"},
+    "stderr a non-blocking pipe, full": {2: "full pipe"},  # its reader is there but reads nothing
 }
 NAMES = {0: "stdin", 1: "stdout", 2: "stderr"}
 
@@ -57,6 +58,15 @@ def _set_streams(state: dict[int, str]) -> None:
             read, write = os.pipe()
             os.close(read)
             os.dup2(write, fd)
+            os.close(write)
+        elif how == "full pipe":  # the read end stays open, unread, for the child's life
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(write, b"x" * 65536)
+            os.dup2(write, fd)
+            os.set_blocking(fd, False)
             os.close(write)
         else:
             full = os.open(how, os.O_WRONLY)
@@ -92,6 +102,9 @@ def _run_in_child(argv: list[str], state: dict[int, str]) -> dict:
             import torch
 
             torch.set_num_threads(1)  # a forked child runs no thread pool its parent started
+            import neutrain.cli.stdout
+
+            neutrain.cli.stdout.STDERR_WAIT_S = 0.05  # a full pipe's wait, shortened: nobody reads this one
             _set_streams(state)
             from neutrain.cli.main import main
 
