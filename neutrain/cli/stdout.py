@@ -69,7 +69,11 @@ class _StdoutFile(io.FileIO):
 
     def write(self, data) -> int:
         try:
-            return super().write(data)
+            written = super().write(data)
+            while written is None:  # a non-blocking stdout, full for now: wait for its reader, as a blocking one does
+                select.select([], [self.fileno()], [])
+                written = super().write(data)
+            return written
         except BrokenPipeError:
             _discard(self.fileno())
             return len(memoryview(data))

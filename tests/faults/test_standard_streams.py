@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import select
 import stat
 import sys
 import traceback
@@ -155,3 +156,44 @@ def test_chat_with_stdin_closed_is_an_empty_conversation(tiny_run):
     assert "raised" not in report, report.get("raised")
     assert report["code"] == 0 and 0 in report["null"], report
 
+
+
+def test_a_full_non_blocking_stdout_is_waited_for_never_dropped():
+    """A non-blocking stdout pipe that is full when the command prints (its reader behind) waits for the reader, as
+    a blocking one does: the whole output, exit 0 (it was dropped in silence, exit 0)."""
+    argv, expected = ["recipes"], "default "
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    filler = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            filler += os.write(write, b"x" * 4096)
+    status, report = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = -1
+        try:
+            os.close(read)
+            os.close(status)
+            os.dup2(write, 1)
+            os.close(write)
+            sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
+            from neutrain.cli.main import main
+
+            code = main(argv)
+        finally:
+            os.write(report, str(code).encode())
+            os._exit(0)
+    os.close(write)
+    os.close(report)
+    # The reader stays behind for a moment (the child prints into the full pipe meanwhile), then catches up. A
+    # command that waits for it finishes either way; the moment only lets one that drops its output be caught.
+    select.select([status], [], [], 0.5)
+    drained = b""
+    while chunk := os.read(read, 65536):  # the reader catches up: EOF once the child has exited
+        drained += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    code = os.read(status, 64)
+    os.close(status)
+    assert code == b"0" and expected in drained[filler:].decode(), (code, drained[filler:filler + 300])
