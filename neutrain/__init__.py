@@ -15,6 +15,17 @@ import importlib
 
 __version__ = "0.1.0"
 
+def _guard_start() -> None:
+    # First: a Ctrl-C during the imports below is one line and exit 130, not their traceback
+    # (neutrain.starting; only when this process is the `neutrain` command).
+    # lazy: a function, so the import runs once at package import and leaves no module-level name behind.
+    from neutrain.starting import guard_start
+
+    guard_start()
+
+
+_guard_start()
+
 # name -> "module:attribute", resolved on first access (PEP 562).
 _LAZY = {
     "NeuTrainer": "neutrain.trainer:NeuTrainer",
@@ -37,10 +48,12 @@ _register_neuzip_quantizer()
 
 
 def _register_optimizers_and_caches() -> None:
-    # A recipe's train.optimizer and eval.kv_caches are checked against the names the registries fill
-    # (neutrain.config.schema.Names), so both are imported before any recipe can be read; neither imports torch.
+    # A recipe's train.optimizer, eval.kv_caches and eval.long_context_tasks are checked against the names the
+    # registries fill (neutrain.config.schema.Names), so they are imported before any recipe can be read; none
+    # imports torch.
     # lazy: a function, so the imports run once at package import and leave no module-level name behind.
     from neutrain.eval.kv import registry as kv_caches  # noqa: F401
+    from neutrain.eval import tasks as long_context_tasks  # noqa: F401  # lazy: as above
     from neutrain.optim import registry as optimizers  # noqa: F401  # lazy: as above
 
 

@@ -28,7 +28,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "neutrain"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "files", "compat"),
+    ("errors", "files", "starting", "compat"),
     ("config", "data", "storage"),
     ("kernels",),
     ("compress",),

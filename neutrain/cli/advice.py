@@ -66,6 +66,24 @@ def warmup_advice(scheduler: str, warmup: int, max_steps: int, rate: float) -> s
     return None
 
 
+def keeping_advice(save_steps: int, max_steps: int, save_final: bool, export_format: str) -> str | None:
+    """The warning for a run that writes its trained weights nowhere, else None: no checkpoint (``save_steps`` past
+    ``max_steps`` and ``save_final`` off) and no export. Why: such a run trained for its whole length and then
+    said, in its summary, that nothing was saved; a benchmark means it, anyone else learns it too late.
+
+    Example:
+        >>> print(keeping_advice(100, 4, False, "none"))
+        train.save_steps: 100 past train.max_steps 4, train.save_final: false and export.format: none: the trained weights are written nowhere (a benchmark's setting); lower train.save_steps, set train.save_final: true or choose an export.format to keep them
+        >>> keeping_advice(100, 4, True, "none") is None, keeping_advice(2, 4, False, "none") is None
+        (True, True)
+    """
+    if save_final or export_format != "none" or max_steps <= 0 or save_steps <= max_steps:
+        return None
+    return (f"train.save_steps: {save_steps} past train.max_steps {max_steps}, train.save_final: false and "
+            "export.format: none: the trained weights are written nowhere (a benchmark's setting); lower "
+            "train.save_steps, set train.save_final: true or choose an export.format to keep them")
+
+
 def warn_about_settings(recipe: Recipe) -> None:
     """Log the warnings of this module that apply to ``recipe`` (one line each)."""
     model = recipe.model
@@ -74,6 +92,7 @@ def warn_about_settings(recipe: Recipe) -> None:
     pretrained = (model.base_model or model.gguf_file) if whole else None
     t = recipe.train
     for line in (learning_rate_advice(t.optimizer, t.learning_rate, pretrained),
-                 warmup_advice(t.lr_scheduler, t.warmup_steps, t.max_steps, t.learning_rate)):
+                 warmup_advice(t.lr_scheduler, t.warmup_steps, t.max_steps, t.learning_rate),
+                 keeping_advice(t.save_steps, t.max_steps, t.save_final, recipe.export.format)):
         if line:
             logger.warning(line)

@@ -13,6 +13,7 @@ from pathlib import Path
 from neutrain.config.model_config import check_context, context_uses
 from neutrain.cli.checkpoints import check_vocabulary, last_checkpoint, load_model_checkpoint, recover_export
 from neutrain.cli.ignored import refuse_ignored
+from neutrain.cli.preflight import check_long_context_prompts
 from neutrain.cli.train import long_context_eval
 from neutrain.config import load_recipe
 from neutrain.errors import UserInputError
@@ -103,6 +104,9 @@ def run_eval(args) -> int:
         raise UserInputError(f"checkpoint '{ckpt}' has no tokenizer files")
     check_vocabulary(model, tokenizer, f"checkpoint '{ckpt}'")
     check_context(model.config, f"checkpoint '{ckpt}' config", context_uses(recipe))  # rows its positions hold
+    # Each task's prompts in this tokenizer, before the held-out evaluation: one too long for eval.context_len was a
+    # ValueError traceback after it.
+    check_long_context_prompts(tokenizer, recipe.eval)
     # The run's own model writes eval/; another model's writes under its own name, never over the run's results.
     label = eval_label(ckpt, Path(run_dir))
     out = os.path.join(run_dir, "eval", label) if label else os.path.join(run_dir, "eval")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from neutrain.cli.checkpoints import last_checkpoint, load_model_checkpoint, run_facts, run_recipe, trained_with_chat_template
 from neutrain.cli.ignored import refuse_ignored
+from neutrain.config.after_training_sections import export_dtype_refusal
 from neutrain.config.numbers import FlagError, SHARD_SIZE, number_argument
 from neutrain.config.schema import SCHEMA
 from neutrain.config.sections import ModelSection
@@ -44,6 +45,8 @@ def run(args) -> int:
     from neutrain.trainer.ownership import note_resolved  # lazy: `neutrain --help` stays instant
 
     check_format(args.format)  # every argument and path is checked before anything heavy is imported
+    if (line := export_dtype_refusal(args.format, args.dtype, "--format", "--dtype")) is not None:
+        raise UserInputError(line)
     check_shard_size(args.max_shard_size)
     ckpt = last_checkpoint(Path(args.checkpoint))
     adapter = (ckpt / "adapter_config.json").exists()

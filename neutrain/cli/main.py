@@ -31,10 +31,11 @@ from pathlib import Path
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.ignored import given_options
 from neutrain.config.numbers import FlagError
-from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stdout
+from neutrain.cli.stdout import StdoutError, flush_stdout, guard_stderr, guard_stdout, open_standard_streams
 from neutrain.compat.deepspeed_env import name_cpu_accelerator
 from neutrain.compat.elastic import error_file, record_refusal
 from neutrain.compat.quiet import quiet_progress_bars
+from neutrain.starting import end_of_start
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
 from neutrain.files import not_text, path_too_long
@@ -172,8 +173,11 @@ def _refuse(line: str, main_rank_only: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neutrain`` console script and ``python -m neutrain``."""
+    open_standard_streams()  # before any file is opened: none may take a closed 0, 1 or 2 (cli.stdout)
+    guard_stderr()  # a stderr that cannot be written changes no exit status
     guard_stdout()  # before anything is printed: its failures are stdout's, never the run's (cli.stdout)
     try:
+        end_of_start()  # Ctrl-C is a KeyboardInterrupt from here on, answered below (neutrain.starting before)
         try:
             return _main(argv)
         finally:  # also after argparse's --help and its errors (SystemExit): a full stdout is said here, once
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     except StdoutError as exc:
         print_error(str(exc))
         return EXIT_ENVIRONMENT
+    except KeyboardInterrupt:  # before the command ran: parsing, importing the command's module
+        print_error("interrupted", prefix="neutrain: ")
+        return 130
 
 
 # The namespace attributes that hold a path, by every command that has them; ``recipe`` is an option of eval.

@@ -37,17 +37,6 @@ if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
     from neutrain.config.after_training_sections import EvalSection
 
 
-def check_long_context_tasks(tasks: list) -> None:
-    """Every ``eval.long_context_tasks`` entry must name a task of :data:`neutrain.eval.tasks.TASKS`."""
-    from neutrain.eval.tasks import TASKS  # lazy: `neutrain --help` stays instant
-
-    for i, name in enumerate(tasks):
-        if name not in TASKS:
-            match = difflib.get_close_matches(str(name), list(TASKS), n=1)
-            hint = f" Did you mean '{match[0]}'?" if match else ""
-            raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{hint} Tasks are: {', '.join(TASKS)}")
-
-
 def check_long_context_prompts(tokenizer, eval_cfg: EvalSection) -> None:
     """Generate the long-context prompts now, with the run's tokenizer (milliseconds a task).
 
@@ -454,7 +443,6 @@ def preflight(recipe: Recipe, num_processes: int = 1) -> None:
         >>> preflight(load_recipe("default", [f"train.output_dir={out}"]), num_processes=1)
     """
     check_launch(num_processes, _cuda_available())
-    check_long_context_tasks(recipe.eval.long_context_tasks)
     check_distributed(recipe.train, num_processes)
     check_report_to(recipe.train.report_to)
     out = recipe.train.output_dir

@@ -15,6 +15,17 @@ descriptor 1 that knows it is standard output:
 
 Only the process's real standard output is guarded (a test's captured stream is left as it is).
 
+Standard error and input are made safe at the same entry (:func:`open_standard_streams`, :func:`guard_stderr`):
+
+* a descriptor the caller closed (``>&-``, ``2>&-``, ``<&-``) is given ``/dev/null`` before anything opens a
+  file. Else the first file opened took its number: the run's ``.neutrain.lock`` became descriptor 2, so every
+  native library's warning (and the Rust panic capture's replay) was written into the lock, and a child process
+  inherited the run's lock as its stderr; Python had set ``sys.stdin`` to None, and ``chat <&-`` was an
+  ``AttributeError`` traceback;
+* a standard error that cannot be written (``2>&-``, a reader gone, ``2> /dev/full``) drops what is written to it:
+  the refusal ``print_error`` could not write raised out of it, and bad input exited 1 (an environment failure)
+  instead of 2. Nothing is left to tell the user on; the exit status still says what happened.
+
 Example:
     >>> guard_stdout()  # doctest: +SKIP
     >>> print("x" * 10_000)  # into a closed pipe: nothing raised  # doctest: +SKIP
@@ -25,7 +36,11 @@ from __future__ import annotations
 import errno
 import io
 import os
+import select
 import sys
+
+STDERR_WAIT_S = 10
+"""Seconds a non-blocking standard error that is full may take to drain before a write to it is dropped."""
 
 
 class StdoutError(Exception):
@@ -54,13 +69,72 @@ class _StdoutFile(io.FileIO):
 
     def write(self, data) -> int:
         try:
-            return super().write(data)
+            written = super().write(data)
+            while written is None:  # a non-blocking stdout, full for now: wait for its reader, as a blocking one does
+                select.select([], [self.fileno()], [])
+                written = super().write(data)
+            return written
         except BrokenPipeError:
             _discard(self.fileno())
             return len(memoryview(data))
         except OSError as exc:
             _discard(self.fileno())  # reported once, here: the rest of the output is dropped
             raise StdoutError(exc.errno or errno.EIO, exc.strerror or os.strerror(exc.errno or errno.EIO)) from None
+
+
+_STANDARD = ((0, "stdin", os.O_RDONLY, "r"), (1, "stdout", os.O_WRONLY, "w"), (2, "stderr", os.O_WRONLY, "w"))
+
+
+def open_standard_streams() -> None:
+    """Give each closed standard descriptor ``/dev/null``, and Python a stream over each one it had none for."""
+    for fd, name, flags, mode in _STANDARD:
+        try:
+            os.fstat(fd)
+        except OSError:  # closed by the caller: hold its number, so no file of the command's gets it
+            null = os.open(os.devnull, flags)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            stream = open(fd, mode, encoding="utf-8", errors="backslashreplace", closefd=False)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+
+
+class _StderrFile(io.FileIO):
+    """File descriptor 2, which drops what it cannot write: there is nowhere left to report that to."""
+
+    def write(self, data) -> int:
+        try:
+            written = super().write(data)
+            if written is None:  # a non-blocking stderr, full for now: its reader gets a while to catch up
+                select.select([], [self.fileno()], [], STDERR_WAIT_S)
+                written = super().write(data)
+            return len(memoryview(data)) if written is None else written  # still full: this write is dropped
+        except OSError:  # closed, its reader gone, a full disk: every later write is dropped too
+            _discard(self.fileno())
+            return len(memoryview(data))
+
+
+def guard_stderr() -> bool:
+    """Replace the process's own ``sys.stderr`` by a writer over :class:`_StderrFile`, of the same settings;
+    False where ``sys.stderr`` is not the process's own (a test capturing it) or is guarded already."""
+    current = sys.stderr
+    if current is None or current is not sys.__stderr__ or isinstance(getattr(getattr(current, "buffer", None), "raw",
+                                                                                     None), _StderrFile):
+        return False
+    try:
+        fd = current.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        current.flush()
+    except OSError:
+        pass  # what it held could not be written either: dropped, as every later failed write is
+    # Buffered as Python buffers it: the buffer writes again what a partial write left.
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(_StderrFile(fd, "wb", closefd=False)), encoding=current.encoding,
+                                  errors=current.errors, line_buffering=True, write_through=True)
+    return True
 
 
 def guard_stdout() -> bool:

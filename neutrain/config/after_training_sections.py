@@ -76,6 +76,27 @@ class ExportSection(Section):
     (bf16 for NeuZip under dtype auto, which keeps them bit-exact). float32 keeps fp32-trained weights
     unrounded."""
 
+def export_dtype_refusal(fmt: str, dtype: str, format_name: str = "export.format",
+                         dtype_name: str = "export.dtype") -> str | None:
+    """The one-line refusal of an export ``dtype`` that format ``fmt`` would not write, else None.
+
+    Why: a NeuZip export keeps the weights' own dtype (it compresses what the model holds), so ``export.format:
+    neuzip`` with ``export.dtype: float16`` (or ``neutrain export --format neuzip --dtype float16``) wrote
+    float32 weights after the whole run, and the command line printed "dtype float16". The recipe's keys and
+    the command's flags are held to this one rule (``format_name``, ``dtype_name``: what the user typed).
+
+    Example:
+        >>> export_dtype_refusal("hf", "float16") is None, export_dtype_refusal("neuzip", "auto") is None
+        (True, True)
+        >>> print(export_dtype_refusal("neuzip-lossy-1", "float16", "--format", "--dtype"))
+        --dtype: float16 would be ignored by --format neuzip-lossy-1 (a NeuZip export keeps the weights' own dtype); use --format hf to write float16 weights, or --dtype auto
+    """
+    if dtype == "auto" or not fmt.startswith("neuzip"):
+        return None
+    return (f"{dtype_name}: {dtype} would be ignored by {format_name} {fmt} (a NeuZip export keeps the weights' own "
+            f"dtype); use {format_name} hf to write {dtype} weights, or {dtype_name} auto")
+
+
 class DistillSection(Section):
     """The recipe's ``distill`` section."""
 

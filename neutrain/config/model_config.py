@@ -301,15 +301,31 @@ def positions_of(config: Any) -> tuple[str, int] | None:
     return None
 
 
-def context_uses(recipe) -> list[tuple[str, int, str]]:
-    """``(key, tokens, what)`` for each recipe value that sets how many positions the run feeds the model at once."""
+DISTILL_PROMPT_TOKENS = 32
+"""Tokens of the held-out prompt the distillation's closing speculative decode starts from."""
+
+
+def context_uses(recipe) -> list[tuple]:
+    """``(key, tokens, what[, beside])`` for each recipe value that sets how many positions the run feeds the model at
+    once; ``beside``: the tokens that use adds to the key's own value.
+
+    The distillation's speculative decode (after the whole run) feeds the target its prompt, ``distill.max_new_tokens``
+    and up to a round's ``distill.draft_len`` more: past the positions it ran on in silence, and its payoff was
+    measured there.
+    """
     uses = [("data.sequence_len", recipe.data.sequence_len, "tokens a training row")]
     if recipe.eval.long_context_tasks:
         uses.append(("eval.context_len", recipe.eval.context_len, "tokens a long-context prompt"))
+    if recipe.distill.enabled:
+        d = recipe.distill
+        uses.append(("distill.max_new_tokens", DISTILL_PROMPT_TOKENS + d.max_new_tokens + d.draft_len,
+                     f"tokens of the draft's speculative decode (a {DISTILL_PROMPT_TOKENS}-token prompt, "
+                     f"distill.max_new_tokens {d.max_new_tokens} and distill.draft_len {d.draft_len})",
+                     DISTILL_PROMPT_TOKENS + d.draft_len))
     return uses
 
 
-def check_context(config: Any, where: str, uses: list[tuple[str, int, str]]) -> None:
+def check_context(config: Any, where: str, uses: list[tuple]) -> None:
     """Refuse a run that feeds the model more positions than its config has, naming both keys and values.
 
     Why: a ``data.sequence_len`` past ``max_position_embeddings`` trained in silence, on positions the model's
@@ -324,10 +340,11 @@ def check_context(config: Any, where: str, uses: list[tuple[str, int, str]]) -> 
     if found is None:
         return
     key, positions = found
-    for use, tokens, what in uses:
+    for use, tokens, what, *beside in uses:  # beside: tokens the use adds to its key's value (a prompt)
         if tokens > positions:
             raise RecipeError(f"{use}: {tokens:,} {what} exceed {where}.{key} {positions:,} (the positions the model "
-                              f"has); set {use} to at most {positions:,}, or give the model more positions")
+                              f"has); set {use} to at most {positions - sum(beside):,}, or give the model more "
+                              "positions")
 
 
 DERIVED_HEAD_DIM = frozenset({"llama", "mistral", "qwen2"})

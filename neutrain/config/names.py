@@ -44,8 +44,9 @@ class Names(Sequence[str]):
         return f"Names{self._all()}"
 
 
-# The names a recipe may give train.optimizer and eval.kv_caches: the Trainer's own optimizers, then what the
+# The names a recipe may give train.optimizer, eval.kv_caches and eval.long_context_tasks: the Trainer's own optimizers, then what the
 # registries add (validation, the trainer and the planner read these).
 FUSED_OPTIMIZERS = Names()  # update inside backward: neutrain.optim.registry
 OPTIMIZERS = Names("adamw", "sgd", then=FUSED_OPTIMIZERS)
 KV_CACHES = Names()  # eval.kv_caches: neutrain.eval.kv.registry
+LONG_CONTEXT_TASKS = Names()  # eval.long_context_tasks: neutrain.eval.tasks

@@ -16,10 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from neutrain.config.after_training_sections import DistillSection, EvalSection, ExportSection
 from neutrain.config.fields import REQUIRED, Key, Section
-from neutrain.config.names import FUSED_OPTIMIZERS, KV_CACHES, OPTIMIZERS, Names
+from neutrain.config.names import FUSED_OPTIMIZERS, KV_CACHES, LONG_CONTEXT_TASKS, OPTIMIZERS, Names
 from neutrain.config.sections import DataSection, DatasetEntry, MemorySection, ModelSection, TrainSection
 
-__all__ = ["FUSED_OPTIMIZERS", "KV_CACHES", "OPTIMIZERS", "REQUIRED", "SCHEMA", "SECTIONS", "SECTION_TYPES", "Key",
+__all__ = ["FUSED_OPTIMIZERS", "KV_CACHES", "LONG_CONTEXT_TASKS", "OPTIMIZERS", "REQUIRED", "SCHEMA", "SECTIONS", "SECTION_TYPES", "Key",
            "Names", "Recipe", "DatasetEntry", "recipe_json_schema"]
 
 SECTION_TYPES: dict[str, type[Section]] = {cls.section: cls for cls in (

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from neutrain.errors import RecipeError
 from neutrain.files import check_kind, read_bytes
+from neutrain.config.after_training_sections import export_dtype_refusal
 from neutrain.config.knobs import knob
 from neutrain.config.local_models import check_model_names
 from neutrain.config.model_config import (
@@ -27,7 +28,9 @@ from neutrain.config.model_config import (
 )
 from neutrain.config.model_values import check_config_values
 from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, load_yaml, parse_recipe_text
-from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe
+from neutrain.config.schema import (
+    FUSED_OPTIMIZERS, KV_CACHES, LONG_CONTEXT_TASKS, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe,
+)
 from neutrain.config.sections import MemorySection, ModelSection, TrainSection
 from neutrain.config.fields import Section
 from neutrain.config.validation_errors import recipe_error
@@ -221,9 +224,9 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
         else:
             _check_config_classes(model, recipe.distill.draft_config)
     mapping = config_mapping(model)  # the built config is checked too (a class default, a GGUF file, a hub id)
-    if mapping is not None:
+    if mapping is not None:  # eval.context_len is the build's check, once the tasks' prompts are made
         check_context(mapping, "model.config" if model.config is not None else "model.base_model's config",
-                      context_uses(recipe)[:1])  # eval.context_len once its tasks are known good (the build's check)
+                      [use for use in context_uses(recipe) if use[0] != "eval.context_len"])
     _check_scheduler(train)
     if train.max_steps == 0:  # the Trainer would still train one step, logged as "step 1/0"
         raise RecipeError("train.max_steps: 0 trains nothing; give a number of steps > 0, or -1 to train "
@@ -250,6 +253,12 @@ def _cross_checks(recipe: Recipe, shape_only: bool = False) -> Recipe:
                           "(fp16 needs a loss scaler, which updates inside backward cannot have); use bfloat16")
     if mem.weights == "neuzip-lossless" and mem.adapter is None and not fused:
         raise RecipeError(f"train.optimizer: compressed weights are updated inside backward; use {_one_of(FUSED_OPTIMIZERS)}, not {train.optimizer}")
+    if (line := export_dtype_refusal(recipe.export.format, recipe.export.dtype)) is not None:
+        raise RecipeError(line)
+    for i, name in enumerate(recipe.eval.long_context_tasks):  # `neutrain eval` ran the model, then a KeyError
+        if name not in LONG_CONTEXT_TASKS:
+            raise RecipeError(f"eval.long_context_tasks[{i}]: unknown task {name!r}.{suggest(str(name), LONG_CONTEXT_TASKS)}"
+                              f" Tasks are: {', '.join(LONG_CONTEXT_TASKS)}")
     for cache in recipe.eval.kv_caches:
         if cache not in KV_CACHES:
             raise RecipeError(f"eval.kv_caches: {cache!r} is not one of {', '.join(KV_CACHES)}.{suggest(str(cache), KV_CACHES)}")

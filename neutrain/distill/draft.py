@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.compat.quiet import progress_bars_wanted
+from neutrain.config.model_config import DISTILL_PROMPT_TOKENS
 from neutrain.config.schema import Recipe
 from neutrain.errors import UserInputError
 from neutrain.export.target import check_export_target
@@ -144,7 +145,7 @@ def distill_from_recipe(recipe: Recipe, target=None, tokenizer=None, echo=print,
             "recipe": recipe.source, "steps": d.max_steps, "acceptance": report.get("alpha")}
     report["draft_dir"] = export_hf(trainer.model, out, tokenizer=tokenizer, info=info, overwrite=True)
     if heldout is not None:
-        prompt = torch.tensor([heldout[0]["input_ids"][:32]], device=next(target.parameters()).device)
+        prompt = torch.tensor([heldout[0]["input_ids"][:DISTILL_PROMPT_TOKENS]], device=next(target.parameters()).device)
         gen = torch.Generator(device="cpu").manual_seed(t.seed)
         res = generate(target, trainer.model.eval(), prompt, num_drafts=d.num_drafts, draft_len=d.draft_len,
                        scheme=d.scheme if d.num_drafts > 1 or d.scheme == "sd" else "sd",

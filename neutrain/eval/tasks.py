@@ -30,6 +30,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable
 
+from neutrain.config.names import LONG_CONTEXT_TASKS
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 _ADJECTIVES = (
@@ -280,6 +282,9 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "common_words": _common_words,
     "frequent_words": _frequent_words,
 }
+for _name in TASKS:  # every command's recipe is checked against these names at load (neutrain.config.validate)
+    LONG_CONTEXT_TASKS.add(_name)
+del _name
 
 
 def generate_task(name: str, tokenizer, length: int, num_samples: int, seed: int = 42) -> list[Sample]:
