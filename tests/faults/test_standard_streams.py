@@ -117,7 +117,14 @@ def _run_in_child(argv: list[str], state: dict[int, str]) -> dict:
         os._exit(0)
     os.close(write)
     chunks = []
-    while chunk := os.read(read, 65536):
+    # A child stuck (a lock another thread of this process held at the fork) fails its case, never the session.
+    while True:
+        if not select.select([read], [], [], 120)[0]:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"{argv} with {state}: the forked child did not end within 120 s")
+        if not (chunk := os.read(read, 65536)):
+            break
         chunks.append(chunk)
     os.close(read)
     os.waitpid(pid, 0)
