@@ -14,7 +14,16 @@ import re
 from pathlib import Path
 
 from neutrain.config.schema import Recipe
+from neutrain.errors import RecipeError
+from neutrain.storage.confine import RUN_FILES
+from neutrain.storage.run_lock import CHECKPOINT_NAME
 from neutrain.storage.run_dir import refuse_inside_model
+
+# Keys whose local file or folder a command reads, besides the data sets (data.datasets[i].path).
+INPUT_KEYS = ("model.base_model", "model.tokenizer", "model.config", "model.gguf_file", "train.resume_from_checkpoint",
+              "train.deepspeed", "train.fsdp_config", "distill.target")
+# Read from the run's own products, by design: a checkpoint to resume, the export to distil.
+_OWN_PRODUCTS = ("train.resume_from_checkpoint", "distill.target")
 
 
 def check_output_places(recipe: Recipe) -> None:
@@ -27,9 +36,54 @@ def check_output_places(recipe: Recipe) -> None:
         >>> check_output_places(load_recipe("default", [f"train.output_dir={tempfile.mkdtemp()}/run"]))
     """
     refuse_inside_model(recipe.train.output_dir, "train.output_dir")
+    export_key = "export.output_dir" if recipe.export.output_dir else "train.output_dir's export"
     if recipe.export.format != "none":
-        refuse_inside_model(recipe.export_dir, "export.output_dir" if recipe.export.output_dir else
-                            "train.output_dir's export", may_be_one=True, own=recipe.train.output_dir)
+        refuse_inside_model(recipe.export_dir, export_key, may_be_one=True, own=recipe.train.output_dir)
+    refuse_outputs_on_inputs(recipe, [("train.output_dir", recipe.train.output_dir)]
+                             + ([(export_key, recipe.export_dir)] if recipe.export.format != "none" else []))
+
+
+def recipe_inputs(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(key, path)`` of every local file or folder ``recipe`` names to be read (a hub id or a built-in name, which
+    names nothing on this machine, is left out).
+
+    Example:
+        >>> from neutrain.config import load_recipe
+        >>> recipe_inputs(load_recipe("default"))  # doctest: +SKIP
+        [('data.datasets[0].path', '/home/me/data/train.jsonl')]
+    """
+    found = []
+    for key in INPUT_KEYS:
+        section, name = key.split(".")
+        found.append((key, getattr(getattr(recipe, section), name)))
+    found += [(f"data.datasets[{i}].path", entry["path"]) for i, entry in enumerate(recipe.data.datasets)]
+    return [(key, value) for key, value in found if isinstance(value, str) and os.path.lexists(value)]
+
+
+def refuse_outputs_on_inputs(recipe: Recipe, outputs: list[tuple[str, str]]) -> None:
+    """Refuse an output folder that is, or lies inside, a file or folder the recipe reads, and an input that lies
+    where the run writes or deletes (a name it writes in its ``train.output_dir``, anywhere in its export folder).
+
+    Why: a run into ``DATA/run`` wrote its ``tokenizer.json`` and ``metrics.jsonl`` where the data folder is read
+    whole, and failed reading its own tokenizer as a data row ("row 0 is not valid JSON"), or trained on its own
+    logs; a ``model.base_model`` inside the run's ``checkpoint-N`` or ``export`` was rotated away or replaced by the
+    run's own export; an export into the base model's folder replaced the model it was trained from.
+    """
+    for out_key, out in outputs:
+        real_out = Path(os.path.realpath(out))
+        for key, given in recipe_inputs(recipe):
+            real = Path(os.path.realpath(given))
+            if real_out == real or real in real_out.parents:
+                raise RecipeError(f"{out_key} '{out}' {'is' if real_out == real else 'lies inside'} {key} '{given}', "
+                                  "which the run reads: its own files would be written among what it reads; choose "
+                                  "an output folder outside it")
+            if real_out not in real.parents or (key in _OWN_PRODUCTS and out_key == "train.output_dir"):
+                continue
+            top = real.relative_to(real_out).parts[0]
+            if out_key != "train.output_dir" or top in RUN_FILES or CHECKPOINT_NAME.fullmatch(top):
+                raise RecipeError(f"{key} '{given}' lies inside {out_key} '{out}', where the run writes "
+                                  f"('{top}' is its own): the run would replace or delete what it reads; move it out, "
+                                  "or choose another output folder")
 
 
 def check_run_disk(ctx, start: int) -> None:
