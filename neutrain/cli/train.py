@@ -386,7 +386,7 @@ def refuse_used_places(recipe: Recipe) -> None:
 
     check_output_places(recipe)  # a place inside a checkpoint or an export is named as that first
     identity, out = identity_recipe(recipe), recipe.train.output_dir
-    refuse_used_directory(out, identity, bool(recipe.train.resume_from_checkpoint), recipe.train.overwrite_output_dir)
+    refuse_used_directory(out, identity, recipe.train.resume_from_checkpoint, recipe.train.overwrite_output_dir)
     if os.path.lexists(recipe.export_dir) and not same_run(out, identity):
         check_export_place(recipe)
 
