@@ -22,8 +22,13 @@ from neutrain.storage.run_dir import refuse_inside_model
 # Keys whose local file or folder a command reads, besides the data sets (data.datasets[i].path).
 INPUT_KEYS = ("model.base_model", "model.tokenizer", "model.config", "model.gguf_file", "train.resume_from_checkpoint",
               "train.deepspeed", "train.fsdp_config", "distill.target")
-# Read from the run's own products, by design: a checkpoint to resume, the export to distil.
-_OWN_PRODUCTS = ("train.resume_from_checkpoint", "distill.target")
+
+
+def _own_product(key: str, top: str) -> bool:
+    """Whether ``key`` reads the run's own ``top`` by design: a checkpoint to resume, a checkpoint or the export to
+    distil (never the draft, which the distillation writes)."""
+    model = bool(CHECKPOINT_NAME.fullmatch(top))
+    return model if key == "train.resume_from_checkpoint" else key == "distill.target" and (model or top == "export")
 
 
 def check_output_places(recipe: Recipe) -> None:
@@ -72,14 +77,18 @@ def refuse_outputs_on_inputs(recipe: Recipe, outputs: list[tuple[str, str]]) -> 
     for out_key, out in outputs:
         real_out = Path(os.path.realpath(out))
         for key, given in recipe_inputs(recipe):
+            if key == "distill.target" and out_key != "train.output_dir":
+                continue  # read by `neutrain distill` after the run: the run's export is what it is meant to read
             real = Path(os.path.realpath(given))
             if real_out == real or real in real_out.parents:
                 raise RecipeError(f"{out_key} '{out}' {'is' if real_out == real else 'lies inside'} {key} '{given}', "
                                   "which the run reads: its own files would be written among what it reads; choose "
                                   "an output folder outside it")
-            if real_out not in real.parents or (key in _OWN_PRODUCTS and out_key == "train.output_dir"):
+            if real_out not in real.parents:
                 continue
             top = real.relative_to(real_out).parts[0]
+            if out_key == "train.output_dir" and _own_product(key, top):
+                continue
             if out_key != "train.output_dir" or top in RUN_FILES or CHECKPOINT_NAME.fullmatch(top):
                 raise RecipeError(f"{key} '{given}' lies inside {out_key} '{out}', where the run writes "
                                   f"('{top}' is its own): the run would replace or delete what it reads; move it out, "

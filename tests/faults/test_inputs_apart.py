@@ -29,9 +29,12 @@ DATA = "data.datasets[0].path"
 KEYS = [key for key in INPUT_KEYS if key != "model.gguf_file"] + [DATA]
 FILES = ("model.config", "train.deepspeed", "train.fsdp_config")
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-OWN_PRODUCTS = ("train.resume_from_checkpoint", "distill.target")  # the run's checkpoint and export, by design
+# Read from the run's own products by design: a resume, a distillation.
+OWN_PRODUCTS = (("train.resume_from_checkpoint", "it inside the run's checkpoint"),
+                ("distill.target", "it inside the run's checkpoint"), ("distill.target", "it inside the export"),
+                ("distill.target", "export inside it"))  # distil the run's export: read after the run wrote it
 RELATIONS = ["run inside it", "export inside it", "run is it", "it inside the run's checkpoint",
-             "it inside the run's tokenizer", "it inside the export"]
+             "it inside the run's tokenizer", "it inside the run's draft", "it inside the export"]
 
 
 def _place(key: str, where: Path, run: Path) -> str:
@@ -60,7 +63,7 @@ def _recipe(tmp_path: Path, run: Path, key: str, relation: str):
         export = Path(value) / "export" if relation == "export inside it" else export
     else:
         inside = {"it inside the run's checkpoint": out / "checkpoint-2", "it inside the run's tokenizer": out / "tokenizer",
-                  "it inside the export": export}[relation]
+                  "it inside the run's draft": out / "draft", "it inside the export": export}[relation]
         value = _place(key, inside / "input", run)
     raw["train"]["output_dir"], raw["export"]["output_dir"] = str(out), str(export)
     if key == DATA:
@@ -74,9 +77,9 @@ def _recipe(tmp_path: Path, run: Path, key: str, relation: str):
 def _table():
     for key in KEYS:
         for relation in RELATIONS:
-            if key in FILES and relation != "it inside the run's checkpoint" and relation != "it inside the export":
+            if key in FILES and relation in ("run inside it", "export inside it", "run is it"):
                 continue  # a file holds no folder; one that is the output folder is refused as a file
-            if key in OWN_PRODUCTS and relation in ("it inside the run's checkpoint", "it inside the run's tokenizer"):
+            if (key, relation) in OWN_PRODUCTS:
                 continue  # read from the run's own products by design (a resume, a distillation of its export)
             if key == "train.resume_from_checkpoint" and relation in ("run inside it", "run is it", "export inside it"):
                 continue  # an output inside the checkpoint it resumes is refused as one inside a checkpoint
@@ -118,3 +121,13 @@ def test_no_command_writes_into_the_data_folder_it_reads(tiny_run, tmp_path, cap
     line = one_error_line(capsys.readouterr().err)
     assert f"train.output_dir '{data / 'run'}' lies inside {DATA} '{data}'" in line, line
     assert sorted(p.name for p in data.iterdir()) == ["rows.jsonl"]
+
+
+def test_a_distillation_target_may_be_the_runs_export(tiny_run, tmp_path):
+    raw = copy.deepcopy(TINY_RECIPE)
+    raw["train"]["output_dir"], raw["export"]["output_dir"] = str(tmp_path / "out"), str(tmp_path / "exported")
+    (tmp_path / "exported").mkdir()
+    for target in (tmp_path / "exported", tmp_path / "out" / "export"):
+        target.mkdir(parents=True, exist_ok=True)
+        raw["distill"] = {"target": str(target)}
+        check_output_places(validate_recipe(raw))
