@@ -75,24 +75,34 @@ def refuse_outputs_on_inputs(recipe: Recipe, outputs: list[tuple[str, str]]) -> 
     run's own export; an export into the base model's folder replaced the model it was trained from.
     """
     for out_key, out in outputs:
-        real_out = Path(os.path.realpath(out))
         for key, given in recipe_inputs(recipe):
             if key == "distill.target" and out_key != "train.output_dir":
                 continue  # read by `neutrain distill` after the run: the run's export is what it is meant to read
-            real = Path(os.path.realpath(given))
-            if real_out == real or real in real_out.parents:
-                raise RecipeError(f"{out_key} '{out}' {'is' if real_out == real else 'lies inside'} {key} '{given}', "
-                                  "which the run reads: its own files would be written among what it reads; choose "
-                                  "an output folder outside it")
-            if real_out not in real.parents:
-                continue
-            top = real.relative_to(real_out).parts[0]
-            if out_key == "train.output_dir" and _own_product(key, top):
-                continue
-            if out_key != "train.output_dir" or top in RUN_FILES or CHECKPOINT_NAME.fullmatch(top):
-                raise RecipeError(f"{key} '{given}' lies inside {out_key} '{out}', where the run writes "
-                                  f"('{top}' is its own): the run would replace or delete what it reads; move it out, "
-                                  "or choose another output folder")
+            refuse_overlap(out_key, out, key, given, run=out_key == "train.output_dir")
+
+
+def refuse_overlap(out_key: str, out: str | os.PathLike, key: str, given: str | os.PathLike, run: bool = False) -> None:
+    """Refuse the output folder ``out`` (named ``out_key``) where it is, or lies inside, ``given`` (an input named
+    ``key``), or where ``given`` lies inside it; ``run``: ``out`` is a run's folder, and only the names the run
+    writes there (and not a checkpoint to resume or the export to distil) are its.
+
+    Example:
+        >>> refuse_overlap("--output", "/models/a/merged", "--base", "/models/a")
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: --output '/models/a/merged' lies inside --base '/models/a', which the command reads: its own files would be written among what it reads; choose an output folder outside it
+    """
+    real_out, real = Path(os.path.realpath(out)), Path(os.path.realpath(given))
+    if real_out == real or real in real_out.parents:
+        raise RecipeError(f"{out_key} '{out}' {'is' if real_out == real else 'lies inside'} {key} '{given}', which "
+                          "the command reads: its own files would be written among what it reads; choose an output "
+                          "folder outside it")
+    if real_out not in real.parents:
+        return
+    top = real.relative_to(real_out).parts[0]
+    if not run or (not _own_product(key, top) and (top in RUN_FILES or CHECKPOINT_NAME.fullmatch(top))):
+        raise RecipeError(f"{key} '{given}' lies inside {out_key} '{out}', where the command writes ('{top}' is "
+                          "its own): it would replace or delete what it reads; move it out, or choose another output "
+                          "folder")
 
 
 def check_run_disk(ctx, start: int) -> None:

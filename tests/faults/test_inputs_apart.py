@@ -131,3 +131,35 @@ def test_a_distillation_target_may_be_the_runs_export(tiny_run, tmp_path):
         target.mkdir(parents=True, exist_ok=True)
         raw["distill"] = {"target": str(target)}
         check_output_places(validate_recipe(raw))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A finished LoRA run on a random base, which it wrote to <out>/base (an export of its own)."""
+    from tests.helpers import finished_run
+
+    return finished_run(tmp_path_factory.mktemp("lora"), train={"max_steps": 2, "save_steps": 2},
+                        eval={"perplexity": False}, export={"format": "none"},
+                        memory={"weights": "dense", "adapter": "lora", "lora_r": 4})
+
+
+EXPORTS = {  # `neutrain export RUN/checkpoint-2 ...` of a LoRA run (a copy at RUN) -> the model it must leave whole
+    "--output its base": (lambda run: ["--output", str(run / "base")], "base"),
+    "--output its base, named --base": (lambda run: ["--output", str(run / "base"), "--base", str(run / "base")], "base"),
+    "--output inside its base": (lambda run: ["--output", str(run / "base" / "merged")], "base"),
+    "--output through a link to its base": (lambda run: ["--output", str(run / "link" / "base")], "base"),
+    "--output the checkpoint": (lambda run: ["--output", str(run / "checkpoint-2")], "checkpoint-2"),
+}
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_an_export_never_replaces_or_writes_among_what_it_reads(lora_run, tmp_path, capsys, case):
+    argv, kept = EXPORTS[case]
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, symlinks=True)
+    (run / "link").symlink_to(run)
+    before = {p.name: p.read_bytes() for p in (run / kept).iterdir()}
+    assert main(["export", str(run / "checkpoint-2"), "--overwrite", *argv(run)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("neutrain: error: --output '"), line
+    assert {p.name: p.read_bytes() for p in (run / kept).iterdir()} == before
