@@ -17,7 +17,7 @@ from neutrain.config.schema import Recipe
 from neutrain.errors import RecipeError
 from neutrain.storage.confine import RUN_FILES
 from neutrain.storage.run_lock import CHECKPOINT_NAME
-from neutrain.storage.run_dir import refuse_inside_model
+from neutrain.storage.run_dir import is_housekeeping, refuse_inside_model
 
 # Keys whose local file or folder a command reads, besides the data sets (data.datasets[i].path).
 INPUT_KEYS = ("model.base_model", "model.tokenizer", "model.config", "model.gguf_file", "train.resume_from_checkpoint",
@@ -44,8 +44,30 @@ def check_output_places(recipe: Recipe) -> None:
     export_key = "export.output_dir" if recipe.export.output_dir else "train.output_dir's export"
     if recipe.export.format != "none":
         refuse_inside_model(recipe.export_dir, export_key, may_be_one=True, own=recipe.train.output_dir)
+        refuse_export_on_run_files(recipe.export_dir, export_key, recipe.train.output_dir)
     refuse_outputs_on_inputs(recipe, [("train.output_dir", recipe.train.output_dir)]
                              + ([(export_key, recipe.export_dir)] if recipe.export.format != "none" else []))
+
+
+def refuse_export_on_run_files(export_dir: str, key: str, output_dir: str) -> None:
+    """Refuse an export folder inside the run's folder at a name the run writes itself (its ``tokenizer``, a
+    ``checkpoint-N``, ``eval``, its lock or temporaries), other than its ``export``.
+
+    Why: ``export.output_dir=RUN/tokenizer`` trained the whole run, then found the run's own tokenizer there and
+    refused the export, exit 2 with no summary; ``RUN/checkpoint-4`` would be the run's last checkpoint.
+
+    Example:
+        >>> refuse_export_on_run_files("/runs/a/tokenizer", "export.output_dir", "/runs/a")
+        Traceback (most recent call last):
+        neutrain.errors.RecipeError: export.output_dir '/runs/a/tokenizer' is where the run in '/runs/a' writes its own 'tokenizer': choose another folder (its default, '/runs/a/export', or one outside the run)
+    """
+    run, real = Path(os.path.realpath(output_dir)), Path(os.path.realpath(export_dir))
+    if run not in real.parents:
+        return
+    top = real.relative_to(run).parts[0]
+    if top != "export" and (top in RUN_FILES or CHECKPOINT_NAME.fullmatch(top) or is_housekeeping(top)):
+        raise RecipeError(f"{key} '{export_dir}' is where the run in '{output_dir}' writes its own '{top}': choose "
+                          f"another folder (its default, '{os.path.join(output_dir, 'export')}', or one outside the run)")
 
 
 def recipe_inputs(recipe: Recipe) -> list[tuple[str, str]]:

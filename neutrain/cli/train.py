@@ -189,6 +189,9 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
         RunLock(out).acquire()
         open_run(out, identity or identity_recipe(recipe))  # the run's identity, and the names it writes
         if recipe.export.format != "none":  # one run at a time writes an export directory
+            # Its lock file sits beside the export and creates the folders above it: inside the run, they are the
+            # run's from now (claimed at the export, after the training, a folder the lock had made was refused).
+            claim(recipe.export_dir)
             ExportLock(recipe.export_dir, "export.output_dir" if recipe.export.output_dir else
                        "train.output_dir's export").acquire()
         claim(cache_dir)
