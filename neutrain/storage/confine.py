@@ -123,7 +123,8 @@ def _output_trouble(path: Path, root: Path) -> str | None:
     except OSError:
         return None  # gone meanwhile, or unreadable: the write names it
     wants_folder = len(given) == 1 and given[0] in DIR_OUTPUTS
-    if wants_folder != stat.S_ISDIR(info.st_mode) or not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+    # A FIFO or a device is left to its reader and writer, which name it without opening it (no hang).
+    if (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)) and wants_folder != stat.S_ISDIR(info.st_mode):
         wanted = "a folder" if wants_folder else "a file"
         return f"is {kind_word(info.st_mode)}, where the run writes {wanted}; move it out of the run directory"
     if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:

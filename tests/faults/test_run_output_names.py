@@ -107,3 +107,16 @@ def test_a_plot_linked_onto_a_checkpoint_is_refused_before_the_resume_trains(tin
     assert f"'{run / 'training_curves.png'}' is a symlink to {weights}" in one_error_line(capsys.readouterr().err)
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
     assert not (run / "checkpoint-4").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "distill"])
+def test_the_commands_writing_into_a_run_check_their_names_too(tiny_run, tmp_path, capsys, command):
+    run = tmp_path / "out"
+    shutil.copytree(tiny_run, run, symlinks=True)
+    name = "eval" if command == "eval" else "distill"
+    (run / name).symlink_to(run / "checkpoint-2")  # its logs would land among the checkpoint's files
+    recipe = str(tiny_run.parent / "tiny.yaml")
+    argv = ["eval", str(run / "checkpoint-2"), "--recipe", recipe] if command == "eval" else ["distill", recipe]
+    assert main([*argv, f"train.output_dir={run}"]) == 2
+    assert f"'{run / name}' is a symlink to {run / 'checkpoint-2'}" in one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in (run / "checkpoint-2").iterdir()) == sorted(p.name for p in (tiny_run / "checkpoint-2").iterdir())
