@@ -6,8 +6,10 @@ and holds the run directory's lock around it.
 
 from __future__ import annotations
 
+from neutrain.cli.outputs import refuse_outputs_on_inputs
 from neutrain.config import load_recipe
 from neutrain.distill.draft import distill_from_recipe
+from neutrain.storage.confine import check_run_outputs
 from neutrain.storage.run_dir import close_all, open_run, refuse_inside_model
 from neutrain.storage.run_lock import RunLock
 
@@ -30,6 +32,8 @@ def run(args) -> int:
     """
     recipe = load_recipe(args.recipe, args.overrides)
     refuse_inside_model(recipe.train.output_dir, "train.output_dir")  # its draft/ would change a checkpoint or export
+    refuse_outputs_on_inputs(recipe, [("train.output_dir", recipe.train.output_dir)])  # nor go among what it reads
+    check_run_outputs(recipe.train.output_dir, ("draft", "distill", ".cache"))  # nor lead onto the run's other files
     with RunLock(recipe.train.output_dir):
         try:
             open_run(recipe.train.output_dir, create=False)  # the draft and its logs are listed as the run's

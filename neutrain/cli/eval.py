@@ -82,7 +82,7 @@ def run_eval(args) -> int:
             raise UserInputError(f"eval: '{target}' is a checkpoint; pass --recipe <recipe.yaml> for the held-out data")
         recipe = load_recipe(args.recipe, args.overrides, shape_only=True)
         ckpt = last_checkpoint(target)
-    from neutrain.cli.outputs import eval_label  # lazy: `neutrain --help` stays instant
+    from neutrain.cli.outputs import eval_label, refuse_outputs_on_inputs  # lazy: `neutrain --help` stays instant
     from neutrain.storage.run_dir import claim, open_run, refuse_inside_model  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.callbacks import MetricsFileCallback, PlotCallback  # lazy: `neutrain --help` stays instant
     from neutrain.trainer.ownership import Verdict, note_resolved  # lazy: `neutrain --help` stays instant
@@ -90,6 +90,7 @@ def run_eval(args) -> int:
 
     run_dir = note_resolved("train.output_dir", recipe.train.output_dir)  # where it leads now, to the end
     refuse_inside_model(run_dir, "train.output_dir")  # its eval/ and .cache/ would change a checkpoint or export
+    refuse_outputs_on_inputs(recipe, [("train.output_dir", run_dir)])  # its eval/ never among the data it reads
     check_run_outputs(run_dir, ("eval", ".cache"))  # what it writes stays inside the run directory
     run_verdict = _refuse_unowned_folder(run_dir)
     # Only now, with the target and recipe known good, the heavy imports: a mistake above is one line at once.

@@ -60,6 +60,19 @@ def run(args) -> int:
 
     check_lengths("--output", str(out), export_paths(out))  # its lock and staging names too, as a run's export
     check_export_target(out, args.overwrite, key="--output", overwrite_hint="--overwrite")  # before loading anything
+    # Never over or among what it reads (a run or a checkpoint is refused above as no export): the checkpoint, and
+    # the base an adapter is merged onto (`--output RUN/base --overwrite` replaced a LoRA run's own base with the
+    # merged model).
+    from neutrain.cli.outputs import refuse_overlap  # lazy: `neutrain --help` stays instant
+
+    reads = [("checkpoint", ckpt)]
+    if adapter:
+        from neutrain.export.lora import adapter_base  # lazy: `neutrain --help` stays instant
+
+        base = adapter_base(ckpt, args.base)
+        reads += [("--base" if args.base else "its base", base)] if base and os.path.lexists(base) else []
+    for key, given in reads:
+        refuse_overlap("--output", out, key, given)
     dtype = run_export_dtype(ckpt, args.dtype)
     # A dense checkpoint in its own dtype: the export checks the weights fit the one asked for before it casts them.
     model, tokenizer = load_model_checkpoint(ckpt, base=args.base, dtype=args.dtype if adapter else "auto",

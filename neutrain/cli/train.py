@@ -189,6 +189,9 @@ def build_trainer(recipe: Recipe, resume: str | None = None, identity: dict | No
         RunLock(out).acquire()
         open_run(out, identity or identity_recipe(recipe))  # the run's identity, and the names it writes
         if recipe.export.format != "none":  # one run at a time writes an export directory
+            # Its lock file sits beside the export and creates the folders above it: inside the run, they are the
+            # run's from now (claimed at the export, after the training, a folder the lock had made was refused).
+            claim(recipe.export_dir)
             ExportLock(recipe.export_dir, "export.output_dir" if recipe.export.output_dir else
                        "train.output_dir's export").acquire()
         claim(cache_dir)
@@ -386,7 +389,7 @@ def refuse_used_places(recipe: Recipe) -> None:
 
     check_output_places(recipe)  # a place inside a checkpoint or an export is named as that first
     identity, out = identity_recipe(recipe), recipe.train.output_dir
-    refuse_used_directory(out, identity, bool(recipe.train.resume_from_checkpoint), recipe.train.overwrite_output_dir)
+    refuse_used_directory(out, identity, recipe.train.resume_from_checkpoint, recipe.train.overwrite_output_dir)
     if os.path.lexists(recipe.export_dir) and not same_run(out, identity):
         check_export_place(recipe)
 

@@ -84,6 +84,18 @@ def merge_lora(model, weights: str = "dense", codec_options: dict | None = None)
     return base_model.eval()
 
 
+def adapter_base(path, base: str | None = None) -> str | None:
+    """The base model an adapter checkpoint ``path`` is merged onto: ``base``, else the one its adapter config names,
+    else the ``<output_dir>/base`` its run wrote; None when none is named."""
+    path = Path(path)
+    adapter_config = path / "adapter_config.json"
+    base = base or read_json_object(adapter_config, f"checkpoint file '{adapter_config}'",
+                                    CheckpointError).get("base_model_name_or_path")
+    if not base and (path.parent / "base" / "config.json").exists():
+        base = str(path.parent / "base")  # a run with no base directory wrote its frozen base there (cli/train.py)
+    return base
+
+
 def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto", force_base: bool = False,
                             key: str = "--base"):
     """``(peft_model, tokenizer)`` for an adapter checkpoint: its base (``base`` or the adapter config's) plus adapters.
@@ -97,11 +109,7 @@ def load_adapter_checkpoint(path, base: str | None = None, dtype: str = "auto", 
     """
     path = Path(path)
     verify_checkpoint(path)
-    adapter_config = path / "adapter_config.json"
-    base = base or read_json_object(adapter_config, f"checkpoint file '{adapter_config}'",
-                                    CheckpointError).get("base_model_name_or_path")
-    if not base and (path.parent / "base" / "config.json").exists():
-        base = str(path.parent / "base")  # a run with no base directory wrote its frozen base there (cli/train.py)
+    base = adapter_base(path, base)
     if not base or not Path(base).is_dir():
         raise CheckpointError(f"adapter checkpoint '{path}': its base model directory is unknown or missing "
                               f"({base!r}); pass --base DIR")

@@ -31,14 +31,23 @@ Example:
 from __future__ import annotations
 
 import os
+import re
+import stat
 from pathlib import Path, PurePosixPath
 
 from neutrain.errors import CheckpointError
-from neutrain.files import read_json_object
+from neutrain.files import kind_word, read_json_object
 
-# What a run writes at the top of its output_dir (neutrain.cli.train, neutrain.trainer.callbacks, ...).
-RUN_FILES = ("metrics.jsonl", "summary.json", "training_curves.png", "recipe.yaml", "training_args.json",
-             "tokenizer", "eval", ".cache")
+# What a run writes at the top of its output_dir (neutrain.cli.train, neutrain.trainer.callbacks, ...): files it
+# appends to or replaces, and folders it fills ("runs": TensorBoard's events, where train.report_to asks for them).
+FILE_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "training_args.json")
+DIR_OUTPUTS = ("tokenizer", ".cache", "eval", "export", "draft", "distill", "base", "runs")
+RUN_FILES = FILE_OUTPUTS + DIR_OUTPUTS
+# What makes a name at the top of a run neutrain's own besides those: its checkpoints, and its lock, identity file
+# and temporaries.
+_OWN_NAME = re.compile(r"checkpoint-\d+|\.neutrain.*|\.tmp-.*")
+# What marks a folder as a model (a checkpoint or an export): a file written into it changes what it verifies as.
+_MODEL_MARKS = ("neutrain_manifest.json", "neutrain_export.json", "trainer_state.json", "neutrain_run.json")
 
 
 class ConfinementError(CheckpointError):
@@ -63,7 +72,15 @@ def inside(root: str | os.PathLike, rel: str) -> Path:
 
 
 def check_output(path: str | os.PathLike, root: str | os.PathLike) -> Path:
-    """``path`` (an output of the run in ``root``), refused when a symlink makes it lead outside ``root``.
+    """``path`` (an output of the run in ``root``), refused when what stands there would send the run's write
+    elsewhere: a symlink leading outside ``root``, or onto another of the run's outputs, its checkpoints or a
+    model; a folder where the run writes a file or a file where it fills a folder; a file with other names
+    (a hard link), which a write in place changes under those names too.
+
+    Why: only links leading outside were refused, so ``training_curves.png -> checkpoint-2/model.safetensors``
+    wrote the plot over the checkpoint's weights at the end of a resumed run (exit 0), a hard-linked
+    ``metrics.jsonl`` (a run copied with ``cp -al``) grew under both runs, and a folder named ``summary.json``
+    failed as "Is a directory" after all the training.
 
     Example:
         >>> import tempfile
@@ -72,10 +89,48 @@ def check_output(path: str | os.PathLike, root: str | os.PathLike) -> Path:
         'summary.json'
     """
     path = Path(path)
-    if (path.is_symlink() or path.exists()) and not _within(path, root):
+    if not (path.is_symlink() or path.exists()):
+        return path
+    if not _within(path, root):
         raise ConfinementError(f"'{path}' is a symlink to {os.path.realpath(path)}, outside the run directory "
                                f"{root}: neutrain writes only inside it; remove the link")
+    trouble = _output_trouble(path, Path(root))
+    if trouble:
+        raise ConfinementError(f"'{path}' {trouble}: nothing was written")
     return path
+
+
+def _output_trouble(path: Path, root: Path) -> str | None:
+    """Why the run may not write ``path`` (inside ``root``) as it stands, or None."""
+    top = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    given = Path(os.path.abspath(path)).relative_to(os.path.abspath(root)).parts
+    lands = real.relative_to(top).parts
+    if real != Path(os.path.abspath(path)):  # a link on the way: where it lands must be no other output's
+        if not lands:
+            return f"is a symlink to the run directory {top} itself; remove the link"
+        if lands[0] != given[0] and (lands[0] in RUN_FILES or _OWN_NAME.fullmatch(lands[0])):
+            return (f"is a symlink to {real}, the run's own '{lands[0]}': writing through it would replace what the "
+                    "run wrote there; remove the link")
+        for folder in (real, *real.parents):
+            if folder == top or top not in folder.parents:
+                break
+            if any((folder / mark).is_file() for mark in _MODEL_MARKS):
+                return (f"is a symlink to {real}, inside the model {folder}: writing through it would change that "
+                        "model (it would no longer verify or load); remove the link")
+    try:
+        info = os.stat(real)
+    except OSError:
+        return None  # gone meanwhile, or unreadable: the write names it
+    wants_folder = len(given) == 1 and given[0] in DIR_OUTPUTS
+    # A FIFO or a device is left to its reader and writer, which name it without opening it (no hang).
+    if (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)) and wants_folder != stat.S_ISDIR(info.st_mode):
+        wanted = "a folder" if wants_folder else "a file"
+        return f"is {kind_word(info.st_mode)}, where the run writes {wanted}; move it out of the run directory"
+    if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+        return (f"is a file with {info.st_nlink} names (a hard link): the run writes it in place, which would change "
+                "it under its other names too; give it its own copy (cp, not ln), or move it out")
+    return None
 
 
 def check_run_outputs(root: str | os.PathLike, names: tuple[str, ...] = RUN_FILES) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from neutrain.files import folder_kind_trouble, read_bytes
+from neutrain.storage.confine import FILE_OUTPUTS  # the files among PLANNED (the rest are directories)
 from neutrain.storage.durable import fsync_dir, write_durably
 from neutrain.storage.leftovers import WRITER_FILE
 from neutrain.storage.manifest import EXPORT_INFO, MANIFEST, foreign_files, written_with_manifest
@@ -56,8 +57,6 @@ _MAX_BYTES = 16 << 20  # a line per name: far below this for any run
 # What a run may write at the top of its directory besides checkpoint-N (checked before it trains).
 PLANNED = ("recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "training_args.json", "tokenizer",
            ".cache", "eval", "export", "draft", "distill", "base")
-# Files a run writes there (the rest of PLANNED are directories).
-FILE_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "training_args.json")
 # Model directories a run writes (deleted by an overwrite only while they still hold a neutrain model).
 MODEL_DIRS = ("export", "draft", "base")
 # Content-addressed (keyed by the data's hash), so as valid for the next run as for the last: an overwrite keeps it.

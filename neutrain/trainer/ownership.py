@@ -114,9 +114,9 @@ class Decision:
     refusal: RunDirectoryError | None = field(default=None, compare=False)
 
 
-def decide(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool) -> Decision:
+def decide(output_dir: str, recipe: dict[str, Any] | None, resume: bool | str | None, overwrite: bool) -> Decision:
     """What a launch (``recipe``, ``resume``, ``overwrite``) may do in ``output_dir``, from its files alone; writes
-    nothing.
+    nothing. ``resume``: ``train.resume_from_checkpoint`` as given (a path: that checkpoint).
 
     Why one function: the refusals said before torch loads (:func:`refuse_used_directory`) and the decision made
     under the run's lock (:func:`take_directory`) were two copies of one tree, free to drift apart.
@@ -138,6 +138,12 @@ def decide(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwri
             return Decision(Verdict.TAKE_LEGACY)
         return Decision(Verdict.UNMARKED, refusal=_unmarked(output_dir, found, overwrite))
     mine = tuple(owned_checkpoints(output_dir, ledger))
+    if mine and recipe is not None and ledger.recipe != recipe and _elsewhere(resume, output_dir):
+        # Another run's checkpoint continued into this run's folder: its rotation deleted this run's checkpoints,
+        # and its metrics and recipe.yaml replaced this run's, under this run's name. An overwrite deletes them first.
+        if overwrite:
+            return Decision(Verdict.OVERWRITE, ledger, mine)
+        return Decision(Verdict.ANOTHER_RUN, ledger, mine, _another_run(output_dir, ledger, list(mine), recipe, resume))
     if not resume and mine and not overwrite:
         if recipe is not None and ledger.recipe == recipe:
             return Decision(Verdict.SAME_RUN, ledger, mine)
@@ -147,7 +153,7 @@ def decide(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwri
     return Decision(Verdict.CONTINUE, ledger, mine)
 
 
-def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool, overwrite: bool,
+def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool | str | None, overwrite: bool,
                    planned: tuple[str, ...] = PLANNED) -> None:
     """Decide, on the main process and under the run lock, whether this run may write into ``output_dir``.
 
@@ -172,16 +178,27 @@ def take_directory(output_dir: str, recipe: dict[str, Any] | None, resume: bool,
         open_run(output_dir).set_recipe(recipe)  # a run that saved nothing, relaunched with this recipe
 
 
-def _another_run(output_dir: str, ledger: Ledger, mine: list[str], recipe: dict[str, Any] | None) -> RunDirectoryError:
+def _elsewhere(resume: bool | str | None, output_dir: str) -> bool:
+    """Whether ``resume`` names a checkpoint outside ``output_dir`` (symlinks followed)."""
+    if not isinstance(resume, str):
+        return False
+    real, top = os.path.realpath(resume), os.path.realpath(output_dir)
+    return not real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _another_run(output_dir: str, ledger: Ledger, mine: list[str], recipe: dict[str, Any] | None,
+                 resume: bool | str | None = None) -> RunDirectoryError:
     change = first_difference(ledger.recipe, recipe) if recipe is not None else None
+    launch = (f"continuing {resume} there (a checkpoint of another folder)" if isinstance(resume, str)
+              else "a new run")
     return RunDirectoryError(
         f"train.output_dir '{output_dir}' holds another run's checkpoints ({', '.join(mine[-3:])})"
-        f"{f', started with another recipe ({change})' if change else ''}: a new run would mix its metrics and checkpoints "
-        f"with them. Resume it with train.resume_from_checkpoint=true, choose another train.output_dir, or set "
-        f"train.overwrite_output_dir=true to delete what that run wrote")
+        f"{f', started with another recipe ({change})' if change else ''}: {launch} would mix its metrics and "
+        f"checkpoints with them. Resume it with train.resume_from_checkpoint=true, choose another train.output_dir, or "
+        f"set train.overwrite_output_dir=true to delete what that run wrote")
 
 
-def refuse_used_directory(output_dir: str, recipe: dict[str, Any], resume: bool, overwrite: bool) -> None:
+def refuse_used_directory(output_dir: str, recipe: dict[str, Any], resume: bool | str | None, overwrite: bool) -> None:
     """:func:`take_directory`'s refusals that the files alone decide (:func:`decide`): a new run into another run's
     checkpoints, and a folder no neutrain run wrote.
 

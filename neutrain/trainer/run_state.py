@@ -89,7 +89,7 @@ def prepare_run(train: TrainSection, state, recipe: dict[str, Any] | None = None
             RunLock(out).acquire()
             check_run_outputs(out)  # a symlink among its outputs must not lead the run's writes outside it
             clean_run_dir(out)
-            take_directory(out, recipe, bool(train.resume_from_checkpoint), train.overwrite_output_dir, planned)
+            take_directory(out, recipe, train.resume_from_checkpoint, train.overwrite_output_dir, planned)
     if not train.resume_from_checkpoint and not train.overwrite_output_dir and same_run(out, recipe):
         plan = plan_resume(train.changed(resume_from_checkpoint=True))
         if plan.finished or plan.after_training:

@@ -47,7 +47,8 @@ folder_states = st.fixed_dictionaries({
                             unique_by=lambda c: c[0]),  # (step, carries a manifest, listed as the run's)
     "listed_outputs": st.booleans(),  # the run's ledger lists recipe.yaml and metrics.jsonl
     "symlink": st.sampled_from([None, "user-file", "checkpoint"]),
-    "resume": st.booleans(),
+    # train.resume_from_checkpoint: off, true, a checkpoint of this folder, or one of another folder
+    "resume": st.sampled_from([False, True, "inside", "elsewhere"]),
     "overwrite": st.booleans(),
 })
 
@@ -72,6 +73,13 @@ def _build(root: Path, state: dict) -> None:
         write_identity(root, OURS if state["identity"] == "ours" else THEIRS, wrote)
 
 
+def _resume(root: Path, resume: bool | str) -> bool | str:
+    """``train.resume_from_checkpoint`` as the state names it, for the folder ``root``."""
+    if resume == "inside":
+        return str(root / "checkpoint-1")
+    return str(root.parent / "elsewhere" / "checkpoint-2") if resume == "elsewhere" else resume
+
+
 def _tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): (os.readlink(p) if p.is_symlink() else p.read_text() if p.is_file() else "dir")
             for p in sorted(root.rglob("*"))}
@@ -94,11 +102,16 @@ def test_the_early_refusals_and_the_decision_under_the_lock_agree_on_every_folde
         for root in (early, locked):
             root.parent.mkdir()
             _build(root, state)
-        resume, overwrite = state["resume"], state["overwrite"]
+        overwrite = state["overwrite"]
+        resume, resumed = _resume(early, state["resume"]), _resume(locked, state["resume"])
         before = _tree(early)
         said_early = _outcome(lambda: refuse_used_directory(str(early), OURS, resume, overwrite), early)
         assert _tree(early) == before  # the early check writes nothing
-        said_locked = _outcome(lambda: take_directory(str(locked), OURS, resume, overwrite), locked)
+        said_locked = _outcome(lambda: take_directory(str(locked), OURS, resumed, overwrite), locked)
+        another = state["identity"] == "theirs" and any(mine for _, _, mine in state["checkpoints"])
+        if another and state["resume"] == "elsewhere" and not overwrite:
+            # another folder's checkpoint continued here would rotate away this run's and take its name
+            assert said_early is not None and "holds another run's checkpoints" in said_early[1], (state, said_early)
         decision = _outcome(lambda: decide(str(early), OURS, resume, overwrite), early)
         if said_early is not None:  # refused early: refused alike under the lock, in the same words
             assert said_locked == said_early, state
@@ -143,3 +156,26 @@ def test_each_folder_state_has_one_typed_verdict_and_deciding_writes_nothing(tmp
     assert (_tree(root) if root.exists() else None) == before
     with pytest.raises(Exception):  # frozen: a decision cannot be changed on its way from one caller to the other
         decision.verdict = Verdict.NEW
+
+
+def test_another_folders_checkpoint_continued_into_a_run_is_refused_and_the_run_kept(tiny_run, tmp_path, capsys):
+    from neutrain.cli import main
+    from tests.helpers import one_error_line
+
+    run, other = tmp_path / "run", tmp_path / "other" / "checkpoint-2"
+    shutil.copytree(tiny_run, run, symlinks=True)
+    shutil.copytree(tiny_run / "checkpoint-2", other)
+    before = _bytes(run)
+    # Another recipe (a learning rate a resume may change) continued from another folder's checkpoint, with a
+    # rotation that would have deleted the run's own checkpoint-2.
+    launch = ["train", str(tiny_run.parent / "tiny.yaml"), f"train.output_dir={run}", "train.learning_rate=0.001",
+              f"train.resume_from_checkpoint={other}", "train.max_steps=4", "train.save_total_limit=1"]
+    assert main(launch) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"holds another run's checkpoints (checkpoint-2), started with another recipe" in line, line
+    assert f"continuing {other} there" in line, line
+    assert _bytes(run) == before
+
+
+def _bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

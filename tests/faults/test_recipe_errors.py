@@ -342,14 +342,17 @@ def test_full_disk_while_writing_metrics_exits_1(tmp_path, capsys, monkeypatch):
     assert line == f"neutrain: error: disk full ({tmp_path / 'out'}): No space left on device"
 
 
-def test_metrics_path_taken_by_a_directory_exits_1(tmp_path, capsys):
+def test_metrics_path_taken_by_a_directory_is_refused_before_training(tmp_path, capsys):
     recipe = write_recipe(tmp_path, train=RUN, eval={"perplexity": False}, export={"format": "none"})
     assert main([str(recipe)]) == 0  # the run, whose own metrics.jsonl is then replaced by a directory
     (tmp_path / "out" / "metrics.jsonl").unlink()
     (tmp_path / "out" / "metrics.jsonl").mkdir()
     capsys.readouterr()
-    line = _error_line(capsys, [recipe, "train.resume_from_checkpoint=true", "train.max_steps=2"], 1, after_training=True)
-    assert line == f"neutrain: error: is a directory ({tmp_path / 'out' / 'metrics.jsonl'}): Is a directory"
+    # Said before the resume trains (it was "Is a directory", exit 1, after the training): the run's own name.
+    line = _error_line(capsys, [recipe, "train.resume_from_checkpoint=true", "train.max_steps=2"], 2)
+    assert line == (f"neutrain: error: '{tmp_path / 'out' / 'metrics.jsonl'}' is a directory, where the run writes a "
+                    "file; move it out of the run directory: nothing was written")
+    assert not (tmp_path / "out" / "checkpoint-2").exists()
 
 
 def test_full_disk_while_writing_a_checkpoint_exits_1(tmp_path, capsys, monkeypatch):
