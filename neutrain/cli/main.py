@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from neutrain.cli.arguments import CommandParser, command_parser, unknown_arguments
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.ignored import given_options
 from neutrain.config.numbers import FlagError
@@ -81,7 +82,7 @@ def _command_named(argv: list[str]) -> str | None:
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with the arguments of ``command`` only: the other commands are listed by name and line."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="neutrain",
         description="neutrain: full fine-tuning of LLMs in far less memory (NeuZip-compressed weights, fused updates).",
         epilog="Run `neutrain train --help` for every recipe key. Launch on GPUs with "
@@ -139,9 +140,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     from the arguments before the first option. Every command that takes overrides takes them anywhere.
     """
     args, extra = parser.parse_known_args(argv)
+    # A `--` ends the options (POSIX): argparse leaves it among the unknown arguments once a command has taken an
+    # option (`eval CKPT --recipe R -- eval.max_eval_samples=2`), where it is no argument of its own.
+    extra = [a for a in extra if a != "--"]
     overrides = [a for a in extra if not a.startswith("-") and "=" in a]
     if extra and (len(overrides) != len(extra) or not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        rest = [a for a in extra if a not in overrides] if hasattr(args, "overrides") else extra
+        own = parser if args.command is None else command_parser(parser, args.command)
+        parser.error(unknown_arguments(own, args.command, rest))
     if overrides:
         args.overrides = [*(args.overrides or []), *overrides]
     return args
