@@ -3,7 +3,7 @@
 
 A value is read as its key's declaration says (:func:`override_value`); a key inside a mapping-valued key is
 reached by more dots (``model.config.hidden_size=64``, ``train.lr_scheduler_kwargs.num_cycles=2``); each key is
-overridden once.
+overridden once (the same value again is no second value).
 
 Why one reader: the value of an override was read as YAML, which cut a path at `` #`` and folded a newline; a key
 given twice kept its last value without a word; and a key inside ``model.config`` could only be changed by giving
@@ -129,10 +129,13 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             raise RecipeError(f"override '{item}': expected section.key=value, {_EXAMPLE}")
         dotted = ".".join(parts)
         # A key overridden twice (or a mapping and a key inside it): the last value won without a word, where a
-        # recipe refuses a key given twice and the command line a flag given twice.
-        first = next((earlier for key, earlier in given if _same_or_inside(key, dotted)), None)
+        # recipe refuses a key given twice and the command line a flag given twice. The same value again loses
+        # nothing (a script's overrides and a user's that agree).
+        first = next(((key, earlier) for key, earlier in given if _same_or_inside(key, dotted)), None)
+        if first is not None and (first[0], first[1].split("=", 1)[1]) == (dotted, text):
+            continue
         if first is not None:
-            raise RecipeError(f"override '{item}': {dotted} is overridden twice ('{first}', then '{item}'); "
+            raise RecipeError(f"override '{item}': {dotted} is overridden twice ('{first[1]}', then '{item}'); "
                               "give it once")
         given.append((dotted, item))
         section, key = parts[:2]

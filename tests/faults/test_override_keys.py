@@ -22,7 +22,7 @@ KEYS = [f"{section}.{key}" for section, keys in SCHEMA.items() for key in keys]
 
 @pytest.mark.parametrize("key", KEYS)
 def test_every_key_overridden_twice_is_refused_naming_both(key):
-    for first, second in ((f"{key}=1", f"{key}=2"), (f"{key}=1", f" {key} =1")):
+    for first, second in ((f"{key}=1", f"{key}=2"), (f"{key}=1", f" {key} =2")):
         with pytest.raises(RecipeError, match=rf"^override '{second}': {key} is overridden twice \('{first}', then"):
             apply_overrides({}, [first, "eval.unrelated_key_between=1" if not key.startswith("eval.") else
                                  "train.unrelated_key_between=1", second])
@@ -42,6 +42,10 @@ def test_a_mapping_and_a_key_inside_it_are_one_override(key):
     for pair in ([f"{key}.changed=3", f"{key}={{a: 1}}"], [f"{key}={{a: 1}}", f"{key}.changed=3"]):
         with pytest.raises(RecipeError, match="is overridden twice"):
             apply_overrides(raw, pair)
+
+
+def test_the_same_value_again_is_no_second_value():
+    assert apply_overrides({}, ["train.max_steps=3", " train.max_steps =3"])["train"] == {"max_steps": 3}
 
 
 @pytest.mark.parametrize("override, said", [
@@ -75,7 +79,7 @@ def test_every_command_refuses_a_key_overridden_twice_in_one_line(tmp_path, caps
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.sampled_from(KEYS + [f"{m}.inner" for m in MAPPINGS]), min_size=1, max_size=6))
 def test_generated_override_lists_are_refused_exactly_when_a_key_repeats(keys):
-    overrides = [f"{key}=1" for key in keys]
+    overrides = [f"{key}={i}" for i, key in enumerate(keys)]  # each a value of its own
     clash = any(a == b or a.startswith(b + ".") or b.startswith(a + ".")
                 for i, a in enumerate(keys) for b in keys[:i])
     try:
