@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from neutrain.cli.arguments import CommandParser, command_parser, unknown_arguments
 from neutrain.cli.environment import EXIT_ENVIRONMENT, check_launch_environment, describe_environment_error
 from neutrain.cli.ignored import given_options
 from neutrain.config.numbers import FlagError
@@ -38,7 +39,6 @@ from neutrain.compat.quiet import quiet_progress_bars
 from neutrain.starting import end_of_start
 from neutrain.config.knobs import check_environment, knob
 from neutrain.errors import StoppedBySignal, UserInputError, one_line, print_error
-from neutrain.files import not_text, path_too_long
 
 EXIT_USER_ERROR = 2
 
@@ -82,7 +82,7 @@ def _command_named(argv: list[str]) -> str | None:
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with the arguments of ``command`` only: the other commands are listed by name and line."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="neutrain",
         description="neutrain: full fine-tuning of LLMs in far less memory (NeuZip-compressed weights, fused updates).",
         epilog="Run `neutrain train --help` for every recipe key. Launch on GPUs with "
@@ -140,9 +140,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     from the arguments before the first option. Every command that takes overrides takes them anywhere.
     """
     args, extra = parser.parse_known_args(argv)
+    # A `--` ends the options (POSIX): argparse leaves it among the unknown arguments once a command has taken an
+    # option (`eval CKPT --recipe R -- eval.max_eval_samples=2`), where it is no argument of its own.
+    extra = [a for a in extra if a != "--"]
     overrides = [a for a in extra if not a.startswith("-") and "=" in a]
     if extra and (len(overrides) != len(extra) or not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        rest = [a for a in extra if a not in overrides] if hasattr(args, "overrides") else extra
+        own = parser if args.command is None else command_parser(parser, args.command)
+        parser.error(unknown_arguments(own, args.command, rest))
     if overrides:
         args.overrides = [*(args.overrides or []), *overrides]
     return args
@@ -195,20 +200,26 @@ _PATH_ARGUMENTS = ("recipe", "target", "checkpoint", "model", "output", "base", 
 
 
 def check_path_arguments(args: argparse.Namespace) -> None:
-    """Refuse, naming the argument, a path argument its file system cannot hold (a name past ``NAME_MAX``, a path
-    past ``PATH_MAX``), or one that is no UTF-8 text: looked up later, it failed as a bare "File name too long", as
-    "does not exist", or in a ``UnicodeEncodeError`` traceback where a library wrote it."""
+    """Hold every path argument of every command to what a path-valued recipe key is held to
+    (:func:`neutrain.config.values.check_text`), naming the argument: UTF-8 text, no NUL or control character,
+    not empty and no surrounding whitespace, a length its file system can hold.
+
+    Why the recipe keys' rule: each argument had a subset of it. A name past ``NAME_MAX`` failed as a bare "File
+    name too long", a byte that is not UTF-8 in a ``UnicodeEncodeError`` traceback where a library wrote it; an
+    empty argument was taken as no argument or as the working folder (``generate M --draft ''`` generated without
+    the draft, exit 0; ``--input-file ''`` was a ``TypeError`` traceback; ``chat ''`` looked for a model in ``.``);
+    ``export --output 'out '`` created a folder whose name ends in a space, which ``export.output_dir: 'out '``
+    refuses.
+    """
+    from neutrain.config.values import check_text  # lazy: `neutrain --help` imports no recipe code
+
     for attr in _PATH_ARGUMENTS:
         value = getattr(args, attr, None)
-        if not isinstance(value, str) or not (problem := not_text(value) or path_too_long(value)):
+        if not isinstance(value, str):
             continue
         optional = attr not in ("target", "checkpoint", "model") and (attr != "recipe" or args.command == "eval")
-        label = f"--{attr.replace('_', '-')}" if optional else attr
-        shown = value if len(value) <= 60 else value[:57] + "..."
-        if not_text(value):
-            raise UserInputError(f"{args.command} {label}: {shown!r} cannot be a path neutrain writes or reads "
-                                 f"through its libraries: {problem}; use a UTF-8 name")
-        raise UserInputError(f"{args.command} {label}: '{shown}' is too long for its file system: {problem}")
+        check_text(f"{args.command} {'--' + attr.replace('_', '-') if optional else attr}", value,
+                   as_file_name=True)
 
 
 def _main(argv: list[str] | None) -> int:

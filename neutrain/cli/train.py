@@ -399,7 +399,8 @@ def run(args) -> int:
     overrides = list(args.overrides)
     # `torchrun --nproc_per_node N -m neutrain <recipe>` on a CPU; the launch looked at first, torch only then
     # (a recipe that does not exist is refused before torch loads).
-    if cpu_processes(os.environ, cuda_available=False) and not _cuda_available():
+    chosen = any(o.split("=", 1)[0].strip() == "train.use_cpu" for o in overrides)  # the user's own choice stands
+    if not chosen and cpu_processes(os.environ, cuda_available=False) and not _cuda_available():
         overrides.append("train.use_cpu=true")
     recipe = None
     if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: under a launcher every process would look at once

@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
 from pydantic import ValidationError
 
 from neutrain.errors import RecipeError
@@ -27,10 +26,9 @@ from neutrain.config.model_config import (
     check_context, check_draft_config, check_model_config, config_mapping, context_uses, plain_shape_config,
 )
 from neutrain.config.model_values import check_config_values
-from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, load_yaml, parse_recipe_text
-from neutrain.config.schema import (
-    FUSED_OPTIMIZERS, KV_CACHES, LONG_CONTEXT_TASKS, SCHEMA, SECTION_TYPES, SECTIONS, Key, Recipe,
-)
+from neutrain.config.overrides import apply_overrides, check_top_level as _check_top_level
+from neutrain.config.recipe_yaml import MAX_RECIPE_BYTES, parse_recipe_text
+from neutrain.config.schema import FUSED_OPTIMIZERS, KV_CACHES, LONG_CONTEXT_TASKS, SCHEMA, SECTION_TYPES, SECTIONS, Recipe
 from neutrain.config.sections import MemorySection, ModelSection, TrainSection
 from neutrain.config.fields import Section
 from neutrain.config.validation_errors import recipe_error
@@ -111,14 +109,6 @@ def section_from(section: str, values: Any, base_dir: Path | None = None) -> Sec
         return cls.model_validate(dict(values or {}), context={"base_dir": base_dir})
     except ValidationError as exc:
         raise recipe_error(exc, cls, section) from None
-
-
-def _check_top_level(raw: Any, where: str) -> dict:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__} {shown(raw)}")
-    return raw
 
 
 # Keyword arguments each schedule takes (transformers.optimization's schedule functions); a wrong name
@@ -273,83 +263,6 @@ def _check_config_classes(model: ModelSection, draft_config: dict | None) -> Non
 
 def _one_of(names: tuple[str, ...]) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _parse_scalar(text: str, name: str) -> Any:
-    """An override's text read as a recipe file's YAML is (:func:`load_yaml`: decimal numbers, no duplicate keys, no
-    alias bomb); text that is not YAML, or a value of no recipe type, is the text itself."""
-    try:
-        return load_yaml(text, name)
-    except yaml.YAMLError:
-        return text
-
-
-_QUOTES = ("'", '"')
-
-
-def override_value(key: Key | None, text: str, name: str = "override") -> Any:
-    """The value of ``section.key=<text>``: YAML for numbers, booleans, lists and mappings; the literal text for a string.
-
-    Why: parsed as YAML, ``train.output_dir=w/runs/exp #2`` became ``w/runs/exp`` (the rest is a YAML
-    comment), and with ``train.overwrite_output_dir=true`` another run's checkpoints were deleted; a
-    newline folded to a space. Where the key takes a string, the text is the value as typed, unless YAML
-    reads it as another type the key accepts (``true`` for ``resume_from_checkpoint``, a number for
-    ``device_budget_gib``, ``null`` where the key may be null) or it is one quoted YAML string
-    (``'"true"'``, for the text ``true`` itself).
-
-    Example:
-        >>> from neutrain.config.schema import SCHEMA
-        >>> override_value(SCHEMA["train"]["output_dir"], "w/runs/exp #2")
-        'w/runs/exp #2'
-        >>> override_value(SCHEMA["train"]["resume_from_checkpoint"], "true")
-        True
-        >>> override_value(SCHEMA["eval"]["sample_prompt"], '"a: b"')
-        'a: b'
-    """
-    parsed = _parse_scalar(text, name)
-    types = () if key is None else key.type if isinstance(key.type, tuple) else (key.type,)
-    if str not in types or parsed == text:
-        return parsed
-    if isinstance(parsed, str):
-        quoted = text.strip()
-        return parsed if len(quoted) >= 2 and quoted[0] in _QUOTES and quoted[-1] == quoted[0] else text
-    if parsed is None:
-        return None if key.nullable and text.strip() in ("", "null", "~", "Null", "NULL") else text
-    accepted = tuple(t for t in types if t is not str)
-    number = isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and float in accepted
-    return parsed if isinstance(parsed, accepted) or number else text
-
-
-def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
-    """Apply dotted ``section.key=value`` overrides (values as :func:`override_value` reads them).
-
-    Example:
-        >>> apply_overrides({"train": {}}, ["train.max_steps=10"])["train"]["max_steps"]
-        10
-        >>> apply_overrides({}, ["train.learning_rate=1e-5"])["train"]  # YAML reads 1e-5 as text; validation converts it
-        {'learning_rate': '1e-5'}
-        >>> apply_overrides({}, ["train.output_dir=runs/exp #2"])["train"]
-        {'output_dir': 'runs/exp #2'}
-    """
-    raw = dict(_check_top_level(raw, "recipe"))
-    for item in overrides:
-        if "=" not in item:
-            raise RecipeError(f"override '{item}': expected section.key=value, e.g. train.learning_rate=1e-5")
-        dotted, text = item.split("=", 1)
-        parts = dotted.strip().split(".")
-        if len(parts) != 2 or not all(parts):
-            raise RecipeError(f"override '{item}': expected section.key=value with one dot, e.g. train.learning_rate=1e-5")
-        section, key = parts
-        if section not in SCHEMA:
-            raise RecipeError(f"override '{item}': unknown section '{section}'.{suggest(section, SECTIONS)}")
-        current = raw.get(section)
-        if current is not None and not isinstance(current, dict):
-            raise RecipeError(f"{section}: expected a mapping of keys, got {type(current).__name__} {shown(current)} "
-                              f"(so override '{item}' has nowhere to go)")
-        sec = dict(current or {})
-        sec[key] = override_value(SCHEMA[section].get(key), text, f"override '{dotted.strip()}'")
-        raw[section] = sec
-    return raw
 
 
 def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = (), shape_only: bool = False) -> Recipe:

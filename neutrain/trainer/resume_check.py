@@ -279,6 +279,39 @@ def check_resume(checkpoint_dir: str | os.PathLike, current: dict[str, Any], res
                 f"{path}={_show(now)}; {_advice(key, old)}")
 
 
+def check_finished_resume(checkpoint_dir: str | os.PathLike, started_with: dict[str, Any] | None,
+                          current: dict[str, Any] | None) -> None:
+    """Refuse (one line, naming the key and both values) the resume of a finished run with a recipe that changes a
+    key of :data:`MODEL_KEYS` from the recipe the run was started with (its identity file's).
+
+    Why: a finished run's resume trains nothing and builds no model, so :func:`check_resume`, which compares the
+    built model, never ran: ``train.resume_from_checkpoint=true model.dtype=bfloat16`` (or another
+    ``model.config``) on a finished run said "run already finished", exit 0, as if the run were the one asked for.
+    The two weight storages that hold the same values (:data:`LOSSLESS`) are one here too, as at a resume.
+
+    Example:
+        >>> check_finished_resume("out/checkpoint-4", {"model": {"dtype": "float32"}}, {"model": {"dtype": "bfloat16"}})
+        Traceback (most recent call last):
+        neutrain.trainer.resume_check.ResumeMismatchError: cannot resume out/checkpoint-4: it was trained with model.dtype=float32, ...
+    """
+    if not started_with or not current:
+        return
+    adapter = any((recipe.get("memory") or {}).get("adapter") for recipe in (started_with, current))
+    for key in MODEL_KEYS:
+        section, name = key.split(".")
+        old, new = (started_with.get(section) or {}).get(name), (current.get(section) or {}).get(name)
+        if key == "memory.weights" and {old, new} <= set(LOSSLESS):
+            continue
+        if key.startswith("memory.lora_") and not adapter:  # no adapter either way: the settings define nothing
+            continue
+        where = _difference(key, old, json.loads(json.dumps(new, default=str)))
+        if where is not None:
+            path, was, now = where
+            raise ResumeMismatchError(
+                f"cannot resume {checkpoint_dir}: it was trained with {path}={_show(was)}, this recipe has "
+                f"{path}={_show(now)} (the run is finished: nothing would be trained); {_advice(key, old)}")
+
+
 def _changed_file(checkpoint_dir, old: dict, new: dict) -> str:
     """The line for training data that differs from the checkpoint's: which file, and how."""
     name = next(f for f in [*old, *new] if old.get(f) != new.get(f))

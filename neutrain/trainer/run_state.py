@@ -46,10 +46,11 @@ from neutrain.errors import CheckpointError
 from neutrain.files import MAX_RECORD_BYTES, read_json_object
 from neutrain.storage.confine import check_run_outputs, check_tree
 from neutrain.storage.leftovers import clean_run_dir
-from neutrain.storage.run_dir import PLANNED
+from neutrain.storage.run_dir import PLANNED, read_ledger
 from neutrain.storage.manifest import foreign_files
 from neutrain.storage.run_lock import RunDirectoryError, RunLock, previous_checkpoints
 from neutrain.trainer.ownership import same_run, take_directory
+from neutrain.trainer.resume_check import check_finished_resume
 
 if TYPE_CHECKING:  # annotations only: the classes are not needed at run time
     from neutrain.config.sections import TrainSection
@@ -98,7 +99,19 @@ def prepare_run(train: TrainSection, state, recipe: dict[str, Any] | None = None
             f"train.output_dir '{out}' holds this run's checkpoints (the same recipe, stopped at step {plan.step}): "
             f"continue it with train.resume_from_checkpoint=true, or set train.overwrite_output_dir=true to start it "
             f"again")
-    return plan_resume(train)
+    plan = plan_resume(train)
+    if plan.finished and recipe is not None:  # nothing is built: the run's own record of its model is its recipe
+        check_finished_resume(plan.checkpoint, _started_with(Path(plan.checkpoint).parent), recipe)
+    return plan
+
+
+def _started_with(run_dir: Path) -> dict[str, Any] | None:
+    """The recipe the run in ``run_dir`` was started with (its identity file), or None (none, or unreadable)."""
+    try:
+        ledger = read_ledger(run_dir)
+    except RunDirectoryError:
+        return None
+    return None if ledger is None else ledger.recipe
 
 
 def plan_resume(train: TrainSection) -> RunPlan:
