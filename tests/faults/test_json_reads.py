@@ -239,8 +239,6 @@ ALLOWED = {
         "reads back the config.json it has just written itself, in its own temporary directory",
     ("data/sources.py", "json.load(fh)"):
         "names the bad row of a data file that neutrain.data.bounds has already checked and bounded",
-    ("storage/manifest.py", "json.loads(fh.read(length))"):
-        "a safetensors header, of the length its first 8 bytes give, checked against the file's size first",
 }
 
 
