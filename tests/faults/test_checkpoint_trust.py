@@ -2,9 +2,8 @@
 missing optimizer state is refused, and a damaged file is one line naming it (exit 2), at resume and export.
 
 Each mode's checkpoint is produced once (module-scoped, 2 steps); planted files are then checked with the
-in-process verifier, and one real resume per mode runs with a planted pickle. The replicated mode
-(2 gloo processes) is marked ``distributed``; it runs on CPU. FSDP2 and ZeRO-3:
-``tests/integration/test_sharded_checkpoint_trust.py``.
+in-process verifier, and one real resume per mode runs with a planted pickle. The two-process modes
+(replicated, FSDP2, ZeRO-3; gloo on CPU): ``tests/integration/test_distributed_checkpoint_trust.py``.
 """
 
 from __future__ import annotations
@@ -38,10 +37,9 @@ SINGLE = {
 PLANT_AT_RESUME = {"single": "optimizer.pt", "compressed": "scheduler.pt", "lora": "rng_state.pth",
                    "replicated": "rng_state_1.pth", "fsdp2": "optimizer.rank1-of-2.safetensors",
                    "deepspeed": "optimizer.rank0-of-2.safetensors"}
-# Here: the single-process modes and the replicated one (the session's run, tests/faults/conftest.py). FSDP2's
-# and ZeRO-3's checkpoints each cost a two-process launch: the same tests run on them in
-# tests/integration/test_sharded_checkpoint_trust.py.
-ALL_MODES = [*SINGLE, pytest.param("replicated", marks=pytest.mark.distributed)]
+# Here: the single-process modes. A replicated, FSDP2 or ZeRO-3 checkpoint costs a two-process launch: the same
+# tests run on them in tests/integration/test_distributed_checkpoint_trust.py.
+ALL_MODES = list(SINGLE)
 
 
 class _Payload:
@@ -73,7 +71,7 @@ def _command(recipe: Path, mode: str, *overrides: str) -> list:
 @pytest.fixture(scope="module")
 def checkpoint_of(tmp_path_factory, request):
     """``checkpoint_of(mode)``: the recipe and step-2 checkpoint of a 2-step run of ``mode`` (made once; the
-    replicated one is the session's, tests/faults/conftest.py)."""
+    replicated one is the session's, tests/integration/conftest.py)."""
     made: dict[str, tuple[Path, Path]] = {}
 
     def get(mode: str) -> tuple[Path, Path]:
