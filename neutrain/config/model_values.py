@@ -48,12 +48,29 @@ RULES: tuple[tuple[str, str, str], ...] = (
     (r"(?!token_dropout$)\w*dropout\w*|\w*_pdrop", "probability", "a dropout probability"),
     (r"initializer_range|\w*_init_std", "non-negative", "the random init's standard deviation"),
     (r"tie_word_embeddings|attention_bias|mlp_bias|use_cache", "boolean", "a switch"),
+    # A token id is a whole number (a list of them for several end tokens); -1 is the "none" some configs write.
+    # Whether it indexes the vocabulary is check_config_relations' (it needs vocab_size).
+    (r"(bos|eos|pad|sep|unk|mask|cls|decoder_start|forced_bos|forced_eos)_token_id", "token", "a token id"),
+)
+# The values of a generation_config.json that a generation reads (transformers' model.generate merges them in):
+# checked with RULES, for the token ids, by check_generation_values.
+GENERATION_RULES: tuple[tuple[str, str, str], ...] = (
+    (r"max_length|max_new_tokens|num_beams|num_return_sequences|num_beam_groups", "size",
+     "a length or count of a generation"),
+    (r"min_length|min_new_tokens|top_k|no_repeat_ngram_size|encoder_no_repeat_ngram_size", "size0",
+     "a length or count of a generation (0: none)"),
+    (r"temperature|diversity_penalty|penalty_alpha|epsilon_cutoff|eta_cutoff", "non-negative",
+     "a sampling setting"),
+    (r"top_p|typical_p|min_p", "fraction", "a probability mass to sample from"),
+    (r"repetition_penalty|encoder_repetition_penalty", "positive", "a penalty that divides logits"),
+    (r"do_sample|use_cache|renormalize_logits|remove_invalid_values", "boolean", "a switch"),
 )
 _COMPILED = tuple((re.compile(pattern), kind, words) for pattern, kind, words in RULES)
+_GENERATION_COMPILED = tuple((re.compile(pattern), kind, words) for pattern, kind, words in GENERATION_RULES) + _COMPILED
 
 
-def _rule_of(key: str) -> tuple[str, str] | None:
-    return next(((kind, words) for pattern, kind, words in _COMPILED if pattern.fullmatch(key)), None)
+def _rule_of(key: str, compiled=_COMPILED) -> tuple[str, str] | None:
+    return next(((kind, words) for pattern, kind, words in compiled if pattern.fullmatch(key)), None)
 
 
 def _number(value: Any) -> bool:
@@ -66,6 +83,9 @@ def _problem(kind: str, value: Any) -> str | None:
         return None
     if kind == "boolean":
         return None if isinstance(value, bool) else "must be true or false"
+    if kind == "token":  # its range, the vocabulary's, is check_config_relations'
+        whole = _number(value) and math.isfinite(value) and float(value).is_integer()
+        return None if whole and abs(value) <= _SIZE_MAX else "must be a whole number"
     if kind in ("size", "size0"):
         low = 1 if kind == "size" else 0
         whole = _number(value) and math.isfinite(value) and float(value).is_integer()
@@ -90,7 +110,8 @@ def _problem(kind: str, value: Any) -> str | None:
     return None
 
 
-def check_config_values(values: dict, where: str, error: type[Exception], keys: list[str] | None = None) -> None:
+def check_config_values(values: dict, where: str, error: type[Exception], keys: list[str] | None = None,
+                        compiled=_COMPILED) -> None:
     """Refuse a config whose values break :data:`RULES`, or that holds a non-finite number anywhere.
 
     Args:
@@ -110,10 +131,12 @@ def check_config_values(values: dict, where: str, error: type[Exception], keys: 
         if isinstance(value, dict):
             stack.extend((f"{at}.{k}", str(k), v) for k, v in value.items())
             continue
-        if isinstance(value, (list, tuple)):  # per-layer values, rope_scaling's long_factor: each element
-            stack.extend((f"{at}[{i}]", key, v) for i, v in enumerate(value) if _number(v) or isinstance(v, dict))
+        if isinstance(value, (list, tuple)):  # per-layer values, rope_scaling's long_factor, end tokens: each element
+            token = (_rule_of(key, compiled) or ("",))[0] == "token"
+            stack.extend((f"{at}[{i}]", key, v) for i, v in enumerate(value)
+                         if token or _number(v) or isinstance(v, dict))
             continue
-        rule = _rule_of(key)
+        rule = _rule_of(key, compiled)
         # NaN is no setting anywhere; inf is one for a few (Mamba's time_step_limit), not for a ruled key.
         if isinstance(value, float) and (math.isnan(value) or (rule is not None and math.isinf(value))):
             raise error(f"{at}: {value} is not a finite number" + (f" ({rule[1]})" if rule else ""))
@@ -221,3 +244,23 @@ def check_config_relations(values: dict, where: str, error: type[Exception]) -> 
             if token < 0 or (_whole(vocab) and token >= vocab):
                 bound = f"from 0 to {vocab - 1:,}, as vocab_size is {vocab:,}" if _whole(vocab) else "0 or more"
                 raise error(f"{where}.{key}: {token} is not a token of the vocabulary (an id is {bound})")
+
+
+def check_generation_values(values: dict, where: str, error: type[Exception], vocab_size: Any) -> None:
+    """Refuse a generation config (a model folder's ``generation_config.json``) whose values break
+    :data:`GENERATION_RULES` or :data:`RULES`, or whose token ids do not index the model's vocabulary.
+
+    Why: transformers merges these into every ``model.generate`` (the sample printed after a run, a model no
+    engine serves): ``eos_token_id: "x"`` loaded, then failed deep in a generation after all the training;
+    ``top_p: 5`` or a negative ``repetition_penalty`` sampled from something else than the model.
+
+    Example:
+        >>> check_generation_values({"eos_token_id": "x"}, "generation_config.json", ValueError, 64)
+        Traceback (most recent call last):
+        ValueError: generation_config.json.eos_token_id: 'x' must be a whole number (a token id)
+    """
+    check_config_values({key: value for key, value in values.items() if key != "vocab_size"}, where, error,
+                        compiled=_GENERATION_COMPILED)
+    ids = {key: values[key] for key in _TOKEN_IDS if values.get(key) is not None}
+    if ids:
+        check_config_relations({**ids, "vocab_size": vocab_size}, where, error)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from neutrain.config.model_config import check_rotary_names
-from neutrain.config.model_values import ROTARY_KEYS, check_config_relations, check_config_values
+from neutrain.config.model_values import (
+    ROTARY_KEYS, check_config_relations, check_config_values, check_generation_values,
+)
 from neutrain.errors import CheckpointError, RecipeError
 from neutrain.nn.build_progress import build_progress
 from neutrain.nn.model_spec import ModelSpec, Placement
@@ -65,6 +67,10 @@ def build(spec: ModelSpec, *, progress: bool = True):
     model, report = sink.finish()
     generation = spec.source.generation_config()
     if generation is not None:
+        # Merged into every model.generate (the sample after a run, a model no engine serves): held to its rules here,
+        # where it was taken whole and a bad value failed inside a generation after the training.
+        check_generation_values(generation.to_dict(), f"{label or 'model'}: generation_config.json", error,
+                                getattr(spec.config, "vocab_size", None))
         model.generation_config = generation
     return model, report
 

@@ -177,7 +177,7 @@ def _breaking(kind: str) -> list:
             "epsilon": [0.0, -1e-5, 1.0, math.inf, math.nan, 1e-300],  # 1e-300 is 0 in float32
             "positive": [0.0, -10000.0, math.inf, math.nan], "probability": [-0.1, 1.5, math.nan],
             "fraction": [0.0, 1.5, 1e12, math.nan], "dtype": [1.5, -1, "x", True],
-            "non-negative": [-0.02, math.nan], "boolean": ["yes", 1]}[kind]
+            "non-negative": [-0.02, math.nan], "boolean": ["yes", 1], "token": ["x", True, 1.5]}[kind]
 
 
 def _rule_table() -> list[tuple[str, object]]:
