@@ -42,7 +42,7 @@ def test_legacy_torch_files_are_checked_too(tmp_path):
 @pytest.mark.parametrize("name,content,reason", [
     ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}", "truncated"),
     ("model.safetensors", b"\x02\x00\x00\x00\x00\x00\x00\x00{}extra", "bytes after the last tensor"),
-    ("model.safetensors", b"\x02\x00\x00\x00\x00\x00\x00\x00[]", "bad header"),
+    ("model.safetensors", b"\x02\x00\x00\x00\x00\x00\x00\x00[]", "its header is a JSON list, not an object"),
     ("trainer_state.json", b'{"global_step": 1', "not valid JSON"),
     ("chat_template.jinja", b"\x80\x04", "not UTF-8"),
     (".metadata", b"\x80\x04N.", "refused"),
